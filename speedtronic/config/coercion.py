@@ -1,0 +1,153 @@
+"""Field coercion: turn YAML/env/Python values into the declared field type or raise.
+
+Every section ``__post_init__`` runs its fields through these helpers before any range check,
+so a wrong type is always a :class:`ConfigError` naming the field and the expected type (never
+a raw ``TypeError`` from a comparison). Accepted conversions:
+
+* integers: ``int`` (not ``bool``), integral floats (``4.0``), and decimal strings (``"7"``);
+* numbers: ``int``/``float`` (not ``bool``) and numeric strings such as ``"3e-4"`` (PyYAML
+  reads exponent floats without a decimal point as strings); the result is a finite ``float``;
+* booleans: ``bool``, the integers 0/1, and the strings true/false/yes/no/on/off/1/0
+  (case-insensitive);
+* strings: ``str``, and ``int``/``float`` scalars (``name: 2024``) which are converted.
+
+``None`` is accepted only where the field is nullable.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from speedtronic.config.errors import ConfigError
+
+__all__ = [
+    "FALSE_STRINGS",
+    "REDACTED",
+    "TRUE_STRINGS",
+    "describe",
+    "to_bool",
+    "to_float",
+    "to_int",
+    "to_str",
+    "to_str_list",
+]
+
+REDACTED = "<redacted>"
+TRUE_STRINGS = frozenset({"true", "yes", "on", "1"})
+FALSE_STRINGS = frozenset({"false", "no", "off", "0"})
+BOOL_EXPECTED = "a boolean (true/false/yes/no/on/off/1/0)"
+
+
+def describe(value: Any, *, secret: bool = False) -> str:
+    """Short description of a rejected value for an error message (secrets hide the value)."""
+    if value is None:
+        return "null"
+    kind = type(value).__name__
+    if secret:
+        return kind
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{kind} {text}"
+
+
+def _fail(field: str, expected: str, value: Any, secret: bool = False) -> ConfigError:
+    return ConfigError(f"{field} must be {expected}, got {describe(value, secret=secret)}")
+
+
+def to_int(value: Any, field: str, *, nullable: bool = False) -> int | None:
+    """Coerce ``value`` to ``int`` (or ``None`` when nullable)."""
+    if value is None:
+        if nullable:
+            return None
+        raise _fail(field, "an integer", value)
+    if isinstance(value, bool):
+        raise _fail(field, "an integer", value)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            return int(text, 10)
+        except ValueError:
+            try:
+                number = float(text)
+            except ValueError:
+                number = math.nan
+            if math.isfinite(number) and number.is_integer():
+                return int(number)
+    raise _fail(field, "an integer", value)
+
+
+def to_float(value: Any, field: str, *, nullable: bool = False) -> float | None:
+    """Coerce ``value`` to a finite ``float`` (or ``None`` when nullable)."""
+    if value is None:
+        if nullable:
+            return None
+        raise _fail(field, "a number", value)
+    if isinstance(value, bool):
+        raise _fail(field, "a number", value)
+    number: float | None = None
+    if isinstance(value, (int, float)):
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            number = None
+    if number is None:
+        raise _fail(field, "a number", value)
+    if not math.isfinite(number):
+        raise _fail(field, "a finite number", value)
+    return number
+
+
+def to_bool(
+    value: Any, field: str, *, nullable: bool = False, message: str | None = None
+) -> bool | None:
+    """Coerce ``value`` to ``bool``; ``message`` prefixes the error (2.0.0 texts)."""
+    if value is None and nullable:
+        return None
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in TRUE_STRINGS:
+            return True
+        if text in FALSE_STRINGS:
+            return False
+    error = _fail(field, BOOL_EXPECTED, value)
+    if message:
+        raise ConfigError(f"{message}: {error}")
+    raise error
+
+
+def to_str(value: Any, field: str, *, nullable: bool = False, secret: bool = False) -> str | None:
+    """Coerce a scalar to ``str`` (numbers are converted; bools, lists, mappings rejected)."""
+    if value is None:
+        if nullable:
+            return None
+        raise _fail(field, "a string", value, secret)
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise _fail(field, "a string", value, secret)
+
+
+def to_str_list(value: Any, field: str, message: str) -> list[str]:
+    """A list of non-blank strings; anything else raises ``message`` plus the detail."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+        raise ConfigError(f"{message}, got {describe(value)}")
+    result = []
+    for item in value:
+        if not isinstance(item, str) or not item.strip():
+            raise ConfigError(f"{message}, got item {describe(item)}")
+        result.append(item)
+    return result

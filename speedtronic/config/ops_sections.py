@@ -1,0 +1,287 @@
+"""Operational section dataclasses: checkpoint, logging, metrics, distributed, shape_validation.
+
+Same conventions as :mod:`speedtronic.config.sections`: mutable dataclasses, coercion then the
+2.0.0 range checks in ``__post_init__``, type errors naming the field.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from speedtronic.config.coercion import describe, to_bool, to_float, to_int, to_str, to_str_list
+from speedtronic.config.errors import ConfigError
+from speedtronic.config.sections import _choice
+
+__all__ = [
+    "LOG_LEVELS",
+    "CheckpointConfig",
+    "DistributedConfig",
+    "LoggingConfig",
+    "MetricsConfig",
+    "ShapeValidationConfig",
+    "is_path_safe_node_id",
+]
+
+LOG_LEVELS = ("CRITICAL", "FATAL", "ERROR", "WARNING", "WARN", "INFO", "DEBUG", "NOTSET")
+
+
+def is_path_safe_node_id(value: str) -> bool:
+    """True when ``value`` can be used as one path component (no separators, not ``.``/``..``)."""
+    text = value.strip()
+    return bool(text) and text not in {".", ".."} and "/" not in text and "\\" not in text
+
+
+@dataclass
+class CheckpointConfig:
+    """Local checkpoints: ``directory`` is relative to ``run.output_dir`` unless absolute."""
+
+    enabled: bool = True
+    directory: str = "checkpoints"
+    every_steps: int = 500
+    keep_last: int | None = 3
+    resume: bool = False
+    save_final: bool = True
+
+    def __post_init__(self) -> None:
+        self.enabled = to_bool(self.enabled, "checkpoint.enabled")
+        self.directory = to_str(self.directory, "checkpoint.directory")
+        self.every_steps = to_int(self.every_steps, "checkpoint.every_steps")
+        self.keep_last = to_int(self.keep_last, "checkpoint.keep_last", nullable=True)
+        self.resume = to_bool(self.resume, "checkpoint.resume")
+        self.save_final = to_bool(self.save_final, "checkpoint.save_final")
+        if self.every_steps <= 0:
+            raise ConfigError("checkpoint.every_steps must be positive")
+        if self.keep_last is not None and self.keep_last <= 0:
+            raise ConfigError("checkpoint.keep_last must be positive or null")
+
+
+@dataclass
+class LoggingConfig:
+    """Text log (stdout or ``file``), JSONL events (``json_file``), ``train_step`` cadence.
+
+    ``format: json`` turns the text lines into JSON objects. Paths are relative to the CWD.
+    """
+
+    level: str = "INFO"
+    file: str | None = None
+    every_steps: int = 1
+    json_file: str | None = None
+    format: str = "text"
+
+    def __post_init__(self) -> None:
+        self.every_steps = to_int(self.every_steps, "logging.every_steps")
+        if self.every_steps <= 0:
+            raise ConfigError("logging.every_steps must be positive")
+        level = to_str(self.level, "logging.level").strip().upper()
+        if level not in LOG_LEVELS:
+            raise ConfigError(
+                f"logging.level must be one of {', '.join(LOG_LEVELS)}, got {describe(self.level)}"
+            )
+        self.level = level
+        self.file = to_str(self.file, "logging.file", nullable=True)
+        self.json_file = to_str(self.json_file, "logging.json_file", nullable=True)
+        self.format = _choice(
+            self.format,
+            "logging.format",
+            ("text", "json"),
+            "logging.format must be 'text' or 'json'",
+        )
+
+    @property
+    def level_number(self) -> int:
+        """The numeric ``logging`` level."""
+        return logging.getLevelName(self.level) if self.level != "WARN" else logging.WARNING
+
+
+@dataclass
+class MetricsConfig:
+    """Prometheus ``/metrics`` + ``/healthz`` + ``/readyz`` server.
+
+    ``enabled: null`` means on under ``speedtronic run`` and off under ``speedtronic train``.
+    ``stall_seconds``: ``/healthz`` fails when the training heartbeat is older than this.
+    """
+
+    enabled: bool | None = None
+    host: str = "0.0.0.0"
+    port: int = 8000
+    stall_seconds: float = 300.0
+
+    def __post_init__(self) -> None:
+        self.enabled = to_bool(self.enabled, "metrics.enabled", nullable=True)
+        self.host = to_str(self.host, "metrics.host").strip()
+        self.port = to_int(self.port, "metrics.port")
+        self.stall_seconds = to_float(self.stall_seconds, "metrics.stall_seconds")
+        if not self.host:
+            raise ConfigError("metrics.host must not be empty")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError("metrics.port must be between 0 and 65535")
+        if self.stall_seconds <= 0:
+            raise ConfigError("metrics.stall_seconds must be positive")
+
+
+@dataclass
+class DistributedConfig:
+    """DumbDiLoCo: local inner steps, then a pseudo-gradient exchange through ``repo_id``.
+
+    ``repo_id`` is a Hub repo (``owner/name``) or ``file:///abs/path`` (shared volume).
+    ``token`` is a secret: redacted on save, in ``validate``/``config show`` and checkpoints.
+    ``state_dir`` is relative to ``run.output_dir``; ``cache_dir`` to the CWD.
+    """
+
+    enabled: bool = False
+    mode: str = "dumb_diloco"
+    role: str = "single"
+    node_id: str | None = None
+    collaborators: list[str] = field(default_factory=list)
+    inner_steps: int = 500
+    poll_interval: float = 60.0
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    repo_id: str | None = None
+    token: str | None = None
+    cache_dir: str = ".speedtronic/hub"
+    state_dir: str = ".speedtronic/diloco"
+    retry_initial: float = 1.0
+    retry_max: float = 60.0
+    retry_attempts: int = 6
+    reset_inner_optimizer: bool = True
+    async_delta_upload: bool = True
+    delta_upload_queue_size: int = 1
+    delta_upload_overflow: str = "skip"
+    delta_upload_shutdown_timeout: float = 5.0
+    async_global_poll: bool = True
+    delta_dtype: str = "fp32"
+    request_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        self._coerce()
+        self.mode = _choice(
+            self.mode,
+            "distributed.mode",
+            ("dumb_diloco", "single"),
+            "distributed.mode must be 'dumb_diloco' or 'single'",
+        )
+        if self.enabled and self.mode != "dumb_diloco":
+            raise ConfigError("distributed.mode must be 'dumb_diloco' when enabled")
+        self.role = _choice(
+            self.role,
+            "distributed.role",
+            ("single", "master", "worker"),
+            "distributed.role must be single, master, or worker",
+        )
+        if self.enabled and self.role == "single":
+            self.role = "master" if self.repo_id else "worker"
+        if self.node_id is not None:
+            if not is_path_safe_node_id(self.node_id):
+                raise ConfigError("distributed.node_id must be a non-empty path-safe identifier")
+            self.node_id = self.node_id.strip()
+        self.collaborators = to_str_list(
+            self.collaborators,
+            "distributed.collaborators",
+            "distributed.collaborators must be a list of usernames",
+        )
+        if self.inner_steps <= 0:
+            raise ConfigError("distributed.inner_steps must be positive")
+        if self.poll_interval <= 0:
+            raise ConfigError("distributed.poll_interval must be positive")
+        if self.outer_lr <= 0 or not 0.0 <= self.outer_momentum < 1.0:
+            raise ConfigError("outer learning rate/momentum values are invalid")
+        if self.retry_initial <= 0 or self.retry_max < self.retry_initial:
+            raise ConfigError("distributed retry bounds are invalid")
+        if self.retry_attempts < 1:
+            raise ConfigError("distributed.retry_attempts must be positive")
+        if self.delta_upload_queue_size != 1:
+            raise ConfigError("distributed.delta_upload_queue_size must be 1 in v2")
+        self.delta_upload_overflow = _choice(
+            self.delta_upload_overflow,
+            "distributed.delta_upload_overflow",
+            ("skip",),
+            "distributed.delta_upload_overflow must be 'skip'",
+        )
+        if self.delta_upload_shutdown_timeout <= 0:
+            raise ConfigError("distributed.delta_upload_shutdown_timeout must be positive")
+        self.delta_dtype = _choice(
+            self.delta_dtype,
+            "distributed.delta_dtype",
+            ("fp32", "bf16", "fp16"),
+            "distributed.delta_dtype must be fp32, bf16, or fp16",
+        )
+        if self.request_timeout <= 0:
+            raise ConfigError("distributed.request_timeout must be positive")
+        if self.enabled and not self.repo_id:
+            raise ConfigError("distributed.repo_id is required for DumbDiLoCo")
+
+    def _coerce(self) -> None:
+        self.enabled = to_bool(self.enabled, "distributed.enabled")
+        self.node_id = to_str(self.node_id, "distributed.node_id", nullable=True)
+        self.inner_steps = to_int(self.inner_steps, "distributed.inner_steps")
+        self.poll_interval = to_float(self.poll_interval, "distributed.poll_interval")
+        self.outer_lr = to_float(self.outer_lr, "distributed.outer_lr")
+        self.outer_momentum = to_float(self.outer_momentum, "distributed.outer_momentum")
+        self.repo_id = to_str(self.repo_id, "distributed.repo_id", nullable=True)
+        self.token = to_str(self.token, "distributed.token", nullable=True, secret=True)
+        self.cache_dir = to_str(self.cache_dir, "distributed.cache_dir")
+        self.state_dir = to_str(self.state_dir, "distributed.state_dir")
+        self.retry_initial = to_float(self.retry_initial, "distributed.retry_initial")
+        self.retry_max = to_float(self.retry_max, "distributed.retry_max")
+        self.retry_attempts = to_int(self.retry_attempts, "distributed.retry_attempts")
+        for name in ("reset_inner_optimizer", "async_delta_upload", "async_global_poll"):
+            setattr(self, name, to_bool(getattr(self, name), f"distributed.{name}"))
+        self.delta_upload_queue_size = to_int(
+            self.delta_upload_queue_size, "distributed.delta_upload_queue_size"
+        )
+        self.delta_upload_shutdown_timeout = to_float(
+            self.delta_upload_shutdown_timeout, "distributed.delta_upload_shutdown_timeout"
+        )
+        self.request_timeout = to_float(self.request_timeout, "distributed.request_timeout")
+
+    def __repr__(self) -> str:
+        shown = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        if shown["token"]:
+            shown["token"] = "<redacted>"
+        inner = ", ".join(f"{name}={value!r}" for name, value in shown.items())
+        return f"DistributedConfig({inner})"
+
+
+_SHAPE_FLAGS = ("check_batch", "check_sequence", "check_model", "check_vocab", "warn_on_cpu")
+
+
+@dataclass
+class ShapeValidationConfig:
+    """Startup tensor-shape alignment warnings (never fatal, never modify the config)."""
+
+    enabled: bool = True
+    alignment: Any = "auto"
+    check_batch: bool = True
+    check_sequence: bool = True
+    check_model: bool = True
+    check_vocab: bool = False
+    warn_on_cpu: bool = False
+
+    def __post_init__(self) -> None:
+        self.enabled = to_bool(self.enabled, "shape_validation.enabled")
+        self.alignment = self._coerce_alignment(self.alignment)
+        for name in _SHAPE_FLAGS:
+            setattr(self, name, to_bool(getattr(self, name), f"shape_validation.{name}"))
+
+    @staticmethod
+    def _coerce_alignment(value: Any) -> int | str:
+        if value is None:
+            return "auto"
+        if isinstance(value, str):
+            text = value.strip().lower()
+            if text not in {"auto", "none"}:
+                raise ConfigError(
+                    "shape_validation.alignment must be 'auto', 'none', or a positive integer"
+                )
+            return text
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(
+                "shape_validation.alignment must be 'auto' or a positive integer, "
+                f"got {describe(value)}"
+            )
+        if value <= 0:
+            raise ConfigError("shape_validation.alignment must be positive")
+        return int(value)

@@ -1,0 +1,270 @@
+"""The aggregate :class:`SpeedtronicConfig`: sections, normalisation, serialisation, paths.
+
+Scheduler horizon: ``scheduler.max_steps`` left unset (``null``) follows the effective run target
+(``data.max_steps`` if set, else ``run.max_steps``). The aggregate fills the number in at
+construction and remembers that it was implicit (``scheduler.max_steps_explicit``). After a
+later change of the run target call :meth:`SpeedtronicConfig.apply_run_target` (or
+:meth:`SpeedtronicConfig.sync_scheduler_horizon` after mutating ``run``/``data`` directly); an
+explicit horizon is never touched.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from speedtronic.config.canonical import SECTION_NAMES, canonicalize, unknown_keys_message
+from speedtronic.config.coercion import REDACTED, to_bool, to_int
+from speedtronic.config.errors import ConfigError
+from speedtronic.config.ops_sections import (
+    CheckpointConfig,
+    DistributedConfig,
+    LoggingConfig,
+    MetricsConfig,
+    ShapeValidationConfig,
+)
+from speedtronic.config.sections import (
+    DataConfig,
+    ModelConfig,
+    OptimizerConfig,
+    PrecisionConfig,
+    RunConfig,
+    SchedulerConfig,
+)
+
+__all__ = ["SECTION_CLASSES", "Config", "SpeedtronicConfig", "build_section"]
+
+SECTION_CLASSES: dict[str, type] = {
+    "run": RunConfig,
+    "model": ModelConfig,
+    "data": DataConfig,
+    "optimizer": OptimizerConfig,
+    "scheduler": SchedulerConfig,
+    "precision": PrecisionConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+    "distributed": DistributedConfig,
+    "shape_validation": ShapeValidationConfig,
+    "metrics": MetricsConfig,
+}
+assert tuple(SECTION_CLASSES) == SECTION_NAMES
+
+
+def build_section(name: str, value: Any) -> Any:
+    """Build section ``name`` from a mapping, ``None`` (defaults) or an existing instance."""
+    cls = SECTION_CLASSES[name]
+    if isinstance(value, cls):
+        return value
+    if value is None:
+        return cls()
+    if name == "precision" and isinstance(value, str):
+        value = {"mode": value}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{name} must be a mapping")
+    allowed = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(value) - allowed
+    if unknown:
+        raise ConfigError(unknown_keys_message(unknown, f"{name}: "))
+    return cls(**{str(key): item for key, item in value.items()})
+
+
+def _plain(value: Any) -> Any:
+    """Deep-convert to JSON/YAML-friendly builtins (tuples -> lists, Paths -> str)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if isinstance(value, Path):
+        return str(value)
+    return copy.deepcopy(value)
+
+
+@dataclasses.dataclass
+class SpeedtronicConfig:
+    """The whole run configuration: eleven sections plus four root scalars."""
+
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    shape_validation: ShapeValidationConfig = dataclasses.field(
+        default_factory=ShapeValidationConfig
+    )
+    metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
+    gradient_checkpointing: bool = False
+    compile: bool = False
+    ooo_backprop: bool = False
+    ooo_streams: int = 4
+
+    def __post_init__(self) -> None:
+        for name in SECTION_NAMES:
+            setattr(self, name, build_section(name, getattr(self, name)))
+        self.gradient_checkpointing = to_bool(self.gradient_checkpointing, "gradient_checkpointing")
+        self.compile = to_bool(self.compile, "compile")
+        self.ooo_backprop = to_bool(self.ooo_backprop, "ooo_backprop")
+        self.ooo_streams = to_int(self.ooo_streams, "ooo_streams")
+        if self.run.max_steps <= 0:
+            raise ConfigError("run.max_steps must be positive")
+        if not 1 <= self.ooo_streams <= 8:
+            raise ConfigError("ooo_streams must be between 1 and 8")
+        if self.distributed.enabled and self.distributed.role == "single":
+            self.distributed.role = "master" if self.distributed.repo_id else "worker"
+        if self.data.block_size is None:
+            self.data.block_size = self.model.max_seq_len
+        if self.data.vocab_size is None:
+            self.data.vocab_size = self.model.vocab_size
+        if self.data.seed is None:
+            self.data.seed = self.run.seed
+        if self.run.log_every is not None and self.logging.every_steps == 1:
+            self.logging.every_steps = self.run.log_every
+        self.sync_scheduler_horizon()
+        if self.gradient_checkpointing or self.model.gradient_checkpointing:
+            self.gradient_checkpointing = True
+            self.model.gradient_checkpointing = True
+
+    # ----------------------------------------------------------------- run target / horizon
+    @property
+    def effective_max_steps(self) -> int:
+        """The absolute optimizer-step target: ``data.max_steps`` if set, else ``run.max_steps``."""
+        return self.data.max_steps or self.run.max_steps
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches per optimizer update (``data.accumulation_steps``)."""
+        return self.data.accumulation_steps
+
+    def sync_scheduler_horizon(self) -> SpeedtronicConfig:
+        """Set an implicit scheduler horizon to :attr:`effective_max_steps`; returns ``self``."""
+        scheduler = self.scheduler
+        explicit = getattr(scheduler, "max_steps_explicit", scheduler.max_steps is not None)
+        filled = getattr(scheduler, "_implicit_max_steps", None)
+        if not explicit and scheduler.max_steps not in (None, filled):
+            explicit = True  # a value assigned after construction counts as explicit
+        scheduler.max_steps_explicit = explicit
+        if not explicit:
+            scheduler.max_steps = self.effective_max_steps
+            scheduler._implicit_max_steps = scheduler.max_steps
+        return self
+
+    def apply_run_target(self, max_steps: int) -> SpeedtronicConfig:
+        """Change the run target in place (``--max-steps``, ``max_steps=``); returns ``self``.
+
+        Sets ``run.max_steps`` (and ``data.max_steps`` when that is set, so the effective target
+        is ``max_steps``), then moves an implicit scheduler horizon along.
+        """
+        steps = to_int(max_steps, "max_steps")
+        if steps <= 0:
+            raise ConfigError("run.max_steps must be positive")
+        self.run.max_steps = steps
+        if self.data.max_steps is not None:
+            self.data.max_steps = steps
+        return self.sync_scheduler_horizon()
+
+    def with_max_steps(self, max_steps: int) -> SpeedtronicConfig:
+        """A deep copy with :meth:`apply_run_target` applied (``self`` is unchanged)."""
+        return copy.deepcopy(self).apply_run_target(max_steps)
+
+    # ----------------------------------------------------------------- validation / paths
+    def validate(self) -> SpeedtronicConfig:
+        """Cross-section checks (reference/config.md §6.2); returns ``self``."""
+        if self.data.block_size is None or self.data.block_size <= 0:
+            raise ConfigError("data.block_size must be positive")
+        if self.distributed.enabled and not self.distributed.repo_id:
+            raise ConfigError("distributed.repo_id is required")
+        return self
+
+    @property
+    def output_path(self) -> Path:
+        """``run.output_dir`` as a path (relative to the process working directory)."""
+        return Path(self.run.output_dir)
+
+    def resolve_output_path(self, path: str | Path) -> Path:
+        """``path`` if absolute, else ``run.output_dir / path``."""
+        candidate = Path(path)
+        return candidate if candidate.is_absolute() else self.output_path / candidate
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """Checkpoint directory: ``checkpoint.directory`` under ``run.output_dir`` if relative."""
+        return self.resolve_output_path(self.checkpoint.directory)
+
+    @property
+    def state_dir(self) -> Path:
+        """DiLoCo state base: ``distributed.state_dir`` under ``run.output_dir`` if relative.
+
+        The coordinator appends ``/<node_id>``.
+        """
+        return self.resolve_output_path(self.distributed.state_dir)
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any] | None = None) -> SpeedtronicConfig:
+        """Build from a (possibly aliased) mapping; never reads the environment."""
+        data = canonicalize(values)
+        kwargs: dict[str, Any] = {}
+        for name in SECTION_NAMES:
+            if name in data:
+                kwargs[name] = build_section(name, data[name])
+        for name in ("gradient_checkpointing", "compile", "ooo_backprop", "ooo_streams"):
+            if name in data:
+                kwargs[name] = data[name]
+        return cls(**kwargs).validate()
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> SpeedtronicConfig:
+        """Load a YAML file (malformed YAML or a missing file is a ``ConfigError``)."""
+        from speedtronic.config.loading import read_config_file
+
+        return cls.from_dict(read_config_file(path, force_yaml=True))
+
+    @classmethod
+    def load(cls, source: Any) -> SpeedtronicConfig:
+        """A mapping, inline YAML/JSON text, or a path (``.yaml``/``.yml`` else JSON)."""
+        from speedtronic.config.loading import read_source
+
+        return cls.from_dict(read_source(source))
+
+    # ----------------------------------------------------------------- serialisation
+    def to_dict(self, *, redact_secrets: bool = False) -> dict[str, Any]:
+        """Plain nested dict in field order; ``redact_secrets`` replaces the token."""
+        result = _plain(self)
+        if redact_secrets and result["distributed"]["token"]:
+            result["distributed"]["token"] = REDACTED
+        return result
+
+    def to_yaml(self, *, redact_secrets: bool = False) -> str:
+        """Block-style YAML of :meth:`to_dict` (key order preserved)."""
+        import yaml
+
+        return yaml.safe_dump(
+            self.to_dict(redact_secrets=redact_secrets), sort_keys=False, allow_unicode=True
+        )
+
+    def save(self, path: str | Path) -> Path:
+        """Write the **redacted** config as YAML (``.yaml``/``.yml``) or JSON; returns the path."""
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.suffix.lower() in {".yaml", ".yml"}:
+            text = self.to_yaml(redact_secrets=True)
+        else:
+            text = json.dumps(self.to_dict(redact_secrets=True), indent=2) + "\n"
+        target.write_text(text, encoding="utf-8")
+        return target
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
+        return f"SpeedtronicConfig({inner})"
+
+
+Config = SpeedtronicConfig

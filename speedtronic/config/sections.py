@@ -1,0 +1,321 @@
+"""Training-side section dataclasses: run, model, data, optimizer, scheduler, precision.
+
+Each section is a plain mutable ``@dataclass`` that coerces and validates its own fields in
+``__post_init__`` (so direct Python construction is validated too); nothing re-validates after
+later attribute mutation. Range-check messages are the 2.0.0 texts (reference/config.md §5);
+type errors name the field and the expected type (see :mod:`speedtronic.config.coercion`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from speedtronic.config.coercion import describe, to_bool, to_float, to_int, to_str
+from speedtronic.config.errors import ConfigError
+
+__all__ = [
+    "DataConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "PrecisionConfig",
+    "RunConfig",
+    "SchedulerConfig",
+]
+
+
+def _choice(value: Any, field: str, choices: tuple[str, ...], message: str) -> str:
+    """Lower-case a string choice and check membership (non-strings fail with ``message``)."""
+    if isinstance(value, bool) or value is None or not isinstance(value, (str, int, float)):
+        raise ConfigError(f"{message}, got {describe(value)}")
+    text = str(value).strip().lower()
+    if text not in choices:
+        raise ConfigError(message)
+    return text
+
+
+@dataclass
+class RunConfig:
+    """What to run: name, seed, device, absolute optimizer-step target, output directory."""
+
+    name: str = "speedtronic-run"
+    seed: int = 1234
+    device: str = "auto"
+    max_steps: int = 1000
+    output_dir: str = "runs"
+    log_every: int | None = None
+    stop_on_nonfinite: bool = True
+
+    def __post_init__(self) -> None:
+        self.name = to_str(self.name, "run.name")
+        self.seed = to_int(self.seed, "run.seed")
+        self.device = to_str(self.device, "run.device").strip()
+        self.max_steps = to_int(self.max_steps, "run.max_steps")
+        self.output_dir = to_str(self.output_dir, "run.output_dir")
+        self.log_every = to_int(self.log_every, "run.log_every", nullable=True)
+        self.stop_on_nonfinite = to_bool(self.stop_on_nonfinite, "run.stop_on_nonfinite")
+        if self.max_steps <= 0:
+            raise ConfigError("run.max_steps must be positive")
+        if self.log_every is not None and self.log_every <= 0:
+            raise ConfigError("run.log_every must be positive")
+
+
+@dataclass
+class ModelConfig:
+    """Reference-transformer shape; every field is forwarded to the model factory."""
+
+    name: str = "reference_transformer"
+    vocab_size: int = 512
+    max_seq_len: int = 128
+    n_layer: int = 4
+    n_head: int = 8
+    n_kv_head: int | None = None
+    d_model: int = 256
+    d_ff: int | None = None
+    dropout: float = 0.0
+    tie_weights: bool = True
+    rope_base: float = 10000.0
+    gradient_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        self.name = to_str(self.name, "model.name")
+        self.vocab_size = to_int(self.vocab_size, "model.vocab_size")
+        self.max_seq_len = to_int(self.max_seq_len, "model.max_seq_len")
+        self.n_layer = to_int(self.n_layer, "model.n_layer")
+        self.n_head = to_int(self.n_head, "model.n_head")
+        self.n_kv_head = to_int(self.n_kv_head, "model.n_kv_head", nullable=True)
+        self.d_model = to_int(self.d_model, "model.d_model")
+        self.d_ff = to_int(self.d_ff, "model.d_ff", nullable=True)
+        self.dropout = to_float(self.dropout, "model.dropout")
+        self.tie_weights = to_bool(self.tie_weights, "model.tie_weights")
+        self.rope_base = to_float(self.rope_base, "model.rope_base")
+        self.gradient_checkpointing = to_bool(
+            self.gradient_checkpointing, "model.gradient_checkpointing"
+        )
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if self.d_ff is None:
+            self.d_ff = 4 * self.d_model
+        if self.max_seq_len <= 0:
+            raise ConfigError("model.max_seq_len must be positive")
+        if self.vocab_size <= 0:
+            raise ConfigError("model.vocab_size must be positive")
+        if min(self.n_layer, self.n_head, self.n_kv_head) <= 0:
+            raise ConfigError("model layer/head counts must be positive")
+        if self.d_model <= 0 or self.d_ff <= 0:
+            raise ConfigError("model dimensions must be positive")
+        if self.n_head % self.n_kv_head != 0:
+            raise ConfigError("model.n_head must be divisible by model.n_kv_head")
+        if self.d_model % self.n_head != 0:
+            raise ConfigError("model.d_model must be divisible by model.n_head")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError("model.dropout must be in [0, 1)")
+
+
+@dataclass
+class DataConfig:
+    """Where batches come from and how big they are.
+
+    Source precedence: ``text_path`` > ``token_path`` > ``dataset`` > synthetic. ``num_tokens``
+    is the number of synthetic *samples* (2.0.0 naming). ``token_path`` is a pre-tokenized
+    ``.bin`` (``token_dtype``) or ``.npy`` file; ``allow_pickle`` must be true to ``torch.load`` a
+    pickled ``dataset`` file.
+    """
+
+    text_path: str | None = None
+    dataset: Any = None
+    synthetic: bool = True
+    num_tokens: int = 100000
+    vocab_size: int | None = None
+    block_size: int | None = None
+    micro_batch_size: int = 1
+    target_batch_size: int = 1
+    num_workers: int = 0
+    prefetch_factor: int | None = None
+    pin_memory: bool | None = None
+    shuffle: bool = False
+    drop_last: bool = True
+    seed: int | None = None
+    max_steps: int | None = None
+    token_path: str | None = None
+    token_dtype: str = "uint16"
+    sampling: str = "random"
+    allow_pickle: bool = False
+
+    def __post_init__(self) -> None:
+        self.text_path = to_str(self.text_path, "data.text_path", nullable=True)
+        if isinstance(self.dataset, (bool, int, float, Mapping)) or (
+            isinstance(self.dataset, Sequence) and not isinstance(self.dataset, str)
+        ):
+            raise ConfigError(
+                f"data.dataset must be a path string or a Dataset, got {describe(self.dataset)}"
+            )
+        self.synthetic = to_bool(self.synthetic, "data.synthetic")
+        self.num_tokens = to_int(self.num_tokens, "data.num_tokens")
+        self.vocab_size = to_int(self.vocab_size, "data.vocab_size", nullable=True)
+        self.block_size = to_int(self.block_size, "data.block_size", nullable=True)
+        self.micro_batch_size = to_int(self.micro_batch_size, "data.micro_batch_size")
+        self.target_batch_size = to_int(self.target_batch_size, "data.target_batch_size")
+        self.num_workers = to_int(self.num_workers, "data.num_workers")
+        self.prefetch_factor = to_int(self.prefetch_factor, "data.prefetch_factor", nullable=True)
+        self.pin_memory = to_bool(self.pin_memory, "data.pin_memory", nullable=True)
+        self.shuffle = to_bool(self.shuffle, "data.shuffle")
+        self.drop_last = to_bool(self.drop_last, "data.drop_last")
+        self.seed = to_int(self.seed, "data.seed", nullable=True)
+        self.max_steps = to_int(self.max_steps, "data.max_steps", nullable=True)
+        self.token_path = to_str(self.token_path, "data.token_path", nullable=True)
+        self.token_dtype = _choice(
+            self.token_dtype,
+            "data.token_dtype",
+            ("uint16", "uint32"),
+            "data.token_dtype must be 'uint16' or 'uint32'",
+        )
+        self.sampling = _choice(
+            self.sampling,
+            "data.sampling",
+            ("random", "sequential"),
+            "data.sampling must be 'random' or 'sequential'",
+        )
+        self.allow_pickle = to_bool(self.allow_pickle, "data.allow_pickle")
+        if self.micro_batch_size <= 0 or self.target_batch_size <= 0:
+            raise ConfigError("batch sizes must be positive")
+        if self.target_batch_size < self.micro_batch_size:
+            raise ConfigError("target_batch_size must be >= micro_batch_size")
+        if self.target_batch_size % self.micro_batch_size != 0:
+            raise ConfigError("target_batch_size must be divisible by micro_batch_size")
+        if self.vocab_size is not None and self.vocab_size <= 0:
+            raise ConfigError("data.vocab_size must be positive")
+        if self.num_tokens <= 0:
+            raise ConfigError("data.num_tokens must be positive")
+        if self.num_workers < 0:
+            raise ConfigError("data.num_workers cannot be negative")
+        if self.prefetch_factor is not None and self.prefetch_factor <= 0:
+            raise ConfigError("data.prefetch_factor must be positive")
+        if self.max_steps is not None and self.max_steps <= 0:
+            raise ConfigError("data.max_steps must be positive")
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches per optimizer update (``target_batch_size // micro_batch_size``)."""
+        return self.target_batch_size // self.micro_batch_size
+
+
+@dataclass
+class OptimizerConfig:
+    """Inner optimizer: ``adamw`` (all parameters) or ``muon`` (hidden matrices) + AdamW rest."""
+
+    name: str = "adamw"
+    lr: float = 0.0003
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    fused: bool | None = None
+    grad_clip: float | None = None
+    muon_plus: bool = False
+    cautious: bool = False
+    muon_momentum: float = 0.95
+    muon_ns_steps: int = 5
+    muon_norm_eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        self.name = _choice(
+            self.name,
+            "optimizer.name",
+            ("adamw", "muon"),
+            "optimizer.name must be 'adamw' or 'muon'",
+        )
+        self.lr = to_float(self.lr, "optimizer.lr")
+        self.betas = self._coerce_betas(self.betas)
+        self.eps = to_float(self.eps, "optimizer.eps")
+        self.weight_decay = to_float(self.weight_decay, "optimizer.weight_decay")
+        self.fused = to_bool(self.fused, "optimizer.fused", nullable=True)
+        self.grad_clip = to_float(self.grad_clip, "optimizer.grad_clip", nullable=True)
+        flags = "optimizer Muon/cautious flags must be booleans"
+        self.muon_plus = to_bool(self.muon_plus, "optimizer.muon_plus", message=flags)
+        self.cautious = to_bool(self.cautious, "optimizer.cautious", message=flags)
+        self.muon_momentum = to_float(self.muon_momentum, "optimizer.muon_momentum")
+        self.muon_ns_steps = to_int(self.muon_ns_steps, "optimizer.muon_ns_steps")
+        self.muon_norm_eps = to_float(self.muon_norm_eps, "optimizer.muon_norm_eps")
+        if self.lr <= 0:
+            raise ConfigError("optimizer.lr must be positive")
+        if not all(0.0 <= beta < 1.0 for beta in self.betas):
+            raise ConfigError("optimizer.betas must contain two values in [0, 1)")
+        if self.eps <= 0 or self.weight_decay < 0:
+            raise ConfigError("optimizer eps must be positive and weight_decay non-negative")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise ConfigError("optimizer.grad_clip must be positive")
+        if self.muon_plus and self.name != "muon":
+            raise ConfigError("optimizer.muon_plus is only valid with optimizer.name=muon")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise ConfigError("optimizer.muon_momentum must be in [0, 1)")
+        if self.muon_ns_steps <= 0:
+            raise ConfigError("optimizer.muon_ns_steps must be positive")
+        if self.muon_norm_eps <= 0:
+            raise ConfigError("optimizer.muon_norm_eps must be positive")
+
+    @staticmethod
+    def _coerce_betas(value: Any) -> tuple[float, float]:
+        message = "optimizer.betas must contain two values in [0, 1)"
+        if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+            raise ConfigError(f"{message}, got {describe(value)}")
+        if len(value) != 2:
+            raise ConfigError(message)
+        first, second = (to_float(beta, "optimizer.betas item") for beta in value)
+        return (first, second)
+
+
+@dataclass
+class SchedulerConfig:
+    """Learning-rate schedule: linear warmup then cosine (or constant) up to ``max_steps``.
+
+    ``max_steps: null`` (the default) means "follow the effective run target"
+    (``data.max_steps`` or ``run.max_steps``); the aggregate fills in the number and remembers
+    that it was not explicit, so later target changes keep following (see
+    ``SpeedtronicConfig.apply_run_target``). An explicit value is kept.
+    """
+
+    name: str = "cosine"
+    warmup_steps: int = 100
+    max_steps: int | None = None
+    min_lr_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        self.name = _choice(
+            self.name,
+            "scheduler.name",
+            ("cosine", "constant"),
+            "scheduler.name must be 'cosine' or 'constant'",
+        )
+        self.warmup_steps = to_int(self.warmup_steps, "scheduler.warmup_steps")
+        self.max_steps = to_int(self.max_steps, "scheduler.max_steps", nullable=True)
+        self.min_lr_ratio = to_float(self.min_lr_ratio, "scheduler.min_lr_ratio")
+        if self.warmup_steps < 0 or (self.max_steps is not None and self.max_steps <= 0):
+            raise ConfigError("scheduler steps must be non-negative/max_steps positive")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError("scheduler.min_lr_ratio must be in [0, 1]")
+        # Not a dataclass field: excluded from eq/repr/to_dict; set by the aggregate too.
+        self.max_steps_explicit = self.max_steps is not None
+
+
+@dataclass
+class PrecisionConfig:
+    """Autocast precision request; hardware fallbacks happen at runtime."""
+
+    mode: str = "auto"
+    dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        self.mode = _choice(
+            self.mode,
+            "precision.mode",
+            ("auto", "bf16", "fp16", "fp32"),
+            "precision.mode must be auto, bf16, fp16, or fp32",
+        )
+        if self.dtype is not None:
+            self.dtype = _choice(
+                self.dtype,
+                "precision.dtype",
+                ("bf16", "fp16", "fp32"),
+                "precision.dtype must be bf16, fp16, or fp32",
+            )
