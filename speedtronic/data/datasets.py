@@ -1,0 +1,211 @@
+"""Datasets yielding causal-LM records ``{"input_ids": (T,), "labels": (T,)}`` (int64).
+
+``labels[t]`` is the token after ``input_ids[t]`` (already shifted; models must not shift
+again). Sources: deterministic synthetic tokens, a streamed UTF-8 text file, a flat token
+stream (``.bin``/``.npy`` memory-mapped file or an in-memory tensor) cut into windows, and
+fixed samples from a serialized tensor file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+from speedtronic.data.tokenizer import CharTokenizer, encode_text
+
+__all__ = [
+    "SampleTensorDataset",
+    "SyntheticTokenDataset",
+    "TextFileTokenDataset",
+    "TokenFileDataset",
+    "TokenWindowDataset",
+]
+
+Record = dict[str, torch.Tensor]
+
+# Characters read per text chunk when none is given; bounds the memory of the stream.
+DEFAULT_TEXT_CHUNK_CHARS = 1 << 16
+
+
+def _record(window: torch.Tensor) -> Record:
+    return {"input_ids": window[:-1], "labels": window[1:]}
+
+
+class SyntheticTokenDataset(Dataset):
+    """``num_samples`` random windows; item ``i`` depends only on ``seed + i``.
+
+    Labels are uniform random, so the loss cannot fall far below ``ln(vocab_size)``: this
+    is a throughput / smoke-test dataset.
+    """
+
+    def __init__(
+        self,
+        num_samples: int = 10_000,
+        block_size: int = 128,
+        vocab_size: int = 512,
+        seed: int = 1234,
+    ) -> None:
+        if min(int(num_samples), int(block_size), int(vocab_size)) <= 0:
+            raise ValueError("dataset sizes must be positive")
+        self.num_samples = int(num_samples)
+        self.block_size = int(block_size)
+        self.vocab_size = int(vocab_size)
+        self.seed = int(seed)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> Record:
+        i = int(index)
+        if i < 0:
+            i += self.num_samples
+        if not 0 <= i < self.num_samples:
+            raise IndexError(index)
+        g = torch.Generator().manual_seed(self.seed + i)
+        tokens = torch.randint(
+            self.vocab_size, (self.block_size + 1,), generator=g, dtype=torch.long
+        )
+        return _record(tokens)
+
+
+class TextFileTokenDataset(IterableDataset):
+    """Stream a UTF-8 text file as disjoint windows of ``block_size + 1`` tokens.
+
+    The file is read ``chunk_chars`` characters at a time (never whole); each chunk is
+    tokenized on its own and appended to a carry buffer from which full windows are cut.
+    A trailing partial window is dropped, so every record is exactly ``block_size`` long.
+    With DataLoader workers, window ``n`` goes to worker ``n % num_workers`` (no sample is
+    produced twice; each worker still reads the file). Invalid UTF-8 bytes are replaced.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        block_size: int,
+        tokenizer: Any = None,
+        vocab_size: int = 256,
+        chunk_chars: int | None = None,
+    ) -> None:
+        if int(block_size) <= 0:
+            raise ValueError("block_size must be positive")
+        self.path = os.fspath(path)
+        self.block_size = int(block_size)
+        self.tokenizer = tokenizer or CharTokenizer(vocab_size)
+        self.chunk_chars = int(chunk_chars or max(DEFAULT_TEXT_CHUNK_CHARS, 4 * self.block_size))
+        if self.chunk_chars <= 0:
+            raise ValueError("chunk_chars must be positive")
+
+    def token_chunks(self) -> Iterator[torch.Tensor]:
+        """Yield the file's tokens chunk by chunk (int64 (N,) tensors, never the whole file)."""
+        with open(self.path, encoding="utf-8", errors="replace") as handle:
+            while True:
+                text = handle.read(self.chunk_chars)
+                if not text:
+                    return
+                tokens = encode_text(self.tokenizer, text)
+                if tokens.numel():
+                    yield tokens
+
+    def __iter__(self) -> Iterator[Record]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        span = self.block_size + 1
+        carry = torch.empty(0, dtype=torch.long)
+        index = 0
+        for tokens in self.token_chunks():
+            combined = torch.cat((carry, tokens)) if carry.numel() else tokens
+            full = combined.numel() // span
+            for j in range(full):
+                if index % workers == worker:
+                    yield _record(combined[j * span : (j + 1) * span].clone())
+                index += 1
+            carry = combined[full * span :].clone()
+
+
+class TokenWindowDataset(Dataset):
+    """Windows of ``block_size + 1`` tokens from a flat 1-D token stream.
+
+    The index is the window's start offset (``0 <= start <= len(tokens) - block_size - 1``),
+    so ``len()`` counts every possible window. ``build_dataloader`` pairs it with a
+    ``TokenWindowSampler`` that picks random or sequential starts.
+    """
+
+    def __init__(self, tokens: Any, block_size: int) -> None:
+        if int(block_size) <= 0:
+            raise ValueError("block_size must be positive")
+        self.block_size = int(block_size)
+        self._tokens = tokens
+
+    @property
+    def tokens(self) -> Any:
+        """The 1-D token array (numpy array, memmap or tensor)."""
+        return self._tokens
+
+    @property
+    def num_tokens(self) -> int:
+        """Length of the token stream."""
+        return len(self.tokens)
+
+    def __len__(self) -> int:
+        return max(self.num_tokens - self.block_size, 0)
+
+    def __getitem__(self, start: int) -> Record:
+        s = int(start)
+        if not 0 <= s < len(self):
+            raise IndexError(start)
+        window = self.tokens[s : s + self.block_size + 1]
+        if isinstance(window, torch.Tensor):
+            return _record(window.to(torch.long))
+        return _record(torch.from_numpy(np.asarray(window, dtype=np.int64)))
+
+
+class TokenFileDataset(TokenWindowDataset):
+    """``TokenWindowDataset`` over a memory-mapped ``.bin`` (raw) or ``.npy`` token file.
+
+    The map is opened lazily in each process (DataLoader workers open their own), so the
+    dataset pickles as a path, never as the token data.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], block_size: int, dtype: str = "uint16"):
+        super().__init__(None, block_size)
+        self.path = os.fspath(path)
+        self.dtype = str(dtype)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        if self._tokens is None:
+            self._tokens = open_token_array(self.path, self.dtype)
+        return self._tokens
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_tokens"] = None
+        return state
+
+
+def open_token_array(path: str, dtype: str = "uint16") -> np.ndarray:
+    """Memory-map a token file: ``.npy`` with its own dtype, anything else as raw ``dtype``."""
+    if path.endswith(".npy"):
+        return np.load(path, mmap_mode="r")
+    return np.memmap(path, dtype=np.dtype(dtype), mode="r")
+
+
+class SampleTensorDataset(Dataset):
+    """Fixed samples: ``inputs`` and ``labels`` are (N, T) integer tensors."""
+
+    def __init__(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+        if inputs.shape != labels.shape or inputs.ndim != 2:
+            raise ValueError("inputs and labels must be (samples, sequence) tensors of one shape")
+        self.inputs = inputs.to(torch.long)
+        self.labels = labels.to(torch.long)
+
+    def __len__(self) -> int:
+        return self.inputs.shape[0]
+
+    def __getitem__(self, index: int) -> Record:
+        return {"input_ids": self.inputs[index], "labels": self.labels[index]}

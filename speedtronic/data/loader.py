@@ -1,0 +1,274 @@
+"""Batching: collate functions, resumable samplers and ``build_dataloader``.
+
+Batches from the built-in loader are ``(inputs, labels)`` tuples of int64 ``(B, T)``
+tensors. Only when records of different lengths meet in one batch (custom datasets) does
+the collator pad and return ``{"input_ids", "labels", "attention_mask"}`` instead; without a
+mask the reference model takes SDPA's ``is_causal`` fast path.
+
+The loader is a ``DataLoader`` subclass that counts the batches it has handed out, so the
+data position can be saved in a checkpoint and restored exactly (see the package docstring).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+
+from speedtronic.data.datasets import TokenWindowDataset
+from speedtronic.data.sources import open_source
+
+__all__ = [
+    "EpochSampler",
+    "ResumableDataLoader",
+    "TokenWindowSampler",
+    "build_dataloader",
+    "collate_batch",
+    "collate_causal",
+    "data_state_dict",
+    "infinite_batches",
+    "load_data_state_dict",
+]
+
+
+def collate_causal(batch: Sequence[dict[str, torch.Tensor]]) -> Any:
+    """Stack causal-LM records into ``(inputs, labels)``, padding only when lengths differ.
+
+    Equal lengths -> ``(input_ids, labels)`` int64 ``(B, T)``. Different lengths -> a dict
+    with right-padded ``input_ids`` (pad 0), ``labels`` (pad -100) and a bool
+    ``attention_mask`` (True over each record's tokens).
+    """
+    if not batch:
+        raise ValueError("cannot collate an empty batch")
+    lengths = [int(item["input_ids"].numel()) for item in batch]
+    if len(set(lengths)) == 1:
+        inputs = torch.stack([item["input_ids"].reshape(-1) for item in batch]).long()
+        labels = torch.stack([item["labels"].reshape(-1) for item in batch]).long()
+        return inputs, labels
+    size = max(lengths)
+    inputs = torch.zeros(len(batch), size, dtype=torch.long)
+    labels = torch.full((len(batch), size), -100, dtype=torch.long)
+    mask = torch.zeros(len(batch), size, dtype=torch.bool)
+    for row, (item, n) in enumerate(zip(batch, lengths, strict=True)):
+        inputs[row, :n] = item["input_ids"].reshape(-1)
+        labels[row, :n] = item["labels"].reshape(-1)[:n]
+        mask[row, :n] = True
+    return {"input_ids": inputs, "labels": labels, "attention_mask": mask}
+
+
+def collate_batch(batch: Sequence[Any]) -> Any:
+    """Collate dict records (causal LM), tuples/lists (column-wise), tensors or anything else."""
+    if not batch:
+        raise ValueError("cannot collate an empty batch")
+    first = batch[0]
+    if isinstance(first, dict):
+        return collate_causal(batch)
+    if isinstance(first, (tuple, list)):
+        if any(len(item) != len(first) for item in batch):
+            raise ValueError("tuple dataset items must have the same number of fields")
+        columns = []
+        for column in zip(*batch, strict=True):
+            if isinstance(column[0], torch.Tensor):
+                if any(t.shape != column[0].shape for t in column):
+                    raise ValueError("tensor dataset fields must have equal shapes")
+                columns.append(torch.stack(list(column)))
+            else:
+                columns.append(list(column))
+        return tuple(columns)
+    if isinstance(first, torch.Tensor):
+        return torch.stack(list(batch))
+    return list(batch)
+
+
+def infinite_batches(loader: Any) -> Iterator[Any]:
+    """Loop over ``loader`` forever; a pass that yields nothing raises ``RuntimeError``."""
+    while True:
+        produced = False
+        for batch in loader:
+            produced = True
+            yield batch
+        if not produced:
+            raise RuntimeError("data loader produced no batches")
+
+
+def _generator(seed: int, epoch: int) -> torch.Generator:
+    return torch.Generator().manual_seed(int(seed) * 1_000_003 + int(epoch))
+
+
+class EpochSampler(Sampler[int]):
+    """Deterministic index order per ``(seed, epoch)``; can start mid-epoch.
+
+    ``shuffle=False`` yields ``0..n-1``; ``shuffle=True`` a permutation drawn from a private
+    generator (never the global RNG), so the order is reproducible on resume.
+    """
+
+    def __init__(self, num_items: int, *, shuffle: bool = False, seed: int = 0) -> None:
+        self.num_items = int(num_items)
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self.epoch = 0
+        self.start = 0
+
+    def set_position(self, epoch: int, start: int) -> None:
+        """Make the next iteration yield epoch ``epoch``'s order from position ``start``."""
+        self.epoch, self.start = int(epoch), int(start)
+
+    def order(self, epoch: int) -> torch.Tensor:
+        """The full index order of ``epoch`` (int64 (n,))."""
+        if self.shuffle:
+            return torch.randperm(self.num_items, generator=_generator(self.seed, epoch))
+        return torch.arange(self.num_items)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.order(self.epoch)[self.start :].tolist())
+
+    def __len__(self) -> int:
+        return self.num_items
+
+
+class TokenWindowSampler(EpochSampler):
+    """Window starts for a ``TokenWindowDataset`` of ``num_tokens`` tokens.
+
+    One epoch has ``(num_tokens - 1) // block_size`` windows. ``sequential``: starts
+    ``0, B, 2B, ...`` (every next-token transition is a target once; shuffled order when
+    ``shuffle``). ``random``: uniform random starts drawn per epoch from ``(seed, epoch)``.
+    """
+
+    def __init__(
+        self,
+        num_tokens: int,
+        block_size: int,
+        *,
+        sampling: str = "random",
+        shuffle: bool = False,
+        seed: int = 0,
+    ) -> None:
+        if sampling not in ("random", "sequential"):
+            raise ValueError(f"data.sampling must be 'random' or 'sequential', got {sampling!r}")
+        super().__init__((int(num_tokens) - 1) // int(block_size), shuffle=shuffle, seed=seed)
+        self.block_size = int(block_size)
+        self.max_start = int(num_tokens) - int(block_size) - 1
+        self.sampling = sampling
+
+    def order(self, epoch: int) -> torch.Tensor:
+        if self.sampling == "random":
+            g = _generator(self.seed, epoch)
+            return torch.randint(self.max_start + 1, (self.num_items,), generator=g)
+        return super().order(epoch) * self.block_size
+
+
+class ResumableDataLoader(DataLoader):
+    """A ``DataLoader`` whose position (epoch, batches handed out) can be saved and restored.
+
+    Iterating continues from the current position; a completed pass advances the epoch.
+    Map-style datasets restart mid-epoch through their ``EpochSampler`` without loading the
+    skipped samples; iterable datasets are fast-forwarded by drawing and discarding batches.
+    """
+
+    def __init__(self, dataset: Dataset, *args: Any, **kwargs: Any) -> None:
+        super().__init__(dataset, *args, **kwargs)
+        self._epoch = 0
+        self._batches = 0  # batches handed out in the current epoch
+        sampler = kwargs.get("sampler")
+        self._epoch_sampler = sampler if isinstance(sampler, EpochSampler) else None
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        skip = self._batches
+        if self._epoch_sampler is not None:
+            self._epoch_sampler.set_position(self._epoch, skip * int(self.batch_size or 1))
+            skip = 0
+        return self._pass(super().__iter__(), skip)
+
+    def _pass(self, batches: Iterator[Any], skip: int) -> Iterator[Any]:
+        for _ in range(skip):
+            if next(batches, None) is None:
+                break
+        for batch in batches:
+            self._batches += 1
+            yield batch
+        self._epoch += 1
+        self._batches = 0
+
+    def state_dict(self) -> dict[str, int]:
+        """Position to store in a checkpoint: ``{"epoch", "batches", "batch_size"}``."""
+        return {
+            "epoch": self._epoch,
+            "batches": self._batches,
+            "batch_size": int(self.batch_size or 1),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at a saved position; call before the next batch is drawn."""
+        self._epoch = int(state.get("epoch", 0))
+        batches = int(state.get("batches", 0))
+        saved_batch = int(state.get("batch_size") or self.batch_size or 1)
+        own_batch = int(self.batch_size or 1)
+        self._batches = batches * saved_batch // own_batch
+
+
+def data_state_dict(loader: Any) -> dict[str, Any] | None:
+    """The loader's data position, or ``None`` for a loader that cannot report one."""
+    get = getattr(loader, "state_dict", None)
+    return dict(get()) if callable(get) else None
+
+
+def load_data_state_dict(loader: Any, state: dict[str, Any] | None) -> bool:
+    """Restore a position saved by ``data_state_dict``; False when nothing was restored."""
+    load = getattr(loader, "load_state_dict", None)
+    if state is None or not callable(load):
+        return False
+    load(state)
+    return True
+
+
+def build_dataloader(
+    config: Any,
+    *,
+    dataset: Dataset | None = None,
+    tokenizer: Any = None,
+    pin_memory_device: bool = False,
+    vocab_size: int | None = None,
+) -> ResumableDataLoader:
+    """Build the training loader from a ``data`` config section (``DataConfig``).
+
+    Source: the ``dataset`` argument, else ``data.text_path`` > ``data.token_path`` >
+    ``data.dataset`` > synthetic. ``vocab_size`` (the model's) wins over ``data.vocab_size``.
+    Bad input raises ``ConfigError`` naming the setting. Workers, prefetch, pinning,
+    ``shuffle`` (ignored for iterable datasets) and ``drop_last`` follow the config.
+    """
+
+    def field(name: str, default: Any) -> Any:
+        value = getattr(config, name, None) if config is not None else None
+        return default if value is None else value
+
+    block_size = int(field("block_size", 0) or 128)
+    vocab = int(vocab_size or field("vocab_size", 0) or 512)
+    seed = int(field("seed", 0))
+    if dataset is None:
+        dataset = open_source(config, block_size=block_size, vocab_size=vocab, tokenizer=tokenizer)
+    workers = int(field("num_workers", 0))
+    pin = field("pin_memory", None)
+    kwargs: dict[str, Any] = {
+        "batch_size": int(field("micro_batch_size", 1)),
+        "num_workers": workers,
+        "pin_memory": bool(pin_memory_device) if pin is None else bool(pin),
+        "drop_last": bool(field("drop_last", True)),
+        "collate_fn": collate_batch,
+    }
+    if workers > 0:
+        kwargs["prefetch_factor"] = int(field("prefetch_factor", 2))
+        kwargs["persistent_workers"] = True
+    shuffle = bool(field("shuffle", False))
+    if isinstance(dataset, TokenWindowDataset):
+        kwargs["sampler"] = TokenWindowSampler(
+            dataset.num_tokens,
+            dataset.block_size,
+            sampling=str(field("sampling", "random")),
+            shuffle=shuffle,
+            seed=seed,
+        )
+    elif not isinstance(dataset, IterableDataset) and hasattr(dataset, "__len__"):
+        kwargs["sampler"] = EpochSampler(len(dataset), shuffle=shuffle, seed=seed)
+    return ResumableDataLoader(dataset, **kwargs)

@@ -1,0 +1,231 @@
+"""Open the data source named by a ``data`` config section and check it before training.
+
+Every problem is a ``ConfigError`` naming the setting and the fix, raised while the loader
+is built (never halfway through a run). Precedence: ``text_path`` > ``token_path`` >
+``dataset`` > synthetic.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, IterableDataset
+
+from speedtronic.data.datasets import (
+    SampleTensorDataset,
+    SyntheticTokenDataset,
+    TextFileTokenDataset,
+    TokenFileDataset,
+    TokenWindowDataset,
+)
+
+__all__ = ["check_token_ids", "open_source"]
+
+TOKEN_DTYPES = ("uint16", "uint32")
+# Vocabulary check: this many evenly spaced blocks of this many tokens are read.
+_SAMPLE_BLOCKS = 64
+_SAMPLE_BLOCK_TOKENS = 4096
+
+
+def _error(message: str) -> Exception:
+    from speedtronic.config import ConfigError
+
+    return ConfigError(message)
+
+
+def _field(config: Any, name: str, default: Any = None) -> Any:
+    value = getattr(config, name, default) if config is not None else default
+    return default if value is None else value
+
+
+def open_source(config: Any, *, block_size: int, vocab_size: int, tokenizer: Any = None) -> Dataset:
+    """Return the dataset the ``data`` section asks for (validated)."""
+    text_path = _field(config, "text_path")
+    if text_path:
+        return _open_text(os.fspath(text_path), block_size, vocab_size, tokenizer)
+    token_path = _field(config, "token_path")
+    if token_path:
+        dtype = str(_field(config, "token_dtype", "uint16"))
+        return _open_token_file(os.fspath(token_path), dtype, block_size, vocab_size)
+    spec = _field(config, "dataset")
+    if isinstance(spec, (Dataset, IterableDataset)):
+        return spec
+    if spec is not None:
+        allow_pickle = bool(_field(config, "allow_pickle", False))
+        return _open_serialized(os.fspath(spec), allow_pickle, block_size, vocab_size)
+    if not _field(config, "synthetic", True):
+        raise _error(
+            "data.synthetic: false but no data source is set; "
+            "set data.text_path, data.token_path or data.dataset"
+        )
+    return SyntheticTokenDataset(
+        num_samples=int(_field(config, "num_tokens", 100_000)),
+        block_size=block_size,
+        vocab_size=vocab_size,
+        seed=int(_field(config, "seed", 0)),
+    )
+
+
+def _require_file(field: str, path: str) -> None:
+    if not os.path.exists(path):
+        raise _error(f"{field}: file not found: {path}")
+    if not os.path.isfile(path):
+        raise _error(f"{field}: not a regular file: {path}")
+    if os.path.getsize(path) == 0:
+        raise _error(f"{field}: file is empty: {path}")
+
+
+def _too_short(field: str, path: str, have: int, block_size: int) -> Exception:
+    return _error(
+        f"data.block_size: {block_size} is larger than the data: {field} {path} holds "
+        f"{have} tokens, at least {block_size + 1} are needed; lower data.block_size "
+        "(model.max_seq_len) or use more data"
+    )
+
+
+def _open_text(path: str, block_size: int, vocab_size: int, tokenizer: Any) -> Dataset:
+    _require_file("data.text_path", path)
+    dataset = TextFileTokenDataset(path, block_size, tokenizer=tokenizer, vocab_size=vocab_size)
+    have = 0
+    for tokens in dataset.token_chunks():  # reads only a prefix: stops once one window fits
+        have += tokens.numel()
+        if have > block_size:
+            break
+    if have <= block_size:
+        raise _too_short("data.text_path", path, have, block_size)
+    if tokenizer is not None:
+        first = next(dataset.token_chunks())
+        check_token_ids(first, vocab_size, "data.text_path", path)
+    return dataset
+
+
+def _open_token_file(path: str, dtype: str, block_size: int, vocab_size: int) -> Dataset:
+    _require_file("data.token_path", path)
+    if dtype not in TOKEN_DTYPES:
+        raise _error(f"data.token_dtype: must be uint16 or uint32, got {dtype!r}")
+    if path.endswith(".npy"):
+        try:
+            tokens = np.load(path, mmap_mode="r")
+        except (ValueError, OSError, EOFError) as exc:
+            raise _error(f"data.token_path: {path} is not a readable .npy file: {exc}") from exc
+        if tokens.dtype.name not in TOKEN_DTYPES:
+            raise _error(
+                f"data.token_path: {path} holds {tokens.dtype.name} values; token files must "
+                "be uint16 or uint32 (save with arr.astype(np.uint16) or np.uint32)"
+            )
+        if tokens.ndim != 1:
+            raise _error(
+                f"data.token_path: {path} has shape {tokens.shape}; a token file must be "
+                "one flat 1-D stream (use arr.reshape(-1))"
+            )
+        dtype = tokens.dtype.name
+    elif path.endswith(".bin"):
+        size = os.path.getsize(path)
+        itemsize = np.dtype(dtype).itemsize
+        if size % itemsize:
+            raise _error(
+                f"data.token_path: {path} is {size} bytes, not a multiple of {itemsize}; it "
+                f"cannot hold {dtype} tokens (check data.token_dtype)"
+            )
+        tokens = np.memmap(path, dtype=np.dtype(dtype), mode="r")
+    else:
+        raise _error(
+            f"data.token_path: {path} must end in .bin (raw tokens, data.token_dtype) or .npy"
+        )
+    if len(tokens) <= block_size:
+        raise _too_short("data.token_path", path, len(tokens), block_size)
+    check_token_ids(_sample(tokens), vocab_size, "data.token_path", path, dtype)
+    return TokenFileDataset(path, block_size, dtype=dtype)
+
+
+def _sample(tokens: Any) -> np.ndarray:
+    """A bounded sample of a long token stream: evenly spaced blocks (whole stream if small)."""
+    n = len(tokens)
+    if n <= _SAMPLE_BLOCKS * _SAMPLE_BLOCK_TOKENS:
+        return np.asarray(tokens)
+    starts = np.linspace(0, n - _SAMPLE_BLOCK_TOKENS, _SAMPLE_BLOCKS).astype(np.int64)
+    return np.concatenate([np.asarray(tokens[s : s + _SAMPLE_BLOCK_TOKENS]) for s in starts])
+
+
+def check_token_ids(
+    sample: Any, vocab_size: int, field: str, path: str, dtype: str | None = None
+) -> None:
+    """Raise ``ConfigError`` when a token id in ``sample`` is >= ``vocab_size`` or negative."""
+    values = sample.numpy() if isinstance(sample, torch.Tensor) else np.asarray(sample)
+    if values.size == 0:
+        return
+    high, low = int(values.max()), int(values.min())
+    if high >= vocab_size or low < 0:
+        bad = high if high >= vocab_size else low
+        hint = f" or data.token_dtype ({dtype}) is wrong" if dtype else ""
+        raise _error(
+            f"{field}: {path} contains token id {bad}, outside the model vocabulary "
+            f"[0, {vocab_size}) (model.vocab_size); the data was tokenized for another "
+            f"vocabulary{hint}"
+        )
+
+
+def _open_serialized(path: str, allow_pickle: bool, block_size: int, vocab_size: int) -> Dataset:
+    _require_file("data.dataset", path)
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if not allow_pickle:
+            raise _error(
+                f"data.dataset: {path} contains pickled Python objects, and unpickling can "
+                "run arbitrary code; set data.allow_pickle: true only if you trust this file"
+            ) from exc
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as inner:
+            raise _error(f"data.dataset: cannot load {path}: {inner}") from inner
+    except Exception as exc:
+        raise _error(f"data.dataset: cannot load {path}: {exc}") from exc
+    if isinstance(obj, (Dataset, IterableDataset)):
+        return obj
+    return _dataset_from_tensors(obj, path, block_size, vocab_size)
+
+
+def _dataset_from_tensors(obj: Any, path: str, block_size: int, vocab_size: int) -> Dataset:
+    expected = (
+        "expected a 1-D token tensor, a 2-D (samples, block_size + 1) tensor, a dict with "
+        "'input_ids' and 'labels' tensors, or (with data.allow_pickle: true) a Dataset"
+    )
+    if isinstance(obj, dict) and {"input_ids", "labels"} <= set(obj):
+        inputs, labels = obj["input_ids"], obj["labels"]
+        if not (isinstance(inputs, torch.Tensor) and isinstance(labels, torch.Tensor)):
+            raise _error(f"data.dataset: {path}: input_ids and labels must be tensors")
+        if inputs.ndim != 2 or inputs.shape != labels.shape:
+            raise _error(
+                f"data.dataset: {path}: input_ids and labels must be (samples, sequence) "
+                f"tensors of one shape, got {tuple(inputs.shape)} and {tuple(labels.shape)}"
+            )
+        if inputs.shape[1] < block_size:
+            raise _error(
+                f"data.block_size: {block_size} is larger than the data: data.dataset {path} "
+                f"holds samples of {inputs.shape[1]} tokens; lower data.block_size"
+            )
+        check_token_ids(inputs, vocab_size, "data.dataset", path)
+        valid = labels[labels != -100]
+        check_token_ids(valid, vocab_size, "data.dataset", path)
+        return SampleTensorDataset(inputs[:, :block_size], labels[:, :block_size])
+    if not isinstance(obj, torch.Tensor):
+        raise _error(f"data.dataset: {path} holds a {type(obj).__name__}; {expected}")
+    if obj.dtype.is_floating_point or obj.dtype == torch.bool or obj.ndim not in (1, 2):
+        raise _error(
+            f"data.dataset: {path} holds a {obj.dtype} tensor of shape {tuple(obj.shape)}; "
+            f"{expected}"
+        )
+    check_token_ids(obj, vocab_size, "data.dataset", path)
+    if obj.ndim == 1:
+        if obj.numel() <= block_size:
+            raise _too_short("data.dataset", path, obj.numel(), block_size)
+        return TokenWindowDataset(obj.to(torch.long), block_size)
+    if obj.shape[1] <= block_size:
+        raise _too_short("data.dataset", path, obj.shape[1], block_size)
+    rows = obj[:, : block_size + 1].to(torch.long)
+    return SampleTensorDataset(rows[:, :-1], rows[:, 1:])
