@@ -22,6 +22,7 @@ from typing import Any
 
 from speedtronic.config.coercion import REDACTED
 from speedtronic.config.errors import ConfigError, ConfigFileNotFoundError
+from speedtronic.config.layering import ResolvedConfig, resolve_config
 from speedtronic.config.ops_sections import (
     CheckpointConfig,
     DistributedConfig,
@@ -52,12 +53,14 @@ __all__ = [
     "ModelConfig",
     "OptimizerConfig",
     "PrecisionConfig",
+    "ResolvedConfig",
     "RunConfig",
     "SchedulerConfig",
     "ShapeValidationConfig",
     "SpeedtronicConfig",
     "load_config",
     "load_yaml_config",
+    "resolve_config",
 ]
 
 

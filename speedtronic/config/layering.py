@@ -1,0 +1,313 @@
+"""Layered configuration: defaults < file < secret files < environment < CLI overrides.
+
+:func:`resolve_config` is the one place that reads the environment and the secrets directory.
+The environment and secret files are read through pydantic-settings sources
+(``EnvSettingsSource`` with ``env_prefix="SPEEDTRONIC_"`` and ``env_nested_delimiter="__"``;
+``NestedSecretsSettingsSource`` with ``<section>__<field>`` file names). Each layer is
+canonicalised (aliases/shorthands applied), flattened to dotted keys and merged; the winner of
+each key is recorded in ``ResolvedConfig.sources`` (``file``, ``env:<NAME>``,
+``secret:<file>``, ``cli``). Keys no layer set keep their dataclass defaults and are not listed.
+
+Environment names: ``SPEEDTRONIC_<SECTION>__<FIELD>`` and ``SPEEDTRONIC_<ROOT_FIELD>``, plus
+``SPEEDTRONIC_CONFIG`` (config path when ``source`` is None), ``SPEEDTRONIC_SECRETS_DIR``
+(default ``/run/secrets``), ``SPEEDTRONIC_NODE_ID`` (-> ``distributed.node_id``) and ``HF_TOKEN``
+(-> ``distributed.token``). Any other ``SPEEDTRONIC_*`` name is a :class:`ConfigError`.
+Values (env, secret files other than tokens, overrides) are parsed as YAML scalars / flow
+collections; string fields take the raw text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from speedtronic.config.canonical import ROOT_FIELDS, SECTION_NAMES, canonicalize
+from speedtronic.config.errors import ConfigError
+from speedtronic.config.loading import looks_inline, read_source
+from speedtronic.config.schema import SECTION_CLASSES, SpeedtronicConfig
+
+__all__ = [
+    "DEFAULT_SECRETS_DIR",
+    "ENV_PREFIX",
+    "EXTRA_ENV_NAMES",
+    "ResolvedConfig",
+    "env_name_for",
+    "known_fields",
+    "resolve_config",
+]
+
+ENV_PREFIX = "SPEEDTRONIC_"
+DEFAULT_SECRETS_DIR = "/run/secrets"
+TOKEN_KEY = "distributed.token"
+NODE_ID_KEY = "distributed.node_id"
+#: ``SPEEDTRONIC_*`` names that are not fields but are understood.
+EXTRA_ENV_NAMES = frozenset(
+    {"SPEEDTRONIC_CONFIG", "SPEEDTRONIC_SECRETS_DIR", "SPEEDTRONIC_NODE_ID"}
+)
+
+
+@dataclass
+class ResolvedConfig:
+    """The merged config plus the origin of every value that did not come from a default."""
+
+    config: SpeedtronicConfig
+    sources: dict[str, str] = field(default_factory=dict)
+    config_path: str | None = None
+
+
+@functools.cache
+def known_fields() -> dict[str, bool]:
+    """Every dotted field name -> True when it is a string field (takes raw env text)."""
+    result: dict[str, bool] = {}
+    for section, cls in SECTION_CLASSES.items():
+        for item in dataclasses.fields(cls):
+            result[f"{section}.{item.name}"] = str(item.type) in {"str", "str | None"}
+    for name in ROOT_FIELDS:
+        result[name] = False
+    return result
+
+
+def env_name_for(dotted: str) -> str:
+    """``run.max_steps`` -> ``SPEEDTRONIC_RUN__MAX_STEPS``, ``compile`` -> ``SPEEDTRONIC_COMPILE``.
+
+    Root fields have no section part.
+    """
+    return ENV_PREFIX + dotted.replace(".", "__").upper()
+
+
+@functools.cache
+def _settings_class() -> type:
+    """A pydantic-settings model mirroring the sections (values stay raw; we validate)."""
+    from pydantic import create_model
+    from pydantic_settings import BaseSettings, SettingsConfigDict
+
+    fields: dict[str, Any] = {}
+    for section, cls in SECTION_CLASSES.items():
+        leaves = {item.name: (Any, None) for item in dataclasses.fields(cls)}
+        model = create_model(f"_{cls.__name__}Layer", **leaves)
+        fields[section] = (Optional[model], None)  # noqa: UP045 - runtime annotation
+    for name in ROOT_FIELDS:
+        fields[name] = (Any, None)
+    fields["hf_token"] = (Any, None)
+    settings = create_model("_SpeedtronicLayer", __base__=BaseSettings, **fields)
+    settings.model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter="__", case_sensitive=False, extra="ignore"
+    )
+    return settings
+
+
+def _parse_value(raw: Any, dotted: str, origin: str) -> Any:
+    """YAML-parse a text value unless the field is a string field (raw text kept)."""
+    if not isinstance(raw, str):
+        return raw
+    if dotted == TOKEN_KEY:
+        return raw
+    is_str = known_fields().get(dotted, False)
+    if is_str:
+        return None if raw.strip() in {"null", "~"} else raw
+    try:
+        return yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise ConfigError(f"{origin}: cannot parse value for {dotted}: {problem}") from None
+
+
+def _flatten(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Canonical nested mapping -> dotted keys (sections must be mappings or null)."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if key in SECTION_NAMES:
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):
+                value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+            if value is None:
+                continue
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{key} must be a mapping")
+            for name, item in value.items():
+                flat[f"{key}.{name}"] = item
+        else:
+            flat[key] = value
+    return flat
+
+
+def _unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+    nested: dict[str, Any] = {}
+    for key, value in flat.items():
+        section, _, name = key.partition(".")
+        if name:
+            nested.setdefault(section, {})[name] = value
+        else:
+            nested[key] = value
+    return nested
+
+
+def _check_env_names(environ: Mapping[str, str]) -> None:
+    """Reject unknown ``SPEEDTRONIC_*`` names (typos must not be ignored silently)."""
+    known = {env_name_for(dotted) for dotted in known_fields()} | EXTRA_ENV_NAMES
+    for name in sorted(environ):
+        upper = name.upper()
+        if not upper.startswith(ENV_PREFIX) or upper in known:
+            continue
+        hint = ""
+        rest = upper[len(ENV_PREFIX) :].lower()
+        candidates = [d for d in known_fields() if d.endswith(f".{rest}") or d == f"run.{rest}"]
+        if candidates:
+            hint = f" (did you mean {env_name_for(candidates[0])}?)"
+        raise ConfigError(
+            f"unknown environment variable {name}: not a configuration field; expected "
+            f"SPEEDTRONIC_<SECTION>__<FIELD>{hint}"
+        )
+
+
+def _env_layer(environ: Mapping[str, str]) -> list[tuple[str, Any, str]]:
+    """(dotted, value, source) triples from the environment, lowest precedence first."""
+    from pydantic_settings import EnvSettingsSource
+    from pydantic_settings.sources.utils import parse_env_vars
+
+    class _MappingEnvSource(EnvSettingsSource):
+        def _load_env_vars(self) -> Mapping[str, str | None]:
+            return parse_env_vars(
+                {k: v for k, v in environ.items() if k.upper().startswith(ENV_PREFIX)},
+                False,
+                False,
+                None,
+            )
+
+    settings = _settings_class()
+    source = _MappingEnvSource(
+        settings, env_prefix=ENV_PREFIX, env_nested_delimiter="__", case_sensitive=False
+    )
+    raw = source()
+    raw.pop("hf_token", None)
+    names = {name.upper(): name for name in environ}
+    triples: list[tuple[str, Any, str]] = []
+    if environ.get("HF_TOKEN"):
+        triples.append((TOKEN_KEY, environ["HF_TOKEN"], "env:HF_TOKEN"))
+    node_id = next((n for u, n in names.items() if u == "SPEEDTRONIC_NODE_ID"), None)
+    if node_id is not None and environ[node_id].strip():
+        triples.append((NODE_ID_KEY, environ[node_id], f"env:{node_id}"))
+    for dotted, value in _flatten(raw).items():
+        origin = f"env:{names.get(env_name_for(dotted), env_name_for(dotted))}"
+        triples.append((dotted, _parse_value(value, dotted, origin), origin))
+    return triples
+
+
+def _secret_layer(secrets_dir: Path) -> list[tuple[str, Any, str]]:
+    """(dotted, value, source) triples from ``hf_token`` and ``<section>__<field>`` files."""
+    if not secrets_dir.exists():
+        return []
+    if not secrets_dir.is_dir():
+        raise ConfigError(f"secrets directory is not a directory: {secrets_dir}")
+    if not os.access(secrets_dir, os.R_OK | os.X_OK):
+        raise ConfigError(f"secrets directory is not readable: {secrets_dir}")
+    from pydantic_settings.sources import NestedSecretsSettingsSource
+
+    try:
+        source = NestedSecretsSettingsSource(
+            _settings_class(),
+            secrets_dir=secrets_dir,
+            secrets_dir_missing="ok",
+            secrets_prefix="",
+            secrets_nested_delimiter="__",
+        )
+        raw = source()
+    except OSError as exc:
+        raise ConfigError(f"cannot read secret file in {secrets_dir}: {exc.strerror}") from None
+    except Exception as exc:  # pydantic_settings.SettingsError: size limit, bad dir
+        raise ConfigError(f"cannot read secrets directory {secrets_dir}: {exc}") from None
+    files = {name.lower(): name for name in getattr(source, "env_vars", {})}
+    triples: list[tuple[str, Any, str]] = []
+    token = raw.pop("hf_token", None)
+    if token:
+        triples.append((TOKEN_KEY, token, f"secret:{files.get('hf_token', 'hf_token')}"))
+    for dotted, value in _flatten(raw).items():
+        file_name = dotted.replace(".", "__")
+        origin = f"secret:{files.get(file_name, file_name)}"
+        if dotted in known_fields():
+            triples.append((dotted, _parse_value(value, dotted, origin), origin))
+    return triples
+
+
+def _override_layer(overrides: Iterable[str] | Mapping[str, Any]) -> list[tuple[str, Any, str]]:
+    """``section.field=value`` strings (or a mapping of dotted keys) from the command line."""
+    items: Iterable[tuple[str, Any]]
+    if isinstance(overrides, Mapping):
+        items = overrides.items()
+    else:
+        pairs = []
+        for entry in overrides:
+            key, sep, value = str(entry).partition("=")
+            if not sep or not key.strip():
+                raise ConfigError(f"invalid override {entry!r}: expected section.field=value")
+            pairs.append((key.strip(), value))
+        items = pairs
+    canonical: dict[str, Any] = {}
+    for key, value in items:
+        dotted = key if key in known_fields() else None
+        if dotted is None:
+            aliased = _flatten(canonicalize({key: None} if "." in key else {key: value}))
+            if "." in key or not aliased:
+                raise ConfigError(f"invalid override {key!r}: unknown configuration field")
+            dotted = next(iter(aliased))
+        canonical[dotted] = _parse_value(value, dotted, f"override {key}")
+    return [(dotted, value, "cli") for dotted, value in canonical.items()]
+
+
+def _attribute(error: ConfigError, sources: Mapping[str, str]) -> ConfigError:
+    """Append the origin of the offending field to a validation error when known."""
+    message = str(error)
+    for dotted in sorted(sources, key=len, reverse=True):
+        if message.startswith(dotted) and sources[dotted] != "file":
+            return ConfigError(f"{message} (from {sources[dotted]})")
+    return error
+
+
+def resolve_config(
+    source: Any = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    secrets_dir: str | os.PathLike[str] | None = None,
+    overrides: Iterable[str] | Mapping[str, Any] = (),
+) -> ResolvedConfig:
+    """Merge defaults < ``source`` < secret files < environment < ``overrides``.
+
+    ``source``: path, inline YAML/JSON, mapping, or None (then ``SPEEDTRONIC_CONFIG``; if that is
+    unset too, defaults only). ``environ``: defaults to ``os.environ``. ``secrets_dir``: defaults
+    to ``SPEEDTRONIC_SECRETS_DIR`` or ``/run/secrets``; a missing directory is fine.
+    ``overrides``: ``["run.max_steps=7", ...]`` or ``{"run.max_steps": 7}``.
+    """
+    env = dict(os.environ if environ is None else environ)
+    _check_env_names(env)
+    config_path: str | None = None
+    if source is None and env.get("SPEEDTRONIC_CONFIG"):
+        source = env["SPEEDTRONIC_CONFIG"]
+    if isinstance(source, Path) or (isinstance(source, str) and not looks_inline(source)):
+        config_path = str(source)
+    file_values = canonicalize(read_source(source)) if source is not None else {}
+    if secrets_dir is None:
+        secrets_dir = env.get("SPEEDTRONIC_SECRETS_DIR") or DEFAULT_SECRETS_DIR
+
+    merged: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for dotted, value in _flatten(file_values).items():
+        merged[dotted] = value
+        sources[dotted] = "file"
+    layers = (_secret_layer(Path(secrets_dir)), _env_layer(env), _override_layer(overrides))
+    for layer in layers:
+        for dotted, value, origin in layer:
+            merged[dotted] = value
+            sources[dotted] = origin
+    try:
+        config = SpeedtronicConfig.from_dict(_unflatten(merged))
+    except ConfigError as error:
+        raise _attribute(error, sources) from None
+    order = {dotted: index for index, dotted in enumerate(known_fields())}
+    ordered = dict(sorted(sources.items(), key=lambda item: order.get(item[0], len(order))))
+    return ResolvedConfig(config=config, sources=ordered, config_path=config_path)
