@@ -1,0 +1,101 @@
+"""Build the configured optimizer for a model: AdamW, hybrid Muon/AdamW, optionally cautious.
+
+``optimizer.name: adamw`` trains every trainable parameter with AdamW (2.0.0 left hidden
+matrices untrained; SPEC §3). ``optimizer.name: muon`` routes hidden 2-D ``nn.Linear`` weights to
+Muon and the rest to AdamW (:func:`~speedtronic.optim.routing.route_parameters`). Either way every
+trainable parameter is in exactly one group (asserted).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import AdamW, Optimizer
+
+from speedtronic.optim.cautious import CautiousOptimizer
+from speedtronic.optim.muon import HybridOptimizer
+from speedtronic.optim.routing import assert_exactly_once, route_parameters, trainable_parameters
+
+_FUSED_FALLBACK_ERRORS = (TypeError, RuntimeError, ValueError, NotImplementedError)
+
+
+def _optimizer_section(config: Any) -> Any:
+    """Accept a full ``SpeedtronicConfig`` or its ``optimizer`` section."""
+    return getattr(config, "optimizer", config)
+
+
+def _fused_requested(section: Any, device: torch.device) -> bool:
+    if bool(getattr(section, "cautious", False)):
+        return False
+    fused = getattr(section, "fused", None)
+    if fused is not None:
+        return bool(fused)
+    from speedtronic.train.precision import supports_fused_adamw
+
+    return supports_fused_adamw(device)
+
+
+def build_adamw(params: list[nn.Parameter], section: Any, *, fused: bool) -> AdamW:
+    """``torch.optim.AdamW`` from the optimizer section; a failed fused build falls back."""
+    kwargs = {
+        "lr": float(section.lr),
+        "betas": tuple(float(b) for b in section.betas),
+        "eps": float(section.eps),
+        "weight_decay": float(section.weight_decay),
+    }
+    if fused:
+        try:
+            return AdamW(params, fused=True, **kwargs)
+        except _FUSED_FALLBACK_ERRORS:
+            pass
+    return AdamW(params, **kwargs)
+
+
+def build_optimizer(model: nn.Module, config: Any, device: torch.device | str) -> Optimizer:
+    """The optimizer described by ``config.optimizer`` for ``model`` on ``device``.
+
+    ``adamw`` -> ``torch.optim.AdamW`` over all unique trainable parameters; ``muon`` ->
+    :class:`HybridOptimizer` (one base lr for both branches); ``cautious: true`` wraps the result
+    in :class:`CautiousOptimizer` (fused AdamW off). ``fused: null`` probes CUDA support on
+    ``device``. Raises ``ValueError("model has no trainable parameters")`` when there is nothing
+    to train.
+    """
+    section = _optimizer_section(config)
+    device = torch.device(device)
+    trainable = trainable_parameters(model)
+    if not trainable:
+        raise ValueError("model has no trainable parameters")
+    fused = _fused_requested(section, device)
+    name = str(getattr(section, "name", "adamw")).strip().lower()
+    optimizer: Optimizer
+    if name == "adamw":
+        optimizer = build_adamw(trainable, section, fused=fused)
+    elif name == "muon":
+        routing = route_parameters(model)
+        muon, adamw = routing.muon_params, routing.adamw_params
+        optimizer = HybridOptimizer(
+            muon,
+            adamw,
+            muon_lr=float(section.lr),
+            adamw_lr=float(section.lr),
+            betas=tuple(float(b) for b in section.betas),
+            eps=float(section.eps),
+            weight_decay=float(section.weight_decay),
+            fused=fused and bool(adamw),
+            muon_momentum=float(getattr(section, "muon_momentum", 0.95)),
+            muon_ns_steps=int(getattr(section, "muon_ns_steps", 5)),
+            muon_norm_eps=float(getattr(section, "muon_norm_eps", 1e-8)),
+            muon_plus=bool(getattr(section, "muon_plus", False)),
+        )
+    else:
+        raise ValueError(f"optimizer.name must be 'adamw' or 'muon', got {name!r}")
+    assert_exactly_once(model, [group["params"] for group in optimizer.param_groups])
+    if bool(getattr(section, "cautious", False)):
+        optimizer = CautiousOptimizer(optimizer)
+    return optimizer
+
+
+# 2.0.0 name (``runtime.build_optimizer`` delegated to it).
+build_v2_optimizer = build_optimizer

@@ -1,0 +1,396 @@
+"""Muon and Muon+ as pure functions, plus thin optimizer shells.
+
+Muon: Keller Jordan, "Muon: An optimizer for hidden layers in neural networks" (2024),
+https://kellerjordan.github.io/posts/muon/ . Muon+: Zhang et al., "Muon+: Towards Better Muon via
+One Additional Normalization Step" (arXiv 2602.21545). The update of a 2-D weight ``θ`` (r×c)
+with gradient ``g``, learning rate ``η`` (parameter units per step), weight decay ``λ`` (per unit
+of lr) and momentum ``μ`` is::
+
+    B ← μ·B + (1−μ)·g                  # EMA momentum buffer, fp32
+    D ← (1−μ)·g + μ·B                  # Nesterov direction (D ← B without Nesterov)
+    U ← NS(D)                          # ≈ orthogonal polar factor of D, singular values ≈ 1
+    U ← colnorm(rownorm(U))            # Muon+ only
+    θ ← θ·(1 − η·λ) − η·sqrt(max(1, r/c))·U
+
+so ``η`` is the step size in "spectral norm per update" units scaled for tall matrices.
+:class:`HybridOptimizer` couples Muon (hidden matrices) with AdamW (everything else) behind one
+``torch.optim.Optimizer`` with one ``state_dict``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import AdamW, Optimizer
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+"""Quintic Newton–Schulz coefficients (a, b, c) from Keller Jordan's Muon."""
+NS_EPS = 1e-7
+"""Epsilon added to the Frobenius norm before the iteration."""
+POST_POLAR_MODES = ("none", "row", "col", "row_col", "col_row")
+
+_FUSED_FALLBACK_ERRORS = (TypeError, RuntimeError, ValueError, NotImplementedError)
+
+
+def _working_dtype(matrix: Tensor) -> torch.dtype:
+    if matrix.dtype == torch.float64:
+        return torch.float64
+    if matrix.is_cuda and matrix.dtype in (torch.float16, torch.bfloat16):
+        try:
+            if torch.cuda.is_bf16_supported():
+                return torch.bfloat16
+        except (RuntimeError, AssertionError):
+            pass
+    return torch.float32
+
+
+def _ns_iterate(x: Tensor, steps: int, eps: float) -> Tensor:
+    """Quintic iteration on a wide (rows <= cols) matrix or a stack of them; ``x`` is a copy."""
+    a, b, c = NS_COEFFICIENTS
+    x = x / (torch.linalg.matrix_norm(x, keepdim=True) + eps)
+    if x.ndim == 2:
+        for _ in range(steps):
+            gram = x @ x.mT
+            poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b·A + c·A²
+            x = torch.addmm(x, poly, x, beta=a)  # a·X + (bA + cA²)·X
+    else:
+        for _ in range(steps):
+            gram = x @ x.mT
+            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+            x = torch.baddbmm(x, poly, x, beta=a)
+    return x
+
+
+def newton_schulz(matrix: Tensor, steps: int = 5, eps: float = NS_EPS) -> Tensor:
+    """Approximate the orthogonal polar factor ``U Vᵀ`` of ``matrix = U Σ Vᵀ``.
+
+    Keller Jordan's quintic Newton–Schulz iteration with (a, b, c) = (3.4445, −4.7750, 2.0315):
+    normalise by the Frobenius norm (+ ``eps``), then ``steps`` times ``X ← aX + (bA + cA²)X``
+    with ``A = X Xᵀ``, iterating on the wide orientation. Singular values end up near 1 (roughly
+    0.7–1.2 after 5 steps), not exactly 1. Dimensionless output, same shape as the input.
+
+    Works in float64 for float64 input, bfloat16 for half-precision CUDA input (when supported),
+    float32 otherwise, and returns the result in that working dtype. The input is never modified;
+    a zero matrix maps to zeros. Raises ``ValueError`` for non-2-D input, ``steps < 1`` or
+    ``eps <= 0`` and ``TypeError`` for non-floating input.
+    """
+    if matrix.ndim != 2:
+        raise ValueError(f"newton_schulz expects a 2-D matrix, got shape {tuple(matrix.shape)}")
+    if not matrix.is_floating_point():
+        raise TypeError(f"newton_schulz expects a floating point matrix, got {matrix.dtype}")
+    if int(steps) < 1:
+        raise ValueError("newton_schulz steps must be >= 1")
+    if eps <= 0:
+        raise ValueError("newton_schulz eps must be positive")
+    work = _working_dtype(matrix)
+    try:
+        return _orthogonalize(matrix.detach(), int(steps), float(eps), work)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except (RuntimeError, TypeError):
+        if work == torch.float32:
+            raise
+        return _orthogonalize(matrix.detach(), int(steps), float(eps), torch.float32)
+
+
+def _orthogonalize(matrix: Tensor, steps: int, eps: float, dtype: torch.dtype) -> Tensor:
+    """``newton_schulz`` without validation; also accepts a stack (..., r, c) of equal shapes."""
+    x = matrix.to(dtype)
+    tall = x.shape[-2] > x.shape[-1]
+    if tall:
+        x = x.mT
+    x = _ns_iterate(x, steps, eps)
+    return x.mT if tall else x
+
+
+def post_polar_normalize(update: Tensor, *, mode: str = "row_col", eps: float = 1e-8) -> Tensor:
+    """Muon+ normalisation of an orthogonalised update (Zhang et al., arXiv 2602.21545).
+
+    ``row``: each row divided by ``sqrt(Σ row² + eps)``; ``col``: each column likewise;
+    ``row_col``: rows then columns (every column ends at unit L2 norm); ``col_row``: columns then
+    rows; ``none``: identity. Half-precision input is computed in fp32 and cast back. Returns a
+    new tensor. Raises ``ValueError`` for non-2-D input, ``eps <= 0`` or an unknown mode.
+    """
+    if update.ndim != 2:
+        raise ValueError(f"post_polar_normalize expects a 2-D matrix, got {tuple(update.shape)}")
+    if eps <= 0:
+        raise ValueError("post_polar_normalize eps must be positive")
+    mode = str(mode).lower()
+    if mode not in POST_POLAR_MODES:
+        raise ValueError(f"unknown Muon+ mode {mode!r}; expected one of {POST_POLAR_MODES}")
+    return _post_polar(update, mode, float(eps))
+
+
+def _post_polar(update: Tensor, mode: str, eps: float) -> Tensor:
+    """``post_polar_normalize`` without validation; also accepts a stack (..., r, c)."""
+    x = update.float() if update.dtype in (torch.float16, torch.bfloat16) else update.clone()
+    dims = {"none": (), "row": (-1,), "col": (-2,), "row_col": (-1, -2), "col_row": (-2, -1)}
+    for dim in dims[mode]:  # -1: divide each row by its norm; -2: each column
+        x = x * torch.rsqrt(x.square().sum(dim=dim, keepdim=True) + eps)
+    return x.to(update.dtype)
+
+
+def shape_scale(shape: Sequence[int]) -> float:
+    """Muon's per-matrix lr factor ``sqrt(max(1, rows/cols))`` (dimensionless)."""
+    rows, cols = int(shape[-2]), int(shape[-1])
+    return math.sqrt(max(1.0, rows / cols))
+
+
+def muon_update(
+    grad: Tensor,
+    momentum_buffer: Tensor,
+    *,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    eps: float = NS_EPS,
+    muon_plus: bool = False,
+    norm_eps: float = 1e-8,
+) -> Tensor:
+    """Advance the fp32 ``momentum_buffer`` in place and return the scaled update direction.
+
+    Returns ``sqrt(max(1, r/c)) · U`` in float32, where ``U`` is the Newton–Schulz
+    orthogonalisation (Muon+ normalised if ``muon_plus``) of the Nesterov direction; the caller
+    applies ``θ ← θ·(1 − ηλ) − η·result``. ``grad`` may also be a stack ``(n, r, c)`` with a
+    matching buffer. ``grad`` is never modified.
+    """
+    g = grad.float()
+    momentum_buffer.lerp_(g, 1.0 - momentum)
+    direction = g.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
+    update = _orthogonalize(direction, int(ns_steps), float(eps), torch.float32)
+    if muon_plus:
+        update = _post_polar(update, "row_col", float(norm_eps))
+    return update.mul_(shape_scale(update.shape))
+
+
+class Muon(Optimizer):
+    """Muon for 2-D parameters (see the module docstring for the update and units).
+
+    Momentum buffers are fp32 (``state["momentum_buffer"]``) with an integer ``state["step"]``.
+    Parameters of equal shape are orthogonalised together as one batched iteration.
+    ``step`` raises ``ValueError`` for a non-2-D parameter, ``RuntimeError`` for a sparse
+    gradient and ``TypeError`` for a complex gradient.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 3e-4,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        weight_decay: float = 0.0,
+        eps: float = NS_EPS,
+        norm_eps: float = 1e-8,
+        muon_plus: bool = False,
+    ) -> None:
+        if lr <= 0:
+            raise ValueError("Muon lr must be positive")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError("Muon momentum must be in [0, 1)")
+        if int(ns_steps) < 1:
+            raise ValueError("Muon ns_steps must be >= 1")
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "ns_steps": int(ns_steps),
+            "weight_decay": weight_decay,
+            "eps": eps,
+            "norm_eps": norm_eps,
+            "muon_plus": muon_plus,
+        }
+        super().__init__(params, defaults)
+
+    def _collect(self, group: dict[str, Any]) -> dict[tuple, list[Tensor]]:
+        """Validate the group's parameters with gradients and bucket them by (shape, device)."""
+        buckets: dict[tuple, list[Tensor]] = {}
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            grad = param.grad
+            if param.ndim != 2:
+                raise ValueError(
+                    f"Muon only updates 2-D parameters, got shape {tuple(param.shape)}"
+                )
+            if grad.is_sparse:
+                raise RuntimeError("Muon does not support sparse gradients")
+            if grad.is_complex():
+                raise TypeError("Muon does not support complex gradients")
+            state = self.state[param]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(param, dtype=torch.float32)
+                state["step"] = 0
+            elif state["momentum_buffer"].dtype != torch.float32:  # load_state_dict casts it
+                state["momentum_buffer"] = state["momentum_buffer"].float()
+            buckets.setdefault((tuple(param.shape), param.device), []).append(param)
+        return buckets
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Apply one Muon update to every parameter with a gradient; returns the closure value."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, decay = float(group["lr"]), float(group["weight_decay"])
+            options = {
+                "momentum": float(group["momentum"]),
+                "nesterov": bool(group.get("nesterov", True)),
+                "ns_steps": int(group["ns_steps"]),
+                "eps": float(group.get("eps", NS_EPS)),
+                "muon_plus": bool(group.get("muon_plus", False)),
+                "norm_eps": float(group.get("norm_eps", 1e-8)),
+            }
+            for params in self._collect(group).values():
+                self._step_bucket(params, lr, decay, options)
+        return loss
+
+    def _step_bucket(
+        self, params: list[Tensor], lr: float, decay: float, options: dict[str, Any]
+    ) -> None:
+        states = [self.state[p] for p in params]
+        if len(params) == 1:
+            updates = [muon_update(params[0].grad, states[0]["momentum_buffer"], **options)]
+        else:
+            grads = torch.stack([p.grad.float() for p in params])
+            buffers = torch.stack([s["momentum_buffer"] for s in states])
+            stacked = muon_update(grads, buffers, **options)
+            updates = list(stacked.unbind(0))
+            torch._foreach_copy_([s["momentum_buffer"] for s in states], list(buffers.unbind(0)))
+        for param, state, update in zip(params, states, updates, strict=True):
+            state["step"] = int(state.get("step", 0)) + 1
+            if decay != 0.0:
+                param.mul_(1.0 - lr * decay)
+            param.add_(update.to(param.dtype), alpha=-lr)
+
+
+def _adamw(params: list[Tensor], fused: bool, **kwargs: Any) -> AdamW:
+    if fused:
+        try:
+            return AdamW(params, fused=True, **kwargs)
+        except _FUSED_FALLBACK_ERRORS:
+            pass
+    return AdamW(params, **kwargs)
+
+
+class HybridOptimizer(Optimizer):
+    """Muon for hidden matrices and AdamW for the rest, behind one optimizer facade.
+
+    ``param_groups`` are, in order, a Muon group (``algorithm="muon"``) and an AdamW group
+    (``algorithm="adamw"``), each present only when it has parameters; their hyper-parameters
+    (``lr`` included, so one ``LambdaLR`` scales both) are copied into the two inner optimizers
+    at every ``step``. Both inner optimizers share the facade's ``state`` dict, so ``state_dict``
+    / ``load_state_dict`` / ``state.clear()`` cover both. The closure runs exactly once.
+    """
+
+    def __init__(
+        self,
+        muon_params: Iterable[Tensor],
+        adamw_params: Iterable[Tensor],
+        *,
+        muon_lr: float,
+        adamw_lr: float,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        fused: bool = False,
+        muon_momentum: float = 0.95,
+        muon_ns_steps: int = 5,
+        muon_norm_eps: float = 1e-8,
+        muon_plus: bool = False,
+    ) -> None:
+        muon_list, adamw_list = list(muon_params), list(adamw_params)
+        if not muon_list and not adamw_list:
+            raise ValueError("HybridOptimizer needs at least one parameter")
+        groups: list[dict[str, Any]] = []
+        if muon_list:
+            groups.append(
+                {
+                    "params": muon_list,
+                    "algorithm": "muon",
+                    "lr": float(muon_lr),
+                    "momentum": float(muon_momentum),
+                    "ns_steps": int(muon_ns_steps),
+                    "norm_eps": float(muon_norm_eps),
+                    "muon_plus": bool(muon_plus),
+                    "weight_decay": float(weight_decay),
+                }
+            )
+        if adamw_list:
+            groups.append(
+                {
+                    "params": adamw_list,
+                    "algorithm": "adamw",
+                    "lr": float(adamw_lr),
+                    "betas": tuple(float(b) for b in betas),
+                    "eps": float(eps),
+                    "weight_decay": float(weight_decay),
+                    "fused": bool(fused),
+                }
+            )
+        super().__init__(groups, {"algorithm": "hybrid"})
+        self.muon: Muon | None = None
+        self.adamw: AdamW | None = None
+        if muon_list:
+            self.muon = Muon(
+                muon_list,
+                lr=float(muon_lr),
+                momentum=float(muon_momentum),
+                ns_steps=int(muon_ns_steps),
+                weight_decay=float(weight_decay),
+                norm_eps=float(muon_norm_eps),
+                muon_plus=bool(muon_plus),
+            )
+        if adamw_list:
+            self.adamw = _adamw(
+                adamw_list,
+                bool(fused),
+                lr=float(adamw_lr),
+                betas=tuple(float(b) for b in betas),
+                eps=float(eps),
+                weight_decay=float(weight_decay),
+            )
+            self.param_groups[-1]["fused"] = bool(self.adamw.param_groups[0].get("fused"))
+        self._bind_children()
+
+    def _group(self, algorithm: str) -> dict[str, Any] | None:
+        return next((g for g in self.param_groups if g.get("algorithm") == algorithm), None)
+
+    def _bind_children(self) -> None:
+        """Share the facade's state dict and copy facade hyper-parameters into the children."""
+        muon_group, adamw_group = self._group("muon"), self._group("adamw")
+        if self.muon is not None and muon_group is not None:
+            self.muon.state = self.state
+            child = self.muon.param_groups[0]
+            for key in ("lr", "weight_decay", "momentum", "ns_steps", "norm_eps", "muon_plus"):
+                child[key] = muon_group[key]
+        if self.adamw is not None and adamw_group is not None:
+            self.adamw.state = self.state
+            child = self.adamw.param_groups[0]
+            for key in ("lr", "betas", "eps", "weight_decay"):
+                child[key] = adamw_group[key]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Evaluate ``closure`` once, then step Muon and AdamW; returns the closure value."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._bind_children()
+        if self.muon is not None:
+            self.muon.step()
+        if self.adamw is not None:
+            self.adamw.step()
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load facade state, then re-bind both inner optimizers to it."""
+        super().load_state_dict(state_dict)
+        self._bind_children()
