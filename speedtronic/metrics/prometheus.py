@@ -1,0 +1,313 @@
+"""Prometheus exporter: a metrics hook that turns training and DiLoCo events into series.
+
+`PrometheusSink` is attached to the trainer's `MetricLogger` like any other hook
+(``trainer.logger.hooks.append(sink)``). It sets ``wants_all_steps = True`` so the logger
+hands it every ``train_step`` event regardless of the text log cadence. It owns its own
+`CollectorRegistry` (no global state), which `speedtronic.metrics.server.MetricsServer`
+serves on ``/metrics``.
+
+Every series carries the labels ``role`` and ``node_id`` (never the token). Two series have one
+extra bounded label: ``speedtronic_diloco_uploads_total{result}`` and
+``speedtronic_diloco_retries_total{operation}``. The list of series is `SERIES`; docs/deploy.md
+documents the same list.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["SERIES", "UPLOAD_RESULTS", "PrometheusSink"]
+
+# Exposed sample name -> help text. Counters are listed with their `_total` sample name and
+# histograms with their base name (Prometheus adds `_bucket`, `_sum`, `_count`).
+SERIES: dict[str, str] = {
+    "speedtronic_train_steps_total": "Optimizer steps applied by this process.",
+    "speedtronic_train_tokens_total": "Tokens trained on by this process.",
+    "speedtronic_train_samples_total": "Samples trained on by this process.",
+    "speedtronic_train_step": "Current absolute global step (includes resumed steps).",
+    "speedtronic_train_loss": "Mean microbatch loss of the last applied update.",
+    "speedtronic_train_learning_rate": "Learning rate after the last scheduler step.",
+    "speedtronic_train_step_seconds": "Wall time of one optimizer step.",
+    "speedtronic_train_tokens_per_second": "Tokens per second since this fit() began.",
+    "speedtronic_train_skipped_steps_total": "Updates skipped (GradScaler overflow, non-finite).",
+    "speedtronic_memory_bytes": "Accelerator memory allocated (host RSS when no accelerator).",
+    "speedtronic_seconds_since_last_step": "Seconds since the last applied step (or start).",
+    "speedtronic_checkpoint_saves_total": "Checkpoints written.",
+    "speedtronic_checkpoint_save_seconds": "Time to write one checkpoint.",
+    "speedtronic_diloco_outer_step": "Latest known DiLoCo outer (global) step.",
+    "speedtronic_diloco_rounds_total": "DiLoCo outer rounds run by the master.",
+    "speedtronic_diloco_deltas_found_total": "Deltas found by the master's outer rounds.",
+    "speedtronic_diloco_deltas_included_total": "Deltas averaged into a global update.",
+    "speedtronic_diloco_deltas_skipped_total": "Deltas skipped (stale, duplicate, mismatched).",
+    "speedtronic_diloco_deltas_corrupt_total": "Deltas that could not be read.",
+    "speedtronic_diloco_uploads_total": "Delta uploads by result (ok, failed, skipped, ...).",
+    "speedtronic_diloco_upload_bytes_total": "Bytes of delta files uploaded.",
+    "speedtronic_diloco_upload_seconds": "Time to upload one delta.",
+    "speedtronic_diloco_global_pulls_total": "Global states pulled and installed.",
+    "speedtronic_diloco_retries_total": "Transport retries by operation.",
+    "speedtronic_diloco_seconds_since_last_global_sync": "Seconds since the last global sync.",
+}
+
+UPLOAD_RESULTS = ("ok", "failed", "skipped", "stale", "zero")
+
+_UPLOAD_EVENTS = {
+    "delta_uploaded": "ok",
+    "delta_upload_failed": "failed",
+    "delta_upload_skipped": "skipped",
+    "delta_upload_stale": "stale",
+    "delta_upload_zero": "zero",
+}
+
+_STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_IO_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0)
+
+
+def _host_rss_bytes() -> float:
+    """Resident set size of this process in bytes (Linux /proc), NaN where unknown."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as handle:
+            pages = int(handle.read().split()[1])
+        import resource
+
+        return float(pages * resource.getpagesize())
+    except (OSError, ValueError, IndexError, ImportError):
+        return math.nan
+
+
+def _number(payload: Mapping[str, Any], key: str) -> float | None:
+    """The payload value under `key` as a finite-or-not float, None when absent or not numeric."""
+    value = payload.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+class PrometheusSink:
+    """Metrics hook: ``on_event(event, payload)`` updates Prometheus series.
+
+    Args:
+        role: ``single``, ``master`` or ``worker`` (a label on every series).
+        node_id: this node's id (a label on every series).
+        registry: where the series live; a new private `CollectorRegistry` when None.
+        clock: monotonic clock in seconds (injectable for tests).
+    """
+
+    wants_all_steps = True
+
+    def __init__(
+        self,
+        role: str,
+        node_id: str,
+        registry: CollectorRegistry | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.role = str(role)
+        self.node_id = str(node_id)
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._started = clock()
+        self._last_step_time: float | None = None
+        self._last_sync_time: float | None = None
+        self._step: int | None = None
+        self._samples: int | None = None
+        self._tokens: int | None = None
+        self._build_series()
+
+    # -- construction -------------------------------------------------------------------
+    def _series(self, kind: type, name: str, *extra: str, **kwargs: Any) -> Any:
+        labels = ("role", "node_id", *extra)
+        sample = name if kind is not Counter else f"{name}_total"
+        doc = SERIES[sample]
+        return kind(name, doc, labels, registry=self.registry, **kwargs)
+
+    def _build_series(self) -> None:
+        ids = {"role": self.role, "node_id": self.node_id}
+        c, g, h = Counter, Gauge, Histogram
+        self.steps = self._series(c, "speedtronic_train_steps").labels(**ids)
+        self.tokens = self._series(c, "speedtronic_train_tokens").labels(**ids)
+        self.samples = self._series(c, "speedtronic_train_samples").labels(**ids)
+        self.step = self._series(g, "speedtronic_train_step").labels(**ids)
+        self.loss = self._series(g, "speedtronic_train_loss").labels(**ids)
+        self.learning_rate = self._series(g, "speedtronic_train_learning_rate").labels(**ids)
+        self.step_seconds = self._series(
+            h, "speedtronic_train_step_seconds", buckets=_STEP_BUCKETS
+        ).labels(**ids)
+        self.tokens_per_second = self._series(g, "speedtronic_train_tokens_per_second").labels(
+            **ids
+        )
+        self.skipped_steps = self._series(c, "speedtronic_train_skipped_steps").labels(**ids)
+        self.memory = self._series(g, "speedtronic_memory_bytes").labels(**ids)
+        self.memory.set_function(self._memory_value)
+        self._device_memory: float | None = None
+        self.since_step = self._series(g, "speedtronic_seconds_since_last_step").labels(**ids)
+        self.since_step.set_function(self._seconds_since_step)
+        self.checkpoint_saves = self._series(c, "speedtronic_checkpoint_saves").labels(**ids)
+        self.checkpoint_seconds = self._series(
+            h, "speedtronic_checkpoint_save_seconds", buckets=_IO_BUCKETS
+        ).labels(**ids)
+        self.outer_step = self._series(g, "speedtronic_diloco_outer_step").labels(**ids)
+        self.rounds = self._series(c, "speedtronic_diloco_rounds").labels(**ids)
+        self.deltas = {
+            kind: self._series(c, f"speedtronic_diloco_deltas_{kind}").labels(**ids)
+            for kind in ("found", "included", "skipped", "corrupt")
+        }
+        uploads = self._series(c, "speedtronic_diloco_uploads", "result")
+        self.uploads = {result: uploads.labels(result=result, **ids) for result in UPLOAD_RESULTS}
+        self.upload_bytes = self._series(c, "speedtronic_diloco_upload_bytes").labels(**ids)
+        self.upload_seconds = self._series(
+            h, "speedtronic_diloco_upload_seconds", buckets=_IO_BUCKETS
+        ).labels(**ids)
+        self.global_pulls = self._series(c, "speedtronic_diloco_global_pulls").labels(**ids)
+        self._retries = self._series(c, "speedtronic_diloco_retries", "operation")
+        self.since_sync = self._series(
+            g, "speedtronic_diloco_seconds_since_last_global_sync"
+        ).labels(**ids)
+        self.since_sync.set_function(self._seconds_since_sync)
+
+    # -- scrape-time values -------------------------------------------------------------
+    def _memory_value(self) -> float:
+        device = self._device_memory
+        return device if device is not None else _host_rss_bytes()
+
+    def _seconds_since_step(self) -> float:
+        last = self._last_step_time
+        return self._clock() - (last if last is not None else self._started)
+
+    def _seconds_since_sync(self) -> float:
+        last = self._last_sync_time
+        return self._clock() - (last if last is not None else self._started)
+
+    @property
+    def last_step_time(self) -> float | None:
+        """Monotonic time of the last ``train_step`` event, None before the first."""
+        return self._last_step_time
+
+    # -- the hook -----------------------------------------------------------------------
+    def on_event(self, event: str, payload: Mapping[str, Any]) -> None:
+        """Update the series for one logger event; unknown events are ignored."""
+        handler = getattr(self, f"_on_{event}", None)
+        if handler is not None:
+            with self._lock:
+                handler(payload)
+        elif event in _UPLOAD_EVENTS:
+            with self._lock:
+                self._on_upload(_UPLOAD_EVENTS[event], payload)
+
+    __call__ = on_event
+
+    def _count_growth(self, attr: str, counter: Any, value: float | None, fresh: bool) -> None:
+        """Increase `counter` by the growth of the cumulative payload value `value`.
+
+        The first value seen counts in full when the run started from step 0 (`fresh`); after
+        a resume it only becomes the baseline (the restored total was counted by an earlier
+        process).
+        """
+        if value is None:
+            return
+        current = int(value)
+        previous = getattr(self, attr)
+        if previous is None:
+            if fresh and current > 0:
+                counter.inc(current)
+        elif current > previous:
+            counter.inc(current - previous)
+        setattr(self, attr, current)
+
+    def _on_train_start(self, payload: Mapping[str, Any]) -> None:
+        start = _number(payload, "start_step")
+        if start is not None:
+            self._step = int(start)
+            self.step.set(start)
+
+    def _on_train_step(self, payload: Mapping[str, Any]) -> None:
+        now = self._clock()
+        step = _number(payload, "step")
+        fresh = self._step in (None, 0) if self._samples is None else False
+        if step is not None:
+            previous = self._step
+            increment = int(step) - previous if previous is not None else 1
+            self.steps.inc(max(increment, 0))
+            self._step = int(step)
+            self.step.set(step)
+        # Cumulative counters restored from a checkpoint count only from this process start.
+        self._count_growth("_samples", self.samples, _number(payload, "samples"), fresh)
+        self._count_growth("_tokens", self.tokens, _number(payload, "tokens"), fresh)
+        for key, gauge in (("loss", self.loss), ("lr", self.learning_rate)):
+            value = _number(payload, key)
+            if value is not None:
+                gauge.set(value)
+        rate = _number(payload, "tokens_per_sec")
+        if rate is not None:
+            self.tokens_per_second.set(rate)
+        seconds = _number(payload, "step_time_s")
+        if seconds is None and self._last_step_time is not None:
+            seconds = now - self._last_step_time
+        if seconds is not None and seconds >= 0:
+            self.step_seconds.observe(seconds)
+        memory = _number(payload, "memory_bytes")
+        if memory is not None:
+            self._device_memory = memory
+        self._last_step_time = now
+
+    def _on_optimizer_step_skipped(self, payload: Mapping[str, Any]) -> None:
+        self.skipped_steps.inc()
+
+    def _on_nonfinite_loss(self, payload: Mapping[str, Any]) -> None:
+        self.skipped_steps.inc()
+
+    def _on_checkpoint_saved(self, payload: Mapping[str, Any]) -> None:
+        self.checkpoint_saves.inc()
+        seconds = _number(payload, "seconds")
+        if seconds is not None:
+            self.checkpoint_seconds.observe(seconds)
+
+    _on_checkpoint = _on_checkpoint_saved  # 2.0.0 name of the same event
+
+    def _on_diloco_started(self, payload: Mapping[str, Any]) -> None:
+        step = _number(payload, "global_step")
+        if step is not None:
+            self.outer_step.set(step)
+
+    def _on_outer_step(self, payload: Mapping[str, Any]) -> None:
+        self.rounds.inc()
+        step = _number(payload, "outer_step")
+        if step is not None:
+            self.outer_step.set(step)
+        for kind, counter in self.deltas.items():
+            value = _number(payload, f"deltas_{kind}")
+            if value is not None and value > 0:
+                counter.inc(value)
+        included = _number(payload, "deltas_included")
+        if included:
+            self._last_sync_time = self._clock()
+
+    def _on_global_pulled(self, payload: Mapping[str, Any]) -> None:
+        self.global_pulls.inc()
+        step = _number(payload, "outer_step")
+        if step is not None:
+            self.outer_step.set(step)
+        self._last_sync_time = self._clock()
+
+    def _on_transport_retry(self, payload: Mapping[str, Any]) -> None:
+        operation = str(payload.get("operation") or "unknown")
+        self._retries.labels(role=self.role, node_id=self.node_id, operation=operation).inc()
+
+    def _on_upload(self, result: str, payload: Mapping[str, Any]) -> None:
+        self.uploads[result].inc()
+        if result != "ok":
+            return
+        size = _number(payload, "bytes")
+        if size is not None and size > 0:
+            self.upload_bytes.inc(size)
+        seconds = _number(payload, "seconds")
+        if seconds is not None and seconds >= 0:
+            self.upload_seconds.observe(seconds)
+        self._last_sync_time = self._clock()
