@@ -1,0 +1,237 @@
+"""The ``speedtronic`` command line (the only module that prints or exits).
+
+Commands (every one takes ``--config``, ``--max-steps``, ``--output-dir``, ``--device``,
+``--resume`` and repeatable ``--set section.field=value``; the config path may also come from
+``SPEEDTRONIC_CONFIG``)::
+
+    speedtronic validate [--format yaml|json]              # normalised, redacted config
+    speedtronic config show [--sources] [--format yaml|json]
+    speedtronic train                                      # speedtronic.train.launch
+    speedtronic run                                        # container entrypoint
+    speedtronic plot EVENTS [--output PNG]
+
+Exit codes: 0 success; 2 configuration error (one ``error: ...`` line on stderr, no
+traceback); 1 any other failure (one ``error: <Type>: ...`` line); 130 after Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from speedtronic.config import ConfigError, ResolvedConfig, resolve_config
+from speedtronic.config.coercion import REDACTED
+
+__all__ = ["build_parser", "main"]
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_CONFIG = 2
+EXIT_INTERRUPTED = 130
+
+
+class _CommandError(Exception):
+    """A usage problem detected after parsing (reported like a configuration error)."""
+
+
+def _common_flags() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    group = common.add_argument_group("configuration")
+    group.add_argument(
+        "--config",
+        metavar="PATH",
+        help="config file (YAML/JSON) or inline YAML; default: $SPEEDTRONIC_CONFIG",
+    )
+    group.add_argument("--max-steps", type=int, metavar="N", help="set the run target")
+    group.add_argument("--output-dir", metavar="PATH", help="set run.output_dir")
+    group.add_argument("--device", metavar="DEVICE", help="set run.device (auto, cpu, cuda, ...)")
+    group.add_argument(
+        "--resume", action="store_true", help="resume from the latest local checkpoint"
+    )
+    group.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="override one field (repeatable); the value is parsed as YAML",
+    )
+    return common
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse tree for ``speedtronic``."""
+    from speedtronic import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="speedtronic", description="Efficient training with optional DumbDiLoCo"
+    )
+    parser.add_argument("--version", action="version", version=f"speedtronic {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    common = _common_flags()
+
+    validate = commands.add_parser(
+        "validate", parents=[common], help="load, validate and print the config"
+    )
+    validate.add_argument("--format", choices=("yaml", "json"), default="yaml")
+
+    config = commands.add_parser("config", help="inspect the merged configuration")
+    config_commands = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    show = config_commands.add_parser(
+        "show", parents=[common], help="print the merged, redacted config"
+    )
+    show.add_argument("--sources", action="store_true", help="also print where values came from")
+    show.add_argument("--format", choices=("yaml", "json"), default="yaml")
+
+    commands.add_parser("train", parents=[common], help="train locally (CLI progress)")
+    commands.add_parser("run", parents=[common], help="container entrypoint (metrics server)")
+
+    plot = commands.add_parser("plot", help="plot a JSONL event log")
+    plot.add_argument("source", help="events.jsonl file or run directory")
+    plot.add_argument("--output", "-o", help="image path (default: beside the source)")
+    return parser
+
+
+def _resolve(args: argparse.Namespace) -> ResolvedConfig:
+    """Layered config for a command: file < secrets < env < --set/--max-steps/--output-dir."""
+    overrides = list(args.overrides)
+    if args.output_dir:
+        overrides.append(f"run.output_dir={args.output_dir}")
+    if args.device:
+        overrides.append(f"run.device={args.device}")
+    if args.max_steps is not None:
+        overrides.append(f"run.max_steps={args.max_steps}")
+    source = args.config
+    if source is None and not os.environ.get("SPEEDTRONIC_CONFIG"):
+        raise _CommandError("no configuration given: pass --config PATH or set SPEEDTRONIC_CONFIG")
+    resolved = resolve_config(source, environ=os.environ, overrides=overrides)
+    config = resolved.config
+    if args.max_steps is not None and config.effective_max_steps != args.max_steps:
+        config.apply_run_target(args.max_steps)  # --max-steps also beats data.max_steps
+        resolved.sources["data.max_steps"] = "cli"
+    return resolved
+
+
+def _dump(payload: Any, fmt: str) -> str:
+    if fmt == "json":
+        return json.dumps(payload, indent=2)
+    import yaml
+
+    return yaml.safe_dump(payload, sort_keys=False, allow_unicode=True).rstrip("\n")
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    config = _resolve(args).config
+    derived = {
+        "accumulation_steps": config.accumulation_steps,
+        "effective_max_steps": config.effective_max_steps,
+    }
+    if args.format == "json":
+        print(_dump({"config": config.to_dict(redact_secrets=True), "derived": derived}, "json"))
+    else:
+        print(config.to_yaml(redact_secrets=True), end="")
+        for key, value in derived.items():
+            print(f"# {key}: {value}")
+    return EXIT_OK
+
+
+def _cmd_config_show(args: argparse.Namespace) -> int:
+    resolved = _resolve(args)
+    redacted = resolved.config.to_dict(redact_secrets=True)
+    if args.sources:
+        print(_dump({"config": redacted, "sources": resolved.sources}, args.format))
+    else:
+        print(_dump(redacted, args.format))
+    return EXIT_OK
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    config = _resolve(args).config
+    from speedtronic.train.launch import train_command
+
+    result = train_command(config, resume=args.resume, progress=None)
+    stopped = getattr(result, "stopped_reason", None)
+    line = (
+        f"completed steps={result.steps} samples={result.samples} "
+        f"tokens={result.tokens} loss={result.final_loss}"
+    )
+    print(line + (f" stopped={stopped}" if stopped else ""))
+    return EXIT_OK
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    resolved = _resolve(args)
+    from speedtronic.entrypoint import run_command
+
+    return int(run_command(resolved, resume=args.resume))
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from speedtronic.metrics.plot import plot_command
+
+    source = Path(args.source)
+    if not source.exists():
+        raise _CommandError(f"plot source not found: {source}")
+    output = args.output
+    if not output:
+        output = str(source / "loss.png") if source.is_dir() else str(source.with_suffix(".png"))
+    print(plot_command(str(source), output))
+    return EXIT_OK
+
+
+_COMMANDS = {
+    "validate": _cmd_validate,
+    "train": _cmd_train,
+    "run": _cmd_run,
+    "plot": _cmd_plot,
+}
+
+
+def _one_line(message: str) -> str:
+    """Collapse a message to a single line and scrub any token it might carry."""
+    for name in ("HF_TOKEN", "SPEEDTRONIC_DISTRIBUTED__TOKEN"):
+        token = os.environ.get(name)
+        if token and len(token) >= 4:
+            message = message.replace(token, REDACTED)
+    return " ".join(message.split())
+
+
+def _setup_logging() -> None:
+    """Library warnings (e.g. a token in a YAML file) go to stderr as ``warning: ...``."""
+    config_logger = logging.getLogger("speedtronic.config")
+    if not config_logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("warning: %(message)s"))
+        config_logger.addHandler(handler)
+        config_logger.setLevel(logging.WARNING)
+        config_logger.propagate = False
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the process exit code (argparse usage errors raise SystemExit 2)."""
+    args = build_parser().parse_args(argv)
+    _setup_logging()
+    handler = _cmd_config_show if args.command == "config" else _COMMANDS[args.command]
+    try:
+        return handler(args)
+    except (ConfigError, _CommandError) as exc:
+        print(f"error: {_one_line(str(exc))}", file=sys.stderr)
+        return EXIT_CONFIG
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        return EXIT_FAILURE
+    except Exception as exc:  # one line, no traceback; the logs carry details
+        print(f"error: {type(exc).__name__}: {_one_line(str(exc))}", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
