@@ -1,0 +1,319 @@
+"""Checkpoint files: atomic writes, the ``latest.json`` pointer, pruning, safe loading.
+
+Layout of a checkpoint directory::
+
+    latest.json              {"step": 4, "file": "step_000000000004.pt"}
+    step_000000000002.pt
+    step_000000000004.pt
+
+Every file is written atomically: a temp file in the same directory
+(``.<name>.tmp-<pid>``), flushed and ``fsync``-ed, renamed over the target with
+``os.replace`` and the directory ``fsync``-ed. A process killed mid-write leaves at worst a
+stale temp file; the previous checkpoint stays loadable. Checkpoints hold only tensors and
+primitive containers and are read with ``torch.load(weights_only=True)`` (no pickled objects).
+If the newest checkpoint is unreadable, ``load_latest`` warns and falls back to the previous one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointManager",
+    "atomic_json_dump",
+    "atomic_torch_save",
+    "capture_rng_state",
+    "restore_rng_state",
+]
+
+_STEP_FILE = re.compile(r"step_(\d+)\.pt")
+_TEMP_MARK = ".tmp-"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written, found or read."""
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, write: Callable[[Any], None]) -> Path:
+    """Write ``path`` through ``write(fileobj)`` via temp file + fsync + rename + dir fsync."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}{_TEMP_MARK}{os.getpid()}")
+    try:
+        with open(temp, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, path)
+        _fsync_dir(path.parent)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            temp.unlink()
+    return path
+
+
+def atomic_torch_save(state: Any, path: str | os.PathLike) -> Path:
+    """``torch.save(state)`` to ``path`` atomically (temp file, fsync, rename, dir fsync)."""
+    return _atomic_write(Path(path), lambda handle: torch.save(state, handle))
+
+
+def atomic_json_dump(value: Any, path: str | os.PathLike) -> Path:
+    """Write ``value`` as indented JSON (plus newline) to ``path`` atomically."""
+    data = (json.dumps(value, indent=2, default=str) + "\n").encode("utf-8")
+    return _atomic_write(Path(path), lambda handle: handle.write(data))
+
+
+# ----------------------------------------------------------------------------- RNG state
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Python, NumPy, torch CPU and (when available) CUDA RNG states as tensors/lists.
+
+    The result survives ``torch.load(weights_only=True)``.
+    """
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {
+        "python": {"version": version, "state": list(internal), "gauss": gauss},
+        "torch": torch.get_rng_state(),
+    }
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = {
+            "kind": str(kind),
+            "keys": torch.from_numpy(keys.astype("int64")),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        }
+    except Exception:  # NumPy missing or exotic
+        state["numpy"] = None
+    if torch.cuda.is_available():
+        state["cuda"] = list(torch.cuda.get_rng_state_all())
+    return state
+
+
+def restore_rng_state(state: dict[str, Any] | None) -> None:
+    """Restore what :func:`capture_rng_state` captured; each subsystem independently."""
+    if not state:
+        return
+    python = state.get("python")
+    if python:
+        random.setstate((python["version"], tuple(python["state"]), python["gauss"]))
+    if state.get("torch") is not None:
+        torch.set_rng_state(state["torch"])
+    numpy_state = state.get("numpy")
+    if numpy_state:
+        import numpy as np
+
+        np.random.set_state(
+            (
+                numpy_state["kind"],
+                numpy_state["keys"].numpy().astype("uint32"),
+                numpy_state["pos"],
+                numpy_state["has_gauss"],
+                numpy_state["cached_gaussian"],
+            )
+        )
+    if state.get("cuda") and torch.cuda.is_available():
+        with contextlib.suppress(Exception):
+            torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ----------------------------------------------------------------------------- manager
+
+
+def _short(exc: BaseException) -> str:
+    """One informative line of a (possibly multi-paragraph) load error."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    chosen = next((line for line in lines if "Unpickler error" in line), lines[0] if lines else "")
+    return f"{type(exc).__name__}: {chosen[:300]}"
+
+
+class CheckpointManager:
+    """Owns one checkpoint directory: naming, interval, atomic save, pruning, fallback load.
+
+    ``every_steps`` is the save interval in optimizer steps, ``keep_last`` how many step files
+    to keep (``None`` keeps all), ``warn`` a ``callable(message)`` for fallback warnings (the
+    runtime passes ``MetricLogger.warning``).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        every_steps: int = 500,
+        keep_last: int | None = 3,
+        enabled: bool = True,
+        save_final: bool = True,
+        warn: Callable[[str], Any] | None = None,
+    ) -> None:
+        if int(every_steps) <= 0:
+            raise ValueError("checkpoint.every_steps must be positive")
+        if keep_last is not None and int(keep_last) <= 0:
+            raise ValueError("checkpoint.keep_last must be positive or null")
+        self.directory = Path(directory)
+        self.every_steps = int(every_steps)
+        self.keep_last = None if keep_last is None else int(keep_last)
+        self.enabled = bool(enabled)
+        self.save_final = bool(save_final)
+        self.warn = warn
+
+    @property
+    def pointer_path(self) -> Path:
+        """``<dir>/latest.json``."""
+        return self.directory / "latest.json"
+
+    def should_save(self, step: int) -> bool:
+        """True when ``step`` is a positive multiple of the interval and saving is on."""
+        return self.enabled and step > 0 and step % self.every_steps == 0
+
+    def path_for(self, step: int) -> Path:
+        """``<dir>/step_<12-digit step>.pt``."""
+        return self.directory / f"step_{int(step):012d}.pt"
+
+    def save(self, step: int, state: dict[str, Any]) -> Path:
+        """Write ``state`` as the checkpoint for ``step``, move the pointer, prune old files."""
+        path = self.path_for(step)
+        try:
+            atomic_torch_save(state, path)
+            atomic_json_dump({"step": int(step), "file": path.name}, self.pointer_path)
+        except OSError as exc:
+            raise CheckpointError(f"could not write checkpoint {path}: {exc}") from exc
+        self.prune()
+        return path
+
+    def step_files(self) -> list[tuple[int, Path]]:
+        """``(step, path)`` of every step file, oldest first."""
+        if not self.directory.is_dir():
+            return []
+        found = []
+        for child in self.directory.iterdir():
+            match = _STEP_FILE.fullmatch(child.name)
+            if match and child.is_file():
+                found.append((int(match.group(1)), child))
+        return sorted(found)
+
+    def _pointer_file(self) -> Path | None:
+        try:
+            pointer = json.loads(self.pointer_path.read_text(encoding="utf-8"))
+            name = str(pointer["file"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if not _STEP_FILE.fullmatch(name):  # never follow a pointer out of the directory
+            return None
+        path = self.directory / name
+        return path if path.is_file() else None
+
+    def candidates(self) -> list[Path]:
+        """Checkpoint files to try, newest first (the pointer's file leads when valid)."""
+        ordered = [path for _, path in reversed(self.step_files())]
+        pointed = self._pointer_file()
+        if pointed is not None and ordered and pointed != ordered[0]:
+            # The pointer can lag a newer file after a crash; newest step wins, pointer next.
+            ordered.remove(pointed)
+            ordered.insert(1, pointed)
+        return ordered
+
+    def latest_path(self) -> Path | None:
+        """The newest checkpoint file (not checked for readability), or ``None``."""
+        candidates = self.candidates()
+        return candidates[0] if candidates else None
+
+    @staticmethod
+    def load(path: str | os.PathLike) -> dict[str, Any]:
+        """Read one checkpoint with ``weights_only=True``; ``CheckpointError`` when unusable."""
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise CheckpointError(f"checkpoint {path} is unreadable: {_short(exc)}") from exc
+        if not isinstance(state, dict):
+            raise CheckpointError(f"checkpoint {path} does not contain a state dictionary")
+        return state
+
+    def load_latest(self) -> dict[str, Any] | None:
+        """The newest readable checkpoint state, or ``None`` when there is none.
+
+        An unreadable newest file (truncated, corrupt) is reported through ``warn`` and the
+        previous one is tried. ``CheckpointError`` only when files exist but none is readable.
+        """
+        candidates = self.candidates()
+        errors = []
+        for index, path in enumerate(candidates):
+            try:
+                state = self.load(path)
+            except CheckpointError as exc:
+                errors.append(str(exc))
+                following = candidates[index + 1] if index + 1 < len(candidates) else None
+                self._warn(
+                    f"{exc}; falling back to {following.name}"
+                    if following
+                    else f"{exc}; no older checkpoint to fall back to"
+                )
+                continue
+            state.setdefault("path", str(path))
+            return state
+        if errors:
+            raise CheckpointError(
+                f"no readable checkpoint in {self.directory}: " + "; ".join(errors)
+            )
+        return None
+
+    def _warn(self, message: str) -> None:
+        if self.warn is not None:
+            self.warn(message)
+        else:
+            import warnings
+
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    def prune(self) -> None:
+        """Delete all but the newest ``keep_last`` step files, and stale temp files."""
+        if self.directory.is_dir():
+            own = f"{_TEMP_MARK}{os.getpid()}"
+            for child in self.directory.iterdir():
+                stale = child.name.startswith(".") and _TEMP_MARK in child.name
+                if stale and not child.name.endswith(own):
+                    with contextlib.suppress(OSError):
+                        child.unlink()
+        if self.keep_last is None:
+            return
+        files = self.step_files()
+        for _, path in files[: max(0, len(files) - self.keep_last)]:
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+    def copy_to(self, destination: str | os.PathLike) -> Path:
+        """Copy the newest checkpoint file to ``destination``."""
+        source = self.latest_path()
+        if source is None:
+            raise CheckpointError("no checkpoint is available to copy")
+        destination = Path(destination)
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source, destination)
+        return destination

@@ -1,0 +1,253 @@
+"""``MetricLogger``: the one sink every event goes through (text, JSONL, hooks).
+
+``emit(event, payload)`` fans one event out, under a re-entrant lock so the trainer, the
+DiLoCo outer thread and the uploader can emit concurrently:
+
+1. text: one line ``<event> key=value ...`` to stdout (or ``logging.file``), or, with
+   ``logging.format: json``, one JSON object per line
+   (``{"ts", "level", "logger", "event", "fields"}``; plain messages carry ``message``);
+2. JSONL (``logging.json_file``): ``{"event": <name>, **payload}`` per line;
+3. hooks, in order: objects with ``on_event(event, payload)`` or plain callables
+   ``(event, payload)``. A failing hook is logged as a warning; training continues.
+
+``train_step`` events follow the ``every_steps`` cadence for text, JSONL and hooks, except for
+hooks that set ``wants_all_steps = True`` (the Prometheus exporter, progress bars): they get
+every step. Secrets passed as ``secrets=`` (the Hub token) are replaced by ``<redacted>`` in
+every text line, JSONL record and exception message this logger writes.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = ["REDACTED", "MetricLogger", "memory_usage_bytes"]
+
+REDACTED = "<redacted>"
+_HANDLER_TAG = "_speedtronic_handler"
+
+
+def memory_usage_bytes(device: Any = None) -> int | None:
+    """Allocated accelerator memory in bytes for ``device`` (CUDA or MPS), else ``None``.
+
+    A CPU device (or no accelerator) gives ``None``; no query ever synchronises the device.
+    """
+    try:
+        import torch
+
+        kind = getattr(device, "type", device)
+        if kind in (None, "cuda") and torch.cuda.is_available():
+            return int(torch.cuda.memory_allocated(device))
+        mps = getattr(torch, "mps", None)
+        if kind in (None, "mps") and mps is not None and torch.backends.mps.is_available():
+            return int(mps.current_allocated_memory())
+    except Exception:
+        return None
+    return None
+
+
+def _format_value(value: Any) -> str:
+    if isinstance(value, float):
+        return format(value, ".6g")
+    return str(value)
+
+
+class _JsonFormatter(logging.Formatter):
+    """Renders a record as one JSON object: ts, level, logger, message or event + fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        stamp = _dt.datetime.fromtimestamp(record.created, tz=_dt.timezone.utc)
+        line: dict[str, Any] = {
+            "ts": stamp.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+            "level": record.levelname,
+            "logger": "speedtronic",
+        }
+        event = getattr(record, "st_event", None)
+        if event is not None:
+            line["event"] = event
+            line["fields"] = getattr(record, "st_fields", {})
+        else:
+            line["message"] = record.getMessage()
+        return json.dumps(line, default=str)
+
+
+class _RedactingFilter(logging.Filter):
+    """Replaces every secret in a record's rendered message with ``<redacted>``."""
+
+    def __init__(self, secrets: list[str]) -> None:
+        super().__init__()
+        self.secrets = secrets
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.secrets:
+            message = record.getMessage()
+            for secret in self.secrets:
+                message = message.replace(secret, REDACTED)
+            record.msg, record.args = message, None
+            fields = getattr(record, "st_fields", None)
+            if fields is not None:
+                record.st_fields = json.loads(
+                    _redact_text(json.dumps(fields, default=str), self.secrets)
+                )
+        return True
+
+
+def _redact_text(text: str, secrets: Iterable[str]) -> str:
+    for secret in secrets:
+        text = text.replace(secret, REDACTED)
+    return text
+
+
+class MetricLogger:
+    """Text + JSONL + hook fan-out for training events.
+
+    Args:
+        level: text log level name (``INFO``, ``WARNING``...); JSONL and hooks ignore it.
+        file: text log file instead of the stream (parent directories created).
+        json_file: JSONL event file (parent directories created; appended to).
+        every_steps: cadence for ``train_step`` events (other events are never filtered).
+        stream: text stream when ``file`` is not set (default ``sys.stdout``).
+        hooks: initial hook list; ``logger.hooks`` is public, append to attach more.
+        format: ``"text"`` (``asctime | LEVEL | message``) or ``"json"`` (one object per line).
+        secrets: strings (the Hub token) that must never appear in any output.
+    """
+
+    def __init__(
+        self,
+        level: str = "INFO",
+        file: str | Path | None = None,
+        json_file: str | Path | None = None,
+        every_steps: int = 1,
+        stream: IO[str] | None = None,
+        hooks: list[Any] | None = None,
+        format: str = "text",
+        secrets: Iterable[str | None] = (),
+    ) -> None:
+        if int(every_steps) <= 0:
+            raise ValueError("logging.every_steps must be positive")
+        if format not in {"text", "json"}:
+            raise ValueError(f"logging.format: expected 'text' or 'json', got {format!r}")
+        self.level = str(level).upper()
+        self.file = Path(file) if file else None
+        self.json_file = Path(json_file) if json_file else None
+        self.every_steps = int(every_steps)
+        self.format = format
+        self.hooks: list[Any] = list(hooks) if hooks else []
+        self.secrets = [s for s in secrets if s]
+        self.started = time.perf_counter()
+        self._lock = threading.RLock()
+        self._json_handle: IO[str] | None = None
+        self._logger = logging.getLogger(f"speedtronic.metrics.{id(self)}")
+        self._logger.setLevel(getattr(logging, self.level, logging.INFO))
+        self._logger.propagate = False
+        if self.file is not None:
+            self.file.parent.mkdir(parents=True, exist_ok=True)
+            handler: logging.Handler = logging.FileHandler(self.file, encoding="utf-8")
+        else:
+            handler = logging.StreamHandler(stream or sys.stdout)
+        setattr(handler, _HANDLER_TAG, True)
+        if format == "json":
+            handler.setFormatter(_JsonFormatter())
+        else:
+            handler.setFormatter(logging.Formatter("%(asctime)s | %(levelname)s | %(message)s"))
+        handler.addFilter(_RedactingFilter(self.secrets))
+        self._handler = handler
+        self._logger.addHandler(handler)
+        if self.json_file is not None:
+            self.json_file.parent.mkdir(parents=True, exist_ok=True)
+
+    # ------------------------------------------------------------------ events
+
+    def wants_step(self, step: int) -> bool:
+        """Whether a ``train_step`` at ``step`` passes the cadence filter."""
+        return self.every_steps <= 1 or step % self.every_steps == 0
+
+    def emit(self, event: str, payload: dict[str, Any] | None = None) -> None:
+        """Send one event to text, JSONL and hooks (see the module docstring)."""
+        with self._lock:
+            safe = dict(payload or {})
+            safe.setdefault("elapsed_s", time.perf_counter() - self.started)
+            in_cadence = event != "train_step" or self.wants_step(int(safe.get("step", 0)))
+            if in_cadence:
+                self._write_text(event, safe)
+                self._write_jsonl(event, safe)
+            for hook in list(self.hooks):
+                if not in_cadence and not getattr(hook, "wants_all_steps", False):
+                    continue
+                try:
+                    handler = getattr(hook, "on_event", None)
+                    if callable(handler):
+                        handler(event, safe)
+                    else:
+                        hook(event, safe)
+                except Exception as exc:
+                    self.warning("metric hook failed: %s", exc)
+
+    def _write_text(self, event: str, payload: dict[str, Any]) -> None:
+        if not self._logger.isEnabledFor(logging.INFO):
+            return
+        rendered = " ".join(f"{key}={_format_value(value)}" for key, value in payload.items())
+        self._logger.info("%s %s", event, rendered, extra={"st_event": event, "st_fields": payload})
+
+    def _write_jsonl(self, event: str, payload: dict[str, Any]) -> None:
+        if self.json_file is None:
+            return
+        line = json.dumps({"event": event, **payload}, default=str)
+        if self.secrets:
+            line = _redact_text(line, self.secrets)
+        if self._json_handle is None:
+            self._json_handle = open(self.json_file, "a", encoding="utf-8")  # noqa: SIM115
+        self._json_handle.write(line + "\n")
+        self._json_handle.flush()
+
+    # ------------------------------------------------------------------ plain messages
+
+    def log(self, level: int, message: str, *args: Any) -> None:
+        """Log a plain message (``%``-style ``args``) to the text sink."""
+        with self._lock:
+            self._logger.log(level, message, *args)
+
+    def debug(self, message: str, *args: Any) -> None:
+        """Log at DEBUG."""
+        self.log(logging.DEBUG, message, *args)
+
+    def info(self, message: str, *args: Any) -> None:
+        """Log at INFO."""
+        self.log(logging.INFO, message, *args)
+
+    def warning(self, message: str, *args: Any) -> None:
+        """Log at WARNING."""
+        self.log(logging.WARNING, message, *args)
+
+    def error(self, message: str, *args: Any) -> None:
+        """Log at ERROR."""
+        self.log(logging.ERROR, message, *args)
+
+    def redact(self, text: str) -> str:
+        """``text`` with every configured secret replaced by ``<redacted>``."""
+        return _redact_text(text, self.secrets)
+
+    def set_stream(self, stream: IO[str]) -> None:
+        """Send text lines to ``stream`` (no-op when logging to a file)."""
+        if isinstance(self._handler, logging.StreamHandler) and self.file is None:
+            with self._lock:
+                self._handler.setStream(stream)
+
+    def close(self) -> None:
+        """Flush and close the text file and JSONL handles (hooks are not closed)."""
+        with self._lock:
+            if self._json_handle is not None:
+                self._json_handle.close()
+                self._json_handle = None
+            for handler in list(self._logger.handlers):
+                if getattr(handler, _HANDLER_TAG, False):
+                    handler.flush()
+                    handler.close()
+                    self._logger.removeHandler(handler)

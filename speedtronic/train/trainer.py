@@ -1,0 +1,626 @@
+"""The training loop: ``Trainer.fit`` runs optimizer updates up to an absolute step target.
+
+One update (``_train_step``) = K micro-batches (``data.accumulation_steps``): forward under
+autocast, ``loss / K`` backward, then one host sync that reads the loss sum, the gradient norm
+and the token count together, then ``_optimizer_step``. Afterwards ``_after_step`` advances the
+counters, the LR schedule and the sync coordinator, the ``train_step`` metric is emitted, and
+``_maybe_checkpoint`` saves on the interval. Skipped updates (GradScaler overflow, non-finite loss
+with ``run.stop_on_nonfinite: false``) advance nothing; 20 in a row is an error.
+
+``request_stop(reason)`` may be called from a signal handler or another thread: the loop stops
+at the next update boundary, stops the coordinator, saves a final checkpoint and returns a
+``TrainResult`` whose ``stopped_reason`` is set. ``last_heartbeat`` (``time.monotonic()``) is
+refreshed after every update for liveness probes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from speedtronic.checkpoint import capture_rng_state, restore_rng_state
+from speedtronic.metrics.logger import MetricLogger, memory_usage_bytes
+from speedtronic.train.forward import (
+    batch_size_and_tokens,
+    call_model,
+    move_to_device,
+    resolve_loss,
+)
+from speedtronic.train.precision import (
+    PrecisionPlan,
+    autocast_context,
+    make_grad_scaler,
+    parameter_count,
+    resolve_precision,
+)
+from speedtronic.train.result import (
+    MAX_CONSECUTIVE_SKIPS,
+    GradientOverflowError,
+    NonFiniteLossError,
+    SyncCoordinator,
+    TrainResult,
+)
+
+__all__ = [
+    "GradientOverflowError",
+    "NonFiniteLossError",
+    "SpeedtronicTrainer",
+    "SyncCoordinator",
+    "TrainResult",
+    "Trainer",
+    "TrainingEngine",
+]
+
+
+@dataclass
+class _Update:
+    """What one ``_train_step`` produced."""
+
+    loss: float
+    grad_norm: float | None
+    samples: int
+    tokens: int
+    micro_batches: int
+    skipped: str | None = None  # reason when the update was not applied
+
+
+def _get(obj: Any, path: str, default: Any = None) -> Any:
+    """``obj.a.b`` for ``path="a.b"``, or ``default`` when any link is missing/None."""
+    for name in path.split("."):
+        obj = getattr(obj, name, None)
+        if obj is None:
+            return default
+    return obj
+
+
+def _infinite(loader: Any) -> Iterator[Any]:
+    while True:
+        produced = False
+        for batch in loader:
+            produced = True
+            yield batch
+        if not produced:
+            raise RuntimeError("data loader produced no batches")
+
+
+class Trainer:
+    """Runs optimizer updates of ``model`` on ``dataloader`` batches (see the module docstring).
+
+    ``config`` (a ``SpeedtronicConfig``, dict, or ``None``) supplies accumulation, clipping,
+    precision, compile, gradient checkpointing, OOO and stop policy; everything has a default so a
+    plain ``nn.Module``, a ``torch.optim`` optimizer and a list of batches are enough.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        dataloader: Any,
+        *,
+        device: str | torch.device = "cpu",
+        config: Any = None,
+        scheduler: Any = None,
+        precision: PrecisionPlan | None = None,
+        logger: MetricLogger | None = None,
+        checkpoint_manager: Any = None,
+        coordinator: SyncCoordinator | None = None,
+        max_steps: int | None = None,
+        start_step: int = 0,
+        shape_report: Any = None,
+        accumulation_steps: int | None = None,
+    ) -> None:
+        if isinstance(config, dict):
+            from speedtronic.config import SpeedtronicConfig
+
+            config = SpeedtronicConfig.from_dict(config)
+        self.model = model
+        self.optimizer = optimizer
+        self.dataloader = dataloader
+        self.device = torch.device(device)
+        self.config = config
+        self.scheduler = scheduler
+        self.logger = logger if logger is not None else MetricLogger()
+        self.checkpoint_manager = checkpoint_manager
+        self.coordinator = coordinator
+        self.precision = precision or resolve_precision(_get(config, "precision"), self.device)
+        self.max_steps = int(
+            max_steps if max_steps is not None else _get(config, "run.max_steps", 1000)
+        )
+        self.step = int(start_step)
+        self.samples = 0
+        self.tokens = 0
+        self.skipped_updates = 0
+        self.last_heartbeat = time.monotonic()
+        self.shape_report = shape_report
+        self.scaler: Any = None
+        self._accumulation = accumulation_steps
+        self._model_name = _get(config, "model.name") or type(model).__name__
+        self._stop_reason: str | None = None
+        self._active: Any = model
+        self._compiled = False
+        self._coordinator_started = False
+        self._deferred_coordinator_state: dict[str, Any] | None = None
+        self._deferred_scaler_state: dict[str, Any] | None = None
+        self._pending_rng: dict[str, Any] | None = None
+        self._last_saved_step = -1
+        self._shapes_validated = shape_report is not None
+        self._ooo: Any = None
+        self._batch_iter: Iterator[Any] | None = None
+        self._batches_consumed = 0
+        self._resume_batches = 0
+        self._consecutive_skips = 0
+        self._setup_gradient_checkpointing()
+        self._setup_compile()
+        self._setup_ooo()
+
+    # ------------------------------------------------------------------ settings
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches per update (``data.accumulation_steps``; 1 without a config)."""
+        if self._accumulation is not None:
+            return max(1, int(self._accumulation))
+        explicit = _get(self.config, "data.accumulation_steps")
+        if explicit:
+            return max(1, int(explicit))
+        micro = int(_get(self.config, "data.micro_batch_size", 1) or 1)
+        target = int(_get(self.config, "data.target_batch_size", micro) or micro)
+        return max(1, target // max(1, micro))
+
+    @property
+    def stop_requested(self) -> str | None:
+        """The pending stop reason, or ``None``."""
+        return self._stop_reason
+
+    def request_stop(self, reason: str = "requested") -> None:
+        """Stop at the next update boundary (safe from signal handlers and other threads)."""
+        if self._stop_reason is None:
+            self._stop_reason = str(reason)
+
+    # ------------------------------------------------------------------ setup
+
+    def _setup_gradient_checkpointing(self) -> None:
+        if not (
+            _get(self.config, "gradient_checkpointing")
+            or _get(self.config, "model.gradient_checkpointing")
+        ):
+            return
+        hook = getattr(self.model, "set_gradient_checkpointing", None)
+        if not callable(hook):
+            self.logger.warning(
+                "gradient checkpointing requested but model has no set_gradient_checkpointing hook"
+            )
+            return
+        try:
+            hook(True)
+        except Exception as exc:
+            self.logger.warning(
+                "gradient checkpointing hook failed; continuing without it: %s", exc
+            )
+
+    def _compile_requested(self) -> bool:
+        value = _get(self.config, "compile", False)
+        return bool(getattr(value, "enabled", value))
+
+    def _setup_compile(self) -> None:
+        if not self._compile_requested():
+            return
+        try:
+            self._active = torch.compile(self.model)
+            self._compiled = True
+            self.logger.emit("compile", {"enabled": True})
+        except Exception as exc:
+            self._active, self._compiled = self.model, False
+            self.logger.emit("compile", {"enabled": False, "reason": str(exc)})
+
+    def _setup_ooo(self) -> None:
+        if not _get(self.config, "ooo_backprop", False) or self._ooo is not None:
+            return
+        if self._compiled:
+            self.logger.warning(
+                "ooo_backprop is disabled when compile is enabled; "
+                "use one scheduling mode at a time"
+            )
+            self.logger.emit("ooo_backprop", {"enabled": False, "reason": "compile is enabled"})
+            return
+        from speedtronic.train.ooo import StageStreamScheduler
+
+        self._ooo = StageStreamScheduler(
+            self.model,
+            self.device,
+            num_streams=int(_get(self.config, "ooo_streams", 4)),
+            logger=self.logger,
+        )
+        self.logger.emit("ooo_backprop", self._ooo.as_dict())
+
+    def _validate_shapes_once(self) -> None:
+        if self._shapes_validated or _get(self.config, "shape_validation") is None:
+            return
+        from speedtronic.train.shapes import validate_startup_shapes
+
+        self.shape_report = validate_startup_shapes(
+            self.config, self.model, self.device, self.precision, logger=self.logger
+        )
+        self._shapes_validated = True
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self, max_steps: int | None = None) -> TrainResult:
+        """Train until the absolute step target (or a stop request); see the module docstring."""
+        limit = self.max_steps if max_steps is None else int(max_steps)
+        if limit <= 0:
+            raise ValueError("max_steps must be positive")
+        target = max(self.step, limit)
+        self.model.to(self.device)
+        self.model.train()
+        self._setup_ooo()
+        self._validate_shapes_once()
+        self._make_scaler()
+        self.optimizer.zero_grad(set_to_none=True)
+        batches = self._batches()
+        started = time.perf_counter()
+        start = (self.step, self.samples, self.tokens)
+        metrics: list[dict[str, Any]] = []
+        final_loss: float | None = None
+        self.last_heartbeat = time.monotonic()
+        try:
+            if self.step < target:
+                self._start_coordinator()
+            self._emit_train_start(target)
+            last_tick = started
+            while self.step < target and self._stop_reason is None:
+                update = self._train_step(batches)
+                if update.skipped:
+                    self._note_skipped(update)
+                    continue
+                self._after_step(update)
+                metric, last_tick = self._step_metric(update, start, started, last_tick)
+                self.logger.emit("train_step", metric)
+                metrics.append(metric)
+                final_loss = update.loss
+                self._maybe_checkpoint()
+        finally:
+            self._stop_coordinator()
+            if self._ooo is not None:
+                self._ooo.dispose()
+                self._ooo = None
+        stopped = self._stop_reason
+        if stopped is not None:
+            self.logger.emit("train_stopped", {"step": self.step, "reason": stopped})
+        self._save_final()
+        elapsed = time.perf_counter() - started
+        self._stop_reason = None
+        self.logger.emit(
+            "train_end", {"steps": self.step, "elapsed_s": elapsed, "loss": final_loss}
+        )
+        return TrainResult(
+            steps=self.step,
+            samples=self.samples,
+            tokens=self.tokens,
+            final_loss=final_loss,
+            elapsed_s=elapsed,
+            metrics=metrics,
+            stopped_reason=stopped,
+            skipped_updates=self.skipped_updates,
+        )
+
+    train = fit
+
+    def _train_step(self, batches: Iterator[Any]) -> _Update:
+        """Forward/backward K micro-batches, read loss/norm/tokens in one sync, then update."""
+        k = self.accumulation_steps
+        loss_sum: torch.Tensor | None = None
+        samples, tokens = 0, 0
+        token_tensors: list[torch.Tensor] = []
+        for _ in range(k):
+            batch = move_to_device(next(batches), self.device)
+            self._batches_consumed += 1
+            count, counted = batch_size_and_tokens(batch)
+            samples += count
+            if isinstance(counted, torch.Tensor):
+                token_tensors.append(counted)
+            else:
+                tokens += counted
+            loss = self._forward(batch)
+            detached = loss.detach().float()
+            loss_sum = detached if loss_sum is None else loss_sum + detached
+            self._backward(loss / k if k > 1 else loss)
+        assert loss_sum is not None
+        grad_norm = self._unscale_and_clip()
+        synced = [loss_sum, *([grad_norm] if grad_norm is not None else []), *token_tensors]
+        values = torch.stack([v.detach().double().reshape(()) for v in synced]).tolist()
+        loss_value = values[0] / k
+        norm_value = values[1] if grad_norm is not None else None
+        tokens += int(sum(values[2 if grad_norm is not None else 1 :]))
+        update = _Update(loss_value, norm_value, samples, tokens, k)
+        if not math.isfinite(loss_value):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.logger.emit("nonfinite_loss", {"step": self.step + 1, "loss": loss_value})
+            if bool(_get(self.config, "run.stop_on_nonfinite", True)):
+                raise NonFiniteLossError(self.step + 1, loss_value)
+            update.skipped = "nonfinite_loss"
+            return update
+        if not self._optimizer_step():
+            update.skipped = "grad_scaler_overflow"
+        return update
+
+    def _forward(self, batch: Any) -> torch.Tensor:
+        """One micro-batch forward (autocast, OOO bracket, compile fallback) → scalar loss."""
+        if self._ooo is not None:
+            self._ooo.begin()
+        try:
+            with autocast_context(self.precision, self.device):
+                try:
+                    output = call_model(self._active, batch)
+                except Exception as exc:
+                    if not self._compiled:
+                        raise
+                    self._active, self._compiled = self.model, False
+                    self.logger.emit(
+                        "compile",
+                        {"enabled": False, "reason": f"runtime failure; disabled: {exc}"},
+                    )
+                    output = call_model(self.model, batch)
+        finally:
+            if self._ooo is not None:
+                self._ooo.finish()
+        return resolve_loss(output, batch, model_name=f"model '{self._model_name}'")
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+        else:
+            loss.backward()
+
+    def _unscale_and_clip(self) -> torch.Tensor | None:
+        """Unscale (fp16), clip to ``optimizer.grad_clip`` when set; return the global grad norm."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not grads:
+            return None
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        clip = _get(self.config, "optimizer.grad_clip")
+        if clip is not None:
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            return torch.nn.utils.clip_grad_norm_(params, float(clip))
+        return torch.nn.utils.get_total_norm(grads)
+
+    def _optimizer_step(self) -> bool:
+        """Apply the update; False when the GradScaler skipped it (overflow)."""
+        applied = True
+        if self.scaler is not None:
+            before = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            applied = self.scaler.get_scale() >= before
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return applied
+
+    def _note_skipped(self, update: _Update) -> None:
+        self.skipped_updates += 1
+        self._consecutive_skips += 1
+        self.logger.emit(
+            "optimizer_step_skipped", {"step": self.step + 1, "reason": update.skipped}
+        )
+        if self._consecutive_skips >= MAX_CONSECUTIVE_SKIPS:
+            scale = self.scaler.get_scale() if self.scaler is not None else None
+            raise GradientOverflowError(
+                f"{self._consecutive_skips} consecutive updates were skipped at step "
+                f"{self.step + 1} (last reason: {update.skipped}; loss scale {scale}); the "
+                "gradients overflow every time - lower optimizer.lr, check the data, or use "
+                "precision bf16/fp32"
+            )
+
+    def _after_step(self, update: _Update) -> None:
+        """Count the applied update, step the LR schedule, run the sync coordinator."""
+        self._consecutive_skips = 0
+        self.samples += update.samples
+        self.tokens += update.tokens
+        self.step += 1
+        if self.scheduler is not None:
+            self.scheduler.step()
+        if self.coordinator is not None:
+            replaced = self.coordinator.after_optimizer_step(self.model, self.step)
+            if replaced and _get(self.config, "distributed.reset_inner_optimizer", True):
+                self._reset_inner_optimizer()
+        self.last_heartbeat = time.monotonic()
+
+    def _reset_inner_optimizer(self) -> None:
+        reset = getattr(self.optimizer, "reset_state", None)
+        if callable(reset):
+            reset()
+        else:
+            self.optimizer.state.clear()
+
+    def _step_metric(
+        self, update: _Update, start: tuple[int, int, int], started: float, last_tick: float
+    ) -> tuple[dict[str, Any], float]:
+        now = time.perf_counter()
+        wall = max(now - started, 1e-9)
+        metric: dict[str, Any] = {
+            "step": self.step,
+            "loss": update.loss,
+            "lr": float(self.optimizer.param_groups[0].get("lr", 0.0)),
+            "grad_norm": update.grad_norm,
+            "steps_per_sec": (self.step - start[0]) / wall,
+            "samples_per_sec": (self.samples - start[1]) / wall,
+            "tokens_per_sec": (self.tokens - start[2]) / wall,
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "micro_batches": update.micro_batches,
+            "step_time_s": now - last_tick,
+        }
+        if self.device.type != "cpu":
+            memory = memory_usage_bytes(self.device)
+            if memory is not None:
+                metric["memory_bytes"] = memory
+        return metric, now
+
+    def _emit_train_start(self, target: int) -> None:
+        import speedtronic
+
+        warmup = _get(self.config, "scheduler.warmup_steps")
+        horizon = _get(self.config, "scheduler.max_steps")
+        if self.scheduler is not None and warmup and horizon and int(warmup) >= int(horizon):
+            self.logger.warning(
+                "scheduler.warmup_steps (%s) >= scheduler.max_steps (%s): the learning rate "
+                "never leaves warmup in this run",
+                warmup,
+                horizon,
+            )
+        profile = getattr(self.shape_report, "profile", None)
+        self.logger.emit(
+            "train_start",
+            {
+                "start_step": self.step,
+                "target_step": target,
+                "device": str(self.device),
+                "precision": self.precision.mode,
+                "accumulation_steps": self.accumulation_steps,
+                "parameters": parameter_count(self.model),
+                "shape_alignment": getattr(profile, "alignment", None),
+                "shape_warning_count": int(getattr(self.shape_report, "warning_count", 0) or 0),
+                "ooo_backprop": self._ooo.as_dict() if self._ooo is not None else None,
+                "compiled": self._compiled,
+                "speedtronic_version": speedtronic.__version__,
+                "torch_version": str(torch.__version__),
+            },
+        )
+
+    # ------------------------------------------------------------------ data position
+
+    def _batches(self) -> Iterator[Any]:
+        """The persistent batch stream; after a resume, fast-forwarded to the saved position.
+
+        The fast-forward happens before the checkpointed RNG state is restored, so the RNG draws
+        the DataLoader makes when it creates iterators do not perturb the resumed run.
+        """
+        if self._batch_iter is None:
+            self._batch_iter = _infinite(self.dataloader)
+            for _ in range(self._resume_batches):
+                next(self._batch_iter)
+            self._batches_consumed = self._resume_batches
+            self._resume_batches = 0
+        if self._pending_rng is not None:
+            restore_rng_state(self._pending_rng)
+            self._pending_rng = None
+        return self._batch_iter
+
+    # ------------------------------------------------------------------ coordinator
+
+    def _start_coordinator(self) -> None:
+        if self.coordinator is None or self._coordinator_started:
+            return
+        self.coordinator.start()
+        self._coordinator_started = True
+        if self._deferred_coordinator_state is not None:
+            self.coordinator.load_state_dict(self._deferred_coordinator_state)
+            self._deferred_coordinator_state = None
+
+    def _stop_coordinator(self) -> None:
+        if self.coordinator is not None:
+            try:
+                self.coordinator.stop()
+            finally:
+                self._coordinator_started = False
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _make_scaler(self) -> None:
+        self.scaler = make_grad_scaler(self.precision)
+        if self.scaler is not None and self._deferred_scaler_state is not None:
+            self.scaler.load_state_dict(self._deferred_scaler_state)
+            self._deferred_scaler_state = None
+
+    def _maybe_checkpoint(self) -> None:
+        manager = self.checkpoint_manager
+        due = manager is not None and manager.should_save(self.step)
+        if due and self.step != self._last_saved_step:
+            self.save_checkpoint()
+
+    def _save_final(self) -> None:
+        manager = self.checkpoint_manager
+        if manager is None or not manager.enabled or self.step <= 0:
+            return
+        if not getattr(manager, "save_final", True) and self._stop_reason is None:
+            return
+        if self.step != self._last_saved_step:
+            self.save_checkpoint()
+
+    def save_checkpoint(self) -> Any:
+        """Save the full training state for the current step; emits ``checkpoint_saved``."""
+        began = time.perf_counter()
+        path = self.checkpoint_manager.save(self.step, self.state_dict())
+        self._last_saved_step = self.step
+        self.logger.emit(
+            "checkpoint_saved",
+            {"step": self.step, "path": str(path), "seconds": time.perf_counter() - began},
+        )
+        return path
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed for an exact resume (tensors and primitive containers only)."""
+        import speedtronic
+
+        config = None
+        if self.config is not None and hasattr(self.config, "to_dict"):
+            config = self.config.to_dict(redact_secrets=True)
+        coordinator_state = self.coordinator.state_dict() if self.coordinator is not None else None
+        return {
+            "format": "speedtronic-checkpoint/1",
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "step": self.step,
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "skipped_updates": self.skipped_updates,
+            "data": {"batches": self._batches_consumed},
+            "rng": capture_rng_state(),
+            "coordinator": coordinator_state,
+            "precision": {
+                "mode": self.precision.mode,
+                "autocast_enabled": self.precision.autocast_enabled,
+                "use_scaler": self.precision.use_scaler,
+            },
+            "config": config,
+            "versions": {"speedtronic": speedtronic.__version__, "torch": str(torch.__version__)},
+        }
+
+    def resume(self, state: dict[str, Any]) -> None:
+        """Load a checkpoint state; data position and RNG take effect at the next ``fit()``."""
+        self.model.load_state_dict(state["model"])
+        if state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self._deferred_scaler_state = state.get("scaler")
+        self.step = int(state.get("step", self.step))
+        self.samples = int(state.get("samples", self.samples))
+        self.tokens = int(state.get("tokens", self.tokens))
+        self.skipped_updates = int(state.get("skipped_updates", 0))
+        self._last_saved_step = self.step
+        self._resume_batches = int((state.get("data") or {}).get("batches", 0))
+        self._batch_iter = None
+        self._pending_rng = state.get("rng")
+        coordinator_state = state.get("coordinator")
+        if self.coordinator is not None and coordinator_state is not None:
+            prepare = getattr(self.coordinator, "prepare_state", None)
+            if callable(prepare):
+                prepare(coordinator_state)
+                self._deferred_coordinator_state = None
+            else:
+                self._deferred_coordinator_state = coordinator_state
+
+
+TrainingEngine = Trainer
+SpeedtronicTrainer = Trainer

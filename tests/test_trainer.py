@@ -1,0 +1,449 @@
+"""Trainer loop: accumulation golden, loss resolution, skips, non-finite loss, stop, coordinator."""
+
+from __future__ import annotations
+
+import io
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from speedtronic.checkpoint import CheckpointManager
+from speedtronic.metrics.logger import MetricLogger
+from speedtronic.train.forward import MissingLossError
+from speedtronic.train.precision import PrecisionPlan
+from speedtronic.train.trainer import (
+    GradientOverflowError,
+    NonFiniteLossError,
+    Trainer,
+    TrainResult,
+)
+
+
+class Scalar(nn.Module):
+    """loss = (p - b)^2 for a batch value b."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.zeros(()))
+
+    def forward(self, inputs, labels):
+        return ((self.p - inputs.float().mean()) ** 2).reshape(())
+
+
+def quiet_logger(**kwargs) -> MetricLogger:
+    return MetricLogger(stream=io.StringIO(), **kwargs)
+
+
+def events_of(logger: MetricLogger) -> list[tuple[str, dict]]:
+    seen: list[tuple[str, dict]] = []
+    logger.hooks.append(lambda event, payload: seen.append((event, dict(payload))))
+    return seen
+
+
+def scalar_batches(*values: float):
+    return [(torch.tensor([v]), torch.tensor([0.0])) for v in values]
+
+
+def test_accumulation_golden_sgd():
+    model = Scalar()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = Trainer(
+        model,
+        optimizer,
+        scalar_batches(0.0, 2.0),
+        logger=quiet_logger(),
+        max_steps=1,
+        accumulation_steps=2,
+    )
+    result = trainer.fit()
+    # micro-batch losses 0 and 4: mean 2.0; grads 0 and -4 averaged -> -2; p = 0 + 0.1*2
+    assert result.final_loss == 2.0
+    assert model.p.item() == pytest.approx(0.2, abs=1e-7)
+    assert torch.equal(model.p.detach(), torch.tensor(0.2))
+    assert result.steps == 1 and result.samples == 2 and result.tokens == 2
+    assert result.metrics[0]["micro_batches"] == 2
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int = 16, width: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, input_ids, labels=None, attention_mask=None):
+        return {"logits": self.head(self.embed(input_ids))}
+
+
+def lm_batches(n: int = 8, vocab: int = 16, seq: int = 6, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(vocab, (2, seq + 1), generator=g)
+        # a learnable pattern: next token = (token + 1) % vocab
+        ids[:, 1:] = (ids[:, :1] + torch.arange(1, seq + 1)) % vocab
+        out.append({"input_ids": ids[:, :-1], "labels": ids[:, 1:]})
+    return out
+
+
+def test_loss_decreases_and_metrics_keys():
+    torch.manual_seed(0)
+    model = TinyLM()
+    trainer = Trainer(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=0.05),
+        lm_batches(),
+        logger=quiet_logger(),
+        max_steps=40,
+    )
+    result = trainer.fit()
+    assert isinstance(result, TrainResult)
+    assert result.steps == 40 and len(result.metrics) == 40
+    assert result.metrics[-1]["loss"] < 0.5 * result.metrics[0]["loss"]
+    first = result.metrics[0]
+    for key in (
+        "step",
+        "loss",
+        "lr",
+        "grad_norm",
+        "steps_per_sec",
+        "samples_per_sec",
+        "tokens_per_sec",
+        "samples",
+        "tokens",
+        "micro_batches",
+        "step_time_s",
+    ):
+        assert key in first
+    assert first["tokens"] == 12 and first["samples"] == 2
+    assert first["grad_norm"] > 0
+
+
+def test_attention_mask_counts_tokens():
+    model = TinyLM()
+    batch = lm_batches(1)[0]
+    batch["attention_mask"] = torch.tensor(
+        [[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool
+    )
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        [batch],
+        logger=quiet_logger(),
+        max_steps=2,
+    )
+    assert trainer.fit().tokens == 18
+
+
+def test_absolute_target_and_second_fit():
+    model = TinyLM()
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        lm_batches(),
+        logger=quiet_logger(),
+        max_steps=3,
+    )
+    assert trainer.fit().steps == 3
+    again = trainer.fit()
+    assert again.steps == 3 and again.final_loss is None and again.metrics == []
+    assert trainer.fit(5).steps == 5
+    with pytest.raises(ValueError, match="max_steps must be positive"):
+        trainer.fit(0)
+
+
+@pytest.mark.parametrize(
+    "output",
+    [
+        lambda loss, logits: loss,
+        lambda loss, logits: {"loss": loss, "aux": 1},
+        lambda loss, logits: (loss, logits),
+        lambda loss, logits: {"logits": logits},
+    ],
+)
+def test_loss_resolution_forms(output):
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = TinyLM()
+
+        def forward(self, input_ids, labels=None, attention_mask=None):
+            logits = self.inner(input_ids)["logits"]
+            loss = nn.functional.cross_entropy(logits.reshape(-1, 16), labels.reshape(-1))
+            return output(loss, logits)
+
+    model = Model()
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        lm_batches(2),
+        logger=quiet_logger(),
+        max_steps=2,
+    )
+    assert trainer.fit().final_loss > 0
+
+
+def test_model_without_loss_is_a_clear_error_before_any_update():
+    class NoLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Linear(2, 2)
+
+        def forward(self, inputs, labels):
+            return {"hidden": self.w(inputs)}
+
+    model = NoLoss()
+    before = model.w.weight.detach().clone()
+    batches = [(torch.ones(1, 2), torch.zeros(1, 2))]
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        batches,
+        logger=quiet_logger(),
+        max_steps=2,
+    )
+    with pytest.raises(MissingLossError, match="NoLoss"):
+        trainer.fit()
+    assert torch.equal(model.w.weight, before)
+
+
+class InfGrad(torch.autograd.Function):
+    """Forward passes the loss through; backward returns inf for the first ``budget`` calls."""
+
+    calls = 0
+    budget = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        InfGrad.calls += 1
+        if InfGrad.calls <= InfGrad.budget:
+            return grad * float("inf")
+        return grad
+
+
+class Overflowing(Scalar):
+    def forward(self, inputs, labels):
+        return InfGrad.apply(super().forward(inputs, labels))
+
+
+def cpu_fp16_plan() -> PrecisionPlan:
+    return PrecisionPlan(
+        "fp16", torch.float16, use_scaler=True, autocast_enabled=False, device_type="cpu"
+    )
+
+
+def test_grad_scaler_overflow_skips_then_recovers():
+    InfGrad.calls, InfGrad.budget = 0, 2
+    model = Overflowing()
+    logger = quiet_logger()
+    seen = events_of(logger)
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        scalar_batches(1.0),
+        logger=logger,
+        precision=cpu_fp16_plan(),
+        max_steps=3,
+    )
+    result = trainer.fit()
+    assert result.steps == 3 and result.skipped_updates == 2
+    skipped = [p for e, p in seen if e == "optimizer_step_skipped"]
+    assert skipped == [
+        {"step": 1, "reason": "grad_scaler_overflow", "elapsed_s": skipped[0]["elapsed_s"]},
+        {"step": 1, "reason": "grad_scaler_overflow", "elapsed_s": skipped[1]["elapsed_s"]},
+    ]
+    assert [p["step"] for e, p in seen if e == "train_step"] == [1, 2, 3]
+
+
+def test_twenty_consecutive_overflows_raise():
+    InfGrad.calls, InfGrad.budget = 0, 10_000
+    model = Overflowing()
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        scalar_batches(1.0),
+        logger=quiet_logger(),
+        precision=cpu_fp16_plan(),
+        max_steps=3,
+    )
+    with pytest.raises(GradientOverflowError, match="20 consecutive updates"):
+        trainer.fit()
+    assert trainer.step == 0 and trainer.skipped_updates == 20
+
+
+class NaNAt(Scalar):
+    def __init__(self, bad_calls):
+        super().__init__()
+        self.calls = 0
+        self.bad = set(bad_calls)
+
+    def forward(self, inputs, labels):
+        self.calls += 1
+        loss = super().forward(inputs, labels)
+        return loss * float("nan") if self.calls in self.bad else loss
+
+
+def test_nonfinite_loss_stops_with_step_and_keeps_last_checkpoint(tmp_path):
+    model = NaNAt({3})
+    logger = quiet_logger()
+    seen = events_of(logger)
+    manager = CheckpointManager(tmp_path, every_steps=1, keep_last=None)
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        scalar_batches(1.0),
+        logger=logger,
+        checkpoint_manager=manager,
+        max_steps=5,
+    )
+    with pytest.raises(NonFiniteLossError, match="at step 3") as info:
+        trainer.fit()
+    assert info.value.step == 3
+    assert (
+        "nonfinite_loss",
+        {"step": 3, "loss": seen[-1][1]["loss"], "elapsed_s": seen[-1][1]["elapsed_s"]},
+    ) == seen[-1]
+    assert [step for step, _ in manager.step_files()] == [1, 2]
+    assert manager.load_latest()["step"] == 2
+
+
+def test_nonfinite_loss_skips_when_configured():
+    model = NaNAt({2})
+    config = SimpleNamespace(run=SimpleNamespace(stop_on_nonfinite=False, max_steps=3))
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        scalar_batches(1.0),
+        config=config,
+        logger=quiet_logger(),
+    )
+    result = trainer.fit()
+    assert result.steps == 3 and result.skipped_updates == 1
+    assert torch.isfinite(model.p).all()
+
+
+def test_grad_clip_limits_norm():
+    model = Scalar()
+    config = SimpleNamespace(
+        optimizer=SimpleNamespace(grad_clip=0.5), run=SimpleNamespace(max_steps=1)
+    )
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        scalar_batches(10.0),
+        config=config,
+        logger=quiet_logger(),
+    )
+    result = trainer.fit()
+    assert result.metrics[0]["grad_norm"] == pytest.approx(20.0)  # pre-clip norm is reported
+    assert model.p.item() == pytest.approx(0.5)
+
+
+def test_request_stop_from_a_thread_saves_final_checkpoint(tmp_path):
+    model = TinyLM()
+    logger = quiet_logger()
+    seen = events_of(logger)
+    manager = CheckpointManager(tmp_path, every_steps=1000)
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        lm_batches(),
+        logger=logger,
+        checkpoint_manager=manager,
+        max_steps=10_000,
+    )
+
+    def stopper(event, payload):
+        if event == "train_step" and payload["step"] == 3:
+            threading.Thread(target=trainer.request_stop, args=("test",)).start()
+
+    logger.hooks.append(stopper)
+    result = trainer.fit()
+    assert result.stopped_reason == "test"
+    assert 3 <= result.steps < 10
+    assert manager.load_latest()["step"] == result.steps
+    names = [e for e, _ in seen]
+    assert names.index("train_stopped") < names.index("checkpoint_saved") < names.index("train_end")
+    assert trainer.last_heartbeat > 0
+
+
+class FakeCoordinator:
+    def __init__(self, replace_at=()):
+        self.calls: list = []
+        self.replace_at = set(replace_at)
+        self.prepared = None
+
+    def start(self):
+        self.calls.append("start")
+
+    def after_optimizer_step(self, model, step):
+        self.calls.append(step)
+        return step in self.replace_at
+
+    def stop(self):
+        self.calls.append("stop")
+
+    def state_dict(self):
+        return {"outer_step": torch.tensor(3), "processed": ["a", "b"]}
+
+    def load_state_dict(self, state):
+        self.calls.append(("load", state))
+
+    def prepare_state(self, state):
+        self.prepared = state
+
+
+def test_coordinator_lifecycle_and_inner_reset():
+    model = TinyLM()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    coordinator = FakeCoordinator(replace_at={2})
+    config = SimpleNamespace(distributed=SimpleNamespace(reset_inner_optimizer=True))
+    trainer = Trainer(
+        model,
+        optimizer,
+        lm_batches(),
+        config=config,
+        logger=quiet_logger(),
+        coordinator=coordinator,
+        max_steps=1,
+    )
+    trainer.fit(1)
+    trainer.fit(2)
+    assert optimizer.state == {} or all(not s for s in optimizer.state.values())
+    trainer.fit(2)  # no work left: start skipped, stop still called
+    assert coordinator.calls == ["start", 1, "stop", "start", 2, "stop", "stop"]
+
+
+def test_checkpoint_state_round_trips_and_coordinator_prepare(tmp_path):
+    model = TinyLM()
+    coordinator = FakeCoordinator()
+    manager = CheckpointManager(tmp_path, every_steps=2)
+    trainer = Trainer(
+        model,
+        torch.optim.AdamW(model.parameters()),
+        lm_batches(),
+        logger=quiet_logger(),
+        checkpoint_manager=manager,
+        coordinator=coordinator,
+        max_steps=3,
+    )
+    trainer.fit()
+    state = manager.load_latest()
+    assert state["step"] == 3 and state["coordinator"]["processed"] == ["a", "b"]
+    other = FakeCoordinator()
+    fresh = Trainer(
+        TinyLM(),
+        torch.optim.AdamW(model.parameters()),
+        lm_batches(),
+        logger=quiet_logger(),
+        coordinator=other,
+        max_steps=3,
+    )
+    fresh.resume(state)
+    assert other.prepared["processed"] == ["a", "b"] and fresh.step == 3
