@@ -1,0 +1,449 @@
+"""Section validation: every rule and error text of reference/config.md §5, plus SPEC §3 types."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from speedtronic.config import (
+    CheckpointConfig,
+    ConfigError,
+    DataConfig,
+    DistributedConfig,
+    LoggingConfig,
+    MetricsConfig,
+    ModelConfig,
+    OptimizerConfig,
+    PrecisionConfig,
+    RunConfig,
+    SchedulerConfig,
+    ShapeValidationConfig,
+    SpeedtronicConfig,
+)
+
+
+def _error(values: dict) -> str:
+    with pytest.raises(ConfigError) as info:
+        SpeedtronicConfig.from_dict(values)
+    return str(info.value)
+
+
+RULES = [
+    # run
+    ({"run": {"max_steps": 0}}, "run.max_steps must be positive"),
+    ({"run": {"log_every": 0}}, "run.log_every must be positive"),
+    # model
+    ({"model": {"max_seq_len": 0}}, "model.max_seq_len must be positive"),
+    ({"model": {"vocab_size": -1}}, "model.vocab_size must be positive"),
+    ({"model": {"n_layer": 0}}, "model layer/head counts must be positive"),
+    ({"model": {"n_head": 0}}, "model layer/head counts must be positive"),
+    ({"model": {"n_kv_head": 0}}, "model layer/head counts must be positive"),
+    ({"model": {"d_model": 0}}, "model dimensions must be positive"),
+    ({"model": {"d_ff": 0}}, "model dimensions must be positive"),
+    ({"model": {"n_head": 8, "n_kv_head": 3}}, "model.n_head must be divisible by model.n_kv_head"),
+    ({"model": {"d_model": 100, "n_head": 8}}, "model.d_model must be divisible by model.n_head"),
+    ({"model": {"dropout": 1.0}}, "model.dropout must be in [0, 1)"),
+    ({"model": {"dropout": -0.1}}, "model.dropout must be in [0, 1)"),
+    # data
+    ({"data": {"micro_batch_size": 0}}, "batch sizes must be positive"),
+    ({"data": {"target_batch_size": 0}}, "batch sizes must be positive"),
+    (
+        {"data": {"micro_batch_size": 4, "target_batch_size": 2}},
+        "target_batch_size must be >= micro_batch_size",
+    ),
+    (
+        {"data": {"micro_batch_size": 2, "target_batch_size": 3}},
+        "target_batch_size must be divisible by micro_batch_size",
+    ),
+    ({"data": {"vocab_size": 0}}, "data.vocab_size must be positive"),
+    ({"data": {"num_tokens": 0}}, "data.num_tokens must be positive"),
+    ({"data": {"num_workers": -1}}, "data.num_workers cannot be negative"),
+    ({"data": {"prefetch_factor": 0}}, "data.prefetch_factor must be positive"),
+    ({"data": {"max_steps": 0}}, "data.max_steps must be positive"),
+    ({"data": {"block_size": 0}}, "data.block_size must be positive"),
+    ({"data": {"token_dtype": "int8"}}, "data.token_dtype must be 'uint16' or 'uint32'"),
+    ({"data": {"sampling": "shuffled"}}, "data.sampling must be 'random' or 'sequential'"),
+    # optimizer
+    ({"optimizer": {"name": "sgd"}}, "optimizer.name must be 'adamw' or 'muon'"),
+    ({"optimizer": {"lr": 0}}, "optimizer.lr must be positive"),
+    ({"optimizer": {"betas": [0.9]}}, "optimizer.betas must contain two values in [0, 1)"),
+    ({"optimizer": {"betas": [0.9, 1.0]}}, "optimizer.betas must contain two values in [0, 1)"),
+    ({"optimizer": {"betas": 0.9}}, "optimizer.betas must contain two values in [0, 1)"),
+    (
+        {"optimizer": {"eps": 0}},
+        "optimizer eps must be positive and weight_decay non-negative",
+    ),
+    (
+        {"optimizer": {"weight_decay": -0.1}},
+        "optimizer eps must be positive and weight_decay non-negative",
+    ),
+    ({"optimizer": {"grad_clip": 0}}, "optimizer.grad_clip must be positive"),
+    ({"optimizer": {"muon_plus": "x"}}, "optimizer Muon/cautious flags must be booleans"),
+    ({"optimizer": {"cautious": 2}}, "optimizer Muon/cautious flags must be booleans"),
+    (
+        {"optimizer": {"muon_plus": True}},
+        "optimizer.muon_plus is only valid with optimizer.name=muon",
+    ),
+    ({"optimizer": {"muon_momentum": 1.0}}, "optimizer.muon_momentum must be in [0, 1)"),
+    ({"optimizer": {"muon_ns_steps": 0}}, "optimizer.muon_ns_steps must be positive"),
+    ({"optimizer": {"muon_norm_eps": 0}}, "optimizer.muon_norm_eps must be positive"),
+    # scheduler
+    ({"scheduler": {"name": "linear"}}, "scheduler.name must be 'cosine' or 'constant'"),
+    (
+        {"scheduler": {"warmup_steps": -1}},
+        "scheduler steps must be non-negative/max_steps positive",
+    ),
+    ({"scheduler": {"max_steps": 0}}, "scheduler steps must be non-negative/max_steps positive"),
+    ({"scheduler": {"min_lr_ratio": 1.5}}, "scheduler.min_lr_ratio must be in [0, 1]"),
+    # precision
+    ({"precision": "fp8"}, "precision.mode must be auto, bf16, fp16, or fp32"),
+    ({"precision": {"dtype": "auto"}}, "precision.dtype must be bf16, fp16, or fp32"),
+    # checkpoint
+    ({"checkpoint": {"every_steps": 0}}, "checkpoint.every_steps must be positive"),
+    (
+        {"checkpoint": {"enabled": False, "every_steps": 0}},
+        "checkpoint.every_steps must be positive",
+    ),
+    ({"checkpoint": {"keep_last": 0}}, "checkpoint.keep_last must be positive or null"),
+    # logging
+    ({"logging": {"every_steps": 0}}, "logging.every_steps must be positive"),
+    ({"logging": {"format": "xml"}}, "logging.format must be 'text' or 'json'"),
+    ({"logging": {"level": "LOUD"}}, "logging.level must be one of"),
+    ({"logging": {"hooks": []}}, "logging: unknown configuration keys: hooks"),
+    # metrics
+    ({"metrics": {"port": 70000}}, "metrics.port must be between 0 and 65535"),
+    ({"metrics": {"stall_seconds": 0}}, "metrics.stall_seconds must be positive"),
+    ({"metrics": {"host": " "}}, "metrics.host must not be empty"),
+    # distributed
+    ({"distributed": {"mode": "ring"}}, "distributed.mode must be 'dumb_diloco' or 'single'"),
+    (
+        {"distributed": {"enabled": True, "mode": "single", "repo_id": "a/b"}},
+        "distributed.mode must be 'dumb_diloco' when enabled",
+    ),
+    ({"distributed": {"role": "boss"}}, "distributed.role must be single, master, or worker"),
+    *[
+        (
+            {"distributed": {"node_id": bad}},
+            "distributed.node_id must be a non-empty path-safe identifier",
+        )
+        for bad in ("", " ", ".", "..", "a/b", "a\\b")
+    ],
+    (
+        {"distributed": {"collaborators": None}},
+        "distributed.collaborators must be a list of usernames",
+    ),
+    (
+        {"distributed": {"collaborators": ["ok", " "]}},
+        "distributed.collaborators must be a list of usernames",
+    ),
+    (
+        {"distributed": {"collaborators": "alice"}},
+        "distributed.collaborators must be a list of usernames",
+    ),
+    ({"distributed": {"inner_steps": 0}}, "distributed.inner_steps must be positive"),
+    ({"distributed": {"poll_interval": 0}}, "distributed.poll_interval must be positive"),
+    ({"distributed": {"outer_lr": 0}}, "outer learning rate/momentum values are invalid"),
+    ({"distributed": {"outer_momentum": 1.0}}, "outer learning rate/momentum values are invalid"),
+    ({"distributed": {"retry_initial": 0}}, "distributed retry bounds are invalid"),
+    (
+        {"distributed": {"retry_initial": 5, "retry_max": 1}},
+        "distributed retry bounds are invalid",
+    ),
+    ({"distributed": {"retry_attempts": 0}}, "distributed.retry_attempts must be positive"),
+    (
+        {"distributed": {"reset_inner_optimizer": "maybe"}},
+        "distributed.reset_inner_optimizer must be a boolean",
+    ),
+    (
+        {"distributed": {"async_delta_upload": 3}},
+        "distributed.async_delta_upload must be a boolean",
+    ),
+    (
+        {"distributed": {"async_global_poll": []}},
+        "distributed.async_global_poll must be a boolean",
+    ),
+    (
+        {"distributed": {"delta_upload_queue_size": 2}},
+        "distributed.delta_upload_queue_size must be 1 in v2",
+    ),
+    (
+        {"distributed": {"delta_upload_overflow": "block"}},
+        "distributed.delta_upload_overflow must be 'skip'",
+    ),
+    (
+        {"distributed": {"delta_upload_shutdown_timeout": 0}},
+        "distributed.delta_upload_shutdown_timeout must be positive",
+    ),
+    (
+        {"distributed": {"delta_dtype": "fp8"}},
+        "distributed.delta_dtype must be fp32, bf16, or fp16",
+    ),
+    ({"distributed": {"request_timeout": 0}}, "distributed.request_timeout must be positive"),
+    ({"distributed": {"enabled": True}}, "distributed.repo_id is required for DumbDiLoCo"),
+    # shape validation
+    ({"shape_validation": {"enabled": "x"}}, "shape_validation.enabled must be a boolean"),
+    (
+        {"shape_validation": {"alignment": "8"}},
+        "shape_validation.alignment must be 'auto', 'none', or a positive integer",
+    ),
+    (
+        {"shape_validation": {"alignment": True}},
+        "shape_validation.alignment must be 'auto' or a positive integer",
+    ),
+    (
+        {"shape_validation": {"alignment": 1.5}},
+        "shape_validation.alignment must be 'auto' or a positive integer",
+    ),
+    ({"shape_validation": {"alignment": 0}}, "shape_validation.alignment must be positive"),
+    *[
+        ({"shape_validation": {flag: "x"}}, f"shape_validation.{flag} must be a boolean")
+        for flag in ("check_batch", "check_sequence", "check_model", "check_vocab", "warn_on_cpu")
+    ],
+    # root scalars
+    ({"ooo_streams": 0}, "ooo_streams must be between 1 and 8"),
+    ({"ooo_streams": 9}, "ooo_streams must be between 1 and 8"),
+    ({"ooo_backprop": "sometimes"}, "ooo_backprop must be a boolean"),
+]
+
+
+@pytest.mark.parametrize(("values", "message"), RULES)
+def test_every_rule_has_its_text(values: dict, message: str) -> None:
+    assert _error(values).startswith(message)
+
+
+def test_first_failing_check_reports() -> None:
+    # max_seq_len is checked before vocab_size in the model section
+    assert _error({"model": {"max_seq_len": 0, "vocab_size": 0}}) == (
+        "model.max_seq_len must be positive"
+    )
+    # sections are built in order run, model, data...
+    assert _error({"data": {"num_tokens": 0}, "model": {"d_model": 0}}) == (
+        "model dimensions must be positive"
+    )
+
+
+@pytest.mark.parametrize(
+    ("values", "field", "expected"),
+    [
+        ({"run": {"max_steps": "ten"}}, "run.max_steps", "an integer"),
+        ({"run": {"max_steps": True}}, "run.max_steps", "an integer"),
+        ({"run": {"max_steps": 2.5}}, "run.max_steps", "an integer"),
+        ({"model": {"n_layer": [1]}}, "model.n_layer", "an integer"),
+        ({"optimizer": {"lr": "fast"}}, "optimizer.lr", "a number"),
+        ({"optimizer": {"lr": "nan"}}, "optimizer.lr", "a finite number"),
+        ({"optimizer": {"lr": float("inf")}}, "optimizer.lr", "a finite number"),
+        ({"model": {"dropout": {}}}, "model.dropout", "a number"),
+        ({"run": {"name": ["x"]}}, "run.name", "a string"),
+        ({"run": {"name": True}}, "run.name", "a string"),
+        ({"logging": {"level": 10}}, "logging.level", "one of"),
+        ({"checkpoint": {"enabled": "maybe"}}, "checkpoint.enabled", "a boolean"),
+        ({"data": {"shuffle": 2}}, "data.shuffle", "a boolean"),
+        ({"model": {"tie_weights": "nope"}}, "model.tie_weights", "a boolean"),
+        ({"distributed": {"enabled": "enabled"}}, "distributed.enabled", "a boolean"),
+        ({"data": {"dataset": 5}}, "data.dataset", "a path string or a Dataset"),
+        ({"compile": "x"}, "compile", "a boolean"),
+        ({"gradient_checkpointing": "x"}, "gradient_checkpointing", "a boolean"),
+        ({"ooo_streams": "many"}, "ooo_streams", "an integer"),
+    ],
+)
+def test_wrong_types_are_config_errors_naming_the_field(values, field, expected) -> None:
+    message = _error(values)
+    assert message.startswith(field)
+    assert expected in message
+
+
+@pytest.mark.parametrize(
+    ("values", "field"),
+    [
+        ({"run": {"max_steps": None}}, "run.max_steps"),
+        ({"run": {"name": None}}, "run.name"),
+        ({"model": {"d_model": None}}, "model.d_model"),
+        ({"optimizer": {"lr": None}}, "optimizer.lr"),
+        ({"optimizer": {"betas": None}}, "optimizer.betas"),
+        ({"checkpoint": {"enabled": None}}, "checkpoint.enabled"),
+        ({"logging": {"level": None}}, "logging.level"),
+        ({"distributed": {"cache_dir": None}}, "distributed.cache_dir"),
+        ({"metrics": {"port": None}}, "metrics.port"),
+        ({"ooo_streams": None}, "ooo_streams"),
+    ],
+)
+def test_explicit_null_for_non_nullable_field_is_rejected(values, field) -> None:
+    message = _error(values)
+    assert message.startswith(field)
+    assert "null" in message
+
+
+def test_nullable_fields_accept_null() -> None:
+    config = SpeedtronicConfig.from_dict(
+        {
+            "run": {"log_every": None},
+            "model": {"n_kv_head": None, "d_ff": None},
+            "data": {"text_path": None, "prefetch_factor": None, "pin_memory": None},
+            "optimizer": {"fused": None, "grad_clip": None},
+            "scheduler": {"max_steps": None},
+            "checkpoint": {"keep_last": None},
+            "metrics": {"enabled": None},
+            "distributed": {"node_id": None, "token": None},
+            "shape_validation": {"alignment": None},
+        }
+    )
+    assert config.model.n_kv_head == config.model.n_head
+    assert config.model.d_ff == 4 * config.model.d_model
+    assert config.checkpoint.keep_last is None
+    assert config.shape_validation.alignment == "auto"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("true", True),
+        ("TRUE", True),
+        ("Yes", True),
+        ("on", True),
+        ("1", True),
+        ("false", False),
+        ("False", False),
+        ("no", False),
+        ("OFF", False),
+        ("0", False),
+        (1, True),
+        (0, False),
+        (True, True),
+    ],
+)
+def test_boolean_strings(text, expected) -> None:
+    config = SpeedtronicConfig.from_dict(
+        {"checkpoint": {"enabled": text}, "compile": text, "optimizer": {"cautious": text}}
+    )
+    assert config.checkpoint.enabled is expected
+    assert config.compile is expected
+    assert config.optimizer.cautious is expected
+
+
+def test_quoted_false_is_false_everywhere() -> None:
+    config = SpeedtronicConfig.load(
+        'gradient_checkpointing: "false"\ncompile: {enabled: "false"}\n'
+        'model: {gradient_checkpointing: "false", tie_weights: "false"}\n'
+        'ooo_backprop: "no"\n'
+    )
+    assert config.gradient_checkpointing is False
+    assert config.model.gradient_checkpointing is False
+    assert config.model.tie_weights is False
+    assert config.compile is False
+    assert config.ooo_backprop is False
+
+
+def test_exponent_strings_are_floats() -> None:
+    config = SpeedtronicConfig.load(
+        "optimizer:\n  lr: 3e-4\n  eps: 1e-8\n  betas: ['0.9', 0.95]\n"
+        "distributed:\n  poll_interval: '60'\n"
+    )
+    assert config.optimizer.lr == pytest.approx(3e-4)
+    assert config.optimizer.eps == pytest.approx(1e-8)
+    assert config.optimizer.betas == (0.9, 0.95)
+    assert config.distributed.poll_interval == 60.0
+
+
+def test_integer_coercions() -> None:
+    config = SpeedtronicConfig.from_dict({"run": {"max_steps": "12", "seed": 7.0}})
+    assert config.run.max_steps == 12 and isinstance(config.run.max_steps, int)
+    assert config.run.seed == 7 and isinstance(config.run.seed, int)
+
+
+def test_strings_are_normalised() -> None:
+    config = SpeedtronicConfig.from_dict(
+        {
+            "optimizer": {"name": " MUON "},
+            "scheduler": {"name": "Constant"},
+            "precision": {"mode": "BF16", "dtype": "FP16"},
+            "logging": {"level": "debug", "format": "JSON"},
+            "distributed": {"mode": "Single", "role": "WORKER", "node_id": " n1 "},
+            "data": {"token_dtype": "UINT32", "sampling": "Sequential"},
+            "shape_validation": {"alignment": " NONE "},
+            "run": {"name": 2024},
+        }
+    )
+    assert config.optimizer.name == "muon"
+    assert config.scheduler.name == "constant"
+    assert (config.precision.mode, config.precision.dtype) == ("bf16", "fp16")
+    assert (config.logging.level, config.logging.format) == ("DEBUG", "json")
+    assert (config.distributed.mode, config.distributed.role) == ("single", "worker")
+    assert config.distributed.node_id == "n1"
+    assert (config.data.token_dtype, config.data.sampling) == ("uint32", "sequential")
+    assert config.shape_validation.alignment == "none"
+    assert config.run.name == "2024"
+
+
+def test_role_rewrite_when_enabled() -> None:
+    config = SpeedtronicConfig.from_dict({"distributed": {"enabled": True, "repo_id": "a/b"}})
+    assert config.distributed.role == "master"
+    disabled = SpeedtronicConfig.from_dict({"distributed": {"repo_id": "a/b"}})
+    assert disabled.distributed.role == "single"
+
+
+def test_new_fields_defaults() -> None:
+    config = SpeedtronicConfig()
+    assert config.metrics == MetricsConfig(enabled=None, host="0.0.0.0", port=8000)
+    assert config.metrics.stall_seconds == 300.0
+    assert config.logging.format == "text"
+    assert config.data.token_path is None
+    assert config.data.token_dtype == "uint16"
+    assert config.data.sampling == "random"
+    assert config.data.allow_pickle is False
+    assert config.run.stop_on_nonfinite is True
+    assert config.checkpoint.save_final is True
+    assert config.distributed.delta_dtype == "fp32"
+    assert config.distributed.request_timeout == 60.0
+
+
+def test_direct_construction_validates() -> None:
+    with pytest.raises(ConfigError, match=re.escape("run.max_steps must be positive")):
+        RunConfig(max_steps=0)
+    with pytest.raises(ConfigError, match=r"model\.d_model must be divisible"):
+        ModelConfig(d_model=10, n_head=3, n_kv_head=1)
+    with pytest.raises(ConfigError):
+        DataConfig(micro_batch_size=3, target_batch_size=4)
+    with pytest.raises(ConfigError):
+        OptimizerConfig(lr=-1)
+    with pytest.raises(ConfigError):
+        SchedulerConfig(warmup_steps=-1)
+    with pytest.raises(ConfigError):
+        PrecisionConfig(mode="int8")
+    with pytest.raises(ConfigError):
+        CheckpointConfig(keep_last=-1)
+    with pytest.raises(ConfigError):
+        LoggingConfig(every_steps=0)
+    with pytest.raises(ConfigError):
+        DistributedConfig(inner_steps=0)
+    with pytest.raises(ConfigError):
+        ShapeValidationConfig(alignment=-8)
+    assert isinstance(ConfigError("x"), ValueError)
+
+
+def test_mutation_is_not_revalidated() -> None:
+    config = SpeedtronicConfig()
+    config.run.max_steps = -5
+    assert config.run.max_steps == -5
+    config.data.block_size = 0
+    with pytest.raises(ConfigError, match=r"^data.block_size must be positive$"):
+        config.validate()
+    config = SpeedtronicConfig()
+    config.distributed.enabled = True
+    with pytest.raises(ConfigError, match=r"^distributed.repo_id is required$"):
+        config.validate()
+
+
+def test_accumulation_steps() -> None:
+    config = SpeedtronicConfig.from_dict({"data": {"micro_batch_size": 2, "target_batch_size": 8}})
+    assert config.data.accumulation_steps == 4
+    assert config.accumulation_steps == 4
+
+
+def test_token_never_in_repr_or_errors() -> None:
+    config = SpeedtronicConfig.from_dict({"distributed": {"token": "hf_secret_value"}})
+    assert "hf_secret_value" not in repr(config)
+    assert "hf_secret_value" not in repr(config.distributed)
+    message = _error({"distributed": {"token": ["hf_secret_value"]}})
+    assert message.startswith("distributed.token must be a string")
+    assert "hf_secret_value" not in message
