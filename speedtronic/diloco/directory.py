@@ -1,0 +1,93 @@
+"""Shared-volume transport: ``distributed.repo_id: file:///abs/path``.
+
+Same layout and retry policy as the Hub. Every write goes to a temp file in the target
+directory, is fsynced, then renamed over the final name, so a reader never sees half a file.
+A "commit" applies its additions in order (weights, processed set, version record last) and
+then its deletions. Local file operations are bounded by the filesystem, not by
+``request_timeout`` (documented in docs/diloco.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+from collections.abc import Mapping
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from speedtronic.diloco.transport import RepoTransport, RetryPolicy
+
+__all__ = ["DirectoryTransport", "directory_root"]
+
+_LOG = logging.getLogger("speedtronic.diloco")
+
+
+def directory_root(repo_id: str) -> Path:
+    """``file:///abs/path`` -> ``Path("/abs/path")``; anything else is a ValueError."""
+    parsed = urlparse(repo_id)
+    if parsed.scheme != "file" or parsed.netloc not in ("", "localhost"):
+        raise ValueError(f"not a file:// repository: {repo_id!r}")
+    path = unquote(parsed.path)
+    if not path.startswith("/"):
+        raise ValueError(f"file:// repository must be absolute: {repo_id!r}")
+    return Path(path)
+
+
+class DirectoryTransport(RepoTransport):
+    """A repository that is a directory on a (shared) filesystem."""
+
+    kind = "directory"
+
+    def __init__(self, repo_id: str, retry: RetryPolicy | None = None):
+        super().__init__(repo_id, retry)
+        self.root = directory_root(repo_id)
+
+    def _path(self, remote: str) -> Path:
+        parts = [p for p in remote.split("/") if p]
+        if not parts or any(p in (".", "..") for p in parts):
+            raise ValueError(f"unsafe repository path: {remote!r}")
+        return self.root.joinpath(*parts)
+
+    def _create_repo(self, private: bool) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        if private:
+            with contextlib.suppress(OSError):
+                os.chmod(self.root, 0o770)
+
+    def _grant(self, username: str, permission: str) -> None:
+        _LOG.info(
+            "directory transport: access to %s is managed by filesystem permissions", username
+        )
+
+    def _list(self) -> list[str]:
+        if not self.root.exists():
+            return []
+        out = []
+        for path in self.root.rglob("*"):
+            if path.is_file() and not path.name.startswith("."):
+                out.append(path.relative_to(self.root).as_posix())
+        return out
+
+    def _read(self, path: str) -> bytes:
+        return self._path(path).read_bytes()
+
+    def _write(self, remote: str, data: bytes) -> None:
+        target = self._path(remote)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            with open(tmp, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _commit(self, additions: Mapping[str, bytes], deletions: list[str], message: str) -> None:
+        for remote, data in additions.items():
+            self._write(remote, data)
+        for remote in deletions:
+            self._path(remote).unlink(missing_ok=True)

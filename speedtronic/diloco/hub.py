@@ -1,0 +1,156 @@
+"""Hugging Face Hub transport (``distributed.repo_id: owner/name``) on ``huggingface_hub.HfApi``.
+
+Calls used (all checked against huggingface_hub 2.4.0): ``create_repo(private=True,
+exist_ok=True)``, ``list_repo_files``, ``hf_hub_download(local_dir=...)`` (HEAD + GET on
+``/resolve/``) and ``create_commit`` with ``CommitOperationAdd``/``CommitOperationDelete``:
+one commit per delta upload, and one commit for publish + prune on the master. The endpoint
+comes from the ``endpoint`` argument, else ``HF_ENDPOINT`` read here in the constructor
+(never at import). Every HTTP request carries ``request_timeout`` through the SDK's client
+factory. The token is handed to the SDK only; it is scrubbed from every error message.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from speedtronic.diloco.transport import HubUnavailable, RepoTransport, RetryPolicy, TransportError
+
+__all__ = ["HubClient", "HubTransport", "configure_sdk_timeout"]
+
+_LOG = logging.getLogger("speedtronic.diloco")
+_SDK_LOCK = threading.Lock()
+_SDK_TIMEOUT: list[float] = []
+
+
+def configure_sdk_timeout(timeout: float) -> None:
+    """Give every request of the (process-wide) SDK HTTP client a ``timeout`` in seconds.
+
+    The SDK's default client has no timeout; a hung Hub must not hold a thread forever.
+    The smallest timeout asked for in this process wins.
+    """
+    try:
+        import httpx2
+        from huggingface_hub.utils import _http
+    except ImportError:  # older SDKs (requests based) use their own per-call timeouts
+        return
+    with _SDK_LOCK:
+        if _SDK_TIMEOUT and _SDK_TIMEOUT[0] <= timeout:
+            return
+        _SDK_TIMEOUT[:] = [float(timeout)]
+
+        def factory() -> Any:
+            return httpx2.Client(
+                event_hooks={"request": [_http.hf_request_event_hook]},
+                follow_redirects=True,
+                timeout=float(timeout),
+            )
+
+        _http.set_client_factory(factory)
+
+
+class HubClient(RepoTransport):
+    """A Hub model repository used as the DumbDiLoCo rendezvous (private, one per run)."""
+
+    kind = "hub"
+
+    def __init__(
+        self,
+        repo_id: str,
+        *,
+        token: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        api: Any = None,
+        endpoint: str | None = None,
+        retry: RetryPolicy | None = None,
+        retry_initial: float = 1.0,
+        retry_max: float = 60.0,
+        retry_attempts: int = 6,
+        request_timeout: float = 60.0,
+        sleeper: Any = None,
+    ):
+        if retry is None:
+            retry = RetryPolicy(retry_initial, retry_max, retry_attempts, request_timeout)
+            if sleeper is not None:
+                retry.sleeper = sleeper
+        if token:
+            retry.secrets = (*retry.secrets, token)
+        super().__init__(repo_id, retry)
+        self._token = token
+        self.endpoint = endpoint or os.environ.get("HF_ENDPOINT") or None
+        self.cache_dir = (
+            Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / "speedtronic-hub"
+        )
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        self._api = api
+
+    def __repr__(self) -> str:  # never show the token
+        return f"HubClient(repo_id={self.repo_id!r}, endpoint={self.endpoint!r})"
+
+    @property
+    def api(self) -> Any:
+        """The ``HfApi`` (built on first use)."""
+        if self._api is None:
+            try:
+                from huggingface_hub import HfApi
+                from huggingface_hub.utils import disable_progress_bars
+            except ImportError:
+                raise HubUnavailable("huggingface_hub is required for the Hub transport") from None
+            disable_progress_bars()
+            configure_sdk_timeout(self.retry.timeout)
+            self._api = HfApi(endpoint=self.endpoint, token=self._token)
+        return self._api
+
+    def _create_repo(self, private: bool) -> None:
+        self.api.create_repo(self.repo_id, repo_type="model", private=private, exist_ok=True)
+
+    def _grant(self, username: str, permission: str) -> None:
+        grant = getattr(self.api, "add_collaborator", None)
+        if grant is None:
+            raise TransportError(
+                "this huggingface_hub SDK cannot add collaborators; grant access in the Hub UI",
+                kind="permanent",
+            )
+        grant(username, repo_id=self.repo_id, repo_type="model", permission=permission)
+
+    def _list(self) -> list[str]:
+        files = self.api.list_repo_files(self.repo_id, repo_type="model")
+        return [str(getattr(item, "rfilename", item)) for item in (files or [])]
+
+    def _read(self, path: str) -> bytes:
+        tmp = tempfile.mkdtemp(prefix="speedtronic-download-", dir=self.cache_dir)
+        try:
+            local = self.api.hf_hub_download(
+                repo_id=self.repo_id,
+                filename=path,
+                local_dir=tmp,
+                repo_type="model",
+                token=self._token,
+                force_download=True,
+                etag_timeout=self.retry.timeout,
+            )
+            return Path(local).read_bytes()
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _commit(self, additions: Mapping[str, bytes], deletions: list[str], message: str) -> None:
+        from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+
+        operations: list[Any] = [
+            CommitOperationAdd(path_in_repo=path, path_or_fileobj=io.BytesIO(data))
+            for path, data in additions.items()
+        ]
+        operations += [CommitOperationDelete(path_in_repo=path) for path in deletions]
+        self.api.create_commit(
+            self.repo_id, operations=operations, commit_message=message, repo_type="model"
+        )
+
+
+HubTransport = HubClient

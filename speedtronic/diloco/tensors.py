@@ -1,0 +1,294 @@
+"""Tensor format of DumbDiLoCo: safetensors files, pseudo-gradients, delta paths.
+
+Everything here is a pure function over ``name -> tensor`` dicts. Deltas are
+``float32(baseline) - float32(current)`` over floating/complex keys (the sign points
+*against* local progress, so the master subtracts ``lr * update``). Deltas travel as
+safetensors with string metadata (``node_id``, ``local_step``, ``base_outer_step``,
+``algorithm``, ``dtype``); the wire dtype may be fp32, bf16 or fp16, and the master always
+aggregates in float32.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "DELTA_DTYPES",
+    "average_deltas",
+    "compute_pseudo_gradient",
+    "cpu_state_dict",
+    "cpu_tensor",
+    "delta_dtype",
+    "delta_from_bytes",
+    "delta_path",
+    "delta_to_bytes",
+    "floating_state",
+    "is_all_zero",
+    "load_delta",
+    "load_safetensors",
+    "metadata_json",
+    "parse_delta_path",
+    "read_metadata",
+    "save_safetensors",
+    "state_from_bytes",
+    "state_to_bytes",
+    "validate_delta",
+]
+
+#: Wire dtypes accepted by ``distributed.delta_dtype``.
+DELTA_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+
+_DELTA_NAME = re.compile(r"^delta_(0|[1-9][0-9]*)\.safetensors$")
+_SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@+-]*$")
+
+
+def cpu_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """Detached, contiguous CPU clone (clones break storage sharing such as tied weights)."""
+    return tensor.detach().to("cpu").contiguous().clone()
+
+
+def cpu_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU clone of every tensor, keys converted to ``str``."""
+    return {str(key): cpu_tensor(value) for key, value in state.items()}
+
+
+def _is_floating(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+def floating_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The floating-point or complex entries of ``state``."""
+    return {key: value for key, value in state.items() if _is_floating(value)}
+
+
+def delta_dtype(name: str | None) -> torch.dtype:
+    """Map ``fp32|bf16|fp16`` (None -> fp32) to a torch dtype; anything else is a ValueError."""
+    key = (name or "fp32").lower()
+    if key not in DELTA_DTYPES:
+        raise ValueError(
+            f"distributed.delta_dtype must be one of {sorted(DELTA_DTYPES)}, got {name!r}"
+        )
+    return DELTA_DTYPES[key]
+
+
+def compute_pseudo_gradient(
+    baseline: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``float32(baseline) - float32(current)`` for every floating key (golden: [3,5]-[1,4]=[2,1]).
+
+    Key sets must match and every shape must agree, else ``ValueError``.
+    """
+    missing_current = sorted(set(baseline) - set(current))
+    missing_baseline = sorted(set(current) - set(baseline))
+    if missing_current or missing_baseline:
+        raise ValueError(
+            "state keys differ: missing in current "
+            f"{missing_current}, missing in baseline {missing_baseline}"
+        )
+    delta: dict[str, torch.Tensor] = {}
+    for key, base in baseline.items():
+        cur = current[key]
+        if tuple(base.shape) != tuple(cur.shape):
+            raise ValueError(f"shape mismatch for {key}: {tuple(base.shape)} vs {tuple(cur.shape)}")
+        if _is_floating(base):
+            b = base.detach().to("cpu")
+            c = cur.detach().to("cpu")
+            if b.is_complex():
+                b, c = b.real, c.real
+            delta[key] = b.to(torch.float32) - c.to(torch.float32)
+    return delta
+
+
+def average_deltas(deltas: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Equal-weight float32 mean of deltas with identical keys and shapes."""
+    items = list(deltas)
+    if not items:
+        raise ValueError("average_deltas needs at least one delta")
+    keys = set(items[0])
+    total: dict[str, torch.Tensor] = {
+        key: torch.zeros(tuple(value.shape), dtype=torch.float32) for key, value in items[0].items()
+    }
+    for delta in items:
+        if set(delta) != keys:
+            raise ValueError("all deltas must have the same keys")
+        for key, value in delta.items():
+            if tuple(value.shape) != tuple(total[key].shape):
+                raise ValueError(f"shape mismatch for {key}")
+            total[key].add_(value.detach().to("cpu", torch.float32))
+    count = float(len(items))
+    return {key: value.div_(count) for key, value in total.items()}
+
+
+def is_all_zero(delta: Mapping[str, torch.Tensor]) -> bool:
+    """True when every tensor of ``delta`` is exactly zero (nothing to upload)."""
+    return all(not bool(torch.count_nonzero(value)) for value in delta.values())
+
+
+def is_path_safe(identifier: str) -> bool:
+    """A node id usable as a single path segment (letters, digits, ``._@+-``)."""
+    return bool(_SAFE_ID.match(identifier)) and identifier not in {".", ".."}
+
+
+def delta_path(node_id: str, local_step: int) -> str:
+    """Remote path ``nodes/<node_id>/delta_<step>.safetensors``."""
+    return f"nodes/{node_id}/delta_{int(local_step)}.safetensors"
+
+
+def parse_delta_path(path: str) -> tuple[str, int] | None:
+    """``nodes/<node>/delta_<step>.safetensors`` -> ``(node, step)``; anything else -> None.
+
+    Strict: the node must be path-safe and the step a canonical non-negative integer.
+    """
+    parts = str(path).split("/")
+    if len(parts) != 3 or parts[0] != "nodes" or not is_path_safe(parts[1]):
+        return None
+    match = _DELTA_NAME.match(parts[2])
+    if match is None:
+        return None
+    return parts[1], int(match.group(1))
+
+
+def state_to_bytes(
+    state: Mapping[str, torch.Tensor],
+    *,
+    metadata: Mapping[str, object] | None = None,
+    dtype: torch.dtype | None = None,
+) -> bytes:
+    """Serialise ``state`` as safetensors bytes; floating tensors are cast to ``dtype`` if given."""
+    from safetensors.torch import save
+
+    tensors = {}
+    for key, value in state.items():
+        tensor = cpu_tensor(value)
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        tensors[str(key)] = tensor
+    meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+    return save(tensors, metadata=meta)
+
+
+def _header(data: bytes) -> dict:
+    if len(data) < 8:
+        raise ValueError("not a safetensors file (too short)")
+    size = int.from_bytes(data[:8], "little")
+    if size <= 0 or 8 + size > len(data):
+        raise ValueError("not a safetensors file (bad header length)")
+    try:
+        header = json.loads(data[8 : 8 + size])
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not a safetensors file (bad header: {exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError("not a safetensors file (header is not an object)")
+    return header
+
+
+def state_from_bytes(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Parse safetensors bytes into ``(tensors, metadata)``; any damage is a ``ValueError``."""
+    from safetensors.torch import load
+
+    header = _header(data)
+    metadata = header.get("__metadata__") or {}
+    try:
+        tensors = load(bytes(data))
+    except Exception as exc:  # safetensors raises its own SafetensorError
+        raise ValueError(f"unable to load safetensors data: {exc}") from None
+    return dict(tensors), {str(k): str(v) for k, v in metadata.items()}
+
+
+def delta_to_bytes(
+    delta: Mapping[str, torch.Tensor],
+    *,
+    node_id: str,
+    local_step: int,
+    base_outer_step: int,
+    dtype: str = "fp32",
+    extra: Mapping[str, object] | None = None,
+) -> bytes:
+    """Delta file bytes with the core header keys and the wire dtype."""
+    metadata = {
+        "node_id": node_id,
+        "local_step": int(local_step),
+        "base_outer_step": int(base_outer_step),
+        "algorithm": "dumb_diloco",
+        "dtype": (dtype or "fp32").lower(),
+        **dict(extra or {}),
+    }
+    return state_to_bytes(delta, metadata=metadata, dtype=delta_dtype(dtype))
+
+
+def delta_from_bytes(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Parse a delta file; tensors come back as float32 (the master aggregates in fp32)."""
+    tensors, metadata = state_from_bytes(data)
+    return {k: v.to(torch.float32) for k, v in tensors.items()}, metadata
+
+
+def validate_delta(
+    delta: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor]
+) -> None:
+    """Reject a delta whose keys/shapes differ from the floating part of ``reference`` or
+    that holds NaN/inf (``ValueError`` naming the problem)."""
+    expected = {k: v for k, v in reference.items() if _is_floating(v)}
+    if set(delta) != set(expected):
+        extra = sorted(set(delta) - set(expected))[:5]
+        missing = sorted(set(expected) - set(delta))[:5]
+        raise ValueError(f"delta keys do not match the model (extra {extra}, missing {missing})")
+    for key, value in delta.items():
+        if tuple(value.shape) != tuple(expected[key].shape):
+            raise ValueError(
+                f"shape mismatch for {key}: {tuple(value.shape)} vs {tuple(expected[key].shape)}"
+            )
+        if not bool(torch.isfinite(value).all()):
+            raise ValueError(f"non-finite values in {key}")
+
+
+def save_safetensors(
+    state: Mapping[str, torch.Tensor], path: str | os.PathLike, *, metadata=None
+) -> Path:
+    """Atomically write ``state`` to ``path`` (temp file + rename)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    data = state_to_bytes(state, metadata=metadata)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
+def load_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Load every tensor of a safetensors file onto the CPU."""
+    return state_from_bytes(Path(path).read_bytes())[0]
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """Header metadata of a safetensors file (``{}`` when absent)."""
+    data = Path(path).read_bytes()
+    return {str(k): str(v) for k, v in (_header(data).get("__metadata__") or {}).items()}
+
+
+def load_delta(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """``(tensors, metadata)`` of a delta file; damage is a ``ValueError``."""
+    return state_from_bytes(Path(path).read_bytes())
+
+
+def metadata_json(metadata: Mapping[str, str]) -> dict[str, object]:
+    """JSON-decode every metadata value; on any failure return a plain copy."""
+    try:
+        return {k: json.loads(v) for k, v in metadata.items()}
+    except (TypeError, ValueError):
+        return dict(metadata)

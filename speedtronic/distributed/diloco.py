@@ -1,0 +1,11 @@
+"""2.0.0 path of the coordinator (:mod:`speedtronic.diloco.coordinator`)."""
+
+from speedtronic.diloco import SyncResult
+from speedtronic.diloco.coordinator import (
+    DeltaUploadJob,
+    DumbDiLoCo,
+    DumbDiLoCoCoordinator,
+    GlobalCandidate,
+)
+
+__all__ = ["DeltaUploadJob", "DumbDiLoCo", "DumbDiLoCoCoordinator", "GlobalCandidate", "SyncResult"]
