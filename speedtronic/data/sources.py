@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import zipfile
 from typing import Any
 
 import numpy as np
@@ -174,6 +175,8 @@ def _open_serialized(path: str, allow_pickle: bool, block_size: int, vocab_size:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
+        if not zipfile.is_zipfile(path):
+            raise _error(f"data.dataset: cannot load {path}: not a torch.save file") from exc
         if not allow_pickle:
             raise _error(
                 f"data.dataset: {path} contains pickled Python objects, and unpickling can "
