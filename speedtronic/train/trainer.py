@@ -79,14 +79,35 @@ def _get(obj: Any, path: str, default: Any = None) -> Any:
     return obj
 
 
-def _infinite(loader: Any) -> Iterator[Any]:
-    while True:
-        produced = False
-        for batch in loader:
-            produced = True
-            yield batch
-        if not produced:
-            raise RuntimeError("data loader produced no batches")
+class _BatchStream:
+    """Endless batches from a re-iterable loader; the first ``iter()`` happens at construction.
+
+    One empty pass is tolerated (a resumable loader restored exactly at the end of an epoch);
+    two in a row mean the loader has no data.
+    """
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self._iterator = iter(loader)
+        self._produced = False
+
+    def __iter__(self) -> _BatchStream:
+        return self
+
+    def __next__(self) -> Any:
+        empty_passes = 0
+        while True:
+            try:
+                batch = next(self._iterator)
+            except StopIteration:
+                empty_passes += 0 if self._produced else 1
+                if empty_passes >= 2:
+                    raise RuntimeError("data loader produced no batches") from None
+                self._iterator = iter(self.loader)
+                self._produced = False
+                continue
+            self._produced = True
+            return batch
 
 
 class Trainer:
@@ -151,9 +172,9 @@ class Trainer:
         self._last_saved_step = -1
         self._shapes_validated = shape_report is not None
         self._ooo: Any = None
-        self._batch_iter: Iterator[Any] | None = None
+        self._batch_iter: _BatchStream | None = None
         self._batches_consumed = 0
-        self._resume_batches = 0
+        self._resume_data: dict[str, Any] | None = None
         self._consecutive_skips = 0
         self._setup_gradient_checkpointing()
         self._setup_compile()
@@ -498,17 +519,26 @@ class Trainer:
     # ------------------------------------------------------------------ data position
 
     def _batches(self) -> Iterator[Any]:
-        """The persistent batch stream; after a resume, fast-forwarded to the saved position.
+        """The persistent batch stream; after a resume, positioned where the checkpoint was.
 
-        The fast-forward happens before the checkpointed RNG state is restored, so the RNG draws
-        the DataLoader makes when it creates iterators do not perturb the resumed run.
+        A resumable loader (``speedtronic.data.ResumableDataLoader``) restores its own position;
+        any other re-iterable is fast-forwarded by the saved micro-batch count. Both happen
+        before the checkpointed RNG state is restored, so iterator creation does not perturb it.
         """
         if self._batch_iter is None:
-            self._batch_iter = _infinite(self.dataloader)
-            for _ in range(self._resume_batches):
-                next(self._batch_iter)
-            self._batches_consumed = self._resume_batches
-            self._resume_batches = 0
+            resume, self._resume_data = self._resume_data, None
+            restored = False
+            if resume and resume.get("loader") is not None:
+                load = getattr(self.dataloader, "load_state_dict", None)
+                if callable(load):
+                    load(resume["loader"])
+                    restored = True
+            self._batch_iter = _BatchStream(self.dataloader)
+            if resume:
+                self._batches_consumed = int(resume.get("batches", 0))
+                if not restored:
+                    for _ in range(self._batches_consumed):
+                        next(self._batch_iter)
         if self._pending_rng is not None:
             restore_rng_state(self._pending_rng)
             self._pending_rng = None
@@ -584,7 +614,7 @@ class Trainer:
             "samples": self.samples,
             "tokens": self.tokens,
             "skipped_updates": self.skipped_updates,
-            "data": {"batches": self._batches_consumed},
+            "data": {"batches": self._batches_consumed, "loader": self._loader_state()},
             "rng": capture_rng_state(),
             "coordinator": coordinator_state,
             "precision": {
@@ -595,6 +625,10 @@ class Trainer:
             "config": config,
             "versions": {"speedtronic": speedtronic.__version__, "torch": str(torch.__version__)},
         }
+
+    def _loader_state(self) -> dict[str, Any] | None:
+        get = getattr(self.dataloader, "state_dict", None)
+        return dict(get()) if callable(get) else None
 
     def resume(self, state: dict[str, Any]) -> None:
         """Load a checkpoint state; data position and RNG take effect at the next ``fit()``."""
@@ -609,7 +643,7 @@ class Trainer:
         self.tokens = int(state.get("tokens", self.tokens))
         self.skipped_updates = int(state.get("skipped_updates", 0))
         self._last_saved_step = self.step
-        self._resume_batches = int((state.get("data") or {}).get("batches", 0))
+        self._resume_data = dict(state.get("data") or {})
         self._batch_iter = None
         self._pending_rng = state.get("rng")
         coordinator_state = state.get("coordinator")

@@ -1,0 +1,226 @@
+"""From a config to a running trainer: ``build_runtime`` and ``train_from_config``.
+
+``build_runtime(config, *, resume=False, device=None, max_steps=None)`` returns
+``(trainer, checkpoint_manager)`` after, in order: validation → run-target override (moves an
+implicit scheduler horizon too) → seeding → device (``run.device``) → precision → model (moved to
+the device) → data loader → logger → checkpoint manager → shape validation → optimizer →
+scheduler → DumbDiLoCo coordinator (when ``distributed.enabled``) → ``Trainer`` → resume. Every
+configuration problem (a CUDA request without CUDA, a bad data path, an unknown model) raises
+``ConfigError`` naming the field, before any training step.
+
+Embedding the trainer in another process (what ``speedtronic run`` does)::
+
+    from speedtronic.runtime import build_runtime
+
+    trainer, manager = build_runtime(config, resume=True)
+    trainer.logger.hooks.append(sink)          # on_event(event, payload) or a callable;
+                                               # set sink.wants_all_steps = True for every step
+    signal.signal(signal.SIGTERM, lambda *_: trainer.request_stop("SIGTERM"))
+    trainer.last_heartbeat                     # time.monotonic() of the last applied update
+    result = trainer.fit()                     # TrainResult; result.stopped_reason after a stop
+
+``request_stop`` is safe from signal handlers and other threads: the loop finishes the current
+update, stops the coordinator, writes a final checkpoint and returns normally.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from typing import Any
+
+import torch
+
+from speedtronic.checkpoint import CheckpointManager
+from speedtronic.metrics.logger import MetricLogger
+from speedtronic.train.precision import resolve_device, resolve_precision
+from speedtronic.train.result import TrainResult
+from speedtronic.train.trainer import Trainer
+
+__all__ = [
+    "build_logger",
+    "build_optimizer",
+    "build_runtime",
+    "build_scheduler",
+    "run",
+    "seed_everything",
+    "train",
+    "train_from_config",
+]
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python ``random``, NumPy, torch (CPU) and every CUDA device with ``seed``.
+
+    Also sets ``PYTHONHASHSEED`` (affects child processes only).
+    """
+    random.seed(seed)
+    os.environ["PYTHONHASHSEED"] = str(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except Exception:  # NumPy is optional
+        pass
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+def build_optimizer(model: torch.nn.Module, config: Any, device: Any) -> torch.optim.Optimizer:
+    """The configured optimizer (AdamW over every parameter by default, or Muon hybrid)."""
+    from speedtronic.optim import build_optimizer as build
+
+    return build(model, config, device)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, config: Any) -> Any:
+    """The warmup + cosine/constant ``LambdaLR`` for ``optimizer``."""
+    from speedtronic.optim import build_scheduler as build
+
+    return build(optimizer, config)
+
+
+def build_logger(config: Any) -> MetricLogger:
+    """The run's ``MetricLogger`` from ``config.logging`` (the Hub token is always redacted)."""
+    section = config.logging
+    return MetricLogger(
+        level=section.level,
+        file=section.file,
+        json_file=section.json_file,
+        every_steps=section.every_steps,
+        format=getattr(section, "format", "text") or "text",
+        secrets=[getattr(config.distributed, "token", None)],
+    )
+
+
+def _as_config(config: Any) -> Any:
+    from speedtronic.config import SpeedtronicConfig
+
+    if isinstance(config, dict):
+        return SpeedtronicConfig.from_dict(config).validate()
+    return config.validate()
+
+
+def _device(config: Any, override: Any) -> torch.device:
+    from speedtronic.config import ConfigError
+
+    requested = override or config.run.device
+    try:
+        return resolve_device(requested)
+    except RuntimeError as exc:
+        raise ConfigError(
+            f"run.device: {exc} on this machine (requested {requested!r}); use device: auto or cpu"
+        ) from None
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"run.device: invalid device {requested!r}: {exc}") from None
+
+
+def _precision(config: Any, device: torch.device) -> Any:
+    from speedtronic.config import ConfigError
+
+    try:
+        return resolve_precision(config.precision, device)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _coordinator(config: Any, model: torch.nn.Module, logger: MetricLogger) -> Any:
+    if not config.distributed.enabled:
+        return None
+    from speedtronic.diloco import DumbDiLoCoCoordinator
+
+    return DumbDiLoCoCoordinator(
+        config.distributed, model, state_dir=str(config.state_dir), logger=logger
+    )
+
+
+def build_runtime(
+    config: Any,
+    *,
+    resume: bool = False,
+    device: str | torch.device | None = None,
+    max_steps: int | None = None,
+) -> tuple[Trainer, CheckpointManager]:
+    """Build model, data, optimizer, schedule, logger, checkpoints and coordinator; see above.
+
+    ``config`` is a ``SpeedtronicConfig`` or a plain dict. ``max_steps`` overrides the absolute
+    step target on a copy of the config (the caller's object is not changed) and moves the
+    scheduler horizon when ``scheduler.max_steps`` was not given explicitly.
+    """
+    from speedtronic.data import build_dataloader
+    from speedtronic.model import build_model
+    from speedtronic.train.shapes import validate_startup_shapes
+
+    config = _as_config(config)
+    if max_steps is not None:
+        config = config.with_max_steps(max_steps)
+    seed_everything(int(config.run.seed))
+    resolved = _device(config, device)
+    precision = _precision(config, resolved)
+    model = build_model(config.model)
+    model.to(resolved)
+    loader = build_dataloader(
+        config.data,
+        pin_memory_device=resolved.type == "cuda",
+        vocab_size=config.model.vocab_size,
+    )
+    logger = build_logger(config)
+    section = config.checkpoint
+    manager = CheckpointManager(
+        config.checkpoint_dir,
+        every_steps=section.every_steps,
+        keep_last=section.keep_last,
+        enabled=section.enabled,
+        save_final=getattr(section, "save_final", True),
+        warn=logger.warning,
+    )
+    logger.info(
+        "config %s", json.dumps(config.to_dict(redact_secrets=True), default=str, sort_keys=False)
+    )
+    report = validate_startup_shapes(config, model, resolved, precision, logger=logger)
+    optimizer = build_optimizer(model, config, resolved)
+    scheduler = build_scheduler(optimizer, config)
+    coordinator = _coordinator(config, model, logger)
+    trainer = Trainer(
+        model,
+        optimizer,
+        loader,
+        device=resolved,
+        config=config,
+        scheduler=scheduler,
+        precision=precision,
+        logger=logger,
+        checkpoint_manager=manager,
+        coordinator=coordinator,
+        max_steps=config.effective_max_steps,
+        shape_report=report,
+    )
+    if resume or section.resume:
+        state = manager.load_latest()
+        if state is None:
+            logger.warning("resume requested but no local checkpoint was found")
+        else:
+            trainer.resume(state)
+            logger.info("resumed from %s at step %d", state.get("path"), trainer.step)
+    return trainer, manager
+
+
+def train_from_config(
+    config: Any,
+    *,
+    resume: bool = False,
+    device: str | torch.device | None = None,
+    max_steps: int | None = None,
+) -> TrainResult:
+    """``build_runtime(...)`` then ``trainer.fit()``; closes the logger's files afterwards."""
+    trainer, _ = build_runtime(config, resume=resume, device=device, max_steps=max_steps)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.logger.close()
+
+
+run = train_from_config
+train = train_from_config

@@ -1,0 +1,140 @@
+"""build_runtime / train_from_config: composition, errors, max_steps override, exact resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from speedtronic.config import ConfigError, SpeedtronicConfig
+from speedtronic.runtime import build_runtime, train_from_config
+
+
+def small_config(tmp_path, **overrides) -> dict:
+    values = {
+        "run": {
+            "name": "t",
+            "seed": 7,
+            "device": "cpu",
+            "max_steps": 6,
+            "output_dir": str(tmp_path),
+        },
+        "model": {
+            "vocab_size": 64,
+            "max_seq_len": 16,
+            "n_layer": 1,
+            "n_head": 2,
+            "d_model": 32,
+            "dropout": 0.0,
+        },
+        "data": {"num_tokens": 40, "micro_batch_size": 2, "target_batch_size": 4, "shuffle": True},
+        "optimizer": {"lr": 1e-2},
+        "scheduler": {"warmup_steps": 2},
+        "precision": "fp32",
+        "checkpoint": {"every_steps": 2, "keep_last": 2},
+        "logging": {"level": "WARNING", "json_file": str(tmp_path / "events.jsonl")},
+    }
+    for section, fields in overrides.items():
+        if isinstance(fields, dict):
+            values.setdefault(section, {}).update(fields)
+        else:
+            values[section] = fields
+    return values
+
+
+def test_train_from_config_runs_and_checkpoints(tmp_path):
+    result = train_from_config(small_config(tmp_path))
+    assert result.steps == 6 and len(result.metrics) == 6
+    assert result.samples == 24 and result.tokens == 24 * 16
+    ckpt = tmp_path / "checkpoints"
+    assert json.loads((ckpt / "latest.json").read_text()) == {
+        "step": 6,
+        "file": "step_000000000006.pt",
+    }
+    assert sorted(p.name for p in ckpt.glob("step_*.pt")) == [
+        "step_000000000004.pt",
+        "step_000000000006.pt",
+    ]
+    state = torch.load(ckpt / "step_000000000006.pt", weights_only=True)
+    assert state["config"]["run"]["name"] == "t"
+    assert state["versions"]["torch"] == str(torch.__version__)
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    names = [e["event"] for e in events]
+    assert names[0] == "shape_profile" or "train_start" in names
+    assert names.count("train_step") == 6 and names[-1] == "train_end"
+    assert names.count("checkpoint_saved") == 3
+
+
+def test_adamw_trains_every_parameter(tmp_path):
+    trainer, _ = build_runtime(small_config(tmp_path))
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.fit(1)
+    for name, param in trainer.model.named_parameters():
+        assert not torch.equal(before[name], param), name
+
+
+def test_max_steps_override_moves_implicit_horizon(tmp_path):
+    config = SpeedtronicConfig.from_dict(small_config(tmp_path))
+    trainer, _ = build_runtime(config, max_steps=3)
+    assert trainer.max_steps == 3
+    assert trainer.config.scheduler.max_steps == 3
+    assert config.run.max_steps == 6  # the caller's object is unchanged
+
+
+def test_cuda_without_cuda_is_config_error(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("machine has CUDA")
+    with pytest.raises(ConfigError, match=r"run\.device"):
+        build_runtime(small_config(tmp_path, run={"device": "cuda"}))
+
+
+def test_warmup_beyond_horizon_warns(tmp_path, capsys):
+    values = small_config(tmp_path, scheduler={"warmup_steps": 100})
+    values["logging"]["level"] = "INFO"
+    train_from_config(values, max_steps=2)
+    assert "never leaves warmup" in capsys.readouterr().out
+
+
+def losses(metrics):
+    return [m["loss"] for m in metrics]
+
+
+def test_resume_after_stop_reproduces_losses_exactly(tmp_path):
+    full = train_from_config(small_config(tmp_path / "a"))
+    trainer, _ = build_runtime(small_config(tmp_path / "b"))
+    first = trainer.fit(3)  # stop after step 3 (final checkpoint at 3, off the interval)
+    trainer.logger.close()
+    assert losses(first.metrics) == losses(full.metrics[:3])
+    resumed = train_from_config(small_config(tmp_path / "b"), resume=True)
+    assert resumed.steps == 6 and len(resumed.metrics) == 3
+    assert losses(resumed.metrics) == losses(full.metrics[3:])
+    assert [m["lr"] for m in resumed.metrics] == [m["lr"] for m in full.metrics[3:]]
+    assert resumed.samples == full.samples and resumed.tokens == full.tokens
+
+
+def test_resume_after_crash_reproduces_losses_exactly(tmp_path):
+    values = small_config(tmp_path / "a", model={"dropout": 0.1})
+    full = train_from_config(values)
+    crashed = small_config(tmp_path / "b", model={"dropout": 0.1})
+    trainer, manager = build_runtime(crashed)
+
+    def crash(event, payload):
+        if event == "train_step" and payload["step"] == 5:
+            raise KeyboardInterrupt  # a hard interruption: no final checkpoint
+
+    trainer.logger.hooks.append(crash)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit()
+    trainer.logger.close()
+    assert manager.load_latest()["step"] == 4
+    resumed = train_from_config(crashed, resume=True)
+    assert losses(resumed.metrics) == losses(full.metrics[4:])
+
+
+def test_resume_without_checkpoint_warns_and_starts_fresh(tmp_path, capsys):
+    values = small_config(tmp_path)
+    values["logging"]["level"] = "INFO"
+    trainer, _ = build_runtime(values, resume=True)
+    assert trainer.step == 0
+    assert "no local checkpoint was found" in capsys.readouterr().out
