@@ -1,0 +1,120 @@
+"""compose.yaml and its overrides, validated against the Compose Specification JSON schema.
+
+The schema is vendored in tests/data/compose-spec/ (see the README there: it is the one shipped
+in the docker-compose 1.29.2 wheel, Apache-2.0). The rehearsal that runs the services lives
+in tests/test_rehearsal_compose.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import jsonschema
+import pytest
+import yaml
+from test_deploy_support import REPO, compose_env, load_compose
+
+SCHEMA = json.loads((REPO / "tests/data/compose-spec/compose_spec.json").read_text())
+HUB_ENV = {"SPEEDTRONIC_HUB_REPO": "owner/run"}
+
+
+def schema_errors(document: dict) -> list[str]:
+    validator = jsonschema.Draft201909Validator(SCHEMA)
+    return [f"{list(e.absolute_path)}: {e.message}" for e in validator.iter_errors(document)]
+
+
+@pytest.mark.parametrize("name", ["compose.yaml", "compose.gpu.yaml", "compose.hub.yaml"])
+def test_each_file_is_valid_compose(name):
+    document = yaml.safe_load((REPO / name).read_text())
+    assert not schema_errors(document)
+
+
+@pytest.mark.parametrize(
+    "files", [("compose.yaml", "compose.gpu.yaml"), ("compose.yaml", "compose.hub.yaml")]
+)
+def test_merged_overrides_are_valid_compose(files):
+    assert not schema_errors(load_compose(*files, environ=HUB_ENV))
+
+
+def test_schema_rejects_a_typo():
+    assert schema_errors({"services": {"master": {"image": "x", "enviroment": {}}}})
+
+
+def test_master_and_worker_share_image_volume_and_configs():
+    model = load_compose()
+    master, worker = model["services"]["master"], model["services"]["worker"]
+    assert master["image"] == worker["image"] and master["build"] == worker["build"]
+    assert master["build"]["context"] == "." and (REPO / master["build"]["dockerfile"]).exists()
+    for service in (master, worker):
+        env = compose_env(service)
+        assert env["SPEEDTRONIC_DISTRIBUTED__REPO_ID"] == "file:///data/exchange"
+        config = env["SPEEDTRONIC_CONFIG"]
+        assert config.startswith("/config/")
+        assert (REPO / "configs" / config.removeprefix("/config/")).is_file(), config
+        volumes = {v["target"]: v for v in service["volumes"]}
+        assert volumes["/data"]["type"] == "volume"
+        assert volumes["/data"]["source"] in model["volumes"]
+        assert volumes["/config"]["source"] == "./configs" and volumes["/config"]["read_only"]
+        test = " ".join(service["healthcheck"]["test"])
+        assert "/healthz" in test
+        assert service["stop_signal"] == "SIGTERM"
+    assert compose_env(master)["SPEEDTRONIC_DISTRIBUTED__ROLE"] == "master"
+    assert compose_env(worker)["SPEEDTRONIC_DISTRIBUTED__ROLE"] == "worker"
+
+
+def test_worker_is_scalable_with_hostname_node_ids():
+    worker = load_compose()["services"]["worker"]
+    for fixed in ("container_name", "hostname", "ports"):
+        assert fixed not in worker, f"worker must not set {fixed} (breaks --scale)"
+    env = compose_env(worker)
+    assert "SPEEDTRONIC_NODE_ID" not in env and "SPEEDTRONIC_DISTRIBUTED__NODE_ID" not in env
+    script = " ".join(worker["entrypoint"])
+    assert "${HOSTNAME}" in script and "exec speedtronic run" in script
+
+
+def test_hub_override_reads_the_token_from_a_secret_file_only():
+    model = load_compose("compose.yaml", "compose.hub.yaml", environ=HUB_ENV)
+    assert model["secrets"]["hf_token"]["file"] == "./secrets/hf_token"
+    for name in ("master", "worker"):
+        service = model["services"][name]
+        assert "hf_token" in service["secrets"]
+        env = compose_env(service)
+        assert env["SPEEDTRONIC_DISTRIBUTED__REPO_ID"] == "owner/run"
+        assert not {"HF_TOKEN", "SPEEDTRONIC_DISTRIBUTED__TOKEN"} & set(env)
+    with pytest.raises(ValueError, match="SPEEDTRONIC_HUB_REPO"):
+        load_compose("compose.yaml", "compose.hub.yaml", environ={})
+    assert (REPO / "secrets/.gitignore").read_text().splitlines()[1] == "*"
+
+
+def test_gpu_override_reserves_nvidia_gpus():
+    model = load_compose("compose.yaml", "compose.gpu.yaml")
+    for name in ("master", "worker"):
+        service = model["services"][name]
+        devices = service["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+        assert compose_env(service)["SPEEDTRONIC_RUN__DEVICE"] == "cuda"
+
+
+def test_monitoring_profile_scrapes_master_and_workers():
+    model = load_compose()
+    prometheus = model["services"]["prometheus"]
+    assert prometheus["profiles"] == ["monitoring"]
+    assert "profiles" not in model["services"]["master"]
+    mount = next(v for v in prometheus["volumes"] if v["target"].endswith("prometheus.yml"))
+    path = REPO / mount["source"]
+    scrape = yaml.safe_load(path.read_text())
+    jobs = {job["job_name"]: job for job in scrape["scrape_configs"]}
+    targets = [
+        t for job in jobs.values() for c in job.get("static_configs", []) for t in c["targets"]
+    ]
+    assert "master:8000" in targets
+    dns = [c for job in jobs.values() for c in job.get("dns_sd_configs", [])]
+    assert dns and dns[0]["names"] == ["worker"] and dns[0]["port"] == 8000
+    promtool = shutil.which("promtool")
+    if promtool:
+        result = subprocess.run(
+            [promtool, "check", "config", str(path)], capture_output=True, text=True, timeout=60
+        )
+        assert result.returncode == 0, result.stdout + result.stderr

@@ -1,0 +1,169 @@
+"""k8s/: `kubectl kustomize` renders the base and every overlay; the objects validate against the
+Kubernetes OpenAPI schemas (kubernetes-validate, strict) and keep the deployment's invariants.
+"""
+
+from __future__ import annotations
+
+import filecmp
+
+import kubernetes_validate
+import pytest
+import yaml
+from test_deploy_support import REPO, find, k8s_env, kustomize_command, render_kustomize
+
+K8S_VERSION = "1.31.0"
+TARGETS = ["k8s", "k8s/overlays/gpu", "k8s/overlays/hub", "k8s/overlays/monitoring"]
+
+pytestmark = pytest.mark.skipif(
+    kustomize_command() is None,
+    reason="neither kubectl nor kustomize is installed (.ci/install-tools installs kubectl)",
+)
+
+_RENDERED: dict[str, list[dict]] = {}
+
+
+def rendered(target: str) -> list[dict]:
+    if target not in _RENDERED:
+        _RENDERED[target] = render_kustomize(target)
+    return _RENDERED[target]
+
+
+def workloads(objects: list[dict]) -> list[dict]:
+    return [
+        find(objects, "Deployment", "speedtronic-master"),
+        find(objects, "StatefulSet", "speedtronic-worker"),
+    ]
+
+
+def container(workload: dict) -> dict:
+    return workload["spec"]["template"]["spec"]["containers"][0]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_renders_and_validates_against_kubernetes_schemas(target):
+    objects = rendered(target)
+    assert objects
+    for obj in objects:
+        if obj["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue  # a CRD: checked by test_monitoring_overlay_adds_a_service_monitor
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+        if obj["kind"] != "Namespace":
+            assert obj["metadata"]["namespace"] == "speedtronic", obj["metadata"]["name"]
+
+
+def test_shipped_configs_are_a_faithful_copy_of_configs():
+    kustomization = yaml.safe_load((REPO / "k8s/base/kustomization.yaml").read_text())
+    files = kustomization["configMapGenerator"][0]["files"]
+    shipped = sorted(p.name for p in (REPO / "configs").glob("*.yaml"))
+    assert sorted(f.removeprefix("configs/") for f in files) == shipped
+    for name in shipped:
+        assert filecmp.cmp(
+            REPO / "configs" / name, REPO / "k8s/base/configs" / name, shallow=False
+        ), (
+            f"k8s/base/configs/{name} differs from configs/{name}: "
+            "cp configs/*.yaml k8s/base/configs/"
+        )
+
+
+def test_base_deploys_master_workers_volume_and_services():
+    objects = rendered("k8s")
+    pvc = find(objects, "PersistentVolumeClaim")
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    master = find(objects, "Deployment", "speedtronic-master")
+    assert master["spec"]["replicas"] == 1 and master["spec"]["strategy"]["type"] == "Recreate"
+    worker = find(objects, "StatefulSet", "speedtronic-worker")
+    assert worker["spec"]["replicas"] >= 2
+    env = k8s_env(container(worker), "speedtronic-worker-1")
+    assert env["SPEEDTRONIC_NODE_ID"] == "speedtronic-worker-1"
+    assert env["SPEEDTRONIC_RUN__OUTPUT_DIR"] == "/data/runs/speedtronic-worker-1"
+    node_ref = next(e for e in container(worker)["env"] if e["name"] == "SPEEDTRONIC_NODE_ID")
+    assert node_ref["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    configmap = find(objects, "ConfigMap")
+    for workload in (master, worker):
+        env = k8s_env(container(workload), "pod")
+        assert env["SPEEDTRONIC_DISTRIBUTED__REPO_ID"] == "file:///data/exchange"
+        assert env["SPEEDTRONIC_CONFIG"].removeprefix("/config/") in configmap["data"]
+        volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["data"]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+        assert volumes["config"]["configMap"]["name"] == configmap["metadata"]["name"]
+    services = [o for o in objects if o["kind"] == "Service"]
+    assert {s["metadata"]["name"] for s in services} == {"speedtronic-master", "speedtronic-worker"}
+    assert worker["spec"]["serviceName"] == "speedtronic-worker"
+    for service in services:
+        annotations = service["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true"
+        assert annotations["prometheus.io/port"] == "8000"
+        assert service["spec"]["ports"][0]["port"] == 8000
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_pods_are_locked_down_probed_and_sized(target):
+    for workload in workloads(rendered(target)):
+        spec = workload["spec"]["template"]["spec"]
+        main = container(workload)
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        security = main["securityContext"]
+        assert security["allowPrivilegeEscalation"] is False
+        assert security["readOnlyRootFilesystem"] is True
+        assert security["capabilities"]["drop"] == ["ALL"]
+        mounts = {m["mountPath"]: m for m in main["volumeMounts"]}
+        assert {"/data", "/tmp", "/config"} <= set(mounts)
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert "emptyDir" in volumes[mounts["/tmp"]["name"]]
+        assert mounts["/config"]["readOnly"] is True
+        assert main["ports"][0]["containerPort"] == 8000
+        assert main["startupProbe"]["httpGet"]["path"] == "/healthz"
+        assert main["livenessProbe"]["httpGet"]["path"] == "/healthz"
+        assert main["readinessProbe"]["httpGet"]["path"] == "/readyz"
+        assert main["resources"]["requests"] and main["resources"]["limits"]
+        assert spec["terminationGracePeriodSeconds"] >= 60
+        token_mount = mounts["/run/secrets"]
+        assert token_mount["readOnly"] is True
+        assert volumes[token_mount["name"]]["secret"]["secretName"] == "speedtronic-hf-token"
+        names = [e["name"] for e in main["env"]]
+        assert "HF_TOKEN" not in names and "SPEEDTRONIC_DISTRIBUTED__TOKEN" not in names
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_no_token_is_committed(target):
+    for obj in rendered(target):
+        assert obj["kind"] != "Secret", "a Secret in the rendered output would carry a literal"
+    for path in (REPO / "k8s").rglob("*"):
+        if path.is_file():
+            assert "hf_" not in path.read_text().replace("hf_token", ""), path
+
+
+def test_gpu_overlay_requests_gpus_on_gpu_nodes():
+    for workload in workloads(rendered("k8s/overlays/gpu")):
+        spec = workload["spec"]["template"]["spec"]
+        resources = container(workload)["resources"]
+        assert resources["limits"]["nvidia.com/gpu"] == "1"
+        assert spec["nodeSelector"]
+        assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"])
+        assert k8s_env(container(workload), "pod")["SPEEDTRONIC_RUN__DEVICE"] == "cuda"
+
+
+def test_hub_overlay_switches_transport_and_requires_the_token_secret():
+    for workload in workloads(rendered("k8s/overlays/hub")):
+        env = k8s_env(container(workload), "pod")
+        repo = env["SPEEDTRONIC_DISTRIBUTED__REPO_ID"]
+        assert not repo.startswith("file://") and repo.count("/") == 1
+        volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["hf-token"]["secret"]["optional"] is False
+    example = yaml.safe_load((REPO / "k8s/overlays/hub/hf-token-secret.example.yaml").read_text())
+    assert example["kind"] == "Secret" and "hf_token" in example["stringData"]
+    kubernetes_validate.validate(example, K8S_VERSION, strict=True)
+
+
+def test_monitoring_overlay_adds_a_service_monitor():
+    objects = rendered("k8s/overlays/monitoring")
+    monitor = find(objects, "ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    services = [o for o in objects if o["kind"] == "Service"]
+    for service in services:
+        labels = service["metadata"]["labels"]
+        assert all(labels.get(k) == v for k, v in selector.items()), service["metadata"]["name"]
+        assert service["spec"]["ports"][0]["name"] == monitor["spec"]["endpoints"][0]["port"]
+    assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
+    assert monitor["spec"]["namespaceSelector"]["matchNames"] == ["speedtronic"]

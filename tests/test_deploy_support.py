@@ -1,0 +1,373 @@
+"""Helpers shared by the deploy tests: Dockerfile/compose/k8s parsing and local "rehearsal".
+
+A rehearsal starts a container's command as a local process with exactly that container's
+environment, mapping what only exists inside a container:
+
+* mount targets (``/data``, ``/config``, ``/run/secrets``, ``/tmp``) -> temporary directories
+  (or the repo's ``configs/`` for a read-only bind of it); every occurrence of a mount target
+  in the environment and the command line is rewritten;
+* the container's own network namespace -> a free local port (``SPEEDTRONIC_METRICS__PORT``);
+* hostname / pod name -> distinct values (``HOSTNAME``; Kubernetes fieldRefs);
+* the image's ``/opt/venv/bin`` -> this interpreter's bin directory (``speedtronic`` on PATH).
+
+The module also holds a few self-checks of the helpers (collected as tests).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+VENV_BIN = str(Path(sys.executable).parent)
+
+
+# -- Dockerfile --------------------------------------------------------------------------------
+def dockerfile_instructions(path: Path = REPO / "Dockerfile") -> list[tuple[str, str]]:
+    """(INSTRUCTION, argument) pairs with line continuations joined and comments dropped."""
+    lines: list[str] = []
+    buffer = ""
+    for raw in path.read_text().splitlines():
+        stripped = raw.strip()
+        if not stripped or (stripped.startswith("#") and not buffer):
+            continue
+        if stripped.startswith("#"):
+            continue
+        if stripped.endswith("\\"):
+            buffer += stripped[:-1] + " "
+            continue
+        lines.append(buffer + stripped)
+        buffer = ""
+    out = []
+    for line in lines:
+        keyword, _, rest = line.partition(" ")
+        out.append((keyword.upper(), rest.strip()))
+    return out
+
+
+def final_stage(instructions: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Instructions of the last build stage (from its FROM on)."""
+    last = max(i for i, (keyword, _) in enumerate(instructions) if keyword == "FROM")
+    return instructions[last:]
+
+
+def image_config() -> dict[str, Any]:
+    """ENTRYPOINT, CMD, ENV, WORKDIR and USER of the final stage of the Dockerfile."""
+    stage = final_stage(dockerfile_instructions())
+    config: dict[str, Any] = {"env": {}, "entrypoint": [], "cmd": [], "workdir": "/", "user": ""}
+    for keyword, argument in stage:
+        if keyword == "ENV":
+            for token in shlex.split(argument):
+                key, _, value = token.partition("=")
+                config["env"][key] = value
+        elif keyword in ("ENTRYPOINT", "CMD"):
+            config[keyword.lower()] = json.loads(argument)
+        elif keyword == "WORKDIR":
+            config["workdir"] = argument
+        elif keyword == "USER":
+            config["user"] = argument
+    return config
+
+
+# -- compose -----------------------------------------------------------------------------------
+_INTERPOLATION = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
+
+
+def interpolate(value: Any, environ: Mapping[str, str]) -> Any:
+    """Compose variable interpolation: ``${VAR}``, ``${VAR:-default}``, ``${VAR:?err}``, ``$$``."""
+    if isinstance(value, dict):
+        return {key: interpolate(item, environ) for key, item in value.items()}
+    if isinstance(value, list):
+        return [interpolate(item, environ) for item in value]
+    if not isinstance(value, str):
+        return value
+
+    def replace(match: re.Match) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name, operator, argument = match.group(1), match.group(2), match.group(3)
+        current = environ.get(name)
+        if operator in (":-", "-"):
+            unset = current is None or (operator == ":-" and current == "")
+            return argument if unset else current
+        if operator in (":?", "?"):
+            if current is None or (operator == ":?" and current == ""):
+                raise ValueError(f"compose: required variable {name} is missing: {argument}")
+            return current
+        return current or ""
+
+    return _INTERPOLATION.sub(replace, value)
+
+
+def merge_compose(base: dict, override: dict) -> dict:
+    """Merge an override file into a compose model (mappings merge, sequences extend)."""
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_compose(out[key], value)
+        elif isinstance(value, list) and isinstance(out.get(key), list):
+            out[key] = [*out[key], *[item for item in value if item not in out[key]]]
+        else:
+            out[key] = value
+    return out
+
+
+def load_compose(*names: str, environ: Mapping[str, str] | None = None) -> dict:
+    """Parse compose files (YAML anchors and merge keys resolved), merged and interpolated."""
+    model: dict = {}
+    for name in names or ("compose.yaml",):
+        model = merge_compose(model, yaml.safe_load((REPO / name).read_text()))
+    return interpolate(model, environ if environ is not None else {})
+
+
+def compose_env(service: Mapping[str, Any]) -> dict[str, str]:
+    """A service's ``environment`` (mapping or list form) as strings."""
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {str(key): "" if value is None else str(value) for key, value in env.items()}
+
+
+# -- kustomize ---------------------------------------------------------------------------------
+def kustomize_command() -> list[str] | None:
+    """`kubectl kustomize` or `kustomize build`, whichever is installed; None when neither is."""
+    if shutil.which("kubectl"):
+        return ["kubectl", "kustomize"]
+    if shutil.which("kustomize"):
+        return ["kustomize", "build"]
+    return None
+
+
+def render_kustomize(directory: str) -> list[dict]:
+    """Render `k8s/<directory>` with the installed kustomize; the objects as dicts."""
+    command = kustomize_command()
+    assert command is not None, "no kubectl/kustomize"
+    result = subprocess.run(
+        [*command, str(REPO / directory)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def find(objects: Iterable[dict], kind: str, name: str | None = None) -> dict:
+    """The one object of `kind` (and `name`)."""
+    matches = [
+        obj
+        for obj in objects
+        if obj["kind"] == kind and (name is None or obj["metadata"]["name"] == name)
+    ]
+    assert len(matches) == 1, (kind, name, [m["metadata"]["name"] for m in matches])
+    return matches[0]
+
+
+_K8S_VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def k8s_env(container: Mapping[str, Any], pod_name: str) -> dict[str, str]:
+    """A container's env as Kubernetes sets it: fieldRefs and ``$(VAR)`` expansion in order."""
+    env: dict[str, str] = {}
+    for item in container.get("env") or []:
+        if "value" in item:
+            value = _K8S_VAR.sub(lambda m: env.get(m.group(1), m.group(0)), str(item["value"]))
+        else:
+            ref = item["valueFrom"]["fieldRef"]["fieldPath"]
+            assert ref == "metadata.name", f"rehearsal does not map fieldRef {ref}"
+            value = pod_name
+        env[item["name"]] = value
+    return env
+
+
+# -- processes ---------------------------------------------------------------------------------
+def free_port() -> int:
+    """A TCP port nothing listens on right now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    """(status, body) of a GET; HTTP errors are returned, connection errors give status 0."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except (OSError, urllib.error.URLError) as exc:
+        return 0, str(exc)
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """/metrics parsed with prometheus_client's text parser: {(sample, labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, body = http_get(f"http://127.0.0.1:{port}/metrics")
+    assert status == 200, body
+    out = {}
+    for family in text_string_to_metric_families(body):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def metric(samples: Mapping[tuple[str, tuple], float], name: str, **labels: str) -> float:
+    """Sum of a sample over every series matching `labels`; KeyError when there is none."""
+    values = [
+        v
+        for (sample, keys), v in samples.items()
+        if sample == name and all(dict(keys).get(k) == w for k, w in labels.items())
+    ]
+    if not values:
+        raise KeyError(name)
+    return sum(values)
+
+
+def rewrite_paths(text: str, mounts: Mapping[str, str]) -> str:
+    """Replace every mount target (longest first) at a path boundary by its local directory."""
+    for target in sorted(mounts, key=len, reverse=True):
+        text = re.sub(re.escape(target) + r"(?=/|$|\"|'|\s)", mounts[target], text)
+    return text
+
+
+@dataclass
+class Rehearsal:
+    """One container started as a local process."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    port: int
+    mounts: dict[str, str] = field(default_factory=dict)
+    log: Path | None = None
+    process: subprocess.Popen | None = None
+
+    def start(self, log_dir: Path) -> Rehearsal:
+        """Start the process, stdout+stderr into ``<log_dir>/<name>.log``."""
+        self.log = log_dir / f"{self.name}.log"
+        handle = self.log.open("wb")
+        self.process = subprocess.Popen(
+            self.argv,
+            env=self.env,
+            cwd=self.cwd,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        handle.close()
+        return self
+
+    def output(self) -> str:
+        """Everything the process printed so far."""
+        return self.log.read_text(errors="replace") if self.log and self.log.exists() else ""
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        """SIGTERM, wait; the exit code (the process group is killed if it does not stop)."""
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=10)
+            raise AssertionError(f"{self.name} ignored SIGTERM:\n{self.output()[-4000:]}") from None
+
+    def kill(self) -> None:
+        """Kill the process group if it is still running (test cleanup)."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=10)
+
+
+def wait_until(predicate, timeout: float, what: str, processes: Iterable[Rehearsal] = ()):
+    """Poll `predicate` until truthy; fail naming `what` (with process output) on timeout."""
+    processes = list(processes)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        for proc in processes:
+            if proc.process is not None and proc.process.poll() is not None:
+                raise AssertionError(
+                    f"{proc.name} exited with {proc.process.returncode} while waiting for {what}:"
+                    f"\n{proc.output()[-4000:]}"
+                )
+        time.sleep(0.2)
+    logs = "\n".join(f"--- {p.name}\n{p.output()[-3000:]}" for p in processes)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{logs}")
+
+
+def base_env(tmp: Path) -> dict[str, str]:
+    """What every rehearsed container gets besides its own environment (the image's runtime)."""
+    env = {
+        "PATH": VENV_BIN + os.pathsep + os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(tmp / "home"),
+        "LANG": "C.UTF-8",
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+        "HF_HUB_OFFLINE": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+    }
+    if os.environ.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    (tmp / "home").mkdir(exist_ok=True)
+    return env
+
+
+# -- self-checks -------------------------------------------------------------------------------
+def test_interpolation_follows_compose_rules():
+    env = {"SET": "x", "EMPTY": ""}
+    assert interpolate("a$$b ${SET} ${NOPE:-d} ${EMPTY:-e} ${EMPTY-f}", env) == "a$b x d e "
+    try:
+        interpolate("${NOPE:?give it}", env)
+    except ValueError as exc:
+        assert "NOPE" in str(exc)
+    else:
+        raise AssertionError("missing required variable accepted")
+
+
+def test_k8s_env_expands_field_refs_and_dependent_variables():
+    container = {
+        "env": [
+            {"name": "ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "OUT", "value": "/data/runs/$(ID)"},
+            {"name": "KEEP", "value": "$(UNDEFINED)"},
+        ]
+    }
+    assert k8s_env(container, "pod-7") == {
+        "ID": "pod-7",
+        "OUT": "/data/runs/pod-7",
+        "KEEP": "$(UNDEFINED)",
+    }
+
+
+def test_rewrite_paths_only_at_path_boundaries():
+    mounts = {"/data": "/tmp/x/data", "/config": "/repo/configs"}
+    assert rewrite_paths("file:///data/exchange", mounts) == "file:///tmp/x/data/exchange"
+    assert rewrite_paths("/config/diloco.yaml", mounts) == "/repo/configs/diloco.yaml"
+    assert rewrite_paths("/database", mounts) == "/database"
+    assert rewrite_paths('OUT="/data/runs/$H" exec', mounts) == 'OUT="/tmp/x/data/runs/$H" exec'
