@@ -141,6 +141,7 @@ class MetricLogger:
         self.format = format
         self.hooks: list[Any] = list(hooks) if hooks else []
         self.secrets = [s for s in secrets if s]
+        self.text_steps = True  # False: train_step events skip the text sink (progress bar on)
         self.started = time.perf_counter()
         self._lock = threading.RLock()
         self._json_handle: IO[str] | None = None
@@ -176,7 +177,8 @@ class MetricLogger:
             safe.setdefault("elapsed_s", time.perf_counter() - self.started)
             in_cadence = event != "train_step" or self.wants_step(int(safe.get("step", 0)))
             if in_cadence:
-                self._write_text(event, safe)
+                if self.text_steps or event != "train_step":
+                    self._write_text(event, safe)
                 self._write_jsonl(event, safe)
             for hook in list(self.hooks):
                 if not in_cadence and not getattr(hook, "wants_all_steps", False):
