@@ -198,9 +198,9 @@ def _candidates(section: Any, data: Any, config: Any, model: nn.Module) -> list[
     if getattr(section, "check_model", True):
         items += [(code, name, v) for name, v, code in dims if code == "model_alignment"]
     if getattr(section, "check_vocab", False):
-        items += [(code, name, v) for name, v, code in dims if code == "vocab_alignment"]
         if vocab is not None:
             items.append(("vocab_alignment", "model.vocab_size", vocab))
+        items += [(code, name, v) for name, v, code in dims if code == "vocab_alignment"]
     return items
 
 
