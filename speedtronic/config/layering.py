@@ -252,8 +252,8 @@ def _override_layer(overrides: Iterable[str] | Mapping[str, Any]) -> list[tuple[
     for key, value in items:
         dotted = key if key in known_fields() else None
         if dotted is None:
-            aliased = _flatten(canonicalize({key: None} if "." in key else {key: value}))
-            if "." in key or not aliased:
+            aliased = {} if "." in key else _flatten(canonicalize({key: value}))
+            if not aliased:
                 raise ConfigError(f"invalid override {key!r}: unknown configuration field")
             dotted = next(iter(aliased))
         canonical[dotted] = _parse_value(value, dotted, f"override {key}")

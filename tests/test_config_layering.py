@@ -1,0 +1,303 @@
+"""resolve_config: file < secret files < environment < CLI overrides, with provenance."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from speedtronic.config import ConfigError, resolve_config
+from speedtronic.config.layering import env_name_for, known_fields
+
+REPO = Path(__file__).resolve().parents[1]
+SMOKE = str(REPO / "configs" / "smoke.yaml")
+
+
+@pytest.fixture
+def no_secrets(tmp_path) -> str:
+    return str(tmp_path / "no-secrets")
+
+
+def _write_secrets(directory: Path, **files: str) -> str:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (directory / name).write_text(text)
+    return str(directory)
+
+
+def test_file_only(no_secrets) -> None:
+    resolved = resolve_config(SMOKE, environ={}, secrets_dir=no_secrets)
+    assert resolved.config.run.max_steps == 4
+    assert resolved.sources["run.max_steps"] == "file"
+    assert resolved.sources["model.n_layer"] == "file"
+    assert "run.log_every" not in resolved.sources  # defaults are not listed
+    assert "scheduler.max_steps" not in resolved.sources
+    assert resolved.config_path == SMOKE
+
+
+def test_env_beats_file_and_horizon_follows(no_secrets) -> None:
+    resolved = resolve_config(
+        SMOKE, environ={"SPEEDTRONIC_RUN__MAX_STEPS": "7"}, secrets_dir=no_secrets
+    )
+    assert resolved.config.run.max_steps == 7
+    assert resolved.config.scheduler.max_steps == 7
+    assert resolved.sources["run.max_steps"] == "env:SPEEDTRONIC_RUN__MAX_STEPS"
+
+
+def test_cli_beats_env(no_secrets) -> None:
+    resolved = resolve_config(
+        SMOKE,
+        environ={"SPEEDTRONIC_RUN__MAX_STEPS": "7"},
+        secrets_dir=no_secrets,
+        overrides=["run.max_steps=9"],
+    )
+    assert (resolved.config.run.max_steps, resolved.config.scheduler.max_steps) == (9, 9)
+    assert resolved.sources["run.max_steps"] == "cli"
+
+
+def test_env_values_are_yaml(no_secrets) -> None:
+    environ = {
+        "SPEEDTRONIC_OPTIMIZER__BETAS": "[0.8, 0.9]",
+        "SPEEDTRONIC_OPTIMIZER__LR": "3e-4",
+        "SPEEDTRONIC_COMPILE": "yes",
+        "SPEEDTRONIC_RUN__NAME": "2024",
+        "SPEEDTRONIC_RUN__LOG_EVERY": "null",
+        "SPEEDTRONIC_DISTRIBUTED__COLLABORATORS": "[alice, bob]",
+        "SPEEDTRONIC_SHAPE_VALIDATION__ALIGNMENT": "8",
+        "speedtronic_checkpoint__keep_last": "5",
+    }
+    config = resolve_config(SMOKE, environ=environ, secrets_dir=no_secrets).config
+    assert config.optimizer.betas == (0.8, 0.9)
+    assert config.optimizer.lr == pytest.approx(3e-4)
+    assert config.compile is True
+    assert config.run.name == "2024"
+    assert config.run.log_every is None
+    assert config.distributed.collaborators == ["alice", "bob"]
+    assert config.shape_validation.alignment == 8
+    assert config.checkpoint.keep_last == 5
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "SPEEDTRONIC_FOO",
+        "SPEEDTRONIC_RUN__MAX_STEP",
+        "SPEEDTRONIC_MAX_STEPS",
+        "SPEEDTRONIC_RUN",
+        "SPEEDTRONIC_HUB__REPO_ID",
+        "SPEEDTRONIC_MODEL__N_LAYER__X",
+    ],
+)
+def test_unknown_speedtronic_variables_are_rejected(name, no_secrets) -> None:
+    with pytest.raises(ConfigError, match=f"unknown environment variable {name}"):
+        resolve_config(SMOKE, environ={name: "1"}, secrets_dir=no_secrets)
+
+
+def test_alias_env_name_gets_a_hint(no_secrets) -> None:
+    with pytest.raises(ConfigError, match="did you mean SPEEDTRONIC_RUN__MAX_STEPS"):
+        resolve_config(SMOKE, environ={"SPEEDTRONIC_MAX_STEPS": "3"}, secrets_dir=no_secrets)
+
+
+def test_every_field_has_an_env_name(no_secrets) -> None:
+    names = {env_name_for(dotted) for dotted in known_fields()}
+    assert "SPEEDTRONIC_RUN__MAX_STEPS" in names
+    assert "SPEEDTRONIC_METRICS__PORT" in names
+    assert "SPEEDTRONIC_OOO_STREAMS" in names
+    environ = {"SPEEDTRONIC_METRICS__PORT": "9100", "SPEEDTRONIC_OOO_STREAMS": "2"}
+    config = resolve_config(SMOKE, environ=environ, secrets_dir=no_secrets).config
+    assert (config.metrics.port, config.ooo_streams) == (9100, 2)
+
+
+def test_bad_env_value_names_field_and_variable(no_secrets) -> None:
+    with pytest.raises(ConfigError) as info:
+        resolve_config(
+            SMOKE, environ={"SPEEDTRONIC_RUN__MAX_STEPS": "lots"}, secrets_dir=no_secrets
+        )
+    message = str(info.value)
+    assert message.startswith("run.max_steps must be an integer")
+    assert "env:SPEEDTRONIC_RUN__MAX_STEPS" in message
+    with pytest.raises(ConfigError, match=r"cannot parse value for optimizer\.betas"):
+        resolve_config(
+            SMOKE, environ={"SPEEDTRONIC_OPTIMIZER__BETAS": "[0.9,"}, secrets_dir=no_secrets
+        )
+
+
+def test_token_only_in_secret_file(tmp_path) -> None:
+    secrets = _write_secrets(tmp_path / "secrets", hf_token="hf_from_secret\n")
+    resolved = resolve_config(SMOKE, environ={}, secrets_dir=secrets)
+    assert resolved.config.distributed.token == "hf_from_secret"
+    assert resolved.sources["distributed.token"] == "secret:hf_token"
+    assert "hf_from_secret" not in str(resolved.config.to_dict(redact_secrets=True))
+    assert "hf_from_secret" not in repr(resolved.config)
+
+
+def test_token_is_taken_verbatim(tmp_path) -> None:
+    secrets = _write_secrets(tmp_path / "s", hf_token="123\n")
+    assert resolve_config({}, environ={}, secrets_dir=secrets).config.distributed.token == "123"
+    env = {"HF_TOKEN": "yes"}
+    assert resolve_config({}, environ=env, secrets_dir=secrets).config.distributed.token == "yes"
+
+
+def test_secret_precedence(tmp_path) -> None:
+    secrets = _write_secrets(
+        tmp_path / "s",
+        hf_token="hf_a",
+        distributed__token="hf_b",
+        run__max_steps="11\n",
+        unrelated_secret="ignored",
+    )
+    resolved = resolve_config(SMOKE, environ={}, secrets_dir=secrets)
+    assert resolved.config.distributed.token == "hf_b"
+    assert resolved.sources["distributed.token"] == "secret:distributed__token"
+    assert resolved.config.run.max_steps == 11
+    assert resolved.sources["run.max_steps"] == "secret:run__max_steps"
+    env = {"HF_TOKEN": "hf_env", "SPEEDTRONIC_RUN__MAX_STEPS": "12"}
+    resolved = resolve_config(SMOKE, environ=env, secrets_dir=secrets)
+    assert resolved.config.distributed.token == "hf_env"
+    assert resolved.sources["distributed.token"] == "env:HF_TOKEN"
+    assert resolved.config.run.max_steps == 12
+    env["SPEEDTRONIC_DISTRIBUTED__TOKEN"] = "hf_specific"
+    resolved = resolve_config(SMOKE, environ=env, secrets_dir=secrets)
+    assert resolved.config.distributed.token == "hf_specific"
+    assert resolved.sources["distributed.token"] == "env:SPEEDTRONIC_DISTRIBUTED__TOKEN"
+
+
+def test_secrets_dir_from_environment(tmp_path) -> None:
+    secrets = _write_secrets(tmp_path / "s", hf_token="hf_x")
+    resolved = resolve_config(SMOKE, environ={"SPEEDTRONIC_SECRETS_DIR": secrets})
+    assert resolved.config.distributed.token == "hf_x"
+
+
+def test_secrets_dir_problems(tmp_path) -> None:
+    not_dir = tmp_path / "file"
+    not_dir.write_text("x")
+    with pytest.raises(ConfigError, match="secrets directory is not a directory"):
+        resolve_config(SMOKE, environ={}, secrets_dir=str(not_dir))
+    if os.geteuid() != 0:  # root can read anything
+        locked = tmp_path / "locked"
+        locked.mkdir()
+        locked.chmod(0)
+        try:
+            with pytest.raises(ConfigError, match="not readable"):
+                resolve_config(SMOKE, environ={}, secrets_dir=str(locked))
+        finally:
+            locked.chmod(0o700)
+
+
+def test_kubernetes_style_secret_volume(tmp_path) -> None:
+    root = tmp_path / "secrets"
+    data = root / "..2026_01_01"
+    data.mkdir(parents=True)
+    (data / "hf_token").write_text("hf_k8s\n")
+    (root / "..data").symlink_to(data.name)
+    (root / "hf_token").symlink_to("..data/hf_token")
+    resolved = resolve_config({}, environ={}, secrets_dir=str(root))
+    assert resolved.config.distributed.token == "hf_k8s"
+    assert resolved.sources == {"distributed.token": "secret:hf_token"}
+
+
+def test_node_id_from_environment(no_secrets) -> None:
+    resolved = resolve_config(
+        {"distributed": {"node_id": "file-node"}},
+        environ={"SPEEDTRONIC_NODE_ID": "worker-3"},
+        secrets_dir=no_secrets,
+    )
+    assert resolved.config.distributed.node_id == "worker-3"
+    assert resolved.sources["distributed.node_id"] == "env:SPEEDTRONIC_NODE_ID"
+    both = resolve_config(
+        {},
+        environ={"SPEEDTRONIC_NODE_ID": "a", "SPEEDTRONIC_DISTRIBUTED__NODE_ID": "b"},
+        secrets_dir=no_secrets,
+    )
+    assert both.config.distributed.node_id == "b"
+    with pytest.raises(ConfigError, match="path-safe"):
+        resolve_config({}, environ={"SPEEDTRONIC_NODE_ID": "../x"}, secrets_dir=no_secrets)
+
+
+def test_config_path_from_environment(no_secrets) -> None:
+    resolved = resolve_config(environ={"SPEEDTRONIC_CONFIG": SMOKE}, secrets_dir=no_secrets)
+    assert resolved.config.run.name == "smoke"
+    assert resolved.config_path == SMOKE
+    explicit = resolve_config(
+        {"name": "explicit"}, environ={"SPEEDTRONIC_CONFIG": SMOKE}, secrets_dir=no_secrets
+    )
+    assert explicit.config.run.name == "explicit"
+    defaults = resolve_config(environ={}, secrets_dir=no_secrets)
+    assert defaults.sources == {}
+
+
+def test_layers_merge_field_by_field(no_secrets) -> None:
+    resolved = resolve_config(
+        "model: {n_layer: 3, d_model: 64, n_head: 4}\nprecision: bf16\noptimizer: muon\n",
+        environ={"SPEEDTRONIC_MODEL__N_LAYER": "5", "SPEEDTRONIC_PRECISION__DTYPE": "fp16"},
+        secrets_dir=no_secrets,
+        overrides={"optimizer.lr": "1e-3", "max_steps": 3, "precision": "fp32"},
+    )
+    config = resolved.config
+    assert (config.model.n_layer, config.model.d_model, config.model.n_head) == (5, 64, 4)
+    assert (config.precision.mode, config.precision.dtype) == ("fp32", "fp16")
+    assert (config.optimizer.name, config.optimizer.lr) == ("muon", 1e-3)
+    assert config.run.max_steps == 3
+    assert resolved.sources["model.n_layer"] == "env:SPEEDTRONIC_MODEL__N_LAYER"
+    assert resolved.sources["model.d_model"] == "file"
+    assert resolved.sources["precision.mode"] == "cli"
+    assert resolved.sources["optimizer.name"] == "file"
+    assert resolved.sources["run.max_steps"] == "cli"
+    assert resolved.config_path is None
+
+
+def test_explicit_horizon_survives_layers(no_secrets) -> None:
+    resolved = resolve_config(
+        {"max_steps": 10, "scheduler": {"max_steps": 100}},
+        environ={"SPEEDTRONIC_RUN__MAX_STEPS": "50"},
+        secrets_dir=no_secrets,
+    )
+    assert (resolved.config.run.max_steps, resolved.config.scheduler.max_steps) == (50, 100)
+
+
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("run.max_steps", "expected section.field=value"),
+        ("=3", "expected section.field=value"),
+        ("run.bogus=1", "unknown configuration field"),
+        ("bogus=1", "unknown configuration keys: bogus"),
+        ("hub.repo_id=x", "unknown configuration field"),
+        ("run.max_steps=-1", "run.max_steps must be positive"),
+    ],
+)
+def test_bad_overrides(override, match, no_secrets) -> None:
+    with pytest.raises(ConfigError, match=match):
+        resolve_config(SMOKE, environ={}, secrets_dir=no_secrets, overrides=[override])
+
+
+def test_file_errors_are_config_errors(tmp_path, no_secrets) -> None:
+    with pytest.raises(ConfigError, match="config file not found"):
+        resolve_config(str(tmp_path / "nope.yaml"), environ={}, secrets_dir=no_secrets)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  n_layer: [1,\n")
+    with pytest.raises(ConfigError, match="invalid YAML at line"):
+        resolve_config(str(bad), environ={}, secrets_dir=no_secrets)
+
+
+def test_sources_are_in_field_order(no_secrets) -> None:
+    resolved = resolve_config(
+        SMOKE,
+        environ={"SPEEDTRONIC_COMPILE": "1", "SPEEDTRONIC_RUN__SEED": "5"},
+        secrets_dir=no_secrets,
+    )
+    order = list(known_fields())
+    keys = list(resolved.sources)
+    assert keys == sorted(keys, key=order.index)
+    assert resolved.sources["run.seed"] == "env:SPEEDTRONIC_RUN__SEED"
+
+
+def test_load_and_from_dict_never_read_environment(monkeypatch) -> None:
+    from speedtronic.config import SpeedtronicConfig, load_config
+
+    monkeypatch.setenv("SPEEDTRONIC_RUN__MAX_STEPS", "7")
+    monkeypatch.setenv("SPEEDTRONIC_FOO", "1")
+    monkeypatch.setenv("HF_TOKEN", "hf_env")
+    assert load_config(SMOKE).run.max_steps == 4
+    assert SpeedtronicConfig.from_dict({}).distributed.token is None
