@@ -11,30 +11,43 @@ factory. The token is handed to the SDK only; it is scrubbed from every error me
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import io
 import logging
 import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from speedtronic.diloco.transport import HubUnavailable, RepoTransport, RetryPolicy, TransportError
 
-__all__ = ["HubClient", "HubTransport", "configure_sdk_timeout"]
+__all__ = ["HubClient", "HubTransport", "install_sdk_timeouts"]
 
 _LOG = logging.getLogger("speedtronic.diloco")
 _SDK_LOCK = threading.Lock()
-_SDK_TIMEOUT: list[float] = []
+_SDK_HOOKED: list[bool] = []
+_TIMEOUT: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "speedtronic_hub_timeout", default=None
+)
 
 
-def configure_sdk_timeout(timeout: float) -> None:
-    """Give every request of the (process-wide) SDK HTTP client a ``timeout`` in seconds.
+def _timeout_hook(request: Any) -> None:
+    """httpx request hook: apply the timeout of the HubClient call in progress (if any)."""
+    timeout = _TIMEOUT.get()
+    if timeout is not None:
+        request.extensions["timeout"] = {k: timeout for k in ("connect", "read", "write", "pool")}
 
-    The SDK's default client has no timeout; a hung Hub must not hold a thread forever.
-    The smallest timeout asked for in this process wins.
+
+def install_sdk_timeouts() -> None:
+    """Make the SDK's shared HTTP client honour per-call timeouts (idempotent).
+
+    The SDK's default client has no timeout. We add one request hook that is a no-op
+    outside :meth:`HubClient` calls, and inside them sets ``request_timeout`` on every
+    request (HEAD, GET, preupload, commit, listing).
     """
     try:
         import httpx2
@@ -42,18 +55,27 @@ def configure_sdk_timeout(timeout: float) -> None:
     except ImportError:  # older SDKs (requests based) use their own per-call timeouts
         return
     with _SDK_LOCK:
-        if _SDK_TIMEOUT and _SDK_TIMEOUT[0] <= timeout:
+        if _SDK_HOOKED:
             return
-        _SDK_TIMEOUT[:] = [float(timeout)]
+        _SDK_HOOKED.append(True)
 
         def factory() -> Any:
             return httpx2.Client(
-                event_hooks={"request": [_http.hf_request_event_hook]},
+                event_hooks={"request": [_http.hf_request_event_hook, _timeout_hook]},
                 follow_redirects=True,
-                timeout=float(timeout),
+                timeout=None,
             )
 
         _http.set_client_factory(factory)
+
+
+@contextlib.contextmanager
+def _timeout_scope(seconds: float) -> Iterator[None]:
+    token = _TIMEOUT.set(float(seconds))
+    try:
+        yield
+    finally:
+        _TIMEOUT.reset(token)
 
 
 class HubClient(RepoTransport):
@@ -104,9 +126,15 @@ class HubClient(RepoTransport):
             except ImportError:
                 raise HubUnavailable("huggingface_hub is required for the Hub transport") from None
             disable_progress_bars()
-            configure_sdk_timeout(self.retry.timeout)
+            install_sdk_timeouts()
             self._api = HfApi(endpoint=self.endpoint, token=self._token)
         return self._api
+
+    def _scoped(self, fn: Any, *args: Any) -> Any:
+        api = self.api  # built outside the timeout scope (may install the SDK hook)
+        del api
+        with _timeout_scope(self.retry.timeout):
+            return fn(*args)
 
     def _create_repo(self, private: bool) -> None:
         self.api.create_repo(self.repo_id, repo_type="model", private=private, exist_ok=True)

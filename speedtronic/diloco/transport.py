@@ -291,27 +291,32 @@ class RepoTransport:
     def _commit(self, additions: Mapping[str, bytes], deletions: list[str], message: str) -> None:
         raise NotImplementedError
 
+    def _scoped(self, fn: Callable[..., R], *args: Any) -> R:
+        """Run one primitive attempt (the Hub transport adds its request timeout here)."""
+        return fn(*args)
+
     # -- retried primitives ----------------------------------------------------------------
     def create_repo(self, *, private: bool = True) -> None:
         """Create the repository (private by default); an existing one is accepted."""
-        self.retry.run("create repository", lambda: self._create_repo(private))
+        self.retry.run("create repository", lambda: self._scoped(self._create_repo, private))
 
     def add_collaborator(self, username: str, permission: str = "write") -> None:
         """Grant ``permission`` to ``username`` where the backend supports it."""
         if permission not in {"read", "write", "admin"}:
             raise ValueError("permission must be read, write, or admin")
         self.retry.run(
-            f"grant {permission} access to {username}", lambda: self._grant(username, permission)
+            f"grant {permission} access to {username}",
+            lambda: self._scoped(self._grant, username, permission),
         )
 
     def list_files(self) -> list[str]:
         """Every file path in the repository, sorted."""
-        return sorted(self.retry.run("list repository files", self._list))
+        return sorted(self.retry.run("list repository files", lambda: self._scoped(self._list)))
 
     def read_bytes(self, path: str) -> bytes | None:
         """Content of ``path``; None when it does not exist."""
         try:
-            return self.retry.run(f"download {path}", lambda: self._read(path))
+            return self.retry.run(f"download {path}", lambda: self._scoped(self._read, path))
         except RemoteNotFound:
             return None
 
@@ -323,7 +328,21 @@ class RepoTransport:
         dels = [p for p in dict.fromkeys(deletions) if p not in adds]
         if not adds and not dels:
             return
-        self.retry.run(f"commit {message}", lambda: self._commit(adds, dels, message))
+        try:
+            self.retry.run(
+                f"commit {message}", lambda: self._scoped(self._commit, adds, dels, message)
+            )
+        except RemoteNotFound:
+            if not dels:
+                raise
+            # A deletion target is gone (e.g. a retried commit that had landed): drop those.
+            present = set(self.list_files())
+            dels = [p for p in dels if p in present]
+            if not adds and not dels:
+                return
+            self.retry.run(
+                f"commit {message}", lambda: self._scoped(self._commit, adds, dels, message)
+            )
         self.commits += 1
 
     def file_exists(self, path: str) -> bool:

@@ -55,6 +55,7 @@ class FaultConfig:
     slow_seconds: float = 0.5
     truncate_rate: float = 0.0
     seed: int = 0
+    endpoints: str = ""  # comma list (create, tree, preupload, commit, resolve, ...); "" = all
 
 
 @dataclasses.dataclass
@@ -63,6 +64,21 @@ class _Repo:
     files: dict[str, bytes] = dataclasses.field(default_factory=dict)
     sha: str = "0" * 40
     commits: int = 0
+
+
+def _endpoint(path: str) -> str:
+    """Endpoint kind of a request path: create, whoami, tree, commit, resolve, ..."""
+    path = unquote(path)
+    match = _API.match(path)
+    if match:
+        return match.group(2)
+    if _RESOLVE.match(path):
+        return "resolve"
+    if path == "/api/repos/create":
+        return "create"
+    if path.startswith("/api/whoami"):
+        return "whoami"
+    return path.strip("/").replace("/", "_") or "root"
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -120,7 +136,7 @@ class _Handler(BaseHTTPRequestHandler):
         """Decide (under the lock) whether this request fails, and how."""
         if self.path.startswith("/_emulator"):
             return None
-        fault = self.hub.draw_fault(download)
+        fault = self.hub.draw_fault(download, _endpoint(urlparse(self.path).path))
         if fault == "slow":
             time.sleep(self.hub.faults.slow_seconds)
             return None
@@ -178,6 +194,9 @@ class _Handler(BaseHTTPRequestHandler):
             if self.hub.token is not None and not self._authorised(None):
                 return self._error(401, "Invalid credentials in Authorization header")
             return self._json(200, {"type": "user", "name": "emulator", "auth": {}})
+        info = re.match(r"^/api/models/([^/]+/[^/]+)$", path)
+        if info and method == "GET":
+            return self._api(method, info.group(1), "revision", "", query, body)
         match = _API.match(path)
         if match:
             repo_id, action, _rev, rest = match.groups()
@@ -406,10 +425,13 @@ class HubEmulator:
             if "seed" in knobs:
                 self._rng = random.Random(self.faults.seed)
 
-    def draw_fault(self, download: bool) -> str | None:
-        """One seeded draw per request."""
+    def draw_fault(self, download: bool, endpoint: str = "") -> str | None:
+        """One seeded draw per request (only for the configured endpoints)."""
         f = self.faults
         with self.lock:
+            wanted = {e.strip() for e in f.endpoints.split(",") if e.strip()}
+            if wanted and endpoint not in wanted:
+                return None
             roll = self._rng.random()
             order = [
                 ("drop", f.drop_rate),
@@ -429,13 +451,7 @@ class HubEmulator:
 
     def count(self, method: str, path: str) -> None:
         """Count a served request by method and endpoint kind."""
-        match = _API.match(path)
-        if match:
-            kind = match.group(2)
-        elif _RESOLVE.match(path):
-            kind = "resolve"
-        else:
-            kind = path.strip("/").replace("/", "_") or "root"
+        kind = _endpoint(path)
         with self.lock:
             key = f"{method} {kind}"
             self._counts[key] = self._counts.get(key, 0) + 1

@@ -1,0 +1,100 @@
+"""Tensor format goldens: pseudo-gradient sign, equal-weight mean, paths, dtypes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speedtronic.diloco import tensors as T
+
+
+def test_pseudo_gradient_golden_sign():
+    delta = T.compute_pseudo_gradient(
+        {"w": torch.tensor([3.0, 5.0])}, {"w": torch.tensor([1.0, 4.0])}
+    )
+    assert delta["w"].tolist() == [2.0, 1.0]
+    assert delta["w"].dtype == torch.float32
+
+
+def test_pseudo_gradient_skips_integer_buffers_and_checks_shapes():
+    base = {"w": torch.ones(2), "n": torch.tensor([1])}
+    delta = T.compute_pseudo_gradient(base, {"w": torch.zeros(2), "n": torch.tensor([5])})
+    assert set(delta) == {"w"}
+    with pytest.raises(ValueError, match="shape mismatch for w"):
+        T.compute_pseudo_gradient(base, {"w": torch.zeros(3), "n": torch.tensor([1])})
+    with pytest.raises(ValueError, match="keys differ"):
+        T.compute_pseudo_gradient(base, {"w": torch.zeros(2)})
+
+
+def test_equal_weight_average_golden():
+    mean = T.average_deltas([{"w": torch.tensor([2.0, 1.0])}, {"w": torch.tensor([0.0, 3.0])}])
+    assert mean["w"].tolist() == [1.0, 2.0]
+    with pytest.raises(ValueError):
+        T.average_deltas([])
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        ("nodes/a/delta_12.safetensors", ("a", 12)),
+        ("nodes/w-1.pod/delta_0.safetensors", ("w-1.pod", 0)),
+        ("global/latest.safetensors", None),
+        ("nodes//delta_1.safetensors", None),
+        ("nodes/a/delta_-1.safetensors", None),
+        ("nodes/a/delta_+1.safetensors", None),
+        ("nodes/a/delta_01.safetensors", None),
+        ("nodes/a/owner.json", None),
+        ("nodes/a/b/delta_1.safetensors", None),
+    ],
+)
+def test_parse_delta_path(path, expected):
+    assert T.parse_delta_path(path) == expected
+
+
+@pytest.mark.parametrize(("name", "ratio"), [("fp32", 1.0), ("bf16", 0.5), ("fp16", 0.5)])
+def test_delta_dtype_halves_bytes_and_loads_as_float32(name, ratio):
+    delta = {"w": torch.randn(64, 64)}
+    fp32 = T.delta_to_bytes(delta, node_id="a", local_step=1, base_outer_step=0)
+    data = T.delta_to_bytes(delta, node_id="a", local_step=1, base_outer_step=0, dtype=name)
+    assert len(data) == pytest.approx(len(fp32) * ratio, rel=0.05)
+    tensors, meta = T.delta_from_bytes(data)
+    assert tensors["w"].dtype == torch.float32
+    assert meta["dtype"] == name and meta["node_id"] == "a" and meta["base_outer_step"] == "0"
+    assert torch.allclose(tensors["w"], delta["w"], atol=1e-2 * delta["w"].abs().max().item())
+    with pytest.raises(ValueError):
+        T.delta_dtype("int8")
+
+
+def test_corrupt_bytes_are_value_errors():
+    for data in (b"", b"not safetensors", b"\x08\x00\x00\x00\x00\x00\x00\x00{bad json"):
+        with pytest.raises(ValueError):
+            T.state_from_bytes(data)
+
+
+def test_validate_delta_rejects_keys_shapes_and_non_finite():
+    ref = {"w": torch.zeros(2), "step": torch.tensor(3)}
+    T.validate_delta({"w": torch.ones(2)}, ref)
+    for bad in (
+        {"w": torch.ones(3)},
+        {"x": torch.ones(2)},
+        {"w": torch.tensor([1.0, float("nan")])},
+    ):
+        with pytest.raises(ValueError):
+            T.validate_delta(bad, ref)
+
+
+def test_all_zero_detection():
+    assert T.is_all_zero({"w": torch.zeros(3)})
+    assert not T.is_all_zero({"w": torch.tensor([0.0, 1e-12])})
+
+
+def test_tied_weights_round_trip(tmp_path):
+    emb = torch.nn.Embedding(8, 4)
+    head = torch.nn.Linear(4, 8, bias=False)
+    head.weight = emb.weight
+    state = {"emb.weight": emb.weight, "head.weight": head.weight}
+    path = T.save_safetensors(state, tmp_path / "g.safetensors", metadata={"a": 1})
+    loaded = T.load_safetensors(path)
+    assert len(loaded) == 2 and torch.equal(loaded["emb.weight"], loaded["head.weight"])
+    assert T.read_metadata(path) == {"a": "1"}
+    assert not list(tmp_path.glob(".*tmp*"))
