@@ -92,6 +92,7 @@ class _RunState:
     built: bool = False
     stop_signal: int | None = None
     collision: str | None = None
+    training_started: bool = False
     last_phase: float = field(default_factory=time.monotonic)
 
     def heartbeat(self) -> float | None:
@@ -234,10 +235,16 @@ def _install_signal_handlers(state: _RunState) -> Callable[[], None]:
 
 
 def _collision_hook(state: _RunState) -> Callable[[str, dict], None]:
-    """A logger hook that turns a ``node_id_collision`` event into a stop + config error."""
+    """A logger hook: a ``node_id_collision`` before training starts stops the run (exit 2).
+
+    A collision reported later (another process claimed this id while we were training) is
+    left to the coordinator's error log: stopping then would take down the original node.
+    """
 
     def hook(event: str, payload: dict) -> None:
-        if event == "node_id_collision" and state.collision is None:
+        if event == "train_start":
+            state.training_started = True
+        elif event == "node_id_collision" and not state.training_started and not state.collision:
             state.collision = str(payload.get("node_id"))
             state.request_stop("node_id_collision")
 

@@ -225,6 +225,17 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
     return out
 
 
+def scrape_value(port: int, name: str, **labels: str) -> float | None:
+    """One sample's value from a live /metrics; None while the server or series is not up."""
+    status, _ = http_get(f"http://127.0.0.1:{port}/metrics")
+    if status != 200:
+        return None
+    try:
+        return metric(scrape(port), name, **labels)
+    except KeyError:
+        return None
+
+
 def metric(samples: Mapping[tuple[str, tuple], float], name: str, **labels: str) -> float:
     """Sum of a sample over every series matching `labels`; KeyError when there is none."""
     values = [
