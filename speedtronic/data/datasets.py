@@ -79,9 +79,13 @@ class TextFileTokenDataset(IterableDataset):
     The file is read ``chunk_chars`` characters at a time (never whole); each chunk is
     tokenized on its own and appended to a carry buffer from which full windows are cut.
     A trailing partial window is dropped, so every record is exactly ``block_size`` long.
-    With DataLoader workers, window ``n`` goes to worker ``n % num_workers`` (no sample is
-    produced twice; each worker still reads the file). Invalid UTF-8 bytes are replaced.
+    With DataLoader workers, windows are dealt in groups of ``shard_group`` (the loader sets
+    it to the batch size): group ``g`` goes to worker ``g % num_workers``, so no sample is
+    produced twice and batches come out in the same order as without workers (each worker
+    still reads the file). Invalid UTF-8 bytes are replaced.
     """
+
+    shard_group: int = 1
 
     def __init__(
         self,
@@ -121,7 +125,7 @@ class TextFileTokenDataset(IterableDataset):
             combined = torch.cat((carry, tokens)) if carry.numel() else tokens
             full = combined.numel() // span
             for j in range(full):
-                if index % workers == worker:
+                if (index // self.shard_group) % workers == worker:
                     yield _record(combined[j * span : (j + 1) * span].clone())
                 index += 1
             carry = combined[full * span :].clone()

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
-from speedtronic.data.datasets import TokenWindowDataset
+from speedtronic.data.datasets import TextFileTokenDataset, TokenWindowDataset
 from speedtronic.data.sources import open_source
 
 __all__ = [
@@ -248,10 +248,13 @@ def build_dataloader(
     seed = int(field("seed", 0))
     if dataset is None:
         dataset = open_source(config, block_size=block_size, vocab_size=vocab, tokenizer=tokenizer)
+    batch_size = int(field("micro_batch_size", 1))
+    if isinstance(dataset, TextFileTokenDataset):
+        dataset.shard_group = batch_size  # workers deal whole batches: order as with 0 workers
     workers = int(field("num_workers", 0))
     pin = field("pin_memory", None)
     kwargs: dict[str, Any] = {
-        "batch_size": int(field("micro_batch_size", 1)),
+        "batch_size": batch_size,
         "num_workers": workers,
         "pin_memory": bool(pin_memory_device) if pin is None else bool(pin),
         "drop_last": bool(field("drop_last", True)),
