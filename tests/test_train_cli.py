@@ -1,0 +1,153 @@
+"""`speedtronic train` end to end: real subprocesses, SIGTERM, resume, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from speedtronic.config import SpeedtronicConfig
+from speedtronic.train.launch import install_stop_handlers, train_command
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def speedtronic(*args: str, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "speedtronic", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
+
+
+def events(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_smoke_config_end_to_end(tmp_path):
+    jsonl = tmp_path / "events.jsonl"
+    began = time.monotonic()
+    proc = speedtronic(
+        "train",
+        "--config",
+        "configs/smoke.yaml",
+        "--output-dir",
+        str(tmp_path),
+        "--set",
+        f"logging.json_file={jsonl}",
+    )
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert time.monotonic() - began < 60
+    assert "completed steps=4 samples=8 tokens=256 loss=" in out
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("step_*.pt")) == [
+        "step_000000000002.pt",
+        "step_000000000004.pt",
+    ]
+    assert json.loads((ckpts / "latest.json").read_text())["step"] == 4
+    names = [e["event"] for e in events(jsonl)]
+    assert names.count("train_step") == 4 and names[-1] == "train_end"
+    # resuming at the target does no work and keeps the counters
+    proc = speedtronic(
+        "train", "--config", "configs/smoke.yaml", "--output-dir", str(tmp_path), "--resume"
+    )
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "completed steps=4 samples=8 tokens=256 loss=None" in out
+
+
+@pytest.mark.slow
+def test_sigterm_stops_gracefully_with_final_checkpoint(tmp_path):
+    jsonl = tmp_path / "events.jsonl"
+    proc = speedtronic(
+        "train",
+        "--config",
+        "configs/smoke.yaml",
+        "--output-dir",
+        str(tmp_path),
+        "--max-steps",
+        "100000",
+        "--set",
+        "checkpoint.every_steps=100000",
+        "--set",
+        f"logging.json_file={jsonl}",
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while not any(e["event"] == "train_step" for e in events(jsonl)):
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "stopped=SIGTERM" in out
+    records = events(jsonl)
+    last_step = [e["step"] for e in records if e["event"] == "train_step"][-1]
+    stopped = [e for e in records if e["event"] == "train_stopped"]
+    assert stopped and stopped[0]["step"] == last_step and stopped[0]["reason"] == "SIGTERM"
+    pointer = json.loads((tmp_path / "checkpoints" / "latest.json").read_text())
+    assert pointer["step"] == last_step < 100000
+    state = torch.load(tmp_path / "checkpoints" / pointer["file"], weights_only=True)
+    assert state["step"] == last_step
+
+
+def test_cuda_request_without_cuda_exits_2(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("machine has CUDA")
+    proc = speedtronic(
+        "train",
+        "--config",
+        "configs/smoke.yaml",
+        "--output-dir",
+        str(tmp_path),
+        "--set",
+        "run.device=cuda",
+    )
+    _out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: run.device")
+
+
+def test_train_command_in_process_with_progress_bar(tmp_path, capsys):
+    config = SpeedtronicConfig.from_yaml(REPO / "configs" / "smoke.yaml")
+    config.run.output_dir = str(tmp_path)
+    config.logging.json_file = str(tmp_path / "e.jsonl")
+    seen = []
+    result = train_command(config, progress=True, extra_hooks=[lambda e, p: seen.append(e)])
+    assert result.steps == 4 and result.stopped_reason is None
+    captured = capsys.readouterr()
+    assert "4/4" in captured.err  # the tqdm bar
+    assert "train_step step=" not in captured.out  # step lines go to the bar and JSONL only
+    assert seen.count("train_step") == 4
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # handlers restored
+
+
+def test_stop_handlers_route_signals_and_restore():
+    reasons = []
+    before = signal.getsignal(signal.SIGUSR1)
+    restore = install_stop_handlers(reasons.append, signals=(signal.SIGUSR1,))
+    os.kill(os.getpid(), signal.SIGUSR1)
+    time.sleep(0.05)
+    restore()
+    assert reasons == ["SIGUSR1"] and signal.getsignal(signal.SIGUSR1) == before
