@@ -89,6 +89,22 @@ def test_resume_position_reproduces_the_uninterrupted_stream(shuffle):
     assert data_state_dict([1, 2]) is None
 
 
+@pytest.mark.parametrize("source", ["synthetic", "text"])
+def test_resume_exactly_at_an_epoch_boundary(tmp_path, source):
+    if source == "text":
+        cfg = data_config(text_path=str(write_text(tmp_path, "abcdefghi" * 10)))  # 5 batches
+    else:
+        cfg = data_config(num_tokens=10, shuffle=True, vocab_size=16)  # 5 batches
+    reference = take(build_dataloader(cfg, vocab_size=256), 7)
+    loader = build_dataloader(cfg, vocab_size=256)
+    stream = infinite_batches(loader)
+    for _ in range(5):
+        next(stream)
+    resumed = build_dataloader(cfg, vocab_size=256)
+    load_data_state_dict(resumed, data_state_dict(loader))
+    assert [b[0].tolist() for b in take(resumed, 2)] == [b[0].tolist() for b in reference[5:]]
+
+
 def test_resume_with_workers_counts_consumed_not_prefetched_batches():
     cfg = data_config(num_tokens=12, shuffle=True, vocab_size=16, num_workers=2)
     loader = build_dataloader(cfg)

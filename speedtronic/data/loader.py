@@ -93,6 +93,9 @@ def infinite_batches(loader: Any) -> Iterator[Any]:
             raise RuntimeError("data loader produced no batches")
 
 
+_END = object()
+
+
 def _generator(seed: int, epoch: int) -> torch.Generator:
     return torch.Generator().manual_seed(int(seed) * 1_000_003 + int(epoch))
 
@@ -175,21 +178,28 @@ class ResumableDataLoader(DataLoader):
         self._epoch_sampler = sampler if isinstance(sampler, EpochSampler) else None
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        skip = self._batches
-        if self._epoch_sampler is not None:
-            self._epoch_sampler.set_position(self._epoch, skip * int(self.batch_size or 1))
-            skip = 0
-        return self._pass(super().__iter__(), skip)
+        return self._pass()
 
-    def _pass(self, batches: Iterator[Any], skip: int) -> Iterator[Any]:
+    def _pass(self) -> Iterator[Any]:
+        start = self._batches
+        skip = start
+        if self._epoch_sampler is not None:
+            self._epoch_sampler.set_position(self._epoch, start * int(self.batch_size or 1))
+            skip = 0
+        batches = super().__iter__()
         for _ in range(skip):
-            if next(batches, None) is None:
+            if next(batches, _END) is _END:
                 break
+        produced = False
         for batch in batches:
+            produced = True
             self._batches += 1
             yield batch
         self._epoch += 1
         self._batches = 0
+        if start > 0 and not produced:
+            # Restored exactly at the end of an epoch: this pass continues with the next one.
+            yield from self._pass()
 
     def state_dict(self) -> dict[str, int]:
         """Position to store in a checkpoint: ``{"epoch", "batches", "batch_size"}``."""
