@@ -202,15 +202,27 @@ def _one_line(message: str) -> str:
     return " ".join(message.split())
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at emit time (survives redirection in tests)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 def _setup_logging() -> None:
     """Library warnings (e.g. a token in a YAML file) go to stderr as ``warning: ...``."""
     config_logger = logging.getLogger("speedtronic.config")
-    if not config_logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("warning: %(message)s"))
-        config_logger.addHandler(handler)
-        config_logger.setLevel(logging.WARNING)
-        config_logger.propagate = False
+    if any(isinstance(handler, _StderrHandler) for handler in config_logger.handlers):
+        return
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("warning: %(message)s"))
+    config_logger.addHandler(handler)
+    config_logger.setLevel(logging.WARNING)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
