@@ -51,13 +51,14 @@ def _working_dtype(matrix: Tensor) -> torch.dtype:
 def _ns_iterate(x: Tensor, steps: int, eps: float) -> Tensor:
     """Quintic iteration on a wide (rows <= cols) matrix or a stack of them; ``x`` is a copy."""
     a, b, c = NS_COEFFICIENTS
-    x = x / (torch.linalg.matrix_norm(x, keepdim=True) + eps)
     if x.ndim == 2:
+        x = x / (x.norm() + eps)
         for _ in range(steps):
             gram = x @ x.mT
             poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b·A + c·A²
             x = torch.addmm(x, poly, x, beta=a)  # a·X + (bA + cA²)·X
     else:
+        x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)
         for _ in range(steps):
             gram = x @ x.mT
             poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
@@ -164,14 +165,15 @@ def muon_update(
     update = _orthogonalize(direction, int(ns_steps), float(eps), torch.float32)
     if muon_plus:
         update = _post_polar(update, "row_col", float(norm_eps))
-    return update.mul_(shape_scale(update.shape))
+    scale = shape_scale(update.shape)
+    return update.mul_(scale) if scale != 1.0 else update
 
 
 class Muon(Optimizer):
     """Muon for 2-D parameters (see the module docstring for the update and units).
 
     Momentum buffers are fp32 (``state["momentum_buffer"]``) with an integer ``state["step"]``.
-    Parameters of equal shape are orthogonalised together as one batched iteration.
+    Small parameters of equal shape (all of them on CUDA) are orthogonalised as one batch.
     ``step`` raises ``ValueError`` for a non-2-D parameter, ``RuntimeError`` for a sparse
     gradient and ``TypeError`` for a complex gradient.
     """
@@ -255,8 +257,11 @@ class Muon(Optimizer):
         self, params: list[Tensor], lr: float, decay: float, options: dict[str, Any]
     ) -> None:
         states = [self.state[p] for p in params]
-        if len(params) == 1:
-            updates = [muon_update(params[0].grad, states[0]["momentum_buffer"], **options)]
+        if len(params) == 1 or not _batch_pays_off(params[0]):
+            updates = [
+                muon_update(p.grad, s["momentum_buffer"], **options)
+                for p, s in zip(params, states, strict=True)
+            ]
         else:
             grads = torch.stack([p.grad.float() for p in params])
             buffers = torch.stack([s["momentum_buffer"] for s in states])
@@ -268,6 +273,15 @@ class Muon(Optimizer):
             if decay != 0.0:
                 param.mul_(1.0 - lr * decay)
             param.add_(update.to(param.dtype), alpha=-lr)
+
+
+BATCH_NUMEL_LIMIT = 16384
+"""On CPU, equal-shape matrices up to this many elements are orthogonalised as one batch (the
+per-call overhead dominates for small matrices; for larger ones batching measured slower)."""
+
+
+def _batch_pays_off(param: Tensor) -> bool:
+    return param.is_cuda or param.numel() < BATCH_NUMEL_LIMIT
 
 
 def _adamw(params: list[Tensor], fused: bool, **kwargs: Any) -> AdamW:
