@@ -265,6 +265,7 @@ class Rehearsal:
     cwd: str
     port: int
     mounts: dict[str, str] = field(default_factory=dict)
+    output_dir: str = ""
     log: Path | None = None
     process: subprocess.Popen | None = None
 
@@ -382,3 +383,84 @@ def test_rewrite_paths_only_at_path_boundaries():
     assert rewrite_paths("/config/diloco.yaml", mounts) == "/repo/configs/diloco.yaml"
     assert rewrite_paths("/database", mounts) == "/database"
     assert rewrite_paths('OUT="/data/runs/$H" exec', mounts) == 'OUT="/tmp/x/data/runs/$H" exec'
+
+
+# -- the rehearsal itself ----------------------------------------------------------------------
+# Time scaling only (documented deviations from the manifests' environment): train until
+# SIGTERM, exchange deltas every few steps, poll fast, log little.
+SPEED_ENV = {
+    "SPEEDTRONIC_RUN__MAX_STEPS": "100000",
+    "SPEEDTRONIC_DISTRIBUTED__INNER_STEPS": "3",
+    "SPEEDTRONIC_DISTRIBUTED__POLL_INTERVAL": "0.5",
+    "SPEEDTRONIC_LOGGING__EVERY_STEPS": "50",
+}
+
+MASTER_MOVING = [
+    "speedtronic_diloco_rounds_total",
+    "speedtronic_diloco_outer_step",
+    "speedtronic_diloco_deltas_found_total",
+    "speedtronic_diloco_deltas_included_total",
+    "speedtronic_train_steps_total",
+]
+WORKER_MOVING = [
+    "speedtronic_diloco_uploads_total",
+    "speedtronic_diloco_upload_bytes_total",
+    "speedtronic_diloco_upload_seconds_count",
+    "speedtronic_train_steps_total",
+]
+
+
+def rehearse(processes: list[Rehearsal], log_dir: Path, probe) -> None:
+    """Start `processes` (a master first, then workers); assert a DiLoCo round completes, the
+    probe paths answer 200, the DiLoCo series move, and SIGTERM stops each with exit 0 and a
+    final checkpoint under its ``SPEEDTRONIC_RUN__OUTPUT_DIR``.
+
+    Args:
+        processes: ``master`` first; the rest are workers.
+        log_dir: where each process's output goes.
+        probe: ``probe(proc)`` asserts the manifest's own health checks/probes pass while the
+            process runs (after the round); /healthz and /readyz are always checked.
+    """
+    master, workers = processes[0], processes[1:]
+    try:
+        for proc in processes:
+            proc.start(log_dir)
+        every = list(processes)
+        for proc in processes:
+            wait_until(
+                lambda p=proc: http_get(p.url("/readyz"))[0] == 200,
+                300,
+                f"{proc.name} ready",
+                every,
+            )
+        before = {proc.name: scrape(proc.port) for proc in processes}
+
+        def round_done() -> bool:
+            included = scrape_value(master.port, "speedtronic_diloco_deltas_included_total") or 0
+            pulled = [scrape_value(w.port, "speedtronic_diloco_outer_step") or 0 for w in workers]
+            return included >= 1 and min(pulled) >= 1
+
+        wait_until(round_done, 300, "a DiLoCo round to complete and reach every worker", every)
+        for proc in processes:
+            moving = MASTER_MOVING if proc is master else WORKER_MOVING
+
+            def moved(p=proc, names=moving) -> bool:
+                now = scrape(p.port)
+                return all(metric(now, n) > metric(before[p.name], n) for n in names)
+
+            wait_until(moved, 300, f"{proc.name}'s DiLoCo series to move", every)
+            for path in ("/healthz", "/readyz"):
+                status, body = http_get(proc.url(path))
+                assert status == 200, (proc.name, path, body)
+            probe(proc)
+        for worker in workers:
+            assert (scrape_value(worker.port, "speedtronic_diloco_global_pulls_total") or 0) >= 1
+        for proc in [*workers, master]:
+            code = proc.terminate(timeout=180)
+            assert code == 0, f"{proc.name} exited {code}:\n{proc.output()[-4000:]}"
+            assert "SIGTERM received" in proc.output()
+            output_dir = Path(proc.output_dir or proc.env["SPEEDTRONIC_RUN__OUTPUT_DIR"])
+            assert list(output_dir.rglob("latest.json")), f"{proc.name}: no final checkpoint"
+    finally:
+        for proc in processes:
+            proc.kill()

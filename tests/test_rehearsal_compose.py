@@ -1,0 +1,99 @@
+"""Rehearse compose.yaml without a container engine: `master` and two `worker` replicas run as
+local processes with exactly their service's command and environment (plus the image's ENV and
+ENTRYPOINT from the Dockerfile), volumes mapped to temporary directories, the configs bind
+mount mapped to configs/, secrets to a temporary /run/secrets, and distinct hostnames.
+"""
+
+from __future__ import annotations
+
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_deploy_support import (
+    REPO,
+    SPEED_ENV,
+    Rehearsal,
+    base_env,
+    compose_env,
+    free_port,
+    image_config,
+    load_compose,
+    rehearse,
+    rewrite_paths,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def service_process(
+    model: dict, name: str, hostname: str, tmp: Path, *, replica: str | None = None
+) -> Rehearsal:
+    """One replica of a compose service as a local process."""
+    service = model["services"][name]
+    image = image_config()
+    label = replica or name
+    mounts: dict[str, str] = {}
+    for volume in service.get("volumes", []):
+        if volume["type"] == "volume":
+            local = tmp / "volumes" / volume["source"]  # shared by every service using it
+        else:
+            local = (REPO / volume["source"]).resolve()
+        local.mkdir(parents=True, exist_ok=True)
+        mounts[volume["target"]] = str(local)
+    secrets_dir = tmp / label / "run-secrets"
+    secrets_dir.mkdir(parents=True)
+    for secret in service.get("secrets", []):
+        source = model["secrets"][secret]["file"]
+        (secrets_dir / secret).write_text((tmp / source).read_text())
+    mounts["/run/secrets"] = str(secrets_dir)
+    port = free_port()
+    env = base_env(tmp)
+    for key, value in image["env"].items():
+        if key != "PATH":
+            env[key] = rewrite_paths(value, mounts)
+    for key, value in compose_env(service).items():
+        env[key] = rewrite_paths(value, mounts)
+    env.update(SPEED_ENV)
+    env["HOSTNAME"] = hostname
+    env["SPEEDTRONIC_SECRETS_DIR"] = mounts["/run/secrets"]  # the container's /run/secrets
+    env["SPEEDTRONIC_METRICS__PORT"] = str(port)  # the container's own network namespace
+    argv = [rewrite_paths(a, mounts) for a in service.get("entrypoint") or image["entrypoint"]]
+    argv += [rewrite_paths(a, mounts) for a in service.get("command") or image["cmd"]]
+    output_dir = env.get("SPEEDTRONIC_RUN__OUTPUT_DIR") or rewrite_paths(
+        f"/data/runs/{hostname}", mounts
+    )
+    cwd = rewrite_paths(image["workdir"], mounts)
+    return Rehearsal(label, argv, env, cwd, port, mounts, output_dir=output_dir)
+
+
+def healthcheck_passes(model: dict, name: str, proc: Rehearsal) -> bool:
+    """Run the service's compose healthcheck command against the process (port mapped)."""
+    test = model["services"][name]["healthcheck"]["test"]
+    assert test[0] == "CMD" and test[1] == "python3"
+    argv = [sys.executable, *(a.replace(":8000/", f":{proc.port}/") for a in test[2:])]
+    return subprocess.run(argv, env=proc.env, capture_output=True, timeout=30).returncode == 0
+
+
+def test_compose_master_and_two_workers_complete_a_round_and_stop_cleanly(tmp_path):
+    model = load_compose()
+    master = service_process(model, "master", "master", tmp_path)
+    workers = [
+        service_process(model, "worker", secrets.token_hex(6), tmp_path, replica=f"worker-{i}")
+        for i in (1, 2)
+    ]
+    assert master.env["SPEEDTRONIC_DISTRIBUTED__REPO_ID"].startswith("file://" + str(tmp_path))
+    assert master.env["SPEEDTRONIC_CONFIG"] == str(REPO / "configs/diloco.yaml")
+    kinds = {master.name: "master", **{w.name: "worker" for w in workers}}
+
+    def probe(proc: Rehearsal) -> None:
+        assert healthcheck_passes(model, kinds[proc.name], proc), proc.name
+
+    rehearse([master, *workers], tmp_path, probe)
+    # Node ids came from the hostnames: each worker published under its own directory.
+    nodes = Path(master.mounts["/data"]) / "exchange" / "nodes"
+    published = {p.name for p in nodes.iterdir()}
+    for worker in workers:
+        assert worker.env["HOSTNAME"] in published, published
