@@ -168,3 +168,12 @@ def test_plot_from_jsonl_and_run_dir(tmp_path):
     empty.write_text(json.dumps({"event": "train_start"}) + "\n")
     with pytest.raises(ValueError, match="no train_step"):
         plot_command(str(empty), str(tmp_path / "x.png"))
+
+
+def test_hooks_get_redacted_strings():
+    seen = []
+    logger = MetricLogger(
+        stream=io.StringIO(), secrets=[TOKEN], hooks=[lambda e, p: seen.append(p)]
+    )
+    logger.emit("transport_retry", {"operation": "upload", "error": f"bad {TOKEN}"})
+    assert seen[0]["error"] == "bad <redacted>"

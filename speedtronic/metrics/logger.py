@@ -174,6 +174,11 @@ class MetricLogger:
         """Send one event to text, JSONL and hooks (see the module docstring)."""
         with self._lock:
             safe = dict(payload or {})
+            if self.secrets:
+                safe = {
+                    key: _redact_text(value, self.secrets) if isinstance(value, str) else value
+                    for key, value in safe.items()
+                }
             safe.setdefault("elapsed_s", time.perf_counter() - self.started)
             in_cadence = event != "train_step" or self.wants_step(int(safe.get("step", 0)))
             if in_cadence:

@@ -100,6 +100,8 @@ def _as_config(config: Any) -> Any:
 
     if isinstance(config, dict):
         return SpeedtronicConfig.from_dict(config).validate()
+    if isinstance(config, (str, os.PathLike)):
+        return SpeedtronicConfig.load(os.fspath(config)).validate()
     return config.validate()
 
 
@@ -145,7 +147,7 @@ def build_runtime(
 ) -> tuple[Trainer, CheckpointManager]:
     """Build model, data, optimizer, schedule, logger, checkpoints and coordinator; see above.
 
-    ``config`` is a ``SpeedtronicConfig`` or a plain dict. ``max_steps`` overrides the absolute
+    ``config`` is a ``SpeedtronicConfig``, a plain dict, or a config file path. ``max_steps`` overrides the absolute
     step target on a copy of the config (the caller's object is not changed) and moves the
     scheduler horizon when ``scheduler.max_steps`` was not given explicitly.
     """
