@@ -147,9 +147,9 @@ def build_runtime(
 ) -> tuple[Trainer, CheckpointManager]:
     """Build model, data, optimizer, schedule, logger, checkpoints and coordinator; see above.
 
-    ``config`` is a ``SpeedtronicConfig``, a plain dict, or a config file path. ``max_steps`` overrides the absolute
-    step target on a copy of the config (the caller's object is not changed) and moves the
-    scheduler horizon when ``scheduler.max_steps`` was not given explicitly.
+    ``config`` is a ``SpeedtronicConfig``, a plain dict, or a config file path. ``max_steps``
+    overrides the absolute step target on a copy of the config (the caller's object is not
+    changed) and moves the scheduler horizon when ``scheduler.max_steps`` was not explicit.
     """
     from speedtronic.data import build_dataloader
     from speedtronic.model import build_model
