@@ -447,3 +447,12 @@ def test_token_never_in_repr_or_errors() -> None:
     message = _error({"distributed": {"token": ["hf_secret_value"]}})
     assert message.startswith("distributed.token must be a string")
     assert "hf_secret_value" not in message
+
+
+def test_oversized_numbers_and_odd_objects_are_config_errors() -> None:
+    assert _error({"optimizer": {"lr": 10**400}}).startswith("optimizer.lr must be a number")
+    assert _error({"run": {"max_steps": "9" * 5000}}).startswith("run.max_steps must be")
+    import datetime
+
+    assert _error({"data": {"dataset": datetime.date(2024, 1, 1)}}).startswith("data.dataset")
+    assert _error({"data": {"dataset": {"a": 1}}}).startswith("data.dataset")

@@ -92,13 +92,13 @@ def to_float(value: Any, field: str, *, nullable: bool = False) -> float | None:
     if isinstance(value, bool):
         raise _fail(field, "a number", value)
     number: float | None = None
-    if isinstance(value, (int, float)):
-        number = float(value)
-    elif isinstance(value, str):
-        try:
+    try:
+        if isinstance(value, (int, float)):
+            number = float(value)
+        elif isinstance(value, str):
             number = float(value.strip())
-        except ValueError:
-            number = None
+    except (ValueError, OverflowError):
+        number = None
     if number is None:
         raise _fail(field, "a number", value)
     if not math.isfinite(number):

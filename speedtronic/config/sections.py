@@ -35,6 +35,14 @@ def _choice(value: Any, field: str, choices: tuple[str, ...], message: str) -> s
     return text
 
 
+def _dataset_like(value: Any) -> bool:
+    """A programmatic Dataset object: indexable or iterable, but not a plain YAML value."""
+    plain = (bool, int, float, bytes, bytearray, Mapping, list, tuple, set, frozenset)
+    if isinstance(value, plain):
+        return False
+    return hasattr(value, "__getitem__") or hasattr(value, "__iter__")
+
+
 @dataclass
 class RunConfig:
     """What to run: name, seed, device, absolute optimizer-step target, output directory."""
@@ -145,8 +153,10 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         self.text_path = to_str(self.text_path, "data.text_path", nullable=True)
-        if isinstance(self.dataset, (bool, int, float, Mapping)) or (
-            isinstance(self.dataset, Sequence) and not isinstance(self.dataset, str)
+        if (
+            self.dataset is not None
+            and not isinstance(self.dataset, str)
+            and not _dataset_like(self.dataset)
         ):
             raise ConfigError(
                 f"data.dataset must be a path string or a Dataset, got {describe(self.dataset)}"
