@@ -249,10 +249,13 @@ def metric(samples: Mapping[tuple[str, tuple], float], name: str, **labels: str)
 
 
 def rewrite_paths(text: str, mounts: Mapping[str, str]) -> str:
-    """Replace every mount target (longest first) at a path boundary by its local directory."""
-    for target in sorted(mounts, key=len, reverse=True):
-        text = re.sub(re.escape(target) + r"(?=/|$|\"|'|\s)", mounts[target], text)
-    return text
+    """Replace every mount target at a path boundary by its local directory, in one pass (a
+    replacement is never rewritten again; the longest target wins)."""
+    if not mounts:
+        return text
+    targets = sorted(mounts, key=len, reverse=True)
+    pattern = "|".join(re.escape(t) for t in targets)
+    return re.sub(f"({pattern})(?=/|$|\"|'|\\s)", lambda m: mounts[m.group(1)], text)
 
 
 @dataclass
@@ -383,6 +386,8 @@ def test_rewrite_paths_only_at_path_boundaries():
     assert rewrite_paths("/config/diloco.yaml", mounts) == "/repo/configs/diloco.yaml"
     assert rewrite_paths("/database", mounts) == "/database"
     assert rewrite_paths('OUT="/data/runs/$H" exec', mounts) == 'OUT="/tmp/x/data/runs/$H" exec'
+    nested = {"/data": "/tmp/p/data", "/tmp": "/tmp/p/tmp"}
+    assert rewrite_paths("/data/x /tmp", nested) == "/tmp/p/data/x /tmp/p/tmp"
 
 
 # -- the rehearsal itself ----------------------------------------------------------------------

@@ -1,0 +1,112 @@
+"""Rehearse the rendered k8s/ manifests without a cluster: the master Deployment's pod and two
+worker StatefulSet pods run as local processes with exactly their container's command and env
+(fieldRefs and $(VAR) expanded as the kubelet does; the image's ENV and ENTRYPOINT from the
+Dockerfile), the PVC shared as one temporary directory, the generated ConfigMap written out as
+files, emptyDir/secret volumes as per-pod temporary directories, and the pod names as node ids.
+The pods' own startup, liveness and readiness probes must answer 200.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_deploy_support import (
+    SPEED_ENV,
+    Rehearsal,
+    base_env,
+    find,
+    free_port,
+    http_get,
+    image_config,
+    k8s_env,
+    kustomize_command,
+    rehearse,
+    render_kustomize,
+    rewrite_paths,
+)
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        kustomize_command() is None,
+        reason="neither kubectl nor kustomize is installed (.ci/install-tools installs kubectl)",
+    ),
+]
+
+
+def pod_process(objects: list[dict], workload: dict, pod_name: str, tmp: Path) -> Rehearsal:
+    """One pod of `workload` as a local process."""
+    spec = workload["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    image = image_config()
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts: dict[str, str] = {}
+    for mount in container["volumeMounts"]:
+        volume = volumes[mount["name"]]
+        if "persistentVolumeClaim" in volume:
+            local = tmp / "pvc" / volume["persistentVolumeClaim"]["claimName"]
+            local.mkdir(parents=True, exist_ok=True)
+        elif "configMap" in volume:
+            configmap = find(objects, "ConfigMap", volume["configMap"]["name"])
+            local = tmp / pod_name / "configmap"
+            local.mkdir(parents=True)
+            for key, text in configmap["data"].items():
+                (local / key).write_text(text)
+        elif "secret" in volume:
+            assert volume["secret"].get("optional"), "a mandatory Secret cannot be rehearsed"
+            local = tmp / pod_name / "secret"  # the optional Secret does not exist
+            local.mkdir(parents=True)
+        else:
+            assert "emptyDir" in volume, volume
+            local = tmp / pod_name / mount["name"]
+            local.mkdir(parents=True)
+        mounts[mount["mountPath"]] = str(local)
+    port = free_port()
+    env = base_env(tmp)
+    for key, value in image["env"].items():
+        if key != "PATH":
+            env[key] = rewrite_paths(value, mounts)
+    for key, value in k8s_env(container, pod_name).items():
+        env[key] = rewrite_paths(value, mounts)
+    env.update(SPEED_ENV)
+    env["HOSTNAME"] = pod_name
+    env["TMPDIR"] = mounts["/tmp"]
+    env["SPEEDTRONIC_SECRETS_DIR"] = mounts["/run/secrets"]
+    env["SPEEDTRONIC_METRICS__PORT"] = str(port)  # the pod's own network namespace
+    argv = container.get("command") or image["entrypoint"]
+    argv = [*argv, *(container.get("args") or ([] if container.get("command") else image["cmd"]))]
+    argv = [rewrite_paths(a, mounts) for a in argv]
+    cwd = rewrite_paths(container.get("workingDir") or image["workdir"], mounts)
+    proc = Rehearsal(pod_name, argv, env, cwd, port, mounts)
+    proc.container = container
+    return proc
+
+
+def test_k8s_master_and_two_workers_complete_a_round_and_stop_cleanly(tmp_path):
+    objects = render_kustomize("k8s")
+    master = find(objects, "Deployment", "speedtronic-master")
+    workers = find(objects, "StatefulSet", "speedtronic-worker")
+    assert workers["spec"]["replicas"] >= 2
+    processes = [pod_process(objects, master, "speedtronic-master-7c9d-x2k4p", tmp_path)]
+    processes += [
+        pod_process(objects, workers, f"speedtronic-worker-{i}", tmp_path) for i in (0, 1)
+    ]
+    pvc = Path(processes[0].mounts["/data"])
+    for proc in processes:
+        assert proc.env["SPEEDTRONIC_DISTRIBUTED__REPO_ID"] == (pvc / "exchange").as_uri()
+        assert proc.mounts["/data"] == str(pvc)
+
+    def probe(proc: Rehearsal) -> None:
+        ports = {p["name"]: p["containerPort"] for p in proc.container["ports"]}
+        for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+            get = proc.container[kind]["httpGet"]
+            assert ports[get["port"]] == 8000
+            status, body = http_get(proc.url(get["path"]))
+            assert status == 200, (proc.name, kind, body)
+
+    rehearse(processes, tmp_path, probe)
+    published = {p.name for p in (pvc / "exchange" / "nodes").iterdir()}
+    assert {"speedtronic-worker-0", "speedtronic-worker-1"} <= published, published
+    for name in ("speedtronic-worker-0", "speedtronic-worker-1"):
+        assert list((pvc / "runs" / name).rglob("latest.json")), name
