@@ -47,9 +47,16 @@ ENV_PREFIX = "SPEEDTRONIC_"
 DEFAULT_SECRETS_DIR = "/run/secrets"
 TOKEN_KEY = "distributed.token"
 NODE_ID_KEY = "distributed.node_id"
-#: ``SPEEDTRONIC_*`` names that are not fields but are understood.
+#: ``SPEEDTRONIC_*`` names that are not fields but are understood (the last two are compose
+#: interpolation variables of the host shell, not read by the config).
 EXTRA_ENV_NAMES = frozenset(
-    {"SPEEDTRONIC_CONFIG", "SPEEDTRONIC_SECRETS_DIR", "SPEEDTRONIC_NODE_ID"}
+    {
+        "SPEEDTRONIC_CONFIG",
+        "SPEEDTRONIC_SECRETS_DIR",
+        "SPEEDTRONIC_NODE_ID",
+        "SPEEDTRONIC_IMAGE",
+        "SPEEDTRONIC_HUB_REPO",
+    }
 )
 
 
