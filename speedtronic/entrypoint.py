@@ -204,7 +204,7 @@ def _identity(config: Any, trainer: Any) -> tuple[str, str]:
 
 
 def _install_signal_handlers(state: _RunState) -> Callable[[], None]:
-    """SIGTERM/SIGINT → graceful stop; a second signal restores the default action."""
+    """SIGTERM/SIGINT → graceful stop; a second one raises KeyboardInterrupt (exit 130)."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     previous = {sig: signal.getsignal(sig) for sig in _SIGNALS}
@@ -212,10 +212,7 @@ def _install_signal_handlers(state: _RunState) -> Callable[[], None]:
     def handle(signum: int, _frame: Any) -> None:
         name = signal.Signals(signum).name
         if state.stop_signal is not None:
-            _LOG.warning("second %s: no longer waiting for a graceful stop", name)
-            for sig in _SIGNALS:
-                signal.signal(sig, signal.SIG_DFL)
-            return
+            raise KeyboardInterrupt(f"second {name} while stopping")
         state.stop_signal = signum
         _LOG.info(
             "%s received: stopping at the next step boundary",
