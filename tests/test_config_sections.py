@@ -181,6 +181,11 @@ RULES = [
     ),
     ({"distributed": {"request_timeout": 0}}, "distributed.request_timeout must be positive"),
     ({"distributed": {"enabled": True}}, "distributed.repo_id is required for DumbDiLoCo"),
+    (
+        {"distributed": {"repo_id": "file://relative/dir"}},
+        "distributed.repo_id must be 'owner/name' (Hub) or 'file:///absolute/path'",
+    ),
+    ({"run": {"device": " "}}, "run.device must not be empty"),
     # shape validation
     ({"shape_validation": {"enabled": "x"}}, "shape_validation.enabled must be a boolean"),
     (

@@ -210,6 +210,14 @@ class DistributedConfig:
         )
         if self.request_timeout <= 0:
             raise ConfigError("distributed.request_timeout must be positive")
+        if (
+            self.repo_id
+            and self.repo_id.startswith("file:")
+            and not (self.repo_id.startswith("file:///") and len(self.repo_id) > len("file:///"))
+        ):
+            raise ConfigError(
+                "distributed.repo_id must be 'owner/name' (Hub) or 'file:///absolute/path'"
+            )
         if self.enabled and not self.repo_id:
             raise ConfigError("distributed.repo_id is required for DumbDiLoCo")
 

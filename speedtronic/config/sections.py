@@ -63,6 +63,8 @@ class RunConfig:
         self.output_dir = to_str(self.output_dir, "run.output_dir")
         self.log_every = to_int(self.log_every, "run.log_every", nullable=True)
         self.stop_on_nonfinite = to_bool(self.stop_on_nonfinite, "run.stop_on_nonfinite")
+        if not self.device:
+            raise ConfigError("run.device must not be empty (use auto, cpu, cuda, cuda:N or mps)")
         if self.max_steps <= 0:
             raise ConfigError("run.max_steps must be positive")
         if self.log_every is not None and self.log_every <= 0:
