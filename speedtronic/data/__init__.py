@@ -19,7 +19,8 @@ Exact resume (for the trainer)::
     batches = infinite_batches(loader)
 
 The position counts batches handed to the consumer (not batches prefetched by workers), so
-it is exact with any ``num_workers``. ``ResumableDataLoader.state_dict()`` /
+it is exact with any ``num_workers``; restored exactly at the end of an epoch, the next
+pass starts the next epoch (never an empty pass). ``ResumableDataLoader.state_dict()`` /
 ``load_state_dict()`` are the same thing as methods. Shuffled orders and random windows come
 from private generators seeded by ``(data.seed, epoch)``, never the global RNG.
 """
