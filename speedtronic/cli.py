@@ -112,6 +112,7 @@ def _resolve(args: argparse.Namespace) -> ResolvedConfig:
         raise _CommandError("no configuration given: pass --config PATH or set SPEEDTRONIC_CONFIG")
     resolved = resolve_config(source, environ=os.environ, overrides=overrides)
     config = resolved.config
+    args.secret_values = [config.distributed.token] if config.distributed.token else []
     if args.max_steps is not None and config.effective_max_steps != args.max_steps:
         config.apply_run_target(args.max_steps)  # --max-steps also beats data.max_steps
         resolved.sources["data.max_steps"] = "cli"
@@ -193,10 +194,14 @@ _COMMANDS = {
 }
 
 
-def _one_line(message: str) -> str:
+def _one_line(message: str, secrets: Sequence[str] = ()) -> str:
     """Collapse a message to a single line and scrub any token it might carry."""
-    for name in ("HF_TOKEN", "SPEEDTRONIC_DISTRIBUTED__TOKEN"):
-        token = os.environ.get(name)
+    candidates = [
+        *secrets,
+        os.environ.get("HF_TOKEN"),
+        os.environ.get("SPEEDTRONIC_DISTRIBUTED__TOKEN"),
+    ]
+    for token in candidates:
         if token and len(token) >= 4:
             message = message.replace(token, REDACTED)
     return " ".join(message.split())
@@ -230,10 +235,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging()
     handler = _cmd_config_show if args.command == "config" else _COMMANDS[args.command]
+    args.secret_values = []
     try:
         return handler(args)
     except (ConfigError, _CommandError) as exc:
-        print(f"error: {_one_line(str(exc))}", file=sys.stderr)
+        print(f"error: {_one_line(str(exc), args.secret_values)}", file=sys.stderr)
         return EXIT_CONFIG
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
@@ -241,7 +247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         return EXIT_FAILURE
     except Exception as exc:  # one line, no traceback; the logs carry details
-        print(f"error: {type(exc).__name__}: {_one_line(str(exc))}", file=sys.stderr)
+        message = _one_line(str(exc), args.secret_values)
+        print(f"error: {type(exc).__name__}: {message}", file=sys.stderr)
         return EXIT_FAILURE
 
 

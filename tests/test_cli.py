@@ -257,6 +257,21 @@ def test_errors_never_show_the_token(capsys, monkeypatch) -> None:
     assert "hf_leaky_token" not in err and "<redacted>" in err
 
 
+def test_errors_never_show_a_secret_file_token(capsys, monkeypatch, tmp_path) -> None:
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    (secrets / "hf_token").write_text("hf_file_token_value\n")
+    monkeypatch.setenv("SPEEDTRONIC_SECRETS_DIR", str(secrets))
+
+    def train_command(config, **kwargs):
+        raise OSError(f"bad credentials {config.distributed.token}")
+
+    _fake_module(monkeypatch, "speedtronic.train.launch", train_command=train_command)
+    code, _, err = _run(capsys, "train", "--config", SMOKE)
+    assert code == 1
+    assert "hf_file_token_value" not in err and "<redacted>" in err
+
+
 def test_run_delegates(capsys, monkeypatch) -> None:
     seen = {}
 
