@@ -246,18 +246,40 @@ def test_node_id_fallback_chain_and_path_safety():
 
 
 def test_node_id_collision_is_reported(tmp_path):
-    a, model_a, log_a = make(tmp_path, async_global_poll=False)
+    hub_a = BlockingTransport(tmp_path / "repo")
+    hub_a.release.set()
+    a, model_a, log_a = make(tmp_path, hub_a, async_delta_upload=False, async_global_poll=False)
     a.start()
-    b, _model_b, log_b = make(tmp_path / "other", async_global_poll=False)
-    b.hub = a.hub.__class__(a.hub.repo_id, fast_retry())
-    b.start()  # same node id, different instance: sees a's claim
-    assert ("node_id_collision", {"node_id": "w1"}) in log_b.events
-    assert any(lvl == "error" and "collision" in m for lvl, m in log_b.lines)
+    hub_b = BlockingTransport(tmp_path / "repo")
+    hub_b.release.set()
+    b, model_b, log_b = make(
+        tmp_path / "other", hub_b, async_delta_upload=False, async_global_poll=False
+    )
+    b.start()  # same node id, another instance: takes over the (possibly dead) claim
+    assert "node_id_collision" not in log_b.names()
     nudge(model_a)
-    a.after_optimizer_step(model_a, 1)
-    a.stop()
+    a.after_optimizer_step(model_a, 1)  # a finds b's claim: b is alive
     assert ("node_id_collision", {"node_id": "w1"}) in log_a.events
+    assert any(lvl == "error" and "collision" in m for lvl, m in log_a.lines)
+    nudge(model_b)
+    b.after_optimizer_step(model_b, 1)  # and b finds a's claim (written with a's upload)
+    assert ("node_id_collision", {"node_id": "w1"}) in log_b.events
+    a.stop()
     b.stop()
+
+
+def test_restart_takes_over_its_own_dead_claim(tmp_path):
+    first, _model, _log = make(tmp_path, async_global_poll=False)
+    first.start()
+    first.stop()
+    (tmp_path / "state/w1/identity.json").unlink()  # a restart that lost its state dir
+    second, model2, log2 = make(tmp_path, async_global_poll=False)
+    assert second.claim.instance != first.claim.instance
+    second.start()
+    nudge(model2)
+    second.after_optimizer_step(model2, 1)
+    second.stop()
+    assert "node_id_collision" not in log2.names()
 
 
 def test_master_and_worker_in_one_process(tmp_path):

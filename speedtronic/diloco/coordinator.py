@@ -22,21 +22,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-import json
 import logging
 import os
 import queue
-import secrets
 import threading
 import time
 from collections.abc import Mapping
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from speedtronic.diloco import tensors as T
+from speedtronic.diloco.identity import NodeClaim, resolve_node_id
 from speedtronic.diloco.outer import MasterOuterLoop
 from speedtronic.diloco.transport import RetryPolicy, TransportError, scrub
 
@@ -50,7 +48,6 @@ __all__ = [
 ]
 
 _LOG = logging.getLogger("speedtronic.diloco")
-_NODE_ENV = ("SPEEDTRONIC_NODE_ID", "HOSTNAME", "HF_USERNAME", "USER")
 
 
 class RoundPhase(str, enum.Enum):
@@ -84,29 +81,6 @@ class GlobalCandidate:
     outer_step: int
     state: dict[str, torch.Tensor]
     seconds: float = 0.0
-
-
-def _config_error(message: str) -> Exception:
-    try:
-        from speedtronic.config import ConfigError
-    except ImportError:  # pragma: no cover - config is part of the package
-        return ValueError(message)
-    return ConfigError(message)
-
-
-def resolve_node_id(configured: str | None, environ: Mapping[str, str]) -> str:
-    """``node_id`` -> SPEEDTRONIC_NODE_ID -> HOSTNAME -> HF_USERNAME -> USER -> ``local``.
-
-    The result must be path-safe (letters, digits, ``._@+-``), else ``ConfigError``.
-    """
-    candidates = [configured, *(environ.get(name) for name in _NODE_ENV), "local"]
-    value = next(str(c).strip() for c in candidates if c is not None and str(c).strip())
-    if not T.is_path_safe(value):
-        raise _config_error(
-            f"distributed.node_id: {value!r} is not a path-safe identifier "
-            "(use letters, digits and . _ - @ +; set distributed.node_id or SPEEDTRONIC_NODE_ID)"
-        )
-    return value
 
 
 def _retry_policy(config: Any) -> RetryPolicy:
@@ -186,7 +160,7 @@ class DumbDiLoCoCoordinator:
             Path(state_dir or getattr(cfg, "state_dir", ".speedtronic/diloco")) / self.node_id
         )
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.instance = self._instance_token()
+        self.claim = NodeClaim(self.node_id, self.role, self.state_dir)
         self._lock = threading.RLock()
         self._started = self._stopped = self._ready = False
         self._accepting_uploads = True
@@ -213,7 +187,6 @@ class DumbDiLoCoCoordinator:
         self._poll_busy = False
         self._global_candidate: GlobalCandidate | None = None
         self._prepared_state: dict[str, Any] | None = None
-        self._collisions: set[str] = set()
 
     # -- small helpers ---------------------------------------------------------------
     def _emit(self, event: str, payload: dict[str, Any]) -> None:
@@ -237,40 +210,21 @@ class DumbDiLoCoCoordinator:
             },
         )
 
-    def _instance_token(self) -> str:
-        path = self.state_dir / "identity.json"
-        try:
-            return str(json.loads(path.read_text(encoding="utf-8"))["instance"])
-        except (OSError, ValueError, KeyError, TypeError):
-            token = secrets.token_hex(8)
-            with contextlib.suppress(OSError):
-                path.write_text(json.dumps({"instance": token}) + "\n", encoding="utf-8")
-            return token
-
-    def _owner_record(self) -> dict[str, Any]:
-        return {
-            "node_id": self.node_id,
-            "instance": self.instance,
-            "role": self.role,
-            "pid": os.getpid(),
-            "updated_at": datetime.now(timezone.utc).isoformat(),
-        }
-
     def _check_owner(self, claim: bool) -> None:
-        """Detect another live process using our node id (its claim differs from ours)."""
+        """Report another live process using our node id; (re)claim it at startup."""
         owner = self.hub.read_owner(self.node_id)
-        other = owner.get("instance") if owner else None
-        if other and other != self.instance and other not in self._collisions:
-            self._collisions.add(other)
+        other = self.claim.check(owner)
+        if other is not None:
             self._say(
                 "error",
-                f"node_id collision: another live node uses node_id "
-                f"{self.node_id!r} (instance {other}); give each node a unique "
-                "distributed.node_id",
+                f"node_id collision: another live node uses node_id {self.node_id!r} "
+                f"(instance {other}); give each node a unique distributed.node_id",
             )
             self._emit("node_id_collision", {"node_id": self.node_id})
-        if claim and other != self.instance:
-            self.hub.claim_owner(self.node_id, self._owner_record())
+        if claim and (owner or {}).get("instance") != self.claim.instance:
+            self.hub.claim_owner(self.node_id, self.claim.record())
+        if claim:
+            self.claim.claimed = True
 
     # -- public read-only state ---------------------------------------------------------------
     @property
@@ -506,7 +460,7 @@ class DumbDiLoCoCoordinator:
                 base_outer_step=job.base_outer_step,
                 dtype=self.delta_dtype,
                 metadata={"algorithm": "dumb_diloco"},
-                owner=self._owner_record(),
+                owner=self.claim.record(),
             )
         except Exception as exc:
             with self._lock:  # carry the whole delta into the next push
@@ -525,6 +479,7 @@ class DumbDiLoCoCoordinator:
                 "delta_upload_failed", {"step": job.step, "error": scrub(str(exc), (self._token,))}
             )
             return False
+        self.claim.claimed = True  # the upload commit carried our claim
         with self._lock:
             self._last_uploaded_step = job.step
             if self._baseline_generation == job.generation:

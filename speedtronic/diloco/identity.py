@@ -1,0 +1,111 @@
+"""Node identity: the ``node_id`` fallback chain and the ``nodes/<id>/owner.json`` claim.
+
+A node claims its id at startup and re-writes the claim with every delta upload (same
+commit). Before each upload it reads the claim back: a different instance token there means
+another *live* process wrote it after us, which is a collision. A claim left by a dead
+incarnation (a restart) is simply taken over; the instance token is kept in
+``<state_dir>/identity.json``, so a restart with the same state directory keeps its token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import socket
+from collections.abc import Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from speedtronic.diloco import tensors as T
+
+__all__ = ["NodeClaim", "resolve_node_id"]
+
+_NODE_ENV = ("SPEEDTRONIC_NODE_ID", "HOSTNAME", "HF_USERNAME", "USER")
+
+
+def _config_error(message: str) -> Exception:
+    try:
+        from speedtronic.config import ConfigError
+    except ImportError:  # pragma: no cover - config is part of the package
+        return ValueError(message)
+    return ConfigError(message)
+
+
+def resolve_node_id(configured: str | None, environ: Mapping[str, str]) -> str:
+    """``node_id`` -> SPEEDTRONIC_NODE_ID -> HOSTNAME -> HF_USERNAME -> USER -> ``local``.
+
+    The result must be path-safe (letters, digits, ``._@+-``), else ``ConfigError``.
+    """
+    candidates = [configured, *(environ.get(name) for name in _NODE_ENV), "local"]
+    value = next(str(c).strip() for c in candidates if c is not None and str(c).strip())
+    if not T.is_path_safe(value):
+        raise _config_error(
+            f"distributed.node_id: {value!r} is not a path-safe identifier "
+            "(use letters, digits and . _ - @ +; set distributed.node_id or SPEEDTRONIC_NODE_ID)"
+        )
+    return value
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+class NodeClaim:
+    """This process's claim on ``node_id`` in the repository."""
+
+    def __init__(self, node_id: str, role: str, state_dir: Path):
+        self.node_id, self.role = node_id, role
+        self.instance = self._instance_token(state_dir / "identity.json")
+        self.host = socket.gethostname()
+        self.claimed = False
+        self.reported: set[str] = set()
+
+    @staticmethod
+    def _instance_token(path: Path) -> str:
+        try:
+            return str(json.loads(path.read_text(encoding="utf-8"))["instance"])
+        except (OSError, ValueError, KeyError, TypeError):
+            token = secrets.token_hex(8)
+            with contextlib.suppress(OSError):
+                path.write_text(json.dumps({"instance": token}) + "\n", encoding="utf-8")
+            return token
+
+    def record(self) -> dict[str, Any]:
+        """The claim written to ``nodes/<id>/owner.json``."""
+        return {
+            "node_id": self.node_id,
+            "instance": self.instance,
+            "role": self.role,
+            "host": self.host,
+            "pid": os.getpid(),
+            "updated_at": datetime.now(timezone.utc).isoformat(),
+        }
+
+    def check(self, owner: Mapping[str, Any] | None) -> str | None:
+        """The instance token of a live colliding node (reported once), else None."""
+        other = owner.get("instance") if owner else None
+        if not other or other == self.instance or other in self.reported:
+            return None
+        if self.claimed:
+            live = True  # somebody overwrote our claim after we made it
+        else:  # before our first claim: only a running process on this host is provably live
+            pid = owner.get("pid")
+            live = (
+                owner.get("host") == self.host
+                and isinstance(pid, int)
+                and pid != os.getpid()
+                and _pid_alive(pid)
+            )
+        if live:
+            self.reported.add(str(other))
+            return str(other)
+        return None
