@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import threading
 from types import SimpleNamespace
@@ -447,3 +448,121 @@ def test_checkpoint_state_round_trips_and_coordinator_prepare(tmp_path):
     )
     fresh.resume(state)
     assert other.prepared["processed"] == ["a", "b"] and fresh.step == 3
+
+
+def test_compile_runtime_failure_falls_back_to_eager(monkeypatch):
+    class Exploding:
+        def __init__(self, module):
+            self.module = module
+
+        def __call__(self, *args, **kwargs):
+            raise RuntimeError("inductor unavailable")
+
+    monkeypatch.setattr(torch, "compile", Exploding)
+    logger = quiet_logger()
+    seen = events_of(logger)
+    model = TinyLM()
+    config = SimpleNamespace(compile=True, run=SimpleNamespace(max_steps=2))
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        lm_batches(),
+        config=config,
+        logger=logger,
+    )
+    result = trainer.fit()
+    assert result.steps == 2
+    compile_events = [p for e, p in seen if e == "compile"]
+    assert compile_events[-1]["enabled"] is False
+    assert "runtime failure; disabled: inductor unavailable" in compile_events[-1]["reason"]
+
+
+def test_compile_construction_failure_falls_back(monkeypatch):
+    def broken(module):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(torch, "compile", broken)
+    logger = quiet_logger()
+    seen = events_of(logger)
+    model = TinyLM()
+    config = SimpleNamespace(
+        compile=SimpleNamespace(enabled=True), run=SimpleNamespace(max_steps=1)
+    )
+    Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        lm_batches(),
+        config=config,
+        logger=logger,
+    ).fit()
+    assert seen[0] == (
+        "compile",
+        {"enabled": False, "reason": "no compiler", "elapsed_s": seen[0][1]["elapsed_s"]},
+    )
+
+
+def test_gradient_checkpointing_hook_and_missing_hook_warning():
+    stream = io.StringIO()
+    model = TinyLM()
+    calls = []
+    model.set_gradient_checkpointing = calls.append
+    config = SimpleNamespace(gradient_checkpointing=True)
+    Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        lm_batches(),
+        config=config,
+        logger=MetricLogger(stream=stream),
+    )
+    assert calls == [True]
+    Trainer(
+        TinyLM(),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        lm_batches(),
+        config=config,
+        logger=MetricLogger(stream=stream),
+    )
+    assert "no set_gradient_checkpointing hook" in stream.getvalue()
+
+
+def test_ooo_backprop_on_cpu_is_disabled_and_training_works():
+    logger = quiet_logger()
+    seen = events_of(logger)
+    model = TinyLM()
+    config = SimpleNamespace(ooo_backprop=True, ooo_streams=2, run=SimpleNamespace(max_steps=2))
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        lm_batches(),
+        config=config,
+        logger=logger,
+    )
+    assert trainer.fit().steps == 2
+    ooo = [p for e, p in seen if e == "ooo_backprop"]
+    assert ooo and ooo[0]["enabled"] is False and "cpu" in ooo[0]["reason"]
+
+
+def test_list_loader_resume_fast_forwards_position():
+    batches = lm_batches(5)
+    model = TinyLM()
+    first = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        batches,
+        logger=quiet_logger(),
+        max_steps=7,
+    )
+    first.fit(3)
+    state = copy.deepcopy(first.state_dict())  # live tensors otherwise
+    reference = first.fit(7).metrics
+    torch.manual_seed(0)
+    other = TinyLM()
+    second = Trainer(
+        other,
+        torch.optim.SGD(other.parameters(), lr=0.1),
+        batches,
+        logger=quiet_logger(),
+        max_steps=7,
+    )
+    second.resume(state)
+    assert [m["loss"] for m in second.fit().metrics] == [m["loss"] for m in reference]
