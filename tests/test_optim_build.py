@@ -244,3 +244,26 @@ def test_muon_state_dict_survives_torch_save_weights_only(tmp_path):
     other = Muon([nn.Parameter(param.detach().clone())], lr=0.01)
     other.load_state_dict(loaded)
     assert other.state_dict()["state"][0]["step"] == 1
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"optimizer": {"name": "adamw", "muon_plus": True}},
+        {"optimizer": {"name": "muon", "cautious": False}, "cautious": True},
+        {"ooo_streams": 0},
+        {"ooo_streams": 9},
+    ],
+)
+def test_bad_optimizer_and_systems_config_is_a_config_error(bad):
+    from speedtronic.config import ConfigError
+
+    with pytest.raises(ConfigError):
+        SpeedtronicConfig.from_dict(bad)
+
+
+def test_scalar_optimizer_and_root_flags_build_a_cautious_hybrid():
+    config = SpeedtronicConfig.from_dict({"optimizer": "muon", "muon_plus": True, "cautious": True})
+    optimizer = build_optimizer(_reference(), config, "cpu")
+    assert isinstance(optimizer, CautiousOptimizer) and isinstance(optimizer.base, HybridOptimizer)
+    assert optimizer.base.muon.param_groups[0]["muon_plus"] is True
