@@ -153,3 +153,14 @@ def test_module_cli_serves(tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_faults_on_head_requests_keep_the_connection_clean(make_transport, hub_emulator):
+    t = _store(make_transport, attempts=8)
+    t.publish_global({"w": torch.ones(8)}, outer_step=1)
+    hub_emulator.set_faults(
+        error_rate=0.3, rate_limit_rate=0.1, retry_after=0.0, endpoints="resolve", seed=4
+    )
+    for _ in range(6):
+        assert t.global_metadata().outer_step == 1
+    assert hub_emulator.stats()["counts"].get("fault:error", 0) > 0

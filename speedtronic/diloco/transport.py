@@ -133,6 +133,9 @@ def classify_error(exc: BaseException) -> ErrorInfo:
         return ErrorInfo("permanent")  # programming errors are not outages
     if "EntryNotFound" in " ".join(names) or "RepositoryNotFound" in " ".join(names):
         return ErrorInfo("not_found")
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and cause is not exc:
+        return classify_error(cause)  # e.g. the SDK's "Force download failed" wraps a 503
     if isinstance(exc, ValueError):
         return ErrorInfo("permanent")
     return ErrorInfo("transient")

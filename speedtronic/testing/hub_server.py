@@ -145,14 +145,16 @@ class _Handler(BaseHTTPRequestHandler):
             with contextlib.suppress(OSError):
                 self.connection.shutdown(2)
             return "dropped"
+        head = self.command == "HEAD"  # a HEAD answer must not carry a body
         if fault == "error":
-            self._error(503, "injected server error")
+            self._error(503, "injected server error", head=head)
             return "error"
         if fault == "rate_limit":
             self._error(
                 429,
                 "injected rate limit",
                 extra={"Retry-After": f"{self.hub.faults.retry_after:g}"},
+                head=head,
             )
             return "rate_limit"
         return fault  # "truncate" or None
@@ -204,7 +206,7 @@ class _Handler(BaseHTTPRequestHandler):
         if resolve:
             repo_id, _rev, file_path = resolve.groups()
             return self._resolve(method, repo_id, file_path, truncate=fault == "truncate")
-        self._error(404, f"no route for {method} {path}")
+        self._error(404, f"no route for {method} {path}", head=method == "HEAD")
 
     def _repo_or_404(self, repo_id: str, head: bool = False) -> _Repo | None:
         repo = self.hub.repos.get(repo_id)
