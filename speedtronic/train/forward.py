@@ -29,7 +29,7 @@ class MissingLossError(ValueError):
 def move_to_device(batch: Any, device: torch.device) -> Any:
     """Recursively move tensors in dicts/tuples/lists to ``device`` (non-blocking)."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
+        return batch if batch.device == device else batch.to(device, non_blocking=True)
     if isinstance(batch, dict):
         return {key: move_to_device(value, device) for key, value in batch.items()}
     if isinstance(batch, list):

@@ -160,6 +160,8 @@ class Trainer:
         self.last_heartbeat = time.monotonic()
         self.shape_report = shape_report
         self.scaler: Any = None
+        self._params: list[torch.nn.Parameter] = []
+        self._grad_clip: float | None = None
         self._accumulation = accumulation_steps
         self._model_name = _get(config, "model.name") or type(model).__name__
         self._stop_reason: str | None = None
@@ -283,6 +285,9 @@ class Trainer:
         self._setup_ooo()
         self._validate_shapes_once()
         self._make_scaler()
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        clip = _get(self.config, "optimizer.grad_clip")
+        self._grad_clip = None if clip is None else float(clip)
         self.optimizer.zero_grad(set_to_none=True)
         batches = self._batches()
         started = time.perf_counter()
@@ -336,7 +341,7 @@ class Trainer:
     def _train_step(self, batches: Iterator[Any]) -> _Update:
         """Forward/backward K micro-batches, read loss/norm/tokens in one sync, then update."""
         k = self.accumulation_steps
-        loss_sum: torch.Tensor | None = None
+        losses: list[torch.Tensor] = []
         samples, tokens = 0, 0
         token_tensors: list[torch.Tensor] = []
         for _ in range(k):
@@ -349,17 +354,11 @@ class Trainer:
             else:
                 tokens += counted
             loss = self._forward(batch)
-            detached = loss.detach().float()
-            loss_sum = detached if loss_sum is None else loss_sum + detached
+            losses.append(loss.detach())
             self._backward(loss / k if k > 1 else loss)
-        assert loss_sum is not None
         grad_norm = self._unscale_and_clip()
-        synced = [loss_sum, *([grad_norm] if grad_norm is not None else []), *token_tensors]
-        values = torch.stack([v.detach().double().reshape(()) for v in synced]).tolist()
-        loss_value = values[0] / k
-        norm_value = values[1] if grad_norm is not None else None
-        tokens += int(sum(values[2 if grad_norm is not None else 1 :]))
-        update = _Update(loss_value, norm_value, samples, tokens, k)
+        loss_value, norm_value, mask_tokens = self._read_values(losses, grad_norm, token_tensors)
+        update = _Update(loss_value, norm_value, samples, tokens + mask_tokens, k)
         if not math.isfinite(loss_value):
             self.optimizer.zero_grad(set_to_none=True)
             self.logger.emit("nonfinite_loss", {"step": self.step + 1, "loss": loss_value})
@@ -370,6 +369,23 @@ class Trainer:
         if not self._optimizer_step():
             update.skipped = "grad_scaler_overflow"
         return update
+
+    def _read_values(
+        self,
+        losses: list[torch.Tensor],
+        grad_norm: torch.Tensor | None,
+        token_counts: list[torch.Tensor],
+    ) -> tuple[float, float | None, int]:
+        """The update's only host sync: mean loss, grad norm and masked token count at once."""
+        wide = torch.float32 if self.device.type == "mps" else torch.float64
+        parts = [torch.stack(losses).to(wide).mean()]
+        if grad_norm is not None:
+            parts.append(grad_norm.to(wide))
+        if token_counts:
+            parts.append(torch.stack(token_counts).to(wide).sum())
+        values = torch.stack(parts).tolist()
+        norm = values[1] if grad_norm is not None else None
+        return values[0], norm, int(values[-1]) if token_counts else 0
 
     def _forward(self, batch: Any) -> torch.Tensor:
         """One micro-batch forward (autocast, OOO bracket, compile fallback) → scalar loss."""
@@ -401,16 +417,14 @@ class Trainer:
 
     def _unscale_and_clip(self) -> torch.Tensor | None:
         """Unscale (fp16), clip to ``optimizer.grad_clip`` when set; return the global grad norm."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if not grads:
+        params = [p for p in self._params if p.grad is not None]
+        if not params:
             return None
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        clip = _get(self.config, "optimizer.grad_clip")
-        if clip is not None:
-            params = [p for p in self.model.parameters() if p.grad is not None]
-            return torch.nn.utils.clip_grad_norm_(params, float(clip))
-        return torch.nn.utils.get_total_norm(grads)
+        if self._grad_clip is not None:
+            return torch.nn.utils.clip_grad_norm_(params, self._grad_clip)
+        return torch.nn.utils.get_total_norm([p.grad for p in params])
 
     def _optimizer_step(self) -> bool:
         """Apply the update; False when the GradScaler skipped it (overflow)."""
