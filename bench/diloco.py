@@ -103,8 +103,8 @@ def bench_inner(args: argparse.Namespace) -> dict:
     def one(with_coordinator: bool) -> float:
         nonlocal step
         t0 = time.perf_counter()
-        logits = model(batch[:, :-1])
-        logits = logits.logits if hasattr(logits, "logits") else logits
+        out = model(batch[:, :-1])
+        logits = out["logits"] if isinstance(out, dict) else getattr(out, "logits", out)
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
         loss.backward()
         opt.step()
