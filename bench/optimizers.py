@@ -167,9 +167,12 @@ def bench_muon_vs_torch(args: argparse.Namespace, device: torch.device) -> dict:
         params[label] = make_params()
         optimizers[label] = cls(params[label], **hyper)
     times = {label: [] for label in peers}
-    for step in range(args.muon_steps + 1):
+    total = max(args.muon_steps, args.fp32_steps)
+    for step in range(total + 1):
         order = list(peers) if step % 2 == 0 else list(reversed(peers))
         for label in order:
+            if label == "torch_bf16_ns" and step > args.muon_steps:
+                continue  # the slow peer gets fewer steps; ours and fp32 keep going
             fixed_grads(params[label], 100 + step)
             context = peers[label][1]
             with context() if context is not None else contextlib.nullcontext():
@@ -187,7 +190,7 @@ def bench_muon_vs_torch(args: argparse.Namespace, device: torch.device) -> dict:
 
     result = {
         "shapes": [list(s) for s in shapes],
-        "steps": args.muon_steps,
+        "steps": {label: len(values) for label, values in times.items()},
         "hyper_parameters": hyper,
         "step_ms_median": {label: 1e3 * value for label, value in median.items()},
         "ratio_ours_vs_torch": median["ours"] / median["torch_bf16_ns"],
@@ -294,7 +297,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant")
-    parser.add_argument("--muon-steps", type=int, default=5, help="timed Muon steps per peer")
+    parser.add_argument("--muon-steps", type=int, default=5, help="timed torch.optim.Muon steps")
+    parser.add_argument("--fp32-steps", type=int, default=15, help="timed steps, ours/fp32 peer")
     parser.add_argument("--train-steps", type=int, default=150)
     parser.add_argument("--lrs", type=float, nargs="+", default=[3e-3, 1e-2, 3e-2])
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
@@ -303,7 +307,7 @@ def main() -> None:
     parser.add_argument("--plot", default=str(ROOT / "docs/img/optimizers_convergence.png"))
     args = parser.parse_args()
     if args.quick:
-        args.d_model, args.layers, args.steps, args.muon_steps = 64, 1, 3, 2
+        args.d_model, args.layers, args.steps, args.muon_steps, args.fp32_steps = 64, 1, 3, 2, 3
         args.train_steps, args.lrs = 20, [3e-3]
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)

@@ -19,6 +19,7 @@ from speedtronic.optim.muon import (
     Muon,
     muon_update,
     newton_schulz,
+    orthogonal_direction,
     post_polar_normalize,
     shape_scale,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "cautious_step",
     "muon_update",
     "newton_schulz",
+    "orthogonal_direction",
     "post_polar_normalize",
     "route_parameters",
     "schedule_from_config",

@@ -159,14 +159,39 @@ def muon_update(
     applies ``θ ← θ·(1 − ηλ) − η·result``. ``grad`` may also be a stack ``(n, r, c)`` with a
     matching buffer. ``grad`` is never modified.
     """
+    update = orthogonal_direction(
+        grad,
+        momentum_buffer,
+        momentum=momentum,
+        nesterov=nesterov,
+        ns_steps=ns_steps,
+        eps=eps,
+        muon_plus=muon_plus,
+        norm_eps=norm_eps,
+    )
+    scale = shape_scale(update.shape)
+    return update.mul_(scale) if scale != 1.0 else update
+
+
+def orthogonal_direction(
+    grad: Tensor,
+    momentum_buffer: Tensor,
+    *,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    eps: float = NS_EPS,
+    muon_plus: bool = False,
+    norm_eps: float = 1e-8,
+) -> Tensor:
+    """:func:`muon_update` without the ``sqrt(max(1, r/c))`` factor (fp32, dimensionless)."""
     g = grad.float()
     momentum_buffer.lerp_(g, 1.0 - momentum)
     direction = g.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
     update = _orthogonalize(direction, int(ns_steps), float(eps), torch.float32)
     if muon_plus:
         update = _post_polar(update, "row_col", float(norm_eps))
-    scale = shape_scale(update.shape)
-    return update.mul_(scale) if scale != 1.0 else update
+    return update
 
 
 class Muon(Optimizer):
@@ -259,20 +284,20 @@ class Muon(Optimizer):
         states = [self.state[p] for p in params]
         if len(params) == 1 or not _batch_pays_off(params[0]):
             updates = [
-                muon_update(p.grad, s["momentum_buffer"], **options)
+                orthogonal_direction(p.grad, s["momentum_buffer"], **options)
                 for p, s in zip(params, states, strict=True)
             ]
         else:
             grads = torch.stack([p.grad.float() for p in params])
             buffers = torch.stack([s["momentum_buffer"] for s in states])
-            stacked = muon_update(grads, buffers, **options)
-            updates = list(stacked.unbind(0))
+            updates = list(orthogonal_direction(grads, buffers, **options).unbind(0))
             torch._foreach_copy_([s["momentum_buffer"] for s in states], list(buffers.unbind(0)))
+        step_size = lr * shape_scale(params[0].shape)  # the shape factor folded into the lr
         for param, state, update in zip(params, states, updates, strict=True):
             state["step"] = int(state.get("step", 0)) + 1
             if decay != 0.0:
                 param.mul_(1.0 - lr * decay)
-            param.add_(update.to(param.dtype), alpha=-lr)
+            param.add_(update.to(param.dtype), alpha=-step_size)
 
 
 BATCH_NUMEL_LIMIT = 16384
