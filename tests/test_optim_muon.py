@@ -156,3 +156,18 @@ def test_muon_closure_runs_once_and_params_without_grad_are_skipped():
     assert optimizer.step(lambda: calls.append(1) or 1.5) == 1.5
     assert calls == [1]
     assert torch.equal(idle, before) and idle not in optimizer.state
+
+
+def test_muon_momentum_stays_fp32_for_bf16_parameters_after_load():
+    param = nn.Parameter(torch.randn(4, 3).bfloat16())
+    param.grad = torch.randn(4, 3).bfloat16()
+    optimizer = Muon([param], lr=0.01)
+    optimizer.step()
+    assert optimizer.state[param]["momentum_buffer"].dtype == torch.float32
+    other_param = nn.Parameter(param.detach().clone())
+    other = Muon([other_param], lr=0.01)
+    other.load_state_dict(optimizer.state_dict())  # torch casts state to the param dtype
+    other_param.grad = param.grad.clone()
+    other.step()
+    assert other.state[other_param]["momentum_buffer"].dtype == torch.float32
+    assert param.dtype == torch.bfloat16 and torch.isfinite(other_param.float()).all()
