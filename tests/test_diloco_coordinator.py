@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from speedtronic.config import ConfigError, DistributedConfig
-from speedtronic.diloco.coordinator import DumbDiLoCoCoordinator, resolve_node_id
+from speedtronic.diloco.coordinator import DumbDiLoCoCoordinator
 from speedtronic.diloco.directory import DirectoryTransport
+from speedtronic.diloco.identity import resolve_node_id
 from tests.hub_emulator_fixtures import fast_retry
 
 

@@ -11,15 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from speedtronic.diloco.coordinator import (
-    DeltaUploadJob,
-    DumbDiLoCoCoordinator,
-    GlobalCandidate,
-    RoundPhase,
-    build_transport,
-    resolve_node_id,
-)
+from speedtronic.diloco.coordinator import DumbDiLoCoCoordinator
+from speedtronic.diloco.identity import resolve_node_id
 from speedtronic.diloco.outer import MasterOuterLoop, NesterovOuterOptimizer
+from speedtronic.diloco.rounds import DeltaUploadJob, GlobalCandidate, RoundPhase
 from speedtronic.diloco.tensors import (
     average_deltas,
     compute_pseudo_gradient,
@@ -37,6 +32,7 @@ from speedtronic.diloco.transport import (
     RetryPolicy,
     Transport,
     TransportError,
+    build_transport,
 )
 
 DumbDiLoCo = DumbDiLoCoCoordinator

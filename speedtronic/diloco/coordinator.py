@@ -20,8 +20,6 @@ The master also runs :class:`~speedtronic.diloco.outer.MasterOuterLoop` on its o
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import enum
 import logging
 import os
 import queue
@@ -36,7 +34,13 @@ import torch
 from speedtronic.diloco import tensors as T
 from speedtronic.diloco.identity import NodeClaim, resolve_node_id
 from speedtronic.diloco.outer import MasterOuterLoop
-from speedtronic.diloco.transport import RetryPolicy, TransportError, scrub
+from speedtronic.diloco.rounds import DeltaUploadJob, GlobalCandidate, RoundPhase
+from speedtronic.diloco.transport import (
+    TransportError,
+    build_transport,
+    retry_policy_from_config,
+    scrub,
+)
 
 __all__ = [
     "DeltaUploadJob",
@@ -48,68 +52,6 @@ __all__ = [
 ]
 
 _LOG = logging.getLogger("speedtronic.diloco")
-
-
-class RoundPhase(str, enum.Enum):
-    """Where this node is in the current round."""
-
-    SNAPSHOT = "snapshot"
-    INNER = "inner"
-    PUSH = "push"
-    COMMIT = "commit"
-
-
-@dataclasses.dataclass
-class DeltaUploadJob:
-    """One delta on its way to the transport (``target_state`` = weights at dispatch)."""
-
-    step: int
-    base_outer_step: int
-    generation: int
-    delta: dict[str, torch.Tensor]
-    target_state: dict[str, torch.Tensor]
-
-    def to_dict(self) -> dict[str, Any]:
-        """Checkpointable form (CPU tensors)."""
-        return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass
-class GlobalCandidate:
-    """A downloaded global waiting for the training thread."""
-
-    outer_step: int
-    state: dict[str, torch.Tensor]
-    seconds: float = 0.0
-
-
-def _retry_policy(config: Any) -> RetryPolicy:
-    token = getattr(config, "token", None)
-    return RetryPolicy(
-        initial=float(getattr(config, "retry_initial", 1.0)),
-        maximum=float(getattr(config, "retry_max", 60.0)),
-        attempts=int(getattr(config, "retry_attempts", 6)),
-        timeout=float(getattr(config, "request_timeout", 60.0) or 60.0),
-        secrets=(token,) if token else (),
-    )
-
-
-def build_transport(config: Any, retry: RetryPolicy | None = None) -> Any:
-    """``file:///abs`` -> DirectoryTransport; ``owner/name`` -> HubClient."""
-    retry = retry or _retry_policy(config)
-    repo_id = str(getattr(config, "repo_id", "") or "")
-    if repo_id.startswith("file:"):
-        from speedtronic.diloco.directory import DirectoryTransport
-
-        return DirectoryTransport(repo_id, retry)
-    from speedtronic.diloco.hub import HubClient
-
-    return HubClient(
-        repo_id,
-        token=getattr(config, "token", None),
-        cache_dir=getattr(config, "cache_dir", None),
-        retry=retry,
-    )
 
 
 def _distributed_section(config: Any) -> Any:
@@ -150,7 +92,7 @@ class DumbDiLoCoCoordinator:
         self.async_poll = bool(getattr(cfg, "async_global_poll", True))
         self.shutdown_timeout = float(getattr(cfg, "delta_upload_shutdown_timeout", 5.0))
         if hub is None:
-            retry = _retry_policy(cfg)
+            retry = retry_policy_from_config(cfg)
             retry.on_retry = self._on_retry
             hub = build_transport(cfg, retry)
         elif getattr(hub, "retry", None) is not None and hub.retry.on_retry is None:
@@ -628,15 +570,7 @@ class DumbDiLoCoCoordinator:
                 "baseline_generation": self._baseline_generation,
                 "baseline": T.cpu_state_dict(self._baseline),
                 "carry": T.cpu_state_dict(self._carry) if self._carry is not None else None,
-                "pending_upload": None
-                if job is None
-                else {
-                    "step": job.step,
-                    "base_outer_step": job.base_outer_step,
-                    "generation": job.generation,
-                    "delta": T.cpu_state_dict(job.delta),
-                    "target_state": T.cpu_state_dict(job.target_state),
-                },
+                "pending_upload": None if job is None else job.to_dict(),
                 "outer": self.outer_loop.state_dict() if self.outer_loop is not None else None,
             }
 
@@ -675,13 +609,7 @@ class DumbDiLoCoCoordinator:
         self._carry = T.cpu_state_dict(state["carry"]) if state.get("carry") else None
         job = state.get("pending_upload")
         if job:
-            self._pending_upload = DeltaUploadJob(
-                int(job["step"]),
-                int(job["base_outer_step"]),
-                int(job["generation"]),
-                T.cpu_state_dict(job["delta"]),
-                T.cpu_state_dict(job["target_state"]),
-            )
+            self._pending_upload = DeltaUploadJob.from_dict(job)
             self._upload_busy = False
         if state.get("phase") in {p.value for p in RoundPhase}:
             self.phase = RoundPhase(state["phase"])

@@ -43,7 +43,9 @@ __all__ = [
     "RetryPolicy",
     "Transport",
     "TransportError",
+    "build_transport",
     "classify_error",
+    "retry_policy_from_config",
     "scrub",
 ]
 
@@ -486,3 +488,33 @@ class RepoTransport:
         self.commit(
             {f"nodes/{node_id}/owner.json": _json_bytes(dict(record))}, message=f"claim {node_id}"
         )
+
+
+def retry_policy_from_config(config: Any) -> RetryPolicy:
+    """The shared policy from a ``distributed`` config section (the token is a secret)."""
+    token = getattr(config, "token", None)
+    return RetryPolicy(
+        initial=float(getattr(config, "retry_initial", 1.0)),
+        maximum=float(getattr(config, "retry_max", 60.0)),
+        attempts=int(getattr(config, "retry_attempts", 6)),
+        timeout=float(getattr(config, "request_timeout", 60.0) or 60.0),
+        secrets=(token,) if token else (),
+    )
+
+
+def build_transport(config: Any, retry: RetryPolicy | None = None) -> Any:
+    """``file:///abs`` -> DirectoryTransport; ``owner/name`` -> HubClient."""
+    retry = retry or retry_policy_from_config(config)
+    repo_id = str(getattr(config, "repo_id", "") or "")
+    if repo_id.startswith("file:"):
+        from speedtronic.diloco.directory import DirectoryTransport
+
+        return DirectoryTransport(repo_id, retry)
+    from speedtronic.diloco.hub import HubClient
+
+    return HubClient(
+        repo_id,
+        token=getattr(config, "token", None),
+        cache_dir=getattr(config, "cache_dir", None),
+        retry=retry,
+    )

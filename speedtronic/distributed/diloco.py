@@ -1,11 +1,7 @@
 """2.0.0 path of the coordinator (:mod:`speedtronic.diloco.coordinator`)."""
 
 from speedtronic.diloco import SyncResult
-from speedtronic.diloco.coordinator import (
-    DeltaUploadJob,
-    DumbDiLoCo,
-    DumbDiLoCoCoordinator,
-    GlobalCandidate,
-)
+from speedtronic.diloco.coordinator import DumbDiLoCo, DumbDiLoCoCoordinator
+from speedtronic.diloco.rounds import DeltaUploadJob, GlobalCandidate
 
 __all__ = ["DeltaUploadJob", "DumbDiLoCo", "DumbDiLoCoCoordinator", "GlobalCandidate", "SyncResult"]
