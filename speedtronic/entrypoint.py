@@ -48,22 +48,31 @@ class NodeIdCollisionError(ConfigError):
 
 
 class JsonLogFormatter(logging.Formatter):
-    """One JSON object per record: time, level, logger, message, plus ``record.fields``."""
+    """One JSON object per record, the same shape as the MetricLogger's JSON lines:
+    ``{"ts", "level", "logger", "message"}``, plus ``"event"`` and ``"fields"`` for records
+    logged with ``extra={"st_event": ..., "st_fields": {...}}``."""
 
     def format(self, record: logging.LogRecord) -> str:
         """Render `record` as a single-line JSON object."""
+        stamp = datetime.fromtimestamp(record.created, tz=timezone.utc)
         body: dict[str, Any] = {
-            "time": datetime.fromtimestamp(record.created, tz=timezone.utc).isoformat(),
+            "ts": stamp.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
             "level": record.levelname,
             "logger": record.name,
             "message": record.getMessage(),
         }
-        fields = getattr(record, "fields", None)
-        if isinstance(fields, dict):
-            body.update(fields)
+        event = getattr(record, "st_event", None)
+        if event is not None:
+            body["event"] = event
+            body["fields"] = getattr(record, "st_fields", {})
         if record.exc_info:
             body["exception"] = self.formatException(record.exc_info)
         return json.dumps(body, default=str)
+
+
+def _event(name: str, **fields: Any) -> dict[str, Any]:
+    """``extra=`` for a log record that is also a structured event."""
+    return {"st_event": name, "st_fields": fields}
 
 
 def runtime_versions() -> dict[str, Any]:
@@ -139,14 +148,7 @@ def _log_startup(config: Any, sources: dict[str, str], json_logs: bool) -> None:
     if json_logs:
         _LOG.info(
             "speedtronic run starting",
-            extra={
-                "fields": {
-                    "event": "startup",
-                    "versions": versions,
-                    "config": redacted,
-                    "sources": sources,
-                }
-            },
+            extra=_event("startup", versions=versions, config=redacted, sources=sources),
         )
         return
     cuda = versions["cuda"] or "none"
@@ -189,7 +191,7 @@ def _start_server(config: Any, registry: Any, state: _RunState) -> Any:
         "serving /metrics /healthz /readyz on %s:%d",
         metrics.host,
         server.port,
-        extra={"fields": {"event": "metrics_server", "host": metrics.host, "port": server.port}},
+        extra=_event("metrics_server", host=metrics.host, port=server.port),
     )
     return server
 
@@ -217,7 +219,7 @@ def _install_signal_handlers(state: _RunState) -> Callable[[], None]:
         _LOG.info(
             "%s received: stopping at the next step boundary",
             name,
-            extra={"fields": {"event": "stop_requested", "signal": name}},
+            extra=_event("stop_requested", signal=name),
         )
         state.request_stop(name)
 
@@ -313,7 +315,7 @@ def _train(config: Any, resume: bool, state: _RunState, registry: Any) -> int:
         "runtime built: role=%s node_id=%s",
         role,
         node_id,
-        extra={"fields": {"event": "runtime_built", "role": role, "node_id": node_id}},
+        extra=_event("runtime_built", role=role, node_id=node_id),
     )
     if state.stop_signal is not None:
         _LOG.info("stop requested before training started; exiting without training")
@@ -334,12 +336,6 @@ def _train(config: Any, resume: bool, state: _RunState, registry: Any) -> int:
         "run finished: steps=%s stopped_reason=%s",
         getattr(result, "steps", None),
         reason,
-        extra={
-            "fields": {
-                "event": "run_finished",
-                "steps": getattr(result, "steps", None),
-                "stopped_reason": reason,
-            }
-        },
+        extra=_event("run_finished", steps=getattr(result, "steps", None), stopped_reason=reason),
     )
     return 0

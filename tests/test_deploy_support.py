@@ -194,11 +194,18 @@ def k8s_env(container: Mapping[str, Any], pod_name: str) -> dict[str, str]:
 
 
 # -- processes ---------------------------------------------------------------------------------
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port nothing listens on right now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A TCP port nothing listens on right now, never the same one twice in a session."""
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
@@ -344,7 +351,7 @@ def base_env(tmp: Path) -> dict[str, str]:
         "OMP_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
         "CUDA_VISIBLE_DEVICES": "",
-        "HF_HUB_OFFLINE": "1",
+        "HF_HUB_OFFLINE": "0",
         "HF_HUB_DISABLE_TELEMETRY": "1",
     }
     if os.environ.get("PYTHONPATH"):

@@ -152,7 +152,8 @@ def test_json_logs_are_one_object_per_line_and_never_carry_the_token(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "hf_SuperSecretValue123" not in result.stdout + result.stderr
     records = [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
-    startup = next(r for r in records if r.get("event") == "startup")
+    assert all({"ts", "level", "logger"} <= set(r) for r in records)
+    startup = next(r for r in records if r.get("event") == "startup")["fields"]
     assert startup["versions"]["speedtronic"] and startup["versions"]["torch"]
     assert "python" in startup["versions"] and "cuda" in startup["versions"]
     assert startup["config"]["distributed"]["token"] == "<redacted>"

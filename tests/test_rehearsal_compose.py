@@ -19,6 +19,7 @@ from test_deploy_support import (
     base_env,
     compose_env,
     free_port,
+    http_get,
     image_config,
     load_compose,
     rehearse,
@@ -97,3 +98,43 @@ def test_compose_master_and_two_workers_complete_a_round_and_stop_cleanly(tmp_pa
     published = {p.name for p in nodes.iterdir()}
     for worker in workers:
         assert worker.env["HOSTNAME"] in published, published
+
+
+def test_compose_hub_override_reads_the_token_from_the_secret_file(tmp_path):
+    """compose.yaml + compose.hub.yaml against the Hub emulator, which demands the token that
+    only the compose secret file carries. The Hub's address is the one mapping added
+    (HF_ENDPOINT); the model is shrunk for time (documented overrides below)."""
+    from speedtronic.testing.hub_server import HubEmulator
+
+    token = "hf_rehearsal_" + secrets.token_hex(8)
+    (tmp_path / "secrets").mkdir()
+    (tmp_path / "secrets" / "hf_token").write_text(token + "\n")
+    model = load_compose(
+        "compose.yaml", "compose.hub.yaml", environ={"SPEEDTRONIC_HUB_REPO": "team/run"}
+    )
+    shrink = {
+        "SPEEDTRONIC_MODEL__VOCAB_SIZE": "128",
+        "SPEEDTRONIC_MODEL__MAX_SEQ_LEN": "32",
+        "SPEEDTRONIC_MODEL__N_LAYER": "2",
+        "SPEEDTRONIC_MODEL__D_MODEL": "64",
+        "SPEEDTRONIC_DATA__MICRO_BATCH_SIZE": "2",
+        "SPEEDTRONIC_DATA__TARGET_BATCH_SIZE": "2",
+        "SPEEDTRONIC_CHECKPOINT__EVERY_STEPS": "20",
+    }
+    with HubEmulator(token=token) as hub:
+        master = service_process(model, "master", "master", tmp_path)
+        worker = service_process(model, "worker", secrets.token_hex(6), tmp_path, replica="worker")
+        for proc in (master, worker):
+            assert proc.env["SPEEDTRONIC_DISTRIBUTED__REPO_ID"] == "team/run"
+            assert token not in " ".join(f"{k}={v}" for k, v in proc.env.items())
+            assert (Path(proc.mounts["/run/secrets"]) / "hf_token").read_text().strip() == token
+            proc.env.update(shrink)
+            proc.env["HF_ENDPOINT"] = hub.url
+
+        def probe(proc: Rehearsal) -> None:
+            assert token not in http_get(proc.url("/metrics"))[1]
+
+        rehearse([master, worker], tmp_path, probe)
+        assert any(path.startswith("nodes/") for path in hub.files("team/run"))
+    for proc in (master, worker):
+        assert token not in proc.output(), f"{proc.name} logged the token"
