@@ -130,3 +130,46 @@ def resolve_loss(output: Any, batch: Any, *, model_name: str = "model") -> torch
     if not loss.is_floating_point():
         raise MissingLossError(f"{model_name} returned a non-floating-point loss ({loss.dtype})")
     return loss if loss.ndim == 0 else loss.mean()
+
+
+class BatchStream:
+    """Endless batches from a re-iterable loader.
+
+    The first batch is fetched at construction, so everything a DataLoader draws from the global
+    RNG when it starts (worker base seeds) happens before the trainer restores a checkpointed RNG
+    state. One empty pass is tolerated (a resumable loader restored exactly at the end of an
+    epoch); two in a row mean the loader has no data (``RuntimeError``).
+    """
+
+    _NOTHING = object()
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self._iterator = iter(loader)
+        self._produced = False
+        self._first = self._NOTHING
+        self._first = self._next()
+
+    def __iter__(self) -> BatchStream:
+        return self
+
+    def __next__(self) -> Any:
+        if self._first is not self._NOTHING:
+            first, self._first = self._first, self._NOTHING
+            return first
+        return self._next()
+
+    def _next(self) -> Any:
+        empty_passes = 0
+        while True:
+            try:
+                batch = next(self._iterator)
+            except StopIteration:
+                empty_passes += 0 if self._produced else 1
+                if empty_passes >= 2:
+                    raise RuntimeError("data loader produced no batches") from None
+                self._iterator = iter(self.loader)
+                self._produced = False
+                continue
+            self._produced = True
+            return batch

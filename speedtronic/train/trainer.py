@@ -26,7 +26,14 @@ from torch import nn
 
 from speedtronic.checkpoint import capture_rng_state, restore_rng_state
 from speedtronic.metrics.logger import MetricLogger, memory_usage_bytes
+from speedtronic.train.features import (
+    apply_gradient_checkpointing,
+    compile_model,
+    config_value,
+    make_ooo_scheduler,
+)
 from speedtronic.train.forward import (
+    BatchStream,
     batch_size_and_tokens,
     call_model,
     move_to_device,
@@ -70,46 +77,6 @@ class _Update:
     skipped: str | None = None  # reason when the update was not applied
 
 
-def _get(obj: Any, path: str, default: Any = None) -> Any:
-    """``obj.a.b`` for ``path="a.b"``, or ``default`` when any link is missing/None."""
-    for name in path.split("."):
-        obj = getattr(obj, name, None)
-        if obj is None:
-            return default
-    return obj
-
-
-class _BatchStream:
-    """Endless batches from a re-iterable loader; the first ``iter()`` happens at construction.
-
-    One empty pass is tolerated (a resumable loader restored exactly at the end of an epoch);
-    two in a row mean the loader has no data.
-    """
-
-    def __init__(self, loader: Any) -> None:
-        self.loader = loader
-        self._iterator = iter(loader)
-        self._produced = False
-
-    def __iter__(self) -> _BatchStream:
-        return self
-
-    def __next__(self) -> Any:
-        empty_passes = 0
-        while True:
-            try:
-                batch = next(self._iterator)
-            except StopIteration:
-                empty_passes += 0 if self._produced else 1
-                if empty_passes >= 2:
-                    raise RuntimeError("data loader produced no batches") from None
-                self._iterator = iter(self.loader)
-                self._produced = False
-                continue
-            self._produced = True
-            return batch
-
-
 class Trainer:
     """Runs optimizer updates of ``model`` on ``dataloader`` batches (see the module docstring).
 
@@ -149,9 +116,10 @@ class Trainer:
         self.logger = logger if logger is not None else MetricLogger()
         self.checkpoint_manager = checkpoint_manager
         self.coordinator = coordinator
-        self.precision = precision or resolve_precision(_get(config, "precision"), self.device)
+        requested = config_value(config, "precision")
+        self.precision = precision or resolve_precision(requested, self.device)
         self.max_steps = int(
-            max_steps if max_steps is not None else _get(config, "run.max_steps", 1000)
+            max_steps if max_steps is not None else config_value(config, "run.max_steps", 1000)
         )
         self.step = int(start_step)
         self.samples = 0
@@ -163,7 +131,7 @@ class Trainer:
         self._params: list[torch.nn.Parameter] = []
         self._grad_clip: float | None = None
         self._accumulation = accumulation_steps
-        self._model_name = _get(config, "model.name") or type(model).__name__
+        self._model_name = config_value(config, "model.name") or type(model).__name__
         self._stop_reason: str | None = None
         self._active: Any = model
         self._compiled = False
@@ -174,12 +142,12 @@ class Trainer:
         self._last_saved_step = -1
         self._shapes_validated = shape_report is not None
         self._ooo: Any = None
-        self._batch_iter: _BatchStream | None = None
+        self._batch_iter: BatchStream | None = None
         self._batches_consumed = 0
         self._resume_data: dict[str, Any] | None = None
         self._consecutive_skips = 0
-        self._setup_gradient_checkpointing()
-        self._setup_compile()
+        apply_gradient_checkpointing(self.model, config, self.logger)
+        self._active, self._compiled = compile_model(model, config, self.logger)
         self._setup_ooo()
 
     # ------------------------------------------------------------------ settings
@@ -189,11 +157,11 @@ class Trainer:
         """Micro-batches per update (``data.accumulation_steps``; 1 without a config)."""
         if self._accumulation is not None:
             return max(1, int(self._accumulation))
-        explicit = _get(self.config, "data.accumulation_steps")
+        explicit = config_value(self.config, "data.accumulation_steps")
         if explicit:
             return max(1, int(explicit))
-        micro = int(_get(self.config, "data.micro_batch_size", 1) or 1)
-        target = int(_get(self.config, "data.target_batch_size", micro) or micro)
+        micro = int(config_value(self.config, "data.micro_batch_size", 1) or 1)
+        target = int(config_value(self.config, "data.target_batch_size", micro) or micro)
         return max(1, target // max(1, micro))
 
     @property
@@ -208,62 +176,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
 
-    def _setup_gradient_checkpointing(self) -> None:
-        if not (
-            _get(self.config, "gradient_checkpointing")
-            or _get(self.config, "model.gradient_checkpointing")
-        ):
-            return
-        hook = getattr(self.model, "set_gradient_checkpointing", None)
-        if not callable(hook):
-            self.logger.warning(
-                "gradient checkpointing requested but model has no set_gradient_checkpointing hook"
-            )
-            return
-        try:
-            hook(True)
-        except Exception as exc:
-            self.logger.warning(
-                "gradient checkpointing hook failed; continuing without it: %s", exc
-            )
-
-    def _compile_requested(self) -> bool:
-        value = _get(self.config, "compile", False)
-        return bool(getattr(value, "enabled", value))
-
-    def _setup_compile(self) -> None:
-        if not self._compile_requested():
-            return
-        try:
-            self._active = torch.compile(self.model)
-            self._compiled = True
-            self.logger.emit("compile", {"enabled": True})
-        except Exception as exc:
-            self._active, self._compiled = self.model, False
-            self.logger.emit("compile", {"enabled": False, "reason": str(exc)})
-
     def _setup_ooo(self) -> None:
-        if not _get(self.config, "ooo_backprop", False) or self._ooo is not None:
-            return
-        if self._compiled:
-            self.logger.warning(
-                "ooo_backprop is disabled when compile is enabled; "
-                "use one scheduling mode at a time"
+        if self._ooo is None:
+            self._ooo = make_ooo_scheduler(
+                self.model, self.device, self.config, self.logger, compiled=self._compiled
             )
-            self.logger.emit("ooo_backprop", {"enabled": False, "reason": "compile is enabled"})
-            return
-        from speedtronic.train.ooo import StageStreamScheduler
-
-        self._ooo = StageStreamScheduler(
-            self.model,
-            self.device,
-            num_streams=int(_get(self.config, "ooo_streams", 4)),
-            logger=self.logger,
-        )
-        self.logger.emit("ooo_backprop", self._ooo.as_dict())
 
     def _validate_shapes_once(self) -> None:
-        if self._shapes_validated or _get(self.config, "shape_validation") is None:
+        if self._shapes_validated or config_value(self.config, "shape_validation") is None:
             return
         from speedtronic.train.shapes import validate_startup_shapes
 
@@ -286,7 +206,7 @@ class Trainer:
         self._validate_shapes_once()
         self._make_scaler()
         self._params = [p for p in self.model.parameters() if p.requires_grad]
-        clip = _get(self.config, "optimizer.grad_clip")
+        clip = config_value(self.config, "optimizer.grad_clip")
         self._grad_clip = None if clip is None else float(clip)
         self.optimizer.zero_grad(set_to_none=True)
         batches = self._batches()
@@ -362,7 +282,7 @@ class Trainer:
         if not math.isfinite(loss_value):
             self.optimizer.zero_grad(set_to_none=True)
             self.logger.emit("nonfinite_loss", {"step": self.step + 1, "loss": loss_value})
-            if bool(_get(self.config, "run.stop_on_nonfinite", True)):
+            if bool(config_value(self.config, "run.stop_on_nonfinite", True)):
                 raise NonFiniteLossError(self.step + 1, loss_value)
             update.skipped = "nonfinite_loss"
             return update
@@ -464,7 +384,7 @@ class Trainer:
             self.scheduler.step()
         if self.coordinator is not None:
             replaced = self.coordinator.after_optimizer_step(self.model, self.step)
-            if replaced and _get(self.config, "distributed.reset_inner_optimizer", True):
+            if replaced and config_value(self.config, "distributed.reset_inner_optimizer", True):
                 self._reset_inner_optimizer()
         self.last_heartbeat = time.monotonic()
 
@@ -502,8 +422,8 @@ class Trainer:
     def _emit_train_start(self, target: int) -> None:
         import speedtronic
 
-        warmup = _get(self.config, "scheduler.warmup_steps")
-        horizon = _get(self.config, "scheduler.max_steps")
+        warmup = config_value(self.config, "scheduler.warmup_steps")
+        horizon = config_value(self.config, "scheduler.max_steps")
         if self.scheduler is not None and warmup and horizon and int(warmup) >= int(horizon):
             self.logger.warning(
                 "scheduler.warmup_steps (%s) >= scheduler.max_steps (%s): the learning rate "
@@ -547,7 +467,7 @@ class Trainer:
                 if callable(load):
                     load(resume["loader"])
                     restored = True
-            self._batch_iter = _BatchStream(self.dataloader)
+            self._batch_iter = BatchStream(self.dataloader)
             if resume:
                 self._batches_consumed = int(resume.get("batches", 0))
                 if not restored:
