@@ -172,7 +172,10 @@ def _assert_no_token(tmp: Path) -> None:
 
 
 def _run_three(tmp: Path, repo: str, env: dict, steps: int = 18) -> tuple[Node, list[Node]]:
-    master = Node(tmp, "m", "master", repo, steps, env).start()
+    # The master trains longer than the workers so it is still aggregating while they run;
+    # workers start once it has bootstrapped the global (like a readiness gate).
+    master = Node(tmp, "m", "master", repo, steps + 12, env).start()
+    _wait_for(lambda: bool(master.events("diloco_started")), 180, "the master to start")
     workers = [Node(tmp, f"w{i}", "worker", repo, steps, env).start() for i in (1, 2)]
     for node in (master, *workers):
         assert node.wait(240) == 0, node.out.read_text()[-3000:]
@@ -218,6 +221,7 @@ def test_faults_kills_and_restarts_over_hub_emulator(tmp_path, hub_emulator):
     env = _env({"HF_ENDPOINT": hub_emulator.url})
     repo = "org/diloco-faults"
     master = Node(tmp_path, "m", "master", repo, 2000, env).start()
+    _wait_for(lambda: bool(master.events("diloco_started")), 180, "the master to start")
     w1 = Node(tmp_path, "w1", "worker", repo, 18, env).start()
     w2 = Node(tmp_path, "w2", "worker", repo, 18, env).start()
 
