@@ -138,3 +138,26 @@ def test_resume_without_checkpoint_warns_and_starts_fresh(tmp_path, capsys):
     trainer, _ = build_runtime(values, resume=True)
     assert trainer.step == 0
     assert "no local checkpoint was found" in capsys.readouterr().out
+
+
+def test_distributed_coordinator_is_wired_and_checkpointed(tmp_path):
+    pytest.importorskip("speedtronic.diloco")
+    values = small_config(tmp_path / "run")
+    values["distributed"] = {
+        "enabled": True,
+        "role": "master",
+        "node_id": "master",
+        "repo_id": f"file://{tmp_path / 'exchange'}",
+        "inner_steps": 2,
+        "poll_interval": 0.2,
+    }
+    trainer, manager = build_runtime(values, max_steps=4)
+    assert type(trainer.coordinator).__name__ == "DumbDiLoCoCoordinator"
+    result = trainer.fit()
+    trainer.logger.close()
+    assert result.steps == 4
+    state = manager.load_latest()  # weights_only=True: coordinator state must be plain data
+    assert state["coordinator"] is not None and state["coordinator"]["node_id"] == "master"
+    resumed, _ = build_runtime(values, resume=True, max_steps=5)
+    assert resumed.fit().steps == 5
+    resumed.logger.close()
