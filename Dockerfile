@@ -23,7 +23,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
 # the build whenever the archive moves on.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev \
+    && apt-get install -y --no-install-recommends python3 python3-venv \
     && rm -rf /var/lib/apt/lists/*
 
 RUN python3 -m venv /opt/venv

@@ -143,7 +143,7 @@ def test_image_builds_and_runs_master_and_worker_on_a_shared_volume():
         tag=tag,
         rm=True,
         buildargs={
-            "BASE_IMAGE": os.environ.get("SPEEDTRONIC_TEST_BASE_IMAGE", "ubuntu:24.04"),
+            "BASE_IMAGE": os.environ.get("DOCKER_TEST_BASE_IMAGE", "ubuntu:24.04"),
             "TORCH_INDEX_URL": "https://download.pytorch.org/whl/cpu",
         },
     )

@@ -128,7 +128,28 @@ def test_run_serves_metrics_and_stops_cleanly_on_sigterm(tmp_path):
         assert code == 0, output[-3000:]
         assert "SIGTERM received" in output
         steps = metric(second, "speedtronic_train_step")
-        assert latest_checkpoint_step(tmp_path / "single") >= steps
+        saved = latest_checkpoint_step(tmp_path / "single")
+        assert saved >= steps
+        # A restarted container (SPEEDTRONIC_CHECKPOINT__RESUME=true in the manifests) continues
+        # from that final checkpoint; the restored total does not inflate this process's counters.
+        proc = start(
+            tmp_path,
+            "single",
+            tiny_config(tmp_path),
+            free_port(),
+            SPEEDTRONIC_CHECKPOINT__RESUME="true",
+        )
+        wait_until(
+            lambda: (scrape_value(proc.port, "speedtronic_train_steps_total") or 0) >= 1,
+            180,
+            "the restarted run to train",
+            [proc],
+        )
+        again = scrape(proc.port)
+        resumed_step = metric(again, "speedtronic_train_step")
+        assert resumed_step > saved
+        assert metric(again, "speedtronic_train_steps_total") <= resumed_step - saved + 1
+        assert proc.terminate(timeout=120) == 0
     finally:
         proc.kill()
 
