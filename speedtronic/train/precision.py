@@ -161,12 +161,12 @@ def make_grad_scaler(plan: PrecisionPlan) -> Any | None:
 def supports_fused_adamw(device: torch.device | str) -> bool:
     """Whether ``torch.optim.AdamW(fused=True)`` can be built on ``device`` (CUDA only)."""
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type != "cuda" or not torch.cuda.is_available():
         return False
     try:
         probe = nn.Parameter(torch.zeros(1, device=device))
         torch.optim.AdamW([probe], fused=True)
-    except (TypeError, RuntimeError, ValueError):
+    except (TypeError, RuntimeError, ValueError, AssertionError):
         return False
     return True
 
