@@ -9,14 +9,14 @@ import filecmp
 import kubernetes_validate
 import pytest
 import yaml
-from test_deploy_support import REPO, find, k8s_env, kustomize_command, render_kustomize
+from test_deploy_support import REPO, find, k8s_env, kustomize_status, render_kustomize
 
 K8S_VERSION = "1.31.0"
 TARGETS = ["k8s", "k8s/overlays/gpu", "k8s/overlays/hub", "k8s/overlays/monitoring"]
 
 pytestmark = pytest.mark.skipif(
-    kustomize_command() is None,
-    reason="neither kubectl nor kustomize is installed (.ci/install-tools installs kubectl)",
+    kustomize_status()[0] is None,
+    reason=kustomize_status()[1],
 )
 
 _RENDERED: dict[str, list[dict]] = {}

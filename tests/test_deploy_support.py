@@ -15,6 +15,7 @@ The module also holds a few self-checks of the helpers (collected as tests).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -145,13 +146,55 @@ def compose_env(service: Mapping[str, Any]) -> dict[str, str]:
 
 
 # -- kustomize ---------------------------------------------------------------------------------
-def kustomize_command() -> list[str] | None:
-    """`kubectl kustomize` or `kustomize build`, whichever is installed; None when neither is."""
+_KUSTOMIZE_MIN = (4, 5)  # `labels:` with includeSelectors and `patches:` with targets
+
+
+def _kustomize_version(argv: list[str]) -> tuple[int, ...] | None:
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"v(\d+)\.(\d+)", out)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+@functools.lru_cache(maxsize=1)
+def kustomize_status() -> tuple[list[str] | None, str]:
+    """(render command, why not) for the installed kustomize: `kubectl kustomize` or
+    `kustomize build`, version >= 4.5; (None, reason) when neither is usable."""
+    found = []
     if shutil.which("kubectl"):
-        return ["kubectl", "kustomize"]
+        raw = subprocess.run(
+            ["kubectl", "version", "--client", "-o", "json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        ).stdout
+        try:
+            text = json.loads(raw).get("kustomizeVersion", "")
+        except ValueError:
+            text = ""
+        version = _kustomize_version(["echo", text]) if text else None
+        if version is not None and version >= _KUSTOMIZE_MIN:
+            return ["kubectl", "kustomize"], ""
+        found.append(f"kubectl with kustomize {text or 'unknown (too old)'}")
     if shutil.which("kustomize"):
-        return ["kustomize", "build"]
-    return None
+        version = _kustomize_version(["kustomize", "version"])
+        if version is not None and version >= _KUSTOMIZE_MIN:
+            return ["kustomize", "build"], ""
+        found.append(f"kustomize {version}")
+    if not found:
+        return (
+            None,
+            "neither kubectl nor kustomize is installed (.ci/install-tools installs kubectl)",
+        )
+    return None, f"kustomize >= v4.5 needed, found: {'; '.join(found)}"
+
+
+def kustomize_command() -> list[str] | None:
+    """The command that renders a kustomization with a recent enough kustomize, or None."""
+    return kustomize_status()[0]
 
 
 def render_kustomize(directory: str) -> list[dict]:

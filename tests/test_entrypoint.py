@@ -251,6 +251,9 @@ def test_worker_node_id_collision_exits_2_before_training(tmp_path):
             "the first worker to train",
             [first],
         )
+        # No master has published a global state yet: training, alive, but not ready.
+        assert http_get(first.url("/healthz"))[0] == 200
+        assert http_get(first.url("/readyz"))[0] == 503
         second = subprocess.run(
             [sys.executable, "-m", "speedtronic", "run", "--config", str(config)],
             env=run_env(tmp_path, SPEEDTRONIC_METRICS__PORT=str(free_port()), **common),

@@ -20,7 +20,7 @@ from test_deploy_support import (
     http_get,
     image_config,
     k8s_env,
-    kustomize_command,
+    kustomize_status,
     rehearse,
     render_kustomize,
     rewrite_paths,
@@ -29,8 +29,8 @@ from test_deploy_support import (
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
-        kustomize_command() is None,
-        reason="neither kubectl nor kustomize is installed (.ci/install-tools installs kubectl)",
+        kustomize_status()[0] is None,
+        reason=kustomize_status()[1],
     ),
 ]
 
