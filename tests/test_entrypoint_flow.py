@@ -1,0 +1,207 @@
+"""run_command's control flow in-process, with a stand-in runtime (no training): readiness,
+heartbeat, signals, node-id collisions, port in use, and the JSON log shape."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+from types import SimpleNamespace
+
+import pytest
+from test_deploy_support import REPO, free_port, http_get
+
+from speedtronic import entrypoint
+from speedtronic.config import resolve_config
+from speedtronic.metrics.server import MetricsPortInUse
+
+
+def resolved(tmp_path, **env):
+    environ = {"SPEEDTRONIC_METRICS__HOST": "127.0.0.1", **env}
+    environ.setdefault("SPEEDTRONIC_METRICS__PORT", str(free_port()))
+    return resolve_config(
+        str(REPO / "configs/smoke.yaml"), environ=environ, secrets_dir=str(tmp_path / "none")
+    )
+
+
+class FakeCoordinator:
+    node_id = "node-7"
+    role = "worker"
+
+    def __init__(self, ready=True):
+        self.ready = ready
+
+    def is_ready(self):
+        return self.ready
+
+
+class FakeTrainer:
+    """Records what run_command does to it; `fit` runs a scripted body."""
+
+    def __init__(self, body=None, coordinator=None):
+        self.logger = SimpleNamespace(hooks=[])
+        self.coordinator = coordinator
+        self.stop_reason = None
+        self.fitted = False
+        self.last_heartbeat = None
+        self.body = body or (lambda trainer: None)
+
+    def request_stop(self, reason):
+        self.stop_reason = reason
+
+    def emit(self, event, payload):
+        for hook in self.logger.hooks:
+            (getattr(hook, "on_event", None) or hook)(event, payload)
+
+    def fit(self):
+        self.fitted = True
+        self.body(self)
+        return SimpleNamespace(steps=3, stopped_reason=self.stop_reason)
+
+
+def use(monkeypatch, trainer):
+    calls = []
+
+    def build(config, resume):
+        calls.append(resume)
+        return trainer, None
+
+    monkeypatch.setattr(entrypoint, "_build", build)
+    return calls
+
+
+def test_clean_run_wires_the_sink_and_returns_0(tmp_path, monkeypatch):
+    seen = {}
+
+    def body(trainer):
+        trainer.emit("train_start", {"start_step": 0})
+        trainer.emit("train_step", {"step": 1, "loss": 1.0, "lr": 0.1, "tokens": 8, "samples": 1})
+        port = trainer.port
+        seen["ready"] = http_get(f"http://127.0.0.1:{port}/readyz")[0]
+        seen["metrics"] = http_get(f"http://127.0.0.1:{port}/metrics")[1]
+
+    trainer = FakeTrainer(body, FakeCoordinator())
+    cfg = resolved(tmp_path)
+    trainer.port = cfg.config.metrics.port
+    calls = use(monkeypatch, trainer)
+    assert entrypoint.run_command(cfg, resume=True) == 0
+    assert calls == [True] and trainer.fitted
+    assert seen["ready"] == 200
+    assert 'speedtronic_train_steps_total{node_id="node-7",role="worker"} 1.0' in seen["metrics"]
+    assert any(getattr(h, "wants_all_steps", False) for h in trainer.logger.hooks)
+    # The server is gone and the signal handlers are restored afterwards.
+    assert http_get(f"http://127.0.0.1:{trainer.port}/metrics")[0] == 0
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_worker_is_not_ready_until_the_coordinator_is(tmp_path):
+    state = entrypoint._RunState()
+    assert not state.ready()
+    state.trainer = FakeTrainer(coordinator=FakeCoordinator(ready=False))
+    state.built = True
+    assert not state.ready()
+    state.trainer.coordinator.ready = True
+    assert state.ready()
+    state.trainer.coordinator = None  # single node: model built is enough
+    assert state.ready()
+
+
+def test_heartbeat_is_the_latest_of_phase_trainer_and_steps():
+    state = entrypoint._RunState(last_phase=10.0)
+    assert state.heartbeat() == 10.0
+    state.trainer = SimpleNamespace(last_heartbeat=25.0)
+    state.sink = SimpleNamespace(last_step_time=20.0)
+    assert state.heartbeat() == 25.0
+
+
+def test_sigterm_requests_a_stop_and_the_run_exits_0(tmp_path, monkeypatch):
+    def body(trainer):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    trainer = FakeTrainer(body)
+    use(monkeypatch, trainer)
+    assert entrypoint.run_command(resolved(tmp_path)) == 0
+    assert trainer.stop_reason == "SIGTERM"
+
+
+def test_second_signal_gives_up_with_keyboard_interrupt(tmp_path, monkeypatch):
+    def body(trainer):
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    use(monkeypatch, FakeTrainer(body))
+    with pytest.raises(KeyboardInterrupt):
+        entrypoint.run_command(resolved(tmp_path))
+
+
+def test_failed_graceful_stop_returns_128_plus_signal(tmp_path, monkeypatch):
+    def body(trainer):
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise RuntimeError("final checkpoint failed")
+
+    use(monkeypatch, FakeTrainer(body))
+    assert entrypoint.run_command(resolved(tmp_path)) == 128 + signal.SIGTERM
+
+
+def test_runtime_failure_propagates(tmp_path, monkeypatch):
+    def body(trainer):
+        raise RuntimeError("boom")
+
+    use(monkeypatch, FakeTrainer(body))
+    with pytest.raises(RuntimeError, match="boom"):
+        entrypoint.run_command(resolved(tmp_path))
+
+
+def test_collision_before_training_is_a_config_error(tmp_path, monkeypatch):
+    def body(trainer):
+        trainer.emit("node_id_collision", {"node_id": "w-1"})
+        assert trainer.stop_reason == "node_id_collision"
+
+    use(monkeypatch, FakeTrainer(body))
+    with pytest.raises(entrypoint.NodeIdCollisionError, match=r"distributed\.node_id.*'w-1'"):
+        entrypoint.run_command(resolved(tmp_path))
+
+
+def test_collision_after_training_started_only_logs(tmp_path, monkeypatch):
+    def body(trainer):
+        trainer.emit("train_start", {"start_step": 0})
+        trainer.emit("node_id_collision", {"node_id": "w-1"})
+
+    trainer = FakeTrainer(body)
+    use(monkeypatch, trainer)
+    assert entrypoint.run_command(resolved(tmp_path)) == 0
+    assert trainer.stop_reason is None
+
+
+def test_port_in_use_fails_before_the_runtime_is_built(tmp_path, monkeypatch):
+    calls = use(monkeypatch, FakeTrainer())
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        with pytest.raises(MetricsPortInUse, match=r"metrics\.port"):
+            entrypoint.run_command(resolved(tmp_path, SPEEDTRONIC_METRICS__PORT=str(port)))
+    assert calls == []
+
+
+def test_metrics_disabled_starts_no_server(tmp_path, monkeypatch):
+    trainer = FakeTrainer()
+    use(monkeypatch, trainer)
+    cfg = resolved(tmp_path, SPEEDTRONIC_METRICS__ENABLED="false")
+    assert entrypoint.run_command(cfg) == 0
+    assert trainer.fitted
+
+
+def test_json_formatter_matches_the_metric_logger_shape():
+    formatter = entrypoint.JsonLogFormatter()
+    plain = logging.LogRecord(
+        "speedtronic.entrypoint", logging.INFO, __file__, 1, "hi %s", ("x",), None
+    )
+    line = json.loads(formatter.format(plain))
+    assert line["message"] == "hi x" and line["ts"].endswith("Z") and line["level"] == "INFO"
+    event = logging.LogRecord("speedtronic.entrypoint", logging.INFO, __file__, 1, "s", (), None)
+    event.st_event, event.st_fields = "startup", {"a": 1}
+    line = json.loads(formatter.format(event))
+    assert line["event"] == "startup" and line["fields"] == {"a": 1}
