@@ -161,3 +161,41 @@ def test_distributed_coordinator_is_wired_and_checkpointed(tmp_path):
     resumed, _ = build_runtime(values, resume=True, max_steps=5)
     assert resumed.fit().steps == 5
     resumed.logger.close()
+
+
+TOKEN = "hf_abcdefSECRET0123456789"
+
+
+def test_json_logs_and_checkpoints_never_contain_the_token(tmp_path, capsys):
+    values = small_config(tmp_path, logging={"level": "INFO", "format": "json"})
+    values["distributed"] = {"token": TOKEN}
+    result = train_from_config(values, max_steps=2)
+    assert result.steps == 2
+    out = capsys.readouterr().out
+    lines = [json.loads(line) for line in out.splitlines() if line.strip()]
+    assert {"ts", "level", "logger"} <= set(lines[0])
+    assert any(line.get("event") == "train_step" for line in lines)
+    assert TOKEN not in out
+    for path in tmp_path.rglob("*"):
+        if path.is_file():
+            assert TOKEN.encode() not in path.read_bytes(), path
+    state = torch.load(tmp_path / "checkpoints" / "step_000000000002.pt", weights_only=True)
+    assert state["config"]["distributed"]["token"] == "<redacted>"
+
+
+def test_exploding_run_stops_on_nonfinite_loss_keeping_last_good_checkpoint(tmp_path):
+    from speedtronic.trainer import NonFiniteLossError
+
+    values = small_config(
+        tmp_path, optimizer={"lr": 1e30, "weight_decay": 0.0}, checkpoint={"every_steps": 1}
+    )
+    values["checkpoint"]["keep_last"] = None
+    values["scheduler"] = {"name": "constant", "warmup_steps": 0}
+    with pytest.raises(NonFiniteLossError, match=r"at step (\d+)") as info:
+        train_from_config(values, max_steps=50)
+    bad = info.value.step
+    manager_files = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*.pt"))
+    assert manager_files[-1] == f"step_{bad - 1:012d}.pt"
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    nonfinite = next(e for e in events if e["event"] == "nonfinite_loss")
+    assert nonfinite["step"] == bad

@@ -107,8 +107,9 @@ def train_command(
     if show:
         bar = ProgressBarHook(trainer.step, max(trainer.step, trainer.max_steps))
         logger.hooks.append(bar)
-        logger.text_steps = False
-        logger.set_stream(_TqdmStream())
+        if logger.file is None:  # the bar replaces per-step lines on the terminal only
+            logger.text_steps = False
+            logger.set_stream(_TqdmStream())
     restore = install_stop_handlers(
         trainer.request_stop, is_stopping=lambda: trainer.stop_requested is not None
     )
