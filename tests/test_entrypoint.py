@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_deploy_support import (
-    REPO,
+from test_deploy_support import REPO
+from test_rehearsal_support import (
     Rehearsal,
     free_port,
     http_get,

@@ -11,7 +11,8 @@ import socket
 from types import SimpleNamespace
 
 import pytest
-from test_deploy_support import REPO, free_port, http_get
+from test_deploy_support import REPO
+from test_rehearsal_support import free_port, http_get
 
 from speedtronic import entrypoint
 from speedtronic.config import resolve_config

@@ -13,8 +13,8 @@ import urllib.parse
 
 import pytest
 import yaml
-from test_deploy_support import free_port, http_get, scrape_value, wait_until
 from test_entrypoint import start, tiny_config
+from test_rehearsal_support import free_port, http_get, scrape_value, wait_until
 
 PROMETHEUS = shutil.which("prometheus")
 

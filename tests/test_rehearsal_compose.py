@@ -12,16 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_deploy_support import (
-    REPO,
+from test_deploy_support import REPO, compose_env, image_config, load_compose
+from test_rehearsal_support import (
     SPEED_ENV,
     Rehearsal,
     base_env,
-    compose_env,
     free_port,
     http_get,
-    image_config,
-    load_compose,
     rehearse,
     rewrite_paths,
 )

@@ -11,18 +11,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_deploy_support import (
+from test_deploy_support import find, image_config, k8s_env, kustomize_status, render_kustomize
+from test_rehearsal_support import (
     SPEED_ENV,
     Rehearsal,
     base_env,
-    find,
     free_port,
     http_get,
-    image_config,
-    k8s_env,
-    kustomize_status,
     rehearse,
-    render_kustomize,
     rewrite_paths,
 )
 
