@@ -24,7 +24,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from speedtronic.checkpoint import capture_rng_state, restore_rng_state
 from speedtronic.metrics.logger import MetricLogger, memory_usage_bytes
 from speedtronic.train.features import (
     apply_gradient_checkpointing,
@@ -42,7 +41,6 @@ from speedtronic.train.forward import (
 from speedtronic.train.precision import (
     PrecisionPlan,
     autocast_context,
-    make_grad_scaler,
     parameter_count,
     resolve_precision,
 )
@@ -53,6 +51,7 @@ from speedtronic.train.result import (
     SyncCoordinator,
     TrainResult,
 )
+from speedtronic.train.state import TrainerStateMixin
 
 __all__ = [
     "GradientOverflowError",
@@ -77,7 +76,7 @@ class _Update:
     skipped: str | None = None  # reason when the update was not applied
 
 
-class Trainer:
+class Trainer(TrainerStateMixin):
     """Runs optimizer updates of ``model`` on ``dataloader`` batches (see the module docstring).
 
     ``config`` (a ``SpeedtronicConfig``, dict, or ``None``) supplies accumulation, clipping,
@@ -450,34 +449,6 @@ class Trainer:
             },
         )
 
-    # ------------------------------------------------------------------ data position
-
-    def _batches(self) -> Iterator[Any]:
-        """The persistent batch stream; after a resume, positioned where the checkpoint was.
-
-        A resumable loader (``speedtronic.data.ResumableDataLoader``) restores its own position;
-        any other re-iterable is fast-forwarded by the saved micro-batch count. Both happen
-        before the checkpointed RNG state is restored, so iterator creation does not perturb it.
-        """
-        if self._batch_iter is None:
-            resume, self._resume_data = self._resume_data, None
-            restored = False
-            if resume and resume.get("loader") is not None:
-                load = getattr(self.dataloader, "load_state_dict", None)
-                if callable(load):
-                    load(resume["loader"])
-                    restored = True
-            self._batch_iter = BatchStream(self.dataloader)
-            if resume:
-                self._batches_consumed = int(resume.get("batches", 0))
-                if not restored:
-                    for _ in range(self._batches_consumed):
-                        next(self._batch_iter)
-        if self._pending_rng is not None:
-            restore_rng_state(self._pending_rng)
-            self._pending_rng = None
-        return self._batch_iter
-
     # ------------------------------------------------------------------ coordinator
 
     def _start_coordinator(self) -> None:
@@ -495,99 +466,6 @@ class Trainer:
                 self.coordinator.stop()
             finally:
                 self._coordinator_started = False
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def _make_scaler(self) -> None:
-        self.scaler = make_grad_scaler(self.precision)
-        if self.scaler is not None and self._deferred_scaler_state is not None:
-            self.scaler.load_state_dict(self._deferred_scaler_state)
-            self._deferred_scaler_state = None
-
-    def _maybe_checkpoint(self) -> None:
-        manager = self.checkpoint_manager
-        due = manager is not None and manager.should_save(self.step)
-        if due and self.step != self._last_saved_step:
-            self.save_checkpoint()
-
-    def _save_final(self) -> None:
-        manager = self.checkpoint_manager
-        if manager is None or not manager.enabled or self.step <= 0:
-            return
-        if not getattr(manager, "save_final", True) and self._stop_reason is None:
-            return
-        if self.step != self._last_saved_step:
-            self.save_checkpoint()
-
-    def save_checkpoint(self) -> Any:
-        """Save the full training state for the current step; emits ``checkpoint_saved``."""
-        began = time.perf_counter()
-        path = self.checkpoint_manager.save(self.step, self.state_dict())
-        self._last_saved_step = self.step
-        self.logger.emit(
-            "checkpoint_saved",
-            {"step": self.step, "path": str(path), "seconds": time.perf_counter() - began},
-        )
-        return path
-
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed for an exact resume (tensors and primitive containers only)."""
-        import speedtronic
-
-        config = None
-        if self.config is not None and hasattr(self.config, "to_dict"):
-            config = self.config.to_dict(redact_secrets=True)
-        coordinator_state = self.coordinator.state_dict() if self.coordinator is not None else None
-        return {
-            "format": "speedtronic-checkpoint/1",
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "step": self.step,
-            "samples": self.samples,
-            "tokens": self.tokens,
-            "skipped_updates": self.skipped_updates,
-            "data": {"batches": self._batches_consumed, "loader": self._loader_state()},
-            "rng": capture_rng_state(),
-            "coordinator": coordinator_state,
-            "precision": {
-                "mode": self.precision.mode,
-                "autocast_enabled": self.precision.autocast_enabled,
-                "use_scaler": self.precision.use_scaler,
-            },
-            "config": config,
-            "versions": {"speedtronic": speedtronic.__version__, "torch": str(torch.__version__)},
-        }
-
-    def _loader_state(self) -> dict[str, Any] | None:
-        get = getattr(self.dataloader, "state_dict", None)
-        return dict(get()) if callable(get) else None
-
-    def resume(self, state: dict[str, Any]) -> None:
-        """Load a checkpoint state; data position and RNG take effect at the next ``fit()``."""
-        self.model.load_state_dict(state["model"])
-        if state.get("optimizer") is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler is not None and state.get("scheduler") is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        self._deferred_scaler_state = state.get("scaler")
-        self.step = int(state.get("step", self.step))
-        self.samples = int(state.get("samples", self.samples))
-        self.tokens = int(state.get("tokens", self.tokens))
-        self.skipped_updates = int(state.get("skipped_updates", 0))
-        self._last_saved_step = self.step
-        self._resume_data = dict(state.get("data") or {})
-        self._batch_iter = None
-        self._pending_rng = state.get("rng")
-        coordinator_state = state.get("coordinator")
-        if self.coordinator is not None and coordinator_state is not None:
-            prepare = getattr(self.coordinator, "prepare_state", None)
-            if callable(prepare):
-                prepare(coordinator_state)
-                self._deferred_coordinator_state = None
-            else:
-                self._deferred_coordinator_state = coordinator_state
 
 
 TrainingEngine = Trainer
