@@ -1,12 +1,16 @@
 """The training loop and everything it directly owns.
 
 Modules:
-    trainer    -- ``Trainer`` (the loop), ``TrainResult``, ``SyncCoordinator``
+    trainer    -- ``Trainer`` (the loop: ``fit``, ``request_stop``, ``last_heartbeat``)
+    state      -- checkpoint state, resume, the resumable batch stream (mixed into ``Trainer``)
+    result     -- ``TrainResult``, ``SyncCoordinator``, the loop's stop errors
+    forward    -- the user-model contract: batch movement/counting, forward call, loss resolution
+    features   -- gradient checkpointing, ``torch.compile`` with fallback, OOO scheduler setup
     runtime    -- ``build_runtime`` / ``train_from_config`` (config -> running trainer)
     precision  -- device and mixed-precision resolution, autocast, GradScaler
     launch     -- ``train_command`` behind ``speedtronic train`` (signals, progress bar)
-    shapes     -- startup shape validation (owned by the optimizer side)
-    ooo        -- out-of-order backprop stream scheduling (owned by the optimizer side)
+    shapes     -- startup shape validation
+    ooo        -- out-of-order backprop stream scheduling
 
 Nothing is imported eagerly: ``import speedtronic.train`` stays cheap.
 """
