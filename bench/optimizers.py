@@ -150,6 +150,12 @@ def torch_ns_in_fp32():
         module._zeropower_via_newtonschulz = original
 
 
+def max_diff(params: dict[str, list[torch.Tensor]], other: str) -> float:
+    """Largest absolute parameter difference between ours and ``other``."""
+    pairs = zip(params["ours"], params[other], strict=True)
+    return max((a.detach() - b.detach()).abs().max().item() for a, b in pairs)
+
+
 def bench_muon_vs_torch(args: argparse.Namespace, device: torch.device) -> dict:
     """Part 2: ours vs torch.optim.Muon (bf16 NS) and vs torch with NS patched to fp32."""
     hyper = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True, "ns_steps": 5}
@@ -182,16 +188,14 @@ def bench_muon_vs_torch(args: argparse.Namespace, device: torch.device) -> dict:
                 sync(device)
             if step > 0:  # step 0 is warm-up
                 times[label].append(time.perf_counter() - start)
+        if step == min(args.muon_steps, total):  # the bf16 peer's last step: same step count
+            diff_bf16 = max_diff(params, "torch_bf16_ns")
     median = {label: statistics.median(values) for label, values in times.items()}
     best = {label: min(values) for label, values in times.items()}
 
-    def max_diff(other: str) -> float:
-        pairs = zip(params["ours"], params[other], strict=True)
-        return max((a.detach() - b.detach()).abs().max().item() for a, b in pairs)
-
     result = {
         "shapes": [list(s) for s in shapes],
-        "steps": {label: len(values) for label, values in times.items()},
+        "steps": {label: len(values) + 1 for label, values in times.items()},  # + warm-up
         "hyper_parameters": hyper,
         "step_ms_median": {label: 1e3 * value for label, value in median.items()},
         "ratio_ours_vs_torch": median["ours"] / median["torch_bf16_ns"],
@@ -199,8 +203,8 @@ def bench_muon_vs_torch(args: argparse.Namespace, device: torch.device) -> dict:
         "step_ms_min": {label: 1e3 * value for label, value in best.items()},
         "ratio_ours_vs_torch_min": best["ours"] / best["torch_bf16_ns"],
         "ratio_ours_vs_torch_fp32_ns_min": best["ours"] / best["torch_fp32_ns"],
-        "max_abs_param_diff_vs_torch_bf16": max_diff("torch_bf16_ns"),
-        "max_abs_param_diff_vs_torch_fp32": max_diff("torch_fp32_ns"),
+        "max_abs_param_diff_vs_torch_bf16": diff_bf16,
+        "max_abs_param_diff_vs_torch_fp32": max_diff(params, "torch_fp32_ns"),
     }
     print(
         f"muon  ours {result['step_ms_median']['ours']:.2f} ms | torch.optim.Muon (bf16 NS) "
