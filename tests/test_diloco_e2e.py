@@ -171,15 +171,27 @@ def _assert_no_token(tmp: Path) -> None:
             assert needle not in path.read_bytes(), f"token leaked into {path}"
 
 
-def _run_three(tmp: Path, repo: str, env: dict, steps: int = 18) -> tuple[Node, list[Node]]:
-    # The master trains longer than the workers so it is still aggregating while they run;
-    # workers start once it has bootstrapped the global (like a readiness gate).
-    master = Node(tmp, "m", "master", repo, steps + 12, env).start()
+def _run_three(tmp: Path, repo: str, env: dict, read_processed, steps: int = 18):
+    """Master (until SIGTERM) + two workers (``steps`` each); the master is stopped once it
+    has aggregated each worker's last upload."""
+    master = Node(tmp, "m", "master", repo, 5000, env).start()
     _wait_for(lambda: bool(master.events("diloco_started")), 180, "the master to start")
     workers = [Node(tmp, f"w{i}", "worker", repo, steps, env).start() for i in (1, 2)]
-    for node in (master, *workers):
+    for node in workers:
         assert node.wait(240) == 0, node.out.read_text()[-3000:]
+    _wait_for(
+        lambda: _last_uploads_aggregated(workers, read_processed()),
+        120,
+        "the master to aggregate the last worker deltas",
+    )
+    master.proc.send_signal(signal.SIGTERM)  # graceful stop: final checkpoint, exit 0
+    assert master.wait(60) == 0, master.out.read_text()[-3000:]
     return master, workers
+
+
+def _last_uploads_aggregated(workers: list[Node], ledger: list[tuple[str, int, int]]) -> bool:
+    done = {(n, s) for n, s, _ in ledger}
+    return all((w.name, w.events("delta_uploaded")[-1]["step"]) in done for w in workers)
 
 
 def _check_training(master: Node, workers: list[Node]) -> None:
@@ -199,7 +211,12 @@ def _check_training(master: Node, workers: list[Node]) -> None:
 
 def test_master_and_two_workers_over_shared_volume(tmp_path):
     repo = f"file://{tmp_path / 'exchange'}"
-    master, workers = _run_three(tmp_path, repo, _env())
+    processed = tmp_path / "exchange/global/processed.json"
+
+    def read_processed():
+        return _ledger({"global/processed.json": processed.read_bytes()})
+
+    master, workers = _run_three(tmp_path, repo, _env(), read_processed)
     _check_training(master, workers)
     step_count = json.loads((tmp_path / "exchange/global/step_count.json").read_text())
     assert step_count["outer_step"] >= 3
@@ -208,7 +225,9 @@ def test_master_and_two_workers_over_shared_volume(tmp_path):
 
 def test_master_and_two_workers_over_hub_emulator(tmp_path, hub_emulator):
     env = _env({"HF_ENDPOINT": hub_emulator.url})
-    master, workers = _run_three(tmp_path, "org/diloco-e2e", env)
+    master, workers = _run_three(
+        tmp_path, "org/diloco-e2e", env, lambda: _ledger(hub_emulator.files("org/diloco-e2e"))
+    )
     _check_training(master, workers)
     files = hub_emulator.files("org/diloco-e2e")
     assert json.loads(files["global/step_count.json"])["outer_step"] >= 3
@@ -238,11 +257,11 @@ def test_faults_kills_and_restarts_over_hub_emulator(tmp_path, hub_emulator):
     for worker in (w1, w2):
         assert worker.wait(240) == 0, worker.out.read_text()[-3000:]
 
-    def final_uploads_aggregated() -> bool:
-        ledger = {(n, s) for n, s, _ in _ledger(hub_emulator.files(repo))}
-        return all((w.name, w.events("delta_uploaded")[-1]["step"]) in ledger for w in (w1, w2))
-
-    _wait_for(final_uploads_aggregated, 120, "the master to aggregate the last worker deltas")
+    _wait_for(
+        lambda: _last_uploads_aggregated([w1, w2], _ledger(hub_emulator.files(repo))),
+        120,
+        "the master to aggregate the last worker deltas",
+    )
     master.proc.send_signal(signal.SIGTERM)  # graceful stop
     assert master.wait(60) == 0, master.out.read_text()[-3000:]
 
@@ -264,5 +283,7 @@ def test_faults_kills_and_restarts_over_hub_emulator(tmp_path, hub_emulator):
 
 
 def _ledger(files: dict[str, bytes]) -> list[tuple[str, int, int]]:
+    if "global/processed.json" not in files:
+        return []
     data = json.loads(files["global/processed.json"])
     return [(n, int(s), int(b)) for n, s, b in data["processed"]]

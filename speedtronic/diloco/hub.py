@@ -131,8 +131,7 @@ class HubClient(RepoTransport):
         return self._api
 
     def _scoped(self, fn: Any, *args: Any) -> Any:
-        api = self.api  # built outside the timeout scope (may install the SDK hook)
-        del api
+        _ = self.api  # build the client (and the SDK timeout hook) before the first request
         with _timeout_scope(self.retry.timeout):
             return fn(*args)
 
