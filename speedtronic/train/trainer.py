@@ -361,6 +361,7 @@ class Trainer(TrainerStateMixin):
     def _note_skipped(self, update: _Update) -> None:
         self.skipped_updates += 1
         self._consecutive_skips += 1
+        self.last_heartbeat = time.monotonic()  # alive, even if this update was skipped
         self.logger.emit(
             "optimizer_step_skipped", {"step": self.step + 1, "reason": update.skipped}
         )
