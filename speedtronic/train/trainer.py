@@ -82,6 +82,11 @@ class Trainer(TrainerStateMixin):
     ``config`` (a ``SpeedtronicConfig``, dict, or ``None``) supplies accumulation, clipping,
     precision, compile, gradient checkpointing, OOO and stop policy; everything has a default so a
     plain ``nn.Module``, a ``torch.optim`` optimizer and a list of batches are enough.
+
+    ``max_steps`` is the absolute step target (default ``run.max_steps``, else 1000);
+    ``accumulation_steps`` overrides ``data.accumulation_steps``; ``precision`` defaults to
+    ``resolve_precision(config.precision, device)``; ``logger`` to a stdout ``MetricLogger``.
+    ``checkpoint_manager``, ``coordinator``, ``scheduler`` and ``shape_report`` are optional.
     """
 
     def __init__(
