@@ -2,7 +2,7 @@
 
 Import them explicitly in a test module::
 
-    from tests.hub_emulator_fixtures import hub_emulator, make_transport  # noqa: F401
+    from hub_emulator_fixtures import hub_emulator, make_transport  # noqa: F401
 """
 
 from __future__ import annotations

@@ -7,12 +7,12 @@ import time
 
 import pytest
 import torch
+from hub_emulator_fixtures import fast_retry
 
 from speedtronic.config import ConfigError, DistributedConfig
 from speedtronic.diloco.coordinator import DumbDiLoCoCoordinator
 from speedtronic.diloco.directory import DirectoryTransport
 from speedtronic.diloco.identity import resolve_node_id
-from tests.hub_emulator_fixtures import fast_retry
 
 
 class Log:

@@ -17,8 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from tests.hub_emulator_fixtures import TEST_TOKEN, hub_emulator  # noqa: F401
+from hub_emulator_fixtures import TEST_TOKEN, hub_emulator  # noqa: F401
 
 pytestmark = pytest.mark.slow
 

@@ -6,12 +6,12 @@ import json
 
 import pytest
 import torch
+from hub_emulator_fixtures import fast_retry
 
 from speedtronic.diloco import tensors as T
 from speedtronic.diloco.directory import DirectoryTransport
 from speedtronic.diloco.outer import MasterOuterLoop, NesterovOuterOptimizer
 from speedtronic.diloco.transport import TransportError
-from tests.hub_emulator_fixtures import fast_retry
 
 
 def test_nesterov_first_step_golden():

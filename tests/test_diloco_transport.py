@@ -8,6 +8,7 @@ from typing import ClassVar
 
 import pytest
 import torch
+from hub_emulator_fixtures import TEST_TOKEN, fast_retry, hub_emulator, make_transport  # noqa: F401
 
 from speedtronic.diloco.transport import (
     GLOBAL_MODEL,
@@ -18,7 +19,6 @@ from speedtronic.diloco.transport import (
     TransportError,
     classify_error,
 )
-from tests.hub_emulator_fixtures import TEST_TOKEN, fast_retry, hub_emulator, make_transport  # noqa: F401
 
 KINDS = ["directory", "hub"]
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from hub_emulator_fixtures import TEST_TOKEN, fast_retry, hub_emulator, make_transport  # noqa: F401
 
 from speedtronic.diloco.transport import HubUnavailable, RetryPolicy
-from tests.hub_emulator_fixtures import TEST_TOKEN, fast_retry, hub_emulator, make_transport  # noqa: F401
 
 
 def test_sdk_endpoints_directly(hub_emulator, tmp_path):
