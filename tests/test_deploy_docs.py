@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
 
+import pytest
+import yaml
 from test_deploy_support import REPO
 
 from speedtronic.config import SpeedtronicConfig
@@ -63,3 +67,22 @@ def test_documented_files_exist():
     for path in re.findall(r"`((?:k8s|deploy|configs|docs)/[\w./-]+|compose[\w.]*\.yaml)`", DOC):
         if "<" not in path and path != "compose.override.yaml":  # the user's own file
             assert (REPO / path.rstrip("/")).exists(), path
+
+
+def test_dashboard_promql_parses(tmp_path):
+    """Every dashboard query is valid PromQL (checked by promtool when it is installed)."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (Debian package prometheus, .ci/install-tools)")
+    rules = []
+    for index, expr in enumerate(_exprs()):
+        concrete = expr.replace("$__rate_interval", "5m").replace("$role", ".*")
+        rules.append(
+            {"record": f"dashboard:query_{index}", "expr": concrete.replace("$node_id", ".*")}
+        )
+    path = tmp_path / "rules.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    result = subprocess.run(
+        [promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
