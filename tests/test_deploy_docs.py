@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import shutil
@@ -86,3 +87,31 @@ def test_dashboard_promql_parses(tmp_path):
         [promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_container_commands_in_the_docs_name_real_files_services_and_profiles():
+    """Every `docker compose` line in README.md and docs/deploy.md names compose files,
+    services and profiles that exist."""
+    compose = yaml.safe_load((REPO / "compose.yaml").read_text())
+    services = set(compose["services"])
+    profiles = {p for s in compose["services"].values() for p in s.get("profiles", [])}
+    readme = (REPO / "README.md").read_text()
+    lines = [
+        line.split("#")[0]
+        for text in (readme, DOC)
+        for line in text.splitlines()
+        if line.strip().startswith(("docker compose", "SPEEDTRONIC_HUB_REPO"))
+        or " docker compose " in line
+    ]
+    assert lines
+    for line in lines:
+        words = line.replace("\\", " ").split()
+        for flag, value in itertools.pairwise(words):
+            if flag == "-f" and value.endswith(".yaml"):
+                assert (REPO / value).is_file(), line
+            if flag == "--profile":
+                assert value in profiles, line
+        if " up" in line:
+            tail = words[words.index("up") + 1 :]
+            named = [w for w in tail if not w.startswith("-") and "=" not in w]
+            assert set(named) <= services, line
