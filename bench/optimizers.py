@@ -163,8 +163,10 @@ def bench_muon_vs_torch(args: argparse.Namespace, device: torch.device) -> dict:
 
     def make_params():
         generator = torch.Generator().manual_seed(7)
-        made = [torch.nn.Parameter(torch.randn(s, generator=generator) * 0.02) for s in shapes]
-        return [p.to(device) for p in made] if device.type != "cpu" else made
+        return [
+            torch.nn.Parameter((torch.randn(s, generator=generator) * 0.02).to(device))
+            for s in shapes
+        ]
 
     peers = {"ours": (Muon, contextlib.nullcontext), "torch_bf16_ns": (torch.optim.Muon, None)}
     peers["torch_fp32_ns"] = (torch.optim.Muon, torch_ns_in_fp32)

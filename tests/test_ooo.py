@@ -1,4 +1,8 @@
-"""Out-of-order backprop scheduler: stage discovery, disabled paths, CUDA equivalence."""
+"""Out-of-order backprop scheduler: stage discovery, disabled paths, CUDA equivalence.
+
+tests/conftest.py hides GPUs by default; run the CUDA tests with
+``CUDA_VISIBLE_DEVICES=0 pytest tests/test_ooo.py``.
+"""
 
 from __future__ import annotations
 
