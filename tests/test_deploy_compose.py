@@ -71,7 +71,9 @@ def test_worker_is_scalable_with_hostname_node_ids():
     env = compose_env(worker)
     assert "SPEEDTRONIC_NODE_ID" not in env and "SPEEDTRONIC_DISTRIBUTED__NODE_ID" not in env
     script = " ".join(worker["entrypoint"])
-    assert "${HOSTNAME}" in script and "exec speedtronic run" in script
+    assert "exec speedtronic run" in script
+    for name in ("RUN__OUTPUT_DIR", "LOGGING__JSON_FILE", "DISTRIBUTED__CACHE_DIR"):
+        assert f'SPEEDTRONIC_{name}="/data/runs/${{HOSTNAME}}' in script, name
 
 
 def test_hub_override_reads_the_token_from_a_secret_file_only():

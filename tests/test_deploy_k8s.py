@@ -76,6 +76,7 @@ def test_base_deploys_master_workers_volume_and_services():
     env = k8s_env(container(worker), "speedtronic-worker-1")
     assert env["SPEEDTRONIC_NODE_ID"] == "speedtronic-worker-1"
     assert env["SPEEDTRONIC_RUN__OUTPUT_DIR"] == "/data/runs/speedtronic-worker-1"
+    assert env["SPEEDTRONIC_DISTRIBUTED__CACHE_DIR"] == "/data/runs/speedtronic-worker-1/hub-cache"
     node_ref = next(e for e in container(worker)["env"] if e["name"] == "SPEEDTRONIC_NODE_ID")
     assert node_ref["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     configmap = find(objects, "ConfigMap")
