@@ -267,3 +267,18 @@ def test_scalar_optimizer_and_root_flags_build_a_cautious_hybrid():
     optimizer = build_optimizer(_reference(), config, "cpu")
     assert isinstance(optimizer, CautiousOptimizer) and isinstance(optimizer.base, HybridOptimizer)
     assert optimizer.base.muon.param_groups[0]["muon_plus"] is True
+
+
+def test_cautious_wrapper_matches_the_pure_function():
+    from speedtronic.optim import cautious_step
+
+    torch.manual_seed(6)
+    start, grad = torch.randn(5, 4), torch.randn(5, 4)
+    plain = nn.Parameter(start.clone())
+    plain.grad = grad.clone()
+    torch.optim.AdamW([plain], lr=0.05, weight_decay=0.2).step()
+    expected = cautious_step(start, plain.detach(), grad, lr=0.05, weight_decay=0.2)
+    wrapped = nn.Parameter(start.clone())
+    wrapped.grad = grad.clone()
+    CautiousOptimizer(torch.optim.AdamW([wrapped], lr=0.05, weight_decay=0.2)).step()
+    torch.testing.assert_close(wrapped.detach(), expected)
