@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from test_deploy_support import REPO, compose_env, image_config, load_compose
 from test_rehearsal_support import (
+    SMALL_MODEL_ENV,
     SPEED_ENV,
     Rehearsal,
     base_env,
@@ -109,15 +110,6 @@ def test_compose_hub_override_reads_the_token_from_the_secret_file(tmp_path):
     model = load_compose(
         "compose.yaml", "compose.hub.yaml", environ={"SPEEDTRONIC_HUB_REPO": "team/run"}
     )
-    shrink = {
-        "SPEEDTRONIC_MODEL__VOCAB_SIZE": "128",
-        "SPEEDTRONIC_MODEL__MAX_SEQ_LEN": "32",
-        "SPEEDTRONIC_MODEL__N_LAYER": "2",
-        "SPEEDTRONIC_MODEL__D_MODEL": "64",
-        "SPEEDTRONIC_DATA__MICRO_BATCH_SIZE": "2",
-        "SPEEDTRONIC_DATA__TARGET_BATCH_SIZE": "2",
-        "SPEEDTRONIC_CHECKPOINT__EVERY_STEPS": "20",
-    }
     with HubEmulator(token=token) as hub:
         master = service_process(model, "master", "master", tmp_path)
         worker = service_process(model, "worker", secrets.token_hex(6), tmp_path, replica="worker")
@@ -125,7 +117,7 @@ def test_compose_hub_override_reads_the_token_from_the_secret_file(tmp_path):
             assert proc.env["SPEEDTRONIC_DISTRIBUTED__REPO_ID"] == "team/run"
             assert token not in " ".join(f"{k}={v}" for k, v in proc.env.items())
             assert (Path(proc.mounts["/run/secrets"]) / "hf_token").read_text().strip() == token
-            proc.env.update(shrink)
+            proc.env.update(SMALL_MODEL_ENV)
             proc.env["HF_ENDPOINT"] = hub.url
 
         def probe(proc: Rehearsal) -> None:

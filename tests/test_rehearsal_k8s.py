@@ -8,11 +8,13 @@ The pods' own startup, liveness and readiness probes must answer 200.
 
 from __future__ import annotations
 
+import secrets as secrets_module
 from pathlib import Path
 
 import pytest
 from test_deploy_support import find, image_config, k8s_env, kustomize_status, render_kustomize
 from test_rehearsal_support import (
+    SMALL_MODEL_ENV,
     SPEED_ENV,
     Rehearsal,
     base_env,
@@ -31,8 +33,15 @@ pytestmark = [
 ]
 
 
-def pod_process(objects: list[dict], workload: dict, pod_name: str, tmp: Path) -> Rehearsal:
-    """One pod of `workload` as a local process."""
+def pod_process(
+    objects: list[dict],
+    workload: dict,
+    pod_name: str,
+    tmp: Path,
+    secrets: dict[str, dict[str, str]] | None = None,
+) -> Rehearsal:
+    """One pod of `workload` as a local process; `secrets` holds the cluster's Secrets (name ->
+    data), as `kubectl create secret` would have made them."""
     spec = workload["spec"]["template"]["spec"]
     (container,) = spec["containers"]
     image = image_config()
@@ -50,9 +59,12 @@ def pod_process(objects: list[dict], workload: dict, pod_name: str, tmp: Path) -
             for key, text in configmap["data"].items():
                 (local / key).write_text(text)
         elif "secret" in volume:
-            assert volume["secret"].get("optional"), "a mandatory Secret cannot be rehearsed"
-            local = tmp / pod_name / "secret"  # the optional Secret does not exist
+            data = (secrets or {}).get(volume["secret"]["secretName"])
+            assert data is not None or volume["secret"].get("optional"), "missing Secret"
+            local = tmp / pod_name / "secret"  # empty when the optional Secret does not exist
             local.mkdir(parents=True)
+            for key, text in (data or {}).items():
+                (local / key).write_text(text)
         else:
             assert "emptyDir" in volume, volume
             local = tmp / pod_name / mount["name"]
@@ -106,3 +118,33 @@ def test_k8s_master_and_two_workers_complete_a_round_and_stop_cleanly(tmp_path):
     assert {"speedtronic-worker-0", "speedtronic-worker-1"} <= published, published
     for name in ("speedtronic-worker-0", "speedtronic-worker-1"):
         assert list((pvc / "runs" / name).rglob("latest.json")), name
+
+
+def test_k8s_hub_overlay_reads_the_token_from_the_mounted_secret(tmp_path):
+    """overlays/hub against the Hub emulator, which demands the token; the Secret is created as
+    `kubectl create secret generic speedtronic-hf-token --from-file=hf_token=...` would."""
+    from speedtronic.testing.hub_server import HubEmulator
+
+    token = "hf_k8s_" + secrets_module.token_hex(8)
+    objects = render_kustomize("k8s/overlays/hub")
+    master = find(objects, "Deployment", "speedtronic-master")
+    workers = find(objects, "StatefulSet", "speedtronic-worker")
+    cluster_secrets = {"speedtronic-hf-token": {"hf_token": token}}
+    with HubEmulator(token=token) as hub:
+        processes = [
+            pod_process(objects, master, "speedtronic-master-0", tmp_path, cluster_secrets),
+            pod_process(objects, workers, "speedtronic-worker-0", tmp_path, cluster_secrets),
+        ]
+        repo = processes[0].env["SPEEDTRONIC_DISTRIBUTED__REPO_ID"]
+        for proc in processes:
+            assert token not in " ".join(proc.env.values())
+            proc.env.update(SMALL_MODEL_ENV)
+            proc.env["HF_ENDPOINT"] = hub.url  # the cluster's route to the Hub
+
+        def probe(proc: Rehearsal) -> None:
+            assert token not in http_get(proc.url("/metrics"))[1]
+
+        rehearse(processes, tmp_path, probe)
+        assert any(path.startswith("nodes/speedtronic-worker-0/") for path in hub.files(repo))
+    for proc in processes:
+        assert token not in proc.output(), f"{proc.name} logged the token"

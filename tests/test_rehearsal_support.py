@@ -206,6 +206,17 @@ SPEED_ENV = {
     "SPEEDTRONIC_LOGGING__EVERY_STEPS": "50",
 }
 
+# The Hub configs train a bigger model; the Hub rehearsals shrink it (time scaling only).
+SMALL_MODEL_ENV = {
+    "SPEEDTRONIC_MODEL__VOCAB_SIZE": "128",
+    "SPEEDTRONIC_MODEL__MAX_SEQ_LEN": "32",
+    "SPEEDTRONIC_MODEL__N_LAYER": "2",
+    "SPEEDTRONIC_MODEL__D_MODEL": "64",
+    "SPEEDTRONIC_DATA__MICRO_BATCH_SIZE": "2",
+    "SPEEDTRONIC_DATA__TARGET_BATCH_SIZE": "2",
+    "SPEEDTRONIC_CHECKPOINT__EVERY_STEPS": "20",
+}
+
 MASTER_MOVING = [
     "speedtronic_diloco_rounds_total",
     "speedtronic_diloco_outer_step",
