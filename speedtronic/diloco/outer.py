@@ -49,8 +49,11 @@ def nesterov_update(
     if g32.is_complex():
         g32 = g32.real
     buf.mul_(momentum).add_(g32)
-    effective = g32 + momentum * buf
-    weight.sub_((lr * effective).to(weight.dtype))
+    effective = buf.mul(momentum).add_(g32)  # g + momentum * buf, one temporary
+    if weight.dtype == torch.float32:
+        weight.add_(effective, alpha=-lr)
+    else:
+        weight.sub_((lr * effective).to(weight.dtype))
 
 
 class NesterovOuterOptimizer:

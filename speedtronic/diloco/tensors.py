@@ -116,9 +116,9 @@ def average_deltas(deltas: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, to
         raise ValueError("average_deltas needs at least one delta")
     keys = set(items[0])
     total: dict[str, torch.Tensor] = {
-        key: torch.zeros(tuple(value.shape), dtype=torch.float32) for key, value in items[0].items()
+        key: value.detach().to("cpu", torch.float32, copy=True) for key, value in items[0].items()
     }
-    for delta in items:
+    for delta in items[1:]:
         if set(delta) != keys:
             raise ValueError("all deltas must have the same keys")
         for key, value in delta.items():
