@@ -324,3 +324,28 @@ def test_token_never_in_state_or_events(tmp_path):
     c.stop()
     blob = repr(c.state_dict()) + repr(log.events) + repr(log.lines)
     assert token not in blob
+
+
+def test_outage_at_startup_does_not_hold_training(tmp_path):
+    class Down(DirectoryTransport):
+        calls = 0
+
+        def _read(self, path):
+            Down.calls += 1
+            raise ConnectionError("hub unreachable")
+
+        def _commit(self, additions, deletions, message):
+            raise ConnectionError("hub unreachable")
+
+    sleeps: list[float] = []
+    down = Down(f"file://{tmp_path}/repo", fast_retry(attempts=6, sleeps=sleeps))
+    c, model, log = make(tmp_path, down, async_global_poll=False, async_delta_upload=False)
+    c.start()
+    assert Down.calls <= 4 and len(sleeps) <= 3  # two attempts per startup call
+    assert not c.is_ready()
+    assert down.retry.attempts == 6  # the full policy is back for later calls
+    nudge(model)
+    assert c.after_optimizer_step(model, 1) is False  # upload failed, carried, training goes on
+    assert "delta_upload_failed" in log.names()
+    assert any("retry" in e for e in log.names())
+    c.stop()

@@ -25,7 +25,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -195,10 +195,11 @@ class DumbDiLoCoCoordinator:
                 return
             self._stopped = False
             self._accepting_uploads = True
-            if self.role == "master":
-                self._start_master()
-            else:
-                self._start_worker()
+            with self._quick_retries():  # an outage must not hold training at startup
+                if self.role == "master":
+                    self._start_master()
+                else:
+                    self._start_worker()
             self._start_io_workers()
             self._started = True
             self._last_poll = time.monotonic()
@@ -211,6 +212,21 @@ class DumbDiLoCoCoordinator:
             "diloco_started",
             {"role": self.role, "node_id": self.node_id, "global_step": self._last_global_step},
         )
+
+    @contextlib.contextmanager
+    def _quick_retries(self) -> Iterator[None]:
+        """At most two attempts per call during startup (no I/O thread runs yet); the
+        background lanes and the outer loop retry with the full policy afterwards."""
+        retry = getattr(self.hub, "retry", None)
+        if retry is None or not hasattr(retry, "attempts"):
+            yield
+            return
+        saved = retry.attempts
+        retry.attempts = min(saved, 2)
+        try:
+            yield
+        finally:
+            retry.attempts = saved
 
     def _start_master(self) -> None:
         try:
