@@ -255,10 +255,11 @@ def test_faults_kills_and_restarts_over_hub_emulator(tmp_path, hub_emulator):
     master = Node(tmp_path, "m", "master", repo, 100_000, env, ("checkpoint.every_steps=10",))
     master.start()
     _wait_for(lambda: bool(master.events("diloco_started")), 180, "the master to start")
-    w1 = Node(tmp_path, "w1", "worker", repo, 45, env).start()
-    w2 = Node(tmp_path, "w2", "worker", repo, 45, env).start()
+    w1 = Node(tmp_path, "w1", "worker", repo, 150, env).start()
+    w2 = Node(tmp_path, "w2", "worker", repo, 150, env).start()
 
     _wait_for(lambda: bool(w1.events("delta_uploaded")), 180, "a w1 upload")
+    assert w1.proc.poll() is None, "w1 finished before it could be killed"
     w1.kill()
     w1.start(resume=True)
     _wait_for(
