@@ -134,7 +134,7 @@ class Node:
     def kill(self) -> None:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
+        self.proc.wait(60)  # a process in an fsync can take a while to die
 
 
 def _env(extra: dict | None = None) -> dict:
