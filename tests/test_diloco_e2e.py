@@ -25,6 +25,20 @@ ROOT = Path(__file__).resolve().parents[1]
 TEXT = "the quick brown fox jumps over the lazy dog. " * 400
 
 
+_RUNNING: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _reap_processes():
+    """Never leave a training process behind, even when a test fails."""
+    yield
+    while _RUNNING:
+        proc = _RUNNING.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(60)
+
+
 class Node:
     """One ``speedtronic train`` process and its files."""
 
@@ -106,6 +120,7 @@ class Node:
             self.proc = subprocess.Popen(
                 args, cwd=self.tmp, env=self.env, stdout=out, stderr=subprocess.STDOUT
             )
+            _RUNNING.append(self.proc)
         return self
 
     def events(self, name: str | None = None) -> list[dict]:
