@@ -163,6 +163,34 @@ def test_distributed_coordinator_is_wired_and_checkpointed(tmp_path):
     resumed.logger.close()
 
 
+def _first_batch(values: dict) -> torch.Tensor:
+    trainer, _ = build_runtime(values)
+    trainer.logger.close()
+    inputs, _labels = next(iter(trainer.dataloader))
+    return inputs
+
+
+def test_diloco_nodes_draw_different_batches_and_each_node_is_deterministic(tmp_path):
+    pytest.importorskip("speedtronic.diloco")
+
+    def node(node_id: str) -> dict:
+        values = small_config(tmp_path / node_id)
+        values["distributed"] = {
+            "enabled": True,
+            "role": "worker",
+            "node_id": node_id,
+            "repo_id": f"file://{tmp_path / 'exchange'}",
+        }
+        return values
+
+    w1, w1_again, w2 = _first_batch(node("w1")), _first_batch(node("w1")), _first_batch(node("w2"))
+    assert torch.equal(w1, w1_again)
+    assert not torch.equal(w1, w2)
+    # Without DiLoCo the configured seed alone decides the stream.
+    plain = small_config(tmp_path / "plain")
+    assert torch.equal(_first_batch(plain), _first_batch(plain))
+
+
 TOKEN = "hf_abcdefSECRET0123456789"
 
 

@@ -3,8 +3,9 @@
 ``build_runtime(config, *, resume=False, device=None, max_steps=None)`` returns
 ``(trainer, checkpoint_manager)`` after, in order: validation → run-target override (moves an
 implicit scheduler horizon too) → seeding → device (``run.device``) → precision → model (moved to
-the device) → data loader → logger → checkpoint manager → shape validation → optimizer →
-scheduler → DumbDiLoCo coordinator (when ``distributed.enabled``) → ``Trainer`` → resume. Every
+the device) → logger → DumbDiLoCo coordinator (when ``distributed.enabled``) → data loader (its
+seed mixed with the node id, so DiLoCo nodes see different batches) → checkpoint manager → shape
+validation → optimizer → scheduler → ``Trainer`` → resume. Every
 configuration problem (a CUDA request without CUDA, a bad data path, an unknown model) raises
 ``ConfigError`` naming the field, before any training step.
 
@@ -25,9 +26,11 @@ update, stops the coordinator, writes a final checkpoint and returns normally.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
+import zlib
 from typing import Any
 
 import torch
@@ -138,6 +141,21 @@ def _coordinator(config: Any, model: torch.nn.Module, logger: MetricLogger) -> A
     )
 
 
+def _node_data_config(data: Any, coordinator: Any) -> Any:
+    """Give every DumbDiLoCo node its own data stream.
+
+    Nodes that share ``data.seed`` and a data source would otherwise train on identical batches
+    and contribute identical pseudo-gradients. The node id is mixed into the loader seed with a
+    stable hash (CRC-32), so the stream stays deterministic per node and resume stays exact.
+    Without a coordinator the section is returned unchanged.
+    """
+    if coordinator is None:
+        return data
+    base = int(data.seed if data.seed is not None else 0)
+    mixed = (base + zlib.crc32(str(coordinator.node_id).encode("utf-8"))) % 2**31
+    return dataclasses.replace(data, seed=mixed)
+
+
 def build_runtime(
     config: Any,
     *,
@@ -163,12 +181,13 @@ def build_runtime(
     precision = _precision(config, resolved)
     model = build_model(config.model)
     model.to(resolved)
+    logger = build_logger(config)
+    coordinator = _coordinator(config, model, logger)
     loader = build_dataloader(
-        config.data,
+        _node_data_config(config.data, coordinator),
         pin_memory_device=resolved.type == "cuda",
         vocab_size=config.model.vocab_size,
     )
-    logger = build_logger(config)
     section = config.checkpoint
     manager = CheckpointManager(
         config.checkpoint_dir,
@@ -184,7 +203,6 @@ def build_runtime(
     report = validate_startup_shapes(config, model, resolved, precision, logger=logger)
     optimizer = build_optimizer(model, config, resolved)
     scheduler = build_scheduler(optimizer, config)
-    coordinator = _coordinator(config, model, logger)
     trainer = Trainer(
         model,
         optimizer,
