@@ -7,7 +7,7 @@ Layout of a checkpoint directory::
     step_000000000004.pt
 
 Every file is written atomically: a temp file in the same directory
-(``.<name>.tmp-<pid>``), flushed and ``fsync``-ed, renamed over the target with
+(``.<name>.tmp-<pid>-<thread>``), flushed and ``fsync``-ed, renamed over the target with
 ``os.replace`` and the directory ``fsync``-ed. A process killed mid-write leaves at worst a
 stale temp file; the previous checkpoint stays loadable. Checkpoints hold only tensors and
 primitive containers and are read with ``torch.load(weights_only=True)`` (no pickled objects).
@@ -22,6 +22,7 @@ import os
 import random
 import re
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ __all__ = [
     "CheckpointManager",
     "atomic_json_dump",
     "atomic_torch_save",
+    "atomic_write_bytes",
     "capture_rng_state",
     "restore_rng_state",
 ]
@@ -62,7 +64,8 @@ def _atomic_write(path: Path, write: Callable[[Any], None]) -> Path:
     """Write ``path`` through ``write(fileobj)`` via temp file + fsync + rename + dir fsync."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}{_TEMP_MARK}{os.getpid()}")
+    # pid + thread id: concurrent writers (processes or threads) never share a temp file.
+    temp = path.with_name(f".{path.name}{_TEMP_MARK}{os.getpid()}-{threading.get_ident()}")
     try:
         with open(temp, "wb") as handle:
             write(handle)
@@ -81,10 +84,15 @@ def atomic_torch_save(state: Any, path: str | os.PathLike) -> Path:
     return _atomic_write(Path(path), lambda handle: torch.save(state, handle))
 
 
+def atomic_write_bytes(data: bytes, path: str | os.PathLike) -> Path:
+    """Write ``data`` to ``path`` atomically: readers see the old or the new file, never half."""
+    return _atomic_write(Path(path), lambda handle: handle.write(data))
+
+
 def atomic_json_dump(value: Any, path: str | os.PathLike) -> Path:
     """Write ``value`` as indented JSON (plus newline) to ``path`` atomically."""
     data = (json.dumps(value, indent=2, default=str) + "\n").encode("utf-8")
-    return _atomic_write(Path(path), lambda handle: handle.write(data))
+    return atomic_write_bytes(data, path)
 
 
 # ----------------------------------------------------------------------------- RNG state
@@ -295,10 +303,10 @@ class CheckpointManager:
     def prune(self) -> None:
         """Delete all but the newest ``keep_last`` step files, and stale temp files."""
         if self.directory.is_dir():
-            own = f"{_TEMP_MARK}{os.getpid()}"
+            own = f"{_TEMP_MARK}{os.getpid()}-"
             for child in self.directory.iterdir():
                 stale = child.name.startswith(".") and _TEMP_MARK in child.name
-                if stale and not child.name.endswith(own):
+                if stale and own not in child.name:
                     with contextlib.suppress(OSError):
                         child.unlink()
         if self.keep_last is None:

@@ -12,11 +12,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import secrets
 from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from speedtronic.checkpoint import atomic_write_bytes
 from speedtronic.diloco.transport import RepoTransport, RetryPolicy
 
 __all__ = ["DirectoryTransport", "directory_root"]
@@ -74,17 +74,7 @@ class DirectoryTransport(RepoTransport):
         return self._path(path).read_bytes()
 
     def _write(self, remote: str, data: bytes) -> None:
-        target = self._path(remote)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-        try:
-            with open(tmp, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, target)
-        finally:
-            tmp.unlink(missing_ok=True)
+        atomic_write_bytes(data, self._path(remote))
 
     def _commit(self, additions: Mapping[str, bytes], deletions: list[str], message: str) -> None:
         for remote, data in additions.items():

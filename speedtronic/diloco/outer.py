@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from speedtronic.checkpoint import atomic_write_bytes
 from speedtronic.diloco import tensors as T
 from speedtronic.diloco.transport import RemoteNotFound, TransportError
 
@@ -93,19 +94,6 @@ class NesterovOuterOptimizer:
         self.momentum_buffers = {
             str(k): v.detach().to("cpu", torch.float32).clone() for k, v in buffers.items()
         }
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 class MasterOuterLoop:
@@ -202,8 +190,8 @@ class MasterOuterLoop:
             "sha256": hashlib.sha256(data).hexdigest(),
             "updated_at": datetime.now(timezone.utc).isoformat(),
         }
-        _atomic_write(self.state_path, data)
-        _atomic_write(self.metadata_path, (json.dumps(meta, indent=2) + "\n").encode())
+        atomic_write_bytes(data, self.state_path)
+        atomic_write_bytes((json.dumps(meta, indent=2) + "\n").encode(), self.metadata_path)
         self.has_local_state = True
 
     # -- reconcile with the published state ------------------------------------------------------

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from speedtronic.checkpoint import atomic_write_bytes
+
 __all__ = [
     "DELTA_DTYPES",
     "average_deltas",
@@ -255,19 +257,7 @@ def save_safetensors(
     state: Mapping[str, torch.Tensor], path: str | os.PathLike, *, metadata=None
 ) -> Path:
     """Atomically write ``state`` to ``path`` (temp file + rename)."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    data = state_to_bytes(state, metadata=metadata)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return target
+    return atomic_write_bytes(state_to_bytes(state, metadata=metadata), path)
 
 
 def load_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
