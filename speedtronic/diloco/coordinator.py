@@ -15,6 +15,9 @@ no global was known yet. A failed upload is carried: its delta is added to the n
 every contribution reaches the master once. A transport failure is state, never a crash.
 
 The master also runs :class:`~speedtronic.diloco.outer.MasterOuterLoop` on its own thread.
+This module keeps the round (lifecycle, per-step hook, install, identity, checkpoint state);
+the lanes do the I/O: :mod:`.delta_lane` (baseline, delta, carry, upload queue and thread),
+:mod:`.global_lane` (worker polls) and :mod:`.master_lane` (repository, outer loop, snapshot).
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import queue
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -32,7 +34,10 @@ from typing import Any
 import torch
 
 from speedtronic.diloco import tensors as T
+from speedtronic.diloco.delta_lane import DeltaLane
+from speedtronic.diloco.global_lane import GlobalLane
 from speedtronic.diloco.identity import NodeClaim, resolve_node_id
+from speedtronic.diloco.master_lane import MasterLane
 from speedtronic.diloco.outer import MasterOuterLoop
 from speedtronic.diloco.rounds import DeltaUploadJob, GlobalCandidate, RoundPhase
 from speedtronic.diloco.transport import (
@@ -106,29 +111,34 @@ class DumbDiLoCoCoordinator:
         self._lock = threading.RLock()
         self._started = self._stopped = self._ready = False
         self._accepting_uploads = True
-        self._last_poll = 0.0
         self._last_global_step = -1
-        self._last_uploaded_step: int | None = None
-        self._last_dispatched_step: int | None = None
-        self._last_skipped_step: int | None = None
         self._local_step = 0
-        self._baseline = T.cpu_state_dict(model.state_dict())
-        self._baseline_generation = 0
-        self._carry: dict[str, torch.Tensor] | None = None
         self.phase = RoundPhase.SNAPSHOT
-        self.outer_loop: MasterOuterLoop | None = None
-        self._outer_snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
-        self._upload_queue: queue.Queue[DeltaUploadJob] = queue.Queue(maxsize=1)
-        self._upload_stop = threading.Event()
-        self._upload_thread: threading.Thread | None = None
-        self._upload_busy = False
-        self._pending_upload: DeltaUploadJob | None = None
-        self._poll_queue: queue.Queue[bool] = queue.Queue(maxsize=1)
-        self._poll_stop = threading.Event()
-        self._poll_thread: threading.Thread | None = None
-        self._poll_busy = False
-        self._global_candidate: GlobalCandidate | None = None
         self._prepared_state: dict[str, Any] | None = None
+        self.delta_lane = DeltaLane(
+            T.cpu_state_dict(model.state_dict()),
+            lock=self._lock,
+            send=self._send_delta,
+            emit=self._emit,
+            say=self._say,
+            token=self._token,
+        )
+        self.global_lane = GlobalLane(
+            self.hub,
+            lock=self._lock,
+            interval=self.poll_interval,
+            installed_step=lambda: self._last_global_step,
+            say=self._say,
+        )
+        self.master_lane = MasterLane(
+            self.hub,
+            cfg,
+            state_dir=self.state_dir,
+            poll_interval=self.poll_interval,
+            emit=self._emit,
+            say=self._say,
+            log=self.logger,
+        )
 
     # -- small helpers ---------------------------------------------------------------
     def _emit(self, event: str, payload: dict[str, Any]) -> None:
@@ -187,6 +197,23 @@ class DumbDiLoCoCoordinator:
         """Master: after startup. Worker: once the first global state is installed."""
         return self._ready
 
+    @property
+    def outer_loop(self) -> MasterOuterLoop | None:
+        """The master's outer loop once started (None on a worker)."""
+        return self.master_lane.loop
+
+    @property
+    def _baseline(self) -> dict[str, torch.Tensor]:
+        return self.delta_lane.baseline
+
+    @property
+    def _upload_thread(self) -> threading.Thread | None:
+        return self.delta_lane.thread
+
+    @property
+    def _poll_thread(self) -> threading.Thread | None:
+        return self.global_lane.thread
+
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> None:
         """Role startup (repository, reconcile, first global), then the I/O threads."""
@@ -202,7 +229,7 @@ class DumbDiLoCoCoordinator:
                     self._start_worker()
             self._start_io_workers()
             self._started = True
-            self._last_poll = time.monotonic()
+            self.global_lane.last_poll = time.monotonic()
         self._say(
             "info",
             f"DumbDiLoCo started role={self.role} node_id={self.node_id} "
@@ -229,33 +256,9 @@ class DumbDiLoCoCoordinator:
             retry.attempts = saved
 
     def _start_master(self) -> None:
-        try:
-            self.hub.create_repo(private=True)
-        except Exception as exc:
-            self._say(
-                "warning", f"master repository initialization failed; continuing locally: {exc}"
-            )
-        for name in getattr(self.config, "collaborators", None) or []:
-            try:
-                self.hub.add_collaborator(name, permission="write")
-            except Exception as exc:
-                self._say("warning", f"could not grant write access to {name}: {exc}")
-        self.outer_loop = MasterOuterLoop(
-            self.hub,
-            T.cpu_state_dict(self.model.state_dict()),
-            node_state_dir=self.state_dir,
-            outer_lr=float(getattr(self.config, "outer_lr", 0.7)),
-            outer_momentum=float(getattr(self.config, "outer_momentum", 0.9)),
-            poll_interval=self.poll_interval,
-            on_global_update=self._on_outer_update,
-            emit=self._emit,
-            log=self.logger,
-        )
+        self.master_lane.open(T.cpu_state_dict(self.model.state_dict()))
         self._apply_prepared_state()
-        try:
-            self.outer_loop.reconcile()
-        except Exception as exc:
-            self._say("warning", f"master could not reconcile with the repository yet: {exc}")
+        self.master_lane.reconcile()
         self._install_master_snapshot(force=True)
         self._claim_safely()
         self.outer_loop.start()
@@ -264,21 +267,8 @@ class DumbDiLoCoCoordinator:
     def _start_worker(self) -> None:
         self._apply_prepared_state()
         self._claim_safely()
-        try:
-            metadata = self.hub.global_metadata()
-            if metadata is None:
-                self._say(
-                    "warning",
-                    "worker could not find global/step_count.json; continuing from local weights",
-                )
-            elif metadata.outer_step > self._last_global_step:
-                started = time.perf_counter()
-                state = self.hub.read_global(metadata)
-                self._install_state(state, metadata.outer_step, time.perf_counter() - started)
-            else:
-                self._ready = True
-        except Exception as exc:
-            self._say("warning", f"initial worker read failed; continuing locally: {exc}")
+        if self.global_lane.read_first(self._install_state):
+            self._ready = True
 
     def _claim_safely(self) -> None:
         try:
@@ -288,31 +278,9 @@ class DumbDiLoCoCoordinator:
 
     def _start_io_workers(self) -> None:
         if self.async_upload:
-            self._upload_stop.clear()
-            if self._upload_thread is None or not self._upload_thread.is_alive():
-                self._upload_thread = threading.Thread(
-                    target=self._upload_loop, name="speedtronic-diloco-upload", daemon=True
-                )
-                self._upload_thread.start()
-            self._requeue_pending()
+            self.delta_lane.start()
         if self.async_poll and self.role == "worker":
-            self._poll_stop.clear()
-            self._poll_thread = threading.Thread(
-                target=self._poll_loop, name="speedtronic-diloco-poll", daemon=True
-            )
-            self._poll_thread.start()
-
-    def _requeue_pending(self) -> None:
-        with self._lock:
-            job = self._pending_upload
-            if job is None or self._upload_busy:
-                return
-            try:
-                self._upload_queue.put_nowait(job)
-                self._upload_busy = True
-            except queue.Full:
-                self._say("warning", "could not requeue pending delta upload")
-                self._pending_upload = None
+            self.global_lane.start()
 
     def stop(self) -> None:
         """Stop accepting uploads, drain/join the I/O threads (bounded), stop the outer loop."""
@@ -321,9 +289,10 @@ class DumbDiLoCoCoordinator:
                 return
             self._stopped = True
             self._accepting_uploads = False
-            self._upload_stop.set()
-            self._poll_stop.set()
-            uploader, poller, outer = self._upload_thread, self._poll_thread, self.outer_loop
+            self.delta_lane.stop_event.set()
+            self.global_lane.stop_event.set()
+            uploader, poller = self.delta_lane.thread, self.global_lane.thread
+            outer = self.outer_loop
         for thread, name in ((uploader, "async delta uploader"), (poller, "async global poller")):
             if (
                 thread is not None
@@ -334,7 +303,7 @@ class DumbDiLoCoCoordinator:
                 if thread.is_alive():
                     self._say("warning", f"{name} did not stop within the timeout")
         with self._lock:
-            self._poll_thread = None
+            self.global_lane.thread = None
             self._started = False
         if outer is not None:
             outer.stop()
@@ -353,117 +322,44 @@ class DumbDiLoCoCoordinator:
         return bool(pushed or loaded)
 
     # PUSH ---------------------------------------------------------------
-    def _take_delta(self, step: int) -> DeltaUploadJob | None:
-        current = T.cpu_state_dict(self.model.state_dict())
-        with self._lock:
-            baseline, generation = self._baseline, self._baseline_generation
-            base, carry = self._last_global_step, self._carry
-        try:
-            delta = T.compute_pseudo_gradient(baseline, current)
-        except ValueError as exc:
-            self._say("error", f"cannot compute pseudo-gradient at step {step}: {exc}")
-            return None
-        if carry is not None:
-            delta = (
-                {k: v + carry[k] for k, v in delta.items()} if set(carry) == set(delta) else delta
-            )
-        if T.is_all_zero(delta):
-            self._emit("delta_upload_zero", {"step": step})
-            return None
-        return DeltaUploadJob(step, base, generation, delta, current)
-
     def _push(self, step: int) -> bool:
+        """Take this boundary's delta; upload it (sync mode) or queue it (one slot)."""
         if not self._accepting_uploads:
             return False
+        if self.async_upload and self.delta_lane.skip_if_in_flight(step):
+            return False
+        current = T.cpu_state_dict(self.model.state_dict())
         with self._lock:
-            if self.async_upload and (self._upload_busy or self._pending_upload is not None):
-                self._last_skipped_step = step
-                self._emit("delta_upload_skipped", {"step": step, "reason": "upload_in_flight"})
-                return False
-        job = self._take_delta(step)
+            base = self._last_global_step
+        job = self.delta_lane.take_delta(step, current, base)
         if job is None:
             return False
         if not self.async_upload:
-            with self._lock:
-                self._carry = None
+            self.delta_lane.clear_carry()
             self.phase = RoundPhase.PUSH
-            return self._upload(job)
+            return self.delta_lane.upload(job)
         with self._lock:
-            if self._upload_busy or self._pending_upload is not None:
-                self._emit("delta_upload_skipped", {"step": step, "reason": "upload_in_flight"})
+            if not self.delta_lane.enqueue(job):
                 return False
-            try:
-                self._upload_queue.put_nowait(job)
-            except queue.Full:
-                self._last_skipped_step = step
-                self._emit("delta_upload_skipped", {"step": step, "reason": "queue_full"})
-                return False
-            self._carry = None
-            self._upload_busy, self._pending_upload = True, job
-            self._last_dispatched_step = step
             self.phase = RoundPhase.PUSH
         self._emit("delta_upload_queued", {"step": step, "base_outer_step": job.base_outer_step})
         return True
 
-    def _upload(self, job: DeltaUploadJob) -> bool:
-        """Send one job (uploader thread, or the training thread in sync mode)."""
-        started = time.perf_counter()
-        try:
-            with contextlib.suppress(TransportError):  # the upload below reports an outage
-                self._check_owner(claim=False)
-            _, nbytes = self.hub.upload_delta(
-                job.delta,
-                node_id=self.node_id,
-                local_step=job.step,
-                base_outer_step=job.base_outer_step,
-                dtype=self.delta_dtype,
-                metadata={"algorithm": "dumb_diloco"},
-                owner=self.claim.record(),
-            )
-        except Exception as exc:
-            with self._lock:  # carry the whole delta into the next push
-                self._carry = (
-                    job.delta
-                    if self._carry is None
-                    else {k: v + self._carry[k] for k, v in job.delta.items()}
-                )
-                if self._baseline_generation == job.generation:
-                    self._baseline = job.target_state
-            self._say(
-                "warning",
-                f"delta upload failed at step {job.step}; carried to the next round: {exc}",
-            )
-            self._emit(
-                "delta_upload_failed", {"step": job.step, "error": scrub(str(exc), (self._token,))}
-            )
-            return False
-        self.claim.claimed = True  # the upload commit carried our claim
-        with self._lock:
-            self._last_uploaded_step = job.step
-            if self._baseline_generation == job.generation:
-                self._baseline = job.target_state
-            else:
-                self._emit("delta_upload_stale", {"step": job.step, "generation": job.generation})
-        self._emit(
-            "delta_uploaded",
-            {"step": job.step, "bytes": nbytes, "seconds": time.perf_counter() - started},
+    def _send_delta(self, job: DeltaUploadJob) -> int:
+        """The transport call of an upload, carrying our claim; returns the bytes sent."""
+        with contextlib.suppress(TransportError):  # the upload below reports an outage
+            self._check_owner(claim=False)
+        _, nbytes = self.hub.upload_delta(
+            job.delta,
+            node_id=self.node_id,
+            local_step=job.step,
+            base_outer_step=job.base_outer_step,
+            dtype=self.delta_dtype,
+            metadata={"algorithm": "dumb_diloco"},
+            owner=self.claim.record(),
         )
-        return True
-
-    def _upload_loop(self) -> None:
-        while not self._upload_stop.is_set() or not self._upload_queue.empty():
-            try:
-                job = self._upload_queue.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            try:
-                self._upload(job)
-            finally:
-                with self._lock:
-                    self._upload_busy = False
-                    if self._pending_upload is job:
-                        self._pending_upload = None
-                self._upload_queue.task_done()
+        self.claim.claimed = True  # the upload commit carried our claim
+        return nbytes
 
     # COMMIT ---------------------------------------------------------------
     def _commit_global(self, boundary: bool) -> bool:
@@ -474,80 +370,26 @@ class DumbDiLoCoCoordinator:
         if self.async_poll:
             loaded = False
             if may_install:
-                with self._lock:
-                    candidate, self._global_candidate = self._global_candidate, None
+                candidate = self.global_lane.take_candidate()
                 if candidate is not None and candidate.outer_step > self._last_global_step:
                     self._install_state(candidate.state, candidate.outer_step, candidate.seconds)
                     loaded = True
-            self._schedule_poll(force=boundary)
+            self.global_lane.schedule(force=boundary)
             return loaded
-        now = time.monotonic()
-        if not may_install or (not boundary and now - self._last_poll < self.poll_interval):
+        if not may_install:
             return False
-        self._last_poll = now
-        try:
-            candidate = self._fetch_candidate()
-        except Exception as exc:
-            self._say("warning", f"global poll failed: {exc}")
-            return False
+        candidate = self.global_lane.fetch_due(force=boundary)
         if candidate is None:
             return False
         self._install_state(candidate.state, candidate.outer_step, candidate.seconds)
         return True
 
     def _install_master_snapshot(self, force: bool) -> bool:
-        snapshot = self._outer_snapshot
-        if not force or snapshot is None or snapshot[0] <= self._last_global_step:
+        snapshot = self.master_lane.newer_snapshot(than=self._last_global_step)
+        if not force or snapshot is None:
             return False
         self._install_state(snapshot[1], snapshot[0], 0.0)
         return True
-
-    def _on_outer_update(self, state: dict[str, torch.Tensor], outer_step: int) -> None:
-        self._outer_snapshot = (int(outer_step), state)  # one assignment: step and tensors agree
-
-    def _fetch_candidate(self) -> GlobalCandidate | None:
-        started = time.perf_counter()
-        metadata = self.hub.global_metadata()
-        with self._lock:
-            known = max(
-                self._last_global_step,
-                self._global_candidate.outer_step if self._global_candidate else -1,
-            )
-        if metadata is None or metadata.outer_step <= known:
-            return None
-        state = self.hub.read_global(metadata)
-        return GlobalCandidate(metadata.outer_step, state, time.perf_counter() - started)
-
-    def _schedule_poll(self, force: bool) -> None:
-        now = time.monotonic()
-        if not force and now - self._last_poll < self.poll_interval:
-            return
-        with self._lock:
-            if self._poll_thread is None or self._poll_busy:
-                return
-            self._last_poll = now
-            try:
-                self._poll_queue.put_nowait(True)
-                self._poll_busy = True
-            except queue.Full:
-                pass
-
-    def _poll_loop(self) -> None:
-        while not self._poll_stop.is_set():
-            try:
-                self._poll_queue.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            candidate = None
-            try:
-                candidate = self._fetch_candidate()
-            except Exception as exc:
-                self._say("warning", f"async global poll failed: {exc}")
-            with self._lock:
-                self._poll_busy = False
-                if candidate is not None:
-                    self._global_candidate = candidate
-            self._poll_queue.task_done()
 
     def _install_state(
         self, state: Mapping[str, torch.Tensor], outer_step: int, seconds: float
@@ -562,8 +404,7 @@ class DumbDiLoCoCoordinator:
         if filtered:
             self.model.load_state_dict(filtered, strict=False)
         with self._lock:
-            self._baseline = T.cpu_state_dict(self.model.state_dict())
-            self._baseline_generation += 1
+            self.delta_lane.rebase(T.cpu_state_dict(self.model.state_dict()))
             self._last_global_step = int(outer_step)
             self._ready = True
             self.phase = RoundPhase.SNAPSHOT
@@ -573,31 +414,31 @@ class DumbDiLoCoCoordinator:
     def state_dict(self) -> dict[str, Any]:
         """Counters, baseline, carried delta, the pending job, and the master's outer state."""
         with self._lock:
-            job = self._pending_upload
+            lane = self.delta_lane
+            job = lane.pending
             return {
                 "node_id": self.node_id,
                 "role": self.role,
                 "phase": self.phase.value,
                 "last_global_step": self._last_global_step,
-                "last_uploaded_step": self._last_uploaded_step,
-                "last_dispatched_step": self._last_dispatched_step,
-                "last_skipped_step": self._last_skipped_step,
+                "last_uploaded_step": lane.last_uploaded_step,
+                "last_dispatched_step": lane.last_dispatched_step,
+                "last_skipped_step": lane.last_skipped_step,
                 "local_step": self._local_step,
-                "baseline_generation": self._baseline_generation,
-                "baseline": T.cpu_state_dict(self._baseline),
-                "carry": T.cpu_state_dict(self._carry) if self._carry is not None else None,
+                "baseline_generation": lane.generation,
+                "baseline": T.cpu_state_dict(lane.baseline),
+                "carry": T.cpu_state_dict(lane.carry) if lane.carry is not None else None,
                 "pending_upload": None if job is None else job.to_dict(),
-                "outer": self.outer_loop.state_dict() if self.outer_loop is not None else None,
+                "outer": self.master_lane.state_dict(),
             }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a checkpointed state; a pending job is queued again when running."""
         with self._lock:
             self._restore(state)
-            if self.outer_loop is not None and state.get("outer"):
-                self.outer_loop.load_state_dict(state["outer"])
+            self.master_lane.load_state_dict(state.get("outer"))
         if self._started and self.async_upload:
-            self._requeue_pending()
+            self.delta_lane.requeue_pending()
 
     def prepare_state(self, state: Mapping[str, Any]) -> None:
         """Stage checkpointed state for the next ``start()`` (applied before any remote read)."""
@@ -609,24 +450,14 @@ class DumbDiLoCoCoordinator:
             return
         with self._lock:
             self._restore(state)
-            if self.outer_loop is not None and state.get("outer"):
-                self.outer_loop.load_state_dict(state["outer"])
+            self.master_lane.load_state_dict(state.get("outer"))
             if self._last_global_step >= 0:
                 self._ready = True
 
     def _restore(self, state: Mapping[str, Any]) -> None:
         self._last_global_step = int(state.get("last_global_step", self._last_global_step))
         self._local_step = int(state.get("local_step", self._local_step))
-        self._baseline_generation = int(state.get("baseline_generation", self._baseline_generation))
-        for name in ("last_uploaded_step", "last_dispatched_step", "last_skipped_step"):
-            setattr(self, f"_{name}", state.get(name))
-        if state.get("baseline"):
-            self._baseline = T.cpu_state_dict(state["baseline"])
-        self._carry = T.cpu_state_dict(state["carry"]) if state.get("carry") else None
-        job = state.get("pending_upload")
-        if job:
-            self._pending_upload = DeltaUploadJob.from_dict(job)
-            self._upload_busy = False
+        self.delta_lane.restore(state)
         if state.get("phase") in {p.value for p in RoundPhase}:
             self.phase = RoundPhase(state["phase"])
 
