@@ -4,7 +4,9 @@ or a shared volume (``file:///abs/path``).
 Modules: :mod:`.tensors` (format, pseudo-gradient), :mod:`.transport` (protocol, errors,
 retry policy, layout), :mod:`.directory` (shared volume), :mod:`.hub` (Hugging Face Hub),
 :mod:`.outer` (Nesterov outer optimizer, master loop), :mod:`.coordinator` (the trainer's
-sync coordinator). See docs/diloco.md.
+sync coordinator: the round state machine) with its lanes :mod:`.delta_lane` (pseudo-gradient
+uploads), :mod:`.global_lane` (global polls) and :mod:`.master_lane` (the master's outer loop),
+:mod:`.rounds` (round data) and :mod:`.identity` (node ids and claims). See docs/diloco.md.
 """
 
 from __future__ import annotations
