@@ -254,6 +254,8 @@ def test_worker_node_id_collision_exits_2_before_training(tmp_path):
         # No master has published a global state yet: training, alive, but not ready.
         assert http_get(first.url("/healthz"))[0] == 200
         assert http_get(first.url("/readyz"))[0] == 503
+        owner_file = exchange / "nodes" / "worker-a" / "owner.json"
+        first_instance = json.loads(owner_file.read_text())["instance"]
         second = subprocess.run(
             [sys.executable, "-m", "speedtronic", "run", "--config", str(config)],
             env=run_env(tmp_path, SPEEDTRONIC_METRICS__PORT=str(free_port()), **common),
@@ -267,6 +269,8 @@ def test_worker_node_id_collision_exits_2_before_training(tmp_path):
         assert lines[-1].startswith("error: distributed.node_id") and "worker-a" in lines[-1]
         assert '"train_step' not in second.stdout and "train_step step=" not in second.stdout
         assert first.alive(), "the original worker must keep training"
+        # The newcomer must not take the id over from the live node on its way out.
+        assert json.loads(owner_file.read_text())["instance"] == first_instance
         first.process.send_signal(signal.SIGTERM)
         assert first.process.wait(timeout=120) == 0, first.output()[-3000:]
     finally:

@@ -173,9 +173,10 @@ class DumbDiLoCoCoordinator:
                 f"(instance {other}); give each node a unique distributed.node_id",
             )
             self._emit("node_id_collision", {"node_id": self.node_id})
-        if claim and (owner or {}).get("instance") != self.claim.instance:
-            self.hub.claim_owner(self.node_id, self.claim.record())
-        if claim:
+        if claim and other is None:
+            # Never take the id over from a live node: the newcomer is the one in the wrong.
+            if (owner or {}).get("instance") != self.claim.instance:
+                self.hub.claim_owner(self.node_id, self.claim.record())
             self.claim.claimed = True
 
     # -- public read-only state ---------------------------------------------------------------
