@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from speedtronic.checkpoint import atomic_write_bytes
+from speedtronic.checkpoint import atomic_json_dump, atomic_write_bytes
 from speedtronic.diloco import tensors as T
 from speedtronic.diloco.transport import RemoteNotFound, TransportError
 
@@ -191,7 +191,7 @@ class MasterOuterLoop:
             "updated_at": datetime.now(timezone.utc).isoformat(),
         }
         atomic_write_bytes(data, self.state_path)
-        atomic_write_bytes((json.dumps(meta, indent=2) + "\n").encode(), self.metadata_path)
+        atomic_json_dump(meta, self.metadata_path)
         self.has_local_state = True
 
     # -- reconcile with the published state ------------------------------------------------------
