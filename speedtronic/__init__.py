@@ -19,6 +19,7 @@ _LAZY: dict[str, str] = {
     "ConfigError": "speedtronic.config",
     "DataConfig": "speedtronic.config",
     "DistributedConfig": "speedtronic.config",
+    "EvalConfig": "speedtronic.config",
     "LoggingConfig": "speedtronic.config",
     "MetricsConfig": "speedtronic.config",
     "ModelConfig": "speedtronic.config",

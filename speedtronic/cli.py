@@ -9,6 +9,7 @@ Commands (every one takes ``--config``, ``--max-steps``, ``--output-dir``, ``--d
     speedtronic train                                      # speedtronic.train.launch
     speedtronic run                                        # container entrypoint
     speedtronic plot EVENTS [--output PNG]
+    speedtronic eval [--checkpoint PATH | --global] [--format text|json]   # held-out loss
 
 Exit codes: 0 success; 2 configuration error (one ``error: ...`` line on stderr, no
 traceback); 1 any other failure (one ``error: <Type>: ...`` line); 130 after Ctrl-C.
@@ -91,6 +92,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     commands.add_parser("train", parents=[common], help="train locally (CLI progress)")
     commands.add_parser("run", parents=[common], help="container entrypoint (metrics server)")
+
+    evaluate = commands.add_parser(
+        "eval", parents=[common], help="score a checkpoint or the DiLoCo global on held-out data"
+    )
+    source = evaluate.add_mutually_exclusive_group()
+    source.add_argument(
+        "--checkpoint",
+        metavar="PATH",
+        help="a .pt checkpoint, a checkpoint directory, a .safetensors file or a final/ "
+        "directory (default: the newest checkpoint of the config's checkpoint directory)",
+    )
+    source.add_argument(
+        "--global",
+        dest="use_global",
+        action="store_true",
+        help="score the DiLoCo global published in distributed.repo_id",
+    )
+    evaluate.add_argument("--format", choices=("text", "json"), default="text")
 
     plot = commands.add_parser("plot", help="plot a JSONL event log")
     plot.add_argument("source", help="events.jsonl file or run directory")
@@ -186,11 +205,34 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_eval(args: argparse.Namespace) -> int:
+    config = _resolve(args).config
+    from speedtronic.checkpoint import CheckpointError
+    from speedtronic.train.scoring import score
+
+    try:
+        result = score(config, checkpoint=args.checkpoint, use_global=args.use_global)
+    except CheckpointError as exc:
+        raise _CommandError(str(exc)) from None
+    if args.format == "json":
+        print(json.dumps(result))
+    else:
+        print(" ".join(f"{key}={_text_value(value)}" for key, value in result.items()))
+    return EXIT_OK
+
+
+def _text_value(value: Any) -> str:
+    if value is None:
+        return "null"
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
 _COMMANDS = {
     "validate": _cmd_validate,
     "train": _cmd_train,
     "run": _cmd_run,
     "plot": _cmd_plot,
+    "eval": _cmd_eval,
 }
 
 

@@ -43,14 +43,14 @@ def test_validate_yaml(capsys) -> None:
     assert code == 0 and err == ""
     assert yaml.safe_load(out) == load_config(SMOKE).to_dict(redact_secrets=True)
     assert "# accumulation_steps: 2" in out
-    assert "# effective_max_steps: 4" in out
+    assert "# effective_max_steps: 200" in out
 
 
 def test_validate_json(capsys) -> None:
     code, out, _ = _run(capsys, "validate", "--config", SMOKE, "--format", "json")
     assert code == 0
     payload = json.loads(out)
-    assert payload["derived"] == {"accumulation_steps": 2, "effective_max_steps": 4}
+    assert payload["derived"] == {"accumulation_steps": 2, "effective_max_steps": 200}
     assert payload["config"] == load_config(SMOKE).to_dict(redact_secrets=True)
 
 
@@ -383,7 +383,7 @@ def test_subprocess_train_smoke(tmp_path) -> None:
         pytest.skip("speedtronic.train.launch not available yet")
     out = tmp_path / "run"
     result = _subprocess(
-        "train", "--config", "configs/smoke.yaml", "--output-dir", str(out),
+        "train", "--config", "configs/smoke.yaml", "--output-dir", str(out), "--max-steps", "4",
         "--device", "cpu", "--set", f"logging.json_file={out / 'events.jsonl'}",
         env={"OMP_NUM_THREADS": "1"},
     )  # fmt: skip

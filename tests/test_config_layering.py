@@ -28,7 +28,7 @@ def _write_secrets(directory: Path, **files: str) -> str:
 
 def test_file_only(no_secrets) -> None:
     resolved = resolve_config(SMOKE, environ={}, secrets_dir=no_secrets)
-    assert resolved.config.run.max_steps == 4
+    assert resolved.config.run.max_steps == 200
     assert resolved.sources["run.max_steps"] == "file"
     assert resolved.sources["model.n_layer"] == "file"
     assert "run.log_every" not in resolved.sources  # defaults are not listed
@@ -299,5 +299,5 @@ def test_load_and_from_dict_never_read_environment(monkeypatch) -> None:
     monkeypatch.setenv("SPEEDTRONIC_RUN__MAX_STEPS", "7")
     monkeypatch.setenv("SPEEDTRONIC_FOO", "1")
     monkeypatch.setenv("HF_TOKEN", "hf_env")
-    assert load_config(SMOKE).run.max_steps == 4
+    assert load_config(SMOKE).run.max_steps == 200
     assert SpeedtronicConfig.from_dict({}).distributed.token is None

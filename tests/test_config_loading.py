@@ -295,6 +295,7 @@ def test_to_dict_order_and_types() -> None:
         "distributed",
         "shape_validation",
         "metrics",
+        "eval",
         "gradient_checkpointing",
         "compile",
         "ooo_backprop",
@@ -379,10 +380,11 @@ def test_smoke_values() -> None:
     model = config.model
     assert (model.n_layer, model.d_model, model.n_head, model.n_kv_head) == (2, 64, 4, 2)
     assert (model.vocab_size, model.max_seq_len, model.d_ff) == (128, 32, 128)
-    assert (config.run.max_steps, config.scheduler.max_steps) == (4, 4)
+    assert (config.run.max_steps, config.scheduler.max_steps) == (200, 200)
     assert config.scheduler.max_steps_explicit is False
     assert config.precision.mode == "fp32"
-    assert config.checkpoint.every_steps == 2
+    assert config.checkpoint.every_steps == 100
+    assert config.data.synthetic == "markov" and config.eval.holdout == 0.1
     assert config.accumulation_steps == 2
     assert config.run.output_dir == "runs/smoke"
     assert config.logging.json_file == "runs/smoke/events.jsonl"
@@ -424,6 +426,7 @@ FROZEN_KEYS = {
     "shape_validation": "enabled alignment check_batch check_sequence check_model check_vocab "
     "warn_on_cpu",
     "metrics": "enabled host port stall_seconds",
+    "eval": "text_path token_path holdout every_steps tokens batch_size",
 }
 
 

@@ -42,6 +42,7 @@ class FakeClock:
 def test_every_documented_series_is_exposed_with_role_and_node_id_labels():
     sink = PrometheusSink("worker", "w-1")
     sink.on_event("transport_retry", {"operation": "upload", "attempt": 1, "error": "x"})
+    sink.on_event("eval", {"step": 1, "loss": 3.0, "tokens": 64, "scope": "local"})
     names = {name for name, _ in samples(sink)}
     for series in SERIES:
         # Histograms expose _count/_sum/_bucket under the documented base name.
@@ -49,7 +50,7 @@ def test_every_documented_series_is_exposed_with_role_and_node_id_labels():
     for (name, labels), _ in samples(sink).items():
         keys = dict(labels)
         assert keys["role"] == "worker" and keys["node_id"] == "w-1", name
-        assert set(keys) <= {"role", "node_id", "result", "operation", "le"}, name
+        assert set(keys) <= {"role", "node_id", "result", "operation", "scope", "le"}, name
     for series in SERIES:
         assert series.startswith("speedtronic_")
 
@@ -222,3 +223,19 @@ def test_port_in_use_is_a_config_error_naming_metrics_port():
             MetricsServer("127.0.0.1", port, PrometheusSink("single", "n"))
     assert isinstance(info.value, ConfigError)
     assert "metrics.port" in str(info.value) and str(port) in str(info.value)
+
+
+def test_eval_loss_gauge_has_one_series_per_scope():
+    sink = PrometheusSink("master", "m")
+    assert not any(name == "speedtronic_eval_loss" for name, _ in samples(sink))  # no eval yet
+    sink.on_event("eval", {"step": 10, "loss": 2.5, "perplexity": 12.2, "tokens": 64})
+    sink.on_event("eval", {"step": 10, "loss": 2.25, "tokens": 64, "scope": "global"})
+    sink.on_event("eval", {"step": 20, "loss": 2.0, "tokens": 64, "scope": "local"})
+    sink.on_event("eval", {"step": 20, "loss": 9.0, "tokens": 64, "scope": "bogus"})  # ignored
+    sink.on_event("eval", {"step": 20, "tokens": 64, "scope": "global"})  # no loss: ignored
+    assert value(sink, "speedtronic_eval_loss", scope="local") == 2.0
+    assert value(sink, "speedtronic_eval_loss", scope="global") == 2.25
+    scopes = {
+        dict(labels)["scope"] for name, labels in samples(sink) if name == "speedtronic_eval_loss"
+    }
+    assert scopes == {"local", "global"}

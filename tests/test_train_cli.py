@@ -19,8 +19,8 @@ from speedtronic.train.launch import install_stop_handlers, train_command
 REPO = Path(__file__).resolve().parents[1]
 
 
-def speedtronic(*args: str, **kwargs) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+def speedtronic(*args: str, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.Popen(
         [sys.executable, "-m", "speedtronic", *args],
         cwd=REPO,
@@ -50,26 +50,36 @@ def test_smoke_config_end_to_end(tmp_path):
         str(tmp_path),
         "--set",
         f"logging.json_file={jsonl}",
+        env={"OMP_NUM_THREADS": "1"},
     )
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert time.monotonic() - began < 60
-    assert "completed steps=4 samples=8 tokens=256 loss=" in out
+    assert "completed steps=200 samples=400 tokens=12800 loss=" in out
     ckpts = tmp_path / "checkpoints"
     assert sorted(p.name for p in ckpts.glob("step_*.pt")) == [
-        "step_000000000002.pt",
-        "step_000000000004.pt",
+        "step_000000000100.pt",
+        "step_000000000200.pt",
     ]
-    assert json.loads((ckpts / "latest.json").read_text())["step"] == 4
-    names = [e["event"] for e in events(jsonl)]
-    assert names.count("train_step") == 4 and names[-1] == "train_end"
+    assert json.loads((ckpts / "latest.json").read_text())["step"] == 200
+    records = events(jsonl)
+    names = [e["event"] for e in records]
+    assert names.count("train_step") == 200 and names[-1] == "train_end"
+    # The shipped default learns: held-out loss falls from ln(128) toward the chain's floor.
+    evals = [e for e in records if e["event"] == "eval"]
+    assert [e["step"] for e in evals] == [0, 50, 100, 150, 200]
+    assert all(e["scope"] == "local" and e["tokens"] == 4096 for e in evals)
+    assert evals[0]["loss"] > 4.6 and evals[-1]["loss"] < 2.0
+    assert evals[-1]["loss"] < evals[2]["loss"] < evals[0]["loss"]
+    train = [e["loss"] for e in records if e["event"] == "train_step"]
+    assert sum(train[-20:]) / 20 < 2.0 < 4.6 < sum(train[:5]) / 5
     # resuming at the target does no work and keeps the counters
     proc = speedtronic(
         "train", "--config", "configs/smoke.yaml", "--output-dir", str(tmp_path), "--resume"
     )
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
-    assert "completed steps=4 samples=8 tokens=256 loss=None" in out
+    assert "completed steps=200 samples=400 tokens=12800 loss=None" in out
 
 
 @pytest.mark.slow
@@ -133,6 +143,7 @@ def test_train_command_in_process_with_progress_bar(tmp_path, capsys):
     config = SpeedtronicConfig.from_yaml(REPO / "configs" / "smoke.yaml")
     config.run.output_dir = str(tmp_path)
     config.logging.json_file = str(tmp_path / "e.jsonl")
+    config.apply_run_target(4)
     seen = []
     result = train_command(config, progress=True, extra_hooks=[lambda e, p: seen.append(e)])
     assert result.steps == 4 and result.stopped_reason is None

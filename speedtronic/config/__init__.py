@@ -33,6 +33,7 @@ from speedtronic.config.ops_sections import (
 from speedtronic.config.schema import Config, SpeedtronicConfig
 from speedtronic.config.sections import (
     DataConfig,
+    EvalConfig,
     ModelConfig,
     OptimizerConfig,
     PrecisionConfig,
@@ -48,6 +49,7 @@ __all__ = [
     "ConfigFileNotFoundError",
     "DataConfig",
     "DistributedConfig",
+    "EvalConfig",
     "LoggingConfig",
     "MetricsConfig",
     "ModelConfig",

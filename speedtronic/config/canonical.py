@@ -36,6 +36,7 @@ SECTION_NAMES = (
     "distributed",
     "shape_validation",
     "metrics",
+    "eval",
 )
 ROOT_FIELDS = ("gradient_checkpointing", "compile", "ooo_backprop", "ooo_streams")
 RUN_ALIASES = ("name", "seed", "device", "output_dir", "max_steps", "log_every")

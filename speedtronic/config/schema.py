@@ -29,6 +29,7 @@ from speedtronic.config.ops_sections import (
 )
 from speedtronic.config.sections import (
     DataConfig,
+    EvalConfig,
     ModelConfig,
     OptimizerConfig,
     PrecisionConfig,
@@ -50,6 +51,7 @@ SECTION_CLASSES: dict[str, type] = {
     "distributed": DistributedConfig,
     "shape_validation": ShapeValidationConfig,
     "metrics": MetricsConfig,
+    "eval": EvalConfig,
 }
 assert tuple(SECTION_CLASSES) == SECTION_NAMES
 
@@ -87,7 +89,7 @@ def _plain(value: Any) -> Any:
 
 @dataclasses.dataclass
 class SpeedtronicConfig:
-    """The whole run configuration: eleven sections plus four root scalars."""
+    """The whole run configuration: twelve sections plus four root scalars."""
 
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -102,6 +104,7 @@ class SpeedtronicConfig:
         default_factory=ShapeValidationConfig
     )
     metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     gradient_checkpointing: bool = False
     compile: bool = False
     ooo_backprop: bool = False

@@ -12,11 +12,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from speedtronic.config.coercion import describe, to_bool, to_float, to_int, to_str
+from speedtronic.config.coercion import (
+    FALSE_STRINGS,
+    TRUE_STRINGS,
+    describe,
+    to_bool,
+    to_float,
+    to_int,
+    to_str,
+)
 from speedtronic.config.errors import ConfigError
 
 __all__ = [
+    "SYNTHETIC_KINDS",
     "DataConfig",
+    "EvalConfig",
     "ModelConfig",
     "OptimizerConfig",
     "PrecisionConfig",
@@ -32,6 +42,28 @@ def _choice(value: Any, field: str, choices: tuple[str, ...], message: str) -> s
     text = str(value).strip().lower()
     if text not in choices:
         raise ConfigError(message)
+    return text
+
+
+SYNTHETIC_KINDS = ("markov", "uniform", "none")
+
+
+def _synthetic_kind(value: Any) -> str:
+    """``data.synthetic``: ``markov|uniform|none``; booleans keep working (true = markov)."""
+    message = "data.synthetic must be markov, uniform or none (true means markov, false means none)"
+    if isinstance(value, bool):
+        return "markov" if value else "none"
+    if isinstance(value, int) and value in (0, 1):
+        return "markov" if value else "none"
+    if not isinstance(value, str):
+        raise ConfigError(f"{message}, got {describe(value)}")
+    text = value.strip().lower()
+    if text in TRUE_STRINGS:
+        return "markov"
+    if text in FALSE_STRINGS:
+        return "none"
+    if text not in SYNTHETIC_KINDS:
+        raise ConfigError(f"{message}, got {describe(value)}")
     return text
 
 
@@ -127,15 +159,18 @@ class ModelConfig:
 class DataConfig:
     """Where batches come from and how big they are.
 
-    Source precedence: ``text_path`` > ``token_path`` > ``dataset`` > synthetic. ``num_tokens``
-    is the number of synthetic *samples* (2.0.0 naming). ``token_path`` is a pre-tokenized
-    ``.bin`` (``token_dtype``) or ``.npy`` file; ``allow_pickle`` must be true to ``torch.load`` a
-    pickled ``dataset`` file.
+    Source precedence: ``text_path`` > ``token_path`` > ``dataset`` > synthetic. ``synthetic``
+    is ``markov`` (a learnable seeded Markov chain, the default), ``uniform`` (random tokens, for
+    throughput work) or ``none``; YAML ``true``/``false`` mean ``markov``/``none``.
+    ``num_tokens`` is the number of synthetic *samples* (2.0.0 naming). ``token_path`` is a
+    pre-tokenized ``.bin`` (``token_dtype``) or ``.npy`` file; ``allow_pickle`` must be true to
+    ``torch.load`` a pickled ``dataset`` file. ``seed`` fixes the Markov chain and the held-out
+    data; the training stream (order, windows, synthetic samples) is seeded per node from it.
     """
 
     text_path: str | None = None
     dataset: Any = None
-    synthetic: bool = True
+    synthetic: str = "markov"
     num_tokens: int = 100000
     vocab_size: int | None = None
     block_size: int | None = None
@@ -163,7 +198,7 @@ class DataConfig:
             raise ConfigError(
                 f"data.dataset must be a path string or a Dataset, got {describe(self.dataset)}"
             )
-        self.synthetic = to_bool(self.synthetic, "data.synthetic")
+        self.synthetic = _synthetic_kind(self.synthetic)
         self.num_tokens = to_int(self.num_tokens, "data.num_tokens")
         self.vocab_size = to_int(self.vocab_size, "data.vocab_size", nullable=True)
         self.block_size = to_int(self.block_size, "data.block_size", nullable=True)
@@ -331,3 +366,56 @@ class PrecisionConfig:
                 ("bf16", "fp16", "fp32"),
                 "precision.dtype must be bf16, fp16, or fp32",
             )
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation: where the held-out tokens come from, how often, how many.
+
+    The held-out source is ``text_path`` (a UTF-8 file, byte-level tokens), ``token_path`` (a
+    ``.bin``/``.npy`` token file read with ``data.token_dtype``), or ``holdout``: the last
+    fraction of the training source, which training then never reads (for synthetic data a
+    disjoint held-out sample domain of ``holdout * data.num_tokens`` samples). Eval is active
+    when one of them is set. ``every_steps``: an eval every N optimizer steps (``0`` = only the
+    one at the end of ``fit()``). ``tokens``: target tokens scored per eval, taken as
+    sequential windows of ``block_size + 1`` from the start of the held-out region (rounded up
+    to whole windows). ``batch_size`` defaults to ``data.micro_batch_size``.
+    """
+
+    text_path: str | None = None
+    token_path: str | None = None
+    holdout: float = 0.0
+    every_steps: int = 200
+    tokens: int = 8192
+    batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        self.text_path = to_str(self.text_path, "eval.text_path", nullable=True)
+        self.token_path = to_str(self.token_path, "eval.token_path", nullable=True)
+        self.holdout = to_float(self.holdout, "eval.holdout")
+        self.every_steps = to_int(self.every_steps, "eval.every_steps")
+        self.tokens = to_int(self.tokens, "eval.tokens")
+        self.batch_size = to_int(self.batch_size, "eval.batch_size", nullable=True)
+        if not 0.0 <= self.holdout < 1.0:
+            raise ConfigError(
+                f"eval.holdout must be in [0, 1) (a fraction of the training data), "
+                f"got {self.holdout}"
+            )
+        if self.every_steps < 0:
+            raise ConfigError("eval.every_steps must be >= 0 (0 = evaluate only at the end)")
+        if self.tokens <= 0:
+            raise ConfigError("eval.tokens must be positive")
+        if self.batch_size is not None and self.batch_size <= 0:
+            raise ConfigError("eval.batch_size must be positive")
+        if self.text_path and self.token_path:
+            raise ConfigError("eval.text_path and eval.token_path are exclusive; set one of them")
+        if self.holdout > 0 and (self.text_path or self.token_path):
+            raise ConfigError(
+                "eval.holdout cannot be combined with eval.text_path/eval.token_path: hold out "
+                "part of the training data or name a held-out file, not both"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """True when a held-out source is configured."""
+        return bool(self.text_path or self.token_path or self.holdout > 0)

@@ -4,7 +4,14 @@ Sources, chosen by the ``data`` config section (first match): ``text_path`` (UTF
 streamed with the byte-level ``CharTokenizer``), ``token_path`` (``.bin``/``.npy`` uint16 or
 uint32 tokens, memory-mapped, ``sampling: random|sequential`` windows), ``dataset`` (a
 ``torch.save``d tensor/dict, or a pickled ``Dataset`` with ``allow_pickle: true``), else
-deterministic synthetic tokens. Bad input raises ``ConfigError`` from ``build_dataloader``.
+deterministic synthetic tokens: ``synthetic: markov`` (a learnable seeded Markov chain whose
+entropy rate is the loss floor, ``MarkovTokenDataset.floor``) or ``uniform`` (random tokens).
+Bad input raises ``ConfigError`` from ``build_dataloader``.
+
+``eval.holdout`` keeps the end of the source out of training; ``open_heldout`` reads that
+region (or ``eval.text_path``/``eval.token_path``) for evaluation. DiLoCo nodes train on their
+own stream (``node_stream_seed``, ``build_node_dataloader``) while the chain and the held-out
+data stay identical on every node.
 
 Batches are ``(inputs, labels)`` tuples of int64 ``(B, T)`` (``labels`` already shifted).
 
@@ -32,6 +39,7 @@ from speedtronic.data.datasets import (
     TokenFileDataset,
     TokenWindowDataset,
 )
+from speedtronic.data.heldout import HeldOutSource, open_heldout
 from speedtronic.data.loader import (
     EpochSampler,
     ResumableDataLoader,
@@ -43,11 +51,16 @@ from speedtronic.data.loader import (
     infinite_batches,
     load_data_state_dict,
 )
+from speedtronic.data.markov import MarkovChain, MarkovTokenDataset
+from speedtronic.data.streams import build_node_dataloader, node_stream_seed
 from speedtronic.data.tokenizer import CharTokenizer
 
 __all__ = [
     "CharTokenizer",
     "EpochSampler",
+    "HeldOutSource",
+    "MarkovChain",
+    "MarkovTokenDataset",
     "ResumableDataLoader",
     "SampleTensorDataset",
     "SyntheticTokenDataset",
@@ -56,9 +69,12 @@ __all__ = [
     "TokenWindowDataset",
     "TokenWindowSampler",
     "build_dataloader",
+    "build_node_dataloader",
     "collate_batch",
     "collate_causal",
     "data_state_dict",
     "infinite_batches",
     "load_data_state_dict",
+    "node_stream_seed",
+    "open_heldout",
 ]

@@ -8,6 +8,7 @@ fixed samples from a serialized tensor file.
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -73,6 +74,31 @@ class SyntheticTokenDataset(Dataset):
         return _record(tokens)
 
 
+class _ByteRange(io.RawIOBase):
+    """A read-only view of ``length`` bytes of an open binary file from its current offset."""
+
+    def __init__(self, handle: Any, length: int) -> None:
+        super().__init__()
+        self._handle = handle
+        self._left = max(int(length), 0)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        size = min(len(buffer), self._left)
+        if size <= 0:
+            return 0
+        data = self._handle.read(size)
+        buffer[: len(data)] = data
+        self._left -= len(data)
+        return len(data)
+
+    def close(self) -> None:
+        self._handle.close()
+        super().close()
+
+
 class TextFileTokenDataset(IterableDataset):
     """Stream a UTF-8 text file as disjoint windows of ``block_size + 1`` tokens.
 
@@ -82,7 +108,9 @@ class TextFileTokenDataset(IterableDataset):
     With DataLoader workers, windows are dealt in groups of ``shard_group`` (the loader sets
     it to the batch size): group ``g`` goes to worker ``g % num_workers``, so no sample is
     produced twice and batches come out in the same order as without workers (each worker
-    still reads the file). Invalid UTF-8 bytes are replaced.
+    still reads the file). Invalid UTF-8 bytes are replaced. ``start_byte``/``stop_byte`` limit
+    the stream to a byte range of the file (``eval.holdout`` keeps the tail for evaluation); a
+    character cut at a range edge decodes as a replacement character.
     """
 
     shard_group: int = 1
@@ -94,9 +122,16 @@ class TextFileTokenDataset(IterableDataset):
         tokenizer: Any = None,
         vocab_size: int = 256,
         chunk_chars: int | None = None,
+        *,
+        start_byte: int = 0,
+        stop_byte: int | None = None,
     ) -> None:
         if int(block_size) <= 0:
             raise ValueError("block_size must be positive")
+        if int(start_byte) < 0 or (stop_byte is not None and int(stop_byte) < int(start_byte)):
+            raise ValueError("byte range must satisfy 0 <= start_byte <= stop_byte")
+        self.start_byte = int(start_byte)
+        self.stop_byte = None if stop_byte is None else int(stop_byte)
         self.path = os.fspath(path)
         self.block_size = int(block_size)
         self.tokenizer = tokenizer or CharTokenizer(vocab_size)
@@ -104,9 +139,18 @@ class TextFileTokenDataset(IterableDataset):
         if self.chunk_chars <= 0:
             raise ValueError("chunk_chars must be positive")
 
+    def _open(self) -> Any:
+        if self.start_byte == 0 and self.stop_byte is None:
+            return open(self.path, encoding="utf-8", errors="replace")
+        raw = open(self.path, "rb")  # noqa: SIM115 - closed by the wrapper
+        raw.seek(self.start_byte)
+        stop = os.path.getsize(self.path) if self.stop_byte is None else self.stop_byte
+        window = io.BufferedReader(_ByteRange(raw, stop - self.start_byte))
+        return io.TextIOWrapper(window, encoding="utf-8", errors="replace")
+
     def token_chunks(self) -> Iterator[torch.Tensor]:
         """Yield the file's tokens chunk by chunk (int64 (N,) tensors, never the whole file)."""
-        with open(self.path, encoding="utf-8", errors="replace") as handle:
+        with self._open() as handle:
             while True:
                 text = handle.read(self.chunk_chars)
                 if not text:
@@ -172,18 +216,29 @@ class TokenFileDataset(TokenWindowDataset):
     """``TokenWindowDataset`` over a memory-mapped ``.bin`` (raw) or ``.npy`` token file.
 
     The map is opened lazily in each process (DataLoader workers open their own), so the
-    dataset pickles as a path, never as the token data.
+    dataset pickles as a path, never as the token data. ``start``/``stop`` limit it to a token
+    range of the file (``eval.holdout`` keeps the tail for evaluation).
     """
 
-    def __init__(self, path: str | os.PathLike[str], block_size: int, dtype: str = "uint16"):
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        block_size: int,
+        dtype: str = "uint16",
+        *,
+        start: int = 0,
+        stop: int | None = None,
+    ):
         super().__init__(None, block_size)
         self.path = os.fspath(path)
         self.dtype = str(dtype)
+        self.start = int(start)
+        self.stop = None if stop is None else int(stop)
 
     @property
     def tokens(self) -> np.ndarray:
         if self._tokens is None:
-            self._tokens = open_token_array(self.path, self.dtype)
+            self._tokens = open_token_array(self.path, self.dtype)[self.start : self.stop]
         return self._tokens
 
     def __getstate__(self) -> dict[str, Any]:

@@ -240,13 +240,19 @@ def build_dataloader(
     tokenizer: Any = None,
     pin_memory_device: bool = False,
     vocab_size: int | None = None,
+    stream_seed: int | None = None,
+    holdout: float = 0.0,
 ) -> ResumableDataLoader:
     """Build the training loader from a ``data`` config section (``DataConfig``).
 
     Source: the ``dataset`` argument, else ``data.text_path`` > ``data.token_path`` >
     ``data.dataset`` > synthetic. ``vocab_size`` (the model's) wins over ``data.vocab_size``.
-    Bad input raises ``ConfigError`` naming the setting. Workers, prefetch, pinning,
-    ``shuffle`` (ignored for iterable datasets) and ``drop_last`` follow the config.
+    ``stream_seed`` (default ``data.seed``) seeds the training stream: shuffled orders, random
+    windows and synthetic training samples; ``data.seed`` keeps fixing the Markov chain (see
+    :func:`speedtronic.data.streams.node_stream_seed` for DiLoCo nodes). ``holdout``
+    (``eval.holdout``) keeps the last fraction of the source out of training. Bad input raises
+    ``ConfigError`` naming the setting. Workers, prefetch, pinning, ``shuffle`` (ignored for
+    iterable datasets) and ``drop_last`` follow the config.
     """
 
     def field(name: str, default: Any) -> Any:
@@ -255,9 +261,16 @@ def build_dataloader(
 
     block_size = int(field("block_size", 0) or 128)
     vocab = int(vocab_size or field("vocab_size", 0) or 512)
-    seed = int(field("seed", 0))
+    seed = int(field("seed", 0)) if stream_seed is None else int(stream_seed)
     if dataset is None:
-        dataset = open_source(config, block_size=block_size, vocab_size=vocab, tokenizer=tokenizer)
+        dataset = open_source(
+            config,
+            block_size=block_size,
+            vocab_size=vocab,
+            tokenizer=tokenizer,
+            holdout=holdout,
+            stream_seed=seed,
+        )
     batch_size = int(field("micro_batch_size", 1))
     if isinstance(dataset, TextFileTokenDataset):
         dataset.shard_group = batch_size  # workers deal whole batches: order as with 0 workers

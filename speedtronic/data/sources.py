@@ -2,7 +2,13 @@
 
 Every problem is a ``ConfigError`` naming the setting and the fix, raised while the loader
 is built (never halfway through a run). Precedence: ``text_path`` > ``token_path`` >
-``dataset`` > synthetic.
+``dataset`` > synthetic (``markov`` or ``uniform``).
+
+``holdout`` (``eval.holdout``) removes the last fraction of the source from training: the last
+bytes of a text file, the last tokens of a token file or 1-D token tensor, the last samples of
+a map-style dataset. Synthetic sources are unchanged (their held-out samples come from another
+seed domain, see :mod:`speedtronic.data.heldout`). ``stream_seed`` seeds the synthetic
+training samples (the sampler seed is set by the loader).
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import Dataset, IterableDataset, Subset
 
 from speedtronic.data.datasets import (
     SampleTensorDataset,
@@ -23,8 +29,9 @@ from speedtronic.data.datasets import (
     TokenFileDataset,
     TokenWindowDataset,
 )
+from speedtronic.data.markov import MarkovTokenDataset
 
-__all__ = ["check_token_ids", "open_source"]
+__all__ = ["check_token_ids", "open_source", "split_map_dataset", "split_point", "token_array"]
 
 TOKEN_DTYPES = ("uint16", "uint32")
 # Vocabulary check: this many evenly spaced blocks of this many tokens are read.
@@ -43,32 +50,84 @@ def _field(config: Any, name: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def open_source(config: Any, *, block_size: int, vocab_size: int, tokenizer: Any = None) -> Dataset:
-    """Return the dataset the ``data`` section asks for (validated)."""
+def split_point(total: int, holdout: float) -> int:
+    """How many of ``total`` items (bytes, tokens, samples) training keeps under ``holdout``."""
+    return int(total * (1.0 - float(holdout)))
+
+
+def open_source(
+    config: Any,
+    *,
+    block_size: int,
+    vocab_size: int,
+    tokenizer: Any = None,
+    holdout: float = 0.0,
+    stream_seed: int | None = None,
+) -> Dataset:
+    """Return the training dataset the ``data`` section asks for (validated; see above)."""
+    seed = int(_field(config, "seed", 0))
+    samples_seed = seed if stream_seed is None else int(stream_seed)
     text_path = _field(config, "text_path")
     if text_path:
-        return _open_text(os.fspath(text_path), block_size, vocab_size, tokenizer)
+        return _open_text(os.fspath(text_path), block_size, vocab_size, tokenizer, holdout)
     token_path = _field(config, "token_path")
     if token_path:
         dtype = str(_field(config, "token_dtype", "uint16"))
-        return _open_token_file(os.fspath(token_path), dtype, block_size, vocab_size)
+        return _open_token_file(os.fspath(token_path), dtype, block_size, vocab_size, holdout)
     spec = _field(config, "dataset")
     if isinstance(spec, (Dataset, IterableDataset)):
-        return spec
+        return split_map_dataset(spec, holdout, "data.dataset", block_size)[0]
     if spec is not None:
         allow_pickle = bool(_field(config, "allow_pickle", False))
-        return _open_serialized(os.fspath(spec), allow_pickle, block_size, vocab_size)
-    if not _field(config, "synthetic", True):
+        dataset = _open_serialized(os.fspath(spec), allow_pickle, block_size, vocab_size)
+        return split_map_dataset(dataset, holdout, "data.dataset", block_size)[0]
+    kind = str(_field(config, "synthetic", "markov"))
+    if kind == "none":
         raise _error(
             "data.synthetic: false but no data source is set; "
             "set data.text_path, data.token_path or data.dataset"
         )
-    return SyntheticTokenDataset(
-        num_samples=int(_field(config, "num_tokens", 100_000)),
-        block_size=block_size,
-        vocab_size=vocab_size,
-        seed=int(_field(config, "seed", 0)),
-    )
+    num_samples = int(_field(config, "num_tokens", 100_000))
+    if kind == "uniform":
+        return SyntheticTokenDataset(num_samples, block_size, vocab_size, seed=samples_seed)
+    return MarkovTokenDataset(num_samples, block_size, vocab_size, seed, sample_seed=samples_seed)
+
+
+def split_map_dataset(
+    dataset: Dataset, holdout: float, field: str, block_size: int
+) -> tuple[Dataset, Any]:
+    """``(training part, held-out part)`` of a dataset: its last ``holdout`` fraction held out.
+
+    Token streams (``TokenWindowDataset``) are split by tokens, anything else with ``len()`` by
+    samples. The held-out part is ``None`` when ``holdout`` is 0. Iterable datasets cannot be
+    split (``ConfigError`` naming ``eval.holdout``).
+    """
+    if holdout <= 0:
+        return dataset, None
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        raise _error(
+            f"eval.holdout: {field} is an iterable (streaming) dataset without len(); its end "
+            "cannot be held out. Use a map-style dataset, name a held-out file with "
+            "eval.text_path / eval.token_path, or set eval.holdout: 0"
+        )
+    if isinstance(dataset, TokenWindowDataset):
+        tokens = dataset.tokens
+        cut = split_point(len(tokens), holdout)
+        if cut <= block_size:
+            raise _too_short(field, "(training part)", cut, block_size, holdout)
+        return TokenWindowDataset(tokens[:cut], block_size), tokens[cut:]
+    total = len(dataset)
+    cut = split_point(total, holdout)
+    if cut <= 0 or cut >= total:
+        raise _error(
+            f"eval.holdout: {holdout} of the {total} samples of {field} leaves "
+            f"{cut} for training and {total - cut} held out; both need at least one"
+        )
+    if isinstance(dataset, SampleTensorDataset):
+        training = SampleTensorDataset(dataset.inputs[:cut], dataset.labels[:cut])
+        held = SampleTensorDataset(dataset.inputs[cut:], dataset.labels[cut:])
+        return training, held
+    return Subset(dataset, range(cut)), Subset(dataset, range(cut, total))
 
 
 def _require_file(field: str, path: str) -> None:
@@ -80,47 +139,71 @@ def _require_file(field: str, path: str) -> None:
         raise _error(f"{field}: file is empty: {path}")
 
 
-def _too_short(field: str, path: str, have: int, block_size: int) -> Exception:
+def _too_short(
+    field: str, path: str, have: int, block_size: int, holdout: float = 0.0
+) -> Exception:
+    kept = f" (after eval.holdout: {holdout} keeps the end for evaluation)" if holdout else ""
     return _error(
         f"data.block_size: {block_size} is larger than the data: {field} {path} holds "
-        f"{have} tokens, at least {block_size + 1} are needed; lower data.block_size "
+        f"{have} tokens{kept}, at least {block_size + 1} are needed; lower data.block_size "
         "(model.max_seq_len) or use more data"
     )
 
 
-def _open_text(path: str, block_size: int, vocab_size: int, tokenizer: Any) -> Dataset:
+def _open_text(
+    path: str, block_size: int, vocab_size: int, tokenizer: Any, holdout: float = 0.0
+) -> Dataset:
     _require_file("data.text_path", path)
-    dataset = TextFileTokenDataset(path, block_size, tokenizer=tokenizer, vocab_size=vocab_size)
+    stop = split_point(os.path.getsize(path), holdout) if holdout > 0 else None
+    dataset = TextFileTokenDataset(
+        path, block_size, tokenizer=tokenizer, vocab_size=vocab_size, stop_byte=stop
+    )
     have = 0
     for tokens in dataset.token_chunks():  # reads only a prefix: stops once one window fits
         have += tokens.numel()
         if have > block_size:
             break
     if have <= block_size:
-        raise _too_short("data.text_path", path, have, block_size)
+        raise _too_short("data.text_path", path, have, block_size, holdout)
     if tokenizer is not None:
         first = next(dataset.token_chunks())
         check_token_ids(first, vocab_size, "data.text_path", path)
     return dataset
 
 
-def _open_token_file(path: str, dtype: str, block_size: int, vocab_size: int) -> Dataset:
-    _require_file("data.token_path", path)
+def _open_token_file(
+    path: str, dtype: str, block_size: int, vocab_size: int, holdout: float = 0.0
+) -> Dataset:
+    tokens, dtype = token_array(path, dtype, vocab_size, "data.token_path")
+    stop = split_point(len(tokens), holdout) if holdout > 0 else None
+    kept = len(tokens) if stop is None else stop
+    if kept <= block_size:
+        raise _too_short("data.token_path", path, kept, block_size, holdout)
+    return TokenFileDataset(path, block_size, dtype=dtype, stop=stop)
+
+
+def token_array(path: str, dtype: str, vocab_size: int, field: str) -> tuple[np.ndarray, str]:
+    """Open and check a token file (``field`` names the setting in errors); ``(array, dtype)``.
+
+    ``.npy`` files carry their own dtype; ``.bin`` files use ``dtype`` (``data.token_dtype``).
+    Token ids are checked against ``vocab_size`` on a bounded sample.
+    """
+    _require_file(field, path)
     if dtype not in TOKEN_DTYPES:
         raise _error(f"data.token_dtype: must be uint16 or uint32, got {dtype!r}")
     if path.endswith(".npy"):
         try:
             tokens = np.load(path, mmap_mode="r")
         except (ValueError, OSError, EOFError) as exc:
-            raise _error(f"data.token_path: {path} is not a readable .npy file: {exc}") from exc
+            raise _error(f"{field}: {path} is not a readable .npy file: {exc}") from exc
         if tokens.dtype.name not in TOKEN_DTYPES:
             raise _error(
-                f"data.token_path: {path} holds {tokens.dtype.name} values; token files must "
+                f"{field}: {path} holds {tokens.dtype.name} values; token files must "
                 "be uint16 or uint32 (save with arr.astype(np.uint16) or np.uint32)"
             )
         if tokens.ndim != 1:
             raise _error(
-                f"data.token_path: {path} has shape {tokens.shape}; a token file must be "
+                f"{field}: {path} has shape {tokens.shape}; a token file must be "
                 "one flat 1-D stream (use arr.reshape(-1))"
             )
         dtype = tokens.dtype.name
@@ -129,18 +212,14 @@ def _open_token_file(path: str, dtype: str, block_size: int, vocab_size: int) ->
         itemsize = np.dtype(dtype).itemsize
         if size % itemsize:
             raise _error(
-                f"data.token_path: {path} is {size} bytes, not a multiple of {itemsize}; it "
+                f"{field}: {path} is {size} bytes, not a multiple of {itemsize}; it "
                 f"cannot hold {dtype} tokens (check data.token_dtype)"
             )
         tokens = np.memmap(path, dtype=np.dtype(dtype), mode="r")
     else:
-        raise _error(
-            f"data.token_path: {path} must end in .bin (raw tokens, data.token_dtype) or .npy"
-        )
-    if len(tokens) <= block_size:
-        raise _too_short("data.token_path", path, len(tokens), block_size)
-    check_token_ids(_sample(tokens), vocab_size, "data.token_path", path, dtype)
-    return TokenFileDataset(path, block_size, dtype=dtype)
+        raise _error(f"{field}: {path} must end in .bin (raw tokens, data.token_dtype) or .npy")
+    check_token_ids(_sample(tokens), vocab_size, field, path, dtype)
+    return tokens, dtype
 
 
 def _sample(tokens: Any) -> np.ndarray:

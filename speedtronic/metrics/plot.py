@@ -1,9 +1,11 @@
 """``speedtronic plot``: loss and learning-rate curves from a run's JSONL event log.
 
-Reads ``train_step`` records (``{"event": "train_step", "step", "loss", "lr", ...}``) from a
-JSONL file, or from the newest ``*.jsonl`` under a run directory. A step logged twice (a resumed
-run re-doing steps after a crash) keeps its last record. Needs matplotlib (extra
-``speedtronic[plot]``).
+Reads ``train_step`` records (``{"event": "train_step", "step", "loss", "lr", ...}``) and
+``eval`` records (``{"event": "eval", "step", "loss", "scope", ...}``) from a JSONL file, or from
+the newest ``*.jsonl`` under a run directory. A step logged twice (a resumed run re-doing steps
+after a crash) keeps its last record. Eval points are drawn on the loss axes at their ``step``:
+``local`` (a node's own weights) and ``global`` (the DiLoCo global) as distinct series. Needs
+matplotlib (extra ``speedtronic[plot]``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["find_event_log", "plot_command", "read_train_steps"]
+__all__ = ["find_event_log", "plot_command", "read_eval_points", "read_train_steps"]
+
+# scope -> (label, colour, marker) of its eval points
+_EVAL_STYLE = {
+    "local": ("eval (local weights)", "tab:green", "o"),
+    "global": ("eval (DiLoCo global)", "tab:red", "s"),
+}
 
 
 def find_event_log(source: str | Path) -> Path:
@@ -28,9 +36,9 @@ def find_event_log(source: str | Path) -> Path:
     raise FileNotFoundError(f"plot source not found: {path}")
 
 
-def read_train_steps(path: str | Path) -> list[dict[str, Any]]:
-    """``train_step`` records of a JSONL file, ordered by step (last record per step wins)."""
-    by_step: dict[int, dict[str, Any]] = {}
+def _records(path: str | Path, event: str) -> list[dict[str, Any]]:
+    """The ``event`` records of a JSONL file that carry a step, in file order."""
+    found = []
     with open(path, encoding="utf-8") as handle:
         for line in handle:
             line = line.strip()
@@ -40,21 +48,43 @@ def read_train_steps(path: str | Path) -> list[dict[str, Any]]:
                 record = json.loads(line)
             except ValueError:
                 continue  # a torn last line of a killed run
-            if isinstance(record, dict) and record.get("event") == "train_step":
-                by_step[int(record["step"])] = record
+            if isinstance(record, dict) and record.get("event") == event and "step" in record:
+                found.append(record)
+    return found
+
+
+def read_train_steps(path: str | Path) -> list[dict[str, Any]]:
+    """``train_step`` records of a JSONL file, ordered by step (last record per step wins)."""
+    by_step = {int(record["step"]): record for record in _records(path, "train_step")}
     return [by_step[step] for step in sorted(by_step)]
 
 
-def plot_command(source: str, output: str) -> str:
-    """Draw loss (top) and learning rate (bottom) against step into ``output``; returns its path.
+def read_eval_points(path: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """``{scope: [(step, loss), ...]}`` from the ``eval`` records, ordered by step.
 
-    Raises ``FileNotFoundError`` without a log, ``ValueError`` when the log has no
-    ``train_step`` records, ``RuntimeError`` when matplotlib is not installed.
+    The scope defaults to ``local``; the last record per ``(scope, step)`` wins.
+    """
+    by_scope: dict[str, dict[int, float]] = {}
+    for record in _records(path, "eval"):
+        loss = record.get("loss")
+        if isinstance(loss, (int, float)) and not isinstance(loss, bool):
+            scope = str(record.get("scope") or "local")
+            by_scope.setdefault(scope, {})[int(record["step"])] = float(loss)
+    return {scope: sorted(points.items()) for scope, points in sorted(by_scope.items())}
+
+
+def plot_command(source: str, output: str) -> str:
+    """Draw loss and eval points (top) and learning rate (bottom) against step into ``output``;
+    returns its path.
+
+    Raises ``FileNotFoundError`` without a log, ``ValueError`` when the log has neither
+    ``train_step`` nor ``eval`` records, ``RuntimeError`` when matplotlib is not installed.
     """
     log = find_event_log(source)
     records = read_train_steps(log)
-    if not records:
-        raise ValueError(f"{log} contains no train_step records")
+    evals = read_eval_points(log)
+    if not records and not evals:
+        raise ValueError(f"{log} contains no train_step or eval records")
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -66,7 +96,13 @@ def plot_command(source: str, output: str) -> str:
     figure = Figure(figsize=(8, 6), tight_layout=True)
     FigureCanvasAgg(figure)
     loss_axes, lr_axes = figure.subplots(2, 1, sharex=True)
-    loss_axes.plot(steps, [r.get("loss") for r in records], color="tab:blue")
+    loss_axes.plot(steps, [r.get("loss") for r in records], color="tab:blue", label="train")
+    for scope, points in evals.items():
+        label, colour, marker = _EVAL_STYLE.get(scope, (f"eval ({scope})", "tab:purple", "^"))
+        xs, ys = zip(*points, strict=True)
+        loss_axes.plot(xs, ys, color=colour, marker=marker, linestyle="--", label=label)
+    if evals:
+        loss_axes.legend()
     loss_axes.set_ylabel("loss")
     loss_axes.set_title(f"{log.name}: {len(records)} steps")
     loss_axes.grid(alpha=0.3)

@@ -6,10 +6,11 @@ hands it every ``train_step`` event regardless of the text log cadence. It owns 
 `CollectorRegistry` (no global state), which `speedtronic.metrics.server.MetricsServer`
 serves on ``/metrics``.
 
-Every series carries the labels ``role`` and ``node_id`` (never the token). Two series have one
-extra bounded label: ``speedtronic_diloco_uploads_total{result}`` and
-``speedtronic_diloco_retries_total{operation}``. The list of series is `SERIES`; docs/deploy.md
-documents the same list.
+Every series carries the labels ``role`` and ``node_id`` (never the token). Three series have one
+extra bounded label: ``speedtronic_diloco_uploads_total{result}``,
+``speedtronic_diloco_retries_total{operation}`` and ``speedtronic_eval_loss{scope}`` (``local``:
+a node's own weights, ``global``: the DiLoCo global the master evaluated). The list of series
+is `SERIES`; docs/deploy.md documents the same list.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-__all__ = ["SERIES", "UPLOAD_RESULTS", "PrometheusSink"]
+__all__ = ["EVAL_SCOPES", "SERIES", "UPLOAD_RESULTS", "PrometheusSink"]
 
 # Exposed sample name -> help text. Counters are listed with their `_total` sample name and
 # histograms with their base name (Prometheus adds `_bucket`, `_sum`, `_count`).
@@ -40,6 +41,7 @@ SERIES: dict[str, str] = {
     "speedtronic_seconds_since_last_step": "Seconds since the last applied step (or start).",
     "speedtronic_checkpoint_saves_total": "Checkpoints written.",
     "speedtronic_checkpoint_save_seconds": "Time to write one checkpoint.",
+    "speedtronic_eval_loss": "Held-out loss (mean token cross-entropy, nats) of the last eval.",
     "speedtronic_diloco_outer_step": "Latest known DiLoCo outer (global) step.",
     "speedtronic_diloco_rounds_total": "DiLoCo outer rounds run by the master.",
     "speedtronic_diloco_deltas_found_total": "Deltas found by the master's outer rounds.",
@@ -55,6 +57,7 @@ SERIES: dict[str, str] = {
 }
 
 UPLOAD_RESULTS = ("ok", "failed", "skipped", "stale", "zero")
+EVAL_SCOPES = ("local", "global")
 
 _UPLOAD_EVENTS = {
     "delta_uploaded": "ok",
@@ -153,6 +156,7 @@ class PrometheusSink:
         self.checkpoint_seconds = self._series(
             h, "speedtronic_checkpoint_save_seconds", buckets=_IO_BUCKETS
         ).labels(**ids)
+        self._eval_loss = self._series(g, "speedtronic_eval_loss", "scope")
         self.outer_step = self._series(g, "speedtronic_diloco_outer_step").labels(**ids)
         self.rounds = self._series(c, "speedtronic_diloco_rounds").labels(**ids)
         self.deltas = {
@@ -270,6 +274,13 @@ class PrometheusSink:
             self.checkpoint_seconds.observe(seconds)
 
     _on_checkpoint = _on_checkpoint_saved  # 2.0.0 name of the same event
+
+    def _on_eval(self, payload: Mapping[str, Any]) -> None:
+        loss = _number(payload, "loss")
+        scope = str(payload.get("scope") or "local")
+        if loss is None or scope not in EVAL_SCOPES:
+            return
+        self._eval_loss.labels(role=self.role, node_id=self.node_id, scope=scope).set(loss)
 
     def _on_diloco_started(self, payload: Mapping[str, Any]) -> None:
         step = _number(payload, "global_step")

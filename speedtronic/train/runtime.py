@@ -4,8 +4,9 @@
 ``(trainer, checkpoint_manager)`` after, in order: validation → run-target override (moves an
 implicit scheduler horizon too) → seeding → device (``run.device``) → precision → model (moved to
 the device) → logger → DumbDiLoCo coordinator (when ``distributed.enabled``) → data loader (its
-seed mixed with the node id, so DiLoCo nodes see different batches) → checkpoint manager → shape
-validation → optimizer → scheduler → ``Trainer`` → resume. Every
+stream seeded per node, so DiLoCo nodes see different batches; ``eval.holdout`` kept out) →
+held-out eval set (``build_heldout``) → checkpoint manager → shape validation → optimizer →
+scheduler → ``Trainer`` → resume. Every
 configuration problem (a CUDA request without CUDA, a bad data path, an unknown model) raises
 ``ConfigError`` naming the field, before any training step.
 
@@ -26,11 +27,10 @@ update, stops the coordinator, writes a final checkpoint and returns normally.
 
 from __future__ import annotations
 
-import dataclasses
 import json
+import math
 import os
 import random
-import zlib
 from typing import Any
 
 import torch
@@ -141,19 +141,23 @@ def _coordinator(config: Any, model: torch.nn.Module, logger: MetricLogger) -> A
     )
 
 
-def _node_data_config(data: Any, coordinator: Any) -> Any:
-    """Give every DumbDiLoCo node its own data stream.
-
-    Nodes that share ``data.seed`` and a data source would otherwise train on identical batches
-    and contribute identical pseudo-gradients. The node id is mixed into the loader seed with a
-    stable hash (CRC-32), so the stream stays deterministic per node and resume stays exact.
-    Without a coordinator the section is returned unchanged.
-    """
-    if coordinator is None:
-        return data
-    base = int(data.seed if data.seed is not None else 0)
-    mixed = (base + zlib.crc32(str(coordinator.node_id).encode("utf-8"))) % 2**31
-    return dataclasses.replace(data, seed=mixed)
+def _log_data(logger: MetricLogger, loader: Any, heldout: Any) -> None:
+    """One line on the training source's loss floor (Markov data) and the held-out set."""
+    floor = getattr(loader.dataset, "floor", None)
+    if floor is not None:
+        logger.info(
+            "data: synthetic Markov chain, loss floor %.4f nats (uniform guess %.4f)",
+            floor,
+            math.log(loader.dataset.vocab_size),
+        )
+    if heldout is not None:
+        logger.info("eval: %d held-out tokens from %s", heldout.tokens, heldout.description)
+        if heldout.tokens < heldout.requested:
+            logger.warning(
+                "eval.tokens asks for %d tokens but the held-out data holds %d; scoring all of it",
+                heldout.requested,
+                heldout.tokens,
+            )
 
 
 def build_runtime(
@@ -169,8 +173,9 @@ def build_runtime(
     overrides the absolute step target on a copy of the config (the caller's object is not
     changed) and moves the scheduler horizon when ``scheduler.max_steps`` was not explicit.
     """
-    from speedtronic.data import build_dataloader
+    from speedtronic.data import build_node_dataloader
     from speedtronic.model import build_model
+    from speedtronic.train.evaluate import build_heldout
     from speedtronic.train.shapes import validate_startup_shapes
 
     config = _as_config(config)
@@ -183,11 +188,9 @@ def build_runtime(
     model.to(resolved)
     logger = build_logger(config)
     coordinator = _coordinator(config, model, logger)
-    loader = build_dataloader(
-        _node_data_config(config.data, coordinator),
-        pin_memory_device=resolved.type == "cuda",
-        vocab_size=config.model.vocab_size,
-    )
+    node_id = coordinator.node_id if coordinator is not None else None
+    loader = build_node_dataloader(config, node_id, pin_memory_device=resolved.type == "cuda")
+    heldout = build_heldout(config)
     section = config.checkpoint
     manager = CheckpointManager(
         config.checkpoint_dir,
@@ -200,6 +203,7 @@ def build_runtime(
     logger.info(
         "config %s", json.dumps(config.to_dict(redact_secrets=True), default=str, sort_keys=False)
     )
+    _log_data(logger, loader, heldout)
     report = validate_startup_shapes(config, model, resolved, precision, logger=logger)
     optimizer = build_optimizer(model, config, resolved)
     scheduler = build_scheduler(optimizer, config)
@@ -216,6 +220,7 @@ def build_runtime(
         coordinator=coordinator,
         max_steps=config.effective_max_steps,
         shape_report=report,
+        heldout=heldout,
     )
     if resume or section.resume:
         state = manager.load_latest()

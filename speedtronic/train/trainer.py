@@ -3,9 +3,11 @@
 One update (``_train_step``) = K micro-batches (``data.accumulation_steps``): forward under
 autocast, ``loss / K`` backward, then one host sync that reads the loss sum, the gradient norm
 and the token count together, then ``_optimizer_step``. Afterwards ``_after_step`` advances the
-counters, the LR schedule and the sync coordinator, the ``train_step`` metric is emitted, and
-``_maybe_checkpoint`` saves on the interval. Skipped updates (GradScaler overflow, non-finite loss
-with ``run.stop_on_nonfinite: false``) advance nothing; 20 in a row is an error.
+counters, the LR schedule and the sync coordinator, the ``train_step`` metric is emitted,
+``_maybe_checkpoint`` saves on the interval and ``_maybe_evaluate`` scores the held-out set
+(``eval.every_steps``, and at the end after the coordinator stopped). Skipped updates (GradScaler
+overflow, non-finite loss with ``run.stop_on_nonfinite: false``) advance nothing; 20 in a row is
+an error.
 
 ``request_stop(reason)`` may be called from a signal handler or another thread: the loop stops
 at the next update boundary, stops the coordinator, saves a final checkpoint and returns a
@@ -25,6 +27,7 @@ import torch
 from torch import nn
 
 from speedtronic.metrics.logger import MetricLogger, memory_usage_bytes
+from speedtronic.train.evaluate import HeldOut, evaluate
 from speedtronic.train.features import (
     apply_gradient_checkpointing,
     compile_model,
@@ -87,6 +90,7 @@ class Trainer(TrainerStateMixin):
     ``accumulation_steps`` overrides ``data.accumulation_steps``; ``precision`` defaults to
     ``resolve_precision(config.precision, device)``; ``logger`` to a stdout ``MetricLogger``.
     ``checkpoint_manager``, ``coordinator``, ``scheduler`` and ``shape_report`` are optional.
+    ``heldout`` (a ``HeldOut`` from ``build_heldout``) turns on ``eval`` events (local weights).
     """
 
     def __init__(
@@ -106,6 +110,7 @@ class Trainer(TrainerStateMixin):
         start_step: int = 0,
         shape_report: Any = None,
         accumulation_steps: int | None = None,
+        heldout: HeldOut | None = None,
     ) -> None:
         if isinstance(config, dict):
             from speedtronic.config import SpeedtronicConfig
@@ -150,6 +155,8 @@ class Trainer(TrainerStateMixin):
         self._batches_consumed = 0
         self._resume_data: dict[str, Any] | None = None
         self._consecutive_skips = 0
+        self.heldout = heldout
+        self._eval_every = int(config_value(config, "eval.every_steps", 0))
         apply_gradient_checkpointing(self.model, config, self.logger)
         self._active, self._compiled = compile_model(model, config, self.logger)
         self._setup_ooo()
@@ -223,6 +230,7 @@ class Trainer(TrainerStateMixin):
             if self.step < target:
                 self._start_coordinator()
             self._emit_train_start(target)
+            self._maybe_evaluate(target)
             last_tick = started
             while self.step < target and self._stop_reason is None:
                 update = self._train_step(batches)
@@ -235,6 +243,7 @@ class Trainer(TrainerStateMixin):
                 metrics.append(metric)
                 final_loss = update.loss
                 self._maybe_checkpoint()
+                self._maybe_evaluate(target)
         finally:
             self._stop_coordinator()
             if self._ooo is not None:
@@ -243,6 +252,7 @@ class Trainer(TrainerStateMixin):
         stopped = self._stop_reason
         if stopped is not None:
             self.logger.emit("train_stopped", {"step": self.step, "reason": stopped})
+        self._maybe_evaluate(target, final=True)
         self._save_final()
         elapsed = time.perf_counter() - started
         self._stop_reason = None
@@ -392,6 +402,17 @@ class Trainer(TrainerStateMixin):
             if replaced and config_value(self.config, "distributed.reset_inner_optimizer", True):
                 self._reset_inner_optimizer()
         self.last_heartbeat = time.monotonic()
+
+    def _maybe_evaluate(self, target: int, *, final: bool = False) -> None:
+        """Emit ``eval`` for the local weights at multiples of ``eval.every_steps`` and at the end
+        (the target step is left to the final eval, which sees a global installed at stop)."""
+        if self.heldout is None:
+            return
+        every = self._eval_every
+        if not final and (every <= 0 or self.step % every or self.step >= target):
+            return
+        result = evaluate(self.model, self.heldout, device=self.device, precision=self.precision)
+        self.logger.emit("eval", {"step": self.step, **result.as_dict(), "scope": "local"})
 
     def _reset_inner_optimizer(self) -> None:
         reset = getattr(self.optimizer, "reset_state", None)

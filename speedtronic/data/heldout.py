@@ -1,0 +1,165 @@
+"""Held-out records for evaluation: the region of data that training never reads.
+
+``open_heldout(data, evaluation, ...)`` returns the records of the held-out region in a fixed
+order from its start (or ``None`` when the ``eval`` section names no held-out source):
+
+* ``eval.text_path`` / ``eval.token_path`` (``.bin`` read with ``data.token_dtype``): the whole
+  file, as sequential non-overlapping windows of ``block_size + 1`` tokens;
+* ``eval.holdout`` over ``data.text_path``: the last ``holdout`` fraction of the file's bytes,
+  as sequential windows; over ``data.token_path``: the last fraction of its tokens, likewise;
+* ``eval.holdout`` over ``data.dataset``: its last samples in order (a 1-D token tensor: its
+  last tokens, as sequential windows);
+* ``eval.holdout`` over ``synthetic: markov`` / ``uniform``: ``ceil(holdout * num_tokens)``
+  samples of the held-out seed domain, ``0, 1, ...``.
+
+Everything here depends on ``data.seed`` (never on the node's stream seed), so every DiLoCo
+node and the master hold out, and score, exactly the same tokens. Errors are ``ConfigError``s
+naming the field (a held-out file that is missing or shorter than one window, ...).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from speedtronic.data.datasets import TextFileTokenDataset
+from speedtronic.data.markov import HELDOUT_DOMAIN, MarkovTokenDataset, seed_generator
+from speedtronic.data.sources import (
+    _error,
+    _field,
+    _open_serialized,
+    _require_file,
+    split_map_dataset,
+    split_point,
+    token_array,
+)
+
+__all__ = ["HeldOutSource", "open_heldout"]
+
+Record = dict[str, torch.Tensor]
+
+
+@dataclass
+class HeldOutSource:
+    """The held-out region: ``records()`` yields it from the start, in a fixed order.
+
+    ``description`` says where it comes from (for logs); ``floor`` is the lowest reachable
+    mean cross-entropy in nats when known (the Markov chain's entropy rate), else ``None``.
+    """
+
+    records: Any  # () -> Iterator[record]
+    description: str
+    floor: float | None = None
+
+
+def _windows(tokens: Any, block_size: int) -> Iterator[Record]:
+    """Sequential non-overlapping windows of ``block_size + 1`` from a 1-D token array."""
+    span = block_size + 1
+    for start in range(0, len(tokens) - block_size, span):
+        window = np.asarray(tokens[start : start + span], dtype=np.int64)
+        tensor = torch.from_numpy(window.copy())
+        yield {"input_ids": tensor[:-1], "labels": tensor[1:]}
+
+
+def _text_records(path: str, block_size: int, vocab_size: int, start_byte: int, field: str):
+    dataset = TextFileTokenDataset(path, block_size, vocab_size=vocab_size, start_byte=start_byte)
+    if next(iter(dataset), None) is None:
+        raise _error(
+            f"{field}: the held-out text ({path} from byte {start_byte}) is shorter than one "
+            f"window of data.block_size + 1 = {block_size + 1} tokens; use more held-out text "
+            "or a smaller block size"
+        )
+    return dataset.__iter__
+
+
+def _token_records(tokens: Any, block_size: int, what: str, field: str):
+    if len(tokens) <= block_size:
+        raise _error(
+            f"{field}: the held-out tokens ({what}) number {len(tokens)}, fewer than one window "
+            f"of data.block_size + 1 = {block_size + 1}; use more held-out data"
+        )
+    return lambda: _windows(tokens, block_size)
+
+
+def _uniform_records(count: int, block_size: int, vocab_size: int, seed: int):
+    def records() -> Iterator[Record]:
+        for index in range(count):
+            rng = seed_generator(seed, HELDOUT_DOMAIN, index)
+            window = torch.from_numpy(rng.integers(vocab_size, size=block_size + 1))
+            yield {"input_ids": window[:-1], "labels": window[1:]}
+
+    return records
+
+
+def _held_samples(held: Any):
+    return lambda: (held[index] for index in range(len(held)))
+
+
+def open_heldout(
+    data: Any, evaluation: Any, *, block_size: int, vocab_size: int
+) -> HeldOutSource | None:
+    """The held-out region named by ``evaluation`` (an ``EvalConfig``) over ``data``."""
+    text_path = _field(evaluation, "text_path")
+    if text_path:
+        _require_file("eval.text_path", os.fspath(text_path))
+        records = _text_records(os.fspath(text_path), block_size, vocab_size, 0, "eval.text_path")
+        return HeldOutSource(records, f"eval.text_path {text_path}")
+    token_path = _field(evaluation, "token_path")
+    if token_path:
+        dtype = str(_field(data, "token_dtype", "uint16"))
+        tokens, _ = token_array(os.fspath(token_path), dtype, vocab_size, "eval.token_path")
+        records = _token_records(tokens, block_size, str(token_path), "eval.token_path")
+        return HeldOutSource(records, f"eval.token_path {token_path}")
+    holdout = float(_field(evaluation, "holdout", 0.0))
+    if holdout <= 0:
+        return None
+    return _holdout_of_training(data, holdout, block_size, vocab_size)
+
+
+def _holdout_of_training(
+    data: Any, holdout: float, block_size: int, vocab_size: int
+) -> HeldOutSource:
+    share = f"last {holdout:g} of"
+    text_path = _field(data, "text_path")
+    if text_path:
+        path = os.fspath(text_path)
+        start = split_point(os.path.getsize(path), holdout)
+        records = _text_records(path, block_size, vocab_size, start, "eval.holdout")
+        return HeldOutSource(records, f"{share} data.text_path {path}")
+    token_path = _field(data, "token_path")
+    if token_path:
+        dtype = str(_field(data, "token_dtype", "uint16"))
+        tokens, _ = token_array(os.fspath(token_path), dtype, vocab_size, "data.token_path")
+        tail = tokens[split_point(len(tokens), holdout) :]
+        records = _token_records(tail, block_size, f"{share} {token_path}", "eval.holdout")
+        return HeldOutSource(records, f"{share} data.token_path {token_path}")
+    spec = _field(data, "dataset")
+    if spec is not None:
+        dataset = spec
+        if isinstance(spec, (str, os.PathLike)):
+            allow = bool(_field(data, "allow_pickle", False))
+            dataset = _open_serialized(os.fspath(spec), allow, block_size, vocab_size)
+        _, held = split_map_dataset(dataset, holdout, "data.dataset", block_size)
+        if isinstance(held, (torch.Tensor, np.ndarray)):
+            records = _token_records(held, block_size, f"{share} data.dataset", "eval.holdout")
+        else:
+            records = _held_samples(held)
+        return HeldOutSource(records, f"{share} data.dataset")
+    kind = str(_field(data, "synthetic", "markov"))
+    if kind == "none":
+        raise _error("eval.holdout: there is no training source to hold out (data.synthetic: none)")
+    seed = int(_field(data, "seed", 0))
+    count = max(1, math.ceil(holdout * int(_field(data, "num_tokens", 100_000))))
+    if kind == "uniform":
+        records = _uniform_records(count, block_size, vocab_size, seed)
+        return HeldOutSource(records, f"{count} held-out uniform samples (seed {seed})")
+    held = MarkovTokenDataset(count, block_size, vocab_size, seed, domain=HELDOUT_DOMAIN)
+    return HeldOutSource(
+        _held_samples(held), f"{count} held-out Markov samples (seed {seed})", held.floor
+    )

@@ -1,0 +1,175 @@
+"""``speedtronic eval``: find the weights to score, load them into the configured model, score.
+
+Where the weights come from (:func:`load_weights`):
+
+* nothing given: the newest readable checkpoint of ``config.checkpoint_dir`` (a corrupt newest
+  file falls back to the previous one, as a resume does);
+* ``checkpoint=PATH``: a trainer checkpoint ``.pt`` file; a checkpoint directory (its newest);
+  a ``.safetensors`` model state; or a directory holding ``model.safetensors`` and optionally
+  ``meta.json`` (``{"outer_step", "step"}``): the layout of the DiLoCo master's ``final/``;
+* ``use_global=True``: the DiLoCo global currently published in ``distributed.repo_id``.
+
+``.pt`` files are read with ``torch.load(weights_only=True)``. Every unusable input (nothing to
+score, an unreadable file, weights that do not fit ``model``) is a ``CheckpointError`` with one
+line naming the path; a config without held-out data is a ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from speedtronic.checkpoint import CheckpointError, CheckpointManager
+from speedtronic.train.evaluate import build_heldout, evaluate
+
+__all__ = ["Weights", "load_weights", "score"]
+
+
+@dataclass
+class Weights:
+    """A model state to score and what is known about it (``None`` = unknown)."""
+
+    state: dict[str, torch.Tensor]
+    source: str
+    step: int | None = None
+    outer_step: int | None = None
+
+
+def _int_or_none(value: Any) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return int(value)
+
+
+def _checkpoint_outer_step(coordinator: Any) -> int | None:
+    """The outer step a trainer checkpoint's DiLoCo state records (master or node), if any."""
+    if not isinstance(coordinator, dict):
+        return None
+    for value in (
+        coordinator.get("outer_step"),
+        (coordinator.get("outer") or {}).get("outer_step"),
+        (coordinator.get("node") or {}).get("installed"),
+    ):
+        step = _int_or_none(value)
+        if step is not None and step >= 0:
+            return step
+    return None
+
+
+def _from_trainer_state(state: dict[str, Any], source: str) -> Weights:
+    model = state.get("model")
+    if not isinstance(model, dict):
+        raise CheckpointError(f"checkpoint {source} holds no model state")
+    return Weights(
+        model,
+        source,
+        _int_or_none(state.get("step")),
+        _checkpoint_outer_step(state.get("coordinator")),
+    )
+
+
+def _latest_in(directory: Path) -> Weights:
+    manager = CheckpointManager(directory, warn=lambda message: None)
+    state = manager.load_latest()
+    if state is None:
+        raise CheckpointError(f"no checkpoint in {directory} (train first or pass --checkpoint)")
+    return _from_trainer_state(state, str(state.get("path", directory)))
+
+
+def _from_safetensors(path: Path, meta_path: Path | None = None) -> Weights:
+    from safetensors.torch import load_file
+
+    try:
+        state = load_file(str(path), device="cpu")
+    except Exception as exc:
+        raise CheckpointError(f"{path} is not a readable safetensors file: {exc}") from exc
+    meta: dict[str, Any] = {}
+    if meta_path is not None and meta_path.is_file():
+        try:
+            meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{meta_path} is not readable JSON: {exc}") from exc
+        if not isinstance(meta, dict):
+            meta = {}
+    return Weights(
+        state, str(path), _int_or_none(meta.get("step")), _int_or_none(meta.get("outer_step"))
+    )
+
+
+def _from_path(path: Path) -> Weights:
+    if path.is_dir():
+        if (path / "model.safetensors").is_file():
+            return _from_safetensors(path / "model.safetensors", path / "meta.json")
+        return _latest_in(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    if path.suffix == ".safetensors":
+        return _from_safetensors(path, path.with_name("meta.json"))
+    return _from_trainer_state(CheckpointManager.load(path), str(path))
+
+
+def _from_global(config: Any) -> Weights:
+    from speedtronic.diloco.transport import build_transport
+
+    if not config.distributed.repo_id:
+        raise CheckpointError("--global needs distributed.repo_id (the DiLoCo exchange)")
+    try:
+        transport = build_transport(config.distributed)
+        meta = transport.global_metadata()
+        if meta is None:
+            raise CheckpointError(f"no global published in {config.distributed.repo_id} yet")
+        state = transport.read_global(meta)
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(
+            f"cannot read the global from {config.distributed.repo_id}: {exc}"
+        ) from exc
+    return Weights(dict(state), f"global of {config.distributed.repo_id}", None, meta.outer_step)
+
+
+def load_weights(
+    config: Any, *, checkpoint: str | None = None, use_global: bool = False
+) -> Weights:
+    """The weights ``speedtronic eval`` scores (see the module docstring)."""
+    if use_global and checkpoint:
+        raise ValueError("pass a checkpoint or use_global, not both")
+    if use_global:
+        return _from_global(config)
+    if checkpoint:
+        return _from_path(Path(checkpoint))
+    return _latest_in(config.checkpoint_dir)
+
+
+def score(
+    config: Any, *, checkpoint: str | None = None, use_global: bool = False
+) -> dict[str, Any]:
+    """Score the chosen weights on the held-out set: ``{"loss", "perplexity", "tokens",
+    "step", "outer_step"}`` (``None`` where unknown)."""
+    from speedtronic.config import ConfigError
+    from speedtronic.model import build_model
+    from speedtronic.train.runtime import _device, _precision
+
+    heldout = build_heldout(config)
+    if heldout is None:
+        raise ConfigError(
+            "eval: no held-out data configured; set eval.holdout (a fraction of the training "
+            "data) or eval.text_path / eval.token_path"
+        )
+    weights = load_weights(config, checkpoint=checkpoint, use_global=use_global)
+    device = _device(config, None)
+    model = build_model(config.model)
+    try:
+        model.load_state_dict(weights.state, strict=True)
+    except RuntimeError as exc:
+        detail = " ".join(str(exc).split())[:300]
+        raise CheckpointError(
+            f"{weights.source} does not match the configured model ({config.model.name}): {detail}"
+        ) from None
+    model.to(device)
+    result = evaluate(model, heldout, device=device, precision=_precision(config, device))
+    return {**result.as_dict(), "step": weights.step, "outer_step": weights.outer_step}
