@@ -66,13 +66,14 @@ MODELS: dict[str, dict[str, Any]] = {
 
 
 def make_config(name: str, steps: int, output_dir: str) -> SpeedtronicConfig:
-    """The benchmark config for model ``name``: CPU fp32, synthetic data, no checkpoints."""
+    """The benchmark config for model ``name``: CPU fp32, uniform synthetic data (the cheapest
+    source, as before 2.1's Markov default), no checkpoints."""
     spec = MODELS[name]
     return SpeedtronicConfig.from_dict(
         {
             "run": {"seed": 1234, "device": "cpu", "max_steps": steps, "output_dir": output_dir},
             "model": {**spec["model"], "dropout": 0.0},
-            "data": {"synthetic": True, "num_tokens": 4096, **spec["data"]},
+            "data": {"synthetic": "uniform", "num_tokens": 4096, **spec["data"]},
             "optimizer": {"name": "adamw", "lr": 3e-4, "weight_decay": 0.01},
             "scheduler": {"name": "cosine", "warmup_steps": 2},
             "precision": "fp32",

@@ -3,8 +3,9 @@
 ``data.synthetic: markov`` (the default). The chain is a function of ``data.seed`` and the
 vocabulary only, so every DiLoCo node and every held-out set sees the same chain:
 
-* each token has ``SUCCESSORS`` distinct successors; one of them follows a random cyclic
-  permutation of the vocabulary (so the chain is irreducible), the others are random;
+* each token has ``SUCCESSORS`` distinct successors other than itself; one of them follows a
+  random cyclic permutation of the vocabulary (so the chain is irreducible), the others are
+  random;
 * the successor probabilities are drawn from a Dirichlet(``CONCENTRATION``) (skewed) and
   quantised to multiples of ``1 / RESOLUTION``; generation then needs one table lookup per
   token: ``next = table[token * RESOLUTION + uniform_int(RESOLUTION)]``.
@@ -57,7 +58,8 @@ def seed_generator(seed: int, *key: int) -> np.random.Generator:
 
 
 def _successors(rng: np.random.Generator, vocab: int, k: int) -> np.ndarray:
-    """(V, k) distinct successors per token; column 0 is a random cycle through all tokens."""
+    """(V, k) distinct successors per token, never the token itself (no sticky states); column 0
+    is a random cycle through all tokens."""
     order = rng.permutation(vocab)
     cycle = np.empty(vocab, dtype=np.int64)
     cycle[order] = np.roll(order, -1)
@@ -66,9 +68,10 @@ def _successors(rng: np.random.Generator, vocab: int, k: int) -> np.ndarray:
     if k == 1:
         return table
     table[:, 1:] = rng.integers(vocab, size=(vocab, k - 1))
-    while True:  # redraw the rows that picked a successor twice (rare unless V is tiny)
+    own = np.arange(vocab)[:, None]
+    while True:  # redraw rows that picked a successor twice or themselves (rare unless V is tiny)
         ordered = np.sort(table, axis=1)
-        clash = (ordered[:, 1:] == ordered[:, :-1]).any(axis=1)
+        clash = (ordered[:, 1:] == ordered[:, :-1]).any(axis=1) | (table == own).any(axis=1)
         if not clash.any():
             return table
         table[clash, 1:] = rng.integers(vocab, size=(int(clash.sum()), k - 1))
@@ -117,7 +120,7 @@ class MarkovChain:
         self.vocab_size = vocab
         self.seed = int(seed)
         rng = seed_generator(self.seed, CHAIN_DOMAIN)
-        k = min(SUCCESSORS, vocab)
+        k = min(SUCCESSORS, max(vocab - 1, 1))
         self.successors = _successors(rng, vocab, k)
         counts = _quantise(rng.dirichlet(np.full(k, CONCENTRATION), size=vocab), RESOLUTION)
         self.probs = counts / RESOLUTION
