@@ -104,7 +104,9 @@ def plot_command(source: str, output: str) -> str:
     if evals:
         loss_axes.legend()
     loss_axes.set_ylabel("loss")
-    loss_axes.set_title(f"{log.name}: {len(records)} steps")
+    last = max([*steps, *(step for points in evals.values() for step, _ in points)])
+    counts = f"{len(records)} train_step, {sum(map(len, evals.values()))} eval records"
+    loss_axes.set_title(f"{log.name}: {counts}, to step {last}")
     loss_axes.grid(alpha=0.3)
     lr_axes.plot(steps, [r.get("lr") for r in records], color="tab:orange")
     lr_axes.set_ylabel("learning rate")
