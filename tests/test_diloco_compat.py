@@ -45,7 +45,8 @@ def test_submodules():
     )
     assert torch.allclose(state["w"], torch.tensor([0.81, 0.62]))
     assert hub.HubClient.__name__ == "HubClient"
-    assert diloco.DeltaUploadJob.__name__ == "DeltaUploadJob"
+    assert diloco.DeltaUploadJob.__name__ == "Contribution"  # 2.0.0 name of the upload job
+    assert outer.MasterOuterLoop.__name__ == "RoundMaster"
 
 
 def test_global_metadata_accepts_legacy_step_key():

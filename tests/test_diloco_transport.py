@@ -39,33 +39,39 @@ def test_layout_contract(kind, make_transport, hub_emulator):
     assert got.outer_step == 0 and got.sha256 == meta.sha256
     state = t.read_global(got)
     assert state["w"].tolist() == [1.0, 1.0, 1.0] and state["n"].tolist() == [7]
-    path, nbytes = t.upload_delta(
+    path = t.upload_delta(
         {"w": torch.full((3,), 0.5)},
         node_id="n1",
+        round_index=0,
         local_step=10,
         base_outer_step=0,
         dtype="bf16",
-        owner={"instance": "abc"},
+        owner={"instance": "abc", "state": "training"},
     )
-    assert path == "nodes/n1/delta_10.safetensors" and nbytes > 0
+    assert path == "nodes/n1/delta_0.safetensors" and t.last_upload_bytes > 0
     assert t.delta_paths() == [path]
+    scan = t.scan()
+    assert scan.deltas == {"n1": {0: path}} and scan.owners == {"n1"}
     delta, header = t.read_delta(path)
     assert delta["w"].tolist() == [0.5] * 3
     assert header["base_outer_step"] == "0" and header["dtype"] == "bf16"
-    assert t.read_owner("n1") == {"instance": "abc"}
+    assert header["round"] == "0" and header["local_step"] == "10"
+    assert t.read_owner("n1") == {"instance": "abc", "state": "training"}
     before = t.commits
     t.publish_global(
         {"w": torch.zeros(3), "n": torch.tensor([7])},
         outer_step=1,
-        processed=[("n1", 10, 0)],
+        ledger={"n1": 0},
         prune=[path],
     )
     assert t.commits == before + 1  # publish + prune is one commit
     files = t.list_files()
     assert path not in files
     assert {GLOBAL_MODEL, GLOBAL_STEP, GLOBAL_PROCESSED} <= set(files)
-    assert t.read_processed() == [("n1", 10, 0)]
-    assert t.global_metadata().outer_step == 1
+    assert t.read_ledger() == {"n1": 0}
+    assert t.global_metadata().outer_step == 1 and not t.global_metadata().final
+    t.publish_global({"w": torch.zeros(3), "n": torch.tensor([7])}, outer_step=1, final=True)
+    assert t.global_metadata().final
     # pruning a file that is already gone is not an error
     t.prune([path])
 
@@ -74,9 +80,10 @@ def test_hub_upload_is_one_commit_and_uses_regular_mode(make_transport, hub_emul
     t = make_transport("hub")
     t.create_repo()
     before = hub_emulator.commits
-    t.upload_delta(
+    path = t.upload_delta(
         {"w": torch.ones(4)}, node_id="a", local_step=1, base_outer_step=0, owner={"instance": "x"}
     )
+    assert path == "nodes/a/delta_0.safetensors"  # the round defaults to the base outer step
     assert hub_emulator.commits == before + 1
     stats = hub_emulator.stats()["counts"]
     assert stats.get("POST preupload") == 1 and stats.get("POST commit") == 1

@@ -375,17 +375,32 @@ def test_request_stop_from_a_thread_saves_final_checkpoint(tmp_path):
 
 
 class FakeCoordinator:
-    def __init__(self, replace_at=()):
+    """Records the trainer's calls; counts steps through the optimizer hook it attaches."""
+
+    def __init__(self, trains=True):
         self.calls: list = []
-        self.replace_at = set(replace_at)
         self.prepared = None
+        self.trains = trains
+        self.steps = 0
 
-    def start(self):
-        self.calls.append("start")
+    def attach(self, optimizer):  # idempotent, like the DiLoCo coordinator's
+        self.calls.append("attach")
+        if getattr(self, "optimizer", None) is not optimizer:
+            self.optimizer = optimizer
+            optimizer.register_step_post_hook(lambda *_: self._stepped())
 
-    def after_optimizer_step(self, model, step):
-        self.calls.append(step)
-        return step in self.replace_at
+    def _stepped(self):
+        self.steps += 1
+        self.calls.append(self.steps)
+
+    def start(self, step=None):
+        self.calls.append(("start", step))
+
+    def finish(self):
+        self.calls.append("finish")
+
+    def interrupt(self):
+        self.calls.append("interrupt")
 
     def stop(self):
         self.calls.append("stop")
@@ -400,25 +415,61 @@ class FakeCoordinator:
         self.prepared = state
 
 
-def test_coordinator_lifecycle_and_inner_reset():
+def test_coordinator_hooks_the_optimizer_and_finishes_only_at_the_run_target():
     model = TinyLM()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    coordinator = FakeCoordinator(replace_at={2})
-    config = SimpleNamespace(distributed=SimpleNamespace(reset_inner_optimizer=True))
+    coordinator = FakeCoordinator()
     trainer = Trainer(
         model,
         optimizer,
         lm_batches(),
-        config=config,
         logger=quiet_logger(),
         coordinator=coordinator,
-        max_steps=1,
+        max_steps=2,
     )
-    trainer.fit(1)
+    trainer.fit(1)  # below the run target: no end-of-run
     trainer.fit(2)
-    assert optimizer.state == {} or all(not s for s in optimizer.state.values())
     trainer.fit(2)  # no work left: start skipped, stop still called
-    assert coordinator.calls == ["start", 1, "stop", "start", 2, "stop", "stop"]
+    assert coordinator.calls == [
+        "attach", ("start", 0), 1, "stop",
+        "attach", ("start", 1), 2, "finish", "stop",
+        "stop",
+    ]  # fmt: skip
+
+
+def test_stop_request_interrupts_the_coordinator_and_skips_finish():
+    model = TinyLM()
+    coordinator = FakeCoordinator()
+    trainer = Trainer(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=0.01),
+        lm_batches(),
+        logger=quiet_logger(),
+        coordinator=coordinator,
+        max_steps=5,
+    )
+    trainer.logger.hooks.append(
+        lambda event, payload: trainer.request_stop("test") if event == "train_step" else None
+    )
+    result = trainer.fit()
+    assert result.stopped_reason == "test" and result.steps == 1
+    assert coordinator.calls == ["attach", ("start", 0), 1, "interrupt", "stop"]
+
+
+def test_pure_aggregator_coordinator_runs_no_steps():
+    model = TinyLM()
+    coordinator = FakeCoordinator(trains=False)
+    trainer = Trainer(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=0.01),
+        lm_batches(),
+        logger=quiet_logger(),
+        coordinator=coordinator,
+        max_steps=5,
+    )
+    result = trainer.fit()
+    assert result.steps == 0
+    assert coordinator.calls == ["attach", ("start", 0), "finish", "stop"]
 
 
 def test_checkpoint_state_round_trips_and_coordinator_prepare(tmp_path):

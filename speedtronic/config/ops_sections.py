@@ -128,6 +128,15 @@ class DistributedConfig:
     ``repo_id`` is a Hub repo (``owner/name``) or ``file:///abs/path`` (shared volume).
     ``token`` is a secret: redacted on save, in ``validate``/``config show`` and checkpoints.
     ``state_dir`` is relative to ``run.output_dir``; ``cache_dir`` to the CWD.
+
+    Rounds: an outer step averages one contribution per node. ``sync`` is how a node waits
+    for the next global (``blocking``: right after its upload; ``overlapped``: keeps
+    training and merges the global when it arrives). The master closes a round when every
+    active node delivered (and at least ``min_nodes``), or ``round_timeout`` seconds after
+    the round's first contribution; a contribution at most ``max_staleness`` rounds late is
+    folded into the open round, older ones are dropped. A node silent for ``drop_after``
+    round lengths leaves the expected set until it delivers again. ``train: false`` makes
+    the master a pure aggregator.
     """
 
     enabled: bool = False
@@ -137,6 +146,12 @@ class DistributedConfig:
     collaborators: list[str] = field(default_factory=list)
     inner_steps: int = 500
     poll_interval: float = 60.0
+    sync: str = "blocking"
+    round_timeout: float = 120.0
+    min_nodes: int = 1
+    max_staleness: int = 1
+    drop_after: int = 3
+    train: bool = True
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     repo_id: str | None = None
@@ -146,7 +161,7 @@ class DistributedConfig:
     retry_initial: float = 1.0
     retry_max: float = 60.0
     retry_attempts: int = 6
-    reset_inner_optimizer: bool = True
+    reset_inner_optimizer: bool = False
     async_delta_upload: bool = True
     delta_upload_queue_size: int = 1
     delta_upload_overflow: str = "skip"
@@ -186,6 +201,24 @@ class DistributedConfig:
             raise ConfigError("distributed.inner_steps must be positive")
         if self.poll_interval <= 0:
             raise ConfigError("distributed.poll_interval must be positive")
+        self.sync = _choice(
+            self.sync,
+            "distributed.sync",
+            ("blocking", "overlapped"),
+            "distributed.sync must be 'blocking' or 'overlapped'",
+        )
+        if self.round_timeout <= 0:
+            raise ConfigError("distributed.round_timeout must be positive")
+        if self.min_nodes < 1:
+            raise ConfigError("distributed.min_nodes must be at least 1")
+        if self.max_staleness < 0:
+            raise ConfigError("distributed.max_staleness cannot be negative")
+        if self.drop_after < 1:
+            raise ConfigError("distributed.drop_after must be at least 1")
+        if not self.train and self.role == "worker":
+            raise ConfigError(
+                "distributed.train: false is only valid on the master (a pure aggregator)"
+            )
         if self.outer_lr <= 0 or not 0.0 <= self.outer_momentum < 1.0:
             raise ConfigError("outer learning rate/momentum values are invalid")
         if self.retry_initial <= 0 or self.retry_max < self.retry_initial:
@@ -226,6 +259,11 @@ class DistributedConfig:
         self.node_id = to_str(self.node_id, "distributed.node_id", nullable=True)
         self.inner_steps = to_int(self.inner_steps, "distributed.inner_steps")
         self.poll_interval = to_float(self.poll_interval, "distributed.poll_interval")
+        self.round_timeout = to_float(self.round_timeout, "distributed.round_timeout")
+        self.min_nodes = to_int(self.min_nodes, "distributed.min_nodes")
+        self.max_staleness = to_int(self.max_staleness, "distributed.max_staleness")
+        self.drop_after = to_int(self.drop_after, "distributed.drop_after")
+        self.train = to_bool(self.train, "distributed.train")
         self.outer_lr = to_float(self.outer_lr, "distributed.outer_lr")
         self.outer_momentum = to_float(self.outer_momentum, "distributed.outer_momentum")
         self.repo_id = to_str(self.repo_id, "distributed.repo_id", nullable=True)

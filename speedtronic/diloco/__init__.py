@@ -1,12 +1,13 @@
-"""DumbDiLoCo: local inner steps, then a pseudo-gradient exchange through a Hub repository
-or a shared volume (``file:///abs/path``).
+"""DumbDiLoCo: local inner steps, then one contribution per node per round, exchanged through
+a Hub repository or a shared volume (``file:///abs/path``).
 
-Modules: :mod:`.tensors` (format, pseudo-gradient), :mod:`.transport` (protocol, errors,
-retry policy, layout), :mod:`.directory` (shared volume), :mod:`.hub` (Hugging Face Hub),
-:mod:`.outer` (Nesterov outer optimizer, master loop), :mod:`.coordinator` (the trainer's
-sync coordinator: the round state machine) with its lanes :mod:`.delta_lane` (pseudo-gradient
-uploads), :mod:`.global_lane` (global polls) and :mod:`.master_lane` (the master's outer loop),
-:mod:`.rounds` (round data) and :mod:`.identity` (node ids and claims). See docs/diloco.md.
+Modules: :mod:`.node` (a node's round, hooked on the inner optimizer), :mod:`.master` (the
+master's round), :mod:`.coordinator` (assembles both for the trainer), :mod:`.outer`
+(Nesterov outer optimizer), :mod:`.tensors` (format, pseudo-gradient), :mod:`.transport`
+(repository layout), :mod:`.retry` (errors, retry policy), :mod:`.directory` (shared volume),
+:mod:`.hub` (Hugging Face Hub), :mod:`.identity` (node ids and claims) and :mod:`.ideal`
+(the same arithmetic in one process, the peer the protocol is measured against).
+See docs/diloco.md.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import dataclasses
 
 from speedtronic.diloco.coordinator import DumbDiLoCoCoordinator
 from speedtronic.diloco.identity import resolve_node_id
-from speedtronic.diloco.outer import MasterOuterLoop, NesterovOuterOptimizer
-from speedtronic.diloco.rounds import DeltaUploadJob, GlobalCandidate, RoundPhase
+from speedtronic.diloco.master import RoundMaster
+from speedtronic.diloco.node import Contribution, DiLoCoNode, GlobalCandidate
+from speedtronic.diloco.outer import NesterovOuterOptimizer
 from speedtronic.diloco.tensors import (
     average_deltas,
     compute_pseudo_gradient,
@@ -38,6 +40,9 @@ from speedtronic.diloco.transport import (
 )
 
 DumbDiLoCo = DumbDiLoCoCoordinator
+#: 2.0.0 names: the master's aggregation loop and the upload job.
+MasterOuterLoop = RoundMaster
+DeltaUploadJob = Contribution
 
 
 @dataclasses.dataclass
@@ -63,7 +68,9 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "Contribution",
     "DeltaUploadJob",
+    "DiLoCoNode",
     "DirectoryTransport",
     "DumbDiLoCo",
     "DumbDiLoCoCoordinator",
@@ -78,7 +85,7 @@ __all__ = [
     "RemoteNotFound",
     "RepoTransport",
     "RetryPolicy",
-    "RoundPhase",
+    "RoundMaster",
     "SyncResult",
     "Transport",
     "TransportError",

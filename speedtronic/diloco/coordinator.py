@@ -1,74 +1,65 @@
-"""DumbDiLoCo coordinator: the trainer's ``SyncCoordinator`` for master and worker nodes.
+"""DumbDiLoCo coordinator: assembles a node's round, the master's round and the transport.
 
-A round is an explicit state machine (``RoundPhase``)::
+The trainer sees one object (its ``SyncCoordinator``): it attaches it to the inner optimizer
+and calls ``start`` / ``finish`` (the run reached its target) / ``stop``. What happens in a
+round lives in two modules: :mod:`.node` (the node side, hooked on ``optimizer.step``) and
+:mod:`.master` (the master's round, on its own thread). This module builds them from the
+``distributed`` config section, owns the node's identity claim and status record, the
+startup (repository, first global), the final directory, and the checkpointed state.
 
-    SNAPSHOT  baseline := the installed global (or the local init)
-    INNER     inner optimizer steps until ``step % inner_steps == 0``
-    PUSH      delta = carry + (baseline - current) queued (one slot) or uploaded (sync mode)
-    COMMIT    a newer global (aggregated by the master) is installed -> SNAPSHOT
-
-The training thread only computes deltas and installs globals; network I/O runs on two
-daemon threads (``speedtronic-diloco-upload``, ``speedtronic-diloco-poll``) unless both async
-flags are false. A new global is installed at a round boundary (right after the delta of
-that boundary was taken, so local progress is never overwritten) or at the first step when
-no global was known yet. A failed upload is carried: its delta is added to the next one, so
-every contribution reaches the master once. A transport failure is state, never a crash.
-
-The master also runs :class:`~speedtronic.diloco.outer.MasterOuterLoop` on its own thread.
-This module keeps the round (lifecycle, per-step hook, install, identity, checkpoint state);
-the lanes do the I/O: :mod:`.delta_lane` (baseline, delta, carry, upload queue and thread),
-:mod:`.global_lane` (worker polls) and :mod:`.master_lane` (repository, outer loop, snapshot).
+Roles: ``worker`` trains and contributes; ``master`` also runs the master's round (and trains
+unless ``distributed.train`` is false, which makes it a pure aggregator).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from speedtronic.checkpoint import atomic_write_bytes
 from speedtronic.diloco import tensors as T
-from speedtronic.diloco.delta_lane import DeltaLane
-from speedtronic.diloco.global_lane import GlobalLane
 from speedtronic.diloco.identity import NodeClaim, resolve_node_id
-from speedtronic.diloco.master_lane import MasterLane
-from speedtronic.diloco.outer import MasterOuterLoop
-from speedtronic.diloco.rounds import DeltaUploadJob, GlobalCandidate, RoundPhase
-from speedtronic.diloco.transport import (
-    TransportError,
-    build_transport,
-    retry_policy_from_config,
-    scrub,
-)
+from speedtronic.diloco.master import RoundMaster
+from speedtronic.diloco.node import Contribution, DiLoCoNode, GlobalCandidate, GlobalInbox
+from speedtronic.diloco.retry import TransportError, retry_policy_from_config, scrub
+from speedtronic.diloco.transport import build_transport
 
-__all__ = [
-    "DeltaUploadJob",
-    "DumbDiLoCoCoordinator",
-    "GlobalCandidate",
-    "RoundPhase",
-    "build_transport",
-    "resolve_node_id",
-]
+__all__ = ["DumbDiLoCo", "DumbDiLoCoCoordinator", "build_transport", "resolve_node_id"]
 
 _LOG = logging.getLogger("speedtronic.diloco")
 
 
 def _distributed_section(config: Any) -> Any:
-    if isinstance(config, Mapping):
-        from speedtronic.config import SpeedtronicConfig
+    from speedtronic.config import DistributedConfig, SpeedtronicConfig
 
-        return SpeedtronicConfig.from_dict(dict(config)).distributed
-    return getattr(config, "distributed", config)
+    if isinstance(config, Mapping):
+        if "distributed" in config:
+            return SpeedtronicConfig.from_dict(dict(config)).distributed
+        return DistributedConfig(**dict(config))
+    if isinstance(config, SpeedtronicConfig):
+        return config.distributed
+    return config
 
 
 class DumbDiLoCoCoordinator:
-    """Attach to a trainer as its sync coordinator; ``start``/``stop`` bracket ``fit()``."""
+    """One node's DiLoCo participation (see the module docstring).
+
+    ``config`` is the ``distributed`` section (or a whole config); ``hub`` a transport (built
+    from ``repo_id`` when None); ``state_dir`` the base of this node's local state (the node id
+    is appended). ``evaluate(state)`` scores a global (master only); ``final_dir`` receives the
+    final global as ``model.safetensors`` + ``config.yaml`` + ``meta.json``; ``run_config``
+    is the redacted config written there.
+    """
 
     def __init__(
         self,
@@ -79,23 +70,17 @@ class DumbDiLoCoCoordinator:
         state_dir: str | os.PathLike | None = None,
         logger: Any = None,
         environ: Mapping[str, str] | None = None,
+        evaluate: Callable[[dict[str, torch.Tensor]], Any] | None = None,
+        final_dir: str | os.PathLike | None = None,
+        run_config: Mapping[str, Any] | None = None,
     ):
         self.config = cfg = _distributed_section(config)
         self.model = model
         self.logger = logger if logger is not None else _LOG
-        self._token = getattr(cfg, "token", None)
-        self.node_id = resolve_node_id(getattr(cfg, "node_id", None), environ or os.environ)
-        role = str(getattr(cfg, "role", "single")).lower()
-        if role == "single":
-            role = "master" if getattr(cfg, "repo_id", None) else "worker"
-        self.role = role
-        self.inner_steps = int(getattr(cfg, "inner_steps", 500))
-        self.poll_interval = float(getattr(cfg, "poll_interval", 60.0))
-        self.delta_dtype = str(getattr(cfg, "delta_dtype", "fp32") or "fp32").lower()
-        T.delta_dtype(self.delta_dtype)
-        self.async_upload = bool(getattr(cfg, "async_delta_upload", True))
-        self.async_poll = bool(getattr(cfg, "async_global_poll", True))
-        self.shutdown_timeout = float(getattr(cfg, "delta_upload_shutdown_timeout", 5.0))
+        self._token = cfg.token
+        self.node_id = resolve_node_id(cfg.node_id, environ or os.environ)
+        self.role = cfg.role if cfg.role != "single" else ("master" if cfg.repo_id else "worker")
+        self.trains = cfg.train or self.role != "master"
         if hub is None:
             retry = retry_policy_from_config(cfg)
             retry.on_retry = self._on_retry
@@ -103,50 +88,53 @@ class DumbDiLoCoCoordinator:
         elif getattr(hub, "retry", None) is not None and hub.retry.on_retry is None:
             hub.retry.on_retry = self._on_retry
         self.hub = hub
-        self.state_dir = (
-            Path(state_dir or getattr(cfg, "state_dir", ".speedtronic/diloco")) / self.node_id
-        )
+        self.state_dir = Path(state_dir or cfg.state_dir) / self.node_id
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.claim = NodeClaim(self.node_id, self.role, self.state_dir)
-        self._lock = threading.RLock()
-        self._started = self._stopped = self._ready = False
-        self._accepting_uploads = True
-        self._last_global_step = -1
-        self._local_step = 0
-        self.phase = RoundPhase.SNAPSHOT
-        self._prepared_state: dict[str, Any] | None = None
-        self.delta_lane = DeltaLane(
-            T.cpu_state_dict(model.state_dict()),
-            lock=self._lock,
-            send=self._send_delta,
-            emit=self._emit,
-            say=self._say,
-            token=self._token,
-        )
-        self.global_lane = GlobalLane(
-            self.hub,
-            lock=self._lock,
-            interval=self.poll_interval,
-            installed_step=lambda: self._last_global_step,
+        self.final_dir = Path(final_dir) if final_dir is not None else None
+        self.run_config = dict(run_config or {})
+        self.inbox = GlobalInbox(
+            None if self.role == "master" else self._fetch,
+            interval=cfg.poll_interval,
+            threaded=cfg.async_global_poll,
             say=self._say,
         )
-        self.master_lane = MasterLane(
-            self.hub,
-            cfg,
-            state_dir=self.state_dir,
-            poll_interval=self.poll_interval,
-            emit=self._emit,
-            say=self._say,
-            log=self.logger,
+        self.node = (
+            DiLoCoNode(
+                cfg, model, send=self._send, inbox=self.inbox, emit=self._emit, say=self._say
+            )
+            if self.trains
+            else None
         )
+        self.master: RoundMaster | None = None
+        if self.role == "master":
+            self.master = RoundMaster(
+                hub,
+                T.cpu_state_dict(model.state_dict()),
+                settings=cfg,
+                state_dir=self.state_dir,
+                emit=self._emit,
+                log=self.logger,
+                on_global=self._offer,
+                evaluate=evaluate,
+                on_final=self._write_final,
+            )
+        self._prepared: Mapping[str, Any] | None = None
+        self._started = False
+        self._ready = False
+        self._interrupted = threading.Event()
+        self._beat = time.monotonic()
 
-    # -- small helpers ---------------------------------------------------------------
+    # -- reporting ---------------------------------------------------------------------------
     def _emit(self, event: str, payload: dict[str, Any]) -> None:
+        clean = {
+            k: scrub(v, (self._token,)) if isinstance(v, str) else v for k, v in payload.items()
+        }
         emit = getattr(self.logger, "emit", None)
         if callable(emit):
-            emit(event, payload)
+            emit(event, clean)
         else:
-            self.logger.info("%s %s", event, payload)
+            self.logger.info("%s %s", event, clean)
 
     def _say(self, level: str, message: str) -> None:
         getattr(self.logger, level)(scrub(message, (self._token,)))
@@ -162,305 +150,292 @@ class DumbDiLoCoCoordinator:
             },
         )
 
-    def _check_owner(self, claim: bool) -> None:
-        """Report another live process using our node id; (re)claim it at startup."""
-        owner = self.hub.read_owner(self.node_id)
-        other = self.claim.check(owner)
-        if other is not None:
-            self._say(
-                "error",
-                f"node_id collision: another live node uses node_id {self.node_id!r} "
-                f"(instance {other}); give each node a unique distributed.node_id",
-            )
-            self._emit("node_id_collision", {"node_id": self.node_id})
-        if claim and other is None:
-            # Never take the id over from a live node: the newcomer is the one in the wrong.
-            if (owner or {}).get("instance") != self.claim.instance:
-                self.hub.claim_owner(self.node_id, self.claim.record())
-            self.claim.claimed = True
-
-    # -- public read-only state ---------------------------------------------------------------
+    # -- read-only state ---------------------------------------------------------------------
     @property
-    def local_step(self) -> int:
-        return self._local_step
+    def outer_step(self) -> int:
+        """The newest outer step this process knows (published or installed)."""
+        if self.master is not None:
+            return self.master.outer_step
+        return max(self.last_global_step, 0)
 
     @property
     def last_global_step(self) -> int:
-        return self._last_global_step
+        """Outer step of the global installed in the local model (-1: none yet)."""
+        return self.node.installed if self.node is not None else -1
 
     @property
-    def outer_step(self) -> int:
-        if self.outer_loop is not None:
-            return self.outer_loop.outer_step
-        return max(self._last_global_step, 0)
+    def local_step(self) -> int:
+        """Optimizer steps this node applied (absolute)."""
+        return self.node.step if self.node is not None else 0
+
+    @property
+    def outer_loop(self) -> RoundMaster | None:
+        """The master's round (None on a worker)."""
+        return self.master
+
+    @property
+    def last_heartbeat(self) -> float:
+        """``time.monotonic()`` of the last sign of life (also while waiting for a global)."""
+        node = self.node.last_heartbeat if self.node is not None else 0.0
+        return max(node, self._beat)
 
     def is_ready(self) -> bool:
-        """Master: after startup. Worker: once the first global state is installed."""
+        """Master: after startup. Worker: once a global is installed."""
         return self._ready
 
-    @property
-    def outer_loop(self) -> MasterOuterLoop | None:
-        """The master's outer loop once started (None on a worker)."""
-        return self.master_lane.loop
+    # -- wiring and lifecycle ----------------------------------------------------------------
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Run the node's round after every applied ``optimizer.step()``."""
+        if self.node is not None:
+            self.node.attach(optimizer)
 
-    @property
-    def _baseline(self) -> dict[str, torch.Tensor]:
-        return self.delta_lane.baseline
+    def after_optimizer_step(self, model: torch.nn.Module, step: int) -> bool:
+        """2.0.0 per-step call for a coordinator that is not attached to an optimizer."""
+        if model is not self.model:
+            raise ValueError("coordinator is attached to a different model")
+        if self.node is None or self.node.optimizer is not None:
+            return False
+        return self.node.after_optimizer_step()
 
-    @property
-    def _upload_thread(self) -> threading.Thread | None:
-        return self.delta_lane.thread
+    def interrupt(self) -> None:
+        """A stop was requested: waits for globals end early (safe from signal handlers)."""
+        self._interrupted.set()
+        if self.node is not None:
+            self.node.interrupted.set()
 
-    @property
-    def _poll_thread(self) -> threading.Thread | None:
-        return self.global_lane.thread
-
-    # -- lifecycle ---------------------------------------------------------------
-    def start(self) -> None:
-        """Role startup (repository, reconcile, first global), then the I/O threads."""
-        with self._lock:
-            if self._started:
-                return
-            self._stopped = False
-            self._accepting_uploads = True
-            with self._quick_retries():  # an outage must not hold training at startup
-                if self.role == "master":
-                    self._start_master()
-                else:
-                    self._start_worker()
-            self._start_io_workers()
-            self._started = True
-            self.global_lane.last_poll = time.monotonic()
+    def start(self, step: int | None = None) -> None:
+        """Claim the node id, set up the repository (master) and install the first global."""
+        if self._started:
+            return
+        pending = self._apply_prepared()
+        if self.node is not None and step is not None and self._prepared_step is None:
+            self.node.step = int(step)
+        with self._quick_retries():  # an outage must not hold training at startup
+            self._claim()
+            if self.master is not None:
+                self._start_master()
+            else:
+                self._first_global()
+        if self.node is not None:
+            if self.node._may_merge():  # start the round from the current global
+                self.node._merge_waiting()
+            self._ready = self._ready or self.node.installed >= 0
+            if pending is not None:
+                self.node.uploads.submit(pending)
+        self.inbox.start()
+        if self.master is not None:
+            self.master.start()
+        self._started = True
         self._say(
             "info",
             f"DumbDiLoCo started role={self.role} node_id={self.node_id} "
-            f"global_step={self._last_global_step}",
+            f"global_step={self.last_global_step} sync={self.config.sync}",
         )
         self._emit(
             "diloco_started",
-            {"role": self.role, "node_id": self.node_id, "global_step": self._last_global_step},
+            {"role": self.role, "node_id": self.node_id, "global_step": self.last_global_step},
         )
 
     @contextlib.contextmanager
     def _quick_retries(self) -> Iterator[None]:
-        """At most two attempts per call during startup (no I/O thread runs yet); the
-        background lanes and the outer loop retry with the full policy afterwards."""
+        """At most two attempts per call during startup; the threads retry fully later."""
         retry = getattr(self.hub, "retry", None)
-        if retry is None or not hasattr(retry, "attempts"):
-            yield
-            return
-        saved = retry.attempts
-        retry.attempts = min(saved, 2)
+        saved = getattr(retry, "attempts", None)
+        if saved is not None:
+            retry.attempts = min(saved, 2)
         try:
             yield
         finally:
-            retry.attempts = saved
+            if saved is not None:
+                retry.attempts = saved
 
     def _start_master(self) -> None:
-        self.master_lane.open(T.cpu_state_dict(self.model.state_dict()))
-        self._apply_prepared_state()
-        self.master_lane.reconcile()
-        self._install_master_snapshot(force=True)
-        self._claim_safely()
-        self.outer_loop.start()
+        try:
+            self.hub.create_repo(private=True)
+        except Exception as exc:
+            self._say("warning", f"master repository initialization failed; continuing: {exc}")
+        for name in self.config.collaborators:
+            try:
+                self.hub.add_collaborator(name, permission="write")
+            except Exception as exc:
+                self._say("warning", f"could not grant write access to {name}: {exc}")
+        try:
+            self.master.reconcile()
+        except Exception as exc:
+            self._say("warning", f"master could not reconcile with the repository yet: {exc}")
         self._ready = True
 
-    def _start_worker(self) -> None:
-        self._apply_prepared_state()
-        self._claim_safely()
-        if self.global_lane.read_first(self._install_state):
-            self._ready = True
-
-    def _claim_safely(self) -> None:
+    def _first_global(self) -> None:
+        """Worker: fetch the current global; wait for one (bounded) when there is none."""
         try:
-            self._check_owner(claim=True)
+            candidate = self._fetch(-1)
+        except Exception as exc:
+            self._say("warning", f"initial global read failed; will retry: {exc}")
+            candidate = None
+        if candidate is not None:
+            self.inbox.offer(candidate)
+            return
+        if self.node is not None and self.node.installed >= 0:
+            return  # resumed: continue from the checkpointed round
+        deadline = time.monotonic() + self.config.round_timeout
+        self._say("info", "waiting for the master's first global state")
+        while self.inbox.waiting_step() < 0 and not self._interrupted.is_set():
+            if time.monotonic() >= deadline:
+                self._say("warning", "no global state published yet; training from local weights")
+                return
+            self._beat = time.monotonic()
+            try:
+                candidate = self._fetch(-1)
+            except Exception:
+                candidate = None
+            if candidate is not None:
+                self.inbox.offer(candidate)
+                return
+            time.sleep(min(self.config.poll_interval, 1.0))
+
+    def finish(self) -> None:
+        """The run reached its target: the node's last contribution and ``done`` status;
+        the master then serves rounds until every node is done and installs the final global."""
+        if self.node is not None:
+            self.node.finish()
+            self._ready = self._ready or self.node.installed >= 0
+        if self.master is not None:
+            while not self.master.finished.is_set() and not self._interrupted.is_set():
+                self._beat = time.monotonic()
+                self.master.finished.wait(0.5)
+            if self.node is not None:
+                self.node._merge_waiting()
+            elif self.master.finished.is_set():
+                self.model.load_state_dict(T.cpu_state_dict(self.master.global_state), strict=False)
+
+    def stop(self) -> None:
+        """Let an upload in flight finish (bounded), stop the threads."""
+        if self.node is not None and not self.node.stop():
+            self._say("warning", "an upload was still in flight at stop; it is in the checkpoint")
+        self.inbox.stop(self.config.delta_upload_shutdown_timeout)
+        if self.master is not None:
+            self.master.stop()
+        self._started = False
+
+    # -- transport calls ---------------------------------------------------------------------
+    def _claim(self) -> None:
+        """Write our claim/status record, unless another live node holds the id."""
+        state = "training" if self.trains else "aggregator"
+        try:
+            owner = self.hub.read_owner(self.node_id)
+            if self._collides(owner):
+                return
+            if (owner or {}).get("instance") != self.claim.instance or owner.get("state") != state:
+                self.hub.claim_owner(self.node_id, self.claim.record(state=state))
+            self.claim.claimed = True
         except Exception as exc:
             self._say("warning", f"could not claim node_id {self.node_id}: {exc}")
 
-    def _start_io_workers(self) -> None:
-        if self.async_upload:
-            self.delta_lane.start()
-        if self.async_poll and self.role == "worker":
-            self.global_lane.start()
-
-    def stop(self) -> None:
-        """Stop accepting uploads, drain/join the I/O threads (bounded), stop the outer loop."""
-        with self._lock:
-            if self._stopped:
-                return
-            self._stopped = True
-            self._accepting_uploads = False
-            self.delta_lane.stop_event.set()
-            self.global_lane.stop_event.set()
-            uploader, poller = self.delta_lane.thread, self.global_lane.thread
-            outer = self.outer_loop
-        for thread, name in ((uploader, "async delta uploader"), (poller, "async global poller")):
-            if (
-                thread is not None
-                and thread.is_alive()
-                and thread is not threading.current_thread()
-            ):
-                thread.join(self.shutdown_timeout)
-                if thread.is_alive():
-                    self._say("warning", f"{name} did not stop within the timeout")
-        with self._lock:
-            self.global_lane.thread = None
-            self._started = False
-        if outer is not None:
-            outer.stop()
-
-    # -- the per-step hook ---------------------------------------------------------------
-    def after_optimizer_step(self, model: torch.nn.Module, step: int) -> bool:
-        """Called after every applied update; True means "reset the inner optimizer"."""
-        if model is not self.model:
-            raise ValueError("coordinator is attached to a different model")
-        self._local_step = int(step)
-        boundary = self._local_step % self.inner_steps == 0
-        if self.phase == RoundPhase.SNAPSHOT:
-            self.phase = RoundPhase.INNER
-        pushed = self._push(self._local_step) if boundary else False
-        loaded = self._commit_global(boundary)
-        return bool(pushed or loaded)
-
-    # PUSH ---------------------------------------------------------------
-    def _push(self, step: int) -> bool:
-        """Take this boundary's delta; upload it (sync mode) or queue it (one slot)."""
-        if not self._accepting_uploads:
+    def _collides(self, owner: Mapping[str, Any] | None) -> bool:
+        other = self.claim.check(owner)
+        if other is None:
             return False
-        if self.async_upload and self.delta_lane.skip_if_in_flight(step):
-            return False
-        current = T.cpu_state_dict(self.model.state_dict())
-        with self._lock:
-            base = self._last_global_step
-        job = self.delta_lane.take_delta(step, current, base)
-        if job is None:
-            return False
-        if not self.async_upload:
-            self.delta_lane.clear_carry()
-            self.phase = RoundPhase.PUSH
-            return self.delta_lane.upload(job)
-        with self._lock:
-            if not self.delta_lane.enqueue(job):
-                return False
-            self.phase = RoundPhase.PUSH
-        self._emit("delta_upload_queued", {"step": step, "base_outer_step": job.base_outer_step})
+        self._say(
+            "error",
+            f"node_id collision: another live node uses node_id {self.node_id!r} (instance "
+            f"{other}); give each node a unique distributed.node_id",
+        )
+        self._emit("node_id_collision", {"node_id": self.node_id})
         return True
 
-    def _send_delta(self, job: DeltaUploadJob) -> int:
-        """The transport call of an upload, carrying our claim; returns the bytes sent."""
+    def _send(self, job: Contribution) -> int:
+        """Upload one contribution with our status record (one commit); returns bytes."""
         with contextlib.suppress(TransportError):  # the upload below reports an outage
-            self._check_owner(claim=False)
-        _, nbytes = self.hub.upload_delta(
-            job.delta,
-            node_id=self.node_id,
-            local_step=job.step,
-            base_outer_step=job.base_outer_step,
-            dtype=self.delta_dtype,
-            metadata={"algorithm": "dumb_diloco"},
-            owner=self.claim.record(),
-        )
-        self.claim.claimed = True  # the upload commit carried our claim
+            self._collides(self.hub.read_owner(self.node_id))
+        status = {"state": "done", "final_round": job.label} if job.final else {"state": "training"}
+        if job.delta is None:  # nothing left to contribute: only the done status
+            record = self.claim.record(state="done", final_round=job.label)
+            self.hub.claim_owner(self.node_id, record)
+            nbytes = 0
+        else:
+            self.hub.upload_delta(
+                job.delta,
+                node_id=self.node_id,
+                round_index=job.label,
+                local_step=job.step,
+                base_outer_step=job.base,
+                dtype=self.config.delta_dtype,
+                metadata={"final": str(job.final).lower()},
+                owner=self.claim.record(**status),
+            )
+            nbytes = int(self.hub.last_upload_bytes)
+        self.claim.claimed = True
+        if self.master is not None:
+            self.master.wake.set()
         return nbytes
 
-    # COMMIT ---------------------------------------------------------------
-    def _commit_global(self, boundary: bool) -> bool:
-        """Install a newer global at a boundary (or when none is known yet)."""
-        may_install = boundary or self._last_global_step < 0
-        if self.role == "master":
-            return self._install_master_snapshot(force=may_install)
-        if self.async_poll:
-            loaded = False
-            if may_install:
-                candidate = self.global_lane.take_candidate()
-                if candidate is not None and candidate.outer_step > self._last_global_step:
-                    self._install_state(candidate.state, candidate.outer_step, candidate.seconds)
-                    loaded = True
-            self.global_lane.schedule(force=boundary)
-            return loaded
-        if not may_install:
-            return False
-        candidate = self.global_lane.fetch_due(force=boundary)
-        if candidate is None:
-            return False
-        self._install_state(candidate.state, candidate.outer_step, candidate.seconds)
-        return True
+    def _fetch(self, seen: int) -> GlobalCandidate | None:
+        started = time.perf_counter()
+        metadata = self.hub.global_metadata()
+        if metadata is None or metadata.outer_step == seen:
+            return None
+        state = self.hub.read_global(metadata)
+        return GlobalCandidate(
+            metadata.outer_step, state, time.perf_counter() - started, metadata.final
+        )
 
-    def _install_master_snapshot(self, force: bool) -> bool:
-        snapshot = self.master_lane.newer_snapshot(than=self._last_global_step)
-        if not force or snapshot is None:
-            return False
-        self._install_state(snapshot[1], snapshot[0], 0.0)
-        return True
+    def _offer(self, outer_step: int, state: dict[str, torch.Tensor]) -> None:
+        self.inbox.offer(GlobalCandidate(outer_step, state))
 
-    def _install_state(
-        self, state: Mapping[str, torch.Tensor], outer_step: int, seconds: float
-    ) -> None:
-        """Training thread only: load matching keys, reset the baseline, start a round."""
-        current = self.model.state_dict()
-        filtered = {
-            k: v
-            for k, v in state.items()
-            if k in current and tuple(current[k].shape) == tuple(v.shape)
+    def _write_final(self, outer_step: int, state: dict[str, torch.Tensor]) -> None:
+        """``final/``: the final global, the redacted config and what produced it."""
+        if self.final_dir is None:
+            return
+        import yaml
+
+        directory = self.final_dir
+        T.save_safetensors(state, directory / "model.safetensors")
+        atomic_write_bytes(
+            yaml.safe_dump(self.run_config, sort_keys=False).encode("utf-8"),
+            directory / "config.yaml",
+        )
+        meta = {
+            "outer_step": outer_step,
+            "node_id": self.node_id,
+            "ledger": dict(sorted(self.master.ledger.items())) if self.master else {},
+            "written_at": datetime.now(timezone.utc).isoformat(),
         }
-        if filtered:
-            self.model.load_state_dict(filtered, strict=False)
-        with self._lock:
-            self.delta_lane.rebase(T.cpu_state_dict(self.model.state_dict()))
-            self._last_global_step = int(outer_step)
-            self._ready = True
-            self.phase = RoundPhase.SNAPSHOT
-        self._emit("global_pulled", {"outer_step": int(outer_step), "seconds": float(seconds)})
+        atomic_write_bytes(
+            (json.dumps(meta, indent=2) + "\n").encode("utf-8"), directory / "meta.json"
+        )
+        self._emit("diloco_final", {"outer_step": outer_step, "path": str(directory)})
 
-    # -- state ---------------------------------------------------------------
+    # -- checkpointed state ---------------------------------------------------------------
+    _prepared_step: int | None = None
+
     def state_dict(self) -> dict[str, Any]:
-        """Counters, baseline, carried delta, the pending job, and the master's outer state."""
-        with self._lock:
-            lane = self.delta_lane
-            job = lane.pending
-            return {
-                "node_id": self.node_id,
-                "role": self.role,
-                "phase": self.phase.value,
-                "last_global_step": self._last_global_step,
-                "last_uploaded_step": lane.last_uploaded_step,
-                "last_dispatched_step": lane.last_dispatched_step,
-                "last_skipped_step": lane.last_skipped_step,
-                "local_step": self._local_step,
-                "baseline_generation": lane.generation,
-                "baseline": T.cpu_state_dict(lane.baseline),
-                "carry": T.cpu_state_dict(lane.carry) if lane.carry is not None else None,
-                "pending_upload": None if job is None else job.to_dict(),
-                "outer": self.master_lane.state_dict(),
-            }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a checkpointed state; a pending job is queued again when running."""
-        with self._lock:
-            self._restore(state)
-            self.master_lane.load_state_dict(state.get("outer"))
-        if self._started and self.async_upload:
-            self.delta_lane.requeue_pending()
+        """The node's round state (the master keeps its own in ``state_dir``)."""
+        return {
+            "node_id": self.node_id,
+            "role": self.role,
+            "node": self.node.state_dict() if self.node is not None else None,
+            "outer": self.master.state_dict() if self.master is not None else None,
+        }
 
     def prepare_state(self, state: Mapping[str, Any]) -> None:
-        """Stage checkpointed state for the next ``start()`` (applied before any remote read)."""
-        self._prepared_state = dict(state)
+        """Stage checkpointed state for the next ``start()``."""
+        self._prepared = dict(state)
 
-    def _apply_prepared_state(self) -> None:
-        state, self._prepared_state = self._prepared_state, None
-        if state is None:
-            return
-        with self._lock:
-            self._restore(state)
-            self.master_lane.load_state_dict(state.get("outer"))
-            if self._last_global_step >= 0:
-                self._ready = True
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore checkpointed state (applied at ``start()`` when not started yet)."""
+        self._prepared = dict(state)
+        if self._started:
+            pending = self._apply_prepared()
+            if pending is not None and self.node is not None:
+                self.node.uploads.submit(pending)
 
-    def _restore(self, state: Mapping[str, Any]) -> None:
-        self._last_global_step = int(state.get("last_global_step", self._last_global_step))
-        self._local_step = int(state.get("local_step", self._local_step))
-        self.delta_lane.restore(state)
-        if state.get("phase") in {p.value for p in RoundPhase}:
-            self.phase = RoundPhase(state["phase"])
+    def _apply_prepared(self) -> Contribution | None:
+        state, self._prepared = self._prepared, None
+        if not state or self.node is None or not state.get("node"):
+            return None
+        pending = self.node.load_state_dict(state["node"])
+        self._prepared_step = self.node.step
+        return pending
 
 
 DumbDiLoCo = DumbDiLoCoCoordinator

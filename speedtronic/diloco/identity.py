@@ -1,8 +1,10 @@
 """Node identity: the ``node_id`` fallback chain and the ``nodes/<id>/owner.json`` claim.
 
 A node claims its id at startup and re-writes the claim with every delta upload (same
-commit). Before each upload it reads the claim back: a different instance token there means
-another *live* process wrote it after us, which is a collision. A claim left by a dead
+commit); the claim also carries the node's round status (``training``, ``done``), which the
+master reads to know whom to wait for. Before each upload it reads the claim back: a
+different instance token there means another *live* process wrote it after us, which is a
+collision. A claim left by a dead
 incarnation (a restart) is simply taken over; the instance token is kept in
 ``<state_dir>/identity.json``, so a restart with the same state directory keeps its token.
 """
@@ -79,8 +81,9 @@ class NodeClaim:
                 path.write_text(json.dumps({"instance": token}) + "\n", encoding="utf-8")
             return token
 
-    def record(self) -> dict[str, Any]:
-        """The claim written to ``nodes/<id>/owner.json``."""
+    def record(self, **status: Any) -> dict[str, Any]:
+        """The claim written to ``nodes/<id>/owner.json``, with the node's round status
+        (``state``: ``training``, ``done`` or ``aggregator``; ``final_round`` when done)."""
         return {
             "node_id": self.node_id,
             "instance": self.instance,
@@ -88,6 +91,7 @@ class NodeClaim:
             "host": self.host,
             "pid": os.getpid(),
             "updated_at": datetime.now(timezone.utc).isoformat(),
+            **status,
         }
 
     def check(self, owner: Mapping[str, Any] | None) -> str | None:

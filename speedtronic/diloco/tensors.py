@@ -3,9 +3,9 @@
 Everything here is a pure function over ``name -> tensor`` dicts. Deltas are
 ``float32(baseline) - float32(current)`` over floating/complex keys (the sign points
 *against* local progress, so the master subtracts ``lr * update``). Deltas travel as
-safetensors with string metadata (``node_id``, ``local_step``, ``base_outer_step``,
-``algorithm``, ``dtype``); the wire dtype may be fp32, bf16 or fp16, and the master always
-aggregates in float32.
+safetensors with string metadata (``node_id``, ``round``, ``local_step``,
+``base_outer_step``, ``algorithm``, ``dtype``, ``final``); the wire dtype may be fp32, bf16
+or fp16, and the master always aggregates in float32.
 """
 
 from __future__ import annotations
@@ -141,15 +141,16 @@ def is_path_safe(identifier: str) -> bool:
     return bool(_SAFE_ID.match(identifier)) and identifier not in {".", ".."}
 
 
-def delta_path(node_id: str, local_step: int) -> str:
-    """Remote path ``nodes/<node_id>/delta_<step>.safetensors``."""
-    return f"nodes/{node_id}/delta_{int(local_step)}.safetensors"
+def delta_path(node_id: str, round_index: int) -> str:
+    """Remote path ``nodes/<node_id>/delta_<round>.safetensors`` of a node's contribution to
+    round ``round_index`` (the outer step it is meant to update; 2.0.0 used the local step)."""
+    return f"nodes/{node_id}/delta_{int(round_index)}.safetensors"
 
 
 def parse_delta_path(path: str) -> tuple[str, int] | None:
-    """``nodes/<node>/delta_<step>.safetensors`` -> ``(node, step)``; anything else -> None.
+    """``nodes/<node>/delta_<n>.safetensors`` -> ``(node, n)``; anything else -> None.
 
-    Strict: the node must be path-safe and the step a canonical non-negative integer.
+    Strict: the node must be path-safe and ``n`` a canonical non-negative integer.
     """
     parts = str(path).split("/")
     if len(parts) != 3 or parts[0] != "nodes" or not is_path_safe(parts[1]):
@@ -213,12 +214,18 @@ def delta_to_bytes(
     node_id: str,
     local_step: int,
     base_outer_step: int,
+    round_index: int | None = None,
     dtype: str = "fp32",
     extra: Mapping[str, object] | None = None,
 ) -> bytes:
-    """Delta file bytes with the core header keys and the wire dtype."""
+    """Delta file bytes with the core header keys and the wire dtype.
+
+    ``round_index`` is the round the contribution is meant for (defaults to
+    ``base_outer_step``); ``local_step`` the node's optimizer step when it was taken.
+    """
     metadata = {
         "node_id": node_id,
+        "round": int(base_outer_step if round_index is None else round_index),
         "local_step": int(local_step),
         "base_outer_step": int(base_outer_step),
         "algorithm": "dumb_diloco",

@@ -1,27 +1,26 @@
-"""Transport seam of DumbDiLoCo: errors, the shared retry policy, and the repository layout.
+"""The DumbDiLoCo repository layout, shared by the Hub and the shared-volume transports.
 
-A transport owns five primitive operations on a repository of files (create, grant, list,
-read, commit). :class:`RepoTransport` builds the DumbDiLoCo layout on top of them, so the Hub
+A transport implements five primitive operations on a repository of files (create, grant,
+list, read, commit). :class:`RepoTransport` builds the layout on top of them, so the Hub
 (:mod:`speedtronic.diloco.hub`) and the shared volume (:mod:`speedtronic.diloco.directory`)
-share one layout and one retry policy::
+share one layout and one retry policy (:mod:`speedtronic.diloco.retry`)::
 
-    global/latest.safetensors        full global state (native dtypes)
-    global/step_count.json           version record (outer_step, sha256 of the weights, ...)
-    global/processed.json            identities [node, step, base] the master has consumed
-    nodes/<node_id>/delta_<step>.safetensors
-    nodes/<node_id>/owner.json       claim of the live process using <node_id>
+    global/latest.safetensors              global weights of outer step R (native dtypes)
+    global/step_count.json                 version record (outer_step, sha256, final, ...)
+    global/processed.json                  ledger: per node, the highest round aggregated
+    nodes/<node_id>/delta_<r>.safetensors  the node's contribution to round r
+    nodes/<node_id>/owner.json             the node's claim and status (training/done)
 
-Every failure of a primitive is mapped to :class:`TransportError` in one place
-(:func:`classify_error` + :meth:`RetryPolicy.run`); the messages never carry the token.
+A node's contribution to round ``r`` is ``global_r - local`` after its inner steps; the
+master aggregates at most one per node per round and records the highest round it consumed
+from each node in the ledger, so a replayed or duplicated file is never counted twice.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
-import time
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timezone
 from typing import Any, Protocol, TypeVar
@@ -29,6 +28,17 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from speedtronic.diloco import tensors as T
+from speedtronic.diloco.retry import (
+    ErrorInfo,
+    HubError,
+    HubUnavailable,
+    RemoteNotFound,
+    RetryPolicy,
+    TransportError,
+    classify_error,
+    retry_policy_from_config,
+    scrub,
+)
 
 __all__ = [
     "GLOBAL_MODEL",
@@ -39,6 +49,7 @@ __all__ = [
     "HubError",
     "HubUnavailable",
     "RemoteNotFound",
+    "RepoScan",
     "RepoTransport",
     "RetryPolicy",
     "Transport",
@@ -56,160 +67,21 @@ GLOBAL_PROCESSED = "global/processed.json"
 R = TypeVar("R")
 
 
-class TransportError(RuntimeError):
-    """A transport operation failed (after retries when the error was transient).
-
-    ``kind`` is ``transient`` (outage, 5xx, 429, timeout), ``not_found`` or ``permanent``
-    (auth, bad request, unsupported); ``status`` is the HTTP status when there was one.
-    """
-
-    def __init__(self, message: str, *, kind: str = "transient", status: int | None = None):
-        super().__init__(message)
-        self.kind = kind
-        self.status = status
-
-
-#: 2.0.0 names: ``HubError`` (RuntimeError) and ``HubUnavailable`` (HubError).
-HubError = TransportError
-
-
-class HubUnavailable(TransportError):
-    """Retries exhausted, or the SDK is missing."""
-
-
-class RemoteNotFound(TransportError):
-    """The remote file or repository does not exist."""
-
-    def __init__(self, message: str, *, status: int | None = 404):
-        super().__init__(message, kind="not_found", status=status)
-
-
-@dataclasses.dataclass(frozen=True)
-class ErrorInfo:
-    """How the retry policy treats one exception."""
-
-    kind: str  # transient | not_found | permanent
-    status: int | None = None
-    retry_after: float | None = None
-
-
-_TRANSIENT_NAMES = ("Timeout", "NetworkError", "ProtocolError", "ConnectError", "ReadError")
-
-
-def _retry_after(headers: Any) -> float | None:
-    try:
-        value = headers.get("Retry-After") if headers is not None else None
-    except Exception:
-        return None
-    if value is None:
-        return None
-    try:
-        return max(0.0, float(str(value).strip()))
-    except ValueError:
-        return None
-
-
-def classify_error(exc: BaseException) -> ErrorInfo:
-    """The one place where SDK, HTTP and filesystem exceptions are mapped to retry kinds."""
-    if isinstance(exc, TransportError):
-        return ErrorInfo(exc.kind, exc.status)
-    response = getattr(exc, "response", None)
-    status = getattr(response, "status_code", None)
-    if isinstance(status, int):
-        headers = getattr(response, "headers", None)
-        if status == 404:
-            return ErrorInfo("not_found", status)
-        if status in (408, 425, 429) or status >= 500:
-            return ErrorInfo("transient", status, _retry_after(headers))
-        return ErrorInfo("permanent", status)
-    if isinstance(exc, FileNotFoundError):
-        return ErrorInfo("not_found")
-    if isinstance(exc, (PermissionError, IsADirectoryError, NotADirectoryError)):
-        return ErrorInfo("permanent")
-    if isinstance(exc, (OSError, TimeoutError, ConnectionError)):
-        return ErrorInfo("transient")  # includes EIO/ESTALE and the SDK's consistency errors
-    names = [cls.__name__ for cls in type(exc).__mro__]
-    if any(part in name for name in names for part in _TRANSIENT_NAMES):
-        return ErrorInfo("transient")
-    if isinstance(exc, (TypeError, AttributeError, KeyError, NotImplementedError)):
-        return ErrorInfo("permanent")  # programming errors are not outages
-    if "EntryNotFound" in " ".join(names) or "RepositoryNotFound" in " ".join(names):
-        return ErrorInfo("not_found")
-    cause = exc.__cause__ or exc.__context__
-    if cause is not None and cause is not exc:
-        return classify_error(cause)  # e.g. the SDK's "Force download failed" wraps a 503
-    if isinstance(exc, ValueError):
-        return ErrorInfo("permanent")
-    return ErrorInfo("transient")
-
-
-def scrub(text: str, secrets: Iterable[str | None]) -> str:
-    """Replace every secret (the Hub token) in ``text`` by ``<redacted>``."""
-    for secret in secrets:
-        if secret and len(secret) >= 4:
-            text = text.replace(secret, "<redacted>")
-    return text
-
-
-@dataclasses.dataclass
-class RetryPolicy:
-    """Exponential backoff shared by every transport.
-
-    ``initial``/``maximum`` are seconds, ``attempts`` is the total number of tries per
-    operation; a 429 waits at least its ``Retry-After``. ``timeout`` (seconds) is the
-    per-request timeout handed to network transports. Only transient errors are retried.
-    """
-
-    initial: float = 1.0
-    maximum: float = 60.0
-    attempts: int = 6
-    timeout: float = 60.0
-    sleeper: Callable[[float], None] = time.sleep
-    secrets: tuple[str, ...] = ()
-    on_retry: Callable[[str, int, str], None] | None = None
-
-    def run(self, operation: str, fn: Callable[[], R]) -> R:
-        """Call ``fn`` with retries; any failure leaves as a (scrubbed) :class:`TransportError`."""
-        delay = self.initial
-        attempts = max(1, int(self.attempts))
-        for attempt in range(1, attempts + 1):
-            try:
-                return fn()
-            except Exception as exc:
-                info = classify_error(exc)
-                text = scrub(f"{type(exc).__name__}: {exc}", self.secrets)
-                if info.kind == "not_found":
-                    raise RemoteNotFound(f"{operation}: not found ({text})") from None
-                if info.kind == "permanent":
-                    raise TransportError(
-                        f"{operation} failed: {text}", kind="permanent", status=info.status
-                    ) from None
-                if attempt >= attempts:
-                    raise HubUnavailable(
-                        f"{operation} failed after {attempts} attempts: {text}",
-                        kind="transient",
-                        status=info.status,
-                    ) from None
-                wait = delay if info.retry_after is None else max(delay, info.retry_after)
-                if self.on_retry is not None:
-                    with contextlib.suppress(Exception):
-                        self.on_retry(operation, attempt, text)
-                self.sleeper(wait)
-                delay = min(self.maximum, delay * 2)
-        raise AssertionError("unreachable")  # pragma: no cover
-
-
 @dataclasses.dataclass(frozen=True)
 class GlobalMetadata:
-    """Version record of the published global model (``global/step_count.json``)."""
+    """Version record of the published global model (``global/step_count.json``).
+
+    ``final`` is true on the global the master published after the last round of a run.
+    """
 
     outer_step: int
     updated_at: str
     model_file: str = GLOBAL_MODEL
     sha256: str = ""
+    final: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        """Core keys (sha256 only when known)."""
+        """Core keys (sha256 only when known, final only when true)."""
         out: dict[str, Any] = {
             "outer_step": self.outer_step,
             "updated_at": self.updated_at,
@@ -217,6 +89,8 @@ class GlobalMetadata:
         }
         if self.sha256:
             out["model_sha256"] = self.sha256
+        if self.final:
+            out["final"] = True
         return out
 
     @classmethod
@@ -227,28 +101,38 @@ class GlobalMetadata:
             updated_at=str(data.get("updated_at", "")),
             model_file=str(data.get("model_file", GLOBAL_MODEL)),
             sha256=str(data.get("model_sha256", "")),
+            final=str(data.get("final", "false")).lower() == "true",
         )
 
 
+@dataclasses.dataclass
+class RepoScan:
+    """One listing of the repository: contribution files and node records by node."""
+
+    deltas: dict[str, dict[int, str]] = dataclasses.field(default_factory=dict)
+    owners: set[str] = dataclasses.field(default_factory=set)
+
+
 class Transport(Protocol):
-    """What the coordinator and the outer loop need from a transport."""
+    """What the node and the master need from a transport."""
 
     def create_repo(self, *, private: bool = True) -> None: ...
     def add_collaborator(self, username: str, permission: str = "write") -> None: ...
     def global_metadata(self) -> GlobalMetadata | None: ...
     def read_global(self, metadata: GlobalMetadata) -> dict[str, torch.Tensor]: ...
-    def read_processed(self) -> list[tuple[str, int, int]]: ...
+    def read_ledger(self) -> dict[str, int]: ...
     def publish_global(
         self,
         state: Mapping[str, torch.Tensor],
         *,
         outer_step: int,
-        processed: Iterable[tuple[str, int, int]] = (),
+        ledger: Mapping[str, int] | None = None,
         prune: Iterable[str] = (),
         metadata_extra: Mapping[str, object] | None = None,
+        final: bool = False,
     ) -> GlobalMetadata: ...
-    def upload_delta(self, delta: Mapping[str, torch.Tensor], **kwargs: Any) -> tuple[str, int]: ...
-    def delta_paths(self) -> list[str]: ...
+    def upload_delta(self, delta: Mapping[str, torch.Tensor], **kwargs: Any) -> str: ...
+    def scan(self) -> RepoScan: ...
     def read_delta(self, path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]: ...
     def prune(self, paths: Iterable[str]) -> None: ...
     def read_owner(self, node_id: str) -> dict[str, Any] | None: ...
@@ -279,6 +163,7 @@ class RepoTransport:
         self.repo_id = repo_id
         self.retry = retry or RetryPolicy()
         self.commits = 0  # commits issued by this process (Hub budget accounting)
+        self.last_upload_bytes = 0  # size of the last delta file this process uploaded
 
     # -- primitives (subclasses) ---------------------------------------------------------
     def _create_repo(self, private: bool) -> None:
@@ -396,34 +281,48 @@ class RepoTransport:
         """2.0.0 form: write the verified global weights to ``local_path`` and return it."""
         return T.save_safetensors(self.read_global(metadata), local_path)
 
-    def read_processed(self) -> list[tuple[str, int, int]]:
-        """The master's published processed-delta identities ``(node, step, base)``."""
+    def read_ledger(self) -> dict[str, int]:
+        """The master's published ledger: node id -> highest round already aggregated.
+
+        A ledger in another format (2.0.0 wrote a list of consumed files) reads as empty.
+        """
         data = self.read_json(GLOBAL_PROCESSED, default={})
-        items = data.get("processed", []) if isinstance(data, dict) else []
-        return [(str(n), int(s), int(b)) for n, s, b in (i for i in items if len(i) == 3)]
+        nodes = data.get("nodes") if isinstance(data, dict) else None
+        if not isinstance(nodes, dict):
+            return {}
+        ledger: dict[str, int] = {}
+        for node, value in nodes.items():
+            if T.is_path_safe(str(node)) and isinstance(value, int) and not isinstance(value, bool):
+                ledger[str(node)] = value
+        return ledger
 
     def publish_global(
         self,
         state: Mapping[str, torch.Tensor],
         *,
         outer_step: int,
-        processed: Iterable[tuple[str, int, int]] = (),
+        ledger: Mapping[str, int] | None = None,
         prune: Iterable[str] = (),
         metadata_extra: Mapping[str, object] | None = None,
+        final: bool = False,
         updated_at: str | None = None,
     ) -> GlobalMetadata:
-        """One commit: weights, processed set, version record (written in that order), and
-        the deletion of consumed delta files."""
+        """One commit: weights, ledger, version record (written in that order), and the
+        deletion of consumed delta files."""
         weights = T.state_to_bytes(state)
         meta = GlobalMetadata(
-            int(outer_step), updated_at or _now(), GLOBAL_MODEL, hashlib.sha256(weights).hexdigest()
+            int(outer_step),
+            updated_at or _now(),
+            GLOBAL_MODEL,
+            hashlib.sha256(weights).hexdigest(),
+            bool(final),
         )
         record = {**{str(k): str(v) for k, v in (metadata_extra or {}).items()}, **meta.to_dict()}
         record["processed_file"] = GLOBAL_PROCESSED
-        ledger = {"outer_step": int(outer_step), "processed": sorted([list(i) for i in processed])}
+        book = {"outer_step": int(outer_step), "nodes": dict(sorted((ledger or {}).items()))}
         additions = {
             GLOBAL_MODEL: weights,
-            GLOBAL_PROCESSED: _json_bytes(ledger),
+            GLOBAL_PROCESSED: _json_bytes(book),
             GLOBAL_STEP: _json_bytes(record),
         }
         self.commit(additions, list(prune), message=f"outer step {int(outer_step)}")
@@ -436,27 +335,48 @@ class RepoTransport:
         node_id: str,
         local_step: int,
         base_outer_step: int,
+        round_index: int | None = None,
         dtype: str = "fp32",
         metadata: Mapping[str, object] | None = None,
         owner: Mapping[str, Any] | None = None,
         work_dir: Any = None,
-    ) -> tuple[str, int]:
-        """One commit per upload (plus the node's owner claim); returns ``(path, bytes)``."""
+    ) -> str:
+        """Upload a node's contribution to round ``round_index`` (default: the base outer
+        step) as ``nodes/<node>/delta_<round>.safetensors`` in one commit, with the node's
+        owner record when given. Returns the remote path; the size in bytes is left in
+        :attr:`last_upload_bytes`."""
         del work_dir  # 2.0.0 staged files on disk; bytes go straight to the transport now
-        path = T.delta_path(node_id, local_step)
+        target = int(base_outer_step if round_index is None else round_index)
+        path = T.delta_path(node_id, target)
         data = T.delta_to_bytes(
             delta,
             node_id=node_id,
             local_step=local_step,
             base_outer_step=base_outer_step,
+            round_index=target,
             dtype=dtype,
             extra={k: v for k, v in (metadata or {}).items() if k != "algorithm"},
         )
         additions = {path: data}
         if owner is not None:
             additions[f"nodes/{node_id}/owner.json"] = _json_bytes(dict(owner))
-        self.commit(additions, message=f"delta {node_id} step {int(local_step)}")
-        return path, len(data)
+        self.commit(additions, message=f"delta {node_id} round {target}")
+        self.last_upload_bytes = len(data)
+        return path
+
+    def scan(self) -> RepoScan:
+        """One listing: contributions ``{node: {round: path}}`` and the nodes with a record."""
+        scan = RepoScan()
+        for path in self.list_files():
+            parsed = T.parse_delta_path(path)
+            if parsed is not None:
+                scan.deltas.setdefault(parsed[0], {})[parsed[1]] = path
+                continue
+            parts = path.split("/")
+            owner = len(parts) == 3 and parts[0] == "nodes" and parts[2] == "owner.json"
+            if owner and T.is_path_safe(parts[1]):
+                scan.owners.add(parts[1])
+        return scan
 
     def delta_paths(self) -> list[str]:
         """Every well-formed delta path, sorted."""
@@ -490,31 +410,14 @@ class RepoTransport:
         )
 
 
-def retry_policy_from_config(config: Any) -> RetryPolicy:
-    """The shared policy from a ``distributed`` config section (the token is a secret)."""
-    token = getattr(config, "token", None)
-    return RetryPolicy(
-        initial=float(getattr(config, "retry_initial", 1.0)),
-        maximum=float(getattr(config, "retry_max", 60.0)),
-        attempts=int(getattr(config, "retry_attempts", 6)),
-        timeout=float(getattr(config, "request_timeout", 60.0) or 60.0),
-        secrets=(token,) if token else (),
-    )
-
-
 def build_transport(config: Any, retry: RetryPolicy | None = None) -> Any:
     """``file:///abs`` -> DirectoryTransport; ``owner/name`` -> HubClient."""
     retry = retry or retry_policy_from_config(config)
-    repo_id = str(getattr(config, "repo_id", "") or "")
+    repo_id = config.repo_id or ""
     if repo_id.startswith("file:"):
         from speedtronic.diloco.directory import DirectoryTransport
 
         return DirectoryTransport(repo_id, retry)
     from speedtronic.diloco.hub import HubClient
 
-    return HubClient(
-        repo_id,
-        token=getattr(config, "token", None),
-        cache_dir=getattr(config, "cache_dir", None),
-        retry=retry,
-    )
+    return HubClient(repo_id, token=config.token, cache_dir=config.cache_dir, retry=retry)

@@ -1,5 +1,6 @@
-"""2.0.0 path of :mod:`speedtronic.diloco.outer`."""
+"""2.0.0 path of the outer optimizer and the master's loop (:mod:`speedtronic.diloco.master`)."""
 
-from speedtronic.diloco.outer import MasterOuterLoop, NesterovOuterOptimizer, nesterov_update
+from speedtronic.diloco.master import RoundMaster as MasterOuterLoop
+from speedtronic.diloco.outer import NesterovOuterOptimizer, nesterov_update
 
 __all__ = ["MasterOuterLoop", "NesterovOuterOptimizer", "nesterov_update"]

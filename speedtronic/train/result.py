@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from torch import nn
-
 __all__ = [
     "MAX_CONSECUTIVE_SKIPS",
     "GradientOverflowError",
@@ -42,16 +40,23 @@ class GradientOverflowError(RuntimeError):
 class SyncCoordinator(Protocol):
     """What the trainer calls on a distributed coordinator (DumbDiLoCo implements it).
 
-    ``after_optimizer_step`` gets the absolute step after each applied update and returns truthy
-    when it replaced the model weights (then the inner optimizer state may be reset). An optional
-    ``prepare_state(state)`` receives checkpointed coordinator state before ``start()``.
+    At the start of ``fit`` the trainer calls ``attach(optimizer)`` (the coordinator hooks its
+    per-step work on ``optimizer.step``) and ``start(step)``; when the run reached its target,
+    ``finish()``; always ``stop()`` at the end. ``interrupt()`` is called by ``request_stop``.
+    Optional: ``prepare_state(state)`` (checkpointed state, before ``start``), ``trains``
+    (False: no local steps, e.g. a pure aggregator), ``last_heartbeat`` (liveness while the
+    coordinator waits). A coordinator without ``attach`` gets ``start()`` and ``stop()`` only.
     """
 
-    def start(self) -> None: ...
+    def attach(self, optimizer: Any) -> None: ...
 
-    def after_optimizer_step(self, model: nn.Module, step: int) -> bool | None: ...
+    def start(self, step: int | None = None) -> None: ...
+
+    def finish(self) -> None: ...
 
     def stop(self) -> None: ...
+
+    def interrupt(self) -> None: ...
 
     def state_dict(self) -> dict[str, Any] | None: ...
 

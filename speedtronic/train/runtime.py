@@ -131,13 +131,43 @@ def _precision(config: Any, device: torch.device) -> Any:
         raise ConfigError(str(exc)) from None
 
 
-def _coordinator(config: Any, model: torch.nn.Module, logger: MetricLogger) -> Any:
+def _coordinator(
+    config: Any,
+    model: torch.nn.Module,
+    logger: MetricLogger,
+    *,
+    heldout: Any,
+    device: torch.device,
+    precision: Any,
+) -> Any:
+    """The DumbDiLoCo coordinator (None when ``distributed.enabled`` is false).
+
+    A master scores every new global on the held-out set with its own copy of the model
+    (on its aggregation thread) and writes the final global under ``<output_dir>/final``.
+    """
     if not config.distributed.enabled:
         return None
     from speedtronic.diloco import DumbDiLoCoCoordinator
 
+    evaluate_global = None
+    if heldout is not None and config.distributed.role == "master":
+        from speedtronic.model import build_model
+        from speedtronic.train.evaluate import evaluate
+
+        scorer = build_model(config.model).to(device)
+
+        def evaluate_global(state: dict[str, torch.Tensor]) -> Any:
+            scorer.load_state_dict(state, strict=False)
+            return evaluate(scorer, heldout, device=device, precision=precision)
+
     return DumbDiLoCoCoordinator(
-        config.distributed, model, state_dir=str(config.state_dir), logger=logger
+        config.distributed,
+        model,
+        state_dir=str(config.state_dir),
+        logger=logger,
+        evaluate=evaluate_global,
+        final_dir=config.output_path / "final",
+        run_config=config.to_dict(redact_secrets=True),
     )
 
 
@@ -166,12 +196,15 @@ def build_runtime(
     resume: bool = False,
     device: str | torch.device | None = None,
     max_steps: int | None = None,
+    node_id: str | None = None,
 ) -> tuple[Trainer, CheckpointManager]:
     """Build model, data, optimizer, schedule, logger, checkpoints and coordinator; see above.
 
     ``config`` is a ``SpeedtronicConfig``, a plain dict, or a config file path. ``max_steps``
     overrides the absolute step target on a copy of the config (the caller's object is not
     changed) and moves the scheduler horizon when ``scheduler.max_steps`` was not explicit.
+    ``node_id`` selects the training stream of that DiLoCo node (default: the coordinator's
+    node id; none without DiLoCo), e.g. to reproduce a node in one process.
     """
     from speedtronic.data import build_node_dataloader
     from speedtronic.model import build_model
@@ -187,10 +220,13 @@ def build_runtime(
     model = build_model(config.model)
     model.to(resolved)
     logger = build_logger(config)
-    coordinator = _coordinator(config, model, logger)
-    node_id = coordinator.node_id if coordinator is not None else None
-    loader = build_node_dataloader(config, node_id, pin_memory_device=resolved.type == "cuda")
     heldout = build_heldout(config)
+    coordinator = _coordinator(
+        config, model, logger, heldout=heldout, device=resolved, precision=precision
+    )
+    if node_id is None and coordinator is not None:
+        node_id = coordinator.node_id
+    loader = build_node_dataloader(config, node_id, pin_memory_device=resolved.type == "cuda")
     section = config.checkpoint
     manager = CheckpointManager(
         config.checkpoint_dir,

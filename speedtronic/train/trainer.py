@@ -184,6 +184,21 @@ class Trainer(TrainerStateMixin):
         """Stop at the next update boundary (safe from signal handlers and other threads)."""
         if self._stop_reason is None:
             self._stop_reason = str(reason)
+        interrupt = getattr(self.coordinator, "interrupt", None)
+        if callable(interrupt):
+            interrupt()  # a coordinator waiting for a global stops waiting
+
+    @property
+    def last_heartbeat(self) -> float:
+        """``time.monotonic()`` of the last sign of life: an applied update, or a coordinator
+        that is waiting for its round (liveness probes read this)."""
+        beat = getattr(self.coordinator, "last_heartbeat", None)
+        own = self._heartbeat
+        return max(own, beat) if isinstance(beat, (int, float)) else own
+
+    @last_heartbeat.setter
+    def last_heartbeat(self, value: float) -> None:
+        self._heartbeat = float(value)
 
     # ------------------------------------------------------------------ setup
 
@@ -226,8 +241,11 @@ class Trainer(TrainerStateMixin):
         metrics: list[dict[str, Any]] = []
         final_loss: float | None = None
         self.last_heartbeat = time.monotonic()
+        trains = getattr(self.coordinator, "trains", True)
+        if not trains:  # a pure DiLoCo aggregator: no local steps, only its rounds
+            target = self.step
         try:
-            if self.step < target:
+            if self.step < target or not trains:
                 self._start_coordinator()
             self._emit_train_start(target)
             self._maybe_evaluate(target)
@@ -244,6 +262,9 @@ class Trainer(TrainerStateMixin):
                 final_loss = update.loss
                 self._maybe_checkpoint()
                 self._maybe_evaluate(target)
+            reached = self.step >= self.max_steps or not trains
+            if reached and self._stop_reason is None and self._coordinator_started:
+                self._finish_coordinator()
         finally:
             self._stop_coordinator()
             if self._ooo is not None:
@@ -390,17 +411,14 @@ class Trainer(TrainerStateMixin):
             )
 
     def _after_step(self, update: _Update) -> None:
-        """Count the applied update, step the LR schedule, run the sync coordinator."""
+        """Count the applied update and step the LR schedule (a DiLoCo coordinator runs its
+        round from a hook on ``optimizer.step``, see ``_start_coordinator``)."""
         self._consecutive_skips = 0
         self.samples += update.samples
         self.tokens += update.tokens
         self.step += 1
         if self.scheduler is not None:
             self.scheduler.step()
-        if self.coordinator is not None:
-            replaced = self.coordinator.after_optimizer_step(self.model, self.step)
-            if replaced and config_value(self.config, "distributed.reset_inner_optimizer", True):
-                self._reset_inner_optimizer()
         self.last_heartbeat = time.monotonic()
 
     def _maybe_evaluate(self, target: int, *, final: bool = False) -> None:
@@ -413,13 +431,6 @@ class Trainer(TrainerStateMixin):
             return
         result = evaluate(self.model, self.heldout, device=self.device, precision=self.precision)
         self.logger.emit("eval", {"step": self.step, **result.as_dict(), "scope": "local"})
-
-    def _reset_inner_optimizer(self) -> None:
-        reset = getattr(self.optimizer, "reset_state", None)
-        if callable(reset):
-            reset()
-        else:
-            self.optimizer.state.clear()
 
     def _step_metric(
         self, update: _Update, start: tuple[int, int, int], started: float, last_tick: float
@@ -479,13 +490,26 @@ class Trainer(TrainerStateMixin):
     # ------------------------------------------------------------------ coordinator
 
     def _start_coordinator(self) -> None:
+        """Hook the coordinator on the optimizer (``attach``) and start it at this step."""
         if self.coordinator is None or self._coordinator_started:
             return
-        self.coordinator.start()
+        attach = getattr(self.coordinator, "attach", None)
+        if callable(attach):
+            attach(self.optimizer)
+            self.coordinator.start(self.step)
+        else:  # a coordinator without a step hook: start/stop only
+            self.coordinator.start()
         self._coordinator_started = True
         if self._deferred_coordinator_state is not None:
             self.coordinator.load_state_dict(self._deferred_coordinator_state)
             self._deferred_coordinator_state = None
+
+    def _finish_coordinator(self) -> None:
+        """The target was reached: let the coordinator run its end of run (DiLoCo: the last
+        contribution, then the global that includes it is installed)."""
+        finish = getattr(self.coordinator, "finish", None)
+        if callable(finish):
+            finish()
 
     def _stop_coordinator(self) -> None:
         if self.coordinator is not None:

@@ -1,0 +1,325 @@
+"""Does DiLoCo train? K nodes against one node, the K x batch run and the exact arithmetic.
+
+Corpus: the running Python's standard library sources (``*.py`` outside site-packages, in path
+order, non-ASCII bytes dropped), one byte per token, the last 5% held out
+(``eval.holdout: 0.05``). Model: the reference transformer, ~0.8M parameters, vocabulary 128;
+AdamW, batch 16, the same number of steps per node in every row. Rows:
+
+- ``1 node``: one trainer, batch B.
+- ``1 node, K x batch``: one trainer, batch K*B (what synchronous data parallelism computes).
+- ``ideal``: :func:`speedtronic.diloco.ideal.simulate`, the exact DiLoCo arithmetic in one
+  process with the real run's node ids (data streams), inner optimizer and outer settings.
+- ``DiLoCo, K processes``: K ``speedtronic train`` processes started at once, as the README
+  shows (a master that trains + K-1 workers) over a shared directory; every distributed setting
+  comes from ``configs/diloco.yaml`` except the exchange, role, node id and ``inner_steps``.
+  Scored: the master's ``final/`` global after the last round.
+
+Then a sweep of outer settings (and ``inner_steps``) on the ideal row. Target of issue 15: the
+K-process global at most 0.96x the 1-node loss and at most 1.03x the ideal row.
+
+    python bench/diloco_quality.py                  # ~25 min on 2 cores, without the sweep
+    python bench/diloco_quality.py --sweep full     # + the outer-settings table (~45 min more)
+    python bench/diloco_quality.py --steps 120 --sweep none   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from speedtronic.config import SpeedtronicConfig  # noqa: E402
+from speedtronic.diloco import tensors as T  # noqa: E402
+from speedtronic.diloco.ideal import simulate  # noqa: E402
+from speedtronic.model import build_model  # noqa: E402
+from speedtronic.train.evaluate import build_heldout, evaluate  # noqa: E402
+from speedtronic.train.runtime import build_runtime  # noqa: E402
+
+SWEEPS = {
+    "none": [],
+    "small": [(25, 1.0, 0.0), (25, 0.7, 0.9), (25, 1.0, 0.5)],
+    "full": [
+        (10, 1.0, 0.0),
+        (10, 0.7, 0.9),
+        (25, 1.0, 0.0),
+        (25, 1.5, 0.0),
+        (25, 1.0, 0.5),
+        (25, 0.7, 0.9),
+        (25, 0.5, 0.9),
+        (25, 0.3, 0.9),
+        (50, 1.0, 0.0),
+        (50, 0.7, 0.9),
+    ],
+}
+
+
+def build_corpus(path: Path) -> int:
+    """Write the stdlib corpus as a uint16 token file (bytes < 128); returns its length."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+    chunks = []
+    for file in files:
+        data = np.frombuffer(file.read_bytes(), dtype=np.uint8)
+        chunks.append(data[data < 128])
+    tokens = np.concatenate(chunks).astype(np.uint16)
+    tokens.tofile(path)
+    return len(tokens)
+
+
+def base_config(args: argparse.Namespace, corpus: Path) -> dict:
+    """The bench's model/data/optimizer; distributed settings come from configs/diloco.yaml."""
+    shipped = yaml.safe_load((ROOT / "configs" / "diloco.yaml").read_text())
+    return {
+        "name": "diloco-quality",
+        "seed": 1234,
+        "device": "cpu",
+        "max_steps": args.steps,
+        "model": {
+            "vocab_size": 128,
+            "max_seq_len": args.seq,
+            "n_layer": 4,
+            "n_head": 4,
+            "d_model": 128,
+        },
+        "data": {
+            "token_path": str(corpus),
+            "sampling": "random",
+            "micro_batch_size": args.batch,
+            "target_batch_size": args.batch,
+        },
+        "eval": {"holdout": 0.05, "tokens": args.eval_tokens, "every_steps": 0},
+        "optimizer": {"name": "adamw", "lr": args.lr, "weight_decay": 0.1},
+        "scheduler": {"warmup_steps": args.warmup},
+        "precision": "fp32",
+        "checkpoint": {"enabled": True, "every_steps": 10_000, "keep_last": 1},
+        "logging": {"level": "WARNING", "every_steps": 50},
+        "distributed": dict(shipped["distributed"], inner_steps=args.inner_steps),
+    }
+
+
+def config_of(raw: dict) -> SpeedtronicConfig:
+    return SpeedtronicConfig.from_dict(copy.deepcopy(raw))
+
+
+def score(config: SpeedtronicConfig, state: dict) -> float:
+    model = build_model(config.model)
+    model.load_state_dict(state, strict=False)
+    return evaluate(model, build_heldout(config), device=torch.device("cpu")).loss
+
+
+def run_single(raw: dict, batch: int) -> dict:
+    raw = copy.deepcopy(raw)
+    raw["distributed"]["enabled"] = False
+    raw["checkpoint"]["enabled"] = False
+    raw["data"]["target_batch_size"] = batch
+    config = config_of(raw)
+    started = time.perf_counter()
+    trainer, _ = build_runtime(config)
+    trainer.heldout = None
+    trainer.fit()
+    trainer.logger.close()
+    loss = evaluate(trainer.model, build_heldout(config), device=torch.device("cpu")).loss
+    return {"loss": loss, "seconds": time.perf_counter() - started}
+
+
+def run_ideal(raw: dict, nodes: list[str], h: int, lr: float, momentum: float) -> dict:
+    config = config_of(raw)
+    started = time.perf_counter()
+    result = simulate(config, nodes, inner_steps=h, outer_lr=lr, outer_momentum=momentum)
+    return {
+        "loss": result.eval_loss,
+        "rounds": result.outer_steps,
+        "seconds": time.perf_counter() - started,
+        "state": result.global_state,
+    }
+
+
+def run_real(raw: dict, nodes: list[str], work: Path) -> dict:
+    """K ``speedtronic train`` processes started at once; the master is nodes[0]."""
+    exchange = work / "exchange"
+    work.mkdir(parents=True, exist_ok=True)
+    procs = []
+    started = time.perf_counter()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("SPEEDTRONIC_CONFIG", None)
+    for index, node in enumerate(nodes):
+        node_raw = copy.deepcopy(raw)
+        out = work / node
+        node_raw["output_dir"] = str(out)
+        node_raw["logging"]["json_file"] = str(out / "events.jsonl")
+        node_raw["distributed"].update(
+            enabled=True,
+            repo_id=f"file://{exchange}",
+            role="master" if index == 0 else "worker",
+            node_id=node,
+        )
+        path = work / f"{node}.yaml"
+        path.write_text(yaml.safe_dump(node_raw))
+        log = open(work / f"{node}.log", "w")  # noqa: SIM115 - closed below
+        procs.append(
+            (
+                subprocess.Popen(
+                    [sys.executable, "-m", "speedtronic", "train", "--config", str(path)],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=work,
+                ),
+                log,
+            )
+        )
+    codes = []
+    for proc, log in procs:
+        codes.append(proc.wait())
+        log.close()
+    seconds = time.perf_counter() - started
+    if any(codes):
+        raise RuntimeError(f"node exit codes {codes}; see the logs in {work}")
+    rounds = [
+        record
+        for record in map(json.loads, (work / nodes[0] / "events.jsonl").read_text().splitlines())
+        if record.get("event") == "outer_step"
+    ]
+    state = T.load_safetensors(work / nodes[0] / "final" / "model.safetensors")
+    reasons: dict[str, int] = {}
+    for record in rounds:
+        reason = record.get("reason", "?")
+        reasons[reason] = reasons.get(reason, 0) + 1
+    return {
+        "loss": score(config_of(raw), state),
+        "seconds": seconds,
+        "rounds": len(rounds),
+        "close_reasons": reasons,
+        "late": sum(int(r.get("deltas_late", 0)) for r in rounds),
+        "stale": sum(int(r.get("deltas_stale", 0)) for r in rounds),
+        "state": state,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=600, help="optimizer steps per node")
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--inner-steps", type=int, default=25)
+    parser.add_argument("--eval-tokens", type=int, default=32768)
+    parser.add_argument("--sweep", choices=sorted(SWEEPS), default="small")
+    parser.add_argument("--skip-real", action="store_true")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "diloco_quality.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # as each real process (OMP_NUM_THREADS=1): same arithmetic
+    nodes = [f"node-{i}" for i in range(args.nodes)]
+    with tempfile.TemporaryDirectory(prefix="speedtronic-quality-") as tmp:
+        work = Path(tmp)
+        n_tokens = build_corpus(work / "corpus.bin")
+        raw = base_config(args, work / "corpus.bin")
+        dist = raw["distributed"]
+        print(
+            f"corpus {n_tokens:,} tokens; {args.nodes} nodes x {args.steps} steps, batch "
+            f"{args.batch}, inner_steps {args.inner_steps}, outer {dist['outer_lr']}/"
+            f"{dist['outer_momentum']}, sync {dist.get('sync', 'blocking')}",
+            flush=True,
+        )
+        rows: dict[str, dict] = {}
+        rows["1 node"] = run_single(raw, args.batch)
+        print(f"  1 node: {rows['1 node']['loss']:.4f}", flush=True)
+        rows["1 node, K x batch"] = run_single(raw, args.batch * args.nodes)
+        print(f"  1 node, K x batch: {rows['1 node, K x batch']['loss']:.4f}", flush=True)
+        rows["ideal"] = run_ideal(
+            raw, nodes, args.inner_steps, dist["outer_lr"], dist["outer_momentum"]
+        )
+        print(f"  ideal: {rows['ideal']['loss']:.4f}", flush=True)
+        if not args.skip_real:
+            rows["DiLoCo, K processes"] = run_real(raw, nodes, work / "real")
+            real = rows["DiLoCo, K processes"]
+            ideal_state = rows["ideal"]["state"]
+            real["max_abs_diff_vs_ideal"] = max(
+                (real["state"][k].float() - ideal_state[k].float()).abs().max().item()
+                for k in ideal_state
+            )
+            print(f"  real: {real['loss']:.4f}", flush=True)
+        sweep = []
+        for h, lr, momentum in SWEEPS[args.sweep]:
+            result = run_ideal(raw, nodes, h, lr, momentum)
+            sweep.append(
+                {
+                    "inner_steps": h,
+                    "outer_lr": lr,
+                    "outer_momentum": momentum,
+                    "loss": result["loss"],
+                    "seconds": result["seconds"],
+                }
+            )
+            print(f"  sweep H={h} lr={lr} mom={momentum}: {result['loss']:.4f}", flush=True)
+    single = rows["1 node"]["loss"]
+    print(f"\n{'run':<26}{'held-out loss':>14}{'x 1 node':>10}{'seconds':>9}")
+    for name, row in rows.items():
+        print(f"{name:<26}{row['loss']:>14.4f}{row['loss'] / single:>10.3f}{row['seconds']:>9.0f}")
+    verdict = {}
+    if "DiLoCo, K processes" in rows:
+        real = rows["DiLoCo, K processes"]
+        verdict = {
+            "real_vs_single": real["loss"] / single,
+            "real_vs_ideal": real["loss"] / rows["ideal"]["loss"],
+            "target_met": real["loss"] <= 0.96 * single
+            and real["loss"] <= 1.03 * rows["ideal"]["loss"],
+        }
+        print(
+            f"\nK processes / 1 node = {verdict['real_vs_single']:.3f} (target <= 0.96); "
+            f"/ ideal = {verdict['real_vs_ideal']:.4f} (target <= 1.03); rounds "
+            f"{real['rounds']} {real['close_reasons']}, late {real['late']}, stale "
+            f"{real['stale']}, max |real - ideal| weight {real['max_abs_diff_vs_ideal']:.2e}"
+        )
+    if sweep:
+        head = ("inner_steps", "outer lr", "momentum", "ideal loss", "x 1 node")
+        print("\n" + "".join(f"{h:>12}" for h in head))
+        for row in sweep:
+            print(
+                f"{row['inner_steps']:>12}{row['outer_lr']:>12}{row['outer_momentum']:>12}"
+                f"{row['loss']:>12.4f}{row['loss'] / single:>12.3f}"
+            )
+    for row in rows.values():
+        row.pop("state", None)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps(
+            {
+                "args": vars(args),
+                "machine": {
+                    "python": platform.python_version(),
+                    "torch": torch.__version__,
+                    "cpus": os.cpu_count(),
+                },
+                "corpus_tokens": n_tokens,
+                "distributed": {k: v for k, v in raw["distributed"].items() if k != "token"},
+                "rows": rows,
+                "sweep": sweep,
+                "verdict": verdict,
+            },
+            indent=2,
+        )
+    )
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""DiLoCo's arithmetic run exactly in one process: the peer the real protocol is measured against.
+
+:func:`simulate` builds one trainer per node id exactly as ``speedtronic train`` builds that
+node (same config, same model init, same per-node data stream, same inner optimizer and LR
+schedule, kept across rounds), then repeats: every node trains ``inner_steps`` steps; the
+pseudo-gradients ``global - local`` (float32) are summed in node-id order and divided by K;
+one outer step (:class:`~speedtronic.diloco.outer.NesterovOuterOptimizer`, the master's own
+class) updates the global; every node continues from it. No files, threads or timing.
+
+With ``sync: blocking`` and every node delivering in every round, the real processes compute
+the same numbers (up to thread-count effects on matmul reductions); any gap is what the
+protocol loses. ``bench/diloco_quality.py`` and the end-to-end tests compare against it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from speedtronic.diloco import tensors as T
+from speedtronic.diloco.outer import NesterovOuterOptimizer
+
+__all__ = ["IdealResult", "simulate"]
+
+
+@dataclasses.dataclass
+class IdealResult:
+    """Outcome of :func:`simulate`.
+
+    ``global_state``: the final global; ``outer_steps``: rounds run; ``eval_loss``: held-out
+    loss of the final global (None without held-out data); ``curve``: ``(outer_step, loss)``
+    after every round when ``eval_every_round``; ``node_losses``: each node's last train loss.
+    """
+
+    global_state: dict[str, torch.Tensor]
+    outer_steps: int
+    eval_loss: float | None
+    curve: list[tuple[int, float]]
+    node_losses: dict[str, float | None]
+
+
+def _quiet(config: Any) -> Any:
+    """A copy that trains locally: no DiLoCo, no checkpoints, no files, warnings only."""
+    config = copy.deepcopy(config)
+    config.distributed.enabled = False
+    config.checkpoint.enabled = False
+    config.logging.level = "WARNING"
+    config.logging.json_file = None
+    config.logging.file = None
+    return config
+
+
+def simulate(
+    config: Any,
+    node_ids: Sequence[str],
+    *,
+    inner_steps: int | None = None,
+    outer_lr: float | None = None,
+    outer_momentum: float | None = None,
+    eval_every_round: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> IdealResult:
+    """Run K = ``len(node_ids)`` nodes of ``config`` in lockstep (see the module docstring).
+
+    ``inner_steps``, ``outer_lr`` and ``outer_momentum`` default to the ``distributed``
+    section. Each node trains ``config.effective_max_steps`` steps; the last round is shorter
+    when that is not a multiple of ``inner_steps``. ``progress(round, rounds)`` is called
+    after each round.
+    """
+    from speedtronic.config import SpeedtronicConfig
+    from speedtronic.train.evaluate import build_heldout, evaluate
+    from speedtronic.train.runtime import build_runtime
+
+    if not isinstance(config, SpeedtronicConfig):
+        config = SpeedtronicConfig.load(config)
+    section = config.distributed
+    h = int(inner_steps or section.inner_steps)
+    lr = section.outer_lr if outer_lr is None else float(outer_lr)
+    momentum = section.outer_momentum if outer_momentum is None else float(outer_momentum)
+    quiet = _quiet(config)
+    ids = sorted(node_ids)
+    trainers = [build_runtime(quiet, node_id=node)[0] for node in ids]
+    for trainer in trainers:
+        trainer.heldout = None  # the global is what is scored
+    model = trainers[0].model
+    global_state = T.cpu_state_dict(model.state_dict())
+    outer = NesterovOuterOptimizer(global_state, lr, momentum)
+    anchors = [_float_state(t.model) for t in trainers]
+    heldout = build_heldout(config)
+    total_steps = config.effective_max_steps
+    rounds = math.ceil(total_steps / h)
+    curve: list[tuple[int, float]] = []
+    losses: dict[str, float | None] = {}
+    for r in range(rounds):
+        target = min((r + 1) * h, total_steps)
+        mean: dict[str, torch.Tensor] | None = None
+        for node, trainer, anchor in zip(ids, trainers, anchors, strict=True):
+            losses[node] = trainer.fit(target).final_loss
+            delta = T.compute_pseudo_gradient(anchor, _float_state(trainer.model))
+            if mean is None:
+                mean = delta
+            else:
+                for key, value in delta.items():
+                    mean[key].add_(value)
+        for value in mean.values():
+            value.div_(float(len(ids)))
+        outer.step(global_state, mean)
+        for i, trainer in enumerate(trainers):
+            _install(trainer.model, global_state)
+            anchors[i] = _float_state(trainer.model)
+        if eval_every_round and heldout is not None:
+            curve.append((r + 1, _score(model, global_state, heldout, trainers[0], evaluate)))
+        if progress is not None:
+            progress(r + 1, rounds)
+    final = curve[-1][1] if curve else None
+    if final is None and heldout is not None:
+        final = _score(model, global_state, heldout, trainers[0], evaluate)
+    for trainer in trainers:
+        trainer.logger.close()
+    return IdealResult(T.cpu_state_dict(global_state), rounds, final, curve, losses)
+
+
+def _score(model: Any, state: Any, heldout: Any, trainer: Any, evaluate: Any) -> float:
+    _install(model, state)
+    return evaluate(model, heldout, device=trainer.device, precision=trainer.precision).loss
+
+
+def _float_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        key: value.detach().to("cpu", torch.float32, copy=True)
+        for key, value in model.state_dict().items()
+        if value.is_floating_point()
+    }
+
+
+@torch.no_grad()
+def _install(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    current = model.state_dict()
+    for key, value in state.items():
+        current[key].copy_(value.to(current[key].device, current[key].dtype))

@@ -1,0 +1,567 @@
+"""The master's round: one outer step from one contribution per node.
+
+Round ``R`` is open while ``global/latest.safetensors`` holds outer step ``R``. Every
+``poll_interval`` seconds (sooner when the local node uploaded) :meth:`RoundMaster.poll_once`
+lists the repository, reads each node's status record and sorts the contribution files::
+
+    round <= ledger[node]                       duplicate (a replay): pruned
+    round <  R - max_staleness                  stale: dropped, pruned, counted
+    R - max_staleness <= round <= R             included in the open round (late if < R)
+    round >  R                                  early: left for its round
+
+It closes round ``R`` when every *active* node (joined, not finished, not silent for
+``drop_after`` round lengths) delivered its round-``R`` contribution (and at least
+``min_nodes`` contributed), or ``round_timeout`` seconds after the round's first
+contribution arrived with at least ``min_nodes``. Closing reads each file once (streaming:
+one delta beside the running sum), averages each node's files, gives every node equal
+weight, applies the Nesterov outer step, and publishes weights + ledger + the deletion of the
+consumed files in one commit; then it persists ``outer_state`` locally, hands the global to
+the local node, and evaluates it. When every node is done (their last contribution is in)
+the master publishes the final global and calls ``on_final``.
+
+Local state: ``<state_dir>/outer_state.safetensors`` (global + momentum) and
+``outer_state.json`` (outer step, ledger, checksum). The ledger is also published, so a
+master with a lost disk never aggregates a contribution twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from speedtronic.checkpoint import atomic_json_dump, atomic_write_bytes
+from speedtronic.diloco import tensors as T
+from speedtronic.diloco.outer import NesterovOuterOptimizer
+from speedtronic.diloco.transport import RemoteNotFound, RepoScan, TransportError
+
+__all__ = ["NodeView", "RoundMaster"]
+
+_LOG = logging.getLogger("speedtronic.diloco")
+_META = {"algorithm": "dumb_diloco", "optimizer": "nesterov_sgd"}
+
+
+@dataclasses.dataclass
+class NodeView:
+    """What the master knows about one node (rebuilt from the repository after a restart)."""
+
+    node_id: str
+    instance: str | None = None
+    state: str = "training"  # training | done | aggregator
+    final_round: int | None = None
+    last_heard: float = 0.0  # monotonic: joined, or newest contribution seen
+    dropped: bool = False
+
+
+class RoundMaster:
+    """Aggregates one contribution per node per round into the published global.
+
+    ``settings`` is the ``distributed`` config section; ``state`` the initial global (the
+    model's weights, used only to bootstrap an empty repository). ``on_global(step, state)``
+    receives every new global (the local node's inbox); ``evaluate(state)`` returns an
+    object with ``loss``, ``perplexity``, ``tokens`` (or None); ``on_final(step, state)``
+    runs once after the final global was published.
+    """
+
+    def __init__(
+        self,
+        transport: Any,
+        state: Mapping[str, torch.Tensor],
+        *,
+        settings: Any,
+        state_dir: str | os.PathLike,
+        emit: Callable[[str, dict[str, Any]], None],
+        log: Any = None,
+        on_global: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
+        evaluate: Callable[[dict[str, torch.Tensor]], Any] | None = None,
+        on_final: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.hub = transport
+        self.settings = settings
+        self.global_state = T.cpu_state_dict(state)
+        self.state_dir = Path(state_dir)
+        self.outer_step = 0
+        self.ledger: dict[str, int] = {}
+        self.optimizer = self._new_optimizer()
+        self.nodes: dict[str, NodeView] = {}
+        self._emit = emit
+        self._log = log or _LOG
+        self.on_global = on_global
+        self.evaluate = evaluate
+        self.on_final = on_final
+        self._clock = clock
+        self._lock = threading.RLock()
+        self.wake = threading.Event()
+        self.finished = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._corrupt: set[str] = set()
+        self._first_arrival: float | None = None
+        self._opened = clock()
+        self._round_seconds = 0.0  # moving average of round lengths
+        self._saw_training = False
+        self._counts = {"stale": 0, "skipped": 0, "corrupt": 0}
+        self._prune: set[str] = set()
+        self._dropped: list[str] = []  # "node/round" of stale contributions since the last close
+        self.has_local_state = False
+        self.local_state_corrupt = False
+        self.reconciled = False
+        self._load_local_state()
+
+    def _new_optimizer(self) -> NesterovOuterOptimizer:
+        return NesterovOuterOptimizer(
+            self.global_state, self.settings.outer_lr, self.settings.outer_momentum
+        )
+
+    # -- local persistence ------------------------------------------------------------------
+    @property
+    def state_path(self) -> Path:
+        """Tensors ``global/<key>`` and ``momentum/<key>``."""
+        return self.state_dir / "outer_state.safetensors"
+
+    @property
+    def metadata_path(self) -> Path:
+        """JSON: outer step, ledger, sha256 of the tensor file."""
+        return self.state_dir / "outer_state.json"
+
+    def _load_local_state(self) -> None:
+        if not self.metadata_path.exists() and not self.state_path.exists():
+            return
+        try:
+            meta = json.loads(self.metadata_path.read_text(encoding="utf-8"))
+            data = self.state_path.read_bytes()
+            if hashlib.sha256(data).hexdigest() != meta["sha256"]:
+                raise ValueError("checksum mismatch")
+            tensors, _ = T.state_from_bytes(data)
+            glob = {k[7:]: v for k, v in tensors.items() if k.startswith("global/")}
+            for key, value in self.global_state.items():
+                if key not in glob or tuple(glob[key].shape) != tuple(value.shape):
+                    raise ValueError(f"global tensor {key} missing or reshaped")
+            step = int(meta["outer_step"])
+            ledger = {str(k): int(v) for k, v in dict(meta["ledger"]).items()}
+        except Exception as exc:
+            self.local_state_corrupt = True
+            stamp = int(time.time())
+            for path in (self.state_path, self.metadata_path):
+                if path.exists():
+                    path.replace(path.with_name(f"{path.name}.corrupt-{stamp}"))
+            self._log.error(
+                f"corrupt local outer state in {self.state_dir} ({type(exc).__name__}: {exc}); "
+                "moved aside, rebuilding from the published global state"
+            )
+            return
+        self.global_state = {k: glob[k].to(v.dtype) for k, v in self.global_state.items()}
+        self.optimizer = self._new_optimizer()
+        self.optimizer.load_state_dict(
+            {k[9:]: v for k, v in tensors.items() if k.startswith("momentum/")}
+        )
+        self.outer_step, self.ledger = step, ledger
+        self.has_local_state = True
+
+    def _save_local_state(self) -> None:
+        tensors = {f"global/{k}": v for k, v in self.global_state.items()}
+        tensors.update({f"momentum/{k}": v for k, v in self.optimizer.state_dict().items()})
+        data = T.state_to_bytes(tensors)
+        meta = {
+            "outer_step": self.outer_step,
+            "ledger": dict(sorted(self.ledger.items())),
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "updated_at": datetime.now(timezone.utc).isoformat(),
+        }
+        atomic_write_bytes(data, self.state_path)
+        atomic_json_dump(meta, self.metadata_path)
+        self.has_local_state = True
+
+    def _persist(self) -> None:
+        try:
+            self._save_local_state()
+        except OSError as exc:
+            self._log.warning(f"could not persist local outer state: {exc}")
+
+    # -- reconcile with the published state ---------------------------------------------
+    def reconcile(self) -> None:
+        """Agree with the repository once: bootstrap, adopt a newer global, or re-publish.
+
+        A failed read raises (the caller retries); it never leads to a bootstrap that could
+        overwrite a live global.
+        """
+        remote = self.hub.global_metadata()
+        if remote is None:
+            self.hub.publish_global(
+                self.global_state,
+                outer_step=self.outer_step,
+                ledger=self.ledger,
+                metadata_extra={**_META, "bootstrap": str(self.outer_step == 0).lower()},
+            )
+            self._log.info(f"published global state at outer step {self.outer_step} (bootstrap)")
+        else:
+            with self._lock:
+                for node, done in self.hub.read_ledger().items():
+                    self.ledger[node] = max(done, self.ledger.get(node, -1))
+            local_ok = self.has_local_state and not self.local_state_corrupt
+            if remote.outer_step > self.outer_step or not local_ok:
+                state = self.hub.read_global(remote)
+                self._adopt(state, remote.outer_step)
+                self._log.info(f"adopted published global at outer step {remote.outer_step}")
+            elif remote.outer_step < self.outer_step:
+                self.hub.publish_global(
+                    self.global_state,
+                    outer_step=self.outer_step,
+                    ledger=self.ledger,
+                    metadata_extra=_META,
+                )
+        self.reconciled = True
+        self.local_state_corrupt = False
+        self._persist()
+        self._opened = self._clock()
+        if self.on_global is not None:
+            self.on_global(self.outer_step, T.cpu_state_dict(self.global_state))
+
+    def _adopt(self, state: Mapping[str, torch.Tensor], outer_step: int) -> None:
+        with self._lock:
+            for key, value in state.items():
+                mine = self.global_state.get(key)
+                if mine is not None and tuple(value.shape) == tuple(mine.shape):
+                    self.global_state[key] = T.cpu_tensor(value).to(mine.dtype)
+            self.outer_step = int(outer_step)
+            self.optimizer = self._new_optimizer()
+
+    # -- one poll ---------------------------------------------------------------------------
+    def poll_once(self) -> bool:
+        """Scan the repository and close the open round when it is due; True if it closed."""
+        if not self.reconciled:
+            self.reconcile()
+        now = self._clock()
+        scan = self.hub.scan()
+        self._refresh_nodes(scan, now)
+        candidates = self._sort_contributions(scan, now)
+        active = self._active(now)
+        reason = self._close_reason(now, active, candidates)
+        if reason is not None:
+            return self._close(candidates, reason, active, now)
+        if self._prune:
+            self._flush_prune()
+        if self._saw_training and not active and not candidates and not self.finished.is_set():
+            self._finish()
+        return False
+
+    def _refresh_nodes(self, scan: RepoScan, now: float) -> None:
+        for node_id in sorted(scan.owners):  # a node announces itself with its status record
+            view = self.nodes.get(node_id)
+            record = self.hub.read_owner(node_id) or {}
+            instance = record.get("instance")
+            if view is None or (instance and instance != view.instance):
+                view = NodeView(node_id, instance=instance, last_heard=now)
+                self.nodes[node_id] = view
+                if record.get("state", "training") == "training":
+                    self._emit("node_joined", {"node_id": node_id, "outer_step": self.outer_step})
+            state = str(record.get("state", view.state))
+            if view.state == "done" and state == "training":
+                view.last_heard = now  # restarted after it had finished: waiting again
+            view.state = state
+            final = record.get("final_round")
+            view.final_round = final if isinstance(final, int) else None
+            if view.state == "training":
+                self._saw_training = True
+
+    def _sort_contributions(self, scan: RepoScan, now: float) -> dict[str, dict[int, str]]:
+        """Includable files ``{node: {round: path}}``; duplicates and stale ones are queued
+        for pruning and counted."""
+        open_round = self.outer_step
+        oldest = open_round - self.settings.max_staleness
+        candidates: dict[str, dict[int, str]] = {}
+        for node_id, files in scan.deltas.items():
+            done = self.ledger.get(node_id, -1)
+            for label, path in sorted(files.items()):
+                if path in self._corrupt or path in self._prune:
+                    continue
+                if label <= done:
+                    self._prune.add(path)
+                    self._counts["skipped"] += 1
+                elif label < oldest:
+                    self._prune.add(path)
+                    self._counts["stale"] += 1
+                    self._dropped.append(f"{node_id}/{label}")
+                    self.ledger[node_id] = max(self.ledger.get(node_id, -1), label)
+                    self._log.warning(
+                        f"dropping the contribution of {node_id} to round {label}: "
+                        f"{open_round - label} rounds late (max_staleness "
+                        f"{self.settings.max_staleness})"
+                    )
+                elif label <= open_round:
+                    candidates.setdefault(node_id, {})[label] = path
+                    self._heard(node_id, now)
+        return candidates
+
+    def _heard(self, node_id: str, now: float) -> None:
+        if self._first_arrival is None:
+            self._first_arrival = now
+        view = self.nodes.get(node_id)
+        if view is None:  # contributions without a status record are used, never waited for
+            return
+        if view.dropped:
+            view.dropped = False
+            self._emit("node_rejoined", {"node_id": node_id, "outer_step": self.outer_step})
+        view.last_heard = max(view.last_heard, now)
+
+    def _finished(self, view: NodeView) -> bool:
+        if view.state == "aggregator":
+            return True
+        if view.state != "done":
+            return False
+        final = view.final_round if view.final_round is not None else -1
+        return self.ledger.get(view.node_id, -1) >= final
+
+    def _active(self, now: float) -> set[str]:
+        """Nodes the open round waits for (joined, not finished, not silent too long)."""
+        limit = self.settings.drop_after * max(self.settings.round_timeout, self._round_seconds)
+        active = set()
+        for view in self.nodes.values():
+            if self._finished(view):
+                continue
+            silent = now - view.last_heard
+            if silent > limit and not view.dropped:
+                view.dropped = True
+                self._log.warning(
+                    f"node {view.node_id} silent for {silent:.0f} s; no longer waiting for it "
+                    "(it rejoins when it delivers again)"
+                )
+                self._emit("node_dropped", {"node_id": view.node_id, "silent_seconds": silent})
+            if not view.dropped:
+                active.add(view.node_id)
+        return active
+
+    def _close_reason(
+        self, now: float, active: set[str], candidates: Mapping[str, Mapping[int, str]]
+    ) -> str | None:
+        if not candidates:
+            return None
+        need = max(1, min(self.settings.min_nodes, len(active)))
+        if len(candidates) < need:
+            return None
+        on_time = {node for node, files in candidates.items() if self.outer_step in files}
+        if active <= on_time:
+            return "complete" if active else "drain"
+        waited = now - (self._first_arrival if self._first_arrival is not None else now)
+        if waited >= self.settings.round_timeout:
+            return "timeout"
+        return None
+
+    # -- closing a round -----------------------------------------------------------------------
+    def _close(
+        self,
+        candidates: Mapping[str, Mapping[int, str]],
+        reason: str,
+        active: set[str],
+        now: float,
+    ) -> bool:
+        started = time.perf_counter()
+        reference = self.global_state
+        total: dict[str, torch.Tensor] | None = None
+        included: list[str] = []
+        consumed: list[str] = []
+        marks: dict[str, int] = {}
+        late = 0
+        for node_id in sorted(candidates):
+            node_sum, count = self._read_node(candidates[node_id], reference)
+            if node_sum is None:
+                continue
+            if count > 1:
+                for value in node_sum.values():
+                    value.div_(count)
+            if total is None:
+                total = node_sum
+            else:
+                for key, value in node_sum.items():
+                    total[key].add_(value)
+            for label, path in sorted(candidates[node_id].items()):
+                if path not in self._corrupt:
+                    included.append(f"{node_id}/{label}")
+                    consumed.append(path)
+                    late += label < self.outer_step
+                    marks[node_id] = max(marks.get(node_id, -1), label)
+        if total is None:
+            return False
+        for value in total.values():
+            value.div_(float(len(marks)))
+        with self._lock:
+            saved = (
+                self.outer_step,
+                dict(self.ledger),
+                T.cpu_state_dict(self.global_state),
+                self.optimizer.state_dict(),
+            )
+            self.optimizer.step(self.global_state, total)
+            self.outer_step += 1
+            for node_id, label in marks.items():
+                self.ledger[node_id] = max(self.ledger.get(node_id, -1), label)
+            final = self._saw_training and not any(
+                not self._finished(view) and not view.dropped for view in self.nodes.values()
+            )
+        try:
+            self.hub.publish_global(
+                self.global_state,
+                outer_step=self.outer_step,
+                ledger=self.ledger,
+                prune=sorted(set(consumed) | self._prune),
+                metadata_extra=_META,
+                final=final,
+            )
+        except Exception:
+            with self._lock:
+                self.outer_step, self.ledger, self.global_state, momentum = saved
+                self.optimizer.load_state_dict(momentum)
+            raise
+        self._prune.clear()
+        self._persist()
+        opened, self._opened = self._opened, self._clock()
+        length = self._opened - opened
+        self._round_seconds = (
+            length if not self._round_seconds else (0.7 * self._round_seconds + 0.3 * length)
+        )
+        self._first_arrival = None
+        counts, self._counts = self._counts, {"stale": 0, "skipped": 0, "corrupt": 0}
+        dropped, self._dropped = self._dropped, []
+        self._emit(
+            "outer_step",
+            {
+                "outer_step": self.outer_step,
+                "round": self.outer_step - 1,
+                "reason": reason,
+                "nodes_active": len(active),
+                "nodes_included": len(marks),
+                "deltas_found": len(consumed) + counts["corrupt"],
+                "deltas_included": len(consumed),
+                "deltas_late": late,
+                "deltas_stale": counts["stale"],
+                "deltas_skipped": counts["skipped"],
+                "deltas_corrupt": counts["corrupt"],
+                "included": included,
+                "dropped": dropped,
+                "seconds": time.perf_counter() - started,
+                "round_seconds": length,
+            },
+        )
+        self._after_publish(final)
+        return True
+
+    def _read_node(
+        self, files: Mapping[int, str], reference: Mapping[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor] | None, int]:
+        """Sum of a node's valid files for this round (read one at a time) and their count."""
+        node_sum: dict[str, torch.Tensor] | None = None
+        count = 0
+        for _, path in sorted(files.items()):
+            try:
+                delta, _ = self.hub.read_delta(path)
+                T.validate_delta(delta, reference)
+            except RemoteNotFound:
+                continue
+            except TransportError:
+                raise  # an outage: the whole round is retried at the next poll
+            except Exception as exc:
+                self._corrupt.add(path)
+                self._counts["corrupt"] += 1
+                self._log.warning(f"skipping corrupt delta {path}: {type(exc).__name__}: {exc}")
+                continue
+            if node_sum is None:
+                node_sum = delta
+            else:
+                for key, value in delta.items():
+                    node_sum[key].add_(value)
+            count += 1
+        return node_sum, count
+
+    def _after_publish(self, final: bool) -> None:
+        state = T.cpu_state_dict(self.global_state)
+        if self.on_global is not None:
+            self.on_global(self.outer_step, state)
+        if self.evaluate is not None:
+            result = self.evaluate(state)
+            if result is not None:
+                self._emit(
+                    "eval",
+                    {
+                        "scope": "global",
+                        "outer_step": self.outer_step,
+                        "step": self.outer_step * self.settings.inner_steps,
+                        "loss": result.loss,
+                        "perplexity": result.perplexity,
+                        "tokens": result.tokens,
+                    },
+                )
+        if final:
+            self._finalize(state)
+
+    def _flush_prune(self) -> None:
+        try:
+            self.hub.prune(sorted(self._prune))
+            self._prune.clear()
+        except TransportError as exc:
+            self._log.warning(f"could not prune consumed deltas: {exc}")
+
+    def _finish(self) -> None:
+        """Every node is done and nothing is left: mark the published global final."""
+        self.hub.publish_global(
+            self.global_state,
+            outer_step=self.outer_step,
+            ledger=self.ledger,
+            metadata_extra=_META,
+            final=True,
+        )
+        self._finalize(T.cpu_state_dict(self.global_state))
+
+    def _finalize(self, state: dict[str, torch.Tensor]) -> None:
+        if self.on_final is not None:
+            self.on_final(self.outer_step, state)
+        self._log.info(f"final global published at outer step {self.outer_step}")
+        self.finished.set()
+
+    # -- the thread ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Run :meth:`poll_once` on a daemon thread until stopped or finished."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(
+            target=self._loop, name="speedtronic-diloco-master", daemon=True
+        )
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set() and not self.finished.is_set():
+            try:
+                closed = self.poll_once()
+            except TransportError as exc:
+                self._log.warning(f"master round failed; retrying at the next poll: {exc}")
+                closed = False
+            except Exception as exc:  # never let the aggregation thread die silently
+                self._log.error(f"master round error: {type(exc).__name__}: {exc}")
+                closed = False
+            if not closed:
+                self.wake.wait(self.settings.poll_interval)
+                self.wake.clear()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread (bounded join); state is persisted after every round."""
+        self._stop.set()
+        self.wake.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Outer step and ledger (the tensors live in ``state_dir`` and the repository)."""
+        with self._lock:
+            return {"outer_step": self.outer_step, "ledger": dict(self.ledger)}

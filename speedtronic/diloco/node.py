@@ -1,0 +1,547 @@
+"""The node side of a DiLoCo round, top to bottom, hooked on the inner optimizer's step.
+
+A node keeps an *anchor*: the float32 weights its next contribution is measured from (the
+installed global, or its own weights at its last upload). After every applied optimizer step
+(``Optimizer.register_step_post_hook``, as torchft's ``local_sgd.py`` does)::
+
+    count the step; merge a waiting newer global if the node already contributed for its base
+    every ``inner_steps`` steps (a boundary):
+        overlapped: wait (<= round_timeout) for the global of the previous contribution
+        contribution = carry + anchor - weights            (float32, the pseudo-gradient)
+        round label  = max(installed outer step, previous label + 1)
+        anchor := weights; upload (background thread when overlapped and async)
+        blocking: wait (<= round_timeout) for the global that includes the contribution
+    merge global G:  weights := G + (weights - anchor);  anchor := G
+
+The merge keeps every step of progress made since the upload and counts none twice (in
+blocking mode there is none, and the merge is a plain install). A newer global that arrives
+before the node contributed for its current base is held until the node's boundary: that
+contribution is then late, and the master folds it into the open round when it is at most
+``max_staleness`` rounds old. A failed upload is carried into the next contribution. At the
+end of a run, :meth:`DiLoCoNode.finish` uploads the last contribution marked final together
+with a ``done`` status, waits for the global that includes it and installs it, so the node's
+final checkpoint holds it. Network failures are state (logged, counted, carried), never a
+crash of the training loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from speedtronic.diloco import tensors as T
+
+__all__ = ["Contribution", "DiLoCoNode", "GlobalCandidate", "GlobalInbox"]
+
+Emit = Callable[[str, dict[str, Any]], None]
+Say = Callable[[str, str], None]
+
+
+@dataclasses.dataclass
+class Contribution:
+    """One upload: a node's pseudo-gradient for round ``label`` (``delta`` None: only the
+    ``done`` status is written, because there was nothing left to contribute)."""
+
+    label: int
+    base: int
+    step: int
+    delta: dict[str, torch.Tensor] | None
+    final: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """Checkpointable form (tensors and primitives only)."""
+        return {
+            "label": self.label,
+            "base": self.base,
+            "step": self.step,
+            "delta": None if self.delta is None else T.cpu_state_dict(self.delta),
+            "final": self.final,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Contribution:
+        """Rebuild a checkpointed contribution."""
+        delta = data.get("delta")
+        return cls(
+            int(data["label"]),
+            int(data["base"]),
+            int(data["step"]),
+            None if delta is None else T.cpu_state_dict(delta),
+            bool(data.get("final", False)),
+        )
+
+
+@dataclasses.dataclass
+class GlobalCandidate:
+    """A global state waiting for the training thread (``seconds``: download time)."""
+
+    outer_step: int
+    state: dict[str, torch.Tensor]
+    seconds: float = 0.0
+    final: bool = False
+
+
+class GlobalInbox:
+    """Where new globals arrive: offered by the in-process master, or fetched by polling.
+
+    ``fetch(seen)`` (workers) returns a candidate when the published outer step differs from
+    ``seen``. With ``threaded`` a daemon thread polls every ``interval`` seconds (sooner
+    after :meth:`poke`); otherwise :meth:`poll_due` polls on the calling thread.
+    """
+
+    def __init__(
+        self,
+        fetch: Callable[[int], GlobalCandidate | None] | None,
+        *,
+        interval: float,
+        threaded: bool,
+        say: Say,
+    ):
+        self._fetch = fetch
+        self.interval = interval
+        self.threaded = threaded and fetch is not None
+        self._say = say
+        self._cond = threading.Condition()
+        self._candidate: GlobalCandidate | None = None
+        self._seen = -1  # newest outer step offered or fetched
+        self._last_poll = 0.0
+        self._poke = threading.Event()
+        self._stop = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def offer(self, candidate: GlobalCandidate) -> None:
+        """Make ``candidate`` the waiting global (the newest offer wins)."""
+        with self._cond:
+            self._candidate = candidate
+            self._seen = candidate.outer_step
+            self._cond.notify_all()
+
+    def take(self) -> GlobalCandidate | None:
+        """The waiting global (the slot is emptied), or None."""
+        with self._cond:
+            candidate, self._candidate = self._candidate, None
+        return candidate
+
+    def put_back(self, candidate: GlobalCandidate) -> None:
+        """Return a taken candidate unless a newer one arrived meanwhile."""
+        with self._cond:
+            if self._candidate is None:
+                self._candidate = candidate
+
+    def waiting_step(self) -> int:
+        """Outer step of the waiting global (-1: none)."""
+        with self._cond:
+            return -1 if self._candidate is None else self._candidate.outer_step
+
+    def wait(self, timeout: float) -> None:
+        """Block up to ``timeout`` seconds for an offer (inline polling happens here too)."""
+        if not self.threaded and self._fetch is not None:
+            self.poll_due()
+        with self._cond:
+            if self._candidate is None:
+                self._cond.wait(timeout)
+
+    def poke(self) -> None:
+        """Ask for a poll as soon as possible (a node waits for a global)."""
+        self._last_poll = 0.0
+        self._poke.set()
+
+    def poll_due(self) -> None:
+        """Inline mode: poll when ``interval`` seconds passed since the last poll."""
+        if self.threaded or self._fetch is None:
+            return
+        now = time.monotonic()
+        if now - self._last_poll >= self.interval:
+            self._last_poll = now
+            self._poll()
+
+    def _poll(self) -> None:
+        try:
+            candidate = self._fetch(self._seen)  # type: ignore[misc]
+        except Exception as exc:
+            self._say("warning", f"global poll failed; retrying at the next poll: {exc}")
+            return
+        if candidate is not None:
+            self.offer(candidate)
+
+    def start(self) -> None:
+        """Start the poller thread (threaded mode only)."""
+        if not self.threaded or (self.thread is not None and self.thread.is_alive()):
+            return
+        self._stop.clear()
+        self.thread = threading.Thread(
+            target=self._loop, name="speedtronic-diloco-poll", daemon=True
+        )
+        self.thread.start()
+
+    def stop(self, timeout: float) -> None:
+        """Stop the poller thread (bounded join)."""
+        self._stop.set()
+        self._poke.set()
+        thread, self.thread = self.thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._poll()
+            self._poke.wait(self.interval)
+            self._poke.clear()
+
+
+class _Uploader:
+    """One upload at a time: on a daemon thread (``threaded``) or on the calling thread."""
+
+    def __init__(self, send: Callable[[Contribution], Any], *, threaded: bool):
+        self._send = send
+        self.threaded = threaded
+        self._queue: queue.Queue[Contribution] = queue.Queue()
+        self._cond = threading.Condition()
+        self.pending: Contribution | None = None  # submitted, not finished
+        self._stop = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def submit(self, job: Contribution) -> None:
+        """Send ``job`` (after the previous one finished)."""
+        self.drain()
+        with self._cond:
+            self.pending = job
+        if self.threaded:
+            self._ensure_thread()
+            self._queue.put(job)
+        else:
+            self._run(job)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until no upload is in flight; False when ``timeout`` passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self.pending is not None and (self.thread is not None or not self.threaded):
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+        return True
+
+    def _run(self, job: Contribution) -> None:
+        try:
+            self._send(job)
+        finally:
+            with self._cond:
+                if self.pending is job:
+                    self.pending = None
+                self._cond.notify_all()
+
+    def _ensure_thread(self) -> None:
+        if self.thread is None or not self.thread.is_alive():
+            self._stop.clear()
+            self.thread = threading.Thread(
+                target=self._loop, name="speedtronic-diloco-upload", daemon=True
+            )
+            self.thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set() or not self._queue.empty():
+            try:
+                job = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            self._run(job)
+
+    def stop(self, timeout: float) -> bool:
+        """Let the job in flight finish (bounded); True when nothing is left pending."""
+        finished = self.drain(timeout)
+        self._stop.set()
+        thread, self.thread = self.thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(0.5)
+        return finished
+
+
+class DiLoCoNode:
+    """The round of one node (see the module docstring).
+
+    ``send(contribution)`` performs the upload (raising on failure); ``inbox`` delivers new
+    globals; ``emit``/``say`` report events and log lines. ``settings`` is the ``distributed``
+    config section (``inner_steps``, ``sync``, ``round_timeout``, ``reset_inner_optimizer``,
+    ``async_delta_upload``, ``delta_upload_shutdown_timeout``).
+    """
+
+    def __init__(
+        self,
+        settings: Any,
+        model: torch.nn.Module,
+        *,
+        send: Callable[[Contribution], int],
+        inbox: GlobalInbox,
+        emit: Emit,
+        say: Say,
+    ):
+        self.settings = settings
+        self.model = model
+        self.inbox = inbox
+        self._emit = emit
+        self._say = say
+        self._send = send
+        threaded = settings.sync == "overlapped" and settings.async_delta_upload
+        self.uploads = _Uploader(self._upload, threaded=threaded)
+        self._lock = threading.RLock()
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._hook: Any = None
+        self.step = 0  # optimizer steps applied (absolute)
+        self.inner = 0  # steps since the last contribution
+        self.installed = -1  # outer step of the installed global (-1: none yet)
+        self.last_label = -1  # round label of the last contribution (-1: none yet)
+        self.anchor = _float_state(model)
+        self.carry: dict[str, torch.Tensor] | None = None
+        self.done = False
+        self.final_seen = False
+        self.interrupted = threading.Event()
+        self.last_heartbeat = time.monotonic()
+
+    # -- wiring ---------------------------------------------------------------------------
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Run the round after every applied ``optimizer.step()`` (idempotent)."""
+        if self.optimizer is optimizer:
+            return
+        self.detach()
+        self.optimizer = optimizer
+        self._hook = optimizer.register_step_post_hook(lambda *_: self.after_optimizer_step())
+
+    def detach(self) -> None:
+        """Remove the optimizer hook."""
+        if self._hook is not None:
+            self._hook.remove()
+        self._hook, self.optimizer = None, None
+
+    def beat(self) -> None:
+        """Refresh the liveness heartbeat (also while waiting for a global)."""
+        self.last_heartbeat = time.monotonic()
+
+    # -- the per-step hook ------------------------------------------------------------------
+    def after_optimizer_step(self) -> bool:
+        """One applied inner step; True when a global was merged into the weights."""
+        self.step += 1
+        self.inner += 1
+        self.beat()
+        self.inbox.poll_due()
+        merged = self._merge_waiting() if self._may_merge() else False
+        if self.inner >= self.settings.inner_steps:
+            merged = self._boundary(final=False) or merged
+        return merged
+
+    def _may_merge(self) -> bool:
+        """A newer global is merged once the node contributed for its installed base."""
+        return self.installed < 0 or self.last_label >= self.installed
+
+    def _boundary(self, *, final: bool) -> bool:
+        """Take and upload this round's contribution; wait for its global when blocking."""
+        merged = False
+        if self.settings.sync == "overlapped" and 0 <= self.installed <= self.last_label:
+            merged = self._await_global(self.last_label + 1, self.settings.round_timeout)
+        self.uploads.drain()
+        current = _float_state(self.model)
+        delta = T.compute_pseudo_gradient(self.anchor, current)
+        with self._lock:
+            if self.carry is not None:
+                delta = {k: v.add_(self.carry[k]) for k, v in delta.items()}
+                self.carry = None
+            self.anchor = current
+            self.inner = 0
+        if T.is_all_zero(delta):
+            self._emit("delta_upload_zero", {"step": self.step})
+            if final:
+                self.uploads.submit(Contribution(self.last_label, self.installed, self.step, None))
+            return merged
+        label = max(self.installed, self.last_label + 1)
+        self.last_label = label
+        self.uploads.submit(Contribution(label, self.installed, self.step, delta, final))
+        if self.settings.sync == "blocking" or final:
+            uploaded = self.uploads.drain() and self.carry is None
+            if uploaded:
+                timeout = self.settings.round_timeout * (2 if final else 1)
+                merged = self._await_global(label + 1, timeout) or merged
+        return merged
+
+    def _upload(self, job: Contribution) -> None:
+        started = time.perf_counter()
+        try:
+            nbytes = self._send(job)
+        except Exception as exc:
+            if job.delta is not None:
+                with self._lock:  # the whole contribution goes into the next one
+                    self.carry = (
+                        job.delta
+                        if self.carry is None
+                        else {k: v + self.carry[k] for k, v in job.delta.items()}
+                    )
+            self._say(
+                "warning",
+                f"delta upload for round {job.label} failed; carried to the next one: {exc}",
+            )
+            self._emit(
+                "delta_upload_failed", {"step": job.step, "round": job.label, "error": str(exc)}
+            )
+            return
+        if job.delta is not None:
+            self._emit(
+                "delta_uploaded",
+                {
+                    "step": job.step,
+                    "round": job.label,
+                    "base_outer_step": job.base,
+                    "bytes": nbytes,
+                    "seconds": time.perf_counter() - started,
+                    "final": job.final,
+                },
+            )
+
+    # -- globals ------------------------------------------------------------------------
+    def _merge_waiting(self) -> bool:
+        candidate = self.inbox.take()
+        if candidate is None:
+            return False
+        if candidate.outer_step == self.installed and not candidate.final:
+            return False
+        self.merge(candidate)
+        return True
+
+    def _await_global(self, target: int, timeout: float) -> bool:
+        """Wait (bounded, interruptible) until a global with outer step >= ``target`` is
+        merged; newer globals met on the way are merged too. True when one was merged."""
+        started = time.monotonic()
+        deadline = started + timeout
+        self.inbox.poke()
+        merged = False
+        while True:
+            merged = self._merge_waiting() or merged
+            if self.installed >= target:
+                break
+            now = time.monotonic()
+            if self.interrupted.is_set() or now >= deadline:
+                break
+            self.beat()
+            self.inbox.wait(min(0.5, deadline - now))
+        timed_out = self.installed < target
+        self._emit(
+            "sync_wait",
+            {
+                "outer_step": target,
+                "seconds": time.monotonic() - started,
+                "timed_out": timed_out,
+            },
+        )
+        if timed_out and not self.interrupted.is_set():
+            self._say(
+                "warning",
+                f"global {target} did not arrive within {timeout:.0f} s; training on "
+                "(it is merged when it arrives)",
+            )
+        self.beat()
+        return merged
+
+    @torch.no_grad()
+    def merge(self, candidate: GlobalCandidate) -> None:
+        """``weights := G + (weights - anchor)``; ``anchor := G`` (training thread only)."""
+        if 0 <= candidate.outer_step < self.installed:
+            self._say(
+                "warning",
+                f"the exchange went back to outer step {candidate.outer_step} (installed "
+                f"{self.installed}); counting rounds from there",
+            )
+            self.last_label = -1
+        state = self.model.state_dict()
+        anchor: dict[str, torch.Tensor] = {}
+        updates: dict[str, torch.Tensor] = {}
+        for key, value in candidate.state.items():
+            target = state.get(key)
+            if target is None or tuple(target.shape) != tuple(value.shape):
+                continue
+            if key in self.anchor:  # every value is computed before any is written (tied weights)
+                progress = target.to(torch.float32) - self.anchor[key].to(target.device)
+                updates[key] = value.to(target.device, torch.float32, copy=True).add_(progress)
+                anchor[key] = T.cpu_tensor(value).to(torch.float32)
+            else:
+                updates[key] = value
+        for key, value in updates.items():
+            state[key].copy_(value.to(state[key].device, state[key].dtype))
+        with self._lock:
+            self.anchor.update(anchor)
+            self.installed = candidate.outer_step
+            self.final_seen = self.final_seen or candidate.final
+        if self.settings.reset_inner_optimizer and self.optimizer is not None:
+            reset = getattr(self.optimizer, "reset_state", None)
+            reset() if callable(reset) else self.optimizer.state.clear()
+        self._emit(
+            "global_pulled",
+            {"outer_step": candidate.outer_step, "seconds": candidate.seconds, "step": self.step},
+        )
+
+    # -- end of run -----------------------------------------------------------------------
+    def finish(self) -> None:
+        """The run reached its target: final contribution + ``done``; install its global."""
+        if self.done:
+            return
+        if self.inner > 0 or self.carry is not None:
+            self._boundary(final=True)
+        else:
+            self.uploads.drain()
+            self.uploads.submit(Contribution(self.last_label, self.installed, self.step, None))
+            self.uploads.drain()
+            if self.last_label >= 0 and self.installed <= self.last_label:
+                self._await_global(self.last_label + 1, 2 * self.settings.round_timeout)
+        self.done = True
+
+    def stop(self) -> bool:
+        """Let an upload in flight finish (bounded); True when nothing is left pending."""
+        return self.uploads.stop(self.settings.delta_upload_shutdown_timeout)
+
+    # -- state ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, anchor, carry and the upload in flight (re-sent on resume)."""
+        with self._lock:
+            pending = self.uploads.pending
+            return {
+                "format": "speedtronic-diloco-node/2",
+                "step": self.step,
+                "inner": self.inner,
+                "installed": self.installed,
+                "last_label": self.last_label,
+                "anchor": T.cpu_state_dict(self.anchor),
+                "carry": None if self.carry is None else T.cpu_state_dict(self.carry),
+                "pending": None if pending is None else pending.to_dict(),
+                "done": self.done,
+            }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> Contribution | None:
+        """Restore a checkpointed state; returns the contribution that was still in flight
+        (the caller sends it again: the master recognises a replay by its round)."""
+        if state.get("format") != "speedtronic-diloco-node/2":
+            self._say("warning", "checkpoint holds DiLoCo state of another format; ignored")
+            return None
+        with self._lock:
+            self.step = int(state["step"])
+            self.inner = int(state["inner"])
+            self.installed = int(state["installed"])
+            self.last_label = int(state["last_label"])
+            self.anchor = T.cpu_state_dict(state["anchor"])
+            carry = state.get("carry")
+            self.carry = None if carry is None else T.cpu_state_dict(carry)
+            self.done = bool(state.get("done", False))
+        pending = state.get("pending")
+        return None if pending is None else Contribution.from_dict(pending)
+
+
+def _float_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Float32 CPU copies of the floating-point entries of ``model.state_dict()``."""
+    return {
+        key: value.detach().to("cpu", torch.float32, copy=True)
+        for key, value in model.state_dict().items()
+        if value.is_floating_point()
+    }

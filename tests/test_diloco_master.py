@@ -1,0 +1,346 @@
+"""The master's round (speedtronic.diloco.master) against a real shared-volume repository.
+
+Contribution files are planted exactly as nodes write them; time is a fake clock, so every
+close decision (complete, timeout, min_nodes, silence) is deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hub_emulator_fixtures import fast_retry
+
+from speedtronic.config import DistributedConfig
+from speedtronic.diloco import tensors as T
+from speedtronic.diloco.directory import DirectoryTransport
+from speedtronic.diloco.master import RoundMaster
+from speedtronic.diloco.transport import TransportError
+
+
+class Log:
+    def __init__(self):
+        self.events, self.lines = [], []
+
+    def emit(self, event, payload):
+        self.events.append((event, dict(payload)))
+
+    def info(self, msg, *a):
+        self.lines.append(("info", msg % a if a else msg))
+
+    def warning(self, msg, *a):
+        self.lines.append(("warning", msg % a if a else msg))
+
+    def error(self, msg, *a):
+        self.lines.append(("error", msg % a if a else msg))
+
+    def of(self, name):
+        return [p for e, p in self.events if e == name]
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def settings(**overrides):
+    values = {
+        "outer_lr": 1.0,
+        "outer_momentum": 0.0,
+        "round_timeout": 10.0,
+        "min_nodes": 1,
+        "max_staleness": 1,
+        "drop_after": 3,
+        "inner_steps": 5,
+    }
+    values.update(overrides)
+    return DistributedConfig(**values)
+
+
+def make_master(tmp_path, transport=None, state=None, clock=None, **overrides):
+    log = Log()
+    transport = transport or DirectoryTransport(f"file://{tmp_path}/repo", fast_retry())
+    finals = []
+    master = RoundMaster(
+        transport,
+        state or {"w": torch.zeros(2), "n": torch.tensor(3)},
+        settings=settings(**overrides),
+        state_dir=tmp_path / "state",
+        emit=log.emit,
+        log=log,
+        on_final=lambda step, state: finals.append((step, state["w"].tolist())),
+        clock=clock or Clock(),
+    )
+    master.finals = finals
+    return master, transport, log
+
+
+def join(t, node, state="training"):
+    t.claim_owner(node, {"instance": f"{node}-1", "state": state})
+
+
+def deliver(t, node, label, values, *, final=False):
+    status = {"instance": f"{node}-1", "state": "done" if final else "training"}
+    if final:
+        status["final_round"] = label
+    return t.upload_delta(
+        {"w": torch.tensor(values)},
+        node_id=node,
+        round_index=label,
+        local_step=5 * (label + 1),
+        base_outer_step=label,
+        owner=status,
+    )
+
+
+def published(t):
+    return t.read_global()["w"].tolist()
+
+
+def test_round_closes_when_every_active_node_delivered(tmp_path):
+    master, t, log = make_master(tmp_path)
+    join(t, "a")
+    join(t, "b")
+    assert master.poll_once() is False  # bootstrap; nobody delivered
+    assert t.global_metadata().outer_step == 0
+    deliver(t, "a", 0, [2.0, 0.0])
+    assert master.poll_once() is False  # b is expected and within the timeout
+    deliver(t, "b", 0, [4.0, 2.0])
+    before = t.commits
+    assert master.poll_once() is True
+    assert t.commits == before + 1  # publish + prune: one commit
+    assert published(t) == [-3.0, -1.0]  # w - lr * mean(deltas), equal weight
+    assert t.read_global()["n"].item() == 3  # integer buffers untouched
+    assert t.read_ledger() == {"a": 0, "b": 0}
+    assert t.delta_paths() == []
+    event = log.of("outer_step")[-1]
+    assert event["reason"] == "complete" and event["included"] == ["a/0", "b/0"]
+    assert (event["outer_step"], event["round"], event["nodes_active"]) == (1, 0, 2)
+
+
+def test_timeout_closes_without_the_straggler_who_is_folded_in_next_round(tmp_path):
+    clock = Clock()
+    master, t, log = make_master(tmp_path, clock=clock)
+    join(t, "a")
+    join(t, "b")
+    master.poll_once()
+    deliver(t, "a", 0, [2.0, 2.0])
+    assert master.poll_once() is False
+    clock.now += 9.0
+    assert master.poll_once() is False  # 9 s after the first contribution
+    clock.now += 1.0
+    assert master.poll_once() is True
+    assert log.of("outer_step")[-1]["reason"] == "timeout"
+    assert published(t) == [-2.0, -2.0]
+    # round 1: b's late round-0 file and its round-1 file count as ONE node (their mean)
+    deliver(t, "b", 0, [4.0, 4.0])
+    deliver(t, "b", 1, [0.0, 2.0])
+    deliver(t, "a", 1, [1.0, 1.0])
+    assert master.poll_once() is True
+    event = log.of("outer_step")[-1]
+    assert event["reason"] == "complete" and event["deltas_late"] == 1
+    assert event["included"] == ["a/1", "b/0", "b/1"] and event["nodes_included"] == 2
+    # mean over nodes: (a=[1,1] + b=mean([4,4],[0,2])=[2,3]) / 2 = [1.5, 2]
+    assert published(t) == [-3.5, -4.0]
+    assert t.read_ledger() == {"a": 1, "b": 1}
+
+
+def test_too_late_is_dropped_and_replays_are_never_counted_twice(tmp_path):
+    clock = Clock()
+    master, t, log = make_master(tmp_path, clock=clock, max_staleness=0)
+    join(t, "a")
+    join(t, "b")
+    master.poll_once()
+    deliver(t, "a", 0, [1.0, 1.0])
+    master.poll_once()
+    clock.now += 10.0
+    assert master.poll_once() is True  # round 0 without b
+    path = deliver(t, "b", 0, [100.0, 100.0])  # one round late, max_staleness 0
+    deliver(t, "a", 1, [1.0, 1.0])
+    deliver(t, "b", 1, [1.0, 1.0])
+    assert master.poll_once() is True
+    event = log.of("outer_step")[-1]
+    assert event["deltas_stale"] == 1 and event["included"] == ["a/1", "b/1"]
+    assert published(t) == [-2.0, -2.0]  # the stale contribution changed nothing
+    assert path not in t.list_files()
+    assert any("1 rounds late" in m for lvl, m in log.lines if lvl == "warning")
+    # a replay of an aggregated contribution (a restarted node re-sending) is pruned, not counted
+    replay = deliver(t, "a", 1, [50.0, 50.0])
+    deliver(t, "a", 2, [1.0, 1.0])
+    deliver(t, "b", 2, [1.0, 1.0])
+    assert master.poll_once() is True
+    assert published(t) == [-3.0, -3.0]
+    assert log.of("outer_step")[-1]["deltas_skipped"] == 1
+    assert replay not in t.list_files()
+
+
+def test_min_nodes_holds_a_timed_out_round(tmp_path):
+    clock = Clock()
+    master, t, _ = make_master(tmp_path, clock=clock, min_nodes=2)
+    for node in "abc":
+        join(t, node)
+    master.poll_once()
+    deliver(t, "a", 0, [1.0, 1.0])
+    master.poll_once()
+    clock.now += 15.0
+    assert master.poll_once() is False  # timed out, but only one contribution
+    deliver(t, "b", 0, [3.0, 3.0])
+    assert master.poll_once() is True
+    assert published(t) == [-2.0, -2.0]
+
+
+def test_silent_node_drops_out_and_rejoins_when_it_delivers(tmp_path):
+    clock = Clock()
+    master, t, log = make_master(tmp_path, clock=clock)
+    join(t, "a")
+    join(t, "b")
+    master.poll_once()
+    clock.now += 31.0  # b (and a) silent for more than drop_after * round_timeout
+    deliver(t, "a", 0, [1.0, 1.0])
+    assert master.poll_once() is True  # a heard just now; b dropped: nobody to wait for
+    assert [p["node_id"] for p in log.of("node_dropped")] == ["b"]
+    deliver(t, "a", 1, [1.0, 1.0])
+    assert master.poll_once() is True  # still without b
+    deliver(t, "b", 2, [2.0, 2.0])  # b is back with a contribution to the open round
+    assert master.poll_once() is False  # ... and a is expected
+    assert [p["node_id"] for p in log.of("node_rejoined")] == ["b"]
+    deliver(t, "a", 2, [1.0, 1.0])
+    assert master.poll_once() is True
+    assert log.of("outer_step")[-1]["included"] == ["a/2", "b/2"]
+    deliver(t, "a", 3, [1.0, 1.0])
+    assert master.poll_once() is False  # b is expected again
+
+
+def test_last_round_publishes_the_final_global(tmp_path):
+    master, t, log = make_master(tmp_path)
+    join(t, "a")
+    join(t, "b")
+    master.poll_once()
+    deliver(t, "a", 0, [1.0, 1.0], final=True)  # a is done after round 0
+    deliver(t, "b", 0, [3.0, 3.0])
+    assert master.poll_once() is True
+    assert not t.global_metadata().final and not master.finished.is_set()
+    deliver(t, "b", 1, [2.0, 2.0], final=True)
+    assert master.poll_once() is True  # round 1 waits for b only
+    assert log.of("outer_step")[-1]["included"] == ["b/1"]
+    meta = t.global_metadata()
+    assert meta.final and meta.outer_step == 2 and master.finished.is_set()
+    assert master.finals == [(2, [-4.0, -4.0])]
+
+
+def test_nodes_that_finish_without_a_last_delta_end_the_run(tmp_path):
+    master, t, _ = make_master(tmp_path)
+    join(t, "a")
+    master.poll_once()
+    deliver(t, "a", 0, [1.0, 1.0])
+    master.poll_once()
+    t.claim_owner("a", {"instance": "a-1", "state": "done", "final_round": 0})
+    master.poll_once()
+    assert t.global_metadata().final and master.finals == [(1, [-1.0, -1.0])]
+
+
+def test_restart_mid_round_loses_nothing_and_counts_nothing_twice(tmp_path):
+    master, t, _ = make_master(tmp_path)
+    join(t, "a")
+    join(t, "b")
+    master.poll_once()
+    deliver(t, "a", 0, [1.0, 1.0])
+    deliver(t, "b", 0, [1.0, 1.0])
+    master.poll_once()
+    deliver(t, "a", 1, [2.0, 2.0])
+    master.poll_once()  # round 1 open, a delivered; the master dies here
+    again, _, _ = make_master(tmp_path, transport=t)
+    assert again.outer_step == 1 and again.ledger == {"a": 0, "b": 0}
+    deliver(t, "b", 1, [4.0, 4.0])
+    assert again.poll_once() is True
+    assert published(t) == [-4.0, -4.0]  # -1 then -3: both rounds once
+    meta = json.loads((tmp_path / "state/outer_state.json").read_text())
+    assert meta["outer_step"] == 2 and meta["ledger"] == {"a": 1, "b": 1}
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "lost"])
+def test_damaged_local_state_rebuilds_from_the_published_ledger(tmp_path, damage):
+    master, t, _ = make_master(tmp_path, outer_momentum=0.9)
+    join(t, "a")
+    master.poll_once()
+    deliver(t, "a", 0, [0.1, 0.2])
+    master.poll_once()
+    before = published(t)
+    if damage == "corrupt":
+        (tmp_path / "state/outer_state.safetensors").write_bytes(b"\x00garbage")
+    else:
+        for path in (tmp_path / "state").iterdir():
+            path.unlink()
+    deliver(t, "a", 0, [0.1, 0.2])  # its prune was lost: still in the repository
+    rebuilt, _, log = make_master(
+        tmp_path, transport=t, state={"w": torch.ones(2), "n": torch.tensor(3)}
+    )
+    if damage == "corrupt":
+        assert any(lvl == "error" and "corrupt local outer state" in m for lvl, m in log.lines)
+        assert list((tmp_path / "state").glob("*.corrupt-*"))
+    assert rebuilt.poll_once() is False  # adopted; the replay is recognised by the ledger
+    assert published(t) == before and rebuilt.ledger == {"a": 0}
+    assert t.delta_paths() == []
+
+
+def test_corrupt_delta_is_counted_once_and_kept_for_inspection(tmp_path):
+    master, t, log = make_master(tmp_path)
+    join(t, "a")
+    master.poll_once()
+    t.commit({"nodes/bad/delta_0.safetensors": b"garbage"})
+    deliver(t, "a", 0, [1.0, 1.0])
+    assert master.poll_once() is True
+    assert published(t) == [-1.0, -1.0]
+    assert log.of("outer_step")[-1]["deltas_corrupt"] == 1
+    assert "nodes/bad/delta_0.safetensors" in t.list_files()
+    deliver(t, "a", 1, [1.0, 1.0])
+    master.poll_once()
+    assert log.of("outer_step")[-1]["deltas_corrupt"] == 0  # not read again
+
+
+def test_publish_failure_rolls_back_and_retries(tmp_path):
+    master, t, _ = make_master(tmp_path)
+    join(t, "a")
+    master.poll_once()
+    deliver(t, "a", 0, [1.0, 2.0])
+    original = t.publish_global
+    t.publish_global = lambda *a, **k: (_ for _ in ()).throw(TransportError("hub down"))
+    with pytest.raises(TransportError):
+        master.poll_once()
+    assert master.outer_step == 0 and master.ledger == {}
+    assert master.global_state["w"].tolist() == [0.0, 0.0]
+    t.publish_global = original
+    assert master.poll_once() is True and published(t) == [-1.0, -2.0]
+
+
+def test_unreadable_repository_never_bootstraps_over_it(tmp_path):
+    master, t, _ = make_master(tmp_path)
+    join(t, "a")
+    master.poll_once()
+    deliver(t, "a", 0, [1.0, 1.0])
+    master.poll_once()
+    for path in (tmp_path / "state").iterdir():
+        path.unlink()
+    fresh, _, _ = make_master(
+        tmp_path, transport=t, state={"w": torch.full((2,), 9.0), "n": torch.tensor(3)}
+    )
+    t.global_metadata = lambda: (_ for _ in ()).throw(TransportError("outage"))
+    with pytest.raises(TransportError):
+        fresh.poll_once()
+    assert T.state_from_bytes(t.read_bytes("global/latest.safetensors"))[0]["w"].tolist() == [
+        -1.0,
+        -1.0,
+    ]
+
+
+def test_pure_aggregator_record_is_not_waited_for(tmp_path):
+    master, t, _ = make_master(tmp_path)
+    join(t, "agg", state="aggregator")
+    join(t, "a")
+    master.poll_once()
+    deliver(t, "a", 0, [1.0, 1.0])
+    assert master.poll_once() is True

@@ -1,0 +1,298 @@
+"""Goldens for a node's round (speedtronic.diloco.node): contribution arithmetic, round labels,
+carry, the overlapped merge (each step of progress counted exactly once), late globals, the
+end of a run, checkpointed state, and the optimizer hook.
+
+The "training" here is explicit: a test moves the weights by known amounts and calls the
+per-step hook, so every number is exact.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from speedtronic.config import DistributedConfig
+from speedtronic.diloco.node import Contribution, DiLoCoNode, GlobalCandidate, GlobalInbox
+
+
+class Recorder:
+    """Collects events and the contributions a node sends; ``on_send`` may act as a master."""
+
+    def __init__(self):
+        self.events: list[tuple[str, dict]] = []
+        self.sent: list[Contribution] = []
+        self.fail_next = 0
+        self.on_send = None
+
+    def emit(self, event, payload):
+        self.events.append((event, payload))
+
+    def say(self, level, message):
+        self.events.append((f"log:{level}", {"message": message}))
+
+    def send(self, job):
+        if self.fail_next:
+            self.fail_next -= 1
+            raise ConnectionError("exchange down")
+        self.sent.append(job)
+        if self.on_send is not None:
+            self.on_send(job)
+        return 123
+
+    def names(self):
+        return [name for name, _ in self.events]
+
+
+def make_node(*, sync="blocking", inner=2, timeout=0.2, reset=False, model=None):
+    settings = DistributedConfig(
+        inner_steps=inner,
+        sync=sync,
+        round_timeout=timeout,
+        reset_inner_optimizer=reset,
+        async_delta_upload=False,
+    )
+    if model is None:
+        model = torch.nn.Linear(2, 1, bias=False)
+        with torch.no_grad():
+            model.weight.zero_()
+    rec = Recorder()
+    inbox = GlobalInbox(None, interval=0.01, threaded=False, say=rec.say)
+    node = DiLoCoNode(settings, model, send=rec.send, inbox=inbox, emit=rec.emit, say=rec.say)
+    return node, rec, model
+
+
+def train(model, amount):
+    """One inner step that adds ``amount`` to every weight."""
+    with torch.no_grad():
+        model.weight.add_(amount)
+
+
+def weights(model):
+    return model.weight.detach().flatten().tolist()
+
+
+def offer(node, step, value, final=False):
+    node.inbox.offer(
+        GlobalCandidate(step, {"weight": torch.full((1, 2), float(value))}, final=final)
+    )
+
+
+def master_for(node, value_of):
+    """A send hook that publishes global ``label + 1`` = ``value_of(job)`` right away."""
+
+    def publish(job):
+        offer(node, job.label + 1, value_of(job))
+
+    return publish
+
+
+def test_blocking_round_golden():
+    node, rec, model = make_node()
+    offer(node, 0, 10.0)
+    node._merge_waiting()
+    assert node.installed == 0 and weights(model) == [10.0, 10.0]
+    rec.on_send = master_for(node, lambda job: 10.0 - job.delta["weight"][0, 0].item())
+    train(model, 1.0)
+    assert node.after_optimizer_step() is False and not rec.sent
+    train(model, 2.0)
+    node.after_optimizer_step()  # boundary: contribution, then wait for global 1
+    job = rec.sent[0]
+    assert (job.label, job.base, job.step, job.final) == (0, 0, 2, False)
+    assert job.delta["weight"].tolist() == [[-3.0, -3.0]]  # anchor 10 - weights 13
+    # blocking: global 1 (= 13, one node, plain averaging) installed before training resumes
+    assert node.installed == 1 and weights(model) == [13.0, 13.0]
+    waits = [p for n, p in rec.events if n == "sync_wait"]
+    assert [(w["outer_step"], w["timed_out"]) for w in waits] == [(1, False)]
+    train(model, 1.0)
+    node.after_optimizer_step()
+    train(model, 1.0)
+    node.after_optimizer_step()
+    assert [j.label for j in rec.sent] == [0, 1]
+    assert rec.sent[1].delta["weight"].tolist() == [[-2.0, -2.0]]
+
+
+def test_overlapped_merge_keeps_progress_since_upload_exactly_once():
+    node, rec, model = make_node(sync="overlapped")
+    offer(node, 0, 0.0)
+    node._merge_waiting()
+    train(model, 1.0)
+    node.after_optimizer_step()
+    train(model, 1.0)
+    node.after_optimizer_step()  # upload round 0 (delta -2), keep training
+    assert [j.label for j in rec.sent] == [0] and node.installed == 0
+    train(model, 0.5)  # progress after the upload, before global 1 arrives
+    offer(node, 1, 100.0)  # the master's global 1
+    assert node.after_optimizer_step() is True  # merged at this step
+    assert weights(model) == [100.5, 100.5]  # G1 + 0.5: the step after the upload is kept
+    train(model, 0.25)
+    node.after_optimizer_step()  # boundary of round 1
+    job = rec.sent[1]
+    assert (job.label, job.base) == (1, 1)
+    # contribution to round 1 = everything since the round-0 upload, once: 0.5 + 0.25
+    assert job.delta["weight"].tolist() == [[-0.75, -0.75]]
+    total = sum(j.delta["weight"][0, 0].item() for j in rec.sent)
+    assert total == pytest.approx(-(1.0 + 1.0 + 0.5 + 0.25))
+
+
+def test_overlapped_boundary_waits_for_the_previous_global_then_runs_ahead():
+    node, rec, model = make_node(sync="overlapped", timeout=0.05)
+    offer(node, 0, 0.0)
+    node._merge_waiting()
+    for _ in range(4):  # two boundaries, no master answering
+        train(model, 1.0)
+        node.after_optimizer_step()
+    # the second boundary waited (bounded) for global 1, then contributed to round 1 on base 0
+    assert [(j.label, j.base) for j in rec.sent] == [(0, 0), (1, 0)]
+    waits = [p for n, p in rec.events if n == "sync_wait"]
+    assert waits and waits[0]["outer_step"] == 1 and waits[0]["timed_out"]
+    offer(node, 1, 50.0)  # global 1 arrives late: labels keep increasing
+    for _ in range(2):
+        train(model, 1.0)
+        node.after_optimizer_step()
+    assert node.installed == 1 and rec.sent[-1].label == 2
+
+
+def test_a_newer_global_is_held_until_the_node_contributed():
+    node, rec, model = make_node(timeout=0.05)
+    offer(node, 3, 0.0)
+    node._merge_waiting()
+    train(model, 1.0)
+    offer(node, 4, 7.0)  # the master closed round 3 without us (timeout)
+    assert node.after_optimizer_step() is False
+    assert weights(model) == [1.0, 1.0] and node.installed == 3  # our progress is not dropped
+    train(model, 1.0)
+    node.after_optimizer_step()
+    job = rec.sent[0]
+    assert (job.label, job.base) == (3, 3)  # late: the master folds it in if within staleness
+    assert job.delta["weight"].tolist() == [[-2.0, -2.0]]
+    assert node.installed == 4 and weights(model) == [7.0, 7.0]
+    train(model, 1.0)
+    node.after_optimizer_step()
+    train(model, 1.0)
+    node.after_optimizer_step()
+    assert rec.sent[-1].label == 4
+
+
+def test_failed_upload_is_carried_into_the_next_contribution():
+    node, rec, model = make_node(timeout=0.05)
+    offer(node, 0, 0.0)
+    node._merge_waiting()
+    rec.fail_next = 1
+    for _ in range(2):
+        train(model, 1.0)
+        node.after_optimizer_step()
+    assert not rec.sent and "delta_upload_failed" in rec.names()
+    assert "sync_wait" not in rec.names()  # nothing to wait for: the master never saw it
+    for _ in range(2):
+        train(model, 1.0)
+        node.after_optimizer_step()
+    job = rec.sent[0]
+    assert job.label == 1 and job.delta["weight"].tolist() == [[-4.0, -4.0]]
+
+
+def test_zero_contribution_is_not_uploaded():
+    node, rec, _model = make_node()
+    offer(node, 0, 0.0)
+    node._merge_waiting()
+    node.after_optimizer_step()
+    node.after_optimizer_step()
+    assert not rec.sent and "delta_upload_zero" in rec.names()
+
+
+def test_finish_uploads_the_final_contribution_and_installs_its_global():
+    node, rec, model = make_node(inner=4)
+    offer(node, 0, 0.0)
+    node._merge_waiting()
+    rec.on_send = master_for(node, lambda job: 42.0)
+    train(model, 1.0)
+    node.after_optimizer_step()
+    node.finish()
+    job = rec.sent[-1]
+    assert job.final and job.label == 0 and job.delta["weight"].tolist() == [[-1.0, -1.0]]
+    assert node.done and node.installed == 1 and weights(model) == [42.0, 42.0]
+
+
+def test_finish_with_nothing_left_sends_only_the_done_status():
+    node, rec, model = make_node(inner=1)
+    offer(node, 0, 0.0)
+    node._merge_waiting()
+    rec.on_send = master_for(node, lambda job: 5.0)
+    train(model, 1.0)
+    node.after_optimizer_step()  # boundary: round 0, global 1 installed
+    node.finish()
+    assert rec.sent[-1].delta is None and rec.sent[-1].label == 0  # done after round 0
+    assert node.done
+
+
+def test_state_round_trip_resends_the_upload_in_flight():
+    node, rec, model = make_node(sync="overlapped")
+    node.uploads.threaded = True
+    gate = threading.Event()
+    rec.on_send = lambda job: gate.wait(5)
+    offer(node, 0, 0.0)
+    node._merge_waiting()
+    for _ in range(2):
+        train(model, 1.0)
+        node.after_optimizer_step()
+    state = node.state_dict()
+    assert state["pending"]["label"] == 0 and state["inner"] == 0
+    gate.set()
+    node.stop()
+    fresh, _rec2, _model2 = make_node(sync="overlapped")
+    pending = fresh.load_state_dict(state)
+    assert pending is not None and pending.label == 0
+    assert pending.delta["weight"].tolist() == [[-2.0, -2.0]]
+    assert (fresh.installed, fresh.last_label, fresh.step) == (0, 0, 2)
+
+
+def test_reset_inner_optimizer_only_when_asked():
+    for reset, expect_empty in ((False, False), (True, True)):
+        node, _rec, model = make_node(reset=reset)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+        node.optimizer = opt
+        offer(node, 0, 1.0)
+        node._merge_waiting()
+        assert (len(opt.state) == 0) is expect_empty
+
+
+def test_merge_handles_tied_weights():
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(2, 2, bias=False)
+            self.b = torch.nn.Linear(2, 2, bias=False)
+            self.b.weight = self.a.weight
+
+    model = Tied()
+    node, _rec, _ = make_node(sync="overlapped", model=model)
+    node.installed, node.last_label = 0, 0
+    with torch.no_grad():
+        model.a.weight.fill_(1.0)
+    node.anchor = {k: torch.zeros(2, 2) for k in ("a.weight", "b.weight")}
+    node.merge(
+        GlobalCandidate(
+            1, {"a.weight": torch.full((2, 2), 5.0), "b.weight": torch.full((2, 2), 5.0)}
+        )
+    )
+    assert model.a.weight.tolist() == [[6.0, 6.0], [6.0, 6.0]]  # G + progress, not G + G - anchor
+
+
+def test_hook_counts_applied_optimizer_steps():
+    node, rec, model = make_node(inner=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    node.attach(opt)
+    offer(node, 0, 0.0)
+    node._merge_waiting()
+    rec.on_send = master_for(node, lambda job: 0.0)
+    for _ in range(3):
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert node.step == 3 and [j.label for j in rec.sent] == [0]
+    node.detach()
+    opt.step()
+    assert node.step == 3
