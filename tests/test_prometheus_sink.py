@@ -122,9 +122,13 @@ def test_diloco_events_drive_the_diloco_series():
             "outer_step": 4,
             "deltas_found": 3,
             "deltas_included": 2,
+            "deltas_late": 1,
+            "deltas_stale": 2,
             "deltas_skipped": 1,
             "deltas_corrupt": 0,
             "seconds": 0.1,
+            "round_seconds": 12.5,
+            "nodes_active": 3,
         },
     )
     sink.on_event("outer_step", {"outer_step": 5, "deltas_found": 1, "deltas_corrupt": 1})
@@ -134,11 +138,20 @@ def test_diloco_events_drive_the_diloco_series():
     assert value(sink, "speedtronic_diloco_deltas_included_total") == 2
     assert value(sink, "speedtronic_diloco_deltas_skipped_total") == 1
     assert value(sink, "speedtronic_diloco_deltas_corrupt_total") == 1
+    assert value(sink, "speedtronic_diloco_deltas_late_total") == 1
+    assert value(sink, "speedtronic_diloco_deltas_stale_total") == 2
+    assert value(sink, "speedtronic_diloco_round_seconds") == 12.5
+    assert value(sink, "speedtronic_diloco_nodes_active") == 3
+    sink.on_event("node_dropped", {"node_id": "w9", "silent_seconds": 400})
+    assert value(sink, "speedtronic_diloco_nodes_dropped_total") == 1
+    sink.on_event("sync_wait", {"outer_step": 5, "seconds": 2.0, "timed_out": False})
+    sink.on_event("sync_wait", {"outer_step": 6, "seconds": 30.0, "timed_out": True})
+    assert value(sink, "speedtronic_diloco_sync_wait_seconds_count") == 2
+    assert value(sink, "speedtronic_diloco_sync_wait_seconds_sum") == 32.0
+    assert value(sink, "speedtronic_diloco_sync_timeouts_total") == 1
 
     sink.on_event("delta_uploaded", {"step": 10, "bytes": 1000, "seconds": 0.5})
     sink.on_event("delta_upload_failed", {"step": 20, "error": "boom"})
-    sink.on_event("delta_upload_skipped", {"step": 30, "reason": "upload_in_flight"})
-    sink.on_event("delta_upload_stale", {"step": 40, "generation": 1})
     sink.on_event("delta_upload_zero", {"step": 50})
     for result in UPLOAD_RESULTS:
         assert value(sink, "speedtronic_diloco_uploads_total", result=result) == 1, result

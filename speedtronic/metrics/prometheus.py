@@ -46,9 +46,16 @@ SERIES: dict[str, str] = {
     "speedtronic_diloco_rounds_total": "DiLoCo outer rounds run by the master.",
     "speedtronic_diloco_deltas_found_total": "Deltas found by the master's outer rounds.",
     "speedtronic_diloco_deltas_included_total": "Deltas averaged into a global update.",
-    "speedtronic_diloco_deltas_skipped_total": "Deltas skipped (stale, duplicate, mismatched).",
+    "speedtronic_diloco_deltas_late_total": "Included deltas that arrived after their round.",
+    "speedtronic_diloco_deltas_stale_total": "Deltas dropped: later than max_staleness rounds.",
+    "speedtronic_diloco_deltas_skipped_total": "Deltas skipped as replays of aggregated ones.",
     "speedtronic_diloco_deltas_corrupt_total": "Deltas that could not be read.",
-    "speedtronic_diloco_uploads_total": "Delta uploads by result (ok, failed, skipped, ...).",
+    "speedtronic_diloco_round_seconds": "Length of the last closed round (master).",
+    "speedtronic_diloco_nodes_active": "Nodes the open round waits for (master).",
+    "speedtronic_diloco_nodes_dropped_total": "Nodes no longer waited for after silence (master).",
+    "speedtronic_diloco_sync_wait_seconds": "Time a node waited for the global of its round.",
+    "speedtronic_diloco_sync_timeouts_total": "Waits for a global that ended at round_timeout.",
+    "speedtronic_diloco_uploads_total": "Delta uploads by result (ok, failed, zero).",
     "speedtronic_diloco_upload_bytes_total": "Bytes of delta files uploaded.",
     "speedtronic_diloco_upload_seconds": "Time to upload one delta.",
     "speedtronic_diloco_global_pulls_total": "Global states pulled and installed.",
@@ -56,16 +63,15 @@ SERIES: dict[str, str] = {
     "speedtronic_diloco_seconds_since_last_global_sync": "Seconds since the last global sync.",
 }
 
-UPLOAD_RESULTS = ("ok", "failed", "skipped", "stale", "zero")
+UPLOAD_RESULTS = ("ok", "failed", "zero")
 EVAL_SCOPES = ("local", "global")
 
 _UPLOAD_EVENTS = {
     "delta_uploaded": "ok",
     "delta_upload_failed": "failed",
-    "delta_upload_skipped": "skipped",
-    "delta_upload_stale": "stale",
     "delta_upload_zero": "zero",
 }
+_DELTA_KINDS = ("found", "included", "late", "stale", "skipped", "corrupt")
 
 _STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _IO_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0)
@@ -161,8 +167,15 @@ class PrometheusSink:
         self.rounds = self._series(c, "speedtronic_diloco_rounds").labels(**ids)
         self.deltas = {
             kind: self._series(c, f"speedtronic_diloco_deltas_{kind}").labels(**ids)
-            for kind in ("found", "included", "skipped", "corrupt")
+            for kind in _DELTA_KINDS
         }
+        self.round_seconds = self._series(g, "speedtronic_diloco_round_seconds").labels(**ids)
+        self.nodes_active = self._series(g, "speedtronic_diloco_nodes_active").labels(**ids)
+        self.nodes_dropped = self._series(c, "speedtronic_diloco_nodes_dropped").labels(**ids)
+        self.sync_wait = self._series(
+            h, "speedtronic_diloco_sync_wait_seconds", buckets=_IO_BUCKETS
+        ).labels(**ids)
+        self.sync_timeouts = self._series(c, "speedtronic_diloco_sync_timeouts").labels(**ids)
         uploads = self._series(c, "speedtronic_diloco_uploads", "result")
         self.uploads = {result: uploads.labels(result=result, **ids) for result in UPLOAD_RESULTS}
         self.upload_bytes = self._series(c, "speedtronic_diloco_upload_bytes").labels(**ids)
@@ -296,9 +309,26 @@ class PrometheusSink:
             value = _number(payload, f"deltas_{kind}")
             if value is not None and value > 0:
                 counter.inc(value)
+        for gauge, key in (
+            (self.round_seconds, "round_seconds"),
+            (self.nodes_active, "nodes_active"),
+        ):
+            value = _number(payload, key)
+            if value is not None:
+                gauge.set(value)
         included = _number(payload, "deltas_included")
         if included:
             self._last_sync_time = self._clock()
+
+    def _on_sync_wait(self, payload: Mapping[str, Any]) -> None:
+        seconds = _number(payload, "seconds")
+        if seconds is not None and seconds >= 0:
+            self.sync_wait.observe(seconds)
+        if payload.get("timed_out") is True:
+            self.sync_timeouts.inc()
+
+    def _on_node_dropped(self, payload: Mapping[str, Any]) -> None:
+        self.nodes_dropped.inc()
 
     def _on_global_pulled(self, payload: Mapping[str, Any]) -> None:
         self.global_pulls.inc()
