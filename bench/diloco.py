@@ -1,8 +1,10 @@
 """DumbDiLoCo benchmarks, each against a peer measured in the same run.
 
 (a) ``inner``: inner-loop step time of the reference transformer with a DumbDiLoCo worker
-    attached (async upload in flight: the transport holds each upload for ``--latency`` s,
-    as a network would) vs the same loop with distributed off; blocks alternate, medians.
+    hooked on its optimizer (``sync: overlapped``: uploads run in the background and the
+    transport holds each for ``--latency`` s, as a network would; an instant master answers
+    each upload with the next global, which the worker polls and merges) vs the same loop
+    with the hook detached; blocks alternate, medians.
 (b) ``outer``: master aggregation + Nesterov outer step for N deltas of P parameters
     (``average_deltas`` + ``NesterovOuterOptimizer.step``) vs a hand-written torch add/mul
     loop over the same tensors.
@@ -38,20 +40,28 @@ from speedtronic.model import build_model
 
 
 class SlowTransport(DirectoryTransport):
-    """Shared-volume transport whose uploads take ``latency`` extra seconds (network-like)."""
+    """Shared-volume transport whose uploads take ``latency`` extra seconds (network-like);
+    after each upload it publishes the next global itself (an instant, non-averaging master)."""
 
-    def __init__(self, repo_id: str, latency: float):
+    def __init__(self, repo_id: str, latency: float, state: dict):
         super().__init__(repo_id, RetryPolicy(0.01, 0.1, 2))
         self.latency = latency
+        self.state = state
+        self.publish_global(state, outer_step=0)
 
     def upload_delta(self, delta, **kwargs):
         time.sleep(self.latency)
-        return super().upload_delta(delta, **kwargs)
+        path = super().upload_delta(delta, **kwargs)
+        self.publish_global(self.state, outer_step=kwargs["round_index"] + 1)
+        return path
 
 
 class _Quiet:
+    def __init__(self):
+        self.events: list[str] = []
+
     def emit(self, event, payload):
-        pass
+        self.events.append(event)
 
     def info(self, *a):
         pass
@@ -91,38 +101,38 @@ def bench_inner(args: argparse.Namespace) -> dict:
         role="worker",
         node_id="bench",
         inner_steps=args.inner_steps,
-        poll_interval=3600,
+        sync="overlapped",
+        poll_interval=0.05,
+        round_timeout=30.0,
     )
-    transport = SlowTransport(f"file://{tmp}/repo", args.latency)
+    transport = SlowTransport(
+        f"file://{tmp}/repo", args.latency, T.cpu_state_dict(model.state_dict())
+    )
     coord = DumbDiLoCoCoordinator(
         cfg, model, hub=transport, state_dir=tmp / "state", logger=_Quiet(), environ={}
     )
     coord.start()
-    step = 0
 
-    def one(with_coordinator: bool) -> float:
-        nonlocal step
+    def one() -> float:
         t0 = time.perf_counter()
         out = model(batch[:, :-1])
         logits = out["logits"] if isinstance(out, dict) else getattr(out, "logits", out)
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
         loss.backward()
-        opt.step()
+        opt.step()  # the attached coordinator runs its round in a step post-hook
         opt.zero_grad(set_to_none=True)
-        if with_coordinator:
-            step += 1
-            if coord.after_optimizer_step(model, step):
-                opt.state.clear()
         return time.perf_counter() - t0
 
     for _ in range(3):
-        one(False)
+        one()
     off, on = [], []
     for _ in range(args.blocks):
-        off += [one(False) for _ in range(args.block_steps)]
-        on += [one(True) for _ in range(args.block_steps)]
+        coord.node.detach()
+        off += [one() for _ in range(args.block_steps)]
+        coord.attach(opt)
+        on += [one() for _ in range(args.block_steps)]
     coord.stop()
-    uploads = len(transport.delta_paths())
+    uploads = len([e for e in coord.logger.events if e == "delta_uploaded"])
     off_ms, on_ms = statistics.median(off) * 1e3, statistics.median(on) * 1e3
     mean_off, mean_on = statistics.fmean(off) * 1e3, statistics.fmean(on) * 1e3
     return {
@@ -232,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"(a) inner step: off {inner['off_median_ms']:.2f} ms, on {inner['on_median_ms']:.2f} ms"
         f" -> ratio {inner['ratio_median']:.3f} (mean ratio {inner['ratio_mean']:.3f},"
-        f" {inner['uploads']} uploads in flight)"
+        f" {inner['uploads']} uploads, each held {inner['upload_latency_s']} s)"
     )
     print(
         f"(b) outer step, {outer['deltas']} deltas x {outer['params']} params: ours"
