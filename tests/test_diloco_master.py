@@ -344,3 +344,35 @@ def test_pure_aggregator_record_is_not_waited_for(tmp_path):
     master.poll_once()
     deliver(t, "a", 0, [1.0, 1.0])
     assert master.poll_once() is True
+
+
+def test_a_fresh_master_starts_a_new_run_over_a_finished_one(tmp_path):
+    master, t, _ = make_master(tmp_path)
+    join(t, "a")
+    master.poll_once()
+    deliver(t, "a", 0, [1.0, 1.0], final=True)
+    master.poll_once()
+    assert t.global_metadata().final and t.global_metadata().outer_step == 1
+    # the same exchange again, with a master that starts training from scratch
+    again, _, log = make_master(tmp_path, transport=t)
+    again.fresh = True
+    join(t, "b")
+    again.poll_once()
+    meta = t.global_metadata()
+    assert meta.outer_step == 0 and not meta.final and published(t) == [0.0, 0.0]
+    assert t.read_ledger() == {} and t.read_owner("a") is None  # a's done record is gone
+    assert t.read_owner("b")["state"] == "training"
+    assert any("starting a new run" in m for lvl, m in log.lines if lvl == "warning")
+    deliver(t, "b", 0, [2.0, 2.0])
+    assert again.poll_once() is True and published(t) == [-2.0, -2.0]
+
+
+def test_a_resuming_master_continues_a_finished_run_as_is(tmp_path):
+    master, t, _ = make_master(tmp_path)
+    join(t, "a")
+    master.poll_once()
+    deliver(t, "a", 0, [1.0, 1.0], final=True)
+    master.poll_once()
+    again, _, _ = make_master(tmp_path, transport=t)
+    again.poll_once()  # not fresh: adopts the final global, nothing restarts
+    assert again.outer_step == 1 and t.global_metadata().final

@@ -210,6 +210,8 @@ class DumbDiLoCoCoordinator:
         pending = self._apply_prepared()
         if self.node is not None and step is not None and self._prepared_step is None:
             self.node.step = int(step)
+        if self.master is not None:  # a master starting from scratch starts a new run
+            self.master.fresh = not step and self._prepared_step is None
         with self._quick_retries():  # an outage must not hold training at startup
             self._claim()
             if self.master is not None:

@@ -90,6 +90,8 @@ class RoundMaster:
         self.hub = transport
         self.settings = settings
         self.global_state = T.cpu_state_dict(state)
+        self._initial = T.cpu_state_dict(state)  # the global of a new run
+        self.fresh = False  # set by a master that starts its training from step 0
         self.state_dir = Path(state_dir)
         self.outer_step = 0
         self.ledger: dict[str, int] = {}
@@ -194,14 +196,28 @@ class RoundMaster:
         """Agree with the repository once: bootstrap, adopt a newer global, or re-publish.
 
         A failed read raises (the caller retries); it never leads to a bootstrap that could
-        overwrite a live global.
+        overwrite a live global. A ``fresh`` master (not resuming) that finds the final global
+        of a finished run starts a new run over it, from outer step 0 with an empty ledger.
         """
         remote = self.hub.global_metadata()
+        stale: list[str] = []
+        if remote is not None and remote.final and self.fresh:
+            self._log.warning(
+                f"the exchange holds the final global of a finished run (outer step "
+                f"{remote.outer_step}); starting a new run over it"
+            )
+            with self._lock:
+                self.global_state = T.cpu_state_dict(self._initial)
+                self.outer_step, self.ledger = 0, {}
+                self.optimizer = self._new_optimizer()
+            stale = self._leftovers()
+            remote = None
         if remote is None:
             self.hub.publish_global(
                 self.global_state,
                 outer_step=self.outer_step,
                 ledger=self.ledger,
+                prune=stale,
                 metadata_extra={**_META, "bootstrap": str(self.outer_step == 0).lower()},
             )
             self._log.info(f"published global state at outer step {self.outer_step} (bootstrap)")
@@ -227,6 +243,15 @@ class RoundMaster:
         self._opened = self._clock()
         if self.on_global is not None:
             self.on_global(self.outer_step, T.cpu_state_dict(self.global_state))
+
+    def _leftovers(self) -> list[str]:
+        """Files of a finished run: its contributions and the records of nodes that were done."""
+        scan = self.hub.scan()
+        paths = [path for files in scan.deltas.values() for path in files.values()]
+        for node_id in scan.owners:
+            if (self.hub.read_owner(node_id) or {}).get("state") == "done":
+                paths.append(f"nodes/{node_id}/owner.json")
+        return sorted(paths)
 
     def _adopt(self, state: Mapping[str, torch.Tensor], outer_step: int) -> None:
         with self._lock:
