@@ -12,7 +12,8 @@ AdamW, batch 16, the same number of steps per node in every row. Rows:
 - ``DiLoCo, K processes``: K ``speedtronic train`` processes started at once, as the README
   shows (a master that trains + K-1 workers) over a shared directory; every distributed setting
   comes from ``configs/diloco.yaml`` except the exchange, role, node id and ``inner_steps``.
-  Scored: the master's ``final/`` global after the last round.
+  Scored: the master's ``final/`` global after the last round. ``--sync`` adds the same run
+  with the other ``distributed.sync`` mode (the shipped one is the row the target applies to).
 
 Then a sweep of outer settings (and ``inner_steps``) on the ideal row. Target of issue 15: the
 K-process global at most 0.96x the 1-node loss and at most 1.03x the ideal row.
@@ -149,7 +150,7 @@ def run_ideal(raw: dict, nodes: list[str], h: int, lr: float, momentum: float) -
     }
 
 
-def run_real(raw: dict, nodes: list[str], work: Path) -> dict:
+def run_real(raw: dict, nodes: list[str], work: Path, sync: str) -> dict:
     """K ``speedtronic train`` processes started at once; the master is nodes[0]."""
     exchange = work / "exchange"
     work.mkdir(parents=True, exist_ok=True)
@@ -167,6 +168,7 @@ def run_real(raw: dict, nodes: list[str], work: Path) -> dict:
             repo_id=f"file://{exchange}",
             role="master" if index == 0 else "worker",
             node_id=node,
+            sync=sync,
         )
         path = work / f"{node}.yaml"
         path.write_text(yaml.safe_dump(node_raw))
@@ -190,6 +192,12 @@ def run_real(raw: dict, nodes: list[str], work: Path) -> dict:
     seconds = time.perf_counter() - started
     if any(codes):
         raise RuntimeError(f"node exit codes {codes}; see the logs in {work}")
+    waits = [
+        record["seconds"]
+        for node in nodes
+        for record in map(json.loads, (work / node / "events.jsonl").read_text().splitlines())
+        if record.get("event") == "sync_wait"
+    ]
     rounds = [
         record
         for record in map(json.loads, (work / nodes[0] / "events.jsonl").read_text().splitlines())
@@ -206,6 +214,7 @@ def run_real(raw: dict, nodes: list[str], work: Path) -> dict:
         "rounds": len(rounds),
         "close_reasons": reasons,
         "late": sum(int(r.get("deltas_late", 0)) for r in rounds),
+        "sync_wait_seconds_per_node": sum(waits) / len(nodes),
         "stale": sum(int(r.get("deltas_stale", 0)) for r in rounds),
         "state": state,
     }
@@ -223,6 +232,9 @@ def main() -> None:
     parser.add_argument("--eval-tokens", type=int, default=32768)
     parser.add_argument("--sweep", choices=sorted(SWEEPS), default="small")
     parser.add_argument("--skip-real", action="store_true")
+    parser.add_argument(
+        "--sync", default="blocking,overlapped", help="sync modes of the K-process rows"
+    )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "diloco_quality.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)  # as each real process (OMP_NUM_THREADS=1): same arithmetic
@@ -247,15 +259,18 @@ def main() -> None:
             raw, nodes, args.inner_steps, dist["outer_lr"], dist["outer_momentum"]
         )
         print(f"  ideal: {rows['ideal']['loss']:.4f}", flush=True)
-        if not args.skip_real:
-            rows["DiLoCo, K processes"] = run_real(raw, nodes, work / "real")
-            real = rows["DiLoCo, K processes"]
+        shipped = dist.get("sync", "blocking")
+        modes = [] if args.skip_real else [m for m in args.sync.split(",") if m]
+        for mode in sorted(modes, key=lambda m: m != shipped):  # the shipped mode first
+            name = "DiLoCo, K processes" + ("" if mode == shipped else f" ({mode})")
+            rows[name] = real = run_real(raw, nodes, work / f"real-{mode}", mode)
             ideal_state = rows["ideal"]["state"]
+            real["sync"] = mode
             real["max_abs_diff_vs_ideal"] = max(
                 (real["state"][k].float() - ideal_state[k].float()).abs().max().item()
                 for k in ideal_state
             )
-            print(f"  real: {real['loss']:.4f}", flush=True)
+            print(f"  real ({mode}): {real['loss']:.4f}", flush=True)
         sweep = []
         for h, lr, momentum in SWEEPS[args.sweep]:
             result = run_ideal(raw, nodes, h, lr, momentum)
@@ -270,9 +285,13 @@ def main() -> None:
             )
             print(f"  sweep H={h} lr={lr} mom={momentum}: {result['loss']:.4f}", flush=True)
     single = rows["1 node"]["loss"]
-    print(f"\n{'run':<26}{'held-out loss':>14}{'x 1 node':>10}{'seconds':>9}")
+    print(f"\n{'run':<38}{'held-out loss':>14}{'x 1 node':>10}{'x ideal':>9}{'seconds':>9}")
     for name, row in rows.items():
-        print(f"{name:<26}{row['loss']:>14.4f}{row['loss'] / single:>10.3f}{row['seconds']:>9.0f}")
+        ratio = row["loss"] / rows["ideal"]["loss"]
+        print(
+            f"{name:<38}{row['loss']:>14.4f}{row['loss'] / single:>10.3f}{ratio:>9.3f}"
+            f"{row['seconds']:>9.0f}"
+        )
     verdict = {}
     if "DiLoCo, K processes" in rows:
         real = rows["DiLoCo, K processes"]
@@ -288,6 +307,12 @@ def main() -> None:
             f"{real['rounds']} {real['close_reasons']}, late {real['late']}, stale "
             f"{real['stale']}, max |real - ideal| weight {real['max_abs_diff_vs_ideal']:.2e}"
         )
+        for name, row in rows.items():
+            if "sync_wait_seconds_per_node" in row:
+                print(
+                    f"{name}: each node waited {row['sync_wait_seconds_per_node']:.1f} s of "
+                    f"{row['seconds']:.0f} s for globals"
+                )
     if sweep:
         head = ("inner_steps", "outer lr", "momentum", "ideal loss", "x 1 node")
         print("\n" + "".join(f"{h:>12}" for h in head))
