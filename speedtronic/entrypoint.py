@@ -4,25 +4,34 @@ The CLI resolves the layered config (file < secret files < environment < flags, 
 `speedtronic.config.resolve_config`) and calls `run_command`, which, in order:
 
 1. configures process logging (``logging.format: text|json``; JSON is one object per line);
-2. logs the redacted config, where each non-default value came from, and the versions of
+2. resolves the node identity: a worker without a node id claims a worker slot in
+   ``distributed.slots_dir`` (`speedtronic.diloco.slots`), and ``{node_id}`` in the output
+   paths (``run.output_dir``, ``logging.json_file``, ``logging.file``,
+   ``distributed.cache_dir``) becomes the node id, so a recreated container finds its
+   checkpoints;
+3. logs the redacted config, where each non-default value came from, and the versions of
    speedtronic, torch, CUDA and Python;
-3. binds the metrics/health server (``metrics.host:metrics.port``; on by default under ``run``)
+4. binds the metrics/health server (``metrics.host:metrics.port``; on by default under ``run``)
    — a port already in use is a configuration error before any training starts;
-4. installs SIGTERM/SIGINT handlers that ask the trainer to stop at the next step boundary;
-5. builds the runtime (model, data, optimizer, coordinator), attaches the Prometheus sink,
+5. arms a stall watchdog: once the training loop runs, a heartbeat older than
+   ``metrics.stall_seconds`` (what ``/healthz`` reports as 503) ends the process with exit
+   code 1, so ``restart: on-failure`` and Kubernetes restart it;
+6. installs SIGTERM/SIGINT handlers that ask the trainer to stop at the next step boundary;
+7. builds the runtime (model, data, optimizer, coordinator), attaches the Prometheus sink,
    marks the process ready (for a worker: once the coordinator knows the first global state);
-6. trains, and on a graceful stop lets the trainer write the final checkpoint and stop the
-   coordinator (which flushes or persists a pending delta upload).
+8. trains, and on a graceful stop lets the trainer write the final checkpoint and stop the
+   coordinator (which flushes or persists a pending delta upload); releases the worker slot.
 
 Exit codes (the CLI maps exceptions): 0 success or graceful stop; 2 configuration error
-(`ConfigError`, including a port in use and a node-id collision); 1 runtime failure;
-128+signal (130/143) only when the graceful stop itself failed.
+(`ConfigError`, including a port in use and a node-id collision); 1 runtime failure or a
+stalled training loop; 128+signal (130/143) only when the graceful stop itself failed.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 import signal
 import socket
@@ -30,7 +39,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
@@ -41,6 +50,14 @@ __all__ = ["JsonLogFormatter", "NodeIdCollisionError", "run_command", "runtime_v
 _LOG = logging.getLogger("speedtronic.entrypoint")
 _TEXT_FORMAT = "%(asctime)s | %(levelname)s | %(name)s | %(message)s"
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
+EXIT_STALLED = 1
+#: Output paths that may contain ``{node_id}`` (section, field).
+NODE_PATHS = (
+    ("run", "output_dir"),
+    ("logging", "json_file"),
+    ("logging", "file"),
+    ("distributed", "cache_dir"),
+)
 
 
 class NodeIdCollisionError(ConfigError):
@@ -102,6 +119,7 @@ class _RunState:
     stop_signal: int | None = None
     collision: str | None = None
     training_started: bool = False
+    training_done: bool = False
     last_phase: float = field(default_factory=time.monotonic)
 
     def heartbeat(self) -> float | None:
@@ -122,6 +140,10 @@ class _RunState:
         coordinator = getattr(self.trainer, "coordinator", None)
         is_ready = getattr(coordinator, "is_ready", None)
         return bool(is_ready()) if callable(is_ready) else True
+
+    def watching(self) -> bool:
+        """Whether a stall counts: the loop runs and no graceful stop is in progress."""
+        return self.training_started and not self.training_done and self.stop_signal is None
 
     def request_stop(self, reason: str) -> None:
         """Forward a stop request to the trainer once it exists."""
@@ -194,6 +216,87 @@ def _start_server(config: Any, registry: Any, state: _RunState) -> Any:
         extra=_event("metrics_server", host=metrics.host, port=server.port),
     )
     return server
+
+
+def _claim_identity(config: Any, sources: dict[str, str]) -> Any:
+    """Give a worker without a node id a slot (when ``distributed.slots_dir`` is set) and
+    put the node id into the ``{node_id}`` output paths; the `SlotClaim`, or None."""
+    distributed = config.distributed
+    claim = None
+    if (
+        distributed.enabled
+        and distributed.role == "worker"
+        and distributed.slots_dir
+        and distributed.node_id is None
+    ):
+        from speedtronic.diloco.slots import claim_slot
+
+        try:
+            claim = claim_slot(distributed.slots_dir)
+        except OSError as exc:
+            raise ConfigError(
+                f"distributed.slots_dir: cannot claim a worker slot in "
+                f"{distributed.slots_dir!r}: {exc.strerror or exc}"
+            ) from None
+        distributed.node_id = claim.node_id
+        sources["distributed.node_id"] = f"slot:{distributed.slots_dir}"
+        _LOG.info(
+            "worker slot %s claimed in %s",
+            claim.node_id,
+            distributed.slots_dir,
+            extra=_event("worker_slot", **asdict(claim.lease)),
+        )
+    try:
+        _expand_node_paths(config)
+    except ConfigError:
+        if claim is not None:
+            claim.release()
+        raise
+    return claim
+
+
+def _expand_node_paths(config: Any) -> None:
+    """Replace ``{node_id}`` in the `NODE_PATHS` by ``distributed.node_id``."""
+    node_id = config.distributed.node_id
+    for section_name, name in NODE_PATHS:
+        section = getattr(config, section_name)
+        value = getattr(section, name)
+        if not isinstance(value, str) or "{node_id}" not in value:
+            continue
+        if not node_id:
+            raise ConfigError(
+                f"{section_name}.{name}: {value!r} uses {{node_id}} but this process has no "
+                "node id; set distributed.node_id (SPEEDTRONIC_NODE_ID) or, for a worker, "
+                "distributed.slots_dir"
+            )
+        setattr(section, name, value.replace("{node_id}", node_id))
+
+
+def _exit_stalled(code: int) -> None:
+    """End the process at once (the training loop cannot be stopped gracefully)."""
+    os._exit(code)
+
+
+def _start_watchdog(config: Any, state: _RunState) -> Any:
+    """The stall watchdog (`speedtronic.metrics.server.StallWatchdog`), started."""
+    from speedtronic.metrics.server import StallWatchdog
+
+    stall_seconds = config.metrics.stall_seconds
+
+    def on_stall(age: float) -> None:
+        _LOG.error(
+            "training loop stalled: no heartbeat for %.0f s (metrics.stall_seconds=%g); "
+            "exiting with code %d so the orchestrator restarts the process",
+            age,
+            stall_seconds,
+            EXIT_STALLED,
+            extra=_event("stalled", heartbeat_age_seconds=round(age, 1), stall=stall_seconds),
+        )
+        for handler in logging.getLogger("speedtronic").handlers:
+            handler.flush()
+        _exit_stalled(EXIT_STALLED)
+
+    return StallWatchdog(state.heartbeat, stall_seconds, on_stall, armed=state.watching).start()
 
 
 def _identity(config: Any, trainer: Any) -> tuple[str, str]:
@@ -283,20 +386,26 @@ def run_command(resolved: Any, *, resume: bool = False) -> int:
     sources = dict(getattr(resolved, "sources", {}) or {})
     handler = _configure_logging(config.logging)
     state = _RunState()
-    server = None
+    server = watchdog = slot = None
     restore_signals: Callable[[], None] = lambda: None  # noqa: E731 - replaced below
     try:
+        slot = _claim_identity(config, sources)
         _log_startup(config, sources, config.logging.format == "json")
         from prometheus_client import CollectorRegistry
 
         registry = CollectorRegistry()
         server = _start_server(config, registry, state)
+        watchdog = _start_watchdog(config, state)
         restore_signals = _install_signal_handlers(state)
         return _train(config, resume, state, registry)
     finally:
         restore_signals()
+        if watchdog is not None:
+            watchdog.stop()
         if server is not None:
             server.stop()
+        if slot is not None:
+            slot.release()
         logging.getLogger("speedtronic").removeHandler(handler)
 
 
@@ -322,7 +431,9 @@ def _train(config: Any, resume: bool, state: _RunState, registry: Any) -> int:
         return 0
     try:
         result = trainer.fit()
+        state.training_done = True
     except Exception:
+        state.training_done = True
         if state.collision is not None:
             raise _collision_error(state.collision) from None
         if state.stop_signal is not None:

@@ -423,7 +423,8 @@ FROZEN_KEYS = {
     "round_timeout min_nodes max_staleness drop_after train outer_lr outer_momentum repo_id "
     "token cache_dir state_dir retry_initial retry_max retry_attempts "
     "reset_inner_optimizer async_delta_upload delta_upload_queue_size delta_upload_overflow "
-    "delta_upload_shutdown_timeout async_global_poll delta_dtype request_timeout",
+    "delta_upload_shutdown_timeout async_global_poll delta_dtype request_timeout "
+    "slots_dir",
     "shape_validation": "enabled alignment check_batch check_sequence check_model check_vocab "
     "warn_on_cpu",
     "metrics": "enabled host port stall_seconds",

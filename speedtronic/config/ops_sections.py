@@ -169,6 +169,9 @@ class DistributedConfig:
     async_global_poll: bool = True
     delta_dtype: str = "fp32"
     request_timeout: float = 60.0
+    # Shared directory where a worker without a node id claims a stable one (``worker-<n>``,
+    # see speedtronic.diloco.slots); relative to the CWD. None: no slots.
+    slots_dir: str | None = None
 
     def __post_init__(self) -> None:
         self._coerce()
@@ -282,6 +285,7 @@ class DistributedConfig:
             self.delta_upload_shutdown_timeout, "distributed.delta_upload_shutdown_timeout"
         )
         self.request_timeout = to_float(self.request_timeout, "distributed.request_timeout")
+        self.slots_dir = to_str(self.slots_dir, "distributed.slots_dir", nullable=True)
 
     def __repr__(self) -> str:
         shown = {name: getattr(self, name) for name in self.__dataclass_fields__}

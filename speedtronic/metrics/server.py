@@ -11,6 +11,11 @@ One daemon thread runs a small `ThreadingHTTPServer`:
 
 The socket is bound in the constructor, so a port already in use fails before any training
 starts (`MetricsPortInUse`, a `ConfigError` naming ``metrics.port``).
+
+`StallWatchdog` applies the same rule to the process itself: once armed (the training loop
+runs), a heartbeat older than ``stall_seconds`` calls ``on_stall``. The entrypoint ends the
+process there, so ``restart: on-failure`` and Kubernetes restart a stalled loop even where
+nothing acts on ``/healthz``.
 """
 
 from __future__ import annotations
@@ -27,11 +32,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from speedtronic.config import ConfigError
 
-__all__ = ["MetricsPortInUse", "MetricsServer"]
+__all__ = ["MetricsPortInUse", "MetricsServer", "StallWatchdog", "heartbeat_age"]
 
 
 class MetricsPortInUse(ConfigError):
     """The configured ``metrics.host:metrics.port`` cannot be bound (already in use)."""
+
+
+def heartbeat_age(last: float | None, started: float, now: float) -> float:
+    """Seconds since the last heartbeat (since ``started`` before the first one)."""
+    return max(now - (last if last is not None else started), 0.0)
 
 
 class _Server(ThreadingHTTPServer):
@@ -132,9 +142,7 @@ class MetricsServer:
 
     def health(self) -> tuple[bool, dict[str, Any]]:
         """``(healthy, detail)``: healthy while the heartbeat is younger than stall_seconds."""
-        last = self.heartbeat()
-        reference = last if last is not None else self._started
-        age = max(self._clock() - reference, 0.0)
+        age = heartbeat_age(self.heartbeat(), self._started, self._clock())
         healthy = age <= self.stall_seconds
         return healthy, {
             "healthy": healthy,
@@ -174,3 +182,70 @@ class MetricsServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class StallWatchdog:
+    """Call ``on_stall(age)`` once when an armed process's heartbeat gets older than
+    ``stall_seconds`` (the threshold ``/healthz`` uses).
+
+    Args:
+        heartbeat: monotonic time (seconds) of the last heartbeat, or None.
+        stall_seconds: allowed heartbeat age in seconds.
+        on_stall: called from the watchdog thread with the age in seconds; the entrypoint
+            logs and ends the process there.
+        armed: whether stalls count right now (the entrypoint: the training loop runs and no
+            graceful stop is in progress).
+        clock: monotonic clock (seconds), injectable for tests.
+        interval: seconds between checks (default: ``stall_seconds / 10``, at most 5 s).
+    """
+
+    def __init__(
+        self,
+        heartbeat: Callable[[], float | None],
+        stall_seconds: float,
+        on_stall: Callable[[float], None],
+        *,
+        armed: Callable[[], bool] = lambda: True,
+        clock: Callable[[], float] = time.monotonic,
+        interval: float | None = None,
+    ) -> None:
+        self.heartbeat, self.on_stall, self.armed = heartbeat, on_stall, armed
+        self.stall_seconds = float(stall_seconds)
+        self.interval = interval if interval is not None else min(self.stall_seconds / 10, 5.0)
+        self._clock = clock
+        self._started = clock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.fired = False
+
+    def check(self) -> bool:
+        """One check: True (after calling ``on_stall``) when the armed heartbeat is stale."""
+        if self.fired or not self.armed():
+            return False
+        age = heartbeat_age(self.heartbeat(), self._started, self._clock())
+        if age <= self.stall_seconds:
+            return False
+        self.fired = True
+        self.on_stall(age)
+        return True
+
+    def start(self) -> StallWatchdog:
+        """Check every ``interval`` seconds in a daemon thread; returns self."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="speedtronic-stall-watchdog", daemon=True
+            )
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            if self.check():
+                return
+
+    def stop(self) -> None:
+        """Stop checking (idempotent)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+        self._thread = None
