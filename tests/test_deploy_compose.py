@@ -8,6 +8,7 @@ in tests/test_rehearsal_compose.py.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 
@@ -64,30 +65,94 @@ def test_master_and_worker_share_image_volume_and_configs():
     assert compose_env(worker)["SPEEDTRONIC_DISTRIBUTED__ROLE"] == "worker"
 
 
-def test_worker_is_scalable_with_hostname_node_ids():
+def test_worker_is_scalable_with_slot_node_ids():
+    """Replicas differ by nothing but the worker slot they claim on the shared volume."""
     worker = load_compose()["services"]["worker"]
-    for fixed in ("container_name", "hostname", "ports"):
-        assert fixed not in worker, f"worker must not set {fixed} (breaks --scale)"
+    for fixed in ("container_name", "hostname", "ports", "entrypoint", "command"):
+        assert fixed not in worker, f"worker must not set {fixed} (breaks --scale or recreation)"
     env = compose_env(worker)
     assert "SPEEDTRONIC_NODE_ID" not in env and "SPEEDTRONIC_DISTRIBUTED__NODE_ID" not in env
-    script = " ".join(worker["entrypoint"])
-    assert "exec speedtronic run" in script
+    assert env["SPEEDTRONIC_DISTRIBUTED__SLOTS_DIR"].startswith("/data/")
     for name in ("RUN__OUTPUT_DIR", "LOGGING__JSON_FILE", "DISTRIBUTED__CACHE_DIR"):
-        assert f'SPEEDTRONIC_{name}="/data/runs/${{HOSTNAME}}' in script, name
+        assert env[f"SPEEDTRONIC_{name}"].startswith("/data/runs/{node_id}"), name
+
+
+def test_services_are_hardened_like_the_kubernetes_pods():
+    model = load_compose()
+    for name in ("master", "worker", "prometheus"):
+        service = model["services"][name]
+        assert service["read_only"] is True, name
+        assert service["cap_drop"] == ["ALL"] and "cap_add" not in service, name
+        assert "no-new-privileges:true" in service["security_opt"], name
+        limits = service["deploy"]["resources"]["limits"]
+        assert limits["cpus"] and limits["memory"], name
+        for port in service.get("ports", []):
+            assert port.startswith("127.0.0.1:"), f"{name} publishes {port} beyond localhost"
+    for name in ("master", "worker"):
+        service = model["services"][name]
+        assert service["tmpfs"] == ["/tmp:size=1g,mode=1777"]
+        assert service["restart"] == "on-failure"
+    opened = load_compose(environ={"SPEEDTRONIC_BIND_ADDRESS": "0.0.0.0"})
+    assert opened["services"]["master"]["ports"] == ["0.0.0.0:8000:8000"]
+    anywhere = load_compose(environ={"SPEEDTRONIC_MASTER_PORT": ""})
+    assert anywhere["services"]["master"]["ports"] == ["127.0.0.1::8000"]
 
 
 def test_hub_override_reads_the_token_from_a_secret_file_only():
     model = load_compose("compose.yaml", "compose.hub.yaml", environ=HUB_ENV)
     assert model["secrets"]["hf_token"]["file"] == "./secrets/hf_token"
+    # One short-lived root container copies the secret for uid 10001, with two capabilities.
+    copier = model["services"]["hub-token"]
+    assert copier["secrets"] == ["hf_token"] and copier["user"] == "0:0"
+    assert copier["network_mode"] == "none" and copier["read_only"] is True
+    assert copier["cap_drop"] == ["ALL"] and set(copier["cap_add"]) == {"CHOWN", "DAC_READ_SEARCH"}
+    script = " ".join(copier["entrypoint"])
+    assert "umask 0277" in script and "chown 10001:10001" in script
     for name in ("master", "worker"):
         service = model["services"][name]
-        assert "hf_token" in service["secrets"]
+        assert "secrets" not in service and service.get("user") is None
+        mount = next(v for v in service["volumes"] if v["target"] == "/run/secrets")
+        assert mount["source"] == "speedtronic-secrets" and mount["read_only"] is True
+        assert service["depends_on"]["hub-token"] == {"condition": "service_completed_successfully"}
         env = compose_env(service)
         assert env["SPEEDTRONIC_DISTRIBUTED__REPO_ID"] == "owner/run"
         assert not {"HF_TOKEN", "SPEEDTRONIC_DISTRIBUTED__TOKEN"} & set(env)
     with pytest.raises(ValueError, match="SPEEDTRONIC_HUB_REPO"):
         load_compose("compose.yaml", "compose.hub.yaml", environ={})
+    moved = load_compose(
+        "compose.yaml", "compose.hub.yaml", environ={**HUB_ENV, "SPEEDTRONIC_HF_TOKEN_FILE": "/k/t"}
+    )
+    assert moved["secrets"]["hf_token"]["file"] == "/k/t"
     assert (REPO / "secrets/.gitignore").read_text().splitlines()[1] == "*"
+
+
+@pytest.mark.parametrize(
+    "files",
+    [("compose.yaml",), ("compose.yaml", "compose.gpu.yaml"), ("compose.yaml", "compose.hub.yaml")],
+)
+def test_the_real_compose_accepts_the_files(files, tmp_path):
+    """`docker compose config` (the Compose v2 CLI plugin, no engine needed) parses and
+    validates the files with the current Compose Specification."""
+    docker = shutil.which("docker")
+    probe = (
+        subprocess.run(
+            [docker or "docker", "compose", "version"], capture_output=True, text=True, check=False
+        )
+        if docker
+        else None
+    )
+    if probe is None or probe.returncode != 0:
+        pytest.skip("no `docker compose` plugin (.ci/container-engine installs one)")
+    token = tmp_path / "hf_token"
+    token.write_text("x")
+    argv = [docker, "compose", "--project-directory", str(REPO)]
+    for name in files:
+        argv += ["-f", str(REPO / name)]
+    env = {**os.environ, **HUB_ENV, "SPEEDTRONIC_HF_TOKEN_FILE": str(token)}
+    result = subprocess.run(
+        [*argv, "config", "--quiet"], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
 
 
 def test_gpu_override_reserves_nvidia_gpus():

@@ -6,6 +6,7 @@ mount mapped to configs/, secrets to a temporary /run/secrets, and distinct host
 
 from __future__ import annotations
 
+import os
 import secrets
 import subprocess
 import sys
@@ -47,7 +48,7 @@ def service_process(
     for secret in service.get("secrets", []):
         source = model["secrets"][secret]["file"]
         (secrets_dir / secret).write_text((tmp / source).read_text())
-    mounts["/run/secrets"] = str(secrets_dir)
+    mounts.setdefault("/run/secrets", str(secrets_dir))  # unless a volume is mounted there
     port = free_port()
     env = base_env(tmp)
     for key, value in image["env"].items():
@@ -61,9 +62,7 @@ def service_process(
     env["SPEEDTRONIC_METRICS__PORT"] = str(port)  # the container's own network namespace
     argv = [rewrite_paths(a, mounts) for a in service.get("entrypoint") or image["entrypoint"]]
     argv += [rewrite_paths(a, mounts) for a in service.get("command") or image["cmd"]]
-    output_dir = env.get("SPEEDTRONIC_RUN__OUTPUT_DIR") or rewrite_paths(
-        f"/data/runs/{hostname}", mounts
-    )
+    output_dir = env.get("SPEEDTRONIC_RUN__OUTPUT_DIR", "")  # may hold {node_id}: a slot
     cwd = rewrite_paths(image["workdir"], mounts)
     return Rehearsal(label, argv, env, cwd, port, mounts, output_dir=output_dir)
 
@@ -91,17 +90,19 @@ def test_compose_master_and_two_workers_complete_a_round_and_stop_cleanly(tmp_pa
         assert healthcheck_passes(model, kinds[proc.name], proc), proc.name
 
     rehearse([master, *workers], tmp_path, probe)
-    # Node ids came from the hostnames: each worker published under its own directory.
+    # Node ids are worker slots on the shared volume, not the (random) hostnames: each worker
+    # claimed its own and published under it.
     nodes = Path(master.mounts["/data"]) / "exchange" / "nodes"
     published = {p.name for p in nodes.iterdir()}
-    for worker in workers:
-        assert worker.env["HOSTNAME"] in published, published
+    assert sorted(w.node_id() for w in workers) == ["worker-1", "worker-2"]
+    assert {"worker-1", "worker-2"} <= published, published
 
 
 def test_compose_hub_override_reads_the_token_from_the_secret_file(tmp_path):
     """compose.yaml + compose.hub.yaml against the Hub emulator, which demands the token that
-    only the compose secret file carries. The Hub's address is the one mapping added
-    (HF_ENDPOINT); the model is shrunk for time (documented overrides below)."""
+    only the compose secret file carries. The Hub's address reaches the processes as
+    HF_ENDPOINT, which compose.hub.yaml passes through from the caller; the model is shrunk
+    for time (documented overrides below)."""
     from speedtronic.testing.hub_server import HubEmulator
 
     token = "hf_rehearsal_" + secrets.token_hex(8)
@@ -110,6 +111,19 @@ def test_compose_hub_override_reads_the_token_from_the_secret_file(tmp_path):
     model = load_compose(
         "compose.yaml", "compose.hub.yaml", environ={"SPEEDTRONIC_HUB_REPO": "team/run"}
     )
+    # The one-shot `hub-token` service copies the secret for uid 10001 into the volume that
+    # master and workers mount at /run/secrets. Its script runs as it is, except that a
+    # non-root test cannot give the copy away (chown) — root CI runs it whole.
+    copier = service_process(model, "hub-token", "hub-token", tmp_path)
+    script = copier.argv[-1] if os.geteuid() == 0 else copier.argv[-1].split(" && chown")[0]
+    done = subprocess.run(
+        [*copier.argv[:-1], script], env=copier.env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    copy = Path(copier.mounts["/out"]) / "hf_token"
+    assert oct(copy.stat().st_mode & 0o777) == "0o400"
+    if os.geteuid() == 0:
+        assert (copy.stat().st_uid, copy.stat().st_gid) == (10001, 10001)
     with HubEmulator(token=token) as hub:
         master = service_process(model, "master", "master", tmp_path)
         worker = service_process(model, "worker", secrets.token_hex(6), tmp_path, replica="worker")

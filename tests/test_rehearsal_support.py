@@ -134,6 +134,24 @@ class Rehearsal:
         """Everything the process printed so far."""
         return self.log.read_text(errors="replace") if self.log and self.log.exists() else ""
 
+    def node_id(self) -> str | None:
+        """The worker slot this process claimed (from its log), else its configured node id."""
+        match = re.search(r"worker slot (worker-\d+) claimed", self.output())
+        if match:
+            return match.group(1)
+        return self.env.get("SPEEDTRONIC_NODE_ID") or self.env.get(
+            "SPEEDTRONIC_DISTRIBUTED__NODE_ID"
+        )
+
+    def final_output_dir(self) -> Path:
+        """``run.output_dir`` with ``{node_id}`` resolved as the entrypoint resolved it."""
+        configured = self.output_dir or self.env["SPEEDTRONIC_RUN__OUTPUT_DIR"]
+        if "{node_id}" in configured:
+            node_id = self.node_id()
+            assert node_id, f"{self.name}: no node id in its log"
+            configured = configured.replace("{node_id}", node_id)
+        return Path(configured)
+
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
 
@@ -281,7 +299,7 @@ def rehearse(processes: list[Rehearsal], log_dir: Path, probe) -> None:
             code = proc.terminate(timeout=180)
             assert code == 0, f"{proc.name} exited {code}:\n{proc.output()[-4000:]}"
             assert "SIGTERM received" in proc.output()
-            output_dir = Path(proc.output_dir or proc.env["SPEEDTRONIC_RUN__OUTPUT_DIR"])
+            output_dir = proc.final_output_dir()
             assert list(output_dir.rglob("latest.json")), f"{proc.name}: no final checkpoint"
     finally:
         for proc in processes:
