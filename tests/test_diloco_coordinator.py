@@ -184,6 +184,9 @@ def test_pure_aggregator_and_a_worker_in_one_process_through_the_end(tmp_path):
     assert worker.after_optimizer_step(w_model, 1) is True  # upload, then global 1 merged
     assert worker.last_global_step == 1
     assert torch.allclose(w_model.weight, before - 0.5)  # one node, plain averaging
+    deadline = time.monotonic() + 10  # the worker may read global 1 before the event is out
+    while "outer_step" not in m_log.names() and time.monotonic() < deadline:
+        time.sleep(0.01)
     rounds = [p for e, p in m_log.events if e == "outer_step"]
     assert [r["included"] for r in rounds] == [["w/0"]]
     nudge(w_model, -0.25)

@@ -60,7 +60,9 @@ def test_injected_5xx_on_commit_are_retried_then_exhausted(make_transport, hub_e
     t = _store(make_transport, on_retry=lambda op, n, err: retries.append(op))
     hub_emulator.set_faults(error_rate=0.5, endpoints="commit", seed=3)
     for step in range(4):
-        t.upload_delta({"w": torch.ones(2)}, node_id="a", local_step=step, base_outer_step=0)
+        t.upload_delta(
+            {"w": torch.ones(2)}, node_id="a", round_index=step, local_step=step, base_outer_step=0
+        )
     assert hub_emulator.stats()["counts"].get("fault:error", 0) > 0
     assert retries and all(op.startswith("commit") for op in retries)
     hub_emulator.set_faults(error_rate=1.0)
@@ -73,7 +75,9 @@ def test_429_honours_retry_after(make_transport, hub_emulator):
     t = _store(make_transport, sleeper=sleeps.append)
     hub_emulator.set_faults(rate_limit_rate=0.6, retry_after=0.25, endpoints="commit", seed=1)
     for step in range(3):
-        t.upload_delta({"w": torch.ones(2)}, node_id="a", local_step=step, base_outer_step=0)
+        t.upload_delta(
+            {"w": torch.ones(2)}, node_id="a", round_index=step, local_step=step, base_outer_step=0
+        )
     assert hub_emulator.stats()["counts"].get("fault:rate_limit", 0) > 0
     assert sleeps and min(sleeps) >= 0.25
 
@@ -82,7 +86,9 @@ def test_dropped_connections_are_retried(make_transport, hub_emulator):
     t = _store(make_transport)
     hub_emulator.set_faults(drop_rate=0.5, endpoints="commit", seed=11)
     for step in range(3):
-        t.upload_delta({"w": torch.ones(2)}, node_id="a", local_step=step, base_outer_step=0)
+        t.upload_delta(
+            {"w": torch.ones(2)}, node_id="a", round_index=step, local_step=step, base_outer_step=0
+        )
     assert hub_emulator.stats()["counts"].get("fault:drop", 0) > 0
     assert len(t.delta_paths()) == 3
 
