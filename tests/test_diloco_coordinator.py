@@ -196,7 +196,7 @@ def test_pure_aggregator_and_a_worker_in_one_process_through_the_end(tmp_path):
     assert master.master.finished.is_set()
     assert (tmp_path / "final" / "model.safetensors").exists()
     meta = json.loads((tmp_path / "final" / "meta.json").read_text())
-    assert meta["outer_step"] == 2 and meta["ledger"] == {"w": 1}
+    assert meta["outer_step"] == 2 and meta["ledger"] == {"w": 1} and meta["step"] == 2
     assert torch.allclose(m_model.weight, w_model.weight)  # the aggregator holds the final global
     worker.stop()
     master.stop()

@@ -398,6 +398,7 @@ class DumbDiLoCoCoordinator:
         )
         meta = {
             "outer_step": outer_step,
+            "step": outer_step * self.config.inner_steps,  # node steps behind this global
             "node_id": self.node_id,
             "ledger": dict(sorted(self.master.ledger.items())) if self.master else {},
             "written_at": datetime.now(timezone.utc).isoformat(),

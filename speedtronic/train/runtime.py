@@ -157,7 +157,7 @@ def _coordinator(
         scorer = build_model(config.model).to(device)
 
         def evaluate_global(state: dict[str, torch.Tensor]) -> Any:
-            scorer.load_state_dict(state, strict=False)
+            scorer.load_state_dict(state)
             return evaluate(scorer, heldout, device=device, precision=precision)
 
     return DumbDiLoCoCoordinator(
