@@ -1,0 +1,204 @@
+"""`compose.yaml` (and `compose.hub.yaml`) for real, as shipped: the only test-only file adds
+build args and the build network (tests/container/container_support.write_build_override).
+
+Protocol facts asserted here are the stable ones: the master's JSONL has ``outer_step`` events
+whose ``included`` list names ``<worker node id>/...``; the processes exit 0; checkpoints lie
+under each node's output directory.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import time
+
+import pytest
+from container_support import (
+    Compose,
+    checkpoint_steps,
+    docker,
+    docker_bridge_address,
+    jsonl_events,
+    read_volume,
+    relay,
+    write_build_override,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+
+COMPOSE_IMAGE = "speedtronic:ci-compose"
+RUN_TIMEOUT = 900  # seconds for configs/diloco.yaml to finish on a loaded 2-core machine
+
+
+@pytest.fixture
+def project(engine, tmp_path):
+    """A factory of compose projects over the shipped files; each is taken down afterwards."""
+    made: list[Compose] = []
+
+    def make(*files: str, env: dict[str, str] | None = None) -> Compose:
+        override = write_build_override(tmp_path / f"build-{len(made)}.json", ["master", "worker"])
+        base_env = {"SPEEDTRONIC_IMAGE": COMPOSE_IMAGE, "SPEEDTRONIC_MASTER_PORT": ""}
+        compose = Compose(files or ("compose.yaml",), {**base_env, **(env or {})}, override)
+        made.append(compose)
+        return compose
+
+    yield make
+    for compose in made:
+        compose.down()
+
+
+def included_nodes(image: str, compose: Compose) -> set[str]:
+    """Node ids named in the ``included`` lists of the master's ``outer_step`` events."""
+    events = jsonl_events(image, compose.volume, "/data/runs/master/events.jsonl", "outer_step")
+    return {str(item).split("/", 1)[0] for e in events for item in e.get("included") or []}
+
+
+def assert_hardened(container: dict) -> None:
+    host = container["HostConfig"]
+    assert host["ReadonlyRootfs"] is True, container["Name"]
+    assert host["CapDrop"] == ["ALL"] and not host["CapAdd"], container["Name"]
+    assert "no-new-privileges:true" in host["SecurityOpt"], container["Name"]
+    assert container["Config"]["User"] == "10001:10001"
+    for bindings in (host.get("PortBindings") or {}).values():
+        assert all(b["HostIp"] == "127.0.0.1" for b in bindings), bindings
+
+
+def slot_of(compose: Compose, container: dict) -> str:
+    """The worker slot a container claimed (from its log)."""
+    logs = docker("logs", container["Id"]).stdout
+    match = re.search(r"worker slot (worker-\d+) claimed", logs)
+    assert match, logs[-3000:]
+    return match.group(1)
+
+
+def test_compose_master_and_worker_complete_rounds_with_the_workers_delta(image, project):
+    compose = project()
+    compose("up", "--detach", "--build", "master", "worker", timeout=1800)
+    finished = compose.wait_exited(["master", "worker"], RUN_TIMEOUT)
+    for container in finished:
+        assert container["State"]["ExitCode"] == 0, compose.logs()[-6000:]
+        assert_hardened(container)
+    (worker,) = compose.containers("worker")
+    assert slot_of(compose, worker) == "worker-1"
+    steps = checkpoint_steps(image, compose.volume)
+    assert steps.get("master", 0) > 0 and steps.get("worker-1", 0) > 0, steps
+    assert "worker-1" in included_nodes(image, compose), compose.logs("master")[-4000:]
+
+
+def test_compose_scale_then_force_recreate_resumes_every_worker(image, project):
+    """`--scale worker=3` runs three workers in slots worker-1..3 whose deltas reach the
+    master's rounds; `up --force-recreate` replaces every container, and each new worker takes
+    over a slot and resumes its checkpoint instead of starting at step 0; `docker compose
+    stop` then ends every container with exit code 0."""
+    compose = project()
+    up = ["up", "--detach", "--scale", "worker=3", "master", "worker"]
+    slots = {"worker-1", "worker-2", "worker-3"}
+    compose(*up, "--build", timeout=1800)
+
+    def scaled() -> dict[str, int]:
+        steps = checkpoint_steps(image, compose.volume)
+        done = all(steps.get(s, 0) > 0 for s in slots) and slots <= included_nodes(image, compose)
+        return steps if done else {}
+
+    before = wait_running(compose, scaled, "three workers with checkpoints, all in rounds")
+    first = {c["Id"] for c in compose.containers("worker")}
+    assert len(first) == 3
+
+    compose(*up, "--no-build", "--force-recreate", timeout=900)
+    workers = compose.containers("worker")
+    assert len(workers) == 3 and not first & {c["Id"] for c in workers}, "not recreated"
+
+    def resumed() -> dict[str, int]:
+        found = {}
+        for container in workers:
+            logs = docker("logs", container["Id"]).stdout
+            slot = re.search(r"worker slot (worker-\d+) claimed", logs)
+            step = re.search(r"resumed from \S+ at step (\d+)", logs)
+            if slot and step:
+                found[slot.group(1)] = int(step.group(1))
+        return found if len(found) == 3 else {}
+
+    steps = wait_running(compose, resumed, "every recreated worker to resume")
+    assert set(steps) == slots
+    for slot, step in steps.items():
+        assert step >= before[slot], (slot, step, before)
+    compose("stop", "--timeout", "120", timeout=600)
+    for container in compose.containers("master") + compose.containers("worker"):
+        assert container["State"]["ExitCode"] == 0, compose.logs()[-6000:]
+        assert_hardened(container)
+
+
+def wait_running(compose: Compose, predicate, what: str):
+    """Poll ``predicate`` while master and workers keep running; its first truthy value."""
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out: {what}\n{compose.logs()[-6000:]}"
+        for container in compose.containers("master") + compose.containers("worker"):
+            if container["State"]["Status"] == "exited":
+                raise AssertionError(f"{container['Name']} exited: {compose.logs()[-6000:]}")
+        time.sleep(3)
+    return value
+
+
+def test_compose_hub_override_reads_a_0600_secret_and_never_logs_it(image, project, tmp_path):
+    """compose.yaml + compose.hub.yaml against the Hub emulator, which demands the token that
+    only the 0600 secret file carries (owned by another user, as on a developer machine)."""
+    from speedtronic.testing.hub_server import HubEmulator
+
+    token = "hf_ctier_" + secrets.token_hex(12)
+    secret = tmp_path / "hf_token"
+    secret.write_text(token + "\n")
+    secret.chmod(0o600)
+    if os.geteuid() == 0:
+        os.chown(secret, 1000, 1000)
+    repo = "team/run"
+    with HubEmulator(token=token) as hub, relay(docker_bridge_address(), hub.port) as forward:
+        compose = project(
+            "compose.yaml",
+            "compose.hub.yaml",
+            env={
+                "SPEEDTRONIC_HUB_REPO": repo,
+                "SPEEDTRONIC_HF_TOKEN_FILE": str(secret),
+                "HF_ENDPOINT": forward.url,
+            },
+        )
+        compose("up", "--detach", "--build", "master", "worker", timeout=1800)
+        (copier,) = compose.containers("hub-token")
+        assert copier["State"]["ExitCode"] == 0, compose.logs("hub-token")
+        master, worker = compose.containers("master")[0], compose.containers("worker")[0]
+        mode = docker("exec", master["Id"], "stat", "-c", "%u %a", "/run/secrets/hf_token")
+        assert mode.stdout.split() == ["10001", "400"]
+
+        ready = "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/readyz')"
+
+        def reached() -> bool:
+            """The master committed with the token, and the worker pulled that global."""
+            if not any(path.startswith("global/") for path in _files(hub, repo)):
+                return False
+            return docker("exec", worker["Id"], "python3", "-c", ready, check=False).returncode == 0
+
+        wait_running(compose, reached, "the master's global on the Hub, pulled by the worker")
+        compose("stop", "--timeout", "120", "master", "worker", timeout=400)
+    for container in compose.containers("master") + compose.containers("worker"):
+        assert container["State"]["ExitCode"] == 0, compose.logs()[-6000:]
+        assert_hardened(container)
+        assert not [e for e in container["Config"]["Env"] if token in e]
+    assert token not in compose.logs(), "a container logged the token"
+    leaks = read_volume(
+        image,
+        compose.volume,
+        "import json, pathlib\n"
+        f"token = {token!r}.encode()\n"
+        "hits = [str(p) for p in pathlib.Path('/data').rglob('*')\n"
+        "        if p.is_file() and token in p.read_bytes()]\n"
+        "print(json.dumps(hits))\n",
+    )
+    assert leaks == [], f"the token was written to {leaks}"
+
+
+def _files(hub, repo: str) -> list[str]:
+    try:
+        return list(hub.files(repo))
+    except KeyError:  # the master has not created the repository yet
+        return []
