@@ -83,10 +83,13 @@ def join(t, node, state="training"):
     t.claim_owner(node, {"instance": f"{node}-1", "state": state})
 
 
-def deliver(t, node, label, values, *, final=False):
+def deliver(t, node, label, values, *, final=False, run_id=None):
     status = {"instance": f"{node}-1", "state": "done" if final else "training"}
     if final:
         status["final_round"] = label
+    if run_id is None:  # the run of the published global, as a node would
+        meta = t.global_metadata()
+        run_id = meta.run_id if meta else ""
     return t.upload_delta(
         {"w": torch.tensor(values)},
         node_id=node,
@@ -94,6 +97,7 @@ def deliver(t, node, label, values, *, final=False):
         local_step=5 * (label + 1),
         base_outer_step=label,
         owner=status,
+        metadata={"run_id": run_id},
     )
 
 
@@ -287,7 +291,7 @@ def test_damaged_local_state_rebuilds_from_the_published_ledger(tmp_path, damage
     assert t.delta_paths() == []
 
 
-def test_corrupt_delta_is_counted_once_and_kept_for_inspection(tmp_path):
+def test_corrupt_delta_is_counted_once_and_pruned(tmp_path):
     master, t, log = make_master(tmp_path)
     join(t, "a")
     master.poll_once()
@@ -296,10 +300,11 @@ def test_corrupt_delta_is_counted_once_and_kept_for_inspection(tmp_path):
     assert master.poll_once() is True
     assert published(t) == [-1.0, -1.0]
     assert log.of("outer_step")[-1]["deltas_corrupt"] == 1
-    assert "nodes/bad/delta_0.safetensors" in t.list_files()
+    assert any("nodes/bad/delta_0.safetensors" in m for lvl, m in log.lines if lvl == "warning")
+    assert "nodes/bad/delta_0.safetensors" not in t.list_files()  # never read again
     deliver(t, "a", 1, [1.0, 1.0])
     master.poll_once()
-    assert log.of("outer_step")[-1]["deltas_corrupt"] == 0  # not read again
+    assert log.of("outer_step")[-1]["deltas_corrupt"] == 0
 
 
 def test_publish_failure_rolls_back_and_retries(tmp_path):
@@ -335,6 +340,27 @@ def test_unreadable_repository_never_bootstraps_over_it(tmp_path):
         -1.0,
         -1.0,
     ]
+
+
+def test_min_nodes_waits_for_nodes_that_have_not_announced_themselves_yet(tmp_path):
+    clock = Clock()
+    master, t, _ = make_master(tmp_path, clock=clock, min_nodes=3)
+    join(t, "a")
+    join(t, "b")
+    master.poll_once()
+    deliver(t, "a", 0, [1.0, 1.0])
+    deliver(t, "b", 0, [1.0, 1.0])
+    assert master.poll_once() is False  # every known node delivered, but only two of three
+    join(t, "c")
+    deliver(t, "c", 0, [4.0, 4.0])
+    assert master.poll_once() is True and published(t) == [-2.0, -2.0]
+    # at the end, nodes that are done lower the floor
+    deliver(t, "a", 1, [1.0, 1.0], final=True)
+    deliver(t, "b", 1, [1.0, 1.0], final=True)
+    deliver(t, "c", 1, [1.0, 1.0])
+    assert master.poll_once() is True
+    deliver(t, "c", 2, [3.0, 3.0], final=True)
+    assert master.poll_once() is True and t.global_metadata().final
 
 
 def test_pure_aggregator_record_is_not_waited_for(tmp_path):
@@ -376,3 +402,23 @@ def test_a_resuming_master_continues_a_finished_run_as_is(tmp_path):
     again, _, _ = make_master(tmp_path, transport=t)
     again.poll_once()  # not fresh: adopts the final global, nothing restarts
     assert again.outer_step == 1 and t.global_metadata().final
+
+
+def test_contributions_of_another_run_are_dropped(tmp_path):
+    master, t, log = make_master(tmp_path)
+    join(t, "a")
+    join(t, "b")
+    master.poll_once()
+    run = t.global_metadata().run_id
+    assert len(run) == 12 and master.run_id == run
+    deliver(t, "a", 0, [1.0, 1.0])
+    stray = deliver(t, "b", 0, [50.0, 50.0], run_id="an-old-run")  # computed in another run
+    assert master.poll_once() is True  # b delivered (a file exists); its file is refused
+    event = log.of("outer_step")[-1]
+    assert event["included"] == ["a/0"] and event["dropped"] == ["b/0"]
+    assert published(t) == [-1.0, -1.0] and stray not in t.list_files()
+    assert any("another run" in m for lvl, m in log.lines if lvl == "warning")
+    deliver(t, "b", 1, [1.0, 1.0])  # the same node, now in this run
+    deliver(t, "a", 1, [1.0, 1.0])
+    assert master.poll_once() is True and published(t) == [-2.0, -2.0]
+    assert t.global_metadata().run_id == run  # the run id is kept across rounds

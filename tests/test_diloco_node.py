@@ -296,3 +296,30 @@ def test_hook_counts_applied_optimizer_steps():
     node.detach()
     opt.step()
     assert node.step == 3
+
+
+def test_a_new_run_is_installed_as_it_is_and_restarts_the_round_count():
+    node, rec, model = make_node(timeout=5.0)
+    node.inbox.offer(GlobalCandidate(15, {"weight": torch.full((1, 2), 9.0)}, run_id="old"))
+    node._merge_waiting()
+    assert (node.installed, node.run_id) == (15, "old")
+    # while the node waits for global 16 of the old run, a master starts a new run
+    rec.on_send = lambda job: node.inbox.offer(
+        GlobalCandidate(0, {"weight": torch.full((1, 2), 1.0)}, run_id="new")
+    )
+    train(model, 1.0)
+    node.after_optimizer_step()
+    train(model, 1.0)
+    node.after_optimizer_step()
+    assert rec.sent[0].label == 15 and rec.sent[0].run_id == "old"
+    waits = [p for n, p in rec.events if n == "sync_wait"]
+    assert waits[-1]["seconds"] < 2.0  # no waiting for a round of the old run
+    assert (node.installed, node.run_id, node.last_label) == (0, "new", -1)
+    assert weights(model) == [1.0, 1.0]  # the new run's global exactly, no old progress
+    rec.on_send = None
+    train(model, 0.5)
+    node.after_optimizer_step()
+    train(model, 0.5)
+    node.after_optimizer_step()
+    assert (rec.sent[-1].label, rec.sent[-1].run_id) == (0, "new")
+    assert rec.sent[-1].delta["weight"].tolist() == [[-1.0, -1.0]]

@@ -270,7 +270,7 @@ class DumbDiLoCoCoordinator:
     def _first_global(self) -> None:
         """Worker: fetch the current global; wait for one (bounded) when there is none."""
         try:
-            candidate = self._fetch(-1)
+            candidate = self._fetch((-1, ""))
         except Exception as exc:
             self._say("warning", f"initial global read failed; will retry: {exc}")
             candidate = None
@@ -287,7 +287,7 @@ class DumbDiLoCoCoordinator:
                 return
             self._beat = time.monotonic()
             try:
-                candidate = self._fetch(-1)
+                candidate = self._fetch((-1, ""))
             except Exception:
                 candidate = None
             if candidate is not None:
@@ -362,7 +362,7 @@ class DumbDiLoCoCoordinator:
                 local_step=job.step,
                 base_outer_step=job.base,
                 dtype=self.config.delta_dtype,
-                metadata={"final": str(job.final).lower()},
+                metadata={"final": str(job.final).lower(), "run_id": job.run_id},
                 owner=self.claim.record(**status),
             )
             nbytes = int(self.hub.last_upload_bytes)
@@ -371,18 +371,23 @@ class DumbDiLoCoCoordinator:
             self.master.wake.set()
         return nbytes
 
-    def _fetch(self, seen: int) -> GlobalCandidate | None:
+    def _fetch(self, seen: tuple[int, str]) -> GlobalCandidate | None:
         started = time.perf_counter()
         metadata = self.hub.global_metadata()
-        if metadata is None or metadata.outer_step == seen:
+        if metadata is None or (metadata.outer_step, metadata.run_id) == seen:
             return None
         state = self.hub.read_global(metadata)
         return GlobalCandidate(
-            metadata.outer_step, state, time.perf_counter() - started, metadata.final
+            metadata.outer_step,
+            state,
+            time.perf_counter() - started,
+            metadata.final,
+            metadata.run_id,
         )
 
     def _offer(self, outer_step: int, state: dict[str, torch.Tensor]) -> None:
-        self.inbox.offer(GlobalCandidate(outer_step, state))
+        run_id = self.master.run_id if self.master is not None else ""
+        self.inbox.offer(GlobalCandidate(outer_step, state, run_id=run_id))
 
     def _write_final(self, outer_step: int, state: dict[str, torch.Tensor]) -> None:
         """``final/``: the final global, the redacted config and what produced it."""

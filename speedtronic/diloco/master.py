@@ -10,9 +10,9 @@ lists the repository, reads each node's status record and sorts the contribution
     round >  R                                  early: left for its round
 
 It closes round ``R`` when every *active* node (joined, not finished, not silent for
-``drop_after`` round lengths) delivered its round-``R`` contribution (and at least
-``min_nodes`` contributed), or ``round_timeout`` seconds after the round's first
-contribution arrived with at least ``min_nodes``. Closing reads each file once (streaming:
+``drop_after`` round lengths) delivered its round-``R`` contribution, or ``round_timeout``
+seconds after the round's first contribution arrived; never with fewer than ``min_nodes``
+contributors (less the nodes that finished their run). Closing reads each file once (streaming:
 one delta beside the running sum), averages each node's files, gives every node equal
 weight, applies the Nesterov outer step, and publishes weights + ledger + the deletion of the
 consumed files in one commit; then it persists ``outer_state`` locally, hands the global to
@@ -31,6 +31,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -95,6 +96,7 @@ class RoundMaster:
         self.state_dir = Path(state_dir)
         self.outer_step = 0
         self.ledger: dict[str, int] = {}
+        self.run_id = ""  # names this run in every global and contribution
         self.optimizer = self._new_optimizer()
         self.nodes: dict[str, NodeView] = {}
         self._emit = emit
@@ -108,7 +110,6 @@ class RoundMaster:
         self.finished = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._corrupt: set[str] = set()
         self._first_arrival: float | None = None
         self._opened = clock()
         self._round_seconds = 0.0  # moving average of round lengths
@@ -152,6 +153,7 @@ class RoundMaster:
                     raise ValueError(f"global tensor {key} missing or reshaped")
             step = int(meta["outer_step"])
             ledger = {str(k): int(v) for k, v in dict(meta["ledger"]).items()}
+            run_id = str(meta.get("run_id", ""))
         except Exception as exc:
             self.local_state_corrupt = True
             stamp = int(time.time())
@@ -168,7 +170,7 @@ class RoundMaster:
         self.optimizer.load_state_dict(
             {k[9:]: v for k, v in tensors.items() if k.startswith("momentum/")}
         )
-        self.outer_step, self.ledger = step, ledger
+        self.outer_step, self.ledger, self.run_id = step, ledger, run_id
         self.has_local_state = True
 
     def _save_local_state(self) -> None:
@@ -177,6 +179,7 @@ class RoundMaster:
         data = T.state_to_bytes(tensors)
         meta = {
             "outer_step": self.outer_step,
+            "run_id": self.run_id,
             "ledger": dict(sorted(self.ledger.items())),
             "sha256": hashlib.sha256(data).hexdigest(),
             "updated_at": datetime.now(timezone.utc).isoformat(),
@@ -208,17 +211,20 @@ class RoundMaster:
             )
             with self._lock:
                 self.global_state = T.cpu_state_dict(self._initial)
-                self.outer_step, self.ledger = 0, {}
+                self.outer_step, self.ledger, self.run_id = 0, {}, ""
                 self.optimizer = self._new_optimizer()
             stale = self._leftovers()
             remote = None
         if remote is None:
+            if not self.run_id:
+                self.run_id = secrets.token_hex(6)
             self.hub.publish_global(
                 self.global_state,
                 outer_step=self.outer_step,
                 ledger=self.ledger,
                 prune=stale,
                 metadata_extra={**_META, "bootstrap": str(self.outer_step == 0).lower()},
+                run_id=self.run_id,
             )
             self._log.info(f"published global state at outer step {self.outer_step} (bootstrap)")
         else:
@@ -229,6 +235,7 @@ class RoundMaster:
             if remote.outer_step > self.outer_step or not local_ok:
                 state = self.hub.read_global(remote)
                 self._adopt(state, remote.outer_step)
+                self.run_id = remote.run_id
                 self._log.info(f"adopted published global at outer step {remote.outer_step}")
             elif remote.outer_step < self.outer_step:
                 self.hub.publish_global(
@@ -236,6 +243,7 @@ class RoundMaster:
                     outer_step=self.outer_step,
                     ledger=self.ledger,
                     metadata_extra=_META,
+                    run_id=self.run_id,
                 )
         self.reconciled = True
         self.local_state_corrupt = False
@@ -309,7 +317,7 @@ class RoundMaster:
         for node_id, files in scan.deltas.items():
             done = self.ledger.get(node_id, -1)
             for label, path in sorted(files.items()):
-                if path in self._corrupt or path in self._prune:
+                if path in self._prune:
                     continue
                 if label <= done:
                     self._prune.add(path)
@@ -372,7 +380,9 @@ class RoundMaster:
     ) -> str | None:
         if not candidates:
             return None
-        need = max(1, min(self.settings.min_nodes, len(active)))
+        # min_nodes is a floor on the nodes in a round, lowered only by nodes that finished
+        finished = sum(self._finished(view) for view in self.nodes.values())
+        need = max(1, self.settings.min_nodes - finished)
         if len(candidates) < need:
             return None
         on_time = {node for node, files in candidates.items() if self.outer_step in files}
@@ -399,23 +409,22 @@ class RoundMaster:
         marks: dict[str, int] = {}
         late = 0
         for node_id in sorted(candidates):
-            node_sum, count = self._read_node(candidates[node_id], reference)
+            node_sum, used = self._read_node(candidates[node_id], reference)
             if node_sum is None:
                 continue
-            if count > 1:
+            if len(used) > 1:
                 for value in node_sum.values():
-                    value.div_(count)
+                    value.div_(len(used))
             if total is None:
                 total = node_sum
             else:
                 for key, value in node_sum.items():
                     total[key].add_(value)
-            for label, path in sorted(candidates[node_id].items()):
-                if path not in self._corrupt:
-                    included.append(f"{node_id}/{label}")
-                    consumed.append(path)
-                    late += label < self.outer_step
-                    marks[node_id] = max(marks.get(node_id, -1), label)
+            for label, path in used:
+                included.append(f"{node_id}/{label}")
+                consumed.append(path)
+                late += label < self.outer_step
+                marks[node_id] = max(marks.get(node_id, -1), label)
         if total is None:
             return False
         for value in total.values():
@@ -442,6 +451,7 @@ class RoundMaster:
                 prune=sorted(set(consumed) | self._prune),
                 metadata_extra=_META,
                 final=final,
+                run_id=self.run_id,
             )
         except Exception:
             with self._lock:
@@ -483,30 +493,38 @@ class RoundMaster:
 
     def _read_node(
         self, files: Mapping[int, str], reference: Mapping[str, torch.Tensor]
-    ) -> tuple[dict[str, torch.Tensor] | None, int]:
-        """Sum of a node's valid files for this round (read one at a time) and their count."""
+    ) -> tuple[dict[str, torch.Tensor] | None, list[tuple[int, str]]]:
+        """Sum of a node's valid files for this round (read one at a time) and the
+        ``(round, path)`` of those used. Unusable files are pruned and counted."""
         node_sum: dict[str, torch.Tensor] | None = None
-        count = 0
-        for _, path in sorted(files.items()):
+        used: list[tuple[int, str]] = []
+        for label, path in sorted(files.items()):
             try:
-                delta, _ = self.hub.read_delta(path)
+                delta, header = self.hub.read_delta(path)
                 T.validate_delta(delta, reference)
             except RemoteNotFound:
                 continue
             except TransportError:
                 raise  # an outage: the whole round is retried at the next poll
             except Exception as exc:
-                self._corrupt.add(path)
+                self._prune.add(path)
                 self._counts["corrupt"] += 1
-                self._log.warning(f"skipping corrupt delta {path}: {type(exc).__name__}: {exc}")
+                self._log.warning(f"dropping corrupt delta {path}: {type(exc).__name__}: {exc}")
+                continue
+            run = header.get("run_id", "")
+            if run and self.run_id and run != self.run_id:  # computed against another run
+                self._prune.add(path)
+                self._counts["stale"] += 1
+                self._dropped.append(f"{path.split('/')[1]}/{label}")
+                self._log.warning(f"dropping {path}: it belongs to another run ({run})")
                 continue
             if node_sum is None:
                 node_sum = delta
             else:
                 for key, value in delta.items():
                     node_sum[key].add_(value)
-            count += 1
-        return node_sum, count
+            used.append((label, path))
+        return node_sum, used
 
     def _after_publish(self, final: bool) -> None:
         state = T.cpu_state_dict(self.global_state)
@@ -544,6 +562,7 @@ class RoundMaster:
             ledger=self.ledger,
             metadata_extra=_META,
             final=True,
+            run_id=self.run_id,
         )
         self._finalize(T.cpu_state_dict(self.global_state))
 

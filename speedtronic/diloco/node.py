@@ -53,6 +53,7 @@ class Contribution:
     step: int
     delta: dict[str, torch.Tensor] | None
     final: bool = False
+    run_id: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """Checkpointable form (tensors and primitives only)."""
@@ -62,6 +63,7 @@ class Contribution:
             "step": self.step,
             "delta": None if self.delta is None else T.cpu_state_dict(self.delta),
             "final": self.final,
+            "run_id": self.run_id,
         }
 
     @classmethod
@@ -74,6 +76,7 @@ class Contribution:
             int(data["step"]),
             None if delta is None else T.cpu_state_dict(delta),
             bool(data.get("final", False)),
+            str(data.get("run_id", "")),
         )
 
 
@@ -85,19 +88,20 @@ class GlobalCandidate:
     state: dict[str, torch.Tensor]
     seconds: float = 0.0
     final: bool = False
+    run_id: str = ""
 
 
 class GlobalInbox:
     """Where new globals arrive: offered by the in-process master, or fetched by polling.
 
-    ``fetch(seen)`` (workers) returns a candidate when the published outer step differs from
-    ``seen``. With ``threaded`` a daemon thread polls every ``interval`` seconds (sooner
-    after :meth:`poke`); otherwise :meth:`poll_due` polls on the calling thread.
+    ``fetch(seen)`` (workers) returns a candidate when the published ``(outer_step, run_id)``
+    differs from ``seen``. With ``threaded`` a daemon thread polls every ``interval`` seconds
+    (sooner after :meth:`poke`); otherwise :meth:`poll_due` polls on the calling thread.
     """
 
     def __init__(
         self,
-        fetch: Callable[[int], GlobalCandidate | None] | None,
+        fetch: Callable[[tuple[int, str]], GlobalCandidate | None] | None,
         *,
         interval: float,
         threaded: bool,
@@ -109,7 +113,7 @@ class GlobalInbox:
         self._say = say
         self._cond = threading.Condition()
         self._candidate: GlobalCandidate | None = None
-        self._seen = -1  # newest outer step offered or fetched
+        self._seen = (-1, "")  # (outer step, run id) of the newest global offered or fetched
         self._last_poll = 0.0
         self._poke = threading.Event()
         self._stop = threading.Event()
@@ -119,7 +123,7 @@ class GlobalInbox:
         """Make ``candidate`` the waiting global (the newest offer wins)."""
         with self._cond:
             self._candidate = candidate
-            self._seen = candidate.outer_step
+            self._seen = (candidate.outer_step, candidate.run_id)
             self._cond.notify_all()
 
     def take(self) -> GlobalCandidate | None:
@@ -297,6 +301,7 @@ class DiLoCoNode:
         self.step = 0  # optimizer steps applied (absolute)
         self.inner = 0  # steps since the last contribution
         self.installed = -1  # outer step of the installed global (-1: none yet)
+        self.run_id = ""  # the run of the installed global
         self.last_label = -1  # round label of the last contribution (-1: none yet)
         self.anchor = _float_state(model)
         self.carry: dict[str, torch.Tensor] | None = None
@@ -357,11 +362,12 @@ class DiLoCoNode:
         if T.is_all_zero(delta):
             self._emit("delta_upload_zero", {"step": self.step})
             if final:
-                self.uploads.submit(Contribution(self.last_label, self.installed, self.step, None))
+                self.uploads.submit(self._done_record())
             return merged
         label = max(self.installed, self.last_label + 1)
         self.last_label = label
-        self.uploads.submit(Contribution(label, self.installed, self.step, delta, final))
+        job = Contribution(label, self.installed, self.step, delta, final, self.run_id)
+        self.uploads.submit(job)
         if self.settings.sync == "blocking" or final:
             uploaded = self.uploads.drain() and self.carry is None
             if uploaded:
@@ -407,7 +413,8 @@ class DiLoCoNode:
         candidate = self.inbox.take()
         if candidate is None:
             return False
-        if candidate.outer_step == self.installed and not candidate.final:
+        same = candidate.outer_step == self.installed and not self._new_run(candidate)
+        if same and not candidate.final:
             return False
         self.merge(candidate)
         return True
@@ -419,10 +426,11 @@ class DiLoCoNode:
         deadline = started + timeout
         self.inbox.poke()
         merged = False
+        run = self.run_id
         while True:
             merged = self._merge_waiting() or merged
-            if self.installed >= target:
-                break
+            if self.installed >= target or self.last_label < 0 or self.run_id != run:
+                break  # arrived, or a new run started (its round count begins again)
             now = time.monotonic()
             if self.interrupted.is_set() or now >= deadline:
                 break
@@ -446,16 +454,30 @@ class DiLoCoNode:
         self.beat()
         return merged
 
+    def _new_run(self, candidate: GlobalCandidate) -> bool:
+        """The candidate starts another run (a new run id, or an outer step going back)."""
+        if self.installed < 0:
+            return False
+        other = bool(candidate.run_id and self.run_id and candidate.run_id != self.run_id)
+        return other or candidate.outer_step < self.installed
+
     @torch.no_grad()
     def merge(self, candidate: GlobalCandidate) -> None:
-        """``weights := G + (weights - anchor)``; ``anchor := G`` (training thread only)."""
-        if 0 <= candidate.outer_step < self.installed:
+        """``weights := G + (weights - anchor)``; ``anchor := G`` (training thread only).
+
+        A global of another run is installed as it is: progress, carry and round labels of
+        the old run do not belong to the new one.
+        """
+        if self._new_run(candidate):
             self._say(
                 "warning",
-                f"the exchange went back to outer step {candidate.outer_step} (installed "
-                f"{self.installed}); counting rounds from there",
+                f"a new run started on the exchange (global {candidate.outer_step}, run "
+                f"{candidate.run_id or '?'}); restarting the round count from it",
             )
-            self.last_label = -1
+            with self._lock:
+                self.last_label, self.carry, self.inner = -1, None, 0
+                self.anchor = _float_state(self.model)  # progress since here is dropped
+            self.installed = -1
         state = self.model.state_dict()
         anchor: dict[str, torch.Tensor] = {}
         updates: dict[str, torch.Tensor] = {}
@@ -474,6 +496,7 @@ class DiLoCoNode:
         with self._lock:
             self.anchor.update(anchor)
             self.installed = candidate.outer_step
+            self.run_id = candidate.run_id or self.run_id
             self.final_seen = self.final_seen or candidate.final
         if self.settings.reset_inner_optimizer and self.optimizer is not None:
             reset = getattr(self.optimizer, "reset_state", None)
@@ -492,11 +515,15 @@ class DiLoCoNode:
             self._boundary(final=True)
         else:
             self.uploads.drain()
-            self.uploads.submit(Contribution(self.last_label, self.installed, self.step, None))
+            self.uploads.submit(self._done_record())
             self.uploads.drain()
             if self.last_label >= 0 and self.installed <= self.last_label:
                 self._await_global(self.last_label + 1, 2 * self.settings.round_timeout)
         self.done = True
+
+    def _done_record(self) -> Contribution:
+        """Nothing left to contribute: only the ``done`` status (after the last round)."""
+        return Contribution(self.last_label, self.installed, self.step, None, True, self.run_id)
 
     def stop(self) -> bool:
         """Let an upload in flight finish (bounded); True when nothing is left pending."""
@@ -512,6 +539,7 @@ class DiLoCoNode:
                 "step": self.step,
                 "inner": self.inner,
                 "installed": self.installed,
+                "run_id": self.run_id,
                 "last_label": self.last_label,
                 "anchor": T.cpu_state_dict(self.anchor),
                 "carry": None if self.carry is None else T.cpu_state_dict(self.carry),
@@ -529,6 +557,7 @@ class DiLoCoNode:
             self.step = int(state["step"])
             self.inner = int(state["inner"])
             self.installed = int(state["installed"])
+            self.run_id = str(state.get("run_id", ""))
             self.last_label = int(state["last_label"])
             self.anchor = T.cpu_state_dict(state["anchor"])
             carry = state.get("carry")

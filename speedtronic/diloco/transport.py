@@ -71,7 +71,10 @@ R = TypeVar("R")
 class GlobalMetadata:
     """Version record of the published global model (``global/step_count.json``).
 
-    ``final`` is true on the global the master published after the last round of a run.
+    ``final`` is true on the global the master published after the last round of a run;
+    ``run_id`` names the run (a new one each time a master starts a run from global 0), so
+    a node can tell a new run from the next round and the master can refuse contributions
+    computed in another run.
     """
 
     outer_step: int
@@ -79,6 +82,7 @@ class GlobalMetadata:
     model_file: str = GLOBAL_MODEL
     sha256: str = ""
     final: bool = False
+    run_id: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """Core keys (sha256 only when known, final only when true)."""
@@ -91,6 +95,8 @@ class GlobalMetadata:
             out["model_sha256"] = self.sha256
         if self.final:
             out["final"] = True
+        if self.run_id:
+            out["run_id"] = self.run_id
         return out
 
     @classmethod
@@ -102,6 +108,7 @@ class GlobalMetadata:
             model_file=str(data.get("model_file", GLOBAL_MODEL)),
             sha256=str(data.get("model_sha256", "")),
             final=str(data.get("final", "false")).lower() == "true",
+            run_id=str(data.get("run_id", "")),
         )
 
 
@@ -130,6 +137,7 @@ class Transport(Protocol):
         prune: Iterable[str] = (),
         metadata_extra: Mapping[str, object] | None = None,
         final: bool = False,
+        run_id: str = "",
     ) -> GlobalMetadata: ...
     def upload_delta(self, delta: Mapping[str, torch.Tensor], **kwargs: Any) -> str: ...
     def scan(self) -> RepoScan: ...
@@ -305,6 +313,7 @@ class RepoTransport:
         prune: Iterable[str] = (),
         metadata_extra: Mapping[str, object] | None = None,
         final: bool = False,
+        run_id: str = "",
         updated_at: str | None = None,
     ) -> GlobalMetadata:
         """One commit: weights, ledger, version record (written in that order), and the
@@ -316,6 +325,7 @@ class RepoTransport:
             GLOBAL_MODEL,
             hashlib.sha256(weights).hexdigest(),
             bool(final),
+            str(run_id),
         )
         record = {**{str(k): str(v) for k, v in (metadata_extra or {}).items()}, **meta.to_dict()}
         record["processed_file"] = GLOBAL_PROCESSED
