@@ -164,20 +164,20 @@ def test_too_late_is_dropped_and_replays_are_never_counted_twice(tmp_path):
     clock.now += 10.0
     assert master.poll_once() is True  # round 0 without b
     path = deliver(t, "b", 0, [100.0, 100.0])  # one round late, max_staleness 0
-    deliver(t, "a", 1, [1.0, 1.0])
+    deliver(t, "a", 1, [2.0, 2.0])
     deliver(t, "b", 1, [1.0, 1.0])
     assert master.poll_once() is True
     event = log.of("outer_step")[-1]
     assert event["deltas_stale"] == 1 and event["included"] == ["a/1", "b/1"]
-    assert published(t) == [-2.0, -2.0]  # the stale contribution changed nothing
+    assert published(t) == [-2.5, -2.5]  # the stale contribution changed nothing
     assert path not in t.list_files()
     assert any("1 rounds late" in m for lvl, m in log.lines if lvl == "warning")
     # a replay of an aggregated contribution (a restarted node re-sending) is pruned, not counted
     replay = deliver(t, "a", 1, [50.0, 50.0])
     deliver(t, "a", 2, [1.0, 1.0])
-    deliver(t, "b", 2, [1.0, 1.0])
+    deliver(t, "b", 2, [3.0, 3.0])
     assert master.poll_once() is True
-    assert published(t) == [-3.0, -3.0]
+    assert published(t) == [-4.5, -4.5]
     assert log.of("outer_step")[-1]["deltas_skipped"] == 1
     assert replay not in t.list_files()
 
@@ -207,7 +207,7 @@ def test_silent_node_drops_out_and_rejoins_when_it_delivers(tmp_path):
     deliver(t, "a", 0, [1.0, 1.0])
     assert master.poll_once() is True  # a heard just now; b dropped: nobody to wait for
     assert [p["node_id"] for p in log.of("node_dropped")] == ["b"]
-    deliver(t, "a", 1, [1.0, 1.0])
+    deliver(t, "a", 1, [2.0, 2.0])
     assert master.poll_once() is True  # still without b
     deliver(t, "b", 2, [2.0, 2.0])  # b is back with a contribution to the open round
     assert master.poll_once() is False  # ... and a is expected
@@ -215,7 +215,7 @@ def test_silent_node_drops_out_and_rejoins_when_it_delivers(tmp_path):
     deliver(t, "a", 2, [1.0, 1.0])
     assert master.poll_once() is True
     assert log.of("outer_step")[-1]["included"] == ["a/2", "b/2"]
-    deliver(t, "a", 3, [1.0, 1.0])
+    deliver(t, "a", 3, [3.0, 3.0])
     assert master.poll_once() is False  # b is expected again
 
 
@@ -302,7 +302,7 @@ def test_corrupt_delta_is_counted_once_and_pruned(tmp_path):
     assert log.of("outer_step")[-1]["deltas_corrupt"] == 1
     assert any("nodes/bad/delta_0.safetensors" in m for lvl, m in log.lines if lvl == "warning")
     assert "nodes/bad/delta_0.safetensors" not in t.list_files()  # never read again
-    deliver(t, "a", 1, [1.0, 1.0])
+    deliver(t, "a", 1, [2.0, 2.0])
     master.poll_once()
     assert log.of("outer_step")[-1]["deltas_corrupt"] == 0
 
@@ -355,8 +355,8 @@ def test_min_nodes_waits_for_nodes_that_have_not_announced_themselves_yet(tmp_pa
     deliver(t, "c", 0, [4.0, 4.0])
     assert master.poll_once() is True and published(t) == [-2.0, -2.0]
     # at the end, nodes that are done lower the floor
-    deliver(t, "a", 1, [1.0, 1.0], final=True)
-    deliver(t, "b", 1, [1.0, 1.0], final=True)
+    deliver(t, "a", 1, [2.0, 2.0], final=True)
+    deliver(t, "b", 1, [2.0, 2.0], final=True)
     deliver(t, "c", 1, [1.0, 1.0])
     assert master.poll_once() is True
     deliver(t, "c", 2, [3.0, 3.0], final=True)

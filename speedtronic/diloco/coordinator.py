@@ -31,7 +31,12 @@ from speedtronic.diloco import tensors as T
 from speedtronic.diloco.identity import NodeClaim, resolve_node_id
 from speedtronic.diloco.master import RoundMaster
 from speedtronic.diloco.node import Contribution, DiLoCoNode, GlobalCandidate, GlobalInbox
-from speedtronic.diloco.retry import TransportError, retry_policy_from_config, scrub
+from speedtronic.diloco.retry import (
+    ExchangeError,
+    TransportError,
+    retry_policy_from_config,
+    scrub,
+)
 from speedtronic.diloco.transport import build_transport
 
 __all__ = ["DumbDiLoCo", "DumbDiLoCoCoordinator", "build_transport", "resolve_node_id"]
@@ -120,6 +125,7 @@ class DumbDiLoCoCoordinator:
                 on_final=self._write_final,
             )
         self._prepared: Mapping[str, Any] | None = None
+        self._refused = ""  # checksum of a published global this node refused
         self._started = False
         self._ready = False
         self._interrupted = threading.Event()
@@ -255,6 +261,7 @@ class DumbDiLoCoCoordinator:
         try:
             self.hub.create_repo(private=True)
         except Exception as exc:
+            self._fatal_if_permanent(exc, "cannot create the exchange")
             self._say("warning", f"master repository initialization failed; continuing: {exc}")
         for name in self.config.collaborators:
             try:
@@ -264,8 +271,17 @@ class DumbDiLoCoCoordinator:
         try:
             self.master.reconcile()
         except Exception as exc:
+            self._fatal_if_permanent(exc, "cannot use the exchange")
             self._say("warning", f"master could not reconcile with the repository yet: {exc}")
         self._ready = True
+
+    def _fatal_if_permanent(self, exc: BaseException, what: str) -> None:
+        """A permanent exchange error (auth refused, unusable path, invalid repo id) ends the
+        node with exit code 2; an outage does not."""
+        if isinstance(exc, TransportError) and exc.kind == "permanent":
+            raise ExchangeError(
+                scrub(f"distributed.repo_id: {what} {self.config.repo_id!r}: {exc}", (self._token,))
+            ) from None
 
     def _first_global(self) -> None:
         """Worker: fetch the current global; wait for one (bounded) when there is none."""
@@ -331,6 +347,7 @@ class DumbDiLoCoCoordinator:
                 self.hub.claim_owner(self.node_id, self.claim.record(state=state))
             self.claim.claimed = True
         except Exception as exc:
+            self._fatal_if_permanent(exc, "cannot write to the exchange")
             self._say("warning", f"could not claim node_id {self.node_id}: {exc}")
 
     def _collides(self, owner: Mapping[str, Any] | None) -> bool:
@@ -362,7 +379,11 @@ class DumbDiLoCoCoordinator:
                 local_step=job.step,
                 base_outer_step=job.base,
                 dtype=self.config.delta_dtype,
-                metadata={"final": str(job.final).lower(), "run_id": job.run_id},
+                metadata={
+                    "final": str(job.final).lower(),
+                    "run_id": job.run_id,
+                    "instance": self.claim.instance,
+                },
                 owner=self.claim.record(**status),
             )
             nbytes = int(self.hub.last_upload_bytes)
@@ -372,11 +393,24 @@ class DumbDiLoCoCoordinator:
         return nbytes
 
     def _fetch(self, seen: tuple[int, str]) -> GlobalCandidate | None:
+        """The published global when it is new; a refused one (too large, non-finite) is
+        reported once and not downloaded again."""
         started = time.perf_counter()
         metadata = self.hub.global_metadata()
         if metadata is None or (metadata.outer_step, metadata.run_id) == seen:
             return None
-        state = self.hub.read_global(metadata)
+        if metadata.sha256 and metadata.sha256 == self._refused:
+            return None
+        values = sum(v.numel() for v in self.model.state_dict().values())
+        try:
+            metadata, state = self.hub.fetch_global(metadata, max_bytes=4 * values + (1 << 20))
+        except TransportError as exc:
+            if exc.kind != "permanent":
+                raise
+            self._refused = metadata.sha256
+            self._say("error", f"refusing the published global: {exc}")
+            self._emit("global_rejected", {"outer_step": metadata.outer_step, "error": str(exc)})
+            return None
         return GlobalCandidate(
             metadata.outer_step,
             state,

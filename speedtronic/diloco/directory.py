@@ -10,14 +10,16 @@ then its deletions. Local file operations are bounded by the filesystem, not by
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
-from collections.abc import Mapping
+import stat
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from speedtronic.checkpoint import atomic_write_bytes
-from speedtronic.diloco.transport import RepoTransport, RetryPolicy
+from speedtronic.diloco.transport import RepoTransport, RetryPolicy, TransportError
 
 __all__ = ["DirectoryTransport", "directory_root"]
 
@@ -51,7 +53,8 @@ class DirectoryTransport(RepoTransport):
         return self.root.joinpath(*parts)
 
     def _create_repo(self, private: bool) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
+        with _writable(self.root):
+            self.root.mkdir(parents=True, exist_ok=True)
         if private:
             with contextlib.suppress(OSError):
                 os.chmod(self.root, 0o770)
@@ -61,13 +64,17 @@ class DirectoryTransport(RepoTransport):
             "directory transport: access to %s is managed by filesystem permissions", username
         )
 
-    def _list(self) -> list[str]:
+    def _list(self) -> dict[str, int | None]:
         if not self.root.exists():
-            return []
-        out = []
+            return {}
+        out: dict[str, int | None] = {}
         for path in self.root.rglob("*"):
-            if path.is_file() and not path.name.startswith("."):
-                out.append(path.relative_to(self.root).as_posix())
+            if path.name.startswith("."):
+                continue
+            with contextlib.suppress(OSError):  # a file may vanish while we list
+                info = path.stat()
+                if stat.S_ISREG(info.st_mode):
+                    out[path.relative_to(self.root).as_posix()] = info.st_size
         return out
 
     def _read(self, path: str) -> bytes:
@@ -77,7 +84,36 @@ class DirectoryTransport(RepoTransport):
         atomic_write_bytes(data, self._path(remote))
 
     def _commit(self, additions: Mapping[str, bytes], deletions: list[str], message: str) -> None:
-        for remote, data in additions.items():
-            self._write(remote, data)
-        for remote in deletions:
-            self._path(remote).unlink(missing_ok=True)
+        with _writable(self.root):
+            for remote, data in additions.items():
+                self._write(remote, data)
+            for remote in deletions:
+                self._path(remote).unlink(missing_ok=True)
+
+
+#: Write errors that no retry fixes: the exchange directory is misconfigured.
+_PERMANENT_ERRNOS = {
+    errno.EACCES,
+    errno.EPERM,
+    errno.EROFS,
+    errno.ENOENT,
+    errno.ENOTDIR,
+    errno.EISDIR,
+    errno.EINVAL,
+    errno.ENAMETOOLONG,
+}
+
+
+@contextlib.contextmanager
+def _writable(root: Path) -> Iterator[None]:
+    """Turn a write that can never succeed (no permission, read-only, a path that cannot be
+    created) into a permanent ``TransportError``; other I/O errors stay transient."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno in _PERMANENT_ERRNOS:
+            raise TransportError(
+                f"cannot write the exchange directory {root}: {exc.strerror or exc}",
+                kind="permanent",
+            ) from None
+        raise

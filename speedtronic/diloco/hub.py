@@ -1,12 +1,13 @@
 """Hugging Face Hub transport (``distributed.repo_id: owner/name``) on ``huggingface_hub.HfApi``.
 
 Calls used (all checked against huggingface_hub 2.4.0): ``create_repo(private=True,
-exist_ok=True)``, ``list_repo_files``, ``hf_hub_download(local_dir=...)`` (HEAD + GET on
-``/resolve/``) and ``create_commit`` with ``CommitOperationAdd``/``CommitOperationDelete``:
-one commit per delta upload, and one commit for publish + prune on the master. The endpoint
-comes from the ``endpoint`` argument, else ``HF_ENDPOINT`` read here in the constructor
-(never at import). Every HTTP request carries ``request_timeout`` through the SDK's client
-factory. The token is handed to the SDK only; it is scrubbed from every error message.
+exist_ok=True)``, ``list_repo_tree(recursive=True)`` (paths and sizes),
+``hf_hub_download(local_dir=...)`` (HEAD + GET on ``/resolve/``) and ``create_commit`` with
+``CommitOperationAdd``/``CommitOperationDelete``: one commit per delta upload, and one commit
+for publish + prune on the master. The endpoint comes from the ``endpoint`` argument, else
+``HF_ENDPOINT`` read here in the constructor (never at import). Every HTTP request carries
+``request_timeout`` through the SDK's client factory. The token is handed to the SDK only; it
+is scrubbed from every error message.
 """
 
 from __future__ import annotations
@@ -147,9 +148,14 @@ class HubClient(RepoTransport):
             )
         grant(username, repo_id=self.repo_id, repo_type="model", permission=permission)
 
-    def _list(self) -> list[str]:
-        files = self.api.list_repo_files(self.repo_id, repo_type="model")
-        return [str(getattr(item, "rfilename", item)) for item in (files or [])]
+    def _list(self) -> dict[str, int | None]:
+        entries = self.api.list_repo_tree(self.repo_id, recursive=True, repo_type="model")
+        out: dict[str, int | None] = {}
+        for entry in entries or []:
+            if hasattr(entry, "size") and not hasattr(entry, "tree_id"):  # a file, not a folder
+                size = getattr(entry, "size", None)
+                out[str(entry.path)] = int(size) if isinstance(size, int) else None
+        return out
 
     def _read(self, path: str) -> bytes:
         tmp = tempfile.mkdtemp(prefix="speedtronic-download-", dir=self.cache_dir)

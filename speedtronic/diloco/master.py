@@ -48,6 +48,16 @@ from speedtronic.diloco.transport import RemoteNotFound, RepoScan, TransportErro
 
 __all__ = ["NodeView", "RoundMaster"]
 
+
+def _digest(delta: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over a delta's values in key order (a re-sent copy has the same digest)."""
+    digest = hashlib.sha256()
+    for key in sorted(delta):
+        digest.update(key.encode("utf-8"))
+        digest.update(delta[key].contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
 _LOG = logging.getLogger("speedtronic.diloco")
 _META = {"algorithm": "dumb_diloco", "optimizer": "nesterov_sgd"}
 
@@ -97,6 +107,7 @@ class RoundMaster:
         self.outer_step = 0
         self.ledger: dict[str, int] = {}
         self.run_id = ""  # names this run in every global and contribution
+        self.digests: dict[str, str] = {}  # node -> sha256 of its last aggregated contribution
         self.optimizer = self._new_optimizer()
         self.nodes: dict[str, NodeView] = {}
         self._emit = emit
@@ -117,6 +128,7 @@ class RoundMaster:
         self._counts = {"stale": 0, "skipped": 0, "corrupt": 0}
         self._prune: set[str] = set()
         self._dropped: list[str] = []  # "node/round" of stale contributions since the last close
+        self._pending_digests: dict[str, str] = {}  # of the round being closed
         self.has_local_state = False
         self.local_state_corrupt = False
         self.reconciled = False
@@ -154,6 +166,7 @@ class RoundMaster:
             step = int(meta["outer_step"])
             ledger = {str(k): int(v) for k, v in dict(meta["ledger"]).items()}
             run_id = str(meta.get("run_id", ""))
+            digests = {str(k): str(v) for k, v in dict(meta.get("digests", {})).items()}
         except Exception as exc:
             self.local_state_corrupt = True
             stamp = int(time.time())
@@ -171,6 +184,7 @@ class RoundMaster:
             {k[9:]: v for k, v in tensors.items() if k.startswith("momentum/")}
         )
         self.outer_step, self.ledger, self.run_id = step, ledger, run_id
+        self.digests = digests
         self.has_local_state = True
 
     def _save_local_state(self) -> None:
@@ -181,6 +195,7 @@ class RoundMaster:
             "outer_step": self.outer_step,
             "run_id": self.run_id,
             "ledger": dict(sorted(self.ledger.items())),
+            "digests": dict(sorted(self.digests.items())),
             "sha256": hashlib.sha256(data).hexdigest(),
             "updated_at": datetime.now(timezone.utc).isoformat(),
         }
@@ -211,7 +226,7 @@ class RoundMaster:
             )
             with self._lock:
                 self.global_state = T.cpu_state_dict(self._initial)
-                self.outer_step, self.ledger, self.run_id = 0, {}, ""
+                self.outer_step, self.ledger, self.run_id, self.digests = 0, {}, "", {}
                 self.optimizer = self._new_optimizer()
             stale = self._leftovers()
             remote = None
@@ -232,12 +247,21 @@ class RoundMaster:
                 for node, done in self.hub.read_ledger().items():
                     self.ledger[node] = max(done, self.ledger.get(node, -1))
             local_ok = self.has_local_state and not self.local_state_corrupt
+            record = remote
             if remote.outer_step > self.outer_step or not local_ok:
-                state = self.hub.read_global(remote)
-                self._adopt(state, remote.outer_step)
-                self.run_id = remote.run_id
-                self._log.info(f"adopted published global at outer step {remote.outer_step}")
-            elif remote.outer_step < self.outer_step:
+                try:
+                    remote, state = self.hub.fetch_global(remote, max_bytes=self._max_global_bytes)
+                except TransportError as exc:
+                    if exc.kind != "permanent" or not local_ok:
+                        raise  # retried at the next poll; never a bootstrap over it
+                    self._log.error(f"{exc}; publishing this master's own global over it")
+                    remote = dataclasses.replace(remote, outer_step=-1)
+                else:
+                    self._adopt(state, remote.outer_step)
+                    self.run_id = remote.run_id
+                    self._log.info(f"adopted published global at outer step {remote.outer_step}")
+            torn = remote.sha256 != record.sha256  # the record is repaired by publishing
+            if remote.outer_step < self.outer_step or torn:
                 self.hub.publish_global(
                     self.global_state,
                     outer_step=self.outer_step,
@@ -281,9 +305,9 @@ class RoundMaster:
         candidates = self._sort_contributions(scan, now)
         active = self._active(now)
         reason = self._close_reason(now, active, candidates)
-        if reason is not None:
-            return self._close(candidates, reason, active, now)
-        if self._prune:
+        if reason is not None and self._close(candidates, reason, active, now):
+            return True
+        if self._prune:  # refused, duplicate or stale files go now, before they are re-sent
             self._flush_prune()
         if self._saw_training and not active and not candidates and not self.finished.is_set():
             self._finish()
@@ -333,9 +357,30 @@ class RoundMaster:
                         f"{self.settings.max_staleness})"
                     )
                 elif label <= open_round:
+                    size = scan.sizes.get(path)
+                    if size is not None and size > self.max_delta_bytes:
+                        self._refuse(path, f"{size} bytes, more than a delta of this model")
+                        continue
                     candidates.setdefault(node_id, {})[label] = path
                     self._heard(node_id, now)
         return candidates
+
+    @property
+    def _max_global_bytes(self) -> int:
+        values = sum(v.numel() * v.element_size() for v in self.global_state.values())
+        return values + (1 << 20)
+
+    @property
+    def max_delta_bytes(self) -> int:
+        """The largest delta file this model can produce (float32 values + a header)."""
+        values = sum(v.numel() for v in self.global_state.values() if v.is_floating_point())
+        return 4 * values + (1 << 20)
+
+    def _refuse(self, path: str, why: str) -> None:
+        """A contribution file that cannot be used: counted corrupt and pruned unread."""
+        self._prune.add(path)
+        self._counts["corrupt"] += 1
+        self._log.warning(f"dropping delta {path}: {why}")
 
     def _heard(self, node_id: str, now: float) -> None:
         if self._first_arrival is None:
@@ -402,6 +447,7 @@ class RoundMaster:
         now: float,
     ) -> bool:
         started = time.perf_counter()
+        self._pending_digests = {}
         reference = self.global_state
         total: dict[str, torch.Tensor] | None = None
         included: list[str] = []
@@ -437,6 +483,13 @@ class RoundMaster:
                 self.optimizer.state_dict(),
             )
             self.optimizer.step(self.global_state, total)
+            bad = T.first_non_finite(self.global_state)
+            if bad is not None:  # never publish a broken global: undo and drop the round
+                self.outer_step, self.ledger, self.global_state, momentum = saved
+                self.optimizer.load_state_dict(momentum)
+                for path in consumed:
+                    self._refuse(path, f"the outer step made {bad} non-finite")
+                return False
             self.outer_step += 1
             for node_id, label in marks.items():
                 self.ledger[node_id] = max(self.ledger.get(node_id, -1), label)
@@ -459,6 +512,8 @@ class RoundMaster:
                 self.optimizer.load_state_dict(momentum)
             raise
         self._prune.clear()
+        self.digests.update(self._pending_digests)
+        self._pending_digests.clear()
         self._persist()
         opened, self._opened = self._opened, self._clock()
         length = self._opened - opened
@@ -502,14 +557,16 @@ class RoundMaster:
             try:
                 delta, header = self.hub.read_delta(path)
                 T.validate_delta(delta, reference)
+                self._check_identity(path, header, label)
+                digest = _digest(delta)
+                if self.digests.get(path.split("/")[1]) == digest:
+                    raise ValueError("the same values as its node's last aggregated contribution")
             except RemoteNotFound:
                 continue
             except TransportError:
                 raise  # an outage: the whole round is retried at the next poll
             except Exception as exc:
-                self._prune.add(path)
-                self._counts["corrupt"] += 1
-                self._log.warning(f"dropping corrupt delta {path}: {type(exc).__name__}: {exc}")
+                self._refuse(path, f"{type(exc).__name__}: {exc}")
                 continue
             run = header.get("run_id", "")
             if run and self.run_id and run != self.run_id:  # computed against another run
@@ -524,7 +581,24 @@ class RoundMaster:
                 for key, value in delta.items():
                     node_sum[key].add_(value)
             used.append((label, path))
+            self._pending_digests[path.split("/")[1]] = digest
         return node_sum, used
+
+    def _check_identity(self, path: str, header: Mapping[str, str], label: int) -> None:
+        """A contribution must match its path, come from the node's current instance, and
+        be based on a global this master published (``ValueError`` otherwise)."""
+        node_id = path.split("/")[1]
+        if header.get("node_id", node_id) != node_id or header.get("round", str(label)) != str(
+            label
+        ):
+            raise ValueError("its header names another node or round than its path")
+        base = int(header.get("base_outer_step", "0"))
+        if not 0 <= base <= self.outer_step:
+            raise ValueError(f"based on outer step {base}, which this master never published")
+        view = self.nodes.get(node_id)
+        instance = header.get("instance")
+        if view is not None and view.instance and instance and instance != view.instance:
+            raise ValueError(f"written by instance {instance}, not the node's {view.instance}")
 
     def _after_publish(self, final: bool) -> None:
         state = T.cpu_state_dict(self.global_state)

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from speedtronic.diloco import tensors as T
+from speedtronic.diloco.retry import ExchangeError, TransportError
 
 __all__ = ["Contribution", "DiLoCoNode", "GlobalCandidate", "GlobalInbox"]
 
@@ -307,6 +308,7 @@ class DiLoCoNode:
         self.carry: dict[str, torch.Tensor] | None = None
         self.done = False
         self.final_seen = False
+        self.fatal: Exception | None = None  # a permanent upload failure
         self.interrupted = threading.Event()
         self.last_heartbeat = time.monotonic()
 
@@ -332,6 +334,7 @@ class DiLoCoNode:
     # -- the per-step hook ------------------------------------------------------------------
     def after_optimizer_step(self) -> bool:
         """One applied inner step; True when a global was merged into the weights."""
+        self._raise_fatal()
         self.step += 1
         self.inner += 1
         self.beat()
@@ -340,6 +343,13 @@ class DiLoCoNode:
         if self.inner >= self.settings.inner_steps:
             merged = self._boundary(final=False) or merged
         return merged
+
+    def _raise_fatal(self) -> None:
+        """An upload failed permanently (auth refused, path not writable): stop the node."""
+        if self.fatal is not None:
+            raise ExchangeError(
+                f"distributed.repo_id: the exchange refused an upload: {self.fatal}"
+            )
 
     def _may_merge(self) -> bool:
         """A newer global is merged once the node contributed for its installed base."""
@@ -370,6 +380,7 @@ class DiLoCoNode:
         self.uploads.submit(job)
         if self.settings.sync == "blocking" or final:
             uploaded = self.uploads.drain() and self.carry is None
+            self._raise_fatal()
             if uploaded:
                 timeout = self.settings.round_timeout * (2 if final else 1)
                 merged = self._await_global(label + 1, timeout) or merged
@@ -380,6 +391,8 @@ class DiLoCoNode:
         try:
             nbytes = self._send(job)
         except Exception as exc:
+            if isinstance(exc, TransportError) and exc.kind == "permanent":
+                self.fatal = exc  # raised on the training thread at its next step
             if job.delta is not None:
                 with self._lock:  # the whole contribution goes into the next one
                     self.carry = (
@@ -454,6 +467,21 @@ class DiLoCoNode:
         self.beat()
         return merged
 
+    def _check_fits(self, candidate: GlobalCandidate) -> None:
+        """The global must hold exactly this model's tensors (a node with another model
+        config would train on a mix): otherwise :class:`ExchangeError`, exit code 2."""
+        mine = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+        theirs = {k: tuple(v.shape) for k, v in candidate.state.items()}
+        if mine == theirs:
+            return
+        diff = sorted(set(mine) ^ set(theirs)) or sorted(k for k in mine if mine[k] != theirs[k])
+        key = diff[0]
+        raise ExchangeError(
+            f"the global (outer step {candidate.outer_step}) does not fit this node's model: "
+            f"{key} is {mine.get(key, 'absent')} here and {theirs.get(key, 'absent')} in the "
+            "global; every node needs the same model config"
+        )
+
     def _new_run(self, candidate: GlobalCandidate) -> bool:
         """The candidate starts another run (a new run id, or an outer step going back)."""
         if self.installed < 0:
@@ -468,6 +496,7 @@ class DiLoCoNode:
         A global of another run is installed as it is: progress, carry and round labels of
         the old run do not belong to the new one.
         """
+        self._check_fits(candidate)
         if self._new_run(candidate):
             self._say(
                 "warning",

@@ -15,8 +15,11 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+from speedtronic.config.errors import ConfigError
+
 __all__ = [
     "ErrorInfo",
+    "ExchangeError",
     "HubError",
     "HubUnavailable",
     "RemoteNotFound",
@@ -45,6 +48,11 @@ class TransportError(RuntimeError):
 
 #: 2.0.0 names: ``HubError`` (RuntimeError) and ``HubUnavailable`` (HubError).
 HubError = TransportError
+
+
+class ExchangeError(ConfigError):
+    """A permanent misconfiguration of the exchange (auth refused, repository or path not
+    usable, a model that does not match): the node stops with exit code 2 and one line."""
 
 
 class HubUnavailable(TransportError):

@@ -22,6 +22,7 @@ from speedtronic.checkpoint import atomic_write_bytes
 
 __all__ = [
     "DELTA_DTYPES",
+    "MAX_DELTA_ABS",
     "average_deltas",
     "compute_pseudo_gradient",
     "cpu_state_dict",
@@ -30,6 +31,7 @@ __all__ = [
     "delta_from_bytes",
     "delta_path",
     "delta_to_bytes",
+    "first_non_finite",
     "floating_state",
     "is_all_zero",
     "load_delta",
@@ -236,16 +238,40 @@ def delta_to_bytes(
 
 
 def delta_from_bytes(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Parse a delta file; tensors come back as float32 (the master aggregates in fp32)."""
+    """Parse a delta file; tensors come back as float32 (the master aggregates in fp32).
+
+    Only the wire dtypes (fp32, bf16, fp16) are accepted: an integer or boolean tensor is a
+    ``ValueError``, never silently converted.
+    """
     tensors, metadata = state_from_bytes(data)
+    wire = set(DELTA_DTYPES.values())
+    for key, value in tensors.items():
+        if value.dtype not in wire:
+            raise ValueError(f"{key} is {value.dtype}; a delta holds fp32, bf16 or fp16 values")
     return {k: v.to(torch.float32) for k, v in tensors.items()}, metadata
 
 
+#: Largest magnitude accepted in a pseudo-gradient: a weight that moves this much in one round
+#: has diverged (and sums of a few such values stay far from float32 overflow).
+MAX_DELTA_ABS = 1.0e4
+
+
+def first_non_finite(state: Mapping[str, torch.Tensor]) -> str | None:
+    """The first floating key of ``state`` holding NaN or inf, else None."""
+    for key, value in state.items():
+        if _is_floating(value) and not bool(torch.isfinite(value).all()):
+            return key
+    return None
+
+
 def validate_delta(
-    delta: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor]
+    delta: Mapping[str, torch.Tensor],
+    reference: Mapping[str, torch.Tensor],
+    *,
+    max_abs: float = MAX_DELTA_ABS,
 ) -> None:
-    """Reject a delta whose keys/shapes differ from the floating part of ``reference`` or
-    that holds NaN/inf (``ValueError`` naming the problem)."""
+    """Reject a delta whose keys/shapes differ from the floating part of ``reference``, that
+    holds NaN/inf, or a value beyond ``max_abs`` (``ValueError`` naming the problem)."""
     expected = {k: v for k, v in reference.items() if _is_floating(v)}
     if set(delta) != set(expected):
         extra = sorted(set(delta) - set(expected))[:5]
@@ -258,6 +284,9 @@ def validate_delta(
             )
         if not bool(torch.isfinite(value).all()):
             raise ValueError(f"non-finite values in {key}")
+        peak = float(value.abs().max()) if value.numel() else 0.0
+        if peak > max_abs:
+            raise ValueError(f"{key} holds {peak:.3g}, beyond the bound {max_abs:g}")
 
 
 def save_safetensors(

@@ -114,10 +114,12 @@ class GlobalMetadata:
 
 @dataclasses.dataclass
 class RepoScan:
-    """One listing of the repository: contribution files and node records by node."""
+    """One listing of the repository: contribution files and node records by node, and the
+    size in bytes of every file (None where the backend does not say)."""
 
     deltas: dict[str, dict[int, str]] = dataclasses.field(default_factory=dict)
     owners: set[str] = dataclasses.field(default_factory=set)
+    sizes: dict[str, int | None] = dataclasses.field(default_factory=dict)
 
 
 class Transport(Protocol):
@@ -151,6 +153,26 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat()
 
 
+def _own_record(
+    header: Mapping[str, str], record: GlobalMetadata, data: bytes
+) -> GlobalMetadata | None:
+    """The global file's own description when it is at least as new as ``record``."""
+    try:
+        step = int(header["outer_step"])
+    except (KeyError, ValueError):
+        return None
+    if step < record.outer_step:
+        return None
+    return GlobalMetadata(
+        step,
+        record.updated_at,
+        record.model_file,
+        hashlib.sha256(data).hexdigest(),
+        header.get("final", "False") == "True",
+        header.get("run_id", ""),
+    )
+
+
 def _json_bytes(value: Any) -> bytes:
     return (json.dumps(value, indent=2, sort_keys=True) + "\n").encode("utf-8")
 
@@ -180,7 +202,7 @@ class RepoTransport:
     def _grant(self, username: str, permission: str) -> None:
         raise NotImplementedError
 
-    def _list(self) -> list[str]:
+    def _list(self) -> dict[str, int | None]:
         raise NotImplementedError
 
     def _read(self, path: str) -> bytes:
@@ -207,9 +229,13 @@ class RepoTransport:
             lambda: self._scoped(self._grant, username, permission),
         )
 
+    def list_sizes(self) -> dict[str, int | None]:
+        """Every file path in the repository with its size in bytes (None: unknown)."""
+        return dict(self.retry.run("list repository files", lambda: self._scoped(self._list)))
+
     def list_files(self) -> list[str]:
         """Every file path in the repository, sorted."""
-        return sorted(self.retry.run("list repository files", lambda: self._scoped(self._list)))
+        return sorted(self.list_sizes())
 
     def read_bytes(self, path: str) -> bytes | None:
         """Content of ``path``; None when it does not exist."""
@@ -266,24 +292,58 @@ class RepoTransport:
         return GlobalMetadata.from_dict(data)
 
     def read_global(self, metadata: GlobalMetadata | None = None) -> dict[str, torch.Tensor]:
-        """Download and verify the global weights named by ``metadata``."""
+        """Download and verify the global weights named by ``metadata`` (see
+        :meth:`fetch_global`, which also bounds the size and repairs a torn publish)."""
+        return self.fetch_global(metadata)[1]
+
+    def fetch_global(
+        self, metadata: GlobalMetadata | None = None, *, max_bytes: int | None = None
+    ) -> tuple[GlobalMetadata, dict[str, torch.Tensor]]:
+        """The verified global and the record that describes it.
+
+        ``max_bytes`` refuses a file larger than that (checked on the listing, before
+        reading). The weights must match ``step_count.json``'s checksum; when they do not, the
+        file's own header (outer step, run id, written by :meth:`publish_global`) is trusted
+        if it is at least as new as the record: a publish torn between its files. Every
+        floating tensor must be finite. Refusals are permanent ``TransportError``s.
+        """
         metadata = metadata or self.global_metadata()
-        model_file = metadata.model_file if metadata else GLOBAL_MODEL
+        if metadata is None:
+            raise RemoteNotFound(f"{GLOBAL_STEP} is missing")
+        model_file = metadata.model_file
         if not (model_file.startswith("global/") and model_file.endswith(".safetensors")):
             raise TransportError(
                 f"refusing model_file outside global/: {model_file}", kind="permanent"
             )
+        if max_bytes is not None:
+            size = self.list_sizes().get(model_file)
+            if size is not None and size > max_bytes:
+                raise TransportError(
+                    f"{model_file} is {size} bytes, more than the model allows ({max_bytes})",
+                    kind="permanent",
+                )
         data = self.read_bytes(model_file)
         if data is None:
             raise RemoteNotFound(f"{model_file} is missing")
-        if metadata and metadata.sha256 and hashlib.sha256(data).hexdigest() != metadata.sha256:
-            raise TransportError(
-                f"{model_file} does not match step_count.json (changed while reading)"
-            )
         try:
-            return T.state_from_bytes(data)[0]
+            state, header = T.state_from_bytes(data)
         except ValueError as exc:
             raise TransportError(f"{model_file} is corrupt: {exc}") from None
+        if metadata.sha256 and hashlib.sha256(data).hexdigest() != metadata.sha256:
+            own = _own_record(header, metadata, data)
+            if own is None:
+                raise TransportError(
+                    f"{model_file} does not match step_count.json (changed while reading)"
+                )
+            metadata = own
+        bad = T.first_non_finite(state)
+        if bad is not None:
+            raise TransportError(
+                f"{model_file} (outer step {metadata.outer_step}) holds non-finite values in "
+                f"{bad}; refusing it",
+                kind="permanent",
+            )
+        return metadata, state
 
     def download_global(self, local_path: Any, metadata: GlobalMetadata | None = None) -> Any:
         """2.0.0 form: write the verified global weights to ``local_path`` and return it."""
@@ -318,7 +378,8 @@ class RepoTransport:
     ) -> GlobalMetadata:
         """One commit: weights, ledger, version record (written in that order), and the
         deletion of consumed delta files."""
-        weights = T.state_to_bytes(state)
+        header = {"outer_step": int(outer_step), "run_id": str(run_id), "final": bool(final)}
+        weights = T.state_to_bytes(state, metadata=header)
         meta = GlobalMetadata(
             int(outer_step),
             updated_at or _now(),
@@ -375,9 +436,10 @@ class RepoTransport:
         return path
 
     def scan(self) -> RepoScan:
-        """One listing: contributions ``{node: {round: path}}`` and the nodes with a record."""
-        scan = RepoScan()
-        for path in self.list_files():
+        """One listing: contributions ``{node: {round: path}}``, the nodes with a record, and
+        every file's size."""
+        scan = RepoScan(sizes=self.list_sizes())
+        for path in sorted(scan.sizes):
             parsed = T.parse_delta_path(path)
             if parsed is not None:
                 scan.deltas.setdefault(parsed[0], {})[parsed[1]] = path
