@@ -142,6 +142,8 @@ def test_diloco_events_drive_the_diloco_series():
     assert value(sink, "speedtronic_diloco_deltas_stale_total") == 2
     assert value(sink, "speedtronic_diloco_round_seconds") == 12.5
     assert value(sink, "speedtronic_diloco_nodes_active") == 3
+    sink.on_event("global_rejected", {"outer_step": 9, "error": "non-finite"})
+    assert value(sink, "speedtronic_diloco_globals_rejected_total") == 1
     sink.on_event("node_dropped", {"node_id": "w9", "silent_seconds": 400})
     assert value(sink, "speedtronic_diloco_nodes_dropped_total") == 1
     sink.on_event("sync_wait", {"outer_step": 5, "seconds": 2.0, "timed_out": False})

@@ -59,6 +59,7 @@ SERIES: dict[str, str] = {
     "speedtronic_diloco_upload_bytes_total": "Bytes of delta files uploaded.",
     "speedtronic_diloco_upload_seconds": "Time to upload one delta.",
     "speedtronic_diloco_global_pulls_total": "Global states pulled and installed.",
+    "speedtronic_diloco_globals_rejected_total": "Published globals refused (size, non-finite).",
     "speedtronic_diloco_retries_total": "Transport retries by operation.",
     "speedtronic_diloco_seconds_since_last_global_sync": "Seconds since the last global sync.",
 }
@@ -183,6 +184,7 @@ class PrometheusSink:
             h, "speedtronic_diloco_upload_seconds", buckets=_IO_BUCKETS
         ).labels(**ids)
         self.global_pulls = self._series(c, "speedtronic_diloco_global_pulls").labels(**ids)
+        self.globals_rejected = self._series(c, "speedtronic_diloco_globals_rejected").labels(**ids)
         self._retries = self._series(c, "speedtronic_diloco_retries", "operation")
         self.since_sync = self._series(
             g, "speedtronic_diloco_seconds_since_last_global_sync"
@@ -329,6 +331,9 @@ class PrometheusSink:
 
     def _on_node_dropped(self, payload: Mapping[str, Any]) -> None:
         self.nodes_dropped.inc()
+
+    def _on_global_rejected(self, payload: Mapping[str, Any]) -> None:
+        self.globals_rejected.inc()
 
     def _on_global_pulled(self, payload: Mapping[str, Any]) -> None:
         self.global_pulls.inc()
