@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from speedtronic.config import ConfigError, ResolvedConfig, resolve_config
-from speedtronic.config.coercion import REDACTED
+from speedtronic.config.redaction import scrub
 
 __all__ = ["build_parser", "main"]
 
@@ -243,10 +243,7 @@ def _one_line(message: str, secrets: Sequence[str] = ()) -> str:
         os.environ.get("HF_TOKEN"),
         os.environ.get("SPEEDTRONIC_DISTRIBUTED__TOKEN"),
     ]
-    for token in candidates:
-        if token and len(token) >= 4:
-            message = message.replace(token, REDACTED)
-    return " ".join(message.split())
+    return " ".join(scrub(message, candidates).split())
 
 
 class _StderrHandler(logging.StreamHandler):

@@ -222,9 +222,10 @@ def test_first_failing_check_reports() -> None:
     assert _error({"model": {"max_seq_len": 0, "vocab_size": 0}}) == (
         "model.max_seq_len must be positive"
     )
-    # sections are built in order run, model, data...
+    # sections are built in order run, model, data...; a 2.0.0 text that covers several fields
+    # names the offending ones after it (d_ff defaults to 4 * d_model)
     assert _error({"data": {"num_tokens": 0}, "model": {"d_model": 0}}) == (
-        "model dimensions must be positive"
+        "model dimensions must be positive (model.d_model = 0, model.d_ff = 0)"
     )
 
 

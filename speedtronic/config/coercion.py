@@ -9,18 +9,25 @@ a raw ``TypeError`` from a comparison). Accepted conversions:
   reads exponent floats without a decimal point as strings); the result is a finite ``float``;
 * booleans: ``bool``, the integers 0/1, and the strings true/false/yes/no/on/off/1/0
   (case-insensitive);
-* strings: ``str``, and ``int``/``float`` scalars (``name: 2024``) which are converted.
+* strings: ``str``, and ``int``/``float`` scalars (``name: 2024``) which are converted;
+  paths (:func:`to_path`) are strings the OS can take (no NUL, bounded lengths).
 
-``None`` is accepted only where the field is nullable.
+Integers are bounded to 64 bits here (each field's own range comes after). ``None`` is
+accepted only where the field is nullable. Error messages never show a value that came from
+a secret (:class:`~speedtronic.config.redaction.SecretText`) or looks like a token, and never
+render more than a short prefix of a value (an alias bomb is never expanded into text).
 """
 
 from __future__ import annotations
 
 import math
+import reprlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from speedtronic.config.errors import ConfigError
+from speedtronic.config.limits import check_path_text
+from speedtronic.config.redaction import REDACTED, contains_secret, looks_like_token
 
 __all__ = [
     "FALSE_STRINGS",
@@ -30,24 +37,41 @@ __all__ = [
     "to_bool",
     "to_float",
     "to_int",
+    "to_path",
     "to_str",
     "to_str_list",
 ]
 
-REDACTED = "<redacted>"
 TRUE_STRINGS = frozenset({"true", "yes", "on", "1"})
 FALSE_STRINGS = frozenset({"false", "no", "off", "0"})
 BOOL_EXPECTED = "a boolean (true/false/yes/no/on/off/1/0)"
+INT64 = 2**63
+_MAX_INT_TEXT = 40  # characters of an integer written as text (int64 needs 20)
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 4, 60, 60
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 8
+_SHORT.maxlong = 40
 
 
 def describe(value: Any, *, secret: bool = False) -> str:
-    """Short description of a rejected value for an error message (secrets hide the value)."""
+    """Short description of a rejected value for an error message.
+
+    Secrets (``secret=True``, values from a secret source, token-shaped strings) show only
+    their type. Others are rendered with bounded depth and length (``reprlib``), so a huge or
+    self-referencing value costs no more than a short prefix.
+    """
     if value is None:
         return "null"
     kind = type(value).__name__
-    if secret:
-        return kind
-    text = repr(value)
+    if isinstance(value, str):
+        kind = "str"
+    if secret or contains_secret(value):
+        return f"{kind} {REDACTED}" if not secret else kind
+    try:
+        text = _SHORT.repr(value)
+    except Exception:  # a hostile __repr__, an int beyond the conversion limit
+        text = "<unprintable>"
     if len(text) > 60:
         text = text[:57] + "..."
     return f"{kind} {text}"
@@ -65,22 +89,28 @@ def to_int(value: Any, field: str, *, nullable: bool = False) -> int | None:
         raise _fail(field, "an integer", value)
     if isinstance(value, bool):
         raise _fail(field, "an integer", value)
-    if isinstance(value, int):
-        return int(value)
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        return int(value)
-    if isinstance(value, str):
+    result: int | None = None
+    integral = isinstance(value, float) and math.isfinite(value) and value.is_integer()
+    if isinstance(value, int) or integral:
+        result = int(value)
+    elif isinstance(value, str) and len(value.strip()) <= _MAX_INT_TEXT:
         text = value.strip()
         try:
-            return int(text, 10)
+            result = int(text, 10)
         except ValueError:
             try:
                 number = float(text)
             except ValueError:
                 number = math.nan
             if math.isfinite(number) and number.is_integer():
-                return int(number)
-    raise _fail(field, "an integer", value)
+                result = int(number)
+    elif isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        raise ConfigError(f"{field} must be a 64-bit integer, got a {len(value.strip())}-digit one")
+    if result is None:
+        raise _fail(field, "an integer", value)
+    if not -INT64 <= result < INT64:
+        raise ConfigError(f"{field} must be a 64-bit integer, got a larger one")
+    return result
 
 
 def to_float(value: Any, field: str, *, nullable: bool = False) -> float | None:
@@ -135,10 +165,24 @@ def to_str(value: Any, field: str, *, nullable: bool = False, secret: bool = Fal
             return None
         raise _fail(field, "a string", value, secret)
     if isinstance(value, str):
-        return value
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not secret and looks_like_token(value):
+            raise ConfigError(
+                f"{field} holds what looks like a Hub access token (not shown); the token goes "
+                "in HF_TOKEN or the hf_token secret file"
+            )
+        return str(value)  # a plain str, also for SecretText
+    if isinstance(value, int) and not isinstance(value, bool):
+        if abs(value) >= 10**_MAX_INT_TEXT:
+            raise ConfigError(f"{field} must be a string, got a {value.bit_length()}-bit integer")
+        return str(value)
+    if isinstance(value, float):
         return str(value)
     raise _fail(field, "a string", value, secret)
+
+
+def to_path(value: Any, field: str, *, nullable: bool = False) -> str | None:
+    """A string the OS can use as a path: no NUL byte, at most 4096 bytes, segments <= 255."""
+    return check_path_text(to_str(value, field, nullable=nullable), field)
 
 
 def to_str_list(value: Any, field: str, message: str) -> list[str]:
@@ -149,5 +193,5 @@ def to_str_list(value: Any, field: str, message: str) -> list[str]:
     for item in value:
         if not isinstance(item, str) or not item.strip():
             raise ConfigError(f"{message}, got item {describe(item)}")
-        result.append(item)
+        result.append(str(item))
     return result

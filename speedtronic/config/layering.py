@@ -13,7 +13,13 @@ Environment names: ``SPEEDTRONIC_<SECTION>__<FIELD>`` and ``SPEEDTRONIC_<ROOT_FI
 (default ``/run/secrets``), ``SPEEDTRONIC_NODE_ID`` (-> ``distributed.node_id``) and ``HF_TOKEN``
 (-> ``distributed.token``). Any other ``SPEEDTRONIC_*`` name is a :class:`ConfigError`.
 Values (env, secret files other than tokens, overrides) are parsed as YAML scalars / flow
-collections; string fields take the raw text.
+collections (through the bounded loader); string fields take the raw text.
+
+Secrets: the token (from any layer) and every value read from a secret file are wrapped in
+:class:`~speedtronic.config.redaction.SecretText` before validation, and a validation error is
+scrubbed of every token value, so no error prints a secret, even one in the wrong field. The
+token cannot be set with ``--set``/``overrides`` (it would sit in the process list). A secret
+file that is a directory or cannot be read is a ``ConfigError`` naming the file.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ import yaml
 
 from speedtronic.config.canonical import ROOT_FIELDS, SECTION_NAMES, canonicalize
 from speedtronic.config.errors import ConfigError
-from speedtronic.config.loading import looks_inline, read_source
+from speedtronic.config.loading import load_yaml_value, looks_inline, read_source
+from speedtronic.config.redaction import SecretText, scrub
 from speedtronic.config.schema import SECTION_CLASSES, SpeedtronicConfig
 
 __all__ = [
@@ -115,15 +122,26 @@ def _parse_value(raw: Any, dotted: str, origin: str) -> Any:
     if not isinstance(raw, str):
         return raw
     if dotted == TOKEN_KEY:
-        return raw
+        return SecretText(raw)
     is_str = known_fields().get(dotted, False)
     if is_str:
         return None if raw.strip() in {"null", "~"} else raw
     try:
-        return yaml.safe_load(raw) if raw.strip() else None
+        return load_yaml_value(raw) if raw.strip() else None
     except yaml.YAMLError as exc:
         problem = getattr(exc, "problem", None) or "invalid YAML"
         raise ConfigError(f"{origin}: cannot parse value for {dotted}: {problem}") from None
+
+
+def _secret(value: Any) -> Any:
+    """Mark every string in a value read from a secret file (lists and mappings included)."""
+    if isinstance(value, str):
+        return SecretText(value)
+    if isinstance(value, list):
+        return [_secret(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _secret(item) for key, item in value.items()}
+    return value
 
 
 def _flatten(values: Mapping[str, Any]) -> dict[str, Any]:
@@ -196,7 +214,7 @@ def _env_layer(environ: Mapping[str, str]) -> list[tuple[str, Any, str]]:
     names = {name.upper(): name for name in environ}
     triples: list[tuple[str, Any, str]] = []
     if environ.get("HF_TOKEN"):
-        triples.append((TOKEN_KEY, environ["HF_TOKEN"], "env:HF_TOKEN"))
+        triples.append((TOKEN_KEY, SecretText(environ["HF_TOKEN"]), "env:HF_TOKEN"))
     node_id = next((n for u, n in names.items() if u == "SPEEDTRONIC_NODE_ID"), None)
     if node_id is not None and environ[node_id].strip():
         triples.append((NODE_ID_KEY, environ[node_id], f"env:{node_id}"))
@@ -204,6 +222,31 @@ def _env_layer(environ: Mapping[str, str]) -> list[tuple[str, Any, str]]:
         origin = f"env:{names.get(env_name_for(dotted), env_name_for(dotted))}"
         triples.append((dotted, _parse_value(value, dotted, origin), origin))
     return triples
+
+
+def _check_secret_files(secrets_dir: Path) -> None:
+    """Every file the secret layer would read must be a readable regular file.
+
+    ``hf_token`` or ``<section>__<field>`` as a directory (a mis-mounted secret) or an
+    unreadable file is an error naming that file; other entries (Kubernetes' ``..data``
+    links) are not ours and are left alone.
+    """
+    wanted = {"hf_token"} | {dotted.replace(".", "__") for dotted in known_fields()}
+    try:
+        entries = sorted(os.scandir(secrets_dir), key=lambda entry: entry.name)
+    except OSError as exc:
+        raise ConfigError(f"cannot list secrets directory {secrets_dir}: {exc.strerror}") from None
+    for entry in entries:
+        if entry.name.lower() not in wanted:
+            continue
+        path = secrets_dir / entry.name
+        if path.is_dir():
+            raise ConfigError(f"secret {path} is a directory; expected a file holding the value")
+        try:
+            with open(path, "rb") as handle:
+                handle.read(1)
+        except OSError as exc:
+            raise ConfigError(f"cannot read secret file {path}: {exc.strerror}") from None
 
 
 def _secret_layer(secrets_dir: Path) -> list[tuple[str, Any, str]]:
@@ -214,6 +257,7 @@ def _secret_layer(secrets_dir: Path) -> list[tuple[str, Any, str]]:
         raise ConfigError(f"secrets directory is not a directory: {secrets_dir}")
     if not os.access(secrets_dir, os.R_OK | os.X_OK):
         raise ConfigError(f"secrets directory is not readable: {secrets_dir}")
+    _check_secret_files(secrets_dir)
     from pydantic_settings.sources import NestedSecretsSettingsSource
 
     try:
@@ -233,12 +277,14 @@ def _secret_layer(secrets_dir: Path) -> list[tuple[str, Any, str]]:
     triples: list[tuple[str, Any, str]] = []
     token = raw.pop("hf_token", None)
     if token:
-        triples.append((TOKEN_KEY, token, f"secret:{files.get('hf_token', 'hf_token')}"))
+        triples.append(
+            (TOKEN_KEY, SecretText(token), f"secret:{files.get('hf_token', 'hf_token')}")
+        )
     for dotted, value in _flatten(raw).items():
         file_name = dotted.replace(".", "__")
         origin = f"secret:{files.get(file_name, file_name)}"
         if dotted in known_fields():
-            triples.append((dotted, _parse_value(value, dotted, origin), origin))
+            triples.append((dotted, _secret(_parse_value(value, dotted, origin)), origin))
     return triples
 
 
@@ -263,6 +309,12 @@ def _override_layer(overrides: Iterable[str] | Mapping[str, Any]) -> list[tuple[
             if not aliased:
                 raise ConfigError(f"invalid override {key!r}: unknown configuration field")
             dotted = next(iter(aliased))
+        if dotted == TOKEN_KEY:
+            raise ConfigError(
+                "distributed.token cannot be set with --set: a token on the command line is "
+                "visible in the process list; use HF_TOKEN or the hf_token secret file "
+                "(SPEEDTRONIC_SECRETS_DIR/hf_token)"
+            )
         canonical[dotted] = _parse_value(value, dotted, f"override {key}")
     return [(dotted, value, "cli") for dotted, value in canonical.items()]
 
@@ -306,15 +358,22 @@ def resolve_config(
     for dotted, value in _flatten(file_values).items():
         merged[dotted] = value
         sources[dotted] = "file"
+    tokens: list[str] = []
+    if isinstance(merged.get(TOKEN_KEY), str):
+        merged[TOKEN_KEY] = SecretText(merged[TOKEN_KEY])
+        tokens.append(merged[TOKEN_KEY])
     layers = (_secret_layer(Path(secrets_dir)), _env_layer(env), _override_layer(overrides))
     for layer in layers:
         for dotted, value, origin in layer:
             merged[dotted] = value
             sources[dotted] = origin
+            if dotted == TOKEN_KEY and isinstance(value, str):
+                tokens.append(value)
     try:
         config = SpeedtronicConfig.from_dict(_unflatten(merged))
     except ConfigError as error:
-        raise _attribute(error, sources) from None
+        error = _attribute(error, sources)
+        raise ConfigError(scrub(str(error), tokens)) from None
     order = {dotted: index for index, dotted in enumerate(known_fields())}
     ordered = dict(sorted(sources.items(), key=lambda item: order.get(item[0], len(order))))
     return ResolvedConfig(config=config, sources=ordered, config_path=config_path)

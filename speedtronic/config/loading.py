@@ -7,6 +7,13 @@ contains ``:`` and is not an existing path is inline YAML/JSON; anything else is
 YAML/JSON is a :class:`ConfigError` with line and column, a missing file is a
 :class:`ConfigFileNotFoundError` (also a ``FileNotFoundError``), and a token found in a file or
 inline text is logged as a warning on the ``speedtronic.config`` logger.
+
+Documents are bounded before they are built, so hostile text costs milliseconds, never
+memory: YAML nesting deeper than ``MAX_DEPTH`` levels, anchors and aliases that would expand
+to more than ``MAX_NODES`` nodes (an alias bomb) or refer to themselves, duplicate mapping
+keys, and integers longer than 40 digits (kept as text, so the field's check names them) are
+refused with a one-line :class:`ConfigError`; JSON gets the same depth, duplicate-key and
+integer rules.
 """
 
 from __future__ import annotations
@@ -19,12 +26,170 @@ from typing import Any
 
 import yaml
 
-from speedtronic.config.coercion import REDACTED
 from speedtronic.config.errors import ConfigError, ConfigFileNotFoundError
+from speedtronic.config.redaction import REDACTED
 
-__all__ = ["looks_inline", "parse_text", "read_config_file", "read_source", "warn_if_token"]
+__all__ = [
+    "MAX_DEPTH",
+    "MAX_NODES",
+    "load_yaml_value",
+    "looks_inline",
+    "parse_text",
+    "read_config_file",
+    "read_source",
+    "warn_if_token",
+]
 
 logger = logging.getLogger("speedtronic.config")
+
+MAX_DEPTH = 64  # nesting levels of a document (a config needs four)
+MAX_NODES = 100_000  # nodes of a document with every alias expanded
+_MAX_INT_TEXT = 40  # longer integers stay text (int64 needs 20 digits)
+
+
+class _Refused(yaml.MarkedYAMLError):
+    """A document the bounded loader refuses (too deep, too big, duplicate key)."""
+
+    def __init__(self, problem: str, mark: Any) -> None:
+        super().__init__(problem=problem, problem_mark=mark)
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [item for pair in node.value for item in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
+
+
+def _measure(root: yaml.Node) -> None:
+    """Refuse a composed document whose alias expansion is cyclic, too big or too deep.
+
+    An iterative post-order walk over the node graph (aliases share nodes), memoised by
+    node, so a 370-byte alias bomb is measured in microseconds without being expanded.
+    """
+    size: dict[int, int] = {}
+    depth: dict[int, int] = {}
+    visiting: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        key = id(node)
+        if finished:
+            visiting.discard(key)
+            children = _children(node)
+            size[key] = 1 + sum(size[id(child)] for child in children)
+            depth[key] = 1 + max((depth[id(child)] for child in children), default=0)
+            if size[key] > MAX_NODES:
+                raise _Refused(
+                    f"anchors and aliases expand to more than {MAX_NODES} nodes; refusing the "
+                    "document (an alias bomb?)",
+                    node.start_mark,
+                )
+            if depth[key] > MAX_DEPTH:
+                raise _Refused(f"nesting deeper than {MAX_DEPTH} levels", node.start_mark)
+            continue
+        if key in size:
+            continue
+        visiting.add(key)
+        stack.append((node, True))
+        for child in _children(node):
+            if id(child) in visiting:
+                raise _Refused("an alias refers to a node that contains it", child.start_mark)
+            if id(child) not in size:
+                stack.append((child, False))
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that bounds the document before constructing it (see module)."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                event = self.peek_event()
+                raise _Refused(f"nesting deeper than {MAX_DEPTH} levels", event.start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def compose_document(self) -> Any:
+        node = super().compose_document()
+        if node is not None:
+            _measure(node)
+        return node
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        if isinstance(node, yaml.MappingNode):
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(
+                    key_node, yaml.ScalarNode
+                ):
+                    continue
+                key = self.construct_object(key_node)
+                if key in seen:
+                    shown = str(key) if len(str(key)) <= 40 else str(key)[:37] + "..."
+                    raise _Refused(f"duplicate key {shown!r}", key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node: Any) -> Any:
+        text = self.construct_scalar(node)
+        if len(text) > _MAX_INT_TEXT:
+            return str(text)  # the field's own check names it; int() would take quadratic time
+        return super().construct_yaml_int(node)
+
+
+_BoundedLoader.add_constructor("tag:yaml.org,2002:int", _BoundedLoader.construct_yaml_int)
+
+
+def _bounded_yaml(text: str) -> Any:
+    loader = _BoundedLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
+def load_yaml_value(text: str) -> Any:
+    """One YAML value (env variables, secret files, ``--set``) through the bounded loader.
+
+    Raises ``yaml.YAMLError`` (a refusal is a ``MarkedYAMLError`` naming the problem).
+    """
+    return _bounded_yaml(text)
+
+
+def _json_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            shown = key if len(key) <= 40 else key[:37] + "..."
+            raise ConfigError(f"duplicate key {shown!r}")
+        result[key] = value
+    return result
+
+
+def _json_int(text: str) -> Any:
+    return int(text) if len(text) <= _MAX_INT_TEXT else text
+
+
+def _json_depth_ok(value: Any) -> bool:
+    """True when ``value`` nests at most ``MAX_DEPTH`` levels (iterative walk)."""
+    stack = [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if level > MAX_DEPTH:
+            return False
+        if isinstance(item, dict):
+            stack.extend((child, level + 1) for child in item.values())
+        elif isinstance(item, list):
+            stack.extend((child, level + 1) for child in item)
+    return True
 
 
 def _root_mapping(parsed: Any) -> dict[str, Any]:
@@ -39,14 +204,22 @@ def parse_text(text: str, *, origin: str = "<inline>", use_json: bool = False) -
     """Parse YAML (or JSON) text into the root mapping; syntax errors name line and column."""
     if use_json:
         try:
-            parsed = json.loads(text)
+            parsed = json.loads(text, object_pairs_hook=_json_pairs, parse_int=_json_int)
         except json.JSONDecodeError as exc:
             raise ConfigError(
                 f"{origin}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"
             ) from None
+        except ConfigError as exc:
+            raise ConfigError(f"{origin}: invalid JSON: {exc}") from None
+        except RecursionError:
+            raise ConfigError(
+                f"{origin}: invalid JSON: nesting deeper than {MAX_DEPTH} levels"
+            ) from None
+        if not _json_depth_ok(parsed):
+            raise ConfigError(f"{origin}: invalid JSON: nesting deeper than {MAX_DEPTH} levels")
         return _root_mapping(parsed)
     try:
-        parsed = yaml.safe_load(text)
+        parsed = _bounded_yaml(text)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

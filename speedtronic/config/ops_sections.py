@@ -1,7 +1,9 @@
 """Operational section dataclasses: checkpoint, logging, metrics, distributed, shape_validation.
 
 Same conventions as :mod:`speedtronic.config.sections`: mutable dataclasses, coercion then the
-2.0.0 range checks in ``__post_init__``, type errors naming the field.
+2.0.0 range checks in ``__post_init__``, type errors naming the field, then the upper bounds of
+:mod:`speedtronic.config.limits` (durations that reach ``time.sleep``/``Event.wait`` are
+capped far below what could overflow them).
 """
 
 from __future__ import annotations
@@ -10,8 +12,24 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from speedtronic.config.coercion import describe, to_bool, to_float, to_int, to_str, to_str_list
+from speedtronic.config.coercion import (
+    describe,
+    to_bool,
+    to_float,
+    to_int,
+    to_path,
+    to_str,
+    to_str_list,
+)
 from speedtronic.config.errors import ConfigError
+from speedtronic.config.limits import (
+    MAX_STEPS,
+    at_most,
+    blame,
+    check_node_id,
+    in_range,
+    is_valid_node_id,
+)
 from speedtronic.config.sections import _choice
 
 __all__ = [
@@ -25,12 +43,27 @@ __all__ = [
 ]
 
 LOG_LEVELS = ("CRITICAL", "FATAL", "ERROR", "WARNING", "WARN", "INFO", "DEBUG", "NOTSET")
+HOUR, DAY, WEEK = 3600.0, 86400.0, 604800.0
 
 
 def is_path_safe_node_id(value: str) -> bool:
-    """True when ``value`` can be used as one path component (no separators, not ``.``/``..``)."""
-    text = value.strip()
-    return bool(text) and text not in {".", ".."} and "/" not in text and "\\" not in text
+    """True when ``value`` (stripped) passes the one node-id rule (:func:`check_node_id`)."""
+    return is_valid_node_id(str(value).strip())
+
+
+def _token(value: Any) -> str | None:
+    """The token without the whitespace a secret file or ``secretKeyRef`` adds; inner
+    whitespace or control characters are refused (an HTTP header cannot carry them)."""
+    token = to_str(value, "distributed.token", nullable=True, secret=True)
+    if token is None:
+        return None
+    token = token.strip()
+    if any(char.isspace() or not char.isprintable() for char in token):
+        raise ConfigError(
+            "distributed.token contains whitespace or control characters inside it (the value "
+            "is not shown); check HF_TOKEN or the hf_token secret file"
+        )
+    return token
 
 
 @dataclass
@@ -46,7 +79,7 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         self.enabled = to_bool(self.enabled, "checkpoint.enabled")
-        self.directory = to_str(self.directory, "checkpoint.directory")
+        self.directory = to_path(self.directory, "checkpoint.directory")
         self.every_steps = to_int(self.every_steps, "checkpoint.every_steps")
         self.keep_last = to_int(self.keep_last, "checkpoint.keep_last", nullable=True)
         self.resume = to_bool(self.resume, "checkpoint.resume")
@@ -55,6 +88,8 @@ class CheckpointConfig:
             raise ConfigError("checkpoint.every_steps must be positive")
         if self.keep_last is not None and self.keep_last <= 0:
             raise ConfigError("checkpoint.keep_last must be positive or null")
+        at_most(self.every_steps, "checkpoint.every_steps", MAX_STEPS)
+        at_most(self.keep_last, "checkpoint.keep_last", 10**6)
 
 
 @dataclass
@@ -74,14 +109,15 @@ class LoggingConfig:
         self.every_steps = to_int(self.every_steps, "logging.every_steps")
         if self.every_steps <= 0:
             raise ConfigError("logging.every_steps must be positive")
+        at_most(self.every_steps, "logging.every_steps", MAX_STEPS)
         level = to_str(self.level, "logging.level").strip().upper()
         if level not in LOG_LEVELS:
             raise ConfigError(
                 f"logging.level must be one of {', '.join(LOG_LEVELS)}, got {describe(self.level)}"
             )
         self.level = level
-        self.file = to_str(self.file, "logging.file", nullable=True)
-        self.json_file = to_str(self.json_file, "logging.json_file", nullable=True)
+        self.file = to_path(self.file, "logging.file", nullable=True)
+        self.json_file = to_path(self.json_file, "logging.json_file", nullable=True)
         self.format = _choice(
             self.format,
             "logging.format",
@@ -119,6 +155,7 @@ class MetricsConfig:
             raise ConfigError("metrics.port must be between 0 and 65535")
         if self.stall_seconds <= 0:
             raise ConfigError("metrics.stall_seconds must be positive")
+        at_most(self.stall_seconds, "metrics.stall_seconds", WEEK)
 
 
 @dataclass
@@ -192,9 +229,7 @@ class DistributedConfig:
         if self.enabled and self.role == "single":
             self.role = "master" if self.repo_id else "worker"
         if self.node_id is not None:
-            if not is_path_safe_node_id(self.node_id):
-                raise ConfigError("distributed.node_id must be a non-empty path-safe identifier")
-            self.node_id = self.node_id.strip()
+            self.node_id = check_node_id(self.node_id)
         self.collaborators = to_str_list(
             self.collaborators,
             "distributed.collaborators",
@@ -223,9 +258,14 @@ class DistributedConfig:
                 "distributed.train: false is only valid on the master (a pure aggregator)"
             )
         if self.outer_lr <= 0 or not 0.0 <= self.outer_momentum < 1.0:
-            raise ConfigError("outer learning rate/momentum values are invalid")
+            bad = {"distributed.outer_lr": self.outer_lr} if self.outer_lr <= 0 else {}
+            if not 0.0 <= self.outer_momentum < 1.0:
+                bad["distributed.outer_momentum"] = self.outer_momentum
+            raise blame("outer learning rate/momentum values are invalid", bad, lambda v: True)
         if self.retry_initial <= 0 or self.retry_max < self.retry_initial:
-            raise ConfigError("distributed retry bounds are invalid")
+            bounds = {"distributed.retry_initial": self.retry_initial}
+            bounds["distributed.retry_max"] = self.retry_max
+            raise blame("distributed retry bounds are invalid", bounds, lambda v: True)
         if self.retry_attempts < 1:
             raise ConfigError("distributed.retry_attempts must be positive")
         if self.delta_upload_queue_size != 1:
@@ -256,6 +296,24 @@ class DistributedConfig:
             )
         if self.enabled and not self.repo_id:
             raise ConfigError("distributed.repo_id is required for DumbDiLoCo")
+        self._check_upper_bounds()
+
+    def _check_upper_bounds(self) -> None:
+        """Counts stay countable and every duration fits ``time.sleep``/``Event.wait``."""
+        at_most(self.inner_steps, "distributed.inner_steps", MAX_STEPS)
+        in_range(self.poll_interval, "distributed.poll_interval", 0.001, DAY)
+        at_most(self.round_timeout, "distributed.round_timeout", WEEK)
+        at_most(self.min_nodes, "distributed.min_nodes", 10_000)
+        at_most(self.max_staleness, "distributed.max_staleness", 1000)
+        at_most(self.drop_after, "distributed.drop_after", 1000)
+        at_most(self.outer_lr, "distributed.outer_lr", 10.0)
+        at_most(self.retry_initial, "distributed.retry_initial", HOUR)
+        at_most(self.retry_max, "distributed.retry_max", DAY)
+        at_most(self.retry_attempts, "distributed.retry_attempts", 100)
+        at_most(
+            self.delta_upload_shutdown_timeout, "distributed.delta_upload_shutdown_timeout", HOUR
+        )
+        at_most(self.request_timeout, "distributed.request_timeout", DAY)
 
     def _coerce(self) -> None:
         self.enabled = to_bool(self.enabled, "distributed.enabled")
@@ -269,10 +327,10 @@ class DistributedConfig:
         self.train = to_bool(self.train, "distributed.train")
         self.outer_lr = to_float(self.outer_lr, "distributed.outer_lr")
         self.outer_momentum = to_float(self.outer_momentum, "distributed.outer_momentum")
-        self.repo_id = to_str(self.repo_id, "distributed.repo_id", nullable=True)
-        self.token = to_str(self.token, "distributed.token", nullable=True, secret=True)
-        self.cache_dir = to_str(self.cache_dir, "distributed.cache_dir")
-        self.state_dir = to_str(self.state_dir, "distributed.state_dir")
+        self.repo_id = to_path(self.repo_id, "distributed.repo_id", nullable=True)
+        self.token = _token(self.token)
+        self.cache_dir = to_path(self.cache_dir, "distributed.cache_dir")
+        self.state_dir = to_path(self.state_dir, "distributed.state_dir")
         self.retry_initial = to_float(self.retry_initial, "distributed.retry_initial")
         self.retry_max = to_float(self.retry_max, "distributed.retry_max")
         self.retry_attempts = to_int(self.retry_attempts, "distributed.retry_attempts")
@@ -285,7 +343,7 @@ class DistributedConfig:
             self.delta_upload_shutdown_timeout, "distributed.delta_upload_shutdown_timeout"
         )
         self.request_timeout = to_float(self.request_timeout, "distributed.request_timeout")
-        self.slots_dir = to_str(self.slots_dir, "distributed.slots_dir", nullable=True)
+        self.slots_dir = to_path(self.slots_dir, "distributed.slots_dir", nullable=True)
 
     def __repr__(self) -> str:
         shown = {name: getattr(self, name) for name in self.__dataclass_fields__}
@@ -334,4 +392,4 @@ class ShapeValidationConfig:
             )
         if value <= 0:
             raise ConfigError("shape_validation.alignment must be positive")
-        return int(value)
+        return int(at_most(value, "shape_validation.alignment", 4096))

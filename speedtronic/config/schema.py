@@ -20,6 +20,7 @@ from typing import Any
 from speedtronic.config.canonical import SECTION_NAMES, canonicalize, unknown_keys_message
 from speedtronic.config.coercion import REDACTED, to_bool, to_int
 from speedtronic.config.errors import ConfigError
+from speedtronic.config.limits import path_kind_problem
 from speedtronic.config.ops_sections import (
     CheckpointConfig,
     DistributedConfig,
@@ -180,12 +181,37 @@ class SpeedtronicConfig:
 
     # ----------------------------------------------------------------- validation / paths
     def validate(self) -> SpeedtronicConfig:
-        """Cross-section checks (reference/config.md §6.2); returns ``self``."""
+        """Cross-section checks (reference/config.md §6.2) and path kinds; returns ``self``."""
         if self.data.block_size is None or self.data.block_size <= 0:
             raise ConfigError("data.block_size must be positive")
         if self.distributed.enabled and not self.distributed.repo_id:
             raise ConfigError("distributed.repo_id is required")
+        self._check_paths()
         return self
+
+    def _check_paths(self) -> None:
+        """An existing path of the wrong kind (a directory where a file goes, or the reverse)
+        is a ``ConfigError`` now, not a failure after training started. Nothing is created."""
+        wanted: list[tuple[str, Any, str]] = [
+            ("run.output_dir", self.output_path, "dir"),
+            ("checkpoint.directory", self.checkpoint_dir, "dir"),
+            ("distributed.state_dir", self.state_dir, "dir"),
+            ("distributed.cache_dir", self.distributed.cache_dir, "dir"),
+            ("distributed.slots_dir", self.distributed.slots_dir, "dir"),
+            ("logging.file", self.logging.file, "file"),
+            ("logging.json_file", self.logging.json_file, "file"),
+            ("data.text_path", self.data.text_path, "file"),
+            ("data.token_path", self.data.token_path, "file"),
+            ("eval.text_path", self.eval.text_path, "file"),
+            ("eval.token_path", self.eval.token_path, "file"),
+        ]
+        repo = self.distributed.repo_id or ""
+        if repo.startswith("file:///"):
+            wanted.append(("distributed.repo_id", repo[len("file://") :], "dir"))
+        for field, path, kind in wanted:
+            problem = path_kind_problem(path, kind) if path else None
+            if problem:
+                raise ConfigError(f"{field}: {path} {problem}")
 
     @property
     def output_path(self) -> Path:

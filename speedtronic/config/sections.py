@@ -4,6 +4,8 @@ Each section is a plain mutable ``@dataclass`` that coerces and validates its ow
 ``__post_init__`` (so direct Python construction is validated too); nothing re-validates after
 later attribute mutation. Range-check messages are the 2.0.0 texts (reference/config.md §5);
 type errors name the field and the expected type (see :mod:`speedtronic.config.coercion`).
+Every numeric field also has an upper bound (:mod:`speedtronic.config.limits`), so nothing
+absurd validates and fails later; docs/configuration.md lists the ranges.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from speedtronic.config.coercion import (
     to_bool,
     to_float,
     to_int,
+    to_path,
     to_str,
 )
 from speedtronic.config.errors import ConfigError
+from speedtronic.config.limits import MAX_SEED, MAX_STEPS, at_most, blame, in_range
 
 __all__ = [
     "SYNTHETIC_KINDS",
@@ -46,6 +50,8 @@ def _choice(value: Any, field: str, choices: tuple[str, ...], message: str) -> s
 
 
 SYNTHETIC_KINDS = ("markov", "uniform", "none")
+MAX_VOCAB = 2**24  # token ids must fit the embedding; uint32 token files allow more
+MAX_SEQ_LEN = 2**20
 
 
 def _synthetic_kind(value: Any) -> str:
@@ -89,10 +95,10 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         self.name = to_str(self.name, "run.name")
-        self.seed = to_int(self.seed, "run.seed")
+        self.seed = in_range(to_int(self.seed, "run.seed"), "run.seed", 0, MAX_SEED)
         self.device = to_str(self.device, "run.device").strip()
         self.max_steps = to_int(self.max_steps, "run.max_steps")
-        self.output_dir = to_str(self.output_dir, "run.output_dir")
+        self.output_dir = to_path(self.output_dir, "run.output_dir")
         self.log_every = to_int(self.log_every, "run.log_every", nullable=True)
         self.stop_on_nonfinite = to_bool(self.stop_on_nonfinite, "run.stop_on_nonfinite")
         if not self.device:
@@ -101,6 +107,8 @@ class RunConfig:
             raise ConfigError("run.max_steps must be positive")
         if self.log_every is not None and self.log_every <= 0:
             raise ConfigError("run.log_every must be positive")
+        at_most(self.max_steps, "run.max_steps", MAX_STEPS)
+        at_most(self.log_every, "run.log_every", MAX_STEPS)
 
 
 @dataclass
@@ -144,15 +152,25 @@ class ModelConfig:
         if self.vocab_size <= 0:
             raise ConfigError("model.vocab_size must be positive")
         if min(self.n_layer, self.n_head, self.n_kv_head) <= 0:
-            raise ConfigError("model layer/head counts must be positive")
+            counts = {"model.n_layer": self.n_layer, "model.n_head": self.n_head}
+            counts["model.n_kv_head"] = self.n_kv_head
+            raise blame("model layer/head counts must be positive", counts, lambda v: v <= 0)
         if self.d_model <= 0 or self.d_ff <= 0:
-            raise ConfigError("model dimensions must be positive")
+            dims = {"model.d_model": self.d_model, "model.d_ff": self.d_ff}
+            raise blame("model dimensions must be positive", dims, lambda v: v <= 0)
         if self.n_head % self.n_kv_head != 0:
             raise ConfigError("model.n_head must be divisible by model.n_kv_head")
         if self.d_model % self.n_head != 0:
             raise ConfigError("model.d_model must be divisible by model.n_head")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError("model.dropout must be in [0, 1)")
+        at_most(self.vocab_size, "model.vocab_size", MAX_VOCAB)
+        at_most(self.max_seq_len, "model.max_seq_len", MAX_SEQ_LEN)
+        at_most(self.n_layer, "model.n_layer", 1024)
+        at_most(self.n_head, "model.n_head", 1024)
+        at_most(self.d_model, "model.d_model", 2**17)
+        at_most(self.d_ff, "model.d_ff", 2**20)
+        in_range(self.rope_base, "model.rope_base", 0.0, 1e12, low_open=True)
 
 
 @dataclass
@@ -189,7 +207,9 @@ class DataConfig:
     allow_pickle: bool = False
 
     def __post_init__(self) -> None:
-        self.text_path = to_str(self.text_path, "data.text_path", nullable=True)
+        self.text_path = to_path(self.text_path, "data.text_path", nullable=True)
+        if isinstance(self.dataset, str):
+            self.dataset = to_path(self.dataset, "data.dataset")
         if (
             self.dataset is not None
             and not isinstance(self.dataset, str)
@@ -209,9 +229,11 @@ class DataConfig:
         self.pin_memory = to_bool(self.pin_memory, "data.pin_memory", nullable=True)
         self.shuffle = to_bool(self.shuffle, "data.shuffle")
         self.drop_last = to_bool(self.drop_last, "data.drop_last")
-        self.seed = to_int(self.seed, "data.seed", nullable=True)
+        self.seed = in_range(
+            to_int(self.seed, "data.seed", nullable=True), "data.seed", 0, MAX_SEED
+        )
         self.max_steps = to_int(self.max_steps, "data.max_steps", nullable=True)
-        self.token_path = to_str(self.token_path, "data.token_path", nullable=True)
+        self.token_path = to_path(self.token_path, "data.token_path", nullable=True)
         self.token_dtype = _choice(
             self.token_dtype,
             "data.token_dtype",
@@ -226,7 +248,9 @@ class DataConfig:
         )
         self.allow_pickle = to_bool(self.allow_pickle, "data.allow_pickle")
         if self.micro_batch_size <= 0 or self.target_batch_size <= 0:
-            raise ConfigError("batch sizes must be positive")
+            sizes = {"data.micro_batch_size": self.micro_batch_size}
+            sizes["data.target_batch_size"] = self.target_batch_size
+            raise blame("batch sizes must be positive", sizes, lambda v: v <= 0)
         if self.target_batch_size < self.micro_batch_size:
             raise ConfigError("target_batch_size must be >= micro_batch_size")
         if self.target_batch_size % self.micro_batch_size != 0:
@@ -241,6 +265,17 @@ class DataConfig:
             raise ConfigError("data.prefetch_factor must be positive")
         if self.max_steps is not None and self.max_steps <= 0:
             raise ConfigError("data.max_steps must be positive")
+        self._check_upper_bounds()
+
+    def _check_upper_bounds(self) -> None:
+        at_most(self.num_tokens, "data.num_tokens", 10**8)  # one epoch's order is materialised
+        at_most(self.vocab_size, "data.vocab_size", MAX_VOCAB)
+        at_most(self.block_size, "data.block_size", MAX_SEQ_LEN)
+        at_most(self.micro_batch_size, "data.micro_batch_size", 2**16)
+        at_most(self.target_batch_size, "data.target_batch_size", 2**24)
+        at_most(self.num_workers, "data.num_workers", 256)
+        at_most(self.prefetch_factor, "data.prefetch_factor", 1024)
+        at_most(self.max_steps, "data.max_steps", MAX_STEPS)
 
     @property
     def accumulation_steps(self) -> int:
@@ -289,7 +324,11 @@ class OptimizerConfig:
         if not all(0.0 <= beta < 1.0 for beta in self.betas):
             raise ConfigError("optimizer.betas must contain two values in [0, 1)")
         if self.eps <= 0 or self.weight_decay < 0:
-            raise ConfigError("optimizer eps must be positive and weight_decay non-negative")
+            bad = {"optimizer.eps": self.eps} if self.eps <= 0 else {}
+            if self.weight_decay < 0:
+                bad["optimizer.weight_decay"] = self.weight_decay
+            message = "optimizer eps must be positive and weight_decay non-negative"
+            raise blame(message, bad, lambda v: True)
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ConfigError("optimizer.grad_clip must be positive")
         if self.muon_plus and self.name != "muon":
@@ -300,6 +339,11 @@ class OptimizerConfig:
             raise ConfigError("optimizer.muon_ns_steps must be positive")
         if self.muon_norm_eps <= 0:
             raise ConfigError("optimizer.muon_norm_eps must be positive")
+        at_most(self.weight_decay, "optimizer.weight_decay", 1000.0)
+        at_most(self.grad_clip, "optimizer.grad_clip", 1e9)
+        at_most(self.eps, "optimizer.eps", 1.0)
+        at_most(self.muon_norm_eps, "optimizer.muon_norm_eps", 1.0)
+        at_most(self.muon_ns_steps, "optimizer.muon_ns_steps", 100)
 
     @staticmethod
     def _coerce_betas(value: Any) -> tuple[float, float]:
@@ -338,9 +382,15 @@ class SchedulerConfig:
         self.max_steps = to_int(self.max_steps, "scheduler.max_steps", nullable=True)
         self.min_lr_ratio = to_float(self.min_lr_ratio, "scheduler.min_lr_ratio")
         if self.warmup_steps < 0 or (self.max_steps is not None and self.max_steps <= 0):
-            raise ConfigError("scheduler steps must be non-negative/max_steps positive")
+            bad = {"scheduler.warmup_steps": self.warmup_steps} if self.warmup_steps < 0 else {}
+            if self.max_steps is not None and self.max_steps <= 0:
+                bad["scheduler.max_steps"] = self.max_steps
+            message = "scheduler steps must be non-negative/max_steps positive"
+            raise blame(message, bad, lambda v: True)
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError("scheduler.min_lr_ratio must be in [0, 1]")
+        at_most(self.warmup_steps, "scheduler.warmup_steps", MAX_STEPS)
+        at_most(self.max_steps, "scheduler.max_steps", MAX_STEPS)
         # Not a dataclass field: excluded from eq/repr/to_dict; set by the aggregate too.
         self.max_steps_explicit = self.max_steps is not None
 
@@ -390,8 +440,8 @@ class EvalConfig:
     batch_size: int | None = None
 
     def __post_init__(self) -> None:
-        self.text_path = to_str(self.text_path, "eval.text_path", nullable=True)
-        self.token_path = to_str(self.token_path, "eval.token_path", nullable=True)
+        self.text_path = to_path(self.text_path, "eval.text_path", nullable=True)
+        self.token_path = to_path(self.token_path, "eval.token_path", nullable=True)
         self.holdout = to_float(self.holdout, "eval.holdout")
         self.every_steps = to_int(self.every_steps, "eval.every_steps")
         self.tokens = to_int(self.tokens, "eval.tokens")
@@ -407,6 +457,9 @@ class EvalConfig:
             raise ConfigError("eval.tokens must be positive")
         if self.batch_size is not None and self.batch_size <= 0:
             raise ConfigError("eval.batch_size must be positive")
+        at_most(self.every_steps, "eval.every_steps", MAX_STEPS)
+        at_most(self.tokens, "eval.tokens", 2**31 - 1)
+        at_most(self.batch_size, "eval.batch_size", 2**16)
         if self.text_path and self.token_path:
             raise ConfigError("eval.text_path and eval.token_path are exclusive; set one of them")
         if self.holdout > 0 and (self.text_path or self.token_path):

@@ -21,34 +21,22 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from speedtronic.diloco import tensors as T
+from speedtronic.config.limits import check_node_id
 
 __all__ = ["NodeClaim", "resolve_node_id"]
 
 _NODE_ENV = ("SPEEDTRONIC_NODE_ID", "HOSTNAME", "HF_USERNAME", "USER")
 
 
-def _config_error(message: str) -> Exception:
-    try:
-        from speedtronic.config import ConfigError
-    except ImportError:  # pragma: no cover - config is part of the package
-        return ValueError(message)
-    return ConfigError(message)
-
-
 def resolve_node_id(configured: str | None, environ: Mapping[str, str]) -> str:
     """``node_id`` -> SPEEDTRONIC_NODE_ID -> HOSTNAME -> HF_USERNAME -> USER -> ``local``.
 
-    The result must be path-safe (letters, digits, ``._@+-``), else ``ConfigError``.
+    The result must pass the config layer's one node-id rule (letters, digits, ``._@+-``, at
+    most 128 characters), else ``ConfigError``.
     """
     candidates = [configured, *(environ.get(name) for name in _NODE_ENV), "local"]
     value = next(str(c).strip() for c in candidates if c is not None and str(c).strip())
-    if not T.is_path_safe(value):
-        raise _config_error(
-            f"distributed.node_id: {value!r} is not a path-safe identifier "
-            "(use letters, digits and . _ - @ +; set distributed.node_id or SPEEDTRONIC_NODE_ID)"
-        )
-    return value
+    return check_node_id(value)
 
 
 def _pid_alive(pid: int) -> bool:

@@ -1,0 +1,152 @@
+"""Ranges, path rules and the node-id rule shared by every config section.
+
+Every numeric field has a range checked at validation (docs/configuration.md lists them).
+The constants here are the ones several sections share: step counts (``MAX_STEPS``: twelve
+digits, the width of a checkpoint file name), seeds (what ``numpy.random.seed`` accepts, and
+``torch.manual_seed`` with it), and durations in seconds that end up in ``time.sleep`` or
+``threading.Event.wait`` (far below ``threading.TIMEOUT_MAX``, so they can never overflow).
+
+Paths: no NUL byte, at most ``MAX_PATH`` bytes, no segment longer than ``MAX_SEGMENT`` bytes.
+:func:`path_kind_problem` says why an existing path cannot serve as a file or a directory.
+
+Node ids: :func:`check_node_id` is the one rule (letters, digits and ``. _ - @ +``, starting
+with a letter or digit, at most ``MAX_NODE_ID`` characters). The config sections and
+``speedtronic.diloco.identity.resolve_node_id`` both use it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from speedtronic.config.errors import ConfigError
+
+__all__ = [
+    "MAX_NODE_ID",
+    "MAX_PATH",
+    "MAX_SEED",
+    "MAX_SEGMENT",
+    "MAX_STEPS",
+    "at_most",
+    "blame",
+    "check_node_id",
+    "check_path_text",
+    "in_range",
+    "is_valid_node_id",
+    "path_kind_problem",
+]
+
+MAX_STEPS = 10**12 - 1  # step_<12 digits>.pt
+MAX_SEED = 2**32 - 1  # numpy.random.seed's limit; torch.manual_seed accepts more
+MAX_PATH = 4096  # PATH_MAX on Linux
+MAX_SEGMENT = 255  # NAME_MAX on Linux
+MAX_NODE_ID = 128  # one path segment, with room for the files named after it
+_NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]*")
+
+
+def _limit(value: float) -> str:
+    """A limit as written in docs/configuration.md (integers exactly, floats short)."""
+    return str(value) if isinstance(value, int) else f"{value:g}"
+
+
+def _shown(value: Any) -> str:
+    """A number for an error message (never thousands of digits)."""
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10**30 else "a huge number"
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def in_range(
+    value: Any,
+    field: str,
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    low_open: bool = False,
+) -> Any:
+    """``value`` when ``low <= value <= high`` (``low < value`` with ``low_open``)."""
+    if value is None:
+        return value
+    below = low is not None and (value <= low if low_open else value < low)
+    above = high is not None and value > high
+    if below or above:
+        opening = "(" if low_open else "["
+        lower = "-inf" if low is None else _limit(low)
+        upper = "inf" if high is None else _limit(high)
+        raise ConfigError(f"{field} must be in {opening}{lower}, {upper}], got {_shown(value)}")
+    return value
+
+
+def at_most(value: Any, field: str, high: float) -> Any:
+    """``value`` when it is ``None`` or ``<= high``; else a ``ConfigError`` naming the limit."""
+    if value is not None and value > high:
+        raise ConfigError(f"{field} must be at most {_limit(high)}, got {_shown(value)}")
+    return value
+
+
+def blame(message: str, fields: dict[str, Any], bad: Any) -> ConfigError:
+    """A 2.0.0 message that covers several fields, followed by the ones ``bad(value)`` rejects
+    (``model dimensions must be positive (model.d_ff = -1)``): the text stays, the field is
+    named."""
+    named = ", ".join(f"{name} = {_shown(value)}" for name, value in fields.items() if bad(value))
+    return ConfigError(f"{message} ({named})" if named else message)
+
+
+def check_path_text(value: str | None, field: str) -> str | None:
+    """Refuse a path the OS cannot take: NUL bytes, over-long paths or segments."""
+    if value is None:
+        return None
+    if "\x00" in value:
+        raise ConfigError(f"{field} must not contain a NUL byte")
+    encoded = value.encode("utf-8", "surrogateescape")
+    if len(encoded) > MAX_PATH:
+        raise ConfigError(f"{field} is longer than {MAX_PATH} bytes")
+    longest = max((len(part) for part in encoded.split(b"/")), default=0)
+    if longest > MAX_SEGMENT:
+        raise ConfigError(f"{field} has a path segment longer than {MAX_SEGMENT} bytes")
+    return value
+
+
+def path_kind_problem(path: str | os.PathLike[str], want: str) -> str | None:
+    """Why ``path`` cannot be used as a ``file`` or a ``dir`` (``None`` when it can or may).
+
+    Only what exists is judged: the path itself (a directory where a file is wanted, or the
+    reverse) and its nearest existing ancestor (which must be a directory). A path that does
+    not exist yet is fine; permissions are left to the run (a config is often validated on
+    another machine than the one that runs it).
+    """
+    target = Path(path)
+    try:
+        if target.exists():
+            if want == "file" and target.is_dir():
+                return "is a directory, expected a file"
+            if want == "dir" and not target.is_dir():
+                return "is a file, expected a directory"
+            return None
+        for parent in target.parents:
+            if parent.exists():
+                return None if parent.is_dir() else f"{parent} is a file, not a directory"
+    except OSError as exc:  # e.g. a parent that is a file (ENOTDIR), a loop
+        return exc.strerror or str(exc)
+    return None
+
+
+def is_valid_node_id(value: str) -> bool:
+    """The node-id rule: path-safe characters, at most ``MAX_NODE_ID`` characters."""
+    return isinstance(value, str) and len(value) <= MAX_NODE_ID and bool(_NODE_ID.fullmatch(value))
+
+
+def check_node_id(value: str, field: str = "distributed.node_id") -> str:
+    """``value`` stripped when it is a valid node id, else a ``ConfigError`` naming the rule."""
+    text = str(value).strip()
+    if is_valid_node_id(text):
+        return text
+    if len(text) > MAX_NODE_ID:
+        detail = f"it has {len(text)} characters, at most {MAX_NODE_ID} are allowed"
+    else:
+        detail = "use letters, digits and . _ - @ +, starting with a letter or digit"
+    raise ConfigError(
+        f"{field} must be a non-empty path-safe identifier ({detail}; set distributed.node_id "
+        "or SPEEDTRONIC_NODE_ID)"
+    )

@@ -1,0 +1,113 @@
+"""Keeping the Hub token out of text: every spelling of a secret, and values marked secret.
+
+:func:`scrub` is the one scrubber (the transports, the coordinator, the MetricLogger and the
+CLI all use it). A token can reach text in more spellings than its raw form: with the
+whitespace a secret file or a ``secretKeyRef`` added (``hf_x\\n``), escaped by ``repr`` or
+JSON (``hf_x\\\\n``), inside header bytes (``b'Bearer hf_x\\n'``), percent-encoded or base64
+encoded. :func:`secret_forms` lists them; ``scrub`` replaces each (longest first) by
+``<redacted>``, and also anything shaped like a Hub token (``hf_`` + 20 or more letters and
+digits) whose value we were not told.
+
+:class:`SecretText` marks a string that came from a secret (a secret file, ``HF_TOKEN``): the
+config layer wraps such values before validation, so an error about a field never prints
+one even when it landed in the wrong field (:func:`contains_secret`). Validation turns every
+accepted value back into a plain ``str``.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import json
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+from urllib.parse import quote, quote_plus
+
+__all__ = [
+    "REDACTED",
+    "TOKEN_PATTERN",
+    "SecretText",
+    "contains_secret",
+    "looks_like_token",
+    "scrub",
+    "secret_forms",
+]
+
+REDACTED = "<redacted>"
+#: Shape of a Hugging Face access token (``hf_`` + 34 letters and digits today).
+TOKEN_PATTERN = re.compile(r"hf_[A-Za-z0-9]{20,}")
+_MIN_SECRET = 4  # shorter values would redact ordinary words
+
+
+class SecretText(str):
+    """A string that came from a secret source; never shown in an error message."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return repr(REDACTED)
+
+
+def looks_like_token(text: str) -> bool:
+    """True when ``text`` contains something shaped like a Hub access token."""
+    return bool(TOKEN_PATTERN.search(text))
+
+
+def contains_secret(value: Any, *, _depth: int = 0) -> bool:
+    """True when ``value`` is, or holds (lists, tuples, mappings), a :class:`SecretText` or a
+    token-shaped string. The walk is bounded (depth 32, 1000 items per container)."""
+    if isinstance(value, str):
+        return isinstance(value, SecretText) or looks_like_token(value)
+    if _depth >= 32:
+        return False
+    if isinstance(value, Mapping):
+        items: Iterable[Any] = [*list(value.keys())[:1000], *list(value.values())[:1000]]
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = list(value)[:1000]
+    else:
+        return False
+    return any(contains_secret(item, _depth=_depth + 1) for item in items)
+
+
+def _escapes(text: str) -> set[str]:
+    """``text`` as ``repr`` and JSON write it inside quotes."""
+    return {
+        repr(text)[1:-1],
+        json.dumps(text)[1:-1],
+        json.dumps(text, ensure_ascii=False)[1:-1],
+        repr(text.encode("utf-8", "backslashreplace"))[2:-1],
+    }
+
+
+@functools.lru_cache(maxsize=64)
+def secret_forms(secret: str) -> tuple[str, ...]:
+    """Every spelling of ``secret`` worth scrubbing, longest first.
+
+    The raw value and its whitespace-stripped core; each escaped once and twice (``repr``,
+    JSON, bytes ``repr``: a JSON log line of a repr'd message); percent-encoded; base64 and
+    URL-safe base64 (without padding). Forms shorter than 4 characters are left out.
+    """
+    cores = {secret, secret.strip()}
+    forms = set(cores)
+    for _ in range(2):
+        forms |= {escaped for form in list(forms) for escaped in _escapes(form)}
+    for core in cores:
+        raw = core.encode("utf-8", "backslashreplace")
+        forms |= {quote(core, safe=""), quote_plus(core)}
+        forms |= {
+            base64.b64encode(raw).decode("ascii").rstrip("="),
+            base64.urlsafe_b64encode(raw).decode("ascii").rstrip("="),
+        }
+    usable = {form for form in forms if len(form) >= _MIN_SECRET}
+    return tuple(sorted(usable, key=lambda form: (-len(form), form)))
+
+
+def scrub(text: str, secrets: Iterable[str | None] = ()) -> str:
+    """``text`` with every form of every secret (and any token-shaped string) redacted."""
+    for secret in secrets:
+        if secret and len(secret.strip()) >= _MIN_SECRET:
+            for form in secret_forms(str(secret)):
+                if form in text:
+                    text = text.replace(form, REDACTED)
+    return TOKEN_PATTERN.sub(REDACTED, text)
