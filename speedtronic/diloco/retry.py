@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+from speedtronic.config import redaction
 from speedtronic.config.errors import ConfigError
 
 __all__ = [
@@ -126,11 +127,10 @@ def classify_error(exc: BaseException) -> ErrorInfo:
 
 
 def scrub(text: str, secrets: Iterable[str | None]) -> str:
-    """Replace every secret (the Hub token) in ``text`` by ``<redacted>``."""
-    for secret in secrets:
-        if secret and len(secret) >= 4:
-            text = text.replace(secret, "<redacted>")
-    return text
+    """Replace every secret (the Hub token) in ``text`` by ``<redacted>``, in every form it
+    can take there: raw, whitespace-stripped, repr/JSON-escaped, header bytes, percent or
+    base64 encoded, and any token-shaped string (see :mod:`speedtronic.config.redaction`)."""
+    return redaction.scrub(text, secrets)
 
 
 @dataclasses.dataclass

@@ -28,9 +28,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
 
+from speedtronic.config.redaction import REDACTED, scrub
+
 __all__ = ["REDACTED", "MetricLogger", "memory_usage_bytes"]
 
-REDACTED = "<redacted>"
 _HANDLER_TAG = "_speedtronic_handler"
 
 
@@ -87,22 +88,22 @@ class _RedactingFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if self.secrets:
-            message = record.getMessage()
-            for secret in self.secrets:
-                message = message.replace(secret, REDACTED)
-            record.msg, record.args = message, None
+            record.msg, record.args = _redact_text(record.getMessage(), self.secrets), None
             fields = getattr(record, "st_fields", None)
             if fields is not None:
-                record.st_fields = json.loads(
-                    _redact_text(json.dumps(fields, default=str), self.secrets)
-                )
+                try:
+                    record.st_fields = json.loads(
+                        _redact_text(json.dumps(fields, default=str), self.secrets)
+                    )
+                except ValueError:  # a redaction that cut through an escape sequence
+                    record.st_fields = {"fields": REDACTED}
         return True
 
 
 def _redact_text(text: str, secrets: Iterable[str]) -> str:
-    for secret in secrets:
-        text = text.replace(secret, REDACTED)
-    return text
+    """Every form of every secret (raw, stripped, escaped, encoded) and any token-shaped
+    string replaced by ``<redacted>``."""
+    return scrub(text, secrets)
 
 
 class MetricLogger:
