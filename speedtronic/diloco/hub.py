@@ -5,78 +5,51 @@ exist_ok=True)``, ``list_repo_tree(recursive=True)`` (paths and sizes),
 ``hf_hub_download(local_dir=...)`` (HEAD + GET on ``/resolve/``) and ``create_commit`` with
 ``CommitOperationAdd``/``CommitOperationDelete``: one commit per delta upload, and one commit
 for publish + prune on the master. The endpoint comes from the ``endpoint`` argument, else
-``HF_ENDPOINT`` read here in the constructor (never at import). Every HTTP request carries
-``request_timeout`` through the SDK's client factory. The token is handed to the SDK only; it
-is scrubbed from every error message.
+``HF_ENDPOINT`` read here in the constructor (never at import). The SDK's own retries are
+switched off and each primitive call is bounded by ``request_timeout``
+(:mod:`speedtronic.diloco.hub_http`), so :class:`RetryPolicy` is the one retry layer. The
+token (stripped of surrounding whitespace) is handed to the SDK only; it is scrubbed from
+every error message, and a 401/403 is a permanent error that says to check the token.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import io
 import logging
 import os
 import shutil
 import tempfile
-import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from speedtronic.diloco.hub_http import hub_call, install_sdk_client
 from speedtronic.diloco.transport import HubUnavailable, RepoTransport, RetryPolicy, TransportError
 
 __all__ = ["HubClient", "HubTransport", "install_sdk_timeouts"]
 
 _LOG = logging.getLogger("speedtronic.diloco")
-_SDK_LOCK = threading.Lock()
-_SDK_HOOKED: list[bool] = []
-_TIMEOUT: contextvars.ContextVar[float | None] = contextvars.ContextVar(
-    "speedtronic_hub_timeout", default=None
-)
+#: 2.1 name of :func:`speedtronic.diloco.hub_http.install_sdk_client`.
+install_sdk_timeouts = install_sdk_client
 
 
-def _timeout_hook(request: Any) -> None:
-    """httpx request hook: apply the timeout of the HubClient call in progress (if any)."""
-    timeout = _TIMEOUT.get()
-    if timeout is not None:
-        request.extensions["timeout"] = {k: timeout for k in ("connect", "read", "write", "pool")}
-
-
-def install_sdk_timeouts() -> None:
-    """Make the SDK's shared HTTP client honour per-call timeouts (idempotent).
-
-    The SDK's default client has no timeout. We add one request hook that is a no-op
-    outside :meth:`HubClient` calls, and inside them sets ``request_timeout`` on every
-    request (HEAD, GET, preupload, commit, listing).
-    """
-    try:
-        import httpx2
-        from huggingface_hub.utils import _http
-    except ImportError:  # older SDKs (requests based) use their own per-call timeouts
-        return
-    with _SDK_LOCK:
-        if _SDK_HOOKED:
-            return
-        _SDK_HOOKED.append(True)
-
-        def factory() -> Any:
-            return httpx2.Client(
-                event_hooks={"request": [_http.hf_request_event_hook, _timeout_hook]},
-                follow_redirects=True,
-                timeout=None,
-            )
-
-        _http.set_client_factory(factory)
-
-
-@contextlib.contextmanager
-def _timeout_scope(seconds: float) -> Iterator[None]:
-    token = _TIMEOUT.set(float(seconds))
-    try:
-        yield
-    finally:
-        _TIMEOUT.reset(token)
+def _auth_refused(exc: BaseException, repo_id: str, has_token: bool) -> TransportError | None:
+    """A 401/403 from the Hub as a permanent error that says what to fix (never the token)."""
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    if status not in (401, 403):
+        return None
+    if not has_token:
+        problem = "requires a token and none is configured"
+    elif status == 401:
+        problem = "rejected the token"
+    else:
+        problem = "refused access with this token (no write access to the repository?)"
+    return TransportError(
+        f"the Hub {problem} (HTTP {status}) for {repo_id}; check HF_TOKEN or the hf_token "
+        "secret file",
+        kind="permanent",
+        status=status,
+    )
 
 
 class HubClient(RepoTransport):
@@ -103,6 +76,7 @@ class HubClient(RepoTransport):
             retry = RetryPolicy(retry_initial, retry_max, retry_attempts, request_timeout)
             if sleeper is not None:
                 retry.sleeper = sleeper
+        token = token.strip() if token else token  # a secret file's trailing newline
         if token:
             retry.secrets = (*retry.secrets, token)
         super().__init__(repo_id, retry)
@@ -127,14 +101,20 @@ class HubClient(RepoTransport):
             except ImportError:
                 raise HubUnavailable("huggingface_hub is required for the Hub transport") from None
             disable_progress_bars()
-            install_sdk_timeouts()
+            install_sdk_client()
             self._api = HfApi(endpoint=self.endpoint, token=self._token)
         return self._api
 
     def _scoped(self, fn: Any, *args: Any) -> Any:
-        _ = self.api  # build the client (and the SDK timeout hook) before the first request
-        with _timeout_scope(self.retry.timeout):
-            return fn(*args)
+        _ = self.api  # build the client (and install the SDK client) before the first request
+        try:
+            with hub_call(self.retry.timeout):
+                return fn(*args)
+        except Exception as exc:
+            refused = _auth_refused(exc, self.repo_id, bool(self._token))
+            if refused is None:
+                raise
+            raise refused from None
 
     def _create_repo(self, private: bool) -> None:
         self.api.create_repo(self.repo_id, repo_type="model", private=private, exist_ok=True)
