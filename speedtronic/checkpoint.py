@@ -8,10 +8,16 @@ Layout of a checkpoint directory::
 
 Every file is written atomically: a temp file in the same directory
 (``.<name>.tmp-<pid>-<thread>``), flushed and ``fsync``-ed, renamed over the target with
-``os.replace`` and the directory ``fsync``-ed. A process killed mid-write leaves at worst a
-stale temp file; the previous checkpoint stays loadable. Checkpoints hold only tensors and
-primitive containers and are read with ``torch.load(weights_only=True)`` (no pickled objects).
-If the newest checkpoint is unreadable, ``load_latest`` warns and falls back to the previous one.
+``os.replace`` and the directory ``fsync``-ed (directories created on the way are fsynced into
+their parents too). A process killed mid-write leaves at worst a stale temp file; the previous
+checkpoint stays loadable. Checkpoints hold only tensors and primitive containers and are read
+with ``torch.load(weights_only=True)`` (no pickled objects).
+
+Which checkpoint resumes: the one whose *recorded* ``step`` (read from the file, tensors
+memory-mapped, not the file name) is highest; the pointer's file wins a tie. ``load_latest``
+skips, with a warning each, files it cannot read, files that record no valid step, and files
+its ``use`` callback rejects (another model shape, other optimizer groups), and falls back to
+the next; only when files exist and none is usable is it a :class:`CheckpointError`.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ __all__ = [
     "atomic_torch_save",
     "atomic_write_bytes",
     "capture_rng_state",
+    "read_step",
     "restore_rng_state",
 ]
 
@@ -60,10 +67,30 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _make_dirs(directory: Path) -> None:
+    """``mkdir -p`` whose new entries survive a crash: each created directory is fsynced into
+    its parent (a file renamed into a directory that was never synced can vanish with it)."""
+    missing = []
+    current = directory
+    while not current.exists():
+        missing.append(current)
+        if current.parent == current:
+            break
+        current = current.parent
+    for created in reversed(missing):
+        try:
+            created.mkdir()
+        except FileExistsError:  # a concurrent writer made it
+            continue
+        _fsync_dir(created.parent)
+    if not directory.is_dir():
+        directory.mkdir(parents=True, exist_ok=True)  # raises the precise error
+
+
 def _atomic_write(path: Path, write: Callable[[Any], None]) -> Path:
     """Write ``path`` through ``write(fileobj)`` via temp file + fsync + rename + dir fsync."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _make_dirs(path.parent)
     # pid + thread id: concurrent writers (processes or threads) never share a temp file.
     temp = path.with_name(f".{path.name}{_TEMP_MARK}{os.getpid()}-{threading.get_ident()}")
     try:
@@ -156,6 +183,26 @@ def restore_rng_state(state: dict[str, Any] | None) -> None:
 # ----------------------------------------------------------------------------- manager
 
 
+def read_step(path: str | os.PathLike) -> int:
+    """The optimizer step recorded inside checkpoint ``path``.
+
+    The file is opened with ``mmap=True`` so its tensors are not read (a legacy, non-zip file
+    is loaded whole). ``CheckpointError`` when it is unreadable or records no valid step (an
+    integer in ``[0, 10**12)``).
+    """
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:
+        state = CheckpointManager.load(path)  # not memory-mappable: read it whole (or fail)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {path} does not contain a state dictionary")
+    step = state.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 10**12:
+        shown = repr(step) if len(repr(step)) <= 40 else repr(step)[:37] + "..."
+        raise CheckpointError(f"checkpoint {path} records no valid step (step: {shown})")
+    return step
+
+
 def _short(exc: BaseException) -> str:
     """One informative line of a (possibly multi-paragraph) load error."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
@@ -206,8 +253,12 @@ class CheckpointManager:
         return self.directory / f"step_{int(step):012d}.pt"
 
     def save(self, step: int, state: dict[str, Any]) -> Path:
-        """Write ``state`` as the checkpoint for ``step``, move the pointer, prune old files."""
+        """Write ``state`` as the checkpoint for ``step``, move the pointer, prune old files.
+
+        ``state`` gets ``"step": step`` when it records none (resume orders by it)."""
         path = self.path_for(step)
+        if "step" not in state:
+            state = {**state, "step": int(step)}
         try:
             atomic_torch_save(state, path)
             atomic_json_dump({"step": int(step), "file": path.name}, self.pointer_path)
@@ -238,18 +289,30 @@ class CheckpointManager:
         path = self.directory / name
         return path if path.is_file() else None
 
-    def candidates(self) -> list[Path]:
-        """Checkpoint files to try, newest first (the pointer's file leads when valid)."""
-        ordered = [path for _, path in reversed(self.step_files())]
+    def survey(self) -> tuple[list[tuple[int, Path]], list[tuple[Path, str]]]:
+        """``(usable, broken)``: step files with the step each records, newest first (the
+        pointer's file first among equal steps, then the file name), and the files that
+        cannot be read or record no valid step, with the reason."""
         pointed = self._pointer_file()
-        if pointed is not None and ordered and pointed != ordered[0]:
-            # The pointer can lag a newer file after a crash; newest step wins, pointer next.
-            ordered.remove(pointed)
-            ordered.insert(1, pointed)
-        return ordered
+        usable: list[tuple[int, int, int, Path]] = []
+        broken: list[tuple[Path, str]] = []
+        for named, path in self.step_files():
+            try:
+                recorded = read_step(path)
+            except CheckpointError as exc:
+                broken.append((path, str(exc)))
+                continue
+            usable.append((recorded, int(path == pointed), named, path))
+        usable.sort(reverse=True)
+        return [(recorded, path) for recorded, _, _, path in usable], broken
+
+    def candidates(self) -> list[Path]:
+        """Checkpoint files to try, newest recorded step first; unreadable ones last."""
+        usable, broken = self.survey()
+        return [path for _, path in usable] + [path for path, _ in broken]
 
     def latest_path(self) -> Path | None:
-        """The newest checkpoint file (not checked for readability), or ``None``."""
+        """The file with the highest recorded step (else any step file), or ``None``."""
         candidates = self.candidates()
         return candidates[0] if candidates else None
 
@@ -264,33 +327,50 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {path} does not contain a state dictionary")
         return state
 
-    def load_latest(self) -> dict[str, Any] | None:
-        """The newest readable checkpoint state, or ``None`` when there is none.
+    def load_latest(
+        self, use: Callable[[dict[str, Any]], Any] | None = None
+    ) -> dict[str, Any] | None:
+        """The newest usable checkpoint state, or ``None`` when there is none.
 
-        An unreadable newest file (truncated, corrupt) is reported through ``warn`` and the
-        previous one is tried. ``CheckpointError`` only when files exist but none is readable.
+        Candidates go newest recorded step first. ``use(state)``, when given, is called on each
+        loaded candidate (the trainer's ``resume``: it checks model shapes, step and optimizer
+        groups before it changes anything) and a candidate it rejects by raising is skipped
+        like an unreadable one: each skip is reported through ``warn`` with the next file
+        tried. ``CheckpointError`` only when files exist but none is usable.
         """
-        candidates = self.candidates()
+        usable, broken = self.survey()
+        order = [path for _, path in usable]
         errors = []
-        for index, path in enumerate(candidates):
+        for _broken, reason in broken:
+            errors.append(reason)
+            self._skip(reason, order[0] if order else None)
+        for index, path in enumerate(order):
+            following = order[index + 1] if index + 1 < len(order) else None
             try:
                 state = self.load(path)
-            except CheckpointError as exc:
-                errors.append(str(exc))
-                following = candidates[index + 1] if index + 1 < len(candidates) else None
-                self._warn(
-                    f"{exc}; falling back to {following.name}"
-                    if following
-                    else f"{exc}; no older checkpoint to fall back to"
-                )
+                state.setdefault("path", str(path))
+                if use is not None:
+                    use(state)
+            except Exception as exc:
+                reason = str(exc) if isinstance(exc, CheckpointError) else _short(exc)
+                if not isinstance(exc, CheckpointError):
+                    reason = f"checkpoint {path} cannot be used: {reason}"
+                errors.append(reason)
+                self._skip(reason, following)
                 continue
-            state.setdefault("path", str(path))
             return state
         if errors:
             raise CheckpointError(
-                f"no readable checkpoint in {self.directory}: " + "; ".join(errors)
+                f"no readable checkpoint in {self.directory} that this run can use: "
+                + "; ".join(errors)
             )
         return None
+
+    def _skip(self, reason: str, following: Path | None) -> None:
+        if following is not None:
+            self._warn(f"{reason}; falling back to {following.name}")
+        else:
+            self._warn(f"{reason}; no older checkpoint to fall back to")
 
     def _warn(self, message: str) -> None:
         if self.warn is not None:

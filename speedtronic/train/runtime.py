@@ -259,11 +259,10 @@ def build_runtime(
         heldout=heldout,
     )
     if resume or section.resume:
-        state = manager.load_latest()
+        state = manager.load_latest(use=trainer.resume)  # newest usable; skips are warned
         if state is None:
             logger.warning("resume requested but no local checkpoint was found")
         else:
-            trainer.resume(state)
             logger.info("resumed from %s at step %d", state.get("path"), trainer.step)
     return trainer, manager
 

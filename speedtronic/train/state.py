@@ -6,7 +6,11 @@ coordinator, checkpoint manager, logger). ``state_dict()`` returns tensors and p
 containers only, so checkpoints load with ``torch.load(weights_only=True)``; ``resume(state)``
 restores everything for an exact continuation: weights and optimizer/scheduler/scaler state at
 once, the data position and RNG at the next ``fit()`` (loader first, then RNG, so iterator
-creation cannot perturb the restored generators).
+creation cannot perturb the restored generators). ``resume`` first checks that the state fits
+this trainer (:meth:`TrainerStateMixin.check_resumable`: parameter names and shapes, a valid
+step and counters, the same optimizer groups and state shapes) and raises
+:class:`~speedtronic.checkpoint.CheckpointError` before changing anything when it does not, so
+``CheckpointManager.load_latest(use=trainer.resume)`` falls back to an older checkpoint.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any
 
 import torch
 
-from speedtronic.checkpoint import capture_rng_state, restore_rng_state
+from speedtronic.checkpoint import CheckpointError, capture_rng_state, restore_rng_state
 from speedtronic.train.forward import BatchStream
 from speedtronic.train.precision import make_grad_scaler
 
@@ -146,8 +150,67 @@ class TrainerStateMixin:
         get = getattr(self.dataloader, "state_dict", None)
         return dict(get()) if callable(get) else None
 
+    def check_resumable(self, state: dict[str, Any]) -> None:
+        """Raise ``CheckpointError`` (naming the mismatch) when ``state`` cannot resume this
+        trainer: other parameter names or shapes, an invalid step or counter, other optimizer
+        groups or optimizer state of other shapes. Changes nothing."""
+        source = state.get("path", "checkpoint")
+        model = state.get("model")
+        if not isinstance(model, dict):
+            raise CheckpointError(f"{source} holds no model state")
+        mine = self.model.state_dict()
+        missing, extra = sorted(set(mine) - set(model)), sorted(set(model) - set(mine))
+        if missing or extra:
+            raise CheckpointError(
+                f"{source} is for another model: missing {missing[:3]}, unexpected {extra[:3]}"
+            )
+        for name, tensor in mine.items():
+            theirs = model[name]
+            if not isinstance(theirs, torch.Tensor) or theirs.shape != tensor.shape:
+                shape = tuple(theirs.shape) if isinstance(theirs, torch.Tensor) else type(theirs)
+                raise CheckpointError(
+                    f"{source} is for another model: {name} is {shape}, "
+                    f"this model has {tuple(tensor.shape)}"
+                )
+        for key in ("step", "samples", "tokens", "skipped_updates"):
+            value = state.get(key, 0)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise CheckpointError(f"{source} records an invalid {key}: {value!r:.40}")
+        if state.get("optimizer") is not None:
+            self._check_optimizer_state(state["optimizer"], source)
+
+    def _check_optimizer_state(self, saved: Any, source: str) -> None:
+        groups = saved.get("param_groups") if isinstance(saved, dict) else None
+        if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+            raise CheckpointError(f"{source} holds no optimizer parameter groups")
+        current = self.optimizer.param_groups
+        theirs = [(len(g.get("params", [])), g.get("algorithm")) for g in groups]
+        ours = [(len(g["params"]), g.get("algorithm")) for g in current]
+        if theirs != ours:
+            raise CheckpointError(
+                f"{source} has other optimizer groups (parameters, algorithm): {theirs}, "
+                f"this run has {ours}"
+            )
+        params = [p for group in current for p in group["params"]]
+        ids = [i for group in groups for i in group.get("params", [])]
+        by_id = dict(zip(ids, params, strict=True))
+        for key, entry in (saved.get("state") or {}).items():
+            param = by_id.get(key)
+            if param is None or not isinstance(entry, dict):
+                raise CheckpointError(f"{source} has optimizer state for unknown parameter {key}")
+            for name, value in entry.items():
+                tensor = isinstance(value, torch.Tensor) and value.numel() > 1
+                if tensor and value.shape != param.shape:
+                    raise CheckpointError(
+                        f"{source} has optimizer state {name} of shape "
+                        f"{tuple(value.shape)} for a parameter of shape {tuple(param.shape)}"
+                    )
+
     def resume(self, state: dict[str, Any]) -> None:
-        """Load a checkpoint state; data position and RNG take effect at the next ``fit()``."""
+        """Load a checkpoint state; data position and RNG take effect at the next ``fit()``.
+
+        ``CheckpointError`` (nothing changed) when :meth:`check_resumable` rejects it."""
+        self.check_resumable(state)
         self.model.load_state_dict(state["model"])
         if state.get("optimizer") is not None:
             self.optimizer.load_state_dict(state["optimizer"])
