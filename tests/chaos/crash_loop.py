@@ -1,0 +1,314 @@
+"""Crash loop: SIGKILL a writer at random points, restart, check what the next start loads.
+
+Run as a script (``tests/chaos/test_crash_loop.py`` does): one process imports torch once,
+then for each target forks a child that writes state back to back and reports each write
+that returned; the parent SIGKILLs it after a random delay (so the kill lands at a random
+point of a write: inside ``torch.save``, between fsync and rename, between two files), then
+plays the next start itself and checks that it loads the newest complete state. The next
+child continues from what was loaded, so it is a crash *loop*.
+
+Targets:
+
+``checkpoint``  ``CheckpointManager.save`` (keep_last 2) of a ~1 MB state. The next start's
+                ``load_latest`` must return a step >= the last save that returned (and at
+                most one more), with tensors that match that step.
+``master``      ``RoundMaster.poll_once`` over a shared-directory exchange, driven by a
+                planted contribution per round (publish + ``_save_local_state``). The next
+                start must load local outer state at an outer step >= the last close that
+                returned, agreeing with the published global; or, when the kill tore the
+                two local files apart, report it and rebuild from the published global
+                (counted as ``torn_local``: the outer momentum is lost). It then reconciles
+                and closes one more round; a start that comes back behind the newest
+                complete global (``behind_published``) or cannot close a round (``stuck``)
+                is counted, not asserted: both are known master.py gaps.
+``publish``     ``DirectoryTransport.publish_global`` of weights + ledger + record. The
+                next ``fetch_global`` must return an outer step >= the last publish that
+                returned (at most one more), with weights that match that step.
+
+Prints one JSON object (counts per target). Exit code 0 when every check held.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import select
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+torch.set_num_threads(1)
+
+from speedtronic.checkpoint import CheckpointManager  # noqa: E402
+from speedtronic.config import DistributedConfig  # noqa: E402
+from speedtronic.diloco.directory import DirectoryTransport  # noqa: E402
+from speedtronic.diloco.master import RoundMaster  # noqa: E402
+from speedtronic.diloco.retry import RetryPolicy  # noqa: E402
+
+WIDTH = 250_000  # floats in the checkpoint tensor (1 MB): a write takes a while
+NODE = "crash-node"
+
+
+def _retry() -> RetryPolicy:
+    return RetryPolicy(initial=0.001, maximum=0.005, attempts=3, timeout=10.0)
+
+
+# ----------------------------------------------------------------------------- children
+
+
+def _report(fd: int, value: int) -> None:
+    os.write(fd, f"{value}\n".encode())
+
+
+def _checkpoint_child(root: Path, start: int, fd: int) -> None:
+    manager = CheckpointManager(root, keep_last=2, warn=lambda message: None)
+    step = start
+    while True:
+        state = {"step": step, "model": {"w": torch.full((WIDTH,), float(step))}, "tag": step}
+        manager.save(step, state)
+        _report(fd, step)
+        step += 1
+
+
+class _Quiet:
+    def emit(self, event: str, payload: dict) -> None:
+        pass
+
+    def info(self, message: str, *args: Any) -> None:
+        pass
+
+    warning = error = info
+
+
+def _settings() -> DistributedConfig:
+    return DistributedConfig(
+        outer_lr=0.7, outer_momentum=0.9, round_timeout=60.0, min_nodes=1, inner_steps=1
+    )
+
+
+def _initial() -> dict[str, torch.Tensor]:
+    return {"w": torch.zeros(64), "b": torch.ones(8)}
+
+
+def _master(root: Path) -> tuple[RoundMaster, DirectoryTransport]:
+    transport = DirectoryTransport(f"file://{root / 'exchange'}", _retry())
+    quiet = _Quiet()
+    master = RoundMaster(
+        transport,
+        _initial(),
+        settings=_settings(),
+        state_dir=root / "state",
+        emit=quiet.emit,
+        log=quiet,
+    )
+    return master, transport
+
+
+def _contribute(transport: DirectoryTransport, master: RoundMaster) -> None:
+    """The node's contribution to the open round (different values every round)."""
+    label = master.outer_step
+    path = f"nodes/{NODE}/delta_{label}.safetensors"
+    if path in transport.list_sizes():
+        return
+    meta = transport.global_metadata()
+    scale = 0.01 * (1 + label % 7) + 1e-4 * label
+    delta = {"w": torch.full((64,), scale), "b": torch.full((8,), -scale)}
+    transport.upload_delta(
+        delta,
+        node_id=NODE,
+        round_index=label,
+        local_step=label + 1,
+        base_outer_step=label,
+        owner={"instance": f"{NODE}-1", "state": "training"},
+        metadata={"run_id": meta.run_id if meta else ""},
+    )
+
+
+def _master_child(root: Path, fd: int) -> None:
+    master, transport = _master(root)
+    master.reconcile()
+    while True:
+        _contribute(transport, master)
+        if master.poll_once():
+            _report(fd, master.outer_step)
+
+
+def _publish_state(step: int) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((WIDTH // 4,), float(step)), "step": torch.tensor(step)}
+
+
+def _publish_child(root: Path, start: int, fd: int) -> None:
+    transport = DirectoryTransport(f"file://{root}", _retry())
+    step = start
+    while True:
+        transport.publish_global(_publish_state(step), outer_step=step, ledger={NODE: step})
+        _report(fd, step)
+        step += 1
+
+
+# ----------------------------------------------------------------------------- parent
+
+
+def _kill_at_random(child, rng: random.Random, low: float, high: float) -> int:
+    """Fork ``child(fd)``, SIGKILL it after a random delay; the last value it reported."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: write until killed; never return into the parent's code
+        os.close(read_fd)
+        try:
+            child(write_fd)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(3)
+    os.close(write_fd)
+    time.sleep(rng.uniform(low, high))
+    os.kill(pid, signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    data = b""
+    while True:
+        ready, _, _ = select.select([read_fd], [], [], 5.0)
+        chunk = os.read(read_fd, 65536) if ready else b""
+        if not chunk:
+            break
+        data += chunk
+    os.close(read_fd)
+    if not (os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL):
+        raise AssertionError(f"the writer exited on its own (status {status})")
+    values = [int(line) for line in data.decode().split()]
+    return values[-1] if values else -1
+
+
+def _temps(root: Path) -> int:
+    return sum(1 for path in root.rglob(".*") if ".tmp-" in path.name)
+
+
+def run_checkpoint(root: Path, kills: int, rng: random.Random) -> dict[str, int]:
+    counts = {"kills": 0, "recovered": 0, "mid_write": 0, "fallbacks": 0, "empty": 0}
+    start = 1
+    for _ in range(kills):
+        child = lambda fd, first=start: _checkpoint_child(root, first, fd)  # noqa: E731
+        done = _kill_at_random(child, rng, 0.01, 0.12)
+        counts["kills"] += 1
+        counts["mid_write"] += int(_temps(root) > 0)
+        warnings: list[str] = []
+        state = CheckpointManager(root, warn=warnings.append).load_latest()
+        counts["fallbacks"] += len(warnings)
+        if state is None:
+            assert done < start, f"save of step {done} returned but nothing loads"
+            counts["empty"] += 1
+            continue
+        step = int(state["step"])
+        assert max(done, start - 1) <= step <= max(done, start - 1) + 1, (done, step)
+        assert torch.equal(state["model"]["w"], torch.full((WIDTH,), float(step)))
+        assert state["tag"] == step
+        counts["recovered"] += 1
+        start = step + 1
+    counts["last_step"] = start - 1
+    return counts
+
+
+def run_master(root: Path, kills: int, rng: random.Random) -> dict[str, int]:
+    counts = {"kills": 0, "recovered": 0, "torn_local": 0, "torn_publish": 0, "empty": 0}
+    counts.update(behind_published=0, stuck=0)
+    highest = -1
+    for _ in range(kills):
+        done = _kill_at_random(lambda fd: _master_child(root, fd), rng, 0.05, 0.4)
+        counts["kills"] += 1
+        highest = max(highest, done)
+        master, transport = _master(root)  # the next start
+        remote = transport.global_metadata()
+        if remote is None and not master.has_local_state:
+            assert highest < 0, "a round closed but nothing was published or persisted"
+            counts["empty"] += 1
+            continue
+        published, weights = transport.fetch_global()
+        counts["torn_publish"] += int(
+            remote is not None and published.outer_step != remote.outer_step
+        )
+        if master.has_local_state:
+            assert master.outer_step >= highest, (master.outer_step, highest)
+            assert published.outer_step in (master.outer_step, master.outer_step + 1)
+            if published.outer_step == master.outer_step:
+                for key, value in weights.items():
+                    assert torch.equal(master.global_state[key], value.to(torch.float32)), key
+        else:
+            counts["torn_local"] += 1  # the two local files disagree: rebuilt from the global
+        master.reconcile()
+        assert master.outer_step >= highest, (master.outer_step, highest)
+        counts["recovered"] += 1
+        # Reported, not asserted (master.py; pinned by the xfail tests in test_crash_loop.py):
+        # between its files the master can come back behind the newest complete global, with
+        # the newer ledger, and never close its open round again.
+        counts["behind_published"] += int(master.outer_step < published.outer_step)
+        _contribute(transport, master)
+        counts["stuck"] += int(not master.poll_once())
+        counts["last_step"] = master.outer_step
+    return counts
+
+
+def run_publish(root: Path, kills: int, rng: random.Random) -> dict[str, int]:
+    counts = {"kills": 0, "recovered": 0, "torn_publish": 0, "mid_write": 0, "empty": 0}
+    transport = DirectoryTransport(f"file://{root}", _retry())
+    start = 0
+    for _ in range(kills):
+        before = _temps(root)
+        child = lambda fd, first=start: _publish_child(root, first, fd)  # noqa: E731
+        done = _kill_at_random(child, rng, 0.01, 0.12)
+        counts["kills"] += 1
+        counts["mid_write"] += int(_temps(root) > before)
+        record = transport.global_metadata()
+        if record is None:
+            assert done < start, "a publish returned but no record exists"
+            counts["empty"] += 1
+            continue
+        meta, state = transport.fetch_global()
+        counts["torn_publish"] += int(meta.outer_step != record.outer_step)
+        step = meta.outer_step
+        assert max(done, start - 1) <= step <= max(done, start - 1) + 1, (done, step)
+        assert torch.equal(state["w"], torch.full((WIDTH // 4,), float(step)))
+        assert int(state["step"]) == step
+        counts["recovered"] += 1
+        start = step + 1
+    counts["last_step"] = start - 1
+    return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the loop; print one JSON object with the counts; exit 1 on a failed check."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", required=True, type=Path)
+    parser.add_argument("--kills", type=int, default=20, help="SIGKILLs per target")
+    parser.add_argument("--seed", type=int, default=None)
+    args = parser.parse_args(argv)
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    rng = random.Random(seed)
+    result: dict[str, Any] = {"seed": seed}
+    started = time.monotonic()
+    try:
+        for name, run in (
+            ("checkpoint", run_checkpoint),
+            ("master", run_master),
+            ("publish", run_publish),
+        ):
+            root = args.workdir / name
+            root.mkdir(parents=True, exist_ok=True)
+            began = time.monotonic()
+            result[name] = run(root, args.kills, rng)
+            result[name]["seconds"] = round(time.monotonic() - began, 1)
+    except AssertionError as exc:
+        result["failure"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+    result["seconds"] = round(time.monotonic() - started, 1)
+    print(json.dumps(result))
+    return 1 if "failure" in result else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Crash loop (issue 12, deliverable 3): SIGKILLs at random points of checkpoint saving, the
+DiLoCo master's round (publish + local outer-state persistence) and directory publishing;
+after each kill the next start loads the newest complete state.
+
+``tests/chaos/crash_loop.py`` does the killing (one process, forked writers, real SIGKILL)
+and prints its counts; this test runs it and prints them as a table. Two deterministic
+reproductions below pin the master gaps the loop counts but does not assert (master.py
+belongs to the DiLoCo round; they are expected failures until it is fixed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+ROOT = Path(__file__).resolve().parents[2]
+KILLS_PER_TARGET = 20  # 60 SIGKILLs in all, ~10-30 s on two cores
+
+
+def _table(result: dict) -> str:
+    lines = [f"crash loop (seed {result['seed']}, {result['seconds']} s):"]
+    for target in ("checkpoint", "master", "publish"):
+        counts = result.get(target)
+        if counts:
+            shown = ", ".join(f"{key} {value}" for key, value in counts.items())
+            lines.append(f"  {target:<10} {shown}")
+    return "\n".join(lines)
+
+
+def test_crash_loop_next_start_loads_the_newest_complete_state(tmp_path) -> None:
+    seed = os.environ.get("SPEEDTRONIC_CRASH_SEED")
+    command = [
+        sys.executable,
+        str(ROOT / "tests" / "chaos" / "crash_loop.py"),
+        "--workdir",
+        str(tmp_path),
+        "--kills",
+        str(KILLS_PER_TARGET),
+        *(["--seed", seed] if seed else []),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert done.stdout.strip(), done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    print("\n" + _table(result))
+    assert done.returncode == 0 and "failure" not in result, result.get("failure", done.stderr)
+    kills = sum(result[target]["kills"] for target in ("checkpoint", "master", "publish"))
+    assert kills >= 50
+    for target in ("checkpoint", "master", "publish"):
+        counts = result[target]
+        assert counts["recovered"] + counts["empty"] == counts["kills"]
+    assert result["checkpoint"]["mid_write"] > 0  # kills did land inside writes
+    assert result["publish"]["torn_publish"] + result["publish"]["mid_write"] > 0
+
+
+# ----------------------------------------------------------------------------- master gaps
+
+
+def _round(transport, master) -> bool:
+    import crash_loop
+
+    crash_loop._contribute(transport, master)
+    return master.poll_once()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="master.py: reconcile compares its local outer step with step_count.json of a "
+    "publish torn between its files (the weights hold the next outer step), keeps its older "
+    "state but merges the newer ledger: the open round counts as done and never closes",
+)
+def test_master_restart_after_a_torn_publish_closes_the_next_round(tmp_path) -> None:
+    import crash_loop
+
+    master, transport = crash_loop._master(tmp_path)
+    master.reconcile()
+    assert _round(transport, master) and master.outer_step == 1
+
+    def torn(additions, deletions, message):  # killed after weights and ledger, before record
+        for remote, data in list(additions.items())[:2]:
+            transport._write(remote, data)
+        raise KeyboardInterrupt
+
+    crash_loop._contribute(transport, master)  # round 1's contribution is in
+    transport._commit = torn
+    with pytest.raises(KeyboardInterrupt):
+        master.poll_once()  # closes round 1: weights (outer step 2) and ledger land, no record
+    restarted, transport = crash_loop._master(tmp_path)
+    restarted.reconcile()
+    newest, _ = transport.fetch_global()
+    assert restarted.outer_step == newest.outer_step == 2
+    assert _round(transport, restarted)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="master.py: _save_local_state writes outer_state.safetensors and outer_state.json "
+    "as two atomic files; a kill between them loses the whole local state (outer momentum)",
+)
+def test_master_kill_between_its_two_state_files_keeps_the_last_complete_state(
+    tmp_path, monkeypatch
+) -> None:
+    import crash_loop
+
+    from speedtronic.diloco import master as master_module
+
+    master, transport = crash_loop._master(tmp_path)
+    master.reconcile()
+    assert _round(transport, master) and _round(transport, master)
+    momentum = {k: v.clone() for k, v in master.optimizer.state_dict().items()}
+
+    def killed(value, path):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(master_module, "atomic_json_dump", killed)
+    with pytest.raises(KeyboardInterrupt):
+        _round(transport, master)
+    monkeypatch.undo()
+    restarted, _ = crash_loop._master(tmp_path)
+    assert restarted.has_local_state and restarted.outer_step in (2, 3)
+    if restarted.outer_step == 2:
+        loaded = restarted.optimizer.state_dict()
+        assert all(torch.equal(loaded[k], v) for k, v in momentum.items())
