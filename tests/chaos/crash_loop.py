@@ -245,8 +245,8 @@ def run_master(root: Path, kills: int, rng: random.Random) -> dict[str, int]:
         assert master.outer_step >= highest, (master.outer_step, highest)
         counts["recovered"] += 1
         # Reported, not asserted (master.py; pinned by the xfail tests in test_crash_loop.py):
-        # between its files the master can come back behind the newest complete global, with
-        # the newer ledger, and never close its open round again.
+        # after a publish torn between its files the master can come back behind the newest
+        # complete global, with the newer ledger, and never close its open round again.
         counts["behind_published"] += int(master.outer_step < published.outer_step)
         _contribute(transport, master)
         counts["stuck"] += int(not master.poll_once())
