@@ -412,7 +412,7 @@ FROZEN_KEYS = {
     "tie_weights rope_base gradient_checkpointing",
     "data": "text_path dataset synthetic num_tokens vocab_size block_size micro_batch_size "
     "target_batch_size num_workers prefetch_factor pin_memory shuffle drop_last seed max_steps "
-    "token_path token_dtype sampling allow_pickle",
+    "token_path token_dtype sampling allow_pickle tokenizer",
     "optimizer": "name lr betas eps weight_decay fused grad_clip muon_plus cautious "
     "muon_momentum muon_ns_steps muon_norm_eps",
     "scheduler": "name warmup_steps max_steps min_lr_ratio",

@@ -187,7 +187,23 @@ class SpeedtronicConfig:
         if self.distributed.enabled and not self.distributed.repo_id:
             raise ConfigError("distributed.repo_id is required")
         self._check_paths()
+        self._check_tokenizer()
         return self
+
+    def _check_tokenizer(self) -> None:
+        """``data.tokenizer`` must be readable and fit ``model.vocab_size`` (no torch import)."""
+        from speedtronic.config.tokenizer_spec import describe_tokenizer, is_bytes
+
+        if is_bytes(self.data.tokenizer):
+            return
+        info = describe_tokenizer(self.data.tokenizer, token=self.distributed.token)
+        if info.vocab_size > self.model.vocab_size:
+            padded = -(-info.vocab_size // 64) * 64
+            raise ConfigError(
+                f"data.tokenizer: {info.spec} has {info.vocab_size} token ids but "
+                f"model.vocab_size is {self.model.vocab_size}; set model.vocab_size to at least "
+                f"{info.vocab_size} ({padded}, a multiple of 64, runs faster)"
+            )
 
     def _check_paths(self) -> None:
         """An existing path of the wrong kind (a directory where a file goes, or the reverse)
@@ -201,9 +217,9 @@ class SpeedtronicConfig:
             ("logging.file", self.logging.file, "file"),
             ("logging.json_file", self.logging.json_file, "file"),
             ("data.text_path", self.data.text_path, "file"),
-            ("data.token_path", self.data.token_path, "file"),
+            ("data.token_path", self.data.token_path, "any"),  # a file or a prepared folder
             ("eval.text_path", self.eval.text_path, "file"),
-            ("eval.token_path", self.eval.token_path, "file"),
+            ("eval.token_path", self.eval.token_path, "any"),
         ]
         repo = self.distributed.repo_id or ""
         if repo.startswith("file:///"):
@@ -212,6 +228,15 @@ class SpeedtronicConfig:
             problem = path_kind_problem(path, kind) if path else None
             if problem:
                 raise ConfigError(f"{field}: {path} {problem}")
+        for field, path in (
+            ("data.token_path", self.data.token_path),
+            ("eval.token_path", self.eval.token_path),
+        ):
+            if path and Path(path).is_dir() and not (Path(path) / "meta.json").is_file():
+                raise ConfigError(
+                    f"{field}: {path} is a directory, expected a token file or a folder written "
+                    "by speedtronic prepare (it has no meta.json)"
+                )
 
     @property
     def output_path(self) -> Path:

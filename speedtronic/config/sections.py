@@ -184,6 +184,10 @@ class DataConfig:
     pre-tokenized ``.bin`` (``token_dtype``) or ``.npy`` file; ``allow_pickle`` must be true to
     ``torch.load`` a pickled ``dataset`` file. ``seed`` fixes the Markov chain and the held-out
     data; the training stream (order, windows, synthetic samples) is seeded per node from it.
+    ``token_path`` may also be a folder written by ``speedtronic prepare`` (all its shards).
+    ``tokenizer`` is ``bytes`` (token = UTF-8 byte) or a ``tokenizer.json`` path / Hub repo id
+    (:mod:`speedtronic.config.tokenizer_spec`); its vocabulary is checked against
+    ``model.vocab_size`` when the whole config is validated.
     """
 
     text_path: str | None = None
@@ -205,6 +209,7 @@ class DataConfig:
     token_dtype: str = "uint16"
     sampling: str = "random"
     allow_pickle: bool = False
+    tokenizer: str = "bytes"
 
     def __post_init__(self) -> None:
         self.text_path = to_path(self.text_path, "data.text_path", nullable=True)
@@ -247,6 +252,9 @@ class DataConfig:
             "data.sampling must be 'random' or 'sequential'",
         )
         self.allow_pickle = to_bool(self.allow_pickle, "data.allow_pickle")
+        self.tokenizer = to_path(self.tokenizer, "data.tokenizer").strip()
+        if self.tokenizer.lower() in ("", "bytes"):
+            self.tokenizer = "bytes"
         if self.micro_batch_size <= 0 or self.target_batch_size <= 0:
             sizes = {"data.micro_batch_size": self.micro_batch_size}
             sizes["data.target_batch_size"] = self.target_batch_size

@@ -1,8 +1,10 @@
 """Training data (``speedtronic.data``): datasets, tokenizer and the resumable loader.
 
 Sources, chosen by the ``data`` config section (first match): ``text_path`` (UTF-8 text,
-streamed with the byte-level ``CharTokenizer``), ``token_path`` (``.bin``/``.npy`` uint16 or
-uint32 tokens, memory-mapped, ``sampling: random|sequential`` windows), ``dataset`` (a
+streamed with the tokenizer ``data.tokenizer`` names: the byte-level ``CharTokenizer`` by
+default, or a Hugging Face ``tokenizer.json``), ``token_path`` (``.bin``/``.npy`` uint16 or
+uint32 tokens, or a folder written by ``speedtronic prepare``, memory-mapped,
+``sampling: random|sequential`` windows), ``dataset`` (a
 ``torch.save``d tensor/dict, or a pickled ``Dataset`` with ``allow_pickle: true``), else
 deterministic synthetic tokens: ``synthetic: markov`` (a learnable seeded Markov chain whose
 entropy rate is the loss floor, ``MarkovTokenDataset.floor``) or ``uniform`` (random tokens).
@@ -30,51 +32,74 @@ it is exact with any ``num_workers``; restored exactly at the end of an epoch, t
 pass starts the next epoch (never an empty pass). ``ResumableDataLoader.state_dict()`` /
 ``load_state_dict()`` are the same thing as methods. Shuffled orders and random windows come
 from private generators seeded by ``(data.seed, epoch)``, never the global RNG.
+
+Names and submodules load on first use, so ``speedtronic.data.prepare``, ``shards`` and
+``tokenizer`` run without importing torch (``speedtronic prepare`` starts fast and stays small).
 """
 
-from speedtronic.data.datasets import (
-    SampleTensorDataset,
-    SyntheticTokenDataset,
-    TextFileTokenDataset,
-    TokenFileDataset,
-    TokenWindowDataset,
-)
-from speedtronic.data.heldout import HeldOutSource, open_heldout
-from speedtronic.data.loader import (
-    EpochSampler,
-    ResumableDataLoader,
-    TokenWindowSampler,
-    build_dataloader,
-    collate_batch,
-    collate_causal,
-    data_state_dict,
-    infinite_batches,
-    load_data_state_dict,
-)
-from speedtronic.data.markov import MarkovChain, MarkovTokenDataset
-from speedtronic.data.streams import build_node_dataloader, node_stream_seed
-from speedtronic.data.tokenizer import CharTokenizer
+from __future__ import annotations
 
-__all__ = [
-    "CharTokenizer",
-    "EpochSampler",
-    "HeldOutSource",
-    "MarkovChain",
-    "MarkovTokenDataset",
-    "ResumableDataLoader",
-    "SampleTensorDataset",
-    "SyntheticTokenDataset",
-    "TextFileTokenDataset",
-    "TokenFileDataset",
-    "TokenWindowDataset",
-    "TokenWindowSampler",
-    "build_dataloader",
-    "build_node_dataloader",
-    "collate_batch",
-    "collate_causal",
-    "data_state_dict",
-    "infinite_batches",
-    "load_data_state_dict",
-    "node_stream_seed",
-    "open_heldout",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "SampleTensorDataset": "datasets",
+    "SyntheticTokenDataset": "datasets",
+    "TextFileTokenDataset": "datasets",
+    "TokenFileDataset": "datasets",
+    "TokenWindowDataset": "datasets",
+    "HeldOutSource": "heldout",
+    "open_heldout": "heldout",
+    "EpochSampler": "loader",
+    "ResumableDataLoader": "loader",
+    "TokenWindowSampler": "loader",
+    "build_dataloader": "loader",
+    "collate_batch": "loader",
+    "collate_causal": "loader",
+    "data_state_dict": "loader",
+    "infinite_batches": "loader",
+    "load_data_state_dict": "loader",
+    "MarkovChain": "markov",
+    "MarkovTokenDataset": "markov",
+    "TokenShards": "shards",
+    "open_prepared": "shards",
+    "build_node_dataloader": "streams",
+    "node_stream_seed": "streams",
+    "CharTokenizer": "tokenizer",
+    "HFTokenizer": "tokenizer",
+    "load_tokenizer": "tokenizer",
+    "tokenizer_for": "tokenizer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+_SUBMODULES = frozenset(
+    {
+        "datasets",
+        "heldout",
+        "loader",
+        "markov",
+        "prepare",
+        "shards",
+        "sources",
+        "streams",
+        "tokenizer",
+        "units",
+    }
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"speedtronic.data.{name}")
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'speedtronic.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"speedtronic.data.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -149,15 +149,33 @@ class TextFileTokenDataset(IterableDataset):
         return io.TextIOWrapper(window, encoding="utf-8", errors="replace")
 
     def token_chunks(self) -> Iterator[torch.Tensor]:
-        """Yield the file's tokens chunk by chunk (int64 (N,) tensors, never the whole file)."""
+        """Yield the file's tokens chunk by chunk (int64 (N,) tensors, never the whole file).
+
+        A chunk ends before the whitespace around its last newline (else its last space) and the
+        rest is carried into the next one, so a subword tokenizer never sees a word cut in two
+        (for the byte-level tokenizer this changes nothing). When the range reaches the end of
+        the file, the tokenizer's end-of-text token (``eos_id``, if it has one) closes the
+        document.
+        """
+        carry = ""
         with self._open() as handle:
             while True:
                 text = handle.read(self.chunk_chars)
                 if not text:
-                    return
+                    break
+                text = carry + text
+                cut = _last_break(text)
+                text, carry = text[:cut], text[cut:]
                 tokens = encode_text(self.tokenizer, text)
                 if tokens.numel():
                     yield tokens
+        if carry:
+            yield encode_text(self.tokenizer, carry)
+        eos = getattr(self.tokenizer, "eos_id", None)
+        if eos is not None and (
+            self.stop_byte is None or self.stop_byte >= os.path.getsize(self.path)
+        ):
+            yield torch.tensor([int(eos)], dtype=torch.long)
 
     def __iter__(self) -> Iterator[Record]:
         info = get_worker_info()
@@ -173,6 +191,21 @@ class TextFileTokenDataset(IterableDataset):
                     yield _record(combined[j * span : (j + 1) * span].clone())
                 index += 1
             carry = combined[full * span :].clone()
+
+
+def _last_break(text: str) -> int:
+    """Where to cut ``text`` so no pre-token spans the cut: the start of the whitespace run
+    around its last newline (else its last space); ``len(text)`` when there is none.
+
+    The run goes to the next chunk whole, with the word after it (byte-level BPE attaches a
+    leading space to the following word and keeps runs of newlines together).
+    """
+    index = text.rfind("\n")
+    if index < 0:
+        index = text.rfind(" ")
+    while index > 0 and text[index - 1].isspace():
+        index -= 1
+    return index if index > 0 else len(text)
 
 
 class TokenWindowDataset(Dataset):
@@ -213,7 +246,7 @@ class TokenWindowDataset(Dataset):
 
 
 class TokenFileDataset(TokenWindowDataset):
-    """``TokenWindowDataset`` over a memory-mapped ``.bin`` (raw) or ``.npy`` token file.
+    """``TokenWindowDataset`` over a memory-mapped ``.bin``/``.npy`` file or a prepared folder.
 
     The map is opened lazily in each process (DataLoader workers open their own), so the
     dataset pickles as a path, never as the token data. ``start``/``stop`` limit it to a token
@@ -228,17 +261,20 @@ class TokenFileDataset(TokenWindowDataset):
         *,
         start: int = 0,
         stop: int | None = None,
+        split: str = "train",
     ):
         super().__init__(None, block_size)
         self.path = os.fspath(path)
         self.dtype = str(dtype)
         self.start = int(start)
         self.stop = None if stop is None else int(stop)
+        self.split = split
 
     @property
-    def tokens(self) -> np.ndarray:
+    def tokens(self) -> Any:
         if self._tokens is None:
-            self._tokens = open_token_array(self.path, self.dtype)[self.start : self.stop]
+            tokens = open_token_array(self.path, self.dtype, split=self.split)
+            self._tokens = tokens[self.start : self.stop]
         return self._tokens
 
     def __getstate__(self) -> dict[str, Any]:
@@ -247,8 +283,16 @@ class TokenFileDataset(TokenWindowDataset):
         return state
 
 
-def open_token_array(path: str, dtype: str = "uint16") -> np.ndarray:
-    """Memory-map a token file: ``.npy`` with its own dtype, anything else as raw ``dtype``."""
+def open_token_array(path: str, dtype: str = "uint16", *, split: str = "train") -> Any:
+    """Memory-map a token file: ``.npy`` with its own dtype, anything else as raw ``dtype``.
+
+    A folder written by ``speedtronic prepare`` gives all shards of ``split`` as one stream
+    (a :class:`~speedtronic.data.shards.TokenShards`; its dtype comes from ``meta.json``).
+    """
+    if os.path.isdir(path):
+        from speedtronic.data.shards import open_prepared
+
+        return open_prepared(path, split, "data.token_path")
     if path.endswith(".npy"):
         return np.load(path, mmap_mode="r")
     return np.memmap(path, dtype=np.dtype(dtype), mode="r")

@@ -35,9 +35,11 @@ from speedtronic.data.sources import (
     _field,
     _open_serialized,
     _require_file,
+    configured_tokenizer,
     split_map_dataset,
     split_point,
     token_array,
+    tokenizer_sha256,
 )
 
 __all__ = ["HeldOutSource", "open_heldout"]
@@ -67,8 +69,12 @@ def _windows(tokens: Any, block_size: int) -> Iterator[Record]:
         yield {"input_ids": tensor[:-1], "labels": tensor[1:]}
 
 
-def _text_records(path: str, block_size: int, vocab_size: int, start_byte: int, field: str):
-    dataset = TextFileTokenDataset(path, block_size, vocab_size=vocab_size, start_byte=start_byte)
+def _text_records(
+    path: str, block_size: int, vocab_size: int, start_byte: int, field: str, tokenizer: Any
+):
+    dataset = TextFileTokenDataset(
+        path, block_size, tokenizer=tokenizer, vocab_size=vocab_size, start_byte=start_byte
+    )
     if next(iter(dataset), None) is None:
         raise _error(
             f"{field}: the held-out text ({path} from byte {start_byte}) is shorter than one "
@@ -102,40 +108,55 @@ def _held_samples(held: Any):
 
 
 def open_heldout(
-    data: Any, evaluation: Any, *, block_size: int, vocab_size: int
+    data: Any, evaluation: Any, *, block_size: int, vocab_size: int, tokenizer: Any = None
 ) -> HeldOutSource | None:
-    """The held-out region named by ``evaluation`` (an ``EvalConfig``) over ``data``."""
+    """The held-out region named by ``evaluation`` (an ``EvalConfig``) over ``data``.
+
+    Text is tokenized with ``tokenizer`` (default: the one ``data.tokenizer`` names). A folder
+    written by ``speedtronic prepare`` as ``eval.token_path`` gives its held-out shards.
+    """
     text_path = _field(evaluation, "text_path")
+    text_source = _field(data, "text_path") if _field(evaluation, "holdout", 0.0) else None
+    if tokenizer is None and (text_path or text_source):
+        tokenizer = configured_tokenizer(data, vocab_size)
     if text_path:
         _require_file("eval.text_path", os.fspath(text_path))
-        records = _text_records(os.fspath(text_path), block_size, vocab_size, 0, "eval.text_path")
+        records = _text_records(
+            os.fspath(text_path), block_size, vocab_size, 0, "eval.text_path", tokenizer
+        )
         return HeldOutSource(records, f"eval.text_path {text_path}")
     token_path = _field(evaluation, "token_path")
     if token_path:
+        path = os.fspath(token_path)
         dtype = str(_field(data, "token_dtype", "uint16"))
-        tokens, _ = token_array(os.fspath(token_path), dtype, vocab_size, "eval.token_path")
+        sha = tokenizer_sha256(data, tokenizer) if os.path.isdir(path) else None
+        tokens, _ = token_array(
+            path, dtype, vocab_size, "eval.token_path", split="eval", tokenizer_sha256=sha
+        )
         records = _token_records(tokens, block_size, str(token_path), "eval.token_path")
         return HeldOutSource(records, f"eval.token_path {token_path}")
     holdout = float(_field(evaluation, "holdout", 0.0))
     if holdout <= 0:
         return None
-    return _holdout_of_training(data, holdout, block_size, vocab_size)
+    return _holdout_of_training(data, holdout, block_size, vocab_size, tokenizer)
 
 
 def _holdout_of_training(
-    data: Any, holdout: float, block_size: int, vocab_size: int
+    data: Any, holdout: float, block_size: int, vocab_size: int, tokenizer: Any
 ) -> HeldOutSource:
     share = f"last {holdout:g} of"
     text_path = _field(data, "text_path")
     if text_path:
         path = os.fspath(text_path)
         start = split_point(os.path.getsize(path), holdout)
-        records = _text_records(path, block_size, vocab_size, start, "eval.holdout")
+        records = _text_records(path, block_size, vocab_size, start, "eval.holdout", tokenizer)
         return HeldOutSource(records, f"{share} data.text_path {path}")
     token_path = _field(data, "token_path")
     if token_path:
+        path = os.fspath(token_path)
         dtype = str(_field(data, "token_dtype", "uint16"))
-        tokens, _ = token_array(os.fspath(token_path), dtype, vocab_size, "data.token_path")
+        sha = tokenizer_sha256(data, tokenizer) if os.path.isdir(path) else None
+        tokens, _ = token_array(path, dtype, vocab_size, "data.token_path", tokenizer_sha256=sha)
         tail = tokens[split_point(len(tokens), holdout) :]
         records = _token_records(tail, block_size, f"{share} {token_path}", "eval.holdout")
         return HeldOutSource(records, f"{share} data.token_path {token_path}")

@@ -31,7 +31,15 @@ from speedtronic.data.datasets import (
 )
 from speedtronic.data.markov import MarkovTokenDataset
 
-__all__ = ["check_token_ids", "open_source", "split_map_dataset", "split_point", "token_array"]
+__all__ = [
+    "check_token_ids",
+    "configured_tokenizer",
+    "open_source",
+    "split_map_dataset",
+    "split_point",
+    "token_array",
+    "tokenizer_sha256",
+]
 
 TOKEN_DTYPES = ("uint16", "uint32")
 # Vocabulary check: this many evenly spaced blocks of this many tokens are read.
@@ -69,11 +77,15 @@ def open_source(
     samples_seed = seed if stream_seed is None else int(stream_seed)
     text_path = _field(config, "text_path")
     if text_path:
+        if tokenizer is None:
+            tokenizer = configured_tokenizer(config, vocab_size)
         return _open_text(os.fspath(text_path), block_size, vocab_size, tokenizer, holdout)
     token_path = _field(config, "token_path")
     if token_path:
         dtype = str(_field(config, "token_dtype", "uint16"))
-        return _open_token_file(os.fspath(token_path), dtype, block_size, vocab_size, holdout)
+        folder = os.path.isdir(os.fspath(token_path))
+        sha = tokenizer_sha256(config, tokenizer) if folder else None
+        return _open_token_file(os.fspath(token_path), dtype, block_size, vocab_size, holdout, sha)
     spec = _field(config, "dataset")
     if isinstance(spec, (Dataset, IterableDataset)):
         return split_map_dataset(spec, holdout, "data.dataset", block_size)[0]
@@ -91,6 +103,28 @@ def open_source(
     if kind == "uniform":
         return SyntheticTokenDataset(num_samples, block_size, vocab_size, seed=samples_seed)
     return MarkovTokenDataset(num_samples, block_size, vocab_size, seed, sample_seed=samples_seed)
+
+
+def configured_tokenizer(config: Any, vocab_size: int) -> Any:
+    """The tokenizer ``data.tokenizer`` names (``None`` for the default byte tokenizer)."""
+    from speedtronic.config.tokenizer_spec import is_bytes
+    from speedtronic.data.tokenizer import load_tokenizer
+
+    spec = _field(config, "tokenizer")
+    return None if is_bytes(spec) else load_tokenizer(spec, vocab_size=vocab_size)
+
+
+def tokenizer_sha256(config: Any, tokenizer: Any = None) -> str | None:
+    """Hash of the tokenizer in use (``"bytes"`` for bytes), to match a prepared folder's.
+
+    ``None`` (no check) for a tokenizer object passed from Python without a hash.
+    """
+    if tokenizer is not None:
+        return getattr(tokenizer, "sha256", None)
+    from speedtronic.config.tokenizer_spec import describe_tokenizer, is_bytes
+
+    spec = _field(config, "tokenizer")
+    return "bytes" if is_bytes(spec) else describe_tokenizer(str(spec)).sha256
 
 
 def split_map_dataset(
@@ -172,9 +206,16 @@ def _open_text(
 
 
 def _open_token_file(
-    path: str, dtype: str, block_size: int, vocab_size: int, holdout: float = 0.0
+    path: str,
+    dtype: str,
+    block_size: int,
+    vocab_size: int,
+    holdout: float = 0.0,
+    tokenizer_sha: str | None = None,
 ) -> Dataset:
-    tokens, dtype = token_array(path, dtype, vocab_size, "data.token_path")
+    tokens, dtype = token_array(
+        path, dtype, vocab_size, "data.token_path", tokenizer_sha256=tokenizer_sha
+    )
     stop = split_point(len(tokens), holdout) if holdout > 0 else None
     kept = len(tokens) if stop is None else stop
     if kept <= block_size:
@@ -182,12 +223,30 @@ def _open_token_file(
     return TokenFileDataset(path, block_size, dtype=dtype, stop=stop)
 
 
-def token_array(path: str, dtype: str, vocab_size: int, field: str) -> tuple[np.ndarray, str]:
+def token_array(
+    path: str,
+    dtype: str,
+    vocab_size: int,
+    field: str,
+    *,
+    split: str = "train",
+    tokenizer_sha256: str | None = None,
+) -> tuple[Any, str]:
     """Open and check a token file (``field`` names the setting in errors); ``(array, dtype)``.
 
     ``.npy`` files carry their own dtype; ``.bin`` files use ``dtype`` (``data.token_dtype``).
-    Token ids are checked against ``vocab_size`` on a bounded sample.
+    A folder written by ``speedtronic prepare`` gives the shards of ``split`` (dtype from its
+    ``meta.json``; refused when made with another tokenizer than ``tokenizer_sha256``). Token
+    ids are checked against ``vocab_size`` on a bounded sample.
     """
+    if os.path.isdir(path):
+        from speedtronic.data.shards import open_prepared
+
+        tokens = open_prepared(
+            path, split, field, vocab_size=vocab_size, tokenizer_sha256=tokenizer_sha256
+        )
+        check_token_ids(_sample(tokens), vocab_size, field, path)
+        return tokens, tokens.dtype.name
     _require_file(field, path)
     if dtype not in TOKEN_DTYPES:
         raise _error(f"data.token_dtype: must be uint16 or uint32, got {dtype!r}")

@@ -17,7 +17,9 @@ from __future__ import annotations
 import zlib
 from typing import Any
 
+from speedtronic.config.tokenizer_spec import is_bytes
 from speedtronic.data.loader import ResumableDataLoader, build_dataloader
+from speedtronic.data.tokenizer import tokenizer_for
 
 __all__ = ["build_node_dataloader", "node_stream_seed"]
 
@@ -39,10 +41,13 @@ def build_node_dataloader(
 ) -> ResumableDataLoader:
     """The training loader of ``node_id`` for a ``SpeedtronicConfig`` (see the module docstring).
 
-    Uses ``config.data``, ``config.model.vocab_size`` and ``config.eval.holdout`` (the held-out
-    end of the source is never trained on).
+    Uses ``config.data`` (``data.tokenizer`` unless ``tokenizer`` is given),
+    ``config.model.vocab_size`` and ``config.eval.holdout`` (the held-out end of the source is
+    never trained on).
     """
     data = config.data
+    if tokenizer is None and not is_bytes(getattr(data, "tokenizer", None)):
+        tokenizer = tokenizer_for(config)  # with the Hub token, for a private tokenizer repo
     return build_dataloader(
         data,
         pin_memory_device=pin_memory_device,

@@ -1,21 +1,38 @@
-"""Byte-level tokenizer used for ``data.text_path`` when no tokenizer is supplied."""
+"""Tokenizers behind ``data.tokenizer``: byte-level ``CharTokenizer`` and ``HFTokenizer``.
+
+``load_tokenizer("bytes")`` is the byte-level tokenizer (token = UTF-8 byte, no end-of-text
+token, today's ``text_path`` behaviour); any other value names a Hugging Face ``tokenizer.json``
+(a path, a folder holding one, or a Hub repo id; see :mod:`speedtronic.config.tokenizer_spec`)
+loaded with the ``tokenizers`` library. Both encode text without adding special tokens;
+callers append :attr:`eos_id` after each document. ``tokenizer_for(config)`` is the tokenizer
+of a ``SpeedtronicConfig``: the one text streaming, eval, ``prepare`` and ``sample`` all use.
+
+This module imports neither torch nor ``tokenizers`` at import time.
+"""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
-import torch
 
-__all__ = ["CharTokenizer", "encode_text"]
+from speedtronic.config.tokenizer_spec import TokenizerInfo, describe_tokenizer, is_bytes
+
+__all__ = ["CharTokenizer", "HFTokenizer", "encode_text", "load_tokenizer", "tokenizer_for"]
 
 
 class CharTokenizer:
     """Byte-level tokenizer: each UTF-8 byte ``b`` becomes token ``b % vocab_size``.
 
     Despite the name it works on bytes, not characters; it is lossy when ``vocab_size < 256``
-    and has no decode and no special tokens.
+    and has no special tokens (``eos_id`` is ``None``: documents are simply concatenated).
     """
+
+    spec = "bytes"
+    sha256 = "bytes"
+    eos_id: int | None = None
+    eos_token: str | None = None
 
     def __init__(self, vocab_size: int = 256) -> None:
         if int(vocab_size) <= 0:
@@ -28,16 +45,132 @@ class CharTokenizer:
 
     __call__ = encode
 
-    def encode_tensor(self, text: str) -> torch.Tensor:
-        """Token ids of ``text`` as a 1-D int64 tensor (vectorised, same values as ``encode``)."""
-        data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+    def encode_array(self, text: str) -> np.ndarray:
+        """Token ids of ``text`` as a 1-D uint32 array (vectorised, same values as ``encode``)."""
+        data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint32)
         if self.vocab_size < 256:
             data %= self.vocab_size
-        return torch.from_numpy(data)
+        return data
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """``encode_array`` of each text."""
+        return [self.encode_array(text) for text in texts]
+
+    def encode_tensor(self, text: str) -> Any:
+        """Token ids of ``text`` as a 1-D int64 tensor (same values as ``encode``)."""
+        import torch
+
+        return torch.from_numpy(self.encode_array(text).astype(np.int64))
+
+    def decode(self, ids: Any) -> str:
+        """Bytes back to text (ids above 255 are dropped; invalid UTF-8 becomes U+FFFD)."""
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
 
-def encode_text(tokenizer: Any, text: str) -> torch.Tensor:
+class HFTokenizer:
+    """A ``tokenizers.Tokenizer`` loaded from a ``tokenizer.json``; see the module docstring.
+
+    ``vocab_size`` is the number of ids it can emit (highest id + 1), ``eos_id`` its
+    end-of-text token (``None`` when it has none), ``sha256`` the file's hash (recorded by
+    ``prepare`` and checked when a prepared folder is read). Pickles as its JSON text.
+    """
+
+    def __init__(self, info: TokenizerInfo, *, field: str = "data.tokenizer") -> None:
+        self.info = info
+        self._tokenizer = _parse(info.path.read_text(encoding="utf-8"), str(info.path), field)
+
+    spec = property(lambda self: self.info.spec)
+    sha256 = property(lambda self: self.info.sha256)
+    vocab_size = property(lambda self: self.info.vocab_size)
+    eos_id = property(lambda self: self.info.eos_id)
+    eos_token = property(lambda self: self.info.eos_token)
+
+    def to_str(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text."""
+        return self._tokenizer.to_str()
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no special tokens added)."""
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    __call__ = encode
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """Token ids of ``text`` as a 1-D uint32 array."""
+        return np.asarray(self.encode(text), dtype=np.uint32)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """Token ids of each text (one ``encode_batch`` call: parallel inside ``tokenizers``)."""
+        encode = getattr(self._tokenizer, "encode_batch_fast", self._tokenizer.encode_batch)
+        return [np.asarray(e.ids, dtype=np.uint32) for e in encode(texts, add_special_tokens=False)]
+
+    def encode_tensor(self, text: str) -> Any:
+        """Token ids of ``text`` as a 1-D int64 tensor."""
+        import torch
+
+        return torch.tensor(self.encode(text), dtype=torch.long)
+
+    def decode(self, ids: Any) -> str:
+        """Text of ``ids`` (special tokens are left out)."""
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"info": self.info, "json": self.to_str()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.info = state["info"]
+        self._tokenizer = _parse(state["json"], str(self.info.path), "data.tokenizer")
+
+
+def _parse(text: str, where: str, field: str) -> Any:
+    from speedtronic.config import ConfigError
+
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as exc:  # pragma: no cover - a declared dependency
+        message = f"{field}: the tokenizers package is needed (pip install tokenizers)"
+        raise ConfigError(message) from exc
+    try:
+        return Tokenizer.from_str(text)
+    except Exception as exc:
+        detail = " ".join(str(exc).split())[:200]
+        raise ConfigError(f"{field}: {where} does not parse as a tokenizer: {detail}") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _load_file(info: TokenizerInfo, field: str) -> HFTokenizer:
+    return HFTokenizer(info, field=field)
+
+
+def load_tokenizer(
+    spec: str | None,
+    *,
+    vocab_size: int | None = None,
+    token: str | None = None,
+    field: str = "data.tokenizer",
+) -> CharTokenizer | HFTokenizer:
+    """The tokenizer ``spec`` names (``bytes``/``None``: byte-level, ids ``b % vocab_size``).
+
+    A bad file, a missing file or an unreachable Hub repo is a ``ConfigError`` naming ``field``.
+    """
+    if is_bytes(spec):
+        return CharTokenizer(vocab_size or 256)
+    return _load_file(describe_tokenizer(str(spec), field=field, token=token), field)
+
+
+def tokenizer_for(config: Any) -> CharTokenizer | HFTokenizer:
+    """The tokenizer of a ``SpeedtronicConfig`` (``data.tokenizer``, ``model.vocab_size``)."""
+    return load_tokenizer(
+        getattr(config.data, "tokenizer", None),
+        vocab_size=int(config.model.vocab_size),
+        token=getattr(config.distributed, "token", None),
+    )
+
+
+def encode_text(tokenizer: Any, text: str) -> Any:
     """Tokenize ``text`` with any tokenizer (``encode`` method or callable) into int64 (N,)."""
+    import torch
+
     fast = getattr(tokenizer, "encode_tensor", None)
     if callable(fast):
         return fast(text)

@@ -92,12 +92,19 @@ def build_heldout(config: Any) -> HeldOut | None:
 
     Raises ``ConfigError`` (naming the field) when the held-out source is unusable.
     """
+    from speedtronic.config.tokenizer_spec import is_bytes
     from speedtronic.data.heldout import open_heldout
+    from speedtronic.data.tokenizer import tokenizer_for
 
     data, section = config.data, config.eval
     block_size = int(data.block_size or config.model.max_seq_len)
+    tokenizer = None if is_bytes(getattr(data, "tokenizer", None)) else tokenizer_for(config)
     source = open_heldout(
-        data, section, block_size=block_size, vocab_size=int(config.model.vocab_size)
+        data,
+        section,
+        block_size=block_size,
+        vocab_size=int(config.model.vocab_size),
+        tokenizer=tokenizer,
     )
     if source is None:
         return None

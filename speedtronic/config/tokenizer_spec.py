@@ -1,0 +1,209 @@
+"""What ``data.tokenizer`` names, read without importing ``tokenizers`` or torch.
+
+``data.tokenizer`` is ``bytes`` (the byte-level tokenizer: token = UTF-8 byte, no end-of-text
+token) or a Hugging Face ``tokenizer.json`` (the format of the ``tokenizers`` library), given as
+
+* a path to the file, or to a folder that holds ``tokenizer.json`` (an exported model folder);
+* a Hub repo id ``owner/name`` (optionally ``owner/name@revision``), fetched once through
+  ``huggingface_hub`` into its cache (``HF_HUB_OFFLINE=1`` uses the cache only).
+
+:func:`describe_tokenizer` returns the file's :class:`TokenizerInfo`: where it is, its SHA-256,
+how many ids it can emit (``vocab_size`` = the highest id + 1, added tokens included) and its
+end-of-text token, which separates documents. The end-of-text token is ``eos_token`` of a
+``tokenizer_config.json`` beside the file when there is one, else the first special added token
+among :data:`EOS_NAMES`. Everything wrong is a ``ConfigError`` naming ``field`` and the fix.
+The JSON is read with the standard library, so config validation stays fast and light.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from speedtronic.config.errors import ConfigError
+
+__all__ = [
+    "BYTES",
+    "EOS_NAMES",
+    "TokenizerInfo",
+    "describe_tokenizer",
+    "is_bytes",
+    "resolve_tokenizer_file",
+]
+
+BYTES = "bytes"
+BYTES_VOCAB = 256
+# Special tokens recognised as end-of-text, most common first.
+EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[EOS]", "<|eot|>")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?(@[\w./-]+)?$")
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """A tokenizer file as validation sees it.
+
+    ``vocab_size`` counts ids (highest id + 1, added tokens included); ``eos_id`` /
+    ``eos_token`` are ``None`` when the file has no end-of-text token; ``config_path`` is the
+    ``tokenizer_config.json`` found beside it, if any.
+    """
+
+    spec: str
+    path: Path
+    sha256: str
+    vocab_size: int
+    eos_id: int | None
+    eos_token: str | None
+    config_path: Path | None = None
+
+
+def is_bytes(spec: Any) -> bool:
+    """True when ``spec`` selects the byte-level tokenizer (``bytes``, any case, or empty)."""
+    return spec is None or str(spec).strip().lower() in ("", BYTES)
+
+
+def _looks_like_path(spec: str) -> bool:
+    return (
+        spec.startswith(("/", ".", "~"))
+        or spec.endswith(".json")
+        or spec.count("/") > 1
+        or os.sep in spec.replace("/", "")
+    )
+
+
+def resolve_tokenizer_file(
+    spec: str, *, field: str = "data.tokenizer", token: str | None = None
+) -> tuple[Path, Path | None]:
+    """``(tokenizer.json path, tokenizer_config.json path or None)`` for a path or Hub id."""
+    text = str(spec).strip()
+    local = Path(text).expanduser()
+    if local.is_dir():
+        candidate = local / "tokenizer.json"
+        if not candidate.is_file():
+            raise ConfigError(f"{field}: {text} is a folder without a tokenizer.json")
+        return candidate, _beside(candidate)
+    if local.is_file():
+        return local, _beside(local)
+    if _looks_like_path(text) or not _HUB_ID.match(text):
+        raise ConfigError(
+            f"{field}: tokenizer file not found: {text} (give a tokenizer.json path, a Hub "
+            "repo id such as owner/name, or bytes)"
+        )
+    return _from_hub(text, field, token)
+
+
+def _beside(path: Path) -> Path | None:
+    config = path.with_name("tokenizer_config.json")
+    return config if config.is_file() else None
+
+
+@functools.lru_cache(maxsize=8)
+def _from_hub(spec: str, field: str, token: str | None) -> tuple[Path, Path | None]:
+    """Download (or find in the cache) a Hub repo's tokenizer files, once per process."""
+    repo_id, _, revision = spec.partition("@")
+    try:
+        from huggingface_hub import hf_hub_download
+    except ImportError as exc:  # pragma: no cover - a declared dependency
+        raise ConfigError(f"{field}: huggingface_hub is needed to fetch {spec}") from exc
+    try:
+        path = hf_hub_download(repo_id, "tokenizer.json", revision=revision or None, token=token)
+    except Exception as exc:
+        detail = " ".join(str(exc).split())[:200]
+        raise ConfigError(
+            f"{field}: cannot fetch tokenizer.json from the Hub repo {repo_id}: "
+            f"{type(exc).__name__}: {detail}"
+        ) from None
+    try:
+        config = hf_hub_download(
+            repo_id, "tokenizer_config.json", revision=revision or None, token=token
+        )
+    except Exception:
+        config = None  # optional: the end-of-text token is then looked up by name
+    return Path(path), Path(config) if config else None
+
+
+def describe_tokenizer(
+    spec: str, *, field: str = "data.tokenizer", token: str | None = None
+) -> TokenizerInfo:
+    """Resolve ``spec`` (not ``bytes``) and read its vocabulary and end-of-text token."""
+    path, config_path = resolve_tokenizer_file(spec, field=field, token=token)
+    stat = path.stat()
+    config_key = None
+    if config_path is not None:
+        config_stat = config_path.stat()
+        config_key = (str(config_path), config_stat.st_size, config_stat.st_mtime_ns)
+    info = _read(str(path), stat.st_size, stat.st_mtime_ns, config_key, field)
+    return TokenizerInfo(str(spec).strip(), path, *info, config_path)
+
+
+@functools.lru_cache(maxsize=16)
+def _read(
+    path: str, size: int, mtime_ns: int, config_key: tuple | None, field: str
+) -> tuple[str, int, int | None, str | None]:
+    """``(sha256, vocab_size, eos_id, eos_token)``; cached per file version."""
+    raw = Path(path).read_bytes()
+    try:
+        document = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        message = f"{field}: {path} is not a tokenizer.json file (not JSON: {exc})"
+        raise ConfigError(message) from None
+    ids = _vocabulary_ids(document, path, field)
+    tokens = _token_ids(document)
+    eos_token = _configured_eos(config_key[0]) if config_key else None
+    if eos_token is not None and eos_token not in tokens:
+        raise ConfigError(
+            f"{field}: {config_key[0]} names eos_token {eos_token!r}, which {path} does not hold"
+        )
+    if eos_token is None:
+        eos_token = next((name for name in EOS_NAMES if name in _special(document)), None)
+    eos_id = tokens[eos_token] if eos_token is not None else None
+    return hashlib.sha256(raw).hexdigest(), max(ids) + 1, eos_id, eos_token
+
+
+def _vocabulary_ids(document: Any, path: str, field: str) -> list[int]:
+    model = document.get("model") if isinstance(document, dict) else None
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    if isinstance(vocab, dict):
+        ids = [value for value in vocab.values() if isinstance(value, int)]
+    elif isinstance(vocab, list):  # Unigram: [[piece, score], ...], the id is the position
+        ids = list(range(len(vocab)))
+    else:
+        raise ConfigError(
+            f"{field}: {path} is not a tokenizer.json file (no model vocabulary); save one with "
+            "tokenizers' Tokenizer.save() or use a Hub repo that has tokenizer.json"
+        )
+    ids += [t["id"] for t in document.get("added_tokens") or () if isinstance(t.get("id"), int)]
+    if not ids or min(ids) < 0:
+        raise ConfigError(f"{field}: {path} has an empty or negative vocabulary")
+    return ids
+
+
+def _token_ids(document: dict) -> dict[str, int]:
+    vocab = document["model"]["vocab"]
+    if isinstance(vocab, list):
+        ids = {str(entry[0]): index for index, entry in enumerate(vocab) if entry}
+    else:
+        ids = {str(token): value for token, value in vocab.items()}
+    for added in document.get("added_tokens") or ():
+        ids[str(added.get("content"))] = int(added["id"])
+    return ids
+
+
+def _special(document: dict) -> set[str]:
+    return {str(t.get("content")) for t in document.get("added_tokens") or () if t.get("special")}
+
+
+def _configured_eos(config_path: str) -> str | None:
+    try:
+        config = json.loads(Path(config_path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    eos = config.get("eos_token") if isinstance(config, dict) else None
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    return eos if isinstance(eos, str) and eos else None
