@@ -21,8 +21,6 @@
 ARG BASE_IMAGE=ubuntu:24.04
 
 FROM ${BASE_IMAGE}
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
-ARG TORCH_VERSION=2.8.0
 ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -41,7 +39,10 @@ RUN apt-get update \
     && python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 
-# torch first, from the index that matches the wanted accelerator (cu128, cpu, ...).
+# torch first, from the index that matches the wanted accelerator (cu128, cpu, ...). The build
+# arguments are declared here, so changing them keeps the OS layer above cached.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+ARG TORCH_VERSION=2.8.0
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
 # The other runtime dependencies, from pyproject.toml only (plus the build backend, so the

@@ -25,6 +25,8 @@ from container_support import (
     write_build_override,
 )
 
+from speedtronic.testing.hub_server import HubEmulator
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 COMPOSE_IMAGE = "speedtronic:ci-compose"
@@ -130,13 +132,17 @@ def test_compose_scale_then_force_recreate_resumes_every_worker(image, project):
 
 
 def wait_running(compose: Compose, predicate, what: str):
-    """Poll ``predicate`` while master and workers keep running; its first truthy value."""
+    """Poll ``predicate`` while master and workers keep running (no exit, no restart by
+    ``restart: on-failure``); its first truthy value."""
     deadline = time.monotonic() + RUN_TIMEOUT
     while not (value := predicate()):
         assert time.monotonic() < deadline, f"timed out: {what}\n{compose.logs()[-6000:]}"
         for container in compose.containers("master") + compose.containers("worker"):
-            if container["State"]["Status"] == "exited":
-                raise AssertionError(f"{container['Name']} exited: {compose.logs()[-6000:]}")
+            if container["State"]["Status"] == "exited" or container["RestartCount"]:
+                raise AssertionError(
+                    f"{container['Name']} exited or restarted while waiting for {what}:\n"
+                    f"{compose.logs()[-6000:]}"
+                )
         time.sleep(3)
     return value
 
@@ -144,8 +150,6 @@ def wait_running(compose: Compose, predicate, what: str):
 def test_compose_hub_override_reads_a_0600_secret_and_never_logs_it(image, project, tmp_path):
     """compose.yaml + compose.hub.yaml against the Hub emulator, which demands the token that
     only the 0600 secret file carries (owned by another user, as on a developer machine)."""
-    from speedtronic.testing.hub_server import HubEmulator
-
     token = "hf_ctier_" + secrets.token_hex(12)
     secret = tmp_path / "hf_token"
     secret.write_text(token + "\n")
@@ -153,7 +157,8 @@ def test_compose_hub_override_reads_a_0600_secret_and_never_logs_it(image, proje
     if os.geteuid() == 0:
         os.chown(secret, 1000, 1000)
     repo = "team/run"
-    with HubEmulator(token=token) as hub, relay(docker_bridge_address(), hub.port) as forward:
+    with RelayedHub(token=token) as hub, relay(docker_bridge_address(), hub.port) as forward:
+        hub.advertised = forward.url  # the repo URLs it returns must name the host clients use
         compose = project(
             "compose.yaml",
             "compose.hub.yaml",
@@ -195,6 +200,18 @@ def test_compose_hub_override_reads_a_0600_secret_and_never_logs_it(image, proje
         "print(json.dumps(hits))\n",
     )
     assert leaks == [], f"the token was written to {leaks}"
+
+
+class RelayedHub(HubEmulator):
+    """The Hub emulator (loopback only) as containers see it through a `Relay`: the URLs it
+    hands out (``create_repo``) name the relay's address, which huggingface_hub checks
+    against HF_ENDPOINT."""
+
+    advertised: str | None = None
+
+    @property
+    def url(self) -> str:
+        return self.advertised or super().url
 
 
 def _files(hub, repo: str) -> list[str]:
