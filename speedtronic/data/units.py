@@ -1,0 +1,271 @@
+"""The inputs of ``speedtronic prepare``: sources, work units, and encoding one unit.
+
+A **source** is one input file: JSON Lines (``.jsonl``/``.ndjson``; each record's text field is
+a document) or plain text (anything else; the whole file is one document). Folders are walked
+recursively in sorted order, skipping hidden names. A **unit** is a piece of a source of about
+``unit_bytes`` bytes, cut before the whitespace around a newline (text without newlines: before
+a space, else at a character boundary), so memory stays bounded whatever the file size; JSONL
+units hold whole lines. Units are cut from the bytes alone, so the token stream does not
+depend on how many processes encode them.
+
+:func:`encode_unit` runs in a worker process (or in-process for one worker) with the tokenizer
+installed by :func:`init_worker`; it never raises for bad input but returns the problem, which
+the caller turns into an error naming the file and line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "Encoded",
+    "PrepareError",
+    "Source",
+    "Unit",
+    "collect_sources",
+    "encode_unit",
+    "init_worker",
+    "iter_units",
+]
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+_BINARY_PROBE = 8192
+_REPLACEMENT = "\ufffd"
+_WHITESPACE = frozenset(b" \t\n\r\x0b\x0c")
+
+
+class PrepareError(ValueError):
+    """Bad input to ``speedtronic prepare`` (the CLI exits 2 with this one-line message)."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """One input file: ``kind`` is ``text`` or ``jsonl``; size and mtime fingerprint it."""
+
+    path: str
+    kind: str
+    size: int
+    mtime_ns: int
+
+
+@dataclass
+class Unit:
+    """Bytes ``[offset, offset + len(data))`` of source ``source``; ``last`` ends the file."""
+
+    index: int
+    source: int
+    data: bytes
+    offset: int
+    first_line: int
+    last: bool
+
+
+@dataclass
+class Encoded:
+    """One unit's tokens: ``lengths[i]`` tokens per document piece, in order.
+
+    A text unit has one piece (the end-of-text token closes it when the unit ends the file);
+    a JSONL unit one per record. ``error`` is ``None`` or ``(where, message)``: a byte offset
+    within the unit for text, a line within the unit (from 0) for JSONL.
+    """
+
+    tokens: np.ndarray
+    lengths: list[int] = field(default_factory=list)
+    replaced: int = 0
+    error: tuple[int, str] | None = None
+
+
+def _walk(folder: Path) -> Iterator[Path]:
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(files):
+            if not name.startswith("."):
+                yield Path(root) / name
+
+
+def _looks_binary(path: Path) -> bool:
+    with open(path, "rb") as handle:
+        return b"\x00" in handle.read(_BINARY_PROBE)
+
+
+def collect_sources(inputs: Sequence[str]) -> tuple[list[Source], int]:
+    """The files behind ``inputs`` (files and folders) and how many empty files were skipped.
+
+    An input that does not exist, an empty file named explicitly, a folder without any
+    non-empty file, and a binary file (NUL bytes in its first 8 KiB) are ``PrepareError``s.
+    """
+    if not inputs:
+        raise PrepareError("no --input given")
+    sources: list[Source] = []
+    skipped = 0
+    for item in inputs:
+        path = Path(item)
+        if path.is_dir():
+            files = list(_walk(path))
+            found = [f for f in files if f.is_file() and f.stat().st_size > 0]
+            skipped += len(files) - len(found)
+            if not found:
+                raise PrepareError(f"input folder {item} holds no non-empty files")
+        elif path.is_file():
+            if path.stat().st_size == 0:
+                raise PrepareError(f"input {item} is empty")
+            found = [path]
+        else:
+            raise PrepareError(f"input not found: {item}")
+        for file in found:
+            if _looks_binary(file):
+                raise PrepareError(
+                    f"input {file} looks binary (NUL bytes in its first 8 KiB); remove it "
+                    "from the inputs or name the text files one by one"
+                )
+            stat = file.stat()
+            kind = "jsonl" if file.suffix.lower() in JSONL_SUFFIXES else "text"
+            sources.append(Source(str(file), kind, stat.st_size, stat.st_mtime_ns))
+    return sources, skipped
+
+
+def _cut(buffer: bytes, kind: str) -> int:
+    """Where a unit ends inside ``buffer`` (a full buffer that is not the end of its file).
+
+    JSONL: after the last newline (0: the line goes on, read more). Text: at the start of the
+    whitespace run around the last newline (else the last space), as text streaming cuts its
+    chunks, so no word or whitespace run is split; else at a UTF-8 character boundary.
+    """
+    if kind == "jsonl":
+        return buffer.rfind(b"\n") + 1
+    index = buffer.rfind(b"\n")
+    if index < 0:
+        index = buffer.rfind(b" ")
+    while index > 0 and buffer[index - 1] in _WHITESPACE:
+        index -= 1
+    if index > 0:
+        return index
+    cut = len(buffer)
+    while cut > 0 and buffer[cut - 1] & 0xC0 == 0x80:  # back off UTF-8 continuation bytes
+        cut -= 1
+    if cut > 0 and buffer[cut - 1] >= 0xC0:  # a lead byte whose sequence was cut
+        cut -= 1
+    return cut or len(buffer)
+
+
+def iter_units(sources: Sequence[Source], unit_bytes: int) -> Iterator[Unit]:
+    """Every unit of every source, in order (memory: about ``unit_bytes`` plus one line)."""
+    index = 0
+    for number, source in enumerate(sources):
+        offset, line = 0, 1
+        carry = b""
+        with open(source.path, "rb") as handle:
+            while True:
+                want = unit_bytes - len(carry) if len(carry) < unit_bytes else unit_bytes
+                more = handle.read(want)
+                buffer = carry + more
+                if not more:
+                    if buffer:
+                        yield Unit(index, number, buffer, offset, line, True)
+                        index += 1
+                    break
+                if len(buffer) < unit_bytes:
+                    carry = buffer
+                    continue
+                cut = _cut(buffer, source.kind)
+                if cut == 0:
+                    carry = buffer  # a JSONL line longer than a unit: keep reading
+                    continue
+                data, carry = buffer[:cut], buffer[cut:]
+                yield Unit(index, number, data, offset, line, False)
+                index += 1
+                offset += len(data)
+                line += data.count(b"\n")
+
+
+# ----------------------------------------------------------------------------- worker side
+_STATE: dict[str, Any] = {}
+
+
+def init_worker(tokenizer_json: str | None, eos_id: int | None, single_thread: bool) -> None:
+    """Install the tokenizer of this process (``None``: bytes). Called once per worker."""
+    if single_thread:  # N processes already use the cores; keep tokenizers' pool to one
+        os.environ["RAYON_RS_NUM_CPUS"] = "1"
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    if tokenizer_json is None:
+        _STATE["encode"] = _encode_bytes
+    else:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_str(tokenizer_json)
+        batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+        _STATE["encode"] = lambda texts: [
+            np.asarray(e.ids, dtype=np.uint32) for e in batch(texts, add_special_tokens=False)
+        ]
+    _STATE["eos"] = eos_id
+
+
+def _encode_bytes(texts: list[str]) -> list[np.ndarray]:
+    return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.uint32) for t in texts]
+
+
+def _decode(data: bytes, strict: bool) -> tuple[str, int, int | None]:
+    """``(text, replaced sequences, offset of the first bad byte when strict)``."""
+    try:
+        return data.decode("utf-8"), 0, None
+    except UnicodeDecodeError as exc:
+        if strict:
+            return "", 0, exc.start
+    text = data.decode("utf-8", errors="replace")
+    replaced = text.count(_REPLACEMENT) - data.count(_REPLACEMENT.encode("utf-8"))
+    return text, replaced, None
+
+
+def encode_unit(kind: str, data: bytes, last: bool, text_field: str, strict: bool) -> Encoded:
+    """Tokenize one unit (see :class:`Encoded`); runs where :func:`init_worker` ran."""
+    encode, eos = _STATE["encode"], _STATE["eos"]
+    if kind == "text":
+        text, replaced, bad = _decode(data, strict)
+        if bad is not None:
+            return Encoded(np.empty(0, np.uint32), error=(bad, "invalid UTF-8"))
+        tokens = encode([text.replace("\r\n", "\n").replace("\r", "\n")])[0]
+        if last and eos is not None:
+            tokens = np.append(tokens, np.uint32(eos))
+        return Encoded(tokens, [len(tokens)], replaced)
+    texts, replaced = [], 0
+    for number, raw in enumerate(data.split(b"\n")):
+        if not raw.strip():
+            continue
+        line, bad_count, bad = _decode(raw, strict)
+        if bad is not None:
+            return Encoded(np.empty(0, np.uint32), error=(number, "invalid UTF-8"))
+        replaced += bad_count
+        text, problem = _record_text(line, text_field)
+        if problem:
+            return Encoded(np.empty(0, np.uint32), error=(number, problem))
+        if text:
+            texts.append(text)
+    pieces = encode(texts) if texts else []
+    if eos is not None:
+        pieces = [np.append(p, np.uint32(eos)) for p in pieces]
+    lengths = [len(p) for p in pieces]
+    tokens = np.concatenate(pieces) if pieces else np.empty(0, np.uint32)
+    return Encoded(tokens.astype(np.uint32, copy=False), lengths, replaced)
+
+
+def _record_text(line: str, text_field: str) -> tuple[str, str | None]:
+    try:
+        record = json.loads(line)
+    except ValueError as exc:
+        return "", f"not valid JSON ({exc.msg} at column {exc.colno})"
+    if not isinstance(record, dict):
+        return "", f"a JSON {type(record).__name__}, expected an object with a {text_field!r} field"
+    if text_field not in record:
+        keys = ", ".join(sorted(map(str, record))[:8]) or "none"
+        return "", f"no {text_field!r} field (fields: {keys}); choose one with --field"
+    value = record[text_field]
+    if not isinstance(value, str):
+        return "", f"field {text_field!r} is a {type(value).__name__}, expected a string"
+    return value, None
