@@ -10,6 +10,12 @@ Commands (every one takes ``--config``, ``--max-steps``, ``--output-dir``, ``--d
     speedtronic run                                        # container entrypoint
     speedtronic plot EVENTS [--output PNG]
     speedtronic eval [--checkpoint PATH | --global] [--format text|json]   # held-out loss
+    speedtronic prepare --input PATH... --output DIR [--tokenizer T] [--holdout F] [--workers N]
+    speedtronic export [--checkpoint PATH | --global] --format hf --output DIR
+    speedtronic sample [--checkpoint PATH | --global] --prompt TEXT [--max-new-tokens N] ...
+
+``prepare`` takes no config (``--tokenizer``, default ``bytes``, is what ``data.tokenizer``
+accepts); ``export`` and ``sample`` read the model shape and tokenizer from ``--config``.
 
 Exit codes: 0 success; 2 configuration error (one ``error: ...`` line on stderr, no
 traceback); 1 any other failure (one ``error: <Type>: ...`` line); 130 after Ctrl-C.
@@ -26,6 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from speedtronic.cli_data import add_data_commands
 from speedtronic.config import ConfigError, ResolvedConfig, resolve_config
 from speedtronic.config.redaction import scrub
 
@@ -110,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="score the DiLoCo global published in distributed.repo_id",
     )
     evaluate.add_argument("--format", choices=("text", "json"), default="text")
+    add_data_commands(commands, common)
 
     plot = commands.add_parser("plot", help="plot a JSONL event log")
     plot.add_argument("source", help="events.jsonl file or run directory")
@@ -221,6 +229,26 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_prepare(args: argparse.Namespace) -> int:
+    from speedtronic.cli_data import prepare_command
+
+    return prepare_command(args)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    config = _resolve(args).config
+    from speedtronic.cli_data import export_command
+
+    return export_command(args, config)
+
+
+def _cmd_sample(args: argparse.Namespace) -> int:
+    config = _resolve(args).config
+    from speedtronic.cli_data import sample_command
+
+    return sample_command(args, config)
+
+
 def _text_value(value: Any) -> str:
     if value is None:
         return "null"
@@ -233,6 +261,9 @@ _COMMANDS = {
     "run": _cmd_run,
     "plot": _cmd_plot,
     "eval": _cmd_eval,
+    "prepare": _cmd_prepare,
+    "export": _cmd_export,
+    "sample": _cmd_sample,
 }
 
 

@@ -26,7 +26,7 @@ import torch
 from speedtronic.checkpoint import CheckpointError, CheckpointManager
 from speedtronic.train.evaluate import build_heldout, evaluate
 
-__all__ = ["Weights", "load_weights", "score"]
+__all__ = ["Weights", "load_model", "load_weights", "score"]
 
 
 @dataclass
@@ -151,7 +151,6 @@ def score(
     """Score the chosen weights on the held-out set: ``{"loss", "perplexity", "tokens",
     "step", "outer_step"}`` (``None`` where unknown)."""
     from speedtronic.config import ConfigError
-    from speedtronic.model import build_model
     from speedtronic.train.runtime import _device, _precision
 
     heldout = build_heldout(config)
@@ -160,8 +159,24 @@ def score(
             "eval: no held-out data configured; set eval.holdout (a fraction of the training "
             "data) or eval.text_path / eval.token_path"
         )
-    weights = load_weights(config, checkpoint=checkpoint, use_global=use_global)
+    model, weights = load_model(config, checkpoint=checkpoint, use_global=use_global)
     device = _device(config, None)
+    model.to(device)
+    result = evaluate(model, heldout, device=device, precision=_precision(config, device))
+    return {**result.as_dict(), "step": weights.step, "outer_step": weights.outer_step}
+
+
+def load_model(
+    config: Any, *, checkpoint: str | None = None, use_global: bool = False
+) -> tuple[torch.nn.Module, Weights]:
+    """The configured model (on CPU, eval mode) holding the weights :func:`load_weights` finds.
+
+    Weights that do not fit ``config.model`` are a ``CheckpointError`` naming the source. Used
+    by ``speedtronic eval``, ``export`` and ``sample``.
+    """
+    from speedtronic.model import build_model
+
+    weights = load_weights(config, checkpoint=checkpoint, use_global=use_global)
     model = build_model(config.model)
     try:
         model.load_state_dict(weights.state, strict=True)
@@ -170,6 +185,4 @@ def score(
         raise CheckpointError(
             f"{weights.source} does not match the configured model ({config.model.name}): {detail}"
         ) from None
-    model.to(device)
-    result = evaluate(model, heldout, device=device, precision=_precision(config, device))
-    return {**result.as_dict(), "step": weights.step, "outer_step": weights.outer_step}
+    return model.eval(), weights

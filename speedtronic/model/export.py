@@ -1,0 +1,229 @@
+"""``speedtronic export --format hf``: the reference transformer as a transformers Llama folder.
+
+The reference transformer (pre-norm RMSNorm blocks, rotary embeddings in the rotate-half
+layout, grouped-query SDPA attention, SwiGLU MLP, no biases) is architecturally a
+``LlamaForCausalLM``; only parameter names differ (:data:`LLAMA_NAMES`). The folder holds
+
+* ``config.json`` (written by ``transformers.LlamaConfig`` of the installed version),
+* ``model.safetensors`` (fp32 as trained; tied embeddings stored once, as transformers does),
+* ``tokenizer.json`` + ``tokenizer_config.json`` when the run used a ``data.tokenizer`` file
+  (the byte-level tokenizer has no transformers equivalent: no tokenizer files then),
+* ``speedtronic.json``: provenance (weights source, step, outer step, redacted config).
+
+so ``AutoModelForCausalLM.from_pretrained(DIR)`` / ``AutoTokenizer.from_pretrained(DIR)`` load
+it. A model with no Llama equivalent (a registered custom model) is an :class:`ExportError`, never a
+wrong file. The folder is assembled beside ``DIR`` and renamed into place, so ``DIR`` is
+either the previous export or the complete new one. ``transformers`` is imported lazily.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "LLAMA_NAMES",
+    "ExportError",
+    "check_exportable",
+    "export_hf",
+    "llama_state_dict",
+    "verify_export",
+]
+
+# Reference-transformer block parameter -> Llama block parameter (both end in ``.weight``).
+LLAMA_NAMES = {
+    "ln1": "input_layernorm",
+    "ln2": "post_attention_layernorm",
+    "attn.q_proj": "self_attn.q_proj",
+    "attn.k_proj": "self_attn.k_proj",
+    "attn.v_proj": "self_attn.v_proj",
+    "attn.out_proj": "self_attn.o_proj",
+    "mlp.gate_proj": "mlp.gate_proj",
+    "mlp.up_proj": "mlp.up_proj",
+    "mlp.down_proj": "mlp.down_proj",
+}
+_RMS_EPS = 1e-5  # speedtronic.model.transformer.RMSNorm's default
+
+
+class ExportError(ValueError):
+    """The model or the output folder cannot be exported as asked (CLI exit 2)."""
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ExportError(
+            "export --format hf needs the transformers package: pip install transformers "
+            "(or pip install 'speedtronic[bench]')"
+        ) from None
+    return transformers
+
+
+def check_exportable(model_config: Any) -> None:
+    """Refuse early (before any weights are read) a ``model.name`` without a Llama form."""
+    from speedtronic.model.registry import registry
+    from speedtronic.model.transformer import ReferenceTransformer
+
+    name = str(getattr(model_config, "name", "reference_transformer"))
+    factory = registry.get(name) if name in registry else None
+    if factory is not ReferenceTransformer:
+        raise ExportError(
+            f"model.name {name!r} has no Llama equivalent; export --format hf supports the "
+            "built-in reference_transformer (alias gpt) only"
+        )
+
+
+def _reference_model(model: torch.nn.Module, name: str) -> Any:
+    from speedtronic.model.transformer import ReferenceTransformer
+
+    if not isinstance(model, ReferenceTransformer):
+        raise ExportError(
+            f"model.name {name!r} ({type(model).__name__}) has no Llama equivalent; export "
+            "--format hf supports the built-in reference_transformer (alias gpt) only"
+        )
+    return model
+
+
+def llama_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Llama names -> contiguous fp32 copies of the reference model's weights.
+
+    With tied embeddings ``lm_head.weight`` is left out (transformers ties it on load).
+    """
+    source = model.state_dict()
+    layers = len(model.transformer.h)
+    mapped = {
+        "model.embed_tokens.weight": source["transformer.wte.weight"],
+        "model.norm.weight": source["transformer.ln_f.weight"],
+    }
+    if not model.config.tie_weights:
+        mapped["lm_head.weight"] = source["lm_head.weight"]
+    for i in range(layers):
+        for ours, theirs in LLAMA_NAMES.items():
+            mapped[f"model.layers.{i}.{theirs}.weight"] = source[f"transformer.h.{i}.{ours}.weight"]
+    return {k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in mapped.items()}
+
+
+def _llama_config(model: Any, eos_id: int | None) -> Any:
+    cfg = model.config
+    config = _transformers().LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.d_model,
+        intermediate_size=model.transformer.h[0].mlp.gate_proj.out_features,
+        num_hidden_layers=cfg.n_layer,
+        num_attention_heads=cfg.n_head,
+        num_key_value_heads=cfg.n_kv_head,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.block_size,
+        rms_norm_eps=_RMS_EPS,
+        rope_theta=float(cfg.rope_base),
+        tie_word_embeddings=bool(cfg.tie_weights),
+        attention_bias=False,
+        mlp_bias=False,
+        hidden_act="silu",
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=None,
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    # transformers 5 calls it dtype, 4.x torch_dtype (5 warns about the old name).
+    setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", "float32")
+    return config
+
+
+def _write_tokenizer(tokenizer: Any, folder: Path, max_seq_len: int) -> None:
+    shutil.copyfile(tokenizer.info.path, folder / "tokenizer.json")
+    source_config = tokenizer.info.config_path
+    if source_config is not None:
+        shutil.copyfile(source_config, folder / "tokenizer_config.json")
+        return
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": int(max_seq_len),
+        "clean_up_tokenization_spaces": False,
+    }
+    if tokenizer.eos_token is not None:
+        config.update(eos_token=tokenizer.eos_token, bos_token=tokenizer.eos_token)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _prepare_output(output: Path, overwrite: bool) -> Path:
+    if output.exists() and not output.is_dir():
+        raise ExportError(f"--output {output} is a file, expected a folder")
+    if output.is_dir() and any(output.iterdir()) and not overwrite:
+        raise ExportError(
+            f"--output {output} is not empty; pass --overwrite to replace it or choose "
+            "another folder"
+        )
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = output.with_name(f".{output.name}.export-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    return staging
+
+
+def export_hf(
+    model: torch.nn.Module,
+    output: str | os.PathLike[str],
+    *,
+    model_name: str = "reference_transformer",
+    tokenizer: Any = None,
+    provenance: dict[str, Any] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write ``model`` as a transformers Llama folder at ``output``; returns the folder.
+
+    ``tokenizer``: an ``HFTokenizer`` whose files go along (``None`` or the byte tokenizer:
+    none). ``provenance`` lands in ``speedtronic.json``. Raises :class:`ExportError` for a
+    model without a Llama equivalent, a missing transformers, or a non-empty ``output``
+    without ``overwrite``.
+    """
+    from safetensors.torch import save_file
+
+    reference = _reference_model(model, model_name)
+    output = Path(output)
+    has_files = tokenizer is not None and getattr(tokenizer, "info", None) is not None
+    eos_id = tokenizer.eos_id if has_files else None
+    config = _llama_config(reference, eos_id)
+    staging = _prepare_output(output, overwrite)
+    try:
+        config.save_pretrained(staging)
+        save_file(llama_state_dict(reference), str(staging / "model.safetensors"), {"format": "pt"})
+        if has_files:
+            _write_tokenizer(tokenizer, staging, reference.config.block_size)
+        record = {"format": "hf-llama", **(provenance or {})}
+        (staging / "speedtronic.json").write_text(json.dumps(record, indent=2, default=str))
+        _swap_into_place(staging, output)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return output
+
+
+def _swap_into_place(staging: Path, output: Path) -> None:
+    previous = None
+    if output.exists():
+        previous = output.with_name(f".{output.name}.previous-{os.getpid()}")
+        os.replace(output, previous)
+    os.replace(staging, output)
+    if previous is not None:
+        shutil.rmtree(previous, ignore_errors=True)
+
+
+@torch.no_grad()
+def verify_export(model: torch.nn.Module, folder: str | os.PathLike[str], seed: int = 0) -> float:
+    """Load ``folder`` with transformers and return the max |logit difference| against
+    ``model`` on a random (2, T) batch, both in fp32 on CPU."""
+    transformers = _transformers()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).float().eval()
+    cfg = model.config
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randint(cfg.vocab_size, (2, min(cfg.block_size, 64)), generator=generator)
+    reference = model.to("cpu", torch.float32).eval()
+    ours = reference(inputs)["logits"]
+    theirs = loaded(input_ids=inputs).logits
+    return float((ours - theirs).abs().max())
