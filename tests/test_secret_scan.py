@@ -11,8 +11,8 @@ Then every file under the output and exchange directories (names and bytes, chec
 safetensors included), the emulator's repository files, stdout/stderr, JSONL, ``/metrics``,
 ``/healthz``, ``/readyz``, ``config show``/``validate`` output and the error texts of refused
 and failing runs are scanned for the token: raw, repr- and JSON-escaped, percent-encoded,
-UTF-16 and base64 (at every alignment). The token is deliberately not shaped like a real Hub token, so the
-pattern-based scrubbing cannot hide a missing redaction.
+UTF-16 and base64 (at every alignment). The token is deliberately not shaped like a real Hub
+token, so the pattern-based scrubbing cannot hide a missing redaction.
 """
 
 from __future__ import annotations
