@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import signal
@@ -298,3 +299,37 @@ def test_bad_options_are_refused(tmp_path, corpus, capsys):
     assert "is a file, expected a folder" in cli(capsys, "-i", str(corpus), "-o", str(file))[2]
     with pytest.raises(PrepareError, match="--utf8"):
         prepare([str(corpus)], tmp_path / "y", utf8="latin1")
+
+
+def test_units_are_bounded_and_cover_every_byte(tmp_path):
+    from speedtronic.data.units import Source, iter_units
+
+    text = tmp_path / "a.txt"
+    body = corpus_text(400).encode() + ("é" * 3000).encode() + b"  tail\n\n  end"
+    text.write_bytes(body)
+    jsonl = tmp_path / "b.jsonl"
+    long_line = json.dumps({"text": "x" * 9000})
+    jsonl.write_text(f'{{"text": "a"}}\n{long_line}\n{{"text": "b"}}\n')
+    sources = [
+        Source(str(p), k, p.stat().st_size, 0) for p, k in ((text, "text"), (jsonl, "jsonl"))
+    ]
+    units = list(iter_units(sources, 1024))
+    for number, path in enumerate((text, jsonl)):
+        mine = [u for u in units if u.source == number]
+        assert b"".join(u.data for u in mine) == path.read_bytes()
+        assert [u.last for u in mine] == [False] * (len(mine) - 1) + [True]
+        assert [u.offset for u in mine] == [
+            sum(len(v.data) for v in mine[:i]) for i in range(len(mine))
+        ]
+        for unit in mine:
+            unit.data.decode("utf-8")  # never a character cut in two
+    text_units = [u for u in units if u.source == 0]
+    assert len(text_units) > 20 and max(len(u.data) for u in text_units) <= 1024
+    # cut before the whitespace run around a newline: no word or run of blanks is split
+    for before, after in itertools.pairwise(text_units):
+        forced = not any(c in before.data for c in b" \n")  # no blank at all: a character cut
+        assert forced or (after.data[:1].isspace() and not before.data[-1:].isspace())
+    json_units = [u for u in units if u.source == 1]
+    assert all(u.data.endswith(b"\n") for u in json_units)  # whole lines, one longer than a unit
+    assert [u.first_line for u in json_units] == [1, 2, 3]
+    assert [u.index for u in units] == list(range(len(units)))

@@ -179,10 +179,13 @@ def iter_units(sources: Sequence[Source], unit_bytes: int) -> Iterator[Unit]:
                     carry = buffer  # a JSONL line longer than a unit: keep reading
                     continue
                 data, carry = buffer[:cut], buffer[cut:]
-                yield Unit(index, number, data, offset, line, False)
+                at_end = not carry and handle.tell() >= os.fstat(handle.fileno()).st_size
+                yield Unit(index, number, data, offset, line, at_end)
                 index += 1
                 offset += len(data)
                 line += data.count(b"\n")
+                if at_end:
+                    break
 
 
 # ----------------------------------------------------------------------------- worker side
