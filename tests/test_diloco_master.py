@@ -422,3 +422,40 @@ def test_contributions_of_another_run_are_dropped(tmp_path):
     deliver(t, "a", 1, [1.0, 1.0])
     assert master.poll_once() is True and published(t) == [-2.0, -2.0]
     assert t.global_metadata().run_id == run  # the run id is kept across rounds
+
+
+def test_an_outage_of_the_exchange_does_not_drop_every_node_or_end_the_run(tmp_path):
+    clock = Clock()
+    master, t, log = make_master(tmp_path, clock=clock)
+    join(t, "a")
+    join(t, "b")
+    master.poll_once()
+    original = t.scan
+    t.scan = lambda: (_ for _ in ()).throw(TransportError("hub down"))
+    for _ in range(6):  # 60 s the master cannot read the exchange (drop_after x timeout = 30)
+        clock.now += 10.0
+        with pytest.raises(TransportError):
+            master.poll_once()
+    t.scan = original
+    deliver(t, "a", 0, [1.0, 1.0])
+    assert master.poll_once() is False  # b is still expected: it was not silent, we were blind
+    assert log.of("node_dropped") == [] and not t.global_metadata().final
+    deliver(t, "b", 0, [3.0, 3.0])
+    assert master.poll_once() is True and not master.finished.is_set()
+
+
+def test_nodes_that_only_went_silent_never_end_the_run(tmp_path):
+    clock = Clock()
+    master, t, log = make_master(tmp_path, clock=clock)
+    join(t, "a")
+    join(t, "b")
+    master.poll_once()
+    deliver(t, "a", 0, [1.0, 1.0])
+    deliver(t, "b", 0, [2.0, 2.0])
+    master.poll_once()
+    clock.now += 100.0  # both silent far beyond drop_after round lengths, none done
+    assert master.poll_once() is False
+    assert {p["node_id"] for p in log.of("node_dropped")} == {"a", "b"}
+    assert not t.global_metadata().final and not master.finished.is_set()  # the run goes on
+    deliver(t, "a", 1, [3.0, 3.0])  # a is back; rounds go on without b
+    assert master.poll_once() is True and not master.finished.is_set()

@@ -123,6 +123,7 @@ class RoundMaster:
         self._thread: threading.Thread | None = None
         self._first_arrival: float | None = None
         self._opened = clock()
+        self._blind_since: float | None = None  # when the exchange became unreadable
         self._round_seconds = 0.0  # moving average of round lengths
         self._saw_training = False
         self._counts = {"stale": 0, "skipped": 0, "corrupt": 0}
@@ -300,7 +301,13 @@ class RoundMaster:
         if not self.reconciled:
             self.reconcile()
         now = self._clock()
-        scan = self.hub.scan()
+        try:
+            scan = self.hub.scan()
+        except TransportError:
+            if self._blind_since is None:
+                self._blind_since = now
+            raise
+        self._credit_blind_time(now)
         self._refresh_nodes(scan, now)
         candidates = self._sort_contributions(scan, now)
         active = self._active(now)
@@ -309,9 +316,26 @@ class RoundMaster:
             return True
         if self._prune:  # refused, duplicate or stale files go now, before they are re-sent
             self._flush_prune()
-        if self._saw_training and not active and not candidates and not self.finished.is_set():
+        if self._run_over(active) and not candidates and not self.finished.is_set():
             self._finish()
         return False
+
+    def _credit_blind_time(self, now: float) -> None:
+        """While the master could not read the exchange, nobody was silent: an outage must
+        not drop every node (and end the run) the moment it is over."""
+        if self._blind_since is None:
+            return
+        blind, self._blind_since = now - self._blind_since, None
+        for view in self.nodes.values():
+            view.last_heard += blind
+        if self._first_arrival is not None:
+            self._first_arrival += blind
+
+    def _run_over(self, active: set[str]) -> bool:
+        """No node left to wait for, and at least one finished its run (nodes that are only
+        silent, e.g. all at once, keep the run open until one of them is done)."""
+        finished = any(self._finished(view) for view in self.nodes.values())
+        return self._saw_training and not active and finished
 
     def _refresh_nodes(self, scan: RepoScan, now: float) -> None:
         for node_id in sorted(scan.owners):  # a node announces itself with its status record
@@ -493,8 +517,8 @@ class RoundMaster:
             self.outer_step += 1
             for node_id, label in marks.items():
                 self.ledger[node_id] = max(self.ledger.get(node_id, -1), label)
-            final = self._saw_training and not any(
-                not self._finished(view) and not view.dropped for view in self.nodes.values()
+            final = self._run_over(
+                {n for n, v in self.nodes.items() if not self._finished(v) and not v.dropped}
             )
         try:
             self.hub.publish_global(
