@@ -35,6 +35,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -132,6 +133,7 @@ def measure(script: str, args: list[str], threads: int | None) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     if threads is not None:
         env["RAYON_RS_NUM_CPUS"] = str(threads)
+    started = time.perf_counter()
     process = subprocess.Popen(
         [sys.executable, "-c", script, *args], env=env, stdout=subprocess.PIPE, text=True
     )
@@ -143,6 +145,8 @@ def measure(script: str, args: list[str], threads: int | None) -> dict:
     result = json.loads(stdout.strip().splitlines()[-1])
     result["peak_rss_mib"] = usage.ru_maxrss / 1024  # Linux reports KiB
     result["cpu_seconds"] = usage.ru_utime + usage.ru_stime  # with its worker processes
+    # CPU time over the process's whole wall time: how many cores it kept busy
+    result["cores_used"] = result["cpu_seconds"] / (time.perf_counter() - started)
     return result
 
 
@@ -159,6 +163,7 @@ def interleaved(jobs: dict[str, tuple[str, object, int | None]], repeats: int) -
         name: {
             "seconds": statistics.median(r["seconds"] for r in results),
             "cpu_seconds": statistics.median(r["cpu_seconds"] for r in results),
+            "cores_used": statistics.median(r["cores_used"] for r in results),
             "tokens": results[0]["tokens"],
             "peak_rss_mib": max(r["peak_rss_mib"] for r in results),
             "runs": results,
@@ -249,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"prepare, 2 workers:     {mb / w2['seconds']:.2f} MB/s  speed-up {speedup:.2f}x "
-        f"on {os.cpu_count()} CPUs"
+        f"on {os.cpu_count()} CPUs (kept {w2['cores_used']:.2f} cores busy; 1 worker "
+        f"{w1['cores_used']:.2f})"
     )
     print(
         f"peak RSS: 1x {w1['peak_rss_mib']:.0f} MiB, 10x {x10['peak_rss_mib']:.0f} MiB "

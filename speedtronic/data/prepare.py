@@ -48,7 +48,7 @@ from speedtronic.data.units import (
     PrepareError,
     Unit,
     collect_sources,
-    encode_unit,
+    encode_units,
     init_worker,
     iter_units,
 )
@@ -281,17 +281,31 @@ class _Run:
         _write_json(self.partial / "progress.json", state)
 
     def _encoded(self, start: int) -> Iterator[tuple[Unit, Encoded]]:
+        """``(unit, tokens)`` in input order, from unit ``start`` on; work goes out in jobs of
+        about ``unit_bytes`` (several small files per job), at most ``2 * workers`` at once."""
         units = (u for u in iter_units(self.sources, self.unit_bytes) if u.index >= start)
         tokenizer_json = None if self.tokenizer.spec == "bytes" else self.tokenizer.to_str()
         init = (tokenizer_json, self.tokenizer.eos_id, self.workers > 1)
 
-        def job(unit: Unit) -> tuple[Any, ...]:
-            return (self.sources[unit.source].kind, unit.data, unit.last, self.field, self.strict)
+        def jobs() -> Iterator[list[Unit]]:
+            batch: list[Unit] = []
+            for unit in units:
+                batch.append(unit)
+                if sum(len(u.data) for u in batch) >= self.unit_bytes:
+                    yield batch
+                    batch = []
+            if batch:
+                yield batch
+
+        def payload(batch: list[Unit]) -> list[tuple[str, bytes, bool]]:
+            return [(self.sources[u.source].kind, u.data, u.last) for u in batch]
 
         if self.workers == 1:
             init_worker(tokenizer_json, self.tokenizer.eos_id, False)
-            for unit in units:
-                yield unit, encode_unit(*job(unit))
+            for batch in jobs():
+                yield from zip(
+                    batch, encode_units(payload(batch), self.field, self.strict), strict=True
+                )
             return
         # fork is fast and needs no importable __main__; a process that imported torch holds
         # native threads, and forking it is unsafe, so it spawns fresh interpreters instead.
@@ -302,14 +316,15 @@ class _Run:
         )
         pending: deque = deque()
         try:
-            for unit in units:
-                pending.append((unit, pool.submit(encode_unit, *job(unit))))
+            for batch in jobs():
+                future = pool.submit(encode_units, payload(batch), self.field, self.strict)
+                pending.append((batch, future))
                 if len(pending) >= 2 * self.workers:
-                    unit_done, future = pending.popleft()
-                    yield unit_done, future.result()
+                    done, future = pending.popleft()
+                    yield from zip(done, future.result(), strict=True)
             while pending:
-                unit_done, future = pending.popleft()
-                yield unit_done, future.result()
+                done, future = pending.popleft()
+                yield from zip(done, future.result(), strict=True)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
 

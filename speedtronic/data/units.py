@@ -8,7 +8,7 @@ a space, else at a character boundary), so memory stays bounded whatever the fil
 units hold whole lines. Units are cut from the bytes alone, so the token stream does not
 depend on how many processes encode them.
 
-:func:`encode_unit` runs in a worker process (or in-process for one worker) with the tokenizer
+:func:`encode_units` runs in a worker process (or in-process for one worker) with the tokenizer
 installed by :func:`init_worker`; it never raises for bad input but returns the problem, which
 the caller turns into an error naming the file and line.
 """
@@ -30,7 +30,7 @@ __all__ = [
     "Source",
     "Unit",
     "collect_sources",
-    "encode_unit",
+    "encode_units",
     "init_worker",
     "iter_units",
 ]
@@ -204,14 +204,19 @@ def init_worker(tokenizer_json: str | None, eos_id: int | None, single_thread: b
 
         tokenizer = Tokenizer.from_str(tokenizer_json)
         batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
-        _STATE["encode"] = lambda texts: [
-            np.asarray(e.ids, dtype=np.uint32) for e in batch(texts, add_special_tokens=False)
-        ]
+        _STATE["encode"] = lambda texts: [e.ids for e in batch(texts, add_special_tokens=False)]
     _STATE["eos"] = eos_id
 
 
-def _encode_bytes(texts: list[str]) -> list[np.ndarray]:
-    return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.uint32) for t in texts]
+def _encode_bytes(texts: list[str]) -> list[list[int]]:
+    return [list(t.encode("utf-8")) for t in texts]
+
+
+def _array(ids: list[int], eos: int | None) -> np.ndarray:
+    """``ids`` (+ the end-of-text token) as uint32."""
+    if eos is not None:
+        ids.append(eos)
+    return np.asarray(ids, dtype=np.uint32)
 
 
 def _decode(data: bytes, strict: bool) -> tuple[str, int, int | None]:
@@ -226,17 +231,35 @@ def _decode(data: bytes, strict: bool) -> tuple[str, int, int | None]:
     return text, replaced, None
 
 
-def encode_unit(kind: str, data: bytes, last: bool, text_field: str, strict: bool) -> Encoded:
-    """Tokenize one unit (see :class:`Encoded`); runs where :func:`init_worker` ran."""
+def encode_units(
+    jobs: list[tuple[str, bytes, bool]], text_field: str, strict: bool
+) -> list[Encoded]:
+    """Tokenize units ``(kind, data, last)`` (see :class:`Encoded`), in order.
+
+    Runs where :func:`init_worker` ran. The text units of a call share one batch call of the
+    tokenizer (small files are cheap to encode together); a JSONL unit batches its records.
+    """
     encode, eos = _STATE["encode"], _STATE["eos"]
-    if kind == "text":
+    results: list[Encoded | None] = [None] * len(jobs)
+    texts: list[tuple[int, str, int]] = []
+    for position, (kind, data, _last) in enumerate(jobs):
+        if kind != "text":
+            results[position] = _encode_jsonl(data, text_field, strict, encode, eos)
+            continue
         text, replaced, bad = _decode(data, strict)
         if bad is not None:
-            return Encoded(np.empty(0, np.uint32), error=(bad, "invalid UTF-8"))
-        tokens = encode([text.replace("\r\n", "\n").replace("\r", "\n")])[0]
-        if last and eos is not None:
-            tokens = np.append(tokens, np.uint32(eos))
-        return Encoded(tokens, [len(tokens)], replaced)
+            results[position] = Encoded(np.empty(0, np.uint32), error=(bad, "invalid UTF-8"))
+        else:
+            texts.append((position, text.replace("\r\n", "\n").replace("\r", "\n"), replaced))
+    pieces = encode([text for _, text, _ in texts]) if texts else []
+    for (position, _, replaced), ids in zip(texts, pieces, strict=True):
+        tokens = _array(ids, eos if jobs[position][2] else None)
+        results[position] = Encoded(tokens, [len(tokens)], replaced)
+    assert all(r is not None for r in results)
+    return results  # type: ignore[return-value]
+
+
+def _encode_jsonl(data: bytes, text_field: str, strict: bool, encode: Any, eos: Any) -> Encoded:
     texts, replaced = [], 0
     for number, raw in enumerate(data.split(b"\n")):
         if not raw.strip():
@@ -250,12 +273,9 @@ def encode_unit(kind: str, data: bytes, last: bool, text_field: str, strict: boo
             return Encoded(np.empty(0, np.uint32), error=(number, problem))
         if text:
             texts.append(text)
-    pieces = encode(texts) if texts else []
-    if eos is not None:
-        pieces = [np.append(p, np.uint32(eos)) for p in pieces]
-    lengths = [len(p) for p in pieces]
+    pieces = [_array(ids, eos) for ids in encode(texts)] if texts else []
     tokens = np.concatenate(pieces) if pieces else np.empty(0, np.uint32)
-    return Encoded(tokens.astype(np.uint32, copy=False), lengths, replaced)
+    return Encoded(tokens, [len(p) for p in pieces], replaced)
 
 
 def _record_text(line: str, text_field: str) -> tuple[str, str | None]:
