@@ -219,8 +219,12 @@ def test_node_id_placeholder_without_a_node_id_is_a_config_error(tmp_path):
         entrypoint._claim_identity(resolved.config, {})
 
 
-def test_an_unusable_slots_dir_is_a_config_error(tmp_path):
-    (tmp_path / "taken").write_text("a file where the slots directory should be")
-    resolved = worker_config(tmp_path, SPEEDTRONIC_DISTRIBUTED__SLOTS_DIR=str(tmp_path / "taken"))
-    with pytest.raises(ConfigError, match=r"distributed\.slots_dir: cannot claim a worker slot"):
+@pytest.mark.parametrize("below", ["", "sub"])
+def test_an_unusable_slots_dir_is_a_config_error(tmp_path, below):
+    """A file where the slots directory (or its parent) should be: exit 2 naming the field,
+    whether config resolution or the claim finds it."""
+    (tmp_path / "taken").write_text("a file")
+    slots = tmp_path / "taken" / below if below else tmp_path / "taken"
+    with pytest.raises(ConfigError, match=r"distributed\.slots_dir"):
+        resolved = worker_config(tmp_path, SPEEDTRONIC_DISTRIBUTED__SLOTS_DIR=str(slots))
         entrypoint._claim_identity(resolved.config, {})

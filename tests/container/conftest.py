@@ -1,10 +1,12 @@
 """Fixtures of the real container tier: a reachable engine (else every test skips, naming why)
-and the image, built once per session from the repository as it is."""
+and the image, built once per session from the repository as it is. Each test's duration goes
+into the CONTAINER_TEST_REPORT file beside the build measurements."""
 
 from __future__ import annotations
 
 import pytest
-from container_support import build_image, report, unavailable
+from container_support import build_image, unavailable
+from container_support import report as record
 
 IMAGE = "speedtronic:ci-test"
 
@@ -21,5 +23,12 @@ def engine() -> None:
 def image(engine) -> str:
     """The repository's image, built with the classic builder; its tag."""
     measured = build_image(IMAGE)
-    report("image", measured)
+    record("image", measured)
     return IMAGE
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Record how long each container test took (setup, which may build the image, apart)."""
+    if report.when in ("setup", "call") and report.outcome != "skipped":
+        name = report.nodeid.rsplit("::", 1)[-1]
+        record(f"seconds.{report.when}.{name}", round(report.duration, 1))
