@@ -219,6 +219,8 @@ class DumbDiLoCoCoordinator:
         if self.master is not None:  # a master starting from scratch starts a new run
             self.master.fresh = not step and self._prepared_step is None
         with self._quick_retries():  # an outage must not hold training at startup
+            if self.master is not None:
+                self._create_exchange()
             self._claim()
             if self.master is not None:
                 self._start_master()
@@ -257,12 +259,15 @@ class DumbDiLoCoCoordinator:
             if saved is not None:
                 retry.attempts = saved
 
-    def _start_master(self) -> None:
+    def _create_exchange(self) -> None:
+        """The master creates the repository (private) before anything is written to it."""
         try:
             self.hub.create_repo(private=True)
         except Exception as exc:
             self._fatal_if_permanent(exc, "cannot create the exchange")
             self._say("warning", f"master repository initialization failed; continuing: {exc}")
+
+    def _start_master(self) -> None:
         for name in self.config.collaborators:
             try:
                 self.hub.add_collaborator(name, permission="write")

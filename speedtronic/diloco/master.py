@@ -617,7 +617,7 @@ class RoundMaster:
         ):
             raise ValueError("its header names another node or round than its path")
         base = int(header.get("base_outer_step", "0"))
-        if not 0 <= base <= self.outer_step:
+        if not -1 <= base <= self.outer_step:  # -1: measured from the node's initial weights
             raise ValueError(f"based on outer step {base}, which this master never published")
         view = self.nodes.get(node_id)
         instance = header.get("instance")
