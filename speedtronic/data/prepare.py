@@ -56,7 +56,7 @@ from speedtronic.data.units import (
 __all__ = ["DEFAULT_SHARD_TOKENS", "PrepareError", "PrepareResult", "prepare"]
 
 DEFAULT_SHARD_TOKENS = 1 << 27  # 128 Mi tokens: 256 MiB per uint16 shard
-DEFAULT_UNIT_BYTES = 1 << 20
+DEFAULT_UNIT_BYTES = 1 << 20  # a tokenizer call holds ~30 bytes per input byte: ~30 MB
 PARTIAL = ".partial"
 _SHARD_FILE = re.compile(r"^(train|eval)_\d{6}\.bin$")
 _CHECKPOINT_SECONDS = 5.0
@@ -282,18 +282,20 @@ class _Run:
 
     def _encoded(self, start: int) -> Iterator[tuple[Unit, Encoded]]:
         """``(unit, tokens)`` in input order, from unit ``start`` on; work goes out in jobs of
-        about ``unit_bytes`` (several small files per job), at most ``2 * workers`` at once."""
+        at most ``unit_bytes`` (several small files per job), at most ``2 * workers`` at once."""
         units = (u for u in iter_units(self.sources, self.unit_bytes) if u.index >= start)
         tokenizer_json = None if self.tokenizer.spec == "bytes" else self.tokenizer.to_str()
         init = (tokenizer_json, self.tokenizer.eos_id, self.workers > 1)
 
         def jobs() -> Iterator[list[Unit]]:
             batch: list[Unit] = []
-            for unit in units:
-                batch.append(unit)
-                if sum(len(u.data) for u in batch) >= self.unit_bytes:
+            size = 0
+            for unit in units:  # never more than unit_bytes per job: that bounds the memory
+                if batch and size + len(unit.data) > self.unit_bytes:
                     yield batch
-                    batch = []
+                    batch, size = [], 0
+                batch.append(unit)
+                size += len(unit.data)
             if batch:
                 yield batch
 

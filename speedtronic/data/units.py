@@ -204,16 +204,19 @@ def init_worker(tokenizer_json: str | None, eos_id: int | None, single_thread: b
 
         tokenizer = Tokenizer.from_str(tokenizer_json)
         batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
-        _STATE["encode"] = lambda texts: [e.ids for e in batch(texts, add_special_tokens=False)]
+        _STATE["encode"] = lambda texts, ends: [
+            _array(e.ids, end)
+            for e, end in zip(batch(texts, add_special_tokens=False), ends, strict=True)
+        ]
     _STATE["eos"] = eos_id
 
 
-def _encode_bytes(texts: list[str]) -> list[list[int]]:
-    return [list(t.encode("utf-8")) for t in texts]
+def _encode_bytes(texts: list[str], ends: list[int | None]) -> list[np.ndarray]:
+    return [_array(list(t.encode("utf-8")), end) for t, end in zip(texts, ends, strict=True)]
 
 
 def _array(ids: list[int], eos: int | None) -> np.ndarray:
-    """``ids`` (+ the end-of-text token) as uint32."""
+    """``ids`` (+ ``eos`` when not ``None``) as uint32; the list is dropped right away."""
     if eos is not None:
         ids.append(eos)
     return np.asarray(ids, dtype=np.uint32)
@@ -251,9 +254,9 @@ def encode_units(
             results[position] = Encoded(np.empty(0, np.uint32), error=(bad, "invalid UTF-8"))
         else:
             texts.append((position, text.replace("\r\n", "\n").replace("\r", "\n"), replaced))
-    pieces = encode([text for _, text, _ in texts]) if texts else []
-    for (position, _, replaced), ids in zip(texts, pieces, strict=True):
-        tokens = _array(ids, eos if jobs[position][2] else None)
+    ends = [eos if jobs[position][2] else None for position, _, _ in texts]
+    pieces = encode([text for _, text, _ in texts], ends) if texts else []
+    for (position, _, replaced), tokens in zip(texts, pieces, strict=True):
         results[position] = Encoded(tokens, [len(tokens)], replaced)
     assert all(r is not None for r in results)
     return results  # type: ignore[return-value]
@@ -273,7 +276,7 @@ def _encode_jsonl(data: bytes, text_field: str, strict: bool, encode: Any, eos: 
             return Encoded(np.empty(0, np.uint32), error=(number, problem))
         if text:
             texts.append(text)
-    pieces = [_array(ids, eos) for ids in encode(texts)] if texts else []
+    pieces = encode(texts, [eos] * len(texts)) if texts else []
     tokens = np.concatenate(pieces) if pieces else np.empty(0, np.uint32)
     return Encoded(tokens, [len(p) for p in pieces], replaced)
 
