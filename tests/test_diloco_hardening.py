@@ -71,8 +71,8 @@ def test_a_sparse_giant_file_posing_as_a_delta_is_refused_unread(tmp_path):
     with open(giant, "r+b") as handle:  # 3 GB, no disk blocks: a hostile or broken writer
         handle.truncate(3 << 30)
     reads = []
-    original = t.read_delta
-    t.read_delta = lambda path: reads.append(path) or original(path)
+    original = t.local_copy
+    t.local_copy = lambda path: reads.append(path) or original(path)
     assert master.poll_once() is False
     assert reads == [] and not giant.exists()
     assert any("more than a delta of this model" in m for lvl, m in log.lines)

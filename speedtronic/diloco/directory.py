@@ -19,7 +19,13 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from speedtronic.checkpoint import atomic_write_bytes
-from speedtronic.diloco.transport import RepoTransport, RetryPolicy, TransportError
+from speedtronic.diloco.transport import (
+    FileInfo,
+    RemoteNotFound,
+    RepoTransport,
+    RetryPolicy,
+    TransportError,
+)
 
 __all__ = ["DirectoryTransport", "directory_root"]
 
@@ -64,18 +70,28 @@ class DirectoryTransport(RepoTransport):
             "directory transport: access to %s is managed by filesystem permissions", username
         )
 
-    def _list(self) -> dict[str, int | None]:
+    def _list(self) -> dict[str, FileInfo]:
         if not self.root.exists():
             return {}
-        out: dict[str, int | None] = {}
+        out: dict[str, FileInfo] = {}
         for path in self.root.rglob("*"):
             if path.name.startswith("."):
                 continue
             with contextlib.suppress(OSError):  # a file may vanish while we list
                 info = path.stat()
                 if stat.S_ISREG(info.st_mode):
-                    out[path.relative_to(self.root).as_posix()] = info.st_size
+                    version = f"{info.st_size}-{info.st_mtime_ns}-{info.st_ino}"
+                    key = path.relative_to(self.root).as_posix()
+                    out[key] = FileInfo(info.st_size, version)
         return out
+
+    @contextlib.contextmanager
+    def local_copy(self, path: str) -> Iterator[Path]:
+        """The file itself (no copy); a missing file is ``RemoteNotFound``."""
+        local = self._path(path)
+        if not local.is_file():
+            raise RemoteNotFound(f"{path} vanished")
+        yield local
 
     def _read(self, path: str) -> bytes:
         return self._path(path).read_bytes()

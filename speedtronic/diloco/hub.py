@@ -24,7 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from speedtronic.diloco.hub_http import hub_call, install_sdk_client
-from speedtronic.diloco.transport import HubUnavailable, RepoTransport, RetryPolicy, TransportError
+from speedtronic.diloco.transport import (
+    FileInfo,
+    HubUnavailable,
+    RepoTransport,
+    RetryPolicy,
+    TransportError,
+)
 
 __all__ = ["HubClient", "HubTransport", "install_sdk_timeouts"]
 
@@ -128,13 +134,16 @@ class HubClient(RepoTransport):
             )
         grant(username, repo_id=self.repo_id, repo_type="model", permission=permission)
 
-    def _list(self) -> dict[str, int | None]:
+    def _list(self) -> dict[str, FileInfo]:
         entries = self.api.list_repo_tree(self.repo_id, recursive=True, repo_type="model")
-        out: dict[str, int | None] = {}
+        out: dict[str, FileInfo] = {}
         for entry in entries or []:
             if hasattr(entry, "size") and not hasattr(entry, "tree_id"):  # a file, not a folder
                 size = getattr(entry, "size", None)
-                out[str(entry.path)] = int(size) if isinstance(size, int) else None
+                blob = getattr(entry, "blob_id", None)
+                out[str(entry.path)] = FileInfo(
+                    int(size) if isinstance(size, int) else None, str(blob) if blob else None
+                )
         return out
 
     def _read(self, path: str) -> bytes:

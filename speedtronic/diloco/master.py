@@ -26,6 +26,7 @@ master with a lost disk never aggregates a contribution twice.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -47,15 +48,6 @@ from speedtronic.diloco.outer import NesterovOuterOptimizer
 from speedtronic.diloco.transport import RemoteNotFound, RepoScan, TransportError
 
 __all__ = ["NodeView", "RoundMaster"]
-
-
-def _digest(delta: Mapping[str, torch.Tensor]) -> str:
-    """sha256 over a delta's values in key order (a re-sent copy has the same digest)."""
-    digest = hashlib.sha256()
-    for key in sorted(delta):
-        digest.update(key.encode("utf-8"))
-        digest.update(delta[key].contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 _LOG = logging.getLogger("speedtronic.diloco")
@@ -381,7 +373,7 @@ class RoundMaster:
                         f"{self.settings.max_staleness})"
                     )
                 elif label <= open_round:
-                    size = scan.sizes.get(path)
+                    size = scan.size(path)
                     if size is not None and size > self.max_delta_bytes:
                         self._refuse(path, f"{size} bytes, more than a delta of this model")
                         continue
@@ -472,33 +464,28 @@ class RoundMaster:
     ) -> bool:
         started = time.perf_counter()
         self._pending_digests = {}
-        reference = self.global_state
-        total: dict[str, torch.Tensor] | None = None
+        total = {
+            k: torch.zeros(tuple(v.shape), dtype=torch.float32)
+            for k, v in self.global_state.items()
+            if v.is_floating_point()
+        }
+        weight = 0
         included: list[str] = []
         consumed: list[str] = []
         marks: dict[str, int] = {}
         late = 0
         for node_id in sorted(candidates):
-            node_sum, used = self._read_node(candidates[node_id], reference)
-            if node_sum is None:
-                continue
-            if len(used) > 1:
-                for value in node_sum.values():
-                    value.div_(len(used))
-            if total is None:
-                total = node_sum
-            else:
-                for key, value in node_sum.items():
-                    total[key].add_(value)
+            used, node_weight = self._fold_node(candidates[node_id], total)
+            weight += node_weight
             for label, path in used:
                 included.append(f"{node_id}/{label}")
                 consumed.append(path)
                 late += label < self.outer_step
                 marks[node_id] = max(marks.get(node_id, -1), label)
-        if total is None:
+        if not marks:
             return False
         for value in total.values():
-            value.div_(float(len(marks)))
+            value.div_(float(weight))
         with self._lock:
             saved = (
                 self.outer_step,
@@ -570,47 +557,50 @@ class RoundMaster:
         self._after_publish(final)
         return True
 
-    def _read_node(
-        self, files: Mapping[int, str], reference: Mapping[str, torch.Tensor]
-    ) -> tuple[dict[str, torch.Tensor] | None, list[tuple[int, str]]]:
-        """Sum of a node's valid files for this round (read one at a time) and the
-        ``(round, path)`` of those used. Unusable files are pruned and counted."""
-        node_sum: dict[str, torch.Tensor] | None = None
-        used: list[tuple[int, str]] = []
-        for label, path in sorted(files.items()):
-            try:
-                delta, header = self.hub.read_delta(path)
-                T.validate_delta(delta, reference)
-                self._check_identity(path, header, label)
-                digest = _digest(delta)
-                if self.digests.get(path.split("/")[1]) == digest:
-                    raise ValueError("the same values as its node's last aggregated contribution")
-            except RemoteNotFound:
-                continue
-            except TransportError:
-                raise  # an outage: the whole round is retried at the next poll
-            except Exception as exc:
-                self._refuse(path, f"{type(exc).__name__}: {exc}")
-                continue
-            run = header.get("run_id", "")
-            if run and self.run_id and run != self.run_id:  # computed against another run
-                self._prune.add(path)
-                self._counts["stale"] += 1
-                self._dropped.append(f"{path.split('/')[1]}/{label}")
-                self._log.warning(f"dropping {path}: it belongs to another run ({run})")
-                continue
-            if node_sum is None:
-                node_sum = delta
-            else:
-                for key, value in delta.items():
-                    node_sum[key].add_(value)
-            used.append((label, path))
-            self._pending_digests[path.split("/")[1]] = digest
-        return node_sum, used
+    def _fold_node(
+        self, files: Mapping[int, str], total: dict[str, torch.Tensor]
+    ) -> tuple[list[tuple[int, str]], int]:
+        """Add one node's valid files for this round into ``total`` as their mean times the
+        node's weight (1, or the nodes a group leader speaks for), reading each file once,
+        tensor by tensor. Returns the ``(round, path)`` used and the weight; unusable files
+        are pruned and counted, and leave ``total`` untouched."""
+        with contextlib.ExitStack() as stack:
+            readers: list[tuple[int, str, T.DeltaReader, int]] = []
+            for label, path in sorted(files.items()):
+                try:
+                    local = stack.enter_context(self.hub.local_copy(path))
+                    reader = stack.enter_context(T.open_delta(local))
+                    digest = reader.check(self.global_state)
+                    weight = self._check_identity(path, reader.metadata, label)
+                    if self.digests.get(path.split("/")[1]) == digest:
+                        raise ValueError("the same values as its node's last contribution")
+                except RemoteNotFound:
+                    continue
+                except TransportError:
+                    raise  # an outage: the whole round is retried at the next poll
+                except Exception as exc:
+                    self._refuse(path, f"{type(exc).__name__}: {exc}")
+                    continue
+                run = reader.metadata.get("run_id", "")
+                if run and self.run_id and run != self.run_id:  # computed in another run
+                    self._prune.add(path)
+                    self._counts["stale"] += 1
+                    self._dropped.append(f"{path.split('/')[1]}/{label}")
+                    self._log.warning(f"dropping {path}: it belongs to another run ({run})")
+                    continue
+                readers.append((label, path, reader, weight))
+                self._pending_digests[path.split("/")[1]] = digest
+            if not readers:
+                return [], 0
+            weight = max(w for _, _, _, w in readers)
+            for _, _, reader, _ in readers:
+                reader.add_to(total, scale=weight / len(readers))
+            return [(label, path) for label, path, _, _ in readers], weight
 
-    def _check_identity(self, path: str, header: Mapping[str, str], label: int) -> None:
+    def _check_identity(self, path: str, header: Mapping[str, str], label: int) -> int:
         """A contribution must match its path, come from the node's current instance, and
-        be based on a global this master published (``ValueError`` otherwise)."""
+        be based on a global this master published (``ValueError`` otherwise). Returns its
+        weight: the number of nodes it speaks for (a group leader's sum; 1 for a node)."""
         node_id = path.split("/")[1]
         if header.get("node_id", node_id) != node_id or header.get("round", str(label)) != str(
             label
@@ -623,6 +613,10 @@ class RoundMaster:
         instance = header.get("instance")
         if view is not None and view.instance and instance and instance != view.instance:
             raise ValueError(f"written by instance {instance}, not the node's {view.instance}")
+        weight = int(header.get("weight", "1"))
+        if not 1 <= weight <= 1_000_000:
+            raise ValueError(f"weight {weight} is not a number of nodes")
+        return weight
 
     def _after_publish(self, final: bool) -> None:
         state = T.cpu_state_dict(self.global_state)

@@ -10,11 +10,14 @@ or fp16, and the master always aggregates in float32.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,6 +26,7 @@ from speedtronic.checkpoint import atomic_write_bytes
 __all__ = [
     "DELTA_DTYPES",
     "MAX_DELTA_ABS",
+    "DeltaReader",
     "average_deltas",
     "compute_pseudo_gradient",
     "cpu_state_dict",
@@ -37,6 +41,7 @@ __all__ = [
     "load_delta",
     "load_safetensors",
     "metadata_json",
+    "open_delta",
     "parse_delta_path",
     "read_metadata",
     "save_safetensors",
@@ -272,21 +277,35 @@ def validate_delta(
 ) -> None:
     """Reject a delta whose keys/shapes differ from the floating part of ``reference``, that
     holds NaN/inf, or a value beyond ``max_abs`` (``ValueError`` naming the problem)."""
-    expected = {k: v for k, v in reference.items() if _is_floating(v)}
-    if set(delta) != set(expected):
-        extra = sorted(set(delta) - set(expected))[:5]
-        missing = sorted(set(expected) - set(delta))[:5]
-        raise ValueError(f"delta keys do not match the model (extra {extra}, missing {missing})")
+    expected = _expected_keys(delta.keys(), reference)
     for key, value in delta.items():
-        if tuple(value.shape) != tuple(expected[key].shape):
-            raise ValueError(
-                f"shape mismatch for {key}: {tuple(value.shape)} vs {tuple(expected[key].shape)}"
-            )
-        if not bool(torch.isfinite(value).all()):
-            raise ValueError(f"non-finite values in {key}")
-        peak = float(value.abs().max()) if value.numel() else 0.0
-        if peak > max_abs:
-            raise ValueError(f"{key} holds {peak:.3g}, beyond the bound {max_abs:g}")
+        _check_tensor(key, value, expected[key], max_abs)
+
+
+def _expected_keys(
+    keys: Iterable[str], reference: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The floating entries of ``reference``; ``keys`` must be exactly their names."""
+    expected = {k: v for k, v in reference.items() if _is_floating(v)}
+    have = set(keys)
+    if have != set(expected):
+        extra = sorted(have - set(expected))[:5]
+        missing = sorted(set(expected) - have)[:5]
+        raise ValueError(f"delta keys do not match the model (extra {extra}, missing {missing})")
+    return expected
+
+
+def _check_tensor(key: str, value: torch.Tensor, expected: torch.Tensor, max_abs: float) -> None:
+    """One delta tensor: the model's shape, finite, within ``max_abs`` (``ValueError``)."""
+    if tuple(value.shape) != tuple(expected.shape):
+        raise ValueError(
+            f"shape mismatch for {key}: {tuple(value.shape)} vs {tuple(expected.shape)}"
+        )
+    if not bool(torch.isfinite(value).all()):
+        raise ValueError(f"non-finite values in {key}")
+    peak = float(value.abs().max()) if value.numel() else 0.0
+    if peak > max_abs:
+        raise ValueError(f"{key} holds {peak:.3g}, beyond the bound {max_abs:g}")
 
 
 def save_safetensors(
@@ -318,3 +337,47 @@ def metadata_json(metadata: Mapping[str, str]) -> dict[str, object]:
         return {k: json.loads(v) for k, v in metadata.items()}
     except (TypeError, ValueError):
         return dict(metadata)
+
+
+class DeltaReader:
+    """A delta file opened once (memory-mapped): :meth:`check` validates it tensor by tensor,
+    :meth:`add_to` folds it into a running sum; at most one tensor is in memory at a time."""
+
+    def __init__(self, handle: Any):
+        self._handle = handle
+        self.metadata = {str(k): str(v) for k, v in (handle.metadata() or {}).items()}
+
+    def check(
+        self, reference: Mapping[str, torch.Tensor], *, max_abs: float = MAX_DELTA_ABS
+    ) -> str:
+        """The same checks as :func:`validate_delta` plus the wire dtypes (``ValueError``);
+        returns the sha256 of the values (a re-sent copy has the same digest)."""
+        expected = _expected_keys(self._handle.keys(), reference)
+        wire = set(DELTA_DTYPES.values())
+        digest = hashlib.sha256()
+        for key in sorted(expected):
+            value = self._handle.get_tensor(key)
+            if value.dtype not in wire:
+                raise ValueError(f"{key} is {value.dtype}; a delta holds fp32, bf16 or fp16 values")
+            _check_tensor(key, value, expected[key], max_abs)
+            digest.update(key.encode("utf-8"))
+            digest.update(value.contiguous().view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
+
+    def add_to(self, total: dict[str, torch.Tensor], scale: float = 1.0) -> None:
+        """``total[key] += scale * value`` in float32 for every key (checked first)."""
+        for key in sorted(total):
+            total[key].add_(self._handle.get_tensor(key).to(torch.float32), alpha=scale)
+
+
+@contextlib.contextmanager
+def open_delta(path: str | os.PathLike) -> Iterator[DeltaReader]:
+    """Open a local delta file for :class:`DeltaReader`; an unreadable file is a ValueError."""
+    from safetensors import safe_open
+
+    try:
+        handle = safe_open(os.fspath(path), framework="pt", device="cpu")
+    except Exception as exc:  # safetensors raises its own SafetensorError
+        raise ValueError(f"not a safetensors delta: {exc}") from None
+    with handle as opened:
+        yield DeltaReader(opened)

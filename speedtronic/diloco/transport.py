@@ -18,11 +18,14 @@ from each node in the ledger, so a replayed or duplicated file is never counted 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
-from collections.abc import Callable, Iterable, Mapping
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -45,6 +48,7 @@ __all__ = [
     "GLOBAL_PROCESSED",
     "GLOBAL_STEP",
     "ErrorInfo",
+    "FileInfo",
     "GlobalMetadata",
     "HubError",
     "HubUnavailable",
@@ -112,14 +116,28 @@ class GlobalMetadata:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class FileInfo:
+    """What a listing says about one file: size in bytes and a version that changes when the
+    content does (the Hub's blob id; size and mtime on a shared volume); None when unknown."""
+
+    size: int | None = None
+    version: str | None = None
+
+
 @dataclasses.dataclass
 class RepoScan:
-    """One listing of the repository: contribution files and node records by node, and the
-    size in bytes of every file (None where the backend does not say)."""
+    """One listing of the repository: contribution files and node records by node, and what
+    the listing says about every file."""
 
     deltas: dict[str, dict[int, str]] = dataclasses.field(default_factory=dict)
     owners: set[str] = dataclasses.field(default_factory=set)
-    sizes: dict[str, int | None] = dataclasses.field(default_factory=dict)
+    files: dict[str, FileInfo] = dataclasses.field(default_factory=dict)
+
+    def size(self, path: str) -> int | None:
+        """The listed size of ``path`` (None: unknown)."""
+        info = self.files.get(path)
+        return info.size if info is not None else None
 
 
 class Transport(Protocol):
@@ -202,7 +220,7 @@ class RepoTransport:
     def _grant(self, username: str, permission: str) -> None:
         raise NotImplementedError
 
-    def _list(self) -> dict[str, int | None]:
+    def _list(self) -> dict[str, FileInfo]:
         raise NotImplementedError
 
     def _read(self, path: str) -> bytes:
@@ -229,13 +247,27 @@ class RepoTransport:
             lambda: self._scoped(self._grant, username, permission),
         )
 
-    def list_sizes(self) -> dict[str, int | None]:
-        """Every file path in the repository with its size in bytes (None: unknown)."""
+    def list_info(self) -> dict[str, FileInfo]:
+        """Every file path in the repository with its size and version."""
         return dict(self.retry.run("list repository files", lambda: self._scoped(self._list)))
 
     def list_files(self) -> list[str]:
         """Every file path in the repository, sorted."""
-        return sorted(self.list_sizes())
+        return sorted(self.list_info())
+
+    @contextlib.contextmanager
+    def local_copy(self, path: str) -> Iterator[Path]:
+        """A local file holding ``path`` (retried download; removed afterwards). A shared
+        volume hands out the file itself: readers open it once, so a rename over it while
+        they read does not change what they see."""
+        data = self.read_bytes(path)
+        if data is None:
+            raise RemoteNotFound(f"{path} vanished")
+        with tempfile.TemporaryDirectory(prefix="speedtronic-read-") as tmp:
+            local = Path(tmp) / "file.safetensors"
+            local.write_bytes(data)
+            del data
+            yield local
 
     def read_bytes(self, path: str) -> bytes | None:
         """Content of ``path``; None when it does not exist."""
@@ -316,7 +348,7 @@ class RepoTransport:
                 f"refusing model_file outside global/: {model_file}", kind="permanent"
             )
         if max_bytes is not None:
-            size = self.list_sizes().get(model_file)
+            size = self.list_info().get(model_file, FileInfo()).size
             if size is not None and size > max_bytes:
                 raise TransportError(
                     f"{model_file} is {size} bytes, more than the model allows ({max_bytes})",
@@ -438,8 +470,8 @@ class RepoTransport:
     def scan(self) -> RepoScan:
         """One listing: contributions ``{node: {round: path}}``, the nodes with a record, and
         every file's size."""
-        scan = RepoScan(sizes=self.list_sizes())
-        for path in sorted(scan.sizes):
+        scan = RepoScan(files=self.list_info())
+        for path in sorted(scan.files):
             parsed = T.parse_delta_path(path)
             if parsed is not None:
                 scan.deltas.setdefault(parsed[0], {})[parsed[1]] = path
