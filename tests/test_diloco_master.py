@@ -262,8 +262,8 @@ def test_restart_mid_round_loses_nothing_and_counts_nothing_twice(tmp_path):
     deliver(t, "b", 1, [4.0, 4.0])
     assert again.poll_once() is True
     assert published(t) == [-4.0, -4.0]  # -1 then -3: both rounds once
-    meta = json.loads((tmp_path / "state/outer_state.json").read_text())
-    assert meta["outer_step"] == 2 and meta["ledger"] == {"a": 1, "b": 1}
+    meta = T.read_metadata(tmp_path / "state/outer_state.safetensors")
+    assert meta["outer_step"] == "2" and json.loads(meta["ledger"]) == {"a": 1, "b": 1}
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "lost"])

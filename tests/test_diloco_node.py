@@ -188,8 +188,8 @@ def test_failed_upload_is_carried_into_the_next_contribution():
     for _ in range(2):
         train(model, 1.0)
         node.after_optimizer_step()
-    job = rec.sent[0]
-    assert job.label == 1 and job.delta["weight"].tolist() == [[-4.0, -4.0]]
+    job = rec.sent[0]  # the same round: a failed upload does not use up its label
+    assert job.label == 0 and job.delta["weight"].tolist() == [[-4.0, -4.0]]
 
 
 def test_zero_contribution_is_not_uploaded():
@@ -244,7 +244,8 @@ def test_state_round_trip_resends_the_upload_in_flight():
     pending = fresh.load_state_dict(state)
     assert pending is not None and pending.label == 0
     assert pending.delta["weight"].tolist() == [[-2.0, -2.0]]
-    assert (fresh.installed, fresh.last_label, fresh.step) == (0, 0, 2)
+    # the upload had not arrived: its label is not used up until it is sent again
+    assert (fresh.installed, fresh.last_label, fresh.step) == (0, -1, 2)
 
 
 def test_reset_inner_optimizer_only_when_asked():

@@ -19,8 +19,8 @@ consumed files in one commit; then it persists ``outer_state`` locally, hands th
 the local node, and evaluates it. When every node is done (their last contribution is in)
 the master publishes the final global and calls ``on_final``.
 
-Local state: ``<state_dir>/outer_state.safetensors`` (global + momentum) and
-``outer_state.json`` (outer step, ledger, checksum). The ledger is also published, so a
+Local state: one atomic file ``<state_dir>/outer_state.safetensors`` (global + momentum; the
+header holds the outer step, run id, ledger and digests). The ledger is also published, so a
 master with a lost disk never aggregates a contribution twice.
 """
 
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -42,16 +41,17 @@ from typing import Any
 
 import torch
 
-from speedtronic.checkpoint import atomic_json_dump, atomic_write_bytes
+from speedtronic.checkpoint import atomic_write_bytes
 from speedtronic.diloco import tensors as T
 from speedtronic.diloco.outer import NesterovOuterOptimizer
-from speedtronic.diloco.transport import RemoteNotFound, RepoScan, TransportError
+from speedtronic.diloco.transport import GLOBAL_PROCESSED, RemoteNotFound, RepoScan, TransportError
 
 __all__ = ["NodeView", "RoundMaster"]
 
 
 _LOG = logging.getLogger("speedtronic.diloco")
 _META = {"algorithm": "dumb_diloco", "optimizer": "nesterov_sgd"}
+_STATE_FORMAT = "speedtronic-outer-state/2"
 
 
 @dataclasses.dataclass
@@ -135,37 +135,29 @@ class RoundMaster:
     # -- local persistence ------------------------------------------------------------------
     @property
     def state_path(self) -> Path:
-        """Tensors ``global/<key>`` and ``momentum/<key>``."""
+        """Tensors ``global/<key>`` and ``momentum/<key>``; the header holds the rest."""
         return self.state_dir / "outer_state.safetensors"
 
-    @property
-    def metadata_path(self) -> Path:
-        """JSON: outer step, ledger, sha256 of the tensor file."""
-        return self.state_dir / "outer_state.json"
-
     def _load_local_state(self) -> None:
-        if not self.metadata_path.exists() and not self.state_path.exists():
+        if not self.state_path.exists():
             return
         try:
-            meta = json.loads(self.metadata_path.read_text(encoding="utf-8"))
-            data = self.state_path.read_bytes()
-            if hashlib.sha256(data).hexdigest() != meta["sha256"]:
-                raise ValueError("checksum mismatch")
-            tensors, _ = T.state_from_bytes(data)
+            tensors, meta = T.state_from_bytes(self.state_path.read_bytes())
+            if meta.get("format") != _STATE_FORMAT:
+                raise ValueError(f"unknown format {meta.get('format')!r}")
             glob = {k[7:]: v for k, v in tensors.items() if k.startswith("global/")}
             for key, value in self.global_state.items():
                 if key not in glob or tuple(glob[key].shape) != tuple(value.shape):
                     raise ValueError(f"global tensor {key} missing or reshaped")
             step = int(meta["outer_step"])
-            ledger = {str(k): int(v) for k, v in dict(meta["ledger"]).items()}
+            ledger = {str(k): int(v) for k, v in json.loads(meta["ledger"]).items()}
+            digests = {str(k): str(v) for k, v in json.loads(meta["digests"]).items()}
             run_id = str(meta.get("run_id", ""))
-            digests = {str(k): str(v) for k, v in dict(meta.get("digests", {})).items()}
         except Exception as exc:
             self.local_state_corrupt = True
-            stamp = int(time.time())
-            for path in (self.state_path, self.metadata_path):
-                if path.exists():
-                    path.replace(path.with_name(f"{path.name}.corrupt-{stamp}"))
+            self.state_path.replace(
+                self.state_path.with_name(f"{self.state_path.name}.corrupt-{int(time.time())}")
+            )
             self._log.error(
                 f"corrupt local outer state in {self.state_dir} ({type(exc).__name__}: {exc}); "
                 "moved aside, rebuilding from the published global state"
@@ -181,19 +173,19 @@ class RoundMaster:
         self.has_local_state = True
 
     def _save_local_state(self) -> None:
+        """One atomic file: the global, the momentum, and (in its header) the outer step, run,
+        ledger and digests, so a kill at any point leaves the previous or the new state."""
         tensors = {f"global/{k}": v for k, v in self.global_state.items()}
         tensors.update({f"momentum/{k}": v for k, v in self.optimizer.state_dict().items()})
-        data = T.state_to_bytes(tensors)
         meta = {
+            "format": _STATE_FORMAT,
             "outer_step": self.outer_step,
             "run_id": self.run_id,
-            "ledger": dict(sorted(self.ledger.items())),
-            "digests": dict(sorted(self.digests.items())),
-            "sha256": hashlib.sha256(data).hexdigest(),
+            "ledger": json.dumps(dict(sorted(self.ledger.items()))),
+            "digests": json.dumps(dict(sorted(self.digests.items()))),
             "updated_at": datetime.now(timezone.utc).isoformat(),
         }
-        atomic_write_bytes(data, self.state_path)
-        atomic_json_dump(meta, self.metadata_path)
+        atomic_write_bytes(T.state_to_bytes(tensors, metadata=meta), self.state_path)
         self.has_local_state = True
 
     def _persist(self) -> None:
@@ -236,12 +228,14 @@ class RoundMaster:
             )
             self._log.info(f"published global state at outer step {self.outer_step} (bootstrap)")
         else:
-            with self._lock:
-                for node, done in self.hub.read_ledger().items():
-                    self.ledger[node] = max(done, self.ledger.get(node, -1))
+            book = self.hub.read_json(GLOBAL_PROCESSED, default={})
+            booked = book.get("outer_step") if isinstance(book, dict) else None
             local_ok = self.has_local_state and not self.local_state_corrupt
             record = remote
-            if remote.outer_step > self.outer_step or not local_ok:
+            # the ledger ahead of the record: a publish torn between its files; the weights'
+            # own header says which outer step they hold
+            torn = isinstance(booked, int) and booked > remote.outer_step
+            if remote.outer_step > self.outer_step or not local_ok or torn:
                 try:
                     remote, state = self.hub.fetch_global(remote, max_bytes=self._max_global_bytes)
                 except TransportError as exc:
@@ -250,11 +244,18 @@ class RoundMaster:
                     self._log.error(f"{exc}; publishing this master's own global over it")
                     remote = dataclasses.replace(remote, outer_step=-1)
                 else:
-                    self._adopt(state, remote.outer_step)
-                    self.run_id = remote.run_id
-                    self._log.info(f"adopted published global at outer step {remote.outer_step}")
-            torn = remote.sha256 != record.sha256  # the record is repaired by publishing
-            if remote.outer_step < self.outer_step or torn:
+                    if remote.outer_step > self.outer_step or not local_ok:
+                        self._adopt(state, remote.outer_step)
+                        self.run_id = remote.run_id
+                        self._log.info(
+                            f"adopted published global at outer step {remote.outer_step}"
+                        )
+            if not isinstance(booked, int) or booked <= self.outer_step:
+                with self._lock:  # a ledger for a global we hold (never one ahead of it)
+                    for node, done in self.hub.read_ledger().items():
+                        self.ledger[node] = max(done, self.ledger.get(node, -1))
+            repaired = remote.sha256 != record.sha256
+            if remote.outer_step < self.outer_step or repaired:
                 self.hub.publish_global(
                     self.global_state,
                     outer_step=self.outer_step,

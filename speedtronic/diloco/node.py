@@ -8,7 +8,7 @@ installed global, or its own weights at its last upload). After every applied op
     every ``inner_steps`` steps (a boundary):
         overlapped: wait (<= round_timeout) for the global of the previous contribution
         contribution = carry + anchor - weights            (float32, the pseudo-gradient)
-        round label  = max(installed outer step, previous label + 1)
+        round label  = max(installed outer step, last uploaded label + 1)
         anchor := weights; upload (background thread when overlapped and async)
         blocking: wait (<= round_timeout) for the global that includes the contribution
     merge global G:  weights := G + (weights - anchor);  anchor := G
@@ -303,7 +303,7 @@ class DiLoCoNode:
         self.inner = 0  # steps since the last contribution
         self.installed = -1  # outer step of the installed global (-1: none yet)
         self.run_id = ""  # the run of the installed global
-        self.last_label = -1  # round label of the last contribution (-1: none yet)
+        self.last_label = -1  # round label of the last upload that arrived (-1: none yet)
         self.anchor = _float_state(model)
         self.carry: dict[str, torch.Tensor] | None = None
         self.done = False
@@ -374,8 +374,10 @@ class DiLoCoNode:
             if final:
                 self.uploads.submit(self._done_record())
             return merged
+        # a round label is used up only by an upload that arrived (see _upload): after a
+        # failure the carried progress goes out under the same label, so an outage never
+        # pushes a node's rounds ahead of the master's
         label = max(self.installed, self.last_label + 1)
-        self.last_label = label
         job = Contribution(label, self.installed, self.step, delta, final, self.run_id)
         self.uploads.submit(job)
         if self.settings.sync == "blocking" or final:
@@ -408,6 +410,8 @@ class DiLoCoNode:
                 "delta_upload_failed", {"step": job.step, "round": job.label, "error": str(exc)}
             )
             return
+        with self._lock:
+            self.last_label = max(self.last_label, job.label)
         if job.delta is not None:
             self._emit(
                 "delta_uploaded",
