@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from speedtronic.checkpoint import atomic_write_bytes
+from speedtronic.config.limits import is_valid_node_id
 
 __all__ = [
     "DELTA_DTYPES",
@@ -58,7 +59,6 @@ DELTA_DTYPES: dict[str, torch.dtype] = {
 }
 
 _DELTA_NAME = re.compile(r"^delta_(0|[1-9][0-9]*)\.safetensors$")
-_SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@+-]*$")
 
 
 def cpu_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -144,8 +144,9 @@ def is_all_zero(delta: Mapping[str, torch.Tensor]) -> bool:
 
 
 def is_path_safe(identifier: str) -> bool:
-    """A node id usable as a single path segment (letters, digits, ``._@+-``)."""
-    return bool(_SAFE_ID.match(identifier)) and identifier not in {".", ".."}
+    """A node id by the one node-id rule of the config layer (letters, digits, ``._@+-``,
+    starting with a letter or digit, at most 128 characters): a single path segment."""
+    return is_valid_node_id(identifier)
 
 
 def delta_path(node_id: str, round_index: int) -> str:
