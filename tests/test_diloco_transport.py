@@ -182,3 +182,22 @@ def test_permanent_and_not_found_are_not_retried():
     assert classify_error(HTTPError(503)).kind == "transient"
     assert classify_error(TimeoutError()).kind == "transient"
     assert classify_error(TypeError()).kind == "permanent"
+
+
+def test_directory_sweeps_temp_files_of_killed_writers(tmp_path):
+    import os
+    import time
+
+    from speedtronic.diloco.directory import DirectoryTransport
+
+    t = DirectoryTransport(f"file://{tmp_path}/r", fast_retry())
+    t.create_repo()
+    old = tmp_path / "r/nodes/a/.delta_0.safetensors.tmp-123-456"
+    fresh = tmp_path / "r/global/.latest.safetensors.tmp-789-1"
+    for path in (old, fresh):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"half a file")
+    hour_ago = time.time() - 7200
+    os.utime(old, (hour_ago, hour_ago))
+    t.create_repo()  # the master opens the exchange again
+    assert not old.exists() and fresh.exists()  # a writer may still be busy with the fresh one

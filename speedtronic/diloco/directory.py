@@ -14,6 +14,7 @@ import errno
 import logging
 import os
 import stat
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -61,9 +62,25 @@ class DirectoryTransport(RepoTransport):
     def _create_repo(self, private: bool) -> None:
         with _writable(self.root):
             self.root.mkdir(parents=True, exist_ok=True)
+        self._sweep_temp_files()
         if private:
             with contextlib.suppress(OSError):
                 os.chmod(self.root, 0o770)
+
+    def _sweep_temp_files(self, older_than: float = 3600.0) -> int:
+        """Remove the temp files of writers killed mid-write (``.<name>.tmp-<pid>-...``,
+        untouched for ``older_than`` seconds); returns how many went. Runs when the master
+        opens the exchange."""
+        removed = 0
+        cutoff = time.time() - older_than
+        for path in self.root.rglob(".*.tmp-*"):
+            with contextlib.suppress(OSError):
+                if path.is_file() and path.stat().st_mtime < cutoff:
+                    path.unlink()
+                    removed += 1
+        if removed:
+            _LOG.info("removed %d stale temp files from %s", removed, self.root)
+        return removed
 
     def _grant(self, username: str, permission: str) -> None:
         _LOG.info(
