@@ -33,9 +33,12 @@ import random
 import re
 import threading
 import time
+from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
+
+from speedtronic.testing.hub_budget import Budget, BudgetKeeper
 
 __all__ = ["FaultConfig", "HubEmulator", "main"]
 
@@ -54,6 +57,8 @@ class FaultConfig:
     slow_rate: float = 0.0
     slow_seconds: float = 0.5
     truncate_rate: float = 0.0
+    latency: float = 0.0  # seconds added to every request (a network far away) ...
+    latency_jitter: float = 0.0  # ... plus up to this much more, uniformly
     seed: int = 0
     endpoints: str = ""  # comma list (create, tree, preupload, commit, resolve, ...); "" = all
 
@@ -159,11 +164,15 @@ class _Handler(BaseHTTPRequestHandler):
             return "rate_limit"
         return fault  # "truncate" or None
 
+    def _caller(self) -> str:
+        """The bearer token of this request ('' when none)."""
+        header = self.headers.get("Authorization", "")
+        return header[len("Bearer ") :] if header.startswith("Bearer ") else ""
+
     def _authorised(self, repo: _Repo | None) -> bool:
-        token = self.hub.token
-        if token is None:
+        if not self.hub.tokens:
             return True
-        return self.headers.get("Authorization", "") == f"Bearer {token}"
+        return self._caller() in self.hub.tokens
 
     # -- verbs --------------------------------------------------------------------------------
     def do_HEAD(self) -> None:
@@ -184,6 +193,12 @@ class _Handler(BaseHTTPRequestHandler):
         fault = self._fault(download=bool(resolve) and method == "GET")
         if fault in ("dropped", "error", "rate_limit"):
             return
+        if not path.startswith("/_emulator"):
+            self.hub.delay()
+            over = self.hub.budget.request(self._caller())
+            if over is not None:
+                self.hub.count(method, "budget:requests")
+                return self._error(429, "API request quota exceeded", extra=over)
         self.hub.count(method, path)
         if path == "/_emulator/stats":
             return self._json(200, self.hub.stats())
@@ -193,7 +208,7 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/api/repos/create" and method == "POST":
             return self._create(body)
         if path == "/api/whoami-v2":
-            if self.hub.token is not None and not self._authorised(None):
+            if not self._authorised(None):
                 return self._error(401, "Invalid credentials in Authorization header")
             return self._json(200, {"type": "user", "name": "emulator", "auth": {}})
         info = re.match(r"^/api/models/([^/]+/[^/]+)$", path)
@@ -216,7 +231,7 @@ class _Handler(BaseHTTPRequestHandler):
         return repo
 
     def _create(self, body: bytes) -> None:
-        if self.hub.token is not None and not self._authorised(None):
+        if not self._authorised(None):
             return self._error(401, "Invalid credentials in Authorization header")
         data = json.loads(body or b"{}")
         name, org = data.get("name"), data.get("organization")
@@ -303,6 +318,12 @@ class _Handler(BaseHTTPRequestHandler):
         self._json(200, entries)
 
     def _commit(self, repo_id: str, repo: _Repo, body: bytes) -> None:
+        over = self.hub.budget.commit(repo_id, self._caller())
+        if over is not None:
+            self.hub.count("POST", "budget:commits")
+            return self._error(
+                429, "You have exceeded our hourly quotas for action: commit", extra=over
+            )
         try:
             lines = [json.loads(line) for line in body.splitlines() if line.strip()]
         except json.JSONDecodeError:
@@ -399,10 +420,14 @@ class HubEmulator:
         token: str | None = None,
         faults: FaultConfig | None = None,
         host: str = "127.0.0.1",
+        tokens: Iterable[str] = (),
+        budget: Budget | None = None,
     ):
         if host not in ("127.0.0.1", "localhost", "::1"):
             raise ValueError("the Hub emulator binds to loopback only")
         self.host, self.port, self.token = host, port, token
+        self.tokens = {t for t in (token, *tokens) if t}  # any of them is accepted
+        self.budget = BudgetKeeper(budget or Budget())
         self.faults = faults or FaultConfig()
         self.lock = threading.RLock()
         self.repos: dict[str, _Repo] = {}
@@ -458,11 +483,20 @@ class HubEmulator:
             key = f"{method} {kind}"
             self._counts[key] = self._counts.get(key, 0) + 1
 
+    def delay(self) -> None:
+        """Sleep the configured latency (plus jitter) before serving a request."""
+        f = self.faults
+        if f.latency or f.latency_jitter:
+            with self.lock:
+                jitter = self._rng.random() * f.latency_jitter
+            time.sleep(f.latency + jitter)
+
     def stats(self) -> dict[str, Any]:
-        """Counters: requests, injected faults, commits, repos and their files."""
+        """Counters: requests, injected faults, refusals past a budget, commits, repos."""
         with self.lock:
             return {
                 "counts": dict(self._counts),
+                "budget_refused": dict(self.budget.refused),
                 "commits": self.commits,
                 "repos": {k: sorted(v.files) for k, v in self.repos.items()},
             }
@@ -504,13 +538,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--token", default=None, help="require this bearer token")
-    for field in dataclasses.fields(FaultConfig):
-        parser.add_argument(
-            f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default
-        )
+    for knobs in (FaultConfig, Budget):
+        for field in dataclasses.fields(knobs):
+            parser.add_argument(
+                f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default
+            )
     args = parser.parse_args(argv)
     faults = FaultConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(FaultConfig)})
-    emulator = HubEmulator(args.port, token=args.token, faults=faults, host=args.host).start()
+    budget = Budget(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Budget)})
+    emulator = HubEmulator(
+        args.port, token=args.token, faults=faults, host=args.host, budget=budget
+    ).start()
     print(f"hub emulator listening on {emulator.url}", flush=True)
     try:
         while True:
