@@ -51,6 +51,14 @@ def is_path_safe_node_id(value: str) -> bool:
     return is_valid_node_id(str(value).strip())
 
 
+def _check_exchange(value: str, field: str) -> None:
+    """An exchange is ``owner/name`` (Hub) or ``file:///absolute/path`` (shared volume)."""
+    if value.startswith("file:") and not (
+        value.startswith("file:///") and len(value) > len("file:///")
+    ):
+        raise ConfigError(f"{field} must be 'owner/name' (Hub) or 'file:///absolute/path'")
+
+
 def _token(value: Any) -> str | None:
     """The token without the whitespace a secret file or ``secretKeyRef`` adds; inner
     whitespace or control characters are refused (an HTTP header cannot carry them)."""
@@ -189,6 +197,7 @@ class DistributedConfig:
     max_staleness: int = 1
     drop_after: int = 3
     train: bool = True
+    relay_to: str | None = None
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     repo_id: str | None = None
@@ -257,6 +266,18 @@ class DistributedConfig:
             raise ConfigError(
                 "distributed.train: false is only valid on the master (a pure aggregator)"
             )
+        if self.relay_to is not None:
+            if self.role != "master":
+                raise ConfigError(
+                    "distributed.relay_to is set on a group leader, which is the master of its "
+                    "group's exchange (distributed.role: master)"
+                )
+            if self.relay_to == self.repo_id:
+                raise ConfigError(
+                    "distributed.relay_to must name the top-level exchange, not the group's "
+                    "own distributed.repo_id"
+                )
+            _check_exchange(self.relay_to, "distributed.relay_to")
         if self.outer_lr <= 0 or not 0.0 <= self.outer_momentum < 1.0:
             bad = {"distributed.outer_lr": self.outer_lr} if self.outer_lr <= 0 else {}
             if not 0.0 <= self.outer_momentum < 1.0:
@@ -286,14 +307,8 @@ class DistributedConfig:
         )
         if self.request_timeout <= 0:
             raise ConfigError("distributed.request_timeout must be positive")
-        if (
-            self.repo_id
-            and self.repo_id.startswith("file:")
-            and not (self.repo_id.startswith("file:///") and len(self.repo_id) > len("file:///"))
-        ):
-            raise ConfigError(
-                "distributed.repo_id must be 'owner/name' (Hub) or 'file:///absolute/path'"
-            )
+        if self.repo_id:
+            _check_exchange(self.repo_id, "distributed.repo_id")
         if self.enabled and not self.repo_id:
             raise ConfigError("distributed.repo_id is required for DumbDiLoCo")
         self._check_upper_bounds()
@@ -325,6 +340,7 @@ class DistributedConfig:
         self.max_staleness = to_int(self.max_staleness, "distributed.max_staleness")
         self.drop_after = to_int(self.drop_after, "distributed.drop_after")
         self.train = to_bool(self.train, "distributed.train")
+        self.relay_to = to_path(self.relay_to, "distributed.relay_to", nullable=True)
         self.outer_lr = to_float(self.outer_lr, "distributed.outer_lr")
         self.outer_momentum = to_float(self.outer_momentum, "distributed.outer_momentum")
         self.repo_id = to_path(self.repo_id, "distributed.repo_id", nullable=True)

@@ -14,6 +14,7 @@ unless ``distributed.train`` is false, which makes it a pure aggregator).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ from speedtronic.diloco import tensors as T
 from speedtronic.diloco.identity import NodeClaim, resolve_node_id
 from speedtronic.diloco.master import RoundMaster
 from speedtronic.diloco.node import Contribution, DiLoCoNode, GlobalCandidate, GlobalInbox
+from speedtronic.diloco.relay import Upstream
 from speedtronic.diloco.retry import (
     ExchangeError,
     TransportError,
@@ -113,6 +115,7 @@ class DumbDiLoCoCoordinator:
         )
         self.master: RoundMaster | None = None
         if self.role == "master":
+            self._halt = threading.Event()
             self.master = RoundMaster(
                 hub,
                 T.cpu_state_dict(model.state_dict()),
@@ -121,8 +124,9 @@ class DumbDiLoCoCoordinator:
                 emit=self._emit,
                 log=self.logger,
                 on_global=self._offer,
-                evaluate=evaluate,
+                evaluate=None if cfg.relay_to else evaluate,
                 on_final=self._write_final,
+                upstream=self._upstream(cfg) if cfg.relay_to else None,
             )
         self._prepared: Mapping[str, Any] | None = None
         self._refused = ""  # checksum of a published global this node refused
@@ -130,6 +134,20 @@ class DumbDiLoCoCoordinator:
         self._ready = False
         self._interrupted = threading.Event()
         self._beat = time.monotonic()
+
+    def _upstream(self, cfg: Any) -> Upstream:
+        """A group leader's relay to the top-level exchange ``relay_to`` (same token)."""
+        retry = retry_policy_from_config(cfg)
+        retry.on_retry = self._on_retry
+        top = build_transport(dataclasses.replace(cfg, repo_id=cfg.relay_to), retry)
+        return Upstream(
+            top,
+            node_id=self.node_id,
+            settings=cfg,
+            record=self.claim.record,
+            say=self._say,
+            stop=self._halt,
+        )
 
     # -- reporting ---------------------------------------------------------------------------
     def _emit(self, event: str, payload: dict[str, Any]) -> None:
@@ -337,6 +355,7 @@ class DumbDiLoCoCoordinator:
             self._say("warning", "an upload was still in flight at stop; it is in the checkpoint")
         self.inbox.stop(self.config.delta_upload_shutdown_timeout)
         if self.master is not None:
+            self._halt.set()  # a relay waiting for the top level stops waiting
             self.master.stop()
         self._started = False
 

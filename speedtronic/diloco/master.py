@@ -88,6 +88,7 @@ class RoundMaster:
         on_global: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
         evaluate: Callable[[dict[str, torch.Tensor]], Any] | None = None,
         on_final: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
+        upstream: Any = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.hub = transport
@@ -107,6 +108,7 @@ class RoundMaster:
         self.on_global = on_global
         self.evaluate = evaluate
         self.on_final = on_final
+        self.upstream = upstream  # a group leader's relay (speedtronic.diloco.relay.Upstream)
         self._clock = clock
         self._lock = threading.RLock()
         self.wake = threading.Event()
@@ -202,6 +204,9 @@ class RoundMaster:
         overwrite a live global. A ``fresh`` master (not resuming) that finds the final global
         of a finished run starts a new run over it, from outer step 0 with an empty ledger.
         """
+        if self.upstream is not None:
+            self._reconcile_with_upstream()
+            return
         remote = self.hub.global_metadata()
         stale: list[str] = []
         if remote is not None and remote.final and self.fresh:
@@ -263,12 +268,34 @@ class RoundMaster:
                     metadata_extra=_META,
                     run_id=self.run_id,
                 )
+        self._finish_reconcile()
+
+    def _finish_reconcile(self) -> None:
         self.reconciled = True
         self.local_state_corrupt = False
         self._persist()
         self._opened = self._clock()
         if self.on_global is not None:
             self.on_global(self.outer_step, T.cpu_state_dict(self.global_state))
+
+    def _reconcile_with_upstream(self) -> None:
+        """A group leader starts from the top-level global (its outer step and run id are the
+        group's), publishing it to the members unless they have it already."""
+        self.upstream.max_bytes = self._max_global_bytes
+        meta, state = self.upstream.current()
+        with self._lock:
+            self._adopt(state, meta.outer_step)
+            self.run_id = meta.run_id
+        remote = self.hub.global_metadata()
+        if remote is None or (remote.outer_step, remote.run_id) != (meta.outer_step, meta.run_id):
+            self.hub.publish_global(
+                self.global_state,
+                outer_step=self.outer_step,
+                ledger=self.ledger,
+                metadata_extra={**_META, "relay": "true"},
+                run_id=self.run_id,
+            )
+        self._finish_reconcile()
 
     def _leftovers(self) -> list[str]:
         """Files of a finished run: its contributions and the records of nodes that were done."""
@@ -494,20 +521,15 @@ class RoundMaster:
                 T.cpu_state_dict(self.global_state),
                 self.optimizer.state_dict(),
             )
-            self.optimizer.step(self.global_state, total)
-            bad = T.first_non_finite(self.global_state)
-            if bad is not None:  # never publish a broken global: undo and drop the round
-                self.outer_step, self.ledger, self.global_state, momentum = saved
-                self.optimizer.load_state_dict(momentum)
-                for path in consumed:
-                    self._refuse(path, f"the outer step made {bad} non-finite")
-                return False
-            self.outer_step += 1
             for node_id, label in marks.items():
                 self.ledger[node_id] = max(self.ledger.get(node_id, -1), label)
             final = self._run_over(
                 {n for n, v in self.nodes.items() if not self._finished(v) and not v.dropped}
             )
+        if not self._step(total, weight, final, saved):
+            for path in consumed:
+                self._refuse(path, "the outer step would make the global non-finite")
+            return False
         try:
             self.hub.publish_global(
                 self.global_state,
@@ -556,6 +578,32 @@ class RoundMaster:
             },
         )
         self._after_publish(final)
+        return True
+
+    def _step(self, mean: dict[str, torch.Tensor], weight: int, final: bool, saved: tuple) -> bool:
+        """The outer step on the round's ``mean``; a group leader relays it up instead and
+        takes the top-level global that includes it. False (state restored) when the result
+        would not be finite."""
+        if self.upstream is not None:
+            try:  # outside the lock: the wait for the top level may be long
+                meta, state = self.upstream.forward(
+                    mean, round_index=saved[0], weight=weight, run_id=self.run_id, final=final
+                )
+            except Exception:
+                with self._lock:
+                    self.ledger = saved[1]
+                raise
+            with self._lock:
+                self._adopt(state, meta.outer_step)
+                self.run_id = meta.run_id
+            return True
+        with self._lock:
+            self.optimizer.step(self.global_state, mean)
+            if T.first_non_finite(self.global_state) is not None:
+                self.outer_step, self.ledger, self.global_state, momentum = saved
+                self.optimizer.load_state_dict(momentum)
+                return False
+            self.outer_step += 1
         return True
 
     def _fold_node(

@@ -1,0 +1,117 @@
+"""A group leader's link to the top-level exchange: hierarchical rounds that cut commits.
+
+With K nodes in G groups, each group's members meet their leader through a shared volume; the
+leader runs a master whose outer step is replaced by this relay: it averages its members'
+contributions (every member weighs the same), uploads that mean to the top-level exchange as
+**one** contribution that weighs as many nodes as it includes, waits for the top-level
+global of the next round and hands it back to publish to the members. The top-level master
+sees G contributions per round instead of K, so a round costs G + 1 Hub commits (one account
+or one repository), and every node still weighs the same in the outer step.
+
+Configure the leader as ``role: master`` of its group's exchange with ``relay_to`` naming the
+top-level exchange; members are ordinary workers of the group's exchange.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from speedtronic.diloco.retry import TransportError
+from speedtronic.diloco.transport import GlobalMetadata
+
+__all__ = ["Upstream"]
+
+
+class Upstream:
+    """The relay: ``current()`` is the top-level global, ``forward()`` sends a group's mean
+    and returns the global that includes it.
+
+    ``record(**status)`` builds the leader's status record for the top level (its claim);
+    ``say`` logs; ``stop`` ends a wait (the master is stopping).
+    """
+
+    def __init__(
+        self,
+        transport: Any,
+        *,
+        node_id: str,
+        settings: Any,
+        record: Callable[..., dict[str, Any]],
+        say: Callable[[str, str], None],
+        stop: threading.Event,
+    ):
+        self.hub = transport
+        self.node_id = node_id
+        self.settings = settings
+        self._record = record
+        self._say = say
+        self._stop = stop
+        self.instance = str(record().get("instance", ""))
+        self.max_bytes: int | None = None  # set by the master from its model
+
+    def _fetch_newer(self, than: int, run_id: str) -> tuple[GlobalMetadata, dict] | None:
+        metadata = self.hub.global_metadata()
+        if metadata is None:
+            return None
+        newer = metadata.outer_step > than or (run_id and metadata.run_id != run_id)
+        if not newer:
+            return None
+        return self.hub.fetch_global(metadata, max_bytes=self.max_bytes)
+
+    def _wait(self, than: int, run_id: str, what: str) -> tuple[GlobalMetadata, dict]:
+        """Poll the top level until a global newer than ``than`` (or of another run) is out."""
+        while not self._stop.is_set():
+            try:
+                found = self._fetch_newer(than, run_id)
+            except TransportError as exc:
+                self._say("warning", f"relay: reading the top-level global failed: {exc}")
+                found = None
+            if found is not None:
+                return found
+            self._stop.wait(self.settings.poll_interval)
+        raise TransportError(f"relay stopped while waiting for {what}")
+
+    def current(self) -> tuple[GlobalMetadata, dict[str, torch.Tensor]]:
+        """The top-level global (waits for the top-level master's first publish)."""
+        self.hub.claim_owner(self.node_id, self._record(state="training", relay=True))
+        return self._wait(-1, "", "the first top-level global")
+
+    def forward(
+        self,
+        mean: Mapping[str, torch.Tensor],
+        *,
+        round_index: int,
+        weight: int,
+        run_id: str,
+        final: bool,
+    ) -> tuple[GlobalMetadata, dict[str, torch.Tensor]]:
+        """Upload the group's ``mean`` as its contribution to ``round_index`` (weighing
+        ``weight`` nodes), then return the first top-level global after it."""
+        status = {"state": "done", "final_round": round_index} if final else {"state": "training"}
+        started = time.perf_counter()
+        self.hub.upload_delta(
+            mean,
+            node_id=self.node_id,
+            round_index=round_index,
+            local_step=round_index,
+            base_outer_step=round_index,
+            dtype=self.settings.delta_dtype,
+            metadata={
+                "weight": str(int(weight)),
+                "run_id": run_id,
+                "final": str(final).lower(),
+                "instance": self.instance,
+            },
+            owner=self._record(relay=True, **status),
+        )
+        self._say(
+            "info",
+            f"relay: round {round_index} of {weight} nodes sent up in "
+            f"{time.perf_counter() - started:.2f} s",
+        )
+        return self._wait(round_index, run_id, f"top-level global {round_index + 1}")

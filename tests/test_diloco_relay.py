@@ -1,0 +1,116 @@
+"""Hierarchical rounds (issue 17, item 2): group leaders relay their members' mean to the
+top-level exchange as one contribution weighing its members, so a round costs G + 1 top-level
+commits for K nodes in G groups, and every node still weighs the same."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from hub_emulator_fixtures import fast_retry
+
+from speedtronic.config import DistributedConfig
+from speedtronic.diloco.directory import DirectoryTransport
+from speedtronic.diloco.master import RoundMaster
+from speedtronic.diloco.relay import Upstream
+
+
+def _settings(**extra) -> DistributedConfig:
+    values = dict(outer_lr=1.0, outer_momentum=0.0, round_timeout=30.0, poll_interval=0.02)
+    values.update(extra)
+    return DistributedConfig(**values)
+
+
+def _master(tmp, name, transport, upstream=None):
+    events: list = []
+    master = RoundMaster(
+        transport,
+        {"w": torch.zeros(3)},
+        settings=_settings(),
+        state_dir=tmp / f"state-{name}",
+        emit=lambda e, p: events.append((e, p)),
+        upstream=upstream,
+    )
+    master.events = events
+    return master
+
+
+def _member(exchange: DirectoryTransport, node: str, label: int, values) -> None:
+    meta = exchange.global_metadata()
+    exchange.upload_delta(
+        {"w": torch.tensor(values)},
+        node_id=node,
+        round_index=label,
+        local_step=label,
+        base_outer_step=label,
+        owner={"instance": f"{node}-1", "state": "training"},
+        metadata={"run_id": meta.run_id},
+    )
+
+
+def _wait(predicate, what, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_groups_give_every_node_the_same_weight_and_cut_top_level_commits(tmp_path):
+    top = DirectoryTransport(f"file://{tmp_path}/top", fast_retry())
+    top.create_repo()
+    head = _master(tmp_path, "top", top)
+    groups = {}
+    for name in ("g1", "g2"):
+        exchange = DirectoryTransport(f"file://{tmp_path}/{name}", fast_retry())
+        exchange.create_repo()
+        upstream = Upstream(
+            DirectoryTransport(f"file://{tmp_path}/top", fast_retry()),
+            node_id=name,
+            settings=_settings(),
+            record=lambda **status: {"instance": "leader", **status},
+            say=lambda level, message: None,
+            stop=threading.Event(),
+        )
+        groups[name] = (exchange, _master(tmp_path, name, exchange, upstream))
+    head.reconcile()
+    for _, relay in groups.values():
+        relay.start()
+    head.start()
+    try:
+        g1, g2 = groups["g1"][0], groups["g2"][0]
+        _wait(lambda: g1.global_metadata() and g2.global_metadata(), "the groups' global 0")
+        assert g1.global_metadata().run_id == top.global_metadata().run_id
+        for name in ("a", "b"):  # both members announce themselves before delivering
+            g1.claim_owner(name, {"instance": f"{name}-1", "state": "training"})
+        g2.claim_owner("c", {"instance": "c-1", "state": "training"})
+        _wait(lambda: {"a", "b"} <= set(groups["g1"][1].nodes), "g1 to see its members")
+        _member(g1, "a", 0, [1.0, 2.0, 3.0])
+        _member(g1, "b", 0, [3.0, 2.0, 1.0])
+        _member(g2, "c", 0, [5.0, 5.0, 5.0])
+        _wait(lambda: g1.global_metadata().outer_step == 1 == g2.global_metadata().outer_step,
+              "global 1 in both groups")  # fmt: skip
+        # one contribution per group, weighted by its members: the mean over all three nodes
+        expected = -(torch.tensor([1.0, 2.0, 3.0]) + torch.tensor([3.0, 2.0, 1.0]) + 5.0) / 3
+        assert torch.allclose(top.read_global()["w"], expected)
+        assert torch.equal(g1.read_global()["w"], top.read_global()["w"])
+        rounds = [p for e, p in head.events if e == "outer_step"]
+        assert [r["included"] for r in rounds] == [["g1/0", "g2/0"]]
+        assert head.ledger == {"g1": 0, "g2": 0}
+        relayed = [p for e, p in groups["g1"][1].events if e == "outer_step"]
+        assert relayed[0]["included"] == ["a/0", "b/0"] and relayed[0]["nodes_included"] == 2
+    finally:
+        for _, relay in groups.values():
+            relay.upstream._stop.set()
+            relay.stop()
+        head.stop()
+
+
+def test_a_relay_config_must_be_a_group_master():
+    with pytest.raises(ValueError, match="relay_to"):
+        DistributedConfig(enabled=True, repo_id="file:///g", role="worker", relay_to="org/top")
+    with pytest.raises(ValueError, match="top-level exchange"):
+        DistributedConfig(enabled=True, repo_id="file:///g", role="master", relay_to="file:///g")
