@@ -104,7 +104,11 @@ class _Run:
         self.shard_tokens = int(opts["shard_tokens"])
         self.unit_bytes = int(opts["unit_bytes"])
         self.field, self.strict = str(opts["field"]), opts["utf8"] == "strict"
-        self.holdout = Fraction(str(opts["holdout"])).limit_denominator(10**6)
+        try:
+            self.holdout = Fraction(str(opts["holdout"])).limit_denominator(10**6)
+        except (ValueError, ZeroDivisionError):
+            message = f"--holdout must be a number in [0, 1), got {opts['holdout']!r}"
+            raise PrepareError(message) from None
         if not 0 <= self.holdout < 1:
             raise PrepareError(f"--holdout must be in [0, 1), got {opts['holdout']}")
         if self.workers < 1 or self.shard_tokens < 1 or self.unit_bytes < 1:
