@@ -12,7 +12,9 @@ The CLI resolves the layered config (file < secret files < environment < flags, 
 3. logs the redacted config, where each non-default value came from, and the versions of
    speedtronic, torch, CUDA and Python;
 4. binds the metrics/health server (``metrics.host:metrics.port``; on by default under ``run``)
-   — a port already in use is a configuration error before any training starts;
+   — a port already in use is a configuration error before any training starts; the server
+   bounds its clients (connections, request time and size, GET/HEAD only:
+   `speedtronic.metrics.server`);
 5. arms a stall watchdog: once the training loop runs, a heartbeat older than
    ``metrics.stall_seconds`` (what ``/healthz`` reports as 503) ends the process with exit
    code 1, so ``restart: on-failure`` and Kubernetes restart it;
@@ -209,11 +211,14 @@ def _start_server(config: Any, registry: Any, state: _RunState) -> Any:
         ready=state.ready,
         stall_seconds=metrics.stall_seconds,
     ).start()
+    limits = server.limits
     _LOG.info(
-        "serving /metrics /healthz /readyz on %s:%d",
+        "serving /metrics /healthz /readyz on %s:%d (at most %d connections, %g s per request)",
         metrics.host,
         server.port,
-        extra=_event("metrics_server", host=metrics.host, port=server.port),
+        limits["max_connections"],
+        limits["request_timeout_seconds"],
+        extra=_event("metrics_server", host=metrics.host, port=server.port, **limits),
     )
     return server
 

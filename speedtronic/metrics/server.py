@@ -1,6 +1,6 @@
 """Metrics and health HTTP server: ``/metrics``, ``/healthz`` and ``/readyz`` on one port.
 
-One daemon thread runs a small `ThreadingHTTPServer`:
+One daemon thread runs a bounded HTTP/1.1 server (`speedtronic.metrics.httpd`):
 
 * ``/metrics`` — the registry in Prometheus text format (prometheus_client's exposition).
 * ``/healthz`` — 200 while the training loop's heartbeat is fresh; 503 once no heartbeat was
@@ -8,6 +8,12 @@ One daemon thread runs a small `ThreadingHTTPServer`:
   counts as one, so model building and start-up have the same grace period.
 * ``/readyz`` — 200 once ``ready()`` returns true (the entrypoint wires: config loaded, model
   built, and for a worker the first global state known); 503 before.
+
+The port is unauthenticated and often reachable from a whole network, so clients get bounded
+resources: at most `MAX_CONNECTIONS` open connections served by one thread (when full, the
+longest-waiting unfinished request gives way to the newcomer, so probes get in during a flood
+of slow clients), `REQUEST_TIMEOUT` seconds to send a request and again to take the answer,
+`MAX_REQUEST_BYTES` of request line and headers, GET and HEAD only, no request body.
 
 The socket is bound in the constructor, so a port already in use fails before any training
 starts (`MetricsPortInUse`, a `ConfigError` naming ``metrics.port``).
@@ -21,18 +27,29 @@ nothing acts on ``/healthz``.
 from __future__ import annotations
 
 import errno
-import json
 import threading
 import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from speedtronic.config import ConfigError
+from speedtronic.metrics.httpd import BoundedHTTPServer, Response, json_response
 
-__all__ = ["MetricsPortInUse", "MetricsServer", "StallWatchdog", "heartbeat_age"]
+__all__ = [
+    "MAX_CONNECTIONS",
+    "MAX_REQUEST_BYTES",
+    "REQUEST_TIMEOUT",
+    "MetricsPortInUse",
+    "MetricsServer",
+    "StallWatchdog",
+    "heartbeat_age",
+]
+
+MAX_CONNECTIONS = 64  # open connections at once (probes and scrapes need a handful)
+REQUEST_TIMEOUT = 5.0  # seconds to send a request, and again to take the answer
+MAX_REQUEST_BYTES = 8192  # request line + headers; a probe or a scrape sends a few hundred
 
 
 class MetricsPortInUse(ConfigError):
@@ -44,50 +61,12 @@ def heartbeat_age(last: float | None, started: float, now: float) -> float:
     return max(now - (last if last is not None else started), 0.0)
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    owner: MetricsServer
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-
-    def do_GET(self) -> None:
-        owner = self.server.owner
-        path = self.path.split("?", 1)[0]
-        if path == "/metrics":
-            self._send(200, generate_latest(owner.registry), CONTENT_TYPE_LATEST)
-        elif path == "/healthz":
-            healthy, detail = owner.health()
-            self._send_json(200 if healthy else 503, detail)
-        elif path == "/readyz":
-            ready = owner.is_ready()
-            self._send_json(200 if ready else 503, {"ready": ready})
-        else:
-            self._send_json(
-                404, {"error": "not found", "paths": ["/metrics", "/healthz", "/readyz"]}
-            )
-
-    def _send_json(self, code: int, body: dict[str, Any]) -> None:
-        self._send(code, (json.dumps(body) + "\n").encode(), "application/json")
-
-    def _send(self, code: int, body: bytes, content_type: str) -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        """Silence per-request access logs (probes hit these endpoints every few seconds)."""
-
-
 class MetricsServer:
     """Serve ``/metrics``, ``/healthz`` and ``/readyz`` from one background thread.
 
     Args:
-        host: interface to bind (``0.0.0.0`` in containers).
+        host: interface to bind (``0.0.0.0`` in containers, where probes arrive on the pod's
+            or container's address).
         port: TCP port; 0 picks a free one (see `port`).
         registry: a `CollectorRegistry`, or an object with a ``registry`` attribute (a
             `PrometheusSink`).
@@ -96,6 +75,9 @@ class MetricsServer:
         ready: returns whether the process is ready for traffic/probes.
         stall_seconds: heartbeat age above which ``/healthz`` answers 503.
         clock: monotonic clock (seconds), injectable for tests.
+        max_connections: open connections at most (see the module docstring).
+        request_timeout: seconds a client has to send its request and to take the answer.
+        max_request_bytes: request line plus headers at most, in bytes.
 
     Raises:
         MetricsPortInUse: when the address is already in use.
@@ -111,6 +93,9 @@ class MetricsServer:
         ready: Callable[[], bool] | None = None,
         stall_seconds: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
+        max_connections: int = MAX_CONNECTIONS,
+        request_timeout: float = REQUEST_TIMEOUT,
+        max_request_bytes: int = MAX_REQUEST_BYTES,
     ) -> None:
         self.registry: CollectorRegistry = getattr(registry, "registry", registry)
         self.heartbeat = heartbeat or (lambda: None)
@@ -118,9 +103,16 @@ class MetricsServer:
         self.stall_seconds = float(stall_seconds)
         self._clock = clock
         self._started = clock()
-        self._thread: threading.Thread | None = None
+        routes = {"/metrics": self._metrics, "/healthz": self._healthz, "/readyz": self._readyz}
         try:
-            self._httpd = _Server((host, int(port)), _Handler, bind_and_activate=True)
+            self._httpd = BoundedHTTPServer(
+                host,
+                port,
+                routes,
+                max_connections=max_connections,
+                timeout=request_timeout,
+                max_request_bytes=max_request_bytes,
+            )
         except OSError as exc:
             if exc.errno in (errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL):
                 raise MetricsPortInUse(
@@ -128,17 +120,36 @@ class MetricsServer:
                     "choose another port (SPEEDTRONIC_METRICS__PORT) or free this one"
                 ) from None
             raise
-        self._httpd.owner = self
 
     @property
     def host(self) -> str:
         """The bound interface address."""
-        return str(self._httpd.server_address[0])
+        return self._httpd.server_address[0]
 
     @property
     def port(self) -> int:
         """The bound TCP port (the real one when 0 was requested)."""
-        return int(self._httpd.server_address[1])
+        return self._httpd.server_address[1]
+
+    @property
+    def limits(self) -> dict[str, float]:
+        """The connection limits in force (for the startup log)."""
+        return {
+            "max_connections": self._httpd.max_connections,
+            "request_timeout_seconds": self._httpd.timeout,
+            "max_request_bytes": self._httpd.max_request_bytes,
+        }
+
+    def _metrics(self) -> Response:
+        return Response(200, generate_latest(self.registry), CONTENT_TYPE_LATEST)
+
+    def _healthz(self) -> Response:
+        healthy, detail = self.health()
+        return json_response(200 if healthy else 503, detail)
+
+    def _readyz(self) -> Response:
+        ready = self.is_ready()
+        return json_response(200 if ready else 503, {"ready": ready})
 
     def health(self) -> tuple[bool, dict[str, Any]]:
         """``(healthy, detail)``: healthy while the heartbeat is younger than stall_seconds."""
@@ -159,23 +170,12 @@ class MetricsServer:
 
     def start(self) -> MetricsServer:
         """Start serving in a daemon thread; returns self."""
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._httpd.serve_forever,
-                kwargs={"poll_interval": 0.2},
-                name="speedtronic-metrics",
-                daemon=True,
-            )
-            self._thread.start()
+        self._httpd.start()
         return self
 
     def stop(self) -> None:
-        """Stop serving and close the socket (idempotent)."""
-        if self._thread is not None:
-            self._httpd.shutdown()
-            self._thread.join(timeout=5.0)
-            self._thread = None
-        self._httpd.server_close()
+        """Stop serving, drop open connections and close the socket (idempotent)."""
+        self._httpd.stop()
 
     def __enter__(self) -> MetricsServer:
         return self.start()
