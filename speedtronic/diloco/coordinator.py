@@ -139,7 +139,7 @@ class DumbDiLoCoCoordinator:
         """A group leader's relay to the top-level exchange ``relay_to`` (same token)."""
         retry = retry_policy_from_config(cfg)
         retry.on_retry = self._on_retry
-        top = build_transport(dataclasses.replace(cfg, repo_id=cfg.relay_to), retry)
+        top = build_transport(dataclasses.replace(cfg, repo_id=cfg.relay_to, relay_to=None), retry)
         return Upstream(
             top,
             node_id=self.node_id,
