@@ -1,15 +1,19 @@
 """k8s/: `kubectl kustomize` renders the base and every overlay; the objects validate against the
 Kubernetes OpenAPI schemas (kubernetes-validate, strict) and keep the deployment's invariants.
+checkov runs on the same renderings in tests/test_deploy_checkov.py.
 """
 
 from __future__ import annotations
 
 import filecmp
+import os
 
 import kubernetes_validate
 import pytest
 import yaml
 from test_deploy_support import REPO, find, k8s_env, kustomize_status, render_kustomize
+
+import speedtronic
 
 K8S_VERSION = "1.31.0"
 TARGETS = ["k8s", "k8s/overlays/gpu", "k8s/overlays/hub", "k8s/overlays/monitoring"]
@@ -168,3 +172,44 @@ def test_monitoring_overlay_adds_a_service_monitor():
         assert service["spec"]["ports"][0]["name"] == monitor["spec"]["endpoints"][0]["port"]
     assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
     assert monitor["spec"]["namespaceSelector"]["matchNames"] == ["speedtronic"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_network_policy_admits_only_the_metrics_port(target):
+    objects = rendered(target)
+    policy = find(objects, "NetworkPolicy")
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"]
+    selector = spec["podSelector"]["matchLabels"]
+    for workload in workloads(objects):  # every pod of the run is selected
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert all(labels.get(k) == v for k, v in selector.items()), workload["metadata"]["name"]
+    [rule] = spec["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": "metrics"}]
+    for workload in workloads(objects):
+        ports = {p["name"]: p["containerPort"] for p in container(workload)["ports"]}
+        assert ports == {"metrics": 8000}
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert container(workload)[probe]["httpGet"]["port"] == "metrics"
+    services = [o for o in objects if o["kind"] == "Service"]
+    assert all(s["spec"]["ports"][0]["targetPort"] == "metrics" for s in services)
+
+
+def test_image_is_the_package_version_and_overridable_with_kustomize_images(tmp_path):
+    for workload in workloads(rendered("k8s")):
+        assert container(workload)["image"] == f"speedtronic:{speedtronic.__version__}"
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    digest = "sha256:" + "ab" * 32
+    (overlay / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": [os.path.relpath(REPO / "k8s/overlays/gpu", overlay)],
+                "images": [{"name": "speedtronic", "newName": "reg.example/sp", "digest": digest}],
+            }
+        )
+    )
+    for workload in workloads(render_kustomize(str(overlay))):
+        assert container(workload)["image"] == f"reg.example/sp@{digest}"
