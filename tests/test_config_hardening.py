@@ -75,11 +75,15 @@ def test_alias_bomb_in_a_field_is_refused_before_it_is_built(tmp_path) -> None:
 def test_alias_bomb_exits_2_fast_with_bounded_memory(tmp_path) -> None:
     path = tmp_path / "bomb.yaml"
     path.write_text(_alias_bomb(levels=9))  # 1.1 GB / MemoryError before
+    # Peak RSS of this process's own address space (VmHWM). Not getrusage's ru_maxrss: Linux
+    # carries the parent's high-water mark across fork/exec into it, so under a pytest process
+    # that has grown past 300 MB the child would report the parent's peak, not its own.
     script = (
-        "import resource, sys, time\n"
+        "import re, sys, time\n"
         "from speedtronic.cli import main\n"
         "t = time.perf_counter(); code = main(['validate', '--config', sys.argv[1]])\n"
-        "rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "status = open('/proc/self/status').read()\n"
+        "rss = re.search(r'VmHWM:\\s*(\\d+) kB', status).group(1)\n"
         "print(code, time.perf_counter() - t, rss, file=sys.stdout)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO), "SPEEDTRONIC_SECRETS_DIR": str(tmp_path / "s")}
