@@ -214,6 +214,35 @@ def test_finish_uploads_the_final_contribution_and_installs_its_global():
     assert node.done and node.installed == 1 and weights(model) == [42.0, 42.0]
 
 
+def test_a_failed_final_upload_is_sent_again_not_lost():
+    node, rec, model = make_node(inner=4)
+    offer(node, 0, 0.0)
+    node._merge_waiting()
+    rec.on_send = master_for(node, lambda job: 7.0)
+    rec.fail_next = 2  # the first two attempts fail; the third arrives
+    train(model, 1.0)
+    node.after_optimizer_step()
+    node.finish()
+    [job] = rec.sent
+    assert job.final and job.label == 0 and job.delta["weight"].tolist() == [[-1.0, -1.0]]
+    assert rec.names().count("delta_upload_failed") == 2
+    assert node.done and node.carry is None and weights(model) == [7.0, 7.0]
+
+
+def test_a_final_upload_that_never_arrives_is_kept_and_reported():
+    node, rec, model = make_node(inner=4)
+    offer(node, 0, 0.0)
+    node._merge_waiting()
+    rec.fail_next = 100
+    train(model, 1.0)
+    node.after_optimizer_step()
+    node.finish()
+    assert not rec.sent and rec.names().count("delta_upload_failed") == 3
+    assert node.carry["weight"].tolist() == [[-1.0, -1.0]]  # checkpointed, re-sent on resume
+    assert any("final contribution could not be uploaded" in p.get("message", "")
+               for n, p in rec.events if n == "log:error")  # fmt: skip
+
+
 def test_finish_with_nothing_left_sends_only_the_done_status():
     node, rec, model = make_node(inner=1)
     offer(node, 0, 0.0)

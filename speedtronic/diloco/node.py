@@ -17,8 +17,8 @@ The merge keeps every step of progress made since the upload and counts none twi
 blocking mode there is none, and the merge is a plain install). A newer global that arrives
 before the node contributed for its current base is held until the node's boundary: that
 contribution is then late, and the master folds it into the open round when it is at most
-``max_staleness`` rounds old. A failed upload is carried into the next contribution. At the
-end of a run, :meth:`DiLoCoNode.finish` uploads the last contribution marked final together
+``max_staleness`` rounds old. A failed upload is carried into the next contribution (the final one is sent again, up to
+``FINAL_UPLOAD_ATTEMPTS`` times). At the end of a run, :meth:`DiLoCoNode.finish` uploads the last contribution marked final together
 with a ``done`` status, waits for the global that includes it and installs it, so the node's
 final checkpoint holds it. Network failures are state (logged, counted, carried), never a
 crash of the training loop.
@@ -42,6 +42,10 @@ __all__ = ["Contribution", "DiLoCoNode", "GlobalCandidate", "GlobalInbox"]
 
 Emit = Callable[[str, dict[str, Any]], None]
 Say = Callable[[str, str], None]
+
+# The final contribution has no next round to be carried into: finish() sends it this many
+# times (each with the transport's own retries) before it gives up and says so.
+FINAL_UPLOAD_ATTEMPTS = 3
 
 
 @dataclasses.dataclass
@@ -546,6 +550,17 @@ class DiLoCoNode:
             return
         if self.inner > 0 or self.carry is not None:
             self._boundary(final=True)
+            # a failed final upload has no next round to be carried into: send it again
+            for _ in range(FINAL_UPLOAD_ATTEMPTS - 1):
+                if self.carry is None or self.fatal is not None:
+                    break
+                self._boundary(final=True)
+            if self.carry is not None:
+                self._say(
+                    "error",
+                    f"the final contribution could not be uploaded after "
+                    f"{FINAL_UPLOAD_ATTEMPTS} attempts; it is in this node's checkpoint",
+                )
         else:
             self.uploads.drain()
             self.uploads.submit(self._done_record())
