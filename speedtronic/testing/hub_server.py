@@ -31,6 +31,7 @@ import hashlib
 import json
 import random
 import re
+import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -410,6 +411,20 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(status, payload, headers, head=head, content_type="application/octet-stream")
 
 
+class _Server(ThreadingHTTPServer):
+    """A client that hangs up mid-response (a killed node, a client timeout) is normal here:
+    counted as ``client_gone``, not printed as a traceback."""
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """Count a vanished client; report anything else the usual way."""
+        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            hub = self.hub  # type: ignore[attr-defined]
+            with hub.lock:
+                hub._counts["client_gone"] = hub._counts.get("client_gone", 0) + 1
+            return
+        super().handle_error(request, client_address)
+
+
 class HubEmulator:
     """The emulator: ``start()`` serves on 127.0.0.1 in a daemon thread, ``stop()`` ends it."""
 
@@ -508,7 +523,7 @@ class HubEmulator:
 
     def start(self) -> HubEmulator:
         """Bind and serve in a daemon thread; returns self (``port`` is filled in)."""
-        self._server = ThreadingHTTPServer((self.host, self.port), _Handler)
+        self._server = _Server((self.host, self.port), _Handler)
         self._server.daemon_threads = True
         self._server.hub = self  # type: ignore[attr-defined]
         self.port = self._server.server_address[1]

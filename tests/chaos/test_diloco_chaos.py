@@ -246,8 +246,17 @@ def _chaos(tmp: Path, emulator: HubEmulator) -> None:
     _wait_for(lambda: bool(master.events("outer_step")), 120, "rounds after the outage")
     writer = HubClient(REPO, token=TEST_TOKEN, endpoint=emulator.url, retry=fast_retry(attempts=8))
     emulator.set_faults(error_rate=0.0, drop_rate=0.0)
-    planted = _plant(writer, master)
-    injected.append("planted garbage / oversized / NaN deltas and a NaN global")
+    # The master is paused (SIGSTOP) while the NaN global is live: a running master overwrites
+    # it at its next publish, which may come before any worker's next poll.
+    master.proc.send_signal(signal.SIGSTOP)
+    try:
+        planted = _plant(writer, master)
+        _wait_for(
+            lambda: any(w.events("global_rejected") for w in workers), 30, "a refused NaN global"
+        )
+    finally:
+        master.proc.send_signal(signal.SIGCONT)
+    injected.append("planted garbage / oversized / NaN deltas and a NaN global (master paused)")
     emulator.set_faults(error_rate=0.05, drop_rate=0.03)
     for node in nodes:
         assert node.proc.wait(420) == 0, node.tail()
