@@ -18,6 +18,11 @@ memory-mapped, not the file name) is highest; the pointer's file wins a tie. ``l
 skips, with a warning each, files it cannot read, files that record no valid step, and files
 its ``use`` callback rejects (another model shape, other optimizer groups), and falls back to
 the next; only when files exist and none is usable is it a :class:`CheckpointError`.
+
+What goes into a file is registered, not hand-assembled: :class:`CheckpointParts` maps each key
+to the object owning that state (``state_dict()`` / ``load_state_dict()``, loaded in place in
+registration order); :class:`RNGState` makes the process RNGs such a part. The trainer's parts
+are listed in :mod:`speedtronic.train.state`.
 """
 
 from __future__ import annotations
@@ -29,15 +34,18 @@ import random
 import re
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 __all__ = [
     "CheckpointError",
     "CheckpointManager",
+    "CheckpointParts",
+    "RNGState",
+    "Stateful",
     "atomic_json_dump",
     "atomic_torch_save",
     "atomic_write_bytes",
@@ -178,6 +186,65 @@ def restore_rng_state(state: dict[str, Any] | None) -> None:
     if state.get("cuda") and torch.cuda.is_available():
         with contextlib.suppress(Exception):
             torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class RNGState:
+    """The process RNGs (Python, NumPy, torch CPU, CUDA) as a checkpoint part."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """:func:`capture_rng_state` now."""
+        return capture_rng_state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """:func:`restore_rng_state` now."""
+        restore_rng_state(state)
+
+
+# ----------------------------------------------------------------------------- parts
+
+
+class Stateful(Protocol):
+    """Anything a checkpoint holds: ``state_dict()`` out, ``load_state_dict(state)`` in place."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> Any: ...
+
+
+class CheckpointParts:
+    """The named parts of one checkpoint, saved together and loaded in place, in order.
+
+    ``parts`` maps a key of the checkpoint dictionary to the object that owns that state
+    (``None`` for a part this run does not have: it is saved as ``None`` and skipped on load).
+    The part named ``root`` writes its keys at the top level of the dictionary instead of under
+    its name (the trainer's counters, so :func:`read_step` finds ``step``). Loading goes in
+    registration order and skips parts whose saved value is missing or ``None``; register a
+    part whose load must come last (the RNG) last.
+    """
+
+    def __init__(self, parts: Mapping[str, Stateful | None], *, root: str | None = None) -> None:
+        if root is not None and root not in parts:
+            raise ValueError(f"root part {root!r} is not registered")
+        self.parts = dict(parts)
+        self.root = root
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every part's ``state_dict()`` under its name (the root part's keys at the top)."""
+        state: dict[str, Any] = {}
+        for name, part in self.parts.items():
+            value = part.state_dict() if part is not None else None
+            if name == self.root:
+                state.update(value)
+            else:
+                state[name] = value
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """``load_state_dict`` on every registered part that has saved state, in order."""
+        for name, part in self.parts.items():
+            value = state if name == self.root else state.get(name)
+            if part is not None and value is not None:
+                part.load_state_dict(value)
 
 
 # ----------------------------------------------------------------------------- manager

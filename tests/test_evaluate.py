@@ -6,7 +6,6 @@ import copy
 import io
 import math
 import threading
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -182,7 +181,7 @@ def test_trainer_emits_eval_at_the_cadence_and_at_the_end_after_the_coordinator_
         model,
         torch.optim.SGD(model.parameters(), lr=0.1),
         lm_batches(),
-        config=SimpleNamespace(eval=SimpleNamespace(every_steps=3)),
+        config={"eval": {"every_steps": 3}},
         logger=logger,
         coordinator=StopsLast(model, log),
         checkpoint_manager=Manager(log),
@@ -209,7 +208,7 @@ def test_trainer_eval_every_zero_means_only_at_the_end_and_no_heldout_means_none
         model,
         torch.optim.SGD(model.parameters(), lr=0.1),
         lm_batches(),
-        config=SimpleNamespace(eval=SimpleNamespace(every_steps=0)),
+        config={"eval": {"every_steps": 0}},
         logger=logger,
         max_steps=4,
         heldout=heldout_of(random_batch(2, 6)),

@@ -1,7 +1,8 @@
 """Optional trainer features switched on by config: gradient checkpointing, compile, OOO.
 
 Each is set up once, never fatal: a missing model hook or a failing ``torch.compile`` degrades to
-the plain path with a warning or an event (``compile``, ``ooo_backprop``).
+the plain path with a warning or an event (``compile``, ``ooo_backprop``). Each takes the one
+value it needs (the trainer reads them from its typed ``SpeedtronicConfig``).
 """
 
 from __future__ import annotations
@@ -14,30 +15,13 @@ from torch import nn
 __all__ = [
     "apply_gradient_checkpointing",
     "compile_model",
-    "config_value",
     "make_ooo_scheduler",
 ]
 
 
-def config_value(config: Any, path: str, default: Any = None) -> Any:
-    """``config.a.b`` for ``path="a.b"``, or ``default`` when any link is missing or None.
-
-    Lets the trainer run with a full ``SpeedtronicConfig``, a partial stand-in, or no config.
-    """
-    value = config
-    for name in path.split("."):
-        value = getattr(value, name, None)
-        if value is None:
-            return default
-    return value
-
-
-def apply_gradient_checkpointing(model: nn.Module, config: Any, logger: Any) -> None:
-    """Call ``model.set_gradient_checkpointing(True)`` when requested (warn if impossible)."""
-    requested = config_value(config, "gradient_checkpointing") or config_value(
-        config, "model.gradient_checkpointing"
-    )
-    if not requested:
+def apply_gradient_checkpointing(model: nn.Module, enabled: bool, logger: Any) -> None:
+    """Call ``model.set_gradient_checkpointing(True)`` when ``enabled`` (warn if impossible)."""
+    if not enabled:
         return
     hook = getattr(model, "set_gradient_checkpointing", None)
     if not callable(hook):
@@ -51,11 +35,10 @@ def apply_gradient_checkpointing(model: nn.Module, config: Any, logger: Any) -> 
         logger.warning("gradient checkpointing hook failed; continuing without it: %s", exc)
 
 
-def compile_model(model: nn.Module, config: Any, logger: Any) -> tuple[Any, bool]:
-    """``(torch.compile(model), True)`` when ``compile`` is on and wrapping works, else
+def compile_model(model: nn.Module, enabled: bool, logger: Any) -> tuple[Any, bool]:
+    """``(torch.compile(model), True)`` when ``enabled`` and wrapping works, else
     ``(model, False)``; emits ``compile {enabled[, reason]}`` when compile was requested."""
-    value = config_value(config, "compile", False)
-    if not bool(getattr(value, "enabled", value)):
+    if not enabled:
         return model, False
     try:
         compiled = torch.compile(model)
@@ -67,13 +50,20 @@ def compile_model(model: nn.Module, config: Any, logger: Any) -> tuple[Any, bool
 
 
 def make_ooo_scheduler(
-    model: nn.Module, device: torch.device, config: Any, logger: Any, *, compiled: bool
+    model: nn.Module,
+    device: torch.device,
+    logger: Any,
+    *,
+    enabled: bool,
+    num_streams: int,
+    compiled: bool,
 ) -> Any:
-    """A ``StageStreamScheduler`` when ``ooo_backprop`` is on and compile is not; else None.
+    """A ``StageStreamScheduler`` with ``num_streams`` streams when ``enabled`` (the
+    ``ooo_backprop`` setting) and compile is not; else None.
 
     Emits ``ooo_backprop`` with the scheduler summary (or the compile conflict).
     """
-    if not config_value(config, "ooo_backprop", False):
+    if not enabled:
         return None
     if compiled:
         logger.warning(
@@ -83,11 +73,6 @@ def make_ooo_scheduler(
         return None
     from speedtronic.train.ooo import StageStreamScheduler
 
-    scheduler = StageStreamScheduler(
-        model,
-        device,
-        num_streams=int(config_value(config, "ooo_streams", 4)),
-        logger=logger,
-    )
+    scheduler = StageStreamScheduler(model, device, num_streams=num_streams, logger=logger)
     logger.emit("ooo_backprop", scheduler.as_dict())
     return scheduler

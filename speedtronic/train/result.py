@@ -43,9 +43,10 @@ class SyncCoordinator(Protocol):
     At the start of ``fit`` the trainer calls ``attach(optimizer)`` (the coordinator hooks its
     per-step work on ``optimizer.step``) and ``start(step)``; when the run reached its target,
     ``finish()``; always ``stop()`` at the end. ``interrupt()`` is called by ``request_stop``.
-    Optional: ``prepare_state(state)`` (checkpointed state, before ``start``), ``trains``
-    (False: no local steps, e.g. a pure aggregator), ``last_heartbeat`` (liveness while the
-    coordinator waits). A coordinator without ``attach`` gets ``start()`` and ``stop()`` only.
+    ``load_state_dict(state)`` (a checkpoint part) may come before ``start``: the coordinator
+    applies the state when it starts. Optional: ``trains`` (False: no local steps, e.g. a pure
+    aggregator), ``last_heartbeat`` (liveness while the coordinator waits). A coordinator
+    without ``attach`` gets ``start()`` and ``stop()`` only.
     """
 
     def attach(self, optimizer: Any) -> None: ...

@@ -19,23 +19,22 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from speedtronic.config import SpeedtronicConfig
 from speedtronic.metrics.logger import MetricLogger, memory_usage_bytes
 from speedtronic.train.evaluate import HeldOut, evaluate
 from speedtronic.train.features import (
     apply_gradient_checkpointing,
     compile_model,
-    config_value,
     make_ooo_scheduler,
 )
 from speedtronic.train.forward import (
-    BatchStream,
     batch_size_and_tokens,
     call_model,
     move_to_device,
@@ -44,6 +43,7 @@ from speedtronic.train.forward import (
 from speedtronic.train.precision import (
     PrecisionPlan,
     autocast_context,
+    make_grad_scaler,
     parameter_count,
     resolve_precision,
 )
@@ -54,7 +54,7 @@ from speedtronic.train.result import (
     SyncCoordinator,
     TrainResult,
 )
-from speedtronic.train.state import TrainerStateMixin
+from speedtronic.train.state import DataPosition, TrainerStateMixin
 
 __all__ = [
     "GradientOverflowError",
@@ -82,11 +82,13 @@ class _Update:
 class Trainer(TrainerStateMixin):
     """Runs optimizer updates of ``model`` on ``dataloader`` batches (see the module docstring).
 
-    ``config`` (a ``SpeedtronicConfig``, dict, or ``None``) supplies accumulation, clipping,
-    precision, compile, gradient checkpointing, OOO and stop policy; everything has a default so a
-    plain ``nn.Module``, a ``torch.optim`` optimizer and a list of batches are enough.
+    ``config`` (a ``SpeedtronicConfig``, a dict for ``SpeedtronicConfig.from_dict``, or ``None``
+    for the defaults) supplies accumulation, clipping, precision, compile, gradient checkpointing,
+    OOO, eval cadence and stop policy, so a plain ``nn.Module``, a ``torch.optim`` optimizer and a
+    list of batches are enough. Without a config there is no startup shape validation and no eval
+    cadence (held-out eval only at the end).
 
-    ``max_steps`` is the absolute step target (default ``run.max_steps``, else 1000);
+    ``max_steps`` is the absolute step target (default ``run.max_steps``);
     ``accumulation_steps`` overrides ``data.accumulation_steps``; ``precision`` defaults to
     ``resolve_precision(config.precision, device)``; ``logger`` to a stdout ``MetricLogger``.
     ``checkpoint_manager``, ``coordinator``, ``scheduler`` and ``shape_report`` are optional.
@@ -100,7 +102,7 @@ class Trainer(TrainerStateMixin):
         dataloader: Any,
         *,
         device: str | torch.device = "cpu",
-        config: Any = None,
+        config: SpeedtronicConfig | Mapping[str, Any] | None = None,
         scheduler: Any = None,
         precision: PrecisionPlan | None = None,
         logger: MetricLogger | None = None,
@@ -112,68 +114,46 @@ class Trainer(TrainerStateMixin):
         accumulation_steps: int | None = None,
         heldout: HeldOut | None = None,
     ) -> None:
-        if isinstance(config, dict):
-            from speedtronic.config import SpeedtronicConfig
-
+        configured = config is not None
+        if isinstance(config, Mapping):
             config = SpeedtronicConfig.from_dict(config)
+        self.config: SpeedtronicConfig = config if config is not None else SpeedtronicConfig()
         self.model = model
         self.optimizer = optimizer
         self.dataloader = dataloader
+        self.data = DataPosition(dataloader)
         self.device = torch.device(device)
-        self.config = config
         self.scheduler = scheduler
         self.logger = logger if logger is not None else MetricLogger()
         self.checkpoint_manager = checkpoint_manager
         self.coordinator = coordinator
-        requested = config_value(config, "precision")
-        self.precision = precision or resolve_precision(requested, self.device)
-        self.max_steps = int(
-            max_steps if max_steps is not None else config_value(config, "run.max_steps", 1000)
-        )
+        self.precision = precision or resolve_precision(self.config.precision, self.device)
+        self.scaler = make_grad_scaler(self.precision)
+        self.max_steps = int(max_steps if max_steps is not None else self.config.run.max_steps)
         self.step = int(start_step)
         self.samples = 0
         self.tokens = 0
         self.skipped_updates = 0
         self.last_heartbeat = time.monotonic()
         self.shape_report = shape_report
-        self.scaler: Any = None
+        # micro-batches per update
+        self.accumulation_steps = max(1, accumulation_steps or self.config.accumulation_steps)
+        self._model_name = self.config.model.name if configured else type(model).__name__
+        self._eval_every = self.config.eval.every_steps if configured else 0
+        self._shapes_validated = shape_report is not None or not configured
         self._params: list[torch.nn.Parameter] = []
-        self._grad_clip: float | None = None
-        self._accumulation = accumulation_steps
-        self._model_name = config_value(config, "model.name") or type(model).__name__
         self._stop_reason: str | None = None
-        self._active: Any = model
-        self._compiled = False
         self._coordinator_started = False
-        self._deferred_coordinator_state: dict[str, Any] | None = None
-        self._deferred_scaler_state: dict[str, Any] | None = None
-        self._pending_rng: dict[str, Any] | None = None
         self._last_saved_step = -1
-        self._shapes_validated = shape_report is not None
         self._ooo: Any = None
-        self._batch_iter: BatchStream | None = None
-        self._batches_consumed = 0
-        self._resume_data: dict[str, Any] | None = None
         self._consecutive_skips = 0
         self.heldout = heldout
-        self._eval_every = int(config_value(config, "eval.every_steps", 0))
-        apply_gradient_checkpointing(self.model, config, self.logger)
-        self._active, self._compiled = compile_model(model, config, self.logger)
+        apply_gradient_checkpointing(self.model, self.config.gradient_checkpointing, self.logger)
+        self._active, self._compiled = compile_model(model, self.config.compile, self.logger)
         self._setup_ooo()
+        self.parts = self._register_parts()  # what a checkpoint saves and resume loads
 
     # ------------------------------------------------------------------ settings
-
-    @property
-    def accumulation_steps(self) -> int:
-        """Micro-batches per update (``data.accumulation_steps``; 1 without a config)."""
-        if self._accumulation is not None:
-            return max(1, int(self._accumulation))
-        explicit = config_value(self.config, "data.accumulation_steps")
-        if explicit:
-            return max(1, int(explicit))
-        micro = int(config_value(self.config, "data.micro_batch_size", 1) or 1)
-        target = int(config_value(self.config, "data.target_batch_size", micro) or micro)
-        return max(1, target // max(1, micro))
 
     @property
     def stop_requested(self) -> str | None:
@@ -205,11 +185,16 @@ class Trainer(TrainerStateMixin):
     def _setup_ooo(self) -> None:
         if self._ooo is None:
             self._ooo = make_ooo_scheduler(
-                self.model, self.device, self.config, self.logger, compiled=self._compiled
+                self.model,
+                self.device,
+                self.logger,
+                enabled=self.config.ooo_backprop,
+                num_streams=self.config.ooo_streams,
+                compiled=self._compiled,
             )
 
     def _validate_shapes_once(self) -> None:
-        if self._shapes_validated or config_value(self.config, "shape_validation") is None:
+        if self._shapes_validated:
             return
         from speedtronic.train.shapes import validate_startup_shapes
 
@@ -230,12 +215,8 @@ class Trainer(TrainerStateMixin):
         self.model.train()
         self._setup_ooo()
         self._validate_shapes_once()
-        self._make_scaler()
         self._params = [p for p in self.model.parameters() if p.requires_grad]
-        clip = config_value(self.config, "optimizer.grad_clip")
-        self._grad_clip = None if clip is None else float(clip)
         self.optimizer.zero_grad(set_to_none=True)
-        batches = self._batches()
         started = time.perf_counter()
         start = (self.step, self.samples, self.tokens)
         metrics: list[dict[str, Any]] = []
@@ -251,7 +232,7 @@ class Trainer(TrainerStateMixin):
             self._maybe_evaluate(target)
             last_tick = started
             while self.step < target and self._stop_reason is None:
-                update = self._train_step(batches)
+                update = self._train_step()
                 if update.skipped:
                     self._note_skipped(update)
                     continue
@@ -293,15 +274,14 @@ class Trainer(TrainerStateMixin):
 
     train = fit
 
-    def _train_step(self, batches: Iterator[Any]) -> _Update:
+    def _train_step(self) -> _Update:
         """Forward/backward K micro-batches, read loss/norm/tokens in one sync, then update."""
         k = self.accumulation_steps
         losses: list[torch.Tensor] = []
         samples, tokens = 0, 0
         token_tensors: list[torch.Tensor] = []
         for _ in range(k):
-            batch = move_to_device(next(batches), self.device)
-            self._batches_consumed += 1
+            batch = move_to_device(self.data.next_batch(), self.device)
             count, counted = batch_size_and_tokens(batch)
             samples += count
             if isinstance(counted, torch.Tensor):
@@ -317,7 +297,7 @@ class Trainer(TrainerStateMixin):
         if not math.isfinite(loss_value):
             self.optimizer.zero_grad(set_to_none=True)
             self.logger.emit("nonfinite_loss", {"step": self.step + 1, "loss": loss_value})
-            if bool(config_value(self.config, "run.stop_on_nonfinite", True)):
+            if self.config.run.stop_on_nonfinite:
                 raise NonFiniteLossError(self.step + 1, loss_value)
             update.skipped = "nonfinite_loss"
             return update
@@ -377,8 +357,9 @@ class Trainer(TrainerStateMixin):
             return None
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        if self._grad_clip is not None:
-            return torch.nn.utils.clip_grad_norm_(params, self._grad_clip)
+        clip = self.config.optimizer.grad_clip
+        if clip is not None:
+            return torch.nn.utils.clip_grad_norm_(params, clip)
         return torch.nn.utils.get_total_norm([p.grad for p in params])
 
     def _optimizer_step(self) -> bool:
@@ -459,9 +440,8 @@ class Trainer(TrainerStateMixin):
     def _emit_train_start(self, target: int) -> None:
         import speedtronic
 
-        warmup = config_value(self.config, "scheduler.warmup_steps")
-        horizon = config_value(self.config, "scheduler.max_steps")
-        if self.scheduler is not None and warmup and horizon and int(warmup) >= int(horizon):
+        warmup, horizon = self.config.scheduler.warmup_steps, self.config.scheduler.max_steps
+        if self.scheduler is not None and warmup and horizon and warmup >= horizon:
             self.logger.warning(
                 "scheduler.warmup_steps (%s) >= scheduler.max_steps (%s): the learning rate "
                 "never leaves warmup in this run",
@@ -500,9 +480,6 @@ class Trainer(TrainerStateMixin):
         else:  # a coordinator without a step hook: start/stop only
             self.coordinator.start()
         self._coordinator_started = True
-        if self._deferred_coordinator_state is not None:
-            self.coordinator.load_state_dict(self._deferred_coordinator_state)
-            self._deferred_coordinator_state = None
 
     def _finish_coordinator(self) -> None:
         """The target was reached: let the coordinator run its end of run (DiLoCo: the last
