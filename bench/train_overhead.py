@@ -37,7 +37,7 @@ from speedtronic.config import SpeedtronicConfig  # noqa: E402
 from speedtronic.data import build_dataloader  # noqa: E402
 from speedtronic.model import build_model  # noqa: E402
 from speedtronic.optim import build_optimizer, build_scheduler  # noqa: E402
-from speedtronic.runtime import build_runtime, seed_everything  # noqa: E402
+from speedtronic.train.runtime import build_runtime, seed_everything  # noqa: E402
 
 MODELS: dict[str, dict[str, Any]] = {
     "smoke": {

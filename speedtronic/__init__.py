@@ -3,12 +3,18 @@
 Importing the package is cheap: every public name is resolved lazily through module
 ``__getattr__`` the first time it is asked for, so ``import speedtronic`` loads neither torch
 nor the Hub SDK, and ``speedtronic.config`` stays importable without a GPU stack.
+
+The 2.0.0 module paths (``speedtronic.runtime``, ``speedtronic.trainer``,
+``speedtronic.distributed``, ...) are answered by the alias table in :mod:`speedtronic.compat`
+with a ``DeprecationWarning``.
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
+
+from speedtronic import compat as _compat
 
 __version__ = "2.1.0"
 
@@ -39,13 +45,13 @@ _LAZY: dict[str, str] = {
     "GPT": "speedtronic.model",
     "GPTConfig": "speedtronic.model",
     "ReferenceTransformer": "speedtronic.model",
-    "Trainer": "speedtronic.trainer",
-    "TrainResult": "speedtronic.trainer",
-    "build_runtime": "speedtronic.runtime",
-    "train_from_config": "speedtronic.runtime",
-    "DumbDiLoCo": "speedtronic.distributed",
-    "DumbDiLoCoCoordinator": "speedtronic.distributed",
-    "HubClient": "speedtronic.distributed",
+    "Trainer": "speedtronic.train.trainer",
+    "TrainResult": "speedtronic.train.trainer",
+    "build_runtime": "speedtronic.train.runtime",
+    "train_from_config": "speedtronic.train.runtime",
+    "DumbDiLoCo": "speedtronic.diloco",
+    "DumbDiLoCoCoordinator": "speedtronic.diloco",
+    "HubClient": "speedtronic.diloco.hub",
     "Muon": "speedtronic.optim",
     "HybridOptimizer": "speedtronic.optim",
     "CautiousOptimizer": "speedtronic.optim",
@@ -54,6 +60,8 @@ _LAZY: dict[str, str] = {
 }
 
 __all__ = ["__version__", *sorted(_LAZY)]
+
+_compat.install()
 
 
 def __getattr__(name: str) -> Any:

@@ -366,7 +366,7 @@ def _collision_error(node_id: str) -> NodeIdCollisionError:
 
 
 def _build(config: Any, resume: bool) -> tuple[Any, Any]:
-    from speedtronic.runtime import build_runtime
+    from speedtronic.train.runtime import build_runtime
 
     return build_runtime(config, resume=resume)
 

@@ -1,13 +1,17 @@
 """2.0.0 import paths keep working (speedtronic.distributed and its submodules)."""
 
+# ruff: noqa: F811  (pytest fixtures imported from hub_emulator_fixtures)
 from __future__ import annotations
 
+import pytest
 import torch
+from hub_emulator_fixtures import hub_emulator, make_transport  # noqa: F401
 
 
 def test_distributed_package_exports_the_2_0_0_names():
-    import speedtronic
     import speedtronic.distributed as dist
+
+    import speedtronic
 
     assert set(dist.__all__) == {
         "DumbDiLoCo",
@@ -54,3 +58,34 @@ def test_global_metadata_accepts_legacy_step_key():
 
     meta = GlobalMetadata.from_dict({"step": 4})
     assert meta.outer_step == 4 and meta.model_file == "global/latest.safetensors"
+
+
+def test_distributed_delta_upload_job_imports():
+    from speedtronic.distributed import DeltaUploadJob
+
+    from speedtronic.diloco.node import Contribution
+
+    assert DeltaUploadJob is Contribution
+
+
+@pytest.mark.parametrize("kind", ["hub", "directory"])
+def test_hub_client_2_0_0_calls(kind, make_transport, tmp_path):
+    """``publish_global(..., work_dir=...)`` is accepted and ``upload_delta`` returns the
+    remote path (2.0.0's signatures and return values)."""
+    hub = make_transport(kind)
+    hub.create_repo(private=True)
+    state = {"weight": torch.tensor([1.0, 2.0])}
+    meta = hub.publish_global(state, outer_step=0, work_dir=tmp_path / "outgoing")
+    assert meta.outer_step == 0 and meta.model_file == "global/latest.safetensors"
+    path = hub.upload_delta(
+        {"weight": torch.tensor([0.5, 0.5])},
+        node_id="node-a",
+        local_step=1,
+        base_outer_step=0,
+        work_dir=tmp_path / "outgoing",
+        metadata={"algorithm": "dumb_diloco"},
+    )
+    assert isinstance(path, str) and path == "nodes/node-a/delta_0.safetensors"
+    delta, header = hub.read_delta(path)
+    assert torch.equal(delta["weight"], torch.tensor([0.5, 0.5]))
+    assert header["node_id"] == "node-a"

@@ -407,9 +407,12 @@ class RepoTransport:
         final: bool = False,
         run_id: str = "",
         updated_at: str | None = None,
+        work_dir: Any = None,
     ) -> GlobalMetadata:
         """One commit: weights, ledger, version record (written in that order), and the
-        deletion of consumed delta files."""
+        deletion of consumed delta files. ``work_dir`` is accepted for 2.0.0 callers and
+        unused (the bytes go straight to the transport)."""
+        del work_dir
         header = {"outer_step": int(outer_step), "run_id": str(run_id), "final": bool(final)}
         weights = T.state_to_bytes(state, metadata=header)
         meta = GlobalMetadata(

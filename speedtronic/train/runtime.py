@@ -12,7 +12,7 @@ configuration problem (a CUDA request without CUDA, a bad data path, an unknown 
 
 Embedding the trainer in another process (what ``speedtronic run`` does)::
 
-    from speedtronic.runtime import build_runtime
+    from speedtronic.train.runtime import build_runtime
 
     trainer, manager = build_runtime(config, resume=True)
     trainer.logger.hooks.append(sink)          # on_event(event, payload) or a callable;

@@ -1,0 +1,269 @@
+"""The 2.0.0 import paths, from one alias table.
+
+Speedtronic 2.0.0 had flat modules (``speedtronic.runtime``, ``speedtronic.trainer``, ...) and
+a ``speedtronic.distributed`` package. Their code now lives in ``speedtronic.train``,
+``speedtronic.optim``, ``speedtronic.model``, ``speedtronic.metrics`` and
+``speedtronic.diloco``. Code written for 2.0.0 keeps importing the old paths: `install`
+(called by ``speedtronic/__init__.py``) adds a meta-path finder that answers only the names
+in `ALIASES` with a small module whose attributes *are* the objects of the real modules (no
+copies, no wrappers). Importing an old path issues one ``DeprecationWarning`` naming the new
+path. Nothing is imported until an old path is asked for.
+
+An alias module's ``__all__`` is the 2.0.0 export list. A name outside it resolves from the
+target modules too (2.0.0 code also reached non-exported helpers), except in the
+``speedtronic.distributed`` package, where other names are its submodules.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ALIASES", "Alias", "install"]
+
+
+@dataclass(frozen=True)
+class Alias:
+    """One 2.0.0 module path: where its names live now and what it exported.
+
+    ``targets`` are searched in order for each name; ``exports`` is the 2.0.0 ``__all__``;
+    ``extras`` are importable names not in ``__all__``; ``package`` marks an old package
+    (its submodules are aliases too, and unknown names are not looked up in the targets).
+    """
+
+    targets: tuple[str, ...]
+    exports: tuple[str, ...]
+    extras: tuple[str, ...] = ()
+    package: bool = False
+    names: frozenset[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "names", frozenset(self.exports) | frozenset(self.extras))
+
+
+#: old module path -> `Alias` (the 2.0.0 surfaces of reference/engine.md, distributed.md, v2.md).
+ALIASES: dict[str, Alias] = {
+    "speedtronic.runtime": Alias(
+        ("speedtronic.train.runtime",),
+        (
+            "build_logger",
+            "build_optimizer",
+            "build_runtime",
+            "build_scheduler",
+            "run",
+            "seed_everything",
+            "train",
+            "train_from_config",
+        ),
+    ),
+    "speedtronic.trainer": Alias(
+        ("speedtronic.train.trainer",),
+        (
+            "GradientOverflowError",
+            "NonFiniteLossError",
+            "SpeedtronicTrainer",
+            "SyncCoordinator",
+            "TrainResult",
+            "Trainer",
+            "TrainingEngine",
+        ),
+    ),
+    "speedtronic.precision": Alias(
+        ("speedtronic.train.precision", "speedtronic.optim"),
+        (
+            "PrecisionPlan",
+            "autocast_context",
+            "make_grad_scaler",
+            "resolve_device",
+            "resolve_precision",
+            "supports_fused_adamw",
+        ),
+        extras=("parameter_count",),
+    ),
+    "speedtronic.shapes": Alias(
+        ("speedtronic.train.shapes",),
+        (
+            "ShapeProfile",
+            "ShapeReport",
+            "ShapeWarning",
+            "resolve_shape_profile",
+            "validate_startup_shapes",
+        ),
+    ),
+    "speedtronic.scheduling": Alias(
+        ("speedtronic.train.ooo",), ("StageInfo", "StageStreamScheduler")
+    ),
+    "speedtronic.optimizers": Alias(
+        ("speedtronic.optim",),
+        (
+            "CautiousOptimizer",
+            "HybridOptimizer",
+            "Muon",
+            "ParameterRouting",
+            "build_v2_optimizer",
+            "newton_schulz",
+            "post_polar_normalize",
+            "route_parameters",
+        ),
+    ),
+    "speedtronic.registry": Alias(
+        ("speedtronic.model.registry",),
+        ("ModelFactory", "ModelRegistry", "build_model", "register_model", "registry"),
+    ),
+    "speedtronic.profiling": Alias(
+        ("speedtronic.metrics.hooks", "speedtronic.metrics.logger"),
+        ("CallbackList", "MetricLogger", "TrainingHook", "memory_usage_bytes"),
+    ),
+    "speedtronic.hooks": Alias(
+        ("speedtronic.metrics.hooks",), ("CallbackList", "TrainingHook", "on_event")
+    ),
+    "speedtronic.integrations": Alias(
+        ("speedtronic.metrics.integrations",), ("TensorboardHook", "WandbHook")
+    ),
+    "speedtronic.distributed": Alias(
+        ("speedtronic.diloco",),
+        (
+            "DumbDiLoCo",
+            "DumbDiLoCoCoordinator",
+            "GlobalMetadata",
+            "HubClient",
+            "HubError",
+            "HubTransport",
+            "HubUnavailable",
+            "MasterOuterLoop",
+            "NesterovOuterOptimizer",
+            "SyncResult",
+            "average_deltas",
+            "compute_pseudo_gradient",
+            "load_delta",
+            "load_safetensors",
+            "save_safetensors",
+        ),
+        extras=("DeltaUploadJob",),
+        package=True,
+    ),
+    "speedtronic.distributed.diloco": Alias(
+        ("speedtronic.diloco.coordinator", "speedtronic.diloco", "speedtronic.diloco.node"),
+        ("DeltaUploadJob", "DumbDiLoCo", "DumbDiLoCoCoordinator", "GlobalCandidate", "SyncResult"),
+    ),
+    "speedtronic.distributed.hub": Alias(
+        ("speedtronic.diloco.hub", "speedtronic.diloco.transport"),
+        ("GlobalMetadata", "HubClient", "HubError", "HubTransport", "HubUnavailable"),
+    ),
+    "speedtronic.distributed.outer": Alias(
+        ("speedtronic.diloco.outer", "speedtronic.diloco"),
+        ("MasterOuterLoop", "NesterovOuterOptimizer", "nesterov_update"),
+    ),
+    "speedtronic.distributed.tensors": Alias(
+        ("speedtronic.diloco.tensors",),
+        (
+            "average_deltas",
+            "compute_pseudo_gradient",
+            "load_delta",
+            "load_safetensors",
+            "parse_delta_path",
+            "save_safetensors",
+        ),
+    ),
+}
+
+
+def new_path(old: str) -> str:
+    """The module (or modules) that now hold the names of the 2.0.0 module `old`."""
+    return " / ".join(ALIASES[old].targets)
+
+
+def _lookup(old: str, alias: Alias, name: str) -> Any:
+    """``name`` from the first target module that has it; AttributeError otherwise."""
+    if alias.package and name not in alias.names:
+        raise AttributeError(f"module {old!r} has no attribute {name!r}")
+    for target in alias.targets:
+        module = importlib.import_module(target)
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            continue
+    raise AttributeError(
+        f"module {old!r} has no attribute {name!r} (2.0.0 path of {new_path(old)})"
+    )
+
+
+def _caller_stacklevel() -> int:
+    """The ``warnings`` stack level of the code that imported the old path.
+
+    ``warnings`` already skips the frozen ``importlib._bootstrap`` frames without counting
+    them; ``importlib.import_module`` and this module's frames are counted and skipped here.
+    """
+    frame = sys._getframe(2)  # the caller of exec_module, which warns at stacklevel=1
+    level = 2
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if "importlib" in name and "_bootstrap" in name:
+            frame = frame.f_back
+            continue
+        if name != __file__ and not name.endswith(
+            ("importlib/__init__.py", "importlib\\__init__.py")
+        ):
+            break
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+class _AliasModule(types.ModuleType):
+    """A 2.0.0 module: its names are fetched from the real modules on first access."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = _lookup(self.__name__, ALIASES[self.__name__], name)
+        setattr(self, name, value)
+        return value
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | ALIASES[self.__name__].names)
+
+
+class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Answers the `ALIASES` module names; every other import goes to the usual finders."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None = None, target: Any = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        """A spec for an old 2.0.0 path, None for anything else."""
+        alias = ALIASES.get(fullname)
+        if alias is None:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=alias.package)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        """An empty `_AliasModule` named after the old path."""
+        return _AliasModule(spec.name)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        """Set ``__all__`` and warn once that the path is deprecated."""
+        alias = ALIASES[module.__name__]
+        module.__all__ = list(alias.exports)
+        module.__doc__ = f"Deprecated 2.0.0 path of {new_path(module.__name__)}."
+        warnings.warn(
+            f"{module.__name__} is a deprecated 2.0.0 import path; import from "
+            f"{new_path(module.__name__)} instead",
+            DeprecationWarning,
+            stacklevel=_caller_stacklevel(),
+        )
+
+
+_FINDER = _AliasFinder()
+
+
+def install() -> None:
+    """Add the alias finder to ``sys.meta_path`` (once; imports nothing)."""
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.append(_FINDER)
