@@ -5,13 +5,18 @@ Modules:
     muon       -- ``newton_schulz``, ``muon_update``, ``post_polar_normalize``; ``Muon``,
                   ``HybridOptimizer``
     cautious   -- ``CautiousOptimizer`` (Liang et al. 2024) over any optimizer
-    build      -- ``build_optimizer(model, config, device)``
+    build      -- ``build_optimizer(model, config, device)``, ``supports_fused_adamw(device)``
     schedules  -- ``build_scheduler(optimizer, config)`` (warmup + cosine/constant)
 """
 
 from __future__ import annotations
 
-from speedtronic.optim.build import build_adamw, build_optimizer, build_v2_optimizer
+from speedtronic.optim.build import (
+    build_adamw,
+    build_optimizer,
+    build_v2_optimizer,
+    supports_fused_adamw,
+)
 from speedtronic.optim.cautious import CautiousOptimizer, cautious_mask, cautious_step
 from speedtronic.optim.muon import (
     NS_COEFFICIENTS,
@@ -54,5 +59,6 @@ __all__ = [
     "route_parameters",
     "schedule_from_config",
     "shape_scale",
+    "supports_fused_adamw",
     "trainable_parameters",
 ]

@@ -26,14 +26,25 @@ def _optimizer_section(config: Any) -> Any:
     return getattr(config, "optimizer", config)
 
 
+def supports_fused_adamw(device: torch.device | str) -> bool:
+    """Whether ``torch.optim.AdamW(fused=True)`` can be built on ``device`` (CUDA only)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    try:
+        probe = nn.Parameter(torch.zeros(1, device=device))
+        AdamW([probe], fused=True)
+    except (TypeError, RuntimeError, ValueError, AssertionError):
+        return False
+    return True
+
+
 def _fused_requested(section: Any, device: torch.device) -> bool:
     if bool(getattr(section, "cautious", False)):
         return False
     fused = getattr(section, "fused", None)
     if fused is not None:
         return bool(fused)
-    from speedtronic.train.precision import supports_fused_adamw
-
     return supports_fused_adamw(device)
 
 

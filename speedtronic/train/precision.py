@@ -30,7 +30,6 @@ __all__ = [
     "parameter_count",
     "resolve_device",
     "resolve_precision",
-    "supports_fused_adamw",
 ]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -156,19 +155,6 @@ def make_grad_scaler(plan: PrecisionPlan) -> Any | None:
     if not plan.use_scaler:
         return None
     return torch.amp.GradScaler(plan.device_type)
-
-
-def supports_fused_adamw(device: torch.device | str) -> bool:
-    """Whether ``torch.optim.AdamW(fused=True)`` can be built on ``device`` (CUDA only)."""
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    try:
-        probe = nn.Parameter(torch.zeros(1, device=device))
-        torch.optim.AdamW([probe], fused=True)
-    except (TypeError, RuntimeError, ValueError, AssertionError):
-        return False
-    return True
 
 
 def parameter_count(model: nn.Module) -> int:
