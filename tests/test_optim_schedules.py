@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from speedtronic.config import SpeedtronicConfig
+from speedtronic.config import SchedulerConfig, SpeedtronicConfig
 from speedtronic.optim import LRSchedule, build_optimizer, build_scheduler
 
 
@@ -71,8 +71,16 @@ def test_scheduler_state_dict_round_trip():
 
 
 def test_unknown_schedule_name_is_rejected():
-    class Section:
-        name = "linear"
-
     with pytest.raises(ValueError, match=r"scheduler\.name"):
-        build_scheduler(torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1), Section())
+        build_scheduler(
+            torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1),
+            SchedulerConfig(name="linear", max_steps=10),
+        )
+
+
+def test_a_bare_section_schedules_with_its_own_horizon_or_says_what_is_missing():
+    optimizer = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)
+    section = SchedulerConfig(warmup_steps=0, max_steps=4, min_lr_ratio=0.0)
+    assert build_scheduler(optimizer, section).lr_lambdas[0](4) == pytest.approx(0.0)
+    with pytest.raises(ValueError, match=r"scheduler\.max_steps is unset"):
+        build_scheduler(optimizer, SchedulerConfig())

@@ -16,20 +16,24 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
+from speedtronic.config import RunConfig, SchedulerConfig, SpeedtronicConfig
+
 
 @dataclass
 class LRSchedule:
-    """Picklable LR factor ``f(s)`` (its attributes land in ``LambdaLR.state_dict()``)."""
+    """Picklable LR factor ``f(s)`` (its attributes land in ``LambdaLR.state_dict()``).
 
-    name: str = "cosine"
-    warmup_steps: int = 100
-    max_steps: int = 1000
-    min_lr_ratio: float = 0.1
+    The defaults are the config's (``scheduler.*``; the horizon the default run target).
+    """
+
+    name: str = SchedulerConfig.name
+    warmup_steps: int = SchedulerConfig.warmup_steps
+    max_steps: int = RunConfig.max_steps
+    min_lr_ratio: float = SchedulerConfig.min_lr_ratio
 
     def __call__(self, step: int) -> float:
         """Multiplier of the base learning rate after ``step`` completed updates."""
@@ -43,21 +47,27 @@ class LRSchedule:
         return ratio + (1.0 - ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def schedule_from_config(config: Any) -> LRSchedule:
-    """The :class:`LRSchedule` of a full config or of its ``scheduler`` section."""
-    section = getattr(config, "scheduler", config)
-    name = str(getattr(section, "name", "cosine")).strip().lower()
-    if name not in ("cosine", "constant"):
-        raise ValueError(f"scheduler.name must be 'cosine' or 'constant', got {name!r}")
+def schedule_from_config(config: SpeedtronicConfig | SchedulerConfig) -> LRSchedule:
+    """The :class:`LRSchedule` of a full config or of its (validated) ``scheduler`` section.
+
+    A bare section needs an explicit ``max_steps``; in a full config an unset horizon already
+    follows the run target. ``ValueError`` when there is none.
+    """
+    section = config.scheduler if isinstance(config, SpeedtronicConfig) else config
+    if section.max_steps is None:
+        raise ValueError(
+            "scheduler.max_steps is unset: set it, or pass the whole SpeedtronicConfig so the "
+            "horizon follows the run target"
+        )
     return LRSchedule(
-        name=name,
-        warmup_steps=max(0, int(getattr(section, "warmup_steps", 100))),
-        max_steps=max(1, int(getattr(section, "max_steps", 1000))),
-        min_lr_ratio=float(getattr(section, "min_lr_ratio", 0.1)),
+        name=section.name,
+        warmup_steps=section.warmup_steps,
+        max_steps=section.max_steps,
+        min_lr_ratio=section.min_lr_ratio,
     )
 
 
-def build_scheduler(optimizer: Optimizer, config: Any) -> LambdaLR:
+def build_scheduler(optimizer: Optimizer, config: SpeedtronicConfig | SchedulerConfig) -> LambdaLR:
     """``LambdaLR`` over ``optimizer`` following ``config.scheduler`` (see the module docstring).
 
     Step it once per *applied* optimizer update (not on GradScaler-skipped steps).
