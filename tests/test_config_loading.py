@@ -414,7 +414,7 @@ FROZEN_KEYS = {
     "target_batch_size num_workers prefetch_factor pin_memory shuffle drop_last seed max_steps "
     "token_path token_dtype sampling allow_pickle tokenizer",
     "optimizer": "name lr betas eps weight_decay fused grad_clip muon_plus cautious "
-    "muon_momentum muon_ns_steps muon_norm_eps",
+    "muon_momentum muon_ns_steps muon_norm_eps muon_ns_dtype",
     "scheduler": "name warmup_steps max_steps min_lr_ratio",
     "precision": "mode dtype",
     "checkpoint": "enabled directory every_steps keep_last resume save_final",

@@ -106,7 +106,8 @@ def _matrix_param(shape=(6, 4), seed=5):
 def test_muon_step_applies_decoupled_decay_and_scaled_update():
     param = _matrix_param()
     start, grad = param.detach().clone(), param.grad.clone()
-    optimizer = Muon([param], lr=0.01, momentum=0.95, weight_decay=0.1)
+    # fp32 on every machine: the reference below is fp32, ``auto`` may pick bf16 on this CPU.
+    optimizer = Muon([param], lr=0.01, momentum=0.95, weight_decay=0.1, ns_dtype="fp32")
     optimizer.step()
     reference = muon_update(grad, torch.zeros(6, 4), momentum=0.95)
     expected = start * (1 - 0.01 * 0.1) - 0.01 * reference

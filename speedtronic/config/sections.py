@@ -291,6 +291,11 @@ class DataConfig:
         return self.target_batch_size // self.micro_batch_size
 
 
+MUON_NS_DTYPES = ("auto", "bf16", "fp32")
+"""``optimizer.muon_ns_dtype`` choices: Newton–Schulz working precision (``auto``: bf16 where the
+device multiplies bf16 natively, see :func:`speedtronic.optim.muon.resolve_ns_dtype`)."""
+
+
 @dataclass
 class OptimizerConfig:
     """Inner optimizer: ``adamw`` (all parameters) or ``muon`` (hidden matrices) + AdamW rest."""
@@ -307,6 +312,7 @@ class OptimizerConfig:
     muon_momentum: float = 0.95
     muon_ns_steps: int = 5
     muon_norm_eps: float = 1e-8
+    muon_ns_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         self.name = _choice(
@@ -327,6 +333,12 @@ class OptimizerConfig:
         self.muon_momentum = to_float(self.muon_momentum, "optimizer.muon_momentum")
         self.muon_ns_steps = to_int(self.muon_ns_steps, "optimizer.muon_ns_steps")
         self.muon_norm_eps = to_float(self.muon_norm_eps, "optimizer.muon_norm_eps")
+        self.muon_ns_dtype = _choice(
+            self.muon_ns_dtype,
+            "optimizer.muon_ns_dtype",
+            MUON_NS_DTYPES,
+            "optimizer.muon_ns_dtype must be auto, bf16 or fp32",
+        )
         if self.lr <= 0:
             raise ConfigError("optimizer.lr must be positive")
         if not all(0.0 <= beta < 1.0 for beta in self.betas):

@@ -2,8 +2,8 @@
 
 Modules:
     routing    -- ``route_parameters``: hidden matrices -> Muon, the rest -> AdamW
-    muon       -- ``newton_schulz``, ``muon_update``, ``post_polar_normalize``; ``Muon``,
-                  ``HybridOptimizer``
+    muon       -- ``newton_schulz``, ``muon_update``, ``post_polar_normalize``,
+                  ``resolve_ns_dtype``; ``Muon``, ``HybridOptimizer``
     cautious   -- ``CautiousOptimizer`` (Liang et al. 2024) over any optimizer
     build      -- ``build_optimizer(model, config, device)``, ``supports_fused_adamw(device)``
     schedules  -- ``build_scheduler(optimizer, config)`` (warmup + cosine/constant)
@@ -22,10 +22,12 @@ from speedtronic.optim.muon import (
     NS_COEFFICIENTS,
     HybridOptimizer,
     Muon,
+    cpu_has_native_bf16,
     muon_update,
     newton_schulz,
     orthogonal_direction,
     post_polar_normalize,
+    resolve_ns_dtype,
     shape_scale,
 )
 from speedtronic.optim.routing import (
@@ -52,10 +54,12 @@ __all__ = [
     "build_v2_optimizer",
     "cautious_mask",
     "cautious_step",
+    "cpu_has_native_bf16",
     "muon_update",
     "newton_schulz",
     "orthogonal_direction",
     "post_polar_normalize",
+    "resolve_ns_dtype",
     "route_parameters",
     "schedule_from_config",
     "shape_scale",

@@ -99,6 +99,7 @@ def build_optimizer(model: nn.Module, config: Any, device: torch.device | str) -
             muon_ns_steps=int(getattr(section, "muon_ns_steps", 5)),
             muon_norm_eps=float(getattr(section, "muon_norm_eps", 1e-8)),
             muon_plus=bool(getattr(section, "muon_plus", False)),
+            muon_ns_dtype=str(getattr(section, "muon_ns_dtype", "auto")),
         )
     else:
         raise ValueError(f"optimizer.name must be 'adamw' or 'muon', got {name!r}")

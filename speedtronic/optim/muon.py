@@ -13,12 +13,16 @@ of lr) and momentum ``μ`` is::
     θ ← θ·(1 − η·λ) − η·sqrt(max(1, r/c))·U
 
 so ``η`` is the step size in "spectral norm per update" units scaled for tall matrices.
+``NS`` runs in the working dtype chosen by :func:`resolve_ns_dtype` (bf16 where the device
+multiplies bf16 natively, as Keller Jordan's and ``torch.optim.Muon`` do; fp32 elsewhere); the
+buffer ``B`` and the returned update are fp32 either way.
 :class:`HybridOptimizer` couples Muon (hidden matrices) with AdamW (everything else) behind one
 ``torch.optim.Optimizer`` with one ``state_dict``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -32,8 +36,80 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
 """Epsilon added to the Frobenius norm before the iteration."""
 POST_POLAR_MODES = ("none", "row", "col", "row_col", "col_row")
+NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+"""Explicit Newton–Schulz working dtypes; ``"auto"`` picks one per device
+(:func:`resolve_ns_dtype`)."""
+NATIVE_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+"""``/proc/cpuinfo`` flags of CPUs with bf16 matrix instructions: x86 AVX-512 BF16 and AMX-BF16,
+AArch64 BF16 (BFMMLA; listed under ``Features``)."""
 
 _FUSED_FALLBACK_ERRORS = (TypeError, RuntimeError, ValueError, NotImplementedError)
+
+
+def _cpuinfo_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
+    """CPU flags from the ``flags`` (x86) / ``Features`` (AArch64) lines; empty if unreadable."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return frozenset()
+    flags: set[str] = set()
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features"):
+            flags.update(value.split())
+    return frozenset(flags)
+
+
+def _detect_cpu_native_bf16(cpuinfo_path: str = "/proc/cpuinfo") -> bool:
+    """Uncached :func:`cpu_has_native_bf16`: torch's CPUID probes, then ``/proc/cpuinfo`` flags."""
+    for probe_name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        probe = getattr(torch.cpu, probe_name, None)  # private torch API: absent in some versions
+        if probe is None:
+            continue
+        try:
+            if bool(probe()):
+                return True
+        except (RuntimeError, AttributeError, TypeError):
+            continue
+    return bool(_cpuinfo_flags(cpuinfo_path) & NATIVE_BF16_CPU_FLAGS)
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (so bf16 matmul beats fp32).
+
+    True when torch's CPUID probes report AVX-512 BF16 or AMX tiles (``torch.cpu
+    ._is_avx512_bf16_supported`` / ``_is_amx_tile_supported``), or ``/proc/cpuinfo`` lists
+    ``avx512_bf16``, ``amx_bf16`` or (AArch64) ``bf16``. Without them oneDNN emulates bf16 matmul
+    through fp32 and it runs several times slower than fp32. A hypervisor that hides these flags
+    counts as no support. Cached for the process; ``cpu_has_native_bf16.cache_clear()`` resets it.
+    """
+    return _detect_cpu_native_bf16()
+
+
+def resolve_ns_dtype(setting: str, device: torch.device | str) -> torch.dtype:
+    """The Newton–Schulz working dtype for ``optimizer.muon_ns_dtype`` on ``device``.
+
+    ``"bf16"`` / ``"fp32"`` are taken as given. ``"auto"`` is bf16 on a CUDA (or ROCm) device
+    with bf16 tensor cores (compute capability >= 8.0) and on a CPU where
+    :func:`cpu_has_native_bf16` holds; fp32 everywhere else (older GPUs, CPUs without bf16
+    instructions, other device types). Raises ``ValueError`` for any other setting.
+    """
+    text = str(setting).strip().lower()
+    if text in NS_DTYPES:
+        return NS_DTYPES[text]
+    if text != "auto":
+        raise ValueError(f"Muon ns_dtype must be 'auto', 'bf16' or 'fp32', got {setting!r}")
+    device = torch.device(device)
+    if device.type == "cuda":
+        if torch.version.hip:
+            return torch.bfloat16
+        major, _ = torch.cuda.get_device_capability(device)
+        return torch.bfloat16 if major >= 8 else torch.float32
+    if device.type == "cpu" and cpu_has_native_bf16():
+        return torch.bfloat16
+    return torch.float32
 
 
 def _working_dtype(matrix: Tensor) -> torch.dtype:
@@ -66,7 +142,9 @@ def _ns_iterate(x: Tensor, steps: int, eps: float) -> Tensor:
     return x
 
 
-def newton_schulz(matrix: Tensor, steps: int = 5, eps: float = NS_EPS) -> Tensor:
+def newton_schulz(
+    matrix: Tensor, steps: int = 5, eps: float = NS_EPS, dtype: torch.dtype | None = None
+) -> Tensor:
     """Approximate the orthogonal polar factor ``U Vᵀ`` of ``matrix = U Σ Vᵀ``.
 
     Keller Jordan's quintic Newton–Schulz iteration with (a, b, c) = (3.4445, −4.7750, 2.0315):
@@ -74,8 +152,9 @@ def newton_schulz(matrix: Tensor, steps: int = 5, eps: float = NS_EPS) -> Tensor
     with ``A = X Xᵀ``, iterating on the wide orientation. Singular values end up near 1 (roughly
     0.7–1.2 after 5 steps), not exactly 1. Dimensionless output, same shape as the input.
 
-    Works in float64 for float64 input, bfloat16 for half-precision CUDA input (when supported),
-    float32 otherwise, and returns the result in that working dtype. The input is never modified;
+    Works in ``dtype`` when given; otherwise in float64 for float64 input, bfloat16 for
+    half-precision CUDA input (when supported), float32 else. Returns the result in that working
+    dtype. The input is never modified;
     a zero matrix maps to zeros. Raises ``ValueError`` for non-2-D input, ``steps < 1`` or
     ``eps <= 0`` and ``TypeError`` for non-floating input.
     """
@@ -87,7 +166,7 @@ def newton_schulz(matrix: Tensor, steps: int = 5, eps: float = NS_EPS) -> Tensor
         raise ValueError("newton_schulz steps must be >= 1")
     if eps <= 0:
         raise ValueError("newton_schulz eps must be positive")
-    work = _working_dtype(matrix)
+    work = dtype if dtype is not None else _working_dtype(matrix)
     try:
         return _orthogonalize(matrix.detach(), int(steps), float(eps), work)
     except torch.cuda.OutOfMemoryError:
@@ -151,13 +230,14 @@ def muon_update(
     eps: float = NS_EPS,
     muon_plus: bool = False,
     norm_eps: float = 1e-8,
+    ns_dtype: torch.dtype = torch.float32,
 ) -> Tensor:
     """Advance the fp32 ``momentum_buffer`` in place and return the scaled update direction.
 
     Returns ``sqrt(max(1, r/c)) · U`` in float32, where ``U`` is the Newton–Schulz
-    orthogonalisation (Muon+ normalised if ``muon_plus``) of the Nesterov direction; the caller
-    applies ``θ ← θ·(1 − ηλ) − η·result``. ``grad`` may also be a stack ``(n, r, c)`` with a
-    matching buffer. ``grad`` is never modified.
+    orthogonalisation (run in ``ns_dtype``; Muon+ normalised if ``muon_plus``) of the Nesterov
+    direction; the caller applies ``θ ← θ·(1 − ηλ) − η·result``. ``grad`` may also be a stack
+    ``(n, r, c)`` with a matching buffer. ``grad`` is never modified.
     """
     update = orthogonal_direction(
         grad,
@@ -168,6 +248,7 @@ def muon_update(
         eps=eps,
         muon_plus=muon_plus,
         norm_eps=norm_eps,
+        ns_dtype=ns_dtype,
     )
     scale = shape_scale(update.shape)
     return update.mul_(scale) if scale != 1.0 else update
@@ -183,12 +264,17 @@ def orthogonal_direction(
     eps: float = NS_EPS,
     muon_plus: bool = False,
     norm_eps: float = 1e-8,
+    ns_dtype: torch.dtype = torch.float32,
 ) -> Tensor:
-    """:func:`muon_update` without the ``sqrt(max(1, r/c))`` factor (fp32, dimensionless)."""
+    """:func:`muon_update` without the ``sqrt(max(1, r/c))`` factor (fp32, dimensionless).
+
+    The momentum update and the Nesterov direction are fp32; only the Newton–Schulz iteration
+    runs in ``ns_dtype``, and its result is returned as fp32.
+    """
     g = grad.float()
     momentum_buffer.lerp_(g, 1.0 - momentum)
     direction = g.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
-    update = _orthogonalize(direction, int(ns_steps), float(eps), torch.float32)
+    update = _orthogonalize(direction, int(ns_steps), float(eps), ns_dtype).float()
     if muon_plus:
         update = _post_polar(update, "row_col", float(norm_eps))
     return update
@@ -198,7 +284,10 @@ class Muon(Optimizer):
     """Muon for 2-D parameters (see the module docstring for the update and units).
 
     Momentum buffers are fp32 (``state["momentum_buffer"]``) with an integer ``state["step"]``.
-    Small parameters of equal shape (all of them on CUDA) are orthogonalised as one batch.
+    ``ns_dtype`` (``auto|bf16|fp32``) is the Newton–Schulz working precision, resolved per device
+    at each step by :func:`resolve_ns_dtype`; it is a speed setting of this optimizer object, not
+    training state, so it is not part of ``state_dict``. Small parameters of equal shape (all of
+    them on CUDA) are orthogonalised as one batch.
     ``step`` raises ``ValueError`` for a non-2-D parameter, ``RuntimeError`` for a sparse
     gradient and ``TypeError`` for a complex gradient.
     """
@@ -214,9 +303,12 @@ class Muon(Optimizer):
         eps: float = NS_EPS,
         norm_eps: float = 1e-8,
         muon_plus: bool = False,
+        ns_dtype: str = "auto",
     ) -> None:
         if lr <= 0:
             raise ValueError("Muon lr must be positive")
+        resolve_ns_dtype(ns_dtype, "meta")  # validates the setting; "meta" probes no hardware
+        self.ns_dtype = str(ns_dtype).strip().lower()
         if not 0.0 <= momentum < 1.0:
             raise ValueError("Muon momentum must be in [0, 1)")
         if int(ns_steps) < 1:
@@ -274,8 +366,9 @@ class Muon(Optimizer):
                 "muon_plus": bool(group.get("muon_plus", False)),
                 "norm_eps": float(group.get("norm_eps", 1e-8)),
             }
-            for params in self._collect(group).values():
-                self._step_bucket(params, lr, decay, options)
+            for (_, device), params in self._collect(group).items():
+                ns_dtype = resolve_ns_dtype(self.ns_dtype, device)
+                self._step_bucket(params, lr, decay, {**options, "ns_dtype": ns_dtype})
         return loss
 
     def _step_bucket(
@@ -326,6 +419,7 @@ class HybridOptimizer(Optimizer):
     (``lr`` included, so one ``LambdaLR`` scales both) are copied into the two inner optimizers
     at every ``step``. Both inner optimizers share the facade's ``state`` dict, so ``state_dict``
     / ``load_state_dict`` / ``state.clear()`` cover both. The closure runs exactly once.
+    ``muon_ns_dtype`` is the inner :class:`Muon`'s ``ns_dtype`` (``auto|bf16|fp32``).
     """
 
     def __init__(
@@ -343,7 +437,9 @@ class HybridOptimizer(Optimizer):
         muon_ns_steps: int = 5,
         muon_norm_eps: float = 1e-8,
         muon_plus: bool = False,
+        muon_ns_dtype: str = "auto",
     ) -> None:
+        resolve_ns_dtype(muon_ns_dtype, "meta")  # a bad value fails even without Muon params
         muon_list, adamw_list = list(muon_params), list(adamw_params)
         if not muon_list and not adamw_list:
             raise ValueError("HybridOptimizer needs at least one parameter")
@@ -385,6 +481,7 @@ class HybridOptimizer(Optimizer):
                 weight_decay=float(weight_decay),
                 norm_eps=float(muon_norm_eps),
                 muon_plus=bool(muon_plus),
+                ns_dtype=muon_ns_dtype,
             )
         if adamw_list:
             self.adamw = _adamw(
