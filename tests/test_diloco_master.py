@@ -459,3 +459,21 @@ def test_nodes_that_only_went_silent_never_end_the_run(tmp_path):
     assert not t.global_metadata().final and not master.finished.is_set()  # the run goes on
     deliver(t, "a", 1, [3.0, 3.0])  # a is back; rounds go on without b
     assert master.poll_once() is True and not master.finished.is_set()
+
+
+def test_a_poll_reads_a_node_record_again_only_when_the_listing_shows_it_changed(tmp_path):
+    master, t, _ = make_master(tmp_path)
+    reads: list[str] = []
+    read_owner = t.read_owner
+    t.read_owner = lambda node: reads.append(node) or read_owner(node)
+    for node in ("a", "b", "c"):
+        join(t, node)
+    master.poll_once()
+    assert sorted(reads) == ["a", "b", "c"]
+    reads.clear()
+    for _ in range(5):  # nothing changed: no record read, whatever the number of nodes
+        master.poll_once()
+    assert reads == []
+    join(t, "b", state="done")  # a new version of one record: that one is read again
+    master.poll_once()
+    assert reads == ["b"] and master.nodes["b"].state == "done"

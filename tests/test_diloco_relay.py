@@ -102,6 +102,17 @@ def test_groups_give_every_node_the_same_weight_and_cut_top_level_commits(tmp_pa
         assert head.ledger == {"g1": 0, "g2": 0}
         relayed = [p for e, p in groups["g1"][1].events if e == "outer_step"]
         assert relayed[0]["included"] == ["a/0", "b/0"] and relayed[0]["nodes_included"] == 2
+        # members that end after a round not marked final: each group ends, tells the top
+        # level it is done, and the top-level run ends without waiting out drop_after
+        for exchange, names in ((g1, ("a", "b")), (g2, ("c",))):
+            for name in names:
+                exchange.claim_owner(
+                    name, {"instance": f"{name}-1", "state": "done", "final_round": 0}
+                )
+        _wait(lambda: head.finished.is_set(), "the top-level run to end")
+        assert all(relay.finished.is_set() for _, relay in groups.values())
+        assert {top.read_owner(g)["state"] for g in ("g1", "g2")} == {"done"}
+        assert top.global_metadata().final
     finally:
         for _, relay in groups.values():
             relay.upstream._stop.set()

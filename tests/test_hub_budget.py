@@ -116,3 +116,34 @@ def test_request_budget_per_token_and_several_tokens(tmp_path):
         assert wrong.global_metadata() is None  # a token not on the list sees no repository
     finally:
         emulator.stop()
+
+
+def test_polling_the_global_costs_one_request_until_it_changes(tmp_path):
+    """Cheap discovery (issue 17, item 3): a node's poll is one HEAD of the version record;
+    it downloads only when the record changed, however many polls or files."""
+    emulator = HubEmulator(0, token=TEST_TOKEN).start()
+    try:
+        retry = RetryPolicy(initial=0.05, maximum=1.0, attempts=4, timeout=10.0)
+        writer = HubClient("org/poll", token=TEST_TOKEN, endpoint=emulator.url,
+                           cache_dir=tmp_path / "w", retry=retry)  # fmt: skip
+        writer.create_repo()
+        writer.publish_global({"w": torch.zeros(4)}, outer_step=0, run_id="r")
+        node = HubClient("org/poll", token=TEST_TOKEN, endpoint=emulator.url,
+                         cache_dir=tmp_path / "n", retry=retry)  # fmt: skip
+
+        def counts():
+            c = emulator.stats()["counts"]
+            return c.get("HEAD resolve", 0), c.get("GET resolve", 0)
+
+        assert node.global_metadata().outer_step == 0
+        head0, get0 = counts()
+        for _ in range(10):
+            assert node.global_metadata().outer_step == 0
+        head1, get1 = counts()
+        assert (head1 - head0, get1 - get0) == (10, 0)
+        writer.publish_global({"w": torch.ones(4)}, outer_step=1, run_id="r")
+        assert node.global_metadata().outer_step == 1  # a change is seen at the next poll
+        head2, get2 = counts()
+        assert get2 - get1 == 1 and head2 - head1 <= 2
+    finally:
+        emulator.stop()

@@ -25,6 +25,7 @@ from typing import Any
 
 from speedtronic.diloco.hub_http import hub_call, install_sdk_client
 from speedtronic.diloco.transport import (
+    GLOBAL_STEP,
     FileInfo,
     HubUnavailable,
     RepoTransport,
@@ -35,6 +36,7 @@ from speedtronic.diloco.transport import (
 __all__ = ["HubClient", "HubTransport", "install_sdk_timeouts"]
 
 _LOG = logging.getLogger("speedtronic.diloco")
+_POINTERS = frozenset({GLOBAL_STEP})  # read by every node at every poll
 #: 2.1 name of :func:`speedtronic.diloco.hub_http.install_sdk_client`.
 install_sdk_timeouts = install_sdk_client
 
@@ -93,6 +95,7 @@ class HubClient(RepoTransport):
         )
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         self._api = api
+        self._pointers: dict[str, tuple[str, bytes]] = {}  # path -> (etag, content)
 
     def __repr__(self) -> str:  # never show the token
         return f"HubClient(repo_id={self.repo_id!r}, endpoint={self.endpoint!r})"
@@ -147,6 +150,29 @@ class HubClient(RepoTransport):
         return out
 
     def _read(self, path: str) -> bytes:
+        if path in _POINTERS:
+            return self._read_pointer(path)
+        return self._download(path)
+
+    def _read_pointer(self, path: str) -> bytes:
+        """A small file every node polls (the global's version record): one HEAD request
+        while its ETag is the one already read, a download only when it changed, so a poll
+        costs one request however long the run or large the repository."""
+        from huggingface_hub import hf_hub_url
+
+        url = hf_hub_url(self.repo_id, path, repo_type="model", endpoint=self.endpoint)
+        etag = self.api.get_hf_file_metadata(
+            url=url, token=self._token, timeout=self.retry.timeout
+        ).etag
+        cached = self._pointers.get(path)
+        if etag and cached is not None and cached[0] == etag:
+            return cached[1]
+        data = self._download(path)
+        if etag:  # the ETag of the HEAD: content newer than it is only read once more
+            self._pointers[path] = (etag, data)
+        return data
+
+    def _download(self, path: str) -> bytes:
         tmp = tempfile.mkdtemp(prefix="speedtronic-download-", dir=self.cache_dir)
         try:
             local = self.api.hf_hub_download(

@@ -120,6 +120,7 @@ class RoundMaster:
         self._blind_since: float | None = None  # when the exchange became unreadable
         self._round_seconds = 0.0  # moving average of round lengths
         self._saw_training = False
+        self._owners: dict[str, tuple[str, dict[str, Any]]] = {}  # node -> (listed version, record)
         self._counts = {"stale": 0, "skipped": 0, "corrupt": 0}
         self._prune: set[str] = set()
         self._dropped: list[str] = []  # "node/round" of stale contributions since the last close
@@ -360,7 +361,7 @@ class RoundMaster:
     def _refresh_nodes(self, scan: RepoScan, now: float) -> None:
         for node_id in sorted(scan.owners):  # a node announces itself with its status record
             view = self.nodes.get(node_id)
-            record = self.hub.read_owner(node_id) or {}
+            record = self._owner_record(node_id, scan)
             instance = record.get("instance")
             if view is None or (instance and instance != view.instance):
                 view = NodeView(node_id, instance=instance, last_heard=now)
@@ -375,6 +376,19 @@ class RoundMaster:
             view.final_round = final if isinstance(final, int) else None
             if view.state == "training":
                 self._saw_training = True
+
+    def _owner_record(self, node_id: str, scan: RepoScan) -> dict[str, Any]:
+        """A node's status record, read again only when the listing shows a new version of
+        it: a poll costs one listing, not one read per node (K grows, requests do not)."""
+        info = scan.files.get(f"nodes/{node_id}/owner.json")
+        version = info.version if info is not None else None
+        cached = self._owners.get(node_id)
+        if version is not None and cached is not None and cached[0] == version:
+            return cached[1]
+        record = self.hub.read_owner(node_id) or {}
+        if version is not None:
+            self._owners[node_id] = (version, record)
+        return record
 
     def _sort_contributions(self, scan: RepoScan, now: float) -> dict[str, dict[int, str]]:
         """Includable files ``{node: {round: path}}``; duplicates and stale ones are queued
@@ -696,7 +710,10 @@ class RoundMaster:
             self._log.warning(f"could not prune consumed deltas: {exc}")
 
     def _finish(self) -> None:
-        """Every node is done and nothing is left: mark the published global final."""
+        """Every node is done and nothing is left: mark the published global final (a group
+        leader first tells the top level that its group is done)."""
+        if self.upstream is not None:
+            self.upstream.finish()
         self.hub.publish_global(
             self.global_state,
             outer_step=self.outer_step,

@@ -17,9 +17,10 @@ The merge keeps every step of progress made since the upload and counts none twi
 blocking mode there is none, and the merge is a plain install). A newer global that arrives
 before the node contributed for its current base is held until the node's boundary: that
 contribution is then late, and the master folds it into the open round when it is at most
-``max_staleness`` rounds old. A failed upload is carried into the next contribution (the final one is sent again, up to
-``FINAL_UPLOAD_ATTEMPTS`` times). At the end of a run, :meth:`DiLoCoNode.finish` uploads the last contribution marked final together
-with a ``done`` status, waits for the global that includes it and installs it, so the node's
+``max_staleness`` rounds old. A failed upload is carried into the next contribution (the
+final one is sent again, up to ``FINAL_UPLOAD_ATTEMPTS`` times). At the end of a run,
+:meth:`DiLoCoNode.finish` uploads the last contribution marked final together with a ``done``
+status, waits for the global that includes it and installs it, so the node's
 final checkpoint holds it. Network failures are state (logged, counted, carried), never a
 crash of the training loop.
 """

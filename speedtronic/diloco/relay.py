@@ -53,6 +53,7 @@ class Upstream:
         self._stop = stop
         self.instance = str(record().get("instance", ""))
         self.max_bytes: int | None = None  # set by the master from its model
+        self.last_round: int | None = None  # the last round this group contributed to
 
     def _fetch_newer(self, than: int, run_id: str) -> tuple[GlobalMetadata, dict] | None:
         metadata = self.hub.global_metadata()
@@ -109,9 +110,19 @@ class Upstream:
             },
             owner=self._record(relay=True, **status),
         )
+        self.last_round = round_index
         self._say(
             "info",
             f"relay: round {round_index} of {weight} nodes sent up in "
             f"{time.perf_counter() - started:.2f} s",
         )
         return self._wait(round_index, run_id, f"top-level global {round_index + 1}")
+
+    def finish(self) -> None:
+        """The group's run is over: say so at the top level, so its master stops waiting for
+        this group (the group may have ended after a round that was not marked final)."""
+        final = -1 if self.last_round is None else self.last_round
+        self.hub.claim_owner(
+            self.node_id, self._record(relay=True, state="done", final_round=final)
+        )
+        self._say("info", f"relay: group done after round {final}; told the top level")
