@@ -70,9 +70,9 @@ class _Quiet:
 
 
 def _model(args: argparse.Namespace) -> torch.nn.Module:
-    from types import SimpleNamespace
+    from speedtronic.config import ModelConfig
 
-    cfg = SimpleNamespace(
+    cfg = ModelConfig(
         name="reference_transformer",
         vocab_size=256,
         max_seq_len=args.seq,

@@ -226,3 +226,13 @@ def test_compat_import_paths():
     assert legacy_build is build_model
     assert speedtronic.GPT is ReferenceTransformer
     assert speedtronic.register_model is register_model
+
+
+def test_reference_transformer_takes_the_model_section():
+    section = ModelConfig(vocab_size=32, max_seq_len=16, n_layer=1, n_head=2, d_model=16)
+    model = ReferenceTransformer(section)
+    assert model.config == GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, d_model=16)
+    assert ReferenceTransformer(section, n_layer=2).config.n_layer == 2  # keywords replace
+    assert GPTConfig().block_size == ModelConfig().max_seq_len  # one place for the defaults
+    with pytest.raises(ConfigError, match="unknown configuration keys: bogus"):
+        build_model({"d_model": 32, "bogus": 1})

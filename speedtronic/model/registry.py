@@ -22,6 +22,9 @@ from typing import Any, ClassVar
 
 from torch import nn
 
+from speedtronic.config import ConfigError, ModelConfig
+from speedtronic.config.schema import build_section
+
 __all__ = ["ModelFactory", "ModelRegistry", "build_model", "register_model", "registry"]
 
 ModelFactory = Callable[..., Any]
@@ -38,19 +41,6 @@ _FORWARDED = (
     "tie_weights",
     "rope_base",
 )
-_DEFAULTS: dict[str, Any] = {
-    "name": "reference_transformer",
-    "vocab_size": 512,
-    "max_seq_len": 128,
-    "n_layer": 4,
-    "n_head": 8,
-    "n_kv_head": None,
-    "d_model": 256,
-    "d_ff": None,
-    "dropout": 0.0,
-    "tie_weights": True,
-    "rope_base": 10_000.0,
-}
 
 
 class ModelRegistry:
@@ -111,25 +101,16 @@ def register_model(name: str, factory: ModelFactory | None = None) -> Any:
     return registry.register(name, factory)
 
 
-def _model_fields(model_config: Any) -> dict[str, Any]:
-    """Read the ModelConfig fields from a dataclass, any attribute object or a mapping."""
-    values = dict(_DEFAULTS)
-    if model_config is None:
-        return values
-    for key in values:
-        if isinstance(model_config, Mapping):
-            if key in model_config:
-                values[key] = model_config[key]
-        elif hasattr(model_config, key):
-            values[key] = getattr(model_config, key)
-    if values["n_kv_head"] is None:
-        values["n_kv_head"] = values["n_head"]
-    if values["d_ff"] is None:
-        values["d_ff"] = 4 * int(values["d_model"])
-    return values
+def _model_section(model_config: ModelConfig | Mapping[str, Any] | None) -> ModelConfig:
+    """The validated ``model`` section: as given, from a mapping, or the defaults."""
+    if isinstance(model_config, ModelConfig):
+        return model_config
+    return build_section("model", dict(model_config or {}))
 
 
-def build_model(model_config: Any = None, **overrides: Any) -> nn.Module:
+def build_model(
+    model_config: ModelConfig | Mapping[str, Any] | None = None, **overrides: Any
+) -> nn.Module:
     """Build the model named by ``model_config.name`` (the ``model`` config section).
 
     Every factory receives ``vocab_size``, ``block_size`` (= ``max_seq_len``), ``n_layer``,
@@ -138,22 +119,19 @@ def build_model(model_config: Any = None, **overrides: Any) -> nn.Module:
     forwarded (the trainer applies it). An unknown name, or shapes the reference model
     rejects, raise ``ConfigError`` naming the setting before any training starts.
     """
-    from speedtronic.config import ConfigError
-
-    values = _model_fields(model_config)
-    name = str(values.pop("name") or "reference_transformer")
+    section = _model_section(model_config)
+    name = section.name
     if name not in registry:
         known = ", ".join(registry.names())
         raise ConfigError(f"model.name: unknown model '{name}'; registered: {known}")
-    kwargs: dict[str, Any] = {key: values[key] for key in _FORWARDED}
-    kwargs["block_size"] = values["max_seq_len"]
-    kwargs.update(overrides)
     factory = registry.get(name)
     from speedtronic.model.transformer import ReferenceTransformer
 
     if factory is not ReferenceTransformer:
-        return factory(**kwargs)
+        kwargs: dict[str, Any] = {key: getattr(section, key) for key in _FORWARDED}
+        kwargs["block_size"] = section.max_seq_len
+        return factory(**{**kwargs, **overrides})
     try:
-        return factory(**kwargs)
+        return ReferenceTransformer(section, **overrides)
     except ValueError as exc:  # shapes the config layer does not check (e.g. odd head dim)
         raise ConfigError(f"model ({name}): {exc}") from exc

@@ -20,6 +20,7 @@ D head dim, V vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, fields
 from typing import Any
@@ -28,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from speedtronic.config import ModelConfig
 
 __all__ = [
     "GPT",
@@ -49,18 +52,29 @@ __all__ = [
 
 @dataclass
 class GPTConfig:
-    """Shape of the reference transformer (all sizes in elements, not bytes)."""
+    """Shape of the reference transformer (all sizes in elements, not bytes).
 
-    vocab_size: int = 512
-    block_size: int = 128
-    n_layer: int = 4
-    n_head: int = 8
-    n_kv_head: int | None = None
-    d_model: int = 256
-    d_ff: int | None = None
-    dropout: float = 0.0
-    tie_weights: bool = True
-    rope_base: float = 10_000.0
+    The 2.0.0 keyword form of the ``model`` section (``block_size`` is ``model.max_seq_len``);
+    its defaults are :class:`~speedtronic.config.ModelConfig`'s. Built from a validated section
+    with :meth:`from_model_config`; the checks below guard direct keyword construction.
+    """
+
+    vocab_size: int = ModelConfig.vocab_size
+    block_size: int = ModelConfig.max_seq_len
+    n_layer: int = ModelConfig.n_layer
+    n_head: int = ModelConfig.n_head
+    n_kv_head: int | None = ModelConfig.n_kv_head
+    d_model: int = ModelConfig.d_model
+    d_ff: int | None = ModelConfig.d_ff
+    dropout: float = ModelConfig.dropout
+    tie_weights: bool = ModelConfig.tie_weights
+    rope_base: float = ModelConfig.rope_base
+
+    @classmethod
+    def from_model_config(cls, section: ModelConfig) -> GPTConfig:
+        """The shape a ``model`` config section describes."""
+        shape = {f.name: getattr(section, f.name) for f in fields(cls) if f.name != "block_size"}
+        return cls(block_size=section.max_seq_len, **shape)
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -254,19 +268,25 @@ _CONFIG_FIELDS = tuple(f.name for f in fields(GPTConfig))
 class ReferenceTransformer(nn.Module):
     """Decoder-only LM. ``forward(input_ids, labels=None, attention_mask=None) -> dict``.
 
+    Built from a ``ModelConfig`` (``ReferenceTransformer(config.model)``) or, as in 2.0.0, from
+    :class:`GPTConfig` keywords (``max_seq_len`` is accepted for ``block_size``); keywords given
+    with a config replace its values. ``self.config`` is the resulting :class:`GPTConfig`.
+
     Labels follow the already-shifted contract: ``labels[:, t]`` is the token after
     ``input_ids[:, t]`` (length T); labels of length T-1 are compared with ``logits[:, :-1]``.
     Positions labelled -100 are ignored.
     """
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, config: ModelConfig | GPTConfig | None = None, **kwargs: Any) -> None:
         super().__init__()
         if "max_seq_len" in kwargs and "block_size" not in kwargs:
             kwargs["block_size"] = kwargs.pop("max_seq_len")
         unknown = sorted(set(kwargs) - set(_CONFIG_FIELDS))
         if unknown:
             raise TypeError(f"unknown model arguments: {', '.join(unknown)}")
-        self.config = GPTConfig(**kwargs)
+        if isinstance(config, ModelConfig):
+            config = GPTConfig.from_model_config(config)
+        self.config = dataclasses.replace(config, **kwargs) if config else GPTConfig(**kwargs)
         cfg = self.config
         self.transformer = nn.ModuleDict(
             {
