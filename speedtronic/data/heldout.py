@@ -28,11 +28,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from speedtronic.config import DataConfig, EvalConfig
 from speedtronic.data.datasets import TextFileTokenDataset
 from speedtronic.data.markov import HELDOUT_DOMAIN, MarkovTokenDataset, seed_generator
 from speedtronic.data.sources import (
     _error,
-    _field,
     _open_serialized,
     _require_file,
     configured_tokenizer,
@@ -108,15 +108,20 @@ def _held_samples(held: Any):
 
 
 def open_heldout(
-    data: Any, evaluation: Any, *, block_size: int, vocab_size: int, tokenizer: Any = None
+    data: DataConfig,
+    evaluation: EvalConfig,
+    *,
+    block_size: int,
+    vocab_size: int,
+    tokenizer: Any = None,
 ) -> HeldOutSource | None:
     """The held-out region named by ``evaluation`` (an ``EvalConfig``) over ``data``.
 
     Text is tokenized with ``tokenizer`` (default: the one ``data.tokenizer`` names). A folder
     written by ``speedtronic prepare`` as ``eval.token_path`` gives its held-out shards.
     """
-    text_path = _field(evaluation, "text_path")
-    text_source = _field(data, "text_path") if _field(evaluation, "holdout", 0.0) else None
+    text_path = evaluation.text_path
+    text_source = data.text_path if evaluation.holdout else None
     if tokenizer is None and (text_path or text_source):
         tokenizer = configured_tokenizer(data, vocab_size)
     if text_path:
@@ -125,58 +130,57 @@ def open_heldout(
             os.fspath(text_path), block_size, vocab_size, 0, "eval.text_path", tokenizer
         )
         return HeldOutSource(records, f"eval.text_path {text_path}")
-    token_path = _field(evaluation, "token_path")
+    token_path = evaluation.token_path
     if token_path:
         path = os.fspath(token_path)
-        dtype = str(_field(data, "token_dtype", "uint16"))
+        dtype = data.token_dtype
         sha = tokenizer_sha256(data, tokenizer) if os.path.isdir(path) else None
         tokens, _ = token_array(
             path, dtype, vocab_size, "eval.token_path", split="eval", tokenizer_sha256=sha
         )
         records = _token_records(tokens, block_size, str(token_path), "eval.token_path")
         return HeldOutSource(records, f"eval.token_path {token_path}")
-    holdout = float(_field(evaluation, "holdout", 0.0))
+    holdout = evaluation.holdout
     if holdout <= 0:
         return None
     return _holdout_of_training(data, holdout, block_size, vocab_size, tokenizer)
 
 
 def _holdout_of_training(
-    data: Any, holdout: float, block_size: int, vocab_size: int, tokenizer: Any
+    data: DataConfig, holdout: float, block_size: int, vocab_size: int, tokenizer: Any
 ) -> HeldOutSource:
     share = f"last {holdout:g} of"
-    text_path = _field(data, "text_path")
+    text_path = data.text_path
     if text_path:
         path = os.fspath(text_path)
         start = split_point(os.path.getsize(path), holdout)
         records = _text_records(path, block_size, vocab_size, start, "eval.holdout", tokenizer)
         return HeldOutSource(records, f"{share} data.text_path {path}")
-    token_path = _field(data, "token_path")
+    token_path = data.token_path
     if token_path:
         path = os.fspath(token_path)
-        dtype = str(_field(data, "token_dtype", "uint16"))
+        dtype = data.token_dtype
         sha = tokenizer_sha256(data, tokenizer) if os.path.isdir(path) else None
         tokens, _ = token_array(path, dtype, vocab_size, "data.token_path", tokenizer_sha256=sha)
         tail = tokens[split_point(len(tokens), holdout) :]
         records = _token_records(tail, block_size, f"{share} {token_path}", "eval.holdout")
         return HeldOutSource(records, f"{share} data.token_path {token_path}")
-    spec = _field(data, "dataset")
+    spec = data.dataset
     if spec is not None:
         dataset = spec
         if isinstance(spec, (str, os.PathLike)):
-            allow = bool(_field(data, "allow_pickle", False))
-            dataset = _open_serialized(os.fspath(spec), allow, block_size, vocab_size)
+            dataset = _open_serialized(os.fspath(spec), data.allow_pickle, block_size, vocab_size)
         _, held = split_map_dataset(dataset, holdout, "data.dataset", block_size)
         if isinstance(held, (torch.Tensor, np.ndarray)):
             records = _token_records(held, block_size, f"{share} data.dataset", "eval.holdout")
         else:
             records = _held_samples(held)
         return HeldOutSource(records, f"{share} data.dataset")
-    kind = str(_field(data, "synthetic", "markov"))
+    kind = data.synthetic
     if kind == "none":
         raise _error("eval.holdout: there is no training source to hold out (data.synthetic: none)")
-    seed = int(_field(data, "seed", 0))
-    count = max(1, math.ceil(holdout * int(_field(data, "num_tokens", 100_000))))
+    seed = data.seed or 0
+    count = max(1, math.ceil(holdout * data.num_tokens))
     if kind == "uniform":
         records = _uniform_records(count, block_size, vocab_size, seed)
         return HeldOutSource(records, f"{count} held-out uniform samples (seed {seed})")

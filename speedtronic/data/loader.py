@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
+from speedtronic.config import DataConfig, ModelConfig
 from speedtronic.data.datasets import TextFileTokenDataset, TokenWindowDataset
 from speedtronic.data.sources import open_source
 
@@ -234,7 +235,7 @@ def load_data_state_dict(loader: Any, state: dict[str, Any] | None) -> bool:
 
 
 def build_dataloader(
-    config: Any,
+    config: DataConfig | None = None,
     *,
     dataset: Dataset | None = None,
     tokenizer: Any = None,
@@ -252,49 +253,45 @@ def build_dataloader(
     :func:`speedtronic.data.streams.node_stream_seed` for DiLoCo nodes). ``holdout``
     (``eval.holdout``) keeps the last fraction of the source out of training. Bad input raises
     ``ConfigError`` naming the setting. Workers, prefetch, pinning, ``shuffle`` (ignored for
-    iterable datasets) and ``drop_last`` follow the config.
+    iterable datasets) and ``drop_last`` follow the config. A bare section (not filled in by
+    ``SpeedtronicConfig``) takes block and vocabulary sizes from the ``model`` defaults and
+    seed 0.
     """
-
-    def field(name: str, default: Any) -> Any:
-        value = getattr(config, name, None) if config is not None else None
-        return default if value is None else value
-
-    block_size = int(field("block_size", 0) or 128)
-    vocab = int(vocab_size or field("vocab_size", 0) or 512)
-    seed = int(field("seed", 0)) if stream_seed is None else int(stream_seed)
+    data = config if config is not None else DataConfig()
+    block_size = data.block_size or ModelConfig.max_seq_len
+    vocab = vocab_size or data.vocab_size or ModelConfig.vocab_size
+    seed = (data.seed or 0) if stream_seed is None else stream_seed
     if dataset is None:
         dataset = open_source(
-            config,
+            data,
             block_size=block_size,
             vocab_size=vocab,
             tokenizer=tokenizer,
             holdout=holdout,
             stream_seed=seed,
         )
-    batch_size = int(field("micro_batch_size", 1))
     if isinstance(dataset, TextFileTokenDataset):
-        dataset.shard_group = batch_size  # workers deal whole batches: order as with 0 workers
-    workers = int(field("num_workers", 0))
-    pin = field("pin_memory", None)
+        dataset.shard_group = data.micro_batch_size  # workers deal whole batches (0-worker order)
+    pin = data.pin_memory
     kwargs: dict[str, Any] = {
-        "batch_size": batch_size,
-        "num_workers": workers,
-        "pin_memory": bool(pin_memory_device) if pin is None else bool(pin),
-        "drop_last": bool(field("drop_last", True)),
+        "batch_size": data.micro_batch_size,
+        "num_workers": data.num_workers,
+        "pin_memory": bool(pin_memory_device) if pin is None else pin,
+        "drop_last": data.drop_last,
         "collate_fn": collate_batch,
     }
-    if workers > 0:
-        kwargs["prefetch_factor"] = int(field("prefetch_factor", 2))
+    if data.num_workers > 0:
+        if data.prefetch_factor is not None:  # else torch's default (2)
+            kwargs["prefetch_factor"] = data.prefetch_factor
         kwargs["persistent_workers"] = True
-    shuffle = bool(field("shuffle", False))
     if isinstance(dataset, TokenWindowDataset):
         kwargs["sampler"] = TokenWindowSampler(
             dataset.num_tokens,
             dataset.block_size,
-            sampling=str(field("sampling", "random")),
-            shuffle=shuffle,
+            sampling=data.sampling,
+            shuffle=data.shuffle,
             seed=seed,
         )
     elif not isinstance(dataset, IterableDataset) and hasattr(dataset, "__len__"):
-        kwargs["sampler"] = EpochSampler(len(dataset), shuffle=shuffle, seed=seed)
+        kwargs["sampler"] = EpochSampler(len(dataset), shuffle=data.shuffle, seed=seed)
     return ResumableDataLoader(dataset, **kwargs)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, Subset
 
+from speedtronic.config import DataConfig
 from speedtronic.data.datasets import (
     SampleTensorDataset,
     SyntheticTokenDataset,
@@ -53,18 +54,13 @@ def _error(message: str) -> Exception:
     return ConfigError(message)
 
 
-def _field(config: Any, name: str, default: Any = None) -> Any:
-    value = getattr(config, name, default) if config is not None else default
-    return default if value is None else value
-
-
 def split_point(total: int, holdout: float) -> int:
     """How many of ``total`` items (bytes, tokens, samples) training keeps under ``holdout``."""
     return int(total * (1.0 - float(holdout)))
 
 
 def open_source(
-    config: Any,
+    config: DataConfig,
     *,
     block_size: int,
     vocab_size: int,
@@ -73,48 +69,47 @@ def open_source(
     stream_seed: int | None = None,
 ) -> Dataset:
     """Return the training dataset the ``data`` section asks for (validated; see above)."""
-    seed = int(_field(config, "seed", 0))
-    samples_seed = seed if stream_seed is None else int(stream_seed)
-    text_path = _field(config, "text_path")
+    seed = config.seed or 0
+    samples_seed = seed if stream_seed is None else stream_seed
+    text_path = config.text_path
     if text_path:
         if tokenizer is None:
             tokenizer = configured_tokenizer(config, vocab_size)
         return _open_text(os.fspath(text_path), block_size, vocab_size, tokenizer, holdout)
-    token_path = _field(config, "token_path")
+    token_path = config.token_path
     if token_path:
-        dtype = str(_field(config, "token_dtype", "uint16"))
+        dtype = config.token_dtype
         folder = os.path.isdir(os.fspath(token_path))
         sha = tokenizer_sha256(config, tokenizer) if folder else None
         return _open_token_file(os.fspath(token_path), dtype, block_size, vocab_size, holdout, sha)
-    spec = _field(config, "dataset")
+    spec = config.dataset
     if isinstance(spec, (Dataset, IterableDataset)):
         return split_map_dataset(spec, holdout, "data.dataset", block_size)[0]
     if spec is not None:
-        allow_pickle = bool(_field(config, "allow_pickle", False))
-        dataset = _open_serialized(os.fspath(spec), allow_pickle, block_size, vocab_size)
+        dataset = _open_serialized(os.fspath(spec), config.allow_pickle, block_size, vocab_size)
         return split_map_dataset(dataset, holdout, "data.dataset", block_size)[0]
-    kind = str(_field(config, "synthetic", "markov"))
+    kind = config.synthetic
     if kind == "none":
         raise _error(
             "data.synthetic: false but no data source is set; "
             "set data.text_path, data.token_path or data.dataset"
         )
-    num_samples = int(_field(config, "num_tokens", 100_000))
+    num_samples = config.num_tokens
     if kind == "uniform":
         return SyntheticTokenDataset(num_samples, block_size, vocab_size, seed=samples_seed)
     return MarkovTokenDataset(num_samples, block_size, vocab_size, seed, sample_seed=samples_seed)
 
 
-def configured_tokenizer(config: Any, vocab_size: int) -> Any:
+def configured_tokenizer(config: DataConfig, vocab_size: int) -> Any:
     """The tokenizer ``data.tokenizer`` names (``None`` for the default byte tokenizer)."""
     from speedtronic.config.tokenizer_spec import is_bytes
     from speedtronic.data.tokenizer import load_tokenizer
 
-    spec = _field(config, "tokenizer")
+    spec = config.tokenizer
     return None if is_bytes(spec) else load_tokenizer(spec, vocab_size=vocab_size)
 
 
-def tokenizer_sha256(config: Any, tokenizer: Any = None) -> str | None:
+def tokenizer_sha256(config: DataConfig, tokenizer: Any = None) -> str | None:
     """Hash of the tokenizer in use (``"bytes"`` for bytes), to match a prepared folder's.
 
     ``None`` (no check) for a tokenizer object passed from Python without a hash.
@@ -123,7 +118,7 @@ def tokenizer_sha256(config: Any, tokenizer: Any = None) -> str | None:
         return getattr(tokenizer, "sha256", None)
     from speedtronic.config.tokenizer_spec import describe_tokenizer, is_bytes
 
-    spec = _field(config, "tokenizer")
+    spec = config.tokenizer
     return "bytes" if is_bytes(spec) else describe_tokenizer(str(spec)).sha256
 
 

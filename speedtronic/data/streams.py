@@ -17,6 +17,7 @@ from __future__ import annotations
 import zlib
 from typing import Any
 
+from speedtronic.config import SpeedtronicConfig
 from speedtronic.config.tokenizer_spec import is_bytes
 from speedtronic.data.loader import ResumableDataLoader, build_dataloader
 from speedtronic.data.tokenizer import tokenizer_for
@@ -33,7 +34,7 @@ def node_stream_seed(seed: int | None, node_id: str | None) -> int:
 
 
 def build_node_dataloader(
-    config: Any,
+    config: SpeedtronicConfig,
     node_id: str | None = None,
     *,
     pin_memory_device: bool = False,
@@ -46,7 +47,7 @@ def build_node_dataloader(
     never trained on).
     """
     data = config.data
-    if tokenizer is None and not is_bytes(getattr(data, "tokenizer", None)):
+    if tokenizer is None and not is_bytes(data.tokenizer):
         tokenizer = tokenizer_for(config)  # with the Hub token, for a private tokenizer repo
     return build_dataloader(
         data,
@@ -54,5 +55,5 @@ def build_node_dataloader(
         vocab_size=config.model.vocab_size,
         tokenizer=tokenizer,
         stream_seed=node_stream_seed(data.seed, node_id),
-        holdout=float(config.eval.holdout),
+        holdout=config.eval.holdout,
     )

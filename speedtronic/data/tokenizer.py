@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from speedtronic.config import SpeedtronicConfig
 from speedtronic.config.tokenizer_spec import TokenizerInfo, describe_tokenizer, is_bytes
 
 __all__ = ["CharTokenizer", "HFTokenizer", "encode_text", "load_tokenizer", "tokenizer_for"]
@@ -158,12 +159,12 @@ def load_tokenizer(
     return _load_file(describe_tokenizer(str(spec), field=field, token=token), field)
 
 
-def tokenizer_for(config: Any) -> CharTokenizer | HFTokenizer:
+def tokenizer_for(config: SpeedtronicConfig) -> CharTokenizer | HFTokenizer:
     """The tokenizer of a ``SpeedtronicConfig`` (``data.tokenizer``, ``model.vocab_size``)."""
     return load_tokenizer(
-        getattr(config.data, "tokenizer", None),
-        vocab_size=int(config.model.vocab_size),
-        token=getattr(config.distributed, "token", None),
+        config.data.tokenizer,
+        vocab_size=config.model.vocab_size,
+        token=config.distributed.token,
     )
 
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from speedtronic.config import SpeedtronicConfig
 from speedtronic.data.loader import collate_batch
 from speedtronic.train.forward import call_model, move_to_device, resolve_loss
 from speedtronic.train.precision import PrecisionPlan, autocast_context
@@ -87,7 +88,7 @@ def _target_count(batch: Any) -> int:
     return int((labels != -100).sum())
 
 
-def build_heldout(config: Any) -> HeldOut | None:
+def build_heldout(config: SpeedtronicConfig) -> HeldOut | None:
     """The held-out batches of ``config`` (a ``SpeedtronicConfig``), or ``None`` without any.
 
     Raises ``ConfigError`` (naming the field) when the held-out source is unusable.
@@ -98,7 +99,7 @@ def build_heldout(config: Any) -> HeldOut | None:
 
     data, section = config.data, config.eval
     block_size = int(data.block_size or config.model.max_seq_len)
-    tokenizer = None if is_bytes(getattr(data, "tokenizer", None)) else tokenizer_for(config)
+    tokenizer = None if is_bytes(data.tokenizer) else tokenizer_for(config)
     source = open_heldout(
         data,
         section,
