@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from speedtronic.config import SpeedtronicConfig
+
 __all__ = [
     "ShapeProfile",
     "ShapeReport",
@@ -144,14 +146,6 @@ def _suggest_batch(micro: int, target: int, alignment: int) -> int | None:
     return min(candidates, key=lambda c: (abs(c - micro), -c))
 
 
-def _vocab_size(config: Any, model: nn.Module) -> int | None:
-    for owner in (getattr(config, "model", None), getattr(model, "config", None)):
-        value = getattr(owner, "vocab_size", None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
 def _model_dimensions(model: nn.Module, vocab: int | None) -> list[tuple[str, int, str]]:
     """``(field, value, code)`` for the model's widths (metadata hook, else introspection)."""
     hook = getattr(model, "speedtronic_shape_metadata", None)
@@ -183,34 +177,33 @@ def _model_dimensions(model: nn.Module, vocab: int | None) -> list[tuple[str, in
     return entries
 
 
-def _candidates(section: Any, data: Any, config: Any, model: nn.Module) -> list[tuple]:
+def _candidates(config: SpeedtronicConfig, model: nn.Module) -> list[tuple]:
     """``(code, field, value)`` in check order, filtered by the ``check_*`` flags."""
-    micro = int(getattr(data, "micro_batch_size", 0) or 0)
-    block = int(getattr(data, "block_size", 0) or 0)
-    vocab = _vocab_size(config, model)
+    section, data = config.shape_validation, config.data
+    micro, block = data.micro_batch_size, data.block_size or 0
+    vocab = config.model.vocab_size
     items: list[tuple[str, str, int]] = []
-    if getattr(section, "check_batch", True):
+    if section.check_batch:
         items.append(("batch_alignment", "data.micro_batch_size", micro))
-    if getattr(section, "check_sequence", True):
+    if section.check_sequence:
         items.append(("sequence_alignment", "data.block_size", block))
         items.append(("token_alignment", "data.micro_batch_size * data.block_size", micro * block))
     dims = _model_dimensions(model, vocab)
-    if getattr(section, "check_model", True):
+    if section.check_model:
         items += [(code, name, v) for name, v, code in dims if code == "model_alignment"]
-    if getattr(section, "check_vocab", False):
-        if vocab is not None:
-            items.append(("vocab_alignment", "model.vocab_size", vocab))
+    if section.check_vocab:
+        items.append(("vocab_alignment", "model.vocab_size", vocab))
         items += [(code, name, v) for name, v, code in dims if code == "vocab_alignment"]
     return items
 
 
-def _collect_warnings(config: Any, model: nn.Module, alignment: int) -> list[ShapeWarning]:
-    section = getattr(config, "shape_validation", None)
-    data = getattr(config, "data", None)
-    target = int(getattr(data, "target_batch_size", 0) or 0)
+def _collect_warnings(
+    config: SpeedtronicConfig, model: nn.Module, alignment: int
+) -> list[ShapeWarning]:
+    target = config.data.target_batch_size
     first: dict[tuple[str, int], tuple[str, str, int]] = {}
     repeats: dict[tuple[str, int], int] = {}
-    for code, name, value in _candidates(section, data, config, model):
+    for code, name, value in _candidates(config, model):
         if value <= 0 or value % alignment == 0:
             continue
         key = (code, value)
@@ -232,7 +225,7 @@ def _collect_warnings(config: Any, model: nn.Module, alignment: int) -> list[Sha
 
 
 def validate_startup_shapes(
-    config: Any,
+    config: SpeedtronicConfig,
     model: nn.Module,
     device: torch.device | str,
     precision: Any,
@@ -246,18 +239,12 @@ def validate_startup_shapes(
     The report is empty when validation is disabled, the alignment is off, or the device is CPU/MPS
     without ``warn_on_cpu``; ``shape_profile`` is emitted whenever a logger can take events.
     """
-    section = getattr(config, "shape_validation", None)
+    section = config.shape_validation
     device = torch.device(device)
-    requested = getattr(section, "alignment", "auto")
-    profile = resolve_shape_profile(device, precision, requested_alignment=requested)
-    enabled = bool(getattr(section, "enabled", True))
+    profile = resolve_shape_profile(device, precision, requested_alignment=section.alignment)
     cpu_like = device.type in ("cpu", "mps")
     warnings: list[ShapeWarning] = []
-    if (
-        enabled
-        and profile.alignment is not None
-        and (not cpu_like or bool(getattr(section, "warn_on_cpu", False)))
-    ):
+    if section.enabled and profile.alignment is not None and (not cpu_like or section.warn_on_cpu):
         warnings = _collect_warnings(config, model, profile.alignment)
     report = ShapeReport(profile, tuple(warnings))
     _log_report(report, logger)
