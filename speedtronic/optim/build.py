@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.optim import AdamW, Optimizer
 
+from speedtronic.config import OptimizerConfig, SpeedtronicConfig
 from speedtronic.optim.cautious import CautiousOptimizer
 from speedtronic.optim.muon import HybridOptimizer
 from speedtronic.optim.routing import assert_exactly_once, route_parameters, trainable_parameters
@@ -21,9 +22,9 @@ from speedtronic.optim.routing import assert_exactly_once, route_parameters, tra
 _FUSED_FALLBACK_ERRORS = (TypeError, RuntimeError, ValueError, NotImplementedError)
 
 
-def _optimizer_section(config: Any) -> Any:
+def _optimizer_section(config: SpeedtronicConfig | OptimizerConfig) -> OptimizerConfig:
     """Accept a full ``SpeedtronicConfig`` or its ``optimizer`` section."""
-    return getattr(config, "optimizer", config)
+    return config.optimizer if isinstance(config, SpeedtronicConfig) else config
 
 
 def supports_fused_adamw(device: torch.device | str) -> bool:
@@ -39,22 +40,21 @@ def supports_fused_adamw(device: torch.device | str) -> bool:
     return True
 
 
-def _fused_requested(section: Any, device: torch.device) -> bool:
-    if bool(getattr(section, "cautious", False)):
+def _fused_requested(section: OptimizerConfig, device: torch.device) -> bool:
+    if section.cautious:
         return False
-    fused = getattr(section, "fused", None)
-    if fused is not None:
-        return bool(fused)
+    if section.fused is not None:
+        return section.fused
     return supports_fused_adamw(device)
 
 
-def build_adamw(params: list[nn.Parameter], section: Any, *, fused: bool) -> AdamW:
+def build_adamw(params: list[nn.Parameter], section: OptimizerConfig, *, fused: bool) -> AdamW:
     """``torch.optim.AdamW`` from the optimizer section; a failed fused build falls back."""
-    kwargs = {
-        "lr": float(section.lr),
-        "betas": tuple(float(b) for b in section.betas),
-        "eps": float(section.eps),
-        "weight_decay": float(section.weight_decay),
+    kwargs: dict[str, Any] = {
+        "lr": section.lr,
+        "betas": section.betas,
+        "eps": section.eps,
+        "weight_decay": section.weight_decay,
     }
     if fused:
         try:
@@ -64,7 +64,9 @@ def build_adamw(params: list[nn.Parameter], section: Any, *, fused: bool) -> Ada
     return AdamW(params, **kwargs)
 
 
-def build_optimizer(model: nn.Module, config: Any, device: torch.device | str) -> Optimizer:
+def build_optimizer(
+    model: nn.Module, config: SpeedtronicConfig | OptimizerConfig, device: torch.device | str
+) -> Optimizer:
     """The optimizer described by ``config.optimizer`` for ``model`` on ``device``.
 
     ``adamw`` -> ``torch.optim.AdamW`` over all unique trainable parameters; ``muon`` ->
@@ -79,7 +81,7 @@ def build_optimizer(model: nn.Module, config: Any, device: torch.device | str) -
     if not trainable:
         raise ValueError("model has no trainable parameters")
     fused = _fused_requested(section, device)
-    name = str(getattr(section, "name", "adamw")).strip().lower()
+    name = section.name
     optimizer: Optimizer
     if name == "adamw":
         optimizer = build_adamw(trainable, section, fused=fused)
@@ -89,22 +91,22 @@ def build_optimizer(model: nn.Module, config: Any, device: torch.device | str) -
         optimizer = HybridOptimizer(
             muon,
             adamw,
-            muon_lr=float(section.lr),
-            adamw_lr=float(section.lr),
-            betas=tuple(float(b) for b in section.betas),
-            eps=float(section.eps),
-            weight_decay=float(section.weight_decay),
+            muon_lr=section.lr,
+            adamw_lr=section.lr,
+            betas=section.betas,
+            eps=section.eps,
+            weight_decay=section.weight_decay,
             fused=fused and bool(adamw),
-            muon_momentum=float(getattr(section, "muon_momentum", 0.95)),
-            muon_ns_steps=int(getattr(section, "muon_ns_steps", 5)),
-            muon_norm_eps=float(getattr(section, "muon_norm_eps", 1e-8)),
-            muon_plus=bool(getattr(section, "muon_plus", False)),
-            muon_ns_dtype=str(getattr(section, "muon_ns_dtype", "auto")),
+            muon_momentum=section.muon_momentum,
+            muon_ns_steps=section.muon_ns_steps,
+            muon_norm_eps=section.muon_norm_eps,
+            muon_plus=section.muon_plus,
+            muon_ns_dtype=section.muon_ns_dtype,
         )
     else:
         raise ValueError(f"optimizer.name must be 'adamw' or 'muon', got {name!r}")
     assert_exactly_once(model, [group["params"] for group in optimizer.param_groups])
-    if bool(getattr(section, "cautious", False)):
+    if section.cautious:
         optimizer = CautiousOptimizer(optimizer)
     return optimizer
 
