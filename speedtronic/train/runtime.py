@@ -31,15 +31,21 @@ import json
 import math
 import os
 import random
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from speedtronic.checkpoint import CheckpointManager
+from speedtronic.config import SpeedtronicConfig
 from speedtronic.metrics.logger import MetricLogger
+from speedtronic.optim import build_optimizer, build_scheduler
 from speedtronic.train.precision import resolve_device, resolve_precision
 from speedtronic.train.result import TrainResult
 from speedtronic.train.trainer import Trainer
+
+#: What ``build_runtime`` accepts: a config, a mapping for ``from_dict``, or a file path.
+ConfigSource = SpeedtronicConfig | Mapping[str, Any] | str | os.PathLike
 
 __all__ = [
     "build_logger",
@@ -71,21 +77,7 @@ def seed_everything(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
-def build_optimizer(model: torch.nn.Module, config: Any, device: Any) -> torch.optim.Optimizer:
-    """The configured optimizer (AdamW over every parameter by default, or Muon hybrid)."""
-    from speedtronic.optim import build_optimizer as build
-
-    return build(model, config, device)
-
-
-def build_scheduler(optimizer: torch.optim.Optimizer, config: Any) -> Any:
-    """The warmup + cosine/constant ``LambdaLR`` for ``optimizer``."""
-    from speedtronic.optim import build_scheduler as build
-
-    return build(optimizer, config)
-
-
-def build_logger(config: Any) -> MetricLogger:
+def build_logger(config: SpeedtronicConfig) -> MetricLogger:
     """The run's ``MetricLogger`` from ``config.logging`` (the Hub token is always redacted)."""
     section = config.logging
     return MetricLogger(
@@ -93,22 +85,20 @@ def build_logger(config: Any) -> MetricLogger:
         file=section.file,
         json_file=section.json_file,
         every_steps=section.every_steps,
-        format=getattr(section, "format", "text") or "text",
-        secrets=[getattr(config.distributed, "token", None)],
+        format=section.format,
+        secrets=[config.distributed.token],
     )
 
 
-def _as_config(config: Any) -> Any:
-    from speedtronic.config import SpeedtronicConfig
-
-    if isinstance(config, dict):
+def _as_config(config: ConfigSource) -> SpeedtronicConfig:
+    if isinstance(config, Mapping):
         return SpeedtronicConfig.from_dict(config).validate()
     if isinstance(config, (str, os.PathLike)):
         return SpeedtronicConfig.load(os.fspath(config)).validate()
     return config.validate()
 
 
-def _device(config: Any, override: Any) -> torch.device:
+def _device(config: SpeedtronicConfig, override: Any) -> torch.device:
     from speedtronic.config import ConfigError
 
     requested = override or config.run.device
@@ -122,7 +112,7 @@ def _device(config: Any, override: Any) -> torch.device:
         raise ConfigError(f"run.device: invalid device {requested!r}: {exc}") from None
 
 
-def _precision(config: Any, device: torch.device) -> Any:
+def _precision(config: SpeedtronicConfig, device: torch.device) -> Any:
     from speedtronic.config import ConfigError
 
     try:
@@ -132,7 +122,7 @@ def _precision(config: Any, device: torch.device) -> Any:
 
 
 def _coordinator(
-    config: Any,
+    config: SpeedtronicConfig,
     model: torch.nn.Module,
     logger: MetricLogger,
     *,
@@ -191,7 +181,7 @@ def _log_data(logger: MetricLogger, loader: Any, heldout: Any) -> None:
 
 
 def build_runtime(
-    config: Any,
+    config: ConfigSource,
     *,
     resume: bool = False,
     device: str | torch.device | None = None,
@@ -233,7 +223,7 @@ def build_runtime(
         every_steps=section.every_steps,
         keep_last=section.keep_last,
         enabled=section.enabled,
-        save_final=getattr(section, "save_final", True),
+        save_final=section.save_final,
         warn=logger.warning,
     )
     logger.info(
@@ -268,7 +258,7 @@ def build_runtime(
 
 
 def train_from_config(
-    config: Any,
+    config: ConfigSource,
     *,
     resume: bool = False,
     device: str | torch.device | None = None,
