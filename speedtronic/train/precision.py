@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from speedtronic.config import PrecisionConfig
+
 __all__ = [
     "PrecisionPlan",
     "autocast_context",
@@ -99,7 +101,9 @@ def _cuda_bf16_supported() -> bool:
         return False
 
 
-def resolve_precision(config: Any, device: torch.device | str) -> PrecisionPlan:
+def resolve_precision(
+    config: PrecisionConfig | str | None, device: torch.device | str
+) -> PrecisionPlan:
     """Resolve ``precision.mode`` (and ``dtype`` for ``auto``) for ``device``.
 
     ``config`` is a ``PrecisionConfig``, a bare mode string, or ``None`` (= auto).
@@ -110,8 +114,7 @@ def resolve_precision(config: Any, device: torch.device | str) -> PrecisionPlan:
     if config is None or isinstance(config, str):
         requested, dtype_hint = str(config or "auto").lower(), None
     else:
-        requested = str(getattr(config, "mode", "auto") or "auto").lower()
-        dtype_hint = getattr(config, "dtype", None)
+        requested, dtype_hint = str(config.mode).lower(), config.dtype
     if requested == "auto" and dtype_hint:
         requested = str(dtype_hint).lower()
     requested = _ALIASES.get(requested, requested)
