@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from speedtronic.config import ModelConfig
+
 __all__ = [
     "LLAMA_NAMES",
     "ExportError",
@@ -65,12 +67,12 @@ def _transformers() -> Any:
     return transformers
 
 
-def check_exportable(model_config: Any) -> None:
+def check_exportable(model_config: ModelConfig) -> None:
     """Refuse early (before any weights are read) a ``model.name`` without a Llama form."""
     from speedtronic.model.registry import registry
     from speedtronic.model.transformer import ReferenceTransformer
 
-    name = str(getattr(model_config, "name", "reference_transformer"))
+    name = model_config.name
     factory = registry.get(name) if name in registry else None
     if factory is not ReferenceTransformer:
         raise ExportError(
