@@ -8,7 +8,7 @@ Commands (every one takes ``--config``, ``--max-steps``, ``--output-dir``, ``--d
     speedtronic config show [--sources] [--format yaml|json]
     speedtronic train                                      # speedtronic.train.launch
     speedtronic run                                        # container entrypoint
-    speedtronic plot EVENTS [--output PNG]
+    speedtronic plot EVENTS [--output PNG] [--each-run]     # last run, or every run apart
     speedtronic eval [--checkpoint PATH | --global] [--format text|json]   # held-out loss
     speedtronic prepare --input PATH... --output DIR [--tokenizer T] [--holdout F] [--workers N]
     speedtronic export [--checkpoint PATH | --global] --format hf --output DIR
@@ -122,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     plot = commands.add_parser("plot", help="plot a JSONL event log")
     plot.add_argument("source", help="events.jsonl file or run directory")
     plot.add_argument("--output", "-o", help="image path (default: beside the source)")
+    plot.add_argument(
+        "--each-run",
+        action="store_true",
+        help="draw every run of the log as its own series (default: the last run, joined with "
+        "the runs it resumed from)",
+    )
     return parser
 
 
@@ -209,7 +215,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     output = args.output
     if not output:
         output = str(source / "loss.png") if source.is_dir() else str(source.with_suffix(".png"))
-    print(plot_command(str(source), output))
+    print(plot_command(str(source), output, each_run=args.each_run))
     return EXIT_OK
 
 

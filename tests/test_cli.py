@@ -292,15 +292,19 @@ def test_plot_delegates(capsys, monkeypatch, tmp_path) -> None:
     events = tmp_path / "events.jsonl"
     events.write_text("{}\n")
 
-    def plot_command(source, output):
+    def plot_command(source, output, each_run=False):
+        seen["each_run"] = each_run
         return output
+
+    seen: dict = {}
 
     pytest.importorskip("speedtronic.metrics")
     _fake_module(monkeypatch, "speedtronic.metrics.plot", plot_command=plot_command)
     code, out, _ = _run(capsys, "plot", str(events))
     assert code == 0 and out.strip() == str(tmp_path / "events.png")
-    code, out, _ = _run(capsys, "plot", str(events), "-o", str(tmp_path / "x.png"))
-    assert out.strip() == str(tmp_path / "x.png")
+    assert seen["each_run"] is False
+    code, out, _ = _run(capsys, "plot", str(events), "-o", str(tmp_path / "x.png"), "--each-run")
+    assert out.strip() == str(tmp_path / "x.png") and seen["each_run"] is True
     code, _, err = _run(capsys, "plot", str(tmp_path / "missing.jsonl"))
     assert code == 2 and "not found" in _one_error_line(err)
 
