@@ -6,8 +6,8 @@ Commands (every one takes ``--config``, ``--max-steps``, ``--output-dir``, ``--d
 
     speedtronic validate [--format yaml|json]              # normalised, redacted config
     speedtronic config show [--sources] [--format yaml|json]
-    speedtronic train                                      # speedtronic.train.launch
-    speedtronic run                                        # container entrypoint
+    speedtronic train                                      # speedtronic.entrypoint.launch
+    speedtronic run                                        # the same runner + metrics server
     speedtronic plot EVENTS [--output PNG] [--each-run]     # last run, or every run apart
     speedtronic eval [--checkpoint PATH | --global] [--format text|json]   # held-out loss
     speedtronic prepare --input PATH... --output DIR [--tokenizer T] [--holdout F] [--workers N]
@@ -185,25 +185,25 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _cmd_train(args: argparse.Namespace) -> int:
-    config = _resolve(args).config
-    from speedtronic.train.launch import train_command
-
-    result = train_command(config, resume=args.resume, progress=None)
-    stopped = getattr(result, "stopped_reason", None)
-    line = (
-        f"completed steps={result.steps} samples={result.samples} "
-        f"tokens={result.tokens} loss={result.final_loss}"
-    )
-    print(line + (f" stopped={stopped}" if stopped else ""))
-    return EXIT_OK
-
-
-def _cmd_run(args: argparse.Namespace) -> int:
+def _cmd_launch(args: argparse.Namespace) -> int:
+    """``train`` and ``run``: one runner (`speedtronic.entrypoint.launch`); ``train`` shows a
+    progress bar on a terminal and prints a ``completed ...`` line."""
     resolved = _resolve(args)
-    from speedtronic.entrypoint import run_command
+    from speedtronic.entrypoint import launch
 
-    return int(run_command(resolved, resume=args.resume))
+    train = args.command == "train"
+    outcome = launch(
+        resolved, command=args.command, resume=args.resume, progress=None if train else False
+    )
+    result = outcome.result
+    if train and result is not None:
+        stopped = result.stopped_reason
+        line = (
+            f"completed steps={result.steps} samples={result.samples} "
+            f"tokens={result.tokens} loss={result.final_loss}"
+        )
+        print(line + (f" stopped={stopped}" if stopped else ""))
+    return outcome.exit_code
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
@@ -263,8 +263,8 @@ def _text_value(value: Any) -> str:
 
 _COMMANDS = {
     "validate": _cmd_validate,
-    "train": _cmd_train,
-    "run": _cmd_run,
+    "train": _cmd_launch,
+    "run": _cmd_launch,
     "plot": _cmd_plot,
     "eval": _cmd_eval,
     "prepare": _cmd_prepare,

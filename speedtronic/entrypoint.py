@@ -1,32 +1,40 @@
-"""`speedtronic run`: the container entrypoint around one training run.
+"""`speedtronic train` and `speedtronic run`: one runner around one training run.
 
 The CLI resolves the layered config (file < secret files < environment < flags, see
-`speedtronic.config.resolve_config`) and calls `run_command`, which, in order:
+`speedtronic.config.resolve_config`) and calls `launch`, which, in order:
 
-1. configures process logging (``logging.format: text|json``; JSON is one object per line);
+1. configures process logging (``logging.format: text|json``; JSON is one object per line,
+   `speedtronic.metrics.logger.JsonLogFormatter`);
 2. resolves the node identity: a worker without a node id claims a worker slot in
    ``distributed.slots_dir`` (`speedtronic.diloco.slots`), and ``{node_id}`` in the output
    paths (``run.output_dir``, ``logging.json_file``, ``logging.file``,
    ``distributed.cache_dir``) becomes the node id, so a recreated container finds its
    checkpoints;
-3. logs the redacted config, where each non-default value came from, and the versions of
-   speedtronic, torch, CUDA and Python;
-4. binds the metrics/health server (``metrics.host:metrics.port``; on by default under ``run``)
-   — a port already in use is a configuration error before any training starts; the server
-   bounds its clients (connections, request time and size, GET/HEAD only:
-   `speedtronic.metrics.server`);
-5. arms a stall watchdog: once the training loop runs, a heartbeat older than
-   ``metrics.stall_seconds`` (what ``/healthz`` reports as 503) ends the process with exit
-   code 1, so ``restart: on-failure`` and Kubernetes restart it;
-6. installs SIGTERM/SIGINT handlers that ask the trainer to stop at the next step boundary;
-7. builds the runtime (model, data, optimizer, coordinator), attaches the Prometheus sink,
-   marks the process ready (for a worker: once the coordinator knows the first global state);
+3. logs the startup record once: the redacted config, where each non-default value came
+   from, and the versions of speedtronic, torch, CUDA and Python;
+4. binds the metrics/health server (``metrics.host:metrics.port``; ``metrics.enabled`` unset
+   means on under ``run`` and off under ``train``) — a port already in use is a configuration
+   error before any training starts; the server bounds its clients (connections, request
+   time and size, GET/HEAD only: `speedtronic.metrics.server`);
+5. arms a stall watchdog (under ``run``, and under ``train`` when the server runs): once the
+   training loop runs, a heartbeat older than ``metrics.stall_seconds`` (what ``/healthz``
+   reports as 503) ends the process with exit code 1, so ``restart: on-failure`` and
+   Kubernetes restart it;
+6. installs the SIGTERM/SIGINT handlers (`install_stop_handlers`) that ask the trainer to stop
+   at the next step boundary; a second signal while stopping raises ``KeyboardInterrupt``;
+7. builds the runtime (model, data, optimizer, coordinator), attaches the Prometheus sink and,
+   on a terminal under ``train``, a progress bar; marks the process ready (for a worker: once
+   the coordinator knows the first global state);
 8. trains, and on a graceful stop lets the trainer write the final checkpoint and stop the
    coordinator (which flushes or persists a pending delta upload); releases the worker slot.
 
-Exit codes (the CLI maps exceptions): 0 success or graceful stop; 2 configuration error
-(`ConfigError`, including a port in use and a node-id collision); 1 runtime failure or a
-stalled training loop; 128+signal (130/143) only when the graceful stop itself failed.
+Rules are raised where they are found: a node id that another live node already uses is a
+`NodeIdCollisionError` from the coordinator's claim at startup, under ``train`` and ``run``.
+
+Exit codes (`RunOutcome.exit_code`, and the CLI's mapping of exceptions): 0 success or
+graceful stop; 2 configuration error (`ConfigError`, including a port in use and a node-id
+collision); 1 runtime failure or a stalled training loop; 128+signal (130/143) only when the
+graceful stop itself failed.
 """
 
 from __future__ import annotations
@@ -40,14 +48,23 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Literal
 
-from speedtronic.config import ConfigError
+from speedtronic.config import ConfigError, ResolvedConfig
+from speedtronic.diloco.identity import NodeIdCollisionError
+from speedtronic.metrics.logger import JsonLogFormatter
 
-__all__ = ["JsonLogFormatter", "NodeIdCollisionError", "run_command", "runtime_versions"]
+__all__ = [
+    "JsonLogFormatter",
+    "NodeIdCollisionError",
+    "RunOutcome",
+    "install_stop_handlers",
+    "launch",
+    "run_command",
+    "runtime_versions",
+]
 
 _LOG = logging.getLogger("speedtronic.entrypoint")
 _TEXT_FORMAT = "%(asctime)s | %(levelname)s | %(name)s | %(message)s"
@@ -60,33 +77,6 @@ NODE_PATHS = (
     ("logging", "file"),
     ("distributed", "cache_dir"),
 )
-
-
-class NodeIdCollisionError(ConfigError):
-    """Another live node already uses this worker's node id (exit code 2)."""
-
-
-class JsonLogFormatter(logging.Formatter):
-    """One JSON object per record, the same shape as the MetricLogger's JSON lines:
-    ``{"ts", "level", "logger", "message"}``, plus ``"event"`` and ``"fields"`` for records
-    logged with ``extra={"st_event": ..., "st_fields": {...}}``."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        """Render `record` as a single-line JSON object."""
-        stamp = datetime.fromtimestamp(record.created, tz=timezone.utc)
-        body: dict[str, Any] = {
-            "ts": stamp.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
-            "level": record.levelname,
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        event = getattr(record, "st_event", None)
-        if event is not None:
-            body["event"] = event
-            body["fields"] = getattr(record, "st_fields", {})
-        if record.exc_info:
-            body["exception"] = self.formatException(record.exc_info)
-        return json.dumps(body, default=str)
 
 
 def _event(name: str, **fields: Any) -> dict[str, Any]:
@@ -111,15 +101,26 @@ def runtime_versions() -> dict[str, Any]:
     }
 
 
+Command = Literal["train", "run"]
+
+
+@dataclass
+class RunOutcome:
+    """What one `launch` ended with: the process exit code and, when training returned, its
+    `TrainResult` (``stopped_reason`` set after a graceful stop)."""
+
+    exit_code: int
+    result: Any = None
+
+
 @dataclass
 class _RunState:
-    """What the signal handlers, probes and the collision hook share during one run."""
+    """What the signal handlers, probes and the watchdog share during one run."""
 
     trainer: Any = None
     sink: Any = None
     built: bool = False
     stop_signal: int | None = None
-    collision: str | None = None
     training_started: bool = False
     training_done: bool = False
     last_phase: float = field(default_factory=time.monotonic)
@@ -147,40 +148,86 @@ class _RunState:
         """Whether a stall counts: the loop runs and no graceful stop is in progress."""
         return self.training_started and not self.training_done and self.stop_signal is None
 
-    def request_stop(self, reason: str) -> None:
-        """Forward a stop request to the trainer once it exists."""
+    def stopping(self) -> bool:
+        """Whether a stop signal already arrived."""
+        return self.stop_signal is not None
+
+    def on_signal(self, name: str) -> None:
+        """A stop signal arrived: remember it, log it, forward it to the trainer."""
+        self.stop_signal = int(signal.Signals[name])
+        _LOG.info(
+            "%s received: stopping at the next step boundary",
+            name,
+            extra=_event("stop_requested", signal=name),
+        )
         if self.trainer is not None:
-            self.trainer.request_stop(reason)
+            self.trainer.request_stop(name)
+
+    def on_event(self, event: str, payload: dict[str, Any]) -> None:
+        """Logger hook: the loop has started (the watchdog counts from here)."""
+        if event == "train_start":
+            self.training_started = True
+
+
+def install_stop_handlers(
+    request_stop: Callable[[str], None],
+    is_stopping: Callable[[], bool] = lambda: False,
+    signals: Iterable[signal.Signals] = _SIGNALS,
+) -> Callable[[], None]:
+    """Route ``signals`` to ``request_stop(<signal name>)``; a signal that arrives while
+    ``is_stopping()`` raises ``KeyboardInterrupt`` instead (exit 130 in the CLI). Returns a
+    function that restores the previous handlers; a no-op outside the main thread (Python
+    only delivers signals there)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous: dict[signal.Signals, Any] = {}
+
+    def handler(signum: int, _frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if is_stopping():
+            raise KeyboardInterrupt(f"second {name} while stopping")
+        request_stop(name)
+
+    for sig in signals:
+        previous[sig] = signal.signal(sig, handler)
+
+    def restore() -> None:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+    return restore
 
 
 def _configure_logging(logging_config: Any) -> logging.Handler:
     """Attach one stdout handler (text or JSON) to the ``speedtronic`` logger tree."""
     handler = logging.StreamHandler(sys.stdout)
-    if getattr(logging_config, "format", "text") == "json":
+    if logging_config.format == "json":
         handler.setFormatter(JsonLogFormatter())
     else:
         handler.setFormatter(logging.Formatter(_TEXT_FORMAT))
     root = logging.getLogger("speedtronic")
     root.addHandler(handler)
-    root.setLevel(getattr(logging_config, "level", "INFO"))
+    root.setLevel(logging_config.level)
     return handler
 
 
-def _log_startup(config: Any, sources: dict[str, str], json_logs: bool) -> None:
+def _log_startup(command: Command, config: Any, sources: dict[str, str]) -> None:
+    """The one startup record: versions, the redacted config and its sources."""
     redacted = config.to_dict(redact_secrets=True)
     versions = runtime_versions()
-    if json_logs:
+    if config.logging.format == "json":
         _LOG.info(
-            "speedtronic run starting",
+            "speedtronic %s starting",
+            command,
             extra=_event("startup", versions=versions, config=redacted, sources=sources),
         )
         return
-    cuda = versions["cuda"] or "none"
     _LOG.info(
-        "speedtronic run starting: speedtronic %s, torch %s, CUDA %s (available: %s), python %s",
+        "speedtronic %s starting: speedtronic %s, torch %s, CUDA %s (available: %s), python %s",
+        command,
         versions["speedtronic"],
         versions["torch"],
-        cuda,
+        versions["cuda"] or "none",
         versions["cuda_available"],
         versions["python"],
     )
@@ -188,21 +235,16 @@ def _log_startup(config: Any, sources: dict[str, str], json_logs: bool) -> None:
     _LOG.info("config sources: %s", json.dumps(sources, sort_keys=True))
 
 
-def _metrics_enabled(config: Any) -> bool:
-    metrics = getattr(config, "metrics", None)
-    if metrics is None:
-        return False
-    return metrics.enabled is None or bool(metrics.enabled)
-
-
-def _start_server(config: Any, registry: Any, state: _RunState) -> Any:
-    """Bind and start the metrics server; None when ``metrics.enabled`` is false."""
-    if not _metrics_enabled(config):
-        _LOG.info("metrics server disabled (metrics.enabled=false)")
+def _start_server(command: Command, config: Any, registry: Any, state: _RunState) -> Any:
+    """Bind and start the metrics server; None when it is off (``metrics.enabled: false``,
+    or unset under ``train``)."""
+    metrics = config.metrics
+    enabled = (command == "run") if metrics.enabled is None else metrics.enabled
+    if not enabled:
+        _LOG.info("metrics server off (metrics.enabled=%s, command %s)", metrics.enabled, command)
         return None
     from speedtronic.metrics.server import MetricsServer
 
-    metrics = config.metrics
     server = MetricsServer(
         metrics.host,
         metrics.port,
@@ -307,102 +349,73 @@ def _start_watchdog(config: Any, state: _RunState) -> Any:
 def _identity(config: Any, trainer: Any) -> tuple[str, str]:
     """(role, node_id) labels: the coordinator's when distributed, else the host name."""
     distributed = config.distributed
-    coordinator = getattr(trainer, "coordinator", None)
+    coordinator = trainer.coordinator
     role = distributed.role if distributed.enabled else "single"
     node_id = getattr(coordinator, "node_id", None) or distributed.node_id or socket.gethostname()
     return str(getattr(coordinator, "role", None) or role), str(node_id)
 
 
-def _install_signal_handlers(state: _RunState) -> Callable[[], None]:
-    """SIGTERM/SIGINT → graceful stop; a second one raises KeyboardInterrupt (exit 130)."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    previous = {sig: signal.getsignal(sig) for sig in _SIGNALS}
-
-    def handle(signum: int, _frame: Any) -> None:
-        name = signal.Signals(signum).name
-        if state.stop_signal is not None:
-            raise KeyboardInterrupt(f"second {name} while stopping")
-        state.stop_signal = signum
-        _LOG.info(
-            "%s received: stopping at the next step boundary",
-            name,
-            extra=_event("stop_requested", signal=name),
-        )
-        state.request_stop(name)
-
-    for sig in _SIGNALS:
-        signal.signal(sig, handle)
-
-    def restore() -> None:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-    return restore
-
-
-def _collision_hook(state: _RunState) -> Callable[[str, dict], None]:
-    """A logger hook: a ``node_id_collision`` before training starts stops the run (exit 2).
-
-    A collision reported later (another process claimed this id while we were training) is
-    left to the coordinator's error log: stopping then would take down the original node.
-    """
-
-    def hook(event: str, payload: dict) -> None:
-        if event == "train_start":
-            state.training_started = True
-        elif event == "node_id_collision" and not state.training_started and not state.collision:
-            state.collision = str(payload.get("node_id"))
-            state.request_stop("node_id_collision")
-
-    return hook
-
-
-def _collision_error(node_id: str) -> NodeIdCollisionError:
-    return NodeIdCollisionError(
-        f"distributed.node_id: another live node already uses node id {node_id!r}; give each "
-        "worker a unique id (SPEEDTRONIC_NODE_ID, distributed.node_id, or a unique hostname)"
-    )
-
-
 def _build(config: Any, resume: bool) -> tuple[Any, Any]:
+    """The runtime (trainer, checkpoint manager); the config is already in the startup log."""
     from speedtronic.train.runtime import build_runtime
 
-    return build_runtime(config, resume=resume)
+    return build_runtime(config, resume=resume, log_config=False)
 
 
-def run_command(resolved: Any, *, resume: bool = False) -> int:
-    """Run one training job as a container entrypoint; returns the process exit code.
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+def launch(
+    resolved: ResolvedConfig,
+    *,
+    command: Command = "run",
+    resume: bool = False,
+    progress: bool | None = False,
+    extra_hooks: Iterable[Any] = (),
+) -> RunOutcome:
+    """Run one training job as ``speedtronic <command>`` does (see the module docstring).
 
     Args:
         resolved: a `ResolvedConfig` (``.config`` and ``.sources``) from ``resolve_config``.
+        command: ``"run"`` (the container entrypoint: metrics server on unless
+            ``metrics.enabled: false``, stall watchdog) or ``"train"`` (server only when
+            ``metrics.enabled: true``).
         resume: resume from the newest local checkpoint (also ``checkpoint.resume``).
+        progress: show a progress bar on stderr; None: only when stdout is a terminal.
+        extra_hooks: appended to the trainer's logger hooks (``on_event`` objects or callables).
 
     Returns:
-        0 on success or after a graceful SIGTERM/SIGINT stop; 128+signal when the graceful
-        stop itself failed.
+        `RunOutcome`: exit code 0 on success or after a graceful SIGTERM/SIGINT stop (with the
+        `TrainResult`), 128+signal when the graceful stop itself failed.
 
     Raises:
         ConfigError: configuration problems (exit 2 in the CLI): port in use, node-id
             collision, and whatever the runtime rejects before training.
+        KeyboardInterrupt: a second signal while stopping (exit 130 in the CLI).
         Exception: runtime failures (exit 1 in the CLI).
     """
     config = resolved.config
-    sources = dict(getattr(resolved, "sources", {}) or {})
+    sources = dict(resolved.sources)
     handler = _configure_logging(config.logging)
     state = _RunState()
     server = watchdog = slot = None
     restore_signals: Callable[[], None] = lambda: None  # noqa: E731 - replaced below
     try:
         slot = _claim_identity(config, sources)
-        _log_startup(config, sources, config.logging.format == "json")
+        _log_startup(command, config, sources)
         from prometheus_client import CollectorRegistry
 
         registry = CollectorRegistry()
-        server = _start_server(config, registry, state)
-        watchdog = _start_watchdog(config, state)
-        restore_signals = _install_signal_handlers(state)
-        return _train(config, resume, state, registry)
+        server = _start_server(command, config, registry, state)
+        if command == "run" or server is not None:
+            watchdog = _start_watchdog(config, state)
+        restore_signals = install_stop_handlers(state.on_signal, is_stopping=state.stopping)
+        show = _isatty(sys.stdout) if progress is None else progress
+        return _train(config, resume, state, registry, show, extra_hooks)
     finally:
         restore_signals()
         if watchdog is not None:
@@ -414,15 +427,40 @@ def run_command(resolved: Any, *, resume: bool = False) -> int:
         logging.getLogger("speedtronic").removeHandler(handler)
 
 
-def _train(config: Any, resume: bool, state: _RunState, registry: Any) -> int:
+def run_command(resolved: ResolvedConfig, *, resume: bool = False) -> int:
+    """``speedtronic run``: `launch` as the container entrypoint; returns the exit code."""
+    return launch(resolved, command="run", resume=resume).exit_code
+
+
+def _attach_progress(trainer: Any) -> Any:
+    """A progress bar hook on the trainer's logger; per-step text lines go to the bar."""
+    from speedtronic.metrics.progress import ProgressBarHook, TqdmStream
+
+    bar = ProgressBarHook(trainer.step, max(trainer.step, trainer.max_steps))
+    logger = trainer.logger
+    logger.hooks.append(bar)
+    if logger.file is None:  # the bar replaces per-step lines on the terminal only
+        logger.text_steps = False
+        logger.set_stream(TqdmStream())
+    return bar
+
+
+def _train(
+    config: Any,
+    resume: bool,
+    state: _RunState,
+    registry: Any,
+    progress: bool,
+    extra_hooks: Iterable[Any],
+) -> RunOutcome:
     trainer, _manager = _build(config, resume)
     state.trainer = trainer
     role, node_id = _identity(config, trainer)
     from speedtronic.metrics.prometheus import PrometheusSink
 
     state.sink = PrometheusSink(role, node_id, registry=registry)
-    trainer.logger.hooks.append(state.sink)
-    trainer.logger.hooks.append(_collision_hook(state))
+    trainer.logger.hooks.extend([state.sink, state, *extra_hooks])
+    bar = _attach_progress(trainer) if progress else None
     state.built = True
     state.last_phase = time.monotonic()
     _LOG.info(
@@ -431,27 +469,28 @@ def _train(config: Any, resume: bool, state: _RunState, registry: Any) -> int:
         node_id,
         extra=_event("runtime_built", role=role, node_id=node_id),
     )
-    if state.stop_signal is not None:
-        _LOG.info("stop requested before training started; exiting without training")
-        return 0
     try:
-        result = trainer.fit()
-        state.training_done = True
-    except Exception:
-        state.training_done = True
-        if state.collision is not None:
-            raise _collision_error(state.collision) from None
         if state.stop_signal is not None:
-            _LOG.exception("graceful stop failed")
-            return 128 + state.stop_signal
-        raise
-    if state.collision is not None:
-        raise _collision_error(state.collision)
-    reason = getattr(result, "stopped_reason", None)
+            _LOG.info("stop requested before training started; exiting without training")
+            return RunOutcome(0)
+        try:
+            result = trainer.fit()
+        except Exception as exc:
+            if state.stop_signal is not None and not isinstance(exc, ConfigError):
+                _LOG.exception("graceful stop failed")
+                return RunOutcome(128 + state.stop_signal)
+            raise
+        finally:
+            state.training_done = True
+    finally:
+        if bar is not None:
+            bar.close()
+        trainer.logger.close()
+    reason = result.stopped_reason
     _LOG.info(
         "run finished: steps=%s stopped_reason=%s",
-        getattr(result, "steps", None),
+        result.steps,
         reason,
-        extra=_event("run_finished", steps=getattr(result, "steps", None), stopped_reason=reason),
+        extra=_event("run_finished", steps=result.steps, stopped_reason=reason),
     )
-    return 0
+    return RunOutcome(0, result)

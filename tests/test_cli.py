@@ -208,23 +208,41 @@ def _fake_module(monkeypatch, name: str, **attrs) -> types.ModuleType:
     return module
 
 
+def _fake_launch(monkeypatch, launch) -> None:
+    """``speedtronic.entrypoint`` replaced by a module whose ``launch`` is ``launch``."""
+    _fake_module(monkeypatch, "speedtronic.entrypoint", launch=launch)
+
+
 def test_train_delegates(capsys, monkeypatch) -> None:
     calls = {}
 
-    def train_command(config, *, resume, progress, extra_hooks=()):
-        calls.update(config=config, resume=resume, progress=progress)
-        return types.SimpleNamespace(
+    def launch(resolved, *, command, resume, progress):
+        calls.update(resolved=resolved, command=command, resume=resume, progress=progress)
+        result = types.SimpleNamespace(
             steps=4, samples=8, tokens=256, final_loss=1.5, stopped_reason=None
         )
+        return types.SimpleNamespace(exit_code=0, result=result)
 
-    _fake_module(monkeypatch, "speedtronic.train.launch", train_command=train_command)
+    _fake_launch(monkeypatch, launch)
     code, out, _ = _run(capsys, "train", "--config", SMOKE, "--resume", "--max-steps", "3")
     assert code == 0
     assert out.strip() == "completed steps=4 samples=8 tokens=256 loss=1.5"
-    assert isinstance(calls["config"], SpeedtronicConfig)
-    assert calls["config"].run.max_steps == 3
-    assert calls["config"].scheduler.max_steps == 3
+    assert isinstance(calls["resolved"], ResolvedConfig)
+    config = calls["resolved"].config
+    assert isinstance(config, SpeedtronicConfig)
+    assert config.run.max_steps == 3
+    assert config.scheduler.max_steps == 3
+    assert calls["resolved"].sources["run.max_steps"] == "cli"
+    assert calls["command"] == "train"
     assert calls["resume"] is True and calls["progress"] is None
+
+
+def test_train_after_a_failed_graceful_stop_prints_no_completed_line(capsys, monkeypatch) -> None:
+    _fake_launch(
+        monkeypatch, lambda resolved, **kwargs: types.SimpleNamespace(exit_code=143, result=None)
+    )
+    code, out, _ = _run(capsys, "train", "--config", SMOKE)
+    assert code == 143 and "completed" not in out
 
 
 @pytest.mark.parametrize(
@@ -236,10 +254,10 @@ def test_train_delegates(capsys, monkeypatch) -> None:
     ],
 )
 def test_train_failures(capsys, monkeypatch, exc, code, needle) -> None:
-    def train_command(config, **kwargs):
+    def launch(resolved, **kwargs):
         raise exc
 
-    _fake_module(monkeypatch, "speedtronic.train.launch", train_command=train_command)
+    _fake_launch(monkeypatch, launch)
     result, _, err = _run(capsys, "train", "--config", SMOKE)
     assert result == code
     assert _one_error_line(err) == needle or _one_error_line(err).startswith(needle)
@@ -248,10 +266,10 @@ def test_train_failures(capsys, monkeypatch, exc, code, needle) -> None:
 def test_errors_never_show_the_token(capsys, monkeypatch) -> None:
     monkeypatch.setenv("HF_TOKEN", "hf_leaky_token")
 
-    def train_command(config, **kwargs):
-        raise RuntimeError(f"upload failed with {config.distributed.token}")
+    def launch(resolved, **kwargs):
+        raise RuntimeError(f"upload failed with {resolved.config.distributed.token}")
 
-    _fake_module(monkeypatch, "speedtronic.train.launch", train_command=train_command)
+    _fake_launch(monkeypatch, launch)
     code, _, err = _run(capsys, "train", "--config", SMOKE)
     assert code == 1
     assert "hf_leaky_token" not in err and "<redacted>" in err
@@ -263,10 +281,10 @@ def test_errors_never_show_a_secret_file_token(capsys, monkeypatch, tmp_path) ->
     (secrets / "hf_token").write_text("hf_file_token_value\n")
     monkeypatch.setenv("SPEEDTRONIC_SECRETS_DIR", str(secrets))
 
-    def train_command(config, **kwargs):
-        raise OSError(f"bad credentials {config.distributed.token}")
+    def launch(resolved, **kwargs):
+        raise OSError(f"bad credentials {resolved.config.distributed.token}")
 
-    _fake_module(monkeypatch, "speedtronic.train.launch", train_command=train_command)
+    _fake_launch(monkeypatch, launch)
     code, _, err = _run(capsys, "train", "--config", SMOKE)
     assert code == 1
     assert "hf_file_token_value" not in err and "<redacted>" in err
@@ -275,17 +293,22 @@ def test_errors_never_show_a_secret_file_token(capsys, monkeypatch, tmp_path) ->
 def test_run_delegates(capsys, monkeypatch) -> None:
     seen = {}
 
-    def run_command(resolved, *, resume):
-        seen.update(resolved=resolved, resume=resume)
-        return 3
+    def launch(resolved, *, command, resume, progress):
+        seen.update(resolved=resolved, command=command, resume=resume, progress=progress)
+        result = types.SimpleNamespace(
+            steps=4, samples=8, tokens=256, final_loss=1.5, stopped_reason=None
+        )
+        return types.SimpleNamespace(exit_code=3, result=result)
 
-    _fake_module(monkeypatch, "speedtronic.entrypoint", run_command=run_command)
+    _fake_launch(monkeypatch, launch)
     monkeypatch.setenv("SPEEDTRONIC_RUN__SEED", "9")
-    code, _, _ = _run(capsys, "run", "--config", SMOKE)
+    code, out, _ = _run(capsys, "run", "--config", SMOKE)
     assert code == 3
     assert isinstance(seen["resolved"], ResolvedConfig)
     assert seen["resolved"].sources["run.seed"] == "env:SPEEDTRONIC_RUN__SEED"
+    assert seen["command"] == "run" and seen["progress"] is False
     assert seen["resume"] is False
+    assert out == ""  # only `train` prints a completed line
 
 
 def test_plot_delegates(capsys, monkeypatch, tmp_path) -> None:
@@ -380,11 +403,7 @@ def test_subprocess_validate_does_not_import_torch() -> None:
 
 
 def test_subprocess_train_smoke(tmp_path) -> None:
-    """The real thing end to end, when the engine is present."""
-    try:
-        import speedtronic.train.launch  # noqa: F401
-    except ImportError:
-        pytest.skip("speedtronic.train.launch not available yet")
+    """The real thing end to end."""
     out = tmp_path / "run"
     result = _subprocess(
         "train", "--config", "configs/smoke.yaml", "--output-dir", str(out), "--max-steps", "4",

@@ -9,9 +9,8 @@ from hub_emulator_fixtures import hub_emulator, make_transport  # noqa: F401
 
 
 def test_distributed_package_exports_the_2_0_0_names():
-    import speedtronic.distributed as dist
-
     import speedtronic
+    import speedtronic.distributed as dist
 
     assert set(dist.__all__) == {
         "DumbDiLoCo",
@@ -61,9 +60,8 @@ def test_global_metadata_accepts_legacy_step_key():
 
 
 def test_distributed_delta_upload_job_imports():
-    from speedtronic.distributed import DeltaUploadJob
-
     from speedtronic.diloco.node import Contribution
+    from speedtronic.distributed import DeltaUploadJob
 
     assert DeltaUploadJob is Contribution
 

@@ -16,6 +16,7 @@ from test_rehearsal_support import free_port, http_get
 
 from speedtronic import entrypoint
 from speedtronic.config import resolve_config
+from speedtronic.diloco.identity import NodeIdCollisionError
 from speedtronic.metrics.server import MetricsPortInUse
 
 
@@ -42,7 +43,8 @@ class FakeTrainer:
     """Records what run_command does to it; `fit` runs a scripted body."""
 
     def __init__(self, body=None, coordinator=None):
-        self.logger = SimpleNamespace(hooks=[])
+        self.logger = SimpleNamespace(hooks=[], closed=False)
+        self.logger.close = lambda: setattr(self.logger, "closed", True)
         self.coordinator = coordinator
         self.stop_reason = None
         self.fitted = False
@@ -155,13 +157,29 @@ def test_runtime_failure_propagates(tmp_path, monkeypatch):
         entrypoint.run_command(resolved(tmp_path))
 
 
-def test_collision_before_training_is_a_config_error(tmp_path, monkeypatch):
+@pytest.mark.parametrize("command", ["run", "train"])
+def test_collision_raised_by_the_coordinator_propagates(tmp_path, monkeypatch, command):
+    """The coordinator raises the collision where it finds it (its startup claim); the runner
+    neither listens for events nor turns the error into a stop, under both commands."""
+
     def body(trainer):
-        trainer.emit("node_id_collision", {"node_id": "w-1"})
-        assert trainer.stop_reason == "node_id_collision"
+        raise NodeIdCollisionError("w-1")
+
+    trainer = FakeTrainer(body)
+    use(monkeypatch, trainer)
+    with pytest.raises(entrypoint.NodeIdCollisionError, match=r"distributed\.node_id.*'w-1'"):
+        entrypoint.launch(resolved(tmp_path), command=command)
+    assert trainer.stop_reason is None and trainer.logger.closed
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_config_error_while_stopping_stays_a_config_error(tmp_path, monkeypatch):
+    def body(trainer):
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise NodeIdCollisionError("w-1")
 
     use(monkeypatch, FakeTrainer(body))
-    with pytest.raises(entrypoint.NodeIdCollisionError, match=r"distributed\.node_id.*'w-1'"):
+    with pytest.raises(NodeIdCollisionError):
         entrypoint.run_command(resolved(tmp_path))
 
 
@@ -206,3 +224,46 @@ def test_json_formatter_matches_the_metric_logger_shape():
     event.st_event, event.st_fields = "startup", {"a": 1}
     line = json.loads(formatter.format(event))
     assert line["event"] == "startup" and line["fields"] == {"a": 1}
+
+
+@pytest.mark.parametrize(
+    ("command", "enabled", "serves"),
+    [("run", None, True), ("train", None, False), ("train", "true", True), ("run", "false", False)],
+)
+def test_one_runner_metrics_server_is_optional(tmp_path, monkeypatch, command, enabled, serves):
+    seen = {}
+
+    def body(trainer):
+        seen["status"] = http_get(f"http://127.0.0.1:{trainer.port}/healthz")[0]
+
+    env = {} if enabled is None else {"SPEEDTRONIC_METRICS__ENABLED": enabled}
+    cfg = resolved(tmp_path, **env)
+    trainer = FakeTrainer(body)
+    trainer.port = cfg.config.metrics.port
+    use(monkeypatch, trainer)
+    outcome = entrypoint.launch(cfg, command=command)
+    assert outcome.exit_code == 0 and outcome.result.steps == 3
+    assert (seen["status"] == 200) is serves
+
+
+def test_one_json_formatter():
+    from speedtronic.metrics.logger import JsonLogFormatter
+
+    assert entrypoint.JsonLogFormatter is JsonLogFormatter
+
+
+@pytest.mark.parametrize("command", ["run", "train"])
+def test_the_config_is_logged_once(tmp_path, capsys, command):
+    cfg = resolved(
+        tmp_path,
+        SPEEDTRONIC_METRICS__ENABLED="false",
+        SPEEDTRONIC_RUN__OUTPUT_DIR=str(tmp_path / "out"),
+    )
+    cfg.config.apply_run_target(2)
+    outcome = entrypoint.launch(cfg, command=command)
+    assert outcome.exit_code == 0 and outcome.result.steps == 2
+    out = capsys.readouterr().out
+    config_lines = [line for line in out.splitlines() if '"n_layer"' in line]
+    assert len(config_lines) == 1, config_lines
+    assert "config (redacted)" in config_lines[0]
+    assert sum(f"speedtronic {command} starting" in line for line in out.splitlines()) == 1

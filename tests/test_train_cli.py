@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from speedtronic.config import SpeedtronicConfig
-from speedtronic.train.launch import install_stop_handlers, train_command
+from speedtronic.config import ResolvedConfig, SpeedtronicConfig
+from speedtronic.entrypoint import install_stop_handlers, launch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -145,7 +146,14 @@ def test_train_command_in_process_with_progress_bar(tmp_path, capsys):
     config.logging.json_file = str(tmp_path / "e.jsonl")
     config.apply_run_target(4)
     seen = []
-    result = train_command(config, progress=True, extra_hooks=[lambda e, p: seen.append(e)])
+    outcome = launch(
+        ResolvedConfig(config),
+        command="train",
+        progress=True,
+        extra_hooks=[lambda e, p: seen.append(e)],
+    )
+    result = outcome.result
+    assert outcome.exit_code == 0
     assert result.steps == 4 and result.stopped_reason is None
     captured = capsys.readouterr()
     assert "4/4" in captured.err  # the tqdm bar
@@ -162,3 +170,44 @@ def test_stop_handlers_route_signals_and_restore():
     time.sleep(0.05)
     restore()
     assert reasons == ["SIGUSR1"] and signal.getsignal(signal.SIGUSR1) == before
+
+
+def test_node_id_collision_stops_train_with_exit_2(tmp_path):
+    """A live node (this test process, on this host) holds ``worker-a``: ``speedtronic train``
+    stops before its first step with exit 2 and leaves the claim alone (as ``run`` does)."""
+    exchange = tmp_path / "exchange"
+    owner = exchange / "nodes" / "worker-a" / "owner.json"
+    owner.parent.mkdir(parents=True)
+    record = {
+        "node_id": "worker-a",
+        "instance": "the-live-one",
+        "role": "worker",
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "state": "training",
+    }
+    owner.write_text(json.dumps(record))
+    proc = speedtronic(
+        "train",
+        "--config",
+        "configs/smoke.yaml",
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--max-steps",
+        "3",
+        env={
+            "OMP_NUM_THREADS": "1",
+            "SPEEDTRONIC_DISTRIBUTED__ENABLED": "true",
+            "SPEEDTRONIC_DISTRIBUTED__ROLE": "worker",
+            "SPEEDTRONIC_DISTRIBUTED__REPO_ID": exchange.as_uri(),
+            "SPEEDTRONIC_NODE_ID": "worker-a",
+        },
+    )
+    out, err = proc.communicate(timeout=120)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == 2, err[-3000:]
+    assert lines[-1].startswith("error: distributed.node_id") and "worker-a" in lines[-1]
+    assert "Traceback" not in err and "completed" not in out
+    assert "train_step step=" not in out
+    assert json.loads(owner.read_text())["instance"] == "the-live-one"
+    assert not list((tmp_path / "out").rglob("*.pt")), "training started"

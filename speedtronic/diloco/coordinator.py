@@ -29,7 +29,7 @@ import torch
 
 from speedtronic.checkpoint import atomic_write_bytes
 from speedtronic.diloco import tensors as T
-from speedtronic.diloco.identity import NodeClaim, resolve_node_id
+from speedtronic.diloco.identity import NodeClaim, NodeIdCollisionError, resolve_node_id
 from speedtronic.diloco.master import RoundMaster
 from speedtronic.diloco.node import Contribution, DiLoCoNode, GlobalCandidate, GlobalInbox
 from speedtronic.diloco.relay import Upstream
@@ -361,15 +361,18 @@ class DumbDiLoCoCoordinator:
 
     # -- transport calls ---------------------------------------------------------------------
     def _claim(self) -> None:
-        """Write our claim/status record, unless another live node holds the id."""
+        """Write our claim/status record; another live node holding the id is a
+        `NodeIdCollisionError`, raised before this node writes anything."""
         state = "training" if self.trains else "aggregator"
         try:
             owner = self.hub.read_owner(self.node_id)
             if self._collides(owner):
-                return
+                raise NodeIdCollisionError(self.node_id)
             if (owner or {}).get("instance") != self.claim.instance or owner.get("state") != state:
                 self.hub.claim_owner(self.node_id, self.claim.record(state=state))
             self.claim.claimed = True
+        except NodeIdCollisionError:
+            raise
         except Exception as exc:
             self._fatal_if_permanent(exc, "cannot write to the exchange")
             self._say("warning", f"could not claim node_id {self.node_id}: {exc}")

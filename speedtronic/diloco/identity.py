@@ -21,9 +21,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from speedtronic.config.errors import ConfigError
 from speedtronic.config.limits import check_node_id
 
-__all__ = ["NodeClaim", "resolve_node_id"]
+__all__ = ["NodeClaim", "NodeIdCollisionError", "resolve_node_id"]
 
 _NODE_ENV = ("SPEEDTRONIC_NODE_ID", "HOSTNAME", "HF_USERNAME", "USER")
 
@@ -37,6 +38,19 @@ def resolve_node_id(configured: str | None, environ: Mapping[str, str]) -> str:
     candidates = [configured, *(environ.get(name) for name in _NODE_ENV), "local"]
     value = next(str(c).strip() for c in candidates if c is not None and str(c).strip())
     return check_node_id(value)
+
+
+class NodeIdCollisionError(ConfigError):
+    """Another live node already uses this node's id, found when the node claims it at
+    startup (before it trains or writes anything): a configuration error, exit code 2."""
+
+    def __init__(self, node_id: str) -> None:
+        super().__init__(
+            f"distributed.node_id: another live node already uses node id {node_id!r}; give "
+            "each worker a unique id (SPEEDTRONIC_NODE_ID, distributed.node_id, or a unique "
+            "hostname)"
+        )
+        self.node_id = node_id
 
 
 def _pid_alive(pid: int) -> bool:

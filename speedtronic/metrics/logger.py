@@ -6,9 +6,7 @@ DiLoCo outer thread and the uploader can emit concurrently:
 1. text: one line ``<event> key=value ...`` to stdout (or ``logging.file``), or, with
    ``logging.format: json``, one JSON object per line
    (``{"ts", "level", "logger", "event", "fields"}``; plain messages carry ``message``);
-2. JSONL (``logging.json_file``): ``{"event": <name>, **payload, "run_id": <id>}`` per line;
-   the run id (`new_run_id`, one per logger, so one per process run) tells the runs that
-   share a file apart (``speedtronic plot`` draws the last one);
+2. JSONL (``logging.json_file``): ``{"event": <name>, **payload}`` per line;
 3. hooks, in order: objects with ``on_event(event, payload)`` or plain callables
    ``(event, payload)``. A failing hook is logged as a warning; training continues.
 
@@ -23,7 +21,6 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import logging
-import secrets as _secrets
 import sys
 import threading
 import time
@@ -33,7 +30,7 @@ from typing import IO, Any
 
 from speedtronic.config.redaction import REDACTED, scrub
 
-__all__ = ["REDACTED", "MetricLogger", "memory_usage_bytes", "new_run_id"]
+__all__ = ["REDACTED", "JsonLogFormatter", "MetricLogger", "memory_usage_bytes"]
 
 _HANDLER_TAG = "_speedtronic_handler"
 
@@ -57,28 +54,33 @@ def memory_usage_bytes(device: Any = None) -> int | None:
     return None
 
 
-def new_run_id() -> str:
-    """A fresh run id: the UTC start time and 6 random hex digits, ``20261203T160512Z-3f9a1c``
-    (sorts by start time; unique across processes started in the same second)."""
-    stamp = _dt.datetime.now(tz=_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    return f"{stamp}-{_secrets.token_hex(3)}"
-
-
 def _format_value(value: Any) -> str:
     if isinstance(value, float):
         return format(value, ".6g")
     return str(value)
 
 
-class _JsonFormatter(logging.Formatter):
-    """Renders a record as one JSON object: ts, level, logger, message or event + fields."""
+class JsonLogFormatter(logging.Formatter):
+    """The one JSON log line format (``logging.format: json``), for the MetricLogger and the
+    process log of ``speedtronic train|run`` alike: ``{"ts", "level", "logger"}`` plus either
+    ``"event"`` and ``"fields"`` (records logged with ``extra={"st_event": name,
+    "st_fields": {...}}``) or ``"message"``, and ``"exception"`` when the record has one.
+
+    ``logger_name`` replaces the record's logger name (the MetricLogger writes as
+    ``speedtronic``); ``ts`` is UTC with milliseconds and a ``Z`` suffix.
+    """
+
+    def __init__(self, logger_name: str | None = None) -> None:
+        super().__init__()
+        self.logger_name = logger_name
 
     def format(self, record: logging.LogRecord) -> str:
+        """Render ``record`` as a single-line JSON object."""
         stamp = _dt.datetime.fromtimestamp(record.created, tz=_dt.timezone.utc)
         line: dict[str, Any] = {
             "ts": stamp.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
             "level": record.levelname,
-            "logger": "speedtronic",
+            "logger": self.logger_name or record.name,
         }
         event = getattr(record, "st_event", None)
         if event is not None:
@@ -86,6 +88,8 @@ class _JsonFormatter(logging.Formatter):
             line["fields"] = getattr(record, "st_fields", {})
         else:
             line["message"] = record.getMessage()
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
         return json.dumps(line, default=str)
 
 
@@ -128,7 +132,6 @@ class MetricLogger:
         hooks: initial hook list; ``logger.hooks`` is public, append to attach more.
         format: ``"text"`` (``asctime | LEVEL | message``) or ``"json"`` (one object per line).
         secrets: strings (the Hub token) that must never appear in any output.
-        run_id: the ``run_id`` of every JSONL record (default: a new `new_run_id`).
     """
 
     def __init__(
@@ -141,7 +144,6 @@ class MetricLogger:
         hooks: list[Any] | None = None,
         format: str = "text",
         secrets: Iterable[str | None] = (),
-        run_id: str | None = None,
     ) -> None:
         if int(every_steps) <= 0:
             raise ValueError("logging.every_steps must be positive")
@@ -154,7 +156,6 @@ class MetricLogger:
         self.format = format
         self.hooks: list[Any] = list(hooks) if hooks else []
         self.secrets = [s for s in secrets if s]
-        self.run_id = run_id or new_run_id()
         self.text_steps = True  # False: train_step events skip the text sink (progress bar on)
         self.started = time.perf_counter()
         self._lock = threading.RLock()
@@ -169,7 +170,7 @@ class MetricLogger:
             handler = logging.StreamHandler(stream or sys.stdout)
         setattr(handler, _HANDLER_TAG, True)
         if format == "json":
-            handler.setFormatter(_JsonFormatter())
+            handler.setFormatter(JsonLogFormatter("speedtronic"))
         else:
             handler.setFormatter(logging.Formatter("%(asctime)s | %(levelname)s | %(message)s"))
         handler.addFilter(_RedactingFilter(self.secrets))
@@ -220,7 +221,7 @@ class MetricLogger:
     def _write_jsonl(self, event: str, payload: dict[str, Any]) -> None:
         if self.json_file is None:
             return
-        line = json.dumps({"event": event, **payload, "run_id": self.run_id}, default=str)
+        line = json.dumps({"event": event, **payload}, default=str)
         if self.secrets:
             line = _redact_text(line, self.secrets)
         if self._json_handle is None:

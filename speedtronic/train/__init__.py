@@ -8,7 +8,6 @@ Modules:
     features   -- gradient checkpointing, ``torch.compile`` with fallback, OOO scheduler setup
     runtime    -- ``build_runtime`` / ``train_from_config`` (config -> running trainer)
     precision  -- device and mixed-precision resolution, autocast, GradScaler
-    launch     -- ``train_command`` behind ``speedtronic train`` (signals, progress bar)
     shapes     -- startup shape validation
     ooo        -- out-of-order backprop stream scheduling
 

@@ -17,7 +17,8 @@ Embedding the trainer in another process (what ``speedtronic run`` does)::
     trainer, manager = build_runtime(config, resume=True)
     trainer.logger.hooks.append(sink)          # on_event(event, payload) or a callable;
                                                # set sink.wants_all_steps = True for every step
-    signal.signal(signal.SIGTERM, lambda *_: trainer.request_stop("SIGTERM"))
+    signal.signal(signal.SIGTERM, lambda *_: trainer.request_stop("SIGTERM"))  # or use
+                                               # speedtronic.entrypoint.install_stop_handlers
     trainer.last_heartbeat                     # time.monotonic() of the last applied update
     result = trainer.fit()                     # TrainResult; result.stopped_reason after a stop
 
@@ -187,6 +188,7 @@ def build_runtime(
     device: str | torch.device | None = None,
     max_steps: int | None = None,
     node_id: str | None = None,
+    log_config: bool = True,
 ) -> tuple[Trainer, CheckpointManager]:
     """Build model, data, optimizer, schedule, logger, checkpoints and coordinator; see above.
 
@@ -194,7 +196,9 @@ def build_runtime(
     overrides the absolute step target on a copy of the config (the caller's object is not
     changed) and moves the scheduler horizon when ``scheduler.max_steps`` was not explicit.
     ``node_id`` selects the training stream of that DiLoCo node (default: the coordinator's
-    node id; none without DiLoCo), e.g. to reproduce a node in one process.
+    node id; none without DiLoCo), e.g. to reproduce a node in one process. ``log_config``
+    writes the redacted config to the logger; ``speedtronic train|run`` pass False because
+    their startup record already holds it.
     """
     from speedtronic.data import build_node_dataloader
     from speedtronic.model import build_model
@@ -226,9 +230,11 @@ def build_runtime(
         save_final=section.save_final,
         warn=logger.warning,
     )
-    logger.info(
-        "config %s", json.dumps(config.to_dict(redact_secrets=True), default=str, sort_keys=False)
-    )
+    if log_config:
+        logger.info(
+            "config %s",
+            json.dumps(config.to_dict(redact_secrets=True), default=str, sort_keys=False),
+        )
     _log_data(logger, loader, heldout)
     report = validate_startup_shapes(config, model, resolved, precision, logger=logger)
     optimizer = build_optimizer(model, config, resolved)

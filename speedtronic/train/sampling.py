@@ -16,9 +16,9 @@ one.
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
-from speedtronic.config import SpeedtronicConfig
+import torch
 
 __all__ = ["generate", "sample_text"]
 
@@ -70,7 +70,7 @@ def generate(
 
 
 def sample_text(
-    config: SpeedtronicConfig,
+    config: Any,
     *,
     prompt: str,
     checkpoint: str | None = None,

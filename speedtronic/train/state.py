@@ -32,7 +32,6 @@ from typing import Any
 import torch
 
 from speedtronic.checkpoint import CheckpointError, CheckpointParts, RNGState
-from speedtronic.config import SpeedtronicConfig
 from speedtronic.train.forward import BatchStream
 
 __all__ = ["DataPosition", "TrainProgress", "TrainerStateMixin", "check_resumable"]
@@ -163,7 +162,7 @@ class TrainerStateMixin:
     scheduler: Any
     scaler: Any
     precision: Any
-    config: SpeedtronicConfig
+    config: Any
     coordinator: Any
     checkpoint_manager: Any
     logger: Any
