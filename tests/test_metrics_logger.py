@@ -177,3 +177,81 @@ def test_hooks_get_redacted_strings():
     )
     logger.emit("transport_retry", {"operation": "upload", "error": f"bad {TOKEN}"})
     assert seen[0]["error"] == "bad <redacted>"
+
+
+def test_every_jsonl_record_carries_the_run_id(tmp_path):
+    path = tmp_path / "events.jsonl"
+    first = MetricLogger(stream=io.StringIO(), json_file=path)
+    first.emit("train_start", {"start_step": 0})
+    first.emit("train_step", {"step": 1, "loss": 1.0})
+    first.close()
+    second = MetricLogger(stream=io.StringIO(), json_file=path, run_id="mine")
+    second.emit("train_step", {"step": 1, "loss": 2.0})
+    second.close()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["run_id"] for r in records] == [first.run_id, first.run_id, "mine"]
+    assert first.run_id != MetricLogger(stream=io.StringIO()).run_id
+    assert len(first.run_id) == len("20261203T160512Z-3f9a1c")
+
+
+def _log(path, *runs):
+    """Write runs of (run_id, start_step, [(step, loss)], [(step, eval loss)]) to ``path``."""
+    lines = []
+    for run_id, start, steps, evals in runs:
+        tag = {} if run_id is None else {"run_id": run_id}
+        lines.append({"event": "train_start", "start_step": start, **tag})
+        lines += [
+            {"event": "train_step", "step": s, "loss": v, "lr": 1e-3, **tag} for s, v in steps
+        ]
+        lines += [{"event": "eval", "step": s, "loss": v, **tag} for s, v in evals]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def test_plot_reads_the_last_run_joined_with_the_runs_it_resumed(tmp_path):
+    from speedtronic.metrics.plot import last_run, read_eval_points, read_runs
+
+    log = tmp_path / "events.jsonl"
+    _log(
+        log,
+        ("old", 0, [(1, 9.0), (2, 8.0), (3, 7.0), (4, 6.0)], [(4, 6.5)]),  # an earlier run
+        ("a", 0, [(1, 5.0), (2, 4.0), (3, 3.5)], [(0, 5.5)]),  # crashed after step 3
+        ("b", 2, [(3, 3.0), (4, 2.0)], [(2, 4.2), (4, 2.5)]),  # resumed from step 2
+    )
+    runs = read_runs(log)
+    assert [(r.run_id, r.start_step) for r in runs] == [("old", 0), ("a", 0), ("b", 2)]
+    assert [r.run_id for r in last_run(runs)] == ["a", "b"]
+    # steps 1-2 from a, 3-4 from b (a's step 3 was re-done); the older run is not mixed in
+    assert [(r["step"], r["loss"]) for r in read_train_steps(log)] == [
+        (1, 5.0),
+        (2, 4.0),
+        (3, 3.0),
+        (4, 2.0),
+    ]
+    assert read_eval_points(log) == {"local": [(0, 5.5), (2, 4.2), (4, 2.5)]}
+
+
+def test_plot_splits_logs_without_run_ids_at_train_start(tmp_path):
+    """The issue's case: a 4-step smoke run appended to older runs' file drew 37 "steps" and
+    a learning rate that jumped back up. Old logs (no run ids) split at each train_start."""
+    from speedtronic.metrics.plot import read_runs
+
+    log = tmp_path / "events.jsonl"
+    _log(
+        log,
+        (None, 0, [(s, 1.0) for s in range(1, 34)], []),
+        (None, 0, [(s, 2.0) for s in range(1, 5)], []),
+    )
+    assert [len(run.train_steps) for run in read_runs(log)] == [33, 4]
+    assert [r["loss"] for r in read_train_steps(log)] == [2.0] * 4
+
+
+def test_plot_draws_the_last_run_or_each_run(tmp_path):
+    pytest.importorskip("matplotlib")
+    from matplotlib.image import imread
+
+    log = tmp_path / "events.jsonl"
+    _log(log, ("a", 0, [(1, 5.0), (2, 4.0)], [(2, 4.5)]), ("b", 0, [(1, 3.0), (2, 2.0)], []))
+    last = plot_command(str(log), str(tmp_path / "last.png"))
+    each = plot_command(str(log), str(tmp_path / "each.png"), each_run=True)
+    assert imread(last).shape == imread(each).shape
+    assert (imread(last) != imread(each)).any()

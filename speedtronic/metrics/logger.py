@@ -6,7 +6,9 @@ DiLoCo outer thread and the uploader can emit concurrently:
 1. text: one line ``<event> key=value ...`` to stdout (or ``logging.file``), or, with
    ``logging.format: json``, one JSON object per line
    (``{"ts", "level", "logger", "event", "fields"}``; plain messages carry ``message``);
-2. JSONL (``logging.json_file``): ``{"event": <name>, **payload}`` per line;
+2. JSONL (``logging.json_file``): ``{"event": <name>, **payload, "run_id": <id>}`` per line;
+   the run id (`new_run_id`, one per logger, so one per process run) tells the runs that
+   share a file apart (``speedtronic plot`` draws the last one);
 3. hooks, in order: objects with ``on_event(event, payload)`` or plain callables
    ``(event, payload)``. A failing hook is logged as a warning; training continues.
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import logging
+import secrets as _secrets
 import sys
 import threading
 import time
@@ -30,7 +33,7 @@ from typing import IO, Any
 
 from speedtronic.config.redaction import REDACTED, scrub
 
-__all__ = ["REDACTED", "JsonLogFormatter", "MetricLogger", "memory_usage_bytes"]
+__all__ = ["REDACTED", "JsonLogFormatter", "MetricLogger", "memory_usage_bytes", "new_run_id"]
 
 _HANDLER_TAG = "_speedtronic_handler"
 
@@ -52,6 +55,13 @@ def memory_usage_bytes(device: Any = None) -> int | None:
     except Exception:
         return None
     return None
+
+
+def new_run_id() -> str:
+    """A fresh run id: the UTC start time and 6 random hex digits, ``20261203T160512Z-3f9a1c``
+    (sorts by start time; unique across processes started in the same second)."""
+    stamp = _dt.datetime.now(tz=_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return f"{stamp}-{_secrets.token_hex(3)}"
 
 
 def _format_value(value: Any) -> str:
@@ -132,6 +142,7 @@ class MetricLogger:
         hooks: initial hook list; ``logger.hooks`` is public, append to attach more.
         format: ``"text"`` (``asctime | LEVEL | message``) or ``"json"`` (one object per line).
         secrets: strings (the Hub token) that must never appear in any output.
+        run_id: the ``run_id`` of every JSONL record (default: a new `new_run_id`).
     """
 
     def __init__(
@@ -144,6 +155,7 @@ class MetricLogger:
         hooks: list[Any] | None = None,
         format: str = "text",
         secrets: Iterable[str | None] = (),
+        run_id: str | None = None,
     ) -> None:
         if int(every_steps) <= 0:
             raise ValueError("logging.every_steps must be positive")
@@ -156,6 +168,7 @@ class MetricLogger:
         self.format = format
         self.hooks: list[Any] = list(hooks) if hooks else []
         self.secrets = [s for s in secrets if s]
+        self.run_id = run_id or new_run_id()
         self.text_steps = True  # False: train_step events skip the text sink (progress bar on)
         self.started = time.perf_counter()
         self._lock = threading.RLock()
@@ -221,7 +234,7 @@ class MetricLogger:
     def _write_jsonl(self, event: str, payload: dict[str, Any]) -> None:
         if self.json_file is None:
             return
-        line = json.dumps({"event": event, **payload}, default=str)
+        line = json.dumps({"event": event, **payload, "run_id": self.run_id}, default=str)
         if self.secrets:
             line = _redact_text(line, self.secrets)
         if self._json_handle is None:

@@ -1,26 +1,62 @@
-"""``speedtronic plot``: loss and learning-rate curves from a run's JSONL event log.
+"""``speedtronic plot``: loss, eval and learning-rate curves from a run's JSONL event log.
 
 Reads ``train_step`` records (``{"event": "train_step", "step", "loss", "lr", ...}``) and
 ``eval`` records (``{"event": "eval", "step", "loss", "scope", ...}``) from a JSONL file, or from
-the newest ``*.jsonl`` under a run directory. A step logged twice (a resumed run re-doing steps
-after a crash) keeps its last record. Eval points are drawn on the loss axes at their ``step``:
-``local`` (a node's own weights) and ``global`` (the DiLoCo global) as distinct series. Needs
-matplotlib (extra ``speedtronic[plot]``).
+the newest ``*.jsonl`` under a run directory.
+
+One file can hold several runs (a run started again with the same output directory appends to
+its log). Every record carries the ``run_id`` of the process that wrote it; records of logs
+written before run ids existed are split at each ``train_start``. By default the **last run** is
+drawn: if it resumed from a checkpoint (its ``train_start`` has ``start_step > 0``), the runs it
+continues supply the steps before that point, so a crash-and-resume is one curve, while a run
+that started from step 0 is never mixed with an earlier one. ``each_run=True`` draws every run
+as its own series instead. Within the drawn curve a step logged twice keeps its last record.
+Eval points are drawn on the loss axes at their ``step``: ``local`` (a node's own weights) and
+``global`` (the DiLoCo global) as distinct series. Needs matplotlib (extra
+``speedtronic[plot]``).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["find_event_log", "plot_command", "read_eval_points", "read_train_steps"]
+__all__ = [
+    "Run",
+    "find_event_log",
+    "last_run",
+    "plot_command",
+    "read_eval_points",
+    "read_runs",
+    "read_train_steps",
+]
 
 # scope -> (label, colour, marker) of its eval points
 _EVAL_STYLE = {
     "local": ("eval (local weights)", "tab:green", "o"),
     "global": ("eval (DiLoCo global)", "tab:red", "s"),
 }
+
+
+@dataclass
+class Run:
+    """The records of one run in an event log, in file order.
+
+    ``start_step`` is the step the run started from (``train_start.start_step``; 0 for a fresh
+    run, the checkpoint's step for a resumed one).
+    """
+
+    run_id: str
+    start_step: int = 0
+    train_steps: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        """Whether the run logged neither a ``train_step`` nor an ``eval`` record."""
+        return not self.train_steps and not self.evals
 
 
 def find_event_log(source: str | Path) -> Path:
@@ -36,8 +72,8 @@ def find_event_log(source: str | Path) -> Path:
     raise FileNotFoundError(f"plot source not found: {path}")
 
 
-def _records(path: str | Path, event: str) -> list[dict[str, Any]]:
-    """The ``event`` records of a JSONL file that carry a step, in file order."""
+def _records(path: str | Path) -> list[dict[str, Any]]:
+    """Every JSON object of a JSONL file, in file order (a torn last line is skipped)."""
     found = []
     with open(path, encoding="utf-8") as handle:
         for line in handle:
@@ -48,24 +84,71 @@ def _records(path: str | Path, event: str) -> list[dict[str, Any]]:
                 record = json.loads(line)
             except ValueError:
                 continue  # a torn last line of a killed run
-            if isinstance(record, dict) and record.get("event") == event and "step" in record:
+            if isinstance(record, dict):
                 found.append(record)
     return found
 
 
-def read_train_steps(path: str | Path) -> list[dict[str, Any]]:
-    """``train_step`` records of a JSONL file, ordered by step (last record per step wins)."""
-    by_step = {int(record["step"]): record for record in _records(path, "train_step")}
+def read_runs(path: str | Path) -> list[Run]:
+    """The runs of an event log in the order they first appear.
+
+    Records are grouped by ``run_id``; records without one (logs of older versions) start a
+    new run at each ``train_start``.
+    """
+    runs: dict[str, Run] = {}
+    legacy: Run | None = None  # the current run of records without a run id
+    legacy_started = False
+    current: Run
+    for record in _records(path):
+        event = record.get("event")
+        run_id = record.get("run_id")
+        if run_id is None:
+            if legacy is None or (event == "train_start" and legacy_started):
+                legacy = Run(f"#{sum(1 for key in runs if key.startswith('#')) + 1}")
+                runs[legacy.run_id] = legacy
+                legacy_started = False
+            legacy_started = legacy_started or event == "train_start"
+            current = legacy
+        else:
+            current = runs.setdefault(str(run_id), Run(str(run_id)))
+        if event == "train_start":
+            start = record.get("start_step", 0)
+            current.start_step = int(start) if isinstance(start, (int, float)) else 0
+        elif event in ("train_step", "eval") and "step" in record:
+            (current.train_steps if event == "train_step" else current.evals).append(record)
+    return [run for run in runs.values() if not run.empty]
+
+
+def last_run(runs: list[Run]) -> list[Run]:
+    """The last run and, when it resumed, the runs it continues (oldest first)."""
+    if not runs:
+        return []
+    chain = [runs[-1]]
+    index = len(runs) - 1
+    while chain[0].start_step > 0 and index > 0:
+        index -= 1
+        chain.insert(0, runs[index])
+    return chain
+
+
+def _merge(chain: list[Run], kind: str) -> list[dict[str, Any]]:
+    """``kind`` records of a resume chain: each run's records up to where the next one
+    started from, the later run winning a step logged twice."""
+    merged: list[dict[str, Any]] = []
+    for position, run in enumerate(chain):
+        limit = chain[position + 1].start_step if position + 1 < len(chain) else None
+        merged += [r for r in getattr(run, kind) if limit is None or int(r["step"]) <= int(limit)]
+    return merged
+
+
+def _train_steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    by_step = {int(record["step"]): record for record in records}
     return [by_step[step] for step in sorted(by_step)]
 
 
-def read_eval_points(path: str | Path) -> dict[str, list[tuple[int, float]]]:
-    """``{scope: [(step, loss), ...]}`` from the ``eval`` records, ordered by step.
-
-    The scope defaults to ``local``; the last record per ``(scope, step)`` wins.
-    """
+def _eval_points(records: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
     by_scope: dict[str, dict[int, float]] = {}
-    for record in _records(path, "eval"):
+    for record in records:
         loss = record.get("loss")
         if isinstance(loss, (int, float)) and not isinstance(loss, bool):
             scope = str(record.get("scope") or "local")
@@ -73,17 +156,32 @@ def read_eval_points(path: str | Path) -> dict[str, list[tuple[int, float]]]:
     return {scope: sorted(points.items()) for scope, points in sorted(by_scope.items())}
 
 
-def plot_command(source: str, output: str) -> str:
+def read_train_steps(path: str | Path) -> list[dict[str, Any]]:
+    """``train_step`` records of the log's last run (with the runs it resumed), ordered by
+    step; the last record per step wins."""
+    return _train_steps(_merge(last_run(read_runs(path)), "train_steps"))
+
+
+def read_eval_points(path: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """``{scope: [(step, loss), ...]}`` from the last run's ``eval`` records, ordered by step.
+
+    The scope defaults to ``local``; the last record per ``(scope, step)`` wins.
+    """
+    return _eval_points(_merge(last_run(read_runs(path)), "evals"))
+
+
+def plot_command(source: str, output: str, *, each_run: bool = False) -> str:
     """Draw loss and eval points (top) and learning rate (bottom) against step into ``output``;
     returns its path.
 
+    ``each_run=False`` draws the log's last run (with the runs it resumed from);
+    ``each_run=True`` draws every run of the log as its own series, labelled by run id.
     Raises ``FileNotFoundError`` without a log, ``ValueError`` when the log has neither
     ``train_step`` nor ``eval`` records, ``RuntimeError`` when matplotlib is not installed.
     """
     log = find_event_log(source)
-    records = read_train_steps(log)
-    evals = read_eval_points(log)
-    if not records and not evals:
+    runs = read_runs(log)
+    if not runs:
         raise ValueError(f"{log} contains no train_step or eval records")
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -92,23 +190,58 @@ def plot_command(source: str, output: str) -> str:
         raise RuntimeError(
             "speedtronic plot needs matplotlib: pip install 'speedtronic[plot]'"
         ) from exc
-    steps = [r["step"] for r in records]
+    if each_run:
+        series = [(run.run_id, [run]) for run in runs]
+    else:
+        series = [(runs[-1].run_id, last_run(runs))]
     figure = Figure(figsize=(8, 6), tight_layout=True)
     FigureCanvasAgg(figure)
     loss_axes, lr_axes = figure.subplots(2, 1, sharex=True)
-    loss_axes.plot(steps, [r.get("loss") for r in records], color="tab:blue", label="train")
-    for scope, points in evals.items():
-        label, colour, marker = _EVAL_STYLE.get(scope, (f"eval ({scope})", "tab:purple", "^"))
-        xs, ys = zip(*points, strict=True)
-        loss_axes.plot(xs, ys, color=colour, marker=marker, linestyle="--", label=label)
-    if evals:
-        loss_axes.legend()
+    steps_seen: list[int] = []
+    train_count = eval_count = 0
+    for number, (run_id, chain) in enumerate(series):
+        records = _train_steps(_merge(chain, "train_steps"))
+        evals = _eval_points(_merge(chain, "evals"))
+        steps = [int(r["step"]) for r in records]
+        steps_seen += steps + [step for points in evals.values() for step, _ in points]
+        train_count += len(records)
+        eval_count += sum(map(len, evals.values()))
+        prefix = f"{run_id}: " if each_run else ""
+        colour = f"C{number % 10}" if each_run else "tab:blue"
+        if records:
+            loss_axes.plot(
+                steps, [r.get("loss") for r in records], color=colour, label=f"{prefix}train"
+            )
+            lr_axes.plot(
+                steps, [r.get("lr") for r in records], color=colour if each_run else "tab:orange"
+            )
+        for scope, points in evals.items():
+            label, eval_colour, marker = _EVAL_STYLE.get(
+                scope, (f"eval ({scope})", "tab:purple", "^")
+            )
+            xs, ys = zip(*points, strict=True)
+            loss_axes.plot(
+                xs,
+                ys,
+                color=colour if each_run else eval_colour,
+                marker=marker,
+                linestyle="--",
+                label=f"{prefix}{label}",
+            )
+    if each_run or any(run.evals for _, chain in series for run in chain):
+        loss_axes.legend(fontsize="small")
     loss_axes.set_ylabel("loss")
-    last = max([*steps, *(step for points in evals.values() for step, _ in points)])
-    counts = f"{len(records)} train_step, {sum(map(len, evals.values()))} eval records"
-    loss_axes.set_title(f"{log.name}: {counts}, to step {last}")
+    counts = f"{train_count} train_step, {eval_count} eval records, to step {max(steps_seen)}"
+    if each_run:
+        title = f"{log.name}: {len(runs)} runs, {counts}"
+    else:
+        chain = series[0][1]
+        resumed = f" (resumed at step {chain[-1].start_step})" if len(chain) > 1 else ""
+        others = len(runs) - len(chain)
+        earlier = f"; {others} earlier run(s) not drawn (--each-run)" if others else ""
+        title = f"{log.name}: run {series[0][0]}{resumed}, {counts}{earlier}"
+    loss_axes.set_title(title, fontsize="medium")
     loss_axes.grid(alpha=0.3)
-    lr_axes.plot(steps, [r.get("lr") for r in records], color="tab:orange")
     lr_axes.set_ylabel("learning rate")
     lr_axes.set_xlabel("step")
     lr_axes.grid(alpha=0.3)
