@@ -16,9 +16,9 @@ one.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+
+from speedtronic.config import SpeedtronicConfig
 
 __all__ = ["generate", "sample_text"]
 
@@ -70,7 +70,7 @@ def generate(
 
 
 def sample_text(
-    config: Any,
+    config: SpeedtronicConfig,
     *,
     prompt: str,
     checkpoint: str | None = None,

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from speedtronic.checkpoint import CheckpointError, CheckpointManager
+from speedtronic.config import SpeedtronicConfig
 from speedtronic.train.evaluate import build_heldout, evaluate
 
 __all__ = ["Weights", "load_model", "load_weights", "score"]
@@ -112,7 +113,7 @@ def _from_path(path: Path) -> Weights:
     return _from_trainer_state(CheckpointManager.load(path), str(path))
 
 
-def _from_global(config: Any) -> Weights:
+def _from_global(config: SpeedtronicConfig) -> Weights:
     from speedtronic.diloco.transport import build_transport
 
     if not config.distributed.repo_id:
@@ -133,7 +134,7 @@ def _from_global(config: Any) -> Weights:
 
 
 def load_weights(
-    config: Any, *, checkpoint: str | None = None, use_global: bool = False
+    config: SpeedtronicConfig, *, checkpoint: str | None = None, use_global: bool = False
 ) -> Weights:
     """The weights ``speedtronic eval`` scores (see the module docstring)."""
     if use_global and checkpoint:
@@ -146,7 +147,7 @@ def load_weights(
 
 
 def score(
-    config: Any, *, checkpoint: str | None = None, use_global: bool = False
+    config: SpeedtronicConfig, *, checkpoint: str | None = None, use_global: bool = False
 ) -> dict[str, Any]:
     """Score the chosen weights on the held-out set: ``{"loss", "perplexity", "tokens",
     "step", "outer_step"}`` (``None`` where unknown)."""
@@ -167,7 +168,7 @@ def score(
 
 
 def load_model(
-    config: Any, *, checkpoint: str | None = None, use_global: bool = False
+    config: SpeedtronicConfig, *, checkpoint: str | None = None, use_global: bool = False
 ) -> tuple[torch.nn.Module, Weights]:
     """The configured model (on CPU, eval mode) holding the weights :func:`load_weights` finds.
 

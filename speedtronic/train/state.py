@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from speedtronic.checkpoint import CheckpointError, CheckpointParts, RNGState
+from speedtronic.config import SpeedtronicConfig
 from speedtronic.train.forward import BatchStream
 
 __all__ = ["DataPosition", "TrainProgress", "TrainerStateMixin", "check_resumable"]
@@ -162,7 +163,7 @@ class TrainerStateMixin:
     scheduler: Any
     scaler: Any
     precision: Any
-    config: Any
+    config: SpeedtronicConfig
     coordinator: Any
     checkpoint_manager: Any
     logger: Any
