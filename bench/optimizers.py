@@ -8,11 +8,14 @@ Three parts, all in one process on the same CPU (or ``--device cuda``):
 2. ``muon_vs_torch``: our :class:`speedtronic.optim.Muon` vs ``torch.optim.Muon`` on the same
    Muon-routed matrices, same hyper-parameters (lr 0.02, wd 0.1, momentum 0.95, Nesterov, 5 NS
    steps), interleaved step by step; the ratio is ours / torch (lower is faster). ``torch.optim
-   .Muon`` runs Newton–Schulz in bfloat16, ours in float32 on CPU, so a second peer with
-   torch's iteration patched to float32 is reported as a same-precision comparison.
+   .Muon`` always runs Newton–Schulz in bfloat16; ours uses ``muon_ns_dtype: auto`` (bf16 on
+   CUDA and on CPUs with native bf16 matmul, fp32 otherwise; the resolved dtype and the CPU
+   detection are printed), so a peer with torch's iteration patched to float32 is reported too.
 3. ``convergence``: AdamW vs cautious AdamW vs Muon (config path: one lr for both branches) vs
    Muon+ on a tiny reference transformer learning a fixed random Markov chain; same seed, data
-   and steps; a small lr sweep per optimizer; plot of the best run of each to PNG.
+   and steps; a small lr sweep per optimizer; plot of the best run of each to PNG. Muon is also
+   run with Newton–Schulz forced to bf16 and to fp32 (``muon_ns_bf16`` / ``muon_ns_fp32``) so the
+   held-out losses show whether the working precision changes convergence.
 
     python bench/optimizers.py                     # ~1-2 minutes of CPU
     python bench/optimizers.py --quick             # smoke: seconds
@@ -29,27 +32,27 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from speedtronic.config import OptimizerConfig
 from speedtronic.model import ReferenceTransformer
-from speedtronic.optim import Muon, build_optimizer, route_parameters
+from speedtronic.optim import (
+    Muon,
+    build_optimizer,
+    cpu_has_native_bf16,
+    resolve_ns_dtype,
+    route_parameters,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def optimizer_config(name: str, lr: float, **flags) -> SimpleNamespace:
-    """An ``optimizer`` section with the config defaults."""
-    section = SimpleNamespace(
-        name=name, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=None,
-        cautious=False, muon_plus=False, muon_momentum=0.95, muon_ns_steps=5, muon_norm_eps=1e-8,
-    )  # fmt: skip
-    for key, value in flags.items():
-        setattr(section, key, value)
-    return SimpleNamespace(optimizer=section)
+def optimizer_config(name: str, lr: float, **flags) -> OptimizerConfig:
+    """An ``optimizer`` section with the config defaults (weight decay 0.1) and ``flags``."""
+    return OptimizerConfig(name=name, lr=lr, weight_decay=0.1, **flags)
 
 
 VARIANTS = {
@@ -58,7 +61,19 @@ VARIANTS = {
     "muon": ("muon", {}),
     "muon_plus": ("muon", {"muon_plus": True}),
     "muon_plus_cautious": ("muon", {"muon_plus": True, "cautious": True}),
+    "muon_ns_bf16": ("muon", {"muon_ns_dtype": "bf16"}),
+    "muon_ns_fp32": ("muon", {"muon_ns_dtype": "fp32"}),
 }
+STEP_VARIANTS = ("adamw", "adamw_cautious", "muon", "muon_plus", "muon_plus_cautious")
+CONVERGENCE_VARIANTS = (
+    "adamw",
+    "adamw_cautious",
+    "muon",
+    "muon_plus",
+    "muon_ns_bf16",
+    "muon_ns_fp32",
+)
+PLOTTED = ("adamw", "adamw_cautious", "muon", "muon_plus")
 
 
 def reference_model(args: argparse.Namespace) -> ReferenceTransformer:
@@ -92,7 +107,8 @@ def fixed_grads(params: list[torch.Tensor], seed: int) -> None:
 def bench_steps(args: argparse.Namespace, device: torch.device) -> dict:
     """Part 1: step time and state bytes per optimizer variant (steps interleaved)."""
     setups = {}
-    for label, (name, flags) in VARIANTS.items():
+    for label in STEP_VARIANTS:
+        name, flags = VARIANTS[label]
         model = reference_model(args).to(device)
         params = list(model.parameters())
         fixed_grads(params, 1)
@@ -196,6 +212,7 @@ def bench_muon_vs_torch(args: argparse.Namespace, device: torch.device) -> dict:
     best = {label: min(values) for label, values in times.items()}
 
     result = {
+        "ours_ns_dtype": str(resolve_ns_dtype("auto", device)).removeprefix("torch."),
         "shapes": [list(s) for s in shapes],
         "steps": {label: len(values) + 1 for label, values in times.items()},  # + warm-up
         "hyper_parameters": hyper,
@@ -209,7 +226,8 @@ def bench_muon_vs_torch(args: argparse.Namespace, device: torch.device) -> dict:
         "max_abs_param_diff_vs_torch_fp32": max_diff(params, "torch_fp32_ns"),
     }
     print(
-        f"muon  ours {result['step_ms_median']['ours']:.2f} ms | torch.optim.Muon (bf16 NS) "
+        f"muon  ours (NS in {result['ours_ns_dtype']}) {result['step_ms_median']['ours']:.2f} ms"
+        f" | torch.optim.Muon (bf16 NS) "
         f"{result['step_ms_median']['torch_bf16_ns']:.2f} ms | torch, NS patched to fp32 "
         f"{result['step_ms_median']['torch_fp32_ns']:.2f} ms"
     )
@@ -263,7 +281,7 @@ def bench_convergence(args: argparse.Namespace) -> dict:
     train = markov_batches(64, 33, 16, args.train_steps, seed=1)
     held_out = markov_batches(64, 33, 16, 4, seed=2)
     runs = {}
-    for label in ("adamw", "adamw_cautious", "muon", "muon_plus"):
+    for label in CONVERGENCE_VARIANTS:
         name, flags = VARIANTS[label]
         sweep = [train_once(name, flags, lr, args, train, held_out) for lr in args.lrs]
         best = min(sweep, key=lambda run: run["held_out_loss"])
@@ -285,7 +303,7 @@ def plot(convergence: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for label in ("adamw", "adamw_cautious", "muon", "muon_plus"):
+    for label in PLOTTED:
         losses = torch.tensor(convergence[label]["losses"])
         smooth = torch.nn.functional.avg_pool1d(losses[None, None], 9, 1, 4, False, False)[0, 0]
         ax.plot(smooth.tolist(), label=f"{label} (lr {convergence[label]['best_lr']:g})")
@@ -323,6 +341,11 @@ def main() -> None:
         args.train_steps, args.lrs = 20, [3e-3]
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    print(
+        f"cpu   capability {torch.backends.cpu.get_cpu_capability()}, native bf16 matmul "
+        f"{cpu_has_native_bf16()}; muon_ns_dtype auto -> {resolve_ns_dtype('auto', device)} "
+        f"on {device}"
+    )
     results = {
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -330,6 +353,8 @@ def main() -> None:
         "processor": platform.processor(),
         "device": str(device),
         "threads": args.threads,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_native_bf16": cpu_has_native_bf16(),
         "shape": {key: getattr(args, key) for key in ("d_model", "layers", "heads", "vocab")},
         "step": bench_steps(args, device),
         "muon_vs_torch": bench_muon_vs_torch(args, device),
