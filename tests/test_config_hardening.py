@@ -172,16 +172,18 @@ def test_bad_inputs_exit_2_with_one_line_naming_the_field(capsys, tmp_path, text
 @pytest.mark.parametrize(
     ("setup", "values", "needle"),
     [
-        ("dir", {"logging": {"json_file": "events"}}, "logging.json_file: events is a directory"),
-        ("dir", {"logging": {"file": "events"}}, "logging.file: events is a directory"),
+        # log paths, like checkpoint.directory, are under run.output_dir (default: runs)
+        ("dir", {"logging": {"json_file": "events"}}, "logging.json_file: runs/events is a dir"),
+        ("dir", {"logging": {"file": "events"}}, "logging.file: runs/events is a directory"),
         ("file", {"checkpoint": {"directory": "events"}}, "checkpoint.directory: runs/events"),
         ("file", {"run": {"output_dir": "events"}}, "run.output_dir: events is a file"),
-        ("file", {"logging": {"json_file": "events/x.jsonl"}}, "logging.json_file:"),
+        ("file", {"logging": {"json_file": "events/x.jsonl"}}, "logging.json_file: runs/events/x"),
         ("dir", {"data": {"token_path": "events"}}, "data.token_path: events is a directory"),
     ],
 )
 def test_unusable_paths_fail_at_validation(tmp_path, setup, values, needle) -> None:
-    target = tmp_path / ("runs/events" if "checkpoint" in values else "events")
+    under_output_dir = "checkpoint" in values or "logging" in values
+    target = tmp_path / ("runs/events" if under_output_dir else "events")
     target.parent.mkdir(parents=True, exist_ok=True)
     if setup == "dir":
         target.mkdir()

@@ -387,7 +387,8 @@ def test_smoke_values() -> None:
     assert config.data.synthetic == "markov" and config.eval.holdout == 0.1
     assert config.accumulation_steps == 2
     assert config.run.output_dir == "runs/smoke"
-    assert config.logging.json_file == "runs/smoke/events.jsonl"
+    assert config.logging.json_file == "events.jsonl"  # under output_dir
+    assert config.events_path == Path("runs/smoke/events.jsonl")
 
 
 def test_transports_in_shipped_configs() -> None:
@@ -422,7 +423,7 @@ FROZEN_KEYS = {
     "distributed": "enabled mode role node_id collaborators inner_steps poll_interval sync "
     "round_timeout min_nodes max_staleness drop_after train relay_to outer_lr outer_momentum "
     "repo_id token cache_dir state_dir retry_initial retry_max retry_attempts "
-    "reset_inner_optimizer async_delta_upload delta_upload_queue_size delta_upload_overflow "
+    "reset_inner_optimizer async_delta_upload "
     "delta_upload_shutdown_timeout async_global_poll delta_dtype request_timeout "
     "slots_dir",
     "shape_validation": "enabled alignment check_batch check_sequence check_model check_vocab "

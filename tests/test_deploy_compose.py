@@ -11,11 +11,14 @@ import json
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import jsonschema
 import pytest
 import yaml
 from test_deploy_support import REPO, compose_env, load_compose
+
+from speedtronic.config import resolve_config
 
 SCHEMA = json.loads((REPO / "tests/data/compose-spec/compose_spec.json").read_text())
 HUB_ENV = {"SPEEDTRONIC_HUB_REPO": "owner/run"}
@@ -73,8 +76,22 @@ def test_worker_is_scalable_with_slot_node_ids():
     env = compose_env(worker)
     assert "SPEEDTRONIC_NODE_ID" not in env and "SPEEDTRONIC_DISTRIBUTED__NODE_ID" not in env
     assert env["SPEEDTRONIC_DISTRIBUTED__SLOTS_DIR"].startswith("/data/")
-    for name in ("RUN__OUTPUT_DIR", "LOGGING__JSON_FILE", "DISTRIBUTED__CACHE_DIR"):
+    for name in ("RUN__OUTPUT_DIR", "DISTRIBUTED__CACHE_DIR"):
         assert env[f"SPEEDTRONIC_{name}"].startswith("/data/runs/{node_id}"), name
+
+
+@pytest.mark.parametrize(("service", "node"), [("master", "master"), ("worker", "worker-1")])
+def test_every_output_follows_the_node_output_dir(service, node, tmp_path):
+    """The shipped config's relative paths (events, checkpoints, DiLoCo state) land under the
+    service's /data/runs/<node>: the output dir is the one setting that places a run."""
+    env = compose_env(load_compose()["services"][service])
+    assert "SPEEDTRONIC_LOGGING__JSON_FILE" not in env
+    env = {key: value.replace("{node_id}", node) for key, value in env.items()}
+    config_file = REPO / "configs" / env["SPEEDTRONIC_CONFIG"].removeprefix("/config/")
+    config = resolve_config(config_file, environ=env, secrets_dir=tmp_path / "none").config
+    root = Path("/data/runs") / node
+    assert config.events_path == root / "events.jsonl"
+    assert root in config.checkpoint_dir.parents and root in config.state_dir.parents
 
 
 def test_services_are_hardened_like_the_kubernetes_pods():

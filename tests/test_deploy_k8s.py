@@ -6,6 +6,7 @@ checkov runs on the same renderings in tests/test_deploy_checkov.py.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import kubernetes_validate
 import pytest
@@ -13,6 +14,7 @@ import yaml
 from test_deploy_support import REPO, find, k8s_env, kustomize_status, render_kustomize
 
 import speedtronic
+from speedtronic.config import resolve_config
 
 K8S_VERSION = "1.31.0"
 TARGETS = ["k8s", "k8s/overlays/gpu", "k8s/overlays/hub", "k8s/overlays/monitoring"]
@@ -77,6 +79,13 @@ def test_base_deploys_master_workers_volume_and_services():
     assert env["SPEEDTRONIC_NODE_ID"] == "speedtronic-worker-1"
     assert env["SPEEDTRONIC_RUN__OUTPUT_DIR"] == "/data/runs/speedtronic-worker-1"
     assert env["SPEEDTRONIC_DISTRIBUTED__CACHE_DIR"] == "/data/runs/speedtronic-worker-1/hub-cache"
+    # The config's relative paths (events, checkpoints, DiLoCo state) follow the output dir.
+    assert "SPEEDTRONIC_LOGGING__JSON_FILE" not in env
+    config_file = REPO / "configs" / env["SPEEDTRONIC_CONFIG"].removeprefix("/config/")
+    config = resolve_config(config_file, environ=env, secrets_dir=REPO / "no-such-dir").config
+    root = Path("/data/runs/speedtronic-worker-1")
+    assert config.events_path == root / "events.jsonl"
+    assert root in config.checkpoint_dir.parents and root in config.state_dir.parents
     node_ref = next(e for e in container(worker)["env"] if e["name"] == "SPEEDTRONIC_NODE_ID")
     assert node_ref["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     configmap = find(objects, "ConfigMap")

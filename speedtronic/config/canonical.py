@@ -5,24 +5,37 @@ The canonical form has only section keys (``run``, ``model``, ...) whose values 
 layering merges (each layer is canonicalised first, so ``max_steps: 4`` in a file and
 ``SPEEDTRONIC_RUN__MAX_STEPS`` in the environment address the same field) and what
 ``SpeedtronicConfig.from_dict`` builds from. Order follows reference/config.md §4.
+
+Two 2.0.0 forms are normalised here too, each with a warning on the ``speedtronic.config``
+logger: the retired settings of `RETIRED` (accepted only at their one legal value, then dropped)
+and a log path written relative to the working directory under ``run.output_dir`` (see
+`rebase_legacy_log_paths`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
+from pathlib import PurePath
 from typing import Any
 
+from speedtronic.config.coercion import to_int
 from speedtronic.config.errors import ConfigError
 
 __all__ = [
+    "LOG_PATH_FIELDS",
+    "RETIRED",
     "ROOT_ALIASES",
     "ROOT_FIELDS",
     "RUN_ALIASES",
     "SECTION_NAMES",
     "canonicalize",
+    "rebase_legacy_log_paths",
     "unknown_keys_message",
 ]
+
+logger = logging.getLogger("speedtronic.config")
 
 SECTION_NAMES = (
     "run",
@@ -41,6 +54,30 @@ SECTION_NAMES = (
 ROOT_FIELDS = ("gradient_checkpointing", "compile", "ooo_backprop", "ooo_streams")
 RUN_ALIASES = ("name", "seed", "device", "output_dir", "max_steps", "log_every")
 ROOT_ALIASES = (*RUN_ALIASES, "hub", "diloco", "muon_plus", "cautious")
+#: Log paths relative to ``run.output_dir`` (2.0.0: relative to the working directory).
+LOG_PATH_FIELDS = ("file", "json_file")
+
+
+def _queue_size_is_one(value: Any) -> bool:
+    return to_int(value, "distributed.delta_upload_queue_size") == 1
+
+
+def _overflow_is_skip(value: Any) -> bool:
+    return isinstance(value, str) and value.strip().lower() == "skip"
+
+
+#: 2.0.0 settings that had one legal value and are gone: (section, key) -> (is the legal value,
+#: the 2.0.0 error for any other value). A file that sets the legal value still loads.
+RETIRED = {
+    ("distributed", "delta_upload_queue_size"): (
+        _queue_size_is_one,
+        "distributed.delta_upload_queue_size must be 1 in v2",
+    ),
+    ("distributed", "delta_upload_overflow"): (
+        _overflow_is_skip,
+        "distributed.delta_upload_overflow must be 'skip'",
+    ),
+}
 
 
 def unknown_keys_message(keys: Any, prefix: str = "") -> str:
@@ -113,4 +150,69 @@ def canonicalize(values: Any) -> dict[str, Any]:
         if extra:
             raise ConfigError(unknown_keys_message(extra, "compile: "))
         data["compile"] = compile_value.get("enabled", False)
+    _drop_retired(data)
+    rebase_legacy_log_paths(data)
     return data
+
+
+def _drop_retired(data: dict[str, Any]) -> None:
+    """Remove the `RETIRED` keys: their one legal value is dropped with a warning, any other
+    value is the 2.0.0 ``ConfigError``."""
+    for (section, key), (is_legal, message) in RETIRED.items():
+        values = data.get(section)
+        if not isinstance(values, Mapping) or key not in values:
+            continue
+        if not is_legal(values[key]):
+            raise ConfigError(message)
+        data[section] = {name: item for name, item in values.items() if name != key}
+        logger.warning(
+            "%s.%s is retired (its one legal value is how Speedtronic works); the setting is "
+            "ignored, remove it from the config",
+            section,
+            key,
+        )
+
+
+def rebase_legacy_log_paths(data: dict[str, Any]) -> None:
+    """Read a 2.0.0-style log path as the path below ``run.output_dir`` it names.
+
+    ``logging.file`` and ``logging.json_file`` are relative to ``run.output_dir`` now; 2.0.0
+    took them relative to the working directory, so its configs spell the output directory out
+    (``json_file: runs/smoke/events.jsonl`` beside ``output_dir: runs/smoke``). Such a path (a
+    relative path that starts with the mapping's own relative ``run.output_dir``, or with the
+    default ``runs`` when the mapping sets none) becomes the rest of the path
+    (``events.jsonl``): the same file as in 2.0.0, which now also follows ``--output-dir``. A
+    warning names the field and the new spelling. Absolute paths are never changed.
+    """
+    section = data.get("logging")
+    if not isinstance(section, Mapping):
+        return
+    run = data.get("run")
+    output_dir = run.get("output_dir") if isinstance(run, Mapping) else None
+    if output_dir is None:
+        from speedtronic.config.sections import RunConfig
+
+        output_dir = RunConfig.output_dir
+    if not isinstance(output_dir, str) or PurePath(output_dir).is_absolute():
+        return
+    prefix = PurePath(output_dir).parts
+    rebased = dict(section)
+    for key in LOG_PATH_FIELDS:
+        value = section.get(key)
+        if not isinstance(value, str) or not prefix:
+            continue
+        parts = PurePath(value).parts
+        if PurePath(value).is_absolute() or len(parts) <= len(prefix):
+            continue
+        if parts[: len(prefix)] != prefix:
+            continue
+        rebased[key] = str(PurePath(*parts[len(prefix) :]))
+        logger.warning(
+            "logging.%s: %s is read as %s below run.output_dir (log paths are relative to "
+            "run.output_dir since 2.1); write %s to keep this meaning",
+            key,
+            value,
+            rebased[key],
+            rebased[key],
+        )
+    data["logging"] = rebased

@@ -25,6 +25,7 @@ file that is a directory or cannot be read is a ``ConfigError`` naming the file.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import os
 from collections.abc import Iterable, Mapping
@@ -45,6 +46,7 @@ __all__ = [
     "ENV_PREFIX",
     "EXTRA_ENV_NAMES",
     "ResolvedConfig",
+    "closest_env_name",
     "env_name_for",
     "known_fields",
     "resolve_config",
@@ -54,8 +56,9 @@ ENV_PREFIX = "SPEEDTRONIC_"
 DEFAULT_SECRETS_DIR = "/run/secrets"
 TOKEN_KEY = "distributed.token"
 NODE_ID_KEY = "distributed.node_id"
-#: ``SPEEDTRONIC_*`` names that are not fields but are understood (the last two are compose
-#: interpolation variables of the host shell, not read by the config).
+#: ``SPEEDTRONIC_*`` names that are not fields but are understood (all but the first three are
+#: compose.yaml interpolation variables of the host shell, not read by the config; a shell that
+#: exports them for ``docker compose`` must still be able to run ``speedtronic``).
 EXTRA_ENV_NAMES = frozenset(
     {
         "SPEEDTRONIC_CONFIG",
@@ -63,8 +66,15 @@ EXTRA_ENV_NAMES = frozenset(
         "SPEEDTRONIC_NODE_ID",
         "SPEEDTRONIC_IMAGE",
         "SPEEDTRONIC_HUB_REPO",
+        "SPEEDTRONIC_HF_TOKEN_FILE",
+        "SPEEDTRONIC_BIND_ADDRESS",
+        "SPEEDTRONIC_MASTER_PORT",
+        "SPEEDTRONIC_CPUS",
+        "SPEEDTRONIC_MEMORY",
     }
 )
+#: The non-field names worth suggesting for a typo (not the compose variables).
+_ENV_SUGGESTIONS = ("SPEEDTRONIC_CONFIG", "SPEEDTRONIC_SECRETS_DIR", "SPEEDTRONIC_NODE_ID")
 
 
 @dataclass
@@ -173,18 +183,42 @@ def _unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
     return nested
 
 
+def closest_env_name(name: str) -> str | None:
+    """The known ``SPEEDTRONIC_*`` name an unknown ``name`` most likely meant, or None.
+
+    A bare field name gets its section (``SPEEDTRONIC_MAX_STEPS`` ->
+    ``SPEEDTRONIC_RUN__MAX_STEPS``, ``run`` first), a 2.0.0 section alias its section
+    (``SPEEDTRONIC_HUB__REPO_ID`` -> ``SPEEDTRONIC_DISTRIBUTED__REPO_ID``); anything else the
+    most similar known name (`difflib`, on the part after the prefix: a missing ``_``, a
+    dropped letter, a misspelt section), if one is similar enough.
+    """
+    upper = name.upper()
+    rest = upper[len(ENV_PREFIX) :].lower() if upper.startswith(ENV_PREFIX) else upper.lower()
+    fields = list(known_fields())
+    section, _, leaf = rest.partition("__")
+    if section in ("hub", "diloco") and f"distributed.{leaf}" in fields:
+        return env_name_for(f"distributed.{leaf}")
+    by_field = [d for d in fields if d == f"run.{rest}"] + [
+        d for d in fields if d.endswith(f".{rest}")
+    ]
+    if by_field:
+        return env_name_for(by_field[0])
+    targets = {env_name_for(dotted)[len(ENV_PREFIX) :]: dotted for dotted in fields}
+    targets.update({extra[len(ENV_PREFIX) :]: extra for extra in _ENV_SUGGESTIONS})
+    close = difflib.get_close_matches(rest.upper(), sorted(targets), n=1, cutoff=0.75)
+    return ENV_PREFIX + close[0] if close else None
+
+
 def _check_env_names(environ: Mapping[str, str]) -> None:
-    """Reject unknown ``SPEEDTRONIC_*`` names (typos must not be ignored silently)."""
+    """Reject unknown ``SPEEDTRONIC_*`` names (typos must not be ignored silently), naming the
+    closest known one. An error, like an unknown key in a config file."""
     known = {env_name_for(dotted) for dotted in known_fields()} | EXTRA_ENV_NAMES
     for name in sorted(environ):
         upper = name.upper()
         if not upper.startswith(ENV_PREFIX) or upper in known:
             continue
-        hint = ""
-        rest = upper[len(ENV_PREFIX) :].lower()
-        candidates = [d for d in known_fields() if d.endswith(f".{rest}") or d == f"run.{rest}"]
-        if candidates:
-            hint = f" (did you mean {env_name_for(candidates[0])}?)"
+        suggestion = closest_env_name(name)
+        hint = f" (did you mean {suggestion}?)" if suggestion else ""
         raise ConfigError(
             f"unknown environment variable {name}: not a configuration field; expected "
             f"SPEEDTRONIC_<SECTION>__<FIELD>{hint}"

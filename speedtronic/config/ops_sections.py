@@ -209,8 +209,6 @@ class DistributedConfig:
     retry_attempts: int = 6
     reset_inner_optimizer: bool = False
     async_delta_upload: bool = True
-    delta_upload_queue_size: int = 1
-    delta_upload_overflow: str = "skip"
     delta_upload_shutdown_timeout: float = 5.0
     async_global_poll: bool = True
     delta_dtype: str = "fp32"
@@ -289,14 +287,6 @@ class DistributedConfig:
             raise blame("distributed retry bounds are invalid", bounds, lambda v: True)
         if self.retry_attempts < 1:
             raise ConfigError("distributed.retry_attempts must be positive")
-        if self.delta_upload_queue_size != 1:
-            raise ConfigError("distributed.delta_upload_queue_size must be 1 in v2")
-        self.delta_upload_overflow = _choice(
-            self.delta_upload_overflow,
-            "distributed.delta_upload_overflow",
-            ("skip",),
-            "distributed.delta_upload_overflow must be 'skip'",
-        )
         if self.delta_upload_shutdown_timeout <= 0:
             raise ConfigError("distributed.delta_upload_shutdown_timeout must be positive")
         self.delta_dtype = _choice(
@@ -352,9 +342,6 @@ class DistributedConfig:
         self.retry_attempts = to_int(self.retry_attempts, "distributed.retry_attempts")
         for name in ("reset_inner_optimizer", "async_delta_upload", "async_global_poll"):
             setattr(self, name, to_bool(getattr(self, name), f"distributed.{name}"))
-        self.delta_upload_queue_size = to_int(
-            self.delta_upload_queue_size, "distributed.delta_upload_queue_size"
-        )
         self.delta_upload_shutdown_timeout = to_float(
             self.delta_upload_shutdown_timeout, "distributed.delta_upload_shutdown_timeout"
         )

@@ -214,8 +214,8 @@ class SpeedtronicConfig:
             ("distributed.state_dir", self.state_dir, "dir"),
             ("distributed.cache_dir", self.distributed.cache_dir, "dir"),
             ("distributed.slots_dir", self.distributed.slots_dir, "dir"),
-            ("logging.file", self.logging.file, "file"),
-            ("logging.json_file", self.logging.json_file, "file"),
+            ("logging.file", self.text_log_path, "file"),
+            ("logging.json_file", self.events_path, "file"),
             ("data.text_path", self.data.text_path, "file"),
             ("data.token_path", self.data.token_path, "any"),  # a file or a prepared folder
             ("eval.text_path", self.eval.text_path, "file"),
@@ -252,6 +252,16 @@ class SpeedtronicConfig:
     def checkpoint_dir(self) -> Path:
         """Checkpoint directory: ``checkpoint.directory`` under ``run.output_dir`` if relative."""
         return self.resolve_output_path(self.checkpoint.directory)
+
+    @property
+    def text_log_path(self) -> Path | None:
+        """Text log file: ``logging.file`` under ``run.output_dir`` if relative; None: stdout."""
+        return self.resolve_output_path(self.logging.file) if self.logging.file else None
+
+    @property
+    def events_path(self) -> Path | None:
+        """JSONL events: ``logging.json_file`` under ``run.output_dir`` if relative; None: off."""
+        return self.resolve_output_path(self.logging.json_file) if self.logging.json_file else None
 
     @property
     def state_dir(self) -> Path:

@@ -79,12 +79,15 @@ def seed_everything(seed: int) -> None:
 
 
 def build_logger(config: SpeedtronicConfig) -> MetricLogger:
-    """The run's ``MetricLogger`` from ``config.logging`` (the Hub token is always redacted)."""
+    """The run's ``MetricLogger`` from ``config.logging`` (the Hub token is always redacted).
+
+    Relative log paths are under ``run.output_dir`` (``config.text_log_path``/``events_path``).
+    """
     section = config.logging
     return MetricLogger(
         level=section.level,
-        file=section.file,
-        json_file=section.json_file,
+        file=config.text_log_path,
+        json_file=config.events_path,
         every_steps=section.every_steps,
         format=section.format,
         secrets=[config.distributed.token],
