@@ -215,10 +215,16 @@ def test_plot_reads_the_last_run_joined_with_the_runs_it_resumed(tmp_path):
         log,
         ("old", 0, [(1, 9.0), (2, 8.0), (3, 7.0), (4, 6.0)], [(4, 6.5)]),  # an earlier run
         ("a", 0, [(1, 5.0), (2, 4.0), (3, 3.5)], [(0, 5.5)]),  # crashed after step 3
+        ("short", 0, [(1, 9.5)], []),  # a fresh run stopped at step 1: not what b resumed
         ("b", 2, [(3, 3.0), (4, 2.0)], [(2, 4.2), (4, 2.5)]),  # resumed from step 2
     )
     runs = read_runs(log)
-    assert [(r.run_id, r.start_step) for r in runs] == [("old", 0), ("a", 0), ("b", 2)]
+    assert [(r.run_id, r.start_step) for r in runs] == [
+        ("old", 0),
+        ("a", 0),
+        ("short", 0),
+        ("b", 2),
+    ]
     assert [r.run_id for r in last_run(runs)] == ["a", "b"]
     # steps 1-2 from a, 3-4 from b (a's step 3 was re-done); the older run is not mixed in
     assert [(r["step"], r["loss"]) for r in read_train_steps(log)] == [

@@ -7,13 +7,13 @@ the newest ``*.jsonl`` under a run directory.
 One file can hold several runs (a run started again with the same output directory appends to
 its log). Every record carries the ``run_id`` of the process that wrote it; records of logs
 written before run ids existed are split at each ``train_start``. By default the **last run** is
-drawn: if it resumed from a checkpoint (its ``train_start`` has ``start_step > 0``), the runs it
-continues supply the steps before that point, so a crash-and-resume is one curve, while a run
-that started from step 0 is never mixed with an earlier one. ``each_run=True`` draws every run
-as its own series instead. Within the drawn curve a step logged twice keeps its last record.
-Eval points are drawn on the loss axes at their ``step``: ``local`` (a node's own weights) and
-``global`` (the DiLoCo global) as distinct series. Needs matplotlib (extra
-``speedtronic[plot]``).
+drawn: if it resumed from a checkpoint (its ``train_start`` has ``start_step > 0``), the run it
+continues (the latest earlier run that reached that step, and so on back) supplies the steps
+before it, so a crash-and-resume is one curve, while a run that started from step 0 is never
+mixed with an earlier one. ``each_run=True`` draws every run as its own series instead. Within
+the drawn curve a step logged twice keeps its last record. Eval points are drawn on the loss
+axes at their ``step``: ``local`` (a node's own weights) and ``global`` (the DiLoCo global) as
+distinct series. Needs matplotlib (extra ``speedtronic[plot]``).
 """
 
 from __future__ import annotations
@@ -119,14 +119,27 @@ def read_runs(path: str | Path) -> list[Run]:
     return [run for run in runs.values() if not run.empty]
 
 
+def _reached(run: Run) -> int:
+    """The highest step ``run`` logged (train or eval), or its start step."""
+    steps = [int(r["step"]) for r in (*run.train_steps, *run.evals)]
+    return max([run.start_step, *steps])
+
+
 def last_run(runs: list[Run]) -> list[Run]:
-    """The last run and, when it resumed, the runs it continues (oldest first)."""
+    """The last run and, when it resumed, the runs it continues (oldest first).
+
+    A run that started from step ``s > 0`` continues the latest earlier run that reached step
+    ``s`` (the one whose checkpoint it most likely loaded); none reached it: nothing is joined.
+    """
     if not runs:
         return []
     chain = [runs[-1]]
     index = len(runs) - 1
-    while chain[0].start_step > 0 and index > 0:
-        index -= 1
+    while chain[0].start_step > 0:
+        earlier = [i for i in range(index) if _reached(runs[i]) >= chain[0].start_step]
+        if not earlier:
+            break
+        index = earlier[-1]
         chain.insert(0, runs[index])
     return chain
 
@@ -233,13 +246,13 @@ def plot_command(source: str, output: str, *, each_run: bool = False) -> str:
     loss_axes.set_ylabel("loss")
     counts = f"{train_count} train_step, {eval_count} eval records, to step {max(steps_seen)}"
     if each_run:
-        title = f"{log.name}: {len(runs)} runs, {counts}"
+        title = f"{log.name}: {len(runs)} runs\n{counts}"
     else:
         chain = series[0][1]
         resumed = f" (resumed at step {chain[-1].start_step})" if len(chain) > 1 else ""
         others = len(runs) - len(chain)
-        earlier = f"; {others} earlier run(s) not drawn (--each-run)" if others else ""
-        title = f"{log.name}: run {series[0][0]}{resumed}, {counts}{earlier}"
+        earlier = f"; {others} other run(s) not drawn (--each-run)" if others else ""
+        title = f"{log.name}: run {series[0][0]}{resumed}\n{counts}{earlier}"
     loss_axes.set_title(title, fontsize="medium")
     loss_axes.grid(alpha=0.3)
     lr_axes.set_ylabel("learning rate")
