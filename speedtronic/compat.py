@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ALIASES", "Alias", "install"]
+__all__ = ["ALIASES", "Alias", "SyncResult", "install"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,16 @@ class Alias:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "names", frozenset(self.exports) | frozenset(self.extras))
+
+
+@dataclass
+class SyncResult:
+    """2.0.0's ``speedtronic.distributed.SyncResult``: exported by 2.0.0 but never produced by
+    anything there or here; kept importable for code that names it, nowhere else."""
+
+    pushed: bool = False
+    loaded_global: bool = False
+    outer_step: int = 0
 
 
 #: old module path -> `Alias` (the 2.0.0 surfaces of reference/engine.md, distributed.md, v2.md).
@@ -128,7 +138,7 @@ ALIASES: dict[str, Alias] = {
         ("speedtronic.metrics.integrations",), ("TensorboardHook", "WandbHook")
     ),
     "speedtronic.distributed": Alias(
-        ("speedtronic.diloco",),
+        ("speedtronic.diloco", "speedtronic.compat"),
         (
             "DumbDiLoCo",
             "DumbDiLoCoCoordinator",
@@ -150,7 +160,12 @@ ALIASES: dict[str, Alias] = {
         package=True,
     ),
     "speedtronic.distributed.diloco": Alias(
-        ("speedtronic.diloco.coordinator", "speedtronic.diloco", "speedtronic.diloco.node"),
+        (
+            "speedtronic.diloco.coordinator",
+            "speedtronic.diloco",
+            "speedtronic.diloco.node",
+            "speedtronic.compat",
+        ),
         ("DeltaUploadJob", "DumbDiLoCo", "DumbDiLoCoCoordinator", "GlobalCandidate", "SyncResult"),
     ),
     "speedtronic.distributed.hub": Alias(

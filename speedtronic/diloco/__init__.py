@@ -12,8 +12,6 @@ See docs/diloco.md.
 
 from __future__ import annotations
 
-import dataclasses
-
 from speedtronic.diloco.coordinator import DumbDiLoCoCoordinator
 from speedtronic.diloco.identity import resolve_node_id
 from speedtronic.diloco.master import RoundMaster
@@ -43,15 +41,6 @@ DumbDiLoCo = DumbDiLoCoCoordinator
 #: 2.0.0 names: the master's aggregation loop and the upload job.
 MasterOuterLoop = RoundMaster
 DeltaUploadJob = Contribution
-
-
-@dataclasses.dataclass
-class SyncResult:
-    """2.0.0 compatibility record (exported, never produced)."""
-
-    pushed: bool = False
-    loaded_global: bool = False
-    outer_step: int = 0
 
 
 def __getattr__(name: str):
@@ -86,7 +75,6 @@ __all__ = [
     "RepoTransport",
     "RetryPolicy",
     "RoundMaster",
-    "SyncResult",
     "Transport",
     "TransportError",
     "average_deltas",
