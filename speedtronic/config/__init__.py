@@ -8,7 +8,8 @@ Public API::
                                         # scheduler horizon follows (explicit ones are kept)
     config.with_max_steps(n)            # same, on a deep copy
     config.sync_scheduler_horizon()     # after mutating run/data.max_steps directly
-    config.checkpoint_dir / state_dir / resolve_output_path(p)
+    config.checkpoint_dir / state_dir / events_path / text_log_path / resolve_output_path(p)
+                                        # relative paths are under run.output_dir
     load_config(source), load_yaml_config(path), ConfigError(ValueError)
     resolve_config(source, *, environ=None, secrets_dir=None, overrides=()) -> ResolvedConfig
 
