@@ -267,3 +267,18 @@ def test_the_config_is_logged_once(tmp_path, capsys, command):
     assert len(config_lines) == 1, config_lines
     assert "config (redacted)" in config_lines[0]
     assert sum(f"speedtronic {command} starting" in line for line in out.splitlines()) == 1
+
+
+def test_json_event_records_keep_their_message_in_the_process_log():
+    """Process events (``SIGTERM received ...``) keep the text; MetricLogger events, whose
+    text restates the fields, do not."""
+    from speedtronic.metrics.logger import JsonLogFormatter
+
+    record = logging.LogRecord(
+        "speedtronic.entrypoint", logging.INFO, __file__, 1, "SIGTERM received", (), None
+    )
+    record.st_event, record.st_fields = "stop_requested", {"signal": "SIGTERM"}
+    line = json.loads(entrypoint.JsonLogFormatter().format(record))
+    assert line["message"] == "SIGTERM received" and line["event"] == "stop_requested"
+    quiet = json.loads(JsonLogFormatter("speedtronic", event_messages=False).format(record))
+    assert "message" not in quiet and quiet["logger"] == "speedtronic"

@@ -72,17 +72,20 @@ def _format_value(value: Any) -> str:
 
 class JsonLogFormatter(logging.Formatter):
     """The one JSON log line format (``logging.format: json``), for the MetricLogger and the
-    process log of ``speedtronic train|run`` alike: ``{"ts", "level", "logger"}`` plus either
-    ``"event"`` and ``"fields"`` (records logged with ``extra={"st_event": name,
-    "st_fields": {...}}``) or ``"message"``, and ``"exception"`` when the record has one.
+    process log of ``speedtronic train|run`` alike: ``{"ts", "level", "logger"}``, then
+    ``"event"`` and ``"fields"`` for records logged with ``extra={"st_event": name,
+    "st_fields": {...}}``, ``"message"`` (for an event record only with ``event_messages``),
+    and ``"exception"`` when the record has one.
 
     ``logger_name`` replaces the record's logger name (the MetricLogger writes as
-    ``speedtronic``); ``ts`` is UTC with milliseconds and a ``Z`` suffix.
+    ``speedtronic``, and leaves ``event_messages`` off: its event text restates the fields);
+    ``ts`` is UTC with milliseconds and a ``Z`` suffix.
     """
 
-    def __init__(self, logger_name: str | None = None) -> None:
+    def __init__(self, logger_name: str | None = None, *, event_messages: bool = True) -> None:
         super().__init__()
         self.logger_name = logger_name
+        self.event_messages = event_messages
 
     def format(self, record: logging.LogRecord) -> str:
         """Render ``record`` as a single-line JSON object."""
@@ -93,11 +96,11 @@ class JsonLogFormatter(logging.Formatter):
             "logger": self.logger_name or record.name,
         }
         event = getattr(record, "st_event", None)
+        if event is None or self.event_messages:
+            line["message"] = record.getMessage()
         if event is not None:
             line["event"] = event
             line["fields"] = getattr(record, "st_fields", {})
-        else:
-            line["message"] = record.getMessage()
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
         return json.dumps(line, default=str)
@@ -183,7 +186,7 @@ class MetricLogger:
             handler = logging.StreamHandler(stream or sys.stdout)
         setattr(handler, _HANDLER_TAG, True)
         if format == "json":
-            handler.setFormatter(JsonLogFormatter("speedtronic"))
+            handler.setFormatter(JsonLogFormatter("speedtronic", event_messages=False))
         else:
             handler.setFormatter(logging.Formatter("%(asctime)s | %(levelname)s | %(message)s"))
         handler.addFilter(_RedactingFilter(self.secrets))
