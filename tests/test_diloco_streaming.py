@@ -83,7 +83,7 @@ def test_a_group_contribution_weighs_as_many_nodes_as_it_speaks_for(tmp_path):
     assert torch.equal(t.read_global()["a"], torch.full((3, 4), -2.0))  # (3*1 + 1*5) / 4
 
 
-_PEAK = """
+_PEAK = r"""
 import json, re, sys, tempfile, time
 from pathlib import Path
 import torch

@@ -34,14 +34,14 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
 
 from speedtronic.testing.hub_budget import Budget, BudgetKeeper
 
-__all__ = ["FaultConfig", "HubEmulator", "main"]
+__all__ = ["FaultConfig", "HubEmulator", "main", "token_tag"]
 
 _API = re.compile(r"^/api/models/([^/]+/[^/]+)/(revision|tree|preupload|commit)/([^/]+)(/.*)?$")
 _RESOLVE = re.compile(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$")
@@ -201,6 +201,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self.hub.count(method, "budget:requests")
                 return self._error(429, "API request quota exceeded", extra=over)
         self.hub.count(method, path)
+        self.hub.tally(self._caller(), "requests")
         if path == "/_emulator/stats":
             return self._json(200, self.hub.stats())
         if path == "/_emulator/faults" and method == "POST":
@@ -361,8 +362,11 @@ class _Handler(BaseHTTPRequestHandler):
                     repo.files.pop(path, None)
             repo.commits += 1
             self.hub.commits += 1
+            self.hub.tally(self._caller(), "commits")
             repo.sha = hashlib.sha1(f"{repo_id}:{repo.commits}:{time.time()}".encode()).hexdigest()
             sha = repo.sha
+            if self.hub.on_commit is not None:  # under the lock: counters exact at this commit
+                self.hub.on_commit(repo_id, adds)
         self._json(
             200,
             {
@@ -411,6 +415,11 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(status, payload, headers, head=head, content_type="application/octet-stream")
 
 
+def token_tag(token: str) -> str:
+    """How stats name a token: a short digest, never the token itself ('' for none)."""
+    return hashlib.sha256(token.encode()).hexdigest()[:12] if token else ""
+
+
 class _Server(ThreadingHTTPServer):
     """A client that hangs up mid-response (a killed node, a client timeout) is normal here:
     counted as ``client_gone``, not printed as a traceback."""
@@ -449,6 +458,9 @@ class HubEmulator:
         self.commits = 0
         self._rng = random.Random(self.faults.seed)
         self._counts: dict[str, int] = {}
+        self._by_token: dict[str, dict[str, int]] = {}  # token_tag -> requests, commits
+        # called as on_commit(repo_id, {path: bytes}) after each commit lands, under the lock
+        self.on_commit: Callable[[str, dict[str, bytes]], None] | None = None
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -498,6 +510,12 @@ class HubEmulator:
             key = f"{method} {kind}"
             self._counts[key] = self._counts.get(key, 0) + 1
 
+    def tally(self, token: str, what: str) -> None:
+        """Count a served request or a landed commit against the caller's token (by tag)."""
+        with self.lock:
+            row = self._by_token.setdefault(token_tag(token), {"requests": 0, "commits": 0})
+            row[what] += 1
+
     def delay(self) -> None:
         """Sleep the configured latency (plus jitter) before serving a request."""
         f = self.faults
@@ -513,6 +531,8 @@ class HubEmulator:
                 "counts": dict(self._counts),
                 "budget_refused": dict(self.budget.refused),
                 "commits": self.commits,
+                "commits_by_repo": {k: v.commits for k, v in self.repos.items()},
+                "by_token": {k: dict(v) for k, v in self._by_token.items()},
                 "repos": {k: sorted(v.files) for k, v in self.repos.items()},
             }
 
