@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from speedtronic.checkpoint import CheckpointError, CheckpointManager, atomic_torch_save
-from speedtronic.runtime import build_runtime, train_from_config
+from speedtronic.train.runtime import build_runtime, train_from_config
 
 
 def small_config(tmp_path, **sections) -> dict:

@@ -13,8 +13,8 @@ import yaml
 from speedtronic.cli import main
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.model import build_model
-from speedtronic.runtime import train_from_config
 from speedtronic.train.evaluate import build_heldout, evaluate
+from speedtronic.train.runtime import train_from_config
 
 MODEL = {"vocab_size": 64, "max_seq_len": 16, "n_layer": 1, "n_head": 2, "d_model": 32}
 

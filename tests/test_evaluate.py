@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from speedtronic.metrics.logger import MetricLogger
-from speedtronic.runtime import train_from_config
 from speedtronic.train.evaluate import EvalResult, HeldOut, build_heldout, evaluate
+from speedtronic.train.runtime import train_from_config
 from speedtronic.train.trainer import Trainer
 
 

@@ -14,7 +14,7 @@ from tokenizer_fixtures import train_bpe
 from speedtronic.cli import main
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.model import build_model, register_model
-from speedtronic.runtime import train_from_config
+from speedtronic.train.runtime import train_from_config
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from speedtronic.hooks import on_event
 from speedtronic.metrics import CallbackList, MetricLogger
+from speedtronic.metrics.hooks import on_event
 from speedtronic.metrics.plot import plot_command, read_train_steps
 
 TOKEN = "hf_SECRETTOKEN123456"
@@ -144,7 +144,7 @@ def test_adapters_missing_packages_are_clear(monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", fake_import)
-    from speedtronic.integrations import TensorboardHook, WandbHook
+    from speedtronic.metrics.integrations import TensorboardHook, WandbHook
 
     with pytest.raises(RuntimeError, match=r"speedtronic\[logging\]"):
         WandbHook(project="x")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from speedtronic.optim import CautiousOptimizer, HybridOptimizer
-from speedtronic.runtime import build_runtime, train_from_config
+from speedtronic.train.runtime import build_runtime, train_from_config
 
 
 def _config(tmp_path, optimizer: dict) -> dict:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from speedtronic.config import ConfigError, SpeedtronicConfig
-from speedtronic.runtime import build_runtime, train_from_config
+from speedtronic.train.runtime import build_runtime, train_from_config
 
 
 def small_config(tmp_path, **overrides) -> dict:
@@ -212,7 +212,7 @@ def test_json_logs_and_checkpoints_never_contain_the_token(tmp_path, capsys):
 
 
 def test_exploding_run_stops_on_nonfinite_loss_keeping_last_good_checkpoint(tmp_path):
-    from speedtronic.trainer import NonFiniteLossError
+    from speedtronic.train.trainer import NonFiniteLossError
 
     values = small_config(
         tmp_path, optimizer={"lr": 1e30, "weight_decay": 0.0}, checkpoint={"every_steps": 1}

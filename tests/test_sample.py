@@ -9,7 +9,7 @@ from tokenizer_fixtures import corpus_text, train_bpe
 
 from speedtronic.cli import main
 from speedtronic.model import ReferenceTransformer
-from speedtronic.runtime import train_from_config
+from speedtronic.train.runtime import train_from_config
 from speedtronic.train.sampling import generate
 
 MODEL = {"vocab_size": 300, "max_seq_len": 32, "n_layer": 1, "n_head": 2, "d_model": 32}

@@ -7,13 +7,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from speedtronic.precision import (
+from speedtronic.optim import supports_fused_adamw
+from speedtronic.train.precision import (
     autocast_context,
     make_grad_scaler,
     parameter_count,
     resolve_device,
     resolve_precision,
-    supports_fused_adamw,
 )
 
 CPU = torch.device("cpu")
