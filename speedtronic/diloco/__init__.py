@@ -2,17 +2,19 @@
 a Hub repository or a shared volume (``file:///abs/path``).
 
 Modules: :mod:`.node` (a node's round, hooked on the inner optimizer), :mod:`.master` (the
-master's round), :mod:`.coordinator` (assembles both for the trainer), :mod:`.outer`
-(Nesterov outer optimizer), :mod:`.tensors` (format, pseudo-gradient), :mod:`.transport`
-(repository layout), :mod:`.retry` (errors, retry policy), :mod:`.directory` (shared volume),
-:mod:`.hub` (Hugging Face Hub), :mod:`.identity` (node ids and claims) and :mod:`.ideal`
-(the same arithmetic in one process, the peer the protocol is measured against).
+master's round), :mod:`.relay` (a group leader's link to the top level), :mod:`.coordinator`
+(assembles them for the trainer), :mod:`.outer` (Nesterov outer optimizer), :mod:`.tensors`
+(format, pseudo-gradient), :mod:`.transport` (repository layout), :mod:`.directory` (shared
+volume) and :mod:`.hub` (Hugging Face Hub) below :mod:`.exchange` (picks one for a repo id),
+:mod:`.retry` (errors, retry policy), :mod:`.identity` (node ids and claims) and
+:mod:`.ideal` (the same arithmetic in one process, the peer the protocol is measured against).
 See docs/diloco.md.
 """
 
 from __future__ import annotations
 
 from speedtronic.diloco.coordinator import DumbDiLoCoCoordinator
+from speedtronic.diloco.exchange import build_transport
 from speedtronic.diloco.identity import resolve_node_id
 from speedtronic.diloco.master import RoundMaster
 from speedtronic.diloco.node import Contribution, DiLoCoNode, GlobalCandidate
@@ -34,7 +36,6 @@ from speedtronic.diloco.transport import (
     RetryPolicy,
     Transport,
     TransportError,
-    build_transport,
 )
 
 DumbDiLoCo = DumbDiLoCoCoordinator

@@ -29,6 +29,7 @@ import torch
 
 from speedtronic.checkpoint import atomic_write_bytes
 from speedtronic.diloco import tensors as T
+from speedtronic.diloco.exchange import build_transport
 from speedtronic.diloco.identity import NodeClaim, NodeIdCollisionError, resolve_node_id
 from speedtronic.diloco.master import RoundMaster
 from speedtronic.diloco.node import Contribution, DiLoCoNode, GlobalCandidate, GlobalInbox
@@ -39,7 +40,6 @@ from speedtronic.diloco.retry import (
     retry_policy_from_config,
     scrub,
 )
-from speedtronic.diloco.transport import build_transport
 
 __all__ = ["DumbDiLoCo", "DumbDiLoCoCoordinator", "build_transport", "resolve_node_id"]
 

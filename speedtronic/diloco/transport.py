@@ -58,7 +58,6 @@ __all__ = [
     "RetryPolicy",
     "Transport",
     "TransportError",
-    "build_transport",
     "classify_error",
     "retry_policy_from_config",
     "scrub",
@@ -515,16 +514,3 @@ class RepoTransport:
         self.commit(
             {f"nodes/{node_id}/owner.json": _json_bytes(dict(record))}, message=f"claim {node_id}"
         )
-
-
-def build_transport(config: Any, retry: RetryPolicy | None = None) -> Any:
-    """``file:///abs`` -> DirectoryTransport; ``owner/name`` -> HubClient."""
-    retry = retry or retry_policy_from_config(config)
-    repo_id = config.repo_id or ""
-    if repo_id.startswith("file:"):
-        from speedtronic.diloco.directory import DirectoryTransport
-
-        return DirectoryTransport(repo_id, retry)
-    from speedtronic.diloco.hub import HubClient
-
-    return HubClient(repo_id, token=config.token, cache_dir=config.cache_dir, retry=retry)
