@@ -301,3 +301,26 @@ def test_load_and_from_dict_never_read_environment(monkeypatch) -> None:
     monkeypatch.setenv("HF_TOKEN", "hf_env")
     assert load_config(SMOKE).run.max_steps == 200
     assert SpeedtronicConfig.from_dict({}).distributed.token is None
+
+
+def test_aliases_are_normalised_once_per_load(tmp_path, monkeypatch, no_secrets) -> None:
+    """issue 11: the file is canonicalised where it is read; the merge is built as canonical."""
+    from speedtronic.config import canonical, layering, schema
+
+    calls: list[object] = []
+
+    def counting(values):
+        calls.append(values)
+        return canonical.canonicalize(values)
+
+    monkeypatch.setattr(layering, "canonicalize", counting)
+    monkeypatch.setattr(schema, "canonicalize", counting)
+    path = tmp_path / "old.yaml"
+    path.write_text("max_steps: 9\nhub:\n  inner_steps: 3\noptimizer: muon\n")
+    environ = {"SPEEDTRONIC_RUN__SEED": "4", "SPEEDTRONIC_COMPILE": "{enabled: true}"}
+    resolved = resolve_config(str(path), environ=environ, secrets_dir=no_secrets)
+    assert len(calls) == 1
+    config = resolved.config
+    assert (config.run.max_steps, config.distributed.inner_steps) == (9, 3)
+    assert (config.optimizer.name, config.run.seed, config.compile) == ("muon", 4, True)
+    assert resolved.sources["compile"] == "env:SPEEDTRONIC_COMPILE"

@@ -40,6 +40,22 @@ def test_root_must_be_a_mapping(root) -> None:
         SpeedtronicConfig.from_dict(root)
 
 
+def test_from_canonical_does_not_normalise_again() -> None:
+    """issue 11: from_dict normalises 2.0.0 forms once; from_canonical takes canonical data only."""
+    canonical = {"run": {"max_steps": 3}, "optimizer": {"name": "muon"}, "compile": True}
+    built = SpeedtronicConfig.from_canonical(canonical)
+    assert built.to_dict() == SpeedtronicConfig.from_dict(canonical).to_dict()
+    assert SpeedtronicConfig.from_dict({"max_steps": 3}).run.max_steps == 3
+    with pytest.raises(ConfigError, match="unknown configuration keys: max_steps"):
+        SpeedtronicConfig.from_canonical({"max_steps": 3})
+    with pytest.raises(ConfigError, match="unknown configuration keys: hub"):
+        SpeedtronicConfig.from_canonical({"hub": {"inner_steps": 3}})
+    with pytest.raises(ConfigError, match="optimizer must be a mapping"):
+        SpeedtronicConfig.from_canonical({"optimizer": "muon"})
+    with pytest.raises(ConfigError, match="compile must be a boolean"):
+        SpeedtronicConfig.from_canonical({"compile": {"enabled": True}})
+
+
 def test_from_dict_does_not_mutate_input() -> None:
     values = {"max_steps": 5, "run": {"name": "a"}, "optimizer": "muon", "muon_plus": True}
     snapshot = json.dumps(values)

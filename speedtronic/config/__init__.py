@@ -3,6 +3,7 @@
 Public API::
 
     SpeedtronicConfig.from_dict / from_yaml / load, .to_dict / to_yaml / save
+    SpeedtronicConfig.from_canonical(mapping)   # canonical data only; from_dict normalises
     config.effective_max_steps          # data.max_steps or run.max_steps
     config.apply_run_target(n)          # change the run target in place; an implicit
                                         # scheduler horizon follows (explicit ones are kept)

@@ -1,10 +1,14 @@
 """Alias and shorthand handling: turn any accepted mapping into the canonical nested form.
 
 The canonical form has only section keys (``run``, ``model``, ...) whose values are plain dicts
-(or ``None``/section instances passed through), plus the four root scalars. It is what the
-layering merges (each layer is canonicalised first, so ``max_steps: 4`` in a file and
-``SPEEDTRONIC_RUN__MAX_STEPS`` in the environment address the same field) and what
-``SpeedtronicConfig.from_dict`` builds from. Order follows reference/config.md §4.
+(or ``None``/section instances passed through), plus the four root scalars. It is what
+``SpeedtronicConfig.from_canonical`` builds from, without normalising again. Normalisation runs
+once, where a mapping enters: :func:`canonicalize` for a config file, inline text or a
+``from_dict`` mapping (which may use any 2.0.0 form); the environment, secret files and
+``--set`` address canonical fields by name, so only their values' shorthand
+(:func:`compile_shorthand`) applies to them. The layering then merges the canonical layers, so
+``max_steps: 4`` in a file and ``SPEEDTRONIC_RUN__MAX_STEPS`` address the same field. Order
+follows reference/config.md §4.
 
 Two 2.0.0 forms are normalised here too, each with a warning on the ``speedtronic.config``
 logger: the retired settings of `RETIRED` (accepted only at their one legal value, then dropped)
@@ -31,6 +35,7 @@ __all__ = [
     "RUN_ALIASES",
     "SECTION_NAMES",
     "canonicalize",
+    "compile_shorthand",
     "rebase_legacy_log_paths",
     "unknown_keys_message",
 ]
@@ -144,15 +149,24 @@ def canonicalize(values: Any) -> dict[str, Any]:
     if unknown:
         raise ConfigError(unknown_keys_message(unknown))
 
-    compile_value = data.get("compile")
-    if isinstance(compile_value, Mapping):
-        extra = set(compile_value) - {"enabled"}
-        if extra:
-            raise ConfigError(unknown_keys_message(extra, "compile: "))
-        data["compile"] = compile_value.get("enabled", False)
+    if "compile" in data:
+        data["compile"] = compile_shorthand(data["compile"])
     _drop_retired(data)
     rebase_legacy_log_paths(data)
     return data
+
+
+def compile_shorthand(value: Any) -> Any:
+    """The 2.0.0 ``compile: {enabled: x}`` form -> ``x`` (``{}`` -> False); other values as is.
+
+    Any key besides ``enabled`` is a ``ConfigError`` (``compile: unknown configuration keys``).
+    """
+    if not isinstance(value, Mapping):
+        return value
+    extra = set(value) - {"enabled"}
+    if extra:
+        raise ConfigError(unknown_keys_message(extra, "compile: "))
+    return value.get("enabled", False)
 
 
 def _drop_retired(data: dict[str, Any]) -> None:

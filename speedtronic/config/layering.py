@@ -3,8 +3,11 @@
 :func:`resolve_config` is the one place that reads the environment and the secrets directory.
 The environment and secret files are read through pydantic-settings sources
 (``EnvSettingsSource`` with ``env_prefix="SPEEDTRONIC_"`` and ``env_nested_delimiter="__"``;
-``NestedSecretsSettingsSource`` with ``<section>__<field>`` file names). Each layer is
-canonicalised (aliases/shorthands applied), flattened to dotted keys and merged; the winner of
+``NestedSecretsSettingsSource`` with ``<section>__<field>`` file names). The file layer is
+canonicalised once (aliases/shorthands applied); every layer is flattened to dotted keys and
+merged, and the merged mapping is built with ``SpeedtronicConfig.from_canonical`` (no second
+normalisation; only the 2.0.0 log-path rule is applied once more, against the merged
+``run.output_dir``); the winner of
 each key is recorded in ``ResolvedConfig.sources`` (``file``, ``env:<NAME>``,
 ``secret:<file>``, ``cli``). Keys no layer set keep their dataclass defaults and are not listed.
 
@@ -35,7 +38,13 @@ from typing import Any, Optional
 
 import yaml
 
-from speedtronic.config.canonical import ROOT_FIELDS, SECTION_NAMES, canonicalize
+from speedtronic.config.canonical import (
+    ROOT_FIELDS,
+    SECTION_NAMES,
+    canonicalize,
+    compile_shorthand,
+    rebase_legacy_log_paths,
+)
 from speedtronic.config.errors import ConfigError
 from speedtronic.config.loading import load_yaml_value, looks_inline, read_source
 from speedtronic.config.redaction import SecretText, scrub
@@ -404,7 +413,11 @@ def resolve_config(
             if dotted == TOKEN_KEY and isinstance(value, str):
                 tokens.append(value)
     try:
-        config = SpeedtronicConfig.from_dict(_unflatten(merged))
+        if "compile" in merged:
+            merged["compile"] = compile_shorthand(merged["compile"])
+        nested = _unflatten(merged)
+        rebase_legacy_log_paths(nested)  # against the merged run.output_dir (configuration.md)
+        config = SpeedtronicConfig.from_canonical(nested)
     except ConfigError as error:
         error = _attribute(error, sources)
         raise ConfigError(scrub(str(error), tokens)) from None

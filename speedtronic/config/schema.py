@@ -17,7 +17,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from speedtronic.config.canonical import SECTION_NAMES, canonicalize, unknown_keys_message
+from speedtronic.config.canonical import (
+    ROOT_FIELDS,
+    SECTION_NAMES,
+    canonicalize,
+    unknown_keys_message,
+)
 from speedtronic.config.coercion import REDACTED, to_bool, to_int
 from speedtronic.config.errors import ConfigError
 from speedtronic.config.limits import path_kind_problem
@@ -274,15 +279,29 @@ class SpeedtronicConfig:
     # ----------------------------------------------------------------- construction
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None = None) -> SpeedtronicConfig:
-        """Build from a (possibly aliased) mapping; never reads the environment."""
-        data = canonicalize(values)
-        kwargs: dict[str, Any] = {}
-        for name in SECTION_NAMES:
-            if name in data:
-                kwargs[name] = build_section(name, data[name])
-        for name in ("gradient_checkpointing", "compile", "ooo_backprop", "ooo_streams"):
-            if name in data:
-                kwargs[name] = data[name]
+        """Build from a mapping in any accepted form; never reads the environment.
+
+        The public entry for users' mappings: 2.0.0 root aliases (``max_steps: 10``), section
+        aliases (``hub:``) and shorthands (``optimizer: muon``, ``precision: bf16``,
+        ``compile: {enabled: true}``) are normalised here, once (:func:`canonicalize`), then
+        the canonical mapping is built by :meth:`from_canonical`.
+        """
+        return cls.from_canonical(canonicalize(values))
+
+    @classmethod
+    def from_canonical(cls, data: Mapping[str, Any]) -> SpeedtronicConfig:
+        """Build and validate from an already canonical mapping, without normalising it again.
+
+        ``data`` holds only section names (each a mapping of field names, ``None`` or a section
+        instance) and the root fields, as :func:`canonicalize` and ``resolve_config`` produce
+        it. An alias or shorthand here is not rewritten: it is an unknown key or a wrong type,
+        a ``ConfigError`` like any other. Use :meth:`from_dict` for users' mappings.
+        """
+        unknown = set(data) - set(SECTION_NAMES) - set(ROOT_FIELDS)
+        if unknown:
+            raise ConfigError(unknown_keys_message(unknown))
+        kwargs = {name: build_section(name, data[name]) for name in SECTION_NAMES if name in data}
+        kwargs.update({name: data[name] for name in ROOT_FIELDS if name in data})
         return cls(**kwargs).validate()
 
     @classmethod
