@@ -147,3 +147,26 @@ def test_polling_the_global_costs_one_request_until_it_changes(tmp_path):
         assert get2 - get1 == 1 and head2 - head1 <= 2
     finally:
         emulator.stop()
+
+
+def test_a_node_record_rewritten_unchanged_keeps_its_version_on_the_hub(tmp_path):
+    """Each upload commit carries the node's record; while its status is unchanged the blob id
+    stays, so the master (which re-reads a record only at a new version) reads none per round."""
+    from speedtronic.diloco.identity import NodeClaim
+
+    emulator = HubEmulator(0, token=TEST_TOKEN).start()
+    try:
+        retry = RetryPolicy(initial=0.05, maximum=1.0, attempts=4, timeout=10.0)
+        hub = HubClient("org/records", token=TEST_TOKEN, endpoint=emulator.url,
+                        cache_dir=tmp_path, retry=retry)  # fmt: skip
+        hub.create_repo()
+        claim = NodeClaim("n1", "worker", tmp_path / "state")
+        versions = []
+        for _ in range(3):
+            hub.claim_owner("n1", claim.record(state="training"))
+            versions.append(hub.list_info()["nodes/n1/owner.json"].version)
+        hub.claim_owner("n1", claim.record(state="done", final_round=2))
+        done = hub.list_info()["nodes/n1/owner.json"].version
+        assert versions[0] == versions[1] == versions[2] != done
+    finally:
+        emulator.stop()

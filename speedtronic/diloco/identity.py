@@ -17,7 +17,6 @@ import os
 import secrets
 import socket
 from collections.abc import Mapping
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -92,8 +91,7 @@ class NodeClaim:
             "role": self.role,
             "host": self.host,
             "pid": os.getpid(),
-            "updated_at": datetime.now(timezone.utc).isoformat(),
-            **status,
+            **status,  # no timestamp: an unchanged record keeps its blob id (the master skips it)
         }
 
     def check(self, owner: Mapping[str, Any] | None) -> str | None:
