@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -324,3 +326,41 @@ def test_aliases_are_normalised_once_per_load(tmp_path, monkeypatch, no_secrets)
     assert (config.run.max_steps, config.distributed.inner_steps) == (9, 3)
     assert (config.optimizer.name, config.run.seed, config.compile) == ("muon", 4, True)
     assert resolved.sources["compile"] == "env:SPEEDTRONIC_COMPILE"
+
+
+def test_env_and_secrets_are_read_without_a_second_model(tmp_path) -> None:
+    """issue 11: names map to fields by lookup; the section dataclasses are the one validator."""
+    secrets = _write_secrets(tmp_path / "s", hf_token="hf_from_file\n", run__seed="5\n")
+    code = (
+        "import sys\n"
+        "from speedtronic.config import resolve_config\n"
+        f"r = resolve_config({SMOKE!r}, environ={{'SPEEDTRONIC_OPTIMIZER__LR': '1e-3'}},"
+        f" secrets_dir={secrets!r})\n"
+        "assert (r.config.optimizer.lr, r.config.run.seed) == (1e-3, 5)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0].startswith('pydantic')))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_secret_files_that_are_not_ours_or_not_text(tmp_path) -> None:
+    outside = tmp_path / "elsewhere"
+    outside.write_text("hf_outside_the_directory\n")
+    secrets = tmp_path / "s"
+    _write_secrets(secrets, RUN__SEED="6\n")
+    (secrets / "hf_token").symlink_to(outside)  # a link out of the directory is not read
+    resolved = resolve_config({}, environ={}, secrets_dir=str(secrets))
+    assert resolved.config.distributed.token is None
+    assert resolved.sources == {"run.seed": "secret:RUN__SEED"}
+    (secrets / "run__max_steps").write_bytes(b"\xff\xfe7\n")
+    message = _resolve_error(secrets, "run__max_steps is not UTF-8 text")
+    assert str(secrets / "run__max_steps") in message
+
+
+def _resolve_error(secrets: Path, needle: str) -> str:
+    with pytest.raises(ConfigError, match=needle) as caught:
+        resolve_config({}, environ={}, secrets_dir=str(secrets))
+    return str(caught.value)

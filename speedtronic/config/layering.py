@@ -1,14 +1,15 @@
 """Layered configuration: defaults < file < secret files < environment < CLI overrides.
 
 :func:`resolve_config` is the one place that reads the environment and the secrets directory.
-The environment and secret files are read through pydantic-settings sources
-(``EnvSettingsSource`` with ``env_prefix="SPEEDTRONIC_"`` and ``env_nested_delimiter="__"``;
-``NestedSecretsSettingsSource`` with ``<section>__<field>`` file names). The file layer is
-canonicalised once (aliases/shorthands applied); every layer is flattened to dotted keys and
-merged, and the merged mapping is built with ``SpeedtronicConfig.from_canonical`` (no second
-normalisation; only the 2.0.0 log-path rule is applied once more, against the merged
-``run.output_dir``); the winner of
-each key is recorded in ``ResolvedConfig.sources`` (``file``, ``env:<NAME>``,
+Both are read directly into dotted field names: every field has exactly one environment name
+(:func:`env_name_for`, matched case-insensitively) and one secret file name
+(``<section>__<field>``), so a name maps to its field by a table lookup, and the values go
+straight into the mapping the section dataclasses validate (there is no second model in
+between; the dataclasses are the one validator). The file layer is canonicalised once
+(aliases/shorthands applied); every layer is flattened to dotted keys and merged, and the
+merged mapping is built with ``SpeedtronicConfig.from_canonical`` (no second normalisation; only
+the 2.0.0 log-path rule is applied once more, against the merged ``run.output_dir``); the winner
+of each key is recorded in ``ResolvedConfig.sources`` (``file``, ``env:<NAME>``,
 ``secret:<file>``, ``cli``). Keys no layer set keep their dataclass defaults and are not listed.
 
 Environment names: ``SPEEDTRONIC_<SECTION>__<FIELD>`` and ``SPEEDTRONIC_<ROOT_FIELD>``, plus
@@ -22,7 +23,10 @@ Secrets: the token (from any layer) and every value read from a secret file are 
 :class:`~speedtronic.config.redaction.SecretText` before validation, and a validation error is
 scrubbed of every token value, so no error prints a secret, even one in the wrong field. The
 token cannot be set with ``--set``/``overrides`` (it would sit in the process list). A secret
-file that is a directory or cannot be read is a ``ConfigError`` naming the file.
+file that is a directory, cannot be read or is not UTF-8 is a ``ConfigError`` naming the file.
+Other entries of the directory are not ours and are left alone: hidden ones (Kubernetes'
+``..data``), names that are no field, anything but a regular file, and a link that leads out of
+the directory (as the secret sources of pydantic-settings, used before, did).
 """
 
 from __future__ import annotations
@@ -31,10 +35,11 @@ import dataclasses
 import difflib
 import functools
 import os
+import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 
@@ -65,6 +70,8 @@ ENV_PREFIX = "SPEEDTRONIC_"
 DEFAULT_SECRETS_DIR = "/run/secrets"
 TOKEN_KEY = "distributed.token"
 NODE_ID_KEY = "distributed.node_id"
+HF_TOKEN_FILE = "hf_token"
+MAX_SECRETS_BYTES = 16 * 2**20  # all secret files together (a token is ~40 bytes)
 #: ``SPEEDTRONIC_*`` names that are not fields but are understood (all but the first three are
 #: compose.yaml interpolation variables of the host shell, not read by the config; a shell that
 #: exports them for ``docker compose`` must still be able to run ``speedtronic``).
@@ -116,24 +123,17 @@ def env_name_for(dotted: str) -> str:
 
 
 @functools.cache
-def _settings_class() -> type:
-    """A pydantic-settings model mirroring the sections (values stay raw; we validate)."""
-    from pydantic import create_model
-    from pydantic_settings import BaseSettings, SettingsConfigDict
+def _env_fields() -> dict[str, str]:
+    """``SPEEDTRONIC_*`` name (upper case) -> dotted field, in field order."""
+    return {env_name_for(dotted): dotted for dotted in known_fields()}
 
-    fields: dict[str, Any] = {}
-    for section, cls in SECTION_CLASSES.items():
-        leaves = {item.name: (Any, None) for item in dataclasses.fields(cls)}
-        model = create_model(f"_{cls.__name__}Layer", **leaves)
-        fields[section] = (Optional[model], None)  # noqa: UP045 - runtime annotation
-    for name in ROOT_FIELDS:
-        fields[name] = (Any, None)
-    fields["hf_token"] = (Any, None)
-    settings = create_model("_SpeedtronicLayer", __base__=BaseSettings, **fields)
-    settings.model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX, env_nested_delimiter="__", case_sensitive=False, extra="ignore"
-    )
-    return settings
+
+@functools.cache
+def _secret_fields() -> dict[str, str]:
+    """Secret file name (lower case) -> dotted field: ``hf_token`` and ``<section>__<field>``."""
+    names = {HF_TOKEN_FILE: HF_TOKEN_FILE}  # -> distributed.token, below distributed__token
+    names.update({dotted.replace(".", "__"): dotted for dotted in known_fields()})
+    return names
 
 
 def _parse_value(raw: Any, dotted: str, origin: str) -> Any:
@@ -235,99 +235,95 @@ def _check_env_names(environ: Mapping[str, str]) -> None:
 
 
 def _env_layer(environ: Mapping[str, str]) -> list[tuple[str, Any, str]]:
-    """(dotted, value, source) triples from the environment, lowest precedence first."""
-    from pydantic_settings import EnvSettingsSource
-    from pydantic_settings.sources.utils import parse_env_vars
+    """(dotted, value, source) triples from the environment, lowest precedence first.
 
-    class _MappingEnvSource(EnvSettingsSource):
-        def _load_env_vars(self) -> Mapping[str, str | None]:
-            return parse_env_vars(
-                {k: v for k, v in environ.items() if k.upper().startswith(ENV_PREFIX)},
-                False,
-                False,
-                None,
-            )
-
-    settings = _settings_class()
-    source = _MappingEnvSource(
-        settings, env_prefix=ENV_PREFIX, env_nested_delimiter="__", case_sensitive=False
-    )
-    raw = source()
-    raw.pop("hf_token", None)
-    names = {name.upper(): name for name in environ}
+    ``HF_TOKEN`` and ``SPEEDTRONIC_NODE_ID`` come first, below the field names they stand in
+    for. A field set under two spellings of its name (``speedtronic_run__seed`` and
+    ``SPEEDTRONIC_RUN__SEED``) takes the later variable.
+    """
     triples: list[tuple[str, Any, str]] = []
     if environ.get("HF_TOKEN"):
         triples.append((TOKEN_KEY, SecretText(environ["HF_TOKEN"]), "env:HF_TOKEN"))
-    node_id = next((n for u, n in names.items() if u == "SPEEDTRONIC_NODE_ID"), None)
+    names = {name.upper(): name for name in environ}
+    node_id = names.get("SPEEDTRONIC_NODE_ID")
     if node_id is not None and environ[node_id].strip():
         triples.append((NODE_ID_KEY, environ[node_id], f"env:{node_id}"))
-    for dotted, value in _flatten(raw).items():
-        origin = f"env:{names.get(env_name_for(dotted), env_name_for(dotted))}"
-        triples.append((dotted, _parse_value(value, dotted, origin), origin))
+    for upper, dotted in _env_fields().items():
+        name = names.get(upper)
+        if name is not None:
+            origin = f"env:{name}"
+            triples.append((dotted, _parse_value(environ[name], dotted, origin), origin))
     return triples
 
 
-def _check_secret_files(secrets_dir: Path) -> None:
-    """Every file the secret layer would read must be a readable regular file.
+def _read_secret_files(secrets_dir: Path) -> dict[str, tuple[str, str]]:
+    """Dotted field -> (file name, stripped text) of the secret files that name a field.
 
-    ``hf_token`` or ``<section>__<field>`` as a directory (a mis-mounted secret) or an
-    unreadable file is an error naming that file; other entries (Kubernetes' ``..data``
-    links) are not ours and are left alone.
+    Names match case-insensitively (the later of two spellings, in name order, wins). A
+    matching entry that is a directory or cannot be read is an error naming it; other entries
+    are not ours (module docstring). At most ``MAX_SECRETS_BYTES`` are read in all.
     """
-    wanted = {"hf_token"} | {dotted.replace(".", "__") for dotted in known_fields()}
+    wanted = _secret_fields()
     try:
         entries = sorted(os.scandir(secrets_dir), key=lambda entry: entry.name)
     except OSError as exc:
         raise ConfigError(f"cannot list secrets directory {secrets_dir}: {exc.strerror}") from None
+    root = os.path.realpath(secrets_dir)
+    found: dict[str, tuple[str, str]] = {}
+    total = 0
     for entry in entries:
-        if entry.name.lower() not in wanted:
+        dotted = wanted.get(entry.name.lower())
+        if dotted is None:
             continue
         path = secrets_dir / entry.name
-        if path.is_dir():
-            raise ConfigError(f"secret {path} is a directory; expected a file holding the value")
         try:
+            mode = os.stat(path).st_mode
+            if stat.S_ISDIR(mode):
+                raise ConfigError(
+                    f"secret {path} is a directory; expected a file holding the value"
+                )
+            if not stat.S_ISREG(mode) or not os.path.realpath(path).startswith(root + os.sep):
+                continue
             with open(path, "rb") as handle:
-                handle.read(1)
+                data = handle.read(MAX_SECRETS_BYTES + 1 - total)
         except OSError as exc:
             raise ConfigError(f"cannot read secret file {path}: {exc.strerror}") from None
+        total += len(data)
+        if total > MAX_SECRETS_BYTES:
+            raise ConfigError(
+                f"cannot read secrets directory {secrets_dir}: its secret files hold more than "
+                f"{MAX_SECRETS_BYTES} bytes"
+            )
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ConfigError(f"secret file {path} is not UTF-8 text") from None
+        found[dotted] = (entry.name, text.strip())
+    return found
 
 
 def _secret_layer(secrets_dir: Path) -> list[tuple[str, Any, str]]:
-    """(dotted, value, source) triples from ``hf_token`` and ``<section>__<field>`` files."""
+    """(dotted, value, source) triples from ``hf_token`` and ``<section>__<field>`` files.
+
+    ``hf_token`` comes first, below ``distributed__token``; every value is a secret
+    (:class:`SecretText`, never shown in an error).
+    """
     if not secrets_dir.exists():
         return []
     if not secrets_dir.is_dir():
         raise ConfigError(f"secrets directory is not a directory: {secrets_dir}")
     if not os.access(secrets_dir, os.R_OK | os.X_OK):
         raise ConfigError(f"secrets directory is not readable: {secrets_dir}")
-    _check_secret_files(secrets_dir)
-    from pydantic_settings.sources import NestedSecretsSettingsSource
-
-    try:
-        source = NestedSecretsSettingsSource(
-            _settings_class(),
-            secrets_dir=secrets_dir,
-            secrets_dir_missing="ok",
-            secrets_prefix="",
-            secrets_nested_delimiter="__",
-        )
-        raw = source()
-    except OSError as exc:
-        raise ConfigError(f"cannot read secret file in {secrets_dir}: {exc.strerror}") from None
-    except Exception as exc:  # pydantic_settings.SettingsError: size limit, bad dir
-        raise ConfigError(f"cannot read secrets directory {secrets_dir}: {exc}") from None
-    files = {name.lower(): name for name in getattr(source, "env_vars", {})}
+    files = _read_secret_files(secrets_dir)
     triples: list[tuple[str, Any, str]] = []
-    token = raw.pop("hf_token", None)
+    name, token = files.pop(HF_TOKEN_FILE, ("", ""))
     if token:
-        triples.append(
-            (TOKEN_KEY, SecretText(token), f"secret:{files.get('hf_token', 'hf_token')}")
-        )
-    for dotted, value in _flatten(raw).items():
-        file_name = dotted.replace(".", "__")
-        origin = f"secret:{files.get(file_name, file_name)}"
-        if dotted in known_fields():
-            triples.append((dotted, _secret(_parse_value(value, dotted, origin)), origin))
+        triples.append((TOKEN_KEY, SecretText(token), f"secret:{name}"))
+    for dotted in known_fields():
+        if dotted in files:
+            name, text = files[dotted]
+            origin = f"secret:{name}"
+            triples.append((dotted, _secret(_parse_value(text, dotted, origin)), origin))
     return triples
 
 
