@@ -6,11 +6,12 @@ Both are read directly into dotted field names: every field has exactly one envi
 (``<section>__<field>``), so a name maps to its field by a table lookup, and the values go
 straight into the mapping the section dataclasses validate (there is no second model in
 between; the dataclasses are the one validator). The file layer is canonicalised once
-(aliases/shorthands applied); every layer is flattened to dotted keys and merged, and the
-merged mapping is built with ``SpeedtronicConfig.from_canonical`` (no second normalisation; only
-the 2.0.0 log-path rule is applied once more, against the merged ``run.output_dir``); the winner
-of each key is recorded in ``ResolvedConfig.sources`` (``file``, ``env:<NAME>``,
-``secret:<file>``, ``cli``). Keys no layer set keep their dataclass defaults and are not listed.
+(aliases/shorthands applied); the fields of every layer are merged one by one into one
+canonical nested mapping, built with ``SpeedtronicConfig.from_canonical`` (no second
+normalisation; only the 2.0.0 log-path rule is applied once more, against the merged
+``run.output_dir``). The winner of each field is recorded in ``ResolvedConfig.sources``
+(``file``, ``env:<NAME>``, ``secret:<file>``, ``cli``). Fields no layer set keep their dataclass
+defaults and are not listed.
 
 Environment names: ``SPEEDTRONIC_<SECTION>__<FIELD>`` and ``SPEEDTRONIC_<ROOT_FIELD>``, plus
 ``SPEEDTRONIC_CONFIG`` (config path when ``source`` is None), ``SPEEDTRONIC_SECRETS_DIR``
@@ -181,15 +182,13 @@ def _flatten(values: Mapping[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def _unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
-    nested: dict[str, Any] = {}
-    for key, value in flat.items():
-        section, _, name = key.partition(".")
-        if name:
-            nested.setdefault(section, {})[name] = value
-        else:
-            nested[key] = value
-    return nested
+def _put(nested: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set field ``dotted`` (``section.field`` or a root field) in a canonical nested mapping."""
+    section, _, name = dotted.partition(".")
+    if name:
+        nested.setdefault(section, {})[name] = value
+    else:
+        nested[dotted] = value
 
 
 def closest_env_name(name: str) -> str | None:
@@ -392,28 +391,28 @@ def resolve_config(
     if secrets_dir is None:
         secrets_dir = env.get("SPEEDTRONIC_SECRETS_DIR") or DEFAULT_SECRETS_DIR
 
-    merged: dict[str, Any] = {}
+    file_layer = [(dotted, value, "file") for dotted, value in _flatten(file_values).items()]
+    layers = (
+        file_layer,
+        _secret_layer(Path(secrets_dir)),
+        _env_layer(env),
+        _override_layer(overrides),
+    )
+    merged: dict[str, Any] = {}  # canonical nested mapping, built field by field
     sources: dict[str, str] = {}
-    for dotted, value in _flatten(file_values).items():
-        merged[dotted] = value
-        sources[dotted] = "file"
     tokens: list[str] = []
-    if isinstance(merged.get(TOKEN_KEY), str):
-        merged[TOKEN_KEY] = SecretText(merged[TOKEN_KEY])
-        tokens.append(merged[TOKEN_KEY])
-    layers = (_secret_layer(Path(secrets_dir)), _env_layer(env), _override_layer(overrides))
     for layer in layers:
         for dotted, value, origin in layer:
-            merged[dotted] = value
-            sources[dotted] = origin
             if dotted == TOKEN_KEY and isinstance(value, str):
+                value = SecretText(value)  # from the file; the other layers mark it already
                 tokens.append(value)
+            _put(merged, dotted, value)
+            sources[dotted] = origin
     try:
         if "compile" in merged:
             merged["compile"] = compile_shorthand(merged["compile"])
-        nested = _unflatten(merged)
-        rebase_legacy_log_paths(nested)  # against the merged run.output_dir (configuration.md)
-        config = SpeedtronicConfig.from_canonical(nested)
+        rebase_legacy_log_paths(merged)  # against the merged run.output_dir (configuration.md)
+        config = SpeedtronicConfig.from_canonical(merged)
     except ConfigError as error:
         error = _attribute(error, sources)
         raise ConfigError(scrub(str(error), tokens)) from None
