@@ -193,7 +193,11 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
     train = args.command == "train"
     outcome = launch(
-        resolved, command=args.command, resume=args.resume, progress=None if train else False
+        resolved,
+        command=args.command,
+        resume=args.resume,
+        progress=None if train else False,
+        argv=args.argv,  # what the ranks run when run.nproc_per_node > 1
     )
     result = outcome.result
     if train and result is not None:
@@ -309,6 +313,7 @@ def _setup_logging() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit code (argparse usage errors raise SystemExit 2)."""
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     _setup_logging()
     handler = _cmd_config_show if args.command == "config" else _COMMANDS[args.command]
     args.secret_values = []

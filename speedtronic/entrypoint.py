@@ -28,6 +28,13 @@ The CLI resolves the layered config (file < secret files < environment < flags, 
 8. trains, and on a graceful stop lets the trainer write the final checkpoint and stop the
    coordinator (which flushes or persists a pending delta upload); releases the worker slot.
 
+Several ranks per node (``run.nproc_per_node`` above 1, `speedtronic.train.ranks`): this
+process claims the node's identity, then becomes torchrun's elastic agent and starts the same
+command once per rank instead of training; it returns the agent's outcome (a dead rank: exit 1,
+naming it). A process started by torchrun (``RANK``/``WORLD_SIZE`` set) is one rank: rank 0
+does all of the above, the other ranks train quietly (errors only, no server, no watchdog,
+no files) and follow rank 0 (`speedtronic.train.parallel`).
+
 Rules are raised where they are found: a node id that another live node already uses is a
 `NodeIdCollisionError` from the coordinator's claim at startup, under ``train`` and ``run``.
 
@@ -48,13 +55,14 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from speedtronic.config import ConfigError, ResolvedConfig
 from speedtronic.diloco.identity import NodeIdCollisionError
 from speedtronic.metrics.logger import JsonLogFormatter
+from speedtronic.train.ranks import RankEnv, resolve_nproc, run_agent
 
 __all__ = [
     "JsonLogFormatter",
@@ -107,7 +115,8 @@ Command = Literal["train", "run"]
 @dataclass
 class RunOutcome:
     """What one `launch` ended with: the process exit code and, when training returned, its
-    `TrainResult` (``stopped_reason`` set after a graceful stop)."""
+    `TrainResult` (``stopped_reason`` set after a graceful stop; rank 0's alone on a node of
+    several ranks, so only it reports)."""
 
     exit_code: int
     result: Any = None
@@ -198,8 +207,9 @@ def install_stop_handlers(
     return restore
 
 
-def _configure_logging(logging_config: Any) -> logging.Handler:
-    """Attach one stdout handler (text or JSON) to the ``speedtronic`` logger tree."""
+def _configure_logging(logging_config: Any, *, main: bool = True) -> logging.Handler:
+    """Attach one stdout handler (text or JSON) to the ``speedtronic`` logger tree (errors
+    only on ranks other than 0)."""
     handler = logging.StreamHandler(sys.stdout)
     if logging_config.format == "json":
         handler.setFormatter(JsonLogFormatter())
@@ -207,7 +217,7 @@ def _configure_logging(logging_config: Any) -> logging.Handler:
         handler.setFormatter(logging.Formatter(_TEXT_FORMAT))
     root = logging.getLogger("speedtronic")
     root.addHandler(handler)
-    root.setLevel(logging_config.level)
+    root.setLevel(logging_config.level if main else logging.ERROR)
     return handler
 
 
@@ -265,7 +275,7 @@ def _start_server(command: Command, config: Any, registry: Any, state: _RunState
     return server
 
 
-def _claim_identity(config: Any, sources: dict[str, str]) -> Any:
+def _claim_identity(config: Any, sources: dict[str, str], ranks: RankEnv) -> Any:
     """Give a worker without a node id a slot (when ``distributed.slots_dir`` is set) and
     put the node id into the ``{node_id}`` output paths; the `SlotClaim`, or None."""
     distributed = config.distributed
@@ -276,6 +286,12 @@ def _claim_identity(config: Any, sources: dict[str, str]) -> Any:
         and distributed.slots_dir
         and distributed.node_id is None
     ):
+        if ranks.joined:
+            raise ConfigError(
+                "distributed.slots_dir: the ranks of a torchrun launch cannot each claim a "
+                "slot; set distributed.node_id (SPEEDTRONIC_NODE_ID), or let speedtronic start "
+                "the ranks (run.nproc_per_node) so it claims one slot for the node"
+            )
         from speedtronic.diloco.slots import claim_slot
 
         try:
@@ -356,10 +372,12 @@ def _identity(config: Any, trainer: Any) -> tuple[str, str]:
 
 
 def _build(config: Any, resume: bool) -> tuple[Any, Any]:
-    """The runtime (trainer, checkpoint manager); the config is already in the startup log."""
+    """The runtime (trainer, checkpoint manager) of this rank; the config is already in the
+    startup log."""
     from speedtronic.train.runtime import build_runtime
 
-    return build_runtime(config, resume=resume, log_config=False)
+    ranks = RankEnv.from_environ(os.environ)
+    return build_runtime(config, resume=resume, log_config=False, ranks=ranks)
 
 
 def _isatty(stream: Any) -> bool:
@@ -376,6 +394,7 @@ def launch(
     resume: bool = False,
     progress: bool | None = False,
     extra_hooks: Iterable[Any] = (),
+    argv: Sequence[str] | None = None,
 ) -> RunOutcome:
     """Run one training job as ``speedtronic <command>`` does (see the module docstring).
 
@@ -387,6 +406,8 @@ def launch(
         resume: resume from the newest local checkpoint (also ``checkpoint.resume``).
         progress: show a progress bar on stderr; None: only when stdout is a terminal.
         extra_hooks: appended to the trainer's logger hooks (``on_event`` objects or callables).
+        argv: the command line after ``speedtronic``, which the agent runs once per rank when
+            ``run.nproc_per_node`` is above 1.
 
     Returns:
         `RunOutcome`: exit code 0 on success or after a graceful SIGTERM/SIGINT stop (with the
@@ -400,22 +421,28 @@ def launch(
     """
     config = resolved.config
     sources = dict(resolved.sources)
-    handler = _configure_logging(config.logging)
+    ranks = RankEnv.from_environ(os.environ)  # torchrun's rank environment, if any
+    handler = _configure_logging(config.logging, main=ranks.is_main)
     state = _RunState()
     server = watchdog = slot = None
     restore_signals: Callable[[], None] = lambda: None  # noqa: E731 - replaced below
     try:
-        slot = _claim_identity(config, sources)
-        _log_startup(command, config, sources)
+        slot = _claim_identity(config, sources, ranks)
+        nproc = 1 if ranks.joined else resolve_nproc(config)
+        if nproc > 1:  # this process becomes torchrun's agent for the node's ranks
+            return RunOutcome(run_agent(config, nproc, argv))
+        if ranks.is_main:
+            _log_startup(command, config, sources)
         from prometheus_client import CollectorRegistry
 
         registry = CollectorRegistry()
-        server = _start_server(command, config, registry, state)
-        if command == "run" or server is not None:
-            watchdog = _start_watchdog(config, state)
+        if ranks.is_main:  # rank 0 serves the node's metrics and watches its loop
+            server = _start_server(command, config, registry, state)
+            if command == "run" or server is not None:
+                watchdog = _start_watchdog(config, state)
         restore_signals = install_stop_handlers(state.on_signal, is_stopping=state.stopping)
         show = _isatty(sys.stdout) if progress is None else progress
-        return _train(config, resume, state, registry, show, extra_hooks)
+        return _train(config, resume, state, registry, show and ranks.is_main, extra_hooks, ranks)
     finally:
         restore_signals()
         if watchdog is not None:
@@ -452,8 +479,10 @@ def _train(
     registry: Any,
     progress: bool,
     extra_hooks: Iterable[Any],
+    ranks: RankEnv,
 ) -> RunOutcome:
     trainer, _manager = _build(config, resume)
+    parallel = getattr(trainer, "parallel", None)  # the node's ranks (None: one process)
     state.trainer = trainer
     role, node_id = _identity(config, trainer)
     from speedtronic.metrics.prometheus import PrometheusSink
@@ -470,7 +499,7 @@ def _train(
         extra=_event("runtime_built", role=role, node_id=node_id),
     )
     try:
-        if state.stop_signal is not None:
+        if state.stop_signal is not None and getattr(parallel, "stops_locally", True):
             _LOG.info("stop requested before training started; exiting without training")
             return RunOutcome(0)
         try:
@@ -486,6 +515,8 @@ def _train(
         if bar is not None:
             bar.close()
         trainer.logger.close()
+    if parallel is not None:
+        parallel.close()  # the ranks leave together (after a failure the agent ends them)
     reason = result.stopped_reason
     _LOG.info(
         "run finished: steps=%s stopped_reason=%s",
@@ -493,4 +524,4 @@ def _train(
         reason,
         extra=_event("run_finished", steps=result.steps, stopped_reason=reason),
     )
-    return RunOutcome(0, result)
+    return RunOutcome(0, result if ranks.is_main else None)

@@ -216,8 +216,9 @@ def _fake_launch(monkeypatch, launch) -> None:
 def test_train_delegates(capsys, monkeypatch) -> None:
     calls = {}
 
-    def launch(resolved, *, command, resume, progress):
+    def launch(resolved, *, command, resume, progress, argv):
         calls.update(resolved=resolved, command=command, resume=resume, progress=progress)
+        calls["argv"] = argv
         result = types.SimpleNamespace(
             steps=4, samples=8, tokens=256, final_loss=1.5, stopped_reason=None
         )
@@ -235,6 +236,8 @@ def test_train_delegates(capsys, monkeypatch) -> None:
     assert calls["resolved"].sources["run.max_steps"] == "cli"
     assert calls["command"] == "train"
     assert calls["resume"] is True and calls["progress"] is None
+    # what the agent runs once per rank when run.nproc_per_node > 1
+    assert calls["argv"] == ["train", "--config", SMOKE, "--resume", "--max-steps", "3"]
 
 
 def test_train_after_a_failed_graceful_stop_prints_no_completed_line(capsys, monkeypatch) -> None:
@@ -293,8 +296,9 @@ def test_errors_never_show_a_secret_file_token(capsys, monkeypatch, tmp_path) ->
 def test_run_delegates(capsys, monkeypatch) -> None:
     seen = {}
 
-    def launch(resolved, *, command, resume, progress):
+    def launch(resolved, *, command, resume, progress, argv):
         seen.update(resolved=resolved, command=command, resume=resume, progress=progress)
+        seen["argv"] = argv
         result = types.SimpleNamespace(
             steps=4, samples=8, tokens=256, final_loss=1.5, stopped_reason=None
         )
@@ -307,7 +311,7 @@ def test_run_delegates(capsys, monkeypatch) -> None:
     assert isinstance(seen["resolved"], ResolvedConfig)
     assert seen["resolved"].sources["run.seed"] == "env:SPEEDTRONIC_RUN__SEED"
     assert seen["command"] == "run" and seen["progress"] is False
-    assert seen["resume"] is False
+    assert seen["resume"] is False and seen["argv"] == ["run", "--config", SMOKE]
     assert out == ""  # only `train` prints a completed line
 
 

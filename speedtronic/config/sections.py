@@ -81,6 +81,16 @@ def _dataset_like(value: Any) -> bool:
     return hasattr(value, "__getitem__") or hasattr(value, "__iter__")
 
 
+def _nproc(value: Any) -> int | str:
+    """``run.nproc_per_node``: a positive integer or ``auto``."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    count = to_int(value, "run.nproc_per_node")
+    if count <= 0:
+        raise ConfigError("run.nproc_per_node must be a positive integer or auto")
+    return at_most(count, "run.nproc_per_node", 1024)
+
+
 @dataclass
 class RunConfig:
     """What to run: name, seed, device, absolute optimizer-step target, output directory."""
@@ -92,9 +102,26 @@ class RunConfig:
     output_dir: str = "runs"
     log_every: int | None = None
     stop_on_nonfinite: bool = True
+    nproc_per_node: int | str = 1  # ranks on this node; "auto" = visible GPUs (1 on CPU)
+    data_parallel: str = "ddp"  # ddp (replicas) | fsdp (sharded parameters, FSDP2)
+    collective_timeout: float = 600.0  # seconds a collective waits for the other ranks
 
     def __post_init__(self) -> None:
         self.name = to_str(self.name, "run.name")
+        self.nproc_per_node = _nproc(self.nproc_per_node)
+        self.data_parallel = _choice(
+            self.data_parallel,
+            "run.data_parallel",
+            ("ddp", "fsdp"),
+            "run.data_parallel must be ddp or fsdp",
+        )
+        self.collective_timeout = in_range(
+            to_float(self.collective_timeout, "run.collective_timeout"),
+            "run.collective_timeout",
+            0.0,
+            86400.0,
+            low_open=True,
+        )
         self.seed = in_range(to_int(self.seed, "run.seed"), "run.seed", 0, MAX_SEED)
         self.device = to_str(self.device, "run.device").strip()
         self.max_steps = to_int(self.max_steps, "run.max_steps")

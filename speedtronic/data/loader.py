@@ -106,6 +106,11 @@ class EpochSampler(Sampler[int]):
 
     ``shuffle=False`` yields ``0..n-1``; ``shuffle=True`` a permutation drawn from a private
     generator (never the global RNG), so the order is reproducible on resume.
+
+    ``shard(rank, world_size, block)`` makes it yield only the blocks of ``block`` consecutive
+    positions of the order whose block number is ``rank`` modulo ``world_size``: the ranks of
+    a node read disjoint windows, and together one micro-batch of each rank covers the same
+    positions as one ``world_size`` times larger micro-batch of a single process.
     """
 
     def __init__(self, num_items: int, *, shuffle: bool = False, seed: int = 0) -> None:
@@ -114,6 +119,17 @@ class EpochSampler(Sampler[int]):
         self.seed = int(seed)
         self.epoch = 0
         self.start = 0
+        self.rank, self.world_size, self.block = 0, 1, 1
+
+    def shard(self, rank: int, world_size: int, block: int) -> None:
+        """Yield only rank ``rank``'s blocks of ``block`` positions (see the class docstring)."""
+        self.rank, self.world_size, self.block = int(rank), int(world_size), max(1, int(block))
+
+    def _mine(self, order: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return order
+        blocks = torch.arange(order.numel()) // self.block
+        return order[blocks % self.world_size == self.rank]
 
     def set_position(self, epoch: int, start: int) -> None:
         """Make the next iteration yield epoch ``epoch``'s order from position ``start``."""
@@ -126,10 +142,12 @@ class EpochSampler(Sampler[int]):
         return torch.arange(self.num_items)
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.order(self.epoch)[self.start :].tolist())
+        return iter(self._mine(self.order(self.epoch))[self.start :].tolist())
 
     def __len__(self) -> int:
-        return self.num_items
+        if self.world_size == 1:
+            return self.num_items
+        return int(self._mine(torch.arange(self.num_items)).numel())
 
 
 class TokenWindowSampler(EpochSampler):
@@ -169,14 +187,31 @@ class ResumableDataLoader(DataLoader):
     Iterating continues from the current position; a completed pass advances the epoch.
     Map-style datasets restart mid-epoch through their ``EpochSampler`` without loading the
     skipped samples; iterable datasets are fast-forwarded by drawing and discarding batches.
+
+    ``rank``/``world_size`` (a node's data-parallel ranks): this rank reads every
+    ``world_size``-th batch of the node's stream, starting at batch ``rank`` (map-style
+    datasets through the sampler's ``shard``, without loading the other ranks' samples). The
+    saved position records ``ranks``, and a position saved with another rank count is
+    converted through the node's global position (batches x batch size x ranks).
     """
 
-    def __init__(self, dataset: Dataset, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, dataset: Dataset, *args: Any, rank: int = 0, world_size: int = 1, **kwargs: Any
+    ) -> None:
         super().__init__(dataset, *args, **kwargs)
         self._epoch = 0
         self._batches = 0  # batches handed out in the current epoch
+        self.rank, self.world_size = int(rank), int(world_size)
         sampler = kwargs.get("sampler")
         self._epoch_sampler = sampler if isinstance(sampler, EpochSampler) else None
+        if self._epoch_sampler is not None:
+            self._epoch_sampler.shard(self.rank, self.world_size, int(self.batch_size or 1))
+
+    def _rank_batches(self) -> Iterator[Any]:
+        batches = super().__iter__()
+        if self.world_size == 1 or self._epoch_sampler is not None:
+            return batches
+        return (b for i, b in enumerate(batches) if i % self.world_size == self.rank)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         return self._pass()
@@ -187,7 +222,7 @@ class ResumableDataLoader(DataLoader):
         if self._epoch_sampler is not None:
             self._epoch_sampler.set_position(self._epoch, start * int(self.batch_size or 1))
             skip = 0
-        batches = super().__iter__()
+        batches = self._rank_batches()
         for _ in range(skip):
             if next(batches, _END) is _END:
                 break
@@ -203,20 +238,25 @@ class ResumableDataLoader(DataLoader):
             yield from self._pass()
 
     def state_dict(self) -> dict[str, int]:
-        """Position to store in a checkpoint: ``{"epoch", "batches", "batch_size"}``."""
-        return {
+        """Position to store in a checkpoint: ``{"epoch", "batches", "batch_size"}`` (and
+        ``"ranks"`` when the node reads with several ranks)."""
+        state = {
             "epoch": self._epoch,
             "batches": self._batches,
             "batch_size": int(self.batch_size or 1),
         }
+        if self.world_size > 1:
+            state["ranks"] = self.world_size
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at a saved position; call before the next batch is drawn."""
         self._epoch = int(state.get("epoch", 0))
         batches = int(state.get("batches", 0))
         saved_batch = int(state.get("batch_size") or self.batch_size or 1)
+        saved_ranks = int(state.get("ranks") or 1)
         own_batch = int(self.batch_size or 1)
-        self._batches = batches * saved_batch // own_batch
+        self._batches = batches * saved_batch * saved_ranks // (own_batch * self.world_size)
 
 
 def data_state_dict(loader: Any) -> dict[str, Any] | None:
@@ -243,6 +283,8 @@ def build_dataloader(
     vocab_size: int | None = None,
     stream_seed: int | None = None,
     holdout: float = 0.0,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> ResumableDataLoader:
     """Build the training loader from a ``data`` config section (``DataConfig``).
 
@@ -255,7 +297,8 @@ def build_dataloader(
     ``ConfigError`` naming the setting. Workers, prefetch, pinning, ``shuffle`` (ignored for
     iterable datasets) and ``drop_last`` follow the config. A bare section (not filled in by
     ``SpeedtronicConfig``) takes block and vocabulary sizes from the ``model`` defaults and
-    seed 0.
+    seed 0. ``rank``/``world_size`` shard the stream between a node's data-parallel ranks
+    (``ResumableDataLoader``).
     """
     data = config if config is not None else DataConfig()
     block_size = data.block_size or ModelConfig.max_seq_len
@@ -294,4 +337,4 @@ def build_dataloader(
         )
     elif not isinstance(dataset, IterableDataset) and hasattr(dataset, "__len__"):
         kwargs["sampler"] = EpochSampler(len(dataset), shuffle=data.shuffle, seed=seed)
-    return ResumableDataLoader(dataset, **kwargs)
+    return ResumableDataLoader(dataset, rank=rank, world_size=world_size, **kwargs)

@@ -39,12 +39,15 @@ def build_node_dataloader(
     *,
     pin_memory_device: bool = False,
     tokenizer: Any = None,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> ResumableDataLoader:
     """The training loader of ``node_id`` for a ``SpeedtronicConfig`` (see the module docstring).
 
     Uses ``config.data`` (``data.tokenizer`` unless ``tokenizer`` is given),
     ``config.model.vocab_size`` and ``config.eval.holdout`` (the held-out end of the source is
-    never trained on).
+    never trained on). ``rank``/``world_size``: the shard of one of the node's data-parallel
+    ranks (disjoint batches of the node's one stream).
     """
     data = config.data
     if tokenizer is None and not is_bytes(data.tokenizer):
@@ -56,4 +59,6 @@ def build_node_dataloader(
         tokenizer=tokenizer,
         stream_seed=node_stream_seed(data.seed, node_id),
         holdout=config.eval.holdout,
+        rank=rank,
+        world_size=world_size,
     )

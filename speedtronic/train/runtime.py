@@ -41,7 +41,9 @@ from speedtronic.checkpoint import CheckpointManager
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.metrics.logger import MetricLogger
 from speedtronic.optim import build_optimizer, build_scheduler
+from speedtronic.train.parallel import start_parallel
 from speedtronic.train.precision import resolve_device, resolve_precision
+from speedtronic.train.ranks import RankEnv
 from speedtronic.train.result import TrainResult
 from speedtronic.train.trainer import Trainer
 
@@ -78,12 +80,17 @@ def seed_everything(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
-def build_logger(config: SpeedtronicConfig) -> MetricLogger:
+def build_logger(config: SpeedtronicConfig, *, main: bool = True) -> MetricLogger:
     """The run's ``MetricLogger`` from ``config.logging`` (the Hub token is always redacted).
 
     Relative log paths are under ``run.output_dir`` (``config.text_log_path``/``events_path``).
+    ``main=False`` (ranks other than 0 of a node): errors on stdout only, no files.
     """
     section = config.logging
+    if not main:
+        return MetricLogger(
+            level="ERROR", format=section.format, secrets=[config.distributed.token]
+        )
     return MetricLogger(
         level=section.level,
         file=config.text_log_path,
@@ -165,6 +172,32 @@ def _coordinator(
     )
 
 
+def _check_parallel(config: SpeedtronicConfig, ranks: RankEnv) -> None:
+    """Refuse combinations a data-parallel node does not support (before any work)."""
+    from speedtronic.config import ConfigError
+
+    if not ranks.joined:
+        return
+    if config.distributed.enabled and config.distributed.role == "master":
+        raise ConfigError(
+            "run.nproc_per_node: a DiLoCo master aggregates on one process; run it with "
+            "nproc_per_node: 1 (or without torchrun)"
+        )
+    if config.run.data_parallel == "fsdp":
+        if config.distributed.enabled:
+            raise ConfigError(
+                "run.data_parallel: fsdp is not supported with DiLoCo (distributed.enabled) "
+                "yet; use ddp"
+            )
+        if config.optimizer.name != "adamw":
+            raise ConfigError(
+                f"run.data_parallel: fsdp needs optimizer.name: adamw (got "
+                f"{config.optimizer.name!r}: Muon's orthogonalisation needs whole matrices)"
+            )
+    if config.ooo_backprop:
+        raise ConfigError("ooo_backprop is not supported with several ranks per node")
+
+
 def _log_data(logger: MetricLogger, loader: Any, heldout: Any) -> None:
     """One line on the training source's loss floor (Markov data) and the held-out set."""
     floor = getattr(loader.dataset, "floor", None)
@@ -192,6 +225,7 @@ def build_runtime(
     max_steps: int | None = None,
     node_id: str | None = None,
     log_config: bool = True,
+    ranks: RankEnv | None = None,
 ) -> tuple[Trainer, CheckpointManager]:
     """Build model, data, optimizer, schedule, logger, checkpoints and coordinator; see above.
 
@@ -201,7 +235,10 @@ def build_runtime(
     ``node_id`` selects the training stream of that DiLoCo node (default: the coordinator's
     node id; none without DiLoCo), e.g. to reproduce a node in one process. ``log_config``
     writes the redacted config to the logger; ``speedtronic train|run`` pass False because
-    their startup record already holds it.
+    their startup record already holds it. ``ranks`` (torchrun's environment,
+    ``RankEnv.from_environ``) makes this process one rank of a data-parallel node: it joins
+    the process group (``speedtronic.train.parallel``), reads its shard of the node's data,
+    and only rank 0 builds the coordinator, evaluates (DDP) and writes logs and checkpoints.
     """
     from speedtronic.data import build_node_dataloader
     from speedtronic.model import build_model
@@ -212,18 +249,32 @@ def build_runtime(
     if max_steps is not None:
         config = config.with_max_steps(max_steps)
     seed_everything(int(config.run.seed))
-    resolved = _device(config, device)
+    ranks = ranks or RankEnv()
+    _check_parallel(config, ranks)
+    parallel, resolved = start_parallel(ranks, _device(config, device), config.run)
     precision = _precision(config, resolved)
     model = build_model(config.model)
     model.to(resolved)
-    logger = build_logger(config)
-    heldout = build_heldout(config)
-    coordinator = _coordinator(
-        config, model, logger, heldout=heldout, device=resolved, precision=precision
-    )
+    logger = build_logger(config, main=parallel.is_main)
+    heldout = build_heldout(config) if parallel.evaluates else None
+    coordinator = None
+    if parallel.is_main:  # only rank 0 talks to the DiLoCo exchange
+        coordinator = _coordinator(
+            config, model, logger, heldout=heldout, device=resolved, precision=precision
+        )
     if node_id is None and coordinator is not None:
         node_id = coordinator.node_id
-    loader = build_node_dataloader(config, node_id, pin_memory_device=resolved.type == "cuda")
+    elif node_id is None and config.distributed.enabled:  # rank > 0 reads the node's stream
+        from speedtronic.diloco.identity import resolve_node_id
+
+        node_id = resolve_node_id(config.distributed.node_id, os.environ)
+    loader = build_node_dataloader(
+        config,
+        node_id,
+        pin_memory_device=resolved.type == "cuda",
+        rank=parallel.rank,
+        world_size=parallel.world_size,
+    )
     section = config.checkpoint
     manager = CheckpointManager(
         config.checkpoint_dir,
@@ -256,6 +307,7 @@ def build_runtime(
         max_steps=config.effective_max_steps,
         shape_report=report,
         heldout=heldout,
+        parallel=parallel,
     )
     if resume or section.resume:
         state = manager.load_latest(use=trainer.resume)  # newest usable; skips are warned

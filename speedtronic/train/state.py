@@ -168,6 +168,7 @@ class TrainerStateMixin:
     checkpoint_manager: Any
     logger: Any
     data: DataPosition
+    parallel: Any
     step: int
     _stop_reason: str | None
     _last_saved_step: int
@@ -204,10 +205,15 @@ class TrainerStateMixin:
             self.save_checkpoint()
 
     def save_checkpoint(self) -> Any:
-        """Save the full training state for the current step; emits ``checkpoint_saved``."""
+        """Save the full training state for the current step; emits ``checkpoint_saved``.
+
+        On a data-parallel node only rank 0 writes (the others return ``None``)."""
         began = time.perf_counter()
-        path = self.checkpoint_manager.save(self.step, self.state_dict())
+        state = self.state_dict()  # FSDP: every rank joins the gather of the full state
         self._last_saved_step = self.step
+        if not self.parallel.is_main:
+            return None  # rank 0 writes the node's checkpoint
+        path = self.checkpoint_manager.save(self.step, state)
         self.logger.emit(
             "checkpoint_saved",
             {"step": self.step, "path": str(path), "seconds": time.perf_counter() - began},

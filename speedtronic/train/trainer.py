@@ -17,7 +17,6 @@ refreshed after every update for liveness probes.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from speedtronic.train.forward import (
     move_to_device,
     resolve_loss,
 )
+from speedtronic.train.parallel import SingleProcess
 from speedtronic.train.precision import (
     PrecisionPlan,
     autocast_context,
@@ -55,6 +55,7 @@ from speedtronic.train.result import (
     TrainResult,
 )
 from speedtronic.train.state import DataPosition, TrainerStateMixin
+from speedtronic.train.sync import NodeSyncMixin
 
 __all__ = [
     "GradientOverflowError",
@@ -79,7 +80,7 @@ class _Update:
     skipped: str | None = None  # reason when the update was not applied
 
 
-class Trainer(TrainerStateMixin):
+class Trainer(NodeSyncMixin, TrainerStateMixin):
     """Runs optimizer updates of ``model`` on ``dataloader`` batches (see the module docstring).
 
     ``config`` (a ``SpeedtronicConfig``, a dict for ``SpeedtronicConfig.from_dict``, or ``None``
@@ -93,6 +94,9 @@ class Trainer(TrainerStateMixin):
     ``resolve_precision(config.precision, device)``; ``logger`` to a stdout ``MetricLogger``.
     ``checkpoint_manager``, ``coordinator``, ``scheduler`` and ``shape_report`` are optional.
     ``heldout`` (a ``HeldOut`` from ``build_heldout``) turns on ``eval`` events (local weights).
+    ``parallel`` (from ``speedtronic.train.parallel.start_parallel``) makes this one rank of a
+    data-parallel node: it wraps the model, syncs gradients on the last micro-batch and agrees
+    with the other ranks after every update; default: one process.
     """
 
     def __init__(
@@ -113,6 +117,7 @@ class Trainer(TrainerStateMixin):
         shape_report: Any = None,
         accumulation_steps: int | None = None,
         heldout: HeldOut | None = None,
+        parallel: SingleProcess | None = None,
     ) -> None:
         configured = config is not None
         if isinstance(config, Mapping):
@@ -142,14 +147,20 @@ class Trainer(TrainerStateMixin):
         self._eval_every = self.config.eval.every_steps if configured else 0
         self._shapes_validated = shape_report is not None or not configured
         self._params: list[torch.nn.Parameter] = []
-        self._stop_reason: str | None = None
+        self._stop_reason: str | None = None  # the stop in effect (agreed by every rank)
+        self._stop_request: str | None = None  # a stop asked of this rank
+        self._global_seen: Any = None  # the coordinator's installed global at the last update
+        self.parallel = parallel if parallel is not None else SingleProcess()
         self._coordinator_started = False
         self._last_saved_step = -1
         self._ooo: Any = None
         self._consecutive_skips = 0
         self.heldout = heldout
         apply_gradient_checkpointing(self.model, self.config.gradient_checkpointing, self.logger)
-        self._active, self._compiled = compile_model(model, self.config.compile, self.logger)
+        self._wrapped = self.parallel.wrap(model)  # DDP/FSDP on several ranks, else the model
+        self._active, self._compiled = compile_model(
+            self._wrapped, self.config.compile, self.logger
+        )
         self._setup_ooo()
         self.parts = self._register_parts()  # what a checkpoint saves and resume loads
 
@@ -158,11 +169,14 @@ class Trainer(TrainerStateMixin):
     @property
     def stop_requested(self) -> str | None:
         """The pending stop reason, or ``None``."""
-        return self._stop_reason
+        return self._stop_reason or self._stop_request
 
     def request_stop(self, reason: str = "requested") -> None:
-        """Stop at the next update boundary (safe from signal handlers and other threads)."""
-        if self._stop_reason is None:
+        """Stop at the next update boundary (safe from signal handlers and other threads); the
+        ranks of a node stop together, after the update that follows the request."""
+        if self._stop_request is None:
+            self._stop_request = str(reason)
+        if self._stop_reason is None and self.parallel.stops_locally:
             self._stop_reason = str(reason)
         interrupt = getattr(self.coordinator, "interrupt", None)
         if callable(interrupt):
@@ -228,11 +242,13 @@ class Trainer(TrainerStateMixin):
         try:
             if self.step < target or not trains:
                 self._start_coordinator()
+            self.parallel.broadcast_model(self.model)  # every rank starts from rank 0's weights
             self._emit_train_start(target)
             self._maybe_evaluate(target)
             last_tick = started
             while self.step < target and self._stop_reason is None:
                 update = self._train_step()
+                self._agree(update)
                 if update.skipped:
                     self._note_skipped(update)
                     continue
@@ -244,8 +260,15 @@ class Trainer(TrainerStateMixin):
                 self._maybe_checkpoint()
                 self._maybe_evaluate(target)
             reached = self.step >= self.max_steps or not trains
-            if reached and self._stop_reason is None and self._coordinator_started:
-                self._finish_coordinator()
+            if reached and self._stop_reason is None:
+                if self._coordinator_started:
+                    self._finish_coordinator()
+                self.parallel.broadcast_model(self.model)  # the final global, to every rank
+            spread = self.parallel.replica_spread(self.model)
+            if spread is not None:  # several ranks: their replicas must be identical
+                self.logger.emit("replicas", {"step": self.step, "spread": spread})
+                if spread:
+                    self.logger.warning("the ranks' replicas differ (spread %g)", spread)
         finally:
             self._stop_coordinator()
             if self._ooo is not None:
@@ -257,7 +280,7 @@ class Trainer(TrainerStateMixin):
         self._maybe_evaluate(target, final=True)
         self._save_final()
         elapsed = time.perf_counter() - started
-        self._stop_reason = None
+        self._stop_reason = self._stop_request = None
         self.logger.emit(
             "train_end", {"steps": self.step, "elapsed_s": elapsed, "loss": final_loss}
         )
@@ -280,7 +303,7 @@ class Trainer(TrainerStateMixin):
         losses: list[torch.Tensor] = []
         samples, tokens = 0, 0
         token_tensors: list[torch.Tensor] = []
-        for _ in range(k):
+        for index in range(k):
             batch = move_to_device(self.data.next_batch(), self.device)
             count, counted = batch_size_and_tokens(batch)
             samples += count
@@ -288,13 +311,14 @@ class Trainer(TrainerStateMixin):
                 token_tensors.append(counted)
             else:
                 tokens += counted
-            loss = self._forward(batch)
-            losses.append(loss.detach())
-            self._backward(loss / k if k > 1 else loss)
+            with self.parallel.accumulating(final=index == k - 1):  # ranks sync the last one
+                loss = self._forward(batch)
+                losses.append(loss.detach())
+                self._backward(loss / k if k > 1 else loss)
         grad_norm = self._unscale_and_clip()
         loss_value, norm_value, mask_tokens = self._read_values(losses, grad_norm, token_tensors)
         update = _Update(loss_value, norm_value, samples, tokens + mask_tokens, k)
-        if not math.isfinite(loss_value):
+        if not self.parallel.finite(loss_value, norm_value):
             self.optimizer.zero_grad(set_to_none=True)
             self.logger.emit("nonfinite_loss", {"step": self.step + 1, "loss": loss_value})
             if self.config.run.stop_on_nonfinite:
@@ -333,7 +357,7 @@ class Trainer(TrainerStateMixin):
                 except Exception as exc:
                     if not self._compiled:
                         raise
-                    self._active, self._compiled = self.model, False
+                    self._active, self._compiled = self._wrapped, False
                     self.logger.emit(
                         "compile",
                         {"enabled": False, "reason": f"runtime failure; disabled: {exc}"},
@@ -359,8 +383,8 @@ class Trainer(TrainerStateMixin):
             self.scaler.unscale_(self.optimizer)
         clip = self.config.optimizer.grad_clip
         if clip is not None:
-            return torch.nn.utils.clip_grad_norm_(params, clip)
-        return torch.nn.utils.get_total_norm([p.grad for p in params])
+            return self.parallel.local_norm(torch.nn.utils.clip_grad_norm_(params, clip))
+        return self.parallel.local_norm(torch.nn.utils.get_total_norm([p.grad for p in params]))
 
     def _optimizer_step(self) -> bool:
         """Apply the update; False when the GradScaler skipped it (overflow)."""
@@ -457,6 +481,8 @@ class Trainer(TrainerStateMixin):
                 "device": str(self.device),
                 "precision": self.precision.mode,
                 "accumulation_steps": self.accumulation_steps,
+                "ranks": self.parallel.world_size,
+                "data_parallel": self.parallel.mode,
                 "parameters": parameter_count(self.model),
                 "shape_alignment": getattr(profile, "alignment", None),
                 "shape_warning_count": int(getattr(self.shape_report, "warning_count", 0) or 0),
@@ -466,34 +492,6 @@ class Trainer(TrainerStateMixin):
                 "torch_version": str(torch.__version__),
             },
         )
-
-    # ------------------------------------------------------------------ coordinator
-
-    def _start_coordinator(self) -> None:
-        """Hook the coordinator on the optimizer (``attach``) and start it at this step."""
-        if self.coordinator is None or self._coordinator_started:
-            return
-        attach = getattr(self.coordinator, "attach", None)
-        if callable(attach):
-            attach(self.optimizer)
-            self.coordinator.start(self.step)
-        else:  # a coordinator without a step hook: start/stop only
-            self.coordinator.start()
-        self._coordinator_started = True
-
-    def _finish_coordinator(self) -> None:
-        """The target was reached: let the coordinator run its end of run (DiLoCo: the last
-        contribution, then the global that includes it is installed)."""
-        finish = getattr(self.coordinator, "finish", None)
-        if callable(finish):
-            finish()
-
-    def _stop_coordinator(self) -> None:
-        if self.coordinator is not None:
-            try:
-                self.coordinator.stop()
-            finally:
-                self._coordinator_started = False
 
 
 TrainingEngine = Trainer

@@ -1,0 +1,274 @@
+"""Data parallelism inside one node: process group, model wrapper, rank agreement.
+
+The ranks of a node (:mod:`speedtronic.train.ranks` starts them) train one model together:
+
+- ``run.data_parallel: ddp`` (default): every rank holds a replica wrapped in
+  ``DistributedDataParallel``; gradients are averaged across ranks in the backward of the
+  last micro-batch of an update (``no_sync`` on the others).
+- ``fsdp``: parameters, gradients and optimizer state are sharded with FSDP2
+  (``torch.distributed.fsdp.fully_shard``, per block, then the root), for models that do not
+  fit one device. Checkpoints hold the full, unsharded state (gathered to rank 0), so they
+  load into any rank count, DDP or a single process.
+
+The trainer talks to one object, created by :func:`start_parallel`: :class:`SingleProcess`
+(one rank: no process group, no wrapper, every agreement is the local value) or
+:class:`DataParallel`. After every update the ranks make one small ``all_reduce``
+(:meth:`DataParallel.agree`) that turns the update into the node's (mean loss, summed samples
+and tokens), stops every rank at the same step when any rank was asked to stop, and tells the
+other ranks that rank 0's DiLoCo coordinator installed a new global, which rank 0 then
+broadcasts (:meth:`DataParallel.broadcast_model`). Only rank 0 talks to the DiLoCo exchange,
+writes checkpoints, evaluates (DDP) and logs.
+
+Every collective waits at most ``run.collective_timeout`` seconds; a rank that died or hangs
+makes the others fail with :class:`RankFailure` instead of hanging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+from speedtronic.train.ranks import RankEnv
+
+__all__ = ["Agreement", "DataParallel", "RankFailure", "SingleProcess", "start_parallel"]
+
+
+class RankFailure(RuntimeError):
+    """A collective failed: another rank of this node died or did not answer in time."""
+
+
+@dataclass
+class Agreement:
+    """One update as the whole node sees it (see :meth:`DataParallel.agree`)."""
+
+    loss: float  # mean over ranks
+    samples: int  # summed over ranks
+    tokens: int  # summed over ranks
+    stop: bool  # some rank was asked to stop
+    new_global: bool  # rank 0 installed a new DiLoCo global
+
+
+class SingleProcess:
+    """One rank: the null object (no process group, no wrapper, local values)."""
+
+    rank = 0
+    world_size = 1
+    is_main = True
+    sharded = False
+    mode = "single"
+    #: a stop request takes effect at once (no other rank to agree with)
+    stops_locally = True
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """``model`` itself."""
+        return model
+
+    def accumulating(self, final: bool) -> contextlib.AbstractContextManager[None]:
+        """A no-op context around one micro-batch's forward and backward."""
+        return contextlib.nullcontext()
+
+    def agree(
+        self, loss: float, samples: int, tokens: int, *, stop: bool, new_global: bool
+    ) -> Agreement:
+        """The local values."""
+        return Agreement(loss, samples, tokens, stop, new_global)
+
+    def finite(self, loss: float, grad_norm: float | None) -> bool:
+        """Whether the update may be applied: a finite loss."""
+        return math.isfinite(loss)
+
+    def broadcast_model(self, model: nn.Module) -> None:
+        """Nothing to send."""
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether this rank scores the held-out set."""
+        return True
+
+    def local_norm(self, norm: torch.Tensor | None) -> torch.Tensor | None:
+        """The gradient norm as a plain tensor."""
+        return norm
+
+    def replica_spread(self, model: nn.Module) -> float | None:
+        """How far the ranks' replicas differ (``None``: nothing to compare)."""
+        return None
+
+    def close(self) -> None:
+        """Nothing to tear down."""
+
+
+class DataParallel(SingleProcess):
+    """One of ``world_size`` ranks of this node, in an initialized process group."""
+
+    stops_locally = False
+
+    def __init__(self, ranks: RankEnv, device: torch.device, mode: str, timeout: float) -> None:
+        self.rank = ranks.rank
+        self.world_size = ranks.world_size
+        self.local_rank = ranks.local_rank
+        self.is_main = ranks.is_main
+        self.device = device
+        self.mode = mode
+        self.sharded = mode == "fsdp"
+        self.timeout = float(timeout)
+        self._wrapper: nn.Module | None = None
+
+    # ------------------------------------------------------------------ model
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """DDP around ``model`` (parameters from rank 0), or FSDP2 sharding in place."""
+        if self.sharded:
+            from torch.distributed.fsdp import fully_shard
+
+            for module in list(model.modules()):
+                if isinstance(module, nn.ModuleList):  # the transformer blocks
+                    for block in module:
+                        fully_shard(block)
+            fully_shard(model)
+            self._wrapper = model
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        self._wrapper = DistributedDataParallel(model, device_ids=ids)
+        return self._wrapper
+
+    @contextlib.contextmanager
+    def accumulating(self, final: bool) -> Iterator[None]:
+        """Gradients synchronise only in the backward of the ``final`` micro-batch."""
+        wrapper = self._wrapper
+        if wrapper is None:
+            yield
+        elif self.sharded:
+            wrapper.set_requires_gradient_sync(final)
+            yield
+        elif final:
+            yield
+        else:
+            with wrapper.no_sync():
+                yield
+
+    def local_norm(self, norm: torch.Tensor | None) -> torch.Tensor | None:
+        """A sharded (DTensor) gradient norm as the full, plain tensor."""
+        full = getattr(norm, "full_tensor", None)
+        return full() if callable(full) else norm
+
+    def finite(self, loss: float, grad_norm: float | None) -> bool:
+        """A finite local loss and a finite gradient norm: the norm is the same on every rank
+        (gradients are averaged), so a non-finite loss on one rank skips the update on all."""
+        return math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))
+
+    @property
+    def evaluates(self) -> bool:
+        """DDP: rank 0 scores the held-out set alone; FSDP: every rank (the forward gathers)."""
+        return self.is_main or self.sharded
+
+    # ------------------------------------------------------------------ collectives
+
+    def agree(
+        self, loss: float, samples: int, tokens: int, *, stop: bool, new_global: bool
+    ) -> Agreement:
+        """One ``all_reduce``: node mean loss, node samples and tokens, a stop on any rank, and
+        whether rank 0 installed a new global."""
+        import torch.distributed as dist
+
+        flags = [float(stop), float(new_global and self.is_main), loss, samples, tokens]
+        values = torch.tensor(flags, dtype=torch.float64, device=self._collective_device())
+        self._run("all_reduce", lambda: dist.all_reduce(values))
+        total_stop, installed, loss_sum, samples_sum, tokens_sum = values.tolist()
+        return Agreement(
+            loss_sum / self.world_size,
+            int(samples_sum),
+            int(tokens_sum),
+            total_stop > 0,
+            installed > 0,
+        )
+
+    def broadcast_model(self, model: nn.Module) -> None:
+        """Every parameter and buffer from rank 0 (DDP; FSDP shards are left as they are)."""
+        if self.sharded:
+            return
+        import torch.distributed as dist
+
+        def send() -> None:
+            with torch.no_grad():
+                for tensor in [*model.parameters(), *model.buffers()]:
+                    dist.broadcast(tensor.data, src=0)
+
+        self._run("broadcast", send)
+
+    def replica_spread(self, model: nn.Module) -> float | None:
+        """Max minus min over ranks of the sum of every parameter (float64): 0.0 when the
+        replicas are identical, as DDP and the global broadcasts keep them. ``None`` for FSDP
+        (each rank holds other shards)."""
+        if self.sharded:
+            return None
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            total = sum(p.detach().double().sum() for p in model.parameters())
+        device = self._collective_device()
+        values = torch.stack([total, -total]).to(device, torch.float64)
+        self._run("all_reduce", lambda: dist.all_reduce(values, op=dist.ReduceOp.MAX))
+        high, neg_low = values.tolist()
+        return high + neg_low
+
+    def _collective_device(self) -> torch.device:
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+    def _run(self, what: str, call: Any) -> None:
+        try:
+            call()
+        except Exception as exc:
+            cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise RankFailure(
+                f"rank {self.rank} of {self.world_size}: {what} failed - another rank of this "
+                f"node died or did not answer within run.collective_timeout="
+                f"{self.timeout:g} s ({cause})"
+            ) from exc
+
+    def close(self) -> None:
+        """Leave the process group, once every rank got here (a rank that leaves first can
+        abort a peer that is still tearing its side down)."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            self._run("barrier", dist.barrier)
+            dist.destroy_process_group()
+
+
+def start_parallel(
+    ranks: RankEnv, device: torch.device, run: Any
+) -> tuple[SingleProcess, torch.device]:
+    """Join the node's process group; returns ``(parallel, this rank's device)``.
+
+    One rank: ``SingleProcess`` and ``device`` unchanged (no process group). Several: CUDA
+    ranks use ``cuda:<LOCAL_RANK>`` and NCCL, CPU ranks gloo; ``run.collective_timeout``
+    bounds every collective, ``run.data_parallel`` picks DDP or FSDP2.
+    """
+    if not ranks.joined:
+        return SingleProcess(), device
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        device = torch.device("cuda", ranks.local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend,
+            rank=ranks.rank,
+            world_size=ranks.world_size,
+            timeout=timedelta(seconds=float(run.collective_timeout)),
+            device_id=device if backend == "nccl" else None,
+        )
+    return DataParallel(ranks, device, run.data_parallel, run.collective_timeout), device

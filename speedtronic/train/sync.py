@@ -1,0 +1,76 @@
+"""What the trainer keeps in step with: the DiLoCo coordinator and the node's other ranks.
+
+``NodeSyncMixin`` holds the ``Trainer``'s side of both: the coordinator's life cycle (hooked on
+the inner optimizer at ``fit`` start, ``finish`` at the run's target, ``stop`` always) and
+``_agree``, which after every update makes it the node's update when the node trains on
+several ranks (:mod:`speedtronic.train.parallel`; one process: the local values, unchanged).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["NodeSyncMixin"]
+
+
+class NodeSyncMixin:
+    """The coordinator and rank agreement of the ``Trainer`` (see the module docstring)."""
+
+    model: Any
+    optimizer: Any
+    config: Any
+    coordinator: Any
+    parallel: Any
+    step: int
+    _stop_reason: str | None
+    _stop_request: str | None
+    _global_seen: Any
+    _coordinator_started: bool
+
+    def _agree(self, update: Any) -> None:
+        """Make ``update`` the node's (mean loss, summed samples and tokens; one ``all_reduce``
+        on several ranks), stop with every rank when one was asked to, and take rank 0's
+        weights when its coordinator installed a new global. One process: local values."""
+        seen = getattr(self.coordinator, "last_global_step", None)
+        agreed = self.parallel.agree(
+            update.loss,
+            update.samples,
+            update.tokens,
+            stop=self._stop_request is not None,
+            new_global=seen != self._global_seen,
+        )
+        self._global_seen = seen
+        update.loss, update.samples, update.tokens = agreed.loss, agreed.samples, agreed.tokens
+        if agreed.stop and self._stop_reason is None:
+            self._stop_reason = self._stop_request or "stop requested on another rank"
+        if agreed.new_global:
+            self.parallel.broadcast_model(self.model)
+            if self.coordinator is None and self.config.distributed.reset_inner_optimizer:
+                reset = getattr(self.optimizer, "reset_state", None)  # as rank 0's node did
+                reset() if callable(reset) else self.optimizer.state.clear()
+
+    def _start_coordinator(self) -> None:
+        """Hook the coordinator on the optimizer (``attach``) and start it at this step."""
+        if self.coordinator is None or self._coordinator_started:
+            return
+        attach = getattr(self.coordinator, "attach", None)
+        if callable(attach):
+            attach(self.optimizer)
+            self.coordinator.start(self.step)
+        else:  # a coordinator without a step hook: start/stop only
+            self.coordinator.start()
+        self._coordinator_started = True
+
+    def _finish_coordinator(self) -> None:
+        """The target was reached: let the coordinator run its end of run (DiLoCo: the last
+        contribution, then the global that includes it is installed)."""
+        finish = getattr(self.coordinator, "finish", None)
+        if callable(finish):
+            finish()
+
+    def _stop_coordinator(self) -> None:
+        if self.coordinator is not None:
+            try:
+                self.coordinator.stop()
+            finally:
+                self._coordinator_started = False
