@@ -3,8 +3,9 @@
 - ``nproc_per_node`` resolution and validation; torchrun's rank environment.
 - The ranks' data shards are disjoint and together are the single process's batches; a
   position saved by 2 ranks resumes on 1.
-- 2 ranks after N steps hold the parameters of one process with twice the micro-batch (fp32
-  tolerance), and their checkpoint resumes in a 1-rank run that then equals the single run.
+- 2 ranks (DDP, and FSDP2 with its unsharded checkpoint) after N steps hold the parameters of
+  one process with twice the micro-batch (fp32 tolerance), and their checkpoint resumes in a
+  1-rank run that then equals the single run.
 - A 2-rank DiLoCo node completes rounds against a master over a shared directory.
 - A dead rank ends the node non-zero, naming the rank, within the collective timeout; a SIGTERM
   to one rank stops both at the same step with a final checkpoint.
@@ -239,9 +240,11 @@ def _checkpoint(directory: Path, step: int) -> dict:
 
 
 @pytest.mark.slow
-def test_two_ranks_equal_one_process_with_twice_the_micro_batch_and_resume_on_one(tmp_path):
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_ranks_equal_one_process_with_twice_the_micro_batch_and_resume_on_one(tmp_path, mode):
     two = tmp_path / "two"
-    config = _config(tmp_path, "two", run={"nproc_per_node": 2, "output_dir": str(two)})
+    run = {"nproc_per_node": 2, "output_dir": str(two), "data_parallel": mode}
+    config = _config(tmp_path, "two", run=run)
     began = time.monotonic()
     proc = _start(tmp_path, config)
     assert _wait(proc, 240, tmp_path / "node.out") == 0, (tmp_path / "node.out").read_text()
@@ -249,10 +252,11 @@ def test_two_ranks_equal_one_process_with_twice_the_micro_batch_and_resume_on_on
     output = (tmp_path / "node.out").read_text()
     assert output.count("completed steps=6") == 1  # rank 0 reports, rank 1 stays quiet
     start = _events(two / "events.jsonl", "train_start")[0]
-    assert (start["ranks"], start["data_parallel"]) == (2, "ddp")
+    assert (start["ranks"], start["data_parallel"]) == (2, mode)
     steps = _events(two / "events.jsonl", "train_step")
     assert steps[-1]["tokens"] == 6 * 2 * 4 * 16  # node tokens: both ranks
-    assert _events(two / "events.jsonl", "replicas")[0]["spread"] == 0.0
+    replicas = _events(two / "events.jsonl", "replicas")  # FSDP: shards, nothing to compare
+    assert [row["spread"] for row in replicas] == ([0.0] if mode == "ddp" else [])
 
     double = {"micro_batch_size": 4, "target_batch_size": 8}
     reference = SpeedtronicConfig.from_dict(
@@ -264,7 +268,7 @@ def test_two_ranks_equal_one_process_with_twice_the_micro_batch_and_resume_on_on
     saved = _checkpoint(two, 6)
     diff = _max_diff(_params(trainer.model.state_dict()), _params(saved["model"]))
     assert diff < 1e-5, diff
-    print(f"2 ranks vs 1 process, 6 steps: max |diff| {diff:.2e}; 2-rank run {wall:.1f} s")
+    print(f"{mode} 2 ranks vs 1 process, 6 steps: max |diff| {diff:.2e}; run {wall:.1f} s")
 
     # resume the 2-rank checkpoint on one rank (same node batch): equals the single run
     trainer.fit(9)

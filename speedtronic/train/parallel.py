@@ -37,7 +37,15 @@ from torch import nn
 
 from speedtronic.train.ranks import RankEnv
 
-__all__ = ["Agreement", "DataParallel", "RankFailure", "SingleProcess", "start_parallel"]
+__all__ = [
+    "Agreement",
+    "DataParallel",
+    "FullModelState",
+    "FullOptimizerState",
+    "RankFailure",
+    "SingleProcess",
+    "start_parallel",
+]
 
 
 class RankFailure(RuntimeError):
@@ -100,6 +108,10 @@ class SingleProcess:
         """How far the ranks' replicas differ (``None``: nothing to compare)."""
         return None
 
+    def checkpoint_parts(self, model: nn.Module, optimizer: Any) -> tuple[Any, Any]:
+        """The checkpoint parts that save and load ``model`` and ``optimizer``: themselves."""
+        return model, optimizer
+
     def close(self) -> None:
         """Nothing to tear down."""
 
@@ -123,7 +135,11 @@ class DataParallel(SingleProcess):
     # ------------------------------------------------------------------ model
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        """DDP around ``model`` (parameters from rank 0), or FSDP2 sharding in place."""
+        """DDP around ``model`` (parameters from rank 0), or FSDP2 sharding in place (which
+        replaces the parameters: wrap before building the optimizer). Wrapping again returns
+        the same wrapper."""
+        if self._wrapper is not None:
+            return self._wrapper
         if self.sharded:
             from torch.distributed.fsdp import fully_shard
 
@@ -220,6 +236,14 @@ class DataParallel(SingleProcess):
         high, neg_low = values.tolist()
         return high + neg_low
 
+    def checkpoint_parts(self, model: nn.Module, optimizer: Any) -> tuple[Any, Any]:
+        """DDP: the model and optimizer themselves (every rank holds everything). FSDP:
+        :class:`FullModelState` and :class:`FullOptimizerState`, which gather the unsharded
+        state on save and shard a full state on load."""
+        if not self.sharded:
+            return model, optimizer
+        return FullModelState(model), FullOptimizerState(model, optimizer)
+
     def _collective_device(self) -> torch.device:
         return self.device if self.device.type == "cuda" else torch.device("cpu")
 
@@ -242,6 +266,79 @@ class DataParallel(SingleProcess):
         if dist.is_initialized():
             self._run("barrier", dist.barrier)
             dist.destroy_process_group()
+
+
+def _full_options(*, saving: bool) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=saving)
+
+
+class FullModelState:
+    """An FSDP2 model as a checkpoint part: the full state dict (gathered to rank 0, on the
+    CPU; the other ranks get an empty one, they do not write) and a full state dict loaded
+    on every rank, each keeping its shard. Parameter names are those of the plain model."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        """The unsharded ``{name: tensor}`` on rank 0 (every rank must call this)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.model, options=_full_options(saving=True))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Shard a full state dict into the model (every rank, with the whole dict)."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(self.model, state, options=_full_options(saving=False))
+
+
+class FullOptimizerState:
+    """An optimizer over FSDP2 parameters as a checkpoint part, in ``torch.optim``'s own
+    layout (state and groups keyed by parameter index), so the checkpoint resumes under DDP or
+    in one process too. torch's distributed helpers key the full state by parameter name; the
+    index of a name is its position in the optimizer's groups, as ``Optimizer.state_dict``
+    numbers them."""
+
+    def __init__(self, model: nn.Module, optimizer: Any) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def _names(self) -> list[str]:
+        by_id = {id(p): name for name, p in self.model.named_parameters()}
+        return [by_id[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The unsharded optimizer state on rank 0, keyed by parameter index."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        full = get_optimizer_state_dict(
+            self.model, self.optimizer, options=_full_options(saving=True)
+        )
+        if not full:
+            return {}
+        index = {name: i for i, name in enumerate(self._names())}
+        groups = [
+            {**group, "params": [index[name] for name in group["params"]]}
+            for group in full["param_groups"]
+        ]
+        return {"state": {index[k]: v for k, v in full["state"].items()}, "param_groups": groups}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Shard an index-keyed full optimizer state into this rank's optimizer."""
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        names = self._names()
+        groups = [
+            {**group, "params": [names[i] for i in group["params"]]}
+            for group in state["param_groups"]
+        ]
+        full = {"state": {names[int(k)]: v for k, v in state["state"].items()}}
+        full["param_groups"] = groups
+        set_optimizer_state_dict(
+            self.model, self.optimizer, full, options=_full_options(saving=False)
+        )
 
 
 def start_parallel(

@@ -291,6 +291,7 @@ def build_runtime(
         )
     _log_data(logger, loader, heldout)
     report = validate_startup_shapes(config, model, resolved, precision, logger=logger)
+    parallel.wrap(model)  # before the optimizer: FSDP2 replaces the parameters
     optimizer = build_optimizer(model, config, resolved)
     scheduler = build_scheduler(optimizer, config)
     trainer = Trainer(

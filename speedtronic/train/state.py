@@ -174,12 +174,14 @@ class TrainerStateMixin:
     _last_saved_step: int
 
     def _register_parts(self) -> CheckpointParts:
-        """The checkpoint parts of this trainer, in load order (see the module docstring)."""
+        """The checkpoint parts of this trainer, in load order (see the module docstring);
+        under FSDP the model and optimizer parts hold the full, unsharded state."""
+        model, optimizer = self.parallel.checkpoint_parts(self.model, self.optimizer)
         return CheckpointParts(
             {
                 "train": TrainProgress(self),
-                "model": self.model,
-                "optimizer": self.optimizer,
+                "model": model,
+                "optimizer": optimizer,
                 "scheduler": self.scheduler,
                 "scaler": self.scaler,
                 "data": self.data,
