@@ -179,6 +179,13 @@ def test_gpu_override_reserves_nvidia_gpus():
         devices = service["deploy"]["resources"]["reservations"]["devices"]
         assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
         assert compose_env(service)["SPEEDTRONIC_RUN__DEVICE"] == "cuda"
+    # a worker trains on all its GPUs, one rank per GPU (issue 13); the master on one
+    master, worker = model["services"]["master"], model["services"]["worker"]
+    assert compose_env(worker)["SPEEDTRONIC_RUN__NPROC_PER_NODE"] == "auto"
+    assert "SPEEDTRONIC_RUN__NPROC_PER_NODE" not in compose_env(master)
+    assert worker["deploy"]["resources"]["reservations"]["devices"][0]["count"] == "all"
+    assert master["deploy"]["resources"]["reservations"]["devices"][0]["count"] == 1
+    assert worker["shm_size"]  # NCCL's shared memory between the ranks
 
 
 def test_monitoring_profile_scrapes_master_and_workers():

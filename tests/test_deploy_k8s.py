@@ -144,13 +144,22 @@ def test_no_token_is_committed(target):
 
 
 def test_gpu_overlay_requests_gpus_on_gpu_nodes():
-    for workload in workloads(rendered("k8s/overlays/gpu")):
+    master, worker = workloads(rendered("k8s/overlays/gpu"))
+    for workload in (master, worker):
         spec = workload["spec"]["template"]["spec"]
-        resources = container(workload)["resources"]
-        assert resources["limits"]["nvidia.com/gpu"] == "1"
         assert spec["nodeSelector"]
         assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"])
         assert k8s_env(container(workload), "pod")["SPEEDTRONIC_RUN__DEVICE"] == "cuda"
+    # the master aggregates on one GPU; a worker pod is a node of 8 GPUs, one rank per GPU
+    assert container(master)["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert "SPEEDTRONIC_RUN__NPROC_PER_NODE" not in k8s_env(container(master), "pod")
+    resources = container(worker)["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"] == "8"
+    assert k8s_env(container(worker), "pod")["SPEEDTRONIC_RUN__NPROC_PER_NODE"] == "auto"
+    mounts = {m["name"]: m["mountPath"] for m in container(worker)["volumeMounts"]}
+    volumes = {v["name"]: v for v in worker["spec"]["template"]["spec"]["volumes"]}
+    assert mounts["dshm"] == "/dev/shm" and volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+    assert {"data", "config", "tmp"} <= set(mounts)  # the base's mounts are kept
 
 
 def test_hub_overlay_switches_transport_and_requires_the_token_secret():
