@@ -275,9 +275,11 @@ def _start_server(command: Command, config: Any, registry: Any, state: _RunState
     return server
 
 
-def _claim_identity(config: Any, sources: dict[str, str], ranks: RankEnv) -> Any:
+def _claim_identity(config: Any, sources: dict[str, str], ranks: RankEnv | None = None) -> Any:
     """Give a worker without a node id a slot (when ``distributed.slots_dir`` is set) and
-    put the node id into the ``{node_id}`` output paths; the `SlotClaim`, or None."""
+    put the node id into the ``{node_id}`` output paths; the `SlotClaim`, or None. ``ranks``:
+    this process's place in a torchrun launch (default: one process)."""
+    ranks = ranks or RankEnv()
     distributed = config.distributed
     claim = None
     if (
