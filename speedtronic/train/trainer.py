@@ -2,7 +2,8 @@
 
 One update (``_train_step``) = K micro-batches (``data.accumulation_steps``): forward under
 autocast, ``loss / K`` backward, then one host sync that reads the loss sum, the gradient norm
-and the token count together, then ``_optimizer_step``. Afterwards ``_after_step`` advances the
+and the token count together, then ``_optimizer_step``. ``_agree`` makes it the node's update when
+the node trains on several ranks (``speedtronic.train.sync``). ``_after_step`` advances the
 counters, the LR schedule and the sync coordinator, the ``train_step`` metric is emitted,
 ``_maybe_checkpoint`` saves on the interval and ``_maybe_evaluate`` scores the held-out set
 (``eval.every_steps``, and at the end after the coordinator stopped). Skipped updates (GradScaler
