@@ -8,7 +8,8 @@
   1-rank run that then equals the single run.
 - A 2-rank DiLoCo node completes rounds against a master over a shared directory.
 - A dead rank ends the node non-zero, naming the rank, within the collective timeout; a SIGTERM
-  to one rank stops both at the same step with a final checkpoint.
+  to one rank stops both at the same step with a final checkpoint; rank 0 alone serves
+  ``/metrics``, with the node's token count.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -358,20 +361,39 @@ def test_a_dead_rank_ends_the_node_non_zero_within_the_timeout(tmp_path):
     print(f"dead rank: node exited {code} after {elapsed:.1f} s")
 
 
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _tokens_total(port: int) -> float:
+    url = f"http://127.0.0.1:{port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    line = next(x for x in text.splitlines() if x.startswith("speedtronic_train_tokens_total{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
 @pytest.mark.slow
 def test_sigterm_to_one_rank_stops_both_at_the_same_step(tmp_path):
     out = tmp_path / "node.out"
     run_dir = tmp_path / "run"
+    port = _free_port()
     config = _config(
         tmp_path,
         "long",
         run={"nproc_per_node": 2, "max_steps": 100000, "output_dir": str(run_dir)},
         checkpoint={"every_steps": 1000},
         logging={"every_steps": 50},
+        metrics={"enabled": True, "host": "127.0.0.1", "port": port},  # rank 0 alone binds it
     )
     proc = _start(tmp_path, config)
     events = run_dir / "events.jsonl"
     _wait_for(lambda: _events(events, "train_step"), 120, "training to start")
+    # /metrics counts the node's tokens: 2 ranks x 4 sequences x 16 tokens per update
+    tokens = _tokens_total(port)
+    assert tokens > 0 and tokens % (2 * 4 * 16) == 0, tokens
     os.kill(_ranks_of(proc.pid)[1], signal.SIGTERM)
     assert _wait(proc, 60, out) == 0, out.read_text()[-2000:]
     stopped = _events(events, "train_stopped")[0]

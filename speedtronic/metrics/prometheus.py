@@ -29,13 +29,13 @@ __all__ = ["EVAL_SCOPES", "SERIES", "UPLOAD_RESULTS", "PrometheusSink"]
 # histograms with their base name (Prometheus adds `_bucket`, `_sum`, `_count`).
 SERIES: dict[str, str] = {
     "speedtronic_train_steps_total": "Optimizer steps applied by this process.",
-    "speedtronic_train_tokens_total": "Tokens trained on by this process.",
-    "speedtronic_train_samples_total": "Samples trained on by this process.",
+    "speedtronic_train_tokens_total": "Tokens trained on by this node (all its ranks).",
+    "speedtronic_train_samples_total": "Samples trained on by this node (all its ranks).",
     "speedtronic_train_step": "Current absolute global step (includes resumed steps).",
     "speedtronic_train_loss": "Mean microbatch loss of the last applied update.",
     "speedtronic_train_learning_rate": "Learning rate after the last scheduler step.",
     "speedtronic_train_step_seconds": "Wall time of one optimizer step.",
-    "speedtronic_train_tokens_per_second": "Tokens per second since this fit() began.",
+    "speedtronic_train_tokens_per_second": "Tokens per second of all ranks since fit() began.",
     "speedtronic_train_skipped_steps_total": "Updates skipped (GradScaler overflow, non-finite).",
     "speedtronic_memory_bytes": "Accelerator memory allocated (host RSS when no accelerator).",
     "speedtronic_seconds_since_last_step": "Seconds since the last applied step (or start).",
