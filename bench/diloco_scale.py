@@ -1,7 +1,7 @@
 """What a DiLoCo round costs with many nodes (issue 17, item 5).
 
 K simulated nodes skip the training and send seeded pseudo-gradients of a realistic model
-shape (default: ~23M parameters, bf16 on the wire) through the real transports to the real
+shape (default: 26.2M parameters, bf16 on the wire) through the real transports to the real
 round master, against the Hub emulator on 127.0.0.1 with injected request latency. Two
 layouts are measured:
 

@@ -2,7 +2,7 @@
 through the real transports and round masters, every contribution counted exactly once, and
 the group layout stays within the Hub's commit budget (enforced by the emulator) with room
 for >= 10 rounds per hour, counted per repository and per token. bench/diloco_scale.py runs
-the same simulation at K = 4, 16, 64 with a ~23M-parameter shape."""
+the same simulation at K = 4, 16, 64 with a 26.2M-parameter shape."""
 
 from __future__ import annotations
 
