@@ -44,6 +44,7 @@ import torch
 from speedtronic.checkpoint import atomic_write_bytes
 from speedtronic.diloco import tensors as T
 from speedtronic.diloco.outer import NesterovOuterOptimizer
+from speedtronic.diloco.roster import NodeView, Roster
 from speedtronic.diloco.transport import GLOBAL_PROCESSED, RemoteNotFound, RepoScan, TransportError
 
 __all__ = ["NodeView", "RoundMaster"]
@@ -52,18 +53,6 @@ __all__ = ["NodeView", "RoundMaster"]
 _LOG = logging.getLogger("speedtronic.diloco")
 _META = {"algorithm": "dumb_diloco", "optimizer": "nesterov_sgd"}
 _STATE_FORMAT = "speedtronic-outer-state/2"
-
-
-@dataclasses.dataclass
-class NodeView:
-    """What the master knows about one node (rebuilt from the repository after a restart)."""
-
-    node_id: str
-    instance: str | None = None
-    state: str = "training"  # training | done | aggregator
-    final_round: int | None = None
-    last_heard: float = 0.0  # monotonic: joined, or newest contribution seen
-    dropped: bool = False
 
 
 class RoundMaster:
@@ -102,9 +91,9 @@ class RoundMaster:
         self.run_id = ""  # names this run in every global and contribution
         self.digests: dict[str, str] = {}  # node -> sha256 of its last aggregated contribution
         self.optimizer = self._new_optimizer()
-        self.nodes: dict[str, NodeView] = {}
         self._emit = emit
         self._log = log or _LOG
+        self.roster = Roster(lambda node_id: self.hub.read_owner(node_id), emit, self._log)
         self.on_global = on_global
         self.evaluate = evaluate
         self.on_final = on_final
@@ -119,8 +108,6 @@ class RoundMaster:
         self._opened = clock()
         self._blind_since: float | None = None  # when the exchange became unreadable
         self._round_seconds = 0.0  # moving average of round lengths
-        self._saw_training = False
-        self._owners: dict[str, tuple[str, dict[str, Any]]] = {}  # node -> (listed version, record)
         self._counts = {"stale": 0, "skipped": 0, "corrupt": 0}
         self._prune: set[str] = set()
         self._dropped: list[str] = []  # "node/round" of stale contributions since the last close
@@ -329,15 +316,20 @@ class RoundMaster:
                 self._blind_since = now
             raise
         self._credit_blind_time(now)
-        self._refresh_nodes(scan, now)
+        self.roster.refresh(scan, now, self.outer_step)
         candidates = self._sort_contributions(scan, now)
-        active = self._active(now)
+        limit = self.settings.drop_after * max(self.settings.round_timeout, self._round_seconds)
+        active = self.roster.active(now, limit, self.ledger)
         reason = self._close_reason(now, active, candidates)
         if reason is not None and self._close(candidates, reason, active, now):
             return True
         if self._prune:  # refused, duplicate or stale files go now, before they are re-sent
             self._flush_prune()
-        if self._run_over(active) and not candidates and not self.finished.is_set():
+        if (
+            self.roster.run_over(active, self.ledger)
+            and not candidates
+            and not self.finished.is_set()
+        ):
             self._finish()
         return False
 
@@ -347,48 +339,14 @@ class RoundMaster:
         if self._blind_since is None:
             return
         blind, self._blind_since = now - self._blind_since, None
-        for view in self.nodes.values():
-            view.last_heard += blind
+        self.roster.credit(blind)
         if self._first_arrival is not None:
             self._first_arrival += blind
 
-    def _run_over(self, active: set[str]) -> bool:
-        """No node left to wait for, and at least one finished its run (nodes that are only
-        silent, e.g. all at once, keep the run open until one of them is done)."""
-        finished = any(self._finished(view) for view in self.nodes.values())
-        return self._saw_training and not active and finished
-
-    def _refresh_nodes(self, scan: RepoScan, now: float) -> None:
-        for node_id in sorted(scan.owners):  # a node announces itself with its status record
-            view = self.nodes.get(node_id)
-            record = self._owner_record(node_id, scan)
-            instance = record.get("instance")
-            if view is None or (instance and instance != view.instance):
-                view = NodeView(node_id, instance=instance, last_heard=now)
-                self.nodes[node_id] = view
-                if record.get("state", "training") == "training":
-                    self._emit("node_joined", {"node_id": node_id, "outer_step": self.outer_step})
-            state = str(record.get("state", view.state))
-            if view.state == "done" and state == "training":
-                view.last_heard = now  # restarted after it had finished: waiting again
-            view.state = state
-            final = record.get("final_round")
-            view.final_round = final if isinstance(final, int) else None
-            if view.state == "training":
-                self._saw_training = True
-
-    def _owner_record(self, node_id: str, scan: RepoScan) -> dict[str, Any]:
-        """A node's status record, read again only when the listing shows a new version of
-        it: a poll costs one listing, not one read per node (K grows, requests do not)."""
-        info = scan.files.get(f"nodes/{node_id}/owner.json")
-        version = info.version if info is not None else None
-        cached = self._owners.get(node_id)
-        if version is not None and cached is not None and cached[0] == version:
-            return cached[1]
-        record = self.hub.read_owner(node_id) or {}
-        if version is not None:
-            self._owners[node_id] = (version, record)
-        return record
+    @property
+    def nodes(self) -> dict[str, NodeView]:
+        """The nodes of this exchange, by id (see :class:`~speedtronic.diloco.roster.Roster`)."""
+        return self.roster.nodes
 
     def _sort_contributions(self, scan: RepoScan, now: float) -> dict[str, dict[int, str]]:
         """Includable files ``{node: {round: path}}``; duplicates and stale ones are queued
@@ -443,40 +401,7 @@ class RoundMaster:
     def _heard(self, node_id: str, now: float) -> None:
         if self._first_arrival is None:
             self._first_arrival = now
-        view = self.nodes.get(node_id)
-        if view is None:  # contributions without a status record are used, never waited for
-            return
-        if view.dropped:
-            view.dropped = False
-            self._emit("node_rejoined", {"node_id": node_id, "outer_step": self.outer_step})
-        view.last_heard = max(view.last_heard, now)
-
-    def _finished(self, view: NodeView) -> bool:
-        if view.state == "aggregator":
-            return True
-        if view.state != "done":
-            return False
-        final = view.final_round if view.final_round is not None else -1
-        return self.ledger.get(view.node_id, -1) >= final
-
-    def _active(self, now: float) -> set[str]:
-        """Nodes the open round waits for (joined, not finished, not silent too long)."""
-        limit = self.settings.drop_after * max(self.settings.round_timeout, self._round_seconds)
-        active = set()
-        for view in self.nodes.values():
-            if self._finished(view):
-                continue
-            silent = now - view.last_heard
-            if silent > limit and not view.dropped:
-                view.dropped = True
-                self._log.warning(
-                    f"node {view.node_id} silent for {silent:.0f} s; no longer waiting for it "
-                    "(it rejoins when it delivers again)"
-                )
-                self._emit("node_dropped", {"node_id": view.node_id, "silent_seconds": silent})
-            if not view.dropped:
-                active.add(view.node_id)
-        return active
+        self.roster.heard(node_id, now, self.outer_step)
 
     def _close_reason(
         self, now: float, active: set[str], candidates: Mapping[str, Mapping[int, str]]
@@ -484,8 +409,7 @@ class RoundMaster:
         if not candidates:
             return None
         # min_nodes is a floor on the nodes in a round, lowered only by nodes that finished
-        finished = sum(self._finished(view) for view in self.nodes.values())
-        need = max(1, self.settings.min_nodes - finished)
+        need = max(1, self.settings.min_nodes - self.roster.finished_count(self.ledger))
         if len(candidates) < need:
             return None
         on_time = {node for node, files in candidates.items() if self.outer_step in files}
@@ -537,9 +461,7 @@ class RoundMaster:
             )
             for node_id, label in marks.items():
                 self.ledger[node_id] = max(self.ledger.get(node_id, -1), label)
-            final = self._run_over(
-                {n for n, v in self.nodes.items() if not self._finished(v) and not v.dropped}
-            )
+            final = self.roster.run_over(self.roster.waiting(self.ledger), self.ledger)
         if not self._step(total, weight, final, saved):
             for path in consumed:
                 self._refuse(path, "the outer step would make the global non-finite")

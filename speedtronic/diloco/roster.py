@@ -1,0 +1,142 @@
+"""Who the master's round waits for: the nodes of the exchange and their status.
+
+A node announces itself with its status record (``nodes/<id>/owner.json``: instance token,
+``state`` training | done | aggregator, ``final_round`` when done). The roster keeps one
+:class:`NodeView` per node, rebuilt from the repository after a restart, and answers three
+questions for :class:`~speedtronic.diloco.master.RoundMaster`: which nodes the open round
+waits for (joined, not finished, not silent for ``drop_after`` round lengths), whether a node
+finished its run (done, and its last contribution is in the ledger), and whether the run is
+over. A record is read again only when the repository listing shows a new version of it, so
+a poll costs one listing however many nodes there are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from speedtronic.diloco.transport import RepoScan
+
+__all__ = ["NodeView", "Roster"]
+
+
+@dataclasses.dataclass
+class NodeView:
+    """What the master knows about one node (rebuilt from the repository after a restart)."""
+
+    node_id: str
+    instance: str | None = None
+    state: str = "training"  # training | done | aggregator
+    final_round: int | None = None
+    last_heard: float = 0.0  # monotonic: joined, or newest contribution seen
+    dropped: bool = False
+
+
+class Roster:
+    """The nodes of one exchange, read from their status records (``read_owner`` of the
+    transport); ``emit`` reports joins, drops and rejoins."""
+
+    def __init__(
+        self,
+        read_owner: Callable[[str], dict[str, Any] | None],
+        emit: Callable[[str, dict[str, Any]], None],
+        log: logging.Logger | Any,
+    ):
+        self._read_owner = read_owner
+        self._emit = emit
+        self._log = log
+        self.nodes: dict[str, NodeView] = {}
+        self.saw_training = False  # a node that trains announced itself (the run has begun)
+        self._records: dict[str, tuple[str, dict[str, Any]]] = {}  # node -> (version, record)
+
+    def refresh(self, scan: RepoScan, now: float, outer_step: int) -> None:
+        """Update every node from its status record (a restarted node is a new view)."""
+        for node_id in sorted(scan.owners):
+            view = self.nodes.get(node_id)
+            record = self._record(node_id, scan)
+            instance = record.get("instance")
+            if view is None or (instance and instance != view.instance):
+                view = NodeView(node_id, instance=instance, last_heard=now)
+                self.nodes[node_id] = view
+                if record.get("state", "training") == "training":
+                    self._emit("node_joined", {"node_id": node_id, "outer_step": outer_step})
+            state = str(record.get("state", view.state))
+            if view.state == "done" and state == "training":
+                view.last_heard = now  # restarted after it had finished: waiting again
+            view.state = state
+            final = record.get("final_round")
+            view.final_round = final if isinstance(final, int) else None
+            if view.state == "training":
+                self.saw_training = True
+
+    def _record(self, node_id: str, scan: RepoScan) -> dict[str, Any]:
+        """A node's status record, read again only when the listing shows a new version of
+        it: a poll costs one listing, not one read per node (K grows, requests do not)."""
+        info = scan.files.get(f"nodes/{node_id}/owner.json")
+        version = info.version if info is not None else None
+        cached = self._records.get(node_id)
+        if version is not None and cached is not None and cached[0] == version:
+            return cached[1]
+        record = self._read_owner(node_id) or {}
+        if version is not None:
+            self._records[node_id] = (version, record)
+        return record
+
+    def heard(self, node_id: str, now: float, outer_step: int) -> None:
+        """A contribution of ``node_id`` arrived: it is not silent (a dropped node rejoins)."""
+        view = self.nodes.get(node_id)
+        if view is None:  # contributions without a status record are used, never waited for
+            return
+        if view.dropped:
+            view.dropped = False
+            self._emit("node_rejoined", {"node_id": node_id, "outer_step": outer_step})
+        view.last_heard = max(view.last_heard, now)
+
+    def credit(self, seconds: float) -> None:
+        """Time the exchange could not be read: nobody was silent during it."""
+        for view in self.nodes.values():
+            view.last_heard += seconds
+
+    @staticmethod
+    def finished(view: NodeView, ledger: Mapping[str, int]) -> bool:
+        """Done with its run and its last contribution aggregated (or a pure aggregator)."""
+        if view.state == "aggregator":
+            return True
+        if view.state != "done":
+            return False
+        final = view.final_round if view.final_round is not None else -1
+        return ledger.get(view.node_id, -1) >= final
+
+    def finished_count(self, ledger: Mapping[str, int]) -> int:
+        """How many nodes finished their run."""
+        return sum(self.finished(view, ledger) for view in self.nodes.values())
+
+    def waiting(self, ledger: Mapping[str, int]) -> set[str]:
+        """Nodes neither finished nor dropped (no clock: what a closing round still expects)."""
+        return {n for n, v in self.nodes.items() if not self.finished(v, ledger) and not v.dropped}
+
+    def active(self, now: float, limit: float, ledger: Mapping[str, int]) -> set[str]:
+        """Nodes the open round waits for; a node silent for more than ``limit`` seconds is
+        dropped (logged and reported once) until it delivers again."""
+        active = set()
+        for view in self.nodes.values():
+            if self.finished(view, ledger):
+                continue
+            silent = now - view.last_heard
+            if silent > limit and not view.dropped:
+                view.dropped = True
+                self._log.warning(
+                    f"node {view.node_id} silent for {silent:.0f} s; no longer waiting for it "
+                    "(it rejoins when it delivers again)"
+                )
+                self._emit("node_dropped", {"node_id": view.node_id, "silent_seconds": silent})
+            if not view.dropped:
+                active.add(view.node_id)
+        return active
+
+    def run_over(self, active: set[str], ledger: Mapping[str, int]) -> bool:
+        """No node left to wait for, and at least one finished its run (nodes that are only
+        silent, e.g. all at once, keep the run open until one of them is done)."""
+        return self.saw_training and not active and self.finished_count(ledger) > 0
