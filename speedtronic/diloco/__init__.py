@@ -2,12 +2,13 @@
 a Hub repository or a shared volume (``file:///abs/path``).
 
 Modules: :mod:`.node` (a node's round, hooked on the inner optimizer), :mod:`.master` (the
-master's round), :mod:`.relay` (a group leader's link to the top level), :mod:`.coordinator`
-(assembles them for the trainer), :mod:`.outer` (Nesterov outer optimizer), :mod:`.tensors`
-(format, pseudo-gradient), :mod:`.transport` (repository layout), :mod:`.directory` (shared
-volume) and :mod:`.hub` (Hugging Face Hub) below :mod:`.exchange` (picks one for a repo id),
-:mod:`.retry` (errors, retry policy), :mod:`.identity` (node ids and claims) and
-:mod:`.ideal` (the same arithmetic in one process, the peer the protocol is measured against).
+master's round) with :mod:`.roster` (the nodes it waits for), :mod:`.relay` (a group leader's
+link to the top level), :mod:`.coordinator` (assembles them for the trainer), :mod:`.outer`
+(Nesterov outer optimizer), :mod:`.tensors` (format, pseudo-gradient), :mod:`.transport`
+(repository layout), :mod:`.directory` (shared volume) and :mod:`.hub` (Hugging Face Hub)
+below :mod:`.exchange` (picks one for a repo id), :mod:`.retry` (errors, retry policy),
+:mod:`.identity` (node ids and claims) and :mod:`.ideal` (the same arithmetic in one process,
+the peer the protocol is measured against).
 See docs/diloco.md.
 """
 
