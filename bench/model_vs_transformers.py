@@ -30,6 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from speedtronic.model import ReferenceTransformer
+from speedtronic.model.export import llama_state_dict
 
 PRESETS = {
     "tiny": {"vocab_size": 512, "d_model": 128, "n_layer": 2, "n_head": 4, "n_kv_head": 2},
@@ -82,30 +83,8 @@ def build_pair(shape: dict, seq_len: int) -> tuple[torch.nn.Module, torch.nn.Mod
 
 
 def copy_weights(ours: torch.nn.Module, llama: torch.nn.Module) -> None:
-    """Load the reference model's weights into the Llama model (names mapped 1:1)."""
-    src = ours.state_dict()
-    mapped = {
-        "model.embed_tokens.weight": src["transformer.wte.weight"],
-        "model.norm.weight": src["transformer.ln_f.weight"],
-        "lm_head.weight": src["lm_head.weight"],
-    }
-    names = {
-        "ln1": "input_layernorm",
-        "ln2": "post_attention_layernorm",
-        "attn.q_proj": "self_attn.q_proj",
-        "attn.k_proj": "self_attn.k_proj",
-        "attn.v_proj": "self_attn.v_proj",
-        "attn.out_proj": "self_attn.o_proj",
-        "mlp.gate_proj": "mlp.gate_proj",
-        "mlp.up_proj": "mlp.up_proj",
-        "mlp.down_proj": "mlp.down_proj",
-    }
-    for i in range(len(ours.transformer.h)):
-        for theirs_name, llama_name in names.items():
-            mapped[f"model.layers.{i}.{llama_name}.weight"] = src[
-                f"transformer.h.{i}.{theirs_name}.weight"
-            ]
-    llama.load_state_dict(mapped, strict=False)
+    """Load the reference model's weights into the Llama model (the export's name map)."""
+    llama.load_state_dict(llama_state_dict(ours), strict=False)
 
 
 @torch.no_grad()
