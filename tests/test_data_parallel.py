@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from process_support import reap, wait_for
 
 from speedtronic.config import ConfigError, SpeedtronicConfig
 from speedtronic.data import build_dataloader
@@ -59,11 +60,7 @@ TINY = {
 def _reap_processes():
     """Never leave a rank behind, even when a test fails."""
     yield
-    while _RUNNING:
-        proc = _RUNNING.pop()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(60)
+    reap(_RUNNING)
 
 
 def _config(tmp: Path, name: str, **sections) -> Path:
@@ -132,15 +129,6 @@ def _ranks_of(agent: int) -> dict[int, int]:
             if item.startswith(b"RANK="):
                 found[int(item[5:])] = int(entry.name)
     return found
-
-
-def _wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 # ----------------------------------------------------------------------------- resolution
@@ -347,7 +335,7 @@ def test_a_dead_rank_ends_the_node_non_zero_within_the_timeout(tmp_path):
     )
     proc = _start(tmp_path, config)
     events = tmp_path / "run" / "events.jsonl"
-    _wait_for(lambda: _events(events, "train_step"), 120, "training to start")
+    wait_for(lambda: _events(events, "train_step"), 120, "training to start", interval=0.1)
     ranks = _ranks_of(proc.pid)
     assert set(ranks) == {0, 1}, ranks
     os.kill(ranks[1], signal.SIGKILL)
@@ -390,7 +378,7 @@ def test_sigterm_to_one_rank_stops_both_at_the_same_step(tmp_path):
     )
     proc = _start(tmp_path, config)
     events = run_dir / "events.jsonl"
-    _wait_for(lambda: _events(events, "train_step"), 120, "training to start")
+    wait_for(lambda: _events(events, "train_step"), 120, "training to start", interval=0.1)
     # /metrics counts the node's tokens: 2 ranks x 4 sequences x 16 tokens per update
     tokens = _tokens_total(port)
     assert tokens > 0 and tokens % (2 * 4 * 16) == 0, tokens

@@ -21,13 +21,13 @@ import signal
 import subprocess
 import sys
 import sysconfig
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from hub_emulator_fixtures import TEST_TOKEN, hub_emulator  # noqa: F401
+from process_support import reap, wait_for
 
 from speedtronic.checkpoint import CheckpointManager
 from speedtronic.config import resolve_config
@@ -47,11 +47,7 @@ _RUNNING: list[subprocess.Popen] = []
 def _reap_processes():
     """Never leave a training process behind, even when a test fails."""
     yield
-    while _RUNNING:
-        proc = _RUNNING.pop()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(60)
+    reap(_RUNNING)
 
 
 @pytest.fixture(scope="module")
@@ -174,15 +170,6 @@ def _env(extra: dict | None = None) -> dict:
     )
     env.update(extra or {})
     return env
-
-
-def _wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _included(master: Node) -> list[tuple[str, int]]:
@@ -311,13 +298,13 @@ def test_late_join_kill_and_resume_of_a_worker_and_of_the_master(tmp_path, corpu
     env = _env()
     master = Node(tmp_path, "m", "master", repo, [*sets, "run.max_steps=160"], env).start()
     w1 = Node(tmp_path, "w1", "worker", repo, sets, env).start()
-    _wait_for(lambda: len(master.events("outer_step")) >= 2, 180, "two rounds")
+    wait_for(lambda: len(master.events("outer_step")) >= 2, 180, "two rounds")
     w2 = Node(tmp_path, "w2", "worker", repo, [*sets, "run.max_steps=60"], env).start()
-    _wait_for(lambda: len(w1.events("delta_uploaded")) >= 6, 180, "six w1 uploads")
+    wait_for(lambda: len(w1.events("delta_uploaded")) >= 6, 180, "six w1 uploads")
     assert w1.proc.poll() is None, "w1 finished before it could be killed"
     w1.kill()
     w1.start(resume=True)
-    _wait_for(lambda: len(master.events("outer_step")) >= 12, 240, "twelve rounds")
+    wait_for(lambda: len(master.events("outer_step")) >= 12, 240, "twelve rounds")
     assert master.proc.poll() is None, "the master finished before it could be killed"
     master.kill()
     master.start(resume=True)

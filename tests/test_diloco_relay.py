@@ -5,11 +5,11 @@ commits for K nodes in G groups, and every node still weighs the same."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
 from hub_emulator_fixtures import fast_retry
+from process_support import wait_for
 
 from speedtronic.config import DistributedConfig
 from speedtronic.diloco.directory import DirectoryTransport
@@ -50,13 +50,8 @@ def _member(exchange: DirectoryTransport, node: str, label: int, values) -> None
     )
 
 
-def _wait(predicate, what, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
+def _wait(predicate, what):
+    wait_for(predicate, 20.0, what, interval=0.02)
 
 
 def test_groups_give_every_node_the_same_weight_and_cut_top_level_commits(tmp_path):

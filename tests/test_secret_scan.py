@@ -29,6 +29,7 @@ from pathlib import Path
 from urllib.parse import quote, quote_plus
 
 import pytest
+from process_support import reap
 
 from speedtronic.testing.hub_server import FaultConfig, HubEmulator
 
@@ -90,11 +91,7 @@ class Scan:
 @pytest.fixture(autouse=True)
 def _reap():
     yield
-    while _RUNNING:
-        proc = _RUNNING.pop()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(60)
+    reap(_RUNNING)
 
 
 def _free_port() -> int:

@@ -34,6 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hub_emulator_fixtures import TEST_TOKEN, fast_retry
+from process_support import reap, wait_for
 
 from speedtronic.diloco import tensors as T
 from speedtronic.diloco.hub import HubClient
@@ -123,11 +124,7 @@ class Node:
 @pytest.fixture(autouse=True)
 def _reap():
     yield
-    while _RUNNING:
-        proc = _RUNNING.pop()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(60)
+    reap(_RUNNING)
 
 
 def _env(emulator: HubEmulator) -> dict:
@@ -155,15 +152,6 @@ def _env(emulator: HubEmulator) -> dict:
         SPEEDTRONIC_LOGGING__EVERY_STEPS="20",
     )
     return env
-
-
-def _wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _plant(writer: HubClient, master: Node) -> dict[str, int]:
@@ -224,7 +212,7 @@ def _chaos(tmp: Path, emulator: HubEmulator) -> None:
             error_rate=0.05, drop_rate=0.03, rate_limit_rate=0.0, slow_rate=0.0, truncate_rate=0.0
         )
 
-    _wait_for(lambda: len(master.events("outer_step")) >= 2, 240, "two rounds")
+    wait_for(lambda: len(master.events("outer_step")) >= 2, 240, "two rounds")
     emulator.set_faults(error_rate=0.05, drop_rate=0.03)  # background noise from here on
     phase("5xx burst", 3, error_rate=0.6)
     phase("429 + Retry-After", 3, rate_limit_rate=0.4, retry_after=0.3)
@@ -237,13 +225,13 @@ def _chaos(tmp: Path, emulator: HubEmulator) -> None:
     time.sleep(1.0)
     master.kill_and_restart()
     emulator.set_faults(slow_rate=0.0)
-    _wait_for(
+    wait_for(
         lambda: master.events("diloco_started") and len(master.events("diloco_started")) >= 2,
         180,
         "the master back",
     )
     phase("30 s outage", 30, error_rate=1.0)
-    _wait_for(lambda: bool(master.events("outer_step")), 120, "rounds after the outage")
+    wait_for(lambda: bool(master.events("outer_step")), 120, "rounds after the outage")
     writer = HubClient(REPO, token=TEST_TOKEN, endpoint=emulator.url, retry=fast_retry(attempts=8))
     emulator.set_faults(error_rate=0.0, drop_rate=0.0)
     # The master is paused (SIGSTOP) while the NaN global is live: a running master overwrites
@@ -251,7 +239,7 @@ def _chaos(tmp: Path, emulator: HubEmulator) -> None:
     master.proc.send_signal(signal.SIGSTOP)
     try:
         planted = _plant(writer, master)
-        _wait_for(
+        wait_for(
             lambda: any(w.events("global_rejected") for w in workers), 30, "a refused NaN global"
         )
     finally:
