@@ -236,7 +236,7 @@ def _leader(tmp: Path, name: str, endpoint: str, shapes: dict, members: int, pol
     )
     master.events = events  # type: ignore[attr-defined]
     master.stop_relay = stop  # type: ignore[attr-defined]
-    return exchange, master
+    return master
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -299,7 +299,7 @@ def simulate(
             if len(leaders) <= j:
                 members = min(group_size, k - j * group_size)
                 leaders.append(_leader(tmp, f"g{j}", emulator.url, shapes, members, poll))
-                leaders[-1][1].start()
+                leaders[-1].start()
             transport: Any = DirectoryTransport(f"file://{tmp}/g{j}", _retry())
         else:
             transport = HubClient(TOP, token=f"tok-n{i}", endpoint=emulator.url,
@@ -315,7 +315,7 @@ def simulate(
         thread.join(timeout)
     out, _ = master.communicate(timeout=timeout)
     elapsed = time.monotonic() - started
-    for _, relay in leaders:
+    for relay in leaders:
         relay.finished.wait(30)
         relay.stop_relay.set()
         relay.stop()
@@ -328,7 +328,7 @@ def simulate(
     expected = collections.Counter((f"n{i}", r) for i in range(k) for r in range(rounds))
     seen: collections.Counter = collections.Counter()
     if layout == "groups":
-        for _, relay in leaders:
+        for relay in leaders:
             for e, p in relay.events:
                 if e == "outer_step":
                     seen.update(tuple(x.split("/")) for x in p["included"])
@@ -364,13 +364,12 @@ def simulate(
     )
     per_token_requests = [per_round(token(t)) for t in hub_clients]
     per_token_commits = [per_round(token_commits(t)) for t in hub_clients]
-    nbytes = sum(math.prod(s) for s in shapes.values())
     return {
         "layout": layout,
         "nodes": k,
         "groups": groups,
         "hub_clients": len(hub_clients),
-        "parameters": nbytes,
+        "parameters": sum(math.prod(s) for s in shapes.values()),
         "rounds": top["rounds"],
         "finished": top["finished"] and not failures,
         "failures": failures[:5],

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -429,7 +430,7 @@ class _Server(ThreadingHTTPServer):
         if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
             hub = self.hub  # type: ignore[attr-defined]
             with hub.lock:
-                hub._counts["client_gone"] = hub._counts.get("client_gone", 0) + 1
+                hub._counts["client_gone"] += 1
             return
         super().handle_error(request, client_address)
 
@@ -457,7 +458,7 @@ class HubEmulator:
         self.repos: dict[str, _Repo] = {}
         self.commits = 0
         self._rng = random.Random(self.faults.seed)
-        self._counts: dict[str, int] = {}
+        self._counts: collections.Counter[str] = collections.Counter()
         self._by_token: dict[str, dict[str, int]] = {}  # token_tag -> requests, commits
         # called as on_commit(repo_id, {path: bytes}) after each commit lands, under the lock
         self.on_commit: Callable[[str, dict[str, bytes]], None] | None = None
@@ -499,7 +500,7 @@ class HubEmulator:
             for name, rate in order:
                 edge += max(0.0, rate)
                 if roll < edge:
-                    self._counts[f"fault:{name}"] = self._counts.get(f"fault:{name}", 0) + 1
+                    self._counts[f"fault:{name}"] += 1
                     return name
         return None
 
@@ -507,8 +508,7 @@ class HubEmulator:
         """Count a served request by method and endpoint kind."""
         kind = _endpoint(path)
         with self.lock:
-            key = f"{method} {kind}"
-            self._counts[key] = self._counts.get(key, 0) + 1
+            self._counts[f"{method} {kind}"] += 1
 
     def tally(self, token: str, what: str) -> None:
         """Count a served request or a landed commit against the caller's token (by tag)."""
