@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from process_support import reap, wait_for
+from process_support import free_port, reap, wait_for
 
 from speedtronic.config import ConfigError, SpeedtronicConfig
 from speedtronic.data import build_dataloader
@@ -349,12 +348,6 @@ def test_a_dead_rank_ends_the_node_non_zero_within_the_timeout(tmp_path):
     print(f"dead rank: node exited {code} after {elapsed:.1f} s")
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _tokens_total(port: int) -> float:
     url = f"http://127.0.0.1:{port}/metrics"
     with urllib.request.urlopen(url, timeout=5) as response:
@@ -367,7 +360,7 @@ def _tokens_total(port: int) -> float:
 def test_sigterm_to_one_rank_stops_both_at_the_same_step(tmp_path):
     out = tmp_path / "node.out"
     run_dir = tmp_path / "run"
-    port = _free_port()
+    port = free_port()
     config = _config(
         tmp_path,
         "long",

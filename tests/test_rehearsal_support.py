@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,24 +25,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from process_support import free_port as free_port  # re-exported for the rehearsal tests
+
 VENV_BIN = str(Path(sys.executable).parent)
 
 
 # -- processes ---------------------------------------------------------------------------------
-_HANDED_OUT: set[int] = set()
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on right now, never the same one twice in a session."""
-    while True:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
-
-
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
     """(status, body) of a GET; HTTP errors are returned, connection errors give status 0."""
     try:

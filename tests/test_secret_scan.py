@@ -20,7 +20,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 from urllib.parse import quote, quote_plus
 
 import pytest
-from process_support import reap
+from process_support import free_port, reap
 
 from speedtronic.testing.hub_server import FaultConfig, HubEmulator
 
@@ -94,12 +93,6 @@ def _reap():
     reap(_RUNNING)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _base_env(tmp: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPEEDTRONIC_", "HF_"))}
     env.update(
@@ -132,7 +125,7 @@ class Node:
     def __init__(self, tmp: Path, name: str, role: str, command: str, env: dict[str, str]):
         self.tmp, self.name, self.command = tmp, name, command
         self.dir = tmp / "out" / name
-        self.port = _free_port()
+        self.port = free_port()
         self.log = tmp / "logs" / f"{name}.out"
         self.log.parent.mkdir(parents=True, exist_ok=True)
         self.env = dict(

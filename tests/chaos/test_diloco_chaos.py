@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -34,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hub_emulator_fixtures import TEST_TOKEN, fast_retry
-from process_support import reap, wait_for
+from process_support import free_port, reap, wait_for
 
 from speedtronic.diloco import tensors as T
 from speedtronic.diloco.hub import HubClient
@@ -47,12 +46,6 @@ REPO = "org/chaos"
 _RUNNING: list[subprocess.Popen] = []
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class Node:
     """One ``speedtronic run`` process (restartable) with its metrics port."""
 
@@ -60,7 +53,7 @@ class Node:
         self.tmp, self.name, self.role, self.env = tmp, name, role, env
         self.dir = tmp / name
         self.jsonl = self.dir / "events.jsonl"
-        self.port = _free_port()
+        self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self.scrapes: list[dict[str, float]] = []
         self.starts = 0
