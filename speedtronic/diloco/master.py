@@ -19,31 +19,31 @@ consumed files in one commit; then it persists ``outer_state`` locally, hands th
 the local node, and evaluates it. When every node is done (their last contribution is in)
 the master publishes the final global and calls ``on_final``.
 
-Local state: one atomic file ``<state_dir>/outer_state.safetensors`` (global + momentum; the
-header holds the outer step, run id, ledger and digests). The ledger is also published, so a
-master with a lost disk never aggregates a contribution twice.
+Local state (:mod:`speedtronic.diloco.outer_state`): one atomic file
+``<state_dir>/outer_state.safetensors`` (global + momentum; the header holds the outer step,
+run id, ledger and digests), and a write-ahead record of the round being published, so a round
+the exchange holds is reported even when the master died before it could say so. The ledger is
+also published, so a master with a lost disk never aggregates a contribution twice.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from speedtronic.checkpoint import atomic_write_bytes
 from speedtronic.diloco import tensors as T
 from speedtronic.diloco.outer import NesterovOuterOptimizer
+from speedtronic.diloco.outer_state import OuterStateStore
 from speedtronic.diloco.roster import NodeView, Roster
 from speedtronic.diloco.transport import GLOBAL_PROCESSED, RemoteNotFound, RepoScan, TransportError
 
@@ -52,7 +52,6 @@ __all__ = ["NodeView", "RoundMaster"]
 
 _LOG = logging.getLogger("speedtronic.diloco")
 _META = {"algorithm": "dumb_diloco", "optimizer": "nesterov_sgd"}
-_STATE_FORMAT = "speedtronic-outer-state/2"
 
 
 class RoundMaster:
@@ -86,6 +85,7 @@ class RoundMaster:
         self._initial = T.cpu_state_dict(state)  # the global of a new run
         self.fresh = False  # set by a master that starts its training from step 0
         self.state_dir = Path(state_dir)
+        self.store = OuterStateStore(state_dir)
         self.outer_step = 0
         self.ledger: dict[str, int] = {}
         self.run_id = ""  # names this run in every global and contribution
@@ -115,6 +115,7 @@ class RoundMaster:
         self.has_local_state = False
         self.local_state_corrupt = False
         self.reconciled = False
+        self._handed: int | None = None  # the outer step last given to on_global
         self._load_local_state()
 
     def _new_optimizer(self) -> NesterovOuterOptimizer:
@@ -125,57 +126,37 @@ class RoundMaster:
     # -- local persistence ------------------------------------------------------------------
     @property
     def state_path(self) -> Path:
-        """Tensors ``global/<key>`` and ``momentum/<key>``; the header holds the rest."""
-        return self.state_dir / "outer_state.safetensors"
+        """The local outer state file (see :mod:`speedtronic.diloco.outer_state`)."""
+        return self.store.path
 
     def _load_local_state(self) -> None:
-        if not self.state_path.exists():
-            return
         try:
-            tensors, meta = T.state_from_bytes(self.state_path.read_bytes())
-            if meta.get("format") != _STATE_FORMAT:
-                raise ValueError(f"unknown format {meta.get('format')!r}")
-            glob = {k[7:]: v for k, v in tensors.items() if k.startswith("global/")}
-            for key, value in self.global_state.items():
-                if key not in glob or tuple(glob[key].shape) != tuple(value.shape):
-                    raise ValueError(f"global tensor {key} missing or reshaped")
-            step = int(meta["outer_step"])
-            ledger = {str(k): int(v) for k, v in json.loads(meta["ledger"]).items()}
-            digests = {str(k): str(v) for k, v in json.loads(meta["digests"]).items()}
-            run_id = str(meta.get("run_id", ""))
-        except Exception as exc:
+            saved = self.store.load(self.global_state)
+        except ValueError as exc:
             self.local_state_corrupt = True
-            self.state_path.replace(
-                self.state_path.with_name(f"{self.state_path.name}.corrupt-{int(time.time())}")
-            )
             self._log.error(
-                f"corrupt local outer state in {self.state_dir} ({type(exc).__name__}: {exc}); "
+                f"corrupt local outer state in {self.state_dir} ({exc}); "
                 "moved aside, rebuilding from the published global state"
             )
             return
-        self.global_state = {k: glob[k].to(v.dtype) for k, v in self.global_state.items()}
+        if saved is None:
+            return
+        self.global_state = saved.global_state
         self.optimizer = self._new_optimizer()
-        self.optimizer.load_state_dict(
-            {k[9:]: v for k, v in tensors.items() if k.startswith("momentum/")}
-        )
-        self.outer_step, self.ledger, self.run_id = step, ledger, run_id
-        self.digests = digests
+        self.optimizer.load_state_dict(saved.momentum)
+        self.outer_step, self.ledger, self.run_id = saved.outer_step, saved.ledger, saved.run_id
+        self.digests = saved.digests
         self.has_local_state = True
 
     def _save_local_state(self) -> None:
-        """One atomic file: the global, the momentum, and (in its header) the outer step, run,
-        ledger and digests, so a kill at any point leaves the previous or the new state."""
-        tensors = {f"global/{k}": v for k, v in self.global_state.items()}
-        tensors.update({f"momentum/{k}": v for k, v in self.optimizer.state_dict().items()})
-        meta = {
-            "format": _STATE_FORMAT,
-            "outer_step": self.outer_step,
-            "run_id": self.run_id,
-            "ledger": json.dumps(dict(sorted(self.ledger.items()))),
-            "digests": json.dumps(dict(sorted(self.digests.items()))),
-            "updated_at": datetime.now(timezone.utc).isoformat(),
-        }
-        atomic_write_bytes(T.state_to_bytes(tensors, metadata=meta), self.state_path)
+        self.store.save(
+            self.global_state,
+            self.optimizer.state_dict(),
+            outer_step=self.outer_step,
+            run_id=self.run_id,
+            ledger=self.ledger,
+            digests=self.digests,
+        )
         self.has_local_state = True
 
     def _persist(self) -> None:
@@ -261,10 +242,20 @@ class RoundMaster:
     def _finish_reconcile(self) -> None:
         self.reconciled = True
         self.local_state_corrupt = False
+        self.fresh = False  # a later reconcile (after a failed publish) is never a new run
         self._persist()
-        self._opened = self._clock()
+        report = self.store.take_pending(self.outer_step, self.run_id)
+        if report is not None:  # published by this master, never reported (killed, or lost reply)
+            self._counts, self._dropped = {"stale": 0, "skipped": 0, "corrupt": 0}, []
+            self._emit("outer_step", {**report, "recovered": True})
+        if self._handed != self.outer_step:  # a re-reconcile after a failed publish may not move
+            self._opened = self._clock()
+            self._hand_over(T.cpu_state_dict(self.global_state))
+
+    def _hand_over(self, state: dict[str, torch.Tensor]) -> None:
+        self._handed = self.outer_step
         if self.on_global is not None:
-            self.on_global(self.outer_step, T.cpu_state_dict(self.global_state))
+            self.on_global(self.outer_step, state)
 
     def _reconcile_with_upstream(self) -> None:
         """A group leader starts from the top-level global (its outer step and run id are the
@@ -466,6 +457,24 @@ class RoundMaster:
             for path in consumed:
                 self._refuse(path, "the outer step would make the global non-finite")
             return False
+        report = {
+            "outer_step": self.outer_step,
+            "round": self.outer_step - 1,
+            "reason": reason,
+            "nodes_active": len(active),
+            "nodes_included": len(marks),
+            "deltas_found": len(consumed) + self._counts["corrupt"],
+            "deltas_included": len(consumed),
+            "deltas_late": late,
+            "deltas_stale": self._counts["stale"],
+            "deltas_skipped": self._counts["skipped"],
+            "deltas_corrupt": self._counts["corrupt"],
+            "included": included,
+            "dropped": list(self._dropped),
+        }
+        # written ahead: a kill after the exchange applied the publish and before the round
+        # is reported below leaves this record, reported at the restart (outer_state.py)
+        self.store.write_pending(self.outer_step, self.run_id, report)
         try:
             self.hub.publish_global(
                 self.global_state,
@@ -480,6 +489,8 @@ class RoundMaster:
             with self._lock:
                 self.outer_step, self.ledger, self.global_state, momentum = saved
                 self.optimizer.load_state_dict(momentum)
+                # a publish that failed may still have landed: agree with the exchange again
+                self.reconciled = False
             raise
         self._prune.clear()
         self.digests.update(self._pending_digests)
@@ -491,28 +502,13 @@ class RoundMaster:
             length if not self._round_seconds else (0.7 * self._round_seconds + 0.3 * length)
         )
         self._first_arrival = None
-        counts, self._counts = self._counts, {"stale": 0, "skipped": 0, "corrupt": 0}
-        dropped, self._dropped = self._dropped, []
+        self._counts = {"stale": 0, "skipped": 0, "corrupt": 0}
+        self._dropped = []
         self._emit(
             "outer_step",
-            {
-                "outer_step": self.outer_step,
-                "round": self.outer_step - 1,
-                "reason": reason,
-                "nodes_active": len(active),
-                "nodes_included": len(marks),
-                "deltas_found": len(consumed) + counts["corrupt"],
-                "deltas_included": len(consumed),
-                "deltas_late": late,
-                "deltas_stale": counts["stale"],
-                "deltas_skipped": counts["skipped"],
-                "deltas_corrupt": counts["corrupt"],
-                "included": included,
-                "dropped": dropped,
-                "seconds": time.perf_counter() - started,
-                "round_seconds": length,
-            },
+            {**report, "seconds": time.perf_counter() - started, "round_seconds": length},
         )
+        self.store.clear_pending()
         self._after_publish(final)
         return True
 
@@ -605,8 +601,7 @@ class RoundMaster:
 
     def _after_publish(self, final: bool) -> None:
         state = T.cpu_state_dict(self.global_state)
-        if self.on_global is not None:
-            self.on_global(self.outer_step, state)
+        self._hand_over(state)
         if self.evaluate is not None:
             result = self.evaluate(state)
             if result is not None:

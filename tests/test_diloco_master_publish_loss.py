@@ -1,0 +1,89 @@
+"""A publish whose outcome the master never learns: killed after the exchange applied it, or
+its reply lost. Every round the exchange holds is reported exactly once, and the master never
+waits on a round the exchange has already closed (speedtronic.diloco.outer_state).
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_diloco_master import deliver, join, make_master, published
+
+from speedtronic.diloco.transport import TransportError
+
+
+class Killed(BaseException):
+    """The process died here (nothing after this line of the master ran)."""
+
+
+def _two_nodes_delivered(tmp_path):
+    master, t, log = make_master(tmp_path)
+    join(t, "a")
+    join(t, "b")
+    master.poll_once()
+    deliver(t, "a", 0, [2.0, 0.0])
+    deliver(t, "b", 0, [4.0, 2.0])
+    return master, t, log
+
+
+def _publish_then(t, exc):
+    original = t.publish_global
+
+    def publish(*args, **kwargs):
+        t.publish_global = original
+        original(*args, **kwargs)
+        raise exc
+
+    t.publish_global = publish
+
+
+def test_a_master_killed_after_its_publish_landed_reports_the_round_at_restart(tmp_path):
+    master, t, log = _two_nodes_delivered(tmp_path)
+    _publish_then(t, Killed())
+    with pytest.raises(Killed):
+        master.poll_once()
+    assert log.of("outer_step") == []  # died before it could say so
+    assert t.global_metadata().outer_step == 1 and t.delta_paths() == []
+
+    again, _, log2 = make_master(tmp_path, transport=t)
+    assert again.poll_once() is False
+    (report,) = log2.of("outer_step")
+    assert report["recovered"] is True and report["outer_step"] == 1
+    assert report["included"] == ["a/0", "b/0"] and report["reason"] == "complete"
+    assert again.outer_step == 1 and again.ledger == {"a": 0, "b": 0}
+    assert published(t) == [-3.0, -1.0]
+    assert not (tmp_path / "state/pending_round.json").exists()
+    deliver(t, "a", 1, [1.0, 1.0])
+    deliver(t, "b", 1, [1.0, 1.0])
+    assert again.poll_once() is True
+    assert [r["outer_step"] for r in log2.of("outer_step")] == [1, 2]  # once each
+
+
+def test_a_master_killed_before_its_publish_landed_closes_the_round_again(tmp_path):
+    master, t, log = _two_nodes_delivered(tmp_path)
+    t.publish_global = lambda *a, **k: (_ for _ in ()).throw(Killed())
+    with pytest.raises(Killed):
+        master.poll_once()
+    assert (tmp_path / "state/pending_round.json").exists()
+
+    again, t2, log2 = make_master(tmp_path)  # a fresh transport over the same repository
+    assert again.poll_once() is True  # the record is dropped; the contributions are still there
+    (report,) = log2.of("outer_step")
+    assert "recovered" not in report and report["included"] == ["a/0", "b/0"]
+    assert published(t2) == [-3.0, -1.0]
+
+
+def test_a_lost_reply_to_a_publish_that_landed_never_stalls_the_master(tmp_path):
+    master, t, log = _two_nodes_delivered(tmp_path)
+    _publish_then(t, TransportError("connection reset after the commit"))
+    with pytest.raises(TransportError):
+        master.poll_once()
+    assert master.outer_step == 0  # rolled back: it cannot know the publish landed
+    assert master.poll_once() is False  # agrees with the exchange: round 0 is closed
+    assert master.outer_step == 1 and master.ledger == {"a": 0, "b": 0}
+    (report,) = log.of("outer_step")
+    assert report["recovered"] is True and report["included"] == ["a/0", "b/0"]
+    deliver(t, "a", 1, [1.0, 1.0])
+    deliver(t, "b", 1, [1.0, 1.0])
+    assert master.poll_once() is True  # the next round closes; nothing counted twice
+    assert [r["included"] for r in log.of("outer_step")] == [["a/0", "b/0"], ["a/1", "b/1"]]
+    assert published(t) == [-4.0, -2.0]
