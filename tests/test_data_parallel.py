@@ -275,9 +275,15 @@ def test_two_ranks_equal_one_process_with_twice_the_micro_batch_and_resume_on_on
     trainer.logger.close()
 
 
-@pytest.mark.slow
-def test_two_rank_diloco_node_completes_rounds_against_a_master(tmp_path):
-    exchange = tmp_path / "exchange"
+def _diloco_node(tmp: Path, mode: str) -> tuple[list[str], dict, dict]:
+    """A non-training master and one 2-rank worker node (``mode``) over a shared directory,
+    blocking rounds of 3 steps, outer lr 0.5 (so a global differs from the node's weights).
+    Returns the master's included contributions, the final global and the worker's final
+    weights (its last checkpoint)."""
+    from speedtronic.diloco.directory import DirectoryTransport
+
+    tmp.mkdir()
+    exchange = tmp / "exchange"
     diloco = {
         "enabled": True,
         "repo_id": f"file://{exchange}",
@@ -285,41 +291,61 @@ def test_two_rank_diloco_node_completes_rounds_against_a_master(tmp_path):
         "sync": "blocking",
         "poll_interval": 0.1,
         "round_timeout": 60,
-        "outer_lr": 1.0,
+        "outer_lr": 0.5,
         "outer_momentum": 0.0,
         "retry_initial": 0.05,
         "retry_max": 0.2,
         "request_timeout": 5,
     }
-    master_dir, worker_dir = tmp_path / "master", tmp_path / "worker"
+    master_dir, worker_dir = tmp / "master", tmp / "worker"
     master_cfg = _config(
-        tmp_path,
+        tmp,
         "master",
         run={"max_steps": 9, "output_dir": str(master_dir)},
         distributed=dict(diloco, role="master", node_id="master", train=False, min_nodes=1),
     )
+    run = {"max_steps": 9, "output_dir": str(worker_dir), "nproc_per_node": 2}
     worker_cfg = _config(
-        tmp_path,
+        tmp,
         "worker",
-        run={"max_steps": 9, "output_dir": str(worker_dir), "nproc_per_node": 2},
+        run=dict(run, data_parallel=mode),
         distributed=dict(diloco, role="worker", node_id="gpu-node"),
     )
-    master = _start(tmp_path, master_cfg, out="master.out")
-    worker = _start(tmp_path, worker_cfg, out="worker.out")
-    assert _wait(worker, 240, tmp_path / "worker.out") == 0, (tmp_path / "worker.out").read_text()
-    assert _wait(master, 120, tmp_path / "master.out") == 0, (tmp_path / "master.out").read_text()
+    master = _start(tmp, master_cfg, out="master.out")
+    worker = _start(tmp, worker_cfg, out="worker.out")
+    assert _wait(worker, 240, tmp / "worker.out") == 0, (tmp / "worker.out").read_text()
+    assert _wait(master, 120, tmp / "master.out") == 0, (tmp / "master.out").read_text()
     included = [
         item
         for row in _events(master_dir / "events.jsonl", "outer_step")
         for item in row["included"]
     ]
-    assert {"gpu-node/0", "gpu-node/1", "gpu-node/2"} <= set(included), included
-    events = worker_dir / "events.jsonl"
-    assert _events(events, "replicas")[0]["spread"] == 0.0  # rank 1 got every global
     for label in range(3):  # one contribution per round: rank 0 alone uploads
         assert included.count(f"gpu-node/{label}") == 1, included
     assert sorted(p.name for p in (exchange / "nodes").iterdir()) == ["gpu-node", "master"]
     assert [p.name for p in worker_dir.rglob("*.jsonl")] == ["events.jsonl"]
+    replicas = _events(worker_dir / "events.jsonl", "replicas")  # FSDP: shards, none to compare
+    assert [row["spread"] for row in replicas] == ([0.0] if mode == "ddp" else [])
+    transport = DirectoryTransport(f"file://{exchange}")
+    meta = transport.global_metadata()
+    assert meta.final and meta.outer_step == 3
+    final = _params(transport.read_global(meta))
+    return included, final, _params(_checkpoint(worker_dir, 9)["model"])
+
+
+@pytest.mark.slow
+def test_two_rank_diloco_node_completes_rounds_ddp_and_fsdp_alike(tmp_path):
+    """Rank 0 alone takes part in the rounds; every rank ends on the final global (with FSDP
+    through rank 0's full copy: gathered for the round, sharded back after a merge); FSDP and
+    DDP nodes train the same model."""
+    finals = {}
+    for mode in ("ddp", "fsdp"):
+        _, final, weights = _diloco_node(tmp_path / mode, mode)
+        assert _max_diff(final, weights) < 1e-6, mode  # the final global, on every rank's shard
+        finals[mode] = final
+    diff = _max_diff(finals["ddp"], finals["fsdp"])
+    assert diff < 1e-5, diff
+    print(f"final global, FSDP vs DDP node: max |diff| {diff:.2e}")
 
 
 @pytest.mark.slow

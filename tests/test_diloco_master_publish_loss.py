@@ -59,7 +59,7 @@ def test_a_master_killed_after_its_publish_landed_reports_the_round_at_restart(t
 
 
 def test_a_master_killed_before_its_publish_landed_closes_the_round_again(tmp_path):
-    master, t, log = _two_nodes_delivered(tmp_path)
+    master, t, _ = _two_nodes_delivered(tmp_path)
     t.publish_global = lambda *a, **k: (_ for _ in ()).throw(Killed())
     with pytest.raises(Killed):
         master.poll_once()

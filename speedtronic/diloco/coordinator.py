@@ -208,10 +208,23 @@ class DumbDiLoCoCoordinator:
         return self._ready
 
     # -- wiring and lifecycle ----------------------------------------------------------------
-    def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Run the node's round after every applied ``optimizer.step()``."""
+    def attach(self, optimizer: torch.optim.Optimizer, *, hook: bool = True) -> None:
+        """Run the node's round after every applied ``optimizer.step()``; ``hook=False``: the
+        caller runs it with :meth:`round_step` (a sharded node, whose ``model`` is a copy)."""
         if self.node is not None:
-            self.node.attach(optimizer)
+            self.node.attach(optimizer) if hook else self.node.bind(optimizer)
+
+    def wants_weights(self) -> bool:
+        """Whether the next :meth:`round_step` reads or writes ``model`` (see
+        :meth:`DiLoCoNode.wants_weights`)."""
+        return self.node is not None and self.node.wants_weights()
+
+    def round_step(self, *, weights_current: bool) -> bool:
+        """One applied inner step when not hooked on the optimizer; True when a global was
+        merged into ``model``."""
+        if self.node is None:
+            return False
+        return self.node.after_optimizer_step(weights_current=weights_current)
 
     def after_optimizer_step(self, model: torch.nn.Module, step: int) -> bool:
         """2.0.0 per-step call for a coordinator that is not attached to an optimizer."""

@@ -326,6 +326,12 @@ class DiLoCoNode:
         self.optimizer = optimizer
         self._hook = optimizer.register_step_post_hook(lambda *_: self.after_optimizer_step())
 
+    def bind(self, optimizer: torch.optim.Optimizer) -> None:
+        """Keep ``optimizer`` for the round's state resets, without a hook: the caller runs
+        :meth:`after_optimizer_step` itself (a sharded node, after refreshing its copy)."""
+        self.detach()
+        self.optimizer = optimizer
+
     def detach(self) -> None:
         """Remove the optimizer hook."""
         if self._hook is not None:
@@ -337,14 +343,25 @@ class DiLoCoNode:
         self.last_heartbeat = time.monotonic()
 
     # -- the per-step hook ------------------------------------------------------------------
-    def after_optimizer_step(self) -> bool:
-        """One applied inner step; True when a global was merged into the weights."""
+    def wants_weights(self) -> bool:
+        """Whether the next :meth:`after_optimizer_step` reads or writes the weights: a round
+        boundary is due, or a waiting global may be merged. A node whose weights are a copy
+        (sharded ranks) refreshes the copy only then."""
+        due = self.inner + 1 >= self.settings.inner_steps
+        return due or (self._may_merge() and self.inbox.waiting_step() >= 0)
+
+    def after_optimizer_step(self, *, weights_current: bool = True) -> bool:
+        """One applied inner step; True when a global was merged into the weights.
+
+        ``weights_current=False`` (the model is a copy that was not refreshed this step, see
+        :meth:`wants_weights`) leaves a waiting global for a later step."""
         self._raise_fatal()
         self.step += 1
         self.inner += 1
         self.beat()
         self.inbox.poll_due()
-        merged = self._merge_waiting() if self._may_merge() else False
+        may_merge = weights_current and self._may_merge()
+        merged = self._merge_waiting() if may_merge else False
         if self.inner >= self.settings.inner_steps:
             merged = self._boundary(final=False) or merged
         return merged

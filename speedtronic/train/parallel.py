@@ -17,7 +17,9 @@ The trainer talks to one object, created by :func:`start_parallel`: :class:`Sing
 and tokens), stops every rank at the same step when any rank was asked to stop, and tells the
 other ranks that rank 0's DiLoCo coordinator installed a new global, which rank 0 then
 broadcasts (:meth:`DataParallel.broadcast_model`). Only rank 0 talks to the DiLoCo exchange,
-writes checkpoints, evaluates (DDP) and logs.
+writes checkpoints, evaluates (DDP) and logs. Under FSDP rank 0's coordinator works on a full
+copy of the model (:meth:`DataParallel.round_model`), gathered at the round's steps and
+sharded back after a merge.
 
 Every collective waits at most ``run.collective_timeout`` seconds; a rank that died or hangs
 makes the others fail with :class:`RankFailure` instead of hanging.
@@ -61,6 +63,7 @@ class Agreement:
     tokens: int  # summed over ranks
     stop: bool  # some rank was asked to stop
     new_global: bool  # rank 0 installed a new DiLoCo global
+    wants_weights: bool = False  # rank 0's DiLoCo round reads the weights after this update
 
 
 class SingleProcess:
@@ -82,11 +85,32 @@ class SingleProcess:
         """A no-op context around one micro-batch's forward and backward."""
         return contextlib.nullcontext()
 
+    #: the DiLoCo round works on a full copy of the weights (FSDP), see ``round_model``
+    mirrored = False
+
     def agree(
-        self, loss: float, samples: int, tokens: int, *, stop: bool, new_global: bool
+        self,
+        loss: float,
+        samples: int,
+        tokens: int,
+        *,
+        stop: bool,
+        new_global: bool,
+        wants_weights: bool = False,
     ) -> Agreement:
         """The local values."""
-        return Agreement(loss, samples, tokens, stop, new_global)
+        return Agreement(loss, samples, tokens, stop, new_global, wants_weights)
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on some rank (here: the local value)."""
+        return flag
+
+    def round_model(self, model: nn.Module, build: Any) -> nn.Module:
+        """The model the DiLoCo coordinator reads and writes: ``model`` itself."""
+        return model
+
+    def refresh_mirror(self, model: nn.Module) -> None:
+        """Nothing to copy (no mirror)."""
 
     def finite(self, loss: float, grad_norm: float | None) -> bool:
         """Whether the update may be applied: a finite loss."""
@@ -131,6 +155,7 @@ class DataParallel(SingleProcess):
         self.sharded = mode == "fsdp"
         self.timeout = float(timeout)
         self._wrapper: nn.Module | None = None
+        self.mirror: nn.Module | None = None  # rank 0's full copy (FSDP with DiLoCo)
 
     # ------------------------------------------------------------------ model
 
@@ -189,27 +214,84 @@ class DataParallel(SingleProcess):
     # ------------------------------------------------------------------ collectives
 
     def agree(
-        self, loss: float, samples: int, tokens: int, *, stop: bool, new_global: bool
+        self,
+        loss: float,
+        samples: int,
+        tokens: int,
+        *,
+        stop: bool,
+        new_global: bool,
+        wants_weights: bool = False,
     ) -> Agreement:
         """One ``all_reduce``: node mean loss, node samples and tokens, a stop on any rank, and
-        whether rank 0 installed a new global."""
+        whether rank 0 installed a new global or its round needs the weights."""
         import torch.distributed as dist
 
-        flags = [float(stop), float(new_global and self.is_main), loss, samples, tokens]
-        values = torch.tensor(flags, dtype=torch.float64, device=self._collective_device())
+        main = self.is_main
+        flags = [float(stop), float(new_global and main), float(wants_weights and main)]
+        values = torch.tensor(
+            [*flags, loss, samples, tokens], dtype=torch.float64, device=self._collective_device()
+        )
         self._run("all_reduce", lambda: dist.all_reduce(values))
-        total_stop, installed, loss_sum, samples_sum, tokens_sum = values.tolist()
+        total_stop, installed, wanted, loss_sum, samples_sum, tokens_sum = values.tolist()
         return Agreement(
             loss_sum / self.world_size,
             int(samples_sum),
             int(tokens_sum),
             total_stop > 0,
             installed > 0,
+            wanted > 0,
         )
 
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on some rank (one small ``all_reduce``)."""
+        import torch.distributed as dist
+
+        value = torch.tensor([float(flag)], dtype=torch.float64, device=self._collective_device())
+        self._run("all_reduce", lambda: dist.all_reduce(value, op=dist.ReduceOp.MAX))
+        return value.item() > 0
+
+    # ------------------------------------------------------------------ FSDP with DiLoCo
+
+    def round_model(self, model: nn.Module, build: Any) -> nn.Module:
+        """The model the DiLoCo coordinator reads and writes (every rank calls this, before
+        :meth:`wrap`). DDP: ``model``, a full replica. FSDP: a full copy on rank 0's CPU
+        (``build()`` makes the empty module), kept in step at the round's steps only:
+        :meth:`refresh_mirror` gathers the shards into it before the round reads it, and
+        :meth:`broadcast_model` shards it back into every rank after a global was merged."""
+        if not self.sharded:
+            return model
+        self.mirrored = True
+        if not self.is_main:
+            return model  # never used: rank 0 alone runs the round
+        mirror = build()
+        with torch.no_grad():
+            mirror.load_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items()})
+        self.mirror = mirror
+        return mirror
+
+    def refresh_mirror(self, model: nn.Module) -> None:
+        """Gather the full weights into rank 0's mirror (every rank calls this; nothing
+        without a mirror)."""
+        if not self.mirrored:
+            return
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        holder: dict[str, Any] = {}
+        self._run(
+            "gather",
+            lambda: holder.update(get_model_state_dict(model, options=_full_options(saving=True))),
+        )
+        if self.mirror is not None:
+            with torch.no_grad():
+                self.mirror.load_state_dict(holder)
+
     def broadcast_model(self, model: nn.Module) -> None:
-        """Every parameter and buffer from rank 0 (DDP; FSDP shards are left as they are)."""
+        """Every parameter and buffer from rank 0. FSDP: rank 0's mirror, sharded into every
+        rank (with DiLoCo; without, the shards are left as they are)."""
         if self.sharded:
+            if self.mirrored:
+                self._scatter_mirror(model)
             return
         import torch.distributed as dist
 
@@ -219,6 +301,16 @@ class DataParallel(SingleProcess):
                     dist.broadcast(tensor.data, src=0)
 
         self._run("broadcast", send)
+
+    def _scatter_mirror(self, model: nn.Module) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
+
+        full = self.mirror.state_dict() if self.mirror is not None else {}
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        self._run("broadcast", lambda: set_model_state_dict(model, full, options=options))
 
     def replica_spread(self, model: nn.Module) -> float | None:
         """Max minus min over ranks of the sum of every parameter (float64): 0.0 when the

@@ -183,17 +183,11 @@ def _check_parallel(config: SpeedtronicConfig, ranks: RankEnv) -> None:
             "run.nproc_per_node: a DiLoCo master aggregates on one process; run it with "
             "nproc_per_node: 1 (or without torchrun)"
         )
-    if config.run.data_parallel == "fsdp":
-        if config.distributed.enabled:
-            raise ConfigError(
-                "run.data_parallel: fsdp is not supported with DiLoCo (distributed.enabled) "
-                "yet; use ddp"
-            )
-        if config.optimizer.name != "adamw":
-            raise ConfigError(
-                f"run.data_parallel: fsdp needs optimizer.name: adamw (got "
-                f"{config.optimizer.name!r}: Muon's orthogonalisation needs whole matrices)"
-            )
+    if config.run.data_parallel == "fsdp" and config.optimizer.name != "adamw":
+        raise ConfigError(
+            f"run.data_parallel: fsdp needs optimizer.name: adamw (got "
+            f"{config.optimizer.name!r}: Muon's orthogonalisation needs whole matrices)"
+        )
     if config.ooo_backprop:
         raise ConfigError("ooo_backprop is not supported with several ranks per node")
 
@@ -258,10 +252,12 @@ def build_runtime(
     logger = build_logger(config, main=parallel.is_main)
     heldout = build_heldout(config) if parallel.evaluates else None
     coordinator = None
-    if parallel.is_main:  # only rank 0 talks to the DiLoCo exchange
-        coordinator = _coordinator(
-            config, model, logger, heldout=heldout, device=resolved, precision=precision
-        )
+    if config.distributed.enabled:  # FSDP: rank 0's round works on a full copy (every rank)
+        round_model = parallel.round_model(model, lambda: build_model(config.model))
+        if parallel.is_main:  # only rank 0 talks to the DiLoCo exchange
+            coordinator = _coordinator(
+                config, round_model, logger, heldout=heldout, device=resolved, precision=precision
+            )
     if node_id is None and coordinator is not None:
         node_id = coordinator.node_id
     elif node_id is None and config.distributed.enabled:  # rank > 0 reads the node's stream

@@ -30,20 +30,35 @@ class NodeSyncMixin:
     def _agree(self, update: Any) -> None:
         """Make ``update`` the node's (mean loss, summed samples and tokens; one ``all_reduce``
         on several ranks), stop with every rank when one was asked to, and take rank 0's
-        weights when its coordinator installed a new global. One process: local values."""
+        weights when its coordinator installed a new global. One process: local values.
+
+        FSDP with DiLoCo (``parallel.mirrored``): rank 0's round runs here, on a full copy of
+        the weights that the ranks gather only when the round reads them, and shard back only
+        when a global was merged."""
+        mirrored = self.parallel.mirrored
+        running = self.coordinator is not None and self._coordinator_started
+        wants = mirrored and running and not update.skipped and self.coordinator.wants_weights()
         seen = getattr(self.coordinator, "last_global_step", None)
         agreed = self.parallel.agree(
             update.loss,
             update.samples,
             update.tokens,
             stop=self._stop_request is not None,
-            new_global=seen != self._global_seen,
+            new_global=not mirrored and seen != self._global_seen,
+            wants_weights=wants,
         )
         self._global_seen = seen
         update.loss, update.samples, update.tokens = agreed.loss, agreed.samples, agreed.tokens
         if agreed.stop and self._stop_reason is None:
             self._stop_reason = self._stop_request or "stop requested on another rank"
-        if agreed.new_global:
+        new_global = agreed.new_global
+        if mirrored and not update.skipped:
+            if agreed.wants_weights:
+                self.parallel.refresh_mirror(self.model)
+            merged = running and self.coordinator.round_step(weights_current=agreed.wants_weights)
+            new_global = agreed.wants_weights and self.parallel.any_rank(merged)
+            self._global_seen = getattr(self.coordinator, "last_global_step", None)
+        if new_global:
             self.parallel.broadcast_model(self.model)
             if self.coordinator is None and self.config.distributed.reset_inner_optimizer:
                 reset = getattr(self.optimizer, "reset_state", None)  # as rank 0's node did
@@ -55,7 +70,10 @@ class NodeSyncMixin:
             return
         attach = getattr(self.coordinator, "attach", None)
         if callable(attach):
-            attach(self.optimizer)
+            if self.parallel.mirrored:  # the round runs in _agree, on rank 0's full copy
+                attach(self.optimizer, hook=False)
+            else:
+                attach(self.optimizer)
             self.coordinator.start(self.step)
         else:  # a coordinator without a step hook: start/stop only
             self.coordinator.start()

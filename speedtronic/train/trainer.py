@@ -242,6 +242,7 @@ class Trainer(NodeSyncMixin, TrainerStateMixin):
             target = self.step
         try:
             if self.step < target or not trains:
+                self.parallel.refresh_mirror(self.model)  # FSDP + DiLoCo: what the round sees
                 self._start_coordinator()
             self.parallel.broadcast_model(self.model)  # every rank starts from rank 0's weights
             self._emit_train_start(target)
@@ -262,6 +263,7 @@ class Trainer(NodeSyncMixin, TrainerStateMixin):
                 self._maybe_evaluate(target)
             reached = self.step >= self.max_steps or not trains
             if reached and self._stop_reason is None:
+                self.parallel.refresh_mirror(self.model)
                 if self._coordinator_started:
                     self._finish_coordinator()
                 self.parallel.broadcast_model(self.model)  # the final global, to every rank
