@@ -23,7 +23,7 @@ from speedtronic.config import ConfigError, DistributedConfig
 from speedtronic.diloco import tensors as T
 from speedtronic.diloco.coordinator import DumbDiLoCoCoordinator
 from speedtronic.diloco.directory import DirectoryTransport
-from speedtronic.diloco.node import GlobalCandidate
+from speedtronic.diloco.mailbox import GlobalCandidate
 from speedtronic.diloco.retry import ExchangeError
 from speedtronic.diloco.transport import GLOBAL_STEP, TransportError
 

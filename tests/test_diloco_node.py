@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from speedtronic.config import DistributedConfig
-from speedtronic.diloco.node import Contribution, DiLoCoNode, GlobalCandidate, GlobalInbox
+from speedtronic.diloco.mailbox import Contribution, GlobalCandidate, GlobalInbox
+from speedtronic.diloco.node import DiLoCoNode
 
 
 class Recorder:

@@ -1,8 +1,10 @@
 """DumbDiLoCo: local inner steps, then one contribution per node per round, exchanged through
 a Hub repository or a shared volume (``file:///abs/path``).
 
-Modules: :mod:`.node` (a node's round, hooked on the inner optimizer), :mod:`.master` (the
-master's round) with :mod:`.roster` (the nodes it waits for), :mod:`.relay` (a group leader's
+Modules: :mod:`.node` (a node's round, hooked on the inner optimizer) with :mod:`.mailbox`
+(its inbox of globals and its uploader), :mod:`.master` (the master's round) with
+:mod:`.roster` (the nodes it waits for) and :mod:`.outer_state` (its local state and
+write-ahead round record), :mod:`.relay` (a group leader's
 link to the top level), :mod:`.coordinator` (assembles them for the trainer), :mod:`.outer`
 (Nesterov outer optimizer), :mod:`.tensors` (format, pseudo-gradient), :mod:`.transport`
 (repository layout), :mod:`.directory` (shared volume) and :mod:`.hub` (Hugging Face Hub)
@@ -17,8 +19,9 @@ from __future__ import annotations
 from speedtronic.diloco.coordinator import DumbDiLoCoCoordinator
 from speedtronic.diloco.exchange import build_transport
 from speedtronic.diloco.identity import resolve_node_id
+from speedtronic.diloco.mailbox import Contribution, GlobalCandidate
 from speedtronic.diloco.master import RoundMaster
-from speedtronic.diloco.node import Contribution, DiLoCoNode, GlobalCandidate
+from speedtronic.diloco.node import DiLoCoNode
 from speedtronic.diloco.outer import NesterovOuterOptimizer
 from speedtronic.diloco.tensors import (
     average_deltas,

@@ -31,8 +31,9 @@ from speedtronic.checkpoint import atomic_write_bytes
 from speedtronic.diloco import tensors as T
 from speedtronic.diloco.exchange import build_transport
 from speedtronic.diloco.identity import NodeClaim, NodeIdCollisionError, resolve_node_id
+from speedtronic.diloco.mailbox import Contribution, GlobalCandidate, GlobalInbox
 from speedtronic.diloco.master import RoundMaster
-from speedtronic.diloco.node import Contribution, DiLoCoNode, GlobalCandidate, GlobalInbox
+from speedtronic.diloco.node import DiLoCoNode
 from speedtronic.diloco.relay import Upstream
 from speedtronic.diloco.retry import (
     ExchangeError,
