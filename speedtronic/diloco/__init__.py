@@ -3,8 +3,9 @@ a Hub repository or a shared volume (``file:///abs/path``).
 
 Modules: :mod:`.node` (a node's round, hooked on the inner optimizer) with :mod:`.mailbox`
 (its inbox of globals and its uploader), :mod:`.master` (the master's round) with
-:mod:`.roster` (the nodes it waits for) and :mod:`.outer_state` (its local state and
-write-ahead round record), :mod:`.relay` (a group leader's
+:mod:`.roster` (the nodes it waits for), :mod:`.reconcile` (its agreement with the
+published state) and :mod:`.outer_state` (its local state and write-ahead round record),
+:mod:`.relay` (a group leader's
 link to the top level), :mod:`.coordinator` (assembles them for the trainer), :mod:`.outer`
 (Nesterov outer optimizer), :mod:`.tensors` (format, pseudo-gradient), :mod:`.transport`
 (repository layout), :mod:`.directory` (shared volume) and :mod:`.hub` (Hugging Face Hub)
