@@ -137,6 +137,39 @@ def test_overlapped_merge_keeps_progress_since_upload_exactly_once():
     assert total == pytest.approx(-(1.0 + 1.0 + 0.5 + 0.25))
 
 
+def test_a_node_on_a_copy_asks_for_the_weights_only_when_its_round_reads_them():
+    """Sharded ranks (FSDP): the model is a copy refreshed only when ``wants_weights`` says so;
+    a global that arrives after the question waits for the next step, never merging into a
+    stale copy, and the result equals the hooked node's golden above."""
+    node, rec, copy = make_node(sync="overlapped", inner=3)
+    offer(node, 0, 0.0)
+    node._merge_waiting()
+    live = torch.zeros(1, 2)  # the sharded weights, which the copy lags between refreshes
+
+    def step(amount, *, arrives=None):
+        live.add_(amount)
+        wants = node.wants_weights()
+        if arrives is not None:  # lands between the question and the step
+            offer(node, *arrives)
+        if wants:
+            with torch.no_grad():
+                copy.weight.copy_(live)
+        merged = node.after_optimizer_step(weights_current=wants)
+        if merged:
+            live.copy_(copy.weight.detach())
+        return wants, merged
+
+    assert step(1.0) == (False, False) and step(1.0) == (False, False)
+    assert step(1.0) == (True, False)  # boundary: upload round 0 from the refreshed copy
+    assert rec.sent[0].delta["weight"].tolist() == [[-3.0, -3.0]]
+    assert step(0.5, arrives=(1, 100.0)) == (False, False)  # copy stale: the global waits
+    assert node.installed == 0
+    assert step(0.25) == (True, True)  # refreshed, merged: G1 + the 0.75 since the upload
+    assert live.tolist() == [[100.75, 100.75]]
+    assert step(0.25) == (True, False)  # boundary of round 1
+    assert rec.sent[1].delta["weight"].tolist() == [[-1.0, -1.0]]  # 0.5 + 0.25 + 0.25, once
+
+
 def test_overlapped_boundary_waits_for_the_previous_global_then_runs_ahead():
     node, rec, model = make_node(sync="overlapped", timeout=0.05)
     offer(node, 0, 0.0)
