@@ -107,15 +107,19 @@ class RoundMaster(MasterState):
         self._opened = clock()
         self._blind_since: float | None = None  # when the exchange became unreadable
         self._round_seconds = 0.0  # moving average of round lengths
-        self._counts = {"stale": 0, "skipped": 0, "corrupt": 0}
         self._prune: set[str] = set()
-        self._dropped: list[str] = []  # "node/round" of stale contributions since the last close
+        self._reset_tally()
         self._pending_digests: dict[str, str] = {}  # of the round being closed
         self.has_local_state = False
         self.local_state_corrupt = False
         self.reconciled = False
         self._handed: int | None = None  # the outer step last given to on_global
         self._load_local_state()
+
+    def _reset_tally(self) -> None:
+        """Start counting the open round's refused files afresh (after a close)."""
+        self._counts = {"stale": 0, "skipped": 0, "corrupt": 0}
+        self._dropped: list[str] = []  # "node/round" of stale contributions since the last close
 
     # -- one poll ---------------------------------------------------------------------------
     def poll_once(self) -> bool:
@@ -320,8 +324,7 @@ class RoundMaster(MasterState):
             length if not self._round_seconds else (0.7 * self._round_seconds + 0.3 * length)
         )
         self._first_arrival = None
-        self._counts = {"stale": 0, "skipped": 0, "corrupt": 0}
-        self._dropped = []
+        self._reset_tally()
         self._emit(
             "outer_step",
             {**report, "seconds": time.perf_counter() - started, "round_seconds": length},

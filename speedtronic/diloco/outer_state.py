@@ -128,8 +128,7 @@ class OuterStateStore:
         try:
             record = json.loads(self.pending_path.read_text())
         except (OSError, ValueError):
-            self.clear_pending()
-            return None
+            record = None
         self.clear_pending()
         if not isinstance(record, dict) or not isinstance(record.get("report"), dict):
             return None

@@ -53,8 +53,7 @@ class MasterState:
     _clock: Callable[[], float]
     _opened: float
     _handed: int | None
-    _counts: dict[str, int]
-    _dropped: list[str]
+    _reset_tally: Callable[[], None]
 
     def _new_optimizer(self) -> NesterovOuterOptimizer:
         return NesterovOuterOptimizer(
@@ -184,7 +183,7 @@ class MasterState:
         self._persist()
         report = self.store.take_pending(self.outer_step, self.run_id)
         if report is not None:  # published by this master, never reported (killed, or lost reply)
-            self._counts, self._dropped = {"stale": 0, "skipped": 0, "corrupt": 0}, []
+            self._reset_tally()
             self._emit("outer_step", {**report, "recovered": True})
         if self._handed != self.outer_step:  # a re-reconcile after a failed publish may not move
             self._opened = self._clock()

@@ -277,14 +277,11 @@ class DataParallel(SingleProcess):
             return
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        holder: dict[str, Any] = {}
-        self._run(
-            "gather",
-            lambda: holder.update(get_model_state_dict(model, options=_full_options(saving=True))),
-        )
+        options = _full_options(saving=True)
+        full = self._run("gather", lambda: get_model_state_dict(model, options=options))
         if self.mirror is not None:
             with torch.no_grad():
-                self.mirror.load_state_dict(holder)
+                self.mirror.load_state_dict(full)
 
     def broadcast_model(self, model: nn.Module) -> None:
         """Every parameter and buffer from rank 0. FSDP: rank 0's mirror, sharded into every
@@ -339,9 +336,9 @@ class DataParallel(SingleProcess):
     def _collective_device(self) -> torch.device:
         return self.device if self.device.type == "cuda" else torch.device("cpu")
 
-    def _run(self, what: str, call: Any) -> None:
+    def _run(self, what: str, call: Any) -> Any:
         try:
-            call()
+            return call()
         except Exception as exc:
             cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise RankFailure(

@@ -57,7 +57,6 @@ class NodeSyncMixin:
                 self.parallel.refresh_mirror(self.model)
             merged = running and self.coordinator.round_step(weights_current=agreed.wants_weights)
             new_global = agreed.wants_weights and self.parallel.any_rank(merged)
-            self._global_seen = getattr(self.coordinator, "last_global_step", None)
         if new_global:
             self.parallel.broadcast_model(self.model)
             if self.coordinator is None and self.config.distributed.reset_inner_optimizer:
