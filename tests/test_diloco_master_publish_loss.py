@@ -6,7 +6,7 @@ waits on a round the exchange has already closed (speedtronic.diloco.outer_state
 from __future__ import annotations
 
 import pytest
-from test_diloco_master import deliver, join, make_master, published
+from test_diloco_master import Clock, deliver, join, make_master, published
 
 from speedtronic.diloco.transport import TransportError
 
@@ -87,3 +87,31 @@ def test_a_lost_reply_to_a_publish_that_landed_never_stalls_the_master(tmp_path)
     assert master.poll_once() is True  # the next round closes; nothing counted twice
     assert [r["included"] for r in log.of("outer_step")] == [["a/0", "b/0"], ["a/1", "b/1"]]
     assert published(t) == [-4.0, -2.0]
+
+
+def test_an_outage_that_begins_with_a_failed_publish_drops_no_node(tmp_path):
+    """The master is blind while it cannot re-check the exchange, as when it cannot list it:
+    a node that was quiet meanwhile is not counted silent."""
+    clock = Clock()
+    master, t, log = make_master(tmp_path, clock=clock)
+    for node in ("a", "b", "c"):
+        join(t, node)
+    master.poll_once()
+    deliver(t, "a", 0, [2.0, 0.0])
+    deliver(t, "b", 0, [4.0, 2.0])
+    assert master.poll_once() is False  # c is expected
+    clock.now += 10.0  # round_timeout: the round closes without c, and its publish fails
+    down = TransportError("hub down")
+    original = (t.publish_global, t.global_metadata, t.scan)
+    t.publish_global = lambda *a, **k: (_ for _ in ()).throw(down)
+    with pytest.raises(TransportError):
+        master.poll_once()  # the publish fails: the next poll re-checks the exchange first
+    t.global_metadata = t.scan = t.publish_global  # and the exchange stays down
+    for _ in range(6):  # 60 s blind: more than drop_after x round_timeout = 30
+        clock.now += 10.0
+        with pytest.raises(TransportError):
+            master.poll_once()
+    t.publish_global, t.global_metadata, t.scan = original
+    assert master.poll_once() is True  # the round closes again, without c
+    assert log.of("node_dropped") == []  # c was not silent: the master was blind
+    assert [r["included"] for r in log.of("outer_step")] == [["a/0", "b/0"]]

@@ -124,10 +124,10 @@ class RoundMaster(MasterState):
     # -- one poll ---------------------------------------------------------------------------
     def poll_once(self) -> bool:
         """Scan the repository and close the open round when it is due; True if it closed."""
-        if not self.reconciled:
-            self.reconcile()
         now = self._clock()
         try:
+            if not self.reconciled:  # at start, and again after a publish that failed
+                self.reconcile()
             scan = self.hub.scan()
         except TransportError:
             if self._blind_since is None:
