@@ -247,6 +247,22 @@ def test_nodes_that_finish_without_a_last_delta_end_the_run(tmp_path):
     assert t.global_metadata().final and master.finals == [(1, [-1.0, -1.0])]
 
 
+def test_files_refused_after_the_last_round_are_reported_with_the_final_global(tmp_path):
+    master, t, log = make_master(tmp_path)
+    join(t, "a")
+    master.poll_once()
+    deliver(t, "a", 0, [1.0, 1.0])
+    assert master.poll_once() is True
+    t.claim_owner("a", {"instance": "a-1", "state": "done", "final_round": 0})
+    t.commit({"nodes/late/delta_1.safetensors": b"garbage"})  # once every node was done
+    master.poll_once()
+    master.poll_once()
+    assert t.global_metadata().final and master.finished.is_set()
+    assert log.of("outer_step")[-1]["deltas_corrupt"] == 0  # no round closed after it
+    (report,) = log.of("final_global")
+    assert report["deltas_corrupt"] == 1 and report["outer_step"] == 1
+
+
 def test_restart_mid_round_loses_nothing_and_counts_nothing_twice(tmp_path):
     master, t, _ = make_master(tmp_path)
     join(t, "a")

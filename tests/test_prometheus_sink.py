@@ -142,6 +142,10 @@ def test_diloco_events_drive_the_diloco_series():
     assert value(sink, "speedtronic_diloco_deltas_stale_total") == 2
     assert value(sink, "speedtronic_diloco_round_seconds") == 12.5
     assert value(sink, "speedtronic_diloco_nodes_active") == 3
+    # files refused once every node was done, reported with the final global, not a round
+    sink.on_event("final_global", {"outer_step": 5, "deltas_corrupt": 2, "dropped": []})
+    assert value(sink, "speedtronic_diloco_deltas_corrupt_total") == 3
+    assert value(sink, "speedtronic_diloco_rounds_total") == 2
     sink.on_event("global_rejected", {"outer_step": 9, "error": "non-finite"})
     assert value(sink, "speedtronic_diloco_globals_rejected_total") == 1
     sink.on_event("node_dropped", {"node_id": "w9", "silent_seconds": 400})

@@ -121,6 +121,12 @@ class RoundMaster(MasterState):
         self._counts = {"stale": 0, "skipped": 0, "corrupt": 0}
         self._dropped: list[str] = []  # "node/round" of stale contributions since the last close
 
+    def _tally(self) -> dict[str, Any]:
+        """The refused files since the last close, as ``outer_step`` and ``final_global``
+        report them."""
+        counts = {f"deltas_{kind}": count for kind, count in self._counts.items()}
+        return {**counts, "dropped": list(self._dropped)}
+
     # -- one poll ---------------------------------------------------------------------------
     def poll_once(self) -> bool:
         """Scan the repository and close the open round when it is due; True if it closed."""
@@ -288,11 +294,8 @@ class RoundMaster(MasterState):
             "deltas_found": len(consumed) + self._counts["corrupt"],
             "deltas_included": len(consumed),
             "deltas_late": late,
-            "deltas_stale": self._counts["stale"],
-            "deltas_skipped": self._counts["skipped"],
-            "deltas_corrupt": self._counts["corrupt"],
             "included": included,
-            "dropped": list(self._dropped),
+            **self._tally(),
         }
         # written ahead: a kill after the exchange applied the publish and before the round
         # is reported below leaves this record, reported at the restart (outer_state.py)
@@ -460,6 +463,10 @@ class RoundMaster(MasterState):
             final=True,
             run_id=self.run_id,
         )
+        # files refused after the last round (e.g. written once every node was done) are
+        # reported here, or they would never be counted
+        self._emit("final_global", {"outer_step": self.outer_step, **self._tally()})
+        self._reset_tally()
         self._finalize(T.cpu_state_dict(self.global_state))
 
     def _finalize(self, state: dict[str, torch.Tensor]) -> None:

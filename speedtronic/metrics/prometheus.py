@@ -307,10 +307,7 @@ class PrometheusSink:
         step = _number(payload, "outer_step")
         if step is not None:
             self.outer_step.set(step)
-        for kind, counter in self.deltas.items():
-            value = _number(payload, f"deltas_{kind}")
-            if value is not None and value > 0:
-                counter.inc(value)
+        self._count_deltas(payload)
         for gauge, key in (
             (self.round_seconds, "round_seconds"),
             (self.nodes_active, "nodes_active"),
@@ -321,6 +318,15 @@ class PrometheusSink:
         included = _number(payload, "deltas_included")
         if included:
             self._last_sync_time = self._clock()
+
+    def _on_final_global(self, payload: Mapping[str, Any]) -> None:
+        self._count_deltas(payload)  # files refused after the last round
+
+    def _count_deltas(self, payload: Mapping[str, Any]) -> None:
+        for kind, counter in self.deltas.items():
+            value = _number(payload, f"deltas_{kind}")
+            if value is not None and value > 0:
+                counter.inc(value)
 
     def _on_sync_wait(self, payload: Mapping[str, Any]) -> None:
         seconds = _number(payload, "seconds")
