@@ -7,7 +7,7 @@ AdamW, batch 16, the same number of steps per node in every row. Rows:
 
 - ``1 node``: one trainer, batch B.
 - ``1 node, K x batch``: one trainer, batch K*B (what synchronous data parallelism computes).
-- ``ideal``: :func:`speedtronic.diloco.ideal.simulate`, the exact DiLoCo arithmetic in one
+- ``ideal``: :func:`speedtronic.testing.diloco_ideal.simulate`, the exact DiLoCo arithmetic in one
   process with the real run's node ids (data streams), inner optimizer and outer settings.
 - ``DiLoCo, K processes``: K ``speedtronic train`` processes started at once, as the README
   shows (a master that trains + K-1 workers) over a shared directory; every distributed setting
@@ -46,8 +46,8 @@ sys.path.insert(0, str(ROOT))
 
 from speedtronic.config import SpeedtronicConfig  # noqa: E402
 from speedtronic.diloco import tensors as T  # noqa: E402
-from speedtronic.diloco.ideal import simulate  # noqa: E402
 from speedtronic.model import build_model  # noqa: E402
+from speedtronic.testing.diloco_ideal import simulate  # noqa: E402
 from speedtronic.train.evaluate import build_heldout, evaluate  # noqa: E402
 from speedtronic.train.runtime import build_runtime  # noqa: E402
 

@@ -2,7 +2,7 @@
 """End-to-end DumbDiLoCo with real ``python -m speedtronic train`` processes.
 
 - Three nodes (a master that trains + two workers) over a shared directory compute exactly the
-  in-process DiLoCo arithmetic (:func:`speedtronic.diloco.ideal.simulate`), and their global
+  in-process DiLoCo arithmetic (:func:`speedtronic.testing.diloco_ideal.simulate`), and their global
   reaches a lower held-out loss than one node at equal steps per node.
 - The same over the Hub emulator (the transport changes nothing in the arithmetic).
 - Membership and failures: a worker that joins late, one SIGKILLed and resumed, the master
@@ -32,8 +32,8 @@ from process_support import reap, wait_for
 from speedtronic.checkpoint import CheckpointManager
 from speedtronic.config import resolve_config
 from speedtronic.diloco import tensors as T
-from speedtronic.diloco.ideal import simulate
 from speedtronic.model import build_model
+from speedtronic.testing.diloco_ideal import simulate
 from speedtronic.train.evaluate import build_heldout, evaluate
 from speedtronic.train.runtime import build_runtime
 

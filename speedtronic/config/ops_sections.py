@@ -28,7 +28,6 @@ from speedtronic.config.limits import (
     blame,
     check_node_id,
     in_range,
-    is_valid_node_id,
 )
 from speedtronic.config.sections import _choice
 
@@ -39,16 +38,10 @@ __all__ = [
     "LoggingConfig",
     "MetricsConfig",
     "ShapeValidationConfig",
-    "is_path_safe_node_id",
 ]
 
 LOG_LEVELS = ("CRITICAL", "FATAL", "ERROR", "WARNING", "WARN", "INFO", "DEBUG", "NOTSET")
 HOUR, DAY, WEEK = 3600.0, 86400.0, 604800.0
-
-
-def is_path_safe_node_id(value: str) -> bool:
-    """True when ``value`` (stripped) passes the one node-id rule (:func:`check_node_id`)."""
-    return is_valid_node_id(str(value).strip())
 
 
 def _check_exchange(value: str, field: str) -> None:

@@ -10,8 +10,8 @@ link to the top level), :mod:`.coordinator` (assembles them for the trainer), :m
 (Nesterov outer optimizer), :mod:`.tensors` (format, pseudo-gradient), :mod:`.transport`
 (repository layout), :mod:`.directory` (shared volume) and :mod:`.hub` (Hugging Face Hub)
 below :mod:`.exchange` (picks one for a repo id), :mod:`.retry` (errors, retry policy),
-:mod:`.identity` (node ids and claims) and :mod:`.ideal` (the same arithmetic in one process,
-the peer the protocol is measured against).
+:mod:`.identity` (node ids and claims). The same arithmetic run exactly in one process, the
+peer the protocol is measured against, is :mod:`speedtronic.testing.diloco_ideal`.
 See docs/diloco.md.
 """
 

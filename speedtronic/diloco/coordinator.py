@@ -194,11 +194,6 @@ class DumbDiLoCoCoordinator:
         return self.node.step if self.node is not None else 0
 
     @property
-    def outer_loop(self) -> RoundMaster | None:
-        """The master's round (None on a worker)."""
-        return self.master
-
-    @property
     def last_heartbeat(self) -> float:
         """``time.monotonic()`` of the last sign of life (also while waiting for a global)."""
         node = self.node.last_heartbeat if self.node is not None else 0.0
@@ -499,10 +494,6 @@ class DumbDiLoCoCoordinator:
             "node": self.node.state_dict() if self.node is not None else None,
             "outer": self.master.state_dict() if self.master is not None else None,
         }
-
-    def prepare_state(self, state: Mapping[str, Any]) -> None:
-        """Stage checkpointed state for the next ``start()``."""
-        self._prepared = dict(state)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore checkpointed state (applied at ``start()`` when not started yet)."""

@@ -111,12 +111,6 @@ class GlobalInbox:
             candidate, self._candidate = self._candidate, None
         return candidate
 
-    def put_back(self, candidate: GlobalCandidate) -> None:
-        """Return a taken candidate unless a newer one arrived meanwhile."""
-        with self._cond:
-            if self._candidate is None:
-                self._candidate = candidate
-
     def waiting_step(self) -> int:
         """Outer step of the waiting global (-1: none)."""
         with self._cond:

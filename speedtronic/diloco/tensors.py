@@ -41,7 +41,6 @@ __all__ = [
     "is_all_zero",
     "load_delta",
     "load_safetensors",
-    "metadata_json",
     "open_delta",
     "parse_delta_path",
     "read_metadata",
@@ -330,14 +329,6 @@ def read_metadata(path: str | os.PathLike) -> dict[str, str]:
 def load_delta(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """``(tensors, metadata)`` of a delta file; damage is a ``ValueError``."""
     return state_from_bytes(Path(path).read_bytes())
-
-
-def metadata_json(metadata: Mapping[str, str]) -> dict[str, object]:
-    """JSON-decode every metadata value; on any failure return a plain copy."""
-    try:
-        return {k: json.loads(v) for k, v in metadata.items()}
-    except (TypeError, ValueError):
-        return dict(metadata)
 
 
 class DeltaReader:
