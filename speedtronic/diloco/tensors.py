@@ -261,10 +261,21 @@ def delta_from_bytes(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, st
 MAX_DELTA_ABS = 1.0e4
 
 
-def first_non_finite(state: Mapping[str, torch.Tensor]) -> str | None:
-    """The first floating key of ``state`` holding NaN or inf, else None."""
+def first_non_finite(
+    state: Mapping[str, torch.Tensor], like: Mapping[str, torch.Tensor] | None = None
+) -> str | None:
+    """The first floating key of ``state`` holding NaN or inf, else None.
+
+    With ``like`` (the model's state), each tensor is checked as it will be installed: cast
+    to ``like``'s dtype for that key (a float64 1e300 is finite in the file and inf in a
+    float32 model)."""
     for key, value in state.items():
-        if _is_floating(value) and not bool(torch.isfinite(value).all()):
+        if not _is_floating(value):
+            continue
+        target = like.get(key) if like is not None else None
+        if target is not None and _is_floating(target) and target.dtype != value.dtype:
+            value = value.to(target.dtype)
+        if not bool(torch.isfinite(value).all()):
             return key
     return None
 
