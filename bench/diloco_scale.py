@@ -70,8 +70,9 @@ def model_shapes(d_model: int, layers: int, vocab: int) -> dict[str, tuple[int, 
     return shapes
 
 
-def _settings(poll: float, expect: int) -> DistributedConfig:
+def _settings(poll: float, expect: int, leaders: list[str] | None = None) -> DistributedConfig:
     return DistributedConfig(
+        relay_leaders=leaders or [],
         outer_lr=0.7,
         outer_momentum=0.9,
         round_timeout=600.0,
@@ -107,7 +108,8 @@ hub = HubClient(cfg["repo"], token=cfg["token"], endpoint=cfg["endpoint"],
 hub.create_repo()
 state = {{k: torch.zeros(v) for k, v in cfg["shapes"].items()}}
 events = []
-master = RoundMaster(hub, state, settings=_settings(cfg["poll"], cfg["expect"]),
+master = RoundMaster(hub, state,
+                     settings=_settings(cfg["poll"], cfg["expect"], cfg["leaders"]),
                      state_dir=Path(cfg["state_dir"]),
                      emit=lambda e, p: events.append((e, p)))
 master.reconcile()
@@ -204,7 +206,11 @@ def _node(
                     base_outer_step=r,
                     dtype="bf16",
                     owner=status,
-                    metadata={"run_id": meta.run_id},
+                    metadata={
+                        "run_id": meta.run_id,
+                        "instance": f"{node_id}-1",
+                        "final": str(last).lower(),
+                    },
                 )
                 del delta
     except Exception as exc:  # reported, and the run counts as failed
@@ -276,6 +282,7 @@ def simulate(
         "shapes": {n: list(s) for n, s in shapes.items()},
         "poll": poll,
         "expect": groups or k,
+        "leaders": [f"g{j}" for j in range(groups)],  # the group leaders' weights count
         "state_dir": str(tmp / "state-top"),
         "timeout": timeout,
     }

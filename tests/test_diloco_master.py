@@ -63,7 +63,9 @@ def settings(**overrides):
 
 def make_master(tmp_path, transport=None, state=None, clock=None, **overrides):
     log = Log()
-    transport = transport or DirectoryTransport(f"file://{tmp_path}/repo", fast_retry())
+    if transport is None:  # the exchange, created as the coordinator creates it
+        transport = DirectoryTransport(f"file://{tmp_path}/repo", fast_retry())
+        transport.create_repo()
     finals = []
     master = RoundMaster(
         transport,
@@ -97,7 +99,7 @@ def deliver(t, node, label, values, *, final=False, run_id=None):
         local_step=5 * (label + 1),
         base_outer_step=label,
         owner=status,
-        metadata={"run_id": run_id},
+        metadata={"run_id": run_id, "instance": f"{node}-1", "final": str(final).lower()},
     )
 
 

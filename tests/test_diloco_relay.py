@@ -23,12 +23,12 @@ def _settings(**extra) -> DistributedConfig:
     return DistributedConfig(**values)
 
 
-def _master(tmp, name, transport, upstream=None):
+def _master(tmp, name, transport, upstream=None, **settings):
     events: list = []
     master = RoundMaster(
         transport,
         {"w": torch.zeros(3)},
-        settings=_settings(),
+        settings=_settings(**settings),
         state_dir=tmp / f"state-{name}",
         emit=lambda e, p: events.append((e, p)),
         upstream=upstream,
@@ -46,7 +46,7 @@ def _member(exchange: DirectoryTransport, node: str, label: int, values) -> None
         local_step=label,
         base_outer_step=label,
         owner={"instance": f"{node}-1", "state": "training"},
-        metadata={"run_id": meta.run_id},
+        metadata={"run_id": meta.run_id, "instance": f"{node}-1"},
     )
 
 
@@ -57,7 +57,7 @@ def _wait(predicate, what):
 def test_groups_give_every_node_the_same_weight_and_cut_top_level_commits(tmp_path):
     top = DirectoryTransport(f"file://{tmp_path}/top", fast_retry())
     top.create_repo()
-    head = _master(tmp_path, "top", top)
+    head = _master(tmp_path, "top", top, relay_leaders=["g1", "g2"])
     groups = {}
     for name in ("g1", "g2"):
         exchange = DirectoryTransport(f"file://{tmp_path}/{name}", fast_retry())

@@ -174,7 +174,8 @@ class DistributedConfig:
     the round's first contribution; a contribution at most ``max_staleness`` rounds late is
     folded into the open round, older ones are dropped. A node silent for ``drop_after``
     round lengths leaves the expected set until it delivers again. ``train: false`` makes
-    the master a pure aggregator.
+    the master a pure aggregator. ``relay_leaders`` (top-level master): the node ids of the
+    group leaders (``relay_to``) whose contribution may weigh as many nodes as their group.
     """
 
     enabled: bool = False
@@ -191,6 +192,7 @@ class DistributedConfig:
     drop_after: int = 3
     train: bool = True
     relay_to: str | None = None
+    relay_leaders: list[str] = field(default_factory=list)
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     repo_id: str | None = None
@@ -235,6 +237,14 @@ class DistributedConfig:
             "distributed.collaborators",
             "distributed.collaborators must be a list of usernames",
         )
+        self.relay_leaders = [
+            check_node_id(node, "distributed.relay_leaders")
+            for node in to_str_list(
+                self.relay_leaders,
+                "distributed.relay_leaders",
+                "distributed.relay_leaders must be a list of the group leaders' node ids",
+            )
+        ]
         if self.inner_steps <= 0:
             raise ConfigError("distributed.inner_steps must be positive")
         if self.poll_interval <= 0:

@@ -12,55 +12,82 @@ lists the repository, reads each node's status record and sorts the contribution
 It closes round ``R`` when every *active* node (joined, not finished, not silent for
 ``drop_after`` round lengths) delivered its round-``R`` contribution, or ``round_timeout``
 seconds after the round's first contribution arrived; never with fewer than ``min_nodes``
-contributors (less the nodes that finished their run). Closing reads each file once (streaming:
-one delta beside the running sum), averages each node's files, gives every node equal
-weight, applies the Nesterov outer step, and publishes weights + ledger + the deletion of the
-consumed files in one commit; then it persists ``outer_state`` locally, hands the global to
-the local node, and evaluates it. When every node is done (their last contribution is in)
-the master publishes the final global and calls ``on_final``.
+contributors (less the nodes that finished their run). Closing::
 
-Across restarts (:mod:`speedtronic.diloco.reconcile`): the master agrees with the published
-state once before its first poll. Local state (:mod:`speedtronic.diloco.outer_state`): one
-atomic file ``<state_dir>/outer_state.safetensors`` (global + momentum; the header holds the
-outer step, run id, ledger and digests), and a write-ahead record of the round being
-published, so a round the exchange holds is reported even when the master died before it
-could say so. The ledger is also published, so a master with a lost disk never aggregates a
-contribution twice.
+    new   = state.copy()                          # RoundState: all that a round changes
+    mean  = sum(w_n * mean(files of n)) / sum(w_n)  # each file read once, streamed, float32
+    new.ledger[n] = round of n's newest file      # exactly once
+    SGD(nesterov).step(new.global, grad=mean); new.outer_step += 1
+    write-ahead record; publish weights + ledger + prune in one commit
+    state = new; persist; report; hand the global to the local node; evaluate
+
+A failed publish leaves ``state`` as it was (nothing to roll back) and makes the next poll
+agree with the exchange again (:mod:`speedtronic.diloco.reconcile`), since it may have landed.
+Every file is checked before it is used: its header names its node, round, run, instance and
+base (any missing: refused and counted corrupt), it matches the model, it is finite, it is not
+the node's last contribution again, and a ``weight`` other than 1 comes only from a node
+listed in ``distributed.relay_leaders``. The run ends when no node is left to wait for and
+the nodes finished by what the master aggregated (:mod:`speedtronic.diloco.roster`): then the
+master publishes the final global and calls ``on_final``.
+
+A failure the master cannot retry its way out of (an unusable global and no local state to
+republish) is stored in :attr:`RoundMaster.fatal` and ends its thread; the coordinator raises
+it. Transient failures are retried at every poll and logged once, then every 30 s.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from speedtronic.diloco import tensors as T
-from speedtronic.diloco.outer_state import OuterStateStore
-from speedtronic.diloco.reconcile import META, MasterState
+from speedtronic.diloco.outer_state import OuterStateStore, RoundState
+from speedtronic.diloco.reconcile import META, max_global_bytes, reconcile
+from speedtronic.diloco.retry import ExchangeError
 from speedtronic.diloco.roster import NodeView, Roster
 from speedtronic.diloco.transport import RemoteNotFound, RepoScan, TransportError
 
-__all__ = ["NodeView", "RoundMaster"]
-
+__all__ = ["IDENTITY_HEADERS", "NodeView", "RoundMaster"]
 
 _LOG = logging.getLogger("speedtronic.diloco")
 
+# every contribution names these (the node writes them; see coordinator._send)
+IDENTITY_HEADERS = ("node_id", "round", "run_id", "instance", "base_outer_step")
+FAILURE_LOG_SECONDS = 30.0  # a failure that repeats is logged again at most this often
 
-class RoundMaster(MasterState):
+
+@dataclasses.dataclass
+class _Fold:
+    """What closing a round read: the files used and what they say about their nodes."""
+
+    weight: int = 0
+    included: list[str] = dataclasses.field(default_factory=list)
+    consumed: list[str] = dataclasses.field(default_factory=list)
+    marks: dict[str, int] = dataclasses.field(default_factory=dict)  # node -> newest round
+    digests: dict[str, str] = dataclasses.field(default_factory=dict)
+    instances: dict[str, str] = dataclasses.field(default_factory=dict)
+    finals: dict[str, int] = dataclasses.field(default_factory=dict)
+    late: int = 0
+
+
+class RoundMaster:
     """Aggregates one contribution per node per round into the published global.
 
-    ``settings`` is the ``distributed`` config section; ``state`` the initial global (the
-    model's weights, used only to bootstrap an empty repository). ``on_global(step, state)``
-    receives every new global (the local node's inbox); ``evaluate(state)`` returns an
-    object with ``loss``, ``perplexity``, ``tokens`` (or None); ``on_final(step, state)``
-    runs once after the final global was published.
+    ``transport`` is the exchange (``self.store``); ``settings`` the ``distributed`` config
+    section; ``state`` the model's weights (the global of a new run, and the shapes and dtypes
+    every global is checked against). ``on_global(step, state)`` receives every new global
+    (the local node's inbox); ``evaluate(state)`` returns an object with ``loss``,
+    ``perplexity``, ``tokens`` (or None); ``on_final(step, state)`` runs once after the final
+    global was published; ``upstream`` makes this master a group leader that relays its
+    rounds (:mod:`speedtronic.diloco.relay`).
     """
 
     def __init__(
@@ -78,21 +105,18 @@ class RoundMaster(MasterState):
         upstream: Any = None,
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.hub = transport
+        self.store = transport
         self.settings = settings
-        self.global_state = T.cpu_state_dict(state)
         self._initial = T.cpu_state_dict(state)  # the global of a new run
+        self.state = self._new_run()  # the whole round state (RoundState)
         self.fresh = False  # set by a master that starts its training from step 0
-        self.state_dir = Path(state_dir)
-        self.store = OuterStateStore(state_dir)
-        self.outer_step = 0
-        self.ledger: dict[str, int] = {}
-        self.run_id = ""  # names this run in every global and contribution
-        self.digests: dict[str, str] = {}  # node -> sha256 of its last aggregated contribution
-        self.optimizer = self._new_optimizer()
+        self.outer_files = OuterStateStore(state_dir)
+        self.has_local_state = False  # a valid local outer state: it may be republished
+        self.reconciled = False
+        self.fatal: Exception | None = None  # an error no retry fixes; the thread stopped
         self._emit = emit
         self._log = log or _LOG
-        self.roster = Roster(lambda node_id: self.hub.read_owner(node_id), emit, self._log)
+        self.roster = Roster(lambda node_id: self.store.read_owner(node_id), emit, self._log)
         self.on_global = on_global
         self.evaluate = evaluate
         self.on_final = on_final
@@ -109,13 +133,94 @@ class RoundMaster(MasterState):
         self._round_seconds = 0.0  # moving average of round lengths
         self._prune: set[str] = set()
         self._reset_tally()
-        self._pending_digests: dict[str, str] = {}  # of the round being closed
-        self.has_local_state = False
-        self.local_state_corrupt = False
-        self.reconciled = False
         self._handed: int | None = None  # the outer step last given to on_global
         self._load_local_state()
 
+    # -- the held state, as others read it ---------------------------------------------------
+    @property
+    def outer_step(self) -> int:
+        """The outer step of the global this master holds (= the open round)."""
+        return self.state.outer_step
+
+    @property
+    def global_state(self) -> dict[str, torch.Tensor]:
+        """The global weights this master holds (do not modify)."""
+        return self.state.global_state
+
+    @property
+    def ledger(self) -> dict[str, int]:
+        """Node -> the highest round aggregated (or dropped as stale)."""
+        return self.state.ledger
+
+    @property
+    def run_id(self) -> str:
+        """The id of this run (in every global and contribution)."""
+        return self.state.run_id
+
+    @property
+    def nodes(self) -> dict[str, NodeView]:
+        """The nodes of this exchange, by id (see :class:`~speedtronic.diloco.roster.Roster`)."""
+        return self.roster.nodes
+
+    def _new_run(self) -> RoundState:
+        s = self.settings
+        return RoundState.new(T.cpu_state_dict(self._initial), s.outer_lr, s.outer_momentum)
+
+    # -- local persistence and the agreement with the exchange --------------------------------
+    def _load_local_state(self) -> None:
+        try:
+            saved = self.outer_files.load(self.state)
+        except ValueError as exc:
+            self._log.error(
+                f"corrupt local outer state in {self.outer_files.state_dir} ({exc}); "
+                "moved aside, rebuilding from the published global state"
+            )
+            return
+        if saved is not None:
+            self.state, self.has_local_state = saved, True
+
+    def _persist(self) -> None:
+        try:
+            self.outer_files.save(self.state)
+            self.has_local_state = True
+        except OSError as exc:
+            self._log.warning(f"could not persist local outer state: {exc}")
+
+    def reconcile(self) -> None:
+        """Agree with the exchange once (:mod:`speedtronic.diloco.reconcile`; a group leader
+        takes the top-level global, :meth:`Upstream.agree`). A failed read raises
+        ``TransportError`` (retried); an unusable global with no local state to republish
+        raises ``ExchangeError``."""
+        if self.upstream is not None:
+            state = self.upstream.agree(self.store, self.state, max_global_bytes(self._initial))
+        else:
+            state = reconcile(
+                self.store,
+                self.state,
+                trusted=self.has_local_state,
+                fresh=self.fresh,
+                new_run=self._new_run,
+                log=self._log,
+            )
+        with self._lock:
+            self.state = state
+        self.reconciled = True
+        self.fresh = False  # a later reconcile (after a failed publish) is never a new run
+        self._persist()
+        report = self.outer_files.take_pending(self.outer_step, self.run_id)
+        if report is not None:  # published by this master, never reported (killed, or lost reply)
+            self._reset_tally()
+            self._emit("outer_step", {**report, "recovered": True})
+        if self._handed != self.outer_step:  # a re-reconcile after a failed publish may not move
+            self._opened = self._clock()
+            self._hand_over(T.cpu_state_dict(self.global_state))
+
+    def _hand_over(self, state: dict[str, torch.Tensor]) -> None:
+        self._handed = self.outer_step
+        if self.on_global is not None:
+            self.on_global(self.outer_step, state)
+
+    # -- one poll ---------------------------------------------------------------------------
     def _reset_tally(self) -> None:
         """Start counting the open round's refused files afresh (after a close)."""
         self._counts = {"stale": 0, "skipped": 0, "corrupt": 0}
@@ -127,14 +232,13 @@ class RoundMaster(MasterState):
         counts = {f"deltas_{kind}": count for kind, count in self._counts.items()}
         return {**counts, "dropped": list(self._dropped)}
 
-    # -- one poll ---------------------------------------------------------------------------
     def poll_once(self) -> bool:
         """Scan the repository and close the open round when it is due; True if it closed."""
         now = self._clock()
         try:
             if not self.reconciled:  # at start, and again after a publish that failed
                 self.reconcile()
-            scan = self.hub.scan()
+            scan = self.store.scan()
         except TransportError:
             if self._blind_since is None:
                 self._blind_since = now
@@ -143,14 +247,14 @@ class RoundMaster(MasterState):
         self.roster.refresh(scan, now, self.outer_step)
         candidates = self._sort_contributions(scan, now)
         limit = self.settings.drop_after * max(self.settings.round_timeout, self._round_seconds)
-        active = self.roster.active(now, limit, self.ledger)
+        active = self.roster.active(now, limit, self.state)
         reason = self._close_reason(now, active, candidates)
-        if reason is not None and self._close(candidates, reason, active, now):
+        if reason is not None and self._close(candidates, reason, active):
             return True
         if self._prune:  # refused, duplicate or stale files go now, before they are re-sent
             self._flush_prune()
         if (
-            self.roster.run_over(active, self.ledger)
+            self.roster.run_over(active, self.state)
             and not candidates
             and not self.finished.is_set()
         ):
@@ -167,48 +271,44 @@ class RoundMaster(MasterState):
         if self._first_arrival is not None:
             self._first_arrival += blind
 
-    @property
-    def nodes(self) -> dict[str, NodeView]:
-        """The nodes of this exchange, by id (see :class:`~speedtronic.diloco.roster.Roster`)."""
-        return self.roster.nodes
-
     def _sort_contributions(self, scan: RepoScan, now: float) -> dict[str, dict[int, str]]:
         """Includable files ``{node: {round: path}}``; duplicates and stale ones are queued
-        for pruning and counted."""
+        for pruning and counted (a stale one moves the ledger: it is never counted later)."""
         open_round = self.outer_step
         oldest = open_round - self.settings.max_staleness
         candidates: dict[str, dict[int, str]] = {}
         for node_id, files in scan.deltas.items():
             done = self.ledger.get(node_id, -1)
-            for label, path in sorted(files.items()):
+            for round, path in sorted(files.items()):
                 if path in self._prune:
                     continue
-                if label <= done:
+                if round <= done:
                     self._prune.add(path)
                     self._counts["skipped"] += 1
-                elif label < oldest:
+                elif round < oldest:
                     self._prune.add(path)
                     self._counts["stale"] += 1
-                    self._dropped.append(f"{node_id}/{label}")
-                    self.ledger[node_id] = max(self.ledger.get(node_id, -1), label)
+                    self._dropped.append(f"{node_id}/{round}")
+                    with self._lock:
+                        self.ledger[node_id] = max(self.ledger.get(node_id, -1), round)
                     self._log.warning(
-                        f"dropping the contribution of {node_id} to round {label}: "
-                        f"{open_round - label} rounds late (max_staleness "
+                        f"dropping the contribution of {node_id} to round {round}: "
+                        f"{open_round - round} rounds late (max_staleness "
                         f"{self.settings.max_staleness})"
                     )
-                elif label <= open_round:
+                elif round <= open_round:
                     size = scan.size(path)
                     if size is not None and size > self.max_delta_bytes:
                         self._refuse(path, f"{size} bytes, more than a delta of this model")
                         continue
-                    candidates.setdefault(node_id, {})[label] = path
+                    candidates.setdefault(node_id, {})[round] = path
                     self._heard(node_id, now)
         return candidates
 
     @property
     def max_delta_bytes(self) -> int:
         """The largest delta file this model can produce (float32 values + a header)."""
-        values = sum(v.numel() for v in self.global_state.values() if v.is_floating_point())
+        values = sum(v.numel() for v in self._initial.values() if v.is_floating_point())
         return 4 * values + (1 << 20)
 
     def _refuse(self, path: str, why: str) -> None:
@@ -228,7 +328,7 @@ class RoundMaster(MasterState):
         if not candidates:
             return None
         # min_nodes is a floor on the nodes in a round, lowered only by nodes that finished
-        need = max(1, self.settings.min_nodes - self.roster.finished_count(self.ledger))
+        need = max(1, self.settings.min_nodes - self.roster.finished_count(self.state))
         if len(candidates) < need:
             return None
         on_time = {node for node, files in candidates.items() if self.outer_step in files}
@@ -241,85 +341,65 @@ class RoundMaster(MasterState):
 
     # -- closing a round -----------------------------------------------------------------------
     def _close(
-        self,
-        candidates: Mapping[str, Mapping[int, str]],
-        reason: str,
-        active: set[str],
-        now: float,
+        self, candidates: Mapping[str, Mapping[int, str]], reason: str, active: set[str]
     ) -> bool:
         started = time.perf_counter()
-        self._pending_digests = {}
         total = {
             k: torch.zeros(tuple(v.shape), dtype=torch.float32)
-            for k, v in self.global_state.items()
+            for k, v in self._initial.items()
             if v.is_floating_point()
         }
-        weight = 0
-        included: list[str] = []
-        consumed: list[str] = []
-        marks: dict[str, int] = {}
-        late = 0
+        fold = _Fold()
         for node_id in sorted(candidates):
-            used, node_weight = self._fold_node(candidates[node_id], total)
-            weight += node_weight
-            for label, path in used:
-                included.append(f"{node_id}/{label}")
-                consumed.append(path)
-                late += label < self.outer_step
-                marks[node_id] = max(marks.get(node_id, -1), label)
-        if not marks:
+            self._fold_node(node_id, candidates[node_id], total, fold)
+        if not fold.marks:
             return False
         for value in total.values():
-            value.div_(float(weight))
-        with self._lock:
-            saved = (
-                self.outer_step,
-                dict(self.ledger),
-                T.cpu_state_dict(self.global_state),
-                self.optimizer.state_dict(),
-            )
-            for node_id, label in marks.items():
-                self.ledger[node_id] = max(self.ledger.get(node_id, -1), label)
-            final = self.roster.run_over(self.roster.waiting(self.ledger), self.ledger)
-        if not self._step(total, weight, final, saved):
-            for path in consumed:
+            value.div_(float(fold.weight))
+        new = self.state.copy()
+        round = new.outer_step
+        for node_id, newest in fold.marks.items():
+            new.ledger[node_id] = max(new.ledger.get(node_id, -1), newest)
+            new.finals.pop(node_id, None)  # a node that contributes again is not done yet
+        new.digests.update(fold.digests)
+        new.instances.update(fold.instances)
+        new.finals.update(fold.finals)
+        final = self.roster.run_over(self.roster.waiting(new), new)
+        if not self._step(new, total, fold.weight, final):
+            for path in fold.consumed:
                 self._refuse(path, "the outer step would make the global non-finite")
             return False
         report = {
-            "outer_step": self.outer_step,
-            "round": self.outer_step - 1,
+            "outer_step": new.outer_step,
+            "round": round,
             "reason": reason,
             "nodes_active": len(active),
-            "nodes_included": len(marks),
-            "deltas_found": len(consumed) + self._counts["corrupt"],
-            "deltas_included": len(consumed),
-            "deltas_late": late,
-            "included": included,
+            "nodes_included": len(fold.marks),
+            "deltas_found": len(fold.consumed) + self._counts["corrupt"],
+            "deltas_included": len(fold.consumed),
+            "deltas_late": fold.late,
+            "included": fold.included,
             **self._tally(),
         }
         # written ahead: a kill after the exchange applied the publish and before the round
         # is reported below leaves this record, reported at the restart (outer_state.py)
-        self.store.write_pending(self.outer_step, self.run_id, report)
+        self.outer_files.write_pending(new.outer_step, new.run_id, report)
         try:
-            self.hub.publish_global(
-                self.global_state,
-                outer_step=self.outer_step,
-                ledger=self.ledger,
-                prune=sorted(set(consumed) | self._prune),
+            self.store.publish_global(
+                new.global_state,
+                outer_step=new.outer_step,
+                ledger=new.ledger,
+                prune=sorted(set(fold.consumed) | self._prune),
                 metadata_extra=META,
                 final=final,
-                run_id=self.run_id,
+                run_id=new.run_id,
             )
         except Exception:
-            with self._lock:
-                self.outer_step, self.ledger, self.global_state, momentum = saved
-                self.optimizer.load_state_dict(momentum)
-                # a publish that failed may still have landed: agree with the exchange again
-                self.reconciled = False
+            self.reconciled = False  # it may still have landed: agree with the exchange again
             raise
+        with self._lock:
+            self.state = new
         self._prune.clear()
-        self.digests.update(self._pending_digests)
-        self._pending_digests.clear()
         self._persist()
         opened, self._opened = self._opened, self._clock()
         length = self._opened - opened
@@ -332,52 +412,45 @@ class RoundMaster(MasterState):
             "outer_step",
             {**report, "seconds": time.perf_counter() - started, "round_seconds": length},
         )
-        self.store.clear_pending()
+        self.outer_files.clear_pending()
         self._after_publish(final)
         return True
 
-    def _step(self, mean: dict[str, torch.Tensor], weight: int, final: bool, saved: tuple) -> bool:
-        """The outer step on the round's ``mean``; a group leader relays it up instead and
-        takes the top-level global that includes it. False (state restored) when the result
-        would not be finite."""
-        if self.upstream is not None:
-            try:  # outside the lock: the wait for the top level may be long
-                meta, state = self.upstream.forward(
-                    mean, round_index=saved[0], weight=weight, run_id=self.run_id, final=final
-                )
-            except Exception:
-                with self._lock:
-                    self.ledger = saved[1]
-                raise
-            with self._lock:
-                self._adopt(state, meta.outer_step)
-                self.run_id = meta.run_id
+    def _step(
+        self, new: RoundState, mean: dict[str, torch.Tensor], weight: int, final: bool
+    ) -> bool:
+        """The outer step on ``new``; a group leader relays the round's ``mean`` up instead
+        and takes the top-level global that includes it. False when the result would not be
+        finite (``new`` is then discarded)."""
+        if self.upstream is not None:  # the wait for the top level may be long: no lock held
+            meta, weights = self.upstream.forward(
+                mean, round=new.outer_step, weight=weight, run_id=new.run_id, final=final
+            )
+            new.adopt(weights, meta.outer_step)
+            new.run_id = meta.run_id
             return True
-        with self._lock:
-            self.optimizer.step(self.global_state, mean)
-            if T.first_non_finite(self.global_state) is not None:
-                self.outer_step, self.ledger, self.global_state, momentum = saved
-                self.optimizer.load_state_dict(momentum)
-                return False
-            self.outer_step += 1
+        new.optimizer.step(new.global_state, mean)
+        if T.first_non_finite(new.global_state) is not None:
+            return False
+        new.outer_step += 1
         return True
 
     def _fold_node(
-        self, files: Mapping[int, str], total: dict[str, torch.Tensor]
-    ) -> tuple[list[tuple[int, str]], int]:
+        self, node_id: str, files: Mapping[int, str], total: dict[str, torch.Tensor], fold: _Fold
+    ) -> None:
         """Add one node's valid files for this round into ``total`` as their mean times the
-        node's weight (1, or the nodes a group leader speaks for), reading each file once,
-        tensor by tensor. Returns the ``(round, path)`` used and the weight; unusable files
-        are pruned and counted, and leave ``total`` untouched."""
+        node's weight (1, or the nodes a relay leader speaks for), reading each file once,
+        tensor by tensor, and record them in ``fold``. Unusable files are pruned and counted,
+        and leave ``total`` untouched."""
         with contextlib.ExitStack() as stack:
             readers: list[tuple[int, str, T.DeltaReader, int]] = []
-            for label, path in sorted(files.items()):
+            for round, path in sorted(files.items()):
                 try:
-                    local = stack.enter_context(self.hub.local_copy(path))
+                    local = stack.enter_context(self.store.local_copy(path))
                     reader = stack.enter_context(T.open_delta(local))
+                    weight = self._check_identity(node_id, reader.metadata, round)
                     digest = reader.check(self.global_state)
-                    weight = self._check_identity(path, reader.metadata, label)
-                    if self.digests.get(path.split("/")[1]) == digest:
+                    if self.state.digests.get(node_id) == digest:
                         raise ValueError("the same values as its node's last contribution")
                 except RemoteNotFound:
                     continue
@@ -386,39 +459,58 @@ class RoundMaster(MasterState):
                 except Exception as exc:
                     self._refuse(path, f"{type(exc).__name__}: {exc}")
                     continue
-                run = reader.metadata.get("run_id", "")
+                run = reader.metadata["run_id"]
                 if run and self.run_id and run != self.run_id:  # computed in another run
                     self._prune.add(path)
                     self._counts["stale"] += 1
-                    self._dropped.append(f"{path.split('/')[1]}/{label}")
+                    self._dropped.append(f"{node_id}/{round}")
                     self._log.warning(f"dropping {path}: it belongs to another run ({run})")
                     continue
-                readers.append((label, path, reader, weight))
-                self._pending_digests[path.split("/")[1]] = digest
+                readers.append((round, path, reader, weight))
+                fold.digests[node_id] = digest
+                fold.instances[node_id] = reader.metadata["instance"]
+                if reader.metadata.get("final") == "true":
+                    fold.finals[node_id] = round
             if not readers:
-                return [], 0
+                return
             weight = max(w for _, _, _, w in readers)
             for _, _, reader, _ in readers:
                 reader.add_to(total, scale=weight / len(readers))
-            return [(label, path) for label, path, _, _ in readers], weight
+        fold.weight += weight
+        for round, path, _, _ in readers:
+            fold.included.append(f"{node_id}/{round}")
+            fold.consumed.append(path)
+            fold.late += round < self.outer_step
+            fold.marks[node_id] = max(fold.marks.get(node_id, -1), round)
 
-    def _check_identity(self, path: str, header: Mapping[str, str], label: int) -> int:
-        """A contribution must match its path, come from the node's current instance, and
-        be based on a global this master published (``ValueError`` otherwise). Returns its
-        weight: the number of nodes it speaks for (a group leader's sum; 1 for a node)."""
-        node_id = path.split("/")[1]
-        if header.get("node_id", node_id) != node_id or header.get("round", str(label)) != str(
-            label
-        ):
+    def _check_identity(self, node_id: str, header: Mapping[str, str], round: int) -> int:
+        """A contribution names its node, round, run, instance and base, matches its path,
+        comes from the node's current instance, and is based on a global this master
+        published (``ValueError`` otherwise). Returns its weight: 1, or for a node listed in
+        ``distributed.relay_leaders`` the number of nodes its group's mean speaks for."""
+        missing = [key for key in IDENTITY_HEADERS if key not in header]
+        if missing:
+            raise ValueError(
+                f"no {', '.join(missing)} in its header (a node names its node, round, run, "
+                "instance and base outer step in every contribution)"
+            )
+        if header["node_id"] != node_id or header["round"] != str(round):
             raise ValueError("its header names another node or round than its path")
-        base = int(header.get("base_outer_step", "0"))
+        if not header["instance"]:
+            raise ValueError("an empty instance in its header")
+        base = int(header["base_outer_step"])
         if not -1 <= base <= self.outer_step:  # -1: measured from the node's initial weights
             raise ValueError(f"based on outer step {base}, which this master never published")
         view = self.nodes.get(node_id)
-        instance = header.get("instance")
-        if view is not None and view.instance and instance and instance != view.instance:
+        instance = header["instance"]
+        if view is not None and view.instance and instance != view.instance:
             raise ValueError(f"written by instance {instance}, not the node's {view.instance}")
         weight = int(header.get("weight", "1"))
+        if weight != 1 and node_id not in self.settings.relay_leaders:
+            raise ValueError(
+                f"weight {weight} from {node_id}, which is not a relay leader (only nodes "
+                "listed in the top master's distributed.relay_leaders may weigh more than 1)"
+            )
         if not 1 <= weight <= 1_000_000:
             raise ValueError(f"weight {weight} is not a number of nodes")
         return weight
@@ -445,7 +537,7 @@ class RoundMaster(MasterState):
 
     def _flush_prune(self) -> None:
         try:
-            self.hub.prune(sorted(self._prune))
+            self.store.prune(sorted(self._prune))
             self._prune.clear()
         except TransportError as exc:
             self._log.warning(f"could not prune consumed deltas: {exc}")
@@ -455,19 +547,20 @@ class RoundMaster(MasterState):
         leader first tells the top level that its group is done)."""
         if self.upstream is not None:
             self.upstream.finish()
-        self.hub.publish_global(
-            self.global_state,
-            outer_step=self.outer_step,
-            ledger=self.ledger,
+        state = self.state
+        self.store.publish_global(
+            state.global_state,
+            outer_step=state.outer_step,
+            ledger=state.ledger,
             metadata_extra=META,
             final=True,
-            run_id=self.run_id,
+            run_id=state.run_id,
         )
         # files refused after the last round (e.g. written once every node was done) are
         # reported here, or they would never be counted
-        self._emit("final_global", {"outer_step": self.outer_step, **self._tally()})
+        self._emit("final_global", {"outer_step": state.outer_step, **self._tally()})
         self._reset_tally()
-        self._finalize(T.cpu_state_dict(self.global_state))
+        self._finalize(T.cpu_state_dict(state.global_state))
 
     def _finalize(self, state: dict[str, torch.Tensor]) -> None:
         if self.on_final is not None:
@@ -477,7 +570,7 @@ class RoundMaster(MasterState):
 
     # -- the thread ---------------------------------------------------------------------------
     def start(self) -> None:
-        """Run :meth:`poll_once` on a daemon thread until stopped or finished."""
+        """Run :meth:`poll_once` on a daemon thread until stopped, finished or fatal."""
         if self._thread is not None and self._thread.is_alive():
             return
         self._stop.clear()
@@ -487,15 +580,22 @@ class RoundMaster(MasterState):
         self._thread.start()
 
     def _loop(self) -> None:
+        trouble = _Trouble(self._log)
         while not self._stop.is_set() and not self.finished.is_set():
             try:
                 closed = self.poll_once()
+            except ExchangeError as exc:  # no retry fixes it: the coordinator raises it
+                self._log.error(str(exc))
+                self.fatal = exc
+                return
             except TransportError as exc:
-                self._log.warning(f"master round failed; retrying at the next poll: {exc}")
+                trouble.failed("warning", exc)
                 closed = False
             except Exception as exc:  # never let the aggregation thread die silently
-                self._log.error(f"master round error: {type(exc).__name__}: {exc}")
+                trouble.failed("error", exc)
                 closed = False
+            else:
+                trouble.recovered()
             if not closed:
                 self.wake.wait(self.settings.poll_interval)
                 self.wake.clear()
@@ -512,3 +612,28 @@ class RoundMaster(MasterState):
         """Outer step and ledger (the tensors live in ``state_dir`` and the repository)."""
         with self._lock:
             return {"outer_step": self.outer_step, "ledger": dict(self.ledger)}
+
+
+class _Trouble:
+    """The master loop's failures: the first of a kind is logged, then while the same kind
+    (exception class) repeats, one line per ``FAILURE_LOG_SECONDS`` saying for how long."""
+
+    def __init__(self, log: Any, clock: Callable[[], float] = time.monotonic):
+        self._log, self._clock = log, clock
+        self._kind: str | None = None
+        self._since = self._said = 0.0
+
+    def failed(self, level: str, exc: BaseException) -> None:
+        now, kind = self._clock(), type(exc).__name__
+        say = getattr(self._log, level)
+        if kind != self._kind:
+            self._kind, self._since, self._said = kind, now, now
+            say(f"master round failed ({kind}); retrying at every poll: {exc}")
+        elif now - self._said >= FAILURE_LOG_SECONDS:
+            self._said = now
+            say(f"master round still failing after {now - self._since:.0f} s ({kind}): {exc}")
+
+    def recovered(self) -> None:
+        if self._kind is not None:
+            self._log.info(f"master round works again after {self._clock() - self._since:.0f} s")
+            self._kind = None

@@ -1,8 +1,14 @@
-"""The master's local outer state, and the record of a round whose publish is in flight.
+"""The master's round state, its local file, and the record of a round whose publish is in
+flight.
+
+:class:`RoundState` is everything a round changes: the outer step, the global weights, the
+outer optimizer's momentum, the ledger, and what the master knows about each node's
+aggregated contributions. The master holds one; a round works on a :meth:`RoundState.copy`
+that replaces it only once its publish landed, so a failed publish leaves nothing to undo.
 
 ``<state_dir>/outer_state.safetensors`` is one atomic file: tensors ``global/<key>`` and
-``momentum/<key>``; its header holds the outer step, run id, ledger and digests, so a kill at
-any point leaves the previous or the new state.
+``momentum/<key>``; its header holds the outer step, run id, ledger, digests and the nodes'
+instances and final rounds, so a kill at any point leaves the previous or the new state.
 
 ``<state_dir>/pending_round.json`` is a write-ahead record of the round being published: what
 the master will report once the publish landed. A master killed after the exchange applied the
@@ -17,7 +23,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -26,22 +33,66 @@ import torch
 
 from speedtronic.checkpoint import atomic_json_dump, atomic_write_bytes
 from speedtronic.diloco import tensors as T
+from speedtronic.diloco.outer import NesterovOuterOptimizer
 
-__all__ = ["OuterStateStore", "SavedOuterState"]
+__all__ = ["OuterStateStore", "RoundState"]
 
 _FORMAT = "speedtronic-outer-state/2"
 
 
 @dataclass
-class SavedOuterState:
-    """What :meth:`OuterStateStore.load` read back."""
+class RoundState:
+    """The master's whole mutable round state (one object: copy it, change the copy, keep it
+    once the exchange holds it).
 
-    global_state: dict[str, torch.Tensor]
-    momentum: dict[str, torch.Tensor]
+    ``outer_step``: the published global's outer step (= the open round); ``global_state``:
+    its weights in the model's dtypes; ``optimizer``: the outer optimizer and its momentum;
+    ``run_id``: names the run; ``ledger``: node -> highest round aggregated (or dropped);
+    ``digests``: node -> sha256 of its last aggregated contribution (a re-sent copy is refused);
+    ``instances``: node -> the ``instance`` header of its last aggregated contribution;
+    ``finals``: node -> the round of its aggregated contribution flagged ``final``.
+    """
+
     outer_step: int
-    run_id: str
-    ledger: dict[str, int]
-    digests: dict[str, str]
+    global_state: dict[str, torch.Tensor]
+    optimizer: NesterovOuterOptimizer
+    run_id: str = ""
+    ledger: dict[str, int] = field(default_factory=dict)
+    digests: dict[str, str] = field(default_factory=dict)
+    instances: dict[str, str] = field(default_factory=dict)
+    finals: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def new(cls, global_state: dict[str, torch.Tensor], lr: float, momentum: float) -> RoundState:
+        """Outer step 0 of a new run over ``global_state`` (kept, not copied)."""
+        return cls(0, global_state, NesterovOuterOptimizer(global_state, lr, momentum))
+
+    def copy(self) -> RoundState:
+        """A deep copy (tensors cloned): what a round or a reconcile changes."""
+        optimizer = NesterovOuterOptimizer({}, self.optimizer.lr, self.optimizer.momentum)
+        optimizer.load_state_dict(self.optimizer.state_dict())
+        return RoundState(
+            self.outer_step,
+            T.cpu_state_dict(self.global_state),
+            optimizer,
+            self.run_id,
+            dict(self.ledger),
+            dict(self.digests),
+            dict(self.instances),
+            dict(self.finals),
+        )
+
+    def adopt(self, state: Mapping[str, torch.Tensor], outer_step: int) -> None:
+        """Take a published global (cast to this state's dtypes; other keys and shapes are
+        ignored) at ``outer_step``; the momentum starts again from zero."""
+        for key, value in state.items():
+            mine = self.global_state.get(key)
+            if mine is not None and tuple(value.shape) == tuple(mine.shape):
+                self.global_state[key] = T.cpu_tensor(value).to(mine.dtype)
+        self.outer_step = int(outer_step)
+        self.optimizer = NesterovOuterOptimizer(
+            self.global_state, self.optimizer.lr, self.optimizer.momentum
+        )
 
 
 class OuterStateStore:
@@ -60,8 +111,9 @@ class OuterStateStore:
         """The write-ahead record of a round being published."""
         return self.state_dir / "pending_round.json"
 
-    def load(self, like: dict[str, torch.Tensor]) -> SavedOuterState | None:
-        """The saved state, its tensors shaped and typed as ``like``; None when there is none.
+    def load(self, like: RoundState) -> RoundState | None:
+        """The saved state, its tensors shaped and typed as ``like``'s global and its outer
+        optimizer configured as ``like``'s; None when there is none.
 
         Raises ``ValueError`` (after moving the file aside as ``*.corrupt-<time>``) when the
         file cannot be read or does not match ``like``."""
@@ -72,41 +124,40 @@ class OuterStateStore:
             if meta.get("format") != _FORMAT:
                 raise ValueError(f"unknown format {meta.get('format')!r}")
             glob = {k[7:]: v for k, v in tensors.items() if k.startswith("global/")}
-            for key, value in like.items():
+            for key, value in like.global_state.items():
                 if key not in glob or tuple(glob[key].shape) != tuple(value.shape):
                     raise ValueError(f"global tensor {key} missing or reshaped")
-            saved = SavedOuterState(
-                global_state={k: glob[k].to(v.dtype) for k, v in like.items()},
-                momentum={k[9:]: v for k, v in tensors.items() if k.startswith("momentum/")},
+            optimizer = NesterovOuterOptimizer({}, like.optimizer.lr, like.optimizer.momentum)
+            optimizer.load_state_dict(
+                {k[9:]: v for k, v in tensors.items() if k.startswith("momentum/")}
+            )
+            saved = RoundState(
                 outer_step=int(meta["outer_step"]),
+                global_state={k: glob[k].to(v.dtype) for k, v in like.global_state.items()},
+                optimizer=optimizer,
                 run_id=str(meta.get("run_id", "")),
-                ledger={str(k): int(v) for k, v in json.loads(meta["ledger"]).items()},
-                digests={str(k): str(v) for k, v in json.loads(meta["digests"]).items()},
+                ledger=_json_map(meta["ledger"], int),
+                digests=_json_map(meta["digests"], str),
+                instances=_json_map(meta.get("instances", "{}"), str),  # absent before 2.2
+                finals=_json_map(meta.get("finals", "{}"), int),
             )
         except Exception as exc:
             self.path.replace(self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}"))
             raise ValueError(f"{type(exc).__name__}: {exc}") from None
         return saved
 
-    def save(
-        self,
-        global_state: dict[str, torch.Tensor],
-        momentum: dict[str, torch.Tensor],
-        *,
-        outer_step: int,
-        run_id: str,
-        ledger: dict[str, int],
-        digests: dict[str, str],
-    ) -> None:
+    def save(self, state: RoundState) -> None:
         """Write the whole state as one atomic file."""
-        tensors = {f"global/{k}": v for k, v in global_state.items()}
-        tensors.update({f"momentum/{k}": v for k, v in momentum.items()})
+        tensors = {f"global/{k}": v for k, v in state.global_state.items()}
+        tensors.update({f"momentum/{k}": v for k, v in state.optimizer.momentum_buffers.items()})
         meta = {
             "format": _FORMAT,
-            "outer_step": outer_step,
-            "run_id": run_id,
-            "ledger": json.dumps(dict(sorted(ledger.items()))),
-            "digests": json.dumps(dict(sorted(digests.items()))),
+            "outer_step": state.outer_step,
+            "run_id": state.run_id,
+            "ledger": json.dumps(dict(sorted(state.ledger.items()))),
+            "digests": json.dumps(dict(sorted(state.digests.items()))),
+            "instances": json.dumps(dict(sorted(state.instances.items()))),
+            "finals": json.dumps(dict(sorted(state.finals.items()))),
             "updated_at": datetime.now(timezone.utc).isoformat(),
         }
         atomic_write_bytes(T.state_to_bytes(tensors, metadata=meta), self.path)
@@ -136,3 +187,8 @@ class OuterStateStore:
         if not landed or record["outer_step"] > outer_step:
             return None
         return record["report"]
+
+
+def _json_map(text: str, kind: Callable[[Any], Any]) -> dict[str, Any]:
+    """A JSON object of the header, its keys as strings and its values as ``kind``."""
+    return {str(k): kind(v) for k, v in json.loads(text).items()}

@@ -9,7 +9,9 @@ sees G contributions per round instead of K, so a round costs G + 1 Hub commits 
 or one repository), and every node still weighs the same in the outer step.
 
 Configure the leader as ``role: master`` of its group's exchange with ``relay_to`` naming the
-top-level exchange; members are ordinary workers of the group's exchange.
+top-level exchange; members are ordinary workers of the group's exchange. The top-level master
+lists the leaders' node ids in ``distributed.relay_leaders``: a contribution weighing more than
+one node is refused from anyone else.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from typing import Any
 
 import torch
 
+from speedtronic.diloco.outer_state import RoundState
+from speedtronic.diloco.reconcile import META
 from speedtronic.diloco.retry import TransportError
 from speedtronic.diloco.transport import GlobalMetadata
 
@@ -45,7 +49,7 @@ class Upstream:
         say: Callable[[str, str], None],
         stop: threading.Event,
     ):
-        self.hub = transport
+        self.store = transport
         self.node_id = node_id
         self.settings = settings
         self._record = record
@@ -56,13 +60,13 @@ class Upstream:
         self.last_round: int | None = None  # the last round this group contributed to
 
     def _fetch_newer(self, than: int, run_id: str) -> tuple[GlobalMetadata, dict] | None:
-        metadata = self.hub.global_metadata()
+        metadata = self.store.global_metadata()
         if metadata is None:
             return None
         newer = metadata.outer_step > than or (run_id and metadata.run_id != run_id)
         if not newer:
             return None
-        return self.hub.fetch_global(metadata, max_bytes=self.max_bytes)
+        return self.store.fetch_global(metadata, max_bytes=self.max_bytes)
 
     def _wait(self, than: int, run_id: str, what: str) -> tuple[GlobalMetadata, dict]:
         """Poll the top level until a global newer than ``than`` (or of another run) is out."""
@@ -79,28 +83,49 @@ class Upstream:
 
     def current(self) -> tuple[GlobalMetadata, dict[str, torch.Tensor]]:
         """The top-level global (waits for the top-level master's first publish)."""
-        self.hub.claim_owner(self.node_id, self._record(state="training", relay=True))
+        self.store.claim_owner(self.node_id, self._record(state="training", relay=True))
         return self._wait(-1, "", "the first top-level global")
+
+    def agree(self, store: Any, held: RoundState, max_bytes: int) -> RoundState:
+        """The leader's reconcile: the group starts from the top-level global (its outer step
+        and run id are the group's), published to the group's exchange ``store`` unless the
+        members have it already. Returns the state the group's master holds from now on."""
+        self.max_bytes = max_bytes
+        meta, weights = self.current()
+        state = held.copy()
+        state.adopt(weights, meta.outer_step)
+        state.run_id = meta.run_id
+        remote = store.global_metadata()
+        if remote is None or (remote.outer_step, remote.run_id) != (meta.outer_step, meta.run_id):
+            store.publish_global(
+                state.global_state,
+                outer_step=state.outer_step,
+                ledger=state.ledger,
+                metadata_extra={**META, "relay": "true"},
+                run_id=state.run_id,
+            )
+        return state
 
     def forward(
         self,
         mean: Mapping[str, torch.Tensor],
         *,
-        round_index: int,
+        round: int,
         weight: int,
         run_id: str,
         final: bool,
     ) -> tuple[GlobalMetadata, dict[str, torch.Tensor]]:
-        """Upload the group's ``mean`` as its contribution to ``round_index`` (weighing
-        ``weight`` nodes), then return the first top-level global after it."""
-        status = {"state": "done", "final_round": round_index} if final else {"state": "training"}
+        """Upload the group's ``mean`` as its contribution to ``round`` (weighing ``weight``
+        nodes: the top master honours it from the ids in its ``distributed.relay_leaders``),
+        then return the first top-level global after it."""
+        status = {"state": "done", "final_round": round} if final else {"state": "training"}
         started = time.perf_counter()
-        self.hub.upload_delta(
+        self.store.upload_delta(
             mean,
             node_id=self.node_id,
-            round_index=round_index,
-            local_step=round_index,
-            base_outer_step=round_index,
+            round_index=round,
+            local_step=round,
+            base_outer_step=round,
             dtype=self.settings.delta_dtype,
             metadata={
                 "weight": str(int(weight)),
@@ -110,19 +135,19 @@ class Upstream:
             },
             owner=self._record(relay=True, **status),
         )
-        self.last_round = round_index
+        self.last_round = round
         self._say(
             "info",
-            f"relay: round {round_index} of {weight} nodes sent up in "
+            f"relay: round {round} of {weight} nodes sent up in "
             f"{time.perf_counter() - started:.2f} s",
         )
-        return self._wait(round_index, run_id, f"top-level global {round_index + 1}")
+        return self._wait(round, run_id, f"top-level global {round + 1}")
 
     def finish(self) -> None:
         """The group's run is over: say so at the top level, so its master stops waiting for
         this group (the group may have ended after a round that was not marked final)."""
         final = -1 if self.last_round is None else self.last_round
-        self.hub.claim_owner(
+        self.store.claim_owner(
             self.node_id, self._record(relay=True, state="done", final_round=final)
         )
         self._say("info", f"relay: group done after round {final}; told the top level")

@@ -4,19 +4,26 @@ A node announces itself with its status record (``nodes/<id>/owner.json``: insta
 ``state`` training | done | aggregator, ``final_round`` when done). The roster keeps one
 :class:`NodeView` per node, rebuilt from the repository after a restart, and answers three
 questions for :class:`~speedtronic.diloco.master.RoundMaster`: which nodes the open round
-waits for (joined, not finished, not silent for ``drop_after`` round lengths), whether a node
-finished its run (done, and its last contribution is in the ledger), and whether the run is
-over. A record is read again only when the repository listing shows a new version of it, so
-a poll costs one listing however many nodes there are.
+waits for (joined, not finished, not a pure aggregator, not silent for ``drop_after`` round
+lengths), whether a node finished its run, and whether the run is over. A record is read again
+only when the repository listing shows a new version of it, so a poll costs one listing
+however many nodes there are.
+
+A status record is a claim, never proof: anyone who can write to the exchange can write one.
+A node finished its run only by what the master aggregated (:meth:`Roster.finished`): its
+record says ``done`` *and* the master's last aggregated contribution of that node came from
+the record's instance and was flagged final, or the record's ``final_round`` is a round the
+ledger holds (a node whose last delta was all zeros sends only the record).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
+from speedtronic.diloco.outer_state import RoundState
 from speedtronic.diloco.transport import RepoScan
 
 __all__ = ["NodeView", "Roster"]
@@ -100,29 +107,38 @@ class Roster:
             view.last_heard += seconds
 
     @staticmethod
-    def finished(view: NodeView, ledger: Mapping[str, int]) -> bool:
-        """Done with its run and its last contribution aggregated (or a pure aggregator)."""
-        if view.state == "aggregator":
-            return True
-        if view.state != "done":
+    def finished(view: NodeView, state: RoundState) -> bool:
+        """Done with its run by what the master aggregated (see the module docstring): the
+        record says ``done``, the node's last aggregated contribution came from the record's
+        instance, and it was flagged final or the ledger holds the record's ``final_round``."""
+        node = view.node_id
+        if view.state != "done" or not view.instance:
             return False
-        final = view.final_round if view.final_round is not None else -1
-        return ledger.get(view.node_id, -1) >= final
+        if state.instances.get(node) != view.instance:
+            return False  # nothing aggregated from the instance that claims to be done
+        if node in state.finals:
+            return True
+        final = view.final_round
+        return final is not None and final >= 0 and state.ledger.get(node, -1) >= final
 
-    def finished_count(self, ledger: Mapping[str, int]) -> int:
+    def finished_count(self, state: RoundState) -> int:
         """How many nodes finished their run."""
-        return sum(self.finished(view, ledger) for view in self.nodes.values())
+        return sum(self.finished(view, state) for view in self.nodes.values())
 
-    def waiting(self, ledger: Mapping[str, int]) -> set[str]:
-        """Nodes neither finished nor dropped (no clock: what a closing round still expects)."""
-        return {n for n, v in self.nodes.items() if not self.finished(v, ledger) and not v.dropped}
+    def _expected(self, view: NodeView, state: RoundState) -> bool:
+        """Neither finished nor a pure aggregator (which never contributes)."""
+        return view.state != "aggregator" and not self.finished(view, state)
 
-    def active(self, now: float, limit: float, ledger: Mapping[str, int]) -> set[str]:
+    def waiting(self, state: RoundState) -> set[str]:
+        """Nodes expected and not dropped (no clock: what a closing round still expects)."""
+        return {n for n, v in self.nodes.items() if self._expected(v, state) and not v.dropped}
+
+    def active(self, now: float, limit: float, state: RoundState) -> set[str]:
         """Nodes the open round waits for; a node silent for more than ``limit`` seconds is
         dropped (logged and reported once) until it delivers again."""
         active = set()
         for view in self.nodes.values():
-            if self.finished(view, ledger):
+            if not self._expected(view, state):
                 continue
             silent = now - view.last_heard
             if silent > limit and not view.dropped:
@@ -136,7 +152,7 @@ class Roster:
                 active.add(view.node_id)
         return active
 
-    def run_over(self, active: set[str], ledger: Mapping[str, int]) -> bool:
+    def run_over(self, active: set[str], state: RoundState) -> bool:
         """No node left to wait for, and at least one finished its run (nodes that are only
         silent, e.g. all at once, keep the run open until one of them is done)."""
-        return self.saw_training and not active and self.finished_count(ledger) > 0
+        return self.saw_training and not active and self.finished_count(state) > 0

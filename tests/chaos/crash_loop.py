@@ -98,6 +98,7 @@ def _initial() -> dict[str, torch.Tensor]:
 
 def _master(root: Path) -> tuple[RoundMaster, DirectoryTransport]:
     transport = DirectoryTransport(f"file://{root / 'exchange'}", _retry())
+    transport.create_repo()  # as the coordinator does before the master's first read
     quiet = _Quiet()
     master = RoundMaster(
         transport,
@@ -126,7 +127,7 @@ def _contribute(transport: DirectoryTransport, master: RoundMaster) -> None:
         local_step=label + 1,
         base_outer_step=label,
         owner={"instance": f"{NODE}-1", "state": "training"},
-        metadata={"run_id": meta.run_id if meta else ""},
+        metadata={"run_id": meta.run_id if meta else "", "instance": f"{NODE}-1"},
     )
 
 
