@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import secrets
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -29,12 +30,14 @@ import torch
 
 from speedtronic.diloco import tensors as T
 from speedtronic.diloco.outer_state import RoundState
-from speedtronic.diloco.retry import ExchangeError
+from speedtronic.diloco.retry import ExchangeError, HubUnavailable
 from speedtronic.diloco.transport import GLOBAL_PROCESSED, GlobalMetadata, TransportError
 
 __all__ = ["META", "max_global_bytes", "reconcile"]
 
 META = {"algorithm": "dumb_diloco", "optimizer": "nesterov_sgd"}
+CORRUPT_READS = 3  # reads of an unchanged record before its weights count as unusable
+CORRUPT_WAIT = 0.2  # seconds before the second read (then twice that)
 
 
 def max_global_bytes(like: Mapping[str, torch.Tensor]) -> int:
@@ -121,17 +124,9 @@ def _fetch(
 ) -> tuple[GlobalMetadata, dict[str, torch.Tensor]] | None:
     """The published global, finite as the model's dtypes ``like``; None when it is unusable
     and the master may republish its own (``trusted``), else ``ExchangeError``."""
-    try:
-        remote, weights = store.fetch_global(remote, max_bytes=max_global_bytes(like))
-    except TransportError as exc:
-        if exc.kind != "permanent":
-            raise  # an outage: retried at the next poll, never a bootstrap over it
-        problem = str(exc)
-    else:
-        bad = T.first_non_finite(weights, like=like)
-        if bad is None:
-            return remote, weights
-        problem = f"{bad} is not finite as the model's {like[bad].dtype}"
+    problem = _unusable(store, remote, like)
+    if not isinstance(problem, str):
+        return problem
     where = f"{remote.model_file} (outer step {remote.outer_step}) of {store.repo_id!r}"
     if not trusted:
         raise ExchangeError(
@@ -139,9 +134,40 @@ def _fetch(
             "this master has no local outer state to publish over it; restore its "
             "distributed.state_dir, or delete global/ from the exchange to start a new run"
         )
-    log.error(f"the published global {where} is unusable ({problem}); publishing this "
-              "master's own global over it")  # fmt: skip
+    log.error(
+        f"the published global {where} is unusable ({problem}); publishing this master's "
+        "own global over it"
+    )
     return None
+
+
+def _unusable(
+    store: Any, remote: GlobalMetadata, like: Mapping[str, torch.Tensor]
+) -> tuple[GlobalMetadata, dict[str, torch.Tensor]] | str:
+    """The global and its record, or why it cannot be used. A read that fails while the
+    record stays the same is tried ``CORRUPT_READS`` times: a file read mid-write (or a
+    truncated reply) reads whole the next time, garbage never does. An outage (the record
+    cannot be read) raises ``TransportError``: retried at the next poll."""
+    for attempt in range(1, CORRUPT_READS + 1):
+        try:
+            fetched, weights = store.fetch_global(remote, max_bytes=max_global_bytes(like))
+        except TransportError as exc:
+            if exc.kind == "permanent":
+                return str(exc)
+            if isinstance(exc, HubUnavailable):
+                raise  # an outage, not the file: retried at the next poll
+            if attempt == CORRUPT_READS:
+                return f"{exc}, {CORRUPT_READS} reads of the same record"
+            time.sleep(CORRUPT_WAIT * attempt)
+            again = store.global_metadata()
+            if again is None or again.sha256 != remote.sha256:
+                raise  # the exchange changed meanwhile: agree again at the next poll
+            continue
+        bad = T.first_non_finite(weights, like=like)
+        if bad is None:
+            return fetched, weights
+        return f"{bad} is not finite as the model's {like[bad].dtype}"
+    raise AssertionError("unreachable")
 
 
 def _leftovers(store: Any) -> list[str]:
