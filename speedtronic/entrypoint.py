@@ -149,9 +149,8 @@ class _RunState:
         """Config loaded and model built; a worker also needs the first global state."""
         if not self.built or self.trainer is None:
             return False
-        coordinator = getattr(self.trainer, "coordinator", None)
-        is_ready = getattr(coordinator, "is_ready", None)
-        return bool(is_ready()) if callable(is_ready) else True
+        coordinator = self.trainer.coordinator
+        return coordinator is None or bool(coordinator.is_ready())
 
     def watching(self) -> bool:
         """Whether a stall counts: the loop runs and no graceful stop is in progress."""
@@ -369,8 +368,9 @@ def _identity(config: Any, trainer: Any) -> tuple[str, str]:
     distributed = config.distributed
     coordinator = trainer.coordinator
     role = distributed.role if distributed.enabled else "single"
-    node_id = getattr(coordinator, "node_id", None) or distributed.node_id or socket.gethostname()
-    return str(getattr(coordinator, "role", None) or role), str(node_id)
+    if coordinator is not None:
+        return str(coordinator.role or role), str(coordinator.node_id)
+    return role, str(distributed.node_id or socket.gethostname())
 
 
 def _build(config: Any, resume: bool) -> tuple[Any, Any]:

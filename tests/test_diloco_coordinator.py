@@ -222,7 +222,7 @@ def test_outage_at_startup_does_not_hold_training(tmp_path):
     class Down(DirectoryTransport):
         calls = 0
 
-        def _read(self, path):
+        def _read(self, path, max_bytes=None):
             Down.calls += 1
             raise ConnectionError("hub unreachable")
 

@@ -84,7 +84,7 @@ def master_for(node, value_of):
     """A send hook that publishes global ``label + 1`` = ``value_of(job)`` right away."""
 
     def publish(job):
-        offer(node, job.label + 1, value_of(job))
+        offer(node, job.round + 1, value_of(job))
 
     return publish
 
@@ -92,7 +92,7 @@ def master_for(node, value_of):
 def test_blocking_round_golden():
     node, rec, model = make_node()
     offer(node, 0, 10.0)
-    node._merge_waiting()
+    node.merge_waiting()
     assert node.installed == 0 and weights(model) == [10.0, 10.0]
     rec.on_send = master_for(node, lambda job: 10.0 - job.delta["weight"][0, 0].item())
     train(model, 1.0)
@@ -100,7 +100,7 @@ def test_blocking_round_golden():
     train(model, 2.0)
     node.after_optimizer_step()  # boundary: contribution, then wait for global 1
     job = rec.sent[0]
-    assert (job.label, job.base, job.step, job.final) == (0, 0, 2, False)
+    assert (job.round, job.base, job.step, job.final) == (0, 0, 2, False)
     assert job.delta["weight"].tolist() == [[-3.0, -3.0]]  # anchor 10 - weights 13
     # blocking: global 1 (= 13, one node, plain averaging) installed before training resumes
     assert node.installed == 1 and weights(model) == [13.0, 13.0]
@@ -110,19 +110,19 @@ def test_blocking_round_golden():
     node.after_optimizer_step()
     train(model, 1.0)
     node.after_optimizer_step()
-    assert [j.label for j in rec.sent] == [0, 1]
+    assert [j.round for j in rec.sent] == [0, 1]
     assert rec.sent[1].delta["weight"].tolist() == [[-2.0, -2.0]]
 
 
 def test_overlapped_merge_keeps_progress_since_upload_exactly_once():
     node, rec, model = make_node(sync="overlapped")
     offer(node, 0, 0.0)
-    node._merge_waiting()
+    node.merge_waiting()
     train(model, 1.0)
     node.after_optimizer_step()
     train(model, 1.0)
     node.after_optimizer_step()  # upload round 0 (delta -2), keep training
-    assert [j.label for j in rec.sent] == [0] and node.installed == 0
+    assert [j.round for j in rec.sent] == [0] and node.installed == 0
     train(model, 0.5)  # progress after the upload, before global 1 arrives
     offer(node, 1, 100.0)  # the master's global 1
     assert node.after_optimizer_step() is True  # merged at this step
@@ -130,7 +130,7 @@ def test_overlapped_merge_keeps_progress_since_upload_exactly_once():
     train(model, 0.25)
     node.after_optimizer_step()  # boundary of round 1
     job = rec.sent[1]
-    assert (job.label, job.base) == (1, 1)
+    assert (job.round, job.base) == (1, 1)
     # contribution to round 1 = everything since the round-0 upload, once: 0.5 + 0.25
     assert job.delta["weight"].tolist() == [[-0.75, -0.75]]
     total = sum(j.delta["weight"][0, 0].item() for j in rec.sent)
@@ -143,7 +143,7 @@ def test_a_node_on_a_copy_asks_for_the_weights_only_when_its_round_reads_them():
     stale copy, and the result equals the hooked node's golden above."""
     node, rec, copy = make_node(sync="overlapped", inner=3)
     offer(node, 0, 0.0)
-    node._merge_waiting()
+    node.merge_waiting()
     live = torch.zeros(1, 2)  # the sharded weights, which the copy lags between refreshes
 
     def step(amount, *, arrives=None):
@@ -173,25 +173,25 @@ def test_a_node_on_a_copy_asks_for_the_weights_only_when_its_round_reads_them():
 def test_overlapped_boundary_waits_for_the_previous_global_then_runs_ahead():
     node, rec, model = make_node(sync="overlapped", timeout=0.05)
     offer(node, 0, 0.0)
-    node._merge_waiting()
+    node.merge_waiting()
     for _ in range(4):  # two boundaries, no master answering
         train(model, 1.0)
         node.after_optimizer_step()
     # the second boundary waited (bounded) for global 1, then contributed to round 1 on base 0
-    assert [(j.label, j.base) for j in rec.sent] == [(0, 0), (1, 0)]
+    assert [(j.round, j.base) for j in rec.sent] == [(0, 0), (1, 0)]
     waits = [p for n, p in rec.events if n == "sync_wait"]
     assert waits and waits[0]["outer_step"] == 1 and waits[0]["timed_out"]
     offer(node, 1, 50.0)  # global 1 arrives late: labels keep increasing
     for _ in range(2):
         train(model, 1.0)
         node.after_optimizer_step()
-    assert node.installed == 1 and rec.sent[-1].label == 2
+    assert node.installed == 1 and rec.sent[-1].round == 2
 
 
 def test_a_newer_global_is_held_until_the_node_contributed():
     node, rec, model = make_node(timeout=0.05)
     offer(node, 3, 0.0)
-    node._merge_waiting()
+    node.merge_waiting()
     train(model, 1.0)
     offer(node, 4, 7.0)  # the master closed round 3 without us (timeout)
     assert node.after_optimizer_step() is False
@@ -199,20 +199,20 @@ def test_a_newer_global_is_held_until_the_node_contributed():
     train(model, 1.0)
     node.after_optimizer_step()
     job = rec.sent[0]
-    assert (job.label, job.base) == (3, 3)  # late: the master folds it in if within staleness
+    assert (job.round, job.base) == (3, 3)  # late: the master folds it in if within staleness
     assert job.delta["weight"].tolist() == [[-2.0, -2.0]]
     assert node.installed == 4 and weights(model) == [7.0, 7.0]
     train(model, 1.0)
     node.after_optimizer_step()
     train(model, 1.0)
     node.after_optimizer_step()
-    assert rec.sent[-1].label == 4
+    assert rec.sent[-1].round == 4
 
 
 def test_failed_upload_is_carried_into_the_next_contribution():
     node, rec, model = make_node(timeout=0.05)
     offer(node, 0, 0.0)
-    node._merge_waiting()
+    node.merge_waiting()
     rec.fail_next = 1
     for _ in range(2):
         train(model, 1.0)
@@ -223,13 +223,13 @@ def test_failed_upload_is_carried_into_the_next_contribution():
         train(model, 1.0)
         node.after_optimizer_step()
     job = rec.sent[0]  # the same round: a failed upload does not use up its label
-    assert job.label == 0 and job.delta["weight"].tolist() == [[-4.0, -4.0]]
+    assert job.round == 0 and job.delta["weight"].tolist() == [[-4.0, -4.0]]
 
 
 def test_zero_contribution_is_not_uploaded():
     node, rec, _model = make_node()
     offer(node, 0, 0.0)
-    node._merge_waiting()
+    node.merge_waiting()
     node.after_optimizer_step()
     node.after_optimizer_step()
     assert not rec.sent and "delta_upload_zero" in rec.names()
@@ -238,27 +238,27 @@ def test_zero_contribution_is_not_uploaded():
 def test_finish_uploads_the_final_contribution_and_installs_its_global():
     node, rec, model = make_node(inner=4)
     offer(node, 0, 0.0)
-    node._merge_waiting()
+    node.merge_waiting()
     rec.on_send = master_for(node, lambda job: 42.0)
     train(model, 1.0)
     node.after_optimizer_step()
     node.finish()
     job = rec.sent[-1]
-    assert job.final and job.label == 0 and job.delta["weight"].tolist() == [[-1.0, -1.0]]
+    assert job.final and job.round == 0 and job.delta["weight"].tolist() == [[-1.0, -1.0]]
     assert node.done and node.installed == 1 and weights(model) == [42.0, 42.0]
 
 
 def test_a_failed_final_upload_is_sent_again_not_lost():
     node, rec, model = make_node(inner=4)
     offer(node, 0, 0.0)
-    node._merge_waiting()
+    node.merge_waiting()
     rec.on_send = master_for(node, lambda job: 7.0)
     rec.fail_next = 2  # the first two attempts fail; the third arrives
     train(model, 1.0)
     node.after_optimizer_step()
     node.finish()
     [job] = rec.sent
-    assert job.final and job.label == 0 and job.delta["weight"].tolist() == [[-1.0, -1.0]]
+    assert job.final and job.round == 0 and job.delta["weight"].tolist() == [[-1.0, -1.0]]
     assert rec.names().count("delta_upload_failed") == 2
     assert node.done and node.carry is None and weights(model) == [7.0, 7.0]
 
@@ -266,7 +266,7 @@ def test_a_failed_final_upload_is_sent_again_not_lost():
 def test_a_final_upload_that_never_arrives_is_kept_and_reported():
     node, rec, model = make_node(inner=4)
     offer(node, 0, 0.0)
-    node._merge_waiting()
+    node.merge_waiting()
     rec.fail_next = 100
     train(model, 1.0)
     node.after_optimizer_step()
@@ -280,12 +280,12 @@ def test_a_final_upload_that_never_arrives_is_kept_and_reported():
 def test_finish_with_nothing_left_sends_only_the_done_status():
     node, rec, model = make_node(inner=1)
     offer(node, 0, 0.0)
-    node._merge_waiting()
+    node.merge_waiting()
     rec.on_send = master_for(node, lambda job: 5.0)
     train(model, 1.0)
     node.after_optimizer_step()  # boundary: round 0, global 1 installed
     node.finish()
-    assert rec.sent[-1].delta is None and rec.sent[-1].label == 0  # done after round 0
+    assert rec.sent[-1].delta is None and rec.sent[-1].round == 0  # done after round 0
     assert node.done
 
 
@@ -295,20 +295,20 @@ def test_state_round_trip_resends_the_upload_in_flight():
     gate = threading.Event()
     rec.on_send = lambda job: gate.wait(5)
     offer(node, 0, 0.0)
-    node._merge_waiting()
+    node.merge_waiting()
     for _ in range(2):
         train(model, 1.0)
         node.after_optimizer_step()
     state = node.state_dict()
-    assert state["pending"]["label"] == 0 and state["inner"] == 0
+    assert state["pending"]["round"] == 0 and state["inner"] == 0
     gate.set()
     node.stop()
     fresh, _rec2, _model2 = make_node(sync="overlapped")
     pending = fresh.load_state_dict(state)
-    assert pending is not None and pending.label == 0
+    assert pending is not None and pending.round == 0
     assert pending.delta["weight"].tolist() == [[-2.0, -2.0]]
     # the upload had not arrived: its label is not used up until it is sent again
-    assert (fresh.installed, fresh.last_label, fresh.step) == (0, -1, 2)
+    assert (fresh.installed, fresh.last_round, fresh.step) == (0, -1, 2)
 
 
 def test_reset_inner_optimizer_only_when_asked():
@@ -319,7 +319,7 @@ def test_reset_inner_optimizer_only_when_asked():
         opt.step()
         node.optimizer = opt
         offer(node, 0, 1.0)
-        node._merge_waiting()
+        node.merge_waiting()
         assert (len(opt.state) == 0) is expect_empty
 
 
@@ -333,7 +333,7 @@ def test_merge_handles_tied_weights():
 
     model = Tied()
     node, _rec, _ = make_node(sync="overlapped", model=model)
-    node.installed, node.last_label = 0, 0
+    node.installed, node.last_round = 0, 0
     with torch.no_grad():
         model.a.weight.fill_(1.0)
     node.anchor = {k: torch.zeros(2, 2) for k in ("a.weight", "b.weight")}
@@ -350,13 +350,13 @@ def test_hook_counts_applied_optimizer_steps():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     node.attach(opt)
     offer(node, 0, 0.0)
-    node._merge_waiting()
+    node.merge_waiting()
     rec.on_send = master_for(node, lambda job: 0.0)
     for _ in range(3):
         model(torch.ones(1, 2)).sum().backward()
         opt.step()
         opt.zero_grad()
-    assert node.step == 3 and [j.label for j in rec.sent] == [0]
+    assert node.step == 3 and [j.round for j in rec.sent] == [0]
     node.detach()
     opt.step()
     assert node.step == 3
@@ -365,7 +365,7 @@ def test_hook_counts_applied_optimizer_steps():
 def test_a_new_run_is_installed_as_it_is_and_restarts_the_round_count():
     node, rec, model = make_node(timeout=5.0)
     node.inbox.offer(GlobalCandidate(15, {"weight": torch.full((1, 2), 9.0)}, run_id="old"))
-    node._merge_waiting()
+    node.merge_waiting()
     assert (node.installed, node.run_id) == (15, "old")
     # while the node waits for global 16 of the old run, a master starts a new run
     rec.on_send = lambda job: node.inbox.offer(
@@ -375,15 +375,15 @@ def test_a_new_run_is_installed_as_it_is_and_restarts_the_round_count():
     node.after_optimizer_step()
     train(model, 1.0)
     node.after_optimizer_step()
-    assert rec.sent[0].label == 15 and rec.sent[0].run_id == "old"
+    assert rec.sent[0].round == 15 and rec.sent[0].run_id == "old"
     waits = [p for n, p in rec.events if n == "sync_wait"]
     assert waits[-1]["seconds"] < 2.0  # no waiting for a round of the old run
-    assert (node.installed, node.run_id, node.last_label) == (0, "new", -1)
+    assert (node.installed, node.run_id, node.last_round) == (0, "new", -1)
     assert weights(model) == [1.0, 1.0]  # the new run's global exactly, no old progress
     rec.on_send = None
     train(model, 0.5)
     node.after_optimizer_step()
     train(model, 0.5)
     node.after_optimizer_step()
-    assert (rec.sent[-1].label, rec.sent[-1].run_id) == (0, "new")
+    assert (rec.sent[-1].round, rec.sent[-1].run_id) == (0, "new")
     assert rec.sent[-1].delta["weight"].tolist() == [[-1.0, -1.0]]

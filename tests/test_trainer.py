@@ -374,12 +374,27 @@ def test_request_stop_from_a_thread_saves_final_checkpoint(tmp_path):
 class FakeCoordinator:
     """Records the trainer's calls; counts steps through the optimizer hook it attaches."""
 
+    node_id = "fake"
+    role = "worker"
+    run_ended = None
+    last_heartbeat = 0.0
+    last_global_step = -1
+
     def __init__(self, trains=True):
         self.calls: list = []
         self.trains = trains
         self.steps = 0
 
-    def attach(self, optimizer):  # idempotent, like the DiLoCo coordinator's
+    def is_ready(self):
+        return True
+
+    def wants_weights(self):
+        return False
+
+    def round_step(self, *, weights_current):
+        return False
+
+    def attach(self, optimizer, *, hook=True):  # idempotent, like the DiLoCo coordinator's
         self.calls.append("attach")
         if getattr(self, "optimizer", None) is not optimizer:
             self.optimizer = optimizer
@@ -422,11 +437,12 @@ def test_coordinator_hooks_the_optimizer_and_finishes_only_at_the_run_target():
     )
     trainer.fit(1)  # below the run target: no end-of-run
     trainer.fit(2)
-    trainer.fit(2)  # no work left: start skipped, stop still called
+    trainer.fit(2)  # at the target: the coordinator still runs its end of run (issue 20:
+    # a master resumed at its last step serves the rounds still open)
     assert coordinator.calls == [
         "attach", ("start", 0), 1, "stop",
         "attach", ("start", 1), 2, "finish", "stop",
-        "stop",
+        "attach", ("start", 2), "finish", "stop",
     ]  # fmt: skip
 
 

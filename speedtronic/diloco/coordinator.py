@@ -42,7 +42,13 @@ from speedtronic.diloco.retry import (
     scrub,
 )
 
-__all__ = ["DumbDiLoCo", "DumbDiLoCoCoordinator", "build_transport", "resolve_node_id"]
+__all__ = [
+    "DumbDiLoCo",
+    "DumbDiLoCoCoordinator",
+    "RoundsStalledError",
+    "build_transport",
+    "resolve_node_id",
+]
 
 _LOG = logging.getLogger("speedtronic.diloco")
 
@@ -57,6 +63,11 @@ def _distributed_section(config: Any) -> Any:
     if isinstance(config, SpeedtronicConfig):
         return config.distributed
     return config
+
+
+class RoundsStalledError(RuntimeError):
+    """The master's rounds made no progress for longer than any round may take (exit 1: a
+    restart resumes them)."""
 
 
 class DumbDiLoCoCoordinator:
@@ -131,6 +142,10 @@ class DumbDiLoCoCoordinator:
             )
         self._prepared: Mapping[str, Any] | None = None
         self._refused = ""  # checksum of a published global this node refused
+        self._run_ended: str | None = None  # why this node has no run to take part in
+        self._master_hook: Any = None  # raises the master thread's fatal error on each step
+        self._global_at = time.monotonic()  # when the last global was handed to this process
+        self._longest_round = 0.0  # the longest time between two globals seen here
         self._started = False
         self._ready = False
         self._interrupted = threading.Event()
@@ -199,6 +214,21 @@ class DumbDiLoCoCoordinator:
         node = self.node.last_heartbeat if self.node is not None else 0.0
         return max(node, self._beat)
 
+    @property
+    def run_ended(self) -> str | None:
+        """Why this node has no run (left) to take part in, else None: it arrived after the
+        final global, or the master published the final global while this node still had
+        steps to train (it was dropped). The trainer stops with this reason (exit 0)."""
+        node = self.node
+        dropped = node is not None and node.final_seen and not node.finishing
+        if self._run_ended is None and dropped and self.master is None:
+            self._end_run(
+                f"the master published the final global of this run (outer step "
+                f"{node.installed}) while this node still had steps to train; they would "
+                "never be aggregated, so it stops here"
+            )
+        return self._run_ended
+
     def is_ready(self) -> bool:
         """Master: after startup. Worker: once a global is installed."""
         return self._ready
@@ -209,6 +239,17 @@ class DumbDiLoCoCoordinator:
         caller runs it with :meth:`round_step` (a sharded node, whose ``model`` is a copy)."""
         if self.node is not None:
             self.node.attach(optimizer) if hook else self.node.bind(optimizer)
+        if self.master is not None and hook:
+            if self._master_hook is not None:
+                self._master_hook.remove()
+            self._master_hook = optimizer.register_step_post_hook(
+                lambda *_: self._raise_master_fatal()
+            )
+
+    def _raise_master_fatal(self) -> None:
+        """The master thread met an error no retry fixes (it stopped): end the process."""
+        if self.master is not None and self.master.fatal is not None:
+            raise self.master.fatal
 
     def wants_weights(self) -> bool:
         """Whether the next :meth:`round_step` reads or writes ``model`` (see
@@ -218,6 +259,7 @@ class DumbDiLoCoCoordinator:
     def round_step(self, *, weights_current: bool) -> bool:
         """One applied inner step when not hooked on the optimizer; True when a global was
         merged into ``model``."""
+        self._raise_master_fatal()
         if self.node is None:
             return False
         return self.node.after_optimizer_step(weights_current=weights_current)
@@ -254,8 +296,8 @@ class DumbDiLoCoCoordinator:
             else:
                 self._first_global()
         if self.node is not None:
-            if self.node._may_merge():  # start the round from the current global
-                self.node._merge_waiting()
+            if self.node.may_merge():  # start the round from the current global
+                self.node.merge_waiting()
             self._ready = self._ready or self.node.installed >= 0
             if pending is not None:
                 self.node.uploads.submit(pending)
@@ -302,6 +344,8 @@ class DumbDiLoCoCoordinator:
                 self._say("warning", f"could not grant write access to {name}: {exc}")
         try:
             self.master.reconcile()
+        except ExchangeError:
+            raise  # an unusable exchange (e.g. a corrupt global and no local state): exit 2
         except Exception as exc:
             self._fatal_if_permanent(exc, "cannot use the exchange")
             self._say("warning", f"master could not reconcile with the repository yet: {exc}")
@@ -316,47 +360,128 @@ class DumbDiLoCoCoordinator:
             ) from None
 
     def _first_global(self) -> None:
-        """Worker: fetch the current global; wait for one (bounded) when there is none."""
+        """Worker: the global to start from, before the first step.
+
+        A global marked final ends a run. A node resumed into that run has nothing left to do
+        (:attr:`run_ended`, at once). Any other node never trains from it: it waits (at most
+        ``round_timeout``) for the first global of a new run, and when none comes, its run
+        has ended too. With no global at all, a fresh node waits as long for the master's
+        first one, then trains from its own weights; a resumed node goes on from its
+        checkpointed round.
+        """
+        assert self.node is not None
         try:
             candidate = self._fetch((-1, ""))
         except Exception as exc:
+            self._fatal_if_permanent(exc, "cannot read from the exchange")
             self._say("warning", f"initial global read failed; will retry: {exc}")
             candidate = None
-        if candidate is not None:
-            self.inbox.offer(candidate)
-            return
-        if self.node is not None and self.node.installed >= 0:
-            return  # resumed: continue from the checkpointed round
-        deadline = time.monotonic() + self.config.round_timeout
-        self._say("info", "waiting for the master's first global state")
-        while self.inbox.waiting_step() < 0 and not self._interrupted.is_set():
-            if time.monotonic() >= deadline:
-                self._say("warning", "no global state published yet; training from local weights")
+        timeout = self.config.round_timeout
+        if candidate is not None and candidate.final:
+            old = f"outer step {candidate.outer_step}, run {candidate.run_id or '?'}"
+            if self.node.run_id and candidate.run_id == self.node.run_id:
+                self._end_run(
+                    f"this node's run already ended: the exchange holds its final global "
+                    f"({old}); nothing left to contribute"
+                )
                 return
+            self._say(
+                "info",
+                f"the exchange holds the final global of a finished run ({old}); not training "
+                f"from it: waiting up to {timeout:.0f} s (distributed.round_timeout) for the "
+                "first global of a new run",
+            )
+            candidate, waited = self._wait_for_global((candidate.outer_step, candidate.run_id))
+            if candidate is None:
+                if not self._interrupted.is_set():
+                    self._end_run(
+                        f"the run on the exchange already ended (final global: {old}) and no "
+                        f"new run started within {waited:.1f} s of waiting; nothing to join"
+                    )
+                return
+        elif candidate is None:
+            if self.node.installed >= 0:
+                return  # resumed: continue from the checkpointed round
+            self._say(
+                "info",
+                f"waiting up to {timeout:.0f} s (distributed.round_timeout) for the master's "
+                "first global state",
+            )
+            candidate, waited = self._wait_for_global((-1, ""))
+            if candidate is None:
+                if not self._interrupted.is_set():
+                    self._say(
+                        "warning",
+                        f"no global state was published within {waited:.1f} s of waiting; "
+                        "training from local weights (the first global is merged when it "
+                        "arrives)",
+                    )
+                return
+        self.inbox.offer(candidate)
+
+    def _wait_for_global(self, seen: tuple[int, str]) -> tuple[GlobalCandidate | None, float]:
+        """Poll (at most ``round_timeout``, interruptible) for a published global other than
+        ``seen`` that is not final; returns it (None: none came) and the seconds waited."""
+        started = time.monotonic()
+        deadline = started + self.config.round_timeout
+        while not self._interrupted.is_set() and time.monotonic() < deadline:
             self._beat = time.monotonic()
+            time.sleep(min(self.config.poll_interval, 1.0, max(deadline - time.monotonic(), 0)))
             try:
-                candidate = self._fetch((-1, ""))
-            except Exception:
+                candidate = self._fetch(seen)
+            except Exception as exc:
+                self._fatal_if_permanent(exc, "cannot read from the exchange")
                 candidate = None
+            if candidate is not None and candidate.final:
+                seen, candidate = (candidate.outer_step, candidate.run_id), None
             if candidate is not None:
-                self.inbox.offer(candidate)
-                return
-            time.sleep(min(self.config.poll_interval, 1.0))
+                return candidate, time.monotonic() - started
+        return None, time.monotonic() - started
+
+    def _end_run(self, why: str) -> None:
+        """This node has no run to take part in: one line, and the trainer stops (exit 0)."""
+        self._run_ended = why
+        self._say("warning", why)
+        self._emit("diloco_run_ended", {"node_id": self.node_id, "reason": why})
 
     def finish(self) -> None:
         """The run reached its target: the node's last contribution and ``done`` status;
-        the master then serves rounds until every node is done and installs the final global."""
+        the master then serves rounds until every node is done or dropped and installs the
+        final global (a bounded wait, see :meth:`_serve_until_final`)."""
         if self.node is not None:
             self.node.finish()
             self._ready = self._ready or self.node.installed >= 0
         if self.master is not None:
-            while not self.master.finished.is_set() and not self._interrupted.is_set():
-                self._beat = time.monotonic()
-                self.master.finished.wait(0.5)
+            self._serve_until_final()
             if self.node is not None:
-                self.node._merge_waiting()
+                self.node.merge_waiting()
             elif self.master.finished.is_set():
                 self.model.load_state_dict(T.cpu_state_dict(self.master.global_state), strict=False)
+
+    def _serve_until_final(self) -> None:
+        """Wait while the master's rounds go on until it published the final global.
+
+        The wait is bounded by progress: when no new global came for ``(drop_after + 2)``
+        times the longer of ``round_timeout`` and the longest round seen, plus a minute (a
+        silent node is dropped after ``drop_after`` round lengths, so the master had every
+        chance to close), it is a :class:`RoundsStalledError`. A fatal error of the master's
+        thread is raised here too."""
+        cfg = self.config
+        started = time.monotonic()
+        while not self.master.finished.is_set() and not self._interrupted.is_set():
+            self._raise_master_fatal()
+            now = self._beat = time.monotonic()
+            bound = (cfg.drop_after + 2) * max(cfg.round_timeout, self._longest_round) + 60.0
+            if now - self._global_at > bound:
+                raise RoundsStalledError(
+                    f"the master waited {now - started:.0f} s for its final global and no round "
+                    f"closed in the last {now - self._global_at:.0f} s (bound {bound:.0f} s: "
+                    "distributed.drop_after + 2 rounds of distributed.round_timeout or the "
+                    "longest round, plus 60 s); its state is saved, a restart with --resume "
+                    "serves the open rounds again"
+                )
+            self.master.finished.wait(0.5)
+        self._raise_master_fatal()
 
     def stop(self) -> None:
         """Let an upload in flight finish (bounded), stop the threads."""
@@ -402,16 +527,16 @@ class DumbDiLoCoCoordinator:
         """Upload one contribution with our status record (one commit); returns bytes."""
         with contextlib.suppress(TransportError):  # the upload below reports an outage
             self._collides(self.hub.read_owner(self.node_id))
-        status = {"state": "done", "final_round": job.label} if job.final else {"state": "training"}
+        status = {"state": "done", "final_round": job.round} if job.final else {"state": "training"}
         if job.delta is None:  # nothing left to contribute: only the done status
-            record = self.claim.record(state="done", final_round=job.label)
+            record = self.claim.record(state="done", final_round=job.round)
             self.hub.claim_owner(self.node_id, record)
             nbytes = 0
         else:
             self.hub.upload_delta(
                 job.delta,
                 node_id=self.node_id,
-                round_index=job.label,
+                round_index=job.round,
                 local_step=job.step,
                 base_outer_step=job.base,
                 dtype=self.config.delta_dtype,
@@ -456,6 +581,9 @@ class DumbDiLoCoCoordinator:
         )
 
     def _offer(self, outer_step: int, state: dict[str, torch.Tensor]) -> None:
+        now = time.monotonic()
+        self._longest_round = max(self._longest_round, now - self._global_at)
+        self._global_at = now
         run_id = self.master.run_id if self.master is not None else ""
         self.inbox.offer(GlobalCandidate(outer_step, state, run_id=run_id))
 

@@ -24,10 +24,10 @@ Say = Callable[[str, str], None]
 
 @dataclasses.dataclass
 class Contribution:
-    """One upload: a node's pseudo-gradient for round ``label`` (``delta`` None: only the
+    """One upload: a node's pseudo-gradient for round ``round`` (``delta`` None: only the
     ``done`` status is written, because there was nothing left to contribute)."""
 
-    label: int
+    round: int
     base: int
     step: int
     delta: dict[str, torch.Tensor] | None
@@ -37,7 +37,7 @@ class Contribution:
     def to_dict(self) -> dict[str, Any]:
         """Checkpointable form (tensors and primitives only)."""
         return {
-            "label": self.label,
+            "round": self.round,
             "base": self.base,
             "step": self.step,
             "delta": None if self.delta is None else T.cpu_state_dict(self.delta),
@@ -50,7 +50,7 @@ class Contribution:
         """Rebuild a checkpointed contribution."""
         delta = data.get("delta")
         return cls(
-            int(data["label"]),
+            int(data["round"] if "round" in data else data["label"]),  # "label": before 2.2
             int(data["base"]),
             int(data["step"]),
             None if delta is None else T.cpu_state_dict(delta),

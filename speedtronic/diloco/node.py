@@ -8,7 +8,7 @@ installed global, or its own weights at its last upload). After every applied op
     every ``inner_steps`` steps (a boundary):
         overlapped: wait (<= round_timeout) for the global of the previous contribution
         contribution = carry + anchor - weights            (float32, the pseudo-gradient)
-        round label  = max(installed outer step, last uploaded label + 1)
+        round        = max(installed outer step, last uploaded round + 1)
         anchor := weights; upload (background thread when overlapped and async)
         blocking: wait (<= round_timeout) for the global that includes the contribution
     merge global G:  weights := G + (weights - anchor);  anchor := G
@@ -86,11 +86,12 @@ class DiLoCoNode:
         self.inner = 0  # steps since the last contribution
         self.installed = -1  # outer step of the installed global (-1: none yet)
         self.run_id = ""  # the run of the installed global
-        self.last_label = -1  # round label of the last upload that arrived (-1: none yet)
+        self.last_round = -1  # round of the last upload that arrived (-1: none yet)
         self.anchor = _float_state(model)
         self.carry: dict[str, torch.Tensor] | None = None
         self.done = False
         self.final_seen = False
+        self.finishing = False  # finish() runs: the final global is expected now
         self.fatal: Exception | None = None  # a permanent upload failure
         self.interrupted = threading.Event()
         self.last_heartbeat = time.monotonic()
@@ -126,7 +127,7 @@ class DiLoCoNode:
         boundary is due, or a waiting global may be merged. A node whose weights are a copy
         (sharded ranks) refreshes the copy only then."""
         due = self.inner + 1 >= self.settings.inner_steps
-        return due or (self._may_merge() and self.inbox.waiting_step() >= 0)
+        return due or (self.may_merge() and self.inbox.waiting_step() >= 0)
 
     def after_optimizer_step(self, *, weights_current: bool = True) -> bool:
         """One applied inner step; True when a global was merged into the weights.
@@ -138,8 +139,8 @@ class DiLoCoNode:
         self.inner += 1
         self.beat()
         self.inbox.poll_due()
-        may_merge = weights_current and self._may_merge()
-        merged = self._merge_waiting() if may_merge else False
+        may_merge = weights_current and self.may_merge()
+        merged = self.merge_waiting() if may_merge else False
         if self.inner >= self.settings.inner_steps:
             merged = self._boundary(final=False) or merged
         return merged
@@ -151,15 +152,15 @@ class DiLoCoNode:
                 f"distributed.repo_id: the exchange refused an upload: {self.fatal}"
             )
 
-    def _may_merge(self) -> bool:
+    def may_merge(self) -> bool:
         """A newer global is merged once the node contributed for its installed base."""
-        return self.installed < 0 or self.last_label >= self.installed
+        return self.installed < 0 or self.last_round >= self.installed
 
     def _boundary(self, *, final: bool) -> bool:
         """Take and upload this round's contribution; wait for its global when blocking."""
         merged = False
-        if self.settings.sync == "overlapped" and 0 <= self.installed <= self.last_label:
-            merged = self._await_global(self.last_label + 1, self.settings.round_timeout)
+        if self.settings.sync == "overlapped" and 0 <= self.installed <= self.last_round:
+            merged = self._await_global(self.last_round + 1, self.settings.round_timeout)
         self.uploads.drain()
         current = _float_state(self.model)
         delta = T.compute_pseudo_gradient(self.anchor, current)
@@ -174,18 +175,18 @@ class DiLoCoNode:
             if final:
                 self.uploads.submit(self._done_record())
             return merged
-        # a round label is used up only by an upload that arrived (see _upload): after a
-        # failure the carried progress goes out under the same label, so an outage never
+        # a round is used up only by an upload that arrived (see _upload): after a failure
+        # the carried progress goes out under the same round, so an outage never
         # pushes a node's rounds ahead of the master's
-        label = max(self.installed, self.last_label + 1)
-        job = Contribution(label, self.installed, self.step, delta, final, self.run_id)
+        round = max(self.installed, self.last_round + 1)
+        job = Contribution(round, self.installed, self.step, delta, final, self.run_id)
         self.uploads.submit(job)
         if self.settings.sync == "blocking" or final:
             uploaded = self.uploads.drain() and self.carry is None
             self._raise_fatal()
             if uploaded:
                 timeout = self.settings.round_timeout * (2 if final else 1)
-                merged = self._await_global(label + 1, timeout) or merged
+                merged = self._await_global(round + 1, timeout) or merged
         return merged
 
     def _upload(self, job: Contribution) -> None:
@@ -204,20 +205,20 @@ class DiLoCoNode:
                     )
             self._say(
                 "warning",
-                f"delta upload for round {job.label} failed; carried to the next one: {exc}",
+                f"delta upload for round {job.round} failed; carried to the next one: {exc}",
             )
             self._emit(
-                "delta_upload_failed", {"step": job.step, "round": job.label, "error": str(exc)}
+                "delta_upload_failed", {"step": job.step, "round": job.round, "error": str(exc)}
             )
             return
         with self._lock:
-            self.last_label = max(self.last_label, job.label)
+            self.last_round = max(self.last_round, job.round)
         if job.delta is not None:
             self._emit(
                 "delta_uploaded",
                 {
                     "step": job.step,
-                    "round": job.label,
+                    "round": job.round,
                     "base_outer_step": job.base,
                     "bytes": nbytes,
                     "seconds": time.perf_counter() - started,
@@ -226,7 +227,7 @@ class DiLoCoNode:
             )
 
     # -- globals ------------------------------------------------------------------------
-    def _merge_waiting(self) -> bool:
+    def merge_waiting(self) -> bool:
         candidate = self.inbox.take()
         if candidate is None:
             return False
@@ -236,8 +237,8 @@ class DiLoCoNode:
         self.merge(candidate)
         return True
 
-    def _await_global(self, target: int, timeout: float) -> bool:
-        """Wait (bounded, interruptible) until a global with outer step >= ``target`` is
+    def _await_global(self, round: int, timeout: float) -> bool:
+        """Wait (bounded, interruptible) until a global with outer step >= ``round`` is
         merged; newer globals met on the way are merged too. True when one was merged."""
         started = time.monotonic()
         deadline = started + timeout
@@ -245,28 +246,24 @@ class DiLoCoNode:
         merged = False
         run = self.run_id
         while True:
-            merged = self._merge_waiting() or merged
-            if self.installed >= target or self.last_label < 0 or self.run_id != run:
+            merged = self.merge_waiting() or merged
+            if self.installed >= round or self.last_round < 0 or self.run_id != run:
                 break  # arrived, or a new run started (its round count begins again)
             now = time.monotonic()
             if self.interrupted.is_set() or now >= deadline:
                 break
             self.beat()
             self.inbox.wait(min(0.5, deadline - now))
-        timed_out = self.installed < target
-        self._emit(
-            "sync_wait",
-            {
-                "outer_step": target,
-                "seconds": time.monotonic() - started,
-                "timed_out": timed_out,
-            },
-        )
-        if timed_out and not self.interrupted.is_set():
+        waited = time.monotonic() - started
+        timed_out = self.installed < round
+        self._emit("sync_wait", {"outer_step": round, "seconds": waited, "timed_out": timed_out})
+        # a new run (reported by merge) or a stop request ends the wait without a timeout
+        if timed_out and self.run_id == run and not self.interrupted.is_set():
             self._say(
                 "warning",
-                f"global {target} did not arrive within {timeout:.0f} s; training on "
-                "(it is merged when it arrives)",
+                f"global {round} did not arrive within {waited:.1f} s of waiting (bound "
+                f"{timeout:.0f} s from distributed.round_timeout); training on (it is merged "
+                "when it arrives)",
             )
         self.beat()
         return merged
@@ -297,7 +294,7 @@ class DiLoCoNode:
     def merge(self, candidate: GlobalCandidate) -> None:
         """``weights := G + (weights - anchor)``; ``anchor := G`` (training thread only).
 
-        A global of another run is installed as it is: progress, carry and round labels of
+        A global of another run is installed as it is: progress, carry and round numbers of
         the old run do not belong to the new one.
         """
         self._check_fits(candidate)
@@ -308,7 +305,7 @@ class DiLoCoNode:
                 f"{candidate.run_id or '?'}); restarting the round count from it",
             )
             with self._lock:
-                self.last_label, self.carry, self.inner = -1, None, 0
+                self.last_round, self.carry, self.inner = -1, None, 0
                 self.anchor = _float_state(self.model)  # progress since here is dropped
             self.installed = -1
         state = self.model.state_dict()
@@ -344,6 +341,7 @@ class DiLoCoNode:
         """The run reached its target: final contribution + ``done``; install its global."""
         if self.done:
             return
+        self.finishing = True
         if self.inner > 0 or self.carry is not None:
             self._boundary(final=True)
             # a failed final upload has no next round to be carried into: send it again
@@ -361,13 +359,13 @@ class DiLoCoNode:
             self.uploads.drain()
             self.uploads.submit(self._done_record())
             self.uploads.drain()
-            if self.last_label >= 0 and self.installed <= self.last_label:
-                self._await_global(self.last_label + 1, 2 * self.settings.round_timeout)
+            if self.last_round >= 0 and self.installed <= self.last_round:
+                self._await_global(self.last_round + 1, 2 * self.settings.round_timeout)
         self.done = True
 
     def _done_record(self) -> Contribution:
         """Nothing left to contribute: only the ``done`` status (after the last round)."""
-        return Contribution(self.last_label, self.installed, self.step, None, True, self.run_id)
+        return Contribution(self.last_round, self.installed, self.step, None, True, self.run_id)
 
     def stop(self) -> bool:
         """Let an upload in flight finish (bounded); True when nothing is left pending."""
@@ -384,7 +382,7 @@ class DiLoCoNode:
                 "inner": self.inner,
                 "installed": self.installed,
                 "run_id": self.run_id,
-                "last_label": self.last_label,
+                "last_round": self.last_round,
                 "anchor": T.cpu_state_dict(self.anchor),
                 "carry": None if self.carry is None else T.cpu_state_dict(self.carry),
                 "pending": None if pending is None else pending.to_dict(),
@@ -402,7 +400,7 @@ class DiLoCoNode:
             self.inner = int(state["inner"])
             self.installed = int(state["installed"])
             self.run_id = str(state.get("run_id", ""))
-            self.last_label = int(state["last_label"])
+            self.last_round = int(state.get("last_round", state.get("last_label", -1)))
             self.anchor = T.cpu_state_dict(state["anchor"])
             carry = state.get("carry")
             self.carry = None if carry is None else T.cpu_state_dict(carry)

@@ -7,15 +7,18 @@ distributed coordinator (DumbDiLoCo) implements; ``NonFiniteLossError`` and
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
     "MAX_CONSECUTIVE_SKIPS",
     "GradientOverflowError",
     "NonFiniteLossError",
+    "StartStopCoordinator",
     "SyncCoordinator",
     "TrainResult",
+    "as_sync_coordinator",
 ]
 
 MAX_CONSECUTIVE_SKIPS = 20
@@ -37,19 +40,44 @@ class GradientOverflowError(RuntimeError):
     """Too many consecutive updates were skipped (gradient overflow or non-finite loss)."""
 
 
+@runtime_checkable
 class SyncCoordinator(Protocol):
-    """What the trainer calls on a distributed coordinator (DumbDiLoCo implements it).
+    """Everything the trainer, ``train/sync.py`` and the entrypoint use of a distributed
+    coordinator (DumbDiLoCo implements it).
 
-    At the start of ``fit`` the trainer calls ``attach(optimizer)`` (the coordinator hooks its
-    per-step work on ``optimizer.step``) and ``start(step)``; when the run reached its target,
-    ``finish()``; always ``stop()`` at the end. ``interrupt()`` is called by ``request_stop``.
-    ``load_state_dict(state)`` (a checkpoint part) may come before ``start``: the coordinator
-    applies the state when it starts. Optional: ``trains`` (False: no local steps, e.g. a pure
-    aggregator), ``last_heartbeat`` (liveness while the coordinator waits). A coordinator
-    without ``attach`` gets ``start()`` and ``stop()`` only.
+    Life cycle: at the start of every ``fit`` the trainer calls ``attach(optimizer)`` (the
+    coordinator hooks its per-step round on ``optimizer.step``; ``hook=False`` when the model
+    it sees is a copy and the trainer calls ``round_step`` itself) and ``start(step)``; when
+    the run reached its target, ``finish()``; always ``stop()`` at the end. ``interrupt()`` is
+    called by ``request_stop`` (also from signal handlers). ``load_state_dict(state)`` (a
+    checkpoint part) may come before ``start``: the coordinator applies it when it starts.
+
+    Read by the trainer: ``trains`` (False: no local steps, a pure aggregator),
+    ``run_ended`` (set when the exchange's run ended without this node: the trainer stops with
+    it as the reason), ``last_heartbeat`` (``time.monotonic()`` of the last sign of life, also
+    while waiting for a round), ``last_global_step`` (the installed global's outer step; -1:
+    none), ``wants_weights()`` (the next ``round_step`` reads or writes the weights). Read by
+    the entrypoint: ``node_id``, ``role`` (metric labels) and ``is_ready()`` (``/readyz``).
     """
 
-    def attach(self, optimizer: Any) -> None: ...
+    node_id: str
+    role: str
+    trains: bool
+    run_ended: str | None
+
+    @property
+    def last_heartbeat(self) -> float: ...
+
+    @property
+    def last_global_step(self) -> int: ...
+
+    def is_ready(self) -> bool: ...
+
+    def attach(self, optimizer: Any, *, hook: bool = True) -> None: ...
+
+    def wants_weights(self) -> bool: ...
+
+    def round_step(self, *, weights_current: bool) -> bool: ...
 
     def start(self, step: int | None = None) -> None: ...
 
@@ -62,6 +90,73 @@ class SyncCoordinator(Protocol):
     def state_dict(self) -> dict[str, Any] | None: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class StartStopCoordinator:
+    """A 2.0.0-style coordinator (``start()``, ``stop()``, ``state_dict()``,
+    ``load_state_dict(state)``) seen through :class:`SyncCoordinator`: it is started and
+    stopped, its state is checkpointed, and nothing else is asked of it."""
+
+    trains = True
+    run_ended: str | None = None
+    last_global_step = -1
+
+    def __init__(self, wrapped: Any) -> None:
+        self.wrapped = wrapped
+        self.node_id = str(getattr(wrapped, "node_id", "") or "")
+        self.role = str(getattr(wrapped, "role", "") or "")
+        self._beat = time.monotonic()
+
+    @property
+    def last_heartbeat(self) -> float:
+        """When it was started (it has no rounds to wait for)."""
+        return self._beat
+
+    def is_ready(self) -> bool:
+        """Always ready."""
+        return True
+
+    def attach(self, optimizer: Any, *, hook: bool = True) -> None:
+        """Nothing is hooked on the optimizer."""
+
+    def wants_weights(self) -> bool:
+        """Never: there is no round."""
+        return False
+
+    def round_step(self, *, weights_current: bool) -> bool:
+        """No round: nothing is merged."""
+        return False
+
+    def start(self, step: int | None = None) -> None:
+        """``start()`` of the wrapped coordinator."""
+        self._beat = time.monotonic()
+        self.wrapped.start()
+
+    def finish(self) -> None:
+        """No end of run."""
+
+    def stop(self) -> None:
+        """``stop()`` of the wrapped coordinator."""
+        self.wrapped.stop()
+
+    def interrupt(self) -> None:
+        """Nothing waits."""
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """The wrapped coordinator's state."""
+        return self.wrapped.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Hand the checkpointed state back to the wrapped coordinator."""
+        self.wrapped.load_state_dict(state)
+
+
+def as_sync_coordinator(coordinator: Any) -> SyncCoordinator | None:
+    """``coordinator`` itself when it implements :class:`SyncCoordinator`; a 2.0.0-style one
+    (start/stop/state only) wrapped in :class:`StartStopCoordinator`; None stays None."""
+    if coordinator is None or isinstance(coordinator, SyncCoordinator):
+        return coordinator
+    return StartStopCoordinator(coordinator)
 
 
 @dataclass

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from speedtronic.train.result import SyncCoordinator
+
 __all__ = ["NodeSyncMixin"]
 
 
@@ -19,13 +21,14 @@ class NodeSyncMixin:
     model: Any
     optimizer: Any
     config: Any
-    coordinator: Any
+    coordinator: SyncCoordinator | None
     parallel: Any
     step: int
     _stop_reason: str | None
     _stop_request: str | None
     _global_seen: Any
     _coordinator_started: bool
+    request_stop: Any
 
     def _agree(self, update: Any) -> None:
         """Make ``update`` the node's (mean loss, summed samples and tokens; one ``all_reduce``
@@ -38,7 +41,7 @@ class NodeSyncMixin:
         mirrored = self.parallel.mirrored
         running = self.coordinator is not None and self._coordinator_started
         wants = mirrored and running and not update.skipped and self.coordinator.wants_weights()
-        seen = getattr(self.coordinator, "last_global_step", None)
+        seen = self.coordinator.last_global_step if self.coordinator is not None else None
         agreed = self.parallel.agree(
             update.loss,
             update.samples,
@@ -67,23 +70,24 @@ class NodeSyncMixin:
         """Hook the coordinator on the optimizer (``attach``) and start it at this step."""
         if self.coordinator is None or self._coordinator_started:
             return
-        attach = getattr(self.coordinator, "attach", None)
-        if callable(attach):
-            if self.parallel.mirrored:  # the round runs in _agree, on rank 0's full copy
-                attach(self.optimizer, hook=False)
-            else:
-                attach(self.optimizer)
-            self.coordinator.start(self.step)
-        else:  # a coordinator without a step hook: start/stop only
-            self.coordinator.start()
+        # FSDP: the round runs in _agree, on rank 0's full copy (no hook on the optimizer)
+        self.coordinator.attach(self.optimizer, hook=not self.parallel.mirrored)
+        self.coordinator.start(self.step)
         self._coordinator_started = True
+
+    def _stop_if_run_ended(self) -> None:
+        """The exchange's run ended without this node (it arrived after the final global, or
+        was dropped): stop with the coordinator's reason, like a stop request."""
+        if self.coordinator is None or not self._coordinator_started:
+            return
+        if self.coordinator.run_ended and self._stop_request is None:
+            self.request_stop(self.coordinator.run_ended)
 
     def _finish_coordinator(self) -> None:
         """The target was reached: let the coordinator run its end of run (DiLoCo: the last
         contribution, then the global that includes it is installed)."""
-        finish = getattr(self.coordinator, "finish", None)
-        if callable(finish):
-            finish()
+        if self.coordinator is not None:
+            self.coordinator.finish()
 
     def _stop_coordinator(self) -> None:
         if self.coordinator is not None:

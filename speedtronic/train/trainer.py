@@ -54,6 +54,7 @@ from speedtronic.train.result import (
     NonFiniteLossError,
     SyncCoordinator,
     TrainResult,
+    as_sync_coordinator,
 )
 from speedtronic.train.state import DataPosition, TrainerStateMixin
 from speedtronic.train.sync import NodeSyncMixin
@@ -132,7 +133,7 @@ class Trainer(NodeSyncMixin, TrainerStateMixin):
         self.scheduler = scheduler
         self.logger = logger if logger is not None else MetricLogger()
         self.checkpoint_manager = checkpoint_manager
-        self.coordinator = coordinator
+        self.coordinator = as_sync_coordinator(coordinator)
         self.precision = precision or resolve_precision(self.config.precision, self.device)
         self.scaler = make_grad_scaler(self.precision)
         self.max_steps = int(max_steps if max_steps is not None else self.config.run.max_steps)
@@ -179,17 +180,16 @@ class Trainer(NodeSyncMixin, TrainerStateMixin):
             self._stop_request = str(reason)
         if self._stop_reason is None and self.parallel.stops_locally:
             self._stop_reason = str(reason)
-        interrupt = getattr(self.coordinator, "interrupt", None)
-        if callable(interrupt):
-            interrupt()  # a coordinator waiting for a global stops waiting
+        if self.coordinator is not None:
+            self.coordinator.interrupt()  # a coordinator waiting for a global stops waiting
 
     @property
     def last_heartbeat(self) -> float:
         """``time.monotonic()`` of the last sign of life: an applied update, or a coordinator
         that is waiting for its round (liveness probes read this)."""
-        beat = getattr(self.coordinator, "last_heartbeat", None)
-        own = self._heartbeat
-        return max(own, beat) if isinstance(beat, (int, float)) else own
+        if self.coordinator is None:
+            return self._heartbeat
+        return max(self._heartbeat, self.coordinator.last_heartbeat)
 
     @last_heartbeat.setter
     def last_heartbeat(self, value: float) -> None:
@@ -237,13 +237,14 @@ class Trainer(NodeSyncMixin, TrainerStateMixin):
         metrics: list[dict[str, Any]] = []
         final_loss: float | None = None
         self.last_heartbeat = time.monotonic()
-        trains = getattr(self.coordinator, "trains", True)
+        trains = self.coordinator is None or self.coordinator.trains
         if not trains:  # a pure DiLoCo aggregator: no local steps, only its rounds
             target = self.step
         try:
-            if self.step < target or not trains:
-                self.parallel.refresh_mirror(self.model)  # FSDP + DiLoCo: what the round sees
-                self._start_coordinator()
+            # also at (or past) the target: a resumed master serves the rounds still open
+            self.parallel.refresh_mirror(self.model)  # FSDP + DiLoCo: what the round sees
+            self._start_coordinator()
+            self._stop_if_run_ended()
             self.parallel.broadcast_model(self.model)  # every rank starts from rank 0's weights
             self._emit_train_start(target)
             self._maybe_evaluate(target)
@@ -255,6 +256,7 @@ class Trainer(NodeSyncMixin, TrainerStateMixin):
                     self._note_skipped(update)
                     continue
                 self._after_step(update)
+                self._stop_if_run_ended()
                 metric, last_tick = self._step_metric(update, start, started, last_tick)
                 self.logger.emit("train_step", metric)
                 metrics.append(metric)

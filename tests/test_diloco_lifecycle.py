@@ -1,0 +1,175 @@
+"""The edges of a DiLoCo run's life, reproduced with real ``python -m speedtronic train``
+processes on a ``file://`` exchange (issue 20):
+
+- a master restarted at or past its last step keeps serving rounds, then publishes the final
+  global;
+- a new run over an exchange that holds a finished run: no node trains from the old weights,
+  every round of the new run holds every node;
+- a node that arrives after the final global says so in one line and exits 0;
+- the same node id on two hosts: the later node exits 2, the earlier one's rounds count.
+
+Each process is tiny (a 2-layer model on the synthetic Markov chain); every wait has a deadline
+well inside the test's own timeout and prints the processes' output when it gives up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from process_support import reap, wait_for
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+_RUNNING: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _reap_processes():
+    """Never leave a training process behind, even when a test fails."""
+    yield
+    reap(_RUNNING)
+
+
+def _env(extra: dict | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPEEDTRONIC_", "HF_"))}
+    env.update({"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    env.update(extra or {})
+    return env
+
+
+def _sets(steps: int, inner: int = 5) -> list[str]:
+    return [
+        f"run.max_steps={steps}",
+        "run.device=cpu",
+        "eval.every_steps=0",
+        f"distributed.inner_steps={inner}",
+        "distributed.poll_interval=0.1",
+        "distributed.retry_initial=0.05",
+        "distributed.retry_max=0.2",
+        "distributed.request_timeout=5",
+        "checkpoint.every_steps=5",
+        "logging.every_steps=5",
+    ]
+
+
+class Proc:
+    """One ``speedtronic train`` process, its output directory and its event log."""
+
+    def __init__(self, tmp: Path, name: str, role: str, sets: list[str], env: dict | None = None):
+        self.tmp, self.name, self.role, self.sets = tmp, name, role, sets
+        self.env = env or _env()
+        self.dir = tmp / name
+        self.jsonl = self.dir / "events.jsonl"
+        self.out = tmp / f"{name}.out"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, resume: bool = False, node_id: str | None = None) -> Proc:
+        args = [sys.executable, "-m", "speedtronic", "train"]
+        args += ["--config", str(ROOT / "configs/diloco.yaml"), "--output-dir", str(self.dir)]
+        sets = [
+            *self.sets,
+            f"distributed.role={self.role}",
+            f"distributed.node_id={node_id or self.name}",
+            f"distributed.repo_id=file://{self.tmp / 'exchange'}",
+            f"logging.json_file={self.jsonl}",
+        ]
+        for item in sets:
+            args += ["--set", item]
+        if resume:
+            args.append("--resume")
+        with open(self.out, "ab") as out:
+            self.proc = subprocess.Popen(
+                args, cwd=self.tmp, env=self.env, stdout=out, stderr=subprocess.STDOUT
+            )
+        _RUNNING.append(self.proc)
+        return self
+
+    def events(self, name: str) -> list[dict]:
+        rows = []
+        if self.jsonl.exists():
+            for line in self.jsonl.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a SIGKILL may cut the last line
+                if row.get("event") == name:
+                    rows.append(row)
+        return rows
+
+    def wait(self, timeout: float, *others: Proc) -> int:
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"{self.name} did not finish:\n{_tails(self, *others)}") from None
+
+    def tail(self) -> str:
+        return self.out.read_text()[-4000:] if self.out.exists() else ""
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(60)
+
+
+def _tails(*procs: Proc) -> str:
+    return "\n".join(f"--- {p.name} ---\n{p.tail()}" for p in procs)
+
+
+def _wait(predicate, timeout: float, what: str, *procs: Proc) -> None:
+    try:
+        wait_for(predicate, timeout, what, interval=0.05)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{_tails(*procs)}") from None
+
+
+def _step_count(tmp: Path) -> dict:
+    return json.loads((tmp / "exchange/global/step_count.json").read_text())
+
+
+def _ledger(tmp: Path) -> dict:
+    return json.loads((tmp / "exchange/global/processed.json").read_text())["nodes"]
+
+
+def _included(master: Proc) -> list[tuple[str, int]]:
+    out = []
+    for row in master.events("outer_step"):
+        for item in row["included"]:
+            node, label = item.split("/")
+            out.append((node, int(label)))
+    return out
+
+
+def _uploaded(node: Proc, name: str | None = None) -> set[tuple[str, int]]:
+    return {(name or node.name, row["round"]) for row in node.events("delta_uploaded")}
+
+
+def test_a_master_restarted_after_its_last_step_serves_the_remaining_rounds(tmp_path):
+    """Killed while it waits for a slower worker, the master resumes at its last step: it
+    serves every remaining round of the worker, then publishes the final global."""
+    master = Proc(tmp_path, "m", "master", [*_sets(10), "distributed.min_nodes=2"])
+    slow = ["data.micro_batch_size=2", "data.target_batch_size=48"]  # 24 micro-batches a step
+    worker = Proc(tmp_path, "w", "worker", [*_sets(30), *slow, "distributed.round_timeout=20"])
+    master.start()
+    worker.start()
+    at_end = lambda: any(row["step"] == 10 for row in master.events("checkpoint_saved"))  # noqa: E731
+    _wait(at_end, 120, "the master's checkpoint at its last step", master, worker)
+    assert worker.proc.poll() is None, "the worker finished before the master was killed"
+    master.kill()
+    master.start(resume=True)
+    assert master.wait(180, worker) == 0, _tails(master, worker)
+    assert worker.wait(180, master) == 0, _tails(master, worker)
+    assert _step_count(tmp_path).get("final") is True
+    included = _included(master)
+    assert len(included) == len(set(included)), "a contribution was aggregated twice"
+    assert not _uploaded(worker) - set(included), _tails(master, worker)
+    assert _ledger(tmp_path)["w"] == max(label for _, label in _uploaded(worker))
+    assert (master.dir / "final" / "model.safetensors").exists()
