@@ -173,3 +173,58 @@ def test_a_master_restarted_after_its_last_step_serves_the_remaining_rounds(tmp_
     assert not _uploaded(worker) - set(included), _tails(master, worker)
     assert _ledger(tmp_path)["w"] == max(label for _, label in _uploaded(worker))
     assert (master.dir / "final" / "model.safetensors").exists()
+
+
+def _global_pulls(node: Proc) -> list[tuple[int, int]]:
+    return [(row["outer_step"], row["step"]) for row in node.events("global_pulled")]
+
+
+def _finished_run(tmp: Path, sets: list[str]) -> tuple[int, list[Proc]]:
+    """Master ``m`` and worker ``w`` run to the end; returns the final outer step."""
+    old = [Proc(tmp, "m_old", "master", sets), Proc(tmp, "w_old", "worker", sets)]
+    for proc, node_id in zip(old, ("m", "w"), strict=True):
+        proc.start(node_id=node_id)
+    for proc in old:
+        assert proc.wait(180, *old) == 0, _tails(*old)
+    assert _step_count(tmp).get("final") is True
+    return _step_count(tmp)["outer_step"], old
+
+
+def test_a_new_run_over_a_finished_one_never_trains_from_its_weights(tmp_path):
+    """The exchange holds a finished run; a new run's worker starts before its master. The
+    worker waits for the new run instead of taking the old final global, and every round of
+    the new run holds both nodes."""
+    sets = [*_sets(10), "distributed.min_nodes=2", "distributed.round_timeout=60"]
+    finished = _finished_run(tmp_path, sets)[0]
+
+    worker = Proc(tmp_path, "w_new", "worker", sets).start(node_id="w")
+    master = Proc(tmp_path, "m_new", "master", sets)
+    waiting = lambda: "first global of a new run" in worker.tail()  # noqa: E731
+    _wait(lambda: waiting() or _global_pulls(worker), 120, "the new worker's start", worker)
+    master.start(node_id="m")
+    assert master.wait(180, worker) == 0, _tails(master, worker)
+    assert worker.wait(180, master) == 0, _tails(master, worker)
+    pulls = _global_pulls(worker)
+    assert pulls and pulls[0] == (0, 0), (pulls, finished, _tails(worker))
+    rounds = master.events("outer_step")
+    assert [row["outer_step"] for row in rounds] == [1, 2]
+    for r, row in enumerate(rounds):  # both nodes in every round of the new run
+        assert row["included"] == [f"m/{r}", f"w/{r}"], row
+    assert _step_count(tmp_path).get("final") is True
+
+
+def test_nodes_that_arrive_after_the_final_global_exit_0_with_one_line(tmp_path):
+    """A worker resumed into the finished run stops at once; a fresh worker waits (bounded by
+    round_timeout) for a new run, then stops. Neither uploads anything."""
+    sets = [*_sets(10), "distributed.min_nodes=2", "distributed.round_timeout=3"]
+    _, (_, old_worker) = _finished_run(tmp_path, sets)
+    uploads_before = len(old_worker.events("delta_uploaded"))
+    late = Proc(tmp_path, "late", "worker", [*sets, "run.max_steps=20"]).start()
+    old_worker.start(resume=True, node_id="w")
+    assert old_worker.wait(120, late) == 0, _tails(old_worker)
+    assert late.wait(120, old_worker) == 0, _tails(late)
+    assert "this node's run already ended" in old_worker.tail(), _tails(old_worker)
+    assert "no new run started within" in late.tail(), _tails(late)
+    assert len(old_worker.events("delta_uploaded")) == uploads_before
+    assert not late.events("delta_uploaded") and not late.events("global_pulled")
+    assert not (tmp_path / "exchange/nodes/late").exists()  # it never claimed an id

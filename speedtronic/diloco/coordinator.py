@@ -290,11 +290,14 @@ class DumbDiLoCoCoordinator:
         with self._quick_retries():  # an outage must not hold training at startup
             if self.master is not None:
                 self._create_exchange()
-            self._claim()
-            if self.master is not None:
+                self._claim()
                 self._start_master()
-            else:
+            else:  # a worker claims its id only once it found a run to take part in
                 self._first_global()
+                if self._run_ended is not None:
+                    self._started = True
+                    return
+                self._claim()
         if self.node is not None:
             if self.node.may_merge():  # start the round from the current global
                 self.node.merge_waiting()
@@ -498,12 +501,16 @@ class DumbDiLoCoCoordinator:
         """Write our claim/status record; another live node holding the id is a
         `NodeIdCollisionError`, raised before this node writes anything."""
         state = "training" if self.trains else "aggregator"
+        status: dict[str, Any] = {"state": state}
+        if self.node is not None and self.node.done:  # resumed after its last contribution
+            state = "done"
+            status = {"state": state, "final_round": self.node.last_round}
         try:
             owner = self.hub.read_owner(self.node_id)
             if self._collides(owner):
                 raise NodeIdCollisionError(self.node_id)
             if (owner or {}).get("instance") != self.claim.instance or owner.get("state") != state:
-                self.hub.claim_owner(self.node_id, self.claim.record(state=state))
+                self.hub.claim_owner(self.node_id, self.claim.record(**status))
             self.claim.claimed = True
         except NodeIdCollisionError:
             raise
