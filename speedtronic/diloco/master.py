@@ -52,15 +52,13 @@ from speedtronic.diloco import tensors as T
 from speedtronic.diloco.outer_state import OuterStateStore, RoundState
 from speedtronic.diloco.reconcile import META, max_global_bytes, reconcile
 from speedtronic.diloco.retry import ExchangeError
-from speedtronic.diloco.roster import NodeView, Roster
+from speedtronic.diloco.roster import IDENTITY_HEADERS, NodeView, Roster
 from speedtronic.diloco.transport import RemoteNotFound, RepoScan, TransportError
 
 __all__ = ["IDENTITY_HEADERS", "NodeView", "RoundMaster"]
 
 _LOG = logging.getLogger("speedtronic.diloco")
 
-# every contribution names these (the node writes them; see coordinator._send)
-IDENTITY_HEADERS = ("node_id", "round", "run_id", "instance", "base_outer_step")
 FAILURE_LOG_SECONDS = 30.0  # a failure that repeats is logged again at most this often
 
 
@@ -448,7 +446,11 @@ class RoundMaster:
                 try:
                     local = stack.enter_context(self.store.local_copy(path))
                     reader = stack.enter_context(T.open_delta(local))
-                    weight = self._check_identity(node_id, reader.metadata, round)
+                    header = reader.metadata
+                    leaders = self.settings.relay_leaders
+                    weight = self.roster.check_identity(
+                        node_id, header, round, self.outer_step, leaders
+                    )
                     digest = reader.check(self.global_state)
                     if self.state.digests.get(node_id) == digest:
                         raise ValueError("the same values as its node's last contribution")
@@ -482,38 +484,6 @@ class RoundMaster:
             fold.consumed.append(path)
             fold.late += round < self.outer_step
             fold.marks[node_id] = max(fold.marks.get(node_id, -1), round)
-
-    def _check_identity(self, node_id: str, header: Mapping[str, str], round: int) -> int:
-        """A contribution names its node, round, run, instance and base, matches its path,
-        comes from the node's current instance, and is based on a global this master
-        published (``ValueError`` otherwise). Returns its weight: 1, or for a node listed in
-        ``distributed.relay_leaders`` the number of nodes its group's mean speaks for."""
-        missing = [key for key in IDENTITY_HEADERS if key not in header]
-        if missing:
-            raise ValueError(
-                f"no {', '.join(missing)} in its header (a node names its node, round, run, "
-                "instance and base outer step in every contribution)"
-            )
-        if header["node_id"] != node_id or header["round"] != str(round):
-            raise ValueError("its header names another node or round than its path")
-        if not header["instance"]:
-            raise ValueError("an empty instance in its header")
-        base = int(header["base_outer_step"])
-        if not -1 <= base <= self.outer_step:  # -1: measured from the node's initial weights
-            raise ValueError(f"based on outer step {base}, which this master never published")
-        view = self.nodes.get(node_id)
-        instance = header["instance"]
-        if view is not None and view.instance and instance != view.instance:
-            raise ValueError(f"written by instance {instance}, not the node's {view.instance}")
-        weight = int(header.get("weight", "1"))
-        if weight != 1 and node_id not in self.settings.relay_leaders:
-            raise ValueError(
-                f"weight {weight} from {node_id}, which is not a relay leader (only nodes "
-                "listed in the top master's distributed.relay_leaders may weigh more than 1)"
-            )
-        if not 1 <= weight <= 1_000_000:
-            raise ValueError(f"weight {weight} is not a number of nodes")
-        return weight
 
     def _after_publish(self, final: bool) -> None:
         state = T.cpu_state_dict(self.global_state)

@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from speedtronic.diloco.outer_state import RoundState
 from speedtronic.diloco.transport import RepoScan
 
-__all__ = ["NodeView", "Roster"]
+__all__ = ["IDENTITY_HEADERS", "NodeView", "Roster"]
+
+# every contribution names these (the node writes them; see coordinator._send)
+IDENTITY_HEADERS = ("node_id", "round", "run_id", "instance", "base_outer_step")
 
 
 @dataclasses.dataclass
@@ -100,6 +103,45 @@ class Roster:
             view.dropped = False
             self._emit("node_rejoined", {"node_id": node_id, "outer_step": outer_step})
         view.last_heard = max(view.last_heard, now)
+
+    def check_identity(
+        self,
+        node_id: str,
+        header: Mapping[str, str],
+        round: int,
+        outer_step: int,
+        relay_leaders: Collection[str],
+    ) -> int:
+        """A contribution to ``round`` found under ``nodes/<node_id>/`` names its node, round,
+        run, instance and base, matches its path, comes from the node's current instance, and
+        is based on a global the master published (``ValueError`` otherwise). Returns its
+        weight: 1, or for a node in ``relay_leaders`` the number of nodes it speaks for."""
+        missing = [key for key in IDENTITY_HEADERS if key not in header]
+        if missing:
+            raise ValueError(
+                f"no {', '.join(missing)} in its header (a node names its node, round, run, "
+                "instance and base outer step in every contribution)"
+            )
+        if header["node_id"] != node_id or header["round"] != str(round):
+            raise ValueError("its header names another node or round than its path")
+        instance = header["instance"]
+        if not instance:
+            raise ValueError("an empty instance in its header")
+        base = int(header["base_outer_step"])
+        if not -1 <= base <= outer_step:  # -1: measured from the node's initial weights
+            raise ValueError(f"based on outer step {base}, which this master never published")
+        view = self.nodes.get(node_id)
+        if view is not None and view.instance and instance != view.instance:
+            raise ValueError(f"written by instance {instance}, not the node's {view.instance}")
+        weight = int(header.get("weight", "1"))
+        if weight != 1 and node_id not in relay_leaders:
+            raise ValueError(
+                f"weight {weight} from {node_id}, which is not a relay leader (only nodes "
+                "listed in the top master's distributed.relay_leaders may weigh more than 1)"
+            )
+        if not 1 <= weight <= 1_000_000:
+            raise ValueError(f"weight {weight} is not a number of nodes")
+        return weight
 
     def credit(self, seconds: float) -> None:
         """Time the exchange could not be read: nobody was silent during it."""
