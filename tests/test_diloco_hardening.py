@@ -56,7 +56,7 @@ def test_an_outer_step_that_would_leave_the_global_non_finite_is_undone(tmp_path
     join(t, "a")
     master.poll_once()
     deliver(t, "a", 0, [-9.0e3, 1.0])  # a valid delta ...
-    master.optimizer.lr = 1.0e35  # ... and an outer lr large enough to overflow the step
+    master.state.optimizer.lr = 1.0e35  # ... and an outer lr large enough to overflow the step
     assert master.poll_once() is False
     assert master.outer_step == 0 and torch.equal(t.read_global()["w"], start)
     assert any("non-finite" in m for lvl, m in log.lines if lvl == "warning")
@@ -92,6 +92,7 @@ def test_contribution_identity_rules(tmp_path):
 
     def plant(label, values, **header):
         meta = {"node_id": "a", "round": label, "base_outer_step": 0, "run_id": master.run_id}
+        meta["instance"] = "a-1"
         meta.update(header)
         data = T.state_to_bytes({"w": torch.tensor(values)}, metadata=meta)
         t.commit({f"nodes/a/delta_{label}.safetensors": data})
@@ -146,7 +147,7 @@ def test_a_nan_global_is_refused_by_workers_and_by_a_master_without_state(tmp_pa
     worker.stop()
     # a master with no local state cannot adopt it, and never bootstraps over it
     fresh, _, _ = make_master(tmp_path / "m", transport=t, state={"w": torch.zeros(2)})
-    with pytest.raises(TransportError, match="non-finite"):
+    with pytest.raises(ExchangeError, match="non-finite"):  # exit 2, one line (issue 20)
         fresh.reconcile()
     assert t.global_metadata().outer_step == 4
 

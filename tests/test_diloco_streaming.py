@@ -31,7 +31,7 @@ def _plant(t, node: str, label: int, delta: dict, dtype: str = "fp32", **meta) -
         base_outer_step=label,
         dtype=dtype,
         owner={"instance": f"{node}-1", "state": "training"},
-        metadata={"run_id": t.global_metadata().run_id, **meta},
+        metadata={"run_id": t.global_metadata().run_id, "instance": f"{node}-1", **meta},
     )
 
 
@@ -73,7 +73,7 @@ def test_a_corrupt_file_in_the_middle_of_the_stream_leaves_the_sum_untouched(tmp
 
 
 def test_a_group_contribution_weighs_as_many_nodes_as_it_speaks_for(tmp_path):
-    master, t, _ = make_master(tmp_path, state=_state())
+    master, t, _ = make_master(tmp_path, state=_state(), relay_leaders=["group"])
     master.poll_once()
     join(t, "group")
     join(t, "solo")
@@ -97,7 +97,8 @@ master.poll_once()
 for i in range(k):
     t.claim_owner(f"n{{i}}", {{"instance": f"n{{i}}-1", "state": "training"}})
     t.upload_delta({{"w": torch.full((numel,), float(i % 7))}}, node_id=f"n{{i}}", round_index=0,
-                   local_step=0, base_outer_step=0, metadata={{"run_id": master.run_id}})
+                   local_step=0, base_outer_step=0,
+                   metadata={{"run_id": master.run_id, "instance": f"n{{i}}-1"}})
 def peak_kib():  # this address space's own high-water mark (ru_maxrss inherits the parent's)
     return int(re.search(r"VmHWM:\s*(\d+) kB", Path("/proc/self/status").read_text()).group(1))
 before = peak_kib()

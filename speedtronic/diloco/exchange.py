@@ -21,11 +21,20 @@ def build_transport(
 ) -> DirectoryTransport | HubClient:
     """``file:///abs`` -> :class:`DirectoryTransport`; ``owner/name`` -> :class:`HubClient`.
 
-    ``config`` is the ``distributed`` section (``repo_id``, ``token``, ``cache_dir`` and the
-    retry settings); ``retry`` overrides the policy built from it.
+    ``config`` is the ``distributed`` section (``repo_id``, ``token``, ``cache_dir``,
+    ``round_timeout`` and the retry settings); ``retry`` overrides the policy built from it.
+    A Hub repository that answers "not found" is taken for one its master has not created
+    yet for ``round_timeout`` seconds (what a worker waits for the first global), then for
+    one the token cannot see (a permanent ``AccessRefused``).
     """
     retry = retry or retry_policy_from_config(config)
     repo_id = config.repo_id or ""
     if repo_id.startswith("file:"):
         return DirectoryTransport(repo_id, retry)
-    return HubClient(repo_id, token=config.token, cache_dir=config.cache_dir, retry=retry)
+    return HubClient(
+        repo_id,
+        token=config.token,
+        cache_dir=config.cache_dir,
+        retry=retry,
+        missing_repo_wait=float(config.round_timeout),
+    )

@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,11 +27,14 @@ from typing import Any
 from speedtronic.diloco.hub_http import hub_call, install_sdk_client
 from speedtronic.diloco.transport import (
     GLOBAL_STEP,
+    AccessRefused,
     FileInfo,
     HubUnavailable,
+    RemoteNotFound,
     RepoTransport,
     RetryPolicy,
     TransportError,
+    too_large,
 )
 
 __all__ = ["HubClient", "HubTransport", "install_sdk_timeouts"]
@@ -41,22 +45,44 @@ _POINTERS = frozenset({GLOBAL_STEP})  # read by every node at every poll
 install_sdk_timeouts = install_sdk_client
 
 
-def _auth_refused(exc: BaseException, repo_id: str, has_token: bool) -> TransportError | None:
+def _answer(exc: BaseException) -> tuple[int | None, bool]:
+    """The HTTP status behind ``exc`` (the SDK wraps some, e.g. a forced download's failed
+    HEAD in a ValueError) and whether the Hub said the repository itself is not found."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        status = getattr(getattr(current, "response", None), "status_code", None)
+        if isinstance(status, int):
+            names = {cls.__name__ for cls in type(current).__mro__}
+            return status, "RepositoryNotFoundError" in names
+        current = current.__cause__ or current.__context__
+    return None, False
+
+
+def _auth_refused(status: int, repo_id: str, has_token: bool) -> AccessRefused:
     """A 401/403 from the Hub as a permanent error that says what to fix (never the token)."""
-    status = getattr(getattr(exc, "response", None), "status_code", None)
-    if status not in (401, 403):
-        return None
     if not has_token:
         problem = "requires a token and none is configured"
     elif status == 401:
         problem = "rejected the token"
     else:
         problem = "refused access with this token (no write access to the repository?)"
-    return TransportError(
+    return AccessRefused(
         f"the Hub {problem} (HTTP {status}) for {repo_id}; check HF_TOKEN or the hf_token "
         "secret file",
-        kind="permanent",
         status=status,
+    )
+
+
+def _repo_hidden(repo_id: str, has_token: bool) -> AccessRefused:
+    """A 404 "Repository not found" for our own repository: the token cannot see it."""
+    who = "this token cannot see it" if has_token else "no token is configured"
+    return AccessRefused(
+        f"the Hub answers 404 Repository not found for {repo_id}: {who} (or it was never "
+        "created); check that HF_TOKEN or the hf_token secret file holds a token with write "
+        "access to it",
+        status=404,
     )
 
 
@@ -79,6 +105,7 @@ class HubClient(RepoTransport):
         retry_attempts: int = 6,
         request_timeout: float = 60.0,
         sleeper: Any = None,
+        missing_repo_wait: float = 0.0,
     ):
         if retry is None:
             retry = RetryPolicy(retry_initial, retry_max, retry_attempts, request_timeout)
@@ -96,6 +123,9 @@ class HubClient(RepoTransport):
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         self._api = api
         self._pointers: dict[str, tuple[str, bytes]] = {}  # path -> (etag, content)
+        self.missing_repo_wait = float(missing_repo_wait)
+        self._repo_seen = False  # the Hub answered about the repository itself at least once
+        self._repo_missing_since: float | None = None
 
     def __repr__(self) -> str:  # never show the token
         return f"HubClient(repo_id={self.repo_id!r}, endpoint={self.endpoint!r})"
@@ -118,12 +148,39 @@ class HubClient(RepoTransport):
         _ = self.api  # build the client (and install the SDK client) before the first request
         try:
             with hub_call(self.retry.timeout):
-                return fn(*args)
+                out = fn(*args)
         except Exception as exc:
-            refused = _auth_refused(exc, self.repo_id, bool(self._token))
+            refused = self._refusal(exc)
             if refused is None:
                 raise
             raise refused from None
+        self._repo_seen, self._repo_missing_since = True, None
+        return out
+
+    def _refusal(self, exc: BaseException) -> TransportError | None:
+        """Access errors as permanent ``AccessRefused``: 401, 403, and a 404 "Repository not
+        found" once this client has seen the repository or waited ``missing_repo_wait``
+        seconds for it (the Hub answers a repository that is not created yet, e.g. a worker
+        started before its master, exactly as one the token cannot see; until then it is
+        ``RemoteNotFound``). A 404 for a file is left alone (``RemoteNotFound``)."""
+        status, repo_missing = _answer(exc)
+        if status in (401, 403):
+            return _auth_refused(status, self.repo_id, bool(self._token))
+        if status != 404:
+            return None
+        if not repo_missing:  # a file is missing: the repository itself answered
+            self._repo_seen = True
+            return None
+        now = time.monotonic()
+        if self._repo_missing_since is None:
+            self._repo_missing_since = now
+        waited = now - self._repo_missing_since
+        if self._repo_seen or waited >= self.missing_repo_wait:
+            return _repo_hidden(self.repo_id, bool(self._token))
+        return RemoteNotFound(
+            f"repository {self.repo_id} not found yet (its master creates it; waited "
+            f"{waited:.1f} of {self.missing_repo_wait:g} s)"
+        )
 
     def _create_repo(self, private: bool) -> None:
         self.api.create_repo(self.repo_id, repo_type="model", private=private, exist_ok=True)
@@ -149,10 +206,10 @@ class HubClient(RepoTransport):
                 )
         return out
 
-    def _read(self, path: str) -> bytes:
-        if path in _POINTERS:
+    def _read(self, path: str, max_bytes: int | None = None) -> bytes:
+        if path in _POINTERS and max_bytes is None:
             return self._read_pointer(path)
-        return self._download(path)
+        return self._download(path, max_bytes)
 
     def _read_pointer(self, path: str) -> bytes:
         """A small file every node polls (the global's version record): one HEAD request
@@ -172,19 +229,35 @@ class HubClient(RepoTransport):
             self._pointers[path] = (etag, data)
         return data
 
-    def _download(self, path: str) -> bytes:
+    def _download(self, path: str, max_bytes: int | None = None) -> bytes:
+        """Download ``path``; with ``max_bytes``, a file the Hub lists as larger is refused
+        before the download (one HEAD) and the downloaded file is checked before it is read."""
+        if max_bytes is not None:
+            from huggingface_hub import hf_hub_url
+
+            url = hf_hub_url(self.repo_id, path, repo_type="model", endpoint=self.endpoint)
+            size = self.api.get_hf_file_metadata(
+                url=url, token=self._token, timeout=self.retry.timeout
+            ).size
+            if isinstance(size, int) and size > max_bytes:
+                raise too_large(path, size, max_bytes)
         tmp = tempfile.mkdtemp(prefix="speedtronic-download-", dir=self.cache_dir)
         try:
-            local = self.api.hf_hub_download(
-                repo_id=self.repo_id,
-                filename=path,
-                local_dir=tmp,
-                repo_type="model",
-                token=self._token,
-                force_download=True,
-                etag_timeout=self.retry.timeout,
+            local = Path(
+                self.api.hf_hub_download(
+                    repo_id=self.repo_id,
+                    filename=path,
+                    local_dir=tmp,
+                    repo_type="model",
+                    token=self._token,
+                    force_download=True,
+                    etag_timeout=self.retry.timeout,
+                )
             )
-            return Path(local).read_bytes()
+            size = local.stat().st_size
+            if max_bytes is not None and size > max_bytes:
+                raise too_large(path, size, max_bytes)
+            return local.read_bytes()
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 

@@ -19,6 +19,7 @@ from speedtronic.config import redaction
 from speedtronic.config.errors import ConfigError
 
 __all__ = [
+    "AccessRefused",
     "ErrorInfo",
     "ExchangeError",
     "HubError",
@@ -54,6 +55,15 @@ HubError = TransportError
 class ExchangeError(ConfigError):
     """A permanent misconfiguration of the exchange (auth refused, repository or path not
     usable, a model that does not match): the node stops with exit code 2 and one line."""
+
+
+class AccessRefused(TransportError):
+    """The exchange refuses this process: the Hub answered 401 or 403, or 404 "Repository
+    not found" for our own repository (a token that cannot see it). Always permanent; the
+    message names the repository and what to check, never the token."""
+
+    def __init__(self, message: str, *, status: int | None = None, kind: str = "permanent"):
+        super().__init__(message, kind=kind, status=status)
 
 
 class HubUnavailable(TransportError):
@@ -162,6 +172,9 @@ class RetryPolicy:
                 text = scrub(f"{type(exc).__name__}: {exc}", self.secrets)
                 if info.kind == "not_found":
                     raise RemoteNotFound(f"{operation}: not found ({text})") from None
+                if info.kind == "permanent" and isinstance(exc, TransportError):
+                    exc.args = (f"{operation} failed: {text}",)  # keeps its class and status
+                    raise exc from None
                 if info.kind == "permanent":
                     raise TransportError(
                         f"{operation} failed: {text}", kind="permanent", status=info.status

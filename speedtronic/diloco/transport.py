@@ -26,12 +26,13 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
 from speedtronic.diloco import tensors as T
 from speedtronic.diloco.retry import (
+    AccessRefused,
     ErrorInfo,
     HubError,
     HubUnavailable,
@@ -47,6 +48,7 @@ __all__ = [
     "GLOBAL_MODEL",
     "GLOBAL_PROCESSED",
     "GLOBAL_STEP",
+    "AccessRefused",
     "ErrorInfo",
     "FileInfo",
     "GlobalMetadata",
@@ -56,11 +58,13 @@ __all__ = [
     "RepoScan",
     "RepoTransport",
     "RetryPolicy",
+    "Store",
     "Transport",
     "TransportError",
     "classify_error",
     "retry_policy_from_config",
     "scrub",
+    "too_large",
 ]
 
 GLOBAL_MODEL = "global/latest.safetensors"
@@ -139,14 +143,93 @@ class RepoScan:
         return info.size if info is not None else None
 
 
-class Transport(Protocol):
-    """What the node and the master need from a transport."""
+@runtime_checkable
+class Store(Protocol):
+    """The exchange as the node, the master, the relay and ``speedtronic eval`` use it: the
+    layout above over a directory (:mod:`.directory`) or a Hub repository (:mod:`.hub`).
 
-    def create_repo(self, *, private: bool = True) -> None: ...
-    def add_collaborator(self, username: str, permission: str = "write") -> None: ...
-    def global_metadata(self) -> GlobalMetadata | None: ...
-    def read_global(self, metadata: GlobalMetadata) -> dict[str, torch.Tensor]: ...
-    def read_ledger(self) -> dict[str, int]: ...
+    Every call is retried by :attr:`retry` (transient failures only) and fails as a
+    :class:`TransportError`: ``kind`` ``transient`` (an outage that outlived the retries),
+    ``not_found`` (:class:`RemoteNotFound`) or ``permanent`` (a refused file, an access error
+    (:class:`AccessRefused`), a misconfiguration); messages never carry the token.
+    """
+
+    #: ``directory`` or ``hub``.
+    kind: str
+    #: ``file:///abs/path`` or ``owner/name``.
+    repo_id: str
+    #: The one retry policy of this store (``on_retry`` may be set by the owner).
+    retry: RetryPolicy
+    #: Commits this process issued (Hub budget accounting).
+    commits: int
+    #: Size in bytes of the last contribution file this process uploaded.
+    last_upload_bytes: int
+
+    def create_repo(self, *, private: bool = True) -> None:
+        """Create the exchange (private by default); an existing one is accepted."""
+        ...
+
+    def add_collaborator(self, username: str, permission: str = "write") -> None:
+        """Grant ``permission`` (read, write, admin) to ``username`` where the backend can."""
+        ...
+
+    def list_info(self) -> dict[str, FileInfo]:
+        """Every file of the exchange with its size and version (links never listed)."""
+        ...
+
+    def list_files(self) -> list[str]:
+        """Every file path of the exchange, sorted."""
+        ...
+
+    def read_bytes(self, path: str, *, max_bytes: int | None = None) -> bytes | None:
+        """The content of ``path``, None when it does not exist; longer than ``max_bytes``
+        is a permanent error, checked on the bytes read."""
+        ...
+
+    def read_json(self, path: str, *, default: Any = None) -> Any:
+        """``path`` decoded as JSON, ``default`` when absent; bad JSON is permanent."""
+        ...
+
+    def local_copy(
+        self, path: str, max_bytes: int | None = None
+    ) -> contextlib.AbstractContextManager[Path]:
+        """A local file holding exactly the bytes of ``path`` for the ``with`` block, at most
+        ``max_bytes`` long (checked on the file opened or downloaded, a permanent error);
+        a missing file is :class:`RemoteNotFound`."""
+        ...
+
+    def commit(
+        self, additions: Mapping[str, bytes], deletions: Iterable[str] = (), message: str = "update"
+    ) -> None:
+        """Apply additions (in order) and deletions as one unit: one Hub commit, or temp
+        file + rename per file on a volume, so no reader sees half a file."""
+        ...
+
+    def global_metadata(self) -> GlobalMetadata | None:
+        """The published version record (``global/step_count.json``), None before the
+        bootstrap."""
+        ...
+
+    def fetch_global(
+        self,
+        metadata: GlobalMetadata | None = None,
+        *,
+        max_bytes: int | None = None,
+        like: Mapping[str, torch.Tensor] | None = None,
+    ) -> tuple[GlobalMetadata, dict[str, torch.Tensor]]:
+        """The published weights, verified (checksum or the file's own header after a torn
+        publish, size bound on the file read, keys, shapes and finiteness as installed into
+        ``like``), with the record that describes them."""
+        ...
+
+    def read_global(self, metadata: GlobalMetadata | None = None) -> dict[str, torch.Tensor]:
+        """The verified global weights (:meth:`fetch_global` without bounds)."""
+        ...
+
+    def read_ledger(self) -> dict[str, int]:
+        """The published ledger: node id -> highest round already aggregated."""
+        ...
+
     def publish_global(
         self,
         state: Mapping[str, torch.Tensor],
@@ -157,13 +240,59 @@ class Transport(Protocol):
         metadata_extra: Mapping[str, object] | None = None,
         final: bool = False,
         run_id: str = "",
-    ) -> GlobalMetadata: ...
-    def upload_delta(self, delta: Mapping[str, torch.Tensor], **kwargs: Any) -> str: ...
-    def scan(self) -> RepoScan: ...
-    def read_delta(self, path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]: ...
-    def prune(self, paths: Iterable[str]) -> None: ...
-    def read_owner(self, node_id: str) -> dict[str, Any] | None: ...
-    def claim_owner(self, node_id: str, record: Mapping[str, Any]) -> None: ...
+    ) -> GlobalMetadata:
+        """One commit: weights, ledger and version record (in that order) and the deletion
+        of ``prune``; returns the record published."""
+        ...
+
+    def upload_delta(
+        self,
+        delta: Mapping[str, torch.Tensor],
+        *,
+        node_id: str,
+        local_step: int,
+        base_outer_step: int,
+        round_index: int | None = None,
+        dtype: str = "fp32",
+        metadata: Mapping[str, object] | None = None,
+        owner: Mapping[str, Any] | None = None,
+    ) -> str:
+        """One commit: the node's contribution to a round (and its status record when
+        given); returns the path, the size is left in :attr:`last_upload_bytes`."""
+        ...
+
+    def scan(self) -> RepoScan:
+        """One listing: contributions by node and round, nodes with a record, file sizes."""
+        ...
+
+    def read_delta(self, path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """One contribution as float32 tensors and its header (damage is a ValueError)."""
+        ...
+
+    def prune(self, paths: Iterable[str]) -> None:
+        """Delete consumed files in one commit (files already gone are fine)."""
+        ...
+
+    def read_owner(self, node_id: str) -> dict[str, Any] | None:
+        """The status record of ``node_id``; None when absent or unreadable."""
+        ...
+
+    def claim_owner(self, node_id: str, record: Mapping[str, Any]) -> None:
+        """Write the status record of ``node_id`` (one commit)."""
+        ...
+
+
+#: 2.0.0 name of :class:`Store`.
+Transport = Store
+
+
+def too_large(path: str, size: int, max_bytes: int) -> TransportError:
+    """The permanent refusal of a file past its size bound (checked on what is read)."""
+    return TransportError(
+        f"{path} is {size} bytes, more than the {max_bytes} bytes allowed for it (a file from "
+        "another model, or damaged); refusing it unread",
+        kind="permanent",
+    )
 
 
 def _now() -> str:
@@ -188,6 +317,27 @@ def _own_record(
         header.get("final", "False") == "True",
         header.get("run_id", ""),
     )
+
+
+def _check_like(
+    where: str, state: Mapping[str, torch.Tensor], like: Mapping[str, torch.Tensor]
+) -> None:
+    """A global must hold exactly the model's keys with its shapes (permanent refusal)."""
+    missing = sorted(set(like) - set(state))
+    extra = sorted(set(state) - set(like))
+    if missing or extra:
+        raise TransportError(
+            f"{where} does not match the model: missing {missing[:5]}, unexpected "
+            f"{extra[:5]} (a global of another model; check model settings on every node)",
+            kind="permanent",
+        )
+    for key, value in state.items():
+        if tuple(value.shape) != tuple(like[key].shape):
+            raise TransportError(
+                f"{where} does not match the model: {key} has shape {tuple(value.shape)}, "
+                f"the model {tuple(like[key].shape)}",
+                kind="permanent",
+            )
 
 
 def _json_bytes(value: Any) -> bytes:
@@ -222,7 +372,7 @@ class RepoTransport:
     def _list(self) -> dict[str, FileInfo]:
         raise NotImplementedError
 
-    def _read(self, path: str) -> bytes:
+    def _read(self, path: str, max_bytes: int | None = None) -> bytes:
         raise NotImplementedError
 
     def _commit(self, additions: Mapping[str, bytes], deletions: list[str], message: str) -> None:
@@ -255,11 +405,11 @@ class RepoTransport:
         return sorted(self.list_info())
 
     @contextlib.contextmanager
-    def local_copy(self, path: str) -> Iterator[Path]:
-        """A local file holding ``path`` (retried download; removed afterwards). A shared
-        volume hands out the file itself: readers open it once, so a rename over it while
-        they read does not change what they see."""
-        data = self.read_bytes(path)
+    def local_copy(self, path: str, max_bytes: int | None = None) -> Iterator[Path]:
+        """A local file holding ``path`` (retried download; removed afterwards), at most
+        ``max_bytes`` long (checked on the downloaded file: a permanent ``TransportError``).
+        A missing file is ``RemoteNotFound``."""
+        data = self.read_bytes(path, max_bytes=max_bytes)
         if data is None:
             raise RemoteNotFound(f"{path} vanished")
         with tempfile.TemporaryDirectory(prefix="speedtronic-read-") as tmp:
@@ -268,10 +418,13 @@ class RepoTransport:
             del data
             yield local
 
-    def read_bytes(self, path: str) -> bytes | None:
-        """Content of ``path``; None when it does not exist."""
+    def read_bytes(self, path: str, *, max_bytes: int | None = None) -> bytes | None:
+        """Content of ``path``; None when it does not exist. A file longer than ``max_bytes``
+        is a permanent ``TransportError`` (the bound holds on the bytes read)."""
         try:
-            return self.retry.run(f"download {path}", lambda: self._scoped(self._read, path))
+            return self.retry.run(
+                f"download {path}", lambda: self._scoped(self._read, path, max_bytes)
+            )
         except RemoteNotFound:
             return None
 
@@ -328,15 +481,21 @@ class RepoTransport:
         return self.fetch_global(metadata)[1]
 
     def fetch_global(
-        self, metadata: GlobalMetadata | None = None, *, max_bytes: int | None = None
+        self,
+        metadata: GlobalMetadata | None = None,
+        *,
+        max_bytes: int | None = None,
+        like: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[GlobalMetadata, dict[str, torch.Tensor]]:
         """The verified global and the record that describes it.
 
-        ``max_bytes`` refuses a file larger than that (checked on the listing, before
-        reading). The weights must match ``step_count.json``'s checksum; when they do not, the
-        file's own header (outer step, run id, written by :meth:`publish_global`) is trusted
-        if it is at least as new as the record: a publish torn between its files. Every
-        floating tensor must be finite. Refusals are permanent ``TransportError``s.
+        ``max_bytes`` refuses a file larger than that (checked on the file read). The weights
+        must match ``step_count.json``'s checksum; when they do not, the file's own header
+        (outer step, run id, written by :meth:`publish_global`) is trusted if it is at least
+        as new as the record: a publish torn between its files. With ``like`` (the model's
+        state), the global must hold exactly its keys with its shapes, and every floating
+        tensor must be finite as it will be installed (cast to ``like``'s dtype); without it,
+        finite in the file's dtype. Refusals are permanent ``TransportError``s.
         """
         metadata = metadata or self.global_metadata()
         if metadata is None:
@@ -346,14 +505,7 @@ class RepoTransport:
             raise TransportError(
                 f"refusing model_file outside global/: {model_file}", kind="permanent"
             )
-        if max_bytes is not None:
-            size = self.list_info().get(model_file, FileInfo()).size
-            if size is not None and size > max_bytes:
-                raise TransportError(
-                    f"{model_file} is {size} bytes, more than the model allows ({max_bytes})",
-                    kind="permanent",
-                )
-        data = self.read_bytes(model_file)
+        data = self.read_bytes(model_file, max_bytes=max_bytes)
         if data is None:
             raise RemoteNotFound(f"{model_file} is missing")
         try:
@@ -367,11 +519,15 @@ class RepoTransport:
                     f"{model_file} does not match step_count.json (changed while reading)"
                 )
             metadata = own
-        bad = T.first_non_finite(state)
+        where = f"{model_file} (outer step {metadata.outer_step})"
+        if like is not None:
+            _check_like(where, state, like)
+        bad = T.first_non_finite(state, like=like)
         if bad is not None:
+            cast = like is not None and bad in like and like[bad].dtype != state[bad].dtype
+            after = f" after the cast to the model's {like[bad].dtype}" if cast else ""
             raise TransportError(
-                f"{model_file} (outer step {metadata.outer_step}) holds non-finite values in "
-                f"{bad}; refusing it",
+                f"{where} holds non-finite values in {bad}{after}; refusing it",
                 kind="permanent",
             )
         return metadata, state

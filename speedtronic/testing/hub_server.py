@@ -11,6 +11,10 @@ It speaks the endpoints that huggingface_hub 2.4.0 uses for DumbDiLoCo::
     HEAD/GET /<owner>/<name>/resolve/<rev>/<path>        hf_hub_download (ETag, X-Repo-Commit,
                                                          Content-Length, Range resume)
 
+Access (``token``/``tokens``, ``read_only_tokens``, ``refused_tokens``): a token on no list
+sees no repository (404 "Repository not found", as the Hub answers a token without access),
+a read-only token gets 403 on create and commit, a refused token 401 everywhere.
+
 Fault injection (seeded, so runs are reproducible): a fraction of requests answered 503
 (``error_rate``), 429 with ``Retry-After`` (``rate_limit_rate``/``retry_after``), connections
 closed without an answer (``drop_rate``), delayed (``slow_rate``/``slow_seconds``), and
@@ -172,9 +176,17 @@ class _Handler(BaseHTTPRequestHandler):
         return header[len("Bearer ") :] if header.startswith("Bearer ") else ""
 
     def _authorised(self, repo: _Repo | None) -> bool:
+        """Whether the caller sees repositories (a read-only token does, and may not write)."""
         if not self.hub.tokens:
             return True
-        return self._caller() in self.hub.tokens
+        return self._caller() in self.hub.tokens | self.hub.read_only_tokens
+
+    def _may_write(self) -> bool:
+        """False (after a 403 answer) for a read-only token."""
+        if self._caller() not in self.hub.read_only_tokens:
+            return True
+        self._error(403, "You don't have the rights to write to this repository", "Forbidden")
+        return False
 
     # -- verbs --------------------------------------------------------------------------------
     def do_HEAD(self) -> None:
@@ -203,6 +215,10 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._error(429, "API request quota exceeded", extra=over)
         self.hub.count(method, path)
         self.hub.tally(self._caller(), "requests")
+        if self._caller() in self.hub.refused_tokens and not path.startswith("/_emulator"):
+            return self._error(
+                401, "Invalid credentials in Authorization header", head=method == "HEAD"
+            )
         if path == "/_emulator/stats":
             return self._json(200, self.hub.stats())
         if path == "/_emulator/faults" and method == "POST":
@@ -236,6 +252,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _create(self, body: bytes) -> None:
         if not self._authorised(None):
             return self._error(401, "Invalid credentials in Authorization header")
+        if not self._may_write():
+            return None
         data = json.loads(body or b"{}")
         name, org = data.get("name"), data.get("organization")
         repo_id = f"{org}/{name}" if org else f"emulator/{name}"
@@ -321,6 +339,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._json(200, entries)
 
     def _commit(self, repo_id: str, repo: _Repo, body: bytes) -> None:
+        if not self._may_write():
+            return
         over = self.hub.budget.commit(repo_id, self._caller())
         if over is not None:
             self.hub.count("POST", "budget:commits")
@@ -447,11 +467,18 @@ class HubEmulator:
         host: str = "127.0.0.1",
         tokens: Iterable[str] = (),
         budget: Budget | None = None,
+        read_only_tokens: Iterable[str] = (),
+        refused_tokens: Iterable[str] = (),
     ):
         if host not in ("127.0.0.1", "localhost", "::1"):
             raise ValueError("the Hub emulator binds to loopback only")
         self.host, self.port, self.token = host, port, token
         self.tokens = {t for t in (token, *tokens) if t}  # any of them is accepted
+        # Access as the Hub answers it: any other token sees no repository (404 "Repository
+        # not found"; 401 on whoami and create), a read-only token gets 403 on create and
+        # commit, a refused (invalid) token gets 401 "Invalid credentials" on every endpoint.
+        self.read_only_tokens = {t for t in read_only_tokens if t}
+        self.refused_tokens = {t for t in refused_tokens if t}
         self.budget = BudgetKeeper(budget or Budget())
         self.faults = faults or FaultConfig()
         self.lock = threading.RLock()
