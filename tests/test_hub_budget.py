@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 from hub_emulator_fixtures import TEST_TOKEN
 
 from speedtronic.config import DistributedConfig
 from speedtronic.diloco.hub import HubClient
 from speedtronic.diloco.master import RoundMaster
-from speedtronic.diloco.retry import RetryPolicy
+from speedtronic.diloco.retry import AccessRefused, RetryPolicy
 from speedtronic.testing.hub_budget import Budget, BudgetKeeper
 from speedtronic.testing.hub_server import HubEmulator
 
@@ -76,9 +77,11 @@ def test_a_budgeted_hub_returns_429_and_every_contribution_is_aggregated_once(tm
                     local_step=r,
                     base_outer_step=r,
                     owner={"instance": node, "state": "training"},
-                    metadata={"run_id": run},
+                    metadata={"run_id": run, "instance": node},
                 )
+            deadline = time.monotonic() + 120
             while not master.poll_once():
+                assert time.monotonic() < deadline, f"round {r} never closed: {events[-5:]}"
                 time.sleep(0.05)
         refused = emulator.stats()["budget_refused"]["commit"]
         assert refused > 0, "the budget never bit"
@@ -113,7 +116,10 @@ def test_request_budget_per_token_and_several_tokens(tmp_path):
         wrong = HubClient(
             "org/r", token="tok-c", endpoint=emulator.url, cache_dir=tmp_path, retry=retry
         )
-        assert wrong.global_metadata() is None  # a token not on the list sees no repository
+        # a token not on the list sees no repository: an access error naming it (issue 20),
+        # no longer an empty exchange
+        with pytest.raises(AccessRefused, match="org/r"):
+            wrong.global_metadata()
     finally:
         emulator.stop()
 
