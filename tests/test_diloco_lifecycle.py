@@ -228,3 +228,28 @@ def test_nodes_that_arrive_after_the_final_global_exit_0_with_one_line(tmp_path)
     assert len(old_worker.events("delta_uploaded")) == uploads_before
     assert not late.events("delta_uploaded") and not late.events("global_pulled")
     assert not (tmp_path / "exchange/nodes/late").exists()  # it never claimed an id
+
+
+def test_the_same_node_id_on_a_second_host_exits_2_and_the_first_goes_on(tmp_path):
+    """Worker ``w`` runs on host-a; a second ``w`` starts on host-b (another HOSTNAME, its own
+    state): it watches the id's files, sees the first node write, and exits 2 with one line
+    before writing anything. The first node's rounds are all aggregated."""
+    slow = ["data.micro_batch_size=2", "data.target_batch_size=32", "distributed.min_nodes=2"]
+    sets = [*_sets(60), *slow, "distributed.round_timeout=30"]
+    master = Proc(tmp_path, "m", "master", sets).start()
+    first = Proc(tmp_path, "w_a", "worker", sets, _env({"HOSTNAME": "host-a"}))
+    second = Proc(tmp_path, "w_b", "worker", sets, _env({"HOSTNAME": "host-b"}))
+    first.start(node_id="w")
+    _wait(lambda: first.events("delta_uploaded"), 120, "the first w's upload", master, first)
+    second.start(node_id="w")
+    assert second.wait(120, first, master) == 2, _tails(second)
+    errors = [line for line in second.tail().splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "distributed.node_id" in errors[0], _tails(second)
+    assert "host-a" in errors[0], errors
+    assert not second.events("delta_uploaded")
+    assert first.proc.poll() is None, "the first node ended before the second one was refused"
+    assert first.wait(180, master) == 0, _tails(first, master)
+    assert master.wait(180, first) == 0, _tails(first, master)
+    included = _included(master)
+    assert not _uploaded(first, "w") - set(included), _tails(master, first)
+    assert _step_count(tmp_path).get("final") is True

@@ -109,7 +109,9 @@ class DumbDiLoCoCoordinator:
         self.hub = hub
         self.state_dir = Path(state_dir or cfg.state_dir) / self.node_id
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.claim = NodeClaim(self.node_id, self.role, self.state_dir)
+        host = (environ or os.environ).get("HOSTNAME") or None  # a container's or pod's name
+        self.claim = NodeClaim(self.node_id, self.role, self.state_dir, host=host)
+        self._displaced = ""  # the instance whose record this node took over at its claim
         self.final_dir = Path(final_dir) if final_dir is not None else None
         self.run_config = dict(run_config or {})
         self.inbox = GlobalInbox(
@@ -509,7 +511,12 @@ class DumbDiLoCoCoordinator:
             owner = self.hub.read_owner(self.node_id)
             if self._collides(owner):
                 raise NodeIdCollisionError(self.node_id)
-            if (owner or {}).get("instance") != self.claim.instance or owner.get("state") != state:
+            if self.claim.held_elsewhere(owner):
+                self._watch_holder(owner)
+            other = (owner or {}).get("instance")
+            if other and other != self.claim.instance:
+                self._displaced = str(other)
+            if other != self.claim.instance or owner.get("state") != state:
                 self.hub.claim_owner(self.node_id, self.claim.record(**status))
             self.claim.claimed = True
         except NodeIdCollisionError:
@@ -517,6 +524,39 @@ class DumbDiLoCoCoordinator:
         except Exception as exc:
             self._fatal_if_permanent(exc, "cannot write to the exchange")
             self._say("warning", f"could not claim node_id {self.node_id}: {exc}")
+
+    def _watch_holder(self, owner: Mapping[str, Any]) -> None:
+        """Another host's node holds our id and had not finished: watch its files (up to
+        ``round_timeout``; a live node writes at every round). A change is a
+        `NodeIdCollisionError`; none means its instance is gone, and the id is taken over."""
+        holder = f"instance {owner.get('instance')} on host {owner.get('host', '?')}"
+        window = self.config.round_timeout
+        prefix = f"nodes/{self.node_id}/"
+        self._say(
+            "info",
+            f"node id {self.node_id!r} is held by {holder} (state {owner.get('state')}); "
+            f"watching its files for up to {window:.0f} s (distributed.round_timeout) before "
+            "taking the id over",
+        )
+
+        def files() -> dict[str, Any]:
+            return {p: i for p, i in self.hub.scan().files.items() if p.startswith(prefix)}
+
+        before, started = files(), time.monotonic()
+        while time.monotonic() - started < window and not self._interrupted.is_set():
+            self._beat = time.monotonic()
+            time.sleep(min(self.config.poll_interval, 1.0))
+            if files() != before:
+                waited = time.monotonic() - started
+                self._emit("node_id_collision", {"node_id": self.node_id})
+                raise NodeIdCollisionError(
+                    self.node_id, f"{holder} wrote to the exchange {waited:.1f} s into the watch"
+                )
+        self._say(
+            "info",
+            f"{holder} wrote nothing in {time.monotonic() - started:.1f} s; taking node id "
+            f"{self.node_id!r} over (that instance is gone)",
+        )
 
     def _collides(self, owner: Mapping[str, Any] | None) -> bool:
         other = self.claim.check(owner)
@@ -533,7 +573,16 @@ class DumbDiLoCoCoordinator:
     def _send(self, job: Contribution) -> int:
         """Upload one contribution with our status record (one commit); returns bytes."""
         with contextlib.suppress(TransportError):  # the upload below reports an outage
-            self._collides(self.hub.read_owner(self.node_id))
+            owner = self.hub.read_owner(self.node_id)
+            if self._displaced and (owner or {}).get("instance") == self._displaced:
+                # the instance this node took the id over from writes again: it is live, and
+                # this node is the later of the two (it stops; nothing of the other is lost)
+                self._emit("node_id_collision", {"node_id": self.node_id})
+                raise NodeIdCollisionError(
+                    self.node_id,
+                    f"instance {self._displaced} wrote again after this node took the id over",
+                )
+            self._collides(owner)
         status = {"state": "done", "final_round": job.round} if job.final else {"state": "training"}
         if job.delta is None:  # nothing left to contribute: only the done status
             record = self.claim.record(state="done", final_round=job.round)

@@ -4,8 +4,9 @@ A node claims its id at startup and re-writes the claim with every delta upload 
 commit); the claim also carries the node's round status (``training``, ``done``), which the
 master reads to know whom to wait for. Before each upload it reads the claim back: a
 different instance token there means another *live* process wrote it after us, which is a
-collision. A claim left by a dead
-incarnation (a restart) is simply taken over; the instance token is kept in
+collision. A claim left by a dead incarnation (a restart) is taken over: on this host when
+its pid is gone; from another host (a pid says nothing there) when that node's files did not
+change while this node watched them (``held_elsewhere``). The instance token is kept in
 ``<state_dir>/identity.json``, so a restart with the same state directory keeps its token.
 """
 
@@ -41,13 +42,16 @@ def resolve_node_id(configured: str | None, environ: Mapping[str, str]) -> str:
 
 class NodeIdCollisionError(ConfigError):
     """Another live node already uses this node's id, found when the node claims it at
-    startup (before it trains or writes anything): a configuration error, exit code 2."""
+    startup (before it trains or writes anything) or, for the later of two nodes, when the
+    earlier one writes again: a configuration error, exit code 2. ``detail`` says how it
+    was found."""
 
-    def __init__(self, node_id: str) -> None:
+    def __init__(self, node_id: str, detail: str = "") -> None:
+        found = f" ({detail})" if detail else ""
         super().__init__(
-            f"distributed.node_id: another live node already uses node id {node_id!r}; give "
-            "each worker a unique id (SPEEDTRONIC_NODE_ID, distributed.node_id, or a unique "
-            "hostname)"
+            f"distributed.node_id: another live node already uses node id {node_id!r}{found}; "
+            "give each worker a unique id (SPEEDTRONIC_NODE_ID, distributed.node_id, or a "
+            "unique hostname)"
         )
         self.node_id = node_id
 
@@ -65,10 +69,10 @@ def _pid_alive(pid: int) -> bool:
 class NodeClaim:
     """This process's claim on ``node_id`` in the repository."""
 
-    def __init__(self, node_id: str, role: str, state_dir: Path):
+    def __init__(self, node_id: str, role: str, state_dir: Path, host: str | None = None):
         self.node_id, self.role = node_id, role
         self.instance = self._instance_token(state_dir / "identity.json")
-        self.host = socket.gethostname()
+        self.host = host or socket.gethostname()
         self.claimed = False
         self.reported: set[str] = set()
 
@@ -113,3 +117,12 @@ class NodeClaim:
             self.reported.add(str(other))
             return str(other)
         return None
+
+    def held_elsewhere(self, owner: Mapping[str, Any] | None) -> bool:
+        """Whether ``owner`` is another instance's record, written on another host by a node
+        that has not finished: it may be live, and only its files can tell (a live node
+        writes at every round), see ``DumbDiLoCoCoordinator._claim``."""
+        other = owner.get("instance") if owner else None
+        if not other or other == self.instance or owner.get("host") == self.host:
+            return False
+        return owner.get("state") in ("training", "aggregator")

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from speedtronic.config.errors import ConfigError
 from speedtronic.diloco import tensors as T
 from speedtronic.diloco.mailbox import (
     Contribution,
@@ -147,6 +148,8 @@ class DiLoCoNode:
 
     def _raise_fatal(self) -> None:
         """An upload failed permanently (auth refused, path not writable): stop the node."""
+        if isinstance(self.fatal, ConfigError):  # e.g. a node id collision
+            raise self.fatal
         if self.fatal is not None:
             raise ExchangeError(
                 f"distributed.repo_id: the exchange refused an upload: {self.fatal}"
@@ -194,7 +197,8 @@ class DiLoCoNode:
         try:
             nbytes = self._send(job)
         except Exception as exc:
-            if isinstance(exc, TransportError) and exc.kind == "permanent":
+            permanent = isinstance(exc, TransportError) and exc.kind == "permanent"
+            if permanent or isinstance(exc, ConfigError):
                 self.fatal = exc  # raised on the training thread at its next step
             if job.delta is not None:
                 with self._lock:  # the whole contribution goes into the next one
