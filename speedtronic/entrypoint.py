@@ -60,7 +60,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from speedtronic.config import ConfigError, ResolvedConfig
-from speedtronic.diloco.identity import NodeIdCollisionError
+from speedtronic.diloco.identity import ExchangeAccessError, NodeIdCollisionError
 from speedtronic.metrics.logger import JsonLogFormatter
 from speedtronic.train.ranks import RankEnv, resolve_nproc, run_agent
 
@@ -444,7 +444,9 @@ def launch(
                 watchdog = _start_watchdog(config, state)
         restore_signals = install_stop_handlers(state.on_signal, is_stopping=state.stopping)
         show = _isatty(sys.stdout) if progress is None else progress
-        return _train(config, resume, state, registry, show and ranks.is_main, extra_hooks, ranks)
+        shown = show and ranks.is_main
+        token = sources.get("distributed.token")
+        return _train(config, resume, state, registry, shown, extra_hooks, ranks, token)
     finally:
         restore_signals()
         if watchdog is not None:
@@ -482,6 +484,7 @@ def _train(
     progress: bool,
     extra_hooks: Iterable[Any],
     ranks: RankEnv,
+    token_source: str | None = None,
 ) -> RunOutcome:
     trainer, _manager = _build(config, resume)
     parallel = getattr(trainer, "parallel", None)  # the node's ranks (None: one process)
@@ -506,6 +509,8 @@ def _train(
             return RunOutcome(0)
         try:
             result = trainer.fit()
+        except ExchangeAccessError as exc:  # exit 2: name where the token came from
+            raise exc.with_token_source(token_source) from None
         except Exception as exc:
             if state.stop_signal is not None and not isinstance(exc, ConfigError):
                 _LOG.exception("graceful stop failed")

@@ -68,6 +68,7 @@ class Proc:
         self.dir = tmp / name
         self.jsonl = self.dir / "events.jsonl"
         self.out = tmp / f"{name}.out"
+        self.repo = f"file://{tmp / 'exchange'}"
         self.proc: subprocess.Popen | None = None
 
     def start(self, resume: bool = False, node_id: str | None = None) -> Proc:
@@ -77,7 +78,7 @@ class Proc:
             *self.sets,
             f"distributed.role={self.role}",
             f"distributed.node_id={node_id or self.name}",
-            f"distributed.repo_id=file://{self.tmp / 'exchange'}",
+            f"distributed.repo_id={self.repo}",
             f"logging.json_file={self.jsonl}",
         ]
         for item in sets:
@@ -253,3 +254,46 @@ def test_the_same_node_id_on_a_second_host_exits_2_and_the_first_goes_on(tmp_pat
     included = _included(master)
     assert not _uploaded(first, "w") - set(included), _tails(master, first)
     assert _step_count(tmp_path).get("final") is True
+
+
+def test_hub_access_refused_exits_2_naming_the_repo_and_the_token_source(tmp_path):
+    """A token the Hub does not know (404 for the repository), a refused one (401) and a
+    read-only one (403 on the first write): each node exits 2 with one line that names the
+    repository and where its token came from, never the token."""
+    from hub_emulator_fixtures import TEST_TOKEN
+    from huggingface_hub import HfApi
+
+    from speedtronic.testing.hub_server import HubEmulator
+
+    unknown, refused, read_only = "hf_unknownTOKEN_1111", "hf_refusedTOKEN_2222", "hf_roTOKEN_3333"
+    hub = HubEmulator(
+        0, token=TEST_TOKEN, refused_tokens=[refused], read_only_tokens=[read_only]
+    ).start()
+    try:
+        secrets = tmp_path / "secrets"
+        secrets.mkdir()
+        (secrets / "hf_token").write_text(refused + "\n")
+        base = {"HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_TELEMETRY": "1"}
+        sets = [*_sets(10), "distributed.retry_attempts=2"]
+        cases = [  # (process, token, its source as the error names it)
+            (Proc(tmp_path, "w404", "worker", sets, _env({**base, "HF_TOKEN": unknown})),
+             unknown, "env:HF_TOKEN"),
+            (Proc(tmp_path, "m401", "master", sets,
+                  _env({**base, "SPEEDTRONIC_SECRETS_DIR": str(secrets)})),
+             refused, "secret:hf_token"),
+            (Proc(tmp_path, "w403", "worker", sets, _env({**base, "HF_TOKEN": read_only})),
+             read_only, "env:HF_TOKEN"),
+        ]  # fmt: skip
+        HfApi(endpoint=hub.url, token=TEST_TOKEN).create_repo("org/run", private=True)
+        for proc, _, _ in cases:
+            proc.repo = "org/run"
+            proc.start()
+        for proc, token, source in cases:
+            assert proc.wait(120, *(p for p, _, _ in cases)) == 2, _tails(proc)
+            output = proc.out.read_text()
+            errors = [line for line in output.splitlines() if line.startswith("error:")]
+            assert len(errors) == 1, _tails(proc)
+            assert "org/run" in errors[0] and source in errors[0], errors
+            assert token not in output, f"{proc.name} printed its token"
+    finally:
+        hub.stop()

@@ -30,12 +30,18 @@ import torch
 from speedtronic.checkpoint import atomic_write_bytes
 from speedtronic.diloco import tensors as T
 from speedtronic.diloco.exchange import build_transport
-from speedtronic.diloco.identity import NodeClaim, NodeIdCollisionError, resolve_node_id
+from speedtronic.diloco.identity import (
+    ExchangeAccessError,
+    NodeClaim,
+    NodeIdCollisionError,
+    resolve_node_id,
+)
 from speedtronic.diloco.mailbox import Contribution, GlobalCandidate, GlobalInbox
 from speedtronic.diloco.master import RoundMaster
 from speedtronic.diloco.node import DiLoCoNode
 from speedtronic.diloco.relay import Upstream
 from speedtronic.diloco.retry import (
+    AccessRefused,
     ExchangeError,
     TransportError,
     retry_policy_from_config,
@@ -359,10 +365,24 @@ class DumbDiLoCoCoordinator:
     def _fatal_if_permanent(self, exc: BaseException, what: str) -> None:
         """A permanent exchange error (auth refused, unusable path, invalid repo id) ends the
         node with exit code 2; an outage does not."""
+        if isinstance(exc, AccessRefused):
+            raise self._access_error(exc) from None
         if isinstance(exc, TransportError) and exc.kind == "permanent":
             raise ExchangeError(
                 scrub(f"distributed.repo_id: {what} {self.config.repo_id!r}: {exc}", (self._token,))
             ) from None
+
+    def _access_error(self, exc: AccessRefused) -> ExchangeAccessError:
+        """Exit 2: the exchange refused this node's token; names the repository (the
+        entrypoint adds where the token came from), never the token."""
+        message = (
+            f"distributed.repo_id: {self.config.repo_id!r} refused this node (HTTP "
+            f"{exc.status or '?'}): {exc}; check that distributed.token exists and may write "
+            "this repository"
+        )
+        return ExchangeAccessError(
+            scrub(message, (self._token,)), repo_id=str(self.config.repo_id), status=exc.status
+        )
 
     def _first_global(self) -> None:
         """Worker: the global to start from, before the first step.
@@ -584,26 +604,29 @@ class DumbDiLoCoCoordinator:
                 )
             self._collides(owner)
         status = {"state": "done", "final_round": job.round} if job.final else {"state": "training"}
-        if job.delta is None:  # nothing left to contribute: only the done status
-            record = self.claim.record(state="done", final_round=job.round)
-            self.hub.claim_owner(self.node_id, record)
-            nbytes = 0
-        else:
-            self.hub.upload_delta(
-                job.delta,
-                node_id=self.node_id,
-                round_index=job.round,
-                local_step=job.step,
-                base_outer_step=job.base,
-                dtype=self.config.delta_dtype,
-                metadata={
-                    "final": str(job.final).lower(),
-                    "run_id": job.run_id,
-                    "instance": self.claim.instance,
-                },
-                owner=self.claim.record(**status),
-            )
-            nbytes = int(self.hub.last_upload_bytes)
+        try:
+            if job.delta is None:  # nothing left to contribute: only the done status
+                record = self.claim.record(state="done", final_round=job.round)
+                self.hub.claim_owner(self.node_id, record)
+                nbytes = 0
+            else:
+                self.hub.upload_delta(
+                    job.delta,
+                    node_id=self.node_id,
+                    round_index=job.round,
+                    local_step=job.step,
+                    base_outer_step=job.base,
+                    dtype=self.config.delta_dtype,
+                    metadata={
+                        "final": str(job.final).lower(),
+                        "run_id": job.run_id,
+                        "instance": self.claim.instance,
+                    },
+                    owner=self.claim.record(**status),
+                )
+                nbytes = int(self.hub.last_upload_bytes)
+        except AccessRefused as exc:  # the node stops at its next step (exit 2)
+            raise self._access_error(exc) from None
         self.claim.claimed = True
         if self.master is not None:
             self.master.wake.set()

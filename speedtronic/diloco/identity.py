@@ -24,7 +24,7 @@ from typing import Any
 from speedtronic.config.errors import ConfigError
 from speedtronic.config.limits import check_node_id
 
-__all__ = ["NodeClaim", "NodeIdCollisionError", "resolve_node_id"]
+__all__ = ["ExchangeAccessError", "NodeClaim", "NodeIdCollisionError", "resolve_node_id"]
 
 _NODE_ENV = ("SPEEDTRONIC_NODE_ID", "HOSTNAME", "HF_USERNAME", "USER")
 
@@ -54,6 +54,24 @@ class NodeIdCollisionError(ConfigError):
             "unique hostname)"
         )
         self.node_id = node_id
+
+
+class ExchangeAccessError(ConfigError):
+    """The exchange refused this node's credentials (HTTP 401/403, or 404 for its own
+    repository): exit code 2. The message names the repository; the entrypoint, which knows
+    where the token came from, adds that (:meth:`with_token_source`). Never the token."""
+
+    def __init__(self, message: str, *, repo_id: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.repo_id, self.status = repo_id, status
+
+    def with_token_source(self, source: str | None) -> ExchangeAccessError:
+        """The same error, naming where ``distributed.token`` came from (``env:HF_TOKEN``,
+        ``secret:hf_token``, ``file``, ``cli``; None: no token was configured)."""
+        where = source or "nowhere: no token is set (distributed.token, HF_TOKEN, hf_token secret)"
+        return ExchangeAccessError(
+            f"{self}; the token came from {where}", repo_id=self.repo_id, status=self.status
+        )
 
 
 def _pid_alive(pid: int) -> bool:
