@@ -243,3 +243,54 @@ def test_outage_at_startup_does_not_hold_training(tmp_path):
     assert any("retry" in e for e in log.names())
     assert c.node.carry is not None
     c.stop()
+
+
+def _master(tmp_path, **kw):
+    return make(tmp_path, role="master", node_id="m", train=False, **kw)
+
+
+def test_finish_is_bounded_when_the_master_rounds_stall(tmp_path, monkeypatch):
+    """A master that waits for a node that never delivers, and whose rounds never close, ends
+    its wait after the bound with an error saying what it waited for and how long."""
+    import speedtronic.diloco.coordinator as coordinator_module
+
+    monkeypatch.setattr(coordinator_module, "STALL_MARGIN_S", 0.0)
+    c, _, _ = _master(tmp_path, round_timeout=0.2, drop_after=1)
+    c.start(0)
+    c.master.stop()  # its rounds stall: nothing ever closes
+    started = time.monotonic()
+    with pytest.raises(coordinator_module.RoundsStalledError, match=r"waited \d+ s .*final"):
+        c.finish()
+    assert time.monotonic() - started < 10
+    c.stop()
+
+
+def test_a_fatal_master_error_is_raised_on_the_training_thread_and_in_finish(tmp_path):
+    from speedtronic.diloco.retry import ExchangeError
+
+    c, model, _ = make(tmp_path, role="master", node_id="m", async_global_poll=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    c.attach(optimizer)
+    c.start(0)
+    c.master.stop()
+    c.master.fatal = ExchangeError("global/latest.safetensors: corrupt, and no local state")
+    model(torch.ones(1, 2)).sum().backward()
+    with pytest.raises(ExchangeError, match="corrupt"):
+        optimizer.step()
+    with pytest.raises(ExchangeError, match="corrupt"):
+        c.finish()
+    c.stop()
+
+
+def test_an_exchange_error_from_the_master_reconcile_is_not_a_warning(tmp_path, monkeypatch):
+    from speedtronic.diloco.retry import ExchangeError
+
+    c, _, _ = _master(tmp_path)
+
+    def unusable():
+        raise ExchangeError("global/latest.safetensors is corrupt and there is no local state")
+
+    monkeypatch.setattr(c.master, "reconcile", unusable)
+    with pytest.raises(ExchangeError, match="corrupt"):
+        c.start(0)
+    c.stop()

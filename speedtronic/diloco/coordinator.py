@@ -58,6 +58,10 @@ __all__ = [
 
 _LOG = logging.getLogger("speedtronic.diloco")
 
+# finish() waits for the master's final global while rounds close; with no new global for
+# (drop_after + 2) round lengths plus this margin, the rounds stalled (RoundsStalledError)
+STALL_MARGIN_S = 60.0
+
 
 def _distributed_section(config: Any) -> Any:
     from speedtronic.config import DistributedConfig, SpeedtronicConfig
@@ -487,7 +491,8 @@ class DumbDiLoCoCoordinator:
         """Wait while the master's rounds go on until it published the final global.
 
         The wait is bounded by progress: when no new global came for ``(drop_after + 2)``
-        times the longer of ``round_timeout`` and the longest round seen, plus a minute (a
+        times the longer of ``round_timeout`` and the longest round seen, plus
+        ``STALL_MARGIN_S`` (a
         silent node is dropped after ``drop_after`` round lengths, so the master had every
         chance to close), it is a :class:`RoundsStalledError`. A fatal error of the master's
         thread is raised here too."""
@@ -496,14 +501,15 @@ class DumbDiLoCoCoordinator:
         while not self.master.finished.is_set() and not self._interrupted.is_set():
             self._raise_master_fatal()
             now = self._beat = time.monotonic()
-            bound = (cfg.drop_after + 2) * max(cfg.round_timeout, self._longest_round) + 60.0
+            rounds = (cfg.drop_after + 2) * max(cfg.round_timeout, self._longest_round)
+            bound = rounds + STALL_MARGIN_S
             if now - self._global_at > bound:
                 raise RoundsStalledError(
                     f"the master waited {now - started:.0f} s for its final global and no round "
                     f"closed in the last {now - self._global_at:.0f} s (bound {bound:.0f} s: "
                     "distributed.drop_after + 2 rounds of distributed.round_timeout or the "
-                    "longest round, plus 60 s); its state is saved, a restart with --resume "
-                    "serves the open rounds again"
+                    f"longest round, plus {STALL_MARGIN_S:.0f} s); its state is saved, a "
+                    "restart with --resume serves the open rounds again"
                 )
             self.master.finished.wait(0.5)
         self._raise_master_fatal()
