@@ -16,7 +16,7 @@ from speedtronic.config.errors import ConfigError
 from speedtronic.diloco import master as master_module
 from speedtronic.diloco import tensors as T
 from speedtronic.diloco.master import IDENTITY_HEADERS
-from speedtronic.diloco.retry import ExchangeError
+from speedtronic.diloco.retry import AccessRefused, ExchangeError
 from speedtronic.diloco.transport import TransportError
 
 # -- identity headers and relay weights -----------------------------------------------------
@@ -205,6 +205,25 @@ def test_a_master_thread_stops_on_a_fatal_error_instead_of_looping(tmp_path, qui
         master.stop()
     assert isinstance(master.fatal, ExchangeError) and not master.finished.is_set()
     assert len([m for lvl, m in log.lines if "master round" in m]) == 0
+
+
+def test_a_master_thread_stops_when_the_exchange_refuses_its_token(tmp_path, monkeypatch):
+    """A token revoked mid-run (401/403, or 404 for the repository) is not an outage: the
+    thread stops with the error instead of retrying it forever, for the node to exit 2."""
+    master, t, _log = make_master(tmp_path, poll_interval=0.01)
+    master.poll_once()
+
+    def refused():
+        raise AccessRefused("repository org/r: the token is refused (HTTP 401)", status=401)
+
+    monkeypatch.setattr(t, "scan", refused)
+    master.start()
+    try:
+        wait_for(lambda: master.fatal is not None, 30.0, "the master's fatal error", interval=0.02)
+        wait_for(lambda: not master._thread.is_alive(), 30.0, "the master thread to end")
+    finally:
+        master.stop()
+    assert isinstance(master.fatal, AccessRefused) and not master.finished.is_set()
 
 
 # -- a loop that retries quietly -------------------------------------------------------------

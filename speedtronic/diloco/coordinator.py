@@ -261,6 +261,7 @@ class DumbDiLoCoCoordinator:
     def _raise_master_fatal(self) -> None:
         """The master thread met an error no retry fixes (it stopped): end the process."""
         if self.master is not None and self.master.fatal is not None:
+            self._fatal_if_permanent(self.master.fatal, "the master cannot use the exchange")
             raise self.master.fatal
 
     def wants_weights(self) -> bool:

@@ -51,7 +51,7 @@ import torch
 from speedtronic.diloco import tensors as T
 from speedtronic.diloco.outer_state import OuterStateStore, RoundState
 from speedtronic.diloco.reconcile import META, max_global_bytes, reconcile
-from speedtronic.diloco.retry import ExchangeError
+from speedtronic.diloco.retry import AccessRefused, ExchangeError
 from speedtronic.diloco.roster import IDENTITY_HEADERS, NodeView, Roster
 from speedtronic.diloco.transport import RemoteNotFound, RepoScan, TransportError
 
@@ -554,7 +554,8 @@ class RoundMaster:
         while not self._stop.is_set() and not self.finished.is_set():
             try:
                 closed = self.poll_once()
-            except ExchangeError as exc:  # no retry fixes it: the coordinator raises it
+            except (ExchangeError, AccessRefused) as exc:  # no retry fixes it: the
+                # coordinator raises it on the training thread (exit 2)
                 self._log.error(str(exc))
                 self.fatal = exc
                 return
