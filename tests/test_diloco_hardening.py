@@ -72,7 +72,7 @@ def test_a_sparse_giant_file_posing_as_a_delta_is_refused_unread(tmp_path):
         handle.truncate(3 << 30)
     reads = []
     original = t.local_copy
-    t.local_copy = lambda path: reads.append(path) or original(path)
+    t.local_copy = lambda path, **bound: reads.append(path) or original(path, **bound)
     assert master.poll_once() is False
     assert reads == [] and not giant.exists()
     assert any("more than a delta of this model" in m for lvl, m in log.lines)

@@ -103,7 +103,9 @@ def test_directory_writes_are_atomic(tmp_path):
         t._path("nodes/../../etc")
 
 
-def test_hub_wrong_token_is_not_found_and_never_echoed(tmp_path, hub_emulator):
+def test_hub_wrong_token_is_refused_and_never_echoed(tmp_path, hub_emulator):
+    """A token that cannot see the repository is a permanent refusal (issue 20; it was a
+    not-found the node retried forever), naming the repository, never the token."""
     from speedtronic.diloco.hub import HubClient
 
     good = HubClient("org/run", token=TEST_TOKEN, endpoint=hub_emulator.url, retry=fast_retry())
@@ -112,6 +114,8 @@ def test_hub_wrong_token_is_not_found_and_never_echoed(tmp_path, hub_emulator):
     bad = HubClient("org/run", token=bad_token, endpoint=hub_emulator.url, retry=fast_retry())
     with pytest.raises(TransportError) as info:
         bad.list_files()
+    assert info.value.kind == "permanent" and info.value.status == 404
+    assert "org/run" in str(info.value)
     assert bad_token not in str(info.value) and TEST_TOKEN not in str(info.value)
     assert bad_token not in repr(bad)
 
