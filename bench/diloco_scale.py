@@ -111,7 +111,7 @@ events = []
 master = RoundMaster(hub, state,
                      settings=_settings(cfg["poll"], cfg["expect"], cfg["leaders"]),
                      state_dir=Path(cfg["state_dir"]),
-                     emit=lambda e, p: events.append((e, p)))
+                     emit=lambda e, **fields: events.append((e, fields)))
 master.reconcile()
 idle = {{"peak_kib": peak_kib(), "cpu": time.process_time()}}
 deadline = time.monotonic() + cfg["timeout"]
@@ -229,7 +229,6 @@ def _leader(tmp: Path, name: str, endpoint: str, shapes: dict, members: int, pol
         node_id=name,
         settings=_settings(poll, members),
         record=lambda **status: {"instance": f"{name}-1", **status},
-        say=lambda level, message: None,
         stop=stop,
     )
     master = RoundMaster(
@@ -237,7 +236,7 @@ def _leader(tmp: Path, name: str, endpoint: str, shapes: dict, members: int, pol
         {k: torch.zeros(v) for k, v in shapes.items()},
         settings=_settings(poll, members),
         state_dir=tmp / f"state-{name}",
-        emit=lambda e, p: events.append((e, p)),
+        emit=lambda e, **fields: events.append((e, fields)),
         upstream=upstream,
     )
     master.events = events  # type: ignore[attr-defined]

@@ -4,12 +4,14 @@ with a worker in one process (through the end of the run), secrets, and a startu
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 
 import pytest
 import torch
 from hub_emulator_fixtures import fast_retry
+from test_diloco_master import lines
 
 from speedtronic.config import ConfigError, DistributedConfig
 from speedtronic.diloco.coordinator import DumbDiLoCoCoordinator
@@ -18,8 +20,11 @@ from speedtronic.diloco.identity import resolve_node_id
 
 
 class Log:
+    """The coordinator's metrics logger: its ``emit(event, payload)`` (lines go to the
+    ``speedtronic.diloco`` logger, read with :func:`lines`)."""
+
     def __init__(self):
-        self.events, self.lines = [], []
+        self.events = []
         self.lock = threading.Lock()
 
     def emit(self, event, payload):
@@ -29,19 +34,6 @@ class Log:
     def names(self):
         with self.lock:
             return [e for e, _ in self.events]
-
-    def _line(self, level, msg, *a):
-        with self.lock:
-            self.lines.append((level, msg % a if a else msg))
-
-    def info(self, msg, *a):
-        self._line("info", msg, *a)
-
-    def warning(self, msg, *a):
-        self._line("warning", msg, *a)
-
-    def error(self, msg, *a):
-        self._line("error", msg, *a)
 
 
 class BlockingTransport(DirectoryTransport):
@@ -115,7 +107,7 @@ def test_node_id_fallback_chain_and_path_safety():
             resolve_node_id(None, {"HOSTNAME": bad})
 
 
-def test_node_id_collision_is_reported(tmp_path):
+def test_node_id_collision_is_reported(tmp_path, caplog):
     hub_a = BlockingTransport(tmp_path / "repo")
     hub_a.release.set()
     a, model_a, log_a = make(
@@ -136,7 +128,8 @@ def test_node_id_collision_is_reported(tmp_path):
     nudge(model_a)
     a.after_optimizer_step(model_a, 1)  # a finds b's claim: b is alive
     assert ("node_id_collision", {"node_id": "w1"}) in log_a.events
-    assert any(lvl == "error" and "collision" in m for lvl, m in log_a.lines)
+    said = [m for lvl, m in lines(caplog) if lvl == "error" and "collision" in m]
+    assert any(b.claim.instance in m for m in said)  # a reported b's instance
     nudge(model_b)
     b.after_optimizer_step(model_b, 1)  # and b finds a's claim (written with a's upload)
     assert ("node_id_collision", {"node_id": "w1"}) in log_b.events
@@ -202,7 +195,8 @@ def test_pure_aggregator_and_a_worker_in_one_process_through_the_end(tmp_path):
     master.stop()
 
 
-def test_token_never_in_state_or_events(tmp_path):
+def test_token_never_in_state_or_events(tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, logger="speedtronic.diloco")
     token = "hf_SUPERsecret_token_value"
     hub = BlockingTransport(tmp_path / "repo")
     hub.release.set()
@@ -214,7 +208,7 @@ def test_token_never_in_state_or_events(tmp_path):
     nudge(model)
     c.after_optimizer_step(model, 1)
     c.stop()
-    blob = repr(c.state_dict()) + repr(log.events) + repr(log.lines)
+    blob = repr(c.state_dict()) + repr(log.events) + repr(lines(caplog))
     assert token not in blob and "delta_upload_failed" in log.names()
 
 

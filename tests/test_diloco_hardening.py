@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from hub_emulator_fixtures import TEST_TOKEN, fast_retry, hub_emulator  # noqa: F401
-from test_diloco_master import Log, deliver, join, make_master, published
+from test_diloco_master import Log, deliver, join, lines, make_master, published
 
 from speedtronic.config import ConfigError, DistributedConfig
 from speedtronic.diloco import tensors as T
@@ -30,8 +30,8 @@ from speedtronic.diloco.transport import GLOBAL_STEP, TransportError
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_huge_finite_deltas_are_refused_and_the_global_stays_finite(tmp_path):
-    master, t, log = make_master(tmp_path)
+def test_huge_finite_deltas_are_refused_and_the_global_stays_finite(tmp_path, caplog):
+    master, t, _ = make_master(tmp_path)
     join(t, "a")
     join(t, "b")
     master.poll_once()
@@ -40,7 +40,7 @@ def test_huge_finite_deltas_are_refused_and_the_global_stays_finite(tmp_path):
     assert master.poll_once() is False  # nothing usable: no round, nothing published
     assert published(t) == [0.0, 0.0]
     assert t.delta_paths() == []  # refused files are pruned, never read again
-    warned = " ".join(m for lvl, m in log.lines if lvl == "warning")
+    warned = " ".join(m for lvl, m in lines(caplog) if lvl == "warning")
     assert "beyond the bound" in warned
     deliver(t, "a", 1, [1.0, 1.0])  # the nodes' next contributions still count
     deliver(t, "b", 1, [3.0, 3.0])
@@ -50,20 +50,20 @@ def test_huge_finite_deltas_are_refused_and_the_global_stays_finite(tmp_path):
     assert master.poll_once() is True and published(t) == [-2.0, -3.0]
 
 
-def test_an_outer_step_that_would_leave_the_global_non_finite_is_undone(tmp_path):
+def test_an_outer_step_that_would_leave_the_global_non_finite_is_undone(tmp_path, caplog):
     start = torch.full((2,), 3.0e38)
-    master, t, log = make_master(tmp_path, state={"w": start.clone()})
+    master, t, _ = make_master(tmp_path, state={"w": start.clone()})
     join(t, "a")
     master.poll_once()
     deliver(t, "a", 0, [-9.0e3, 1.0])  # a valid delta ...
     master.state.optimizer.lr = 1.0e35  # ... and an outer lr large enough to overflow the step
     assert master.poll_once() is False
     assert master.outer_step == 0 and torch.equal(t.read_global()["w"], start)
-    assert any("non-finite" in m for lvl, m in log.lines if lvl == "warning")
+    assert any("non-finite" in m for lvl, m in lines(caplog) if lvl == "warning")
 
 
-def test_a_sparse_giant_file_posing_as_a_delta_is_refused_unread(tmp_path):
-    master, t, log = make_master(tmp_path)
+def test_a_sparse_giant_file_posing_as_a_delta_is_refused_unread(tmp_path, caplog):
+    master, t, _ = make_master(tmp_path)
     join(t, "a")
     master.poll_once()
     deliver(t, "a", 0, [1.0, 1.0])
@@ -75,7 +75,7 @@ def test_a_sparse_giant_file_posing_as_a_delta_is_refused_unread(tmp_path):
     t.local_copy = lambda path, **bound: reads.append(path) or original(path, **bound)
     assert master.poll_once() is False
     assert reads == [] and not giant.exists()
-    assert any("more than a delta of this model" in m for lvl, m in log.lines)
+    assert any("more than a delta of this model" in m for lvl, m in lines(caplog))
 
 
 def test_integer_and_boolean_tensors_are_not_deltas():
@@ -85,8 +85,8 @@ def test_integer_and_boolean_tensors_are_not_deltas():
             T.delta_from_bytes(data)
 
 
-def test_contribution_identity_rules(tmp_path):
-    master, t, log = make_master(tmp_path)
+def test_contribution_identity_rules(tmp_path, caplog):
+    master, t, _ = make_master(tmp_path)
     t.claim_owner("a", {"instance": "a-1", "state": "training"})
     master.poll_once()
 
@@ -105,14 +105,14 @@ def test_contribution_identity_rules(tmp_path):
     plant(0, [7.0, 7.0], node_id="b")  # a header that names another node
     master.poll_once()
     assert published(t) == [0.0, 0.0] and master.outer_step == 0
-    warned = " ".join(m for lvl, m in log.lines if lvl == "warning")
+    warned = " ".join(m for lvl, m in lines(caplog) if lvl == "warning")
     assert "never published" in warned and "instance someone-else" in warned
     assert "another node" in warned
     plant(0, [1.0, 1.0], instance="a-1")
     assert master.poll_once() is True and published(t) == [-1.0, -1.0]
     plant(1, [1.0, 1.0], instance="a-1")  # the same values again, under a new round
     assert master.poll_once() is False and published(t) == [-1.0, -1.0]
-    assert any("same values" in m for lvl, m in log.lines)
+    assert any("same values" in m for lvl, m in lines(caplog))
 
 
 def test_a_nan_global_is_refused_by_workers_and_by_a_master_without_state(tmp_path):
@@ -152,17 +152,17 @@ def test_a_nan_global_is_refused_by_workers_and_by_a_master_without_state(tmp_pa
     assert t.global_metadata().outer_step == 4
 
 
-def test_a_master_with_state_republishes_over_a_nan_global(tmp_path):
-    master, t, log = make_master(tmp_path)
+def test_a_master_with_state_republishes_over_a_nan_global(tmp_path, caplog):
+    master, t, _ = make_master(tmp_path)
     join(t, "a")
     master.poll_once()
     deliver(t, "a", 0, [1.0, 1.0])
     master.poll_once()
     t.publish_global({"w": torch.tensor([float("nan"), 0.0]), "n": torch.tensor(3)}, outer_step=7)
-    again, _, log = make_master(tmp_path, transport=t)
+    again, _, _ = make_master(tmp_path, transport=t)
     again.reconcile()
     assert published(t) == [-1.0, -1.0] and t.global_metadata().outer_step == 1
-    assert any("non-finite" in m for lvl, m in log.lines if lvl == "error")
+    assert any("non-finite" in m for lvl, m in lines(caplog) if lvl == "error")
 
 
 def test_a_torn_publish_is_repaired_from_the_weights_own_header(tmp_path):

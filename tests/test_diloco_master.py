@@ -20,23 +20,26 @@ from speedtronic.diloco.transport import TransportError
 
 
 class Log:
+    """Events, from a master's ``emit(event, **fields)`` or as a coordinator's metrics logger
+    (``emit(event, payload)``); lines are read with :func:`lines`."""
+
     def __init__(self):
-        self.events, self.lines = [], []
+        self.events = []
 
-    def emit(self, event, payload):
-        self.events.append((event, dict(payload)))
-
-    def info(self, msg, *a):
-        self.lines.append(("info", msg % a if a else msg))
-
-    def warning(self, msg, *a):
-        self.lines.append(("warning", msg % a if a else msg))
-
-    def error(self, msg, *a):
-        self.lines.append(("error", msg % a if a else msg))
+    def emit(self, event, payload=None, /, **fields):
+        self.events.append((event, {**(payload or {}), **fields}))
 
     def of(self, name):
         return [p for e, p in self.events if e == name]
+
+
+def lines(caplog):
+    """The ``speedtronic.diloco`` logger's lines so far, as (level, message)."""
+    return [
+        (r.levelname.lower(), r.getMessage())
+        for r in caplog.records
+        if r.name == "speedtronic.diloco"
+    ]
 
 
 class Clock:
@@ -73,7 +76,6 @@ def make_master(tmp_path, transport=None, state=None, clock=None, **overrides):
         settings=settings(**overrides),
         state_dir=tmp_path / "state",
         emit=log.emit,
-        log=log,
         on_final=lambda step, state: finals.append((step, state["w"].tolist())),
         clock=clock or Clock(),
     )
@@ -155,7 +157,7 @@ def test_timeout_closes_without_the_straggler_who_is_folded_in_next_round(tmp_pa
     assert t.read_ledger() == {"a": 1, "b": 1}
 
 
-def test_too_late_is_dropped_and_replays_are_never_counted_twice(tmp_path):
+def test_too_late_is_dropped_and_replays_are_never_counted_twice(tmp_path, caplog):
     clock = Clock()
     master, t, log = make_master(tmp_path, clock=clock, max_staleness=0)
     join(t, "a")
@@ -173,7 +175,7 @@ def test_too_late_is_dropped_and_replays_are_never_counted_twice(tmp_path):
     assert event["deltas_stale"] == 1 and event["included"] == ["a/1", "b/1"]
     assert published(t) == [-2.5, -2.5]  # the stale contribution changed nothing
     assert path not in t.list_files()
-    assert any("1 rounds late" in m for lvl, m in log.lines if lvl == "warning")
+    assert any("1 rounds late" in m for lvl, m in lines(caplog) if lvl == "warning")
     # a replay of an aggregated contribution (a restarted node re-sending) is pruned, not counted
     replay = deliver(t, "a", 1, [50.0, 50.0])
     deliver(t, "a", 2, [1.0, 1.0])
@@ -285,7 +287,7 @@ def test_restart_mid_round_loses_nothing_and_counts_nothing_twice(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "lost"])
-def test_damaged_local_state_rebuilds_from_the_published_ledger(tmp_path, damage):
+def test_damaged_local_state_rebuilds_from_the_published_ledger(tmp_path, damage, caplog):
     master, t, _ = make_master(tmp_path, outer_momentum=0.9)
     join(t, "a")
     master.poll_once()
@@ -298,18 +300,18 @@ def test_damaged_local_state_rebuilds_from_the_published_ledger(tmp_path, damage
         for path in (tmp_path / "state").iterdir():
             path.unlink()
     deliver(t, "a", 0, [0.1, 0.2])  # its prune was lost: still in the repository
-    rebuilt, _, log = make_master(
+    rebuilt, _, _ = make_master(
         tmp_path, transport=t, state={"w": torch.ones(2), "n": torch.tensor(3)}
     )
     if damage == "corrupt":
-        assert any(lvl == "error" and "corrupt local outer state" in m for lvl, m in log.lines)
+        assert any(lvl == "error" and "corrupt local outer state" in m for lvl, m in lines(caplog))
         assert list((tmp_path / "state").glob("*.corrupt-*"))
     assert rebuilt.poll_once() is False  # adopted; the replay is recognised by the ledger
     assert published(t) == before and rebuilt.ledger == {"a": 0}
     assert t.delta_paths() == []
 
 
-def test_corrupt_delta_is_counted_once_and_pruned(tmp_path):
+def test_corrupt_delta_is_counted_once_and_pruned(tmp_path, caplog):
     master, t, log = make_master(tmp_path)
     join(t, "a")
     master.poll_once()
@@ -318,7 +320,7 @@ def test_corrupt_delta_is_counted_once_and_pruned(tmp_path):
     assert master.poll_once() is True
     assert published(t) == [-1.0, -1.0]
     assert log.of("outer_step")[-1]["deltas_corrupt"] == 1
-    assert any("nodes/bad/delta_0.safetensors" in m for lvl, m in log.lines if lvl == "warning")
+    assert any("nodes/bad/delta_0.safetensors" in m for lvl, m in lines(caplog) if lvl == "warning")
     assert "nodes/bad/delta_0.safetensors" not in t.list_files()  # never read again
     deliver(t, "a", 1, [2.0, 2.0])
     master.poll_once()
@@ -390,7 +392,7 @@ def test_pure_aggregator_record_is_not_waited_for(tmp_path):
     assert master.poll_once() is True
 
 
-def test_a_fresh_master_starts_a_new_run_over_a_finished_one(tmp_path):
+def test_a_fresh_master_starts_a_new_run_over_a_finished_one(tmp_path, caplog):
     master, t, _ = make_master(tmp_path)
     join(t, "a")
     master.poll_once()
@@ -398,7 +400,7 @@ def test_a_fresh_master_starts_a_new_run_over_a_finished_one(tmp_path):
     master.poll_once()
     assert t.global_metadata().final and t.global_metadata().outer_step == 1
     # the same exchange again, with a master that starts training from scratch
-    again, _, log = make_master(tmp_path, transport=t)
+    again, _, _ = make_master(tmp_path, transport=t)
     again.fresh = True
     join(t, "b")
     again.poll_once()
@@ -406,7 +408,7 @@ def test_a_fresh_master_starts_a_new_run_over_a_finished_one(tmp_path):
     assert meta.outer_step == 0 and not meta.final and published(t) == [0.0, 0.0]
     assert t.read_ledger() == {} and t.read_owner("a") is None  # a's done record is gone
     assert t.read_owner("b")["state"] == "training"
-    assert any("starting a new run" in m for lvl, m in log.lines if lvl == "warning")
+    assert any("starting a new run" in m for lvl, m in lines(caplog) if lvl == "warning")
     deliver(t, "b", 0, [2.0, 2.0])
     assert again.poll_once() is True and published(t) == [-2.0, -2.0]
 
@@ -422,7 +424,7 @@ def test_a_resuming_master_continues_a_finished_run_as_is(tmp_path):
     assert again.outer_step == 1 and t.global_metadata().final
 
 
-def test_contributions_of_another_run_are_dropped(tmp_path):
+def test_contributions_of_another_run_are_dropped(tmp_path, caplog):
     master, t, log = make_master(tmp_path)
     join(t, "a")
     join(t, "b")
@@ -435,7 +437,7 @@ def test_contributions_of_another_run_are_dropped(tmp_path):
     event = log.of("outer_step")[-1]
     assert event["included"] == ["a/0"] and event["dropped"] == ["b/0"]
     assert published(t) == [-1.0, -1.0] and stray not in t.list_files()
-    assert any("another run" in m for lvl, m in log.lines if lvl == "warning")
+    assert any("another run" in m for lvl, m in lines(caplog) if lvl == "warning")
     deliver(t, "b", 1, [1.0, 1.0])  # the same node, now in this run
     deliver(t, "a", 1, [1.0, 1.0])
     assert master.poll_once() is True and published(t) == [-2.0, -2.0]

@@ -5,12 +5,13 @@ that neither spins nor floods the log. RoundMaster over a shared-directory excha
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 import pytest
 import torch
 from process_support import wait_for
-from test_diloco_master import Clock, deliver, join, make_master, published
+from test_diloco_master import Clock, deliver, join, lines, make_master, published
 
 from speedtronic.config.errors import ConfigError
 from speedtronic.diloco import master as master_module
@@ -43,7 +44,9 @@ def _plant(t, node, round, values, *, drop=(), **extra):
 
 
 @pytest.mark.parametrize("missing", IDENTITY_HEADERS)
-def test_a_contribution_missing_an_identity_header_is_refused_and_counted(tmp_path, missing):
+def test_a_contribution_missing_an_identity_header_is_refused_and_counted(
+    tmp_path, missing, caplog
+):
     master, t, log = make_master(tmp_path)
     join(t, "a")
     join(t, "b")
@@ -54,10 +57,10 @@ def test_a_contribution_missing_an_identity_header_is_refused_and_counted(tmp_pa
     event = log.of("outer_step")[-1]
     assert event["included"] == ["a/0"] and event["deltas_corrupt"] == 1
     assert published(t) == [-1.0, -1.0] and bad not in t.list_files()
-    assert any(missing in m and bad in m for lvl, m in log.lines if lvl == "warning")
+    assert any(missing in m and bad in m for lvl, m in lines(caplog) if lvl == "warning")
 
 
-def test_weight_counts_only_from_a_configured_relay_leader(tmp_path):
+def test_weight_counts_only_from_a_configured_relay_leader(tmp_path, caplog):
     master, t, log = make_master(tmp_path, relay_leaders=["leader"])
     for node in ("leader", "solo", "cheat"):
         join(t, node)
@@ -70,7 +73,7 @@ def test_weight_counts_only_from_a_configured_relay_leader(tmp_path):
     assert event["included"] == ["leader/0", "solo/0"] and event["deltas_corrupt"] == 1
     assert published(t) == [-2.0, -2.0]  # (3 * 1 + 1 * 5) / 4: the leader's weight counted
     assert cheat not in t.list_files()
-    assert any("relay_leaders" in m for lvl, m in log.lines if lvl == "warning")
+    assert any("relay_leaders" in m for lvl, m in lines(caplog) if lvl == "warning")
 
 
 def test_relay_leaders_is_validated():
@@ -176,7 +179,9 @@ def test_an_unusable_global_and_no_local_state_is_one_typed_error(tmp_path, dama
 
 
 @pytest.mark.parametrize("damage", ["garbage", "non-finite"])
-def test_an_unusable_global_is_replaced_by_the_masters_own_state(tmp_path, damage, quick_reads):
+def test_an_unusable_global_is_replaced_by_the_masters_own_state(
+    tmp_path, damage, quick_reads, caplog
+):
     state = {"w": torch.zeros(2, dtype=torch.float16)}
     master, t, _ = make_master(tmp_path, state=state)
     join(t, "a")
@@ -187,15 +192,15 @@ def test_an_unusable_global_is_replaced_by_the_masters_own_state(tmp_path, damag
         _plant_global(t, {"w": torch.zeros(2, dtype=torch.float16)}, garbage=True)
     else:
         _plant_global(t, {"w": torch.tensor([1e5, 0.0])})
-    again, _, log = make_master(tmp_path, transport=t, state=state)
+    again, _, _ = make_master(tmp_path, transport=t, state=state)
     assert again.poll_once() is False
     assert again.outer_step == 1 and t.global_metadata().outer_step == 1
     assert published(t) == [-1.0, -2.0]
-    assert any(lvl == "error" and "unusable" in m for lvl, m in log.lines)
+    assert any(lvl == "error" and "unusable" in m for lvl, m in lines(caplog))
 
 
-def test_a_master_thread_stops_on_a_fatal_error_instead_of_looping(tmp_path, quick_reads):
-    master, t, log = make_master(tmp_path, poll_interval=0.01)
+def test_a_master_thread_stops_on_a_fatal_error_instead_of_looping(tmp_path, quick_reads, caplog):
+    master, t, _ = make_master(tmp_path, poll_interval=0.01)
     _plant_global(t, {"w": torch.zeros(2), "n": torch.tensor(3)}, garbage=True)
     master.start()
     try:
@@ -204,13 +209,13 @@ def test_a_master_thread_stops_on_a_fatal_error_instead_of_looping(tmp_path, qui
     finally:
         master.stop()
     assert isinstance(master.fatal, ExchangeError) and not master.finished.is_set()
-    assert len([m for lvl, m in log.lines if "master round" in m]) == 0
+    assert len([m for lvl, m in lines(caplog) if "master round" in m]) == 0
 
 
 def test_a_master_thread_stops_when_the_exchange_refuses_its_token(tmp_path, monkeypatch):
     """A token revoked mid-run (401/403, or 404 for the repository) is not an outage: the
     thread stops with the error instead of retrying it forever, for the node to exit 2."""
-    master, t, _log = make_master(tmp_path, poll_interval=0.01)
+    master, t, _ = make_master(tmp_path, poll_interval=0.01)
     master.poll_once()
 
     def refused():
@@ -229,8 +234,9 @@ def test_a_master_thread_stops_when_the_exchange_refuses_its_token(tmp_path, mon
 # -- a loop that retries quietly -------------------------------------------------------------
 
 
-def test_a_failure_that_repeats_is_logged_once_then_every_so_often(tmp_path, monkeypatch):
-    master, t, log = make_master(tmp_path, poll_interval=0.01)
+def test_a_failure_that_repeats_is_logged_once_then_every_so_often(tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="speedtronic.diloco")  # the recovery line is INFO
+    master, t, _ = make_master(tmp_path, poll_interval=0.01)
     master.poll_once()
     polls = []
     original = t.scan
@@ -243,14 +249,16 @@ def test_a_failure_that_repeats_is_logged_once_then_every_so_often(tmp_path, mon
     master.start()
     try:
         wait_for(lambda: len(polls) >= 40, 60.0, "40 failed polls", interval=0.02)
-        failing = [m for lvl, m in log.lines if "master round" in m]
+        failing = [m for lvl, m in lines(caplog) if "master round" in m]
         assert len(failing) == 1 and "hub down" in failing[0]  # not a line per poll
         monkeypatch.setattr(master_module, "FAILURE_LOG_SECONDS", 0.0)
         count = len(polls)
         wait_for(lambda: len(polls) >= count + 2, 60.0, "two more failed polls", interval=0.02)
-        assert any("still failing after" in m for lvl, m in log.lines)
+        assert any("still failing after" in m for lvl, m in lines(caplog))
         t.scan = original
-        wait_for(lambda: any("works again" in m for lvl, m in log.lines), 60.0, "the recovery line")
+        wait_for(
+            lambda: any("works again" in m for lvl, m in lines(caplog)), 60.0, "the recovery line"
+        )
     finally:
         master.stop()
     assert master.fatal is None

@@ -30,7 +30,7 @@ def _master(tmp, name, transport, upstream=None, **settings):
         {"w": torch.zeros(3)},
         settings=_settings(**settings),
         state_dir=tmp / f"state-{name}",
-        emit=lambda e, p: events.append((e, p)),
+        emit=lambda e, **fields: events.append((e, fields)),
         upstream=upstream,
     )
     master.events = events
@@ -67,7 +67,6 @@ def test_groups_give_every_node_the_same_weight_and_cut_top_level_commits(tmp_pa
             node_id=name,
             settings=_settings(),
             record=lambda **status: {"instance": "leader", **status},
-            say=lambda level, message: None,
             stop=threading.Event(),
         )
         groups[name] = (exchange, _master(tmp_path, name, exchange, upstream))

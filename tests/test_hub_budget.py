@@ -61,7 +61,7 @@ def test_a_budgeted_hub_returns_429_and_every_contribution_is_aggregated_once(tm
             {"w": torch.zeros(4)},
             settings=DistributedConfig(outer_lr=1.0, outer_momentum=0.0, round_timeout=30.0),
             state_dir=tmp_path / "state",
-            emit=lambda e, p: events.append((e, p)),
+            emit=lambda e, **fields: events.append((e, fields)),
         )
         hub.create_repo()
         master.reconcile()

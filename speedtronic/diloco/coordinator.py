@@ -3,9 +3,15 @@
 The trainer sees one object (its ``SyncCoordinator``): it attaches it to the inner optimizer
 and calls ``start`` / ``finish`` (the run reached its target) / ``stop``. What happens in a
 round lives in two modules: :mod:`.node` (the node side, hooked on ``optimizer.step``) and
-:mod:`.master` (the master's round, on its own thread). This module builds them from the
-``distributed`` config section, owns the node's identity claim and status record, the
-startup (repository, first global), the final directory, and the checkpointed state.
+:mod:`.master` (the master's round, on its own thread); what a node reads from and writes to
+the exchange (its identity claim, uploads, globals, the first global) in :mod:`.link`. This
+module builds them from the ``distributed`` config section and owns the order of startup,
+the end of the run, the final directory and the checkpointed state.
+
+Reporting: every DiLoCo class logs to the ``speedtronic.diloco`` logger and reports events
+through one ``emit(event, **fields)``, which the coordinator builds from its ``logger`` (the
+metrics logger). The token never appears in either: string fields are scrubbed, and while the
+coordinator runs a filter on the logger scrubs every line.
 
 Roles: ``worker`` trains and contributes; ``master`` also runs the master's round (and trains
 unless ``distributed.train`` is false, which makes it a pure aggregator).
@@ -15,38 +21,26 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from speedtronic.checkpoint import atomic_write_bytes
 from speedtronic.diloco import tensors as T
 from speedtronic.diloco.exchange import build_transport
-from speedtronic.diloco.identity import (
-    ExchangeAccessError,
-    NodeClaim,
-    NodeIdCollisionError,
-    resolve_node_id,
-)
+from speedtronic.diloco.identity import NodeClaim, resolve_node_id
+from speedtronic.diloco.link import NodeLink
 from speedtronic.diloco.mailbox import Contribution, GlobalCandidate, GlobalInbox
 from speedtronic.diloco.master import RoundMaster
 from speedtronic.diloco.node import DiLoCoNode
+from speedtronic.diloco.outer_state import write_final
 from speedtronic.diloco.relay import Upstream
-from speedtronic.diloco.retry import (
-    AccessRefused,
-    ExchangeError,
-    TransportError,
-    retry_policy_from_config,
-    scrub,
-)
+from speedtronic.diloco.retry import ExchangeError, retry_policy_from_config, scrub
 
 __all__ = [
     "DumbDiLoCo",
@@ -75,6 +69,22 @@ def _distributed_section(config: Any) -> Any:
     return config
 
 
+class _ScrubToken(logging.Filter):
+    """Replaces the token, in every form it can take (:func:`scrub`), in each line of the
+    logger it is added to."""
+
+    def __init__(self, token: str | None):
+        super().__init__()
+        self.secrets = (token,)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        clean = scrub(message, self.secrets)
+        if clean != message:
+            record.msg, record.args = clean, ()
+        return True
+
+
 class RoundsStalledError(RuntimeError):
     """The master's rounds made no progress for longer than any round may take (exit 1: a
     restart resumes them)."""
@@ -83,8 +93,10 @@ class RoundsStalledError(RuntimeError):
 class DumbDiLoCoCoordinator:
     """One node's DiLoCo participation (see the module docstring).
 
-    ``config`` is the ``distributed`` section (or a whole config); ``hub`` a transport (built
-    from ``repo_id`` when None); ``state_dir`` the base of this node's local state (the node id
+    ``config`` is the ``distributed`` section (or a whole config); ``hub`` the exchange's
+    store (built from ``repo_id`` when None); ``logger`` receives the events (its
+    ``emit(event, payload)``; without one, they are lines of the ``speedtronic.diloco``
+    logger); ``state_dir`` the base of this node's local state (the node id
     is appended). ``evaluate(state)`` scores a global (master only); ``final_dir`` receives the
     final global as ``model.safetensors`` + ``config.yaml`` + ``meta.json``; ``run_config``
     is the redacted config written there.
@@ -107,6 +119,7 @@ class DumbDiLoCoCoordinator:
         self.model = model
         self.logger = logger if logger is not None else _LOG
         self._token = cfg.token
+        self._scrubber = _ScrubToken(cfg.token)
         self.node_id = resolve_node_id(cfg.node_id, environ or os.environ)
         self.role = cfg.role if cfg.role != "single" else ("master" if cfg.repo_id else "worker")
         self.trains = cfg.train or self.role != "master"
@@ -116,24 +129,30 @@ class DumbDiLoCoCoordinator:
             hub = build_transport(cfg, retry)
         elif getattr(hub, "retry", None) is not None and hub.retry.on_retry is None:
             hub.retry.on_retry = self._on_retry
-        self.hub = hub
+        self.store = hub
         self.state_dir = Path(state_dir or cfg.state_dir) / self.node_id
         self.state_dir.mkdir(parents=True, exist_ok=True)
         host = (environ or os.environ).get("HOSTNAME") or None  # a container's or pod's name
         self.claim = NodeClaim(self.node_id, self.role, self.state_dir, host=host)
-        self._displaced = ""  # the instance whose record this node took over at its claim
+        self._interrupted = threading.Event()
+        values = sum(v.numel() for v in model.state_dict().values())
+        self.link = NodeLink(
+            hub,
+            cfg,
+            claim=self.claim,
+            max_bytes=4 * values + (1 << 20),
+            interrupted=self._interrupted,
+            emit=self._emit,
+        )
         self.final_dir = Path(final_dir) if final_dir is not None else None
         self.run_config = dict(run_config or {})
         self.inbox = GlobalInbox(
-            None if self.role == "master" else self._fetch,
+            None if self.role == "master" else self.link.fetch,
             interval=cfg.poll_interval,
             threaded=cfg.async_global_poll,
-            say=self._say,
         )
         self.node = (
-            DiLoCoNode(
-                cfg, model, send=self._send, inbox=self.inbox, emit=self._emit, say=self._say
-            )
+            DiLoCoNode(cfg, model, send=self._send, inbox=self.inbox, emit=self._emit)
             if self.trains
             else None
         )
@@ -146,21 +165,18 @@ class DumbDiLoCoCoordinator:
                 settings=cfg,
                 state_dir=self.state_dir,
                 emit=self._emit,
-                log=self.logger,
                 on_global=self._offer,
                 evaluate=None if cfg.relay_to else evaluate,
                 on_final=self._write_final,
                 upstream=self._upstream(cfg) if cfg.relay_to else None,
             )
         self._prepared: Mapping[str, Any] | None = None
-        self._refused = ""  # checksum of a published global this node refused
         self._run_ended: str | None = None  # why this node has no run to take part in
         self._master_hook: Any = None  # raises the master thread's fatal error on each step
         self._global_at = time.monotonic()  # when the last global was handed to this process
         self._longest_round = 0.0  # the longest time between two globals seen here
         self._started = False
         self._ready = False
-        self._interrupted = threading.Event()
         self._beat = time.monotonic()
 
     def _upstream(self, cfg: Any) -> Upstream:
@@ -173,14 +189,15 @@ class DumbDiLoCoCoordinator:
             node_id=self.node_id,
             settings=cfg,
             record=self.claim.record,
-            say=self._say,
             stop=self._halt,
         )
 
     # -- reporting ---------------------------------------------------------------------------
-    def _emit(self, event: str, payload: dict[str, Any]) -> None:
+    def _emit(self, event: str, /, **fields: Any) -> None:
+        """The one ``emit`` every DiLoCo object reports through: string fields scrubbed of
+        the token, handed to the metrics logger's ``emit(event, payload)``."""
         clean = {
-            k: scrub(v, (self._token,)) if isinstance(v, str) else v for k, v in payload.items()
+            k: scrub(v, (self._token,)) if isinstance(v, str) else v for k, v in fields.items()
         }
         emit = getattr(self.logger, "emit", None)
         if callable(emit):
@@ -188,18 +205,13 @@ class DumbDiLoCoCoordinator:
         else:
             self.logger.info("%s %s", event, clean)
 
-    def _say(self, level: str, message: str) -> None:
-        getattr(self.logger, level)(scrub(message, (self._token,)))
-
     def _on_retry(self, operation: str, attempt: int, error: str) -> None:
         self._emit(
             "transport_retry",
-            {
-                "operation": operation.split(" ")[0],
-                "detail": operation,
-                "attempt": attempt,
-                "error": error,
-            },
+            operation=operation.split(" ")[0],
+            detail=operation,
+            attempt=attempt,
+            error=error,
         )
 
     # -- read-only state ---------------------------------------------------------------------
@@ -224,7 +236,7 @@ class DumbDiLoCoCoordinator:
     def last_heartbeat(self) -> float:
         """``time.monotonic()`` of the last sign of life (also while waiting for a global)."""
         node = self.node.last_heartbeat if self.node is not None else 0.0
-        return max(node, self._beat)
+        return max(node, self._beat, self.link.beat)
 
     @property
     def run_ended(self) -> str | None:
@@ -261,7 +273,7 @@ class DumbDiLoCoCoordinator:
     def _raise_master_fatal(self) -> None:
         """The master thread met an error no retry fixes (it stopped): end the process."""
         if self.master is not None and self.master.fatal is not None:
-            self._fatal_if_permanent(self.master.fatal, "the master cannot use the exchange")
+            self.link.raise_if_permanent(self.master.fatal, "the master cannot use the exchange")
             raise self.master.fatal
 
     def wants_weights(self) -> bool:
@@ -295,6 +307,8 @@ class DumbDiLoCoCoordinator:
         """Claim the node id, set up the repository (master) and install the first global."""
         if self._started:
             return
+        if self._scrubber not in _LOG.filters:
+            _LOG.addFilter(self._scrubber)  # removed at stop()
         pending = self._apply_prepared()
         if self.node is not None and step is not None and self._prepared_step is None:
             self.node.step = int(step)
@@ -303,14 +317,18 @@ class DumbDiLoCoCoordinator:
         with self._quick_retries():  # an outage must not hold training at startup
             if self.master is not None:
                 self._create_exchange()
-                self._claim()
+                self.link.claim_id(**self._status())
                 self._start_master()
             else:  # a worker claims its id only once it found a run to take part in
-                self._first_global()
-                if self._run_ended is not None:
+                resumed = self.node.installed >= 0
+                candidate, ended = self.link.first_global(self.node.run_id, resumed)
+                if ended:
+                    self._end_run(ended)
                     self._started = True
                     return
-                self._claim()
+                if candidate is not None:
+                    self.inbox.offer(candidate)
+                self.link.claim_id(**self._status())
         if self.node is not None:
             if self.node.may_merge():  # start the round from the current global
                 self.node.merge_waiting()
@@ -321,20 +339,27 @@ class DumbDiLoCoCoordinator:
         if self.master is not None:
             self.master.start()
         self._started = True
-        self._say(
-            "info",
+        _LOG.info(
             f"DumbDiLoCo started role={self.role} node_id={self.node_id} "
-            f"global_step={self.last_global_step} sync={self.config.sync}",
+            f"global_step={self.last_global_step} sync={self.config.sync}"
         )
         self._emit(
             "diloco_started",
-            {"role": self.role, "node_id": self.node_id, "global_step": self.last_global_step},
+            role=self.role,
+            node_id=self.node_id,
+            global_step=self.last_global_step,
         )
+
+    def _status(self) -> dict[str, Any]:
+        """The status record this node claims its id with at startup."""
+        if self.node is not None and self.node.done:  # resumed after its last contribution
+            return {"state": "done", "final_round": self.node.last_round}
+        return {"state": "training" if self.trains else "aggregator"}
 
     @contextlib.contextmanager
     def _quick_retries(self) -> Iterator[None]:
         """At most two attempts per call during startup; the threads retry fully later."""
-        retry = getattr(self.hub, "retry", None)
+        retry = getattr(self.store, "retry", None)
         saved = getattr(retry, "attempts", None)
         if saved is not None:
             retry.attempts = min(saved, 2)
@@ -347,132 +372,31 @@ class DumbDiLoCoCoordinator:
     def _create_exchange(self) -> None:
         """The master creates the repository (private) before anything is written to it."""
         try:
-            self.hub.create_repo(private=True)
+            self.store.create_repo(private=True)
         except Exception as exc:
-            self._fatal_if_permanent(exc, "cannot create the exchange")
-            self._say("warning", f"master repository initialization failed; continuing: {exc}")
+            self.link.raise_if_permanent(exc, "cannot create the exchange")
+            _LOG.warning(f"master repository initialization failed; continuing: {exc}")
 
     def _start_master(self) -> None:
         for name in self.config.collaborators:
             try:
-                self.hub.add_collaborator(name, permission="write")
+                self.store.add_collaborator(name, permission="write")
             except Exception as exc:
-                self._say("warning", f"could not grant write access to {name}: {exc}")
+                _LOG.warning(f"could not grant write access to {name}: {exc}")
         try:
             self.master.reconcile()
         except ExchangeError:
             raise  # an unusable exchange (e.g. a corrupt global and no local state): exit 2
         except Exception as exc:
-            self._fatal_if_permanent(exc, "cannot use the exchange")
-            self._say("warning", f"master could not reconcile with the repository yet: {exc}")
+            self.link.raise_if_permanent(exc, "cannot use the exchange")
+            _LOG.warning(f"master could not reconcile with the repository yet: {exc}")
         self._ready = True
-
-    def _fatal_if_permanent(self, exc: BaseException, what: str) -> None:
-        """A permanent exchange error (auth refused, unusable path, invalid repo id) ends the
-        node with exit code 2; an outage does not."""
-        if isinstance(exc, AccessRefused):
-            raise self._access_error(exc) from None
-        if isinstance(exc, TransportError) and exc.kind == "permanent":
-            raise ExchangeError(
-                scrub(f"distributed.repo_id: {what} {self.config.repo_id!r}: {exc}", (self._token,))
-            ) from None
-
-    def _access_error(self, exc: AccessRefused) -> ExchangeAccessError:
-        """Exit 2: the exchange refused this node's token; names the repository (the
-        entrypoint adds where the token came from), never the token."""
-        message = (
-            f"distributed.repo_id: {self.config.repo_id!r} refused this node (HTTP "
-            f"{exc.status or '?'}): {exc}; check that distributed.token exists and may write "
-            "this repository"
-        )
-        return ExchangeAccessError(
-            scrub(message, (self._token,)), repo_id=str(self.config.repo_id), status=exc.status
-        )
-
-    def _first_global(self) -> None:
-        """Worker: the global to start from, before the first step.
-
-        A global marked final ends a run. A node resumed into that run has nothing left to do
-        (:attr:`run_ended`, at once). Any other node never trains from it: it waits (at most
-        ``round_timeout``) for the first global of a new run, and when none comes, its run
-        has ended too. With no global at all, a fresh node waits as long for the master's
-        first one, then trains from its own weights; a resumed node goes on from its
-        checkpointed round.
-        """
-        assert self.node is not None
-        try:
-            candidate = self._fetch((-1, ""))
-        except Exception as exc:
-            self._fatal_if_permanent(exc, "cannot read from the exchange")
-            self._say("warning", f"initial global read failed; will retry: {exc}")
-            candidate = None
-        timeout = self.config.round_timeout
-        if candidate is not None and candidate.final:
-            old = f"outer step {candidate.outer_step}, run {candidate.run_id or '?'}"
-            if self.node.run_id and candidate.run_id == self.node.run_id:
-                self._end_run(
-                    f"this node's run already ended: the exchange holds its final global "
-                    f"({old}); nothing left to contribute"
-                )
-                return
-            self._say(
-                "info",
-                f"the exchange holds the final global of a finished run ({old}); not training "
-                f"from it: waiting up to {timeout:.0f} s (distributed.round_timeout) for the "
-                "first global of a new run",
-            )
-            candidate, waited = self._wait_for_global((candidate.outer_step, candidate.run_id))
-            if candidate is None:
-                if not self._interrupted.is_set():
-                    self._end_run(
-                        f"the run on the exchange already ended (final global: {old}) and no "
-                        f"new run started within {waited:.1f} s of waiting; nothing to join"
-                    )
-                return
-        elif candidate is None:
-            if self.node.installed >= 0:
-                return  # resumed: continue from the checkpointed round
-            self._say(
-                "info",
-                f"waiting up to {timeout:.0f} s (distributed.round_timeout) for the master's "
-                "first global state",
-            )
-            candidate, waited = self._wait_for_global((-1, ""))
-            if candidate is None:
-                if not self._interrupted.is_set():
-                    self._say(
-                        "warning",
-                        f"no global state was published within {waited:.1f} s of waiting; "
-                        "training from local weights (the first global is merged when it "
-                        "arrives)",
-                    )
-                return
-        self.inbox.offer(candidate)
-
-    def _wait_for_global(self, seen: tuple[int, str]) -> tuple[GlobalCandidate | None, float]:
-        """Poll (at most ``round_timeout``, interruptible) for a published global other than
-        ``seen`` that is not final; returns it (None: none came) and the seconds waited."""
-        started = time.monotonic()
-        deadline = started + self.config.round_timeout
-        while not self._interrupted.is_set() and time.monotonic() < deadline:
-            self._beat = time.monotonic()
-            time.sleep(min(self.config.poll_interval, 1.0, max(deadline - time.monotonic(), 0)))
-            try:
-                candidate = self._fetch(seen)
-            except Exception as exc:
-                self._fatal_if_permanent(exc, "cannot read from the exchange")
-                candidate = None
-            if candidate is not None and candidate.final:
-                seen, candidate = (candidate.outer_step, candidate.run_id), None
-            if candidate is not None:
-                return candidate, time.monotonic() - started
-        return None, time.monotonic() - started
 
     def _end_run(self, why: str) -> None:
         """This node has no run to take part in: one line, and the trainer stops (exit 0)."""
         self._run_ended = why
-        self._say("warning", why)
-        self._emit("diloco_run_ended", {"node_id": self.node_id, "reason": why})
+        _LOG.warning(why)
+        self._emit("diloco_run_ended", node_id=self.node_id, reason=why)
 
     def finish(self) -> None:
         """The run reached its target: the node's last contribution and ``done`` status;
@@ -518,153 +442,20 @@ class DumbDiLoCoCoordinator:
     def stop(self) -> None:
         """Let an upload in flight finish (bounded), stop the threads."""
         if self.node is not None and not self.node.stop():
-            self._say("warning", "an upload was still in flight at stop; it is in the checkpoint")
+            _LOG.warning("an upload was still in flight at stop; it is in the checkpoint")
         self.inbox.stop(self.config.delta_upload_shutdown_timeout)
         if self.master is not None:
             self._halt.set()  # a relay waiting for the top level stops waiting
             self.master.stop()
         self._started = False
-
-    # -- transport calls ---------------------------------------------------------------------
-    def _claim(self) -> None:
-        """Write our claim/status record; another live node holding the id is a
-        `NodeIdCollisionError`, raised before this node writes anything."""
-        state = "training" if self.trains else "aggregator"
-        status: dict[str, Any] = {"state": state}
-        if self.node is not None and self.node.done:  # resumed after its last contribution
-            state = "done"
-            status = {"state": state, "final_round": self.node.last_round}
-        try:
-            owner = self.hub.read_owner(self.node_id)
-            if self._collides(owner):
-                raise NodeIdCollisionError(self.node_id)
-            if self.claim.held_elsewhere(owner):
-                self._watch_holder(owner)
-            other = (owner or {}).get("instance")
-            if other and other != self.claim.instance:
-                self._displaced = str(other)
-            if other != self.claim.instance or owner.get("state") != state:
-                self.hub.claim_owner(self.node_id, self.claim.record(**status))
-            self.claim.claimed = True
-        except NodeIdCollisionError:
-            raise
-        except Exception as exc:
-            self._fatal_if_permanent(exc, "cannot write to the exchange")
-            self._say("warning", f"could not claim node_id {self.node_id}: {exc}")
-
-    def _watch_holder(self, owner: Mapping[str, Any]) -> None:
-        """Another host's node holds our id and had not finished: watch its files (up to
-        ``round_timeout``; a live node writes at every round). A change is a
-        `NodeIdCollisionError`; none means its instance is gone, and the id is taken over."""
-        holder = f"instance {owner.get('instance')} on host {owner.get('host', '?')}"
-        window = self.config.round_timeout
-        prefix = f"nodes/{self.node_id}/"
-        self._say(
-            "info",
-            f"node id {self.node_id!r} is held by {holder} (state {owner.get('state')}); "
-            f"watching its files for up to {window:.0f} s (distributed.round_timeout) before "
-            "taking the id over",
-        )
-
-        def files() -> dict[str, Any]:
-            return {p: i for p, i in self.hub.scan().files.items() if p.startswith(prefix)}
-
-        before, started = files(), time.monotonic()
-        while time.monotonic() - started < window and not self._interrupted.is_set():
-            self._beat = time.monotonic()
-            time.sleep(min(self.config.poll_interval, 1.0))
-            if files() != before:
-                waited = time.monotonic() - started
-                self._emit("node_id_collision", {"node_id": self.node_id})
-                raise NodeIdCollisionError(
-                    self.node_id, f"{holder} wrote to the exchange {waited:.1f} s into the watch"
-                )
-        self._say(
-            "info",
-            f"{holder} wrote nothing in {time.monotonic() - started:.1f} s; taking node id "
-            f"{self.node_id!r} over (that instance is gone)",
-        )
-
-    def _collides(self, owner: Mapping[str, Any] | None) -> bool:
-        other = self.claim.check(owner)
-        if other is None:
-            return False
-        self._say(
-            "error",
-            f"node_id collision: another live node uses node_id {self.node_id!r} (instance "
-            f"{other}); give each node a unique distributed.node_id",
-        )
-        self._emit("node_id_collision", {"node_id": self.node_id})
-        return True
+        _LOG.removeFilter(self._scrubber)
 
     def _send(self, job: Contribution) -> int:
-        """Upload one contribution with our status record (one commit); returns bytes."""
-        with contextlib.suppress(TransportError):  # the upload below reports an outage
-            owner = self.hub.read_owner(self.node_id)
-            if self._displaced and (owner or {}).get("instance") == self._displaced:
-                # the instance this node took the id over from writes again: it is live, and
-                # this node is the later of the two (it stops; nothing of the other is lost)
-                self._emit("node_id_collision", {"node_id": self.node_id})
-                raise NodeIdCollisionError(
-                    self.node_id,
-                    f"instance {self._displaced} wrote again after this node took the id over",
-                )
-            self._collides(owner)
-        status = {"state": "done", "final_round": job.round} if job.final else {"state": "training"}
-        try:
-            if job.delta is None:  # nothing left to contribute: only the done status
-                record = self.claim.record(state="done", final_round=job.round)
-                self.hub.claim_owner(self.node_id, record)
-                nbytes = 0
-            else:
-                self.hub.upload_delta(
-                    job.delta,
-                    node_id=self.node_id,
-                    round_index=job.round,
-                    local_step=job.step,
-                    base_outer_step=job.base,
-                    dtype=self.config.delta_dtype,
-                    metadata={
-                        "final": str(job.final).lower(),
-                        "run_id": job.run_id,
-                        "instance": self.claim.instance,
-                    },
-                    owner=self.claim.record(**status),
-                )
-                nbytes = int(self.hub.last_upload_bytes)
-        except AccessRefused as exc:  # the node stops at its next step (exit 2)
-            raise self._access_error(exc) from None
-        self.claim.claimed = True
+        """The node's upload (see :meth:`NodeLink.send`); a local master looks at once."""
+        nbytes = self.link.send(job)
         if self.master is not None:
             self.master.wake.set()
         return nbytes
-
-    def _fetch(self, seen: tuple[int, str]) -> GlobalCandidate | None:
-        """The published global when it is new; a refused one (too large, non-finite) is
-        reported once and not downloaded again."""
-        started = time.perf_counter()
-        metadata = self.hub.global_metadata()
-        if metadata is None or (metadata.outer_step, metadata.run_id) == seen:
-            return None
-        if metadata.sha256 and metadata.sha256 == self._refused:
-            return None
-        values = sum(v.numel() for v in self.model.state_dict().values())
-        try:
-            metadata, state = self.hub.fetch_global(metadata, max_bytes=4 * values + (1 << 20))
-        except TransportError as exc:
-            if exc.kind != "permanent":
-                raise
-            self._refused = metadata.sha256
-            self._say("error", f"refusing the published global: {exc}")
-            self._emit("global_rejected", {"outer_step": metadata.outer_step, "error": str(exc)})
-            return None
-        return GlobalCandidate(
-            metadata.outer_step,
-            state,
-            time.perf_counter() - started,
-            metadata.final,
-            metadata.run_id,
-        )
 
     def _offer(self, outer_step: int, state: dict[str, torch.Tensor]) -> None:
         now = time.monotonic()
@@ -677,25 +468,14 @@ class DumbDiLoCoCoordinator:
         """``final/``: the final global, the redacted config and what produced it."""
         if self.final_dir is None:
             return
-        import yaml
-
-        directory = self.final_dir
-        T.save_safetensors(state, directory / "model.safetensors")
-        atomic_write_bytes(
-            yaml.safe_dump(self.run_config, sort_keys=False).encode("utf-8"),
-            directory / "config.yaml",
-        )
         meta = {
             "outer_step": outer_step,
             "step": outer_step * self.config.inner_steps,  # node steps behind this global
             "node_id": self.node_id,
             "ledger": dict(sorted(self.master.ledger.items())) if self.master else {},
-            "written_at": datetime.now(timezone.utc).isoformat(),
         }
-        atomic_write_bytes(
-            (json.dumps(meta, indent=2) + "\n").encode("utf-8"), directory / "meta.json"
-        )
-        self._emit("diloco_final", {"outer_step": outer_step, "path": str(directory)})
+        write_final(self.final_dir, state, meta=meta, run_config=self.run_config)
+        self._emit("diloco_final", outer_step=outer_step, path=str(self.final_dir))
 
     # -- checkpointed state ---------------------------------------------------------------
     _prepared_step: int | None = None

@@ -6,20 +6,33 @@ master or fetched by polling) and the one-at-a-time uploader (see :mod:`speedtro
 from __future__ import annotations
 
 import dataclasses
+import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from speedtronic.diloco import tensors as T
 
-__all__ = ["Contribution", "Emit", "GlobalCandidate", "GlobalInbox", "Say", "Uploader"]
+__all__ = ["Contribution", "Emit", "GlobalCandidate", "GlobalInbox", "Uploader", "ignore"]
 
-Emit = Callable[[str, dict[str, Any]], None]
-Say = Callable[[str, str], None]
+_LOG = logging.getLogger("speedtronic.diloco")
+
+
+class Emit(Protocol):
+    """The one structured reporting channel: ``emit("event_name", field=value, ...)``.
+
+    Event names and fields are a public contract (the Prometheus sink and docs/metrics.md
+    read them); log lines go to the ``speedtronic.diloco`` logger instead."""
+
+    def __call__(self, event: str, /, **fields: Any) -> None: ...
+
+
+def ignore(event: str, /, **fields: Any) -> None:
+    """An :class:`Emit` that reports nothing (the default where nobody listens)."""
 
 
 @dataclasses.dataclass
@@ -84,12 +97,10 @@ class GlobalInbox:
         *,
         interval: float,
         threaded: bool,
-        say: Say,
     ):
         self._fetch = fetch
         self.interval = interval
         self.threaded = threaded and fetch is not None
-        self._say = say
         self._cond = threading.Condition()
         self._candidate: GlobalCandidate | None = None
         self._seen = (-1, "")  # (outer step, run id) of the newest global offered or fetched
@@ -142,7 +153,7 @@ class GlobalInbox:
         try:
             candidate = self._fetch(self._seen)  # type: ignore[misc]
         except Exception as exc:
-            self._say("warning", f"global poll failed; retrying at the next poll: {exc}")
+            _LOG.warning(f"global poll failed; retrying at the next poll: {exc}")
             return
         if candidate is not None:
             self.offer(candidate)

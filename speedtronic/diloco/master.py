@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from speedtronic.diloco import tensors as T
+from speedtronic.diloco.mailbox import Emit, ignore
 from speedtronic.diloco.outer_state import OuterStateStore, RoundState
 from speedtronic.diloco.reconcile import META, max_global_bytes, reconcile
 from speedtronic.diloco.retry import AccessRefused, ExchangeError
@@ -85,7 +86,8 @@ class RoundMaster:
     (the local node's inbox); ``evaluate(state)`` returns an object with ``loss``,
     ``perplexity``, ``tokens`` (or None); ``on_final(step, state)`` runs once after the final
     global was published; ``upstream`` makes this master a group leader that relays its
-    rounds (:mod:`speedtronic.diloco.relay`).
+    rounds (:mod:`speedtronic.diloco.relay`). ``emit`` reports rounds, joins, drops and
+    evaluations; lines go to the ``speedtronic.diloco`` logger.
     """
 
     def __init__(
@@ -95,8 +97,7 @@ class RoundMaster:
         *,
         settings: Any,
         state_dir: str | os.PathLike,
-        emit: Callable[[str, dict[str, Any]], None],
-        log: Any = None,
+        emit: Emit = ignore,
         on_global: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
         evaluate: Callable[[dict[str, torch.Tensor]], Any] | None = None,
         on_final: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
@@ -113,8 +114,7 @@ class RoundMaster:
         self.reconciled = False
         self.fatal: Exception | None = None  # an error no retry fixes; the thread stopped
         self._emit = emit
-        self._log = log or _LOG
-        self.roster = Roster(lambda node_id: self.store.read_owner(node_id), emit, self._log)
+        self.roster = Roster(lambda node_id: self.store.read_owner(node_id), emit)
         self.on_global = on_global
         self.evaluate = evaluate
         self.on_final = on_final
@@ -169,7 +169,7 @@ class RoundMaster:
         try:
             saved = self.outer_files.load(self.state)
         except ValueError as exc:
-            self._log.error(
+            _LOG.error(
                 f"corrupt local outer state in {self.outer_files.state_dir} ({exc}); "
                 "moved aside, rebuilding from the published global state"
             )
@@ -182,7 +182,7 @@ class RoundMaster:
             self.outer_files.save(self.state)
             self.has_local_state = True
         except OSError as exc:
-            self._log.warning(f"could not persist local outer state: {exc}")
+            _LOG.warning(f"could not persist local outer state: {exc}")
 
     def reconcile(self) -> None:
         """Agree with the exchange once (:mod:`speedtronic.diloco.reconcile`; a group leader
@@ -198,7 +198,6 @@ class RoundMaster:
                 trusted=self.has_local_state,
                 fresh=self.fresh,
                 new_run=self._new_run,
-                log=self._log,
             )
         with self._lock:
             self.state = state
@@ -208,7 +207,7 @@ class RoundMaster:
         report = self.outer_files.take_pending(self.outer_step, self.run_id)
         if report is not None:  # published by this master, never reported (killed, or lost reply)
             self._reset_tally()
-            self._emit("outer_step", {**report, "recovered": True})
+            self._emit("outer_step", **{**report, "recovered": True})
         if self._handed != self.outer_step:  # a re-reconcile after a failed publish may not move
             self._opened = self._clock()
             self._hand_over(T.cpu_state_dict(self.global_state))
@@ -289,7 +288,7 @@ class RoundMaster:
                     self._dropped.append(f"{node_id}/{round}")
                     with self._lock:
                         self.ledger[node_id] = max(self.ledger.get(node_id, -1), round)
-                    self._log.warning(
+                    _LOG.warning(
                         f"dropping the contribution of {node_id} to round {round}: "
                         f"{open_round - round} rounds late (max_staleness "
                         f"{self.settings.max_staleness})"
@@ -313,7 +312,7 @@ class RoundMaster:
         """A contribution file that cannot be used: counted corrupt and pruned unread."""
         self._prune.add(path)
         self._counts["corrupt"] += 1
-        self._log.warning(f"dropping delta {path}: {why}")
+        _LOG.warning(f"dropping delta {path}: {why}")
 
     def _heard(self, node_id: str, now: float) -> None:
         if self._first_arrival is None:
@@ -407,8 +406,7 @@ class RoundMaster:
         self._first_arrival = None
         self._reset_tally()
         self._emit(
-            "outer_step",
-            {**report, "seconds": time.perf_counter() - started, "round_seconds": length},
+            "outer_step", **report, seconds=time.perf_counter() - started, round_seconds=length
         )
         self.outer_files.clear_pending()
         self._after_publish(final)
@@ -466,7 +464,7 @@ class RoundMaster:
                     self._prune.add(path)
                     self._counts["stale"] += 1
                     self._dropped.append(f"{node_id}/{round}")
-                    self._log.warning(f"dropping {path}: it belongs to another run ({run})")
+                    _LOG.warning(f"dropping {path}: it belongs to another run ({run})")
                     continue
                 readers.append((round, path, reader, weight))
                 fold.digests[node_id] = digest
@@ -493,14 +491,12 @@ class RoundMaster:
             if result is not None:
                 self._emit(
                     "eval",
-                    {
-                        "scope": "global",
-                        "outer_step": self.outer_step,
-                        "step": self.outer_step * self.settings.inner_steps,
-                        "loss": result.loss,
-                        "perplexity": result.perplexity,
-                        "tokens": result.tokens,
-                    },
+                    scope="global",
+                    outer_step=self.outer_step,
+                    step=self.outer_step * self.settings.inner_steps,
+                    loss=result.loss,
+                    perplexity=result.perplexity,
+                    tokens=result.tokens,
                 )
         if final:
             self._finalize(state)
@@ -510,7 +506,7 @@ class RoundMaster:
             self.store.prune(sorted(self._prune))
             self._prune.clear()
         except TransportError as exc:
-            self._log.warning(f"could not prune consumed deltas: {exc}")
+            _LOG.warning(f"could not prune consumed deltas: {exc}")
 
     def _finish(self) -> None:
         """Every node is done and nothing is left: mark the published global final (a group
@@ -528,14 +524,14 @@ class RoundMaster:
         )
         # files refused after the last round (e.g. written once every node was done) are
         # reported here, or they would never be counted
-        self._emit("final_global", {"outer_step": state.outer_step, **self._tally()})
+        self._emit("final_global", outer_step=state.outer_step, **self._tally())
         self._reset_tally()
         self._finalize(T.cpu_state_dict(state.global_state))
 
     def _finalize(self, state: dict[str, torch.Tensor]) -> None:
         if self.on_final is not None:
             self.on_final(self.outer_step, state)
-        self._log.info(f"final global published at outer step {self.outer_step}")
+        _LOG.info(f"final global published at outer step {self.outer_step}")
         self.finished.set()
 
     # -- the thread ---------------------------------------------------------------------------
@@ -550,13 +546,13 @@ class RoundMaster:
         self._thread.start()
 
     def _loop(self) -> None:
-        trouble = _Trouble(self._log)
+        trouble = _Trouble()
         while not self._stop.is_set() and not self.finished.is_set():
             try:
                 closed = self.poll_once()
             except (ExchangeError, AccessRefused) as exc:  # no retry fixes it: the
                 # coordinator raises it on the training thread (exit 2)
-                self._log.error(str(exc))
+                _LOG.error(str(exc))
                 self.fatal = exc
                 return
             except TransportError as exc:
@@ -589,14 +585,14 @@ class _Trouble:
     """The master loop's failures: the first of a kind is logged, then while the same kind
     (exception class) repeats, one line per ``FAILURE_LOG_SECONDS`` saying for how long."""
 
-    def __init__(self, log: Any, clock: Callable[[], float] = time.monotonic):
-        self._log, self._clock = log, clock
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
         self._kind: str | None = None
         self._since = self._said = 0.0
 
     def failed(self, level: str, exc: BaseException) -> None:
         now, kind = self._clock(), type(exc).__name__
-        say = getattr(self._log, level)
+        say = getattr(_LOG, level)
         if kind != self._kind:
             self._kind, self._since, self._said = kind, now, now
             say(f"master round failed ({kind}); retrying at every poll: {exc}")
@@ -606,5 +602,5 @@ class _Trouble:
 
     def recovered(self) -> None:
         if self._kind is not None:
-            self._log.info(f"master round works again after {self._clock() - self._since:.0f} s")
+            _LOG.info(f"master round works again after {self._clock() - self._since:.0f} s")
             self._kind = None

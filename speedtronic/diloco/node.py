@@ -27,6 +27,7 @@ crash of the training loop.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -41,12 +42,14 @@ from speedtronic.diloco.mailbox import (
     Emit,
     GlobalCandidate,
     GlobalInbox,
-    Say,
     Uploader,
+    ignore,
 )
 from speedtronic.diloco.retry import ExchangeError, TransportError
 
 __all__ = ["Contribution", "DiLoCoNode", "GlobalCandidate", "GlobalInbox"]
+
+_LOG = logging.getLogger("speedtronic.diloco")
 
 # The final contribution has no next round to be carried into: finish() sends it this many
 # times (each with the transport's own retries) before it gives up and says so.
@@ -57,7 +60,8 @@ class DiLoCoNode:
     """The round of one node (see the module docstring).
 
     ``send(contribution)`` performs the upload (raising on failure); ``inbox`` delivers new
-    globals; ``emit``/``say`` report events and log lines. ``settings`` is the ``distributed``
+    globals; ``emit`` reports events (log lines go to the ``speedtronic.diloco`` logger).
+    ``settings`` is the ``distributed``
     config section (``inner_steps``, ``sync``, ``round_timeout``, ``reset_inner_optimizer``,
     ``async_delta_upload``, ``delta_upload_shutdown_timeout``).
     """
@@ -69,14 +73,12 @@ class DiLoCoNode:
         *,
         send: Callable[[Contribution], int],
         inbox: GlobalInbox,
-        emit: Emit,
-        say: Say,
+        emit: Emit = ignore,
     ):
         self.settings = settings
         self.model = model
         self.inbox = inbox
         self._emit = emit
-        self._say = say
         self._send = send
         threaded = settings.sync == "overlapped" and settings.async_delta_upload
         self.uploads = Uploader(self._upload, threaded=threaded)
@@ -174,7 +176,7 @@ class DiLoCoNode:
             self.anchor = current
             self.inner = 0
         if T.is_all_zero(delta):
-            self._emit("delta_upload_zero", {"step": self.step})
+            self._emit("delta_upload_zero", step=self.step)
             if final:
                 self.uploads.submit(self._done_record())
             return merged
@@ -207,27 +209,22 @@ class DiLoCoNode:
                         if self.carry is None
                         else {k: v + self.carry[k] for k, v in job.delta.items()}
                     )
-            self._say(
-                "warning",
-                f"delta upload for round {job.round} failed; carried to the next one: {exc}",
+            _LOG.warning(
+                f"delta upload for round {job.round} failed; carried to the next one: {exc}"
             )
-            self._emit(
-                "delta_upload_failed", {"step": job.step, "round": job.round, "error": str(exc)}
-            )
+            self._emit("delta_upload_failed", step=job.step, round=job.round, error=str(exc))
             return
         with self._lock:
             self.last_round = max(self.last_round, job.round)
         if job.delta is not None:
             self._emit(
                 "delta_uploaded",
-                {
-                    "step": job.step,
-                    "round": job.round,
-                    "base_outer_step": job.base,
-                    "bytes": nbytes,
-                    "seconds": time.perf_counter() - started,
-                    "final": job.final,
-                },
+                step=job.step,
+                round=job.round,
+                base_outer_step=job.base,
+                bytes=nbytes,
+                seconds=time.perf_counter() - started,
+                final=job.final,
             )
 
     # -- globals ------------------------------------------------------------------------
@@ -260,11 +257,10 @@ class DiLoCoNode:
             self.inbox.wait(min(0.5, deadline - now))
         waited = time.monotonic() - started
         timed_out = self.installed < round
-        self._emit("sync_wait", {"outer_step": round, "seconds": waited, "timed_out": timed_out})
+        self._emit("sync_wait", outer_step=round, seconds=waited, timed_out=timed_out)
         # a new run (reported by merge) or a stop request ends the wait without a timeout
         if timed_out and self.run_id == run and not self.interrupted.is_set():
-            self._say(
-                "warning",
+            _LOG.warning(
                 f"global {round} did not arrive within {waited:.1f} s of waiting (bound "
                 f"{timeout:.0f} s from distributed.round_timeout); training on (it is merged "
                 "when it arrives)",
@@ -303,8 +299,7 @@ class DiLoCoNode:
         """
         self._check_fits(candidate)
         if self._new_run(candidate):
-            self._say(
-                "warning",
+            _LOG.warning(
                 f"a new run started on the exchange (global {candidate.outer_step}, run "
                 f"{candidate.run_id or '?'}); restarting the round count from it",
             )
@@ -337,7 +332,9 @@ class DiLoCoNode:
             reset() if callable(reset) else self.optimizer.state.clear()
         self._emit(
             "global_pulled",
-            {"outer_step": candidate.outer_step, "seconds": candidate.seconds, "step": self.step},
+            outer_step=candidate.outer_step,
+            seconds=candidate.seconds,
+            step=self.step,
         )
 
     # -- end of run -----------------------------------------------------------------------
@@ -354,8 +351,7 @@ class DiLoCoNode:
                     break
                 self._boundary(final=True)
             if self.carry is not None:
-                self._say(
-                    "error",
+                _LOG.error(
                     f"the final contribution could not be uploaded after "
                     f"{FINAL_UPLOAD_ATTEMPTS} attempts; it is in this node's checkpoint",
                 )
@@ -397,7 +393,7 @@ class DiLoCoNode:
         """Restore a checkpointed state; returns the contribution that was still in flight
         (the caller sends it again: the master recognises a replay by its round)."""
         if state.get("format") != "speedtronic-diloco-node/2":
-            self._say("warning", "checkpoint holds DiLoCo state of another format; ignored")
+            _LOG.warning("checkpoint holds DiLoCo state of another format; ignored")
             return None
         with self._lock:
             self.step = int(state["step"])

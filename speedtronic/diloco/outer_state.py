@@ -16,6 +16,9 @@ publish but before it logged the round finds the record at its restart; when the
 global is that round's (same run, outer step reached) the round is reported then, so the event
 log never misses a round the exchange holds. A record of a publish that did not land is
 discarded: its contributions are still on the exchange and the round closes again.
+
+:func:`write_final` writes the run's final global where the trainer's output goes
+(``<output_dir>/final``), with the redacted config and what produced it.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from speedtronic.checkpoint import atomic_json_dump, atomic_write_bytes
 from speedtronic.diloco import tensors as T
 from speedtronic.diloco.outer import NesterovOuterOptimizer
 
-__all__ = ["OuterStateStore", "RoundState"]
+__all__ = ["OuterStateStore", "RoundState", "write_final"]
 
 _FORMAT = "speedtronic-outer-state/2"
 
@@ -192,3 +195,26 @@ class OuterStateStore:
 def _json_map(text: str, kind: Callable[[Any], Any]) -> dict[str, Any]:
     """A JSON object of the header, its keys as strings and its values as ``kind``."""
     return {str(k): kind(v) for k, v in json.loads(text).items()}
+
+
+def write_final(
+    directory: Path,
+    state: Mapping[str, torch.Tensor],
+    *,
+    meta: Mapping[str, Any],
+    run_config: Mapping[str, Any],
+) -> None:
+    """The final global as ``model.safetensors``, ``run_config`` (redacted) as
+    ``config.yaml`` and ``meta`` (outer step, steps behind it, node, ledger) with the time it
+    was written as ``meta.json``, each file written atomically."""
+    import yaml
+
+    T.save_safetensors(dict(state), directory / "model.safetensors")
+    atomic_write_bytes(
+        yaml.safe_dump(dict(run_config), sort_keys=False).encode("utf-8"),
+        directory / "config.yaml",
+    )
+    record = {**meta, "written_at": datetime.now(timezone.utc).isoformat()}
+    atomic_write_bytes(
+        (json.dumps(record, indent=2) + "\n").encode("utf-8"), directory / "meta.json"
+    )

@@ -35,6 +35,8 @@ from speedtronic.diloco.transport import GLOBAL_PROCESSED, GlobalMetadata, Trans
 
 __all__ = ["META", "max_global_bytes", "reconcile"]
 
+_LOG = logging.getLogger("speedtronic.diloco")
+
 META = {"algorithm": "dumb_diloco", "optimizer": "nesterov_sgd"}
 CORRUPT_READS = 3  # reads of an unchanged record before its weights count as unusable
 CORRUPT_WAIT = 0.2  # seconds before the second read (then twice that)
@@ -52,7 +54,6 @@ def reconcile(
     trusted: bool,
     fresh: bool,
     new_run: Callable[[], RoundState],
-    log: logging.Logger | Any,
 ) -> RoundState:
     """Agree with the exchange ``store`` (see the module docstring); returns the state to hold.
 
@@ -65,7 +66,7 @@ def reconcile(
     state = held.copy()
     stale: list[str] = []
     if remote is not None and remote.final and fresh:
-        log.warning(
+        _LOG.warning(
             f"the exchange holds the final global of a finished run (outer step "
             f"{remote.outer_step}); starting a new run over it"
         )
@@ -82,7 +83,7 @@ def reconcile(
             metadata_extra={**META, "bootstrap": str(state.outer_step == 0).lower()},
             run_id=state.run_id,
         )
-        log.info(f"published global state at outer step {state.outer_step} (bootstrap)")
+        _LOG.info(f"published global state at outer step {state.outer_step} (bootstrap)")
         return state
     book = store.read_json(GLOBAL_PROCESSED, default={})
     booked = book.get("outer_step") if isinstance(book, dict) else None
@@ -91,7 +92,7 @@ def reconcile(
     # header says which outer step they hold
     torn = isinstance(booked, int) and booked > remote.outer_step
     if remote.outer_step > state.outer_step or not trusted or torn:
-        fetched = _fetch(store, remote, state.global_state, trusted, log)
+        fetched = _fetch(store, remote, state.global_state, trusted)
         if fetched is None:  # unusable: this master's own global goes over it
             remote = dataclasses.replace(remote, outer_step=-1)
         else:
@@ -99,7 +100,7 @@ def reconcile(
             if remote.outer_step > state.outer_step or not trusted:
                 state.adopt(weights, remote.outer_step)
                 state.run_id = remote.run_id
-                log.info(f"adopted published global at outer step {remote.outer_step}")
+                _LOG.info(f"adopted published global at outer step {remote.outer_step}")
     if not isinstance(booked, int) or booked <= state.outer_step:
         for node, done in store.read_ledger().items():  # never a ledger ahead of the global
             state.ledger[node] = max(done, state.ledger.get(node, -1))
@@ -120,7 +121,6 @@ def _fetch(
     remote: GlobalMetadata,
     like: Mapping[str, torch.Tensor],
     trusted: bool,
-    log: logging.Logger | Any,
 ) -> tuple[GlobalMetadata, dict[str, torch.Tensor]] | None:
     """The published global, finite as the model's dtypes ``like``; None when it is unusable
     and the master may republish its own (``trusted``), else ``ExchangeError``."""
@@ -134,7 +134,7 @@ def _fetch(
             "this master has no local outer state to publish over it; restore its "
             "distributed.state_dir, or delete global/ from the exchange to start a new run"
         )
-    log.error(
+    _LOG.error(
         f"the published global {where} is unusable ({problem}); publishing this master's "
         "own global over it"
     )

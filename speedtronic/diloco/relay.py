@@ -16,6 +16,7 @@ one node is refused from anyone else.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -30,13 +31,16 @@ from speedtronic.diloco.transport import GlobalMetadata
 
 __all__ = ["Upstream"]
 
+_LOG = logging.getLogger("speedtronic.diloco")
+
 
 class Upstream:
     """The relay: ``current()`` is the top-level global, ``forward()`` sends a group's mean
     and returns the global that includes it.
 
     ``record(**status)`` builds the leader's status record for the top level (its claim);
-    ``say`` logs; ``stop`` ends a wait (the master is stopping).
+    ``stop`` ends a wait (the master is stopping). Lines go to the ``speedtronic.diloco``
+    logger.
     """
 
     def __init__(
@@ -46,14 +50,12 @@ class Upstream:
         node_id: str,
         settings: Any,
         record: Callable[..., dict[str, Any]],
-        say: Callable[[str, str], None],
         stop: threading.Event,
     ):
         self.store = transport
         self.node_id = node_id
         self.settings = settings
         self._record = record
-        self._say = say
         self._stop = stop
         self.instance = str(record().get("instance", ""))
         self.max_bytes: int | None = None  # set by the master from its model
@@ -74,7 +76,7 @@ class Upstream:
             try:
                 found = self._fetch_newer(than, run_id)
             except TransportError as exc:
-                self._say("warning", f"relay: reading the top-level global failed: {exc}")
+                _LOG.warning(f"relay: reading the top-level global failed: {exc}")
                 found = None
             if found is not None:
                 return found
@@ -136,8 +138,7 @@ class Upstream:
             owner=self._record(relay=True, **status),
         )
         self.last_round = round
-        self._say(
-            "info",
+        _LOG.info(
             f"relay: round {round} of {weight} nodes sent up in "
             f"{time.perf_counter() - started:.2f} s",
         )
@@ -150,4 +151,4 @@ class Upstream:
         self.store.claim_owner(
             self.node_id, self._record(relay=True, state="done", final_round=final)
         )
-        self._say("info", f"relay: group done after round {final}; told the top level")
+        _LOG.info(f"relay: group done after round {final}; told the top level")

@@ -23,10 +23,13 @@ import logging
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
+from speedtronic.diloco.mailbox import Emit, ignore
 from speedtronic.diloco.outer_state import RoundState
 from speedtronic.diloco.transport import RepoScan
 
 __all__ = ["IDENTITY_HEADERS", "NodeView", "Roster"]
+
+_LOG = logging.getLogger("speedtronic.diloco")
 
 # every contribution names these (the node writes them; see coordinator._send)
 IDENTITY_HEADERS = ("node_id", "round", "run_id", "instance", "base_outer_step")
@@ -51,12 +54,10 @@ class Roster:
     def __init__(
         self,
         read_owner: Callable[[str], dict[str, Any] | None],
-        emit: Callable[[str, dict[str, Any]], None],
-        log: logging.Logger | Any,
+        emit: Emit = ignore,
     ):
         self._read_owner = read_owner
         self._emit = emit
-        self._log = log
         self.nodes: dict[str, NodeView] = {}
         self.saw_training = False  # a node that trains announced itself (the run has begun)
         self._records: dict[str, tuple[str, dict[str, Any]]] = {}  # node -> (version, record)
@@ -71,7 +72,7 @@ class Roster:
                 view = NodeView(node_id, instance=instance, last_heard=now)
                 self.nodes[node_id] = view
                 if record.get("state", "training") == "training":
-                    self._emit("node_joined", {"node_id": node_id, "outer_step": outer_step})
+                    self._emit("node_joined", node_id=node_id, outer_step=outer_step)
             state = str(record.get("state", view.state))
             if view.state == "done" and state == "training":
                 view.last_heard = now  # restarted after it had finished: waiting again
@@ -101,7 +102,7 @@ class Roster:
             return
         if view.dropped:
             view.dropped = False
-            self._emit("node_rejoined", {"node_id": node_id, "outer_step": outer_step})
+            self._emit("node_rejoined", node_id=node_id, outer_step=outer_step)
         view.last_heard = max(view.last_heard, now)
 
     def check_identity(
@@ -185,11 +186,11 @@ class Roster:
             silent = now - view.last_heard
             if silent > limit and not view.dropped:
                 view.dropped = True
-                self._log.warning(
+                _LOG.warning(
                     f"node {view.node_id} silent for {silent:.0f} s; no longer waiting for it "
                     "(it rejoins when it delivers again)"
                 )
-                self._emit("node_dropped", {"node_id": view.node_id, "silent_seconds": silent})
+                self._emit("node_dropped", node_id=view.node_id, silent_seconds=silent)
             if not view.dropped:
                 active.add(view.node_id)
         return active

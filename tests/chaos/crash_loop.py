@@ -76,16 +76,6 @@ def _checkpoint_child(root: Path, start: int, fd: int) -> None:
         step += 1
 
 
-class _Quiet:
-    def emit(self, event: str, payload: dict) -> None:
-        pass
-
-    def info(self, message: str, *args: Any) -> None:
-        pass
-
-    warning = error = info
-
-
 def _settings() -> DistributedConfig:
     return DistributedConfig(
         outer_lr=0.7, outer_momentum=0.9, round_timeout=60.0, min_nodes=1, inner_steps=1
@@ -99,14 +89,11 @@ def _initial() -> dict[str, torch.Tensor]:
 def _master(root: Path) -> tuple[RoundMaster, DirectoryTransport]:
     transport = DirectoryTransport(f"file://{root / 'exchange'}", _retry())
     transport.create_repo()  # as the coordinator does before the master's first read
-    quiet = _Quiet()
     master = RoundMaster(
         transport,
         _initial(),
         settings=_settings(),
         state_dir=root / "state",
-        emit=quiet.emit,
-        log=quiet,
     )
     return master, transport
 
