@@ -6,13 +6,16 @@ Modules: :mod:`.node` (a node's round, hooked on the inner optimizer) with :mod:
 :mod:`.roster` (the nodes it waits for), :mod:`.reconcile` (its agreement with the
 published state) and :mod:`.outer_state` (its local state and write-ahead round record),
 :mod:`.relay` (a group leader's
-link to the top level), :mod:`.coordinator` (assembles them for the trainer), :mod:`.outer`
+link to the top level), :mod:`.link` (what a node reads from and writes to the exchange: its
+identity claim, uploads, globals), :mod:`.coordinator` (assembles them for the trainer),
+:mod:`.outer`
 (Nesterov outer optimizer), :mod:`.tensors` (format, pseudo-gradient), :mod:`.transport`
 (repository layout), :mod:`.directory` (shared volume) and :mod:`.hub` (Hugging Face Hub)
 below :mod:`.exchange` (picks one for a repo id), :mod:`.retry` (errors, retry policy),
 :mod:`.identity` (node ids and claims). The same arithmetic run exactly in one process, the
 peer the protocol is measured against, is :mod:`speedtronic.testing.diloco_ideal`.
-See docs/diloco.md.
+Reporting: log lines go to the ``speedtronic.diloco`` logger, events to one
+``emit(event, **fields)`` (:class:`.mailbox.Emit`). See docs/diloco.md.
 """
 
 from __future__ import annotations

@@ -139,7 +139,7 @@ class NodeClaim:
     def held_elsewhere(self, owner: Mapping[str, Any] | None) -> bool:
         """Whether ``owner`` is another instance's record, written on another host by a node
         that has not finished: it may be live, and only its files can tell (a live node
-        writes at every round), see ``DumbDiLoCoCoordinator._claim``."""
+        writes at every round), see :meth:`~speedtronic.diloco.link.NodeLink.claim_id`."""
         other = owner.get("instance") if owner else None
         if not other or other == self.instance or owner.get("host") == self.host:
             return False

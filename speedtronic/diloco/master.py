@@ -592,13 +592,13 @@ class _Trouble:
 
     def failed(self, level: str, exc: BaseException) -> None:
         now, kind = self._clock(), type(exc).__name__
-        say = getattr(_LOG, level)
+        line = getattr(_LOG, level)
         if kind != self._kind:
             self._kind, self._since, self._said = kind, now, now
-            say(f"master round failed ({kind}); retrying at every poll: {exc}")
+            line(f"master round failed ({kind}); retrying at every poll: {exc}")
         elif now - self._said >= FAILURE_LOG_SECONDS:
             self._said = now
-            say(f"master round still failing after {now - self._since:.0f} s ({kind}): {exc}")
+            line(f"master round still failing after {now - self._since:.0f} s ({kind}): {exc}")
 
     def recovered(self) -> None:
         if self._kind is not None:

@@ -31,7 +31,7 @@ __all__ = ["IDENTITY_HEADERS", "NodeView", "Roster"]
 
 _LOG = logging.getLogger("speedtronic.diloco")
 
-# every contribution names these (the node writes them; see coordinator._send)
+# every contribution names these (the node writes them; see link.NodeLink.send)
 IDENTITY_HEADERS = ("node_id", "round", "run_id", "instance", "base_outer_step")
 
 
