@@ -63,11 +63,6 @@ class _Quiet:
     def emit(self, event, payload):
         self.events.append(event)
 
-    def info(self, *a):
-        pass
-
-    warning = error = info
-
 
 def _model(args: argparse.Namespace) -> torch.nn.Module:
     from speedtronic.config import ModelConfig
