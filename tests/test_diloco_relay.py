@@ -91,6 +91,9 @@ def test_groups_give_every_node_the_same_weight_and_cut_top_level_commits(tmp_pa
         expected = -(torch.tensor([1.0, 2.0, 3.0]) + torch.tensor([3.0, 2.0, 1.0]) + 5.0) / 3
         assert torch.allclose(top.read_global()["w"], expected)
         assert torch.equal(g1.read_global()["w"], top.read_global()["w"])
+        # each master reports its round after its publish landed: wait for the reports too
+        for master in (head, groups["g1"][1]):
+            _wait(lambda m=master: any(e == "outer_step" for e, _ in m.events), "round reports")
         rounds = [p for e, p in head.events if e == "outer_step"]
         assert [r["included"] for r in rounds] == [["g1/0", "g2/0"]]
         assert head.ledger == {"g1": 0, "g2": 0}
