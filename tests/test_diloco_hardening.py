@@ -78,6 +78,29 @@ def test_a_sparse_giant_file_posing_as_a_delta_is_refused_unread(tmp_path, caplo
     assert any("more than a delta of this model" in m for lvl, m in lines(caplog))
 
 
+def test_a_delta_that_grew_after_the_listing_is_refused_on_the_file_read(tmp_path, caplog):
+    """The size bound holds on the file the master opens, not only on the listing (issue 20):
+    a file that is small when listed and huge when read is refused, counted and pruned, and
+    the round does not stall on it."""
+    master, t, _ = make_master(tmp_path)
+    join(t, "a")
+    master.poll_once()
+    deliver(t, "a", 0, [1.0, 1.0])
+    giant = tmp_path / "repo/nodes/a/delta_0.safetensors"
+    listed = t.scan
+
+    def scan_then_grow():
+        scan = listed()  # the listing sees the honest size ...
+        with open(giant, "r+b") as handle:  # ... then the file grows to 3 GB (sparse)
+            handle.truncate(3 << 30)
+        return scan
+
+    t.scan = scan_then_grow
+    assert master.poll_once() is False
+    assert master.outer_step == 0 and not giant.exists()
+    assert any("delta_0" in m and "bytes" in m for lvl, m in lines(caplog) if lvl == "warning")
+
+
 def test_integer_and_boolean_tensors_are_not_deltas():
     for bad in (torch.ones(2, dtype=torch.int64), torch.ones(2, dtype=torch.bool)):
         data = T.state_to_bytes({"w": bad})
@@ -150,6 +173,40 @@ def test_a_nan_global_is_refused_by_workers_and_by_a_master_without_state(tmp_pa
     with pytest.raises(ExchangeError, match="non-finite"):  # exit 2, one line (issue 20)
         fresh.reconcile()
     assert t.global_metadata().outer_step == 4
+
+
+def test_a_worker_refuses_a_global_finite_in_float64_but_not_in_its_float32_model(tmp_path):
+    """The finiteness check is made in the dtype the global is installed in (issue 20): a
+    float64 1e300 passes a check in the file's dtype and becomes inf in a float32 model."""
+    t = DirectoryTransport(f"file://{tmp_path}/repo", fast_retry())
+    huge = torch.tensor([[1e300, 0.5]], dtype=torch.float64)
+    t.publish_global({"weight": huge}, outer_step=4, run_id="r")
+    log = Log()
+    model = torch.nn.Linear(2, 1, bias=False)
+    worker = DumbDiLoCoCoordinator(
+        DistributedConfig(
+            enabled=True,
+            repo_id=f"file://{tmp_path}/repo",
+            role="worker",
+            node_id="w",
+            round_timeout=0.2,
+            poll_interval=0.05,
+            async_global_poll=False,
+        ),
+        model,
+        hub=t,
+        state_dir=tmp_path / "w",
+        logger=log,
+        environ={},
+    )
+    before = model.weight.detach().clone()
+    worker.start(0)
+    try:
+        assert not worker.is_ready() and torch.equal(model.weight, before)
+        assert torch.isfinite(model.weight).all()
+        assert [e for e, _ in log.events].count("global_rejected") == 1
+    finally:
+        worker.stop()
 
 
 def test_a_master_with_state_republishes_over_a_nan_global(tmp_path, caplog):

@@ -141,6 +141,7 @@ class DumbDiLoCoCoordinator:
             cfg,
             claim=self.claim,
             max_bytes=4 * values + (1 << 20),
+            like=model.state_dict(),
             interrupted=self._interrupted,
             emit=self._emit,
         )

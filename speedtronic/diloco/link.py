@@ -20,6 +20,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
+from speedtronic.diloco import tensors as T
 from speedtronic.diloco.identity import ExchangeAccessError, NodeClaim, NodeIdCollisionError
 from speedtronic.diloco.mailbox import Contribution, Emit, GlobalCandidate, ignore
 from speedtronic.diloco.retry import AccessRefused, ExchangeError, TransportError, scrub
@@ -34,7 +37,8 @@ class NodeLink:
 
     ``settings`` is the ``distributed`` config section (``repo_id``, ``token``,
     ``round_timeout``, ``poll_interval``, ``delta_dtype``); ``claim`` this process's claim on
-    its node id; ``max_bytes`` the largest global file this node's model can have;
+    its node id; ``max_bytes`` the largest global file this node's model can have; ``like``
+    the model's state (a global must be finite in its dtypes);
     ``interrupted`` ends every wait early (a stop was requested).
     """
 
@@ -45,6 +49,7 @@ class NodeLink:
         *,
         claim: NodeClaim,
         max_bytes: int,
+        like: Mapping[str, torch.Tensor],
         interrupted: threading.Event,
         emit: Emit = ignore,
     ):
@@ -53,6 +58,7 @@ class NodeLink:
         self.claim = claim
         self.node_id = claim.node_id
         self.max_bytes = max_bytes
+        self.like = like
         self.interrupted = interrupted
         self._emit = emit
         self.beat = time.monotonic()  # the last sign of life while waiting here
@@ -203,6 +209,15 @@ class NodeLink:
             return None
         try:
             metadata, state = self.store.fetch_global(metadata, max_bytes=self.max_bytes)
+            # as it will be installed: a float64 1e300 is finite in the file, inf in float32
+            # (keys and shapes are the node's to judge: another model ends the node, exit 2)
+            bad = T.first_non_finite(state, like=self.like)
+            if bad is not None:
+                raise TransportError(
+                    f"{metadata.model_file} (outer step {metadata.outer_step}) holds values "
+                    f"that are not finite in this model's dtype in {bad}",
+                    kind="permanent",
+                )
         except TransportError as exc:
             if exc.kind != "permanent":
                 raise

@@ -442,7 +442,8 @@ class RoundMaster:
             readers: list[tuple[int, str, T.DeltaReader, int]] = []
             for round, path in sorted(files.items()):
                 try:
-                    local = stack.enter_context(self.store.local_copy(path))
+                    bound = self.max_delta_bytes  # checked on the file actually opened
+                    local = stack.enter_context(self.store.local_copy(path, max_bytes=bound))
                     reader = stack.enter_context(T.open_delta(local))
                     header = reader.metadata
                     leaders = self.settings.relay_leaders
@@ -454,8 +455,11 @@ class RoundMaster:
                         raise ValueError("the same values as its node's last contribution")
                 except RemoteNotFound:
                     continue
-                except TransportError:
-                    raise  # an outage: the whole round is retried at the next poll
+                except TransportError as exc:
+                    if exc.kind != "permanent":
+                        raise  # an outage: the whole round is retried at the next poll
+                    self._refuse(path, str(exc))  # too large, a link: never usable
+                    continue
                 except Exception as exc:
                     self._refuse(path, f"{type(exc).__name__}: {exc}")
                     continue

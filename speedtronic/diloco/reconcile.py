@@ -150,7 +150,9 @@ def _unusable(
     cannot be read) raises ``TransportError``: retried at the next poll."""
     for attempt in range(1, CORRUPT_READS + 1):
         try:
-            fetched, weights = store.fetch_global(remote, max_bytes=max_global_bytes(like))
+            fetched, weights = store.fetch_global(
+                remote, max_bytes=max_global_bytes(like), like=like
+            )
         except TransportError as exc:
             if exc.kind == "permanent":
                 return str(exc)
