@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from hub_emulator_fixtures import fast_retry
+from hub_emulator_fixtures import TEST_TOKEN, fast_retry, hub_emulator  # noqa: F401
 from test_diloco_master import lines
 
 from speedtronic.config import ConfigError, DistributedConfig
@@ -288,3 +288,57 @@ def test_an_exchange_error_from_the_master_reconcile_is_not_a_warning(tmp_path, 
     with pytest.raises(ExchangeError, match="corrupt"):
         c.start(0)
     c.stop()
+
+
+def test_a_master_whose_startup_could_not_create_the_repository_creates_it_later(
+    tmp_path,
+    hub_emulator,  # noqa: F811
+):
+    """An outage during the master's startup (two quick attempts) must not leave the exchange
+    uncreated for the whole run: its thread creates it at its next poll and bootstraps the
+    global (before, nobody ever created it, and every node's upload was refused)."""
+    from speedtronic.diloco.hub import HubClient
+    from speedtronic.diloco.transport import TransportError
+
+    class Flaky(HubClient):
+        failures = 2
+
+        def create_repo(self, *, private=True):
+            if Flaky.failures:
+                Flaky.failures -= 1
+                raise TransportError("HTTP 503 from POST /api/repos/create")
+            super().create_repo(private=private)
+
+    store = Flaky(
+        "org/late",
+        token=TEST_TOKEN,
+        endpoint=hub_emulator.url,
+        cache_dir=tmp_path / "cache",
+        retry=fast_retry(),
+        missing_repo_wait=30.0,  # as build_transport sets it (round_timeout)
+    )
+    c, _, _ = make(
+        tmp_path,
+        store,
+        role="master",
+        node_id="m",
+        train=False,
+        repo_id="org/late",
+        token=TEST_TOKEN,
+    )
+
+    def published():
+        try:
+            return hub_emulator.files("org/late")
+        except KeyError:  # no such repository yet
+            return {}
+
+    c.start(0)
+    try:
+        deadline = time.monotonic() + 30
+        while "global/step_count.json" not in published():
+            assert time.monotonic() < deadline, "the master never created its exchange"
+            time.sleep(0.05)
+    finally:
+        c.stop()
+    assert Flaky.failures == 0

@@ -322,6 +322,7 @@ class DumbDiLoCoCoordinator:
                 self._start_master()
             else:  # a worker claims its id only once it found a run to take part in
                 resumed = self.node.installed >= 0
+                self.link.check_id()  # a live process here with our id: exit 2 before waiting
                 candidate, ended = self.link.first_global(self.node.run_id, resumed)
                 if ended:
                     self._end_run(ended)
@@ -376,7 +377,11 @@ class DumbDiLoCoCoordinator:
             self.store.create_repo(private=True)
         except Exception as exc:
             self.link.raise_if_permanent(exc, "cannot create the exchange")
-            _LOG.warning(f"master repository initialization failed; continuing: {exc}")
+            self.master.exchange_created = False  # the master's thread creates it later
+            _LOG.warning(
+                f"master repository initialization failed; continuing (retried at every "
+                f"poll): {exc}"
+            )
 
     def _start_master(self) -> None:
         for name in self.config.collaborators:

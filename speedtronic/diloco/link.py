@@ -92,6 +92,18 @@ class NodeLink:
         )
 
     # -- the claim on the node id ------------------------------------------------------------
+    def check_id(self) -> None:
+        """Before a worker waits for a run to join: a live process on this host already
+        holding the id is a `NodeIdCollisionError` at once (nothing is written; the claim
+        itself, with the watch of another host's holder, comes once a run is found)."""
+        try:
+            owner = self.store.read_owner(self.node_id)
+        except Exception as exc:
+            self.raise_if_permanent(exc, "cannot read from the exchange")
+            return  # an outage: claim_id checks again
+        if self._collides(owner):
+            raise NodeIdCollisionError(self.node_id)
+
     def claim_id(self, **status: Any) -> None:
         """Write our claim/status record (``status``: ``state`` and, when done,
         ``final_round``); another live node holding the id is a `NodeIdCollisionError`,

@@ -112,6 +112,7 @@ class RoundMaster:
         self.outer_files = OuterStateStore(state_dir)
         self.has_local_state = False  # a valid local outer state: it may be republished
         self.reconciled = False
+        self.exchange_created = True  # False: the startup could not create it (an outage)
         self.fatal: Exception | None = None  # an error no retry fixes; the thread stopped
         self._emit = emit
         self.roster = Roster(lambda node_id: self.store.read_owner(node_id), emit)
@@ -233,6 +234,9 @@ class RoundMaster:
         """Scan the repository and close the open round when it is due; True if it closed."""
         now = self._clock()
         try:
+            if not self.exchange_created:  # its creation failed at startup: try again
+                self.store.create_repo(private=True)
+                self.exchange_created = True
             if not self.reconciled:  # at start, and again after a publish that failed
                 self.reconcile()
             scan = self.store.scan()
