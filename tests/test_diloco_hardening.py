@@ -138,13 +138,8 @@ def test_contribution_identity_rules(tmp_path, caplog):
     assert any("same values" in m for lvl, m in lines(caplog))
 
 
-def test_a_nan_global_is_refused_by_workers_and_by_a_master_without_state(tmp_path):
-    t = DirectoryTransport(f"file://{tmp_path}/repo", fast_retry())
-    t.publish_global({"w": torch.tensor([float("nan"), 1.0])}, outer_step=4, run_id="r")
-    with pytest.raises(TransportError, match="non-finite") as info:
-        t.fetch_global()
-    assert info.value.kind == "permanent"
-    # a worker refuses it once, keeps its weights, and is not ready
+def _worker(tmp_path, store):
+    """A worker coordinator (a 2 -> 1 linear model) on ``store``, for globals it must refuse."""
     log = Log()
     model = torch.nn.Linear(2, 1, bias=False)
     worker = DumbDiLoCoCoordinator(
@@ -158,11 +153,22 @@ def test_a_nan_global_is_refused_by_workers_and_by_a_master_without_state(tmp_pa
             async_global_poll=False,
         ),
         model,
-        hub=t,
+        hub=store,
         state_dir=tmp_path / "w",
         logger=log,
         environ={},
     )
+    return worker, model, log
+
+
+def test_a_nan_global_is_refused_by_workers_and_by_a_master_without_state(tmp_path):
+    t = DirectoryTransport(f"file://{tmp_path}/repo", fast_retry())
+    t.publish_global({"w": torch.tensor([float("nan"), 1.0])}, outer_step=4, run_id="r")
+    with pytest.raises(TransportError, match="non-finite") as info:
+        t.fetch_global()
+    assert info.value.kind == "permanent"
+    # a worker refuses it once, keeps its weights, and is not ready
+    worker, model, log = _worker(tmp_path, t)
     before = model.weight.detach().clone()
     worker.start(0)
     assert not worker.is_ready() and torch.equal(model.weight, before)
@@ -181,24 +187,7 @@ def test_a_worker_refuses_a_global_finite_in_float64_but_not_in_its_float32_mode
     t = DirectoryTransport(f"file://{tmp_path}/repo", fast_retry())
     huge = torch.tensor([[1e300, 0.5]], dtype=torch.float64)
     t.publish_global({"weight": huge}, outer_step=4, run_id="r")
-    log = Log()
-    model = torch.nn.Linear(2, 1, bias=False)
-    worker = DumbDiLoCoCoordinator(
-        DistributedConfig(
-            enabled=True,
-            repo_id=f"file://{tmp_path}/repo",
-            role="worker",
-            node_id="w",
-            round_timeout=0.2,
-            poll_interval=0.05,
-            async_global_poll=False,
-        ),
-        model,
-        hub=t,
-        state_dir=tmp_path / "w",
-        logger=log,
-        environ={},
-    )
+    worker, model, log = _worker(tmp_path, t)
     before = model.weight.detach().clone()
     worker.start(0)
     try:
