@@ -3,9 +3,12 @@ never leave a started process behind, and give each server a port of its own."""
 
 from __future__ import annotations
 
+import json
 import random
+import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -65,3 +68,93 @@ def free_port() -> int:
         _PICKED.add(port)
         return port
     raise RuntimeError("no free TCP port below the ephemeral range")
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class TrainProcess:
+    """One ``python -m speedtronic train --config configs/diloco.yaml`` process: its output
+    directory ``tmp/<name>``, its event log and its combined output ``tmp/<name>.out``.
+
+    ``sets`` are ``--set`` overrides; the role, node id, exchange ``repo`` and event log are
+    added, then ``extra``. Every started process is appended to ``running`` (reap it)."""
+
+    def __init__(
+        self,
+        tmp: Path,
+        name: str,
+        role: str,
+        repo: str,
+        sets: list[str],
+        env: dict,
+        running: list[subprocess.Popen],
+        extra: tuple[str, ...] = (),
+    ):
+        self.tmp, self.name, self.role, self.repo = tmp, name, role, repo
+        self.sets, self.env, self.running, self.extra = sets, env, running, extra
+        self.dir = tmp / name
+        self.jsonl = self.dir / "events.jsonl"
+        self.out = tmp / f"{name}.out"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, resume: bool = False, node_id: str | None = None) -> TrainProcess:
+        """Start the process (``--resume`` when asked; ``node_id`` defaults to the name)."""
+        args = [sys.executable, "-m", "speedtronic", "train"]
+        args += ["--config", str(ROOT / "configs/diloco.yaml"), "--output-dir", str(self.dir)]
+        sets = [
+            *self.sets,
+            f"distributed.role={self.role}",
+            f"distributed.node_id={node_id or self.name}",
+            f"distributed.repo_id={self.repo}",
+            f"logging.json_file={self.jsonl}",
+            *self.extra,
+        ]
+        for item in sets:
+            args += ["--set", item]
+        if resume:
+            args.append("--resume")
+        with open(self.out, "ab") as out:
+            self.proc = subprocess.Popen(
+                args, cwd=self.tmp, env=self.env, stdout=out, stderr=subprocess.STDOUT
+            )
+        self.running.append(self.proc)
+        return self
+
+    def events(self, name: str) -> list[dict]:
+        """The rows of event ``name`` in the process's JSONL log (a cut last line skipped)."""
+        rows = []
+        if self.jsonl.exists():
+            for line in self.jsonl.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a SIGKILL may cut the last line
+                if row.get("event") == name:
+                    rows.append(row)
+        return rows
+
+    def wait(self, timeout: float, *others: TrainProcess) -> int:
+        """The exit code; past ``timeout`` the process is killed and the failure shows its
+        output and that of ``others``."""
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"{self.name} did not finish:\n{tails(self, *others)}") from None
+
+    def tail(self, chars: int = 4000) -> str:
+        """The last ``chars`` characters of the process's output."""
+        return self.out.read_text()[-chars:] if self.out.exists() else ""
+
+    def kill(self) -> None:
+        """SIGKILL, and wait (a process in an fsync can take a while to die)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(60)
+
+
+def tails(*procs: TrainProcess) -> str:
+    """The output tails of ``procs``, each under its name."""
+    return "\n".join(f"--- {p.name} ---\n{p.tail()}" for p in procs)

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 
@@ -27,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 from hub_emulator_fixtures import TEST_TOKEN, hub_emulator  # noqa: F401
-from process_support import reap, wait_for
+from process_support import TrainProcess, reap, wait_for
 
 from speedtronic.checkpoint import CheckpointManager
 from speedtronic.config import resolve_config
@@ -92,69 +90,15 @@ def overrides(corpus: Path, steps: int, inner: int) -> list[str]:
     ]
 
 
-class Node:
-    """One ``speedtronic train`` process and its files."""
-
-    def __init__(self, tmp: Path, name: str, role: str, repo: str, sets: list[str], env: dict):
-        self.tmp, self.name, self.role, self.repo = tmp, name, role, repo
-        self.sets, self.env = sets, env
-        self.dir = tmp / name
-        self.jsonl = self.dir / "events.jsonl"
-        self.out = tmp / f"{name}.out"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, resume: bool = False) -> Node:
-        args = [sys.executable, "-m", "speedtronic", "train"]
-        args += ["--config", str(ROOT / "configs/diloco.yaml"), "--output-dir", str(self.dir)]
-        sets = [
-            *self.sets,
-            f"distributed.role={self.role}",
-            f"distributed.node_id={self.name}",
-            f"distributed.repo_id={self.repo}",
-            f"distributed.cache_dir={self.tmp / 'hubcache' / self.name}",
-            f"logging.json_file={self.jsonl}",
-            "logging.every_steps=10",
-            "checkpoint.every_steps=5",
-        ]
-        for item in sets:
-            args += ["--set", item]
-        if resume:
-            args.append("--resume")
-        with open(self.out, "ab") as out:
-            self.proc = subprocess.Popen(
-                args, cwd=self.tmp, env=self.env, stdout=out, stderr=subprocess.STDOUT
-            )
-            _RUNNING.append(self.proc)
-        return self
-
-    def events(self, name: str) -> list[dict]:
-        if not self.jsonl.exists():
-            return []
-        rows = []
-        for line in self.jsonl.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a SIGKILL may cut the last line
-            if row.get("event") == name:
-                rows.append(row)
-        return rows
-
-    def wait(self, timeout: float) -> int:
-        assert self.proc is not None
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise AssertionError(f"{self.name} did not finish: {self.tail()}") from None
-
-    def tail(self) -> str:
-        return self.out.read_text()[-3000:] if self.out.exists() else ""
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(60)  # a process in an fsync can take a while to die
+def Node(tmp: Path, name: str, role: str, repo: str, sets: list[str], env: dict) -> TrainProcess:
+    """One ``speedtronic train`` process of these tests (its own Hub cache, a checkpoint every
+    5 steps)."""
+    extra = (
+        f"distributed.cache_dir={tmp / 'hubcache' / name}",
+        "logging.every_steps=10",
+        "checkpoint.every_steps=5",
+    )
+    return TrainProcess(tmp, name, role, repo, sets, env, _RUNNING, extra)
 
 
 def _env(extra: dict | None = None) -> dict:
@@ -172,7 +116,7 @@ def _env(extra: dict | None = None) -> dict:
     return env
 
 
-def _included(master: Node) -> list[tuple[str, int]]:
+def _included(master: TrainProcess) -> list[tuple[str, int]]:
     out = []
     for row in master.events("outer_step"):
         for item in row["included"]:
@@ -213,7 +157,7 @@ def _run_golden(tmp: Path, corpus: Path, repo: str, env: dict, steps: int, inner
     return nodes, sets
 
 
-def _check_golden(tmp: Path, corpus: Path, nodes: list[Node], sets: list[str], rounds: int):
+def _check_golden(tmp: Path, corpus: Path, nodes: list[TrainProcess], sets: list[str], rounds: int):
     master = nodes[0]
     events = master.events("outer_step")
     assert [row["outer_step"] for row in events] == list(range(1, rounds + 1))
@@ -275,11 +219,11 @@ def test_three_nodes_over_the_hub_emulator(tmp_path, corpus, hub_emulator):
     _assert_no_token(tmp_path)
 
 
-def _uploaded(node: Node) -> set[tuple[str, int]]:
+def _uploaded(node: TrainProcess) -> set[tuple[str, int]]:
     return {(node.name, row["round"]) for row in node.events("delta_uploaded")}
 
 
-def _dropped(master: Node) -> set[tuple[str, int]]:
+def _dropped(master: TrainProcess) -> set[tuple[str, int]]:
     out = set()
     for row in master.events("outer_step"):
         for item in row["dropped"]:

@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from process_support import reap, wait_for
+from process_support import TrainProcess, reap, tails, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -59,77 +57,17 @@ def _sets(steps: int, inner: int = 5) -> list[str]:
     ]
 
 
-class Proc:
-    """One ``speedtronic train`` process, its output directory and its event log."""
-
-    def __init__(self, tmp: Path, name: str, role: str, sets: list[str], env: dict | None = None):
-        self.tmp, self.name, self.role, self.sets = tmp, name, role, sets
-        self.env = env or _env()
-        self.dir = tmp / name
-        self.jsonl = self.dir / "events.jsonl"
-        self.out = tmp / f"{name}.out"
-        self.repo = f"file://{tmp / 'exchange'}"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, resume: bool = False, node_id: str | None = None) -> Proc:
-        args = [sys.executable, "-m", "speedtronic", "train"]
-        args += ["--config", str(ROOT / "configs/diloco.yaml"), "--output-dir", str(self.dir)]
-        sets = [
-            *self.sets,
-            f"distributed.role={self.role}",
-            f"distributed.node_id={node_id or self.name}",
-            f"distributed.repo_id={self.repo}",
-            f"logging.json_file={self.jsonl}",
-        ]
-        for item in sets:
-            args += ["--set", item]
-        if resume:
-            args.append("--resume")
-        with open(self.out, "ab") as out:
-            self.proc = subprocess.Popen(
-                args, cwd=self.tmp, env=self.env, stdout=out, stderr=subprocess.STDOUT
-            )
-        _RUNNING.append(self.proc)
-        return self
-
-    def events(self, name: str) -> list[dict]:
-        rows = []
-        if self.jsonl.exists():
-            for line in self.jsonl.read_text().splitlines():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a SIGKILL may cut the last line
-                if row.get("event") == name:
-                    rows.append(row)
-        return rows
-
-    def wait(self, timeout: float, *others: Proc) -> int:
-        assert self.proc is not None
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise AssertionError(f"{self.name} did not finish:\n{_tails(self, *others)}") from None
-
-    def tail(self) -> str:
-        return self.out.read_text()[-4000:] if self.out.exists() else ""
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(60)
+def Proc(tmp: Path, name: str, role: str, sets: list[str], env: dict | None = None):
+    """One ``speedtronic train`` process on the shared-directory exchange ``tmp/exchange``."""
+    repo = f"file://{tmp / 'exchange'}"
+    return TrainProcess(tmp, name, role, repo, sets, env or _env(), _RUNNING)
 
 
-def _tails(*procs: Proc) -> str:
-    return "\n".join(f"--- {p.name} ---\n{p.tail()}" for p in procs)
-
-
-def _wait(predicate, timeout: float, what: str, *procs: Proc) -> None:
+def _wait(predicate, timeout: float, what: str, *procs: TrainProcess) -> None:
     try:
         wait_for(predicate, timeout, what, interval=0.05)
     except AssertionError as exc:
-        raise AssertionError(f"{exc}\n{_tails(*procs)}") from None
+        raise AssertionError(f"{exc}\n{tails(*procs)}") from None
 
 
 def _step_count(tmp: Path) -> dict:
@@ -140,7 +78,7 @@ def _ledger(tmp: Path) -> dict:
     return json.loads((tmp / "exchange/global/processed.json").read_text())["nodes"]
 
 
-def _included(master: Proc) -> list[tuple[str, int]]:
+def _included(master: TrainProcess) -> list[tuple[str, int]]:
     out = []
     for row in master.events("outer_step"):
         for item in row["included"]:
@@ -149,7 +87,7 @@ def _included(master: Proc) -> list[tuple[str, int]]:
     return out
 
 
-def _uploaded(node: Proc, name: str | None = None) -> set[tuple[str, int]]:
+def _uploaded(node: TrainProcess, name: str | None = None) -> set[tuple[str, int]]:
     return {(name or node.name, row["round"]) for row in node.events("delta_uploaded")}
 
 
@@ -166,27 +104,27 @@ def test_a_master_restarted_after_its_last_step_serves_the_remaining_rounds(tmp_
     assert worker.proc.poll() is None, "the worker finished before the master was killed"
     master.kill()
     master.start(resume=True)
-    assert master.wait(180, worker) == 0, _tails(master, worker)
-    assert worker.wait(180, master) == 0, _tails(master, worker)
+    assert master.wait(180, worker) == 0, tails(master, worker)
+    assert worker.wait(180, master) == 0, tails(master, worker)
     assert _step_count(tmp_path).get("final") is True
     included = _included(master)
     assert len(included) == len(set(included)), "a contribution was aggregated twice"
-    assert not _uploaded(worker) - set(included), _tails(master, worker)
+    assert not _uploaded(worker) - set(included), tails(master, worker)
     assert _ledger(tmp_path)["w"] == max(label for _, label in _uploaded(worker))
     assert (master.dir / "final" / "model.safetensors").exists()
 
 
-def _global_pulls(node: Proc) -> list[tuple[int, int]]:
+def _global_pulls(node: TrainProcess) -> list[tuple[int, int]]:
     return [(row["outer_step"], row["step"]) for row in node.events("global_pulled")]
 
 
-def _finished_run(tmp: Path, sets: list[str]) -> tuple[int, list[Proc]]:
+def _finished_run(tmp: Path, sets: list[str]) -> tuple[int, list[TrainProcess]]:
     """Master ``m`` and worker ``w`` run to the end; returns the final outer step."""
     old = [Proc(tmp, "m_old", "master", sets), Proc(tmp, "w_old", "worker", sets)]
     for proc, node_id in zip(old, ("m", "w"), strict=True):
         proc.start(node_id=node_id)
     for proc in old:
-        assert proc.wait(180, *old) == 0, _tails(*old)
+        assert proc.wait(180, *old) == 0, tails(*old)
     assert _step_count(tmp).get("final") is True
     return _step_count(tmp)["outer_step"], old
 
@@ -203,10 +141,10 @@ def test_a_new_run_over_a_finished_one_never_trains_from_its_weights(tmp_path):
     waiting = lambda: "first global of a new run" in worker.tail()  # noqa: E731
     _wait(lambda: waiting() or _global_pulls(worker), 120, "the new worker's start", worker)
     master.start(node_id="m")
-    assert master.wait(180, worker) == 0, _tails(master, worker)
-    assert worker.wait(180, master) == 0, _tails(master, worker)
+    assert master.wait(180, worker) == 0, tails(master, worker)
+    assert worker.wait(180, master) == 0, tails(master, worker)
     pulls = _global_pulls(worker)
-    assert pulls and pulls[0] == (0, 0), (pulls, finished, _tails(worker))
+    assert pulls and pulls[0] == (0, 0), (pulls, finished, tails(worker))
     rounds = master.events("outer_step")
     assert [row["outer_step"] for row in rounds] == [1, 2]
     for r, row in enumerate(rounds):  # both nodes in every round of the new run
@@ -222,10 +160,10 @@ def test_nodes_that_arrive_after_the_final_global_exit_0_with_one_line(tmp_path)
     uploads_before = len(old_worker.events("delta_uploaded"))
     late = Proc(tmp_path, "late", "worker", [*sets, "run.max_steps=20"]).start()
     old_worker.start(resume=True, node_id="w")
-    assert old_worker.wait(120, late) == 0, _tails(old_worker)
-    assert late.wait(120, old_worker) == 0, _tails(late)
-    assert "this node's run already ended" in old_worker.tail(), _tails(old_worker)
-    assert "no new run started within" in late.tail(), _tails(late)
+    assert old_worker.wait(120, late) == 0, tails(old_worker)
+    assert late.wait(120, old_worker) == 0, tails(late)
+    assert "this node's run already ended" in old_worker.tail(), tails(old_worker)
+    assert "no new run started within" in late.tail(), tails(late)
     assert len(old_worker.events("delta_uploaded")) == uploads_before
     assert not late.events("delta_uploaded") and not late.events("global_pulled")
     assert not (tmp_path / "exchange/nodes/late").exists()  # it never claimed an id
@@ -243,16 +181,16 @@ def test_the_same_node_id_on_a_second_host_exits_2_and_the_first_goes_on(tmp_pat
     first.start(node_id="w")
     _wait(lambda: first.events("delta_uploaded"), 120, "the first w's upload", master, first)
     second.start(node_id="w")
-    assert second.wait(120, first, master) == 2, _tails(second)
+    assert second.wait(120, first, master) == 2, tails(second)
     errors = [line for line in second.tail().splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "distributed.node_id" in errors[0], _tails(second)
+    assert len(errors) == 1 and "distributed.node_id" in errors[0], tails(second)
     assert "host-a" in errors[0], errors
     assert not second.events("delta_uploaded")
     assert first.proc.poll() is None, "the first node ended before the second one was refused"
-    assert first.wait(180, master) == 0, _tails(first, master)
-    assert master.wait(180, first) == 0, _tails(first, master)
+    assert first.wait(180, master) == 0, tails(first, master)
+    assert master.wait(180, first) == 0, tails(first, master)
     included = _included(master)
-    assert not _uploaded(first, "w") - set(included), _tails(master, first)
+    assert not _uploaded(first, "w") - set(included), tails(master, first)
     assert _step_count(tmp_path).get("final") is True
 
 
@@ -289,10 +227,10 @@ def test_hub_access_refused_exits_2_naming_the_repo_and_the_token_source(tmp_pat
             proc.repo = "org/run"
             proc.start()
         for proc, token, source in cases:
-            assert proc.wait(120, *(p for p, _, _ in cases)) == 2, _tails(proc)
+            assert proc.wait(120, *(p for p, _, _ in cases)) == 2, tails(proc)
             output = proc.out.read_text()
             errors = [line for line in output.splitlines() if line.startswith("error:")]
-            assert len(errors) == 1, _tails(proc)
+            assert len(errors) == 1, tails(proc)
             assert "org/run" in errors[0] and source in errors[0], errors
             assert token not in output, f"{proc.name} printed its token"
     finally:
