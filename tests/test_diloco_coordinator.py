@@ -259,6 +259,38 @@ def test_finish_is_bounded_when_the_master_rounds_stall(tmp_path, monkeypatch):
     c.stop()
 
 
+def test_finish_waits_on_while_the_master_sees_progress(tmp_path, monkeypatch):
+    """The bound counts from the last progress the master saw, not from the last global: a
+    pure aggregator enters finish() at once, and its first round may take longer than the bound
+    (slow steps, workers started late). While contributions or status changes keep coming it is
+    not killed; once they stop, it still gives up after the bound."""
+    import speedtronic.diloco.coordinator as coordinator_module
+
+    monkeypatch.setattr(coordinator_module, "STALL_MARGIN_S", 0.0)
+    c, _, _ = _master(tmp_path, round_timeout=0.2, drop_after=1)  # bound: 0.6 s
+    c.start(0)
+    c.master.stop()  # no round closes: only the signs of progress below
+    halt = threading.Event()
+
+    def a_node_keeps_updating():
+        until = time.monotonic() + 2.0
+        while time.monotonic() < until and not halt.is_set():
+            c.master.last_progress = time.monotonic()
+            time.sleep(0.05)
+
+    busy = threading.Thread(target=a_node_keeps_updating, daemon=True)
+    started = time.monotonic()
+    busy.start()
+    try:
+        with pytest.raises(coordinator_module.RoundsStalledError, match=r"no progress"):
+            c.finish()
+    finally:
+        halt.set()
+        busy.join()
+    assert time.monotonic() - started >= 2.0  # not killed while the node showed progress
+    c.stop()
+
+
 def test_a_fatal_master_error_is_raised_on_the_training_thread_and_in_finish(tmp_path):
     from speedtronic.diloco.retry import ExchangeError
 

@@ -421,26 +421,31 @@ class DumbDiLoCoCoordinator:
     def _serve_until_final(self) -> None:
         """Wait while the master's rounds go on until it published the final global.
 
-        The wait is bounded by progress: when no new global came for ``(drop_after + 2)``
-        times the longer of ``round_timeout`` and the longest round seen, plus
-        ``STALL_MARGIN_S`` (a
-        silent node is dropped after ``drop_after`` round lengths, so the master had every
-        chance to close), it is a :class:`RoundsStalledError`. A fatal error of the master's
-        thread is raised here too."""
+        The wait is bounded by progress, not by the last global: a round may be slow, or the
+        workers may start long after a pure aggregator entered here. Progress is the later of
+        the last global handed to this process and the master's ``last_progress`` (a
+        contribution seen, a node's status record changed, a round closed, the master's
+        start). When there was none for ``(drop_after + 2)`` times the longer of
+        ``round_timeout`` and the longest round seen, plus ``STALL_MARGIN_S`` (a silent node
+        is dropped after ``drop_after`` round lengths, so the master had every chance to
+        close), it is a :class:`RoundsStalledError`. A fatal error of the master's thread is
+        raised here too."""
         cfg = self.config
         started = time.monotonic()
         while not self.master.finished.is_set() and not self._interrupted.is_set():
             self._raise_master_fatal()
             now = self._beat = time.monotonic()
+            progress = max(self._global_at, self.master.last_progress)
             rounds = (cfg.drop_after + 2) * max(cfg.round_timeout, self._longest_round)
             bound = rounds + STALL_MARGIN_S
-            if now - self._global_at > bound:
+            if now - progress > bound:
                 raise RoundsStalledError(
-                    f"the master waited {now - started:.0f} s for its final global and no round "
-                    f"closed in the last {now - self._global_at:.0f} s (bound {bound:.0f} s: "
-                    "distributed.drop_after + 2 rounds of distributed.round_timeout or the "
-                    f"longest round, plus {STALL_MARGIN_S:.0f} s); its state is saved, a "
-                    "restart with --resume serves the open rounds again"
+                    f"the master waited {now - started:.0f} s for its final global and saw no "
+                    f"progress (no contribution, node status change or closed round) in the "
+                    f"last {now - progress:.0f} s (bound {bound:.0f} s: distributed.drop_after "
+                    "+ 2 rounds of distributed.round_timeout or the longest round, plus "
+                    f"{STALL_MARGIN_S:.0f} s); its state is saved, a restart with --resume "
+                    "serves the open rounds again"
                 )
             self.master.finished.wait(0.5)
         self._raise_master_fatal()
