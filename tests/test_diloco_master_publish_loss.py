@@ -5,6 +5,8 @@ waits on a round the exchange has already closed (speedtronic.diloco.outer_state
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from test_diloco_master import Clock, deliver, join, make_master, published
 
@@ -115,3 +117,59 @@ def test_an_outage_that_begins_with_a_failed_publish_drops_no_node(tmp_path):
     assert master.poll_once() is True  # the round closes again, without c
     assert log.of("node_dropped") == []  # c was not silent: the master was blind
     assert [r["included"] for r in log.of("outer_step")] == [["a/0", "b/0"]]
+
+
+def test_a_lost_reply_to_the_final_rounds_publish_still_ends_the_run(tmp_path):
+    master, t, _ = make_master(tmp_path)
+    join(t, "a")
+    master.poll_once()
+    deliver(t, "a", 0, [1.0, 1.0], final=True)
+    _publish_then(t, TransportError("connection reset after the commit"))
+    with pytest.raises(TransportError):
+        master.poll_once()
+    assert t.global_metadata().final and not master.finished.is_set()
+    for _ in range(3):
+        master.poll_once()
+        if master.finished.is_set():
+            break
+    assert master.finished.is_set() and master.finals == [(1, [-1.0, -1.0])]
+    meta = t.global_metadata()
+    assert meta.final and meta.outer_step == 1
+
+
+@pytest.mark.parametrize("disk", ["kept", "lost", "lost, record of the previous version"])
+def test_a_master_restarted_over_its_final_global_finishes_at_once(tmp_path, disk):
+    master, t, _ = make_master(tmp_path)
+    join(t, "a")
+    master.poll_once()
+    deliver(t, "a", 0, [1.0, 1.0], final=True)
+    _publish_then(t, Killed())
+    with pytest.raises(Killed):
+        master.poll_once()
+    if disk.startswith("lost"):
+        for path in (tmp_path / "state").iterdir():
+            path.unlink()
+    if disk.endswith("previous version"):  # a ledger only: who finished is not published
+        book = {"outer_step": 1, "nodes": {"a": 0}}
+        t.commit({"global/processed.json": json.dumps(book).encode()})
+    again, _, _ = make_master(tmp_path, transport=t)  # resuming: not fresh
+    again.poll_once()
+    assert again.finished.is_set() and again.finals == [(1, [-1.0, -1.0])]
+    assert t.global_metadata().final and t.global_metadata().outer_step == 1
+
+
+def test_nodes_done_in_a_round_whose_reply_was_lost_are_not_waited_for(tmp_path):
+    master, t, log = make_master(tmp_path)
+    join(t, "a")
+    join(t, "b")
+    master.poll_once()
+    deliver(t, "a", 0, [2.0, 2.0], final=True)  # a is done after round 0
+    deliver(t, "b", 0, [4.0, 4.0])
+    _publish_then(t, TransportError("connection reset after the commit"))
+    with pytest.raises(TransportError):
+        master.poll_once()
+    assert master.poll_once() is False  # agrees with the exchange: round 0 is closed
+    deliver(t, "b", 1, [1.0, 1.0], final=True)
+    assert master.poll_once() is True  # a finished: round 1 is complete with b alone
+    assert log.of("outer_step")[-1]["reason"] == "complete"
+    assert t.global_metadata().final and master.finished.is_set()

@@ -22,7 +22,10 @@ contributors (less the nodes that finished their run). Closing::
     state = new; persist; report; hand the global to the local node; evaluate
 
 A failed publish leaves ``state`` as it was (nothing to roll back) and makes the next poll
-agree with the exchange again (:mod:`speedtronic.diloco.reconcile`), since it may have landed.
+agree with the exchange again (:mod:`speedtronic.diloco.reconcile`), since it may have landed:
+the published ledger's record carries which nodes finished and as which instance, so the
+adopted state knows them too; a master that finds its own run's global already final (a lost
+reply to the last publish, a restart after it) finishes at once.
 Every file is checked before it is used: its header names its node, round, run, instance and
 base (any missing: refused and counted corrupt), it matches the model, it is finite, it is not
 the node's last contribution again, and a ``weight`` other than 1 comes only from a node
@@ -200,6 +203,8 @@ class RoundMaster:
                 fresh=self.fresh,
                 new_run=self._new_run,
             )
+        # read before it counts as agreed: a failed read agrees again at the next poll
+        over = self.upstream is None and self._published_final(state)
         with self._lock:
             self.state = state
         self.reconciled = True
@@ -212,6 +217,18 @@ class RoundMaster:
         if self._handed != self.outer_step:  # a re-reconcile after a failed publish may not move
             self._opened = self._clock()
             self._hand_over(T.cpu_state_dict(self.global_state))
+        if over and not self.finished.is_set():  # this run ended (a lost reply, a restart)
+            self._finalize(T.cpu_state_dict(self.global_state))
+
+    def _published_final(self, state: RoundState) -> bool:
+        """The exchange holds ``state``'s global marked final: its run is over."""
+        meta = self.store.global_metadata()
+        return (
+            meta is not None
+            and meta.final
+            and meta.run_id == state.run_id
+            and meta.outer_step == state.outer_step
+        )
 
     def _hand_over(self, state: dict[str, torch.Tensor]) -> None:
         self._handed = self.outer_step
@@ -394,6 +411,7 @@ class RoundMaster:
                 metadata_extra=META,
                 final=final,
                 run_id=new.run_id,
+                node_records=new.node_records(),
             )
         except Exception:
             self.reconciled = False  # it may still have landed: agree with the exchange again
@@ -529,6 +547,7 @@ class RoundMaster:
             metadata_extra=META,
             final=True,
             run_id=state.run_id,
+            node_records=state.node_records(),
         )
         # files refused after the last round (e.g. written once every node was done) are
         # reported here, or they would never be counted

@@ -85,6 +85,25 @@ class RoundState:
             dict(self.finals),
         )
 
+    def node_records(self) -> dict[str, dict[str, Any]]:
+        """What the published ledger's record carries of each node beside its round (the
+        transport's ``NODE_RECORDS``): a master that adopts the published global from it
+        knows which nodes finished and which instance they ran as."""
+        return {
+            "finals": dict(self.finals),
+            "instances": dict(self.instances),
+            "digests": dict(self.digests),
+        }
+
+    def take_node_records(self, records: Mapping[str, Mapping[str, Any]], *, newer: bool) -> None:
+        """Merge published ``records`` (see :meth:`node_records`): they replace this state's
+        when ``newer`` (the published global was adopted), else they only fill what it lacks
+        (an outer state file written before they were kept)."""
+        for name, mine in self.node_records().items():
+            published = dict(records.get(name) or {})
+            merged = {**mine, **published} if newer else {**published, **mine}
+            setattr(self, name, merged)
+
     def adopt(self, state: Mapping[str, torch.Tensor], outer_step: int) -> None:
         """Take a published global (cast to this state's dtypes; other keys and shapes are
         ignored) at ``outer_step``; the momentum starts again from zero."""

@@ -14,7 +14,9 @@ cases, in order:
 - a ledger ahead of the weights' record (a publish torn between its files): the weights' own
   header says which step they hold, and the held global is published again over it;
 - the published ledger is merged into the held one (a master with a lost disk never
-  aggregates a contribution twice).
+  aggregates a contribution twice), and with an adopted global the records beside it (which
+  nodes finished, as which instance: a lost reply to the last round's publish, a restart or
+  a lost disk never leaves the run waiting for nodes that are done).
 """
 
 from __future__ import annotations
@@ -82,12 +84,14 @@ def reconcile(
             prune=stale,
             metadata_extra={**META, "bootstrap": str(state.outer_step == 0).lower()},
             run_id=state.run_id,
+            node_records=state.node_records(),
         )
         _LOG.info(f"published global state at outer step {state.outer_step} (bootstrap)")
         return state
     book = store.read_json(GLOBAL_PROCESSED, default={})
     booked = book.get("outer_step") if isinstance(book, dict) else None
     record = remote
+    adopted = False
     # the ledger ahead of the record: a publish torn between its files; the weights' own
     # header says which outer step they hold
     torn = isinstance(booked, int) and booked > remote.outer_step
@@ -100,10 +104,13 @@ def reconcile(
             if remote.outer_step > state.outer_step or not trusted:
                 state.adopt(weights, remote.outer_step)
                 state.run_id = remote.run_id
+                adopted = True
                 _LOG.info(f"adopted published global at outer step {remote.outer_step}")
     if not isinstance(booked, int) or booked <= state.outer_step:
         for node, done in store.read_ledger().items():  # never a ledger ahead of the global
             state.ledger[node] = max(done, state.ledger.get(node, -1))
+    if booked == state.outer_step:  # who finished, as whom: never lost with a reply
+        state.take_node_records(store.read_node_records(), newer=adopted)
     repaired = remote.sha256 != record.sha256
     if remote.outer_step < state.outer_step or repaired:
         store.publish_global(
@@ -112,6 +119,7 @@ def reconcile(
             ledger=state.ledger,
             metadata_extra=META,
             run_id=state.run_id,
+            node_records=state.node_records(),
         )
     return state
 

@@ -105,6 +105,7 @@ class Upstream:
                 ledger=state.ledger,
                 metadata_extra={**META, "relay": "true"},
                 run_id=state.run_id,
+                node_records=state.node_records(),
             )
         return state
 

@@ -8,6 +8,7 @@ share one layout and one retry policy (:mod:`speedtronic.diloco.retry`)::
     global/latest.safetensors              global weights of outer step R (native dtypes)
     global/step_count.json                 version record (outer_step, sha256, final, ...)
     global/processed.json                  ledger: per node, the highest round aggregated
+                                           (and its final round, instance and digest)
     nodes/<node_id>/delta_<r>.safetensors  the node's contribution to round r
     nodes/<node_id>/owner.json             the node's claim and status (training/done)
 
@@ -48,6 +49,7 @@ __all__ = [
     "GLOBAL_MODEL",
     "GLOBAL_PROCESSED",
     "GLOBAL_STEP",
+    "NODE_RECORDS",
     "AccessRefused",
     "ErrorInfo",
     "FileInfo",
@@ -70,6 +72,8 @@ __all__ = [
 GLOBAL_MODEL = "global/latest.safetensors"
 GLOBAL_STEP = "global/step_count.json"
 GLOBAL_PROCESSED = "global/processed.json"
+# the records of each node that global/processed.json carries beside the ledger, by type
+NODE_RECORDS: dict[str, type] = {"finals": int, "instances": str, "digests": str}
 
 R = TypeVar("R")
 
@@ -230,6 +234,11 @@ class Store(Protocol):
         """The published ledger: node id -> highest round already aggregated."""
         ...
 
+    def read_node_records(self) -> dict[str, dict[str, Any]]:
+        """What the published ledger's record says of each node beside its round:
+        ``{"finals": ..., "instances": ..., "digests": ...}`` (empty maps when absent)."""
+        ...
+
     def publish_global(
         self,
         state: Mapping[str, torch.Tensor],
@@ -240,9 +249,10 @@ class Store(Protocol):
         metadata_extra: Mapping[str, object] | None = None,
         final: bool = False,
         run_id: str = "",
+        node_records: Mapping[str, Mapping[str, object]] | None = None,
     ) -> GlobalMetadata:
-        """One commit: weights, ledger and version record (in that order) and the deletion
-        of ``prune``; returns the record published."""
+        """One commit: weights, ledger (with ``node_records`` beside it) and version record
+        (in that order) and the deletion of ``prune``; returns the record published."""
         ...
 
     def upload_delta(
@@ -551,6 +561,24 @@ class RepoTransport:
                 ledger[str(node)] = value
         return ledger
 
+    def read_node_records(self) -> dict[str, dict[str, Any]]:
+        """The master's published records of each node beside the ledger: ``finals`` (node
+        -> round of its aggregated contribution flagged final), ``instances`` (node -> the
+        instance of its last aggregated contribution) and ``digests`` (node -> its sha256).
+        A record written before they were published reads as empty maps."""
+        data = self.read_json(GLOBAL_PROCESSED, default={})
+        records: dict[str, dict[str, Any]] = {}
+        for name, kind in NODE_RECORDS.items():
+            found = data.get(name) if isinstance(data, dict) else None
+            records[name] = {
+                str(node): value
+                for node, value in (found if isinstance(found, dict) else {}).items()
+                if T.is_path_safe(str(node))
+                and isinstance(value, kind)
+                and not isinstance(value, bool)
+            }
+        return records
+
     def publish_global(
         self,
         state: Mapping[str, torch.Tensor],
@@ -561,6 +589,7 @@ class RepoTransport:
         metadata_extra: Mapping[str, object] | None = None,
         final: bool = False,
         run_id: str = "",
+        node_records: Mapping[str, Mapping[str, object]] | None = None,
         updated_at: str | None = None,
         work_dir: Any = None,
     ) -> GlobalMetadata:
@@ -580,7 +609,13 @@ class RepoTransport:
         )
         record = {**{str(k): str(v) for k, v in (metadata_extra or {}).items()}, **meta.to_dict()}
         record["processed_file"] = GLOBAL_PROCESSED
-        book = {"outer_step": int(outer_step), "nodes": dict(sorted((ledger or {}).items()))}
+        book: dict[str, Any] = {
+            "outer_step": int(outer_step),
+            "nodes": dict(sorted((ledger or {}).items())),
+        }
+        for name, values in (node_records or {}).items():
+            if name in NODE_RECORDS:  # what the master knows of each node, beside its round
+                book[name] = dict(sorted(values.items()))
         additions = {
             GLOBAL_MODEL: weights,
             GLOBAL_PROCESSED: _json_bytes(book),
