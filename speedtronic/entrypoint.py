@@ -61,7 +61,7 @@ from typing import Any, Literal
 
 from speedtronic.config import ConfigError, ResolvedConfig
 from speedtronic.diloco.identity import ExchangeAccessError, NodeIdCollisionError
-from speedtronic.metrics.logger import JsonLogFormatter
+from speedtronic.metrics.logger import JsonLogFormatter, RedactingFilter
 from speedtronic.train.ranks import RankEnv, resolve_nproc, run_agent
 
 __all__ = [
@@ -206,10 +206,14 @@ def install_stop_handlers(
     return restore
 
 
-def _configure_logging(logging_config: Any, *, main: bool = True) -> logging.Handler:
+def _configure_logging(
+    logging_config: Any, *, main: bool = True, secrets: tuple[str | None, ...] = ()
+) -> logging.Handler:
     """Attach one stdout handler (text or JSON) to the ``speedtronic`` logger tree (errors
-    only on ranks other than 0)."""
+    only on ranks other than 0). Every line through it has ``secrets`` scrubbed, whichever
+    module logged it and whenever (a thread that outlives its component included)."""
     handler = logging.StreamHandler(sys.stdout)
+    handler.addFilter(RedactingFilter([s for s in secrets if s]))
     if logging_config.format == "json":
         handler.setFormatter(JsonLogFormatter())
     else:
@@ -424,7 +428,9 @@ def launch(
     config = resolved.config
     sources = dict(resolved.sources)
     ranks = RankEnv.from_environ(os.environ)  # torchrun's rank environment, if any
-    handler = _configure_logging(config.logging, main=ranks.is_main)
+    handler = _configure_logging(
+        config.logging, main=ranks.is_main, secrets=(config.distributed.token,)
+    )
     state = _RunState()
     server = watchdog = slot = None
     restore_signals: Callable[[], None] = lambda: None  # noqa: E731 - replaced below

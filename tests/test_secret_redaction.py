@@ -115,3 +115,24 @@ def test_metric_logger_redacts_every_spelling_in_text_and_jsonl(tmp_path, pad) -
     assert not leaks(out.getvalue(), token)
     for line in out.getvalue().splitlines():
         json.loads(line)  # still one JSON object per line
+
+
+def test_the_run_s_log_handler_scrubs_the_token_from_every_module_s_lines(capsys):
+    """The entrypoint's stdout handler scrubs the token whichever logger wrote the line: a
+    child logger (``speedtronic.diloco.slots``), a line before a component started or after
+    it stopped (issue 20: the DiLoCo filter sat on one logger only)."""
+    import logging
+
+    from speedtronic.config import LoggingConfig
+    from speedtronic.entrypoint import _configure_logging
+
+    token = "tok-not-hf-shaped-1234567890"
+    handler = _configure_logging(LoggingConfig(), secrets=(token, None))
+    try:
+        logging.getLogger("speedtronic.diloco.slots").warning("claimed with %s", token)
+        logging.getLogger("speedtronic.diloco").error(f"refused: {token}")
+    finally:
+        logging.getLogger("speedtronic").removeHandler(handler)
+    out = capsys.readouterr().out
+    assert "claimed with <redacted>" in out and "refused: <redacted>" in out
+    assert token not in out

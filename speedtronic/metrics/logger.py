@@ -33,7 +33,14 @@ from typing import IO, Any
 
 from speedtronic.config.redaction import REDACTED, scrub
 
-__all__ = ["REDACTED", "JsonLogFormatter", "MetricLogger", "memory_usage_bytes", "new_run_id"]
+__all__ = [
+    "REDACTED",
+    "JsonLogFormatter",
+    "MetricLogger",
+    "RedactingFilter",
+    "memory_usage_bytes",
+    "new_run_id",
+]
 
 _HANDLER_TAG = "_speedtronic_handler"
 
@@ -106,7 +113,7 @@ class JsonLogFormatter(logging.Formatter):
         return json.dumps(line, default=str)
 
 
-class _RedactingFilter(logging.Filter):
+class RedactingFilter(logging.Filter):
     """Replaces every secret in a record's rendered message with ``<redacted>``."""
 
     def __init__(self, secrets: list[str]) -> None:
@@ -189,7 +196,7 @@ class MetricLogger:
             handler.setFormatter(JsonLogFormatter("speedtronic", event_messages=False))
         else:
             handler.setFormatter(logging.Formatter("%(asctime)s | %(levelname)s | %(message)s"))
-        handler.addFilter(_RedactingFilter(self.secrets))
+        handler.addFilter(RedactingFilter(self.secrets))
         self._handler = handler
         self._logger.addHandler(handler)
         if self.json_file is not None:
