@@ -497,3 +497,22 @@ def test_a_poll_reads_a_node_record_again_only_when_the_listing_shows_it_changed
     join(t, "b", state="done")  # a new version of one record: that one is read again
     master.poll_once()
     assert reads == ["b"] and master.nodes["b"].state == "done"
+
+
+def test_a_restarted_master_keeps_the_round_length_its_drop_limit_counts_in(tmp_path):
+    clock = Clock()
+    master, t, _ = make_master(tmp_path, clock=clock)  # drop after 3 x max(10 s, round)
+    join(t, "a")
+    join(t, "b")
+    master.poll_once()
+    clock.now += 100.0  # rounds take 100 s
+    deliver(t, "a", 0, [1.0, 1.0])
+    deliver(t, "b", 0, [1.0, 1.0])
+    assert master.poll_once() is True
+    again, _, log = make_master(tmp_path, transport=t, clock=clock)
+    assert again.state.round_seconds == pytest.approx(100.0)
+    again.poll_once()
+    clock.now += 60.0  # longer than 3 x round_timeout, much shorter than 3 rounds
+    deliver(t, "a", 1, [1.0, 1.0])
+    assert again.poll_once() is False  # still waiting for b
+    assert log.of("node_dropped") == []

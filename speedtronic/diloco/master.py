@@ -132,7 +132,6 @@ class RoundMaster:
         self._first_arrival: float | None = None
         self._opened = clock()
         self._blind_since: float | None = None  # when the exchange became unreadable
-        self._round_seconds = 0.0  # moving average of round lengths
         self._prune: set[str] = set()
         self._reset_tally()
         self._handed: int | None = None  # the outer step last given to on_global
@@ -264,7 +263,9 @@ class RoundMaster:
         self._credit_blind_time(now)
         self.roster.refresh(scan, now, self.outer_step)
         candidates = self._sort_contributions(scan, now)
-        limit = self.settings.drop_after * max(self.settings.round_timeout, self._round_seconds)
+        limit = self.settings.drop_after * max(
+            self.settings.round_timeout, self.state.round_seconds
+        )
         active = self.roster.active(now, limit, self.state)
         reason = self._close_reason(now, active, candidates)
         if reason is not None and self._close(candidates, reason, active):
@@ -416,15 +417,14 @@ class RoundMaster:
         except Exception:
             self.reconciled = False  # it may still have landed: agree with the exchange again
             raise
+        opened, self._opened = self._opened, self._clock()
+        length = self._opened - opened
+        average = new.round_seconds  # kept in the state: a restart drops nobody too soon
+        new.round_seconds = length if not average else (0.7 * average + 0.3 * length)
         with self._lock:
             self.state = new
         self._prune.clear()
         self._persist()
-        opened, self._opened = self._opened, self._clock()
-        length = self._opened - opened
-        self._round_seconds = (
-            length if not self._round_seconds else (0.7 * self._round_seconds + 0.3 * length)
-        )
         self._first_arrival = None
         self._reset_tally()
         self._emit(

@@ -7,8 +7,9 @@ aggregated contributions. The master holds one; a round works on a :meth:`RoundS
 that replaces it only once its publish landed, so a failed publish leaves nothing to undo.
 
 ``<state_dir>/outer_state.safetensors`` is one atomic file: tensors ``global/<key>`` and
-``momentum/<key>``; its header holds the outer step, run id, ledger, digests and the nodes'
-instances and final rounds, so a kill at any point leaves the previous or the new state.
+``momentum/<key>``; its header holds the outer step, run id, ledger, digests, the nodes'
+instances and final rounds and the average round length, so a kill at any point leaves the
+previous or the new state.
 
 ``<state_dir>/pending_round.json`` is a write-ahead record of the round being published: what
 the master will report once the publish landed. A master killed after the exchange applied the
@@ -53,7 +54,9 @@ class RoundState:
     ``run_id``: names the run; ``ledger``: node -> highest round aggregated (or dropped);
     ``digests``: node -> sha256 of its last aggregated contribution (a re-sent copy is refused);
     ``instances``: node -> the ``instance`` header of its last aggregated contribution;
-    ``finals``: node -> the round of its aggregated contribution flagged ``final``.
+    ``finals``: node -> the round of its aggregated contribution flagged ``final``;
+    ``round_seconds``: a moving average of the round lengths (the master's drop limit counts
+    in it, so it survives a restart).
     """
 
     outer_step: int
@@ -64,6 +67,7 @@ class RoundState:
     digests: dict[str, str] = field(default_factory=dict)
     instances: dict[str, str] = field(default_factory=dict)
     finals: dict[str, int] = field(default_factory=dict)
+    round_seconds: float = 0.0
 
     @classmethod
     def new(cls, global_state: dict[str, torch.Tensor], lr: float, momentum: float) -> RoundState:
@@ -83,6 +87,7 @@ class RoundState:
             dict(self.digests),
             dict(self.instances),
             dict(self.finals),
+            self.round_seconds,
         )
 
     def node_records(self) -> dict[str, dict[str, Any]]:
@@ -162,6 +167,7 @@ class OuterStateStore:
                 digests=_json_map(meta["digests"], str),
                 instances=_json_map(meta.get("instances", "{}"), str),  # absent before 2.2
                 finals=_json_map(meta.get("finals", "{}"), int),
+                round_seconds=float(meta.get("round_seconds", "0")),  # absent before 2.3
             )
         except Exception as exc:
             self.path.replace(self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}"))
@@ -180,6 +186,7 @@ class OuterStateStore:
             "digests": json.dumps(dict(sorted(state.digests.items()))),
             "instances": json.dumps(dict(sorted(state.instances.items()))),
             "finals": json.dumps(dict(sorted(state.finals.items()))),
+            "round_seconds": repr(float(state.round_seconds)),
             "updated_at": datetime.now(timezone.utc).isoformat(),
         }
         atomic_write_bytes(T.state_to_bytes(tensors, metadata=meta), self.path)
