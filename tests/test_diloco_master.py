@@ -516,3 +516,28 @@ def test_a_restarted_master_keeps_the_round_length_its_drop_limit_counts_in(tmp_
     deliver(t, "a", 1, [1.0, 1.0])
     assert again.poll_once() is False  # still waiting for b
     assert log.of("node_dropped") == []
+
+
+def test_last_progress_moves_with_contributions_records_and_rounds_only(tmp_path):
+    clock = Clock()
+    master, t, _ = make_master(tmp_path, clock=clock)
+    assert master.last_progress == 1000.0  # the master starting
+    join(t, "a")
+    join(t, "b")
+    clock.now = 1001.0
+    master.poll_once()
+    assert master.last_progress == 1001.0  # records of new nodes
+    clock.now = 1002.0
+    master.poll_once()
+    assert master.last_progress == 1001.0  # nothing new
+    deliver(t, "a", 0, [1.0, 1.0])
+    clock.now = 1003.0
+    assert master.poll_once() is False
+    assert master.last_progress == 1003.0  # a contribution arrived
+    clock.now = 1004.0
+    master.poll_once()
+    assert master.last_progress == 1003.0  # the same one seen again is no progress
+    deliver(t, "b", 0, [1.0, 1.0])
+    clock.now = 1005.0
+    assert master.poll_once() is True
+    assert master.last_progress == 1005.0

@@ -91,6 +91,11 @@ class RoundMaster:
     global was published; ``upstream`` makes this master a group leader that relays its
     rounds (:mod:`speedtronic.diloco.relay`). ``emit`` reports rounds, joins, drops and
     evaluations; lines go to the ``speedtronic.diloco`` logger.
+
+    ``last_progress`` is the ``clock()`` time (``time.monotonic`` unless a test clock is given)
+    of the last sign that the run moves: the master starting, a new contribution seen on the
+    exchange, a node's status record changing, a round closed. The coordinator bounds its wait
+    for the final global from it (a run whose rounds are slow but moving is not stalled).
     """
 
     def __init__(
@@ -131,6 +136,8 @@ class RoundMaster:
         self._thread: threading.Thread | None = None
         self._first_arrival: float | None = None
         self._opened = clock()
+        self.last_progress: float = self._opened  # see the class docstring
+        self._seen: set[str] = set()  # the includable contributions of the last poll
         self._blind_since: float | None = None  # when the exchange became unreadable
         self._prune: set[str] = set()
         self._reset_tally()
@@ -261,8 +268,13 @@ class RoundMaster:
                 self._blind_since = now
             raise
         self._credit_blind_time(now)
-        self.roster.refresh(scan, now, self.outer_step)
+        if self.roster.refresh(scan, now, self.outer_step):
+            self.last_progress = now
         candidates = self._sort_contributions(scan, now)
+        seen = {path for files in candidates.values() for path in files.values()}
+        if seen - self._seen:  # a contribution not seen before
+            self.last_progress = now
+        self._seen = seen
         limit = self.settings.drop_after * max(
             self.settings.round_timeout, self.state.round_seconds
         )
@@ -418,6 +430,7 @@ class RoundMaster:
             self.reconciled = False  # it may still have landed: agree with the exchange again
             raise
         opened, self._opened = self._opened, self._clock()
+        self.last_progress = self._opened
         length = self._opened - opened
         average = new.round_seconds  # kept in the state: a restart drops nobody too soon
         new.round_seconds = length if not average else (0.7 * average + 0.3 * length)
@@ -567,6 +580,7 @@ class RoundMaster:
         if self._thread is not None and self._thread.is_alive():
             return
         self._stop.clear()
+        self.last_progress = self._clock()
         self._thread = threading.Thread(
             target=self._loop, name="speedtronic-diloco-master", daemon=True
         )

@@ -62,11 +62,15 @@ class Roster:
         self.saw_training = False  # a node that trains announced itself (the run has begun)
         self._records: dict[str, tuple[str, dict[str, Any]]] = {}  # node -> (version, record)
 
-    def refresh(self, scan: RepoScan, now: float, outer_step: int) -> None:
-        """Update every node from its status record (a restarted node is a new view)."""
+    def refresh(self, scan: RepoScan, now: float, outer_step: int) -> bool:
+        """Update every node from its status record (a restarted node is a new view); True
+        when a record is new or changed since the last refresh (a sign of progress)."""
+        changed = False
         for node_id in sorted(scan.owners):
             view = self.nodes.get(node_id)
+            before = self._records.get(node_id)
             record = self._record(node_id, scan)
+            changed |= before is None or before[1] != record
             instance = record.get("instance")
             if view is None or (instance and instance != view.instance):
                 view = NodeView(node_id, instance=instance, last_heard=now)
@@ -81,6 +85,7 @@ class Roster:
             view.final_round = final if isinstance(final, int) else None
             if view.state == "training":
                 self.saw_training = True
+        return changed
 
     def _record(self, node_id: str, scan: RepoScan) -> dict[str, Any]:
         """A node's status record, read again only when the listing shows a new version of
