@@ -16,7 +16,7 @@ from test_diloco_master import lines
 from speedtronic.config import ConfigError, DistributedConfig
 from speedtronic.diloco.coordinator import DumbDiLoCoCoordinator
 from speedtronic.diloco.directory import DirectoryTransport
-from speedtronic.diloco.identity import resolve_node_id
+from speedtronic.diloco.identity import NodeIdCollisionError, resolve_node_id
 
 
 class Log:
@@ -135,6 +135,66 @@ def test_node_id_collision_is_reported(tmp_path, caplog):
     assert ("node_id_collision", {"node_id": "w1"}) in log_b.events
     a.stop()
     b.stop()
+
+
+def _on_host(tmp_path, host, **kw):
+    """Worker ``w`` on ``host`` (its own state), on the exchange shared under ``tmp_path``."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 2)
+    settings = cfg(tmp_path / "repo", async_global_poll=False, async_delta_upload=False, **kw)
+    c = DumbDiLoCoCoordinator(
+        settings, model, state_dir=tmp_path / host, logger=Log(), environ={"HOSTNAME": host}
+    )
+    return c, model
+
+
+def test_another_hosts_holder_is_watched_for_drop_after_rounds(tmp_path):
+    """A live node writes once a round: the later host watches its files for drop_after x
+    round_timeout (not one round_timeout) and exits 2 when it writes within that time."""
+    first, model_a = _on_host(tmp_path, "host-a", round_timeout=0.05)
+    first.start()
+    second, _ = _on_host(tmp_path, "host-b", round_timeout=0.3, drop_after=3)  # 0.9 s watch
+
+    def the_first_writes_late():
+        time.sleep(0.6)  # after one round_timeout, within drop_after of them
+        nudge(model_a)
+        first.after_optimizer_step(model_a, 1)
+
+    writer = threading.Thread(target=the_first_writes_late, daemon=True)
+    writer.start()
+    try:
+        with pytest.raises(NodeIdCollisionError, match="into the watch"):
+            second.start()
+    finally:
+        writer.join()
+    first.stop()
+
+
+def test_a_node_that_took_an_id_over_stops_before_its_first_upload_if_the_holder_wrote(
+    tmp_path, caplog
+):
+    """The holder was silent through the watch, then uploaded just before the later node's
+    claim landed (so the record names the later node): the later node stops before its first
+    upload, which could otherwise take the holder's round's place; the holder logs an error."""
+    caplog.set_level(logging.INFO, logger="speedtronic.diloco")
+    first, model_a = _on_host(tmp_path, "host-a", round_timeout=0.05)
+    first.start()
+    second, model_b = _on_host(tmp_path, "host-b", round_timeout=0.05, drop_after=1)
+    second.start()  # the holder wrote nothing in its watch: the id is taken over
+    assert "taking node id 'w1' over" in caplog.text
+    nudge(model_a)
+    first.after_optimizer_step(model_a, 1)  # the holder is live: its round 0 is uploaded
+    assert "was taken over by instance" in caplog.text
+    # the later node's claim landed after that upload: the record names it again
+    second.store.claim_owner("w1", second.claim.record(state="training"))
+    nudge(model_b)
+    with pytest.raises(NodeIdCollisionError, match="after this node's watch ended"):
+        second.after_optimizer_step(model_b, 1)
+        second.after_optimizer_step(model_b, 2)  # an async or late report: the next step
+    files = sorted(p for p in first.store.scan().files if p.startswith("nodes/w1/"))
+    assert files == ["nodes/w1/delta_0.safetensors", "nodes/w1/owner.json"]  # only the holder's
+    first.stop()
+    second.stop()
 
 
 def test_restart_takes_over_its_own_dead_claim(tmp_path):

@@ -5,9 +5,11 @@ The coordinator (:mod:`speedtronic.diloco.coordinator`) builds one :class:`NodeL
 hands :meth:`NodeLink.send` to the node's uploader and :meth:`NodeLink.fetch` to its inbox.
 Identity (see :mod:`speedtronic.diloco.identity`): the claim is written before the node
 writes anything else; another live node holding the id is a `NodeIdCollisionError` (exit 2);
-a record of another host's unfinished node is watched for ``round_timeout`` before the id is
-taken over; every upload reads the record back first. Errors no retry fixes (auth refused, an
-unusable path) become an `ExchangeAccessError` or `ExchangeError` (exit 2) naming the
+a record of another host's unfinished node is watched for ``drop_after`` x ``round_timeout``
+(as long as the master waits for a silent node before it drops it) before the id is taken over;
+every upload reads the record back first, and a node that took an id over stops before its first
+upload when the holder's round files changed since its watch. Errors no retry fixes (auth
+refused, an unusable path) become an `ExchangeAccessError` or `ExchangeError` (exit 2) naming the
 repository, never the token.
 """
 
@@ -63,6 +65,9 @@ class NodeLink:
         self._emit = emit
         self.beat = time.monotonic()  # the last sign of life while waiting here
         self._displaced = ""  # the instance whose record this node took over at its claim
+        # the displaced holder's round files when the watch ended, until our first upload
+        self._watched: dict[str, Any] | None = None
+        self._holder = ""  # the displaced holder, as the log lines name it
         self._refused = ""  # checksum of a published global this node refused
 
     # -- errors no retry fixes ---------------------------------------------------------------
@@ -113,7 +118,7 @@ class NodeLink:
             if self._collides(owner):
                 raise NodeIdCollisionError(self.node_id)
             if self.claim.held_elsewhere(owner):
-                self._watch_holder(owner)
+                self._watched = self._watch_holder(owner)
             other = (owner or {}).get("instance")
             if other and other != self.claim.instance:
                 self._displaced = str(other)
@@ -126,27 +131,33 @@ class NodeLink:
             self.raise_if_permanent(exc, "cannot write to the exchange")
             _LOG.warning(f"could not claim node_id {self.node_id}: {exc}")
 
-    def _watch_holder(self, owner: Mapping[str, Any]) -> None:
-        """Another host's node holds our id and had not finished: watch its files (up to
-        ``round_timeout``; a live node writes at every round). A change is a
-        `NodeIdCollisionError`; none means its instance is gone, and the id is taken over."""
+    def _round_files(self) -> dict[str, Any]:
+        """This id's files on the exchange but its status record (which we write too)."""
+        prefix, record = f"nodes/{self.node_id}/", f"nodes/{self.node_id}/owner.json"
+        files = self.store.scan().files.items()
+        return {p: i for p, i in files if p.startswith(prefix) and p != record}
+
+    def _watch_holder(self, owner: Mapping[str, Any]) -> dict[str, Any]:
+        """Another host's node holds our id and had not finished: watch its files for up to
+        ``drop_after`` x ``round_timeout`` (a live node writes once a round, and a round may
+        last minutes; the master drops a node only after as long a silence). A change is a
+        `NodeIdCollisionError`; none means its instance is gone, and the id is taken over.
+        Returns the holder's round files at the end (checked again before our first upload)."""
         holder = f"instance {owner.get('instance')} on host {owner.get('host', '?')}"
-        window = self.settings.round_timeout
-        prefix = f"nodes/{self.node_id}/"
+        self._holder = holder
+        cfg = self.settings
+        window = max(int(cfg.drop_after), 1) * cfg.round_timeout
         _LOG.info(
             f"node id {self.node_id!r} is held by {holder} (state {owner.get('state')}); "
-            f"watching its files for up to {window:.0f} s (distributed.round_timeout) before "
+            f"watching its files for up to {window:.0f} s (distributed.drop_after x "
+            "distributed.round_timeout, as long as the master waits for a silent node) before "
             "taking the id over"
         )
-
-        def files() -> dict[str, Any]:
-            return {p: i for p, i in self.store.scan().files.items() if p.startswith(prefix)}
-
-        before, started = files(), time.monotonic()
+        before, started = self._round_files(), time.monotonic()
         while time.monotonic() - started < window and not self.interrupted.is_set():
             self.beat = time.monotonic()
-            time.sleep(min(self.settings.poll_interval, 1.0))
-            if files() != before:
+            time.sleep(min(cfg.poll_interval, 1.0))
+            if self._round_files() != before:
                 waited = time.monotonic() - started
                 self._emit("node_id_collision", node_id=self.node_id)
                 raise NodeIdCollisionError(
@@ -156,6 +167,7 @@ class NodeLink:
             f"{holder} wrote nothing in {time.monotonic() - started:.1f} s; taking node id "
             f"{self.node_id!r} over (that instance is gone)"
         )
+        return before
 
     def _collides(self, owner: Mapping[str, Any] | None) -> bool:
         other = self.claim.check(owner)
@@ -181,7 +193,23 @@ class NodeLink:
                     self.node_id,
                     f"instance {self._displaced} wrote again after this node took the id over",
                 )
-            self._collides(owner)
+            if self._watched is not None and self._round_files() != self._watched:
+                # the holder uploaded after our watch ended (its record may since be ours
+                # again): it is live; an upload of ours could take its round's place
+                self._emit("node_id_collision", node_id=self.node_id)
+                raise NodeIdCollisionError(
+                    self.node_id,
+                    f"{self._holder} wrote round files after this node's watch ended; this "
+                    "node stops before its first upload",
+                )
+            if self._collides(owner):  # a later instance took our id over after our claim
+                _LOG.error(
+                    f"node id {self.node_id!r} was taken over by instance "
+                    f"{(owner or {}).get('instance')} on host {(owner or {}).get('host', '?')} "
+                    f"after this node claimed it; this node's round {job.round} upload "
+                    "reclaims it and the later instance stops at its next upload (a round it "
+                    "uploaded first stands for this node's)"
+                )
         status = {"state": "done", "final_round": job.round} if job.final else {"state": "training"}
         try:
             if job.delta is None:  # nothing left to contribute: only the done status
@@ -207,6 +235,7 @@ class NodeLink:
         except AccessRefused as exc:  # the node stops at its next step (exit 2)
             raise self.access_error(exc) from None
         self.claim.claimed = True
+        self._watched = None  # our files are on the exchange now: the record tells from here
         return nbytes
 
     # -- globals -----------------------------------------------------------------------------
