@@ -15,6 +15,7 @@ from speedtronic.config import DistributedConfig
 from speedtronic.diloco.directory import DirectoryTransport
 from speedtronic.diloco.master import RoundMaster
 from speedtronic.diloco.relay import Upstream
+from speedtronic.diloco.transport import TransportError
 
 
 def _settings(**extra) -> DistributedConfig:
@@ -122,3 +123,56 @@ def test_a_relay_config_must_be_a_group_master():
         DistributedConfig(enabled=True, repo_id="file:///g", role="worker", relay_to="org/top")
     with pytest.raises(ValueError, match="top-level exchange"):
         DistributedConfig(enabled=True, repo_id="file:///g", role="master", relay_to="file:///g")
+
+
+def test_a_group_publish_that_fails_after_the_mean_went_up_never_sends_it_twice(tmp_path):
+    top = DirectoryTransport(f"file://{tmp_path}/top", fast_retry())
+    top.create_repo()
+    head = _master(tmp_path, "top", top, relay_leaders=["g1"])
+    exchange = DirectoryTransport(f"file://{tmp_path}/g1", fast_retry())
+    exchange.create_repo()
+    stop = threading.Event()
+    upstream = Upstream(
+        DirectoryTransport(f"file://{tmp_path}/top", fast_retry()),
+        node_id="g1",
+        settings=_settings(),
+        record=lambda **status: {"instance": "leader", **status},
+        stop=stop,
+    )
+    leader = _master(tmp_path, "g1", exchange, upstream)
+    sent = []
+    forward = upstream.forward
+    upstream.forward = lambda mean, **kw: (sent.append(kw["round"]), forward(mean, **kw))[1]
+    head.reconcile()
+    head.start()
+    try:
+        leader.poll_once()
+        for name in ("a", "b"):
+            exchange.claim_owner(name, {"instance": f"{name}-1", "state": "training"})
+        leader.poll_once()
+        _member(exchange, "a", 0, [1.0, 2.0, 3.0])
+        _member(exchange, "b", 0, [3.0, 2.0, 1.0])
+        publish = exchange.publish_global
+
+        def lost(*args, **kwargs):  # the group's own publish fails and does not land
+            exchange.publish_global = publish
+            raise TransportError("group exchange down")
+
+        exchange.publish_global = lost
+        with pytest.raises(TransportError):
+            leader.poll_once()  # the mean went up: the top level holds global 1
+        assert sent == [0] and top.global_metadata().outer_step == 1
+        assert leader.poll_once() is False  # agrees with the exchange: round 0 is closed
+        assert exchange.global_metadata().outer_step == 1 and leader.ledger == {"a": 0, "b": 0}
+        assert torch.equal(exchange.read_global()["w"], top.read_global()["w"])
+        _member(exchange, "a", 1, [1.0, 1.0, 1.0])
+        _member(exchange, "b", 1, [1.0, 1.0, 1.0])
+        assert leader.poll_once() is True
+        assert sent == [0, 1] and head.ledger == {"g1": 1}
+        rounds = [p for e, p in leader.events if e == "outer_step"]
+        # the members' round-0 files are never folded and sent up a second time
+        assert [r["included"] for r in rounds] == [["a/0", "b/0"], ["a/1", "b/1"]]
+        assert torch.equal(top.read_global()["w"], torch.tensor([-3.0, -3.0, -3.0]))
+    finally:
+        stop.set()
+        head.stop()

@@ -21,7 +21,8 @@ contributors (less the nodes that finished their run). Closing::
     write-ahead record; publish weights + ledger + prune in one commit
     state = new; persist; report; hand the global to the local node; evaluate
 
-A failed publish leaves ``state`` as it was (nothing to roll back) and makes the next poll
+A failed publish leaves ``state`` as it was (nothing to roll back; a group leader whose
+mean already went up keeps ``new`` instead, :mod:`speedtronic.diloco.relay`) and makes the next poll
 agree with the exchange again (:mod:`speedtronic.diloco.reconcile`), since it may have landed:
 the published ledger's record carries which nodes finished and as which instance, so the
 adopted state knows them too; a master that finds its own run's global already final (a lost
@@ -427,6 +428,10 @@ class RoundMaster:
                 node_records=new.node_records(),
             )
         except Exception:
+            if self.upstream is not None:  # the top level holds the group's mean already:
+                with self._lock:  # keep the round's ledger, so the members' files are never
+                    self.state = new  # sent up again; agreeing retries the group's publish
+                self._persist()
             self.reconciled = False  # it may still have landed: agree with the exchange again
             raise
         opened, self._opened = self._opened, self._clock()

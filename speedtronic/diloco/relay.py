@@ -91,7 +91,9 @@ class Upstream:
     def agree(self, store: Any, held: RoundState, max_bytes: int) -> RoundState:
         """The leader's reconcile: the group starts from the top-level global (its outer step
         and run id are the group's), published to the group's exchange ``store`` unless the
-        members have it already. Returns the state the group's master holds from now on."""
+        members have it already. Returns the state the group's master holds from now on.
+        After a group publish that failed once the mean went up, ``held`` is that round's
+        state (its ledger marks the members' files), so they are never sent up twice."""
         self.max_bytes = max_bytes
         meta, weights = self.current()
         state = held.copy()
