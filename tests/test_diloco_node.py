@@ -274,6 +274,31 @@ def test_a_final_upload_that_never_arrives_is_kept_and_reported(caplog):
                for r in caplog.records if r.levelname == "ERROR")  # fmt: skip
 
 
+def test_a_final_contribution_left_in_the_checkpoint_is_sent_on_resume():
+    """A final upload that failed every attempt leaves the node not done: its checkpoint holds
+    the carry, and the resumed node's finish() sends it (before, ``done`` was saved and the
+    resumed finish() returned at once: the last round never reached the master)."""
+    node, rec, model = make_node(inner=4)
+    offer(node, 0, 0.0)
+    node.merge_waiting()
+    rec.fail_next = 100
+    train(model, 1.0)
+    node.after_optimizer_step()
+    node.finish()
+    assert not rec.sent and not node.done
+    state = node.state_dict()
+    assert state["done"] is False and state["carry"] is not None
+    resumed, rec2, model2 = make_node(inner=4)
+    assert resumed.load_state_dict(state) is None
+    with torch.no_grad():
+        model2.weight.copy_(model.weight)
+    rec2.on_send = master_for(resumed, lambda job: 3.0)
+    resumed.finish()
+    [job] = rec2.sent
+    assert job.final and job.delta["weight"].tolist() == [[-1.0, -1.0]]
+    assert resumed.done and resumed.carry is None and weights(model2) == [3.0, 3.0]
+
+
 def test_finish_with_nothing_left_sends_only_the_done_status():
     node, rec, model = make_node(inner=1)
     offer(node, 0, 0.0)
@@ -306,6 +331,24 @@ def test_state_round_trip_resends_the_upload_in_flight():
     assert pending.delta["weight"].tolist() == [[-2.0, -2.0]]
     # the upload had not arrived: its label is not used up until it is sent again
     assert (fresh.installed, fresh.last_round, fresh.step) == (0, -1, 2)
+
+
+def test_the_node_state_keeps_the_key_older_readers_of_its_format_read():
+    """``speedtronic-diloco-node/2`` was first written with ``last_label``; a reader of that
+    key (an older release resuming this checkpoint) finds it beside ``last_round``."""
+    node, rec, model = make_node(inner=1)
+    offer(node, 0, 0.0)
+    node.merge_waiting()
+    rec.on_send = master_for(node, lambda job: 1.0)
+    train(model, 1.0)
+    node.after_optimizer_step()
+    state = node.state_dict()
+    assert state["format"] == "speedtronic-diloco-node/2"
+    assert state["last_round"] == state["last_label"] == 0
+    old = {k: v for k, v in state.items() if k != "last_round"}  # as older releases wrote it
+    again, _, _ = make_node(inner=1)
+    again.load_state_dict(old)
+    assert again.last_round == 0
 
 
 def test_reset_inner_optimizer_only_when_asked():

@@ -350,18 +350,20 @@ class DiLoCoNode:
                 if self.carry is None or self.fatal is not None:
                     break
                 self._boundary(final=True)
-            if self.carry is not None:
+            if self.carry is not None:  # not done: a resumed node's finish() sends it
                 _LOG.error(
                     f"the final contribution could not be uploaded after "
-                    f"{FINAL_UPLOAD_ATTEMPTS} attempts; it is in this node's checkpoint",
+                    f"{FINAL_UPLOAD_ATTEMPTS} attempts; it is in this node's checkpoint and a "
+                    "restart with --resume sends it",
                 )
+                return
         else:
             self.uploads.drain()
             self.uploads.submit(self._done_record())
             self.uploads.drain()
             if self.last_round >= 0 and self.installed <= self.last_round:
                 self._await_global(self.last_round + 1, 2 * self.settings.round_timeout)
-        self.done = True
+        self.done = True  # nothing is left to send
 
     def _done_record(self) -> Contribution:
         """Nothing left to contribute: only the ``done`` status (after the last round)."""
@@ -383,6 +385,7 @@ class DiLoCoNode:
                 "installed": self.installed,
                 "run_id": self.run_id,
                 "last_round": self.last_round,
+                "last_label": self.last_round,  # the key readers of this format knew first
                 "anchor": T.cpu_state_dict(self.anchor),
                 "carry": None if self.carry is None else T.cpu_state_dict(self.carry),
                 "pending": None if pending is None else pending.to_dict(),
