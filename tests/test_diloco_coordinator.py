@@ -255,6 +255,49 @@ def test_pure_aggregator_and_a_worker_in_one_process_through_the_end(tmp_path):
     master.stop()
 
 
+def test_a_restarted_pure_aggregator_keeps_its_finished_run(tmp_path):
+    """A pure aggregator's step is always 0: a restart (from its checkpoint, or with only its
+    own outer state in state_dir) is not a new run, and the finished run's final global stays
+    on the exchange (before, every restart started a new run over it)."""
+    repo = f"file://{tmp_path}/repo"
+
+    def aggregator(where):
+        return make(
+            tmp_path / where, role="master", node_id="m", repo_id=repo, train=False,
+            round_timeout=5.0,
+        )  # fmt: skip
+
+    master, _, _ = aggregator("m")
+    worker, w_model, _ = make(
+        tmp_path / "w", role="worker", node_id="w", repo_id=repo, round_timeout=5.0
+    )
+    master.start(0)
+    worker.start()
+    nudge(w_model, -0.5)
+    assert worker.after_optimizer_step(w_model, 1) is True
+    worker.finish()
+    master.finish()
+    final = master.store.global_metadata()
+    assert final.final
+    checkpoint = master.state_dict()
+    worker.stop()
+    master.stop()
+    # restarted from its checkpoint, on a machine that lost its state_dir
+    again, _, _ = aggregator("elsewhere")
+    again.load_state_dict(checkpoint)
+    again.start(0)
+    again.stop()
+    meta = again.store.global_metadata()
+    assert meta.final and (meta.outer_step, meta.run_id) == (final.outer_step, final.run_id)
+    # restarted without a checkpoint (killed before it wrote one): its own outer state tells
+    third, _, _ = aggregator("m")
+    assert third.master.has_local_state
+    third.start(0)
+    third.stop()
+    meta = third.store.global_metadata()
+    assert meta.final and (meta.outer_step, meta.run_id) == (final.outer_step, final.run_id)
+
+
 def test_token_never_in_state_or_events(tmp_path, caplog):
     caplog.set_level(logging.DEBUG, logger="speedtronic.diloco")
     token = "hf_SUPERsecret_token_value"

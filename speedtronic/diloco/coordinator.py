@@ -172,6 +172,7 @@ class DumbDiLoCoCoordinator:
                 upstream=self._upstream(cfg) if cfg.relay_to else None,
             )
         self._prepared: Mapping[str, Any] | None = None
+        self._resumed = False  # a checkpoint with this coordinator's state was applied
         self._run_ended: str | None = None  # why this node has no run to take part in
         self._master_hook: Any = None  # raises the master thread's fatal error on each step
         self._global_at = time.monotonic()  # when the last global was handed to this process
@@ -314,7 +315,7 @@ class DumbDiLoCoCoordinator:
         if self.node is not None and step is not None and self._prepared_step is None:
             self.node.step = int(step)
         if self.master is not None:  # a master starting from scratch starts a new run
-            self.master.fresh = not step and self._prepared_step is None
+            self.master.fresh = self._starts_new_run(step)
         with self._quick_retries():  # an outage must not hold training at startup
             if self.master is not None:
                 self._create_exchange()
@@ -351,6 +352,15 @@ class DumbDiLoCoCoordinator:
             node_id=self.node_id,
             global_step=self.last_global_step,
         )
+
+    def _starts_new_run(self, step: int | None) -> bool:
+        """Whether this master starts a new run (over a finished one on the exchange): only
+        from scratch. A trained step or a checkpoint with coordinator state (an ``outer``
+        section, node state) is a resumed run; a pure aggregator's step is always 0, so its
+        own local outer state (``state_dir``: it served a run) says it is restarted too."""
+        if step or self._resumed:
+            return False
+        return self.trains or not self.master.has_local_state
 
     def _status(self) -> dict[str, Any]:
         """The status record this node claims its id with at startup."""
@@ -510,6 +520,8 @@ class DumbDiLoCoCoordinator:
 
     def _apply_prepared(self) -> Contribution | None:
         state, self._prepared = self._prepared, None
+        if state and (state.get("outer") or state.get("node")):
+            self._resumed = True  # the run this state belongs to goes on
         if not state or self.node is None or not state.get("node"):
             return None
         pending = self.node.load_state_dict(state["node"])
