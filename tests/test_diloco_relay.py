@@ -5,6 +5,7 @@ commits for K nodes in G groups, and every node still weighs the same."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -176,3 +177,21 @@ def test_a_group_publish_that_fails_after_the_mean_went_up_never_sends_it_twice(
     finally:
         stop.set()
         head.stop()
+
+
+def test_a_leader_s_wait_for_the_first_top_level_global_is_bounded(tmp_path):
+    """A group leader started before the top-level master waits at most round_timeout for
+    the first top-level global (at startup that wait holds the training thread), then says
+    what it waited for and for how long; the master retries it at its next poll."""
+    upstream = Upstream(
+        DirectoryTransport(f"file://{tmp_path}/top", fast_retry()),
+        node_id="g1",
+        settings=_settings(round_timeout=0.3),
+        record=lambda **status: {"instance": "leader", **status},
+        stop=threading.Event(),
+    )
+    upstream.store.create_repo()
+    started = time.monotonic()
+    with pytest.raises(TransportError, match=r"first top-level global within [0-9.]+ s"):
+        upstream.current()
+    assert time.monotonic() - started < 10

@@ -70,9 +70,20 @@ class Upstream:
             return None
         return self.store.fetch_global(metadata, max_bytes=self.max_bytes)
 
-    def _wait(self, than: int, run_id: str, what: str) -> tuple[GlobalMetadata, dict]:
-        """Poll the top level until a global newer than ``than`` (or of another run) is out."""
+    def _wait(
+        self, than: int, run_id: str, what: str, timeout: float | None = None
+    ) -> tuple[GlobalMetadata, dict]:
+        """Poll the top level until a global newer than ``than`` (or of another run) is out;
+        past ``timeout`` seconds (None: until stopped) a ``TransportError`` says what was
+        awaited and for how long (the master retries at its next poll)."""
+        started = time.monotonic()
         while not self._stop.is_set():
+            waited = time.monotonic() - started
+            if timeout is not None and waited >= timeout:
+                raise TransportError(
+                    f"relay: no {what} within {waited:.1f} s (distributed.round_timeout "
+                    f"{timeout:g} s); waiting again at the master's next poll"
+                )
             try:
                 found = self._fetch_newer(than, run_id)
             except TransportError as exc:
@@ -86,7 +97,8 @@ class Upstream:
     def current(self) -> tuple[GlobalMetadata, dict[str, torch.Tensor]]:
         """The top-level global (waits for the top-level master's first publish)."""
         self.store.claim_owner(self.node_id, self._record(state="training", relay=True))
-        return self._wait(-1, "", "the first top-level global")
+        # bounded: at startup this runs on the training thread (the master retries it)
+        return self._wait(-1, "", "first top-level global", self.settings.round_timeout)
 
     def agree(self, store: Any, held: RoundState, max_bytes: int) -> RoundState:
         """The leader's reconcile: the group starts from the top-level global (its outer step
