@@ -122,17 +122,8 @@ class TrainProcess:
         return self
 
     def events(self, name: str) -> list[dict]:
-        """The rows of event ``name`` in the process's JSONL log (a cut last line skipped)."""
-        rows = []
-        if self.jsonl.exists():
-            for line in self.jsonl.read_text().splitlines():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a SIGKILL may cut the last line
-                if row.get("event") == name:
-                    rows.append(row)
-        return rows
+        """The rows of event ``name`` in the process's JSONL log."""
+        return jsonl_events(self.jsonl, name)
 
     def wait(self, timeout: float, *others: TrainProcess) -> int:
         """The exit code; past ``timeout`` the process is killed and the failure shows its
@@ -153,6 +144,21 @@ class TrainProcess:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(60)
+
+
+def jsonl_events(path: Path, name: str) -> list[dict]:
+    """The rows of event ``name`` in the JSONL event log ``path`` (none when it does not
+    exist yet; a line cut by a SIGKILL is skipped)."""
+    rows = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if row.get("event") == name:
+                rows.append(row)
+    return rows
 
 
 def tails(*procs: TrainProcess) -> str:

@@ -16,7 +16,6 @@ table of what was injected and what happened.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -33,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hub_emulator_fixtures import TEST_TOKEN, fast_retry
-from process_support import free_port, reap, wait_for
+from process_support import free_port, jsonl_events, reap, wait_for
 
 from speedtronic.diloco import tensors as T
 from speedtronic.diloco.hub import HubClient
@@ -80,16 +79,7 @@ class Node:
         return self
 
     def events(self, name: str) -> list[dict]:
-        rows = []
-        if self.jsonl.exists():
-            for line in self.jsonl.read_text().splitlines():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a SIGKILL may cut the last line
-                if row.get("event") == name:
-                    rows.append(row)
-        return rows
+        return jsonl_events(self.jsonl, name)
 
     def scrape(self) -> None:
         try:
