@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from process_support import free_port, reap, wait_for
+from process_support import free_port, jsonl_events, reap, wait_for
 
 from speedtronic.config import ConfigError, SpeedtronicConfig
 from speedtronic.data import build_dataloader
@@ -95,20 +95,6 @@ def _wait(proc: subprocess.Popen, timeout: float, log: Path) -> int:
     except subprocess.TimeoutExpired:
         proc.kill()
         raise AssertionError(f"did not finish: {log.read_text()[-3000:]}") from None
-
-
-def _events(path: Path, name: str) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if row.get("event") == name:
-            rows.append(row)
-    return rows
 
 
 def _ranks_of(agent: int) -> dict[int, int]:
@@ -241,11 +227,11 @@ def test_two_ranks_equal_one_process_with_twice_the_micro_batch_and_resume_on_on
     wall = time.monotonic() - began
     output = (tmp_path / "node.out").read_text()
     assert output.count("completed steps=6") == 1  # rank 0 reports, rank 1 stays quiet
-    start = _events(two / "events.jsonl", "train_start")[0]
+    start = jsonl_events(two / "events.jsonl", "train_start")[0]
     assert (start["ranks"], start["data_parallel"]) == (2, mode)
-    steps = _events(two / "events.jsonl", "train_step")
+    steps = jsonl_events(two / "events.jsonl", "train_step")
     assert steps[-1]["tokens"] == 6 * 2 * 4 * 16  # node tokens: both ranks
-    replicas = _events(two / "events.jsonl", "replicas")  # FSDP: shards, nothing to compare
+    replicas = jsonl_events(two / "events.jsonl", "replicas")  # FSDP: shards, nothing to compare
     assert [row["spread"] for row in replicas] == ([0.0] if mode == "ddp" else [])
 
     double = {"micro_batch_size": 4, "target_batch_size": 8}
@@ -317,14 +303,15 @@ def _diloco_node(tmp: Path, mode: str) -> tuple[list[str], dict, dict]:
     assert _wait(master, 120, tmp / "master.out") == 0, (tmp / "master.out").read_text()
     included = [
         item
-        for row in _events(master_dir / "events.jsonl", "outer_step")
+        for row in jsonl_events(master_dir / "events.jsonl", "outer_step")
         for item in row["included"]
     ]
     for label in range(3):  # one contribution per round: rank 0 alone uploads
         assert included.count(f"gpu-node/{label}") == 1, included
     assert sorted(p.name for p in (exchange / "nodes").iterdir()) == ["gpu-node", "master"]
     assert [p.name for p in worker_dir.rglob("*.jsonl")] == ["events.jsonl"]
-    replicas = _events(worker_dir / "events.jsonl", "replicas")  # FSDP: shards, none to compare
+    # FSDP: shards, none to compare
+    replicas = jsonl_events(worker_dir / "events.jsonl", "replicas")
     assert [row["spread"] for row in replicas] == ([0.0] if mode == "ddp" else [])
     transport = DirectoryTransport(f"file://{exchange}")
     meta = transport.global_metadata()
@@ -360,7 +347,7 @@ def test_a_dead_rank_ends_the_node_non_zero_within_the_timeout(tmp_path):
     )
     proc = _start(tmp_path, config)
     events = tmp_path / "run" / "events.jsonl"
-    wait_for(lambda: _events(events, "train_step"), 120, "training to start", interval=0.1)
+    wait_for(lambda: jsonl_events(events, "train_step"), 120, "training to start", interval=0.1)
     ranks = _ranks_of(proc.pid)
     assert set(ranks) == {0, 1}, ranks
     os.kill(ranks[1], signal.SIGKILL)
@@ -397,14 +384,14 @@ def test_sigterm_to_one_rank_stops_both_at_the_same_step(tmp_path):
     )
     proc = _start(tmp_path, config)
     events = run_dir / "events.jsonl"
-    wait_for(lambda: _events(events, "train_step"), 120, "training to start", interval=0.1)
+    wait_for(lambda: jsonl_events(events, "train_step"), 120, "training to start", interval=0.1)
     # /metrics counts the node's tokens: 2 ranks x 4 sequences x 16 tokens per update
     tokens = _tokens_total(port)
     assert tokens > 0 and tokens % (2 * 4 * 16) == 0, tokens
     os.kill(_ranks_of(proc.pid)[1], signal.SIGTERM)
     assert _wait(proc, 60, out) == 0, out.read_text()[-2000:]
-    stopped = _events(events, "train_stopped")[0]
+    stopped = jsonl_events(events, "train_stopped")[0]
     assert stopped["reason"] == "stop requested on another rank"
-    saved = _events(events, "checkpoint_saved")[-1]
+    saved = jsonl_events(events, "checkpoint_saved")[-1]
     assert saved["step"] == stopped["step"]
-    assert _events(events, "replicas")[0]["spread"] == 0.0
+    assert jsonl_events(events, "replicas")[0]["spread"] == 0.0

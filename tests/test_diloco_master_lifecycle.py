@@ -199,15 +199,20 @@ def test_an_unusable_global_is_replaced_by_the_masters_own_state(
     assert any(lvl == "error" and "unusable" in m for lvl, m in lines(caplog))
 
 
-def test_a_master_thread_stops_on_a_fatal_error_instead_of_looping(tmp_path, quick_reads, caplog):
-    master, t, _ = make_master(tmp_path, poll_interval=0.01)
-    _plant_global(t, {"w": torch.zeros(2), "n": torch.tensor(3)}, garbage=True)
+def _run_until_fatal(master) -> None:
+    """Start the master's thread and wait (bounded) until it stored a fatal error and ended."""
     master.start()
     try:
         wait_for(lambda: master.fatal is not None, 30.0, "the master's fatal error", interval=0.02)
         wait_for(lambda: not master._thread.is_alive(), 30.0, "the master thread to end")
     finally:
         master.stop()
+
+
+def test_a_master_thread_stops_on_a_fatal_error_instead_of_looping(tmp_path, quick_reads, caplog):
+    master, t, _ = make_master(tmp_path, poll_interval=0.01)
+    _plant_global(t, {"w": torch.zeros(2), "n": torch.tensor(3)}, garbage=True)
+    _run_until_fatal(master)
     assert isinstance(master.fatal, ExchangeError) and not master.finished.is_set()
     assert len([m for lvl, m in lines(caplog) if "master round" in m]) == 0
 
@@ -222,12 +227,7 @@ def test_a_master_thread_stops_when_the_exchange_refuses_its_token(tmp_path, mon
         raise AccessRefused("repository org/r: the token is refused (HTTP 401)", status=401)
 
     monkeypatch.setattr(t, "scan", refused)
-    master.start()
-    try:
-        wait_for(lambda: master.fatal is not None, 30.0, "the master's fatal error", interval=0.02)
-        wait_for(lambda: not master._thread.is_alive(), 30.0, "the master thread to end")
-    finally:
-        master.stop()
+    _run_until_fatal(master)
     assert isinstance(master.fatal, AccessRefused) and not master.finished.is_set()
 
 
