@@ -39,6 +39,7 @@ from speedtronic.diloco.mailbox import Contribution, GlobalCandidate, GlobalInbo
 from speedtronic.diloco.master import RoundMaster
 from speedtronic.diloco.node import DiLoCoNode
 from speedtronic.diloco.outer_state import write_final
+from speedtronic.diloco.reconcile import max_global_bytes
 from speedtronic.diloco.relay import Upstream
 from speedtronic.diloco.retry import ExchangeError, retry_policy_from_config, scrub
 
@@ -135,13 +136,13 @@ class DumbDiLoCoCoordinator:
         host = (environ or os.environ).get("HOSTNAME") or None  # a container's or pod's name
         self.claim = NodeClaim(self.node_id, self.role, self.state_dir, host=host)
         self._interrupted = threading.Event()
-        values = sum(v.numel() for v in model.state_dict().values())
+        like = model.state_dict()  # the global must fit this model's shapes and dtypes
         self.link = NodeLink(
             hub,
             cfg,
             claim=self.claim,
-            max_bytes=4 * values + (1 << 20),
-            like=model.state_dict(),
+            max_bytes=max_global_bytes(like),  # the master's own bound for the same file
+            like=like,
             interrupted=self._interrupted,
             emit=self._emit,
         )
