@@ -31,11 +31,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from speedtronic.config import DistributedConfig
-from speedtronic.diloco import tensors as T
+from speedtronic.diloco import exchange as T
 from speedtronic.diloco.coordinator import DumbDiLoCoCoordinator
 from speedtronic.diloco.directory import DirectoryTransport
-from speedtronic.diloco.outer import NesterovOuterOptimizer, nesterov_update
-from speedtronic.diloco.transport import RetryPolicy
+from speedtronic.diloco.exchange import RetryPolicy
+from speedtronic.diloco.master import NesterovOuterOptimizer, nesterov_update
 from speedtronic.model import build_model
 
 

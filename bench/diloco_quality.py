@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from speedtronic.config import SpeedtronicConfig  # noqa: E402
-from speedtronic.diloco import tensors as T  # noqa: E402
+from speedtronic.diloco import exchange as T  # noqa: E402
 from speedtronic.model import build_model  # noqa: E402
 from speedtronic.testing.diloco_ideal import simulate  # noqa: E402
 from speedtronic.train.evaluate import build_heldout, evaluate  # noqa: E402

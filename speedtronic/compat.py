@@ -169,15 +169,15 @@ ALIASES: dict[str, Alias] = {
         ("DeltaUploadJob", "DumbDiLoCo", "DumbDiLoCoCoordinator", "GlobalCandidate", "SyncResult"),
     ),
     "speedtronic.distributed.hub": Alias(
-        ("speedtronic.diloco.hub", "speedtronic.diloco.transport"),
+        ("speedtronic.diloco.hub", "speedtronic.diloco.exchange"),
         ("GlobalMetadata", "HubClient", "HubError", "HubTransport", "HubUnavailable"),
     ),
     "speedtronic.distributed.outer": Alias(
-        ("speedtronic.diloco.outer", "speedtronic.diloco"),
+        ("speedtronic.diloco.master", "speedtronic.diloco"),
         ("MasterOuterLoop", "NesterovOuterOptimizer", "nesterov_update"),
     ),
     "speedtronic.distributed.tensors": Alias(
-        ("speedtronic.diloco.tensors",),
+        ("speedtronic.diloco.exchange",),
         (
             "average_deltas",
             "compute_pseudo_gradient",

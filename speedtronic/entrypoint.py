@@ -6,7 +6,7 @@ The CLI resolves the layered config (file < secret files < environment < flags, 
 1. configures process logging (``logging.format: text|json``; JSON is one object per line,
    `speedtronic.metrics.logger.JsonLogFormatter`);
 2. resolves the node identity: a worker without a node id claims a worker slot in
-   ``distributed.slots_dir`` (`speedtronic.diloco.slots`), and ``{node_id}`` in the output
+   ``distributed.slots_dir`` (`speedtronic.slots`), and ``{node_id}`` in the output
    paths (``run.output_dir``, ``logging.json_file``, ``logging.file``,
    ``distributed.cache_dir``) becomes the node id, so a recreated container finds its
    checkpoints;
@@ -60,7 +60,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from speedtronic.config import ConfigError, ResolvedConfig
-from speedtronic.diloco.identity import ExchangeAccessError, NodeIdCollisionError
+from speedtronic.diloco.node import ExchangeAccessError, NodeIdCollisionError
 from speedtronic.metrics.logger import JsonLogFormatter, RedactingFilter
 from speedtronic.train.ranks import RankEnv, resolve_nproc, run_agent
 
@@ -297,7 +297,7 @@ def _claim_identity(config: Any, sources: dict[str, str], ranks: RankEnv | None 
                 "slot; set distributed.node_id (SPEEDTRONIC_NODE_ID), or let speedtronic start "
                 "the ranks (run.nproc_per_node) so it claims one slot for the node"
             )
-        from speedtronic.diloco.slots import claim_slot
+        from speedtronic.slots import claim_slot
 
         try:
             claim = claim_slot(distributed.slots_dir)

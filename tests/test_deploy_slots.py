@@ -1,4 +1,4 @@
-"""Worker slots (speedtronic.diloco.slots) and the entrypoint's identity resolution: a worker
+"""Worker slots (speedtronic.slots) and the entrypoint's identity resolution: a worker
 without a node id claims a free or dead slot and finds that slot's checkpoints; a live slot is
 never taken over. Holders are real processes, killed for real."""
 
@@ -18,12 +18,12 @@ from test_deploy_support import REPO
 
 from speedtronic import entrypoint
 from speedtronic.config import ConfigError, resolve_config
-from speedtronic.diloco.slots import Lease, claim_slot
+from speedtronic.slots import Lease, claim_slot
 
 HOLDER = textwrap.dedent(
     """
     import sys, time
-    from speedtronic.diloco.slots import claim_slot
+    from speedtronic.slots import claim_slot
     claim = claim_slot(sys.argv[1], lease_seconds=float(sys.argv[2]))
     print(claim.node_id, flush=True)
     if sys.argv[3] == "release":

@@ -20,12 +20,12 @@ from hub_emulator_fixtures import TEST_TOKEN, fast_retry, hub_emulator  # noqa: 
 from test_diloco_master import Log, deliver, join, lines, make_master, published
 
 from speedtronic.config import ConfigError, DistributedConfig
-from speedtronic.diloco import tensors as T
+from speedtronic.diloco import exchange as T
 from speedtronic.diloco.coordinator import DumbDiLoCoCoordinator
 from speedtronic.diloco.directory import DirectoryTransport
-from speedtronic.diloco.mailbox import GlobalCandidate
+from speedtronic.diloco.exchange import GLOBAL_STEP, TransportError
+from speedtronic.diloco.node import GlobalCandidate
 from speedtronic.diloco.retry import ExchangeError
-from speedtronic.diloco.transport import GLOBAL_STEP, TransportError
 
 ROOT = Path(__file__).resolve().parents[1]
 

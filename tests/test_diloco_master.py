@@ -13,10 +13,10 @@ import torch
 from hub_emulator_fixtures import fast_retry
 
 from speedtronic.config import DistributedConfig
-from speedtronic.diloco import tensors as T
+from speedtronic.diloco import exchange as T
 from speedtronic.diloco.directory import DirectoryTransport
+from speedtronic.diloco.exchange import TransportError
 from speedtronic.diloco.master import RoundMaster
-from speedtronic.diloco.transport import TransportError
 
 
 class Log:

@@ -14,11 +14,11 @@ from process_support import wait_for
 from test_diloco_master import Clock, deliver, join, lines, make_master, published
 
 from speedtronic.config.errors import ConfigError
+from speedtronic.diloco import exchange as T
 from speedtronic.diloco import master as master_module
-from speedtronic.diloco import tensors as T
+from speedtronic.diloco.exchange import TransportError
 from speedtronic.diloco.master import IDENTITY_HEADERS
 from speedtronic.diloco.retry import AccessRefused, ExchangeError
-from speedtronic.diloco.transport import TransportError
 
 # -- identity headers and relay weights -----------------------------------------------------
 
@@ -158,9 +158,9 @@ def _plant_global(t, state, outer_step=5, garbage=False):
 
 @pytest.fixture
 def quick_reads(monkeypatch):
-    from speedtronic.diloco import reconcile
+    from speedtronic.diloco import master
 
-    monkeypatch.setattr(reconcile, "CORRUPT_WAIT", 0.01, raising=False)
+    monkeypatch.setattr(master, "CORRUPT_WAIT", 0.01)
 
 
 @pytest.mark.parametrize("damage", ["garbage", "non-finite"])

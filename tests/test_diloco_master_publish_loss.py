@@ -1,6 +1,6 @@
 """A publish whose outcome the master never learns: killed after the exchange applied it, or
 its reply lost. Every round the exchange holds is reported exactly once, and the master never
-waits on a round the exchange has already closed (speedtronic.diloco.outer_state).
+waits on a round the exchange has already closed (speedtronic.diloco.master).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import json
 import pytest
 from test_diloco_master import Clock, deliver, join, make_master, published
 
-from speedtronic.diloco.transport import TransportError
+from speedtronic.diloco.exchange import TransportError
 
 
 class Killed(BaseException):

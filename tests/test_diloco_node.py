@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from speedtronic.config import DistributedConfig
-from speedtronic.diloco.mailbox import Contribution, GlobalCandidate, GlobalInbox
-from speedtronic.diloco.node import DiLoCoNode
+from speedtronic.diloco.node import Contribution, DiLoCoNode, GlobalCandidate, GlobalInbox
 
 
 class Recorder:

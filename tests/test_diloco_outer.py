@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speedtronic.diloco.outer import NesterovOuterOptimizer, nesterov_update
+from speedtronic.diloco.master import NesterovOuterOptimizer, nesterov_update
 
 
 def test_nesterov_first_step_golden():

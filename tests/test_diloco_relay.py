@@ -14,9 +14,9 @@ from process_support import wait_for
 
 from speedtronic.config import DistributedConfig
 from speedtronic.diloco.directory import DirectoryTransport
+from speedtronic.diloco.exchange import TransportError
 from speedtronic.diloco.master import RoundMaster
 from speedtronic.diloco.relay import Upstream
-from speedtronic.diloco.transport import TransportError
 
 
 def _settings(**extra) -> DistributedConfig:

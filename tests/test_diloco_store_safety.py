@@ -13,10 +13,9 @@ import pytest
 import torch
 from hub_emulator_fixtures import TEST_TOKEN, fast_retry, hub_emulator, make_transport  # noqa: F401
 
-from speedtronic.diloco import tensors as T
+from speedtronic.diloco import exchange as T
 from speedtronic.diloco.directory import DirectoryTransport
-from speedtronic.diloco.hub import HubClient
-from speedtronic.diloco.transport import (
+from speedtronic.diloco.exchange import (
     GLOBAL_MODEL,
     AccessRefused,
     RemoteNotFound,
@@ -24,6 +23,7 @@ from speedtronic.diloco.transport import (
     Transport,
     TransportError,
 )
+from speedtronic.diloco.hub import HubClient
 from speedtronic.testing.hub_server import HubEmulator
 
 W = {"w": torch.ones(4)}

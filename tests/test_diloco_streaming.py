@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_diloco_master import join, lines, make_master
 
-from speedtronic.diloco import tensors as T
+from speedtronic.diloco import exchange as T
 
 ROOT = Path(__file__).resolve().parents[1]
 

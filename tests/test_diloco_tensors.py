@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speedtronic.diloco import tensors as T
+from speedtronic.diloco import exchange as T
 
 
 def test_pseudo_gradient_golden_sign():

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hub_emulator_fixtures import TEST_TOKEN, fast_retry, hub_emulator, make_transport  # noqa: F401
 
-from speedtronic.diloco.transport import (
+from speedtronic.diloco.exchange import (
     GLOBAL_MODEL,
     GLOBAL_PROCESSED,
     GLOBAL_STEP,

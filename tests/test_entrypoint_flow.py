@@ -16,7 +16,7 @@ from test_rehearsal_support import free_port, http_get
 
 from speedtronic import entrypoint
 from speedtronic.config import resolve_config
-from speedtronic.diloco.identity import NodeIdCollisionError
+from speedtronic.diloco.node import NodeIdCollisionError
 from speedtronic.metrics.server import MetricsPortInUse
 
 

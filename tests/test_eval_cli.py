@@ -121,7 +121,7 @@ def test_eval_of_a_safetensors_final_directory(trained, tmp_path, capsys):
 
 
 def test_eval_of_the_published_global(tmp_path, capsys):
-    from speedtronic.diloco.exchange import build_transport
+    from speedtronic.diloco.coordinator import build_transport
 
     exchange = tmp_path / "exchange"
     path = write_config(tmp_path, distributed={"repo_id": f"file://{exchange}"})

@@ -119,7 +119,7 @@ def test_export_of_the_published_global(tmp_path, capsys):
     path = write_config(tmp_path, distributed={"enabled": True, "repo_id": f"file://{repo}"})
     config = SpeedtronicConfig.from_yaml(path)
     model = build_model(config.model).eval()
-    from speedtronic.diloco.exchange import build_transport
+    from speedtronic.diloco.coordinator import build_transport
 
     build_transport(config.distributed).publish_global(model.state_dict(), outer_step=3)
     code, out, err = run_cli(

@@ -119,7 +119,7 @@ def test_metric_logger_redacts_every_spelling_in_text_and_jsonl(tmp_path, pad) -
 
 def test_the_run_s_log_handler_scrubs_the_token_from_every_module_s_lines(capsys):
     """The entrypoint's stdout handler scrubs the token whichever logger wrote the line: a
-    child logger (``speedtronic.diloco.slots``), a line before a component started or after
+    child logger (``speedtronic.slots``), a line before a component started or after
     it stopped (issue 20: the DiLoCo filter sat on one logger only)."""
     import logging
 
@@ -129,7 +129,7 @@ def test_the_run_s_log_handler_scrubs_the_token_from_every_module_s_lines(capsys
     token = "tok-not-hf-shaped-1234567890"
     handler = _configure_logging(LoggingConfig(), secrets=(token, None))
     try:
-        logging.getLogger("speedtronic.diloco.slots").warning("claimed with %s", token)
+        logging.getLogger("speedtronic.slots").warning("claimed with %s", token)
         logging.getLogger("speedtronic.diloco").error(f"refused: {token}")
     finally:
         logging.getLogger("speedtronic").removeHandler(handler)

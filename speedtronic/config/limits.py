@@ -11,7 +11,7 @@ Paths: no NUL byte, at most ``MAX_PATH`` bytes, no segment longer than ``MAX_SEG
 
 Node ids: :func:`check_node_id` is the one rule (letters, digits and ``. _ - @ +``, starting
 with a letter or digit, at most ``MAX_NODE_ID`` characters). The config sections and
-``speedtronic.diloco.identity.resolve_node_id`` both use it.
+``speedtronic.diloco.node.resolve_node_id`` both use it.
 """
 
 from __future__ import annotations

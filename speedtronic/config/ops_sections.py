@@ -209,7 +209,7 @@ class DistributedConfig:
     delta_dtype: str = "fp32"
     request_timeout: float = 60.0
     # Shared directory where a worker without a node id claims a stable one (``worker-<n>``,
-    # see speedtronic.diloco.slots); relative to the CWD. None: no slots.
+    # see speedtronic.slots); relative to the CWD. None: no slots.
     slots_dir: str | None = None
 
     def __post_init__(self) -> None:

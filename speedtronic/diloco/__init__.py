@@ -20,22 +20,8 @@ Reporting: log lines go to the ``speedtronic.diloco`` logger, events to one
 
 from __future__ import annotations
 
-from speedtronic.diloco.coordinator import DumbDiLoCoCoordinator
-from speedtronic.diloco.exchange import build_transport
-from speedtronic.diloco.identity import resolve_node_id
-from speedtronic.diloco.mailbox import Contribution, GlobalCandidate
-from speedtronic.diloco.master import RoundMaster
-from speedtronic.diloco.node import DiLoCoNode
-from speedtronic.diloco.outer import NesterovOuterOptimizer
-from speedtronic.diloco.tensors import (
-    average_deltas,
-    compute_pseudo_gradient,
-    load_delta,
-    load_safetensors,
-    parse_delta_path,
-    save_safetensors,
-)
-from speedtronic.diloco.transport import (
+from speedtronic.diloco.coordinator import DumbDiLoCoCoordinator, build_transport
+from speedtronic.diloco.exchange import (
     GlobalMetadata,
     HubError,
     HubUnavailable,
@@ -44,7 +30,15 @@ from speedtronic.diloco.transport import (
     RetryPolicy,
     Transport,
     TransportError,
+    average_deltas,
+    compute_pseudo_gradient,
+    load_delta,
+    load_safetensors,
+    parse_delta_path,
+    save_safetensors,
 )
+from speedtronic.diloco.master import NesterovOuterOptimizer, RoundMaster
+from speedtronic.diloco.node import Contribution, DiLoCoNode, GlobalCandidate, resolve_node_id
 
 DumbDiLoCo = DumbDiLoCoCoordinator
 #: 2.0.0 names: the master's aggregation loop and the upload job.

@@ -21,27 +21,35 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from speedtronic.diloco import tensors as T
-from speedtronic.diloco.exchange import build_transport
-from speedtronic.diloco.identity import NodeClaim, resolve_node_id
-from speedtronic.diloco.link import NodeLink
-from speedtronic.diloco.mailbox import Contribution, GlobalCandidate, GlobalInbox
+from speedtronic.checkpoint import atomic_write_bytes
+from speedtronic.diloco import exchange as T
+from speedtronic.diloco.directory import DirectoryTransport
+from speedtronic.diloco.exchange import max_global_bytes
+from speedtronic.diloco.hub import HubClient
 from speedtronic.diloco.master import RoundMaster
-from speedtronic.diloco.node import DiLoCoNode
-from speedtronic.diloco.outer_state import write_final
-from speedtronic.diloco.reconcile import max_global_bytes
+from speedtronic.diloco.node import (
+    Contribution,
+    DiLoCoNode,
+    GlobalCandidate,
+    GlobalInbox,
+    NodeClaim,
+    NodeLink,
+    resolve_node_id,
+)
 from speedtronic.diloco.relay import Upstream
-from speedtronic.diloco.retry import ExchangeError, retry_policy_from_config, scrub
+from speedtronic.diloco.retry import ExchangeError, RetryPolicy, retry_policy_from_config, scrub
 
 __all__ = [
     "DumbDiLoCo",
@@ -49,9 +57,11 @@ __all__ = [
     "RoundsStalledError",
     "build_transport",
     "resolve_node_id",
+    "write_final",
 ]
 
 _LOG = logging.getLogger("speedtronic.diloco")
+
 
 # finish() waits for the master's final global while rounds close; with no new global for
 # (drop_after + 2) round lengths plus this margin, the rounds stalled (RoundsStalledError)
@@ -531,3 +541,50 @@ class DumbDiLoCoCoordinator:
 
 
 DumbDiLoCo = DumbDiLoCoCoordinator
+
+
+def build_transport(
+    config: Any, retry: RetryPolicy | None = None
+) -> DirectoryTransport | HubClient:
+    """``file:///abs`` -> :class:`DirectoryTransport`; ``owner/name`` -> :class:`HubClient`.
+
+    ``config`` is the ``distributed`` section (``repo_id``, ``token``, ``cache_dir``,
+    ``round_timeout`` and the retry settings); ``retry`` overrides the policy built from it.
+    A Hub repository that answers "not found" is taken for one its master has not created
+    yet for ``round_timeout`` seconds (what a worker waits for the first global), then for
+    one the token cannot see (a permanent ``AccessRefused``).
+    """
+    retry = retry or retry_policy_from_config(config)
+    repo_id = config.repo_id or ""
+    if repo_id.startswith("file:"):
+        return DirectoryTransport(repo_id, retry)
+    return HubClient(
+        repo_id,
+        token=config.token,
+        cache_dir=config.cache_dir,
+        retry=retry,
+        missing_repo_wait=float(config.round_timeout),
+    )
+
+
+def write_final(
+    directory: Path,
+    state: Mapping[str, torch.Tensor],
+    *,
+    meta: Mapping[str, Any],
+    run_config: Mapping[str, Any],
+) -> None:
+    """The final global as ``model.safetensors``, ``run_config`` (redacted) as
+    ``config.yaml`` and ``meta`` (outer step, steps behind it, node, ledger) with the time it
+    was written as ``meta.json``, each file written atomically."""
+    import yaml
+
+    T.save_safetensors(dict(state), directory / "model.safetensors")
+    atomic_write_bytes(
+        yaml.safe_dump(dict(run_config), sort_keys=False).encode("utf-8"),
+        directory / "config.yaml",
+    )
+    record = {**meta, "written_at": datetime.now(timezone.utc).isoformat()}
+    atomic_write_bytes(
+        (json.dumps(record, indent=2) + "\n").encode("utf-8"), directory / "meta.json"
+    )

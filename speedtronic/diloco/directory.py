@@ -29,7 +29,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from speedtronic.diloco.transport import (
+from speedtronic.diloco.exchange import (
     FileInfo,
     RemoteNotFound,
     RepoTransport,

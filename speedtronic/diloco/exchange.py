@@ -1,40 +1,1103 @@
-"""Choose the transport for ``distributed.repo_id``: the one module that knows both.
+"""The exchange every DiLoCo role meets through: its layout, its wire format and the
+``Store`` protocol that the directory (:mod:`.directory`) and Hub (:mod:`.hub`) stores
+implement, with one retry policy (:mod:`.retry`)::
 
-``transport`` defines the layout over five primitives; ``directory`` and ``hub`` implement
-them and import ``transport``. Picking one by the repo id lives here, above all three, so no
-module imports a module that imports it back.
+    global/latest.safetensors              global weights of outer step R (native dtypes)
+    global/step_count.json                 version record (outer_step, sha256, run_id, final)
+    global/processed.json                  ledger: per node, the highest round aggregated
+                                           (and its final round, instance and digest)
+    nodes/<node_id>/delta_<r>.safetensors  the node's contribution to round r
+    nodes/<node_id>/owner.json             the node's claim and status (training/done)
+
+A contribution is ``float32(global_r) - float32(local)`` over the floating keys (the sign
+points against local progress, so the master subtracts ``lr * mean``). It travels as
+safetensors with string metadata (``node_id``, ``round``, ``run_id``, ``instance``,
+``local_step``, ``base_outer_step``, ``dtype``, ``final``), in fp32, bf16 or fp16, and is
+aggregated in float32. Everything read is validated here before it is used: keys and shapes
+of the model, finite (as the model's dtypes will hold it), within :data:`MAX_DELTA_ABS`, a
+size bound checked on the file actually read.
+
+:class:`RepoTransport` builds the layout over five primitives a store implements (create,
+grant, list, read, commit: one Hub commit, or temp file + rename per file on a volume). The one
+reporting channel of every role is also here: a module logger ``speedtronic.diloco`` for lines,
+and one structured :class:`Emit` ``emit(event, **fields)`` for events.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from speedtronic.diloco.directory import DirectoryTransport
-from speedtronic.diloco.hub import HubClient
-from speedtronic.diloco.retry import RetryPolicy, retry_policy_from_config
+import torch
 
-__all__ = ["build_transport"]
+from speedtronic.checkpoint import atomic_write_bytes
+from speedtronic.config.limits import is_valid_node_id
+from speedtronic.diloco.retry import (
+    AccessRefused,
+    ErrorInfo,
+    HubError,
+    HubUnavailable,
+    RemoteNotFound,
+    RetryPolicy,
+    TransportError,
+    classify_error,
+    retry_policy_from_config,
+    scrub,
+)
+
+__all__ = [
+    "DELTA_DTYPES",
+    "GLOBAL_MODEL",
+    "GLOBAL_PROCESSED",
+    "GLOBAL_STEP",
+    "MAX_DELTA_ABS",
+    "NODE_RECORDS",
+    "AccessRefused",
+    "DeltaReader",
+    "Emit",
+    "ErrorInfo",
+    "FileInfo",
+    "GlobalMetadata",
+    "HubError",
+    "HubUnavailable",
+    "RemoteNotFound",
+    "RepoScan",
+    "RepoTransport",
+    "RetryPolicy",
+    "Store",
+    "Transport",
+    "TransportError",
+    "average_deltas",
+    "classify_error",
+    "compute_pseudo_gradient",
+    "cpu_state_dict",
+    "cpu_tensor",
+    "delta_dtype",
+    "delta_from_bytes",
+    "delta_path",
+    "delta_to_bytes",
+    "first_non_finite",
+    "floating_state",
+    "ignore",
+    "is_all_zero",
+    "load_delta",
+    "load_safetensors",
+    "max_global_bytes",
+    "open_delta",
+    "parse_delta_path",
+    "read_metadata",
+    "retry_policy_from_config",
+    "save_safetensors",
+    "scrub",
+    "state_from_bytes",
+    "state_to_bytes",
+    "too_large",
+    "validate_delta",
+]
+
+_LOG = logging.getLogger("speedtronic.diloco")
 
 
-def build_transport(
-    config: Any, retry: RetryPolicy | None = None
-) -> DirectoryTransport | HubClient:
-    """``file:///abs`` -> :class:`DirectoryTransport`; ``owner/name`` -> :class:`HubClient`.
+# -- reporting ---------------------------------------------------------------------------
+class Emit(Protocol):
+    """The one structured reporting channel: ``emit("event_name", field=value, ...)``.
 
-    ``config`` is the ``distributed`` section (``repo_id``, ``token``, ``cache_dir``,
-    ``round_timeout`` and the retry settings); ``retry`` overrides the policy built from it.
-    A Hub repository that answers "not found" is taken for one its master has not created
-    yet for ``round_timeout`` seconds (what a worker waits for the first global), then for
-    one the token cannot see (a permanent ``AccessRefused``).
+    Event names and fields are a public contract (the Prometheus sink and docs/metrics.md
+    read them); log lines go to the ``speedtronic.diloco`` logger instead."""
+
+    def __call__(self, event: str, /, **fields: Any) -> None: ...
+
+
+def ignore(event: str, /, **fields: Any) -> None:
+    """An :class:`Emit` that reports nothing (the default where nobody listens)."""
+
+
+# -- wire format ---------------------------------------------------------------------------
+#: Wire dtypes accepted by ``distributed.delta_dtype``.
+DELTA_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+
+_DELTA_NAME = re.compile(r"^delta_(0|[1-9][0-9]*)\.safetensors$")
+
+
+def cpu_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """Detached, contiguous CPU clone (clones break storage sharing such as tied weights)."""
+    return tensor.detach().to("cpu").contiguous().clone()
+
+
+def cpu_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU clone of every tensor, keys converted to ``str``."""
+    return {str(key): cpu_tensor(value) for key, value in state.items()}
+
+
+def _is_floating(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+def floating_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The floating-point or complex entries of ``state``."""
+    return {key: value for key, value in state.items() if _is_floating(value)}
+
+
+def delta_dtype(name: str | None) -> torch.dtype:
+    """Map ``fp32|bf16|fp16`` (None -> fp32) to a torch dtype; anything else is a ValueError."""
+    key = (name or "fp32").lower()
+    if key not in DELTA_DTYPES:
+        raise ValueError(
+            f"distributed.delta_dtype must be one of {sorted(DELTA_DTYPES)}, got {name!r}"
+        )
+    return DELTA_DTYPES[key]
+
+
+def compute_pseudo_gradient(
+    baseline: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``float32(baseline) - float32(current)`` for every floating key (golden: [3,5]-[1,4]=[2,1]).
+
+    Key sets must match and every shape must agree, else ``ValueError``.
     """
-    retry = retry or retry_policy_from_config(config)
-    repo_id = config.repo_id or ""
-    if repo_id.startswith("file:"):
-        return DirectoryTransport(repo_id, retry)
-    return HubClient(
-        repo_id,
-        token=config.token,
-        cache_dir=config.cache_dir,
-        retry=retry,
-        missing_repo_wait=float(config.round_timeout),
+    missing_current = sorted(set(baseline) - set(current))
+    missing_baseline = sorted(set(current) - set(baseline))
+    if missing_current or missing_baseline:
+        raise ValueError(
+            "state keys differ: missing in current "
+            f"{missing_current}, missing in baseline {missing_baseline}"
+        )
+    delta: dict[str, torch.Tensor] = {}
+    for key, base in baseline.items():
+        cur = current[key]
+        if tuple(base.shape) != tuple(cur.shape):
+            raise ValueError(f"shape mismatch for {key}: {tuple(base.shape)} vs {tuple(cur.shape)}")
+        if _is_floating(base):
+            b = base.detach().to("cpu")
+            c = cur.detach().to("cpu")
+            if b.is_complex():
+                b, c = b.real, c.real
+            delta[key] = b.to(torch.float32) - c.to(torch.float32)
+    return delta
+
+
+def average_deltas(deltas: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Equal-weight float32 mean of deltas with identical keys and shapes."""
+    items = list(deltas)
+    if not items:
+        raise ValueError("average_deltas needs at least one delta")
+    keys = set(items[0])
+    total: dict[str, torch.Tensor] = {
+        key: value.detach().to("cpu", torch.float32, copy=True) for key, value in items[0].items()
+    }
+    for delta in items[1:]:
+        if set(delta) != keys:
+            raise ValueError("all deltas must have the same keys")
+        for key, value in delta.items():
+            if tuple(value.shape) != tuple(total[key].shape):
+                raise ValueError(f"shape mismatch for {key}")
+            total[key].add_(value.detach().to("cpu", torch.float32))
+    count = float(len(items))
+    return {key: value.div_(count) for key, value in total.items()}
+
+
+def is_all_zero(delta: Mapping[str, torch.Tensor]) -> bool:
+    """True when every tensor of ``delta`` is exactly zero (nothing to upload)."""
+    return all(not bool(torch.count_nonzero(value)) for value in delta.values())
+
+
+def is_path_safe(identifier: str) -> bool:
+    """A node id by the one node-id rule of the config layer (letters, digits, ``._@+-``,
+    starting with a letter or digit, at most 128 characters): a single path segment."""
+    return is_valid_node_id(identifier)
+
+
+def delta_path(node_id: str, round_index: int) -> str:
+    """Remote path ``nodes/<node_id>/delta_<round>.safetensors`` of a node's contribution to
+    round ``round_index`` (the outer step it is meant to update; 2.0.0 used the local step)."""
+    return f"nodes/{node_id}/delta_{int(round_index)}.safetensors"
+
+
+def parse_delta_path(path: str) -> tuple[str, int] | None:
+    """``nodes/<node>/delta_<n>.safetensors`` -> ``(node, n)``; anything else -> None.
+
+    Strict: the node must be path-safe and ``n`` a canonical non-negative integer.
+    """
+    parts = str(path).split("/")
+    if len(parts) != 3 or parts[0] != "nodes" or not is_path_safe(parts[1]):
+        return None
+    match = _DELTA_NAME.match(parts[2])
+    if match is None:
+        return None
+    return parts[1], int(match.group(1))
+
+
+def state_to_bytes(
+    state: Mapping[str, torch.Tensor],
+    *,
+    metadata: Mapping[str, object] | None = None,
+    dtype: torch.dtype | None = None,
+) -> bytes:
+    """Serialise ``state`` as safetensors bytes; floating tensors are cast to ``dtype`` if given."""
+    from safetensors.torch import save
+
+    tensors = {}
+    for key, value in state.items():
+        tensor = cpu_tensor(value)
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        tensors[str(key)] = tensor
+    meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+    return save(tensors, metadata=meta)
+
+
+def _header(data: bytes) -> dict:
+    if len(data) < 8:
+        raise ValueError("not a safetensors file (too short)")
+    size = int.from_bytes(data[:8], "little")
+    if size <= 0 or 8 + size > len(data):
+        raise ValueError("not a safetensors file (bad header length)")
+    try:
+        header = json.loads(data[8 : 8 + size])
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not a safetensors file (bad header: {exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError("not a safetensors file (header is not an object)")
+    return header
+
+
+def state_from_bytes(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Parse safetensors bytes into ``(tensors, metadata)``; any damage is a ``ValueError``."""
+    from safetensors.torch import load
+
+    header = _header(data)
+    metadata = header.get("__metadata__") or {}
+    try:
+        tensors = load(bytes(data))
+    except Exception as exc:  # safetensors raises its own SafetensorError
+        raise ValueError(f"unable to load safetensors data: {exc}") from None
+    return dict(tensors), {str(k): str(v) for k, v in metadata.items()}
+
+
+def delta_to_bytes(
+    delta: Mapping[str, torch.Tensor],
+    *,
+    node_id: str,
+    local_step: int,
+    base_outer_step: int,
+    round_index: int | None = None,
+    dtype: str = "fp32",
+    extra: Mapping[str, object] | None = None,
+) -> bytes:
+    """Delta file bytes with the core header keys and the wire dtype.
+
+    ``round_index`` is the round the contribution is meant for (defaults to
+    ``base_outer_step``); ``local_step`` the node's optimizer step when it was taken.
+    """
+    metadata = {
+        "node_id": node_id,
+        "round": int(base_outer_step if round_index is None else round_index),
+        "local_step": int(local_step),
+        "base_outer_step": int(base_outer_step),
+        "algorithm": "dumb_diloco",
+        "dtype": (dtype or "fp32").lower(),
+        **dict(extra or {}),
+    }
+    return state_to_bytes(delta, metadata=metadata, dtype=delta_dtype(dtype))
+
+
+def delta_from_bytes(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Parse a delta file; tensors come back as float32 (the master aggregates in fp32).
+
+    Only the wire dtypes (fp32, bf16, fp16) are accepted: an integer or boolean tensor is a
+    ``ValueError``, never silently converted.
+    """
+    tensors, metadata = state_from_bytes(data)
+    wire = set(DELTA_DTYPES.values())
+    for key, value in tensors.items():
+        if value.dtype not in wire:
+            raise ValueError(f"{key} is {value.dtype}; a delta holds fp32, bf16 or fp16 values")
+    return {k: v.to(torch.float32) for k, v in tensors.items()}, metadata
+
+
+#: Largest magnitude accepted in a pseudo-gradient: a weight that moves this much in one round
+#: has diverged (and sums of a few such values stay far from float32 overflow).
+MAX_DELTA_ABS = 1.0e4
+
+
+def first_non_finite(
+    state: Mapping[str, torch.Tensor], like: Mapping[str, torch.Tensor] | None = None
+) -> str | None:
+    """The first floating key of ``state`` holding NaN or inf, else None.
+
+    With ``like`` (the model's state), each tensor is checked as it will be installed: cast
+    to ``like``'s dtype for that key (a float64 1e300 is finite in the file and inf in a
+    float32 model)."""
+    for key, value in state.items():
+        if not _is_floating(value):
+            continue
+        target = like.get(key) if like is not None else None
+        if target is not None and _is_floating(target) and target.dtype != value.dtype:
+            value = value.to(target.dtype)
+        if not bool(torch.isfinite(value).all()):
+            return key
+    return None
+
+
+def validate_delta(
+    delta: Mapping[str, torch.Tensor],
+    reference: Mapping[str, torch.Tensor],
+    *,
+    max_abs: float = MAX_DELTA_ABS,
+) -> None:
+    """Reject a delta whose keys/shapes differ from the floating part of ``reference``, that
+    holds NaN/inf, or a value beyond ``max_abs`` (``ValueError`` naming the problem)."""
+    expected = _expected_keys(delta.keys(), reference)
+    for key, value in delta.items():
+        _check_tensor(key, value, expected[key], max_abs)
+
+
+def _expected_keys(
+    keys: Iterable[str], reference: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The floating entries of ``reference``; ``keys`` must be exactly their names."""
+    expected = {k: v for k, v in reference.items() if _is_floating(v)}
+    have = set(keys)
+    if have != set(expected):
+        extra = sorted(have - set(expected))[:5]
+        missing = sorted(set(expected) - have)[:5]
+        raise ValueError(f"delta keys do not match the model (extra {extra}, missing {missing})")
+    return expected
+
+
+def _check_tensor(key: str, value: torch.Tensor, expected: torch.Tensor, max_abs: float) -> None:
+    """One delta tensor: the model's shape, finite, within ``max_abs`` (``ValueError``)."""
+    if tuple(value.shape) != tuple(expected.shape):
+        raise ValueError(
+            f"shape mismatch for {key}: {tuple(value.shape)} vs {tuple(expected.shape)}"
+        )
+    if not bool(torch.isfinite(value).all()):
+        raise ValueError(f"non-finite values in {key}")
+    peak = float(value.abs().max()) if value.numel() else 0.0
+    if peak > max_abs:
+        raise ValueError(f"{key} holds {peak:.3g}, beyond the bound {max_abs:g}")
+
+
+def save_safetensors(
+    state: Mapping[str, torch.Tensor], path: str | os.PathLike, *, metadata=None
+) -> Path:
+    """Atomically write ``state`` to ``path`` (temp file + rename)."""
+    return atomic_write_bytes(state_to_bytes(state, metadata=metadata), path)
+
+
+def load_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Load every tensor of a safetensors file onto the CPU."""
+    return state_from_bytes(Path(path).read_bytes())[0]
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """Header metadata of a safetensors file (``{}`` when absent)."""
+    data = Path(path).read_bytes()
+    return {str(k): str(v) for k, v in (_header(data).get("__metadata__") or {}).items()}
+
+
+def load_delta(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """``(tensors, metadata)`` of a delta file; damage is a ``ValueError``."""
+    return state_from_bytes(Path(path).read_bytes())
+
+
+class DeltaReader:
+    """A delta file opened once (memory-mapped): :meth:`check` validates it tensor by tensor,
+    :meth:`add_to` folds it into a running sum; at most one tensor is in memory at a time."""
+
+    def __init__(self, handle: Any):
+        self._handle = handle
+        self.metadata = {str(k): str(v) for k, v in (handle.metadata() or {}).items()}
+
+    def check(
+        self, reference: Mapping[str, torch.Tensor], *, max_abs: float = MAX_DELTA_ABS
+    ) -> str:
+        """The same checks as :func:`validate_delta` plus the wire dtypes (``ValueError``);
+        returns the sha256 of the values (a re-sent copy has the same digest)."""
+        expected = _expected_keys(self._handle.keys(), reference)
+        wire = set(DELTA_DTYPES.values())
+        digest = hashlib.sha256()
+        for key in sorted(expected):
+            value = self._handle.get_tensor(key)
+            if value.dtype not in wire:
+                raise ValueError(f"{key} is {value.dtype}; a delta holds fp32, bf16 or fp16 values")
+            _check_tensor(key, value, expected[key], max_abs)
+            digest.update(key.encode("utf-8"))
+            digest.update(value.contiguous().view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
+
+    def add_to(self, total: dict[str, torch.Tensor], scale: float = 1.0) -> None:
+        """``total[key] += scale * value`` in float32 for every key (checked first)."""
+        for key in sorted(total):
+            total[key].add_(self._handle.get_tensor(key).to(torch.float32), alpha=scale)
+
+
+@contextlib.contextmanager
+def open_delta(path: str | os.PathLike) -> Iterator[DeltaReader]:
+    """Open a local delta file for :class:`DeltaReader`; an unreadable file is a ValueError."""
+    from safetensors import safe_open
+
+    try:
+        handle = safe_open(os.fspath(path), framework="pt", device="cpu")
+    except Exception as exc:  # safetensors raises its own SafetensorError
+        raise ValueError(f"not a safetensors delta: {exc}") from None
+    with handle as opened:
+        yield DeltaReader(opened)
+
+
+def max_global_bytes(like: Mapping[str, torch.Tensor]) -> int:
+    """The largest global file a model shaped and typed as ``like`` can have (+ 1 MiB)."""
+    return sum(v.numel() * v.element_size() for v in like.values()) + (1 << 20)
+
+
+# -- layout and the Store protocol --------------------------------------------------------
+GLOBAL_MODEL = "global/latest.safetensors"
+GLOBAL_STEP = "global/step_count.json"
+GLOBAL_PROCESSED = "global/processed.json"
+# the records of each node that global/processed.json carries beside the ledger, by type
+NODE_RECORDS: dict[str, type] = {"finals": int, "instances": str, "digests": str}
+
+R = TypeVar("R")
+
+
+@dataclasses.dataclass(frozen=True)
+class GlobalMetadata:
+    """Version record of the published global model (``global/step_count.json``).
+
+    ``final`` is true on the global the master published after the last round of a run;
+    ``run_id`` names the run (a new one each time a master starts a run from global 0), so
+    a node can tell a new run from the next round and the master can refuse contributions
+    computed in another run.
+    """
+
+    outer_step: int
+    updated_at: str
+    model_file: str = GLOBAL_MODEL
+    sha256: str = ""
+    final: bool = False
+    run_id: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Core keys (sha256 only when known, final only when true)."""
+        out: dict[str, Any] = {
+            "outer_step": self.outer_step,
+            "updated_at": self.updated_at,
+            "model_file": self.model_file,
+        }
+        if self.sha256:
+            out["model_sha256"] = self.sha256
+        if self.final:
+            out["final"] = True
+        if self.run_id:
+            out["run_id"] = self.run_id
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> GlobalMetadata:
+        """Parse a record; the legacy key ``step`` is accepted for ``outer_step``."""
+        return cls(
+            outer_step=int(data.get("outer_step", data.get("step", 0))),
+            updated_at=str(data.get("updated_at", "")),
+            model_file=str(data.get("model_file", GLOBAL_MODEL)),
+            sha256=str(data.get("model_sha256", "")),
+            final=str(data.get("final", "false")).lower() == "true",
+            run_id=str(data.get("run_id", "")),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class FileInfo:
+    """What a listing says about one file: size in bytes and a version that changes when the
+    content does (the Hub's blob id; size and mtime on a shared volume); None when unknown."""
+
+    size: int | None = None
+    version: str | None = None
+
+
+@dataclasses.dataclass
+class RepoScan:
+    """One listing of the repository: contribution files and node records by node, and what
+    the listing says about every file."""
+
+    deltas: dict[str, dict[int, str]] = dataclasses.field(default_factory=dict)
+    owners: set[str] = dataclasses.field(default_factory=set)
+    files: dict[str, FileInfo] = dataclasses.field(default_factory=dict)
+
+    def size(self, path: str) -> int | None:
+        """The listed size of ``path`` (None: unknown)."""
+        info = self.files.get(path)
+        return info.size if info is not None else None
+
+
+@runtime_checkable
+class Store(Protocol):
+    """The exchange as the node, the master, the relay and ``speedtronic eval`` use it: the
+    layout above over a directory (:mod:`.directory`) or a Hub repository (:mod:`.hub`).
+
+    Every call is retried by :attr:`retry` (transient failures only) and fails as a
+    :class:`TransportError`: ``kind`` ``transient`` (an outage that outlived the retries),
+    ``not_found`` (:class:`RemoteNotFound`) or ``permanent`` (a refused file, an access error
+    (:class:`AccessRefused`), a misconfiguration); messages never carry the token.
+    """
+
+    #: ``directory`` or ``hub``.
+    kind: str
+    #: ``file:///abs/path`` or ``owner/name``.
+    repo_id: str
+    #: The one retry policy of this store (``on_retry`` may be set by the owner).
+    retry: RetryPolicy
+    #: Commits this process issued (Hub budget accounting).
+    commits: int
+    #: Size in bytes of the last contribution file this process uploaded.
+    last_upload_bytes: int
+
+    def create_repo(self, *, private: bool = True) -> None:
+        """Create the exchange (private by default); an existing one is accepted."""
+        ...
+
+    def add_collaborator(self, username: str, permission: str = "write") -> None:
+        """Grant ``permission`` (read, write, admin) to ``username`` where the backend can."""
+        ...
+
+    def list_info(self) -> dict[str, FileInfo]:
+        """Every file of the exchange with its size and version (links never listed)."""
+        ...
+
+    def list_files(self) -> list[str]:
+        """Every file path of the exchange, sorted."""
+        ...
+
+    def read_bytes(self, path: str, *, max_bytes: int | None = None) -> bytes | None:
+        """The content of ``path``, None when it does not exist; longer than ``max_bytes``
+        is a permanent error, checked on the bytes read."""
+        ...
+
+    def read_json(self, path: str, *, default: Any = None) -> Any:
+        """``path`` decoded as JSON, ``default`` when absent; bad JSON is permanent."""
+        ...
+
+    def local_copy(
+        self, path: str, max_bytes: int | None = None
+    ) -> contextlib.AbstractContextManager[Path]:
+        """A local file holding exactly the bytes of ``path`` for the ``with`` block, at most
+        ``max_bytes`` long (checked on the file opened or downloaded, a permanent error);
+        a missing file is :class:`RemoteNotFound`."""
+        ...
+
+    def commit(
+        self, additions: Mapping[str, bytes], deletions: Iterable[str] = (), message: str = "update"
+    ) -> None:
+        """Apply additions (in order) and deletions as one unit: one Hub commit, or temp
+        file + rename per file on a volume, so no reader sees half a file."""
+        ...
+
+    def global_metadata(self) -> GlobalMetadata | None:
+        """The published version record (``global/step_count.json``), None before the
+        bootstrap."""
+        ...
+
+    def fetch_global(
+        self,
+        metadata: GlobalMetadata | None = None,
+        *,
+        max_bytes: int | None = None,
+        like: Mapping[str, torch.Tensor] | None = None,
+    ) -> tuple[GlobalMetadata, dict[str, torch.Tensor]]:
+        """The published weights, verified (checksum or the file's own header after a torn
+        publish, size bound on the file read, keys, shapes and finiteness as installed into
+        ``like``), with the record that describes them."""
+        ...
+
+    def read_global(self, metadata: GlobalMetadata | None = None) -> dict[str, torch.Tensor]:
+        """The verified global weights (:meth:`fetch_global` without bounds)."""
+        ...
+
+    def read_ledger(self) -> dict[str, int]:
+        """The published ledger: node id -> highest round already aggregated."""
+        ...
+
+    def read_node_records(self) -> dict[str, dict[str, Any]]:
+        """What the published ledger's record says of each node beside its round:
+        ``{"finals": ..., "instances": ..., "digests": ...}`` (empty maps when absent)."""
+        ...
+
+    def publish_global(
+        self,
+        state: Mapping[str, torch.Tensor],
+        *,
+        outer_step: int,
+        ledger: Mapping[str, int] | None = None,
+        prune: Iterable[str] = (),
+        metadata_extra: Mapping[str, object] | None = None,
+        final: bool = False,
+        run_id: str = "",
+        node_records: Mapping[str, Mapping[str, object]] | None = None,
+    ) -> GlobalMetadata:
+        """One commit: weights, ledger (with ``node_records`` beside it) and version record
+        (in that order) and the deletion of ``prune``; returns the record published."""
+        ...
+
+    def upload_delta(
+        self,
+        delta: Mapping[str, torch.Tensor],
+        *,
+        node_id: str,
+        local_step: int,
+        base_outer_step: int,
+        round_index: int | None = None,
+        dtype: str = "fp32",
+        metadata: Mapping[str, object] | None = None,
+        owner: Mapping[str, Any] | None = None,
+    ) -> str:
+        """One commit: the node's contribution to a round (and its status record when
+        given); returns the path, the size is left in :attr:`last_upload_bytes`."""
+        ...
+
+    def scan(self) -> RepoScan:
+        """One listing: contributions by node and round, nodes with a record, file sizes."""
+        ...
+
+    def read_delta(self, path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """One contribution as float32 tensors and its header (damage is a ValueError)."""
+        ...
+
+    def prune(self, paths: Iterable[str]) -> None:
+        """Delete consumed files in one commit (files already gone are fine)."""
+        ...
+
+    def read_owner(self, node_id: str) -> dict[str, Any] | None:
+        """The status record of ``node_id``; None when absent or unreadable."""
+        ...
+
+    def claim_owner(self, node_id: str, record: Mapping[str, Any]) -> None:
+        """Write the status record of ``node_id`` (one commit)."""
+        ...
+
+
+#: 2.0.0 name of :class:`Store`.
+Transport = Store
+
+
+def too_large(path: str, size: int, max_bytes: int) -> TransportError:
+    """The permanent refusal of a file past its size bound (checked on what is read)."""
+    return TransportError(
+        f"{path} is {size} bytes, more than the {max_bytes} bytes allowed for it (a file from "
+        "another model, or damaged); refusing it unread",
+        kind="permanent",
     )
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat()
+
+
+def _own_record(
+    header: Mapping[str, str], record: GlobalMetadata, data: bytes
+) -> GlobalMetadata | None:
+    """The global file's own description when it is at least as new as ``record``."""
+    try:
+        step = int(header["outer_step"])
+    except (KeyError, ValueError):
+        return None
+    if step < record.outer_step:
+        return None
+    return GlobalMetadata(
+        step,
+        record.updated_at,
+        record.model_file,
+        hashlib.sha256(data).hexdigest(),
+        header.get("final", "False") == "True",
+        header.get("run_id", ""),
+    )
+
+
+def _check_like(
+    where: str, state: Mapping[str, torch.Tensor], like: Mapping[str, torch.Tensor]
+) -> None:
+    """A global must hold exactly the model's keys with its shapes (permanent refusal)."""
+    missing = sorted(set(like) - set(state))
+    extra = sorted(set(state) - set(like))
+    if missing or extra:
+        raise TransportError(
+            f"{where} does not match the model: missing {missing[:5]}, unexpected "
+            f"{extra[:5]} (a global of another model; check model settings on every node)",
+            kind="permanent",
+        )
+    for key, value in state.items():
+        if tuple(value.shape) != tuple(like[key].shape):
+            raise TransportError(
+                f"{where} does not match the model: {key} has shape {tuple(value.shape)}, "
+                f"the model {tuple(like[key].shape)}",
+                kind="permanent",
+            )
+
+
+def _json_bytes(value: Any) -> bytes:
+    return (json.dumps(value, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+
+class RepoTransport:
+    """DumbDiLoCo layout over five primitives that subclasses implement.
+
+    Subclasses implement ``_create_repo``, ``_grant``, ``_list``, ``_read`` (raise a
+    not-found error for a missing file) and ``_commit(additions, deletions, message)``,
+    which must apply all of its operations as one unit (one Hub commit).
+    """
+
+    kind = "abstract"
+
+    def __init__(self, repo_id: str, retry: RetryPolicy | None = None):
+        if not repo_id:
+            raise ValueError("repo_id is required")
+        self.repo_id = repo_id
+        self.retry = retry or RetryPolicy()
+        self.commits = 0  # commits issued by this process (Hub budget accounting)
+        self.last_upload_bytes = 0  # size of the last delta file this process uploaded
+
+    # -- primitives (subclasses) ---------------------------------------------------------
+    def _create_repo(self, private: bool) -> None:
+        raise NotImplementedError
+
+    def _grant(self, username: str, permission: str) -> None:
+        raise NotImplementedError
+
+    def _list(self) -> dict[str, FileInfo]:
+        raise NotImplementedError
+
+    def _read(self, path: str, max_bytes: int | None = None) -> bytes:
+        raise NotImplementedError
+
+    def _commit(self, additions: Mapping[str, bytes], deletions: list[str], message: str) -> None:
+        raise NotImplementedError
+
+    def _scoped(self, fn: Callable[..., R], *args: Any) -> R:
+        """Run one primitive attempt (the Hub transport adds its request timeout here)."""
+        return fn(*args)
+
+    # -- retried primitives ----------------------------------------------------------------
+    def create_repo(self, *, private: bool = True) -> None:
+        """Create the repository (private by default); an existing one is accepted."""
+        self.retry.run("create repository", lambda: self._scoped(self._create_repo, private))
+
+    def add_collaborator(self, username: str, permission: str = "write") -> None:
+        """Grant ``permission`` to ``username`` where the backend supports it."""
+        if permission not in {"read", "write", "admin"}:
+            raise ValueError("permission must be read, write, or admin")
+        self.retry.run(
+            f"grant {permission} access to {username}",
+            lambda: self._scoped(self._grant, username, permission),
+        )
+
+    def list_info(self) -> dict[str, FileInfo]:
+        """Every file path in the repository with its size and version."""
+        return dict(self.retry.run("list repository files", lambda: self._scoped(self._list)))
+
+    def list_files(self) -> list[str]:
+        """Every file path in the repository, sorted."""
+        return sorted(self.list_info())
+
+    @contextlib.contextmanager
+    def local_copy(self, path: str, max_bytes: int | None = None) -> Iterator[Path]:
+        """A local file holding ``path`` (retried download; removed afterwards), at most
+        ``max_bytes`` long (checked on the downloaded file: a permanent ``TransportError``).
+        A missing file is ``RemoteNotFound``."""
+        data = self.read_bytes(path, max_bytes=max_bytes)
+        if data is None:
+            raise RemoteNotFound(f"{path} vanished")
+        with tempfile.TemporaryDirectory(prefix="speedtronic-read-") as tmp:
+            local = Path(tmp) / "file.safetensors"
+            local.write_bytes(data)
+            del data
+            yield local
+
+    def read_bytes(self, path: str, *, max_bytes: int | None = None) -> bytes | None:
+        """Content of ``path``; None when it does not exist. A file longer than ``max_bytes``
+        is a permanent ``TransportError`` (the bound holds on the bytes read)."""
+        try:
+            return self.retry.run(
+                f"download {path}", lambda: self._scoped(self._read, path, max_bytes)
+            )
+        except RemoteNotFound:
+            return None
+
+    def commit(
+        self, additions: Mapping[str, bytes], deletions: Iterable[str] = (), message: str = "update"
+    ) -> None:
+        """Apply additions and deletions as one unit (one Hub commit)."""
+        adds = dict(additions)
+        dels = [p for p in dict.fromkeys(deletions) if p not in adds]
+        if not adds and not dels:
+            return
+        try:
+            self.retry.run(
+                f"commit {message}", lambda: self._scoped(self._commit, adds, dels, message)
+            )
+        except RemoteNotFound:
+            if not dels:
+                raise
+            # A deletion target is gone (e.g. a retried commit that had landed): drop those.
+            present = set(self.list_files())
+            dels = [p for p in dels if p in present]
+            if not adds and not dels:
+                return
+            self.retry.run(
+                f"commit {message}", lambda: self._scoped(self._commit, adds, dels, message)
+            )
+        self.commits += 1
+
+    def file_exists(self, path: str) -> bool:
+        """Whether ``path`` exists (a listing; cheap on small repos)."""
+        return path in set(self.list_files())
+
+    def read_json(self, path: str, *, default: Any = None) -> Any:
+        """Decode a JSON file; ``default`` when absent. Bad JSON is a permanent TransportError."""
+        data = self.read_bytes(path)
+        if data is None:
+            return default
+        try:
+            return json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise TransportError(f"{path} is not valid JSON: {exc}", kind="permanent") from None
+
+    # -- layout ------------------------------------------------------------------------------
+    def global_metadata(self) -> GlobalMetadata | None:
+        """The published version record, or None before the bootstrap."""
+        data = self.read_json(GLOBAL_STEP)
+        if not isinstance(data, dict):
+            return None
+        return GlobalMetadata.from_dict(data)
+
+    def read_global(self, metadata: GlobalMetadata | None = None) -> dict[str, torch.Tensor]:
+        """Download and verify the global weights named by ``metadata`` (see
+        :meth:`fetch_global`, which also bounds the size and repairs a torn publish)."""
+        return self.fetch_global(metadata)[1]
+
+    def fetch_global(
+        self,
+        metadata: GlobalMetadata | None = None,
+        *,
+        max_bytes: int | None = None,
+        like: Mapping[str, torch.Tensor] | None = None,
+    ) -> tuple[GlobalMetadata, dict[str, torch.Tensor]]:
+        """The verified global and the record that describes it.
+
+        ``max_bytes`` refuses a file larger than that (checked on the file read). The weights
+        must match ``step_count.json``'s checksum; when they do not, the file's own header
+        (outer step, run id, written by :meth:`publish_global`) is trusted if it is at least
+        as new as the record: a publish torn between its files. With ``like`` (the model's
+        state), the global must hold exactly its keys with its shapes, and every floating
+        tensor must be finite as it will be installed (cast to ``like``'s dtype); without it,
+        finite in the file's dtype. Refusals are permanent ``TransportError``s.
+        """
+        metadata = metadata or self.global_metadata()
+        if metadata is None:
+            raise RemoteNotFound(f"{GLOBAL_STEP} is missing")
+        model_file = metadata.model_file
+        if not (model_file.startswith("global/") and model_file.endswith(".safetensors")):
+            raise TransportError(
+                f"refusing model_file outside global/: {model_file}", kind="permanent"
+            )
+        data = self.read_bytes(model_file, max_bytes=max_bytes)
+        if data is None:
+            raise RemoteNotFound(f"{model_file} is missing")
+        try:
+            state, header = state_from_bytes(data)
+        except ValueError as exc:
+            raise TransportError(f"{model_file} is corrupt: {exc}") from None
+        if metadata.sha256 and hashlib.sha256(data).hexdigest() != metadata.sha256:
+            own = _own_record(header, metadata, data)
+            if own is None:
+                raise TransportError(
+                    f"{model_file} does not match step_count.json (changed while reading)"
+                )
+            metadata = own
+        where = f"{model_file} (outer step {metadata.outer_step})"
+        if like is not None:
+            _check_like(where, state, like)
+        bad = first_non_finite(state, like=like)
+        if bad is not None:
+            cast = like is not None and bad in like and like[bad].dtype != state[bad].dtype
+            after = f" after the cast to the model's {like[bad].dtype}" if cast else ""
+            raise TransportError(
+                f"{where} holds non-finite values in {bad}{after}; refusing it",
+                kind="permanent",
+            )
+        return metadata, state
+
+    def download_global(self, local_path: Any, metadata: GlobalMetadata | None = None) -> Any:
+        """2.0.0 form: write the verified global weights to ``local_path`` and return it."""
+        return save_safetensors(self.read_global(metadata), local_path)
+
+    def read_ledger(self) -> dict[str, int]:
+        """The master's published ledger: node id -> highest round already aggregated.
+
+        A ledger in another format (2.0.0 wrote a list of consumed files) reads as empty.
+        """
+        data = self.read_json(GLOBAL_PROCESSED, default={})
+        nodes = data.get("nodes") if isinstance(data, dict) else None
+        if not isinstance(nodes, dict):
+            return {}
+        ledger: dict[str, int] = {}
+        for node, value in nodes.items():
+            if is_path_safe(str(node)) and isinstance(value, int) and not isinstance(value, bool):
+                ledger[str(node)] = value
+        return ledger
+
+    def read_node_records(self) -> dict[str, dict[str, Any]]:
+        """The master's published records of each node beside the ledger: ``finals`` (node
+        -> round of its aggregated contribution flagged final), ``instances`` (node -> the
+        instance of its last aggregated contribution) and ``digests`` (node -> its sha256).
+        A record written before they were published reads as empty maps."""
+        data = self.read_json(GLOBAL_PROCESSED, default={})
+        records: dict[str, dict[str, Any]] = {}
+        for name, kind in NODE_RECORDS.items():
+            found = data.get(name) if isinstance(data, dict) else None
+            records[name] = {
+                str(node): value
+                for node, value in (found if isinstance(found, dict) else {}).items()
+                if is_path_safe(str(node))
+                and isinstance(value, kind)
+                and not isinstance(value, bool)
+            }
+        return records
+
+    def publish_global(
+        self,
+        state: Mapping[str, torch.Tensor],
+        *,
+        outer_step: int,
+        ledger: Mapping[str, int] | None = None,
+        prune: Iterable[str] = (),
+        metadata_extra: Mapping[str, object] | None = None,
+        final: bool = False,
+        run_id: str = "",
+        node_records: Mapping[str, Mapping[str, object]] | None = None,
+        updated_at: str | None = None,
+        work_dir: Any = None,
+    ) -> GlobalMetadata:
+        """One commit: weights, ledger, version record (written in that order), and the
+        deletion of consumed delta files. ``work_dir`` is accepted for 2.0.0 callers and
+        unused (the bytes go straight to the transport)."""
+        del work_dir
+        header = {"outer_step": int(outer_step), "run_id": str(run_id), "final": bool(final)}
+        weights = state_to_bytes(state, metadata=header)
+        meta = GlobalMetadata(
+            int(outer_step),
+            updated_at or _now(),
+            GLOBAL_MODEL,
+            hashlib.sha256(weights).hexdigest(),
+            bool(final),
+            str(run_id),
+        )
+        record = {**{str(k): str(v) for k, v in (metadata_extra or {}).items()}, **meta.to_dict()}
+        record["processed_file"] = GLOBAL_PROCESSED
+        book: dict[str, Any] = {
+            "outer_step": int(outer_step),
+            "nodes": dict(sorted((ledger or {}).items())),
+        }
+        for name, values in (node_records or {}).items():
+            if name in NODE_RECORDS:  # what the master knows of each node, beside its round
+                book[name] = dict(sorted(values.items()))
+        additions = {
+            GLOBAL_MODEL: weights,
+            GLOBAL_PROCESSED: _json_bytes(book),
+            GLOBAL_STEP: _json_bytes(record),
+        }
+        self.commit(additions, list(prune), message=f"outer step {int(outer_step)}")
+        return meta
+
+    def upload_delta(
+        self,
+        delta: Mapping[str, torch.Tensor],
+        *,
+        node_id: str,
+        local_step: int,
+        base_outer_step: int,
+        round_index: int | None = None,
+        dtype: str = "fp32",
+        metadata: Mapping[str, object] | None = None,
+        owner: Mapping[str, Any] | None = None,
+        work_dir: Any = None,
+    ) -> str:
+        """Upload a node's contribution to round ``round_index`` (default: the base outer
+        step) as ``nodes/<node>/delta_<round>.safetensors`` in one commit, with the node's
+        owner record when given. Returns the remote path; the size in bytes is left in
+        :attr:`last_upload_bytes`."""
+        del work_dir  # 2.0.0 staged files on disk; bytes go straight to the transport now
+        target = int(base_outer_step if round_index is None else round_index)
+        path = delta_path(node_id, target)
+        data = delta_to_bytes(
+            delta,
+            node_id=node_id,
+            local_step=local_step,
+            base_outer_step=base_outer_step,
+            round_index=target,
+            dtype=dtype,
+            extra={k: v for k, v in (metadata or {}).items() if k != "algorithm"},
+        )
+        additions = {path: data}
+        if owner is not None:
+            additions[f"nodes/{node_id}/owner.json"] = _json_bytes(dict(owner))
+        self.commit(additions, message=f"delta {node_id} round {target}")
+        self.last_upload_bytes = len(data)
+        return path
+
+    def scan(self) -> RepoScan:
+        """One listing: contributions ``{node: {round: path}}``, the nodes with a record, and
+        every file's size."""
+        scan = RepoScan(files=self.list_info())
+        for path in sorted(scan.files):
+            parsed = parse_delta_path(path)
+            if parsed is not None:
+                scan.deltas.setdefault(parsed[0], {})[parsed[1]] = path
+                continue
+            parts = path.split("/")
+            owner = len(parts) == 3 and parts[0] == "nodes" and parts[2] == "owner.json"
+            if owner and is_path_safe(parts[1]):
+                scan.owners.add(parts[1])
+        return scan
+
+    def delta_paths(self) -> list[str]:
+        """Every well-formed delta path, sorted."""
+        return [p for p in self.list_files() if parse_delta_path(p) is not None]
+
+    def read_delta(self, path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """Download and parse one delta (float32 tensors). A damaged file is a ValueError."""
+        data = self.read_bytes(path)
+        if data is None:
+            raise RemoteNotFound(f"{path} vanished")
+        return delta_from_bytes(data)
+
+    def prune(self, paths: Iterable[str]) -> None:
+        """Delete consumed files in one commit."""
+        self.commit({}, list(paths), message="prune consumed deltas")
+
+    def read_owner(self, node_id: str) -> dict[str, Any] | None:
+        """The claim file of ``node_id`` (None when absent or unreadable)."""
+        try:
+            data = self.read_json(f"nodes/{node_id}/owner.json")
+        except TransportError as exc:
+            if exc.kind == "permanent":
+                return None
+            raise
+        return data if isinstance(data, dict) else None
+
+    def claim_owner(self, node_id: str, record: Mapping[str, Any]) -> None:
+        """Write the claim file of ``node_id`` (one commit)."""
+        self.commit(
+            {f"nodes/{node_id}/owner.json": _json_bytes(dict(record))}, message=f"claim {node_id}"
+        )

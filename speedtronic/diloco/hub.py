@@ -24,8 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from speedtronic.diloco.hub_http import hub_call, install_sdk_client
-from speedtronic.diloco.transport import (
+from speedtronic.diloco.exchange import (
     GLOBAL_STEP,
     AccessRefused,
     FileInfo,
@@ -36,6 +35,7 @@ from speedtronic.diloco.transport import (
     TransportError,
     too_large,
 )
+from speedtronic.diloco.hub_http import hub_call, install_sdk_client
 
 __all__ = ["HubClient", "HubTransport", "install_sdk_timeouts"]
 

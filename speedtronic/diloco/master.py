@@ -43,26 +43,49 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
+import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from speedtronic.diloco import tensors as T
-from speedtronic.diloco.mailbox import Emit, ignore
-from speedtronic.diloco.outer_state import OuterStateStore, RoundState
-from speedtronic.diloco.reconcile import META, max_global_bytes, reconcile
-from speedtronic.diloco.retry import AccessRefused, ExchangeError
-from speedtronic.diloco.roster import IDENTITY_HEADERS, NodeView, Roster
-from speedtronic.diloco.transport import RemoteNotFound, RepoScan, TransportError
+from speedtronic.checkpoint import atomic_json_dump, atomic_write_bytes
+from speedtronic.diloco import exchange as T
+from speedtronic.diloco.exchange import (
+    GLOBAL_PROCESSED,
+    Emit,
+    GlobalMetadata,
+    RemoteNotFound,
+    RepoScan,
+    TransportError,
+    ignore,
+    max_global_bytes,
+)
+from speedtronic.diloco.retry import AccessRefused, ExchangeError, HubUnavailable
 
-__all__ = ["IDENTITY_HEADERS", "NodeView", "RoundMaster"]
+__all__ = [
+    "IDENTITY_HEADERS",
+    "META",
+    "NesterovOuterOptimizer",
+    "NodeView",
+    "OuterStateStore",
+    "Roster",
+    "RoundMaster",
+    "RoundState",
+    "nesterov_update",
+    "reconcile",
+]
 
 _LOG = logging.getLogger("speedtronic.diloco")
+
 
 FAILURE_LOG_SECONDS = 30.0  # a failure that repeats is logged again at most this often
 
@@ -650,3 +673,592 @@ class _Trouble:
         if self._kind is not None:
             _LOG.info(f"master round works again after {self._clock() - self._since:.0f} s")
             self._kind = None
+
+
+# -- who the round waits for -----------------------------------------------------------
+# every contribution names these (the node writes them; see link.NodeLink.send)
+IDENTITY_HEADERS = ("node_id", "round", "run_id", "instance", "base_outer_step")
+
+
+@dataclasses.dataclass
+class NodeView:
+    """What the master knows about one node (rebuilt from the repository after a restart)."""
+
+    node_id: str
+    instance: str | None = None
+    state: str = "training"  # training | done | aggregator
+    final_round: int | None = None
+    last_heard: float = 0.0  # monotonic: joined, or newest contribution seen
+    dropped: bool = False
+
+
+class Roster:
+    """The nodes of one exchange, read from their status records (``read_owner`` of the
+    transport); ``emit`` reports joins, drops and rejoins."""
+
+    def __init__(
+        self,
+        read_owner: Callable[[str], dict[str, Any] | None],
+        emit: Emit = ignore,
+    ):
+        self._read_owner = read_owner
+        self._emit = emit
+        self.nodes: dict[str, NodeView] = {}
+        self.saw_training = False  # a node that trains announced itself (the run has begun)
+        self._records: dict[str, tuple[str, dict[str, Any]]] = {}  # node -> (version, record)
+
+    def refresh(self, scan: RepoScan, now: float, outer_step: int) -> bool:
+        """Update every node from its status record (a restarted node is a new view); True
+        when a record is new or changed since the last refresh (a sign of progress)."""
+        changed = False
+        for node_id in sorted(scan.owners):
+            view = self.nodes.get(node_id)
+            before = self._records.get(node_id)
+            record = self._record(node_id, scan)
+            changed |= before is None or before[1] != record
+            instance = record.get("instance")
+            if view is None or (instance and instance != view.instance):
+                view = NodeView(node_id, instance=instance, last_heard=now)
+                self.nodes[node_id] = view
+                if record.get("state", "training") == "training":
+                    self._emit("node_joined", node_id=node_id, outer_step=outer_step)
+            state = str(record.get("state", view.state))
+            if view.state == "done" and state == "training":
+                view.last_heard = now  # restarted after it had finished: waiting again
+            view.state = state
+            final = record.get("final_round")
+            view.final_round = final if isinstance(final, int) else None
+            if view.state == "training":
+                self.saw_training = True
+        return changed
+
+    def _record(self, node_id: str, scan: RepoScan) -> dict[str, Any]:
+        """A node's status record, read again only when the listing shows a new version of
+        it: a poll costs one listing, not one read per node (K grows, requests do not)."""
+        info = scan.files.get(f"nodes/{node_id}/owner.json")
+        version = info.version if info is not None else None
+        cached = self._records.get(node_id)
+        if version is not None and cached is not None and cached[0] == version:
+            return cached[1]
+        record = self._read_owner(node_id) or {}
+        if version is not None:
+            self._records[node_id] = (version, record)
+        return record
+
+    def heard(self, node_id: str, now: float, outer_step: int) -> None:
+        """A contribution of ``node_id`` arrived: it is not silent (a dropped node rejoins)."""
+        view = self.nodes.get(node_id)
+        if view is None:  # contributions without a status record are used, never waited for
+            return
+        if view.dropped:
+            view.dropped = False
+            self._emit("node_rejoined", node_id=node_id, outer_step=outer_step)
+        view.last_heard = max(view.last_heard, now)
+
+    def check_identity(
+        self,
+        node_id: str,
+        header: Mapping[str, str],
+        round: int,
+        outer_step: int,
+        relay_leaders: Collection[str],
+    ) -> int:
+        """A contribution to ``round`` found under ``nodes/<node_id>/`` names its node, round,
+        run, instance and base, matches its path, comes from the node's current instance, and
+        is based on a global the master published (``ValueError`` otherwise). Returns its
+        weight: 1, or for a node in ``relay_leaders`` the number of nodes it speaks for."""
+        missing = [key for key in IDENTITY_HEADERS if key not in header]
+        if missing:
+            raise ValueError(
+                f"no {', '.join(missing)} in its header (a node names its node, round, run, "
+                "instance and base outer step in every contribution)"
+            )
+        if header["node_id"] != node_id or header["round"] != str(round):
+            raise ValueError("its header names another node or round than its path")
+        instance = header["instance"]
+        if not instance:
+            raise ValueError("an empty instance in its header")
+        base = int(header["base_outer_step"])
+        if not -1 <= base <= outer_step:  # -1: measured from the node's initial weights
+            raise ValueError(f"based on outer step {base}, which this master never published")
+        view = self.nodes.get(node_id)
+        if view is not None and view.instance and instance != view.instance:
+            raise ValueError(f"written by instance {instance}, not the node's {view.instance}")
+        weight = int(header.get("weight", "1"))
+        if weight != 1 and node_id not in relay_leaders:
+            raise ValueError(
+                f"weight {weight} from {node_id}, which is not a relay leader (only nodes "
+                "listed in the top master's distributed.relay_leaders may weigh more than 1)"
+            )
+        if not 1 <= weight <= 1_000_000:
+            raise ValueError(f"weight {weight} is not a number of nodes")
+        return weight
+
+    def credit(self, seconds: float) -> None:
+        """Time the exchange could not be read: nobody was silent during it."""
+        for view in self.nodes.values():
+            view.last_heard += seconds
+
+    @staticmethod
+    def finished(view: NodeView, state: RoundState) -> bool:
+        """Done with its run by what the master aggregated (see the module docstring): the
+        record says ``done``, the node's last aggregated contribution came from the record's
+        instance, and it was flagged final or the ledger holds the record's ``final_round``."""
+        node = view.node_id
+        if view.state != "done" or not view.instance:
+            return False
+        if state.instances.get(node) != view.instance:
+            return False  # nothing aggregated from the instance that claims to be done
+        if node in state.finals:
+            return True
+        final = view.final_round
+        return final is not None and final >= 0 and state.ledger.get(node, -1) >= final
+
+    def finished_count(self, state: RoundState) -> int:
+        """How many nodes finished their run."""
+        return sum(self.finished(view, state) for view in self.nodes.values())
+
+    def _expected(self, view: NodeView, state: RoundState) -> bool:
+        """Neither finished nor a pure aggregator (which never contributes)."""
+        return view.state != "aggregator" and not self.finished(view, state)
+
+    def waiting(self, state: RoundState) -> set[str]:
+        """Nodes expected and not dropped (no clock: what a closing round still expects)."""
+        return {n for n, v in self.nodes.items() if self._expected(v, state) and not v.dropped}
+
+    def active(self, now: float, limit: float, state: RoundState) -> set[str]:
+        """Nodes the open round waits for; a node silent for more than ``limit`` seconds is
+        dropped (logged and reported once) until it delivers again."""
+        active = set()
+        for view in self.nodes.values():
+            if not self._expected(view, state):
+                continue
+            silent = now - view.last_heard
+            if silent > limit and not view.dropped:
+                view.dropped = True
+                _LOG.warning(
+                    f"node {view.node_id} silent for {silent:.0f} s; no longer waiting for it "
+                    "(it rejoins when it delivers again)"
+                )
+                self._emit("node_dropped", node_id=view.node_id, silent_seconds=silent)
+            if not view.dropped:
+                active.add(view.node_id)
+        return active
+
+    def run_over(self, active: set[str], state: RoundState) -> bool:
+        """No node left to wait for, and at least one finished its run (nodes that are only
+        silent, e.g. all at once, keep the run open until one of them is done)."""
+        return self.saw_training and not active and self.finished_count(state) > 0
+
+
+# -- agreeing with the published state -------------------------------------------------
+META = {"algorithm": "dumb_diloco", "optimizer": "nesterov_sgd"}
+CORRUPT_READS = 3  # reads of an unchanged record before its weights count as unusable
+CORRUPT_WAIT = 0.2  # seconds before the second read (then twice that)
+
+
+def reconcile(
+    store: Any,
+    held: RoundState,
+    *,
+    trusted: bool,
+    fresh: bool,
+    new_run: Callable[[], RoundState],
+) -> RoundState:
+    """Agree with the exchange ``store`` (see the module docstring); returns the state to hold.
+
+    ``trusted``: ``held`` was read from (or saved to) the master's own valid local state and
+    may be republished; ``fresh``: the master starts training from step 0; ``new_run()``: the
+    state of a new run. A failed read raises ``TransportError`` (the caller retries); it never
+    leads to a bootstrap that could overwrite a live global.
+    """
+    remote = store.global_metadata()
+    state = held.copy()
+    stale: list[str] = []
+    if remote is not None and remote.final and fresh:
+        _LOG.warning(
+            f"the exchange holds the final global of a finished run (outer step "
+            f"{remote.outer_step}); starting a new run over it"
+        )
+        state = new_run()
+        stale = _leftovers(store)
+        remote = None
+    if remote is None:
+        state.run_id = state.run_id or secrets.token_hex(6)
+        store.publish_global(
+            state.global_state,
+            outer_step=state.outer_step,
+            ledger=state.ledger,
+            prune=stale,
+            metadata_extra={**META, "bootstrap": str(state.outer_step == 0).lower()},
+            run_id=state.run_id,
+            node_records=state.node_records(),
+        )
+        _LOG.info(f"published global state at outer step {state.outer_step} (bootstrap)")
+        return state
+    book = store.read_json(GLOBAL_PROCESSED, default={})
+    booked = book.get("outer_step") if isinstance(book, dict) else None
+    record = remote
+    adopted = False
+    # the ledger ahead of the record: a publish torn between its files; the weights' own
+    # header says which outer step they hold
+    torn = isinstance(booked, int) and booked > remote.outer_step
+    if remote.outer_step > state.outer_step or not trusted or torn:
+        fetched = _fetch(store, remote, state.global_state, trusted)
+        if fetched is None:  # unusable: this master's own global goes over it
+            remote = dataclasses.replace(remote, outer_step=-1)
+        else:
+            remote, weights = fetched
+            if remote.outer_step > state.outer_step or not trusted:
+                state.adopt(weights, remote.outer_step)
+                state.run_id = remote.run_id
+                adopted = True
+                _LOG.info(f"adopted published global at outer step {remote.outer_step}")
+    if not isinstance(booked, int) or booked <= state.outer_step:
+        for node, done in store.read_ledger().items():  # never a ledger ahead of the global
+            state.ledger[node] = max(done, state.ledger.get(node, -1))
+    if booked == state.outer_step:  # who finished, as whom: never lost with a reply
+        state.take_node_records(store.read_node_records(), newer=adopted)
+    repaired = remote.sha256 != record.sha256
+    if remote.outer_step < state.outer_step or repaired:
+        store.publish_global(
+            state.global_state,
+            outer_step=state.outer_step,
+            ledger=state.ledger,
+            metadata_extra=META,
+            run_id=state.run_id,
+            node_records=state.node_records(),
+        )
+    return state
+
+
+def _fetch(
+    store: Any,
+    remote: GlobalMetadata,
+    like: Mapping[str, torch.Tensor],
+    trusted: bool,
+) -> tuple[GlobalMetadata, dict[str, torch.Tensor]] | None:
+    """The published global, finite as the model's dtypes ``like``; None when it is unusable
+    and the master may republish its own (``trusted``), else ``ExchangeError``."""
+    problem = _unusable(store, remote, like)
+    if not isinstance(problem, str):
+        return problem
+    where = f"{remote.model_file} (outer step {remote.outer_step}) of {store.repo_id!r}"
+    if not trusted:
+        raise ExchangeError(
+            f"distributed.repo_id: the published global {where} is unusable ({problem}) and "
+            "this master has no local outer state to publish over it; restore its "
+            "distributed.state_dir, or delete global/ from the exchange to start a new run"
+        )
+    _LOG.error(
+        f"the published global {where} is unusable ({problem}); publishing this master's "
+        "own global over it"
+    )
+    return None
+
+
+def _unusable(
+    store: Any, remote: GlobalMetadata, like: Mapping[str, torch.Tensor]
+) -> tuple[GlobalMetadata, dict[str, torch.Tensor]] | str:
+    """The global and its record, or why it cannot be used. A read that fails while the
+    record stays the same is tried ``CORRUPT_READS`` times: a file read mid-write (or a
+    truncated reply) reads whole the next time, garbage never does. An outage (the record
+    cannot be read) raises ``TransportError``: retried at the next poll."""
+    for attempt in range(1, CORRUPT_READS + 1):
+        try:
+            fetched, weights = store.fetch_global(
+                remote, max_bytes=max_global_bytes(like), like=like
+            )
+        except TransportError as exc:
+            if exc.kind == "permanent":
+                return str(exc)
+            if isinstance(exc, HubUnavailable):
+                raise  # an outage, not the file: retried at the next poll
+            if attempt == CORRUPT_READS:
+                return f"{exc}, {CORRUPT_READS} reads of the same record"
+            time.sleep(CORRUPT_WAIT * attempt)
+            again = store.global_metadata()
+            if again is None or again.sha256 != remote.sha256:
+                raise  # the exchange changed meanwhile: agree again at the next poll
+            continue
+        bad = T.first_non_finite(weights, like=like)
+        if bad is None:
+            return fetched, weights
+        return f"{bad} is not finite as the model's {like[bad].dtype}"
+    raise AssertionError("unreachable")
+
+
+def _leftovers(store: Any) -> list[str]:
+    """Files of a finished run: its contributions and the records of nodes that were done."""
+    scan = store.scan()
+    paths = [path for files in scan.deltas.values() for path in files.values()]
+    for node_id in scan.owners:
+        if (store.read_owner(node_id) or {}).get("state") == "done":
+            paths.append(f"nodes/{node_id}/owner.json")
+    return sorted(paths)
+
+
+# -- the round state and its local file ------------------------------------------------
+_FORMAT = "speedtronic-outer-state/2"
+
+
+@dataclass
+class RoundState:
+    """The master's whole mutable round state (one object: copy it, change the copy, keep it
+    once the exchange holds it).
+
+    ``outer_step``: the published global's outer step (= the open round); ``global_state``:
+    its weights in the model's dtypes; ``optimizer``: the outer optimizer and its momentum;
+    ``run_id``: names the run; ``ledger``: node -> highest round aggregated (or dropped);
+    ``digests``: node -> sha256 of its last aggregated contribution (a re-sent copy is refused);
+    ``instances``: node -> the ``instance`` header of its last aggregated contribution;
+    ``finals``: node -> the round of its aggregated contribution flagged ``final``;
+    ``round_seconds``: a moving average of the round lengths (the master's drop limit counts
+    in it, so it survives a restart).
+    """
+
+    outer_step: int
+    global_state: dict[str, torch.Tensor]
+    optimizer: NesterovOuterOptimizer
+    run_id: str = ""
+    ledger: dict[str, int] = field(default_factory=dict)
+    digests: dict[str, str] = field(default_factory=dict)
+    instances: dict[str, str] = field(default_factory=dict)
+    finals: dict[str, int] = field(default_factory=dict)
+    round_seconds: float = 0.0
+
+    @classmethod
+    def new(cls, global_state: dict[str, torch.Tensor], lr: float, momentum: float) -> RoundState:
+        """Outer step 0 of a new run over ``global_state`` (kept, not copied)."""
+        return cls(0, global_state, NesterovOuterOptimizer(global_state, lr, momentum))
+
+    def copy(self) -> RoundState:
+        """A deep copy (tensors cloned): what a round or a reconcile changes."""
+        optimizer = NesterovOuterOptimizer({}, self.optimizer.lr, self.optimizer.momentum)
+        optimizer.load_state_dict(self.optimizer.state_dict())
+        return RoundState(
+            self.outer_step,
+            T.cpu_state_dict(self.global_state),
+            optimizer,
+            self.run_id,
+            dict(self.ledger),
+            dict(self.digests),
+            dict(self.instances),
+            dict(self.finals),
+            self.round_seconds,
+        )
+
+    def node_records(self) -> dict[str, dict[str, Any]]:
+        """What the published ledger's record carries of each node beside its round (the
+        transport's ``NODE_RECORDS``): a master that adopts the published global from it
+        knows which nodes finished and which instance they ran as."""
+        return {
+            "finals": dict(self.finals),
+            "instances": dict(self.instances),
+            "digests": dict(self.digests),
+        }
+
+    def take_node_records(self, records: Mapping[str, Mapping[str, Any]], *, newer: bool) -> None:
+        """Merge published ``records`` (see :meth:`node_records`): they replace this state's
+        when ``newer`` (the published global was adopted), else they only fill what it lacks
+        (an outer state file written before they were kept)."""
+        for name, mine in self.node_records().items():
+            published = dict(records.get(name) or {})
+            merged = {**mine, **published} if newer else {**published, **mine}
+            setattr(self, name, merged)
+
+    def adopt(self, state: Mapping[str, torch.Tensor], outer_step: int) -> None:
+        """Take a published global (cast to this state's dtypes; other keys and shapes are
+        ignored) at ``outer_step``; the momentum starts again from zero."""
+        for key, value in state.items():
+            mine = self.global_state.get(key)
+            if mine is not None and tuple(value.shape) == tuple(mine.shape):
+                self.global_state[key] = T.cpu_tensor(value).to(mine.dtype)
+        self.outer_step = int(outer_step)
+        self.optimizer = NesterovOuterOptimizer(
+            self.global_state, self.optimizer.lr, self.optimizer.momentum
+        )
+
+
+class OuterStateStore:
+    """Reads and writes one master's files under ``state_dir``."""
+
+    def __init__(self, state_dir: str | os.PathLike):
+        self.state_dir = Path(state_dir)
+
+    @property
+    def path(self) -> Path:
+        """The outer state file."""
+        return self.state_dir / "outer_state.safetensors"
+
+    @property
+    def pending_path(self) -> Path:
+        """The write-ahead record of a round being published."""
+        return self.state_dir / "pending_round.json"
+
+    def load(self, like: RoundState) -> RoundState | None:
+        """The saved state, its tensors shaped and typed as ``like``'s global and its outer
+        optimizer configured as ``like``'s; None when there is none.
+
+        Raises ``ValueError`` (after moving the file aside as ``*.corrupt-<time>``) when the
+        file cannot be read or does not match ``like``."""
+        if not self.path.exists():
+            return None
+        try:
+            tensors, meta = T.state_from_bytes(self.path.read_bytes())
+            if meta.get("format") != _FORMAT:
+                raise ValueError(f"unknown format {meta.get('format')!r}")
+            glob = {k[7:]: v for k, v in tensors.items() if k.startswith("global/")}
+            for key, value in like.global_state.items():
+                if key not in glob or tuple(glob[key].shape) != tuple(value.shape):
+                    raise ValueError(f"global tensor {key} missing or reshaped")
+            optimizer = NesterovOuterOptimizer({}, like.optimizer.lr, like.optimizer.momentum)
+            optimizer.load_state_dict(
+                {k[9:]: v for k, v in tensors.items() if k.startswith("momentum/")}
+            )
+            saved = RoundState(
+                outer_step=int(meta["outer_step"]),
+                global_state={k: glob[k].to(v.dtype) for k, v in like.global_state.items()},
+                optimizer=optimizer,
+                run_id=str(meta.get("run_id", "")),
+                ledger=_json_map(meta["ledger"], int),
+                digests=_json_map(meta["digests"], str),
+                instances=_json_map(meta.get("instances", "{}"), str),  # absent before 2.2
+                finals=_json_map(meta.get("finals", "{}"), int),
+                round_seconds=float(meta.get("round_seconds", "0")),  # absent before 2.3
+            )
+        except Exception as exc:
+            self.path.replace(self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}"))
+            raise ValueError(f"{type(exc).__name__}: {exc}") from None
+        return saved
+
+    def save(self, state: RoundState) -> None:
+        """Write the whole state as one atomic file."""
+        tensors = {f"global/{k}": v for k, v in state.global_state.items()}
+        tensors.update({f"momentum/{k}": v for k, v in state.optimizer.momentum_buffers.items()})
+        meta = {
+            "format": _FORMAT,
+            "outer_step": state.outer_step,
+            "run_id": state.run_id,
+            "ledger": json.dumps(dict(sorted(state.ledger.items()))),
+            "digests": json.dumps(dict(sorted(state.digests.items()))),
+            "instances": json.dumps(dict(sorted(state.instances.items()))),
+            "finals": json.dumps(dict(sorted(state.finals.items()))),
+            "round_seconds": repr(float(state.round_seconds)),
+            "updated_at": datetime.now(timezone.utc).isoformat(),
+        }
+        atomic_write_bytes(T.state_to_bytes(tensors, metadata=meta), self.path)
+
+    def write_pending(self, outer_step: int, run_id: str, report: dict[str, Any]) -> None:
+        """Record, before publishing ``outer_step``, what the master will report about it."""
+        atomic_json_dump(
+            {"outer_step": outer_step, "run_id": run_id, "report": report}, self.pending_path
+        )
+
+    def clear_pending(self) -> None:
+        """The round was reported (or will close again): forget its record."""
+        self.pending_path.unlink(missing_ok=True)
+
+    def take_pending(self, outer_step: int, run_id: str) -> dict[str, Any] | None:
+        """The report of a round that was published but never reported, given the global the
+        master now holds; None when there is none or its publish did not land. The record is
+        removed either way."""
+        try:
+            record = json.loads(self.pending_path.read_text())
+        except (OSError, ValueError):
+            record = None
+        self.clear_pending()
+        if not isinstance(record, dict) or not isinstance(record.get("report"), dict):
+            return None
+        landed = record.get("run_id") == run_id and isinstance(record.get("outer_step"), int)
+        if not landed or record["outer_step"] > outer_step:
+            return None
+        return record["report"]
+
+
+def _json_map(text: str, kind: Callable[[Any], Any]) -> dict[str, Any]:
+    """A JSON object of the header, its keys as strings and its values as ``kind``."""
+    return {str(k): kind(v) for k, v in json.loads(text).items()}
+
+
+# -- the outer step --------------------------------------------------------------------
+def nesterov_update(
+    weight: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, *, lr: float, momentum: float
+) -> None:
+    """One SGD-Nesterov step with the pseudo-gradient as gradient (DiLoCo, Douillard et al. 2023).
+
+    In place: ``buf = momentum*buf + g``; ``weight -= lr*(g + momentum*buf)``. Computed in
+    float32, applied in the weight's dtype. From zero momentum the first step is
+    ``weight - lr*(1+momentum)*g`` (1.9·g at μ=0.9).
+    """
+    g32 = grad.to(device=weight.device, dtype=torch.float32)
+    buf.mul_(momentum).add_(g32)
+    effective = buf.mul(momentum).add_(g32)  # g + momentum * buf, one temporary
+    if weight.dtype == torch.float32:
+        weight.add_(effective, alpha=-lr)
+    else:
+        weight.sub_((lr * effective).to(weight.dtype))
+
+
+class NesterovOuterOptimizer:
+    """The outer step: ``torch.optim.SGD`` (Nesterov when ``momentum > 0``) over the floating
+    tensors of a state dict, with float32 CPU momentum buffers kept by tensor name.
+
+    ``lr`` is the outer learning rate (DiLoCo's 0.7), ``momentum`` its Nesterov momentum (0.9;
+    0 is plain SGD). ``step(state, delta)`` updates ``state`` in place.
+    """
+
+    def __init__(self, state: Mapping[str, torch.Tensor], lr: float, momentum: float = 0.9):
+        self.lr = float(lr)
+        self.momentum = float(momentum)
+        self.momentum_buffers: dict[str, torch.Tensor] = {
+            k: torch.zeros(tuple(v.shape), dtype=torch.float32)
+            for k, v in state.items()
+            if v.is_floating_point()
+        }
+
+    @torch.no_grad()
+    def step(self, state: dict[str, torch.Tensor], delta: Mapping[str, torch.Tensor]) -> None:
+        """Apply the averaged pseudo-gradient ``delta`` to ``state`` in place (``KeyError`` for
+        a key ``state`` lacks, ``ValueError`` for a shape that differs)."""
+        keys: list[str] = []
+        params: list[torch.Tensor] = []
+        for key, grad in delta.items():
+            if key not in state:
+                raise KeyError(key)
+            weight = state[key]
+            if tuple(weight.shape) != tuple(grad.shape):
+                raise ValueError(f"shape mismatch for {key}")
+            if not weight.is_floating_point():
+                continue
+            native = weight.dtype == torch.float32 and weight.device.type == "cpu"
+            param = weight if native else weight.detach().to("cpu", torch.float32)
+            param.grad = grad.detach().to("cpu", torch.float32)
+            keys.append(key)
+            params.append(param)
+        if not params:
+            return
+        nesterov = self.momentum > 0
+        sgd = torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, nesterov=nesterov)
+        if nesterov:
+            for key, param in zip(keys, params, strict=True):
+                buf = self.momentum_buffers.get(key)
+                if buf is not None:
+                    sgd.state[param]["momentum_buffer"] = buf
+        sgd.step()
+        for key, param in zip(keys, params, strict=True):
+            if nesterov:
+                self.momentum_buffers[key] = sgd.state[param]["momentum_buffer"]
+            param.grad = None
+            if param is not state[key]:
+                state[key].copy_(param)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """CPU clones of the momentum buffers, by tensor name."""
+        return {k: v.detach().clone() for k, v in self.momentum_buffers.items()}
+
+    def load_state_dict(self, buffers: Mapping[str, torch.Tensor]) -> None:
+        """Replace every buffer with a float32 CPU clone of ``buffers`` (by tensor name)."""
+        self.momentum_buffers = {
+            str(k): v.detach().to("cpu", torch.float32).clone() for k, v in buffers.items()
+        }

@@ -23,33 +23,54 @@ final one is sent again, up to ``FINAL_UPLOAD_ATTEMPTS`` times). At the end of a
 status, waits for the global that includes it and installs it, so the node's
 final checkpoint holds it. Network failures are state (logged, counted, carried), never a
 crash of the training loop.
+
+Below the round: :class:`Contribution` and :class:`GlobalCandidate` (what passes between the
+training thread and the exchange), :class:`GlobalInbox` (where globals arrive: offered by the
+local master or polled) and :class:`Uploader` (one upload at a time), :class:`NodeLink` (what
+the node reads from and writes to the exchange: its claim on its id, its uploads, the globals
+and the wait for a run's first global) and the node's identity (:func:`resolve_node_id`,
+:class:`NodeClaim`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
 import logging
+import os
+import queue
+import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from speedtronic.config.errors import ConfigError
-from speedtronic.diloco import tensors as T
-from speedtronic.diloco.mailbox import (
-    Contribution,
-    Emit,
-    GlobalCandidate,
-    GlobalInbox,
-    Uploader,
-    ignore,
-)
-from speedtronic.diloco.retry import ExchangeError, TransportError
+from speedtronic.config.limits import check_node_id
+from speedtronic.diloco import exchange as T
+from speedtronic.diloco.exchange import Emit, ignore
+from speedtronic.diloco.retry import AccessRefused, ExchangeError, TransportError, scrub
 
-__all__ = ["Contribution", "DiLoCoNode", "GlobalCandidate", "GlobalInbox"]
+__all__ = [
+    "Contribution",
+    "DiLoCoNode",
+    "ExchangeAccessError",
+    "GlobalCandidate",
+    "GlobalInbox",
+    "NodeClaim",
+    "NodeIdCollisionError",
+    "NodeLink",
+    "Uploader",
+    "resolve_node_id",
+]
 
 _LOG = logging.getLogger("speedtronic.diloco")
+
 
 # The final contribution has no next round to be carried into: finish() sends it this many
 # times (each with the transport's own retries) before it gives up and says so.
@@ -419,3 +440,653 @@ def _float_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         for key, value in model.state_dict().items()
         if value.is_floating_point()
     }
+
+
+# -- what passes between the training thread and the exchange --------------------------
+@dataclasses.dataclass
+class Contribution:
+    """One upload: a node's pseudo-gradient for round ``round`` (``delta`` None: only the
+    ``done`` status is written, because there was nothing left to contribute)."""
+
+    round: int
+    base: int
+    step: int
+    delta: dict[str, torch.Tensor] | None
+    final: bool = False
+    run_id: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Checkpointable form (tensors and primitives only)."""
+        return {
+            "round": self.round,
+            "base": self.base,
+            "step": self.step,
+            "delta": None if self.delta is None else T.cpu_state_dict(self.delta),
+            "final": self.final,
+            "run_id": self.run_id,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Contribution:
+        """Rebuild a checkpointed contribution."""
+        delta = data.get("delta")
+        return cls(
+            int(data["round"] if "round" in data else data["label"]),  # "label": before 2.2
+            int(data["base"]),
+            int(data["step"]),
+            None if delta is None else T.cpu_state_dict(delta),
+            bool(data.get("final", False)),
+            str(data.get("run_id", "")),
+        )
+
+
+@dataclasses.dataclass
+class GlobalCandidate:
+    """A global state waiting for the training thread (``seconds``: download time)."""
+
+    outer_step: int
+    state: dict[str, torch.Tensor]
+    seconds: float = 0.0
+    final: bool = False
+    run_id: str = ""
+
+
+class GlobalInbox:
+    """Where new globals arrive: offered by the in-process master, or fetched by polling.
+
+    ``fetch(seen)`` (workers) returns a candidate when the published ``(outer_step, run_id)``
+    differs from ``seen``. With ``threaded`` a daemon thread polls every ``interval`` seconds
+    (sooner after :meth:`poke`); otherwise :meth:`poll_due` polls on the calling thread.
+    """
+
+    def __init__(
+        self,
+        fetch: Callable[[tuple[int, str]], GlobalCandidate | None] | None,
+        *,
+        interval: float,
+        threaded: bool,
+    ):
+        self._fetch = fetch
+        self.interval = interval
+        self.threaded = threaded and fetch is not None
+        self._cond = threading.Condition()
+        self._candidate: GlobalCandidate | None = None
+        self._seen = (-1, "")  # (outer step, run id) of the newest global offered or fetched
+        self._last_poll = 0.0
+        self._poke = threading.Event()
+        self._stop = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def offer(self, candidate: GlobalCandidate) -> None:
+        """Make ``candidate`` the waiting global (the newest offer wins)."""
+        with self._cond:
+            self._candidate = candidate
+            self._seen = (candidate.outer_step, candidate.run_id)
+            self._cond.notify_all()
+
+    def take(self) -> GlobalCandidate | None:
+        """The waiting global (the slot is emptied), or None."""
+        with self._cond:
+            candidate, self._candidate = self._candidate, None
+        return candidate
+
+    def waiting_step(self) -> int:
+        """Outer step of the waiting global (-1: none)."""
+        with self._cond:
+            return -1 if self._candidate is None else self._candidate.outer_step
+
+    def wait(self, timeout: float) -> None:
+        """Block up to ``timeout`` seconds for an offer (inline polling happens here too)."""
+        if not self.threaded and self._fetch is not None:
+            self.poll_due()
+        with self._cond:
+            if self._candidate is None:
+                self._cond.wait(timeout)
+
+    def poke(self) -> None:
+        """Ask for a poll as soon as possible (a node waits for a global)."""
+        self._last_poll = 0.0
+        self._poke.set()
+
+    def poll_due(self) -> None:
+        """Inline mode: poll when ``interval`` seconds passed since the last poll."""
+        if self.threaded or self._fetch is None:
+            return
+        now = time.monotonic()
+        if now - self._last_poll >= self.interval:
+            self._last_poll = now
+            self._poll()
+
+    def _poll(self) -> None:
+        try:
+            candidate = self._fetch(self._seen)  # type: ignore[misc]
+        except Exception as exc:
+            _LOG.warning(f"global poll failed; retrying at the next poll: {exc}")
+            return
+        if candidate is not None:
+            self.offer(candidate)
+
+    def start(self) -> None:
+        """Start the poller thread (threaded mode only)."""
+        if not self.threaded or (self.thread is not None and self.thread.is_alive()):
+            return
+        self._stop.clear()
+        self.thread = threading.Thread(
+            target=self._loop, name="speedtronic-diloco-poll", daemon=True
+        )
+        self.thread.start()
+
+    def stop(self, timeout: float) -> None:
+        """Stop the poller thread (bounded join)."""
+        self._stop.set()
+        self._poke.set()
+        thread, self.thread = self.thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._poll()
+            self._poke.wait(self.interval)
+            self._poke.clear()
+
+
+class Uploader:
+    """One upload at a time: on a daemon thread (``threaded``) or on the calling thread."""
+
+    def __init__(self, send: Callable[[Contribution], Any], *, threaded: bool):
+        self._send = send
+        self.threaded = threaded
+        self._queue: queue.Queue[Contribution] = queue.Queue()
+        self._cond = threading.Condition()
+        self.pending: Contribution | None = None  # submitted, not finished
+        self._stop = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def submit(self, job: Contribution) -> None:
+        """Send ``job`` (after the previous one finished)."""
+        self.drain()
+        with self._cond:
+            self.pending = job
+        if self.threaded:
+            self._ensure_thread()
+            self._queue.put(job)
+        else:
+            self._run(job)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until no upload is in flight; False when ``timeout`` passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self.pending is not None and (self.thread is not None or not self.threaded):
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+        return True
+
+    def _run(self, job: Contribution) -> None:
+        try:
+            self._send(job)
+        finally:
+            with self._cond:
+                if self.pending is job:
+                    self.pending = None
+                self._cond.notify_all()
+
+    def _ensure_thread(self) -> None:
+        if self.thread is None or not self.thread.is_alive():
+            self._stop.clear()
+            self.thread = threading.Thread(
+                target=self._loop, name="speedtronic-diloco-upload", daemon=True
+            )
+            self.thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set() or not self._queue.empty():
+            try:
+                job = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            self._run(job)
+
+    def stop(self, timeout: float) -> bool:
+        """Let the job in flight finish (bounded); True when nothing is left pending."""
+        finished = self.drain(timeout)
+        self._stop.set()
+        thread, self.thread = self.thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(0.5)
+        return finished
+
+
+# -- the node's link to the exchange ---------------------------------------------------
+class NodeLink:
+    """What one node reads from and writes to the exchange ``store``.
+
+    ``settings`` is the ``distributed`` config section (``repo_id``, ``token``,
+    ``round_timeout``, ``poll_interval``, ``delta_dtype``); ``claim`` this process's claim on
+    its node id; ``max_bytes`` the largest global file this node's model can have; ``like``
+    the model's state (a global must be finite in its dtypes);
+    ``interrupted`` ends every wait early (a stop was requested).
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        settings: Any,
+        *,
+        claim: NodeClaim,
+        max_bytes: int,
+        like: Mapping[str, torch.Tensor],
+        interrupted: threading.Event,
+        emit: Emit = ignore,
+    ):
+        self.store = store
+        self.settings = settings
+        self.claim = claim
+        self.node_id = claim.node_id
+        self.max_bytes = max_bytes
+        self.like = like
+        self.interrupted = interrupted
+        self._emit = emit
+        self.beat = time.monotonic()  # the last sign of life while waiting here
+        self._displaced = ""  # the instance whose record this node took over at its claim
+        # the displaced holder's round files when the watch ended, until our first upload
+        self._watched: dict[str, Any] | None = None
+        self._holder = ""  # the displaced holder, as the log lines name it
+        self._refused = ""  # checksum of a published global this node refused
+
+    # -- errors no retry fixes ---------------------------------------------------------------
+    def raise_if_permanent(self, exc: BaseException, what: str) -> None:
+        """A permanent exchange error (auth refused, unusable path, invalid repo id) ends the
+        node with exit code 2; an outage does not."""
+        if isinstance(exc, AccessRefused):
+            raise self.access_error(exc) from None
+        if isinstance(exc, TransportError) and exc.kind == "permanent":
+            repo = self.settings.repo_id
+            raise ExchangeError(
+                scrub(f"distributed.repo_id: {what} {repo!r}: {exc}", (self.settings.token,))
+            ) from None
+
+    def access_error(self, exc: AccessRefused) -> ExchangeAccessError:
+        """Exit 2: the exchange refused this node's token; names the repository (the
+        entrypoint adds where the token came from), never the token."""
+        message = (
+            f"distributed.repo_id: {self.settings.repo_id!r} refused this node (HTTP "
+            f"{exc.status or '?'}): {exc}; check that distributed.token exists and may write "
+            "this repository"
+        )
+        return ExchangeAccessError(
+            scrub(message, (self.settings.token,)),
+            repo_id=str(self.settings.repo_id),
+            status=exc.status,
+        )
+
+    # -- the claim on the node id ------------------------------------------------------------
+    def check_id(self) -> None:
+        """Before a worker waits for a run to join: a live process on this host already
+        holding the id is a `NodeIdCollisionError` at once (nothing is written; the claim
+        itself, with the watch of another host's holder, comes once a run is found)."""
+        try:
+            owner = self.store.read_owner(self.node_id)
+        except Exception as exc:
+            self.raise_if_permanent(exc, "cannot read from the exchange")
+            return  # an outage: claim_id checks again
+        if self._collides(owner):
+            raise NodeIdCollisionError(self.node_id)
+
+    def claim_id(self, **status: Any) -> None:
+        """Write our claim/status record (``status``: ``state`` and, when done,
+        ``final_round``); another live node holding the id is a `NodeIdCollisionError`,
+        raised before this node writes anything."""
+        try:
+            owner = self.store.read_owner(self.node_id)
+            if self._collides(owner):
+                raise NodeIdCollisionError(self.node_id)
+            if self.claim.held_elsewhere(owner):
+                self._watched = self._watch_holder(owner)
+            other = (owner or {}).get("instance")
+            if other and other != self.claim.instance:
+                self._displaced = str(other)
+            if other != self.claim.instance or owner.get("state") != status["state"]:
+                self.store.claim_owner(self.node_id, self.claim.record(**status))
+            self.claim.claimed = True
+        except NodeIdCollisionError:
+            raise
+        except Exception as exc:
+            self.raise_if_permanent(exc, "cannot write to the exchange")
+            _LOG.warning(f"could not claim node_id {self.node_id}: {exc}")
+
+    def _round_files(self) -> dict[str, Any]:
+        """This id's files on the exchange but its status record (which we write too)."""
+        prefix, record = f"nodes/{self.node_id}/", f"nodes/{self.node_id}/owner.json"
+        files = self.store.scan().files.items()
+        return {p: i for p, i in files if p.startswith(prefix) and p != record}
+
+    def _watch_holder(self, owner: Mapping[str, Any]) -> dict[str, Any]:
+        """Another host's node holds our id and had not finished: watch its files for up to
+        ``drop_after`` x ``round_timeout`` (a live node writes once a round, and a round may
+        last minutes; the master drops a node only after as long a silence). A change is a
+        `NodeIdCollisionError`; none means its instance is gone, and the id is taken over.
+        Returns the holder's round files at the end (checked again before our first upload)."""
+        holder = f"instance {owner.get('instance')} on host {owner.get('host', '?')}"
+        self._holder = holder
+        cfg = self.settings
+        window = max(int(cfg.drop_after), 1) * cfg.round_timeout
+        _LOG.info(
+            f"node id {self.node_id!r} is held by {holder} (state {owner.get('state')}); "
+            f"watching its files for up to {window:.0f} s (distributed.drop_after x "
+            "distributed.round_timeout, as long as the master waits for a silent node) before "
+            "taking the id over"
+        )
+        before, started = self._round_files(), time.monotonic()
+        while time.monotonic() - started < window and not self.interrupted.is_set():
+            self.beat = time.monotonic()
+            time.sleep(min(cfg.poll_interval, 1.0))
+            if self._round_files() != before:
+                waited = time.monotonic() - started
+                self._emit("node_id_collision", node_id=self.node_id)
+                raise NodeIdCollisionError(
+                    self.node_id, f"{holder} wrote to the exchange {waited:.1f} s into the watch"
+                )
+        _LOG.info(
+            f"{holder} wrote nothing in {time.monotonic() - started:.1f} s; taking node id "
+            f"{self.node_id!r} over (that instance is gone)"
+        )
+        return before
+
+    def _collides(self, owner: Mapping[str, Any] | None) -> bool:
+        other = self.claim.check(owner)
+        if other is None:
+            return False
+        _LOG.error(
+            f"node_id collision: another live node uses node_id {self.node_id!r} (instance "
+            f"{other}); give each node a unique distributed.node_id"
+        )
+        self._emit("node_id_collision", node_id=self.node_id)
+        return True
+
+    # -- uploads -----------------------------------------------------------------------------
+    def send(self, job: Contribution) -> int:
+        """Upload one contribution with our status record (one commit); returns bytes."""
+        with contextlib.suppress(TransportError):  # the upload below reports an outage
+            owner = self.store.read_owner(self.node_id)
+            if self._displaced and (owner or {}).get("instance") == self._displaced:
+                # the instance this node took the id over from writes again: it is live, and
+                # this node is the later of the two (it stops; nothing of the other is lost)
+                self._emit("node_id_collision", node_id=self.node_id)
+                raise NodeIdCollisionError(
+                    self.node_id,
+                    f"instance {self._displaced} wrote again after this node took the id over",
+                )
+            if self._watched is not None and self._round_files() != self._watched:
+                # the holder uploaded after our watch ended (its record may since be ours
+                # again): it is live; an upload of ours could take its round's place
+                self._emit("node_id_collision", node_id=self.node_id)
+                raise NodeIdCollisionError(
+                    self.node_id,
+                    f"{self._holder} wrote round files after this node's watch ended; this "
+                    "node stops before its first upload",
+                )
+            if self._collides(owner):  # a later instance took our id over after our claim
+                _LOG.error(
+                    f"node id {self.node_id!r} was taken over by instance "
+                    f"{(owner or {}).get('instance')} on host {(owner or {}).get('host', '?')} "
+                    f"after this node claimed it; this node's round {job.round} upload "
+                    "reclaims it and the later instance stops at its next upload (a round it "
+                    "uploaded first stands for this node's)"
+                )
+        status = {"state": "done", "final_round": job.round} if job.final else {"state": "training"}
+        try:
+            if job.delta is None:  # nothing left to contribute: only the done status
+                record = self.claim.record(state="done", final_round=job.round)
+                self.store.claim_owner(self.node_id, record)
+                nbytes = 0
+            else:
+                self.store.upload_delta(
+                    job.delta,
+                    node_id=self.node_id,
+                    round_index=job.round,
+                    local_step=job.step,
+                    base_outer_step=job.base,
+                    dtype=self.settings.delta_dtype,
+                    metadata={
+                        "final": str(job.final).lower(),
+                        "run_id": job.run_id,
+                        "instance": self.claim.instance,
+                    },
+                    owner=self.claim.record(**status),
+                )
+                nbytes = int(self.store.last_upload_bytes)
+        except AccessRefused as exc:  # the node stops at its next step (exit 2)
+            raise self.access_error(exc) from None
+        self.claim.claimed = True
+        self._watched = None  # our files are on the exchange now: the record tells from here
+        return nbytes
+
+    # -- globals -----------------------------------------------------------------------------
+    def fetch(self, seen: tuple[int, str]) -> GlobalCandidate | None:
+        """The published global when its ``(outer_step, run_id)`` is not ``seen``; a refused
+        one (too large, non-finite) is reported once and not downloaded again."""
+        started = time.perf_counter()
+        metadata = self.store.global_metadata()
+        if metadata is None or (metadata.outer_step, metadata.run_id) == seen:
+            return None
+        if metadata.sha256 and metadata.sha256 == self._refused:
+            return None
+        try:
+            metadata, state = self.store.fetch_global(metadata, max_bytes=self.max_bytes)
+            # as it will be installed: a float64 1e300 is finite in the file, inf in float32
+            # (keys and shapes are the node's to judge: another model ends the node, exit 2)
+            bad = T.first_non_finite(state, like=self.like)
+            if bad is not None:
+                raise TransportError(
+                    f"{metadata.model_file} (outer step {metadata.outer_step}) holds values "
+                    f"that are not finite in this model's dtype in {bad}",
+                    kind="permanent",
+                )
+        except TransportError as exc:
+            if exc.kind != "permanent":
+                raise
+            self._refused = metadata.sha256
+            _LOG.error(f"refusing the published global: {exc}")
+            self._emit("global_rejected", outer_step=metadata.outer_step, error=str(exc))
+            return None
+        return GlobalCandidate(
+            metadata.outer_step,
+            state,
+            time.perf_counter() - started,
+            metadata.final,
+            metadata.run_id,
+        )
+
+    def first_global(self, run_id: str, resumed: bool) -> tuple[GlobalCandidate | None, str]:
+        """A worker's global to start from, before its first step: ``(candidate, "")``, or
+        ``(None, why)`` when this node has no run to take part in.
+
+        A global marked final ends a run. A node resumed into that run (its ``run_id``) has
+        nothing left to do. Any other node never trains from it: it waits (at most
+        ``round_timeout``) for the first global of a new run, and when none comes, its run
+        has ended too. With no global at all, a fresh node waits as long for the master's
+        first one (None: it trains from its own weights); a ``resumed`` node goes on from its
+        checkpointed round at once.
+        """
+        try:
+            candidate = self.fetch((-1, ""))
+        except Exception as exc:
+            self.raise_if_permanent(exc, "cannot read from the exchange")
+            _LOG.warning(f"initial global read failed; will retry: {exc}")
+            candidate = None
+        timeout = self.settings.round_timeout
+        if candidate is not None and candidate.final:
+            old = f"outer step {candidate.outer_step}, run {candidate.run_id or '?'}"
+            if run_id and candidate.run_id == run_id:
+                return None, (
+                    f"this node's run already ended: the exchange holds its final global "
+                    f"({old}); nothing left to contribute"
+                )
+            _LOG.info(
+                f"the exchange holds the final global of a finished run ({old}); not training "
+                f"from it: waiting up to {timeout:.0f} s (distributed.round_timeout) for the "
+                "first global of a new run"
+            )
+            candidate, waited = self._wait_for_global((candidate.outer_step, candidate.run_id))
+            if candidate is None and not self.interrupted.is_set():
+                return None, (
+                    f"the run on the exchange already ended (final global: {old}) and no "
+                    f"new run started within {waited:.1f} s of waiting; nothing to join"
+                )
+        elif candidate is None and not resumed:
+            _LOG.info(
+                f"waiting up to {timeout:.0f} s (distributed.round_timeout) for the master's "
+                "first global state"
+            )
+            candidate, waited = self._wait_for_global((-1, ""))
+            if candidate is None and not self.interrupted.is_set():
+                _LOG.warning(
+                    f"no global state was published within {waited:.1f} s of waiting; "
+                    "training from local weights (the first global is merged when it arrives)"
+                )
+        return candidate, ""
+
+    def _wait_for_global(self, seen: tuple[int, str]) -> tuple[GlobalCandidate | None, float]:
+        """Poll (at most ``round_timeout``, interruptible) for a published global other than
+        ``seen`` that is not final; returns it (None: none came) and the seconds waited."""
+        started = time.monotonic()
+        deadline = started + self.settings.round_timeout
+        while not self.interrupted.is_set() and time.monotonic() < deadline:
+            self.beat = time.monotonic()
+            pause = min(self.settings.poll_interval, 1.0, max(deadline - time.monotonic(), 0))
+            time.sleep(pause)
+            try:
+                candidate = self.fetch(seen)
+            except Exception as exc:
+                self.raise_if_permanent(exc, "cannot read from the exchange")
+                candidate = None
+            if candidate is not None and candidate.final:
+                seen, candidate = (candidate.outer_step, candidate.run_id), None
+            if candidate is not None:
+                return candidate, time.monotonic() - started
+        return None, time.monotonic() - started
+
+
+# -- identity --------------------------------------------------------------------------
+_NODE_ENV = ("SPEEDTRONIC_NODE_ID", "HOSTNAME", "HF_USERNAME", "USER")
+
+
+def resolve_node_id(configured: str | None, environ: Mapping[str, str]) -> str:
+    """``node_id`` -> SPEEDTRONIC_NODE_ID -> HOSTNAME -> HF_USERNAME -> USER -> ``local``.
+
+    The result must pass the config layer's one node-id rule (letters, digits, ``._@+-``, at
+    most 128 characters), else ``ConfigError``.
+    """
+    candidates = [configured, *(environ.get(name) for name in _NODE_ENV), "local"]
+    value = next(str(c).strip() for c in candidates if c is not None and str(c).strip())
+    return check_node_id(value)
+
+
+class NodeIdCollisionError(ConfigError):
+    """Another live node already uses this node's id, found when the node claims it at
+    startup (before it trains or writes anything) or, for the later of two nodes, when the
+    earlier one writes again: a configuration error, exit code 2. ``detail`` says how it
+    was found."""
+
+    def __init__(self, node_id: str, detail: str = "") -> None:
+        found = f" ({detail})" if detail else ""
+        super().__init__(
+            f"distributed.node_id: another live node already uses node id {node_id!r}{found}; "
+            "give each worker a unique id (SPEEDTRONIC_NODE_ID, distributed.node_id, or a "
+            "unique hostname)"
+        )
+        self.node_id = node_id
+
+
+class ExchangeAccessError(ConfigError):
+    """The exchange refused this node's credentials (HTTP 401/403, or 404 for its own
+    repository): exit code 2. The message names the repository; the entrypoint, which knows
+    where the token came from, adds that (:meth:`with_token_source`). Never the token."""
+
+    def __init__(self, message: str, *, repo_id: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.repo_id, self.status = repo_id, status
+
+    def with_token_source(self, source: str | None) -> ExchangeAccessError:
+        """The same error, naming where ``distributed.token`` came from (``env:HF_TOKEN``,
+        ``secret:hf_token``, ``file``, ``cli``; None: no token was configured)."""
+        where = source or "nowhere: no token is set (distributed.token, HF_TOKEN, hf_token secret)"
+        return ExchangeAccessError(
+            f"{self}; the token came from {where}", repo_id=self.repo_id, status=self.status
+        )
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+class NodeClaim:
+    """This process's claim on ``node_id`` in the repository."""
+
+    def __init__(self, node_id: str, role: str, state_dir: Path, host: str | None = None):
+        self.node_id, self.role = node_id, role
+        self.instance = self._instance_token(state_dir / "identity.json")
+        self.host = host or socket.gethostname()
+        self.claimed = False
+        self.reported: set[str] = set()
+
+    @staticmethod
+    def _instance_token(path: Path) -> str:
+        try:
+            return str(json.loads(path.read_text(encoding="utf-8"))["instance"])
+        except (OSError, ValueError, KeyError, TypeError):
+            token = secrets.token_hex(8)
+            with contextlib.suppress(OSError):
+                path.write_text(json.dumps({"instance": token}) + "\n", encoding="utf-8")
+            return token
+
+    def record(self, **status: Any) -> dict[str, Any]:
+        """The claim written to ``nodes/<id>/owner.json``, with the node's round status
+        (``state``: ``training``, ``done`` or ``aggregator``; ``final_round`` when done)."""
+        return {
+            "node_id": self.node_id,
+            "instance": self.instance,
+            "role": self.role,
+            "host": self.host,
+            "pid": os.getpid(),
+            **status,  # no timestamp: an unchanged record keeps its blob id (the master skips it)
+        }
+
+    def check(self, owner: Mapping[str, Any] | None) -> str | None:
+        """The instance token of a live colliding node (reported once), else None."""
+        other = owner.get("instance") if owner else None
+        if not other or other == self.instance or other in self.reported:
+            return None
+        if self.claimed:
+            live = True  # somebody overwrote our claim after we made it
+        else:  # before our first claim: only a running process on this host is provably live
+            pid = owner.get("pid")
+            live = (
+                owner.get("host") == self.host
+                and isinstance(pid, int)
+                and pid != os.getpid()
+                and _pid_alive(pid)
+            )
+        if live:
+            self.reported.add(str(other))
+            return str(other)
+        return None
+
+    def held_elsewhere(self, owner: Mapping[str, Any] | None) -> bool:
+        """Whether ``owner`` is another instance's record, written on another host by a node
+        that has not finished: it may be live, and only its files can tell (a live node
+        writes at every round), see :meth:`~speedtronic.diloco.link.NodeLink.claim_id`."""
+        other = owner.get("instance") if owner else None
+        if not other or other == self.instance or owner.get("host") == self.host:
+            return False
+        return owner.get("state") in ("training", "aggregator")

@@ -24,10 +24,9 @@ from typing import Any
 
 import torch
 
-from speedtronic.diloco.outer_state import RoundState
-from speedtronic.diloco.reconcile import META
+from speedtronic.diloco.exchange import GlobalMetadata
+from speedtronic.diloco.master import META, RoundState
 from speedtronic.diloco.retry import TransportError
-from speedtronic.diloco.transport import GlobalMetadata
 
 __all__ = ["Upstream"]
 

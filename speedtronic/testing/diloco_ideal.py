@@ -4,7 +4,7 @@
 node (same config, same model init, same per-node data stream, same inner optimizer and LR
 schedule, kept across rounds), then repeats: every node trains ``inner_steps`` steps; the
 pseudo-gradients ``global - local`` (float32) are summed in node-id order and divided by K;
-one outer step (:class:`~speedtronic.diloco.outer.NesterovOuterOptimizer`, the master's own
+one outer step (:class:`~speedtronic.diloco.master.NesterovOuterOptimizer`, the master's own
 class) updates the global; every node continues from it. No files, threads or timing.
 
 With ``sync: blocking`` and every node delivering in every round, the real processes compute
@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from speedtronic.diloco import tensors as T
-from speedtronic.diloco.outer import NesterovOuterOptimizer
+from speedtronic.diloco import exchange as T
+from speedtronic.diloco.master import NesterovOuterOptimizer
 
 __all__ = ["IdealResult", "simulate"]
 

@@ -114,7 +114,7 @@ def _from_path(path: Path) -> Weights:
 
 
 def _from_global(config: SpeedtronicConfig) -> Weights:
-    from speedtronic.diloco.exchange import build_transport
+    from speedtronic.diloco.coordinator import build_transport
 
     if not config.distributed.repo_id:
         raise CheckpointError("--global needs distributed.repo_id (the DiLoCo exchange)")

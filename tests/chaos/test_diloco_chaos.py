@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hub_emulator_fixtures import TEST_TOKEN, fast_retry
 from process_support import free_port, jsonl_events, reap, wait_for
 
-from speedtronic.diloco import tensors as T
+from speedtronic.diloco import exchange as T
 from speedtronic.diloco.hub import HubClient
 from speedtronic.testing.hub_server import FaultConfig, HubEmulator
 

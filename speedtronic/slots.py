@@ -48,7 +48,7 @@ from speedtronic.checkpoint import atomic_json_dump
 
 __all__ = ["DEFAULT_LEASE_SECONDS", "Lease", "SlotClaim", "boot_id", "claim_slot"]
 
-_LOG = logging.getLogger("speedtronic.diloco.slots")
+_LOG = logging.getLogger("speedtronic.slots")
 
 #: Seconds without renewal after which a lease written on another host counts as dead.
 DEFAULT_LEASE_SECONDS = 30.0
