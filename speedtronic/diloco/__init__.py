@@ -1,21 +1,23 @@
 """DumbDiLoCo: local inner steps, then one contribution per node per round, exchanged through
 a Hub repository or a shared volume (``file:///abs/path``).
 
-Modules: :mod:`.node` (a node's round, hooked on the inner optimizer) with :mod:`.mailbox`
-(its inbox of globals and its uploader), :mod:`.master` (the master's round) with
-:mod:`.roster` (the nodes it waits for), :mod:`.reconcile` (its agreement with the
-published state) and :mod:`.outer_state` (its local state and write-ahead round record),
-:mod:`.relay` (a group leader's
-link to the top level), :mod:`.link` (what a node reads from and writes to the exchange: its
-identity claim, uploads, globals), :mod:`.coordinator` (assembles them for the trainer),
-:mod:`.outer`
-(Nesterov outer optimizer), :mod:`.tensors` (format, pseudo-gradient), :mod:`.transport`
-(repository layout), :mod:`.directory` (shared volume) and :mod:`.hub` (Hugging Face Hub)
-below :mod:`.exchange` (picks one for a repo id), :mod:`.retry` (errors, retry policy),
-:mod:`.identity` (node ids and claims). The same arithmetic run exactly in one process, the
-peer the protocol is measured against, is :mod:`speedtronic.testing.diloco_ideal`.
-Reporting: log lines go to the ``speedtronic.diloco`` logger, events to one
-``emit(event, **fields)`` (:class:`.mailbox.Emit`). See docs/diloco.md.
+One module a role:
+
+- :mod:`.node`: a node's round, hooked on the inner optimizer, with its inbox of globals, its
+  uploader, its link to the exchange and its identity;
+- :mod:`.master`: the master's round (one class), with the nodes it waits for, its agreement
+  with the published state, its round state and local file, and the outer step;
+- :mod:`.relay`: a group leader's link to the top-level exchange;
+- :mod:`.exchange`: the layout, wire format and validation, the ``Store`` protocol, and the
+  one reporting channel (log lines to the ``speedtronic.diloco`` logger, events to one
+  ``emit(event, **fields)``, :class:`.exchange.Emit`);
+- :mod:`.directory` and :mod:`.hub`: the stores (shared volume, Hugging Face Hub), with
+  :mod:`.retry` (errors and the one retry policy) and :mod:`.hub_http` (the Hub's HTTP
+  deadlines);
+- :mod:`.coordinator`: the wiring, from the ``distributed`` config section to the trainer.
+
+The same arithmetic run exactly in one process, the peer the protocol is measured against,
+is :mod:`speedtronic.testing.diloco_ideal`. See docs/diloco.md.
 """
 
 from __future__ import annotations

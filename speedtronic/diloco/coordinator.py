@@ -1,12 +1,12 @@
-"""DumbDiLoCo coordinator: assembles a node's round, the master's round and the transport.
+"""The wiring: builds a node's round, the master's round and the store from the config.
 
 The trainer sees one object (its ``SyncCoordinator``): it attaches it to the inner optimizer
 and calls ``start`` / ``finish`` (the run reached its target) / ``stop``. What happens in a
-round lives in two modules: :mod:`.node` (the node side, hooked on ``optimizer.step``) and
-:mod:`.master` (the master's round, on its own thread); what a node reads from and writes to
-the exchange (its identity claim, uploads, globals, the first global) in :mod:`.link`. This
-module builds them from the ``distributed`` config section and owns the order of startup,
-the end of the run, the final directory and the checkpointed state.
+round lives in two modules: :mod:`.node` (the node side, hooked on ``optimizer.step``, with
+its link to the exchange) and :mod:`.master` (the master's round, on its own thread). This
+module builds them and the store (:func:`build_transport`) from the ``distributed`` config
+section and owns the order of startup, the end of the run, the final directory
+(:func:`write_final`) and the checkpointed state.
 
 Reporting: every DiLoCo class logs to the ``speedtronic.diloco`` logger and reports events
 through one ``emit(event, **fields)``, which the coordinator builds from its ``logger`` (the

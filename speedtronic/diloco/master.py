@@ -22,8 +22,8 @@ contributors (less the nodes that finished their run). Closing::
     state = new; persist; report; hand the global to the local node; evaluate
 
 A failed publish leaves ``state`` as it was (nothing to roll back; a group leader whose
-mean already went up keeps ``new`` instead, :mod:`speedtronic.diloco.relay`) and makes the next poll
-agree with the exchange again (:mod:`speedtronic.diloco.reconcile`), since it may have landed:
+mean already went up keeps ``new`` instead, :mod:`.relay`) and makes the next poll agree
+with the exchange again (:func:`reconcile`), since it may have landed:
 the published ledger's record carries which nodes finished and as which instance, so the
 adopted state knows them too; a master that finds its own run's global already final (a lost
 reply to the last publish, a restart after it) finishes at once.
@@ -31,12 +31,17 @@ Every file is checked before it is used: its header names its node, round, run, 
 base (any missing: refused and counted corrupt), it matches the model, it is finite, it is not
 the node's last contribution again, and a ``weight`` other than 1 comes only from a node
 listed in ``distributed.relay_leaders``. The run ends when no node is left to wait for and
-the nodes finished by what the master aggregated (:mod:`speedtronic.diloco.roster`): then the
+the nodes finished by what the master aggregated (:class:`Roster`): then the
 master publishes the final global and calls ``on_final``.
 
 A failure the master cannot retry its way out of (an unusable global and no local state to
 republish) is stored in :attr:`RoundMaster.fatal` and ends its thread; the coordinator raises
 it. Transient failures are retried at every poll and logged once, then every 30 s.
+
+Below the round, in the order it uses them: :class:`Roster` (who the round waits for),
+:func:`reconcile` (agreeing with the published state), :class:`RoundState` and
+:class:`OuterStateStore` (all that a round changes, and its local file with the write-ahead
+record) and :class:`NesterovOuterOptimizer` (the outer step).
 """
 
 from __future__ import annotations
@@ -191,7 +196,7 @@ class RoundMaster:
 
     @property
     def nodes(self) -> dict[str, NodeView]:
-        """The nodes of this exchange, by id (see :class:`~speedtronic.diloco.roster.Roster`)."""
+        """The nodes of this exchange, by id (see :class:`Roster`)."""
         return self.roster.nodes
 
     def _new_run(self) -> RoundState:
@@ -219,7 +224,7 @@ class RoundMaster:
             _LOG.warning(f"could not persist local outer state: {exc}")
 
     def reconcile(self) -> None:
-        """Agree with the exchange once (:mod:`speedtronic.diloco.reconcile`; a group leader
+        """Agree with the exchange once (:func:`reconcile`; a group leader
         takes the top-level global, :meth:`Upstream.agree`). A failed read raises
         ``TransportError`` (retried); an unusable global with no local state to republish
         raises ``ExchangeError``."""
@@ -437,7 +442,7 @@ class RoundMaster:
             **self._tally(),
         }
         # written ahead: a kill after the exchange applied the publish and before the round
-        # is reported below leaves this record, reported at the restart (outer_state.py)
+        # is reported below leaves this record, reported at the restart (OuterStateStore)
         self.outer_files.write_pending(new.outer_step, new.run_id, report)
         try:
             self.store.publish_global(
@@ -693,8 +698,16 @@ class NodeView:
 
 
 class Roster:
-    """The nodes of one exchange, read from their status records (``read_owner`` of the
-    transport); ``emit`` reports joins, drops and rejoins."""
+    """Who the round waits for: one :class:`NodeView` per node of the exchange, from its
+    status record (``nodes/<id>/owner.json``: instance, ``state`` training | done |
+    aggregator, ``final_round`` when done; ``read_owner`` of the store), rebuilt from the
+    exchange after a restart. A record is read again only when the listing shows a new version
+    of it, so a poll costs one listing however many nodes there are. ``emit`` reports joins,
+    drops and rejoins.
+
+    A status record is a claim, never proof (anyone who can write to the exchange can write
+    one): a node finished its run only by what the master aggregated, see :meth:`finished`.
+    """
 
     def __init__(
         self,
@@ -865,7 +878,22 @@ def reconcile(
     fresh: bool,
     new_run: Callable[[], RoundState],
 ) -> RoundState:
-    """Agree with the exchange ``store`` (see the module docstring); returns the state to hold.
+    """Agree with the exchange ``store``, at start and after a failed publish; returns the
+    state to hold from now on (the exchange holds it when this returns; ``held`` is never
+    changed). The cases, in order:
+
+    - a ``fresh`` master (training from step 0) over the final global of a finished run: a new
+      run from the initial weights, the old run's contributions and done records pruned;
+    - nothing published: bootstrap (publish the held global, with a new run id when none);
+    - a newer published global, or no trusted local state: adopt it (finite as the model's
+      dtypes); an unusable one (corrupt, non-finite, too large) is overwritten with the local
+      state, or is an :class:`ExchangeError` (exit 2) when there is none: never a loop;
+    - a ledger ahead of the weights' record (a publish torn between its files): the weights'
+      own header says which step they hold, and the held global is published again;
+    - the published ledger is merged into the held one (a lost disk never aggregates a
+      contribution twice), and with an adopted global the node records beside it (who
+      finished, as which instance: a lost reply or a restart never waits for nodes that are
+      done).
 
     ``trusted``: ``held`` was read from (or saved to) the master's own valid local state and
     may be republished; ``fresh``: the master starts training from step 0; ``new_run()``: the
@@ -1081,7 +1109,17 @@ class RoundState:
 
 
 class OuterStateStore:
-    """Reads and writes one master's files under ``state_dir``."""
+    """One master's files under ``state_dir``.
+
+    ``outer_state.safetensors`` is one atomic file: tensors ``global/<key>`` and
+    ``momentum/<key>``; its header the outer step, run id, ledger, digests, the nodes'
+    instances and final rounds and the average round length (a kill leaves the old or the new
+    state). ``pending_round.json`` is the write-ahead record of a round being published: what
+    the master will report once the publish landed. A master killed between the exchange
+    applying the publish and the report finds it at its restart and reports the round then,
+    if the published global is that round's; a record of a publish that did not land is
+    dropped (its contributions are still on the exchange, and the round closes again).
+    """
 
     def __init__(self, state_dir: str | os.PathLike):
         self.state_dir = Path(state_dir)
@@ -1201,8 +1239,15 @@ def nesterov_update(
 
 
 class NesterovOuterOptimizer:
-    """The outer step: ``torch.optim.SGD`` (Nesterov when ``momentum > 0``) over the floating
-    tensors of a state dict, with float32 CPU momentum buffers kept by tensor name.
+    """The outer step of DiLoCo (Douillard et al. 2023, Algorithm 1): ``torch.optim.SGD``
+    (Nesterov when ``momentum > 0``) with the round's mean pseudo-gradient as ``.grad``::
+
+        buf    = momentum * buf + mean
+        global = global - lr * (mean + momentum * buf)     (plain SGD when momentum == 0)
+
+    The global's floating tensors are float32 CPU parameters; the momentum buffers are kept by
+    tensor name (a saved outer state loads into any process). :func:`nesterov_update` is the
+    same rule written out for one tensor (the golden this is tested against; 2.0.0 API).
 
     ``lr`` is the outer learning rate (DiLoCo's 0.7), ``momentum`` its Nesterov momentum (0.9;
     0 is plain SGD). ``step(state, delta)`` updates ``state`` in place.

@@ -662,7 +662,18 @@ class Uploader:
 
 # -- the node's link to the exchange ---------------------------------------------------
 class NodeLink:
-    """What one node reads from and writes to the exchange ``store``.
+    """What one node reads from and writes to the exchange ``store``: its claim on its id,
+    its uploads (:meth:`send`, the uploader's), the globals (:meth:`fetch`, the inbox's) and
+    the wait for a run's first global.
+
+    Identity: the claim is written before the node writes anything else; another live node
+    holding the id is a :class:`NodeIdCollisionError` (exit 2). A record of another host's
+    unfinished node is watched for ``drop_after`` x ``round_timeout`` (as long as the master
+    waits for a silent node) before the id is taken over; every upload reads the record back
+    first, and a node that took an id over stops before its first upload when the holder's
+    round files changed since the watch. Errors no retry fixes (auth refused, an unusable
+    path) are an :class:`ExchangeAccessError` or ``ExchangeError`` (exit 2) naming the
+    repository, never the token.
 
     ``settings`` is the ``distributed`` config section (``repo_id``, ``token``,
     ``round_timeout``, ``poll_interval``, ``delta_dtype``); ``claim`` this process's claim on
@@ -1031,7 +1042,13 @@ def _pid_alive(pid: int) -> bool:
 
 
 class NodeClaim:
-    """This process's claim on ``node_id`` in the repository."""
+    """This process's claim on ``node_id``: the ``nodes/<id>/owner.json`` record, written at
+    startup and again with every upload (same commit), with the node's round status
+    (``training``, ``done``) that the master reads. A different instance token there means
+    another *live* process wrote it after us: a collision. A claim left by a dead incarnation
+    is taken over: on this host when its pid is gone; from another host when its files did
+    not change while this node watched them (:meth:`held_elsewhere`). The instance token is
+    kept in ``<state_dir>/identity.json``, so a restart keeps it."""
 
     def __init__(self, node_id: str, role: str, state_dir: Path, host: str | None = None):
         self.node_id, self.role = node_id, role
@@ -1085,7 +1102,7 @@ class NodeClaim:
     def held_elsewhere(self, owner: Mapping[str, Any] | None) -> bool:
         """Whether ``owner`` is another instance's record, written on another host by a node
         that has not finished: it may be live, and only its files can tell (a live node
-        writes at every round), see :meth:`~speedtronic.diloco.link.NodeLink.claim_id`."""
+        writes at every round), see :meth:`NodeLink.claim_id`."""
         other = owner.get("instance") if owner else None
         if not other or other == self.instance or owner.get("host") == self.host:
             return False
