@@ -49,6 +49,7 @@ __all__ = [
     "atomic_json_dump",
     "atomic_torch_save",
     "atomic_write_bytes",
+    "atomic_write_with",
     "capture_rng_state",
     "read_step",
     "restore_rng_state",
@@ -117,6 +118,11 @@ def _atomic_write(path: Path, write: Callable[[Any], None]) -> Path:
 def atomic_torch_save(state: Any, path: str | os.PathLike) -> Path:
     """``torch.save(state)`` to ``path`` atomically (temp file, fsync, rename, dir fsync)."""
     return _atomic_write(Path(path), lambda handle: torch.save(state, handle))
+
+
+def atomic_write_with(write: Callable[[Any], Any], path: str | os.PathLike) -> Path:
+    """Write ``path`` atomically through ``write(binary_file)`` (a writer that streams)."""
+    return _atomic_write(Path(path), write)
 
 
 def atomic_write_bytes(data: bytes, path: str | os.PathLike) -> Path:

@@ -327,19 +327,52 @@ def test_corrupt_delta_is_counted_once_and_pruned(tmp_path, caplog):
     assert log.of("outer_step")[-1]["deltas_corrupt"] == 0
 
 
-def test_publish_failure_rolls_back_and_retries(tmp_path):
-    master, t, _ = make_master(tmp_path)
+def _failing_publish(t):
+    original = t.publish_global
+    t.publish_global = lambda *a, **k: (_ for _ in ()).throw(TransportError("hub down"))
+    return original
+
+
+def test_a_failed_publish_keeps_the_closed_round_and_publishes_it_again(tmp_path):
+    """The master steps its one copy of the global in place (issue 22: memory that is the
+    model's), so a failed publish keeps the closed round instead of rolling it back: its
+    local state holds it, and the next poll publishes it; the contribution counts once."""
+    master, t, log = make_master(tmp_path)
     join(t, "a")
     master.poll_once()
     deliver(t, "a", 0, [1.0, 2.0])
-    original = t.publish_global
-    t.publish_global = lambda *a, **k: (_ for _ in ()).throw(TransportError("hub down"))
+    original = _failing_publish(t)
+    with pytest.raises(TransportError):
+        master.poll_once()
+    assert published(t) == [0.0, 0.0] and t.global_metadata().outer_step == 0
+    assert master.outer_step == 1 and master.ledger == {"a": 0}
+    t.publish_global = original
+    master.poll_once()
+    assert published(t) == [-1.0, -2.0] and t.global_metadata().outer_step == 1
+    assert t.read_ledger() == {"a": 0} and t.scan().deltas == {}  # consumed and pruned
+    rounds = log.of("outer_step")
+    assert [r["outer_step"] for r in rounds] == [1] and rounds[0]["deltas_included"] == 1
+    deliver(t, "a", 1, [1.0, 1.0])
+    assert master.poll_once() is True and published(t) == [-2.0, -3.0]
+
+
+def test_a_failed_publish_without_local_state_takes_the_exchange_global_again(tmp_path):
+    """With no local state to trust (it cannot be written), the master agrees with the
+    exchange after a failed publish: it takes the published global back and closes the round
+    anew from the files still there."""
+    master, t, _ = make_master(tmp_path)
+    join(t, "a")
+    master.poll_once()
+    master.outer_files.save = lambda state: (_ for _ in ()).throw(OSError("read-only"))
+    master.has_local_state = False
+    deliver(t, "a", 0, [1.0, 2.0])
+    original = _failing_publish(t)
     with pytest.raises(TransportError):
         master.poll_once()
     assert master.outer_step == 0 and master.ledger == {}
-    assert master.global_state["w"].tolist() == [0.0, 0.0]
     t.publish_global = original
     assert master.poll_once() is True and published(t) == [-1.0, -2.0]
+    assert master.outer_step == 1 and t.read_ledger() == {"a": 0}
 
 
 def test_unreadable_repository_never_bootstraps_over_it(tmp_path):

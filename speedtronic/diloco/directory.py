@@ -246,7 +246,7 @@ class DirectoryTransport(RepoTransport):
                 out[key] = FileInfo(info.st_size, version)
         return out
 
-    def _write(self, remote: str, data: bytes) -> None:
+    def _write(self, remote: str, data: bytes | Path) -> None:
         """Temp file in the target directory (created no-follow, exclusive), fsync, rename
         over the final name, fsync the directory."""
         parts = self._parts(remote)
@@ -255,7 +255,11 @@ class DirectoryTransport(RepoTransport):
             fd = os.open(temp, _WRITE_FLAGS, 0o666, dir_fd=parent)
             try:
                 with os.fdopen(fd, "wb") as handle:
-                    handle.write(data)
+                    if isinstance(data, Path):  # a staged file, copied in chunks
+                        with open(data, "rb") as source:
+                            shutil.copyfileobj(source, handle, _CHUNK)
+                    else:
+                        handle.write(data)
                     handle.flush()
                     os.fsync(handle.fileno())
                 os.replace(temp, parts[-1], src_dir_fd=parent, dst_dir_fd=parent)
@@ -274,7 +278,9 @@ class DirectoryTransport(RepoTransport):
         except (FileNotFoundError, NotADirectoryError):
             return
 
-    def _commit(self, additions: Mapping[str, bytes], deletions: list[str], message: str) -> None:
+    def _commit(
+        self, additions: Mapping[str, bytes | Path], deletions: list[str], message: str
+    ) -> None:
         with _writable(self.root):
             for remote, data in additions.items():
                 self._write(remote, data)

@@ -36,7 +36,7 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, BinaryIO, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -74,6 +74,7 @@ __all__ = [
     "RepoScan",
     "RepoTransport",
     "RetryPolicy",
+    "SafetensorsFile",
     "Store",
     "Transport",
     "TransportError",
@@ -94,6 +95,7 @@ __all__ = [
     "load_safetensors",
     "max_global_bytes",
     "open_delta",
+    "open_safetensors",
     "parse_delta_path",
     "read_metadata",
     "retry_policy_from_config",
@@ -103,6 +105,7 @@ __all__ = [
     "state_to_bytes",
     "too_large",
     "validate_delta",
+    "write_safetensors",
 ]
 
 _LOG = logging.getLogger("speedtronic.diloco")
@@ -239,6 +242,64 @@ def parse_delta_path(path: str) -> tuple[str, int] | None:
     if match is None:
         return None
     return parts[1], int(match.group(1))
+
+
+#: safetensors' names of the dtypes a state may hold.
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+_TORCH_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
+
+
+def write_safetensors(
+    handle: BinaryIO,
+    state: Mapping[str, torch.Tensor],
+    *,
+    metadata: Mapping[str, object] | None = None,
+    dtype: torch.dtype | None = None,
+) -> str:
+    """Write ``state`` in the safetensors format to the binary file ``handle``, one tensor at
+    a time (at most one tensor's converted copy in memory, never the whole file); floating
+    tensors are cast to ``dtype`` if given. Returns the sha256 of the bytes written."""
+    layout: list[tuple[str, torch.dtype]] = []
+    header: dict[str, Any] = {}
+    offset = 0
+    for key, value in state.items():
+        out = dtype if dtype is not None and value.is_floating_point() else value.dtype
+        size = value.numel() * torch.empty((), dtype=out).element_size()
+        header[str(key)] = {
+            "dtype": _SAFETENSORS_DTYPES[out],
+            "shape": list(value.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        layout.append((key, out))
+        offset += size
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    digest = hashlib.sha256()
+    for chunk in (len(raw).to_bytes(8, "little"), raw):
+        handle.write(chunk)
+        digest.update(chunk)
+    for key, out in layout:
+        tensor = state[key].detach().to("cpu", out).contiguous().reshape(-1)
+        if tensor.numel():
+            view = memoryview(tensor.view(torch.uint8).numpy())
+            handle.write(view)
+            digest.update(view)
+    return digest.hexdigest()
 
 
 def state_to_bytes(
@@ -446,17 +507,84 @@ class DeltaReader:
             total[key].add_(self._handle.get_tensor(key).to(torch.float32), alpha=scale)
 
 
+class SafetensorsFile:
+    """A safetensors file read one tensor at a time with plain reads: no memory map, so only
+    the tensor being read takes memory (a mapped file's pages would count as the process's
+    own while it is open). The header is checked when the file is opened (known dtypes, and
+    each tensor's byte range inside the file and as long as its shape and dtype say);
+    damage is a ``ValueError``. Offers ``metadata()``, ``keys()``, ``shape(key)`` and
+    ``get_tensor(key)``, as the handle of safetensors' ``safe_open`` does."""
+
+    def __init__(self, handle: BinaryIO):
+        size = os.fstat(handle.fileno()).st_size
+        length = int.from_bytes(handle.read(8), "little")
+        if size < 8 or length <= 0 or 8 + length > size:
+            raise ValueError("not a safetensors file (bad header length)")
+        header = _header(length.to_bytes(8, "little") + handle.read(length))
+        self._metadata = {
+            str(k): str(v) for k, v in (header.pop("__metadata__", None) or {}).items()
+        }
+        self._handle, self._start = handle, 8 + length
+        self._entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+        for key, info in header.items():
+            try:
+                dtype = _TORCH_DTYPES[info["dtype"]]
+                shape = tuple(int(n) for n in info["shape"])
+                begin, end = (int(n) for n in info["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise ValueError(f"not a safetensors file (bad entry for {key!r})") from None
+            count = 1
+            for n in shape:
+                count *= n
+            width = torch.empty((), dtype=dtype).element_size()
+            if min(shape, default=0) < 0 or not 0 <= begin <= end <= size - self._start:
+                raise ValueError(f"not a safetensors file ({key!r} lies outside the file)")
+            if end - begin != count * width:
+                raise ValueError(f"not a safetensors file ({key!r} has the wrong length)")
+            self._entries[str(key)] = (dtype, shape, begin, end)
+
+    def metadata(self) -> dict[str, str]:
+        """The header's string metadata (``{}`` when absent)."""
+        return dict(self._metadata)
+
+    def keys(self) -> list[str]:
+        """The tensor names, in the header's order."""
+        return list(self._entries)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The shape of tensor ``key`` (read from the header only)."""
+        return self._entries[key][1]
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        """Tensor ``key``, read from the file into a new CPU tensor."""
+        dtype, shape, begin, end = self._entries[key]
+        raw = torch.empty(end - begin, dtype=torch.uint8)
+        self._handle.seek(self._start + begin)
+        if end > begin and self._handle.readinto(memoryview(raw.numpy())) != end - begin:
+            raise ValueError(f"{key} is truncated")
+        return raw.view(dtype).reshape(shape)
+
+
+@contextlib.contextmanager
+def open_safetensors(path: str | os.PathLike) -> Iterator[SafetensorsFile]:
+    """A local safetensors file opened for :class:`SafetensorsFile`; damage is a
+    ``ValueError``."""
+    with open(path, "rb") as handle:
+        yield SafetensorsFile(handle)
+
+
 @contextlib.contextmanager
 def open_delta(path: str | os.PathLike) -> Iterator[DeltaReader]:
     """Open a local delta file for :class:`DeltaReader`; an unreadable file is a ValueError."""
-    from safetensors import safe_open
-
     try:
-        handle = safe_open(os.fspath(path), framework="pt", device="cpu")
-    except Exception as exc:  # safetensors raises its own SafetensorError
+        opened = open_safetensors(path)
+        reader = DeltaReader(opened.__enter__())
+    except ValueError as exc:
         raise ValueError(f"not a safetensors delta: {exc}") from None
-    with handle as opened:
-        yield DeltaReader(opened)
+    try:
+        yield reader
+    finally:
+        opened.__exit__(None, None, None)
 
 
 def max_global_bytes(like: Mapping[str, torch.Tensor]) -> int:
@@ -599,10 +727,14 @@ class Store(Protocol):
         ...
 
     def commit(
-        self, additions: Mapping[str, bytes], deletions: Iterable[str] = (), message: str = "update"
+        self,
+        additions: Mapping[str, bytes | Path],
+        deletions: Iterable[str] = (),
+        message: str = "update",
     ) -> None:
-        """Apply additions (in order) and deletions as one unit: one Hub commit, or temp
-        file + rename per file on a volume, so no reader sees half a file."""
+        """Apply additions (in order; bytes, or a local file streamed from disk) and deletions
+        as one unit: one Hub commit, or temp file + rename per file on a volume, so no
+        reader sees half a file."""
         ...
 
     def global_metadata(self) -> GlobalMetadata | None:
@@ -766,6 +898,7 @@ class RepoTransport:
         self.repo_id = repo_id
         self.retry = retry or RetryPolicy()
         self.commits = 0  # commits issued by this process (Hub budget accounting)
+        self.staging_dir: Path | None = None  # where uploads are staged (None: the temp dir)
         self.last_upload_bytes = 0  # size of the last delta file this process uploaded
 
     # -- primitives (subclasses) ---------------------------------------------------------
@@ -781,7 +914,9 @@ class RepoTransport:
     def _read(self, path: str, max_bytes: int | None = None) -> bytes:
         raise NotImplementedError
 
-    def _commit(self, additions: Mapping[str, bytes], deletions: list[str], message: str) -> None:
+    def _commit(
+        self, additions: Mapping[str, bytes | Path], deletions: list[str], message: str
+    ) -> None:
         raise NotImplementedError
 
     def _scoped(self, fn: Callable[..., R], *args: Any) -> R:
@@ -835,9 +970,13 @@ class RepoTransport:
             return None
 
     def commit(
-        self, additions: Mapping[str, bytes], deletions: Iterable[str] = (), message: str = "update"
+        self,
+        additions: Mapping[str, bytes | Path],
+        deletions: Iterable[str] = (),
+        message: str = "update",
     ) -> None:
-        """Apply additions and deletions as one unit (one Hub commit)."""
+        """Apply additions (bytes, or a local file read as it is sent) and deletions as one
+        unit (one Hub commit)."""
         adds = dict(additions)
         dels = [p for p in dict.fromkeys(deletions) if p not in adds]
         if not adds and not dels:
@@ -994,15 +1133,35 @@ class RepoTransport:
         unused (the bytes go straight to the transport)."""
         del work_dir
         header = {"outer_step": int(outer_step), "run_id": str(run_id), "final": bool(final)}
-        weights = state_to_bytes(state, metadata=header)
-        meta = GlobalMetadata(
-            int(outer_step),
-            updated_at or _now(),
-            GLOBAL_MODEL,
-            hashlib.sha256(weights).hexdigest(),
-            bool(final),
-            str(run_id),
-        )
+        with self._staged("latest.safetensors") as (weights, handle):
+            sha256 = write_safetensors(handle, state, metadata=header)
+            handle.close()
+            stamp = updated_at or _now()
+            meta = GlobalMetadata(
+                int(outer_step), stamp, GLOBAL_MODEL, sha256, bool(final), str(run_id)
+            )
+            self._publish(meta, weights, ledger, prune, metadata_extra, node_records)
+        return meta
+
+    @contextlib.contextmanager
+    def _staged(self, name: str) -> Iterator[tuple[Path, BinaryIO]]:
+        """A local file to write an upload into (under :attr:`staging_dir`), removed after."""
+        with tempfile.TemporaryDirectory(prefix="speedtronic-stage-", dir=self.staging_dir) as tmp:
+            path = Path(tmp) / name
+            with open(path, "wb") as handle:
+                yield path, handle
+
+    def _publish(
+        self,
+        meta: GlobalMetadata,
+        weights: Path,
+        ledger: Mapping[str, int] | None,
+        prune: Iterable[str],
+        metadata_extra: Mapping[str, object] | None,
+        node_records: Mapping[str, Mapping[str, object]] | None,
+    ) -> None:
+        """The commit of :meth:`publish_global`: weights (a staged file), ledger, record."""
+        outer_step = meta.outer_step
         record = {**{str(k): str(v) for k, v in (metadata_extra or {}).items()}, **meta.to_dict()}
         record["processed_file"] = GLOBAL_PROCESSED
         book: dict[str, Any] = {
@@ -1018,7 +1177,6 @@ class RepoTransport:
             GLOBAL_STEP: _json_bytes(record),
         }
         self.commit(additions, list(prune), message=f"outer step {int(outer_step)}")
-        return meta
 
     def upload_delta(
         self,

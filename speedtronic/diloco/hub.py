@@ -121,6 +121,7 @@ class HubClient(RepoTransport):
             Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / "speedtronic-hub"
         )
         self.cache_dir.mkdir(parents=True, exist_ok=True)
+        self.staging_dir = self.cache_dir  # uploads are staged beside the downloads
         self._api = api
         self._pointers: dict[str, tuple[str, bytes]] = {}  # path -> (etag, content)
         self.missing_repo_wait = float(missing_repo_wait)
@@ -261,11 +262,16 @@ class HubClient(RepoTransport):
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def _commit(self, additions: Mapping[str, bytes], deletions: list[str], message: str) -> None:
+    def _commit(
+        self, additions: Mapping[str, bytes | Path], deletions: list[str], message: str
+    ) -> None:
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
-        operations: list[Any] = [
-            CommitOperationAdd(path_in_repo=path, path_or_fileobj=io.BytesIO(data))
+        operations: list[Any] = [  # a staged file is read from disk as it is sent
+            CommitOperationAdd(
+                path_in_repo=path,
+                path_or_fileobj=str(data) if isinstance(data, Path) else io.BytesIO(data),
+            )
             for path, data in additions.items()
         ]
         operations += [CommitOperationDelete(path_in_repo=path) for path in deletions]

@@ -14,19 +14,21 @@ It closes round ``R`` when every *active* node (joined, not finished, not silent
 seconds after the round's first contribution arrived; never with fewer than ``min_nodes``
 contributors (less the nodes that finished their run). Closing::
 
-    new   = state.copy()                          # RoundState: all that a round changes
     mean  = sum(w_n * mean(files of n)) / sum(w_n)  # each file read once, streamed, float32
-    new.ledger[n] = round of n's newest file      # exactly once
-    SGD(nesterov).step(new.global, grad=mean); new.outer_step += 1
-    write-ahead record; publish weights + ledger + prune in one commit
-    state = new; persist; report; hand the global to the local node; evaluate
+    new   = state's records, copied; new.ledger[n] = round of n's newest file   # exactly once
+    SGD(nesterov).step(global, grad=mean) in place (checked finite first); new.outer_step += 1
+    state = new; write-ahead record; publish weights + ledger + prune in one commit
+    persist; report; hand a copy of the global to the local node; evaluate
 
-A failed publish leaves ``state`` as it was (nothing to roll back; a group leader whose
-mean already went up keeps ``new`` instead, :mod:`.relay`) and makes the next poll agree
-with the exchange again (:func:`reconcile`), since it may have landed:
-the published ledger's record carries which nodes finished and as which instance, so the
-adopted state knows them too; a master that finds its own run's global already final (a lost
-reply to the last publish, a restart after it) finishes at once.
+Memory is the model's: the held global, the outer momentum and one float32 running sum; a
+delta is read one tensor at a time, and the global and the local state are written to disk
+one tensor at a time. The global steps in place, so a failed publish keeps the closed round
+(persisted; its ledger marks the consumed files): the next poll agrees with the exchange
+again (:func:`reconcile`) and publishes it, or finds that it landed. With no local state to
+trust, the master takes the exchange's global back instead and the round closes anew. The
+published ledger's record carries which nodes finished and as which instance, so an adopted
+state knows them too; a master that finds its own run's global already final (a lost reply
+to the last publish, a restart after it) finishes at once.
 Every file is checked before it is used: its header names its node, round, run, instance and
 base (any missing: refused and counted corrupt), it matches the model, it is finite, it is not
 the node's last contribution again, and a ``weight`` other than 1 comes only from a node
@@ -47,6 +49,8 @@ record) and :class:`NesterovOuterOptimizer` (the outer step).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import dataclasses
 import json
 import logging
@@ -54,7 +58,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -62,7 +66,7 @@ from typing import Any
 
 import torch
 
-from speedtronic.checkpoint import atomic_json_dump, atomic_write_bytes
+from speedtronic.checkpoint import atomic_json_dump, atomic_write_with
 from speedtronic.diloco import exchange as T
 from speedtronic.diloco.exchange import (
     GLOBAL_PROCESSED,
@@ -143,8 +147,11 @@ class RoundMaster:
     ):
         self.store = transport
         self.settings = settings
-        self._initial = T.cpu_state_dict(state)  # the global of a new run
-        self.state = self._new_run()  # the whole round state (RoundState)
+        s = settings  # the whole round state (RoundState), over this master's own copy
+        self.state = RoundState.new(T.cpu_state_dict(state), s.outer_lr, s.outer_momentum)
+        # the global of a new run: the held weights until the first round (no second copy);
+        # only the first agreement with the exchange may start a new run, then it is dropped
+        self._initial: dict[str, torch.Tensor] | None = self.state.global_state
         self.fresh = False  # set by a master that starts its training from step 0
         self.outer_files = OuterStateStore(state_dir)
         self.has_local_state = False  # a valid local outer state: it may be republished
@@ -200,8 +207,10 @@ class RoundMaster:
         return self.roster.nodes
 
     def _new_run(self) -> RoundState:
-        s = self.settings
-        return RoundState.new(T.cpu_state_dict(self._initial), s.outer_lr, s.outer_momentum)
+        s, initial = self.settings, self._initial
+        if initial is None:  # never: only the first agreement starts a new run
+            raise RuntimeError("a new run can only start when the master starts")
+        return RoundState.new(T.cpu_state_dict(initial), s.outer_lr, s.outer_momentum)
 
     # -- local persistence and the agreement with the exchange --------------------------------
     def _load_local_state(self) -> None:
@@ -229,7 +238,8 @@ class RoundMaster:
         ``TransportError`` (retried); an unusable global with no local state to republish
         raises ``ExchangeError``."""
         if self.upstream is not None:
-            state = self.upstream.agree(self.store, self.state, max_global_bytes(self._initial))
+            bound = max_global_bytes(self.global_state)
+            state = self.upstream.agree(self.store, self.state, bound)
         else:
             state = reconcile(
                 self.store,
@@ -244,6 +254,7 @@ class RoundMaster:
             self.state = state
         self.reconciled = True
         self.fresh = False  # a later reconcile (after a failed publish) is never a new run
+        self._initial = None  # so the initial weights are needed no more
         self._persist()
         report = self.outer_files.take_pending(self.outer_step, self.run_id)
         if report is not None:  # published by this master, never reported (killed, or lost reply)
@@ -251,9 +262,9 @@ class RoundMaster:
             self._emit("outer_step", **{**report, "recovered": True})
         if self._handed != self.outer_step:  # a re-reconcile after a failed publish may not move
             self._opened = self._clock()
-            self._hand_over(T.cpu_state_dict(self.global_state))
+            self._hand_over()
         if over and not self.finished.is_set():  # this run ended (a lost reply, a restart)
-            self._finalize(T.cpu_state_dict(self.global_state))
+            self._finalize(self.global_state)
 
     def _published_final(self, state: RoundState) -> bool:
         """The exchange holds ``state``'s global marked final: its run is over."""
@@ -265,10 +276,11 @@ class RoundMaster:
             and meta.outer_step == state.outer_step
         )
 
-    def _hand_over(self, state: dict[str, torch.Tensor]) -> None:
+    def _hand_over(self) -> None:
+        """Give the local node a copy of the new global (the held one steps in place)."""
         self._handed = self.outer_step
         if self.on_global is not None:
-            self.on_global(self.outer_step, state)
+            self.on_global(self.outer_step, T.cpu_state_dict(self.global_state))
 
     # -- one poll ---------------------------------------------------------------------------
     def _reset_tally(self) -> None:
@@ -368,7 +380,7 @@ class RoundMaster:
     @property
     def max_delta_bytes(self) -> int:
         """The largest delta file this model can produce (float32 values + a header)."""
-        values = sum(v.numel() for v in self._initial.values() if v.is_floating_point())
+        values = sum(v.numel() for v in self.global_state.values() if v.is_floating_point())
         return 4 * values + (1 << 20)
 
     def _refuse(self, path: str, why: str) -> None:
@@ -404,9 +416,9 @@ class RoundMaster:
         self, candidates: Mapping[str, Mapping[int, str]], reason: str, active: set[str]
     ) -> bool:
         started = time.perf_counter()
-        total = {
+        total = {  # the round's one float32 running sum
             k: torch.zeros(tuple(v.shape), dtype=torch.float32)
-            for k, v in self._initial.items()
+            for k, v in self.global_state.items()
             if v.is_floating_point()
         }
         fold = _Fold()
@@ -416,7 +428,7 @@ class RoundMaster:
             return False
         for value in total.values():
             value.div_(float(fold.weight))
-        new = self.state.copy()
+        old, new = self.state, self.state.copy(tensors=False)  # the weights step in place
         round = new.outer_step
         for node_id, newest in fold.marks.items():
             new.ledger[node_id] = max(new.ledger.get(node_id, -1), newest)
@@ -429,6 +441,7 @@ class RoundMaster:
             for path in fold.consumed:
                 self._refuse(path, "the outer step would make the global non-finite")
             return False
+        del total
         report = {
             "outer_step": new.outer_step,
             "round": round,
@@ -444,6 +457,8 @@ class RoundMaster:
         # written ahead: a kill after the exchange applied the publish and before the round
         # is reported below leaves this record, reported at the restart (OuterStateStore)
         self.outer_files.write_pending(new.outer_step, new.run_id, report)
+        with self._lock:
+            self.state = new
         try:
             self.store.publish_global(
                 new.global_state,
@@ -456,21 +471,28 @@ class RoundMaster:
                 node_records=new.node_records(),
             )
         except Exception:
-            if self.upstream is not None:  # the top level holds the group's mean already:
-                with self._lock:  # keep the round's ledger, so the members' files are never
-                    self.state = new  # sent up again; agreeing retries the group's publish
-                self._persist()
-            self.reconciled = False  # it may still have landed: agree with the exchange again
+            # It may still have landed: the next poll agrees with the exchange again. The
+            # closed round is kept (its ledger marks the consumed files, so nothing is counted
+            # twice; a group leader's mean is at the top level already) and published again
+            # from the local state; with no local state to trust, the exchange's global is
+            # taken again instead and the round closes anew from the files still there.
+            self._persist()
+            if self.has_local_state:
+                self._prune.update(fold.consumed)  # consumed: they go with the next commit
+                self._first_arrival = None
+            elif self.upstream is None:
+                with self._lock:
+                    self.state = old  # its weights are replaced when the global is adopted
+            self.reconciled = False
             raise
         opened, self._opened = self._opened, self._clock()
         self.last_progress = self._opened
         length = self._opened - opened
         average = new.round_seconds  # kept in the state: a restart drops nobody too soon
         new.round_seconds = length if not average else (0.7 * average + 0.3 * length)
-        with self._lock:
-            self.state = new
         self._prune.clear()
         self._persist()
+        _return_free_memory()
         self._first_arrival = None
         self._reset_tally()
         self._emit(
@@ -493,9 +515,9 @@ class RoundMaster:
             new.adopt(weights, meta.outer_step)
             new.run_id = meta.run_id
             return True
+        if new.optimizer.first_non_finite(new.global_state, mean) is not None:
+            return False  # checked on temporaries: nothing changed
         new.optimizer.step(new.global_state, mean)
-        if T.first_non_finite(new.global_state) is not None:
-            return False
         new.outer_step += 1
         return True
 
@@ -556,8 +578,8 @@ class RoundMaster:
             fold.marks[node_id] = max(fold.marks.get(node_id, -1), round)
 
     def _after_publish(self, final: bool) -> None:
-        state = T.cpu_state_dict(self.global_state)
-        self._hand_over(state)
+        self._hand_over()
+        state = self.global_state  # read while the master thread does nothing else
         if self.evaluate is not None:
             result = self.evaluate(state)
             if result is not None:
@@ -599,7 +621,7 @@ class RoundMaster:
         # reported here, or they would never be counted
         self._emit("final_global", outer_step=state.outer_step, **self._tally())
         self._reset_tally()
-        self._finalize(T.cpu_state_dict(state.global_state))
+        self._finalize(state.global_state)
 
     def _finalize(self, state: dict[str, torch.Tensor]) -> None:
         if self.on_final is not None:
@@ -653,6 +675,26 @@ class RoundMaster:
         """Outer step and ledger (the tensors live in ``state_dir`` and the repository)."""
         with self._lock:
             return {"outer_step": self.outer_step, "ledger": dict(self.ledger)}
+
+
+def _return_free_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc ``malloc_trim``). A round's
+    slice-sized temporaries come from the heap, and without this the process keeps their
+    pages resident: memory the model does not need stays counted as the master's."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _load_libc() -> Any:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim  # noqa: B018 - glibc only: another C library has none
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+_LIBC = _load_libc()
 
 
 class _Trouble:
@@ -901,7 +943,7 @@ def reconcile(
     leads to a bootstrap that could overwrite a live global.
     """
     remote = store.global_metadata()
-    state = held.copy()
+    state = held.copy(tensors=False)
     stale: list[str] = []
     if remote is not None and remote.final and fresh:
         _LOG.warning(
@@ -1060,13 +1102,18 @@ class RoundState:
         """Outer step 0 of a new run over ``global_state`` (kept, not copied)."""
         return cls(0, global_state, NesterovOuterOptimizer(global_state, lr, momentum))
 
-    def copy(self) -> RoundState:
-        """A deep copy (tensors cloned): what a round or a reconcile changes."""
-        optimizer = NesterovOuterOptimizer({}, self.optimizer.lr, self.optimizer.momentum)
-        optimizer.load_state_dict(self.optimizer.state_dict())
+    def copy(self, *, tensors: bool = True) -> RoundState:
+        """A copy: deep (tensors and momentum cloned), or with ``tensors=False`` new records
+        and a new weights dict over the same tensors and outer optimizer (what a reconcile
+        changes: it replaces tensors, never writes into them)."""
+        optimizer = self.optimizer
+        if tensors:
+            optimizer = NesterovOuterOptimizer({}, self.optimizer.lr, self.optimizer.momentum)
+            optimizer.load_state_dict(self.optimizer.state_dict())
+        weights = T.cpu_state_dict(self.global_state) if tensors else dict(self.global_state)
         return RoundState(
             self.outer_step,
-            T.cpu_state_dict(self.global_state),
+            weights,
             optimizer,
             self.run_id,
             dict(self.ledger),
@@ -1142,21 +1189,26 @@ class OuterStateStore:
         file cannot be read or does not match ``like``."""
         if not self.path.exists():
             return None
-        try:
-            tensors, meta = T.state_from_bytes(self.path.read_bytes())
-            if meta.get("format") != _FORMAT:
-                raise ValueError(f"unknown format {meta.get('format')!r}")
-            glob = {k[7:]: v for k, v in tensors.items() if k.startswith("global/")}
-            for key, value in like.global_state.items():
-                if key not in glob or tuple(glob[key].shape) != tuple(value.shape):
-                    raise ValueError(f"global tensor {key} missing or reshaped")
-            optimizer = NesterovOuterOptimizer({}, like.optimizer.lr, like.optimizer.momentum)
-            optimizer.load_state_dict(
-                {k[9:]: v for k, v in tensors.items() if k.startswith("momentum/")}
-            )
+        try:  # one tensor at a time is read into its own buffer
+            with T.open_safetensors(self.path) as saved_file:
+                meta = saved_file.metadata() or {}
+                if meta.get("format") != _FORMAT:
+                    raise ValueError(f"unknown format {meta.get('format')!r}")
+                names = set(saved_file.keys())
+                glob: dict[str, torch.Tensor] = {}
+                for key, value in like.global_state.items():
+                    name = f"global/{key}"
+                    shape = saved_file.shape(name) if name in names else None
+                    if shape is None or tuple(shape) != tuple(value.shape):
+                        raise ValueError(f"global tensor {key} missing or reshaped")
+                    glob[key] = saved_file.get_tensor(name).to(value.dtype)
+                optimizer = NesterovOuterOptimizer({}, like.optimizer.lr, like.optimizer.momentum)
+                optimizer.load_state_dict(
+                    {k[9:]: saved_file.get_tensor(k) for k in names if k.startswith("momentum/")}
+                )
             saved = RoundState(
                 outer_step=int(meta["outer_step"]),
-                global_state={k: glob[k].to(v.dtype) for k, v in like.global_state.items()},
+                global_state=glob,
                 optimizer=optimizer,
                 run_id=str(meta.get("run_id", "")),
                 ledger=_json_map(meta["ledger"], int),
@@ -1185,7 +1237,9 @@ class OuterStateStore:
             "round_seconds": repr(float(state.round_seconds)),
             "updated_at": datetime.now(timezone.utc).isoformat(),
         }
-        atomic_write_bytes(T.state_to_bytes(tensors, metadata=meta), self.path)
+        atomic_write_with(
+            lambda handle: T.write_safetensors(handle, tensors, metadata=meta), self.path
+        )
 
     def write_pending(self, outer_step: int, run_id: str, report: dict[str, Any]) -> None:
         """Record, before publishing ``outer_step``, what the master will report about it."""
@@ -1238,6 +1292,10 @@ def nesterov_update(
         weight.sub_((lr * effective).to(weight.dtype))
 
 
+#: Values per slice of a tensor in the outer step (16 MiB of float32 temporaries).
+OUTER_CHUNK = 1 << 22
+
+
 class NesterovOuterOptimizer:
     """The outer step of DiLoCo (Douillard et al. 2023, Algorithm 1): ``torch.optim.SGD``
     (Nesterov when ``momentum > 0``) with the round's mean pseudo-gradient as ``.grad``::
@@ -1254,49 +1312,74 @@ class NesterovOuterOptimizer:
     """
 
     def __init__(self, state: Mapping[str, torch.Tensor], lr: float, momentum: float = 0.9):
+        del state  # a buffer is made at a tensor's first step (torch's SGD starts it at g)
         self.lr = float(lr)
         self.momentum = float(momentum)
-        self.momentum_buffers: dict[str, torch.Tensor] = {
-            k: torch.zeros(tuple(v.shape), dtype=torch.float32)
-            for k, v in state.items()
-            if v.is_floating_point()
-        }
+        self.momentum_buffers: dict[str, torch.Tensor] = {}
 
-    @torch.no_grad()
-    def step(self, state: dict[str, torch.Tensor], delta: Mapping[str, torch.Tensor]) -> None:
-        """Apply the averaged pseudo-gradient ``delta`` to ``state`` in place (``KeyError`` for
-        a key ``state`` lacks, ``ValueError`` for a shape that differs)."""
-        keys: list[str] = []
-        params: list[torch.Tensor] = []
+    def _pairs(
+        self, state: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor]
+    ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+        """``(key, weight, grad)`` for each floating key of ``delta`` (``KeyError`` for a key
+        ``state`` lacks, ``ValueError`` for a shape that differs)."""
         for key, grad in delta.items():
             if key not in state:
                 raise KeyError(key)
             weight = state[key]
             if tuple(weight.shape) != tuple(grad.shape):
                 raise ValueError(f"shape mismatch for {key}")
-            if not weight.is_floating_point():
-                continue
-            native = weight.dtype == torch.float32 and weight.device.type == "cpu"
-            param = weight if native else weight.detach().to("cpu", torch.float32)
-            param.grad = grad.detach().to("cpu", torch.float32)
-            keys.append(key)
-            params.append(param)
-        if not params:
-            return
+            if weight.is_floating_point():
+                yield key, weight, grad
+
+    def _chunks(
+        self, state: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor]
+    ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """``(key, weight, grad, buf)`` over slices of at most ``OUTER_CHUNK`` values of each
+        floating tensor (views: writing them writes the tensors), so no temporary is larger
+        than a slice however large one tensor is (an embedding may be half the model)."""
+        for key, weight, grad in self._pairs(state, delta):
+            buf = self.momentum_buffers.get(key)
+            flat = [t.detach().reshape(-1) for t in (weight, grad)]
+            buf_flat = None if buf is None else buf.reshape(-1)
+            for start in range(0, max(weight.numel(), 1), OUTER_CHUNK):
+                end = start + OUTER_CHUNK
+                part = None if buf_flat is None else buf_flat[start:end]
+                yield key, flat[0][start:end], flat[1][start:end], part
+
+    @torch.no_grad()
+    def step(self, state: dict[str, torch.Tensor], delta: Mapping[str, torch.Tensor]) -> None:
+        """Apply the averaged pseudo-gradient ``delta`` to ``state`` in place, a slice at a
+        time (``torch.optim.SGD`` over each slice; float32 temporaries of one slice at most)."""
         nesterov = self.momentum > 0
-        sgd = torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, nesterov=nesterov)
-        if nesterov:
-            for key, param in zip(keys, params, strict=True):
-                buf = self.momentum_buffers.get(key)
-                if buf is not None:
-                    sgd.state[param]["momentum_buffer"] = buf
-        sgd.step()
-        for key, param in zip(keys, params, strict=True):
-            if nesterov:
-                self.momentum_buffers[key] = sgd.state[param]["momentum_buffer"]
+        if nesterov:  # zeros: the first step's buffer is the gradient, as torch starts it
+            for key, weight, _ in self._pairs(state, delta):
+                if key not in self.momentum_buffers:
+                    self.momentum_buffers[key] = torch.zeros(weight.shape, dtype=torch.float32)
+        for _, weight, grad, buf in self._chunks(state, delta):
+            native = weight.dtype == torch.float32 and weight.device.type == "cpu"
+            param = weight if native else weight.to("cpu", torch.float32)
+            param.grad = grad.to("cpu", torch.float32)
+            sgd = torch.optim.SGD([param], lr=self.lr, momentum=self.momentum, nesterov=nesterov)
+            if buf is not None:
+                sgd.state[param]["momentum_buffer"] = buf
+            sgd.step()
             param.grad = None
-            if param is not state[key]:
-                state[key].copy_(param)
+            if param is not weight:
+                weight.copy_(param)
+
+    @torch.no_grad()
+    def first_non_finite(
+        self, state: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor]
+    ) -> str | None:
+        """The first key whose weight :meth:`step` would make non-finite (in the weight's
+        dtype), else None; computed on one slice's temporaries, changing nothing."""
+        for key, weight, grad, buf in self._chunks(state, delta):
+            trial = weight.to("cpu", torch.float32, copy=True)
+            buf = torch.zeros_like(trial) if buf is None else buf.clone()
+            nesterov_update(trial, grad, buf, lr=self.lr, momentum=self.momentum)
+            if not bool(torch.isfinite(trial.to(weight.dtype)).all()):
+                return key
+        return None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """CPU clones of the momentum buffers, by tensor name."""

@@ -107,10 +107,10 @@ def test_master_killed_while_persisting_its_state_keeps_the_last_complete_state(
     assert _round(transport, master) and _round(transport, master)
     momentum = {k: v.clone() for k, v in master.state.optimizer.state_dict().items()}
 
-    def killed(data, path):  # dies before the rename: the previous file stays
+    def killed(write, path):  # dies before the rename: the previous file stays
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(store_module, "atomic_write_bytes", killed)
+    monkeypatch.setattr(store_module, "atomic_write_with", killed)
     with pytest.raises(KeyboardInterrupt):
         _round(transport, master)
     monkeypatch.undo()
