@@ -127,6 +127,7 @@ class HubEmulator:
         self.commits = 0
         self._rng = random.Random(self.faults.seed)
         self._counts: collections.Counter[str] = collections.Counter()
+        self._fault_kinds: collections.Counter[str] = collections.Counter()  # "drop resolve"
         self._by_token: dict[str, dict[str, int]] = {}  # token_tag -> requests, commits
         # called as on_commit(repo_id, {path: bytes}) after each commit lands, under the lock
         self.on_commit: Callable[[str, dict[str, bytes]], None] | None = None
@@ -176,6 +177,7 @@ class HubEmulator:
                 edge += max(0.0, rate)
                 if roll < edge:
                     self._counts[f"fault:{name}"] += 1
+                    self._fault_kinds[f"{name} {endpoint}"] += 1
                     return name
         return None
 
@@ -204,6 +206,7 @@ class HubEmulator:
         with self.lock:
             return {
                 "counts": dict(self._counts),
+                "faults_by_endpoint": dict(self._fault_kinds),
                 "budget_refused": dict(self.budget.refused),
                 "commits": self.commits,
                 "commits_by_repo": {k: v.commits for k, v in self.repos.items()},
