@@ -17,13 +17,14 @@ off) does against it::
                                                    with X-Linked-Etag / X-Linked-Size
     GET  <storage>/lfs-objects/<oid>?sig=...       the bytes (Range, ETag), no Hub token
 
-The storage is another origin (its own port), as S3 or the CDN is for the real Hub, so the
-client drops the ``Authorization`` header on the way there; storage refuses a request that
-carries one (S3 answers 400 to two auth mechanisms) and counts it as ``storage:auth``.
+The storage is another origin (another host name for the loopback address, and its own
+port), as S3 or the CDN is for the real Hub, so the client drops the ``Authorization``
+header on the way there; storage refuses a request that carries one (S3 answers 400 to two
+auth mechanisms) and counts it as ``storage:auth``.
 Storage URLs are signed (an HMAC of the action and the object id) and refused unsigned.
 
 :class:`LfsStorage` holds the objects and answers with ``(status, body, headers)`` tuples;
-the request handler in :mod:`.hub_server` sends them and applies the fault injection.
+the request handler in :mod:`.hub_routes` sends them and applies the fault injection.
 """
 
 from __future__ import annotations

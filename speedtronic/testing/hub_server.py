@@ -131,7 +131,8 @@ class HubEmulator:
         self._by_token: dict[str, dict[str, int]] = {}  # token_tag -> requests, commits
         # called as on_commit(repo_id, {path: bytes}) after each commit lands, under the lock
         self.on_commit: Callable[[str, dict[str, bytes]], None] | None = None
-        # the large-file path: its object storage answers on a second port (another origin)
+        # the large-file path: its object storage answers on a second port, under another
+        # host name for the same loopback address (another origin, as S3 for the Hub)
         self.lfs = LfsStorage(lfs)
         self._servers: list[ThreadingHTTPServer] = []
         self._storage_port = 0
@@ -143,8 +144,12 @@ class HubEmulator:
 
     @property
     def storage_url(self) -> str:
-        """Base URL of the LFS object storage (another origin, as S3 / the CDN for the Hub)."""
-        return f"http://{self.host}:{self._storage_port}"
+        """Base URL of the LFS object storage: another host name for the same loopback
+        address (``localhost`` for ``127.0.0.1`` and back) and its own port, as S3 or the CDN
+        is another host for the Hub (clients compare host names, or whole origins, to decide
+        whether the Hub token may follow a redirect)."""
+        other = "127.0.0.1" if self.host == "localhost" else "localhost"
+        return f"http://{other}:{self._storage_port}"
 
     def set_faults(self, **knobs: Any) -> None:
         """Change fault knobs at runtime (re-seeds when ``seed`` is given)."""
