@@ -5,6 +5,7 @@ redirects to, commits of LFS pointers, and every fault knob on the storage reque
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import time
@@ -125,20 +126,57 @@ def test_storage_is_signed_and_refuses_the_hub_token(lfs_hub) -> None:
     assert _counts(lfs_hub)["GET storage:auth"] == 1
 
 
-def test_a_pointer_to_an_object_never_uploaded_is_refused(lfs_hub) -> None:
-    _api(lfs_hub)
+def _pointer_commit(emulator: HubEmulator, path: str, oid: str, size: int | None = None):
+    """Commit an LFS pointer as the SDK sends it (NDJSON ``lfsFile``), nothing uploaded."""
+    pointer = {"path": path, "algo": "sha256", "oid": oid}
+    if size is not None:
+        pointer["size"] = size
     lines = [
         {"key": "header", "value": {"summary": "m", "description": ""}},
-        {"key": "lfsFile", "value": {"path": "x.bin", "algo": "sha256", "oid": "0" * 64}},
+        {"key": "lfsFile", "value": pointer},
     ]
     body = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
-    status, _ = _request(
-        f"{lfs_hub.url}/api/models/org/lfs/commit/main",
+    return _request(
+        f"{emulator.url}/api/models/org/lfs/commit/main",
         "POST",
         body,
         {"Authorization": f"Bearer {TEST_TOKEN}", "Content-Type": "application/x-ndjson"},
     )
+
+
+def test_a_pointer_to_an_object_never_uploaded_is_refused(lfs_hub) -> None:
+    _api(lfs_hub)
+    status, _ = _pointer_commit(lfs_hub, "x.bin", "0" * 64)
     assert status == 422 and "x.bin" not in lfs_hub.files("org/lfs")
+
+
+def test_objects_no_file_points_to_are_released(lfs_hub, tmp_path) -> None:
+    """The emulator keeps no history: a long run must not hold every delta ever sent. A
+    released object stays committable for release_after seconds (a client told "stored"
+    just before may still point to it), then it is gone and identical content is sent again."""
+    from huggingface_hub import CommitOperationDelete
+
+    api = _api(lfs_hub)
+    data = b"r" * THRESHOLD
+    oid = hashlib.sha256(data).hexdigest()
+    api.create_commit("org/lfs", operations=[_add("a.bin", data)], commit_message="m")
+    delete = [CommitOperationDelete(path_in_repo="a.bin")]
+    api.create_commit("org/lfs", operations=delete, commit_message="m")
+    assert lfs_hub.stats()["lfs_objects"] == 0 and lfs_hub.lfs.stored(oid) == data
+    status, _ = _pointer_commit(lfs_hub, "again.bin", oid, len(data))
+    assert status == 200 and lfs_hub.files("org/lfs")["again.bin"] == data  # live again
+    assert lfs_hub.stats()["lfs_objects"] == 1
+    lfs_hub.lfs.config.release_after = 0.0
+    api.create_commit(
+        "org/lfs", operations=[CommitOperationDelete(path_in_repo="again.bin")], commit_message="m"
+    )
+    assert lfs_hub.lfs.stored(oid) is None
+    assert _pointer_commit(lfs_hub, "late.bin", oid, len(data))[0] == 422
+    puts = _counts(lfs_hub)["PUT storage-upload"]
+    api.create_commit("org/lfs", operations=[_add("b.bin", data)], commit_message="m")
+    assert _counts(lfs_hub)["PUT storage-upload"] == puts + 1  # sent again
+    local = api.hf_hub_download("org/lfs", "b.bin", local_dir=tmp_path / "dl")
+    assert Path(local).read_bytes() == data
 
 
 def _upload(hub: HubClient) -> None:

@@ -35,6 +35,7 @@ import hmac
 import json
 import secrets
 import threading
+import time
 from typing import Any
 
 __all__ = ["LFS_THRESHOLD", "LfsConfig", "LfsStorage", "git_blob_oid", "lfs_pointer"]
@@ -53,6 +54,7 @@ class LfsConfig:
     part_size: int = 0  # bytes; > 0: larger objects are uploaded multipart, in parts this big
     verify: bool = True  # the batch answer carries a verify action
     advertise_xet: bool = False  # resolve answers carry X-Xet-Hash + refresh route (Xet repo)
+    release_after: float = 30.0  # seconds an object no file points to any more is kept
 
 
 def lfs_pointer(oid: str, size: int) -> bytes:
@@ -78,6 +80,10 @@ class LfsStorage:
         self.hub_url = ""
         self.storage_url = ""
         self.objects: dict[str, bytes] = {}
+        # released objects (no file points to them) -> (bytes, when): still readable and
+        # committable for ``release_after`` seconds (a client may have been told "stored"
+        # just before), never offered as stored to the batch endpoint, then dropped
+        self._released: dict[str, tuple[bytes, float]] = {}
         self._parts: dict[str, dict[int, bytes]] = {}
         self._key = secrets.token_bytes(16)
         self._lock = threading.Lock()
@@ -99,13 +105,37 @@ class LfsStorage:
         """Where the Hub redirects a download of ``oid``."""
         return self.signed("download", oid, f"/lfs-objects/{oid}")
 
-    def stored(self, oid: str, size: int | None = None) -> bytes | None:
-        """The object ``oid`` (None when missing or of another size)."""
+    def stored(self, oid: str, size: int | None = None, live: bool = False) -> bytes | None:
+        """The object ``oid`` (None when missing or of another size; with ``live``, also
+        when it was released)."""
         with self._lock:
             data = self.objects.get(oid)
+            if data is None and not live and oid in self._released:
+                data = self._released[oid][0]
         if data is None or (size is not None and len(data) != size):
             return None
         return data
+
+    def keep(self, oids: Any) -> None:
+        """Objects a commit points to again are live again."""
+        with self._lock:
+            for oid in oids:
+                if oid in self._released:
+                    self.objects[oid] = self._released.pop(oid)[0]
+
+    def release(self, oids: Any) -> None:
+        """Objects no file points to any more: dropped after ``release_after`` seconds (the
+        emulator keeps no history, and a long run must not hold every delta ever sent)."""
+        now = time.monotonic()
+        with self._lock:
+            for oid in oids:
+                if oid in self.objects:
+                    self._released[oid] = (self.objects.pop(oid), now)
+            expired = [
+                o for o, (_, t) in self._released.items() if now - t >= self.config.release_after
+            ]
+            for oid in expired:
+                del self._released[oid]
 
     # -- Hub endpoints ----------------------------------------------------------------------
     def batch(self, repo_id: str, request: dict) -> Answer:
@@ -127,7 +157,7 @@ class LfsStorage:
                 )
                 continue
             entry: dict[str, Any] = {"oid": oid, "size": size, "authenticated": True}
-            if self.stored(oid, size) is None:
+            if self.stored(oid, size, live=True) is None:
                 entry["actions"] = self._actions(repo_id, oid, size, multipart)
             objects.append(entry)
         transfer = "multipart" if multipart else "basic"
@@ -201,6 +231,7 @@ class LfsStorage:
             return _error(400, "BadDigest: the content does not hash to the object id")
         with self._lock:
             self.objects[oid] = data
+            self._released.pop(oid, None)
             if drop_parts:
                 self._parts.pop(oid, None)
         return 200, b"", {"ETag": _etag(data)}

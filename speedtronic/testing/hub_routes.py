@@ -425,6 +425,7 @@ class HubHandler(BaseHTTPRequestHandler):
                     continue
                 if path not in repo.files and path not in adds:
                     return self._error(404, "A file with this name doesn't exist", "EntryNotFound")
+            before = set(repo.lfs.values())
             for path, data in adds.items():
                 repo.files[path] = data
                 if path in pointers:
@@ -439,6 +440,9 @@ class HubHandler(BaseHTTPRequestHandler):
                 elif path not in adds:
                     repo.files.pop(path, None)
                     repo.lfs.pop(path, None)
+            live = {oid for other in self.hub.repos.values() for oid in other.lfs.values()}
+            self.hub.lfs.keep(pointers.values())
+            self.hub.lfs.release(before - live)  # objects no file points to any more
             repo.commits += 1
             self.hub.commits += 1
             self.hub.tally(self._caller(), "commits")
