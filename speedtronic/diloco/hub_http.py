@@ -257,8 +257,8 @@ def _proxy_mounts(wrap: Callable[[Any], Any]) -> dict[str, Any]:
             mounts[host] = None  # None: the client's own (wrapped, direct) transport
             continue
         try:
-            ipaddress.ip_address(host.strip("[]"))
-            mounts[f"all://{host}"] = None
+            address = ipaddress.ip_address(host.strip("[]"))
+            mounts[f"all://[{address}]" if address.version == 6 else f"all://{address}"] = None
         except ValueError:
             mounts[f"all://*{host}" if host.lower() != "localhost" else "all://localhost"] = None
     return mounts
