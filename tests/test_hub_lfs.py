@@ -6,10 +6,12 @@ redirects to, commits of LFS pointers, and every fault knob on the storage reque
 from __future__ import annotations
 
 import hashlib
+import http.client
 import io
 import json
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -124,6 +126,15 @@ def test_storage_is_signed_and_refuses_the_hub_token(lfs_hub) -> None:
     auth = {"Authorization": f"Bearer {TEST_TOKEN}"}
     assert _request(url, headers=auth)[0] == 400
     assert _counts(lfs_hub)["GET storage:auth"] == 1
+    # an upload without a length (chunked transfer encoding) is read whole
+    body = b"c" * 5000
+    oid = hashlib.sha256(body).hexdigest()
+    address = urllib.parse.urlsplit(lfs_hub.storage_url)
+    connection = http.client.HTTPConnection(address.hostname, address.port, timeout=5)
+    path = f"/lfs-objects/{oid}?sig={lfs_hub.lfs.sign('upload', oid)}"
+    connection.request("PUT", path, body=iter([body[:1234], body[1234:]]), encode_chunked=True)
+    assert connection.getresponse().status == 200 and lfs_hub.lfs.stored(oid) == body
+    connection.close()
 
 
 def _pointer_commit(emulator: HubEmulator, path: str, oid: str, size: int | None = None):
