@@ -105,6 +105,23 @@ class LfsStorage:
         """Where the Hub redirects a download of ``oid``."""
         return self.signed("download", oid, f"/lfs-objects/{oid}")
 
+    def redirect(self, repo_id: str, oid: str, size: int, sha: str) -> dict[str, str]:
+        """The headers of the Hub's 302 from ``/resolve/`` for an LFS file (and the Xet ones a
+        Xet-backed repository adds, when ``advertise_xet``)."""
+        headers = {
+            "Location": self.download_url(oid),
+            "ETag": f'"{git_blob_oid(lfs_pointer(oid, size))}"',
+            "X-Linked-Etag": f'"{oid}"',
+            "X-Linked-Size": str(size),
+            "X-Repo-Commit": sha,
+        }
+        if self.config.advertise_xet:
+            route = f"{self.hub_url}/api/models/{repo_id}/xet-read-token/{sha}"
+            headers["X-Xet-Hash"] = hashlib.sha256(b"xet:" + oid.encode()).hexdigest()
+            headers["X-Xet-Refresh-Route"] = route
+            headers["Link"] = f'<{route}>; rel="xet-auth"'
+        return headers
+
     def stored(self, oid: str, size: int | None = None, live: bool = False) -> bytes | None:
         """The object ``oid`` (None when missing or of another size; with ``live``, also
         when it was released)."""

@@ -473,29 +473,15 @@ class HubHandler(BaseHTTPRequestHandler):
                 404, "Entry not found", "EntryNotFound", extra={"X-Repo-Commit": sha}, head=head
             )
         if oid is not None:  # an LFS file: the Hub redirects to storage
-            return self._send(302, b"", self._redirect(repo_id, oid, len(data), sha), head=head)
+            return self._send(
+                302, b"", self.hub.lfs.redirect(repo_id, oid, len(data), sha), head=head
+            )
         headers = {
             "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
             "X-Repo-Commit": sha,
             "Accept-Ranges": "bytes",
         }
         self._payload(data, headers, head, truncate)
-
-    def _redirect(self, repo_id: str, oid: str, size: int, sha: str) -> dict[str, str]:
-        """The headers of the Hub's 302 for an LFS file (Xet ones when advertised)."""
-        headers = {
-            "Location": self.hub.lfs.download_url(oid),
-            "ETag": f'"{git_blob_oid(lfs_pointer(oid, size))}"',
-            "X-Linked-Etag": f'"{oid}"',
-            "X-Linked-Size": str(size),
-            "X-Repo-Commit": sha,
-        }
-        if self.hub.lfs.config.advertise_xet:
-            route = f"{self.hub.url}/api/models/{repo_id}/xet-read-token/{sha}"
-            headers["X-Xet-Hash"] = hashlib.sha256(b"xet:" + oid.encode()).hexdigest()
-            headers["X-Xet-Refresh-Route"] = route
-            headers["Link"] = f'<{route}>; rel="xet-auth"'
-        return headers
 
     def _payload(self, data: bytes, headers: dict[str, str], head: bool, truncate: bool) -> None:
         """Serve ``data`` (a ``Range: bytes=N-`` from N on), cut in half when ``truncate``."""
