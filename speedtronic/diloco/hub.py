@@ -7,7 +7,10 @@ exist_ok=True)``, ``list_repo_tree(recursive=True)`` (paths and sizes),
 for publish + prune on the master. The endpoint comes from the ``endpoint`` argument, else
 ``HF_ENDPOINT`` read here in the constructor (never at import). The SDK's own retries are
 switched off and each primitive call is bounded by ``request_timeout``
-(:mod:`speedtronic.diloco.hub_http`), so :class:`RetryPolicy` is the one retry layer. The
+(:mod:`speedtronic.diloco.hub_http`), so :class:`RetryPolicy` is the one retry layer. Files
+the Hub answers ``lfs`` for (10 MiB and more) take the LFS path (batch endpoint, upload to the
+storage URL it gives, pointer commit; downloads redirected to storage) through that same
+client: Xet, which would move them outside it, is switched off for the process. The
 token (stripped of surrounding whitespace) is handed to the SDK only; it is scrubbed from
 every error message, and a 401/403 is a permanent error that says to check the token.
 """

@@ -24,6 +24,13 @@ Targets:
                 next ``fetch_global`` must return an outer step >= the last publish that
                 returned (at most one more), with weights that match that step.
 
+With ``--exchange hub-lfs`` the ``master`` and ``publish`` targets run over a Hub repository
+on the emulator (started here, before any fork) whose files of 256 bytes or more (the
+deltas and globals) take the large-file path (preupload ``lfs``, batch, storage PUT, pointer
+commit; reads redirected to storage). A Hub commit is atomic, so ``torn_publish`` stays 0
+there; ``orphans`` counts kills that landed between an object's upload to storage and the
+commit that would point to it.
+
 Prints one JSON object (counts per target). Exit code 0 when every check held.
 """
 
@@ -48,8 +55,10 @@ torch.set_num_threads(1)
 from speedtronic.checkpoint import CheckpointManager  # noqa: E402
 from speedtronic.config import DistributedConfig  # noqa: E402
 from speedtronic.diloco.directory import DirectoryTransport  # noqa: E402
+from speedtronic.diloco.hub import HubClient  # noqa: E402
 from speedtronic.diloco.master import RoundMaster  # noqa: E402
 from speedtronic.diloco.retry import RetryPolicy  # noqa: E402
+from speedtronic.testing.hub_server import HubEmulator, LfsConfig  # noqa: E402
 
 WIDTH = 250_000  # floats in the checkpoint tensor (1 MB): a write takes a while
 NODE = "crash-node"
@@ -57,6 +66,30 @@ NODE = "crash-node"
 
 def _retry() -> RetryPolicy:
     return RetryPolicy(initial=0.001, maximum=0.005, attempts=3, timeout=10.0)
+
+
+#: The Hub emulator of ``--exchange hub-lfs`` (empty: the exchange is a shared directory).
+_HUB: list[HubEmulator] = []
+
+
+def _exchange(root: Path) -> DirectoryTransport | HubClient:
+    """The exchange rooted at ``root``: a shared directory, or one Hub repository per root."""
+    if not _HUB:
+        return DirectoryTransport(f"file://{root}", _retry())
+    name = "-".join(root.parts[-2:]).replace("_", "-")
+    hub = HubClient(
+        f"org/{name}", endpoint=_HUB[0].url, cache_dir=root.parent / "cache", retry=_retry()
+    )
+    hub.create_repo()
+    return hub
+
+
+def _orphans() -> int:
+    """Objects in the emulator's storage that no committed file points to."""
+    hub = _HUB[0]
+    with hub.lock:
+        pointed = {oid for repo in hub.repos.values() for oid in repo.lfs.values()}
+        return len(set(hub.lfs.objects) - pointed)
 
 
 # ----------------------------------------------------------------------------- children
@@ -86,8 +119,8 @@ def _initial() -> dict[str, torch.Tensor]:
     return {"w": torch.zeros(64), "b": torch.ones(8)}
 
 
-def _master(root: Path) -> tuple[RoundMaster, DirectoryTransport]:
-    transport = DirectoryTransport(f"file://{root / 'exchange'}", _retry())
+def _master(root: Path) -> tuple[RoundMaster, DirectoryTransport | HubClient]:
+    transport = _exchange(root / "exchange")
     transport.create_repo()  # as the coordinator does before the master's first read
     master = RoundMaster(
         transport,
@@ -98,7 +131,7 @@ def _master(root: Path) -> tuple[RoundMaster, DirectoryTransport]:
     return master, transport
 
 
-def _contribute(transport: DirectoryTransport, master: RoundMaster) -> None:
+def _contribute(transport: DirectoryTransport | HubClient, master: RoundMaster) -> None:
     """The node's contribution to the open round (different values every round)."""
     label = master.outer_step
     path = f"nodes/{NODE}/delta_{label}.safetensors"
@@ -135,7 +168,7 @@ def _publish_state(step: int) -> dict[str, torch.Tensor]:
 
 
 def _publish_child(root: Path, start: int, fd: int) -> None:
-    transport = DirectoryTransport(f"file://{root}", _retry())
+    transport = _exchange(root)
     step = start
     while True:
         transport.publish_global(_publish_state(step), outer_step=step, ledger={NODE: step})
@@ -210,7 +243,8 @@ def run_master(root: Path, kills: int, rng: random.Random) -> dict[str, int]:
     counts.update(behind_published=0, stuck=0)
     highest = -1
     for _ in range(kills):
-        done = _kill_at_random(lambda fd: _master_child(root, fd), rng, 0.05, 0.4)
+        low, high = (0.1, 0.8) if _HUB else (0.05, 0.4)  # a Hub round takes longer
+        done = _kill_at_random(lambda fd: _master_child(root, fd), rng, low, high)
         counts["kills"] += 1
         highest = max(highest, done)
         master, transport = _master(root)  # the next start
@@ -248,14 +282,19 @@ def run_master(root: Path, kills: int, rng: random.Random) -> dict[str, int]:
 
 def run_publish(root: Path, kills: int, rng: random.Random) -> dict[str, int]:
     counts = {"kills": 0, "recovered": 0, "torn_publish": 0, "mid_write": 0, "empty": 0}
-    transport = DirectoryTransport(f"file://{root}", _retry())
+    if _HUB:
+        counts["orphans"] = 0
+    transport = _exchange(root)
     start = 0
     for _ in range(kills):
-        before = _temps(root)
+        before = _orphans() if _HUB else _temps(root)
         child = lambda fd, first=start: _publish_child(root, first, fd)  # noqa: E731
-        done = _kill_at_random(child, rng, 0.01, 0.12)
+        done = _kill_at_random(child, rng, *((0.05, 0.6) if _HUB else (0.01, 0.12)))
         counts["kills"] += 1
-        counts["mid_write"] += int(_temps(root) > before)
+        if _HUB:
+            counts["orphans"] += int(_orphans() > before)
+        else:
+            counts["mid_write"] += int(_temps(root) > before)
         record = transport.global_metadata()
         if record is None:
             assert done < start, "a publish returned but no record exists"
@@ -279,10 +318,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", required=True, type=Path)
     parser.add_argument("--kills", type=int, default=20, help="SIGKILLs per target")
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument(
+        "--exchange",
+        choices=("directory", "hub-lfs"),
+        default="directory",
+        help="what the master and publish targets write to",
+    )
+    parser.add_argument("--targets", default="checkpoint,master,publish")
     args = parser.parse_args(argv)
+    if args.exchange == "hub-lfs":  # threads in this process only: forked writers use HTTP
+        _HUB.append(HubEmulator(0, lfs=LfsConfig(threshold=256)).start())
+    targets = args.targets.split(",")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     rng = random.Random(seed)
-    result: dict[str, Any] = {"seed": seed}
+    result: dict[str, Any] = {"seed": seed, "exchange": args.exchange}
     started = time.monotonic()
     try:
         for name, run in (
@@ -290,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
             ("master", run_master),
             ("publish", run_publish),
         ):
+            if name not in targets:
+                continue
             root = args.workdir / name
             root.mkdir(parents=True, exist_ok=True)
             began = time.monotonic()
@@ -298,6 +349,10 @@ def main(argv: list[str] | None = None) -> int:
     except AssertionError as exc:
         result["failure"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
     result["seconds"] = round(time.monotonic() - started, 1)
+    if _HUB:
+        counts = _HUB[0].stats()["counts"]
+        result["hub_requests"] = {k: v for k, v in counts.items() if "lfs" in k or "storage" in k}
+        _HUB[0].stop()
     print(json.dumps(result))
     return 1 if "failure" in result else 0
 

@@ -26,7 +26,8 @@ KILLS_PER_TARGET = 20  # 60 SIGKILLs in all, ~10-30 s on two cores
 
 
 def _table(result: dict) -> str:
-    lines = [f"crash loop (seed {result['seed']}, {result['seconds']} s):"]
+    exchange = result.get("exchange", "directory")
+    lines = [f"crash loop (seed {result['seed']}, {exchange}, {result['seconds']} s):"]
     for target in ("checkpoint", "master", "publish"):
         counts = result.get(target)
         if counts:
@@ -35,15 +36,14 @@ def _table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def test_crash_loop_next_start_loads_the_newest_complete_state(tmp_path) -> None:
+def _loop(tmp_path: Path, *options: str) -> dict:
     seed = os.environ.get("SPEEDTRONIC_CRASH_SEED")
     command = [
         sys.executable,
         str(ROOT / "tests" / "chaos" / "crash_loop.py"),
         "--workdir",
         str(tmp_path),
-        "--kills",
-        str(KILLS_PER_TARGET),
+        *options,
         *(["--seed", seed] if seed else []),
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -52,6 +52,11 @@ def test_crash_loop_next_start_loads_the_newest_complete_state(tmp_path) -> None
     result = json.loads(done.stdout.strip().splitlines()[-1])
     print("\n" + _table(result))
     assert done.returncode == 0 and "failure" not in result, result.get("failure", done.stderr)
+    return result
+
+
+def test_crash_loop_next_start_loads_the_newest_complete_state(tmp_path) -> None:
+    result = _loop(tmp_path, "--kills", str(KILLS_PER_TARGET))
     kills = sum(result[target]["kills"] for target in ("checkpoint", "master", "publish"))
     assert kills >= 50
     for target in ("checkpoint", "master", "publish"):
@@ -59,6 +64,24 @@ def test_crash_loop_next_start_loads_the_newest_complete_state(tmp_path) -> None
         assert counts["recovered"] + counts["empty"] == counts["kills"]
     assert result["checkpoint"]["mid_write"] > 0  # kills did land inside writes
     assert result["publish"]["torn_publish"] + result["publish"]["mid_write"] > 0
+
+
+def test_crash_loop_over_the_hub_large_file_path(tmp_path) -> None:
+    """The master and publish targets over a Hub repository on the emulator, every delta and
+    global through the LFS path (issue 22): same checks, commits are atomic."""
+    kills = KILLS_PER_TARGET // 2
+    options = ("--kills", str(kills), "--exchange", "hub-lfs", "--targets", "master,publish")
+    result = _loop(tmp_path, *options)
+    print(f"  hub requests {result['hub_requests']}")
+    for target in ("master", "publish"):
+        counts = result[target]
+        assert counts["kills"] == kills
+        assert counts["recovered"] + counts["empty"] == counts["kills"]
+        assert counts["torn_publish"] == 0 and counts.get("stuck", 0) == 0
+    assert result["master"]["recovered"] > 0 and result["publish"]["recovered"] > 0
+    requests = result["hub_requests"]
+    for kind in ("POST lfs-batch", "PUT storage-upload", "GET storage-download"):
+        assert requests.get(kind, 0) > 0, requests
 
 
 # ----------------------------------------------------------------------------- master gaps

@@ -36,7 +36,7 @@ from process_support import free_port, jsonl_events, reap, wait_for
 
 from speedtronic.diloco import exchange as T
 from speedtronic.diloco.hub import HubClient
-from speedtronic.testing.hub_server import FaultConfig, HubEmulator
+from speedtronic.testing.hub_server import FaultConfig, HubEmulator, LfsConfig
 
 pytestmark = pytest.mark.slow
 
@@ -186,13 +186,43 @@ def _plant(writer: HubClient, master: Node) -> dict[str, int]:
     return {"deltas": 3, "globals": 1}
 
 
+#: How the Hub stores the exchange's files: "regular" (every file in git: none reaches the
+#: Hub's 10 MiB LFS threshold at this model size) or "lfs" (a 1 KiB threshold: every delta
+#: and global goes through the LFS batch endpoint, storage PUTs and redirected downloads,
+#: with the same fault schedule on the storage requests; issue 22).
+PATHS = {"regular": LfsConfig(), "lfs": LfsConfig(threshold=1024)}
+
+
 @pytest.mark.timeout(600)  # the phases' own waits are bounded; a normal run takes about 60 s
-def test_chaos_every_node_finishes_nothing_counted_twice_nothing_lost(tmp_path):
-    emulator = HubEmulator(0, token=TEST_TOKEN, faults=FaultConfig(seed=1234)).start()
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_chaos_every_node_finishes_nothing_counted_twice_nothing_lost(tmp_path, path):
+    emulator = HubEmulator(
+        0, token=TEST_TOKEN, faults=FaultConfig(seed=1234), lfs=PATHS[path]
+    ).start()
     try:
+        started = time.monotonic()
         _chaos(tmp_path, emulator)
+        print(f"chaos over the {path} path: {time.monotonic() - started:.0f} s")
+        _check_path(emulator, path)
     finally:
         emulator.stop()
+
+
+def _check_path(emulator: HubEmulator, path: str) -> None:
+    """The files took the path under test, and on the LFS path storage took faults too."""
+    stats = emulator.stats()
+    counts, faults = stats["counts"], stats["faults_by_endpoint"]
+    storage = {k: v for k, v in faults.items() if "storage" in k or "lfs" in k}
+    print(f"faults on the large-file path: {storage}")
+    if path == "regular":
+        assert not [k for k in counts if "storage" in k or "lfs" in k], counts
+        return
+    assert stats["lfs_files"][REPO], "nothing in the repository is an LFS file"
+    for kind in ("POST lfs-batch", "PUT storage-upload", "GET storage-download"):
+        assert counts.get(kind, 0) > 0, (kind, counts)
+    for fault in ("error", "drop"):
+        assert any(k.startswith(f"{fault} storage") for k in storage), (fault, storage)
+    assert not [k for k in counts if k.endswith(" xet")], counts
 
 
 def _chaos(tmp: Path, emulator: HubEmulator) -> None:

@@ -1,0 +1,219 @@
+"""huggingface_hub through public names only, and Xet off for the Hub store (issue 22, items 2
+and 3): no private import of the SDK (or of httpx2) anywhere in the package, a version bound
+that the installed SDK satisfies, the client installed through ``set_client_factory`` with
+its proxies wrapped, SDK worker threads bounded too, and large files on the LFS path."""
+
+from __future__ import annotations
+
+import ast
+import time
+from pathlib import Path
+
+import pytest
+import tomllib
+from hub_emulator_fixtures import TEST_TOKEN
+
+from speedtronic.diloco import hub_http
+from speedtronic.diloco.hub import HubClient
+from speedtronic.diloco.transport import HubUnavailable, RetryPolicy
+from speedtronic.testing.hub_server import FaultConfig, HubEmulator, LfsConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+WATCHED = ("huggingface_hub", "httpx2", "httpx", "hf_xet")
+#: httpx client internals the old hub_http rewired (client._transport, client._mounts).
+CLIENT_INTERNALS = frozenset({"_transport", "_mounts", "_transport_for_url", "_pool"})
+
+
+def private_uses(source: str) -> list[str]:
+    """Imports of, and attribute reads through, a private name of a watched package (one
+    finding per line)."""
+    found: dict[int, str] = {}
+    aliases: dict[str, str] = {}  # local name -> dotted module it stands for
+
+    def private(dotted: str) -> bool:
+        parts = dotted.split(".")
+        return parts[0] in WATCHED and any(p.startswith("_") for p in parts[1:])
+
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                aliases[(alias.asname or alias.name).split(".")[0]] = (
+                    alias.name if alias.asname else alias.name.split(".")[0]
+                )
+                if private(alias.name):
+                    found[node.lineno] = f"import {alias.name}"
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                dotted = f"{node.module}.{alias.name}"
+                aliases[alias.asname or alias.name] = dotted
+                if private(dotted):
+                    found[node.lineno] = f"from {node.module} import {alias.name}"
+    uses_httpx = any(module.split(".")[0] in ("httpx", "httpx2") for module in aliases.values())
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and uses_httpx and node.attr in CLIENT_INTERNALS:
+            found.setdefault(node.lineno, f"httpx client internals: .{node.attr}")
+        if isinstance(node, ast.Attribute):
+            chain, current = [node.attr], node.value
+            while isinstance(current, ast.Attribute):
+                chain.append(current.attr)
+                current = current.value
+            if isinstance(current, ast.Name) and current.id in aliases:
+                dotted = ".".join([aliases[current.id], *reversed(chain)])
+                if private(dotted) and len(dotted) > len(found.get(node.lineno, "")):
+                    found[node.lineno] = dotted
+    return [f"line {line}: {text}" for line, text in sorted(found.items())]
+
+
+def test_the_scan_finds_every_form_of_private_use() -> None:
+    bad = """
+from huggingface_hub.utils import _http
+from huggingface_hub.utils._http import get_session
+import huggingface_hub.utils._xet
+from huggingface_hub import _commit_api as api
+import httpx2
+import huggingface_hub as hh
+client = httpx2.Client()
+t = httpx2._transports.default.HTTPTransport
+hh.utils._http.set_client_factory(None)
+client._transport = client._mounts
+"""
+    found = private_uses(bad)
+    assert len(found) == 7, found
+    good = (
+        "from huggingface_hub import set_client_factory, constants\n"
+        "import httpx2\nhttpx2.HTTPTransport()\nconstants.HF_HUB_DISABLE_XET = True\n"
+    )
+    assert private_uses(good) == []
+
+
+def test_no_private_huggingface_hub_or_httpx_use_in_the_package() -> None:
+    offenders = {
+        str(path.relative_to(ROOT)): uses
+        for path in sorted((ROOT / "speedtronic").rglob("*.py"))
+        if (uses := private_uses(path.read_text()))
+    }
+    assert offenders == {}
+
+
+def test_the_sdk_version_is_bounded_and_the_installed_one_fits() -> None:
+    from importlib.metadata import version
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    wanted = canonicalize_name("huggingface_hub")
+    (hub,) = [Requirement(d) for d in deps if canonicalize_name(Requirement(d).name) == wanted]
+    uppers = [s for s in hub.specifier if s.operator in ("<", "<=", "~=", "==")]
+    assert uppers, f"no upper bound on huggingface_hub: {hub}"
+    assert hub.specifier.contains(version("huggingface_hub")), (hub, version("huggingface_hub"))
+
+
+def test_the_sdk_gets_our_client_through_its_public_factory(monkeypatch) -> None:
+    import huggingface_hub
+
+    installed = []
+    monkeypatch.setattr(hub_http, "_INSTALLED", [])
+    monkeypatch.setattr(huggingface_hub, "set_client_factory", installed.append)
+    hub_http.install_sdk_client()
+    hub_http.install_sdk_client()  # idempotent
+    assert installed == [hub_http._client]
+
+
+@pytest.fixture
+def lfs_hub():
+    emulator = HubEmulator(
+        0, token=TEST_TOKEN, faults=FaultConfig(seed=5), lfs=LfsConfig(threshold=1024)
+    )
+    emulator.lfs.config.advertise_xet = True  # resolve answers as a Xet-backed repository
+    emulator.start()
+    try:
+        yield emulator
+    finally:
+        emulator.stop()
+
+
+def _hub(emulator, tmp_path, **policy) -> HubClient:
+    settings = {"initial": 0.01, "maximum": 0.02, "attempts": 2, "timeout": 5.0, **policy}
+    retry = RetryPolicy(**settings, sleeper=lambda s: None)
+    hub = HubClient(
+        "org/xet", token=TEST_TOKEN, endpoint=emulator.url, cache_dir=tmp_path, retry=retry
+    )
+    hub.create_repo()
+    return hub
+
+
+def test_a_large_file_takes_the_lfs_path_and_never_xet(lfs_hub, tmp_path) -> None:
+    from huggingface_hub import HfApi, constants
+
+    hub = _hub(lfs_hub, tmp_path)
+    hub.commit({"big.bin": b"x" * 4096})
+    assert hub.read_bytes("big.bin") == b"x" * 4096
+    assert constants.HF_HUB_DISABLE_XET is True
+    api = HfApi(endpoint=lfs_hub.url, token=TEST_TOKEN)  # bytes: the SDK's Xet input
+    api.upload_file(path_or_fileobj=b"y" * 4096, path_in_repo="raw.bin", repo_id="org/xet")
+    counts = lfs_hub.stats()["counts"]
+    assert counts["PUT storage-upload"] == 2 and counts["GET storage-download"] == 1
+    assert counts["POST lfs-batch"] == 2
+    assert not [k for k in counts if k.endswith(" xet")], counts
+
+
+def test_with_xet_on_the_sdk_would_leave_our_client(lfs_hub, tmp_path, monkeypatch) -> None:
+    """The control: the same files with Xet left on go to the Xet token routes (and from
+    there to a storage service past our client), which is why the Hub store turns it off."""
+    from huggingface_hub import HfApi, constants
+
+    hub = _hub(lfs_hub, tmp_path)
+    hub.commit({"big.bin": b"x" * 4096})
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", False)
+    api = HfApi(endpoint=lfs_hub.url, token=TEST_TOKEN)
+    with pytest.raises(Exception):  # noqa: B017  the emulator has no Xet service
+        api.upload_file(path_or_fileobj=b"y" * 4096, path_in_repo="raw.bin", repo_id="org/xet")
+    with pytest.raises(Exception):  # noqa: B017
+        api.hf_hub_download("org/xet", "big.bin", local_dir=tmp_path / "dl")
+    counts = lfs_hub.stats()["counts"]
+    assert counts.get("GET xet", 0) + counts.get("POST xet", 0) >= 2, counts
+
+
+def test_the_xet_switch_is_logged_once(monkeypatch, caplog) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", False)
+    with caplog.at_level("INFO", logger="speedtronic.diloco"):
+        hub_http._disable_xet()
+        hub_http._disable_xet()
+    lines = [r for r in caplog.records if "Xet transfers are off" in r.getMessage()]
+    assert len(lines) == 1 and constants.HF_HUB_DISABLE_XET is True
+
+
+def test_requests_on_sdk_worker_threads_are_bounded_too(tmp_path) -> None:
+    """Several LFS files in one commit are uploaded from the SDK's thread pool, outside our
+    call's context: each request still times out after request_timeout."""
+    emulator = HubEmulator(0, token=TEST_TOKEN, lfs=LfsConfig(threshold=1024)).start()
+    try:
+        hub = _hub(emulator, tmp_path, attempts=1, timeout=1.0)
+        emulator.set_faults(slow_rate=1.0, slow_seconds=3.0, endpoints="storage-upload")
+        started = time.monotonic()
+        with pytest.raises(HubUnavailable):
+            hub.commit({"a.bin": b"a" * 2048, "b.bin": b"b" * 2048})
+        assert time.monotonic() - started < 2.5
+    finally:
+        emulator.stop()
+
+
+def test_proxies_from_the_environment_are_wrapped_and_no_proxy_goes_direct(
+    monkeypatch,
+) -> None:
+    emulator = HubEmulator(0).start()
+    try:
+        for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY"):
+            for key in (name, name.lower()):
+                monkeypatch.delenv(key, raising=False)
+        monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")  # nothing listens there
+        client = hub_http._client()
+        with pytest.raises(hub_http.HubConnectionError):  # our error: the proxy is wrapped
+            client.get(f"{emulator.url}/api/whoami-v2")
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+        assert hub_http._client().get(f"{emulator.url}/api/whoami-v2").status_code == 200
+    finally:
+        emulator.stop()
