@@ -45,10 +45,10 @@ sys.path.insert(0, str(REPO))
 
 from speedtronic.config import DistributedConfig  # noqa: E402
 from speedtronic.diloco.directory import DirectoryTransport  # noqa: E402
+from speedtronic.diloco.exchange import RetryPolicy  # noqa: E402
 from speedtronic.diloco.hub import HubClient  # noqa: E402
 from speedtronic.diloco.master import RoundMaster  # noqa: E402
 from speedtronic.diloco.relay import Upstream  # noqa: E402
-from speedtronic.diloco.retry import RetryPolicy  # noqa: E402
 from speedtronic.testing.hub_budget import Budget  # noqa: E402
 from speedtronic.testing.hub_server import FaultConfig, HubEmulator, token_tag  # noqa: E402
 
@@ -98,7 +98,7 @@ sys.path.insert(0, {bench!r})
 from diloco_scale import _retry, _settings
 from speedtronic.diloco.hub import HubClient
 from speedtronic.diloco.master import RoundMaster
-from speedtronic.diloco.retry import TransportError
+from speedtronic.diloco.exchange import TransportError
 
 cfg = json.loads(sys.argv[1])
 def peak_kib():

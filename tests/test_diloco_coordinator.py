@@ -395,7 +395,7 @@ def test_finish_waits_on_while_the_master_sees_progress(tmp_path, monkeypatch):
 
 
 def test_a_fatal_master_error_is_raised_on_the_training_thread_and_in_finish(tmp_path):
-    from speedtronic.diloco.retry import ExchangeError
+    from speedtronic.diloco.exchange import ExchangeError
 
     c, model, _ = make(tmp_path, role="master", node_id="m", async_global_poll=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -412,7 +412,7 @@ def test_a_fatal_master_error_is_raised_on_the_training_thread_and_in_finish(tmp
 
 
 def test_an_exchange_error_from_the_master_reconcile_is_not_a_warning(tmp_path, monkeypatch):
-    from speedtronic.diloco.retry import ExchangeError
+    from speedtronic.diloco.exchange import ExchangeError
 
     c, _, _ = _master(tmp_path)
 

@@ -23,9 +23,8 @@ from speedtronic.config import ConfigError, DistributedConfig
 from speedtronic.diloco import exchange as T
 from speedtronic.diloco.coordinator import DumbDiLoCoCoordinator
 from speedtronic.diloco.directory import DirectoryTransport
-from speedtronic.diloco.exchange import GLOBAL_STEP, TransportError
+from speedtronic.diloco.exchange import GLOBAL_STEP, ExchangeError, TransportError
 from speedtronic.diloco.node import GlobalCandidate
-from speedtronic.diloco.retry import ExchangeError
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,9 +16,8 @@ from test_diloco_master import Clock, deliver, join, lines, make_master, publish
 from speedtronic.config.errors import ConfigError
 from speedtronic.diloco import exchange as T
 from speedtronic.diloco import master as master_module
-from speedtronic.diloco.exchange import TransportError
+from speedtronic.diloco.exchange import AccessRefused, ExchangeError, TransportError
 from speedtronic.diloco.master import IDENTITY_HEADERS
-from speedtronic.diloco.retry import AccessRefused, ExchangeError
 
 # -- identity headers and relay weights -----------------------------------------------------
 

@@ -13,7 +13,7 @@ import pytest
 import tomllib
 from hub_emulator_fixtures import TEST_TOKEN
 
-from speedtronic.diloco import hub_http
+from speedtronic.diloco import hub as hub_http
 from speedtronic.diloco.exchange import HubUnavailable, RetryPolicy
 from speedtronic.diloco.hub import HubClient
 from speedtronic.testing.hub_server import FaultConfig, HubEmulator, LfsConfig

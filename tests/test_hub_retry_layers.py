@@ -102,7 +102,7 @@ def test_request_timeout_bounds_a_whole_call(hub_emulator, tmp_path) -> None:
 
 
 def test_a_call_deadline_grows_with_bytes_moved() -> None:
-    from speedtronic.diloco import hub_http
+    from speedtronic.diloco import hub as hub_http
 
     with hub_http.hub_call(2.0):
         call = hub_http._CALL.get()

@@ -15,8 +15,8 @@ from urllib.parse import quote
 
 import pytest
 
-from speedtronic.diloco.retry import RetryPolicy, TransportError
-from speedtronic.diloco.retry import scrub as transport_scrub
+from speedtronic.diloco.exchange import RetryPolicy, TransportError
+from speedtronic.diloco.exchange import scrub as transport_scrub
 from speedtronic.metrics.logger import MetricLogger
 
 CORE = "hf_RedactMe0123456789abcdefghijklmnop"

@@ -11,9 +11,8 @@ One module a role:
 - :mod:`.exchange`: the layout, wire format and validation, the ``Store`` protocol, and the
   one reporting channel (log lines to the ``speedtronic.diloco`` logger, events to one
   ``emit(event, **fields)``, :class:`.exchange.Emit`);
-- :mod:`.directory` and :mod:`.hub`: the stores (shared volume, Hugging Face Hub), with
-  :mod:`.retry` (errors and the one retry policy) and :mod:`.hub_http` (the Hub's HTTP
-  deadlines);
+- :mod:`.directory` and :mod:`.hub`: the stores (shared volume, Hugging Face Hub with the
+  HTTP layer that bounds its calls); errors and the one retry policy are in :mod:`.exchange`;
 - :mod:`.coordinator`: the wiring, from the ``distributed`` config section to the trainer.
 
 The same arithmetic run exactly in one process, the peer the protocol is measured against,

@@ -36,7 +36,13 @@ import torch
 from speedtronic.checkpoint import atomic_write_bytes
 from speedtronic.diloco import exchange as T
 from speedtronic.diloco.directory import DirectoryTransport
-from speedtronic.diloco.exchange import max_global_bytes
+from speedtronic.diloco.exchange import (
+    ExchangeError,
+    RetryPolicy,
+    max_global_bytes,
+    retry_policy_from_config,
+    scrub,
+)
 from speedtronic.diloco.hub import HubClient
 from speedtronic.diloco.master import RoundMaster
 from speedtronic.diloco.node import (
@@ -49,7 +55,6 @@ from speedtronic.diloco.node import (
     resolve_node_id,
 )
 from speedtronic.diloco.relay import Upstream
-from speedtronic.diloco.retry import ExchangeError, RetryPolicy, retry_policy_from_config, scrub
 
 __all__ = [
     "DumbDiLoCo",

@@ -70,15 +70,17 @@ from speedtronic.checkpoint import atomic_json_dump, atomic_write_with
 from speedtronic.diloco import exchange as T
 from speedtronic.diloco.exchange import (
     GLOBAL_PROCESSED,
+    AccessRefused,
     Emit,
+    ExchangeError,
     GlobalMetadata,
+    HubUnavailable,
     RemoteNotFound,
     RepoScan,
     TransportError,
     ignore,
     max_global_bytes,
 )
-from speedtronic.diloco.retry import AccessRefused, ExchangeError, HubUnavailable
 
 __all__ = [
     "IDENTITY_HEADERS",

@@ -53,8 +53,14 @@ import torch
 from speedtronic.config.errors import ConfigError
 from speedtronic.config.limits import check_node_id
 from speedtronic.diloco import exchange as T
-from speedtronic.diloco.exchange import Emit, ignore
-from speedtronic.diloco.retry import AccessRefused, ExchangeError, TransportError, scrub
+from speedtronic.diloco.exchange import (
+    AccessRefused,
+    Emit,
+    ExchangeError,
+    TransportError,
+    ignore,
+    scrub,
+)
 
 __all__ = [
     "Contribution",

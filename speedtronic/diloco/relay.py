@@ -24,9 +24,8 @@ from typing import Any
 
 import torch
 
-from speedtronic.diloco.exchange import GlobalMetadata
+from speedtronic.diloco.exchange import GlobalMetadata, TransportError
 from speedtronic.diloco.master import META, RoundState
-from speedtronic.diloco.retry import TransportError
 
 __all__ = ["Upstream"]
 
