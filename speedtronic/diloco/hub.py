@@ -532,8 +532,17 @@ class HubClient(RepoTransport):
         return data
 
     def _download(self, path: str, max_bytes: int | None = None) -> bytes:
-        """Download ``path``; with ``max_bytes``, a file the Hub lists as larger is refused
-        before the download (one HEAD) and the downloaded file is checked before it is read."""
+        """The content of ``path`` (see :meth:`_fetch`), read into memory."""
+        tmp = tempfile.mkdtemp(prefix="speedtronic-download-", dir=self.cache_dir)
+        try:
+            return self._fetch(path, max_bytes, Path(tmp)).read_bytes()
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _fetch(self, path: str, max_bytes: int | None, into: Path) -> Path:
+        """Download ``path`` into the directory ``into``; with ``max_bytes``, a file the Hub
+        lists as larger is refused before the download (one HEAD) and the downloaded file is
+        checked too."""
         if max_bytes is not None:
             from huggingface_hub import hf_hub_url
 
@@ -543,25 +552,31 @@ class HubClient(RepoTransport):
             ).size
             if isinstance(size, int) and size > max_bytes:
                 raise too_large(path, size, max_bytes)
-        tmp = tempfile.mkdtemp(prefix="speedtronic-download-", dir=self.cache_dir)
-        try:
-            local = Path(
-                self.api.hf_hub_download(
-                    repo_id=self.repo_id,
-                    filename=path,
-                    local_dir=tmp,
-                    repo_type="model",
-                    token=self._token,
-                    force_download=True,
-                    etag_timeout=self.retry.timeout,
-                )
+        local = Path(
+            self.api.hf_hub_download(
+                repo_id=self.repo_id,
+                filename=path,
+                local_dir=into,
+                repo_type="model",
+                token=self._token,
+                force_download=True,
+                etag_timeout=self.retry.timeout,
             )
-            size = local.stat().st_size
-            if max_bytes is not None and size > max_bytes:
-                raise too_large(path, size, max_bytes)
-            return local.read_bytes()
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        )
+        size = local.stat().st_size
+        if max_bytes is not None and size > max_bytes:
+            raise too_large(path, size, max_bytes)
+        return local
+
+    @contextlib.contextmanager
+    def local_copy(self, path: str, max_bytes: int | None = None) -> Iterator[Path]:
+        """The downloaded file itself for the ``with`` block (retried, bounded by
+        ``max_bytes`` on the file; removed afterwards), never read into memory here: the master
+        reads a delta from it one tensor at a time. A missing file is ``RemoteNotFound``."""
+        with tempfile.TemporaryDirectory(prefix="speedtronic-download-", dir=self.cache_dir) as tmp:
+            yield self.retry.run(
+                f"download {path}", lambda: self._scoped(self._fetch, path, max_bytes, Path(tmp))
+            )
 
     def _commit(
         self, additions: Mapping[str, bytes | Path], deletions: list[str], message: str
