@@ -720,6 +720,9 @@ class SafetensorsFile:
         """The tensor names, in the header's order."""
         return list(self._entries)
 
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
     def shape(self, key: str) -> tuple[int, ...]:
         """The shape of tensor ``key`` (read from the header only)."""
         return self._entries[key][1]
@@ -1006,8 +1009,17 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat()
 
 
+def _file_sha256(path: Path) -> str:
+    """The sha256 of the file at ``path``, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def _own_record(
-    header: Mapping[str, str], record: GlobalMetadata, data: bytes
+    header: Mapping[str, str], record: GlobalMetadata, digest: str
 ) -> GlobalMetadata | None:
     """The global file's own description when it is at least as new as ``record``."""
     try:
@@ -1020,7 +1032,7 @@ def _own_record(
         step,
         record.updated_at,
         record.model_file,
-        hashlib.sha256(data).hexdigest(),
+        digest,
         header.get("final", "False") == "True",
         header.get("run_id", ""),
     )
@@ -1219,15 +1231,18 @@ class RepoTransport:
             raise TransportError(
                 f"refusing model_file outside global/: {model_file}", kind="permanent"
             )
-        data = self.read_bytes(model_file, max_bytes=max_bytes)
-        if data is None:
-            raise RemoteNotFound(f"{model_file} is missing")
-        try:
-            state, header = state_from_bytes(data)
+        try:  # the file read as it lies on disk: its bytes are never all in memory at once
+            with self.local_copy(model_file, max_bytes=max_bytes) as local:
+                digest = _file_sha256(local)
+                with open_safetensors(local) as opened:
+                    header = opened.metadata()
+                    state = {key: opened.get_tensor(key) for key in opened}
+        except RemoteNotFound:
+            raise RemoteNotFound(f"{model_file} is missing") from None
         except ValueError as exc:
             raise TransportError(f"{model_file} is corrupt: {exc}") from None
-        if metadata.sha256 and hashlib.sha256(data).hexdigest() != metadata.sha256:
-            own = _own_record(header, metadata, data)
+        if metadata.sha256 and digest != metadata.sha256:
+            own = _own_record(header, metadata, digest)
             if own is None:
                 raise TransportError(
                     f"{model_file} does not match step_count.json (changed while reading)"
