@@ -426,6 +426,7 @@ class RoundMaster:
         fold = _Fold()
         for node_id in sorted(candidates):
             self._fold_node(node_id, candidates[node_id], total, fold)
+            _return_free_memory()  # the file's temporaries, before the next file's
         if not fold.marks:
             return False
         for value in total.values():
@@ -1294,8 +1295,8 @@ def nesterov_update(
         weight.sub_((lr * effective).to(weight.dtype))
 
 
-#: Values per slice of a tensor in the outer step (16 MiB of float32 temporaries).
-OUTER_CHUNK = 1 << 22
+#: Values per slice of a tensor in the outer step (4 MiB of float32 temporaries each).
+OUTER_CHUNK = 1 << 20
 
 
 class NesterovOuterOptimizer:
