@@ -37,6 +37,7 @@ import difflib
 import functools
 import os
 import stat
+import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,16 +46,15 @@ from typing import Any
 import yaml
 
 from speedtronic.config.canonical import (
-    ROOT_FIELDS,
     SECTION_NAMES,
     canonicalize,
     compile_shorthand,
     rebase_legacy_log_paths,
 )
 from speedtronic.config.errors import ConfigError
-from speedtronic.config.loading import load_yaml_value, looks_inline, read_source
+from speedtronic.config.loading import load_yaml_value, looks_inline, read_source, with_origin
 from speedtronic.config.redaction import SecretText, scrub
-from speedtronic.config.schema import SECTION_CLASSES, SpeedtronicConfig
+from speedtronic.config.schema import SpeedtronicConfig, field_infos
 
 __all__ = [
     "DEFAULT_SECRETS_DIR",
@@ -106,13 +106,16 @@ class ResolvedConfig:
 @functools.cache
 def known_fields() -> dict[str, bool]:
     """Every dotted field name -> True when it is a string field (takes raw env text)."""
-    result: dict[str, bool] = {}
-    for section, cls in SECTION_CLASSES.items():
-        for item in dataclasses.fields(cls):
-            result[f"{section}.{item.name}"] = str(item.type) in {"str", "str | None"}
-    for name in ROOT_FIELDS:
-        result[name] = False
-    return result
+
+    def plain(kind: Any) -> Any:
+        return typing.get_args(kind)[0] if typing.get_origin(kind) is typing.Annotated else kind
+
+    text = {str, type(None)}
+    return {
+        dotted: info.annotation is str
+        or {plain(a) for a in typing.get_args(info.annotation)} == text
+        for dotted, info in field_infos().items()
+    }
 
 
 def env_name_for(dotted: str) -> str:
@@ -387,7 +390,8 @@ def resolve_config(
         source = env["SPEEDTRONIC_CONFIG"]
     if isinstance(source, Path) or (isinstance(source, str) and not looks_inline(source)):
         config_path = str(source)
-    file_values = canonicalize(read_source(source)) if source is not None else {}
+    with with_origin(config_path):
+        file_values = canonicalize(read_source(source)) if source is not None else {}
     if secrets_dir is None:
         secrets_dir = env.get("SPEEDTRONIC_SECRETS_DIR") or DEFAULT_SECRETS_DIR
 
@@ -412,7 +416,8 @@ def resolve_config(
         if "compile" in merged:
             merged["compile"] = compile_shorthand(merged["compile"])
         rebase_legacy_log_paths(merged)  # against the merged run.output_dir (configuration.md)
-        config = SpeedtronicConfig.from_canonical(merged)
+        with with_origin(config_path):  # an unknown key can only come from the file
+            config = SpeedtronicConfig.from_canonical(merged)
     except ConfigError as error:
         error = _attribute(error, sources)
         raise ConfigError(scrub(str(error), tokens)) from None
