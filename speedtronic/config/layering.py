@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import logging
 import os
 import stat
 import typing
@@ -67,6 +68,7 @@ __all__ = [
     "resolve_config",
 ]
 
+logger = logging.getLogger("speedtronic.config")
 ENV_PREFIX = "SPEEDTRONIC_"
 DEFAULT_SECRETS_DIR = "/run/secrets"
 TOKEN_KEY = "distributed.token"
@@ -286,6 +288,13 @@ def _read_secret_files(secrets_dir: Path) -> dict[str, tuple[str, str]]:
                 )
             if not stat.S_ISREG(mode) or not os.path.realpath(path).startswith(root + os.sep):
                 continue
+            if mode & 0o077:
+                logger.warning(
+                    "secret file %s is readable by group/others (mode %s); make it readable "
+                    "by its owner only (chmod 600, or defaultMode: 0400 in Kubernetes)",
+                    path,
+                    oct(stat.S_IMODE(mode)),
+                )
             with open(path, "rb") as handle:
                 data = handle.read(MAX_SECRETS_BYTES + 1 - total)
         except OSError as exc:

@@ -357,7 +357,8 @@ class SpeedtronicConfig:
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
-        return f"SpeedtronicConfig({inner})"
+        token = self.distributed.token
+        return scrub(f"SpeedtronicConfig({inner})", [token] if token else [])
 
 
 Config = SpeedtronicConfig
