@@ -17,7 +17,9 @@ Commands (every one takes ``--config``, ``--max-steps``, ``--output-dir``, ``--d
     speedtronic sample [--checkpoint PATH | --global] --prompt TEXT [--max-new-tokens N] ...
 
 ``prepare`` takes no config (``--tokenizer``, default ``bytes``, is what ``data.tokenizer``
-accepts); ``export`` and ``sample`` read the model shape and tokenizer from ``--config``.
+accepts); ``export``, ``sample`` and ``eval`` read the model shape and tokenizer from
+``--config``, or, given only ``--checkpoint PATH``, from the run config the checkpoint carries
+(a trainer checkpoint or directory, or a DiLoCo ``final/`` folder).
 
 Exit codes: 0 success; 2 configuration error (one ``error: ...`` line on stderr, no
 traceback); 1 any other failure (one ``error: <Type>: ...`` line); 130 after Ctrl-C.
@@ -149,6 +151,8 @@ def _resolve(args: argparse.Namespace) -> ResolvedConfig:
         overrides.append(f"run.max_steps={args.max_steps}")
     source = args.config
     if source is None and not os.environ.get("SPEEDTRONIC_CONFIG"):
+        source = _checkpoint_source(args)
+    if source is None and not os.environ.get("SPEEDTRONIC_CONFIG"):
         raise _CommandError("no configuration given: pass --config PATH or set SPEEDTRONIC_CONFIG")
     resolved = resolve_config(source, environ=os.environ, overrides=overrides)
     config = resolved.config
@@ -157,6 +161,24 @@ def _resolve(args: argparse.Namespace) -> ResolvedConfig:
         config.apply_run_target(args.max_steps)  # --max-steps also beats data.max_steps
         resolved.sources["data.max_steps"] = "cli"
     return resolved
+
+
+def _checkpoint_source(args: argparse.Namespace) -> dict[str, Any] | None:
+    """``export``/``sample``/``eval --checkpoint PATH`` without a config: the run config the
+    checkpoint carries (redacted: a token comes from HF_TOKEN or a secret file again)."""
+    if args.command not in ("export", "sample", "eval") or not getattr(args, "checkpoint", None):
+        return None
+    from speedtronic.checkpoint import CheckpointError, checkpoint_config
+    from speedtronic.config import REDACTED
+
+    try:
+        values = checkpoint_config(args.checkpoint)
+    except CheckpointError as exc:
+        raise _CommandError(str(exc)) from None
+    distributed = values.get("distributed")
+    if isinstance(distributed, dict) and distributed.get("token") == REDACTED:
+        values["distributed"] = {**distributed, "token": None}
+    return values
 
 
 def _dump(payload: Any, fmt: str) -> str:

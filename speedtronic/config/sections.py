@@ -225,7 +225,7 @@ class OptimizerConfig:
     """Inner optimizer: ``adamw`` (all parameters) or ``muon`` (hidden matrices) + AdamW rest."""
 
     name: OptimizerName = F("adamw", "adamw (every parameter) or muon (hidden matrices)")
-    lr: Float = F(0.0003, "learning rate (above 10 can only be a mistake)", gt=0, le=10.0)
+    lr: Float = F(0.0003, "learning rate (peak, after warmup)", gt=0, le=10.0)
     betas: Betas = F((0.9, 0.95), "AdamW betas: two values in [0, 1)")
     eps: Float = F(1e-8, "AdamW epsilon", EPS_WD, gt=0, le=1.0)
     weight_decay: Float = F(0.1, "decoupled weight decay", EPS_WD, ge=0, le=1000.0)
