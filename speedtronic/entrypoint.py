@@ -46,6 +46,7 @@ graceful stop itself failed.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import platform
@@ -283,6 +284,24 @@ def _log_startup(command: Command, config: Any, sources: dict[str, str]) -> None
     _LOG.info("config: %s (resolved, redacted; values set: %s)", path or "not written", counted)
 
 
+def _check_local_host(host: str) -> None:
+    """``metrics.host`` must name an address of this machine: one that does not (or a name
+    that does not resolve) is a ``ConfigError`` naming ``metrics.host``, not the port."""
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), 0, type=socket.SOCK_STREAM)
+        family, kind, proto, _name, address = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.bind(address[:2] if family == socket.AF_INET else address)
+    except socket.gaierror as exc:
+        raise ConfigError(f"metrics.host: cannot resolve {host} ({exc.strerror})") from None
+    except OSError as exc:
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise ConfigError(
+                f"metrics.host: {host} is not an address of this machine ({exc.strerror}); "
+                "use 0.0.0.0 (every interface) or one of this machine's addresses"
+            ) from None
+
+
 def _start_server(command: Command, config: Any, registry: Any, state: _RunState) -> Any:
     """Bind and start the metrics server; None when it is off (``metrics.enabled: false``,
     or unset under ``train``)."""
@@ -293,6 +312,7 @@ def _start_server(command: Command, config: Any, registry: Any, state: _RunState
         return None
     from speedtronic.metrics.server import MetricsServer
 
+    _check_local_host(metrics.host)
     server = MetricsServer(
         metrics.host,
         metrics.port,

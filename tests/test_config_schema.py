@@ -153,3 +153,14 @@ def test_empty_config_file_says_so(tmp_path, caplog, capsys) -> None:
     assert f"{path} is empty" in caplog.text
     assert main(["validate", "--config", str(path)]) == 0
     assert f"warning: {path} is empty" in capsys.readouterr().err
+
+
+def test_a_non_local_metrics_host_blames_the_host_not_the_port() -> None:
+    from speedtronic import entrypoint
+
+    with pytest.raises(ConfigError, match=r"^metrics.host: 192.0.2.77 is not an address of"):
+        entrypoint._check_local_host("192.0.2.77")  # TEST-NET-1: never this machine's
+    with pytest.raises(ConfigError, match=r"^metrics.host: cannot resolve"):
+        entrypoint._check_local_host("no-such-host.invalid")
+    entrypoint._check_local_host("127.0.0.1")
+    entrypoint._check_local_host("0.0.0.0")

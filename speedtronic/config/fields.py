@@ -20,6 +20,9 @@ generic one (``must be positive``, ``cannot be negative``, ``must be at most N``
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
 import math
 import reprlib
 import types
@@ -31,6 +34,7 @@ from typing import Annotated, Any, TypeVar
 from annotated_types import Ge, Gt, Le, Lt
 from pydantic import BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic.dataclasses import dataclass as pydantic_dataclass
+from pydantic.fields import FieldInfo
 
 from speedtronic.config.errors import ConfigError
 from speedtronic.config.limits import check_path_text
@@ -347,6 +351,14 @@ def section(name: str) -> Callable[[type[T]], type[T]]:
                 raise to_config_error(error, built, prefix) from None
 
         built.__init__ = __init__
+        for item in built.__dataclass_fields__.values():  # dataclasses.fields() shows defaults
+            info = item.default
+            if isinstance(info, FieldInfo):
+                if isinstance(info.default, (list, dict, set)):
+                    item.default = dataclasses.MISSING
+                    item.default_factory = functools.partial(copy.deepcopy, info.default)
+                else:
+                    item.default = info.default
         built.__config_section__ = name
         return built
 
