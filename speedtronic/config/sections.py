@@ -184,6 +184,8 @@ class DataConfig:
     ``num_tokens`` is the number of synthetic *samples* (2.0.0 naming).
     """
 
+    __check_first__ = ("micro_batch_size", "target_batch_size")  # the 2.0.0 check order
+
     text_path: PathStr | None = F(None, "UTF-8 text file, streamed through data.tokenizer")
     dataset: Dataset = F(None, "path of a torch.save'd Dataset (a Dataset object in Python)")
     synthetic: Synthetic = F("markov", "markov, uniform or none: data when no source is given")
