@@ -23,11 +23,14 @@ from pathlib import Path
 from speedtronic.config.errors import ConfigError
 
 __all__ = [
+    "DAY",
+    "HOUR",
     "MAX_NODE_ID",
     "MAX_PATH",
     "MAX_SEED",
     "MAX_SEGMENT",
     "MAX_STEPS",
+    "WEEK",
     "check_node_id",
     "check_path_text",
     "is_valid_node_id",
@@ -38,6 +41,7 @@ MAX_STEPS = 10**12 - 1  # step_<12 digits>.pt
 MAX_SEED = 2**32 - 1  # numpy.random.seed's limit; torch.manual_seed accepts more
 MAX_PATH = 4096  # PATH_MAX on Linux
 MAX_SEGMENT = 255  # NAME_MAX on Linux
+HOUR, DAY, WEEK = 3600.0, 86400.0, 604800.0  # seconds, far below threading.TIMEOUT_MAX
 MAX_NODE_ID = 128  # one path segment, with room for the files named after it
 _NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]*")
 

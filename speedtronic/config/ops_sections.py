@@ -28,7 +28,7 @@ from speedtronic.config.fields import (
     describe,
     section,
 )
-from speedtronic.config.limits import MAX_STEPS, check_node_id
+from speedtronic.config.limits import DAY, HOUR, MAX_STEPS, WEEK, check_node_id
 from speedtronic.config.redaction import REDACTED
 
 __all__ = [
@@ -43,7 +43,6 @@ __all__ = [
 
 LOG_LEVELS = ("CRITICAL", "FATAL", "ERROR", "WARNING", "WARN", "INFO", "DEBUG", "NOTSET")
 TRACKERS = ("tensorboard", "wandb")
-HOUR, DAY, WEEK = 3600.0, 86400.0, 604800.0
 Choice = BeforeValidator(choice)
 BETWEEN = "{field} must be between {low} and {high}"
 _HOSTNAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")

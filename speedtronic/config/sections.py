@@ -28,7 +28,7 @@ from speedtronic.config.fields import (
     describe,
     section,
 )
-from speedtronic.config.limits import MAX_SEED, MAX_STEPS
+from speedtronic.config.limits import DAY, MAX_SEED, MAX_STEPS
 
 __all__ = [
     "SYNTHETIC_KINDS",
@@ -122,7 +122,6 @@ PrecisionMode = one_of(
 PrecisionDtype = one_of("bf16", "fp16", "fp32", says="precision.dtype must be bf16, fp16, or fp32")
 EVERY = Says(bound="eval.every_steps must be >= 0 (0 = evaluate only at the end)")
 WINDOW = {"gt": 0, "le": MAX_SEQ_LEN}
-DAY = 86400.0
 
 
 @section("run")
