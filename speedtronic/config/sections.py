@@ -97,10 +97,11 @@ def _auto(value: Any) -> Any:
 
 MUON_NS_DTYPES = ("auto", "bf16", "fp32")
 
+NPROC = "run.nproc_per_node must be a positive integer or auto"
 NProc = Annotated[
     Annotated[Int, Field(gt=0, le=1024)] | Literal["auto"],
     BeforeValidator(_auto),
-    Says(kind="run.nproc_per_node must be a positive integer or auto"),
+    Says(bound=NPROC, kind=NPROC),
 ]
 DataParallel = one_of("ddp", "fsdp", says="run.data_parallel must be ddp or fsdp")
 Dataset = Annotated[Any, BeforeValidator(_dataset)]
