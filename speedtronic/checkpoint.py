@@ -51,6 +51,7 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_with",
     "capture_rng_state",
+    "checkpoint_config",
     "read_step",
     "restore_rng_state",
 ]
@@ -478,3 +479,37 @@ class CheckpointManager:
         destination.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(source, destination)
         return destination
+
+
+def checkpoint_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The (redacted) run config a checkpoint carries, so it can be used without ``--config``.
+
+    ``path`` is a trainer checkpoint (``step_*.pt``: its ``config`` entry), a checkpoint
+    directory (its newest usable checkpoint), a ``final/`` folder or a ``.safetensors`` file
+    beside a ``config.yaml`` (what the DiLoCo master writes). ``CheckpointError`` naming the
+    path when it carries none.
+    """
+    target = Path(path)
+    folder = target if target.is_dir() else target.parent
+    if (folder / "config.yaml").is_file() and (
+        target.suffix == ".safetensors" or (folder / "model.safetensors").is_file()
+    ):
+        import yaml
+
+        try:
+            config = yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+            raise CheckpointError(f"{folder / 'config.yaml'} is unreadable: {exc}") from None
+    elif target.is_dir():
+        state = CheckpointManager(target, warn=lambda message: None).load_latest()
+        config = (state or {}).get("config")
+    elif target.is_file() and target.suffix != ".safetensors":
+        config = CheckpointManager.load(target).get("config")
+    else:
+        config = None
+    if not isinstance(config, dict):
+        raise CheckpointError(
+            f"{target} carries no run config (a trainer checkpoint, a checkpoint directory or a "
+            "final/ folder does); pass --config"
+        )
+    return config

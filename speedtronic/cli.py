@@ -6,6 +6,8 @@ Commands (every one takes ``--config``, ``--max-steps``, ``--output-dir``, ``--d
 
     speedtronic validate [--format yaml|json]              # normalised, redacted config
     speedtronic config show [--sources] [--format yaml|json]
+    speedtronic config schema                              # JSON Schema of a config file
+    speedtronic config docs [--write docs/configuration.md] # the generated field tables
     speedtronic train                                      # speedtronic.entrypoint.launch
     speedtronic run                                        # the same runner + metrics server
     speedtronic plot EVENTS [--output PNG] [--each-run]     # last run, or every run apart
@@ -15,7 +17,9 @@ Commands (every one takes ``--config``, ``--max-steps``, ``--output-dir``, ``--d
     speedtronic sample [--checkpoint PATH | --global] --prompt TEXT [--max-new-tokens N] ...
 
 ``prepare`` takes no config (``--tokenizer``, default ``bytes``, is what ``data.tokenizer``
-accepts); ``export`` and ``sample`` read the model shape and tokenizer from ``--config``.
+accepts); ``export``, ``sample`` and ``eval`` read the model shape and tokenizer from
+``--config``, or, given only ``--checkpoint PATH``, from the run config the checkpoint carries
+(a trainer checkpoint or directory, or a DiLoCo ``final/`` folder).
 
 Exit codes: 0 success; 2 configuration error (one ``error: ...`` line on stderr, no
 traceback); 1 any other failure (one ``error: <Type>: ...`` line); 130 after Ctrl-C.
@@ -96,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     show.add_argument("--sources", action="store_true", help="also print where values came from")
     show.add_argument("--format", choices=("yaml", "json"), default="yaml")
+    config_commands.add_parser("schema", help="print the JSON Schema of a config file")
+    docs = config_commands.add_parser("docs", help="print the field tables of the docs")
+    docs.add_argument(
+        "--write", metavar="MARKDOWN", help="replace the generated part of this file instead"
+    )
 
     commands.add_parser("train", parents=[common], help="train locally (CLI progress)")
     commands.add_parser("run", parents=[common], help="container entrypoint (metrics server)")
@@ -142,6 +151,8 @@ def _resolve(args: argparse.Namespace) -> ResolvedConfig:
         overrides.append(f"run.max_steps={args.max_steps}")
     source = args.config
     if source is None and not os.environ.get("SPEEDTRONIC_CONFIG"):
+        source = _checkpoint_source(args)
+    if source is None and not os.environ.get("SPEEDTRONIC_CONFIG"):
         raise _CommandError("no configuration given: pass --config PATH or set SPEEDTRONIC_CONFIG")
     resolved = resolve_config(source, environ=os.environ, overrides=overrides)
     config = resolved.config
@@ -150,6 +161,24 @@ def _resolve(args: argparse.Namespace) -> ResolvedConfig:
         config.apply_run_target(args.max_steps)  # --max-steps also beats data.max_steps
         resolved.sources["data.max_steps"] = "cli"
     return resolved
+
+
+def _checkpoint_source(args: argparse.Namespace) -> dict[str, Any] | None:
+    """``export``/``sample``/``eval --checkpoint PATH`` without a config: the run config the
+    checkpoint carries (redacted: a token comes from HF_TOKEN or a secret file again)."""
+    if args.command not in ("export", "sample", "eval") or not getattr(args, "checkpoint", None):
+        return None
+    from speedtronic.checkpoint import CheckpointError, checkpoint_config
+    from speedtronic.config import REDACTED
+
+    try:
+        values = checkpoint_config(args.checkpoint)
+    except CheckpointError as exc:
+        raise _CommandError(str(exc)) from None
+    distributed = values.get("distributed")
+    if isinstance(distributed, dict) and distributed.get("token") == REDACTED:
+        values["distributed"] = {**distributed, "token": None}
+    return values
 
 
 def _dump(payload: Any, fmt: str) -> str:
@@ -182,6 +211,28 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
         print(_dump({"config": redacted, "sources": resolved.sources}, args.format))
     else:
         print(_dump(redacted, args.format))
+    return EXIT_OK
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    """``config show|schema|docs``: the merged config, or what the field declarations publish."""
+    from speedtronic.config import reference
+
+    if args.config_command == "show":
+        return _cmd_config_show(args)
+    if args.config_command == "schema":
+        print(reference.schema_text(), end="")
+        return EXIT_OK
+    if not args.write:
+        print(reference.field_tables(), end="")
+        return EXIT_OK
+    path = Path(args.write)
+    text = path.read_text(encoding="utf-8")
+    if reference.BEGIN not in text or reference.END not in text:
+        raise _CommandError(f"{path} has no {reference.BEGIN} ... {reference.END} block")
+    head, rest = text.split(reference.BEGIN, 1)
+    tail = rest.split(reference.END, 1)[1]
+    path.write_text(head + reference.field_tables().rstrip("\n") + tail, encoding="utf-8")
     return EXIT_OK
 
 
@@ -330,7 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     _setup_logging()
-    handler = _cmd_config_show if args.command == "config" else _COMMANDS[args.command]
+    handler = _cmd_config if args.command == "config" else _COMMANDS[args.command]
     args.secret_values = []
     try:
         return handler(args)

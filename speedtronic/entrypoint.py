@@ -46,7 +46,7 @@ graceful stop itself failed.
 
 from __future__ import annotations
 
-import json
+import errno
 import logging
 import os
 import platform
@@ -224,15 +224,47 @@ def _configure_logging(
     return handler
 
 
+RESOLVED_CONFIG_FILE = "resolved_config.yaml"
+
+
+def _write_resolved(config: Any, sources: dict[str, str]) -> Any:
+    """The full resolved config (redacted) and its sources, as YAML in ``run.output_dir``;
+    the path, or None when it cannot be written (logged, never fatal)."""
+    import yaml
+
+    from speedtronic.config.redaction import scrub
+
+    path = config.output_path / RESOLVED_CONFIG_FILE
+    token = config.distributed.token
+    text = yaml.safe_dump(
+        {"config": config.to_dict(redact_secrets=True), "sources": sources}, sort_keys=False
+    )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(scrub(text, [token] if token else []), encoding="utf-8")
+    except OSError as exc:
+        _LOG.warning("cannot write the resolved config to %s: %s", path, exc)
+        return None
+    return path
+
+
 def _log_startup(command: Command, config: Any, sources: dict[str, str]) -> None:
-    """The one startup record: versions, the redacted config and its sources."""
+    """The startup record: versions, and where the resolved (redacted) config and its
+    sources were written; under ``logging.format: json`` the event carries them too."""
     redacted = config.to_dict(redact_secrets=True)
     versions = runtime_versions()
+    path = _write_resolved(config, sources)
     if config.logging.format == "json":
         _LOG.info(
             "speedtronic %s starting",
             command,
-            extra=_event("startup", versions=versions, config=redacted, sources=sources),
+            extra=_event(
+                "startup",
+                versions=versions,
+                config=redacted,
+                sources=sources,
+                config_file=str(path) if path else None,
+            ),
         )
         return
     _LOG.info(
@@ -244,8 +276,30 @@ def _log_startup(command: Command, config: Any, sources: dict[str, str]) -> None
         versions["cuda_available"],
         versions["python"],
     )
-    _LOG.info("config (redacted): %s", json.dumps(redacted, sort_keys=True, default=str))
-    _LOG.info("config sources: %s", json.dumps(sources, sort_keys=True))
+    origins: dict[str, int] = {}
+    for origin in sources.values():
+        kind = origin.split(":", 1)[0]
+        origins[kind] = origins.get(kind, 0) + 1
+    counted = ", ".join(f"{count} {kind}" for kind, count in origins.items()) or "defaults only"
+    _LOG.info("config: %s (resolved, redacted; values set: %s)", path or "not written", counted)
+
+
+def _check_local_host(host: str) -> None:
+    """``metrics.host`` must name an address of this machine: one that does not (or a name
+    that does not resolve) is a ``ConfigError`` naming ``metrics.host``, not the port."""
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), 0, type=socket.SOCK_STREAM)
+        family, kind, proto, _name, address = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.bind(address[:2] if family == socket.AF_INET else address)
+    except socket.gaierror as exc:
+        raise ConfigError(f"metrics.host: cannot resolve {host} ({exc.strerror})") from None
+    except OSError as exc:
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise ConfigError(
+                f"metrics.host: {host} is not an address of this machine ({exc.strerror}); "
+                "use 0.0.0.0 (every interface) or one of this machine's addresses"
+            ) from None
 
 
 def _start_server(command: Command, config: Any, registry: Any, state: _RunState) -> Any:
@@ -258,6 +312,7 @@ def _start_server(command: Command, config: Any, registry: Any, state: _RunState
         return None
     from speedtronic.metrics.server import MetricsServer
 
+    _check_local_host(metrics.host)
     server = MetricsServer(
         metrics.host,
         metrics.port,
@@ -386,6 +441,58 @@ def _build(config: Any, resume: bool) -> tuple[Any, Any]:
     return build_runtime(config, resume=resume, log_config=False, ranks=ranks)
 
 
+def _trackers(config: Any, node_id: str) -> list[Any]:
+    """The experiment trackers of ``logging.trackers`` (W&B, TensorBoard; extra
+    ``speedtronic[logging]``), each given the redacted config. Project: ``logging.project`` or
+    ``run.name``; run name: ``logging.run_name`` or the node id. TensorBoard writes under
+    ``<run.output_dir>/tensorboard/<run name>``; W&B honours ``WANDB_MODE=offline``."""
+    from speedtronic.metrics.integrations import TensorboardHook, WandbHook
+
+    section = config.logging
+    project = section.project or config.run.name
+    name = section.run_name or node_id
+    redacted = config.to_dict(redact_secrets=True)
+    hooks: list[Any] = []
+    for tracker in section.trackers:
+        try:
+            if tracker == "wandb":
+                hooks.append(WandbHook(project=project, name=name, config=redacted))
+            else:
+                hook = TensorboardHook(str(config.output_path / "tensorboard" / name))
+                hook.writer.add_text("config", _yaml_block(redacted), global_step=0)
+                hooks.append(hook)
+        except RuntimeError as exc:  # the library is not installed
+            raise ConfigError(f"logging.trackers: {tracker}: {exc}") from None
+        _LOG.info("tracker %s: project %s, run %s", tracker, project, name)
+    return hooks
+
+
+def _yaml_block(values: Any) -> str:
+    import yaml
+
+    return "```yaml\n" + yaml.safe_dump(values, sort_keys=False) + "```"
+
+
+def _summary(config: Any, trainer: Any, role: str, node_id: str) -> str:
+    """One line on what runs: run, model size, data, exchange, role."""
+    model = getattr(trainer, "model", None)
+    params = sum(p.numel() for p in model.parameters()) if model is not None else 0
+    shape = config.model
+    data = config.data
+    if data.text_path or data.token_path or data.dataset:
+        source = data.text_path or data.token_path or "dataset"
+    else:
+        source = f"synthetic {data.synthetic} ({data.num_tokens} samples)"
+    exchange = config.distributed.repo_id if config.distributed.enabled else "none"
+    return (
+        f"run {config.run.name} ({config.effective_max_steps} steps, {config.run.device}); "
+        f"model {shape.name} {params:,} parameters ({shape.n_layer} x {shape.d_model}, "
+        f"vocab {shape.vocab_size}, context {shape.max_seq_len}); data {source}, "
+        f"batch {data.target_batch_size} x {data.block_size} tokens; exchange {exchange}; "
+        f"role {role}, node {node_id}"
+    )
+
+
 def _isatty(stream: Any) -> bool:
     try:
         return bool(stream.isatty())
@@ -499,15 +606,18 @@ def _train(
     from speedtronic.metrics.prometheus import PrometheusSink
 
     state.sink = PrometheusSink(role, node_id, registry=registry)
-    trainer.logger.hooks.extend([state.sink, state, *extra_hooks])
+    trackers = _trackers(config, node_id) if ranks.is_main else []
+    trainer.logger.hooks.extend([state.sink, state, *trackers, *extra_hooks])
     bar = _attach_progress(trainer) if progress else None
     state.built = True
     state.last_phase = time.monotonic()
+    summary = _summary(config, trainer, role, node_id)
     _LOG.info(
-        "runtime built: role=%s node_id=%s",
+        "runtime built: role=%s node_id=%s: %s",
         role,
         node_id,
-        extra=_event("runtime_built", role=role, node_id=node_id),
+        summary,
+        extra=_event("runtime_built", role=role, node_id=node_id, summary=summary),
     )
     try:
         if state.stop_signal is not None and getattr(parallel, "stops_locally", True):
@@ -528,6 +638,8 @@ def _train(
         if bar is not None:
             bar.close()
         trainer.logger.close()
+        for tracker in trackers:
+            tracker.close()
     if parallel is not None:
         parallel.close()  # the ranks leave together (after a failure the agent ends them)
     reason = result.stopped_reason

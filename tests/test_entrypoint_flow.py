@@ -11,6 +11,7 @@ import socket
 from types import SimpleNamespace
 
 import pytest
+import yaml
 from test_deploy_support import REPO
 from test_rehearsal_support import free_port, http_get
 
@@ -263,9 +264,17 @@ def test_the_config_is_logged_once(tmp_path, capsys, command):
     outcome = entrypoint.launch(cfg, command=command)
     assert outcome.exit_code == 0 and outcome.result.steps == 2
     out = capsys.readouterr().out
-    config_lines = [line for line in out.splitlines() if '"n_layer"' in line]
+    # issue 21: a short summary on stdout; the full resolved config goes to a file
+    assert not [line for line in out.splitlines() if '"n_layer"' in line or len(line) > 600]
+    config_lines = [line for line in out.splitlines() if "config: " in line]
     assert len(config_lines) == 1, config_lines
-    assert "config (redacted)" in config_lines[0]
+    written = tmp_path / "out" / entrypoint.RESOLVED_CONFIG_FILE
+    assert str(written) in config_lines[0] and "resolved, redacted" in config_lines[0]
+    record = yaml.safe_load(written.read_text())
+    assert record["config"]["run"]["output_dir"] == str(tmp_path / "out")
+    assert record["sources"]["run.output_dir"] == "env:SPEEDTRONIC_RUN__OUTPUT_DIR"
+    summary = [line for line in out.splitlines() if "runtime built" in line]
+    assert len(summary) == 1 and " parameters (" in summary[0] and "exchange none" in summary[0]
     assert sum(f"speedtronic {command} starting" in line for line in out.splitlines()) == 1
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from speedtronic.config.coercion import REDACTED
 from speedtronic.config.errors import ConfigError, ConfigFileNotFoundError
 from speedtronic.config.layering import ResolvedConfig, resolve_config
 from speedtronic.config.ops_sections import (
@@ -32,6 +31,7 @@ from speedtronic.config.ops_sections import (
     MetricsConfig,
     ShapeValidationConfig,
 )
+from speedtronic.config.redaction import REDACTED
 from speedtronic.config.schema import Config, SpeedtronicConfig
 from speedtronic.config.sections import (
     DataConfig,

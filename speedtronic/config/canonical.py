@@ -19,12 +19,12 @@ and a log path written relative to the working directory under ``run.output_dir`
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import PurePath
 from typing import Any
 
-from speedtronic.config.coercion import to_int
 from speedtronic.config.errors import ConfigError
 
 __all__ = [
@@ -64,7 +64,9 @@ LOG_PATH_FIELDS = ("file", "json_file")
 
 
 def _queue_size_is_one(value: Any) -> bool:
-    return to_int(value, "distributed.delta_upload_queue_size") == 1
+    if isinstance(value, str):
+        return value.strip() == "1"
+    return isinstance(value, (bool, int, float)) and value == 1
 
 
 def _overflow_is_skip(value: Any) -> bool:
@@ -85,10 +87,17 @@ RETIRED = {
 }
 
 
-def unknown_keys_message(keys: Any, prefix: str = "") -> str:
-    """The 2.0.0 text: ``[<section>: ]unknown configuration keys: a, b`` (sorted)."""
-    joined = ", ".join(sorted(str(key) for key in keys))
-    return f"{prefix}unknown configuration keys: {joined}"
+def unknown_keys_message(keys: Any, prefix: str = "", known: Iterable[str] = ()) -> str:
+    """The 2.0.0 text ``[<section>: ]unknown configuration keys: a, b`` (sorted), plus the
+    nearest known name of the first key that resembles one (``did you mean max_steps?``)."""
+    names = sorted(str(key) for key in keys)
+    message = f"{prefix}unknown configuration keys: {', '.join(names)}"
+    choices = sorted(str(name) for name in known if name not in names)
+    for name in names:
+        close = difflib.get_close_matches(name, choices, n=1, cutoff=0.75)
+        if close:
+            return f"{message} (did you mean {close[0]}?)"
+    return message
 
 
 def _as_dict(value: Any) -> Any:
@@ -147,7 +156,7 @@ def canonicalize(values: Any) -> dict[str, Any]:
 
     unknown = set(data) - set(SECTION_NAMES) - set(ROOT_FIELDS)
     if unknown:
-        raise ConfigError(unknown_keys_message(unknown))
+        raise ConfigError(unknown_keys_message(unknown, "", (*SECTION_NAMES, *ROOT_ALIASES)))
 
     if "compile" in data:
         data["compile"] = compile_shorthand(data["compile"])
@@ -206,7 +215,7 @@ def rebase_legacy_log_paths(data: dict[str, Any]) -> None:
     if output_dir is None:
         from speedtronic.config.sections import RunConfig
 
-        output_dir = RunConfig.output_dir
+        output_dir = RunConfig.__pydantic_fields__["output_dir"].default
     if not isinstance(output_dir, str) or PurePath(output_dir).is_absolute():
         return
     prefix = PurePath(output_dir).parts

@@ -1,17 +1,17 @@
 """Layered configuration: defaults < file < secret files < environment < CLI overrides.
 
 :func:`resolve_config` is the one place that reads the environment and the secrets directory.
-Both are read directly into dotted field names: every field has exactly one environment name
-(:func:`env_name_for`, matched case-insensitively) and one secret file name
-(``<section>__<field>``), so a name maps to its field by a table lookup, and the values go
-straight into the mapping the section dataclasses validate (there is no second model in
-between; the dataclasses are the one validator). The file layer is canonicalised once
-(aliases/shorthands applied); the fields of every layer are merged one by one into one
-canonical nested mapping, built with ``SpeedtronicConfig.from_canonical`` (no second
-normalisation; only the 2.0.0 log-path rule is applied once more, against the merged
-``run.output_dir``). The winner of each field is recorded in ``ResolvedConfig.sources``
-(``file``, ``env:<NAME>``, ``secret:<file>``, ``cli``). Fields no layer set keep their dataclass
-defaults and are not listed.
+The environment is read by pydantic-settings' ``EnvSettingsSource`` (``env_prefix``, ``__``
+nested delimiter, any case) over the names of the config tree, into raw text per dotted field;
+secret files by name (``hf_token`` and ``<section>__<field>``) with the checks below. Each
+value is parsed once (YAML) and goes into one canonical mapping that the section dataclasses
+validate (they are the one validator). Our own, because pydantic-settings lacks them: per-field
+provenance, refusing unknown ``SPEEDTRONIC_*`` names with a suggestion, the 2.0.0 aliases (the
+file layer is canonicalised once), and keeping secrets out of every error. The winner of each
+field is recorded in ``ResolvedConfig.sources`` (``file``, ``env:<NAME>``, ``secret:<file>``,
+``cli``). Fields no layer set keep their defaults and are not listed. The merged mapping is
+built with ``SpeedtronicConfig.from_canonical`` (no second normalisation; only the 2.0.0
+log-path rule is applied once more, against the merged ``run.output_dir``).
 
 Environment names: ``SPEEDTRONIC_<SECTION>__<FIELD>`` and ``SPEEDTRONIC_<ROOT_FIELD>``, plus
 ``SPEEDTRONIC_CONFIG`` (config path when ``source`` is None), ``SPEEDTRONIC_SECRETS_DIR``
@@ -27,7 +27,8 @@ token cannot be set with ``--set``/``overrides`` (it would sit in the process li
 file that is a directory, cannot be read or is not UTF-8 is a ``ConfigError`` naming the file.
 Other entries of the directory are not ours and are left alone: hidden ones (Kubernetes'
 ``..data``), names that are no field, anything but a regular file, and a link that leads out of
-the directory (as the secret sources of pydantic-settings, used before, did).
+the directory (as pydantic-settings' secret sources do). A secret file that group or others
+may read is used, with a warning naming it.
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import logging
 import os
 import stat
+import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,9 +55,9 @@ from speedtronic.config.canonical import (
     rebase_legacy_log_paths,
 )
 from speedtronic.config.errors import ConfigError
-from speedtronic.config.loading import load_yaml_value, looks_inline, read_source
+from speedtronic.config.loading import load_yaml_value, looks_inline, read_source, with_origin
 from speedtronic.config.redaction import SecretText, scrub
-from speedtronic.config.schema import SECTION_CLASSES, SpeedtronicConfig
+from speedtronic.config.schema import SpeedtronicConfig, field_infos
 
 __all__ = [
     "DEFAULT_SECRETS_DIR",
@@ -67,6 +70,7 @@ __all__ = [
     "resolve_config",
 ]
 
+logger = logging.getLogger("speedtronic.config")
 ENV_PREFIX = "SPEEDTRONIC_"
 DEFAULT_SECRETS_DIR = "/run/secrets"
 TOKEN_KEY = "distributed.token"
@@ -106,13 +110,16 @@ class ResolvedConfig:
 @functools.cache
 def known_fields() -> dict[str, bool]:
     """Every dotted field name -> True when it is a string field (takes raw env text)."""
-    result: dict[str, bool] = {}
-    for section, cls in SECTION_CLASSES.items():
-        for item in dataclasses.fields(cls):
-            result[f"{section}.{item.name}"] = str(item.type) in {"str", "str | None"}
-    for name in ROOT_FIELDS:
-        result[name] = False
-    return result
+
+    def plain(kind: Any) -> Any:
+        return typing.get_args(kind)[0] if typing.get_origin(kind) is typing.Annotated else kind
+
+    text = {str, type(None)}
+    return {
+        dotted: info.annotation is str
+        or {plain(a) for a in typing.get_args(info.annotation)} == text
+        for dotted, info in field_infos().items()
+    }
 
 
 def env_name_for(dotted: str) -> str:
@@ -233,6 +240,37 @@ def _check_env_names(environ: Mapping[str, str]) -> None:
         )
 
 
+@functools.cache
+def _env_source_class() -> type:
+    """pydantic-settings' environment source over the config tree's names.
+
+    ``SPEEDTRONIC_<SECTION>__<FIELD>`` and ``SPEEDTRONIC_<ROOT_FIELD>`` (prefix, ``__`` nested
+    delimiter, any case) are matched by pydantic-settings; each section is read as a mapping
+    of raw text, which :func:`_parse_value` parses as YAML and the section dataclasses then
+    validate (one validator). It reads the ``environ`` given, not ``os.environ``. Imported on
+    first use: a run without ``SPEEDTRONIC_*`` fields never pays for pydantic-settings.
+    """
+    from pydantic import create_model
+    from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
+
+    fields: dict[str, Any] = {name: (dict[str, Any], {}) for name in SECTION_NAMES}
+    fields.update({name: (Any, None) for name in ROOT_FIELDS})
+    names = create_model("ConfigNames", __base__=BaseSettings, **fields)
+    names.model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter="__", case_sensitive=False, extra="ignore"
+    )
+
+    class MappingEnvSource(EnvSettingsSource):
+        def __init__(self, environ: Mapping[str, str]) -> None:
+            self.environ = environ
+            super().__init__(names)
+
+        def _load_env_vars(self) -> Mapping[str, str | None]:
+            return {key.lower(): value for key, value in self.environ.items()}
+
+    return MappingEnvSource
+
+
 def _env_layer(environ: Mapping[str, str]) -> list[tuple[str, Any, str]]:
     """(dotted, value, source) triples from the environment, lowest precedence first.
 
@@ -247,11 +285,14 @@ def _env_layer(environ: Mapping[str, str]) -> list[tuple[str, Any, str]]:
     node_id = names.get("SPEEDTRONIC_NODE_ID")
     if node_id is not None and environ[node_id].strip():
         triples.append((NODE_ID_KEY, environ[node_id], f"env:{node_id}"))
-    for upper, dotted in _env_fields().items():
-        name = names.get(upper)
-        if name is not None:
+    if not any(upper in _env_fields() for upper in names):
+        return triples
+    values = _env_source_class()(environ)()
+    for dotted, raw in _flatten(values).items():
+        name = names.get(env_name_for(dotted))
+        if name is not None and raw is not None:
             origin = f"env:{name}"
-            triples.append((dotted, _parse_value(environ[name], dotted, origin), origin))
+            triples.append((dotted, _parse_value(raw, dotted, origin), origin))
     return triples
 
 
@@ -283,6 +324,13 @@ def _read_secret_files(secrets_dir: Path) -> dict[str, tuple[str, str]]:
                 )
             if not stat.S_ISREG(mode) or not os.path.realpath(path).startswith(root + os.sep):
                 continue
+            if mode & 0o077:
+                logger.warning(
+                    "secret file %s is readable by group/others (mode %s); make it readable "
+                    "by its owner only (chmod 600, or defaultMode: 0400 in Kubernetes)",
+                    path,
+                    oct(stat.S_IMODE(mode)),
+                )
             with open(path, "rb") as handle:
                 data = handle.read(MAX_SECRETS_BYTES + 1 - total)
         except OSError as exc:
@@ -387,7 +435,8 @@ def resolve_config(
         source = env["SPEEDTRONIC_CONFIG"]
     if isinstance(source, Path) or (isinstance(source, str) and not looks_inline(source)):
         config_path = str(source)
-    file_values = canonicalize(read_source(source)) if source is not None else {}
+    with with_origin(config_path):
+        file_values = canonicalize(read_source(source)) if source is not None else {}
     if secrets_dir is None:
         secrets_dir = env.get("SPEEDTRONIC_SECRETS_DIR") or DEFAULT_SECRETS_DIR
 
@@ -412,7 +461,8 @@ def resolve_config(
         if "compile" in merged:
             merged["compile"] = compile_shorthand(merged["compile"])
         rebase_legacy_log_paths(merged)  # against the merged run.output_dir (configuration.md)
-        config = SpeedtronicConfig.from_canonical(merged)
+        with with_origin(config_path):  # an unknown key can only come from the file
+            config = SpeedtronicConfig.from_canonical(merged)
     except ConfigError as error:
         error = _attribute(error, sources)
         raise ConfigError(scrub(str(error), tokens)) from None

@@ -19,21 +19,20 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
 
 from speedtronic.config.errors import ConfigError
 
 __all__ = [
+    "DAY",
+    "HOUR",
     "MAX_NODE_ID",
     "MAX_PATH",
     "MAX_SEED",
     "MAX_SEGMENT",
     "MAX_STEPS",
-    "at_most",
-    "blame",
+    "WEEK",
     "check_node_id",
     "check_path_text",
-    "in_range",
     "is_valid_node_id",
     "path_kind_problem",
 ]
@@ -42,55 +41,9 @@ MAX_STEPS = 10**12 - 1  # step_<12 digits>.pt
 MAX_SEED = 2**32 - 1  # numpy.random.seed's limit; torch.manual_seed accepts more
 MAX_PATH = 4096  # PATH_MAX on Linux
 MAX_SEGMENT = 255  # NAME_MAX on Linux
+HOUR, DAY, WEEK = 3600.0, 86400.0, 604800.0  # seconds, far below threading.TIMEOUT_MAX
 MAX_NODE_ID = 128  # one path segment, with room for the files named after it
 _NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]*")
-
-
-def _limit(value: float) -> str:
-    """A limit as written in docs/configuration.md (integers exactly, floats short)."""
-    return str(value) if isinstance(value, int) else f"{value:g}"
-
-
-def _shown(value: Any) -> str:
-    """A number for an error message (never thousands of digits)."""
-    text = repr(value) if not isinstance(value, int) or abs(value) < 10**30 else "a huge number"
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def in_range(
-    value: Any,
-    field: str,
-    low: float | None = None,
-    high: float | None = None,
-    *,
-    low_open: bool = False,
-) -> Any:
-    """``value`` when ``low <= value <= high`` (``low < value`` with ``low_open``)."""
-    if value is None:
-        return value
-    below = low is not None and (value <= low if low_open else value < low)
-    above = high is not None and value > high
-    if below or above:
-        opening = "(" if low_open else "["
-        lower = "-inf" if low is None else _limit(low)
-        upper = "inf" if high is None else _limit(high)
-        raise ConfigError(f"{field} must be in {opening}{lower}, {upper}], got {_shown(value)}")
-    return value
-
-
-def at_most(value: Any, field: str, high: float) -> Any:
-    """``value`` when it is ``None`` or ``<= high``; else a ``ConfigError`` naming the limit."""
-    if value is not None and value > high:
-        raise ConfigError(f"{field} must be at most {_limit(high)}, got {_shown(value)}")
-    return value
-
-
-def blame(message: str, fields: dict[str, Any], bad: Any) -> ConfigError:
-    """A 2.0.0 message that covers several fields, followed by the ones ``bad(value)`` rejects
-    (``model dimensions must be positive (model.d_ff = -1)``): the text stays, the field is
-    named."""
-    named = ", ".join(f"{name} = {_shown(value)}" for name, value in fields.items() if bad(value))
-    return ConfigError(f"{message} ({named})" if named else message)
 
 
 def check_path_text(value: str | None, field: str) -> str | None:

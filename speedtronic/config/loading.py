@@ -18,9 +18,10 @@ integer rules.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ __all__ = [
     "read_config_file",
     "read_source",
     "warn_if_token",
+    "with_origin",
 ]
 
 logger = logging.getLogger("speedtronic.config")
@@ -261,8 +263,24 @@ def read_config_file(path: str | Path, *, force_yaml: bool = False) -> dict[str,
         raise ConfigError(f"cannot read config file {file_path}: {exc.strerror}") from None
     use_json = not force_yaml and file_path.suffix.lower() not in {".yaml", ".yml"}
     values = parse_text(text, origin=str(file_path), use_json=use_json)
+    if not values:
+        logger.warning("%s is empty (no settings); every field keeps its default", file_path)
     warn_if_token(values, str(file_path))
     return values
+
+
+@contextlib.contextmanager
+def with_origin(path: str | Path | None) -> Iterator[None]:
+    """Name the file in an unknown-key error raised inside: ``data: unknown configuration keys:
+    micro_batch_sise in run.yaml (did you mean micro_batch_size?)``."""
+    try:
+        yield
+    except ConfigError as error:
+        message = str(error)
+        if path is None or "unknown configuration keys" not in message:
+            raise
+        keys, hint, rest = message.partition(" (did you mean ")
+        raise ConfigError(f"{keys} in {path}{hint}{rest}") from None
 
 
 def looks_inline(source: str) -> bool:

@@ -2,10 +2,8 @@
 
 Scheduler horizon: ``scheduler.max_steps`` left unset (``null``) follows the effective run target
 (``data.max_steps`` if set, else ``run.max_steps``). The aggregate fills the number in at
-construction and remembers that it was implicit (``scheduler.max_steps_explicit``). After a
-later change of the run target call :meth:`SpeedtronicConfig.apply_run_target` (or
-:meth:`SpeedtronicConfig.sync_scheduler_horizon` after mutating ``run``/``data`` directly); an
-explicit horizon is never touched.
+construction; :meth:`SpeedtronicConfig.apply_run_target` (or :meth:`sync_scheduler_horizon`
+after mutating ``run``/``data`` directly) moves it along. An explicit horizon is never touched.
 """
 
 from __future__ import annotations
@@ -23,16 +21,18 @@ from speedtronic.config.canonical import (
     canonicalize,
     unknown_keys_message,
 )
-from speedtronic.config.coercion import REDACTED, to_bool, to_int
 from speedtronic.config.errors import ConfigError
+from speedtronic.config.fields import Bool, F, Int, Says, section
 from speedtronic.config.limits import path_kind_problem
 from speedtronic.config.ops_sections import (
+    BETWEEN,
     CheckpointConfig,
     DistributedConfig,
     LoggingConfig,
     MetricsConfig,
     ShapeValidationConfig,
 )
+from speedtronic.config.redaction import REDACTED, scrub
 from speedtronic.config.sections import (
     DataConfig,
     EvalConfig,
@@ -43,7 +43,7 @@ from speedtronic.config.sections import (
     SchedulerConfig,
 )
 
-__all__ = ["SECTION_CLASSES", "Config", "SpeedtronicConfig", "build_section"]
+__all__ = ["SECTION_CLASSES", "Config", "SpeedtronicConfig", "build_section", "field_infos"]
 
 SECTION_CLASSES: dict[str, type] = {
     "run": RunConfig,
@@ -62,6 +62,18 @@ SECTION_CLASSES: dict[str, type] = {
 assert tuple(SECTION_CLASSES) == SECTION_NAMES
 
 
+def field_infos() -> dict[str, Any]:
+    """Every dotted field name -> its pydantic ``FieldInfo`` (type, default, bounds, help)."""
+    result = {
+        f"{name}.{field}": info
+        for name, cls in SECTION_CLASSES.items()
+        for field, info in cls.__pydantic_fields__.items()
+    }
+    fields = SpeedtronicConfig.__pydantic_fields__
+    result.update({name: fields[name] for name in ROOT_FIELDS})
+    return result
+
+
 def build_section(name: str, value: Any) -> Any:
     """Build section ``name`` from a mapping, ``None`` (defaults) or an existing instance."""
     cls = SECTION_CLASSES[name]
@@ -69,14 +81,11 @@ def build_section(name: str, value: Any) -> Any:
         return value
     if value is None:
         return cls()
-    if name == "precision" and isinstance(value, str):
-        value = {"mode": value}
     if not isinstance(value, Mapping):
         raise ConfigError(f"{name} must be a mapping")
-    allowed = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(value) - allowed
+    unknown = set(value) - set(cls.__pydantic_fields__)
     if unknown:
-        raise ConfigError(unknown_keys_message(unknown, f"{name}: "))
+        raise ConfigError(unknown_keys_message(unknown, f"{name}: ", cls.__pydantic_fields__))
     return cls(**{str(key): item for key, item in value.items()})
 
 
@@ -93,7 +102,18 @@ def _plain(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-@dataclasses.dataclass
+def _scrubbed(value: Any, secrets: list[str]) -> Any:
+    """``value`` with every secret (any spelling) replaced in every string it holds."""
+    if isinstance(value, str):
+        return scrub(value, secrets)
+    if isinstance(value, dict):
+        return {key: _scrubbed(item, secrets) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_scrubbed(item, secrets) for item in value]
+    return value
+
+
+@section("")
 class SpeedtronicConfig:
     """The whole run configuration: twelve sections plus four root scalars."""
 
@@ -111,22 +131,14 @@ class SpeedtronicConfig:
     )
     metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
-    gradient_checkpointing: bool = False
-    compile: bool = False
-    ooo_backprop: bool = False
-    ooo_streams: int = 4
+    gradient_checkpointing: Bool = F(False, "activation checkpointing (OR-ed with model's flag)")
+    compile: Bool = F(False, "torch.compile the model (also compile: {enabled: ...})")
+    ooo_backprop: Bool = F(False, "out-of-order backprop streams (CUDA only)")
+    ooo_streams: Int = F(
+        4, "streams for ooo_backprop", Says(bound=BETWEEN, upper=BETWEEN), ge=1, le=8
+    )
 
     def __post_init__(self) -> None:
-        for name in SECTION_NAMES:
-            setattr(self, name, build_section(name, getattr(self, name)))
-        self.gradient_checkpointing = to_bool(self.gradient_checkpointing, "gradient_checkpointing")
-        self.compile = to_bool(self.compile, "compile")
-        self.ooo_backprop = to_bool(self.ooo_backprop, "ooo_backprop")
-        self.ooo_streams = to_int(self.ooo_streams, "ooo_streams")
-        if self.run.max_steps <= 0:
-            raise ConfigError("run.max_steps must be positive")
-        if not 1 <= self.ooo_streams <= 8:
-            raise ConfigError("ooo_streams must be between 1 and 8")
         if self.distributed.enabled and self.distributed.role == "single":
             self.distributed.role = "master" if self.distributed.repo_id else "worker"
         if self.data.block_size is None:
@@ -156,14 +168,9 @@ class SpeedtronicConfig:
     def sync_scheduler_horizon(self) -> SpeedtronicConfig:
         """Set an implicit scheduler horizon to :attr:`effective_max_steps`; returns ``self``."""
         scheduler = self.scheduler
-        explicit = getattr(scheduler, "max_steps_explicit", scheduler.max_steps is not None)
-        filled = getattr(scheduler, "_implicit_max_steps", None)
-        if not explicit and scheduler.max_steps not in (None, filled):
-            explicit = True  # a value assigned after construction counts as explicit
-        scheduler.max_steps_explicit = explicit
-        if not explicit:
+        if not scheduler.max_steps_explicit:
             scheduler.max_steps = self.effective_max_steps
-            scheduler._implicit_max_steps = scheduler.max_steps
+            scheduler._filled_max_steps = scheduler.max_steps
         return self
 
     def apply_run_target(self, max_steps: int) -> SpeedtronicConfig:
@@ -172,12 +179,10 @@ class SpeedtronicConfig:
         Sets ``run.max_steps`` (and ``data.max_steps`` when that is set, so the effective target
         is ``max_steps``), then moves an implicit scheduler horizon along.
         """
-        steps = to_int(max_steps, "max_steps")
-        if steps <= 0:
-            raise ConfigError("run.max_steps must be positive")
-        self.run.max_steps = steps
+        max_steps = RunConfig(max_steps=max_steps).max_steps  # validated like the field
+        self.run.max_steps = max_steps
         if self.data.max_steps is not None:
-            self.data.max_steps = steps
+            self.data.max_steps = max_steps
         return self.sync_scheduler_horizon()
 
     def with_max_steps(self, max_steps: int) -> SpeedtronicConfig:
@@ -281,10 +286,9 @@ class SpeedtronicConfig:
     def from_dict(cls, values: Mapping[str, Any] | None = None) -> SpeedtronicConfig:
         """Build from a mapping in any accepted form; never reads the environment.
 
-        The public entry for users' mappings: 2.0.0 root aliases (``max_steps: 10``), section
-        aliases (``hub:``) and shorthands (``optimizer: muon``, ``precision: bf16``,
-        ``compile: {enabled: true}``) are normalised here, once (:func:`canonicalize`), then
-        the canonical mapping is built by :meth:`from_canonical`.
+        2.0.0 root aliases (``max_steps: 10``), section aliases (``hub:``) and shorthands
+        (``optimizer: muon``, ``precision: bf16``, ``compile: {enabled: true}``) are normalised
+        here, once (:func:`canonicalize`), then built by :meth:`from_canonical`.
         """
         return cls.from_canonical(canonicalize(values))
 
@@ -293,13 +297,12 @@ class SpeedtronicConfig:
         """Build and validate from an already canonical mapping, without normalising it again.
 
         ``data`` holds only section names (each a mapping of field names, ``None`` or a section
-        instance) and the root fields, as :func:`canonicalize` and ``resolve_config`` produce
-        it. An alias or shorthand here is not rewritten: it is an unknown key or a wrong type,
-        a ``ConfigError`` like any other. Use :meth:`from_dict` for users' mappings.
+        instance) and the root fields. An alias or shorthand here is an unknown key or a wrong
+        type, a ``ConfigError`` like any other. Use :meth:`from_dict` for users' mappings.
         """
         unknown = set(data) - set(SECTION_NAMES) - set(ROOT_FIELDS)
         if unknown:
-            raise ConfigError(unknown_keys_message(unknown))
+            raise ConfigError(unknown_keys_message(unknown, "", SECTION_NAMES + ROOT_FIELDS))
         kwargs = {name: build_section(name, data[name]) for name in SECTION_NAMES if name in data}
         kwargs.update({name: data[name] for name in ROOT_FIELDS if name in data})
         return cls(**kwargs).validate()
@@ -307,23 +310,30 @@ class SpeedtronicConfig:
     @classmethod
     def from_yaml(cls, path: str | Path) -> SpeedtronicConfig:
         """Load a YAML file (malformed YAML or a missing file is a ``ConfigError``)."""
-        from speedtronic.config.loading import read_config_file
+        from speedtronic.config.loading import read_config_file, with_origin
 
-        return cls.from_dict(read_config_file(path, force_yaml=True))
+        with with_origin(path):
+            return cls.from_dict(read_config_file(path, force_yaml=True))
 
     @classmethod
     def load(cls, source: Any) -> SpeedtronicConfig:
         """A mapping, inline YAML/JSON text, or a path (``.yaml``/``.yml`` else JSON)."""
-        from speedtronic.config.loading import read_source
+        from speedtronic.config.loading import looks_inline, read_source, with_origin
 
-        return cls.from_dict(read_source(source))
+        is_path = isinstance(source, Path) or (isinstance(source, str) and not looks_inline(source))
+        with with_origin(source if is_path else None):
+            return cls.from_dict(read_source(source))
 
     # ----------------------------------------------------------------- serialisation
     def to_dict(self, *, redact_secrets: bool = False) -> dict[str, Any]:
-        """Plain nested dict in field order; ``redact_secrets`` replaces the token."""
+        """Plain nested dict in field order; ``redact_secrets`` replaces the token wherever its
+        value appears (also inside other fields) and anything shaped like a Hub token."""
         result = _plain(self)
-        if redact_secrets and result["distributed"]["token"]:
-            result["distributed"]["token"] = REDACTED
+        if redact_secrets:
+            token = self.distributed.token
+            result = _scrubbed(result, [token] if token else [])
+            if token:
+                result["distributed"]["token"] = REDACTED
         return result
 
     def to_yaml(self, *, redact_secrets: bool = False) -> str:
@@ -347,7 +357,8 @@ class SpeedtronicConfig:
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
-        return f"SpeedtronicConfig({inner})"
+        token = self.distributed.token
+        return scrub(f"SpeedtronicConfig({inner})", [token] if token else [])
 
 
 Config = SpeedtronicConfig

@@ -1,31 +1,34 @@
-"""Training-side section dataclasses: run, model, data, optimizer, scheduler, precision.
+"""Training-side sections: run, model, data, optimizer, scheduler, precision, eval.
 
-Each section is a plain mutable ``@dataclass`` that coerces and validates its own fields in
-``__post_init__`` (so direct Python construction is validated too); nothing re-validates after
-later attribute mutation. Range-check messages are the 2.0.0 texts (reference/config.md §5);
-type errors name the field and the expected type (see :mod:`speedtronic.config.coercion`).
-Every numeric field also has an upper bound (:mod:`speedtronic.config.limits`), so nothing
-absurd validates and fails later; docs/configuration.md lists the ranges.
+Each field is declared once: type, default, bounds and one line of help (the docs table and
+the JSON Schema are generated from these declarations). ``__post_init__`` holds only the rules
+that relate two fields; it runs at construction. As in 2.0.0, later assignments are not
+re-validated (``SpeedtronicConfig.validate`` checks the whole again).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
 
-from speedtronic.config.coercion import (
+from pydantic import BeforeValidator, Field
+
+from speedtronic.config.errors import ConfigError
+from speedtronic.config.fields import (
     FALSE_STRINGS,
     TRUE_STRINGS,
+    Bool,
+    F,
+    Float,
+    Int,
+    PathStr,
+    Says,
+    Str,
+    choice,
     describe,
-    to_bool,
-    to_float,
-    to_int,
-    to_path,
-    to_str,
+    section,
 )
-from speedtronic.config.errors import ConfigError
-from speedtronic.config.limits import MAX_SEED, MAX_STEPS, at_most, blame, in_range
+from speedtronic.config.limits import DAY, MAX_SEED, MAX_STEPS
 
 __all__ = [
     "SYNTHETIC_KINDS",
@@ -38,279 +41,180 @@ __all__ = [
     "SchedulerConfig",
 ]
 
-
-def _choice(value: Any, field: str, choices: tuple[str, ...], message: str) -> str:
-    """Lower-case a string choice and check membership (non-strings fail with ``message``)."""
-    if isinstance(value, bool) or value is None or not isinstance(value, (str, int, float)):
-        raise ConfigError(f"{message}, got {describe(value)}")
-    text = str(value).strip().lower()
-    if text not in choices:
-        raise ConfigError(message)
-    return text
-
-
 SYNTHETIC_KINDS = ("markov", "uniform", "none")
 MAX_VOCAB = 2**24  # token ids must fit the embedding; uint32 token files allow more
 MAX_SEQ_LEN = 2**20
+Choice = BeforeValidator(choice)
+RANGE = Says(bound="{field} must be in {interval}", upper="{field} must be in {interval}")
+SEED = {"says": RANGE, "ge": 0, "le": MAX_SEED}
+STEPS = {"gt": 0, "le": MAX_STEPS}
+COUNTS = Says(bound="model layer/head counts must be positive ({field} = {value})")
+DIMS = Says(bound="model dimensions must be positive ({field} = {value})")
+BATCH = Says(bound="batch sizes must be positive ({field} = {value})")
+EPS_WD = Says(
+    bound="optimizer eps must be positive and weight_decay non-negative ({field} = {value})"
+)
+MUON_FLAGS = Says(kind="optimizer Muon/cautious flags must be booleans")
+BETA = Annotated[Float, Field(ge=0.0, lt=1.0)]
+BETAS = "optimizer.betas must contain two values in [0, 1)"
+HORIZON = Says(bound="scheduler steps must be non-negative/max_steps positive ({field} = {value})")
 
 
-def _synthetic_kind(value: Any) -> str:
-    """``data.synthetic``: ``markov|uniform|none``; booleans keep working (true = markov)."""
-    message = "data.synthetic must be markov, uniform or none (true means markov, false means none)"
-    if isinstance(value, bool):
+def one_of(*names: str, says: str) -> Any:
+    """A choice among ``names`` (matched without case), with its 2.0.0 error text."""
+    return Annotated[Literal[names], Choice, Says(kind=says)]
+
+
+def _synthetic(value: Any) -> Any:
+    """``data.synthetic``: YAML booleans keep working (true = markov, false = none)."""
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
         return "markov" if value else "none"
-    if isinstance(value, int) and value in (0, 1):
-        return "markov" if value else "none"
-    if not isinstance(value, str):
-        raise ConfigError(f"{message}, got {describe(value)}")
-    text = value.strip().lower()
-    if text in TRUE_STRINGS:
-        return "markov"
-    if text in FALSE_STRINGS:
-        return "none"
-    if text not in SYNTHETIC_KINDS:
-        raise ConfigError(f"{message}, got {describe(value)}")
+    text = choice(value)
+    if isinstance(text, str) and text in TRUE_STRINGS | FALSE_STRINGS:
+        return "markov" if text in TRUE_STRINGS else "none"
     return text
 
 
-def _dataset_like(value: Any) -> bool:
-    """A programmatic Dataset object: indexable or iterable, but not a plain YAML value."""
+def _dataset(value: Any) -> Any:
+    """``data.dataset``: a path string, or (in Python) a Dataset object."""
     plain = (bool, int, float, bytes, bytearray, Mapping, list, tuple, set, frozenset)
-    if isinstance(value, plain):
-        return False
-    return hasattr(value, "__getitem__") or hasattr(value, "__iter__")
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, plain) or (
+        not hasattr(value, "__getitem__") and not hasattr(value, "__iter__")
+    ):
+        raise ConfigError(f"data.dataset must be a path string or a Dataset, got {describe(value)}")
+    return value
 
 
-def _nproc(value: Any) -> int | str:
-    """``run.nproc_per_node``: a positive integer or ``auto``."""
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
-    count = to_int(value, "run.nproc_per_node")
-    if count <= 0:
-        raise ConfigError("run.nproc_per_node must be a positive integer or auto")
-    return at_most(count, "run.nproc_per_node", 1024)
+def _tokenizer(value: Any) -> Any:
+    return "bytes" if isinstance(value, str) and value.strip().lower() in ("", "bytes") else value
 
 
-@dataclass
+def _auto(value: Any) -> Any:
+    return "auto" if isinstance(value, str) and value.strip().lower() == "auto" else value
+
+
+MUON_NS_DTYPES = ("auto", "bf16", "fp32")
+
+NPROC = "run.nproc_per_node must be a positive integer or auto"
+NProc = Annotated[
+    Annotated[Int, Field(gt=0, le=1024)] | Literal["auto"],
+    BeforeValidator(_auto),
+    Says(bound=NPROC, kind=NPROC),
+]
+DataParallel = one_of("ddp", "fsdp", says="run.data_parallel must be ddp or fsdp")
+Dataset = Annotated[Any, BeforeValidator(_dataset)]
+Synthetic = Annotated[
+    Literal[SYNTHETIC_KINDS],
+    BeforeValidator(_synthetic),
+    Says(kind="data.synthetic must be markov, uniform or none (true: markov, false: none)"),
+]
+TokenDtype = one_of("uint16", "uint32", says="data.token_dtype must be 'uint16' or 'uint32'")
+Sampling = one_of("random", "sequential", says="data.sampling must be 'random' or 'sequential'")
+Tokenizer = Annotated[PathStr, BeforeValidator(_tokenizer)]
+OptimizerName = one_of("adamw", "muon", says="optimizer.name must be 'adamw' or 'muon'")
+Betas = Annotated[tuple[BETA, BETA], Says(bound=BETAS, upper=BETAS, kind=BETAS)]
+NsDtype = one_of(*MUON_NS_DTYPES, says="optimizer.muon_ns_dtype must be auto, bf16 or fp32")
+SchedulerName = one_of("cosine", "constant", says="scheduler.name must be 'cosine' or 'constant'")
+PrecisionMode = one_of(
+    "auto", "bf16", "fp16", "fp32", says="precision.mode must be auto, bf16, fp16, or fp32"
+)
+PrecisionDtype = one_of("bf16", "fp16", "fp32", says="precision.dtype must be bf16, fp16, or fp32")
+EVERY = Says(bound="eval.every_steps must be >= 0 (0 = evaluate only at the end)")
+WINDOW = {"gt": 0, "le": MAX_SEQ_LEN}
+
+
+@section("run")
 class RunConfig:
     """What to run: name, seed, device, absolute optimizer-step target, output directory."""
 
-    name: str = "speedtronic-run"
-    seed: int = 1234
-    device: str = "auto"
-    max_steps: int = 1000
-    output_dir: str = "runs"
-    log_every: int | None = None
-    stop_on_nonfinite: bool = True
-    nproc_per_node: int | str = 1  # ranks on this node; "auto" = visible GPUs (1 on CPU)
-    data_parallel: str = "ddp"  # ddp (replicas) | fsdp (sharded parameters, FSDP2)
-    collective_timeout: float = 600.0  # seconds a collective waits for the other ranks
+    name: Str = F("speedtronic-run", "descriptive run name (never used in paths)")
+    seed: Int = F(1234, "seeds Python, NumPy and torch; the default data.seed", **SEED)
+    device: Str = F("auto", "auto (CUDA, then MPS, then CPU), cpu, cuda, cuda:N or mps")
+    max_steps: Int = F(1000, "absolute optimizer-step target", **STEPS)
+    output_dir: PathStr = F("runs", "base of every relative run path (relative to the CWD)")
+    log_every: Int | None = F(None, "log cadence when logging.every_steps is 1", **STEPS)
+    stop_on_nonfinite: Bool = F(True, "a NaN/inf loss stops the run (false: skip the update)")
+    nproc_per_node: NProc = F(1, "ranks on this node: a count, or auto (the visible GPUs)")
+    data_parallel: DataParallel = F("ddp", "ddp (replicas) or fsdp (sharded, FSDP2)")
+    collective_timeout: Float = F(600.0, "seconds a collective waits for the ranks", gt=0, le=DAY)
 
     def __post_init__(self) -> None:
-        self.name = to_str(self.name, "run.name")
-        self.nproc_per_node = _nproc(self.nproc_per_node)
-        self.data_parallel = _choice(
-            self.data_parallel,
-            "run.data_parallel",
-            ("ddp", "fsdp"),
-            "run.data_parallel must be ddp or fsdp",
-        )
-        self.collective_timeout = in_range(
-            to_float(self.collective_timeout, "run.collective_timeout"),
-            "run.collective_timeout",
-            0.0,
-            86400.0,
-            low_open=True,
-        )
-        self.seed = in_range(to_int(self.seed, "run.seed"), "run.seed", 0, MAX_SEED)
-        self.device = to_str(self.device, "run.device").strip()
-        self.max_steps = to_int(self.max_steps, "run.max_steps")
-        self.output_dir = to_path(self.output_dir, "run.output_dir")
-        self.log_every = to_int(self.log_every, "run.log_every", nullable=True)
-        self.stop_on_nonfinite = to_bool(self.stop_on_nonfinite, "run.stop_on_nonfinite")
+        self.device = self.device.strip()
         if not self.device:
             raise ConfigError("run.device must not be empty (use auto, cpu, cuda, cuda:N or mps)")
-        if self.max_steps <= 0:
-            raise ConfigError("run.max_steps must be positive")
-        if self.log_every is not None and self.log_every <= 0:
-            raise ConfigError("run.log_every must be positive")
-        at_most(self.max_steps, "run.max_steps", MAX_STEPS)
-        at_most(self.log_every, "run.log_every", MAX_STEPS)
 
 
-@dataclass
+@section("model")
 class ModelConfig:
     """Reference-transformer shape; every field is forwarded to the model factory."""
 
-    name: str = "reference_transformer"
-    vocab_size: int = 512
-    max_seq_len: int = 128
-    n_layer: int = 4
-    n_head: int = 8
-    n_kv_head: int | None = None
-    d_model: int = 256
-    d_ff: int | None = None
-    dropout: float = 0.0
-    tie_weights: bool = True
-    rope_base: float = 10000.0
-    gradient_checkpointing: bool = False
+    __check_first__ = ("max_seq_len",)  # 2.0.0 checked it before vocab_size
+
+    name: Str = F("reference_transformer", "model registry key (checked when built)")
+    vocab_size: Int = F(512, "vocabulary size", gt=0, le=MAX_VOCAB)
+    max_seq_len: Int = F(128, "context length", gt=0, le=MAX_SEQ_LEN)
+    n_layer: Int = F(4, "transformer blocks", COUNTS, gt=0, le=1024)
+    n_head: Int = F(8, "attention heads; divides d_model", COUNTS, gt=0, le=1024)
+    n_kv_head: Int | None = F(None, "key/value heads; null: n_head", COUNTS, gt=0, le=1024)
+    d_model: Int = F(256, "residual width", DIMS, gt=0, le=2**17)
+    d_ff: Int | None = F(None, "MLP width; null: 4 * d_model", DIMS, gt=0, le=2**20)
+    dropout: Float = F(0.0, "dropout rate", RANGE, ge=0.0, lt=1.0)
+    tie_weights: Bool = F(True, "share embedding and output weights")
+    rope_base: Float = F(10000.0, "RoPE base", RANGE, gt=0, le=1e12)
+    gradient_checkpointing: Bool = F(False, "activation checkpointing (OR-ed with the root flag)")
 
     def __post_init__(self) -> None:
-        self.name = to_str(self.name, "model.name")
-        self.vocab_size = to_int(self.vocab_size, "model.vocab_size")
-        self.max_seq_len = to_int(self.max_seq_len, "model.max_seq_len")
-        self.n_layer = to_int(self.n_layer, "model.n_layer")
-        self.n_head = to_int(self.n_head, "model.n_head")
-        self.n_kv_head = to_int(self.n_kv_head, "model.n_kv_head", nullable=True)
-        self.d_model = to_int(self.d_model, "model.d_model")
-        self.d_ff = to_int(self.d_ff, "model.d_ff", nullable=True)
-        self.dropout = to_float(self.dropout, "model.dropout")
-        self.tie_weights = to_bool(self.tie_weights, "model.tie_weights")
-        self.rope_base = to_float(self.rope_base, "model.rope_base")
-        self.gradient_checkpointing = to_bool(
-            self.gradient_checkpointing, "model.gradient_checkpointing"
-        )
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
         if self.d_ff is None:
             self.d_ff = 4 * self.d_model
-        if self.max_seq_len <= 0:
-            raise ConfigError("model.max_seq_len must be positive")
-        if self.vocab_size <= 0:
-            raise ConfigError("model.vocab_size must be positive")
-        if min(self.n_layer, self.n_head, self.n_kv_head) <= 0:
-            counts = {"model.n_layer": self.n_layer, "model.n_head": self.n_head}
-            counts["model.n_kv_head"] = self.n_kv_head
-            raise blame("model layer/head counts must be positive", counts, lambda v: v <= 0)
-        if self.d_model <= 0 or self.d_ff <= 0:
-            dims = {"model.d_model": self.d_model, "model.d_ff": self.d_ff}
-            raise blame("model dimensions must be positive", dims, lambda v: v <= 0)
         if self.n_head % self.n_kv_head != 0:
             raise ConfigError("model.n_head must be divisible by model.n_kv_head")
         if self.d_model % self.n_head != 0:
             raise ConfigError("model.d_model must be divisible by model.n_head")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError("model.dropout must be in [0, 1)")
-        at_most(self.vocab_size, "model.vocab_size", MAX_VOCAB)
-        at_most(self.max_seq_len, "model.max_seq_len", MAX_SEQ_LEN)
-        at_most(self.n_layer, "model.n_layer", 1024)
-        at_most(self.n_head, "model.n_head", 1024)
-        at_most(self.d_model, "model.d_model", 2**17)
-        at_most(self.d_ff, "model.d_ff", 2**20)
-        in_range(self.rope_base, "model.rope_base", 0.0, 1e12, low_open=True)
 
 
-@dataclass
+@section("data")
 class DataConfig:
     """Where batches come from and how big they are.
 
-    Source precedence: ``text_path`` > ``token_path`` > ``dataset`` > synthetic. ``synthetic``
-    is ``markov`` (a learnable seeded Markov chain, the default), ``uniform`` (random tokens, for
-    throughput work) or ``none``; YAML ``true``/``false`` mean ``markov``/``none``.
-    ``num_tokens`` is the number of synthetic *samples* (2.0.0 naming). ``token_path`` is a
-    pre-tokenized ``.bin`` (``token_dtype``) or ``.npy`` file; ``allow_pickle`` must be true to
-    ``torch.load`` a pickled ``dataset`` file. ``seed`` fixes the Markov chain and the held-out
-    data; the training stream (order, windows, synthetic samples) is seeded per node from it.
-    ``token_path`` may also be a folder written by ``speedtronic prepare`` (all its shards).
-    ``tokenizer`` is ``bytes`` (token = UTF-8 byte) or a ``tokenizer.json`` path / Hub repo id
-    (:mod:`speedtronic.config.tokenizer_spec`); its vocabulary is checked against
-    ``model.vocab_size`` when the whole config is validated.
+    Source precedence: ``text_path`` > ``token_path`` > ``dataset`` > synthetic.
+    ``num_tokens`` is the number of synthetic *samples* (2.0.0 naming).
     """
 
-    text_path: str | None = None
-    dataset: Any = None
-    synthetic: str = "markov"
-    num_tokens: int = 100000
-    vocab_size: int | None = None
-    block_size: int | None = None
-    micro_batch_size: int = 1
-    target_batch_size: int = 1
-    num_workers: int = 0
-    prefetch_factor: int | None = None
-    pin_memory: bool | None = None
-    shuffle: bool = False
-    drop_last: bool = True
-    seed: int | None = None
-    max_steps: int | None = None
-    token_path: str | None = None
-    token_dtype: str = "uint16"
-    sampling: str = "random"
-    allow_pickle: bool = False
-    tokenizer: str = "bytes"
+    __check_first__ = ("micro_batch_size", "target_batch_size")  # the 2.0.0 check order
+
+    text_path: PathStr | None = F(None, "UTF-8 text file, streamed through data.tokenizer")
+    dataset: Dataset = F(None, "path of a torch.save'd Dataset (a Dataset object in Python)")
+    synthetic: Synthetic = F("markov", "markov, uniform or none: data when no source is given")
+    num_tokens: Int = F(100000, "number of synthetic samples", gt=0, le=10**8)
+    vocab_size: Int | None = F(None, "informational; null: model.vocab_size", gt=0, le=MAX_VOCAB)
+    block_size: Int | None = F(None, "tokens per sample; null: model.max_seq_len", **WINDOW)
+    micro_batch_size: Int = F(1, "samples per forward/backward", BATCH, gt=0, le=2**16)
+    target_batch_size: Int = F(1, "samples per optimizer update", BATCH, gt=0, le=2**24)
+    num_workers: Int = F(0, "DataLoader workers", ge=0, le=256)
+    prefetch_factor: Int | None = F(
+        None, "DataLoader prefetch (null: 2 with workers)", gt=0, le=1024
+    )
+    pin_memory: Bool | None = F(None, "pin host memory (null: when the device is CUDA)")
+    shuffle: Bool = F(False, "shuffle map-style datasets")
+    drop_last: Bool = F(True, "drop the last incomplete batch")
+    seed: Int | None = F(None, "data seed (Markov chain, held-out data); null: run.seed", **SEED)
+    max_steps: Int | None = F(None, "when set, the run target instead of run.max_steps", **STEPS)
+    token_path: PathStr | None = F(None, "pre-tokenized .bin/.npy file or a prepared folder")
+    token_dtype: TokenDtype = F("uint16", "element type of a .bin token file")
+    sampling: Sampling = F("random", "token-file windows: random or sequential")
+    allow_pickle: Bool = F(False, "allow unpickling data.dataset (trusted files only)")
+    tokenizer: Tokenizer = F("bytes", "bytes, a tokenizer.json path or folder, or a Hub repo id")
 
     def __post_init__(self) -> None:
-        self.text_path = to_path(self.text_path, "data.text_path", nullable=True)
-        if isinstance(self.dataset, str):
-            self.dataset = to_path(self.dataset, "data.dataset")
-        if (
-            self.dataset is not None
-            and not isinstance(self.dataset, str)
-            and not _dataset_like(self.dataset)
-        ):
-            raise ConfigError(
-                f"data.dataset must be a path string or a Dataset, got {describe(self.dataset)}"
-            )
-        self.synthetic = _synthetic_kind(self.synthetic)
-        self.num_tokens = to_int(self.num_tokens, "data.num_tokens")
-        self.vocab_size = to_int(self.vocab_size, "data.vocab_size", nullable=True)
-        self.block_size = to_int(self.block_size, "data.block_size", nullable=True)
-        self.micro_batch_size = to_int(self.micro_batch_size, "data.micro_batch_size")
-        self.target_batch_size = to_int(self.target_batch_size, "data.target_batch_size")
-        self.num_workers = to_int(self.num_workers, "data.num_workers")
-        self.prefetch_factor = to_int(self.prefetch_factor, "data.prefetch_factor", nullable=True)
-        self.pin_memory = to_bool(self.pin_memory, "data.pin_memory", nullable=True)
-        self.shuffle = to_bool(self.shuffle, "data.shuffle")
-        self.drop_last = to_bool(self.drop_last, "data.drop_last")
-        self.seed = in_range(
-            to_int(self.seed, "data.seed", nullable=True), "data.seed", 0, MAX_SEED
-        )
-        self.max_steps = to_int(self.max_steps, "data.max_steps", nullable=True)
-        self.token_path = to_path(self.token_path, "data.token_path", nullable=True)
-        self.token_dtype = _choice(
-            self.token_dtype,
-            "data.token_dtype",
-            ("uint16", "uint32"),
-            "data.token_dtype must be 'uint16' or 'uint32'",
-        )
-        self.sampling = _choice(
-            self.sampling,
-            "data.sampling",
-            ("random", "sequential"),
-            "data.sampling must be 'random' or 'sequential'",
-        )
-        self.allow_pickle = to_bool(self.allow_pickle, "data.allow_pickle")
-        self.tokenizer = to_path(self.tokenizer, "data.tokenizer").strip()
-        if self.tokenizer.lower() in ("", "bytes"):
-            self.tokenizer = "bytes"
-        if self.micro_batch_size <= 0 or self.target_batch_size <= 0:
-            sizes = {"data.micro_batch_size": self.micro_batch_size}
-            sizes["data.target_batch_size"] = self.target_batch_size
-            raise blame("batch sizes must be positive", sizes, lambda v: v <= 0)
+        self.tokenizer = _tokenizer(self.tokenizer.strip())
         if self.target_batch_size < self.micro_batch_size:
             raise ConfigError("target_batch_size must be >= micro_batch_size")
         if self.target_batch_size % self.micro_batch_size != 0:
             raise ConfigError("target_batch_size must be divisible by micro_batch_size")
-        if self.vocab_size is not None and self.vocab_size <= 0:
-            raise ConfigError("data.vocab_size must be positive")
-        if self.num_tokens <= 0:
-            raise ConfigError("data.num_tokens must be positive")
-        if self.num_workers < 0:
-            raise ConfigError("data.num_workers cannot be negative")
-        if self.prefetch_factor is not None and self.prefetch_factor <= 0:
-            raise ConfigError("data.prefetch_factor must be positive")
-        if self.max_steps is not None and self.max_steps <= 0:
-            raise ConfigError("data.max_steps must be positive")
-        self._check_upper_bounds()
-
-    def _check_upper_bounds(self) -> None:
-        at_most(self.num_tokens, "data.num_tokens", 10**8)  # one epoch's order is materialised
-        at_most(self.vocab_size, "data.vocab_size", MAX_VOCAB)
-        at_most(self.block_size, "data.block_size", MAX_SEQ_LEN)
-        at_most(self.micro_batch_size, "data.micro_batch_size", 2**16)
-        at_most(self.target_batch_size, "data.target_batch_size", 2**24)
-        at_most(self.num_workers, "data.num_workers", 256)
-        at_most(self.prefetch_factor, "data.prefetch_factor", 1024)
-        at_most(self.max_steps, "data.max_steps", MAX_STEPS)
 
     @property
     def accumulation_steps(self) -> int:
@@ -318,195 +222,74 @@ class DataConfig:
         return self.target_batch_size // self.micro_batch_size
 
 
-MUON_NS_DTYPES = ("auto", "bf16", "fp32")
-"""``optimizer.muon_ns_dtype`` choices: Newton–Schulz working precision (``auto``: bf16 where the
-device multiplies bf16 natively, see :func:`speedtronic.optim.muon.resolve_ns_dtype`)."""
-
-
-@dataclass
+@section("optimizer")
 class OptimizerConfig:
     """Inner optimizer: ``adamw`` (all parameters) or ``muon`` (hidden matrices) + AdamW rest."""
 
-    name: str = "adamw"
-    lr: float = 0.0003
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    fused: bool | None = None
-    grad_clip: float | None = None
-    muon_plus: bool = False
-    cautious: bool = False
-    muon_momentum: float = 0.95
-    muon_ns_steps: int = 5
-    muon_norm_eps: float = 1e-8
-    muon_ns_dtype: str = "auto"
+    name: OptimizerName = F("adamw", "adamw (every parameter) or muon (hidden matrices)")
+    lr: Float = F(0.0003, "learning rate (peak, after warmup)", gt=0, le=10.0)
+    betas: Betas = F((0.9, 0.95), "AdamW betas: two values in [0, 1)")
+    eps: Float = F(1e-8, "AdamW epsilon", EPS_WD, gt=0, le=1.0)
+    weight_decay: Float = F(0.1, "decoupled weight decay", EPS_WD, ge=0, le=1000.0)
+    fused: Bool | None = F(None, "fused AdamW: null probes, true tries, false is off")
+    grad_clip: Float | None = F(None, "global grad-norm clip", gt=0, le=1e9)
+    muon_plus: Bool = F(False, "Muon+ normalisation (only with name: muon)", MUON_FLAGS)
+    cautious: Bool = F(False, "cautious update masking (either optimizer)", MUON_FLAGS)
+    muon_momentum: Float = F(0.95, "Muon momentum", RANGE, ge=0.0, lt=1.0)
+    muon_ns_steps: Int = F(5, "Newton-Schulz iterations", gt=0, le=100)
+    muon_norm_eps: Float = F(1e-8, "Muon normalisation epsilon", gt=0, le=1.0)
+    muon_ns_dtype: NsDtype = F("auto", "Newton-Schulz working precision: auto, bf16 or fp32")
 
     def __post_init__(self) -> None:
-        self.name = _choice(
-            self.name,
-            "optimizer.name",
-            ("adamw", "muon"),
-            "optimizer.name must be 'adamw' or 'muon'",
-        )
-        self.lr = to_float(self.lr, "optimizer.lr")
-        self.betas = self._coerce_betas(self.betas)
-        self.eps = to_float(self.eps, "optimizer.eps")
-        self.weight_decay = to_float(self.weight_decay, "optimizer.weight_decay")
-        self.fused = to_bool(self.fused, "optimizer.fused", nullable=True)
-        self.grad_clip = to_float(self.grad_clip, "optimizer.grad_clip", nullable=True)
-        flags = "optimizer Muon/cautious flags must be booleans"
-        self.muon_plus = to_bool(self.muon_plus, "optimizer.muon_plus", message=flags)
-        self.cautious = to_bool(self.cautious, "optimizer.cautious", message=flags)
-        self.muon_momentum = to_float(self.muon_momentum, "optimizer.muon_momentum")
-        self.muon_ns_steps = to_int(self.muon_ns_steps, "optimizer.muon_ns_steps")
-        self.muon_norm_eps = to_float(self.muon_norm_eps, "optimizer.muon_norm_eps")
-        self.muon_ns_dtype = _choice(
-            self.muon_ns_dtype,
-            "optimizer.muon_ns_dtype",
-            MUON_NS_DTYPES,
-            "optimizer.muon_ns_dtype must be auto, bf16 or fp32",
-        )
-        if self.lr <= 0:
-            raise ConfigError("optimizer.lr must be positive")
-        if not all(0.0 <= beta < 1.0 for beta in self.betas):
-            raise ConfigError("optimizer.betas must contain two values in [0, 1)")
-        if self.eps <= 0 or self.weight_decay < 0:
-            bad = {"optimizer.eps": self.eps} if self.eps <= 0 else {}
-            if self.weight_decay < 0:
-                bad["optimizer.weight_decay"] = self.weight_decay
-            message = "optimizer eps must be positive and weight_decay non-negative"
-            raise blame(message, bad, lambda v: True)
-        if self.grad_clip is not None and self.grad_clip <= 0:
-            raise ConfigError("optimizer.grad_clip must be positive")
         if self.muon_plus and self.name != "muon":
             raise ConfigError("optimizer.muon_plus is only valid with optimizer.name=muon")
-        if not 0.0 <= self.muon_momentum < 1.0:
-            raise ConfigError("optimizer.muon_momentum must be in [0, 1)")
-        if self.muon_ns_steps <= 0:
-            raise ConfigError("optimizer.muon_ns_steps must be positive")
-        if self.muon_norm_eps <= 0:
-            raise ConfigError("optimizer.muon_norm_eps must be positive")
-        at_most(self.weight_decay, "optimizer.weight_decay", 1000.0)
-        at_most(self.grad_clip, "optimizer.grad_clip", 1e9)
-        at_most(self.eps, "optimizer.eps", 1.0)
-        at_most(self.muon_norm_eps, "optimizer.muon_norm_eps", 1.0)
-        at_most(self.muon_ns_steps, "optimizer.muon_ns_steps", 100)
-
-    @staticmethod
-    def _coerce_betas(value: Any) -> tuple[float, float]:
-        message = "optimizer.betas must contain two values in [0, 1)"
-        if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
-            raise ConfigError(f"{message}, got {describe(value)}")
-        if len(value) != 2:
-            raise ConfigError(message)
-        first, second = (to_float(beta, "optimizer.betas item") for beta in value)
-        return (first, second)
 
 
-@dataclass
+@section("scheduler")
 class SchedulerConfig:
     """Learning-rate schedule: linear warmup then cosine (or constant) up to ``max_steps``.
 
-    ``max_steps: null`` (the default) means "follow the effective run target"
-    (``data.max_steps`` or ``run.max_steps``); the aggregate fills in the number and remembers
-    that it was not explicit, so later target changes keep following (see
-    ``SpeedtronicConfig.apply_run_target``). An explicit value is kept.
+    ``max_steps: null`` (the default) follows the effective run target; the aggregate fills
+    the number in and remembers it filled it (:attr:`max_steps_explicit` is then false).
     """
 
-    name: str = "cosine"
-    warmup_steps: int = 100
-    max_steps: int | None = None
-    min_lr_ratio: float = 0.1
+    name: SchedulerName = F("cosine", "cosine or constant after the warmup")
+    warmup_steps: Int = F(100, "linear warmup steps", HORIZON, ge=0, le=MAX_STEPS)
+    max_steps: Int | None = F(None, "cosine horizon; null: the run target", HORIZON, **STEPS)
+    min_lr_ratio: Float = F(0.1, "final LR as a fraction of lr", RANGE, ge=0.0, le=1.0)
 
-    def __post_init__(self) -> None:
-        self.name = _choice(
-            self.name,
-            "scheduler.name",
-            ("cosine", "constant"),
-            "scheduler.name must be 'cosine' or 'constant'",
-        )
-        self.warmup_steps = to_int(self.warmup_steps, "scheduler.warmup_steps")
-        self.max_steps = to_int(self.max_steps, "scheduler.max_steps", nullable=True)
-        self.min_lr_ratio = to_float(self.min_lr_ratio, "scheduler.min_lr_ratio")
-        if self.warmup_steps < 0 or (self.max_steps is not None and self.max_steps <= 0):
-            bad = {"scheduler.warmup_steps": self.warmup_steps} if self.warmup_steps < 0 else {}
-            if self.max_steps is not None and self.max_steps <= 0:
-                bad["scheduler.max_steps"] = self.max_steps
-            message = "scheduler steps must be non-negative/max_steps positive"
-            raise blame(message, bad, lambda v: True)
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ConfigError("scheduler.min_lr_ratio must be in [0, 1]")
-        at_most(self.warmup_steps, "scheduler.warmup_steps", MAX_STEPS)
-        at_most(self.max_steps, "scheduler.max_steps", MAX_STEPS)
-        # Not a dataclass field: excluded from eq/repr/to_dict; set by the aggregate too.
-        self.max_steps_explicit = self.max_steps is not None
+    @property
+    def max_steps_explicit(self) -> bool:
+        """False while ``max_steps`` is unset or the value the aggregate filled in."""
+        filled = self.__dict__.get("_filled_max_steps")
+        return self.max_steps is not None and self.max_steps != filled
 
 
-@dataclass
+@section("precision")
 class PrecisionConfig:
     """Autocast precision request; hardware fallbacks happen at runtime."""
 
-    mode: str = "auto"
-    dtype: str | None = None
-
-    def __post_init__(self) -> None:
-        self.mode = _choice(
-            self.mode,
-            "precision.mode",
-            ("auto", "bf16", "fp16", "fp32"),
-            "precision.mode must be auto, bf16, fp16, or fp32",
-        )
-        if self.dtype is not None:
-            self.dtype = _choice(
-                self.dtype,
-                "precision.dtype",
-                ("bf16", "fp16", "fp32"),
-                "precision.dtype must be bf16, fp16, or fp32",
-            )
+    mode: PrecisionMode = F("auto", "autocast mode: auto, bf16, fp16 or fp32")
+    dtype: PrecisionDtype | None = F(None, "bf16, fp16 or fp32; used only when mode is auto")
 
 
-@dataclass
+@section("eval")
 class EvalConfig:
-    """Held-out evaluation: where the held-out tokens come from, how often, how many.
+    """Held-out evaluation: the held-out source (one of ``text_path``, ``token_path``,
+    ``holdout``), how often (``every_steps``; 0 = only at the end) and how many tokens."""
 
-    The held-out source is ``text_path`` (a UTF-8 file, byte-level tokens), ``token_path`` (a
-    ``.bin``/``.npy`` token file read with ``data.token_dtype``), or ``holdout``: the last
-    fraction of the training source, which training then never reads (for synthetic data a
-    disjoint held-out sample domain of ``holdout * data.num_tokens`` samples). Eval is active
-    when one of them is set. ``every_steps``: an eval every N optimizer steps (``0`` = only the
-    one at the end of ``fit()``). ``tokens``: target tokens scored per eval, taken as
-    sequential windows of ``block_size + 1`` from the start of the held-out region (rounded up
-    to whole windows). ``batch_size`` defaults to ``data.micro_batch_size``.
-    """
-
-    text_path: str | None = None
-    token_path: str | None = None
-    holdout: float = 0.0
-    every_steps: int = 200
-    tokens: int = 8192
-    batch_size: int | None = None
+    text_path: PathStr | None = F(None, "held-out UTF-8 text file")
+    token_path: PathStr | None = F(None, "held-out token file, or a prepared folder")
+    holdout: Float = F(0.0, "fraction at the end of the training source", RANGE, ge=0.0, lt=1.0)
+    every_steps: Int = F(
+        200, "eval cadence in optimizer steps (0: at the end)", EVERY, ge=0, le=MAX_STEPS
+    )
+    tokens: Int = F(8192, "target tokens scored per eval", gt=0, le=2**31 - 1)
+    batch_size: Int | None = F(
+        None, "windows per forward; null: data.micro_batch_size", gt=0, le=2**16
+    )
 
     def __post_init__(self) -> None:
-        self.text_path = to_path(self.text_path, "eval.text_path", nullable=True)
-        self.token_path = to_path(self.token_path, "eval.token_path", nullable=True)
-        self.holdout = to_float(self.holdout, "eval.holdout")
-        self.every_steps = to_int(self.every_steps, "eval.every_steps")
-        self.tokens = to_int(self.tokens, "eval.tokens")
-        self.batch_size = to_int(self.batch_size, "eval.batch_size", nullable=True)
-        if not 0.0 <= self.holdout < 1.0:
-            raise ConfigError(
-                f"eval.holdout must be in [0, 1) (a fraction of the training data), "
-                f"got {self.holdout}"
-            )
-        if self.every_steps < 0:
-            raise ConfigError("eval.every_steps must be >= 0 (0 = evaluate only at the end)")
-        if self.tokens <= 0:
-            raise ConfigError("eval.tokens must be positive")
-        if self.batch_size is not None and self.batch_size <= 0:
-            raise ConfigError("eval.batch_size must be positive")
-        at_most(self.every_steps, "eval.every_steps", MAX_STEPS)
-        at_most(self.tokens, "eval.tokens", 2**31 - 1)
-        at_most(self.batch_size, "eval.batch_size", 2**16)
         if self.text_path and self.token_path:
             raise ConfigError("eval.text_path and eval.token_path are exclusive; set one of them")
         if self.holdout > 0 and (self.text_path or self.token_path):

@@ -1,0 +1,103 @@
+"""Cold ``speedtronic validate`` time: this tree against a baseline tree, in the same run.
+
+Each sample is a fresh interpreter (``python -m speedtronic validate --config C``), so it
+measures what a user waits for: interpreter start, imports (yaml, pydantic, the config
+package), model schema build, loading and validating the file. The baseline is the package as
+committed at ``--baseline`` (default: the merge base with ``main``), exported with
+``git archive`` into a temporary folder. Samples alternate between the trees; medians.
+
+    python bench/config_validate.py                      # 15 samples each (~10 s)
+    python bench/config_validate.py --baseline 2f1b716 --out bench/results/config_validate.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _git(*args: str) -> bytes:
+    return subprocess.run(["git", *args], cwd=REPO, check=True, capture_output=True).stdout
+
+
+def _export(ref: str, into: Path) -> Path:
+    """The ``speedtronic`` package at ``ref`` under ``into`` (returns ``into``)."""
+    archive = _git("archive", "--format=tar", ref, "speedtronic")
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    return into
+
+
+def _check_imported_from(tree: Path) -> None:
+    """The package must come from ``tree`` (PYTHONPATH beats an editable install)."""
+    code = "import speedtronic; print(speedtronic.__file__)"
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    where = subprocess.run(
+        [sys.executable, "-c", code], cwd=tree, env=env, capture_output=True, text=True
+    )
+    if not where.stdout.strip().startswith(str(tree)):
+        raise SystemExit(f"speedtronic was imported from {where.stdout.strip()}, not {tree}")
+
+
+def _once(tree: Path, config: str) -> float:
+    env = {**os.environ, "PYTHONPATH": str(tree)}  # warm-up runs write both .pyc caches
+    env = {k: v for k, v in env.items() if not k.startswith("SPEEDTRONIC_")}
+    env["SPEEDTRONIC_SECRETS_DIR"] = "/nonexistent-speedtronic-bench"
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "speedtronic", "validate", "--config", config],
+        cwd=tree,  # `-m` puts the working directory first on sys.path
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    elapsed = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(f"validate failed under {tree}: {done.stderr.strip()}")
+    return elapsed
+
+
+def main() -> None:
+    """Time both trees, print the medians and the ratio, optionally write JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", help="git ref of the baseline (default: merge base)")
+    parser.add_argument("--config", default="configs/smoke.yaml")
+    parser.add_argument("--samples", type=int, default=15)
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args()
+    ref = args.baseline or _git("merge-base", "HEAD", "main").decode().strip()
+    config = str((REPO / args.config).resolve())
+    with tempfile.TemporaryDirectory() as tmp:
+        baseline = _export(ref, Path(tmp))
+        for tree in (REPO, baseline):  # .pyc files and the OS file cache, not the interpreter
+            _check_imported_from(tree)
+            _once(tree, config)
+        times: dict[str, list[float]] = {"this tree": [], "baseline": []}
+        for _ in range(args.samples):
+            times["this tree"].append(_once(REPO, config))
+            times["baseline"].append(_once(baseline, config))
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    ratio = medians["this tree"] / medians["baseline"]
+    for name, value in medians.items():
+        print(f"{name:10s} median {value * 1000:7.1f} ms over {args.samples} cold runs")
+    print(f"ratio this tree / baseline ({ref[:12]}): {ratio:.2f}x")
+    if args.out:
+        result = {"baseline": ref, "config": args.config, "medians_s": medians, "ratio": ratio}
+        result["samples_s"] = times
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
