@@ -177,7 +177,7 @@ RULES = [
     ),
     (
         {"distributed": {"delta_dtype": "fp8"}},
-        "distributed.delta_dtype must be fp32, bf16, or fp16",
+        "distributed.delta_dtype must be fp32, bf16, fp16, int8, or int4",
     ),
     ({"distributed": {"request_timeout": 0}}, "distributed.request_timeout must be positive"),
     ({"distributed": {"enabled": True}}, "distributed.repo_id is required for DumbDiLoCo"),

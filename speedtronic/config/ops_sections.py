@@ -207,6 +207,7 @@ class DistributedConfig:
     delta_upload_shutdown_timeout: float = 5.0
     async_global_poll: bool = True
     delta_dtype: str = "fp32"
+    delta_block_size: int = 128  # values per float32 scale of an int8/int4 delta
     request_timeout: float = 60.0
     # Shared directory where a worker without a node id claims a stable one (``worker-<n>``,
     # see speedtronic.slots); relative to the CWD. None: no slots.
@@ -295,9 +296,10 @@ class DistributedConfig:
         self.delta_dtype = _choice(
             self.delta_dtype,
             "distributed.delta_dtype",
-            ("fp32", "bf16", "fp16"),
-            "distributed.delta_dtype must be fp32, bf16, or fp16",
+            ("fp32", "bf16", "fp16", "int8", "int4"),
+            "distributed.delta_dtype must be fp32, bf16, fp16, int8, or int4",
         )
+        in_range(self.delta_block_size, "distributed.delta_block_size", 8, 1 << 20)
         if self.request_timeout <= 0:
             raise ConfigError("distributed.request_timeout must be positive")
         if self.repo_id:
@@ -349,6 +351,7 @@ class DistributedConfig:
             self.delta_upload_shutdown_timeout, "distributed.delta_upload_shutdown_timeout"
         )
         self.request_timeout = to_float(self.request_timeout, "distributed.request_timeout")
+        self.delta_block_size = to_int(self.delta_block_size, "distributed.delta_block_size")
         self.slots_dir = to_path(self.slots_dir, "distributed.slots_dir", nullable=True)
 
     def __repr__(self) -> str:
