@@ -67,6 +67,7 @@ __all__ = [
     "MAX_DELTA_ABS",
     "NODE_RECORDS",
     "QUANTIZED_BITS",
+    "SCALE_SUFFIX",
     "AccessRefused",
     "DeltaReader",
     "Emit",
