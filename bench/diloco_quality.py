@@ -15,12 +15,25 @@ AdamW, batch 16, the same number of steps per node in every row. Rows:
   Scored: the master's ``final/`` global after the last round. ``--sync`` adds the same run
   with the other ``distributed.sync`` mode (the shipped one is the row the target applies to).
 
+Then compressed pseudo-gradients (``distributed.delta_dtype``, issue 23): for every case of
+``--deltas`` (``fp32``, ``bf16``, ``fp16``, ``int8``, ``int4``; ``-noef``: without error
+feedback) an ideal row with the same wire format and error feedback in
+:func:`~speedtronic.testing.diloco_ideal.simulate`, and for every format of ``--real-deltas`` a
+K-process row (error feedback on, as shipped), each with its bytes per round per node (ideal:
+the size of the file the format writes for this model; K processes: the mean ``bytes`` of the
+``delta_uploaded`` events). ``--block-sizes`` adds the quantization error of one real
+pseudo-gradient (node 0, first round) per block size, with its bytes. Targets of issue 23:
+int8 with error feedback <= 1.01x the fp32 loss at <= 0.26x its bytes, int4 <= 1.02x at
+<= 0.14x.
+
 Then a sweep of outer settings (and ``inner_steps``) on the ideal row. Target of issue 15: the
 K-process global at most 0.96x the 1-node loss and at most 1.03x the ideal row.
 
     python bench/diloco_quality.py                  # ~25 min on 2 cores, without the sweep
     python bench/diloco_quality.py --sweep full     # + the outer-settings table (~45 min more)
     python bench/diloco_quality.py --steps 120 --sweep none   # a quick look
+    python bench/diloco_quality.py --sweep none --sync blocking \
+        --deltas fp32,bf16,bf16-noef,int8,int8-noef,int4,int4-noef --real-deltas int8,int4
 """
 
 from __future__ import annotations
@@ -138,10 +151,26 @@ def run_single(raw: dict, batch: int) -> dict:
     return {"loss": loss, "seconds": time.perf_counter() - started}
 
 
-def run_ideal(raw: dict, nodes: list[str], h: int, lr: float, momentum: float) -> dict:
+def run_ideal(
+    raw: dict,
+    nodes: list[str],
+    h: int,
+    lr: float,
+    momentum: float,
+    wire: str = "fp32",
+    error_feedback: bool = True,
+) -> dict:
     config = config_of(raw)
     started = time.perf_counter()
-    result = simulate(config, nodes, inner_steps=h, outer_lr=lr, outer_momentum=momentum)
+    result = simulate(
+        config,
+        nodes,
+        inner_steps=h,
+        outer_lr=lr,
+        outer_momentum=momentum,
+        delta_dtype=wire,
+        error_feedback=error_feedback,
+    )
     return {
         "loss": result.eval_loss,
         "rounds": result.outer_steps,
@@ -150,8 +179,9 @@ def run_ideal(raw: dict, nodes: list[str], h: int, lr: float, momentum: float) -
     }
 
 
-def run_real(raw: dict, nodes: list[str], work: Path, sync: str) -> dict:
-    """K ``speedtronic train`` processes started at once; the master is nodes[0]."""
+def run_real(raw: dict, nodes: list[str], work: Path, sync: str, wire: str = "fp32") -> dict:
+    """K ``speedtronic train`` processes started at once; the master is nodes[0]; their
+    contributions travel as ``wire`` (``distributed.delta_dtype``)."""
     exchange = work / "exchange"
     work.mkdir(parents=True, exist_ok=True)
     procs = []
@@ -169,6 +199,7 @@ def run_real(raw: dict, nodes: list[str], work: Path, sync: str) -> dict:
             role="master" if index == 0 else "worker",
             node_id=node,
             sync=sync,
+            delta_dtype=wire,
         )
         path = work / f"{node}.yaml"
         path.write_text(yaml.safe_dump(node_raw))
@@ -192,12 +223,13 @@ def run_real(raw: dict, nodes: list[str], work: Path, sync: str) -> dict:
     seconds = time.perf_counter() - started
     if any(codes):
         raise RuntimeError(f"node exit codes {codes}; see the logs in {work}")
-    waits = [
-        record["seconds"]
+    events = [
+        record
         for node in nodes
         for record in map(json.loads, (work / node / "events.jsonl").read_text().splitlines())
-        if record.get("event") == "sync_wait"
     ]
+    waits = [r["seconds"] for r in events if r.get("event") == "sync_wait"]
+    uploads = [r["bytes"] for r in events if r.get("event") == "delta_uploaded"]
     rounds = [
         record
         for record in map(json.loads, (work / nodes[0] / "events.jsonl").read_text().splitlines())
@@ -216,8 +248,69 @@ def run_real(raw: dict, nodes: list[str], work: Path, sync: str) -> dict:
         "late": sum(int(r.get("deltas_late", 0)) for r in rounds),
         "sync_wait_seconds_per_node": sum(waits) / len(nodes),
         "stale": sum(int(r.get("deltas_stale", 0)) for r in rounds),
+        "delta_dtype": wire,
+        "bytes_per_round_per_node": sum(uploads) / max(len(uploads), 1),
         "state": state,
     }
+
+
+def parse_case(case: str) -> tuple[str, bool]:
+    """``int8`` -> (``int8``, error feedback on); ``int8-noef`` -> (``int8``, off)."""
+    wire, _, suffix = case.partition("-")
+    if wire not in T.DELTA_FORMATS or suffix not in ("", "noef"):
+        raise SystemExit(f"unknown delta case {case!r}: a delta_dtype, optionally with -noef")
+    return wire, suffix != "noef"
+
+
+def file_bytes(config: SpeedtronicConfig, wire: str, block_size: int) -> int:
+    """The size of one contribution file of this model in ``wire`` format (with the header a
+    node writes); it does not depend on the values."""
+    model = build_model(config.model)
+    delta = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in model.state_dict().items()}
+    extra = {"final": "false", "run_id": "0" * 32, "instance": "0" * 16}
+    data = T.delta_to_bytes(
+        delta,
+        node_id="node-0",
+        local_step=config.effective_max_steps,
+        base_outer_step=99,
+        dtype=wire,
+        block_size=block_size,
+        extra=extra,
+    )
+    return len(data)
+
+
+def block_errors(raw: dict, sizes: list[int]) -> list[dict]:
+    """Relative L2 error and bytes (x fp32) of int8/int4 per block size on node 0's first
+    pseudo-gradient (``inner_steps`` steps from the initial weights)."""
+    raw = copy.deepcopy(raw)
+    raw["distributed"]["enabled"] = False
+    raw["checkpoint"]["enabled"] = False
+    config = config_of(raw)
+    trainer, _ = build_runtime(config, node_id="node-0")
+    trainer.heldout = None
+    before = T.floating_state(T.cpu_state_dict(trainer.model.state_dict()))
+    trainer.fit(raw["distributed"]["inner_steps"])
+    trainer.logger.close()
+    delta = T.compute_pseudo_gradient(before, T.cpu_state_dict(trainer.model.state_dict()))
+    norm = sum(float(v.pow(2).sum()) for v in delta.values()) ** 0.5
+    fp32 = file_bytes(config, "fp32", 128)
+    rows = []
+    for wire in ("int8", "int4"):
+        for size in sizes:
+            encoded = T.encode_delta(delta, wire, size)
+            error = sum(
+                float((v - T.decode_value(encoded[k])).pow(2).sum()) for k, v in delta.items()
+            )
+            rows.append(
+                {
+                    "delta_dtype": wire,
+                    "block_size": size,
+                    "relative_error": error**0.5 / norm,
+                    "bytes_vs_fp32": file_bytes(config, wire, size) / fp32,
+                }
+            )
+    return rows
 
 
 def main() -> None:
@@ -232,6 +325,20 @@ def main() -> None:
     parser.add_argument("--eval-tokens", type=int, default=32768)
     parser.add_argument("--sweep", choices=sorted(SWEEPS), default="small")
     parser.add_argument("--skip-real", action="store_true")
+    parser.add_argument(
+        "--skip-single", action="store_true", help="no 1-node rows (a run of cases only)"
+    )
+    parser.add_argument(
+        "--deltas",
+        default="",
+        help="ideal rows per wire format, e.g. fp32,bf16,int8,int8-noef,int4,int4-noef",
+    )
+    parser.add_argument(
+        "--real-deltas", default="", help="K-process rows per wire format (error feedback on)"
+    )
+    parser.add_argument(
+        "--block-sizes", default="", help="quantization error per block size, e.g. 32,64,128"
+    )
     parser.add_argument(
         "--sync", default="blocking,overlapped", help="sync modes of the K-process rows"
     )
@@ -251,16 +358,61 @@ def main() -> None:
             flush=True,
         )
         rows: dict[str, dict] = {}
-        rows["1 node"] = run_single(raw, args.batch)
-        print(f"  1 node: {rows['1 node']['loss']:.4f}", flush=True)
-        rows["1 node, K x batch"] = run_single(raw, args.batch * args.nodes)
-        print(f"  1 node, K x batch: {rows['1 node, K x batch']['loss']:.4f}", flush=True)
-        rows["ideal"] = run_ideal(
-            raw, nodes, args.inner_steps, dist["outer_lr"], dist["outer_momentum"]
-        )
-        print(f"  ideal: {rows['ideal']['loss']:.4f}", flush=True)
+        blocks = block_errors(raw, [int(b) for b in args.block_sizes.split(",") if b])
+        for row in blocks:
+            print(f"  block size: {row}", flush=True)
+        if not args.skip_single:
+            rows["1 node"] = run_single(raw, args.batch)
+            print(f"  1 node: {rows['1 node']['loss']:.4f}", flush=True)
+            rows["1 node, K x batch"] = run_single(raw, args.batch * args.nodes)
+            print(f"  1 node, K x batch: {rows['1 node, K x batch']['loss']:.4f}", flush=True)
+            rows["ideal"] = run_ideal(
+                raw, nodes, args.inner_steps, dist["outer_lr"], dist["outer_momentum"]
+            )
+            print(f"  ideal: {rows['ideal']['loss']:.4f}", flush=True)
+        config = config_of(raw)
+        block = config.distributed.delta_block_size
+        compressed: dict[str, dict] = {}
+        ideal_states: dict[str, dict] = {}
+        for case in [c for c in args.deltas.split(",") if c]:
+            wire, feedback = parse_case(case)
+            row = run_ideal(
+                raw,
+                nodes,
+                args.inner_steps,
+                dist["outer_lr"],
+                dist["outer_momentum"],
+                wire,
+                feedback,
+            )
+            state = row.pop("state")
+            if feedback:
+                ideal_states[wire] = state
+            row.update(
+                kind="ideal",
+                delta_dtype=wire,
+                error_feedback=feedback,
+                block_size=block,
+                bytes_per_round_per_node=file_bytes(config, wire, block),
+            )
+            compressed[f"ideal {case}"] = row
+            print(f"  ideal {case}: {row['loss']:.4f}", flush=True)
+        for wire in [c for c in args.real_deltas.split(",") if c]:
+            parse_case(wire)
+            row = run_real(raw, nodes, work / f"real-{wire}", "blocking", wire)
+            ideal_state = ideal_states.get(wire)
+            if ideal_state is not None:  # the same format's ideal row ran in this process
+                row["max_abs_diff_vs_ideal"] = max(
+                    (row["state"][k].float() - ideal_state[k].float()).abs().max().item()
+                    for k in ideal_state
+                )
+            row.pop("state")
+            row.update(kind="K processes", error_feedback=True, block_size=block)
+            compressed[f"K processes {wire}"] = row
+            print(f"  K processes {wire}: {row['loss']:.4f}", flush=True)
         shipped = dist.get("sync", "blocking")
-        modes = [] if args.skip_real else [m for m in args.sync.split(",") if m]
+        skip = args.skip_real or args.skip_single  # these rows are measured against "ideal"
+        modes = [] if skip else [m for m in args.sync.split(",") if m]
         for mode in sorted(modes, key=lambda m: m != shipped):  # the shipped mode first
             name = "DiLoCo, K processes" + ("" if mode == shipped else f" ({mode})")
             rows[name] = real = run_real(raw, nodes, work / f"real-{mode}", mode)
@@ -284,6 +436,20 @@ def main() -> None:
                 }
             )
             print(f"  sweep H={h} lr={lr} mom={momentum}: {result['loss']:.4f}", flush=True)
+    if compressed:
+        print(f"\n{'wire format':<32}{'held-out loss':>14}{'bytes/round/node':>18}")
+        for name, row in compressed.items():
+            print(f"{name:<32}{row['loss']:>14.4f}{row['bytes_per_round_per_node']:>18.0f}")
+    if blocks:
+        print(f"\n{'format':<8}{'block':>8}{'rel. error':>12}{'x fp32 bytes':>14}")
+        for row in blocks:
+            print(
+                f"{row['delta_dtype']:<8}{row['block_size']:>8}{row['relative_error']:>12.4f}"
+                f"{row['bytes_vs_fp32']:>14.4f}"
+            )
+    if "1 node" not in rows:
+        _write(args, n_tokens, raw, rows, [], {}, compressed, blocks)
+        return
     single = rows["1 node"]["loss"]
     print(f"\n{'run':<38}{'held-out loss':>14}{'x 1 node':>10}{'x ideal':>9}{'seconds':>9}")
     for name, row in rows.items():
@@ -321,6 +487,19 @@ def main() -> None:
                 f"{row['inner_steps']:>12}{row['outer_lr']:>12}{row['outer_momentum']:>12}"
                 f"{row['loss']:>12.4f}{row['loss'] / single:>12.3f}"
             )
+    _write(args, n_tokens, raw, rows, sweep, verdict, compressed, blocks)
+
+
+def _write(
+    args: argparse.Namespace,
+    n_tokens: int,
+    raw: dict,
+    rows: dict,
+    sweep: list,
+    verdict: dict,
+    compressed: dict,
+    blocks: list,
+) -> None:
     for row in rows.values():
         row.pop("state", None)
     out = Path(args.out)
@@ -339,6 +518,8 @@ def main() -> None:
                 "rows": rows,
                 "sweep": sweep,
                 "verdict": verdict,
+                "compressed": compressed,
+                "block_sizes": blocks,
             },
             indent=2,
         )

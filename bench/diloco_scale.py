@@ -16,10 +16,21 @@ delta at once (this machine's memory and cores, not the protocol, set that bound
 layout and K it reports round latency p50/p99 (global r published to global r + 1), Hub
 commits and requests per round (per repository, per token), the master's peak memory and CPU
 seconds per round, rounds per hour allowed by the Hub's commit budget counted per
-repository and per token, and whether any contribution was lost or counted twice.
+repository and per token, whether any contribution was lost or counted twice, and the bytes
+each node moves per round (its upload in ``--delta-dtypes``, each a row: bf16, int8, int4, ...;
+and the fp32 global it downloads).
+
+``--codec-cost`` measures, in the same run, what a compressed wire costs in time (issue 23):
+quantize + dequantize of one whole pseudo-gradient of the shape (what a node does to send it
+and keep its residual; the master decodes the same once per node) against the training time
+of a round of that shape (``--inner-steps`` optimizer steps of the reference transformer of
+the same d_model, layers and vocabulary, batch ``--train-batch`` x ``--train-seq`` tokens,
+timed over a few steps on this machine's CPU).
 
     python bench/diloco_scale.py --nodes 4 16 64 --layouts direct groups
     python bench/diloco_scale.py --nodes 16 --rounds 3 --d-model 64 --layers 2   # quick
+    python bench/diloco_scale.py --nodes 4 --layouts direct --rounds 3 \
+        --delta-dtypes bf16 int8 int4 --codec-cost          # issue 23's bytes and time
 """
 
 from __future__ import annotations
@@ -43,7 +54,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from speedtronic.config import DistributedConfig  # noqa: E402
+from speedtronic.config import DistributedConfig, ModelConfig  # noqa: E402
+from speedtronic.diloco import exchange as T  # noqa: E402
 from speedtronic.diloco.directory import DirectoryTransport  # noqa: E402
 from speedtronic.diloco.exchange import RetryPolicy  # noqa: E402
 from speedtronic.diloco.hub import HubClient  # noqa: E402
@@ -70,7 +82,9 @@ def model_shapes(d_model: int, layers: int, vocab: int) -> dict[str, tuple[int, 
     return shapes
 
 
-def _settings(poll: float, expect: int, leaders: list[str] | None = None) -> DistributedConfig:
+def _settings(
+    poll: float, expect: int, leaders: list[str] | None = None, wire: str = "bf16"
+) -> DistributedConfig:
     return DistributedConfig(
         relay_leaders=leaders or [],
         outer_lr=0.7,
@@ -80,7 +94,7 @@ def _settings(poll: float, expect: int, leaders: list[str] | None = None) -> Dis
         min_nodes=expect,
         drop_after=100,
         max_staleness=1,
-        delta_dtype="bf16",
+        delta_dtype=wire,
     )
 
 
@@ -181,9 +195,12 @@ def _node(
     poll: float,
     failures: list[str],
     timeout: float,
+    wire: str = "bf16",
+    sizes: list[int] | None = None,
 ) -> None:
     """One simulated node: per round, wait for global r, download it, upload a seeded
-    bf16 pseudo-gradient for round r (the last one with a ``done`` status)."""
+    pseudo-gradient for round r in ``wire`` format (the last one with a ``done`` status);
+    the size of each upload is appended to ``sizes``."""
     try:
         deadline = time.monotonic() + timeout
         transport.claim_owner(node_id, {"instance": f"{node_id}-1", "state": "training"})
@@ -199,10 +216,7 @@ def _node(
             with gate:
                 transport.read_global(meta)  # what a real node downloads every round
                 gen = torch.Generator().manual_seed(seed * 1000 + r)
-                delta = {
-                    k: (torch.randn(v, generator=gen) * 1e-3).to(torch.bfloat16)
-                    for k, v in shapes.items()
-                }
+                delta = {k: torch.randn(v, generator=gen) * 1e-3 for k, v in shapes.items()}
                 last = r == rounds - 1
                 status = {"instance": f"{node_id}-1", "state": "done" if last else "training"}
                 if last:
@@ -213,7 +227,7 @@ def _node(
                     round_index=r,
                     local_step=r,
                     base_outer_step=r,
-                    dtype="bf16",
+                    dtype=wire,
                     owner=status,
                     metadata={
                         "run_id": meta.run_id,
@@ -221,12 +235,16 @@ def _node(
                         "final": str(last).lower(),
                     },
                 )
+                if sizes is not None:
+                    sizes.append(transport.last_upload_bytes)
                 del delta
     except Exception as exc:  # reported, and the run counts as failed
         failures.append(f"{node_id}: {type(exc).__name__}: {exc}")
 
 
-def _leader(tmp: Path, name: str, endpoint: str, shapes: dict, members: int, poll: float):
+def _leader(
+    tmp: Path, name: str, endpoint: str, shapes: dict, members: int, poll: float, wire: str
+):
     exchange = DirectoryTransport(f"file://{tmp}/{name}", _retry())
     exchange.create_repo()
     top = HubClient(TOP, token=f"tok-{name}", endpoint=endpoint, cache_dir=tmp / "cache" / name,
@@ -236,14 +254,14 @@ def _leader(tmp: Path, name: str, endpoint: str, shapes: dict, members: int, pol
     upstream = Upstream(
         top,
         node_id=name,
-        settings=_settings(poll, members),
+        settings=_settings(poll, members, wire=wire),
         record=lambda **status: {"instance": f"{name}-1", **status},
         stop=stop,
     )
     master = RoundMaster(
         exchange,
         {k: torch.zeros(v) for k, v in shapes.items()},
-        settings=_settings(poll, members),
+        settings=_settings(poll, members, wire=wire),
         state_dir=tmp / f"state-{name}",
         emit=lambda e, **fields: events.append((e, fields)),
         upstream=upstream,
@@ -270,6 +288,7 @@ def simulate(
     parallel: int = 8,
     timeout: float = 1800.0,
     budget: Budget | None = None,
+    wire: str = "bf16",
 ) -> dict[str, Any]:
     """Run ``rounds`` rounds of ``k`` simulated nodes in ``layout``; the measured row.
     ``budget`` makes the emulator enforce Hub quotas (429 + Retry-After past them)."""
@@ -304,6 +323,7 @@ def simulate(
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     gate = threading.Semaphore(parallel)
+    sizes: list[int] = []
     leaders = []
     threads = []
     started = time.monotonic()
@@ -313,7 +333,7 @@ def simulate(
             j = i // group_size
             if len(leaders) <= j:
                 members = min(group_size, k - j * group_size)
-                leaders.append(_leader(tmp, f"g{j}", emulator.url, shapes, members, poll))
+                leaders.append(_leader(tmp, f"g{j}", emulator.url, shapes, members, poll, wire))
                 leaders[-1].start()
             transport: Any = DirectoryTransport(f"file://{tmp}/g{j}", _retry())
         else:
@@ -321,7 +341,7 @@ def simulate(
                                   cache_dir=tmp / "cache" / node_id, retry=_retry())  # fmt: skip
         thread = threading.Thread(
             target=_node,
-            args=(transport, node_id, rounds, shapes, gate, poll, failures, timeout),
+            args=(transport, node_id, rounds, shapes, gate, poll, failures, timeout, wire, sizes),
             daemon=True,
         )
         thread.start()
@@ -382,6 +402,9 @@ def simulate(
     return {
         "layout": layout,
         "nodes": k,
+        "delta_dtype": wire,
+        "upload_bytes_per_node_per_round": statistics.mean(sizes) if sizes else None,
+        "global_bytes_per_node_per_round": 4 * sum(math.prod(s) for s in shapes.values()),
         "groups": groups,
         "hub_clients": len(hub_clients),
         "parameters": sum(math.prod(s) for s in shapes.values()),
@@ -411,6 +434,70 @@ def simulate(
     }
 
 
+def codec_cost(
+    shapes: dict[str, tuple[int, ...]],
+    wires: list[str],
+    *,
+    block_size: int,
+    inner_steps: int,
+    batch: int,
+    seq: int,
+    steps: int = 3,
+) -> dict[str, Any]:
+    """Seconds to quantize and to dequantize one pseudo-gradient of ``shapes`` per wire
+    format, and the training time of one round (``inner_steps`` x the mean of ``steps``
+    timed AdamW steps after one untimed step) of the reference transformer of that size."""
+    from speedtronic.model import build_model
+
+    torch.manual_seed(0)
+    delta = {k: torch.randn(v) * 1e-3 for k, v in shapes.items()}
+    costs: dict[str, dict[str, float]] = {}
+    for wire in wires:
+        T.encode_delta({"warm-up": torch.ones(1024)}, wire, block_size)  # first-call setup
+        started = time.perf_counter()
+        encoded = T.encode_delta(delta, wire, block_size)
+        encode = time.perf_counter() - started
+        started = time.perf_counter()
+        for value in encoded.values():
+            T.decode_value(value)
+        decode = time.perf_counter() - started
+        costs[wire] = {"quantize_s": encode, "dequantize_s": decode}
+    embed = shapes["embed"]
+    layers = sum(1 for name in shapes if name.endswith(".attn.qkv"))
+    config = ModelConfig(
+        vocab_size=embed[0], d_model=embed[1], n_layer=layers, n_head=8, max_seq_len=seq
+    )
+    model = build_model(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, embed[0], (batch, seq + 1))
+    times = []
+    for i in range(steps + 1):
+        started = time.perf_counter()
+        loss = model(tokens[:, :-1], labels=tokens[:, 1:])["loss"]
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if i:  # the first step allocates the optimizer state
+            times.append(time.perf_counter() - started)
+    step = statistics.mean(times)
+    round_seconds = inner_steps * step
+    for cost in costs.values():
+        cost["ratio_to_round_training"] = (cost["quantize_s"] + cost["dequantize_s"]) / (
+            round_seconds
+        )
+    return {
+        "parameters": sum(math.prod(s) for s in shapes.values()),
+        "model_parameters": sum(p.numel() for p in model.parameters()),
+        "train_step_s": step,
+        "inner_steps": inner_steps,
+        "tokens_per_step": batch * seq,
+        "round_training_s": round_seconds,
+        "block_size": block_size,
+        "torch_threads": torch.get_num_threads(),
+        "wires": costs,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the table; print one JSON row per layout and K, and write them to ``--out``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -426,30 +513,49 @@ def main(argv: list[str] | None = None) -> int:
                         help="request latency: base seconds and uniform extra")  # fmt: skip
     parser.add_argument("--poll", type=float, default=0.2)
     parser.add_argument("--parallel", type=int, default=8)
+    parser.add_argument("--delta-dtypes", nargs="+", default=["bf16"], choices=T.DELTA_FORMATS)
+    parser.add_argument("--codec-cost", action="store_true")
+    parser.add_argument("--inner-steps", type=int, default=500)
+    parser.add_argument("--train-batch", type=int, default=8)
+    parser.add_argument("--train-seq", type=int, default=256)
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
     shapes = model_shapes(args.d_model, args.layers, args.vocab)
+    cost = None
+    if args.codec_cost:
+        cost = codec_cost(
+            shapes,
+            [w for w in args.delta_dtypes if w != "fp32"] or ["int8"],
+            block_size=DistributedConfig().delta_block_size,
+            inner_steps=args.inner_steps,
+            batch=args.train_batch,
+            seq=args.train_seq,
+        )
+        print(json.dumps(cost), flush=True)
     rows = []
-    for k in args.nodes:
-        for layout in args.layouts:
-            row = simulate(
-                k,
-                layout,
-                rounds=args.rounds,
-                shapes=shapes,
-                group_size=args.group_size,
-                latency=(args.latency[0], args.latency[1]),
-                poll=args.poll,
-                parallel=args.parallel,
-            )
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    for wire in args.delta_dtypes:
+        for k in args.nodes:
+            for layout in args.layouts:
+                row = simulate(
+                    k,
+                    layout,
+                    rounds=args.rounds,
+                    shapes=shapes,
+                    group_size=args.group_size,
+                    latency=(args.latency[0], args.latency[1]),
+                    poll=args.poll,
+                    parallel=args.parallel,
+                    wire=wire,
+                )
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     if args.out:
         result = {
             "benchmark": "diloco_scale",
             "cpus": os.cpu_count(),
             "load_average": os.getloadavg(),
             "settings": vars(args),
+            "codec_cost": cost,
             "rows": rows,
             "p50_latency_by_layout": {
                 layout: statistics.median(

@@ -177,7 +177,11 @@ RULES = [
     ),
     (
         {"distributed": {"delta_dtype": "fp8"}},
-        "distributed.delta_dtype must be fp32, bf16, or fp16",
+        "distributed.delta_dtype must be fp32, bf16, fp16, int8, or int4",
+    ),
+    (
+        {"distributed": {"delta_block_size": 4}},
+        "distributed.delta_block_size must be in [8, 1048576], got 4",
     ),
     ({"distributed": {"request_timeout": 0}}, "distributed.request_timeout must be positive"),
     ({"distributed": {"enabled": True}}, "distributed.repo_id is required for DumbDiLoCo"),
@@ -401,6 +405,7 @@ def test_new_fields_defaults() -> None:
     assert config.run.stop_on_nonfinite is True
     assert config.checkpoint.save_final is True
     assert config.distributed.delta_dtype == "fp32"
+    assert config.distributed.delta_block_size == 128
     assert config.distributed.request_timeout == 60.0
 
 

@@ -144,9 +144,11 @@ def _heldout_loss(config, state: dict) -> float:
     return evaluate(model, build_heldout(config), device=torch.device("cpu")).loss
 
 
-def _run_golden(tmp: Path, corpus: Path, repo: str, env: dict, steps: int, inner: int):
+def _run_golden(
+    tmp: Path, corpus: Path, repo: str, env: dict, steps: int, inner: int, extra: tuple = ()
+):
     """Master (trains) + w1 + w2, all started at once; the first round waits for all three."""
-    sets = [*overrides(corpus, steps, inner), "distributed.min_nodes=3"]
+    sets = [*overrides(corpus, steps, inner), "distributed.min_nodes=3", *extra]
     nodes = [
         Node(tmp, "m", "master", repo, sets, env).start(),
         Node(tmp, "w1", "worker", repo, sets, env).start(),
@@ -205,6 +207,23 @@ def test_three_nodes_compute_the_ideal_arithmetic_and_beat_one_node(tmp_path, co
     step_count = json.loads((tmp_path / "exchange/global/step_count.json").read_text())
     assert step_count["final"] is True and step_count["outer_step"] == steps // inner
     _assert_no_token(tmp_path)
+
+
+def test_three_nodes_with_int8_deltas_compute_the_quantized_ideal_arithmetic(tmp_path, corpus):
+    """int8 deltas with error feedback through the directory store: every round closes with
+    all three nodes, the final global is the ideal arithmetic with the same quantizer and
+    residuals, and each upload is about a quarter of the fp32 values' bytes."""
+    steps, inner = 60, 10
+    repo = f"file://{tmp_path / 'exchange'}"
+    extra = ("distributed.delta_dtype=int8",)
+    nodes, sets = _run_golden(tmp_path, corpus, repo, _env(), steps, inner, extra)
+    config, final = _check_golden(tmp_path, corpus, nodes, sets, steps // inner)
+    assert config.distributed.delta_dtype == "int8"
+    fp32 = 4 * sum(value.numel() for value in final.values() if value.is_floating_point())
+    for node in nodes:
+        uploads = node.events("delta_uploaded")
+        assert len(uploads) == steps // inner
+        assert all(row["bytes"] < 0.3 * fp32 for row in uploads), uploads
 
 
 def test_three_nodes_over_the_hub_emulator(tmp_path, corpus, hub_emulator):

@@ -151,7 +151,12 @@ Leaders = Annotated[
 ]
 Token = Annotated[str, BeforeValidator(_token)]
 DeltaDtype = one_of(
-    "fp32", "bf16", "fp16", says="distributed.delta_dtype must be fp32, bf16, or fp16"
+    "fp32",
+    "bf16",
+    "fp16",
+    "int8",
+    "int4",
+    says="distributed.delta_dtype must be fp32, bf16, fp16, int8, or int4",
 )
 Alignment = Annotated[
     Literal["auto", "none"] | Annotated[int, Field(strict=True, gt=0, le=4096)],
@@ -161,6 +166,10 @@ BETWEEN = "{field} must be between {low} and {high}"
 PORT = Says(bound=BETWEEN, upper=BETWEEN)
 POLL = Says(
     bound="{field} must be positive (at least {low}), got {value}",
+    upper="{field} must be in {interval}, got {value}",
+)
+IN = Says(
+    bound="{field} must be in {interval}, got {value}",
     upper="{field} must be in {interval}, got {value}",
 )
 KEEP = Says(bound="checkpoint.keep_last must be positive or null")
@@ -251,7 +260,10 @@ class DistributedConfig:
         5.0, "seconds to finish an upload at shutdown", gt=0, le=HOUR
     )
     async_global_poll: Bool = F(True, "poll for the global state in the background")
-    delta_dtype: DeltaDtype = F("fp32", "upload dtype: fp32, bf16 or fp16")
+    delta_dtype: DeltaDtype = F(
+        "fp32", "upload format: fp32, bf16, fp16, int8 or int4 (+ error feedback)"
+    )
+    delta_block_size: Int = F(128, "values per scale of an int8/int4 delta", IN, ge=8, le=1 << 20)
     request_timeout: Float = F(60.0, "seconds one transport call may take", gt=0, le=DAY)
     slots_dir: PathStr | None = F(None, "shared folder where workers claim worker-<n> ids")
 

@@ -12,10 +12,11 @@ implement, with their errors and one retry policy::
 A contribution is ``float32(global_r) - float32(local)`` over the floating keys (the sign
 points against local progress, so the master subtracts ``lr * mean``). It travels as
 safetensors with string metadata (``node_id``, ``round``, ``run_id``, ``instance``,
-``local_step``, ``base_outer_step``, ``dtype``, ``final``), in fp32, bf16 or fp16, and is
-aggregated in float32. Everything read is validated here before it is used: keys and shapes
-of the model, finite (as the model's dtypes will hold it), within :data:`MAX_DELTA_ABS`, a
-size bound checked on the file actually read.
+``local_step``, ``base_outer_step``, ``dtype``, ``final``), in fp32, bf16 or fp16, or
+blockwise-quantized as int8 or int4 codes with a float32 scale per block (``block_size`` in
+the header), and is aggregated in float32. Everything read is validated here before it is
+used: keys and shapes of the model, finite (as the model's dtypes will hold it), within
+:data:`MAX_DELTA_ABS`, a size bound checked on the file actually read.
 
 :class:`RepoTransport` builds the layout over five primitives a store implements (create,
 grant, list, read, commit: one Hub commit, or temp file + rename per file on a volume). The one
@@ -36,6 +37,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import tempfile
@@ -53,12 +55,16 @@ from speedtronic.config.errors import ConfigError
 from speedtronic.config.limits import is_valid_node_id
 
 __all__ = [
+    "DEFAULT_BLOCK_SIZE",
     "DELTA_DTYPES",
+    "DELTA_FORMATS",
     "GLOBAL_MODEL",
     "GLOBAL_PROCESSED",
     "GLOBAL_STEP",
     "MAX_DELTA_ABS",
     "NODE_RECORDS",
+    "QUANTIZED_BITS",
+    "SCALE_SUFFIX",
     "AccessRefused",
     "DeltaReader",
     "Emit",
@@ -68,6 +74,7 @@ __all__ = [
     "GlobalMetadata",
     "HubError",
     "HubUnavailable",
+    "QuantizedTensor",
     "RemoteNotFound",
     "RepoScan",
     "RepoTransport",
@@ -81,10 +88,12 @@ __all__ = [
     "compute_pseudo_gradient",
     "cpu_state_dict",
     "cpu_tensor",
+    "decode_value",
     "delta_dtype",
     "delta_from_bytes",
     "delta_path",
     "delta_to_bytes",
+    "encode_delta",
     "first_non_finite",
     "floating_state",
     "ignore",
@@ -95,6 +104,7 @@ __all__ = [
     "open_delta",
     "open_safetensors",
     "parse_delta_path",
+    "quantize",
     "read_metadata",
     "retry_policy_from_config",
     "save_safetensors",
@@ -295,12 +305,16 @@ def ignore(event: str, /, **fields: Any) -> None:
 
 
 # -- wire format ---------------------------------------------------------------------------
-#: Wire dtypes accepted by ``distributed.delta_dtype``.
+#: Float wire dtypes accepted by ``distributed.delta_dtype``.
 DELTA_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
 }
+#: Blockwise-quantized wire formats of ``distributed.delta_dtype``: bits per code.
+QUANTIZED_BITS: dict[str, int] = {"int8": 8, "int4": 4}
+#: Every value of ``distributed.delta_dtype``.
+DELTA_FORMATS: tuple[str, ...] = (*DELTA_DTYPES, *QUANTIZED_BITS)
 
 _DELTA_NAME = re.compile(r"^delta_(0|[1-9][0-9]*)\.safetensors$")
 
@@ -325,11 +339,17 @@ def floating_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 
 def delta_dtype(name: str | None) -> torch.dtype:
-    """Map ``fp32|bf16|fp16`` (None -> fp32) to a torch dtype; anything else is a ValueError."""
+    """Map ``fp32|bf16|fp16`` (None -> fp32) to the torch dtype of its values, and ``int8`` /
+    ``int4`` to the dtype of their codes (``int8``; ``uint8`` holding two 4-bit codes per
+    byte); anything else is a ValueError."""
     key = (name or "fp32").lower()
+    if key == "int8":
+        return torch.int8
+    if key == "int4":
+        return torch.uint8
     if key not in DELTA_DTYPES:
         raise ValueError(
-            f"distributed.delta_dtype must be one of {sorted(DELTA_DTYPES)}, got {name!r}"
+            f"distributed.delta_dtype must be one of {list(DELTA_FORMATS)}, got {name!r}"
         )
     return DELTA_DTYPES[key]
 
@@ -519,7 +539,7 @@ def state_from_bytes(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, st
 
 
 def delta_to_bytes(
-    delta: Mapping[str, torch.Tensor],
+    delta: Mapping[str, torch.Tensor | QuantizedTensor],
     *,
     node_id: str,
     local_step: int,
@@ -527,31 +547,51 @@ def delta_to_bytes(
     round_index: int | None = None,
     dtype: str = "fp32",
     extra: Mapping[str, object] | None = None,
+    block_size: int | None = None,
 ) -> bytes:
     """Delta file bytes with the core header keys and the wire dtype.
 
     ``round_index`` is the round the contribution is meant for (defaults to
-    ``base_outer_step``); ``local_step`` the node's optimizer step when it was taken.
+    ``base_outer_step``); ``local_step`` the node's optimizer step when it was taken. With
+    ``int8``/``int4`` the values are quantized in blocks of ``block_size`` values (default
+    :data:`DEFAULT_BLOCK_SIZE`; a value already given as a :class:`QuantizedTensor`, see
+    :func:`encode_delta`, is written as it is).
     """
-    metadata = {
+    name = (dtype or "fp32").lower()
+    delta_dtype(name)  # a ValueError for an unknown format
+    metadata: dict[str, object] = {
         "node_id": node_id,
         "round": int(base_outer_step if round_index is None else round_index),
         "local_step": int(local_step),
         "base_outer_step": int(base_outer_step),
         "algorithm": "dumb_diloco",
-        "dtype": (dtype or "fp32").lower(),
+        "dtype": name,
         **dict(extra or {}),
     }
-    return state_to_bytes(delta, metadata=metadata, dtype=delta_dtype(dtype))
+    if name in QUANTIZED_BITS:
+        block = int(block_size or DEFAULT_BLOCK_SIZE)
+        encoded = encode_delta(delta, name, block)
+        metadata.update(_quantized_header(encoded, name, block))
+        return state_to_bytes(_wire_tensors(encoded), metadata=metadata)
+    return state_to_bytes(delta, metadata=metadata, dtype=DELTA_DTYPES[name])
 
 
 def delta_from_bytes(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Parse a delta file; tensors come back as float32 (the master aggregates in fp32).
 
-    Only the wire dtypes (fp32, bf16, fp16) are accepted: an integer or boolean tensor is a
-    ``ValueError``, never silently converted.
+    Only the wire dtypes (fp32, bf16, fp16) are accepted as values: an integer or boolean
+    tensor is a ``ValueError``, never silently converted. A quantized file (``int8``,
+    ``int4`` in its header) is decoded, its codes and scales checked as in
+    :meth:`DeltaReader.check` (without a model to compare keys and shapes with).
     """
     tensors, metadata = state_from_bytes(data)
+    codec = _WireCodec.from_metadata(metadata)
+    if codec.bits is not None:
+        shapes = codec.shapes_from(metadata, tensors)
+        return {
+            key: codec.read(key, tensors.__getitem__, shape, MAX_DELTA_ABS)
+            for key, shape in shapes.items()
+        }, metadata
     wire = set(DELTA_DTYPES.values())
     for key, value in tensors.items():
         if value.dtype not in wire:
@@ -652,12 +692,22 @@ class DeltaReader:
     def __init__(self, handle: Any):
         self._handle = handle
         self.metadata = {str(k): str(v) for k, v in (handle.metadata() or {}).items()}
+        self._codec: _WireCodec | None = None  # the file's encoding, read by check()
 
     def check(
         self, reference: Mapping[str, torch.Tensor], *, max_abs: float = MAX_DELTA_ABS
     ) -> str:
         """The same checks as :func:`validate_delta` plus the wire dtypes (``ValueError``);
-        returns the sha256 of the values (a re-sent copy has the same digest)."""
+        returns the sha256 of the values (a re-sent copy has the same digest).
+
+        A quantized file (``int8``/``int4`` in its header, with its ``block_size``) must hold
+        for every model key its codes (the model's shape for int8, two codes a byte for
+        int4) and one float32 scale per block; scales finite, non-negative and at most
+        ``max_abs`` over the largest code (so no decoded value exceeds ``max_abs``), codes
+        within their symmetric range."""
+        codec = _WireCodec.from_metadata(self.metadata)
+        if codec.bits is not None:
+            return self._check_quantized(codec, reference, max_abs)
         expected = _expected_keys(self._handle.keys(), reference)
         wire = set(DELTA_DTYPES.values())
         digest = hashlib.sha256()
@@ -670,10 +720,39 @@ class DeltaReader:
             digest.update(value.contiguous().view(torch.uint8).numpy().tobytes())
         return digest.hexdigest()
 
+    def _check_quantized(
+        self, codec: _WireCodec, reference: Mapping[str, torch.Tensor], max_abs: float
+    ) -> str:
+        expected = {k: v for k, v in reference.items() if _is_floating(v)}
+        keys = set(self._handle.keys())
+        wanted = set(expected) | {k + SCALE_SUFFIX for k in expected}
+        if keys != wanted:
+            extra = sorted(keys - wanted)[:5]
+            missing = sorted(wanted - keys)[:5]
+            raise ValueError(
+                f"delta keys do not match the model (extra {extra}, missing {missing})"
+            )
+        digest = hashlib.sha256()
+        for key in sorted(expected):
+            codec.read(key, self._handle.get_tensor, tuple(expected[key].shape), max_abs)
+            for name in (key, key + SCALE_SUFFIX):
+                digest.update(name.encode("utf-8"))
+                value = self._handle.get_tensor(name).contiguous()
+                digest.update(value.view(torch.uint8).numpy().tobytes())
+        self._codec = codec
+        return digest.hexdigest()
+
     def add_to(self, total: dict[str, torch.Tensor], scale: float = 1.0) -> None:
-        """``total[key] += scale * value`` in float32 for every key (checked first)."""
+        """``total[key] += scale * value`` in float32 for every key (checked first); a
+        quantized file is decoded one tensor at a time."""
+        codec = self._codec or _WireCodec.from_metadata(self.metadata)
         for key in sorted(total):
-            total[key].add_(self._handle.get_tensor(key).to(torch.float32), alpha=scale)
+            if codec.bits is None:
+                value = self._handle.get_tensor(key).to(torch.float32)
+            else:
+                shape = tuple(total[key].shape)
+                value = codec.read(key, self._handle.get_tensor, shape, MAX_DELTA_ABS)
+            total[key].add_(value, alpha=scale)
 
 
 class SafetensorsFile:
@@ -757,6 +836,227 @@ def open_delta(path: str | os.PathLike) -> Iterator[DeltaReader]:
         yield reader
     finally:
         opened.__exit__(None, None, None)
+
+
+# -- quantized deltas ---------------------------------------------------------------------
+#: Values per float32 scale when ``distributed.delta_block_size`` does not say (measured in
+#: docs/diloco.md, "Compressed deltas": 128 keeps int8 under 0.26x and int4 under 0.14x of
+#: the fp32 bytes at the quality of smaller blocks).
+DEFAULT_BLOCK_SIZE = 128
+#: Block sizes a file may declare (the config's bounds).
+MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 8, 1 << 20
+#: Key suffix of a tensor's block scales in a quantized delta file.
+SCALE_SUFFIX = "::scale"
+
+
+def _largest_code(bits: int) -> int:
+    """The largest code magnitude of a ``bits``-bit symmetric quantizer (127, 7)."""
+    return (1 << (bits - 1)) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedTensor:
+    """One tensor in blocks of ``block_size`` consecutive values (row-major order, the last
+    block shorter), each block ``codes * scale`` with integer codes in ``[-q, q]`` (q = 127
+    for 8 bits, 7 for 4 bits) and one float32 ``scale`` = the block's largest magnitude / q.
+
+    ``codes``: int8 with the tensor's shape (8 bits), or uint8 of ``ceil(n / 2)`` bytes each
+    holding two codes + 8 (4 bits; low nibble first; an odd tail is padded with code 0).
+    ``scales``: float32 of ``ceil(n / block_size)``.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    shape: tuple[int, ...]
+    bits: int
+    block_size: int
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 values the master adds: ``code * scale`` of each value's block."""
+        numel = math.prod(self.shape)
+        if self.bits == 8:
+            codes = self.codes.reshape(-1).to(torch.float32)
+        else:
+            pairs = torch.stack((self.codes & 0xF, self.codes >> 4), dim=1).reshape(-1)
+            codes = pairs[:numel].to(torch.float32).sub_(8.0)
+        blocks = self.scales.numel()
+        padded = torch.zeros(blocks * self.block_size, dtype=torch.float32)
+        padded[:numel] = codes
+        values = padded.view(blocks, self.block_size).mul_(self.scales.view(blocks, 1))
+        return values.reshape(-1)[:numel].reshape(self.shape)
+
+
+def quantize(tensor: torch.Tensor, bits: int, block_size: int) -> QuantizedTensor:
+    """Blockwise symmetric absmax quantization of ``tensor`` (float32 arithmetic, round half
+    to even: deterministic, so a node and the ideal arithmetic send the same codes)."""
+    flat = tensor.detach().to("cpu", torch.float32).reshape(-1)
+    numel = flat.numel()
+    blocks = -(-numel // block_size)
+    padded = torch.zeros(blocks * block_size, dtype=torch.float32)
+    padded[:numel] = flat
+    view = padded.view(blocks, block_size)
+    top = _largest_code(bits)
+    scales = view.abs().amax(dim=1).div_(float(top)) if blocks else torch.zeros(0)
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.round(view / safe.view(blocks, 1)).clamp_(-top, top).reshape(-1)[:numel]
+    if bits == 8:
+        packed = codes.to(torch.int8).reshape(tuple(tensor.shape))
+    else:
+        nibbles = codes.to(torch.int16).add_(8).to(torch.uint8)
+        if numel % 2:
+            nibbles = torch.cat((nibbles, torch.full((1,), 8, dtype=torch.uint8)))
+        packed = nibbles[0::2] | (nibbles[1::2] << 4)
+    return QuantizedTensor(packed, scales.contiguous(), tuple(tensor.shape), bits, block_size)
+
+
+def encode_delta(
+    delta: Mapping[str, torch.Tensor | QuantizedTensor], dtype: str, block_size: int
+) -> dict[str, torch.Tensor | QuantizedTensor]:
+    """``delta`` as the wire will carry it: quantized (int8, int4; a value already quantized
+    is kept), cast (bf16, fp16) or unchanged (fp32). :func:`decode_value` of each value is
+    exactly what the master adds, so ``value - decode_value(encoded)`` is what a node keeps
+    as its error-feedback residual."""
+    name = (dtype or "fp32").lower()
+    delta_dtype(name)
+    bits = QUANTIZED_BITS.get(name)
+    out: dict[str, torch.Tensor | QuantizedTensor] = {}
+    for key, value in delta.items():
+        if isinstance(value, QuantizedTensor):
+            if value.bits != bits or value.block_size != block_size:
+                raise ValueError(f"{key} is quantized otherwise than {name}/{block_size}")
+            out[key] = value
+        elif bits is not None:
+            out[key] = quantize(value, bits, block_size)
+        else:
+            out[key] = value.detach().to("cpu").to(DELTA_DTYPES[name])
+    return out
+
+
+def decode_value(value: torch.Tensor | QuantizedTensor) -> torch.Tensor:
+    """The float32 values the master adds for one encoded tensor (see :func:`encode_delta`)."""
+    if isinstance(value, QuantizedTensor):
+        return value.dequantize()
+    return value.to(torch.float32)
+
+
+def _wire_tensors(encoded: Mapping[str, torch.Tensor | QuantizedTensor]) -> dict[str, torch.Tensor]:
+    """The safetensors entries of a quantized delta: codes under the key, scales beside it."""
+    tensors: dict[str, torch.Tensor] = {}
+    for key, value in encoded.items():
+        assert isinstance(value, QuantizedTensor)
+        tensors[key] = value.codes
+        tensors[key + SCALE_SUFFIX] = value.scales
+    return tensors
+
+
+def _quantized_header(
+    encoded: Mapping[str, torch.Tensor | QuantizedTensor], name: str, block_size: int
+) -> dict[str, str]:
+    """Header entries a reader needs to decode: the block size, and for int4 (whose packed
+    codes lose the shape) every tensor's shape."""
+    header = {"block_size": str(int(block_size))}
+    if name == "int4":
+        shapes = {k: list(v.shape) for k, v in encoded.items() if isinstance(v, QuantizedTensor)}
+        header["shapes"] = json.dumps(shapes, sort_keys=True, separators=(",", ":"))
+    return header
+
+
+@dataclasses.dataclass(frozen=True)
+class _WireCodec:
+    """How a delta file's values are encoded, from its header: a float dtype (``bits``
+    None) or blockwise codes of ``bits`` bits in blocks of ``block_size``."""
+
+    name: str
+    bits: int | None = None
+    block_size: int = DEFAULT_BLOCK_SIZE
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping[str, str]) -> _WireCodec:
+        """The file's encoding; a quantized header without a valid block size is a
+        ``ValueError`` (a header without ``dtype`` is a float delta, as before 2.2)."""
+        name = str(metadata.get("dtype", "fp32")).lower()
+        if name not in QUANTIZED_BITS:
+            return cls(name)
+        raw = str(metadata.get("block_size", ""))
+        if not raw.isdigit() or not MIN_BLOCK_SIZE <= int(raw) <= MAX_BLOCK_SIZE:
+            raise ValueError(
+                f"a {name} delta needs a block_size between {MIN_BLOCK_SIZE} and "
+                f"{MAX_BLOCK_SIZE} in its header, got {raw!r}"
+            )
+        return cls(name, QUANTIZED_BITS[name], int(raw))
+
+    def shapes_from(
+        self, metadata: Mapping[str, str], tensors: Mapping[str, torch.Tensor]
+    ) -> dict[str, tuple[int, ...]]:
+        """Each value key's shape, without a model to ask: int8 codes carry it, int4 files
+        list it in their header (``ValueError`` when it is missing or malformed)."""
+        keys = [k for k in tensors if not k.endswith(SCALE_SUFFIX)]
+        if self.bits == 8:
+            return {k: tuple(tensors[k].shape) for k in keys}
+        try:
+            listed = json.loads(metadata["shapes"])
+            shapes = {str(k): tuple(int(d) for d in v) for k, v in listed.items()}
+        except (KeyError, ValueError, TypeError, AttributeError) as exc:
+            raise ValueError(
+                f"an int4 delta lists its tensors' shapes in its header: {exc}"
+            ) from None
+        if set(shapes) != set(keys) or any(d < 0 for s in shapes.values() for d in s):
+            raise ValueError("an int4 delta's header shapes do not match its tensors")
+        return shapes
+
+    def read(
+        self,
+        key: str,
+        get: Callable[[str], torch.Tensor],
+        shape: tuple[int, ...],
+        max_abs: float,
+    ) -> torch.Tensor:
+        """Check and decode ``key`` (its codes and scales read through ``get``) as a tensor
+        of ``shape``: the code dtype and count, one float32 scale per block, scales finite,
+        non-negative and at most ``max_abs`` / the largest code, codes within range
+        (``ValueError`` naming the key). Returns float32 values."""
+        assert self.bits is not None
+        codes, scales = get(key), get(key + SCALE_SUFFIX)
+        numel = math.prod(shape)
+        top = _largest_code(self.bits)
+        if self.bits == 8:
+            if codes.dtype != torch.int8 or tuple(codes.shape) != tuple(shape):
+                raise ValueError(
+                    f"{key}: int8 codes of shape {tuple(shape)} expected, got {codes.dtype} "
+                    f"{tuple(codes.shape)}"
+                )
+            if numel and int(codes.min()) < -top:
+                raise ValueError(f"{key} holds a code outside [-{top}, {top}]")
+        else:
+            want = (-(-numel // 2),)
+            if codes.dtype != torch.uint8 or tuple(codes.shape) != want:
+                raise ValueError(
+                    f"{key}: {want[0]} bytes of packed int4 codes expected, got {codes.dtype} "
+                    f"{tuple(codes.shape)}"
+                )
+            if codes.numel():
+                low, high = codes & 0xF, codes >> 4
+                if int(low.min()) < 8 - top or int(high.min()) < 8 - top:
+                    raise ValueError(f"{key} holds a code outside [-{top}, {top}]")
+        blocks = -(-numel // self.block_size)
+        if scales.dtype != torch.float32 or tuple(scales.shape) != (blocks,):
+            raise ValueError(
+                f"{key}: {blocks} float32 block scales expected (block size "
+                f"{self.block_size}), got {scales.dtype} {tuple(scales.shape)}"
+            )
+        if blocks:
+            if not bool(torch.isfinite(scales).all()):
+                raise ValueError(f"non-finite scales in {key}")
+            low, high = float(scales.min()), float(scales.max())
+            if low < 0:
+                raise ValueError(f"{key} holds a negative scale")
+            if high * top > max_abs:
+                raise ValueError(
+                    f"{key} holds a scale of {high:.3g}: values up to {high * top:.3g}, "
+                    f"beyond the bound {max_abs:g}"
+                )
+        quantized = QuantizedTensor(codes, scales, tuple(shape), self.bits, self.block_size)
+        return quantized.dequantize()
 
 
 def max_global_bytes(like: Mapping[str, torch.Tensor]) -> int:
@@ -966,9 +1266,11 @@ class Store(Protocol):
         dtype: str = "fp32",
         metadata: Mapping[str, object] | None = None,
         owner: Mapping[str, Any] | None = None,
+        block_size: int | None = None,
     ) -> str:
         """One commit: the node's contribution to a round (and its status record when
-        given); returns the path, the size is left in :attr:`last_upload_bytes`."""
+        given) in wire format ``dtype`` (int8/int4: blocks of ``block_size`` values);
+        returns the path, the size is left in :attr:`last_upload_bytes`."""
         ...
 
     def scan(self) -> RepoScan:
@@ -1374,10 +1676,13 @@ class RepoTransport:
         metadata: Mapping[str, object] | None = None,
         owner: Mapping[str, Any] | None = None,
         work_dir: Any = None,
+        block_size: int | None = None,
     ) -> str:
         """Upload a node's contribution to round ``round_index`` (default: the base outer
         step) as ``nodes/<node>/delta_<round>.safetensors`` in one commit, with the node's
-        owner record when given. Returns the remote path; the size in bytes is left in
+        owner record when given, in wire format ``dtype`` (int8/int4: blocks of
+        ``block_size`` values; the values may be given already quantized, see
+        :func:`encode_delta`). Returns the remote path; the size in bytes is left in
         :attr:`last_upload_bytes`."""
         del work_dir  # 2.0.0 staged files on disk; bytes go straight to the transport now
         target = int(base_outer_step if round_index is None else round_index)
@@ -1390,6 +1695,7 @@ class RepoTransport:
             round_index=target,
             dtype=dtype,
             extra={k: v for k, v in (metadata or {}).items() if k != "algorithm"},
+            block_size=block_size,
         )
         additions = {path: data}
         if owner is not None:

@@ -7,8 +7,11 @@ installed global, or its own weights at its last upload). After every applied op
     count the step; merge a waiting newer global if the node already contributed for its base
     every ``inner_steps`` steps (a boundary):
         overlapped: wait (<= round_timeout) for the global of the previous contribution
-        contribution = carry + anchor - weights            (float32, the pseudo-gradient)
+        contribution = carry + residual + anchor - weights  (float32, the pseudo-gradient)
         round        = max(installed outer step, last uploaded round + 1)
+        sent         = the contribution as the wire carries it (delta_dtype: fp32 exact;
+                       bf16/fp16 cast; int8/int4 blockwise codes + scales)
+        residual     = contribution - decode(sent)          (error feedback; fp32: none)
         anchor := weights; upload (background thread when overlapped and async)
         blocking: wait (<= round_timeout) for the global that includes the contribution
     merge global G:  weights := G + (weights - anchor);  anchor := G
@@ -18,7 +21,9 @@ blocking mode there is none, and the merge is a plain install). A newer global t
 before the node contributed for its current base is held until the node's boundary: that
 contribution is then late, and the master folds it into the open round when it is at most
 ``max_staleness`` rounds old. A failed upload is carried into the next contribution (the
-final one is sent again, up to ``FINAL_UPLOAD_ATTEMPTS`` times). At the end of a run,
+final one is sent again, up to ``FINAL_UPLOAD_ATTEMPTS`` times): the carry is the whole
+unquantized contribution, residual included, so the residual is dropped with it and nothing
+is counted twice. At the end of a run,
 :meth:`DiLoCoNode.finish` uploads the last contribution marked final together with a ``done``
 status, waits for the global that includes it and installs it, so the node's
 final checkpoint holds it. Network failures are state (logged, counted, carried), never a
@@ -90,7 +95,10 @@ class DiLoCoNode:
     globals; ``emit`` reports events (log lines go to the ``speedtronic.diloco`` logger).
     ``settings`` is the ``distributed``
     config section (``inner_steps``, ``sync``, ``round_timeout``, ``reset_inner_optimizer``,
-    ``async_delta_upload``, ``delta_upload_shutdown_timeout``).
+    ``async_delta_upload``, ``delta_upload_shutdown_timeout``, ``delta_dtype``,
+    ``delta_block_size``). ``error_feedback`` keeps what a lossy wire format (bf16, fp16,
+    int8, int4) did not carry and adds it to the next contribution (off: it is lost, as
+    the bench's "without error feedback" rows measure).
     """
 
     def __init__(
@@ -101,8 +109,10 @@ class DiLoCoNode:
         send: Callable[[Contribution], int],
         inbox: GlobalInbox,
         emit: Emit = ignore,
+        error_feedback: bool = True,
     ):
         self.settings = settings
+        self.error_feedback = error_feedback
         self.model = model
         self.inbox = inbox
         self._emit = emit
@@ -119,6 +129,8 @@ class DiLoCoNode:
         self.last_round = -1  # round of the last upload that arrived (-1: none yet)
         self.anchor = _float_state(model)
         self.carry: dict[str, torch.Tensor] | None = None
+        # what the wire format left out of the last contribution that arrived (error feedback)
+        self.residual: dict[str, torch.Tensor] | None = None
         self.done = False
         self.final_seen = False
         self.finishing = False  # finish() runs: the final global is expected now
@@ -200,6 +212,9 @@ class DiLoCoNode:
             if self.carry is not None:
                 delta = {k: v.add_(self.carry[k]) for k, v in delta.items()}
                 self.carry = None
+            if self.residual is not None:
+                delta = {k: v.add_(self.residual[k]) for k, v in delta.items()}
+                self.residual = None
             self.anchor = current
             self.inner = 0
         if T.is_all_zero(delta):
@@ -212,6 +227,7 @@ class DiLoCoNode:
         # pushes a node's rounds ahead of the master's
         round = max(self.installed, self.last_round + 1)
         job = Contribution(round, self.installed, self.step, delta, final, self.run_id)
+        self._encode(job)
         self.uploads.submit(job)
         if self.settings.sync == "blocking" or final:
             uploaded = self.uploads.drain() and self.carry is None
@@ -220,6 +236,19 @@ class DiLoCoNode:
                 timeout = self.settings.round_timeout * (2 if final else 1)
                 merged = self._await_global(round + 1, timeout) or merged
         return merged
+
+    def _encode(self, job: Contribution) -> None:
+        """Encode ``job`` for the wire once (the upload sends exactly ``job.wire``) and keep
+        what it leaves out as the residual of the next contribution (error feedback). A
+        failed upload drops the residual again: the carry holds the whole contribution."""
+        name = self.settings.delta_dtype
+        if name == "fp32" or job.delta is None:
+            return
+        job.wire = T.encode_delta(job.delta, name, self.settings.delta_block_size)
+        if self.error_feedback:
+            residual = {k: v - T.decode_value(job.wire[k]) for k, v in job.delta.items()}
+            with self._lock:
+                self.residual = residual
 
     def _upload(self, job: Contribution) -> None:
         started = time.perf_counter()
@@ -231,6 +260,7 @@ class DiLoCoNode:
                 self.fatal = exc  # raised on the training thread at its next step
             if job.delta is not None:
                 with self._lock:  # the whole contribution goes into the next one
+                    self.residual = None  # it is part of job.delta: never counted twice
                     self.carry = (
                         job.delta
                         if self.carry is None
@@ -332,6 +362,7 @@ class DiLoCoNode:
             )
             with self._lock:
                 self.last_round, self.carry, self.inner = -1, None, 0
+                self.residual = None  # the old run's error feedback
                 self.anchor = _float_state(self.model)  # progress since here is dropped
             self.installed = -1
         state = self.model.state_dict()
@@ -402,7 +433,8 @@ class DiLoCoNode:
 
     # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Counters, anchor, carry and the upload in flight (re-sent on resume)."""
+        """Counters, anchor, carry, the error-feedback residual and the upload in flight
+        (re-sent on resume)."""
         with self._lock:
             pending = self.uploads.pending
             return {
@@ -415,6 +447,7 @@ class DiLoCoNode:
                 "last_label": self.last_round,  # the key readers of this format knew first
                 "anchor": T.cpu_state_dict(self.anchor),
                 "carry": None if self.carry is None else T.cpu_state_dict(self.carry),
+                "residual": None if self.residual is None else T.cpu_state_dict(self.residual),
                 "pending": None if pending is None else pending.to_dict(),
                 "done": self.done,
             }
@@ -434,6 +467,8 @@ class DiLoCoNode:
             self.anchor = T.cpu_state_dict(state["anchor"])
             carry = state.get("carry")
             self.carry = None if carry is None else T.cpu_state_dict(carry)
+            residual = state.get("residual")  # absent in checkpoints written before int8/int4
+            self.residual = None if residual is None else T.cpu_state_dict(residual)
             self.done = bool(state.get("done", False))
         pending = state.get("pending")
         return None if pending is None else Contribution.from_dict(pending)
@@ -460,6 +495,9 @@ class Contribution:
     delta: dict[str, torch.Tensor] | None
     final: bool = False
     run_id: str = ""
+    # ``delta`` as the wire carries it (None: fp32, or not encoded yet); not checkpointed:
+    # a resumed upload encodes ``delta`` again into the same codes
+    wire: dict[str, Any] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         """Checkpointable form (tensors and primitives only)."""
@@ -862,12 +900,13 @@ class NodeLink:
                 nbytes = 0
             else:
                 self.store.upload_delta(
-                    job.delta,
+                    job.wire if job.wire is not None else job.delta,
                     node_id=self.node_id,
                     round_index=job.round,
                     local_step=job.step,
                     base_outer_step=job.base,
                     dtype=self.settings.delta_dtype,
+                    block_size=self.settings.delta_block_size,
                     metadata={
                         "final": str(job.final).lower(),
                         "run_id": job.run_id,

@@ -142,6 +142,7 @@ class Upstream:
             local_step=round,
             base_outer_step=round,
             dtype=self.settings.delta_dtype,
+            block_size=self.settings.delta_block_size,
             metadata={
                 "weight": str(int(weight)),
                 "run_id": run_id,

@@ -3,7 +3,12 @@
 :func:`simulate` builds one trainer per node id exactly as ``speedtronic train`` builds that
 node (same config, same model init, same per-node data stream, same inner optimizer and LR
 schedule, kept across rounds), then repeats: every node trains ``inner_steps`` steps; the
-pseudo-gradients ``global - local`` (float32) are summed in node-id order and divided by K;
+pseudo-gradients ``global - local`` (float32) are encoded as the wire carries them
+(``distributed.delta_dtype``: fp32 exactly; bf16/fp16 cast; int8/int4 blockwise codes, see
+:func:`speedtronic.diloco.exchange.encode_delta`), each node keeping what the encoding left
+out and adding it to its next pseudo-gradient (error feedback, as
+:class:`~speedtronic.diloco.node.DiLoCoNode` does); the decoded values are summed in node-id
+order and divided by K;
 one outer step (:class:`~speedtronic.diloco.master.NesterovOuterOptimizer`, the master's own
 class) updates the global; every node continues from it. No files, threads or timing.
 
@@ -62,14 +67,19 @@ def simulate(
     inner_steps: int | None = None,
     outer_lr: float | None = None,
     outer_momentum: float | None = None,
+    delta_dtype: str | None = None,
+    block_size: int | None = None,
+    error_feedback: bool = True,
     eval_every_round: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> IdealResult:
     """Run K = ``len(node_ids)`` nodes of ``config`` in lockstep (see the module docstring).
 
-    ``inner_steps``, ``outer_lr`` and ``outer_momentum`` default to the ``distributed``
-    section. Each node trains ``config.effective_max_steps`` steps; the last round is shorter
-    when that is not a multiple of ``inner_steps``. ``progress(round, rounds)`` is called
+    ``inner_steps``, ``outer_lr``, ``outer_momentum``, ``delta_dtype`` and ``block_size``
+    (values per scale of int8/int4) default to the ``distributed`` section; without
+    ``error_feedback`` what the wire format leaves out is lost. Each node trains
+    ``config.effective_max_steps`` steps; the last round is shorter when that is not a
+    multiple of ``inner_steps``. ``progress(round, rounds)`` is called
     after each round.
     """
     from speedtronic.config import SpeedtronicConfig
@@ -82,6 +92,8 @@ def simulate(
     h = int(inner_steps or section.inner_steps)
     lr = section.outer_lr if outer_lr is None else float(outer_lr)
     momentum = section.outer_momentum if outer_momentum is None else float(outer_momentum)
+    wire = str(delta_dtype or section.delta_dtype)
+    block = int(block_size or section.delta_block_size)
     quiet = _quiet(config)
     ids = sorted(node_ids)
     trainers = [build_runtime(quiet, node_id=node)[0] for node in ids]
@@ -91,6 +103,7 @@ def simulate(
     global_state = T.cpu_state_dict(model.state_dict())
     outer = NesterovOuterOptimizer(global_state, lr, momentum)
     anchors = [_float_state(t.model) for t in trainers]
+    residuals: list[dict[str, torch.Tensor] | None] = [None] * len(ids)
     heldout = build_heldout(config)
     total_steps = config.effective_max_steps
     rounds = math.ceil(total_steps / h)
@@ -99,9 +112,10 @@ def simulate(
     for r in range(rounds):
         target = min((r + 1) * h, total_steps)
         mean: dict[str, torch.Tensor] | None = None
-        for node, trainer, anchor in zip(ids, trainers, anchors, strict=True):
+        for i, (node, trainer, anchor) in enumerate(zip(ids, trainers, anchors, strict=True)):
             losses[node] = trainer.fit(target).final_loss
             delta = T.compute_pseudo_gradient(anchor, _float_state(trainer.model))
+            delta, residuals[i] = _sent(delta, residuals[i], wire, block, error_feedback)
             if mean is None:
                 mean = delta
             else:
@@ -123,6 +137,26 @@ def simulate(
     for trainer in trainers:
         trainer.logger.close()
     return IdealResult(T.cpu_state_dict(global_state), rounds, final, curve, losses)
+
+
+def _sent(
+    delta: dict[str, torch.Tensor],
+    residual: dict[str, torch.Tensor] | None,
+    wire: str,
+    block: int,
+    error_feedback: bool,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+    """What the master adds for one node's ``delta`` (plus its ``residual``), and the node's
+    next residual: the node's arithmetic (``DiLoCoNode._boundary``) without its files."""
+    if residual is not None:
+        delta = {k: v.add_(residual[k]) for k, v in delta.items()}
+    if wire == "fp32":
+        return delta, None
+    encoded = T.encode_delta(delta, wire, block)
+    sent = {k: T.decode_value(v) for k, v in encoded.items()}
+    if not error_feedback:
+        return sent, None
+    return sent, {k: v - sent[k] for k, v in delta.items()}
 
 
 def _score(model: Any, state: Any, heldout: Any, trainer: Any, evaluate: Any) -> float:
