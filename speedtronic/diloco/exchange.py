@@ -685,11 +685,16 @@ def load_delta(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[s
     return state_from_bytes(Path(path).read_bytes())
 
 
-class DeltaReader:
-    """A delta file opened once (memory-mapped): :meth:`check` validates it tensor by tensor,
-    :meth:`add_to` folds it into a running sum; at most one tensor is in memory at a time."""
+#: Values of a delta read at a time (fp32: 4 MiB): a slice, not a whole tensor, in memory.
+READ_SLICE = 1 << 20
 
-    def __init__(self, handle: Any):
+
+class DeltaReader:
+    """A delta file opened once: :meth:`check` validates it tensor by tensor, :meth:`add_to`
+    folds it into a running sum; a float delta is read a slice at a time (a quantized one a
+    tensor at a time)."""
+
+    def __init__(self, handle: SafetensorsFile):
         self._handle = handle
         self.metadata = {str(k): str(v) for k, v in (handle.metadata() or {}).items()}
         self._codec: _WireCodec | None = None  # the file's encoding, read by check()
@@ -712,13 +717,28 @@ class DeltaReader:
         wire = set(DELTA_DTYPES.values())
         digest = hashlib.sha256()
         for key in sorted(expected):
-            value = self._handle.get_tensor(key)
-            if value.dtype not in wire:
-                raise ValueError(f"{key} is {value.dtype}; a delta holds fp32, bf16 or fp16 values")
-            _check_tensor(key, value, expected[key], max_abs)
+            dtype, shape = self._handle.dtype(key), self._handle.shape(key)
+            if dtype not in wire:
+                raise ValueError(f"{key} is {dtype}; a delta holds fp32, bf16 or fp16 values")
+            if shape != tuple(expected[key].shape):
+                raise ValueError(
+                    f"shape mismatch for {key}: {shape} vs {tuple(expected[key].shape)}"
+                )
             digest.update(key.encode("utf-8"))
-            digest.update(value.contiguous().view(torch.uint8).numpy().tobytes())
+            peak = 0.0
+            for part in self._slices(key, expected[key].numel()):  # one slice in memory
+                if not bool(torch.isfinite(part).all()):
+                    raise ValueError(f"non-finite values in {key}")
+                peak = max(peak, float(part.abs().max()) if part.numel() else 0.0)
+                digest.update(part.view(torch.uint8).numpy())
+            if peak > max_abs:
+                raise ValueError(f"{key} holds {peak:.3g}, beyond the bound {max_abs:g}")
         return digest.hexdigest()
+
+    def _slices(self, key: str, count: int) -> Iterator[torch.Tensor]:
+        """Tensor ``key`` (``count`` values), read :data:`READ_SLICE` values at a time."""
+        for start in range(0, count, READ_SLICE):
+            yield self._handle.read_flat(key, start, start + READ_SLICE)
 
     def _check_quantized(
         self, codec: _WireCodec, reference: Mapping[str, torch.Tensor], max_abs: float
@@ -747,11 +767,14 @@ class DeltaReader:
         quantized file is decoded one tensor at a time."""
         codec = self._codec or _WireCodec.from_metadata(self.metadata)
         for key in sorted(total):
-            if codec.bits is None:
-                value = self._handle.get_tensor(key).to(torch.float32)
-            else:
-                shape = tuple(total[key].shape)
-                value = codec.read(key, self._handle.get_tensor, shape, MAX_DELTA_ABS)
+            if codec.bits is None:  # a slice at a time (slices of whole vector widths)
+                flat, start = total[key].view(-1), 0
+                for part in self._slices(key, flat.numel()):
+                    flat[start : start + part.numel()].add_(part.to(torch.float32), alpha=scale)
+                    start += part.numel()
+                continue
+            shape = tuple(total[key].shape)
+            value = codec.read(key, self._handle.get_tensor, shape, MAX_DELTA_ABS)
             total[key].add_(value, alpha=scale)
 
 
@@ -806,14 +829,28 @@ class SafetensorsFile:
         """The shape of tensor ``key`` (read from the header only)."""
         return self._entries[key][1]
 
+    def dtype(self, key: str) -> torch.dtype:
+        """The dtype of tensor ``key`` (read from the header only)."""
+        return self._entries[key][0]
+
     def get_tensor(self, key: str) -> torch.Tensor:
         """Tensor ``key``, read from the file into a new CPU tensor."""
         dtype, shape, begin, end = self._entries[key]
-        raw = torch.empty(end - begin, dtype=torch.uint8)
-        self._handle.seek(self._start + begin)
-        if end > begin and self._handle.readinto(memoryview(raw.numpy())) != end - begin:
+        count = (end - begin) // torch.empty((), dtype=dtype).element_size()
+        return self.read_flat(key, 0, count).reshape(shape)
+
+    def read_flat(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Values ``start`` to ``stop`` (clipped to its size) of tensor ``key`` flattened, read
+        from the file into a new 1-D CPU tensor: a slice of a large tensor costs its own size."""
+        dtype, _, begin, end = self._entries[key]
+        width = torch.empty((), dtype=dtype).element_size()
+        first = min(begin + start * width, end)
+        last = min(begin + stop * width, end)
+        raw = torch.empty(last - first, dtype=torch.uint8)
+        self._handle.seek(self._start + first)
+        if last > first and self._handle.readinto(memoryview(raw.numpy())) != last - first:
             raise ValueError(f"{key} is truncated")
-        return raw.view(dtype).reshape(shape)
+        return raw.view(dtype)
 
 
 @contextlib.contextmanager
