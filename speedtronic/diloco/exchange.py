@@ -685,8 +685,8 @@ def load_delta(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[s
     return state_from_bytes(Path(path).read_bytes())
 
 
-#: Values of a delta read at a time (fp32: 4 MiB): a slice, not a whole tensor, in memory.
-READ_SLICE = 1 << 20
+#: Values of a delta read at a time (fp32: 1 MiB): a slice, not a whole tensor, in memory.
+READ_SLICE = 1 << 18
 
 
 class DeltaReader:

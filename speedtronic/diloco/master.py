@@ -1295,8 +1295,8 @@ def nesterov_update(
         weight.sub_((lr * effective).to(weight.dtype))
 
 
-#: Values per slice of a tensor in the outer step (4 MiB of float32 temporaries each).
-OUTER_CHUNK = 1 << 20
+#: Values per slice of a tensor in the outer step (1 MiB of float32 temporaries each).
+OUTER_CHUNK = 1 << 18
 
 
 class NesterovOuterOptimizer:
