@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import io
 import json
 import logging
 import math
@@ -111,8 +112,10 @@ __all__ = [
     "scrub",
     "state_from_bytes",
     "state_to_bytes",
+    "subtract_into",
     "too_large",
     "validate_delta",
+    "write_delta",
     "write_safetensors",
 ]
 
@@ -354,13 +357,21 @@ def delta_dtype(name: str | None) -> torch.dtype:
     return DELTA_DTYPES[key]
 
 
-def compute_pseudo_gradient(
-    baseline: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor]
+def subtract_into(
+    anchor: dict[str, torch.Tensor], current: Mapping[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """``float32(baseline) - float32(current)`` for every floating key (golden: [3,5]-[1,4]=[2,1]).
+    """``anchor -= current`` key by key, in place (both float32 CPU, as a node keeps them):
+    the pseudo-gradient in the anchor's own buffers, no third copy of the model. Key sets and
+    shapes must match (``ValueError``, as :func:`compute_pseudo_gradient`)."""
+    _check_layout(anchor, current)
+    for key, value in anchor.items():
+        value.sub_(current[key])
+    return anchor
 
-    Key sets must match and every shape must agree, else ``ValueError``.
-    """
+
+def _check_layout(
+    baseline: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor]
+) -> None:
     missing_current = sorted(set(baseline) - set(current))
     missing_baseline = sorted(set(current) - set(baseline))
     if missing_current or missing_baseline:
@@ -368,11 +379,23 @@ def compute_pseudo_gradient(
             "state keys differ: missing in current "
             f"{missing_current}, missing in baseline {missing_baseline}"
         )
-    delta: dict[str, torch.Tensor] = {}
     for key, base in baseline.items():
         cur = current[key]
         if tuple(base.shape) != tuple(cur.shape):
             raise ValueError(f"shape mismatch for {key}: {tuple(base.shape)} vs {tuple(cur.shape)}")
+
+
+def compute_pseudo_gradient(
+    baseline: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``float32(baseline) - float32(current)`` for every floating key (golden: [3,5]-[1,4]=[2,1]).
+
+    Key sets must match and every shape must agree, else ``ValueError``.
+    """
+    _check_layout(baseline, current)
+    delta: dict[str, torch.Tensor] = {}
+    for key, base in baseline.items():
+        cur = current[key]
         if _is_floating(base):
             b = base.detach().to("cpu")
             c = cur.detach().to("cpu")
@@ -538,7 +561,15 @@ def state_from_bytes(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, st
     return dict(tensors), {str(k): str(v) for k, v in metadata.items()}
 
 
-def delta_to_bytes(
+def delta_to_bytes(delta: Mapping[str, torch.Tensor | QuantizedTensor], **header: Any) -> bytes:
+    """Delta file bytes (see :func:`write_delta`, which takes the same arguments)."""
+    buffer = io.BytesIO()
+    write_delta(buffer, delta, **header)
+    return buffer.getvalue()
+
+
+def write_delta(
+    handle: BinaryIO,
     delta: Mapping[str, torch.Tensor | QuantizedTensor],
     *,
     node_id: str,
@@ -548,8 +579,9 @@ def delta_to_bytes(
     dtype: str = "fp32",
     extra: Mapping[str, object] | None = None,
     block_size: int | None = None,
-) -> bytes:
-    """Delta file bytes with the core header keys and the wire dtype.
+) -> None:
+    """Write a delta file to ``handle`` one tensor at a time: the core header keys and the
+    values in wire format ``dtype``.
 
     ``round_index`` is the round the contribution is meant for (defaults to
     ``base_outer_step``); ``local_step`` the node's optimizer step when it was taken. With
@@ -572,8 +604,9 @@ def delta_to_bytes(
         block = int(block_size or DEFAULT_BLOCK_SIZE)
         encoded = encode_delta(delta, name, block)
         metadata.update(_quantized_header(encoded, name, block))
-        return state_to_bytes(_wire_tensors(encoded), metadata=metadata)
-    return state_to_bytes(delta, metadata=metadata, dtype=DELTA_DTYPES[name])
+        write_safetensors(handle, _wire_tensors(encoded), metadata=metadata)
+        return
+    write_safetensors(handle, delta, metadata=metadata, dtype=DELTA_DTYPES[name])
 
 
 def delta_from_bytes(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -1721,24 +1754,27 @@ class RepoTransport:
         ``block_size`` values; the values may be given already quantized, see
         :func:`encode_delta`). Returns the remote path; the size in bytes is left in
         :attr:`last_upload_bytes`."""
-        del work_dir  # 2.0.0 staged files on disk; bytes go straight to the transport now
+        del work_dir  # 2.0.0's own staging directory; the store stages the file itself
         target = int(base_outer_step if round_index is None else round_index)
         path = delta_path(node_id, target)
-        data = delta_to_bytes(
-            delta,
-            node_id=node_id,
-            local_step=local_step,
-            base_outer_step=base_outer_step,
-            round_index=target,
-            dtype=dtype,
-            extra={k: v for k, v in (metadata or {}).items() if k != "algorithm"},
-            block_size=block_size,
-        )
-        additions = {path: data}
-        if owner is not None:
-            additions[f"nodes/{node_id}/owner.json"] = _json_bytes(dict(owner))
-        self.commit(additions, message=f"delta {node_id} round {target}")
-        self.last_upload_bytes = len(data)
+        with self._staged("delta.safetensors") as (staged, handle):
+            write_delta(  # one tensor at a time: never the whole file in memory
+                handle,
+                delta,
+                node_id=node_id,
+                local_step=local_step,
+                base_outer_step=base_outer_step,
+                round_index=target,
+                dtype=dtype,
+                extra={k: v for k, v in (metadata or {}).items() if k != "algorithm"},
+                block_size=block_size,
+            )
+            handle.close()
+            additions: dict[str, bytes | Path] = {path: staged}
+            if owner is not None:
+                additions[f"nodes/{node_id}/owner.json"] = _json_bytes(dict(owner))
+            self.commit(additions, message=f"delta {node_id} round {target}")
+            self.last_upload_bytes = staged.stat().st_size
         return path
 
     def scan(self) -> RepoScan:

@@ -207,8 +207,8 @@ class DiLoCoNode:
             merged = self._await_global(self.last_round + 1, self.settings.round_timeout)
         self.uploads.drain()
         current = _float_state(self.model)
-        delta = T.compute_pseudo_gradient(self.anchor, current)
-        with self._lock:
+        with self._lock:  # the old anchor's buffers become the contribution (no third copy)
+            delta = T.subtract_into(self.anchor, current)
             if self.carry is not None:
                 delta = {k: v.add_(self.carry[k]) for k, v in delta.items()}
                 self.carry = None
