@@ -12,6 +12,7 @@ import os
 import re
 import secrets
 import time
+from urllib.parse import urlparse
 
 import pytest
 from container_support import (
@@ -157,8 +158,15 @@ def test_compose_hub_override_reads_a_0600_secret_and_never_logs_it(image, proje
     if os.geteuid() == 0:
         os.chown(secret, 1000, 1000)
     repo = "team/run"
-    with RelayedHub(token=token) as hub, relay(docker_bridge_address(), hub.port) as forward:
+    with (
+        RelayedHub(token=token) as hub,
+        relay(docker_bridge_address(), hub.port) as forward,
+        relay(docker_bridge_address(), urlparse(hub.storage_url).port) as storage,
+    ):
         hub.advertised = forward.url  # the repo URLs it returns must name the host clients use
+        # files of 10 MiB and more (the global) take the large-file path: its storage URLs
+        # must name an address containers reach too
+        hub.lfs.hub_url, hub.lfs.storage_url = forward.url, storage.url
         compose = project(
             "compose.yaml",
             "compose.hub.yaml",
