@@ -268,10 +268,13 @@ def test_the_master_refuses_and_counts_a_planted_file_and_aggregates_the_rest_on
 
 # -- error feedback in the node -------------------------------------------------------------
 class Sent:
-    """A ``send`` that records what the master would add (the decoded wire) and can fail."""
+    """A ``send`` that records what the master would add (the decoded wire) and the whole
+    contribution as it was sent (once the upload arrived, the node reuses the contribution's
+    buffers for its residual), and can fail."""
 
     def __init__(self):
         self.decoded: list[dict[str, torch.Tensor]] = []
+        self.contributions: list[dict[str, torch.Tensor]] = []
         self.jobs = []
         self.fail_rounds: set[int] = set()
         self.failed = 0
@@ -282,6 +285,7 @@ class Sent:
             self.failed += 1
             raise ConnectionError("exchange down")
         self.jobs.append(job)
+        self.contributions.append({k: v.clone() for k, v in job.delta.items()})
         wire = job.wire if job.wire is not None else job.delta
         self.decoded.append({k: T.decode_value(v) for k, v in wire.items()})
         return 1
@@ -380,8 +384,8 @@ def test_resume_keeps_the_residual_and_the_next_contribution_adds_it():
     anchor = resumed.anchor["weight"].clone()
     residual = resumed.residual["weight"].clone()
     _steps(resumed, copy, 2, seed=6)
-    job = resent.jobs[-1]
-    assert torch.allclose(job.delta["weight"], anchor - copy.weight.detach() + residual)
+    sent_delta = resent.contributions[-1]["weight"]
+    assert torch.allclose(sent_delta, anchor - copy.weight.detach() + residual)
     # the same steps on the original node send the same codes
     _steps(node, model, 2, seed=6)
     assert torch.equal(sent.decoded[-1]["weight"], resent.decoded[-1]["weight"])
@@ -397,3 +401,56 @@ def test_a_new_run_resets_the_residual():
     assert node.residual is None and node.state_dict()["residual"] is None
     _steps(node, model, 2, seed=8)
     assert sent.jobs[-1].run_id == "run-2" and sent.jobs[-1].round == 0
+
+
+# -- memory: the node's buffers are reused, the quantizer works a slice at a time -----------
+def test_the_residual_lives_in_the_contribution_buffers_and_a_checkpoint_skips_the_sent_job():
+    node, sent, model = make_node("int8")
+    anchor = node.anchor["weight"].data_ptr()
+    _steps(node, model, 2, seed=9)  # one contribution, uploaded
+    job = sent.jobs[-1]
+    # the old anchor's buffers became the contribution, whose buffers became the residual
+    assert job.delta["weight"].data_ptr() == anchor
+    assert node.residual["weight"].data_ptr() == anchor and job.arrived
+    node.uploads.pending = job  # a checkpoint taken before the uploader let the job go
+    state = node.state_dict()
+    assert state["pending"] is None  # it arrived: resuming must not send the residual
+    assert torch.equal(state["residual"]["weight"], node.residual["weight"])
+
+
+def test_the_merge_installs_in_place_into_the_anchor():
+    node, _, model = make_node("fp32")
+    before = node.anchor["weight"].data_ptr()
+    node.merge(GlobalCandidate(0, {"weight": torch.full_like(model.weight, 0.5)}))
+    assert node.anchor["weight"].data_ptr() == before
+    assert torch.equal(node.anchor["weight"], torch.full_like(model.weight, 0.5))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("block", [8, 9, 128])
+def test_the_quantizer_in_slices_gives_the_codes_of_the_whole_tensor(monkeypatch, bits, block):
+    gen = torch.Generator().manual_seed(block)
+    tensor = torch.randn(3001, generator=gen) * torch.logspace(-6, 1, 3001)
+    monkeypatch.setattr(T, "QUANTIZER_SLICE", 1 << 30)  # one slice: the whole tensor
+    whole = T.quantize(tensor, bits, block)
+    values = whole.dequantize()
+    monkeypatch.setattr(T, "QUANTIZER_SLICE", 100)  # slices of a few blocks
+    assert len(list(T.quantizer_slices(3001, block))) > 10
+    sliced = T.quantize(tensor, bits, block)
+    assert torch.equal(sliced.codes, whole.codes) and torch.equal(sliced.scales, whole.scales)
+    assert torch.equal(sliced.dequantize(), values)
+    view = T.EncodedView({"t": tensor.clone()}, f"int{bits}", block)
+    assert torch.equal(view.keep_residual()["t"], tensor - values)
+
+
+@pytest.mark.parametrize("wire", ["bf16", "int8", "int4"])
+def test_a_delta_file_is_encoded_as_it_is_written(wire):
+    gen = torch.Generator().manual_seed(1)
+    delta = {"a": torch.randn(40, 9, generator=gen), "b": torch.randn(7, generator=gen)}
+    header = dict(node_id="n", local_step=3, base_outer_step=1, dtype=wire, block_size=16)
+    encoded = T.encode_delta(delta, wire, 16)  # the whole encoded copy, as before
+    data = T.delta_to_bytes(encoded, **header)
+    assert T.delta_to_bytes(delta, **header) == data
+    assert T.delta_to_bytes(T.EncodedView(delta, wire, 16), **header) == data
+    decoded, _ = T.delta_from_bytes(data)
+    assert all(torch.equal(decoded[k], T.decode_value(encoded[k])) for k in delta)

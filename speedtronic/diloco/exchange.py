@@ -33,6 +33,8 @@ token (:func:`scrub`).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import dataclasses
 import hashlib
 import io
@@ -69,6 +71,7 @@ __all__ = [
     "AccessRefused",
     "DeltaReader",
     "Emit",
+    "EncodedView",
     "ErrorInfo",
     "ExchangeError",
     "FileInfo",
@@ -85,6 +88,7 @@ __all__ = [
     "Transport",
     "TransportError",
     "average_deltas",
+    "check_layout",
     "classify_error",
     "compute_pseudo_gradient",
     "cpu_state_dict",
@@ -95,6 +99,7 @@ __all__ = [
     "delta_path",
     "delta_to_bytes",
     "encode_delta",
+    "encode_value",
     "first_non_finite",
     "floating_state",
     "ignore",
@@ -108,13 +113,14 @@ __all__ = [
     "quantize",
     "read_metadata",
     "retry_policy_from_config",
+    "return_free_memory",
     "save_safetensors",
     "scrub",
     "state_from_bytes",
     "state_to_bytes",
-    "subtract_into",
     "too_large",
     "validate_delta",
+    "value_slices",
     "write_delta",
     "write_safetensors",
 ]
@@ -357,21 +363,8 @@ def delta_dtype(name: str | None) -> torch.dtype:
     return DELTA_DTYPES[key]
 
 
-def subtract_into(
-    anchor: dict[str, torch.Tensor], current: Mapping[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """``anchor -= current`` key by key, in place (both float32 CPU, as a node keeps them):
-    the pseudo-gradient in the anchor's own buffers, no third copy of the model. Key sets and
-    shapes must match (``ValueError``, as :func:`compute_pseudo_gradient`)."""
-    _check_layout(anchor, current)
-    for key, value in anchor.items():
-        value.sub_(current[key])
-    return anchor
-
-
-def _check_layout(
-    baseline: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor]
-) -> None:
+def check_layout(baseline: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor]) -> None:
+    """A ``ValueError`` unless both states have the same keys with the same shapes."""
     missing_current = sorted(set(baseline) - set(current))
     missing_baseline = sorted(set(current) - set(baseline))
     if missing_current or missing_baseline:
@@ -392,7 +385,7 @@ def compute_pseudo_gradient(
 
     Key sets must match and every shape must agree, else ``ValueError``.
     """
-    _check_layout(baseline, current)
+    check_layout(baseline, current)
     delta: dict[str, torch.Tensor] = {}
     for key, base in baseline.items():
         cur = current[key]
@@ -484,18 +477,30 @@ def write_safetensors(
     """Write ``state`` in the safetensors format to the binary file ``handle``, one tensor at
     a time (at most one tensor's converted copy in memory, never the whole file); floating
     tensors are cast to ``dtype`` if given. Returns the sha256 of the bytes written."""
-    layout: list[tuple[str, torch.dtype]] = []
-    header: dict[str, Any] = {}
-    offset = 0
+    layout: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     for key, value in state.items():
         out = dtype if dtype is not None and value.is_floating_point() else value.dtype
-        size = value.numel() * torch.empty((), dtype=out).element_size()
-        header[str(key)] = {
+        layout.append((str(key), out, tuple(value.shape)))
+    return _write_entries(handle, layout, lambda key, out: state[key].to(out), metadata)
+
+
+def _write_entries(
+    handle: BinaryIO,
+    layout: list[tuple[str, torch.dtype, tuple[int, ...]]],
+    produce: Callable[[str, torch.dtype], torch.Tensor],
+    metadata: Mapping[str, object] | None,
+) -> str:
+    """The safetensors writer: the header from ``layout`` (key, dtype, shape), then each
+    entry's bytes as ``produce(key, dtype)`` makes them, one at a time, in layout order."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for key, out, shape in layout:
+        size = math.prod(shape) * torch.empty((), dtype=out).element_size()
+        header[key] = {
             "dtype": _SAFETENSORS_DTYPES[out],
-            "shape": list(value.shape),
+            "shape": list(shape),
             "data_offsets": [offset, offset + size],
         }
-        layout.append((key, out))
         offset += size
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -505,8 +510,10 @@ def write_safetensors(
     for chunk in (len(raw).to_bytes(8, "little"), raw):
         handle.write(chunk)
         digest.update(chunk)
-    for key, out in layout:
-        tensor = state[key].detach().to("cpu", out).contiguous().reshape(-1)
+    for key, out, shape in layout:
+        tensor = produce(key, out).detach().to("cpu", out).contiguous().reshape(-1)
+        if tensor.numel() != math.prod(shape):
+            raise ValueError(f"{key}: {tensor.numel()} values, the header says {shape}")
         if tensor.numel():
             view = memoryview(tensor.view(torch.uint8).numpy())
             handle.write(view)
@@ -600,13 +607,69 @@ def write_delta(
         "dtype": name,
         **dict(extra or {}),
     }
-    if name in QUANTIZED_BITS:
-        block = int(block_size or DEFAULT_BLOCK_SIZE)
-        encoded = encode_delta(delta, name, block)
-        metadata.update(_quantized_header(encoded, name, block))
-        write_safetensors(handle, _wire_tensors(encoded), metadata=metadata)
+    if isinstance(delta, EncodedView):  # the same codes, made again as they are written
+        if delta.dtype != name:
+            raise ValueError(f"the values are encoded as {delta.dtype}, the file says {name}")
+        block_size, delta = delta.block_size, delta.source
+    if name not in QUANTIZED_BITS:
+        write_safetensors(handle, delta, metadata=metadata, dtype=DELTA_DTYPES[name])
         return
-    write_safetensors(handle, delta, metadata=metadata, dtype=DELTA_DTYPES[name])
+    block = int(block_size or DEFAULT_BLOCK_SIZE)
+    bits = QUANTIZED_BITS[name]
+    layout: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+    shapes: dict[str, list[int]] = {}
+    for key, value in delta.items():
+        if isinstance(value, QuantizedTensor) and (value.bits, value.block_size) != (bits, block):
+            raise ValueError(f"{key} is quantized otherwise than {name}/{block}")
+        shape = tuple(value.shape)
+        numel = math.prod(shape)
+        codes = shape if bits == 8 else (-(-numel // 2),)
+        layout.append((str(key), delta_dtype(name), codes))
+        layout.append((str(key) + SCALE_SUFFIX, torch.float32, (-(-numel // block),)))
+        shapes[str(key)] = list(shape)
+    metadata["block_size"] = str(block)
+    if name == "int4":  # packed codes lose the shape
+        metadata["shapes"] = json.dumps(shapes, sort_keys=True, separators=(",", ":"))
+    last: list[QuantizedTensor] = []  # the tensor being written: its codes, then its scales
+
+    def produce(key: str, out: torch.dtype) -> torch.Tensor:
+        if key.endswith(SCALE_SUFFIX):
+            return last.pop().scales
+        value = delta[key]
+        last.append(value if isinstance(value, QuantizedTensor) else quantize(value, bits, block))
+        return last[-1].codes
+
+    _write_entries(handle, layout, produce, metadata)
+
+
+class EncodedView(Mapping[str, "torch.Tensor | QuantizedTensor"]):
+    """``source`` as the wire carries it in format ``dtype``, one tensor at a time: each
+    lookup encodes that tensor (deterministically, so again gives the same codes), so a
+    node never holds the whole encoded copy; :func:`write_delta` streams it to the file."""
+
+    def __init__(self, source: Mapping[str, torch.Tensor], dtype: str, block_size: int):
+        delta_dtype(dtype)
+        self.source, self.dtype, self.block_size = source, dtype, int(block_size)
+
+    def __getitem__(self, key: str) -> torch.Tensor | QuantizedTensor:
+        return encode_value(self.source[key], self.dtype, self.block_size)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.source)
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def keep_residual(self) -> dict[str, torch.Tensor]:
+        """Turn ``source`` into what the wire leaves out (``value - decode(encoded)``), in
+        place, tensor by tensor, and return it: the node's error-feedback residual, in the
+        contribution's own buffers (no second copy of the model)."""
+        for value in self.source.values():
+            flat = value.view(-1)  # the node's own contiguous buffers
+            for start, stop in quantizer_slices(flat.numel(), self.block_size):
+                part = flat[start:stop]
+                part.sub_(decode_value(encode_value(part, self.dtype, self.block_size)))
+        return dict(self.source)
 
 
 def delta_from_bytes(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -649,11 +712,41 @@ def first_non_finite(
         if not _is_floating(value):
             continue
         target = like.get(key) if like is not None else None
-        if target is not None and _is_floating(target) and target.dtype != value.dtype:
-            value = value.to(target.dtype)
-        if not bool(torch.isfinite(value).all()):
-            return key
+        cast = target.dtype if target is not None and _is_floating(target) else value.dtype
+        flat = value.reshape(-1)
+        for start, stop in value_slices(flat.numel()):  # temporaries of one slice
+            if not bool(torch.isfinite(flat[start:stop].to(cast)).all()):
+                return key
     return None
+
+
+def return_free_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc ``malloc_trim``). A round's
+    slice-sized temporaries come from the heap, and without this the process keeps their
+    pages resident: memory the model does not need stays counted as the process's."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _load_libc() -> Any:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim  # noqa: B018 - glibc only: another C library has none
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+_LIBC = _load_libc()
+
+
+def value_slices(numel: int, size: int | None = None) -> Iterator[tuple[int, int]]:
+    """``(start, stop)`` of consecutive slices of at most ``size`` (default
+    :data:`READ_SLICE`) values covering ``numel``: how large tensors are worked on, so that
+    temporaries stay ~1 MiB whatever the model."""
+    step = int(size or READ_SLICE)
+    for start in range(0, numel, step):
+        yield start, min(start + step, numel)
 
 
 def validate_delta(
@@ -942,41 +1035,72 @@ class QuantizedTensor:
     block_size: int
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 values the master adds: ``code * scale`` of each value's block."""
+        """The float32 values the master adds: ``code * scale`` of each value's block
+        (decoded a slice of blocks at a time: temporaries of ~1 MiB)."""
         numel = math.prod(self.shape)
-        if self.bits == 8:
-            codes = self.codes.reshape(-1).to(torch.float32)
-        else:
-            pairs = torch.stack((self.codes & 0xF, self.codes >> 4), dim=1).reshape(-1)
-            codes = pairs[:numel].to(torch.float32).sub_(8.0)
-        blocks = self.scales.numel()
-        padded = torch.zeros(blocks * self.block_size, dtype=torch.float32)
-        padded[:numel] = codes
-        values = padded.view(blocks, self.block_size).mul_(self.scales.view(blocks, 1))
-        return values.reshape(-1)[:numel].reshape(self.shape)
+        flat = self.codes.reshape(-1)
+        out = torch.empty(numel, dtype=torch.float32)
+        for start, stop in quantizer_slices(numel, self.block_size):
+            if self.bits == 8:
+                codes = flat[start:stop].to(torch.float32)
+            else:
+                packed = flat[start // 2 : (stop + 1) // 2]
+                pairs = torch.stack((packed & 0xF, packed >> 4), dim=1).reshape(-1)
+                codes = pairs[: stop - start].to(torch.float32).sub_(8.0)
+            first, blocks = start // self.block_size, -(-(stop - start) // self.block_size)
+            padded = torch.zeros(blocks * self.block_size, dtype=torch.float32)
+            padded[: stop - start] = codes
+            values = padded.view(blocks, self.block_size)
+            values.mul_(self.scales[first : first + blocks].view(blocks, 1))
+            out[start:stop] = values.reshape(-1)[: stop - start]
+        return out.reshape(self.shape)
+
+
+#: Values the quantizer takes at once (rounded to whole blocks): its temporaries stay ~1 MiB
+#: whatever the tensor, and the codes are the same as the whole tensor's (blocks are local).
+QUANTIZER_SLICE = 1 << 18
+
+
+def quantizer_slices(numel: int, block_size: int) -> Iterator[tuple[int, int]]:
+    """``(start, stop)`` of consecutive slices of whole blocks (an even number of values, so
+    4-bit codes pack within a slice), covering ``numel`` values."""
+    step = block_size * max(1, QUANTIZER_SLICE // block_size)
+    step *= 1 + step % 2
+    for start in range(0, numel, step):
+        yield start, min(start + step, numel)
 
 
 def quantize(tensor: torch.Tensor, bits: int, block_size: int) -> QuantizedTensor:
     """Blockwise symmetric absmax quantization of ``tensor`` (float32 arithmetic, round half
-    to even: deterministic, so a node and the ideal arithmetic send the same codes)."""
+    to even: deterministic, so a node and the ideal arithmetic send the same codes), a slice
+    of blocks at a time."""
     flat = tensor.detach().to("cpu", torch.float32).reshape(-1)
     numel = flat.numel()
-    blocks = -(-numel // block_size)
-    padded = torch.zeros(blocks * block_size, dtype=torch.float32)
-    padded[:numel] = flat
-    view = padded.view(blocks, block_size)
     top = _largest_code(bits)
-    scales = view.abs().amax(dim=1).div_(float(top)) if blocks else torch.zeros(0)
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = torch.round(view / safe.view(blocks, 1)).clamp_(-top, top).reshape(-1)[:numel]
-    if bits == 8:
-        packed = codes.to(torch.int8).reshape(tuple(tensor.shape))
-    else:
+    scales = torch.empty(-(-numel // block_size), dtype=torch.float32)
+    packed = torch.empty(numel if bits == 8 else -(-numel // 2), dtype=delta_dtype(f"int{bits}"))
+    for start, stop in quantizer_slices(numel, block_size):
+        blocks = -(-(stop - start) // block_size)
+        padded = torch.zeros(blocks * block_size, dtype=torch.float32)
+        padded[: stop - start] = flat[start:stop]
+        view = padded.view(blocks, block_size)
+        part = view.abs().amax(dim=1).div_(float(top))
+        scales[start // block_size : start // block_size + blocks] = part
+        safe = torch.where(part > 0, part, torch.ones_like(part))
+        codes = torch.round(view / safe.view(blocks, 1)).clamp_(-top, top).reshape(-1)
+        codes = codes[: stop - start]
+        if bits == 8:
+            packed[start:stop] = codes.to(torch.int8)
+            continue
         nibbles = codes.to(torch.int16).add_(8).to(torch.uint8)
-        if numel % 2:
+        if nibbles.numel() % 2:
             nibbles = torch.cat((nibbles, torch.full((1,), 8, dtype=torch.uint8)))
-        packed = nibbles[0::2] | (nibbles[1::2] << 4)
-    return QuantizedTensor(packed, scales.contiguous(), tuple(tensor.shape), bits, block_size)
+        packed[start // 2 : start // 2 + nibbles.numel() // 2] = nibbles[0::2] | (
+            nibbles[1::2] << 4
+        )
+    if bits == 8:
+        packed = packed.reshape(tuple(tensor.shape))
+    return QuantizedTensor(packed, scales, tuple(tensor.shape), bits, block_size)
 
 
 def encode_delta(
@@ -995,11 +1119,19 @@ def encode_delta(
             if value.bits != bits or value.block_size != block_size:
                 raise ValueError(f"{key} is quantized otherwise than {name}/{block_size}")
             out[key] = value
-        elif bits is not None:
-            out[key] = quantize(value, bits, block_size)
         else:
-            out[key] = value.detach().to("cpu").to(DELTA_DTYPES[name])
+            out[key] = encode_value(value, name, block_size)
     return out
+
+
+def encode_value(
+    value: torch.Tensor, dtype: str, block_size: int
+) -> torch.Tensor | QuantizedTensor:
+    """One float tensor as the wire carries it in format ``dtype`` (see :func:`encode_delta`)."""
+    bits = QUANTIZED_BITS.get(dtype)
+    if bits is not None:
+        return quantize(value, bits, block_size)
+    return value.detach().to("cpu").to(DELTA_DTYPES[dtype])
 
 
 def decode_value(value: torch.Tensor | QuantizedTensor) -> torch.Tensor:
@@ -1007,28 +1139,6 @@ def decode_value(value: torch.Tensor | QuantizedTensor) -> torch.Tensor:
     if isinstance(value, QuantizedTensor):
         return value.dequantize()
     return value.to(torch.float32)
-
-
-def _wire_tensors(encoded: Mapping[str, torch.Tensor | QuantizedTensor]) -> dict[str, torch.Tensor]:
-    """The safetensors entries of a quantized delta: codes under the key, scales beside it."""
-    tensors: dict[str, torch.Tensor] = {}
-    for key, value in encoded.items():
-        assert isinstance(value, QuantizedTensor)
-        tensors[key] = value.codes
-        tensors[key + SCALE_SUFFIX] = value.scales
-    return tensors
-
-
-def _quantized_header(
-    encoded: Mapping[str, torch.Tensor | QuantizedTensor], name: str, block_size: int
-) -> dict[str, str]:
-    """Header entries a reader needs to decode: the block size, and for int4 (whose packed
-    codes lose the shape) every tensor's shape."""
-    header = {"block_size": str(int(block_size))}
-    if name == "int4":
-        shapes = {k: list(v.shape) for k, v in encoded.items() if isinstance(v, QuantizedTensor)}
-        header["shapes"] = json.dumps(shapes, sort_keys=True, separators=(",", ":"))
-    return header
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,8 +49,6 @@ record) and :class:`NesterovOuterOptimizer` (the outer step).
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import dataclasses
 import json
 import logging
@@ -426,7 +424,7 @@ class RoundMaster:
         fold = _Fold()
         for node_id in sorted(candidates):
             self._fold_node(node_id, candidates[node_id], total, fold)
-            _return_free_memory()  # the file's temporaries, before the next file's
+            T.return_free_memory()  # the file's temporaries, before the next file's
         if not fold.marks:
             return False
         for value in total.values():
@@ -495,7 +493,7 @@ class RoundMaster:
         new.round_seconds = length if not average else (0.7 * average + 0.3 * length)
         self._prune.clear()
         self._persist()
-        _return_free_memory()
+        T.return_free_memory()
         self._first_arrival = None
         self._reset_tally()
         self._emit(
@@ -678,26 +676,6 @@ class RoundMaster:
         """Outer step and ledger (the tensors live in ``state_dir`` and the repository)."""
         with self._lock:
             return {"outer_step": self.outer_step, "ledger": dict(self.ledger)}
-
-
-def _return_free_memory() -> None:
-    """Hand the C heap's free pages back to the system (glibc ``malloc_trim``). A round's
-    slice-sized temporaries come from the heap, and without this the process keeps their
-    pages resident: memory the model does not need stays counted as the master's."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-
-
-def _load_libc() -> Any:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim  # noqa: B018 - glibc only: another C library has none
-    except (OSError, AttributeError):
-        return None
-    return libc
-
-
-_LIBC = _load_libc()
 
 
 class _Trouble:

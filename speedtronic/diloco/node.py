@@ -7,14 +7,17 @@ installed global, or its own weights at its last upload). After every applied op
     count the step; merge a waiting newer global if the node already contributed for its base
     every ``inner_steps`` steps (a boundary):
         overlapped: wait (<= round_timeout) for the global of the previous contribution
-        contribution = carry + residual + anchor - weights  (float32, the pseudo-gradient)
+        contribution = anchor - weights + carry + residual  (float32, the pseudo-gradient,
+                       in the old anchor's buffers)
         round        = max(installed outer step, last uploaded round + 1)
         sent         = the contribution as the wire carries it (delta_dtype: fp32 exact;
-                       bf16/fp16 cast; int8/int4 blockwise codes + scales)
-        residual     = contribution - decode(sent)          (error feedback; fp32: none)
+                       bf16/fp16 cast; int8/int4 blockwise codes + scales), encoded tensor
+                       by tensor as the upload's file is written
         anchor := weights; upload (background thread when overlapped and async)
+        upload arrived: residual = contribution - decode(sent), in the contribution's
+                       buffers (error feedback; fp32: none)
         blocking: wait (<= round_timeout) for the global that includes the contribution
-    merge global G:  weights := G + (weights - anchor);  anchor := G
+    merge global G:  weights := G + (weights - anchor);  anchor := G  (in place)
 
 The merge keeps every step of progress made since the upload and counts none twice (in
 blocking mode there is none, and the merge is a plain install). A newer global that arrives
@@ -22,8 +25,8 @@ before the node contributed for its current base is held until the node's bounda
 contribution is then late, and the master folds it into the open round when it is at most
 ``max_staleness`` rounds old. A failed upload is carried into the next contribution (the
 final one is sent again, up to ``FINAL_UPLOAD_ATTEMPTS`` times): the carry is the whole
-unquantized contribution, residual included, so the residual is dropped with it and nothing
-is counted twice. At the end of a run,
+unquantized contribution, residual included, so a failed upload leaves no residual and
+nothing is counted twice. At the end of a run,
 :meth:`DiLoCoNode.finish` uploads the last contribution marked final together with a ``done``
 status, waits for the global that includes it and installs it, so the node's
 final checkpoint holds it. Network failures are state (logged, counted, carried), never a
@@ -206,16 +209,8 @@ class DiLoCoNode:
         if self.settings.sync == "overlapped" and 0 <= self.installed <= self.last_round:
             merged = self._await_global(self.last_round + 1, self.settings.round_timeout)
         self.uploads.drain()
-        current = _float_state(self.model)
-        with self._lock:  # the old anchor's buffers become the contribution (no third copy)
-            delta = T.subtract_into(self.anchor, current)
-            if self.carry is not None:
-                delta = {k: v.add_(self.carry[k]) for k, v in delta.items()}
-                self.carry = None
-            if self.residual is not None:
-                delta = {k: v.add_(self.residual[k]) for k, v in delta.items()}
-                self.residual = None
-            self.anchor = current
+        with self._lock:
+            delta, self.anchor = self._take_contribution()
             self.inner = 0
         if T.is_all_zero(delta):
             self._emit("delta_upload_zero", step=self.step)
@@ -229,6 +224,7 @@ class DiLoCoNode:
         job = Contribution(round, self.installed, self.step, delta, final, self.run_id)
         self._encode(job)
         self.uploads.submit(job)
+        del job, delta  # the wait below holds no copy of the contribution (nor the uploader)
         if self.settings.sync == "blocking" or final:
             uploaded = self.uploads.drain() and self.carry is None
             self._raise_fatal()
@@ -237,18 +233,35 @@ class DiLoCoNode:
                 merged = self._await_global(round + 1, timeout) or merged
         return merged
 
+    def _take_contribution(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """``(anchor - weights) + carry + residual`` in the old anchor's buffers, and the new
+        anchor (the weights, float32), one tensor at a time: the carry and the residual are
+        let go as the new anchor grows, so the node never holds a third copy of the model."""
+        current = {
+            key: value
+            for key, value in self.model.state_dict().items()
+            if value.is_floating_point()
+        }
+        extras = [dict(x) for x in (self.carry, self.residual) if x is not None]
+        self.carry = self.residual = None
+        T.check_layout(self.anchor, current)
+        anchor: dict[str, torch.Tensor] = {}
+        for key, delta in self.anchor.items():
+            anchor[key] = current[key].detach().to("cpu", torch.float32, copy=True)
+            delta.sub_(anchor[key])
+            for extra in extras:
+                delta.add_(extra.pop(key))
+        return self.anchor, anchor
+
     def _encode(self, job: Contribution) -> None:
-        """Encode ``job`` for the wire once (the upload sends exactly ``job.wire``) and keep
-        what it leaves out as the residual of the next contribution (error feedback). A
-        failed upload drops the residual again: the carry holds the whole contribution."""
+        """Encode ``job`` for the wire (the upload sends exactly ``job.wire``, encoded tensor
+        by tensor as it is written). What it leaves out becomes the residual of the next
+        contribution (error feedback) once the upload arrived (:meth:`_upload`); a failed
+        upload leaves no residual: the carry holds the whole contribution."""
         name = self.settings.delta_dtype
         if name == "fp32" or job.delta is None:
             return
-        job.wire = T.encode_delta(job.delta, name, self.settings.delta_block_size)
-        if self.error_feedback:
-            residual = {k: v - T.decode_value(job.wire[k]) for k, v in job.delta.items()}
-            with self._lock:
-                self.residual = residual
+        job.wire = T.EncodedView(job.delta, name, self.settings.delta_block_size)
 
     def _upload(self, job: Contribution) -> None:
         started = time.perf_counter()
@@ -260,7 +273,6 @@ class DiLoCoNode:
                 self.fatal = exc  # raised on the training thread at its next step
             if job.delta is not None:
                 with self._lock:  # the whole contribution goes into the next one
-                    self.residual = None  # it is part of job.delta: never counted twice
                     self.carry = (
                         job.delta
                         if self.carry is None
@@ -273,6 +285,10 @@ class DiLoCoNode:
             return
         with self._lock:
             self.last_round = max(self.last_round, job.round)
+            job.arrived = True  # a checkpoint no longer holds it (its buffers are reused)
+            if isinstance(job.wire, T.EncodedView) and self.error_feedback:
+                self.residual = job.wire.keep_residual()  # in the contribution's buffers
+        T.return_free_memory()  # the encoder's and the writer's slices
         if job.delta is not None:
             self._emit(
                 "delta_uploaded",
@@ -365,26 +381,12 @@ class DiLoCoNode:
                 self.residual = None  # the old run's error feedback
                 self.anchor = _float_state(self.model)  # progress since here is dropped
             self.installed = -1
-        state = self.model.state_dict()
-        anchor: dict[str, torch.Tensor] = {}
-        updates: dict[str, torch.Tensor] = {}
-        for key, value in candidate.state.items():
-            target = state.get(key)
-            if target is None or tuple(target.shape) != tuple(value.shape):
-                continue
-            if key in self.anchor:  # every value is computed before any is written (tied weights)
-                progress = target.to(torch.float32) - self.anchor[key].to(target.device)
-                updates[key] = value.to(target.device, torch.float32, copy=True).add_(progress)
-                anchor[key] = T.cpu_tensor(value).to(torch.float32)
-            else:
-                updates[key] = value
-        for key, value in updates.items():
-            state[key].copy_(value.to(state[key].device, state[key].dtype))
         with self._lock:
-            self.anchor.update(anchor)
+            self._install(candidate.state)
             self.installed = candidate.outer_step
             self.run_id = candidate.run_id or self.run_id
             self.final_seen = self.final_seen or candidate.final
+        T.return_free_memory()  # the download's and the slices' pages
         if self.settings.reset_inner_optimizer and self.optimizer is not None:
             reset = getattr(self.optimizer, "reset_state", None)
             reset() if callable(reset) else self.optimizer.state.clear()
@@ -394,6 +396,27 @@ class DiLoCoNode:
             seconds=candidate.seconds,
             step=self.step,
         )
+
+    def _install(self, global_state: Mapping[str, torch.Tensor]) -> None:
+        """``weights := G + (weights - anchor)``, ``anchor := G``, tensor by tensor and in
+        place (temporaries of one tensor). A tensor the model holds under several keys (tied
+        weights) is written once, from its first key: all its keys hold the same values."""
+        state = self.model.state_dict()
+        written: set[tuple[Any, ...]] = set()
+        for key, value in global_state.items():
+            target = state.get(key)
+            if target is None or tuple(target.shape) != tuple(value.shape):
+                continue
+            anchor = self.anchor.get(key)
+            identity = (target.data_ptr(), target.dtype, tuple(target.shape), target.stride())
+            if identity not in written:
+                written.add(identity)
+                if anchor is None:  # not a float entry: installed as it is
+                    target.copy_(value.to(target.device, target.dtype))
+                    continue
+                _merge_into(target, anchor, value)
+            if anchor is not None:
+                anchor.copy_(value)
 
     # -- end of run -----------------------------------------------------------------------
     def finish(self) -> None:
@@ -437,6 +460,7 @@ class DiLoCoNode:
         (re-sent on resume)."""
         with self._lock:
             pending = self.uploads.pending
+            pending = None if pending is None or pending.arrived else pending
             return {
                 "format": "speedtronic-diloco-node/2",
                 "step": self.step,
@@ -474,6 +498,20 @@ class DiLoCoNode:
         return None if pending is None else Contribution.from_dict(pending)
 
 
+def _merge_into(target: torch.Tensor, anchor: torch.Tensor, value: torch.Tensor) -> None:
+    """``target := value + (target - anchor)`` in place, a slice at a time (temporaries of
+    one slice; a strided ``target`` at once)."""
+    if not target.is_contiguous():
+        update = target.to(torch.float32, copy=True).sub_(anchor.to(target.device))
+        target.copy_(update.add_(value.to(target.device, torch.float32)))
+        return
+    flat, base, new = target.view(-1), anchor.reshape(-1), value.reshape(-1)
+    for start, stop in T.value_slices(flat.numel()):
+        part = flat[start:stop]
+        update = part.to(torch.float32, copy=True).sub_(base[start:stop].to(part.device))
+        part.copy_(update.add_(new[start:stop].to(part.device, torch.float32)))
+
+
 def _float_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Float32 CPU copies of the floating-point entries of ``model.state_dict()``."""
     return {
@@ -497,7 +535,9 @@ class Contribution:
     run_id: str = ""
     # ``delta`` as the wire carries it (None: fp32, or not encoded yet); not checkpointed:
     # a resumed upload encodes ``delta`` again into the same codes
-    wire: dict[str, Any] | None = dataclasses.field(default=None, repr=False, compare=False)
+    wire: Mapping[str, Any] | None = dataclasses.field(default=None, repr=False, compare=False)
+    # the exchange has it: ``delta``'s buffers may hold the node's residual now
+    arrived: bool = dataclasses.field(default=False, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         """Checkpointable form (tensors and primitives only)."""
@@ -693,6 +733,7 @@ class Uploader:
             except queue.Empty:
                 continue
             self._run(job)
+            del job  # its contribution is not kept alive while the thread waits
 
     def stop(self, timeout: float) -> bool:
         """Let the job in flight finish (bounded); True when nothing is left pending."""
