@@ -29,7 +29,7 @@ import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from annotated_types import Ge, Gt, Le, Lt
 from pydantic import BeforeValidator, ConfigDict, Field, ValidationError
@@ -37,10 +37,12 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 from pydantic.fields import FieldInfo
 
 from speedtronic.config.errors import ConfigError
-from speedtronic.config.limits import check_path_text
+from speedtronic.config.limits import MAX_STEPS, check_path_text
 from speedtronic.config.redaction import REDACTED, contains_secret, looks_like_token
 
 __all__ = [
+    "BETWEEN",
+    "STEPS",
     "Bool",
     "F",
     "Float",
@@ -51,6 +53,7 @@ __all__ = [
     "StrList",
     "choice",
     "describe",
+    "one_of",
     "section",
     "to_config_error",
 ]
@@ -193,6 +196,15 @@ class Says:
     bound: str | None = None
     upper: str | None = None
     kind: str | None = None
+
+
+def one_of(*names: str, says: str) -> Any:
+    """A choice among ``names`` (matched without case), with its 2.0.0 error text."""
+    return Annotated[Literal[names], BeforeValidator(choice), Says(kind=says)]
+
+
+STEPS = {"gt": 0, "le": MAX_STEPS}  # a step count or cadence
+BETWEEN = "{field} must be between {low} and {high}"
 
 
 def F(default: Any, help: str, says: Says | None = None, **bounds: Any) -> Any:

@@ -22,10 +22,9 @@ from speedtronic.config.canonical import (
     unknown_keys_message,
 )
 from speedtronic.config.errors import ConfigError
-from speedtronic.config.fields import Bool, F, Int, Says, section
+from speedtronic.config.fields import BETWEEN, Bool, F, Int, Says, section
 from speedtronic.config.limits import path_kind_problem
 from speedtronic.config.ops_sections import (
-    BETWEEN,
     CheckpointConfig,
     DistributedConfig,
     LoggingConfig,
