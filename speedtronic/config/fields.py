@@ -51,8 +51,10 @@ __all__ = [
     "Says",
     "Str",
     "StrList",
+    "bounds",
     "choice",
     "describe",
+    "number_text",
     "one_of",
     "section",
     "to_config_error",
@@ -217,7 +219,7 @@ def F(default: Any, help: str, says: Says | None = None, **bounds: Any) -> Any:
 
 
 # --------------------------------------------------------------------------- errors
-def _bounds(metadata: Sequence[Any]) -> tuple[Any, Any, bool, bool]:
+def bounds(metadata: Sequence[Any]) -> tuple[Any, Any, bool, bool]:
     """(low, high, low_open, high_open) of a field's constraints."""
     low = high = None
     low_open = high_open = False
@@ -233,7 +235,8 @@ def _bounds(metadata: Sequence[Any]) -> tuple[Any, Any, bool, bool]:
     return low, high, low_open, high_open
 
 
-def _num(value: Any) -> str:
+def number_text(value: Any) -> str:
+    """A bound or value in a message or the docs: ``1e+12``, ``0.001``, ``65535``."""
     if isinstance(value, float):
         return f"{value:g}"
     text = repr(value) if not isinstance(value, int) or abs(value) < 10**30 else "a huge number"
@@ -260,25 +263,24 @@ def _bound_message(dotted: str, kind: str, value: Any, info: Any) -> str:
     """The text of a bound violation, from the field's own constraints."""
     metadata = metadata_of(info)
     says = next((item for item in metadata if isinstance(item, Says)), None)
-    low, high, low_open, high_open = _bounds(metadata)
+    low, high, low_open, high_open = bounds(metadata)
     lower = kind in ("greater_than", "greater_than_equal")
-    interval = (
-        f"{'(' if low_open else '['}{_num(low)}, {_num(high)}{')' if high_open else ']'}"
-        if low is not None and high is not None
-        else ""
-    )
+    shown = {"field": dotted, "value": number_text(value)}
+    shown.update(low=number_text(low), high=number_text(high), interval="")
+    if low is not None and high is not None:
+        shown["interval"] = (
+            f"{'(' if low_open else '['}{shown['low']}, {shown['high']}{')' if high_open else ']'}"
+        )
     template = says and (says.bound if lower else says.upper)
     if template:
-        return template.format(
-            field=dotted, value=_num(value), low=_num(low), high=_num(high), interval=interval
-        )
+        return template.format(**shown)
     if not lower:
         word = "less than" if high_open else "at most"
-        return f"{dotted} must be {word} {_num(high)}, got {_num(value)}"
+        return f"{dotted} must be {word} {shown['high']}, got {shown['value']}"
     if low == 0:
         return f"{dotted} must be positive" if low_open else f"{dotted} cannot be negative"
     word = "greater than" if low_open else "at least"
-    return f"{dotted} must be {word} {_num(low)}"
+    return f"{dotted} must be {word} {shown['low']}"
 
 
 def _field_info(cls: type, path: Sequence[str]) -> tuple[str, Any]:
