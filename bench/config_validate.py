@@ -6,6 +6,12 @@ package), model schema build, loading and validating the file. The baseline is t
 committed at ``--baseline`` (default: the merge base with ``main``), exported with
 ``git archive`` into a temporary folder. Samples alternate between the trees; medians.
 
+Byte-code caches are written by the warm-up runs (as ``pip install`` does for a user), also
+when the caller's environment sets ``PYTHONDONTWRITEBYTECODE``. A third column, the *pydantic
+floor*, runs the baseline tree after importing ``pydantic.dataclasses`` and building one
+one-field pydantic dataclass (which discovers pydantic plugins): what any pydantic-based config
+costs before its own schemas are built.
+
     python bench/config_validate.py                      # 15 samples each (~10 s)
     python bench/config_validate.py --baseline 2f1b716 --out bench/results/config_validate.json
 """
@@ -50,13 +56,24 @@ def _check_imported_from(tree: Path) -> None:
         raise SystemExit(f"speedtronic was imported from {where.stdout.strip()}, not {tree}")
 
 
-def _once(tree: Path, config: str) -> float:
+#: The pydantic floor: pydantic imported and one model built before the CLI runs.
+FLOOR = (
+    "import sys, runpy, dataclasses, pydantic.dataclasses as p\n"
+    "p.dataclass(dataclasses.make_dataclass('One', [('x', int)]))\n"
+    "sys.argv[0] = 'speedtronic'\n"
+    "runpy.run_module('speedtronic', run_name='__main__', alter_sys=True)\n"
+)
+
+
+def _once(tree: Path, config: str, *, floor: bool = False) -> float:
     env = {**os.environ, "PYTHONPATH": str(tree)}  # warm-up runs write both .pyc caches
     env = {k: v for k, v in env.items() if not k.startswith("SPEEDTRONIC_")}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     env["SPEEDTRONIC_SECRETS_DIR"] = "/nonexistent-speedtronic-bench"
     start = time.perf_counter()
+    entry = ["-c", FLOOR, "validate"] if floor else ["-m", "speedtronic", "validate"]
     done = subprocess.run(
-        [sys.executable, "-m", "speedtronic", "validate", "--config", config],
+        [sys.executable, *entry, "--config", config],
         cwd=tree,  # `-m` puts the working directory first on sys.path
         env=env,
         capture_output=True,
@@ -83,17 +100,20 @@ def main() -> None:
         for tree in (REPO, baseline):  # .pyc files and the OS file cache, not the interpreter
             _check_imported_from(tree)
             _once(tree, config)
-        times: dict[str, list[float]] = {"this tree": [], "baseline": []}
+        times: dict[str, list[float]] = {"this tree": [], "baseline": [], "pydantic floor": []}
         for _ in range(args.samples):
             times["this tree"].append(_once(REPO, config))
             times["baseline"].append(_once(baseline, config))
+            times["pydantic floor"].append(_once(baseline, config, floor=True))
     medians = {name: statistics.median(values) for name, values in times.items()}
     ratio = medians["this tree"] / medians["baseline"]
+    floor = medians["pydantic floor"] / medians["baseline"]
     for name, value in medians.items():
-        print(f"{name:10s} median {value * 1000:7.1f} ms over {args.samples} cold runs")
-    print(f"ratio this tree / baseline ({ref[:12]}): {ratio:.2f}x")
+        print(f"{name:14s} median {value * 1000:7.1f} ms over {args.samples} cold runs")
+    print(f"ratio this tree / baseline ({ref[:12]}): {ratio:.2f}x (pydantic floor {floor:.2f}x)")
     if args.out:
         result = {"baseline": ref, "config": args.config, "medians_s": medians, "ratio": ratio}
+        result["floor_ratio"] = floor
         result["samples_s"] = times
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -34,6 +34,7 @@ __all__ = [
     "ROOT_FIELDS",
     "RUN_ALIASES",
     "SECTION_NAMES",
+    "as_dict",
     "canonicalize",
     "compile_shorthand",
     "rebase_legacy_log_paths",
@@ -100,7 +101,7 @@ def unknown_keys_message(keys: Any, prefix: str = "", known: Iterable[str] = ())
     return message
 
 
-def _as_dict(value: Any) -> Any:
+def as_dict(value: Any) -> Any:
     """A section instance becomes a dict of its fields; anything else is returned unchanged."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
@@ -120,7 +121,7 @@ def canonicalize(values: Any) -> dict[str, Any]:
     data: dict[str, Any] = {str(key): value for key, value in values.items()}
 
     run = data.get("run")
-    run = {} if run is None else _as_dict(run)
+    run = {} if run is None else as_dict(run)
     if not isinstance(run, Mapping):
         raise ConfigError("run must be a mapping")
     run = dict(run)
@@ -139,7 +140,7 @@ def canonicalize(values: Any) -> dict[str, Any]:
     for flag in ("muon_plus", "cautious"):
         if flag not in data:
             continue
-        optimizer = _as_dict(data.get("optimizer"))
+        optimizer = as_dict(data.get("optimizer"))
         if optimizer is None:
             optimizer = {}
         if not isinstance(optimizer, Mapping):

@@ -29,7 +29,7 @@ import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from annotated_types import Ge, Gt, Le, Lt
 from pydantic import BeforeValidator, ConfigDict, Field, ValidationError
@@ -37,10 +37,12 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 from pydantic.fields import FieldInfo
 
 from speedtronic.config.errors import ConfigError
-from speedtronic.config.limits import check_path_text
+from speedtronic.config.limits import MAX_STEPS, check_path_text
 from speedtronic.config.redaction import REDACTED, contains_secret, looks_like_token
 
 __all__ = [
+    "BETWEEN",
+    "STEPS",
     "Bool",
     "F",
     "Float",
@@ -49,8 +51,11 @@ __all__ = [
     "Says",
     "Str",
     "StrList",
+    "bounds",
     "choice",
     "describe",
+    "number_text",
+    "one_of",
     "section",
     "to_config_error",
 ]
@@ -195,6 +200,15 @@ class Says:
     kind: str | None = None
 
 
+def one_of(*names: str, says: str) -> Any:
+    """A choice among ``names`` (matched without case), with its 2.0.0 error text."""
+    return Annotated[Literal[names], BeforeValidator(choice), Says(kind=says)]
+
+
+STEPS = {"gt": 0, "le": MAX_STEPS}  # a step count or cadence
+BETWEEN = "{field} must be between {low} and {high}"
+
+
 def F(default: Any, help: str, says: Says | None = None, **bounds: Any) -> Any:
     """A field's declaration: default, one line of help, bounds (``gt/ge/lt/le``), and the
     2.0.0 wording of its errors where that differs from the generic one."""
@@ -205,7 +219,7 @@ def F(default: Any, help: str, says: Says | None = None, **bounds: Any) -> Any:
 
 
 # --------------------------------------------------------------------------- errors
-def _bounds(metadata: Sequence[Any]) -> tuple[Any, Any, bool, bool]:
+def bounds(metadata: Sequence[Any]) -> tuple[Any, Any, bool, bool]:
     """(low, high, low_open, high_open) of a field's constraints."""
     low = high = None
     low_open = high_open = False
@@ -221,7 +235,8 @@ def _bounds(metadata: Sequence[Any]) -> tuple[Any, Any, bool, bool]:
     return low, high, low_open, high_open
 
 
-def _num(value: Any) -> str:
+def number_text(value: Any) -> str:
+    """A bound or value in a message or the docs: ``1e+12``, ``0.001``, ``65535``."""
     if isinstance(value, float):
         return f"{value:g}"
     text = repr(value) if not isinstance(value, int) or abs(value) < 10**30 else "a huge number"
@@ -248,25 +263,24 @@ def _bound_message(dotted: str, kind: str, value: Any, info: Any) -> str:
     """The text of a bound violation, from the field's own constraints."""
     metadata = metadata_of(info)
     says = next((item for item in metadata if isinstance(item, Says)), None)
-    low, high, low_open, high_open = _bounds(metadata)
+    low, high, low_open, high_open = bounds(metadata)
     lower = kind in ("greater_than", "greater_than_equal")
-    interval = (
-        f"{'(' if low_open else '['}{_num(low)}, {_num(high)}{')' if high_open else ']'}"
-        if low is not None and high is not None
-        else ""
-    )
+    shown = {"field": dotted, "value": number_text(value)}
+    shown.update(low=number_text(low), high=number_text(high), interval="")
+    if low is not None and high is not None:
+        shown["interval"] = (
+            f"{'(' if low_open else '['}{shown['low']}, {shown['high']}{')' if high_open else ']'}"
+        )
     template = says and (says.bound if lower else says.upper)
     if template:
-        return template.format(
-            field=dotted, value=_num(value), low=_num(low), high=_num(high), interval=interval
-        )
+        return template.format(**shown)
     if not lower:
         word = "less than" if high_open else "at most"
-        return f"{dotted} must be {word} {_num(high)}, got {_num(value)}"
+        return f"{dotted} must be {word} {shown['high']}, got {shown['value']}"
     if low == 0:
         return f"{dotted} must be positive" if low_open else f"{dotted} cannot be negative"
     word = "greater than" if low_open else "at least"
-    return f"{dotted} must be {word} {_num(low)}"
+    return f"{dotted} must be {word} {shown['low']}"
 
 
 def _field_info(cls: type, path: Sequence[str]) -> tuple[str, Any]:

@@ -33,7 +33,6 @@ may read is used, with a warning naming it.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import functools
 import logging
@@ -50,6 +49,7 @@ import yaml
 from speedtronic.config.canonical import (
     ROOT_FIELDS,
     SECTION_NAMES,
+    as_dict,
     canonicalize,
     compile_shorthand,
     rebase_legacy_log_paths,
@@ -176,8 +176,7 @@ def _flatten(values: Mapping[str, Any]) -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in values.items():
         if key in SECTION_NAMES:
-            if dataclasses.is_dataclass(value) and not isinstance(value, type):
-                value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+            value = as_dict(value)
             if value is None:
                 continue
             if not isinstance(value, Mapping):

@@ -16,6 +16,8 @@ from pydantic import AfterValidator, BeforeValidator, Field
 
 from speedtronic.config.errors import ConfigError
 from speedtronic.config.fields import (
+    BETWEEN,
+    STEPS,
     Bool,
     F,
     Float,
@@ -26,9 +28,10 @@ from speedtronic.config.fields import (
     StrList,
     choice,
     describe,
+    one_of,
     section,
 )
-from speedtronic.config.limits import DAY, HOUR, MAX_STEPS, WEEK, check_node_id
+from speedtronic.config.limits import DAY, HOUR, WEEK, check_node_id
 from speedtronic.config.redaction import REDACTED
 
 __all__ = [
@@ -43,8 +46,6 @@ __all__ = [
 
 LOG_LEVELS = ("CRITICAL", "FATAL", "ERROR", "WARNING", "WARN", "INFO", "DEBUG", "NOTSET")
 TRACKERS = ("tensorboard", "wandb")
-Choice = BeforeValidator(choice)
-BETWEEN = "{field} must be between {low} and {high}"
 _HOSTNAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 
 
@@ -120,11 +121,6 @@ def _alignment(value: Any) -> Any:
     return choice(value)
 
 
-def one_of(*names: str, says: str) -> Any:
-    """A choice among ``names`` (matched without case), with its 2.0.0 error text."""
-    return Annotated[Literal[names], Choice, Says(kind=says)]
-
-
 Level = Annotated[
     Literal[LOG_LEVELS],
     BeforeValidator(_level),
@@ -132,7 +128,7 @@ Level = Annotated[
 ]
 LogFormat = one_of("text", "json", says="logging.format must be 'text' or 'json'")
 Trackers = Annotated[
-    list[Annotated[Literal[TRACKERS], Choice]],
+    list[Annotated[Literal[TRACKERS], BeforeValidator(choice)]],
     Says(kind="logging.trackers must be a list of: " + ", ".join(TRACKERS)),
 ]
 Host = Annotated[Str, AfterValidator(_host)]
@@ -162,7 +158,6 @@ Alignment = Annotated[
     Literal["auto", "none"] | Annotated[int, Field(strict=True, gt=0, le=4096)],
     BeforeValidator(_alignment),
 ]
-BETWEEN = "{field} must be between {low} and {high}"
 PORT = Says(bound=BETWEEN, upper=BETWEEN)
 POLL = Says(
     bound="{field} must be positive (at least {low}), got {value}",
@@ -176,7 +171,6 @@ KEEP = Says(bound="checkpoint.keep_last must be positive or null")
 OUTER = Says(bound="outer learning rate/momentum values are invalid ({field} = {value})")
 OUTER_RANGE = Says(bound=OUTER.bound, upper=OUTER.bound)
 RETRY = Says(bound="distributed retry bounds are invalid ({field} = {value})")
-STEPS = {"gt": 0, "le": MAX_STEPS}
 
 
 @section("checkpoint")

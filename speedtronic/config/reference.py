@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from speedtronic.config.canonical import ROOT_FIELDS, RUN_ALIASES, SECTION_NAMES
-from speedtronic.config.fields import metadata_of
+from speedtronic.config.fields import bounds, metadata_of, number_text
 
 __all__ = ["SCHEMA_ID", "field_tables", "json_schema", "schema_text"]
 
@@ -89,19 +89,10 @@ def _type_name(prop: dict[str, Any]) -> str:
 
 
 def _range(info: Any) -> str:
-    low = high = ""
-    for item in metadata_of(info):
-        for attr, side, mark in (("gt", "low", "> "), ("ge", "low", ">= ")):
-            if getattr(item, attr, None) is not None and side == "low":
-                low = f"{mark}{_number(getattr(item, attr))}"
-        for attr, mark in (("lt", "< "), ("le", "<= ")):
-            if getattr(item, attr, None) is not None:
-                high = f"{mark}{_number(getattr(item, attr))}"
-    return ", ".join(part for part in (low, high) if part)
-
-
-def _number(value: Any) -> str:
-    return f"{value:g}" if isinstance(value, float) else str(value)
+    low, high, low_open, high_open = bounds(metadata_of(info))
+    parts = [f">{'' if low_open else '='} {number_text(low)}" if low is not None else ""]
+    parts.append(f"<{'' if high_open else '='} {number_text(high)}" if high is not None else "")
+    return ", ".join(part for part in parts if part)
 
 
 def _default(info: Any) -> str:

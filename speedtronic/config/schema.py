@@ -22,10 +22,9 @@ from speedtronic.config.canonical import (
     unknown_keys_message,
 )
 from speedtronic.config.errors import ConfigError
-from speedtronic.config.fields import Bool, F, Int, Says, section
+from speedtronic.config.fields import BETWEEN, Bool, F, Int, Says, section
 from speedtronic.config.limits import path_kind_problem
 from speedtronic.config.ops_sections import (
-    BETWEEN,
     CheckpointConfig,
     DistributedConfig,
     LoggingConfig,
@@ -202,7 +201,7 @@ class SpeedtronicConfig:
 
     def _check_tokenizer(self) -> None:
         """``data.tokenizer`` must be readable and fit ``model.vocab_size`` (no torch import)."""
-        from speedtronic.config.tokenizer_spec import describe_tokenizer, is_bytes
+        from speedtronic.data.tokenizer_file import describe_tokenizer, is_bytes
 
         if is_bytes(self.data.tokenizer):
             return

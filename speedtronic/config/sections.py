@@ -16,6 +16,7 @@ from pydantic import BeforeValidator, Field
 from speedtronic.config.errors import ConfigError
 from speedtronic.config.fields import (
     FALSE_STRINGS,
+    STEPS,
     TRUE_STRINGS,
     Bool,
     F,
@@ -26,6 +27,7 @@ from speedtronic.config.fields import (
     Str,
     choice,
     describe,
+    one_of,
     section,
 )
 from speedtronic.config.limits import DAY, MAX_SEED, MAX_STEPS
@@ -44,10 +46,8 @@ __all__ = [
 SYNTHETIC_KINDS = ("markov", "uniform", "none")
 MAX_VOCAB = 2**24  # token ids must fit the embedding; uint32 token files allow more
 MAX_SEQ_LEN = 2**20
-Choice = BeforeValidator(choice)
 RANGE = Says(bound="{field} must be in {interval}", upper="{field} must be in {interval}")
 SEED = {"says": RANGE, "ge": 0, "le": MAX_SEED}
-STEPS = {"gt": 0, "le": MAX_STEPS}
 COUNTS = Says(bound="model layer/head counts must be positive ({field} = {value})")
 DIMS = Says(bound="model dimensions must be positive ({field} = {value})")
 BATCH = Says(bound="batch sizes must be positive ({field} = {value})")
@@ -58,11 +58,6 @@ MUON_FLAGS = Says(kind="optimizer Muon/cautious flags must be booleans")
 BETA = Annotated[Float, Field(ge=0.0, lt=1.0)]
 BETAS = "optimizer.betas must contain two values in [0, 1)"
 HORIZON = Says(bound="scheduler steps must be non-negative/max_steps positive ({field} = {value})")
-
-
-def one_of(*names: str, says: str) -> Any:
-    """A choice among ``names`` (matched without case), with its 2.0.0 error text."""
-    return Annotated[Literal[names], Choice, Says(kind=says)]
 
 
 def _synthetic(value: Any) -> Any:

@@ -85,6 +85,7 @@ _SUBMODULES = frozenset(
         "sources",
         "streams",
         "tokenizer",
+        "tokenizer_file",
         "units",
     }
 )

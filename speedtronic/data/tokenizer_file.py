@@ -12,7 +12,8 @@ how many ids it can emit (``vocab_size`` = the highest id + 1, added tokens incl
 end-of-text token, which separates documents. The end-of-text token is ``eos_token`` of a
 ``tokenizer_config.json`` beside the file when there is one, else the first special added token
 among :data:`EOS_NAMES`. Everything wrong is a ``ConfigError`` naming ``field`` and the fix.
-The JSON is read with the standard library, so config validation stays fast and light.
+The JSON is read with the standard library, so config validation (which checks that the
+file's ids fit ``model.vocab_size``) stays fast and light.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ __all__ = [
 ]
 
 BYTES = "bytes"
-BYTES_VOCAB = 256
 # Special tokens recognised as end-of-text, most common first.
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[EOS]", "<|eot|>")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?(@[\w./-]+)?$")
