@@ -87,6 +87,7 @@ __all__ = [
     "Store",
     "Transport",
     "TransportError",
+    "WireCodec",
     "average_deltas",
     "check_layout",
     "classify_error",
@@ -100,6 +101,7 @@ __all__ = [
     "delta_to_bytes",
     "encode_delta",
     "encode_value",
+    "file_sha256",
     "first_non_finite",
     "floating_state",
     "ignore",
@@ -122,6 +124,7 @@ __all__ = [
     "validate_delta",
     "value_slices",
     "write_delta",
+    "write_quantized",
     "write_safetensors",
 ]
 
@@ -614,32 +617,48 @@ def write_delta(
     if name not in QUANTIZED_BITS:
         write_safetensors(handle, delta, metadata=metadata, dtype=DELTA_DTYPES[name])
         return
-    block = int(block_size or DEFAULT_BLOCK_SIZE)
-    bits = QUANTIZED_BITS[name]
+    write_quantized(handle, delta, name, int(block_size or DEFAULT_BLOCK_SIZE), metadata)
+
+
+def write_quantized(
+    handle: BinaryIO,
+    values: Mapping[str, torch.Tensor | QuantizedTensor],
+    dtype: str,
+    block_size: int,
+    metadata: Mapping[str, object],
+) -> str:
+    """Write ``values`` blockwise-quantized (``int8``/``int4``; float tensors are quantized
+    as they are written, one at a time) with ``metadata`` and what a reader needs to decode
+    them (the block size; every shape for int4, whose packed codes lose it): each tensor's
+    codes under its key, its scales beside it. Returns the file's sha256."""
+    bits = QUANTIZED_BITS[dtype]
     layout: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     shapes: dict[str, list[int]] = {}
-    for key, value in delta.items():
-        if isinstance(value, QuantizedTensor) and (value.bits, value.block_size) != (bits, block):
-            raise ValueError(f"{key} is quantized otherwise than {name}/{block}")
+    for key, value in values.items():
+        quantized = isinstance(value, QuantizedTensor)
+        if quantized and (value.bits, value.block_size) != (bits, block_size):
+            raise ValueError(f"{key} is quantized otherwise than {dtype}/{block_size}")
         shape = tuple(value.shape)
         numel = math.prod(shape)
         codes = shape if bits == 8 else (-(-numel // 2),)
-        layout.append((str(key), delta_dtype(name), codes))
-        layout.append((str(key) + SCALE_SUFFIX, torch.float32, (-(-numel // block),)))
+        layout.append((str(key), delta_dtype(dtype), codes))
+        layout.append((str(key) + SCALE_SUFFIX, torch.float32, (-(-numel // block_size),)))
         shapes[str(key)] = list(shape)
-    metadata["block_size"] = str(block)
-    if name == "int4":  # packed codes lose the shape
-        metadata["shapes"] = json.dumps(shapes, sort_keys=True, separators=(",", ":"))
+    header = {**metadata, "block_size": str(block_size)}
+    if dtype == "int4":
+        header["shapes"] = json.dumps(shapes, sort_keys=True, separators=(",", ":"))
     last: list[QuantizedTensor] = []  # the tensor being written: its codes, then its scales
 
     def produce(key: str, out: torch.dtype) -> torch.Tensor:
         if key.endswith(SCALE_SUFFIX):
             return last.pop().scales
-        value = delta[key]
-        last.append(value if isinstance(value, QuantizedTensor) else quantize(value, bits, block))
-        return last[-1].codes
+        value = values[key]
+        if not isinstance(value, QuantizedTensor):
+            value = quantize(value, bits, block_size)
+        last.append(value)
+        return value.codes
 
-    _write_entries(handle, layout, produce, metadata)
+    return _write_entries(handle, layout, produce, header)
 
 
 class EncodedView(Mapping[str, "torch.Tensor | QuantizedTensor"]):
@@ -681,7 +700,7 @@ def delta_from_bytes(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, st
     :meth:`DeltaReader.check` (without a model to compare keys and shapes with).
     """
     tensors, metadata = state_from_bytes(data)
-    codec = _WireCodec.from_metadata(metadata)
+    codec = WireCodec.from_metadata(metadata)
     if codec.bits is not None:
         shapes = codec.shapes_from(metadata, tensors)
         return {
@@ -823,7 +842,7 @@ class DeltaReader:
     def __init__(self, handle: SafetensorsFile):
         self._handle = handle
         self.metadata = {str(k): str(v) for k, v in (handle.metadata() or {}).items()}
-        self._codec: _WireCodec | None = None  # the file's encoding, read by check()
+        self._codec: WireCodec | None = None  # the file's encoding, read by check()
 
     def check(
         self, reference: Mapping[str, torch.Tensor], *, max_abs: float = MAX_DELTA_ABS
@@ -836,7 +855,7 @@ class DeltaReader:
         int4) and one float32 scale per block; scales finite, non-negative and at most
         ``max_abs`` over the largest code (so no decoded value exceeds ``max_abs``), codes
         within their symmetric range."""
-        codec = _WireCodec.from_metadata(self.metadata)
+        codec = WireCodec.from_metadata(self.metadata)
         if codec.bits is not None:
             return self._check_quantized(codec, reference, max_abs)
         expected = _expected_keys(self._handle.keys(), reference)
@@ -867,7 +886,7 @@ class DeltaReader:
             yield self._handle.read_flat(key, start, start + READ_SLICE)
 
     def _check_quantized(
-        self, codec: _WireCodec, reference: Mapping[str, torch.Tensor], max_abs: float
+        self, codec: WireCodec, reference: Mapping[str, torch.Tensor], max_abs: float
     ) -> str:
         expected = {k: v for k, v in reference.items() if _is_floating(v)}
         keys = set(self._handle.keys())
@@ -891,7 +910,7 @@ class DeltaReader:
     def add_to(self, total: dict[str, torch.Tensor], scale: float = 1.0) -> None:
         """``total[key] += scale * value`` in float32 for every key (checked first); a
         quantized file is decoded one tensor at a time."""
-        codec = self._codec or _WireCodec.from_metadata(self.metadata)
+        codec = self._codec or WireCodec.from_metadata(self.metadata)
         for key in sorted(total):
             if codec.bits is None:  # a slice at a time (slices of whole vector widths)
                 flat, start = total[key].view(-1), 0
@@ -1142,7 +1161,7 @@ def decode_value(value: torch.Tensor | QuantizedTensor) -> torch.Tensor:
 
 
 @dataclasses.dataclass(frozen=True)
-class _WireCodec:
+class WireCodec:
     """How a delta file's values are encoded, from its header: a float dtype (``bits``
     None) or blockwise codes of ``bits`` bits in blocks of ``block_size``."""
 
@@ -1151,7 +1170,7 @@ class _WireCodec:
     block_size: int = DEFAULT_BLOCK_SIZE
 
     @classmethod
-    def from_metadata(cls, metadata: Mapping[str, str]) -> _WireCodec:
+    def from_metadata(cls, metadata: Mapping[str, str]) -> WireCodec:
         """The file's encoding; a quantized header without a valid block size is a
         ``ValueError`` (a header without ``dtype`` is a float delta, as before 2.2)."""
         name = str(metadata.get("dtype", "fp32")).lower()
@@ -1491,7 +1510,7 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat()
 
 
-def _file_sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     """The sha256 of the file at ``path``, read in chunks."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
@@ -1715,7 +1734,7 @@ class RepoTransport:
             )
         try:  # the file read as it lies on disk: its bytes are never all in memory at once
             with self.local_copy(model_file, max_bytes=max_bytes) as local:
-                digest = _file_sha256(local)
+                digest = file_sha256(local)
                 with open_safetensors(local) as opened:
                     header = opened.metadata()
                     state = {key: opened.get_tensor(key) for key in opened}
