@@ -81,6 +81,7 @@ from speedtronic.diloco.exchange import (
     ignore,
     max_global_bytes,
 )
+from speedtronic.diloco.outer_update import OuterUpdate, state_digest, step_quantized
 
 __all__ = [
     "IDENTITY_HEADERS",
@@ -472,6 +473,7 @@ class RoundMaster:
                 final=final,
                 run_id=new.run_id,
                 node_records=new.node_records(),
+                **({"update": new.update} if new.update is not None else {}),
             )
         except Exception:
             # It may still have landed: the next poll agrees with the exchange again. The
@@ -520,8 +522,26 @@ class RoundMaster:
             return True
         if new.optimizer.first_non_finite(new.global_state, mean) is not None:
             return False  # checked on temporaries: nothing changed
-        new.optimizer.step(new.global_state, mean)
+        s = self.settings
+        if s.global_dtype == "fp32":
+            new.optimizer.step(new.global_state, mean)
+            new.outer_step += 1
+            return True
+        # the global becomes the last one + the decoded quantized update (docs/diloco.md)
+        update = step_quantized(
+            new.optimizer,
+            new.global_state,
+            mean,
+            new.residual,
+            dtype=s.global_dtype,
+            block_size=s.delta_block_size,
+            error_feedback=s.error_feedback,
+        )
+        update.base_step, update.run_id = new.outer_step, new.run_id
         new.outer_step += 1
+        update.outer_step = new.outer_step
+        update.digest = state_digest(new.global_state)
+        new.update = update
         return True
 
     def _fold_node(
@@ -1087,7 +1107,9 @@ class RoundState:
     ``instances``: node -> the ``instance`` header of its last aggregated contribution;
     ``finals``: node -> the round of its aggregated contribution flagged ``final``;
     ``round_seconds``: a moving average of the round lengths (the master's drop limit counts
-    in it, so it survives a restart).
+    in it, so it survives a restart); ``residual``: what the quantized outer updates left out
+    (``global_dtype`` int8/int4 with error feedback); ``update``: the quantized update of the
+    last outer step, published with it (not saved: a republish sends the full global only).
     """
 
     outer_step: int
@@ -1099,6 +1121,8 @@ class RoundState:
     instances: dict[str, str] = field(default_factory=dict)
     finals: dict[str, int] = field(default_factory=dict)
     round_seconds: float = 0.0
+    residual: dict[str, torch.Tensor] = field(default_factory=dict)
+    update: OuterUpdate | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def new(cls, global_state: dict[str, torch.Tensor], lr: float, momentum: float) -> RoundState:
@@ -1124,6 +1148,7 @@ class RoundState:
             dict(self.instances),
             dict(self.finals),
             self.round_seconds,
+            T.cpu_state_dict(self.residual) if tensors else self.residual,
         )
 
     def node_records(self) -> dict[str, dict[str, Any]]:
@@ -1209,6 +1234,9 @@ class OuterStateStore:
                 optimizer.load_state_dict(
                     {k[9:]: saved_file.get_tensor(k) for k in names if k.startswith("momentum/")}
                 )
+                residual = {
+                    k[9:]: saved_file.get_tensor(k) for k in names if k.startswith("residual/")
+                }
             saved = RoundState(
                 outer_step=int(meta["outer_step"]),
                 global_state=glob,
@@ -1219,6 +1247,7 @@ class OuterStateStore:
                 instances=_json_map(meta.get("instances", "{}"), str),  # absent before 2.2
                 finals=_json_map(meta.get("finals", "{}"), int),
                 round_seconds=float(meta.get("round_seconds", "0")),  # absent before 2.3
+                residual=residual,
             )
         except Exception as exc:
             self.path.replace(self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}"))
@@ -1229,6 +1258,7 @@ class OuterStateStore:
         """Write the whole state as one atomic file."""
         tensors = {f"global/{k}": v for k, v in state.global_state.items()}
         tensors.update({f"momentum/{k}": v for k, v in state.optimizer.momentum_buffers.items()})
+        tensors.update({f"residual/{k}": v for k, v in state.residual.items()})
         meta = {
             "format": _FORMAT,
             "outer_step": state.outer_step,
