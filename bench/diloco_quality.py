@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import io
 import json
 import os
 import platform
@@ -62,6 +63,7 @@ sys.path.insert(0, str(ROOT))
 
 from speedtronic.config import SpeedtronicConfig  # noqa: E402
 from speedtronic.diloco import exchange as T  # noqa: E402
+from speedtronic.diloco.outer_update import OuterUpdate  # noqa: E402
 from speedtronic.model import build_model  # noqa: E402
 from speedtronic.testing.diloco_ideal import simulate  # noqa: E402
 from speedtronic.train.evaluate import build_heldout, evaluate  # noqa: E402
@@ -170,6 +172,7 @@ def run_ideal(
     momentum: float,
     wire: str = "fp32",
     error_feedback: bool = True,
+    global_wire: str = "fp32",
 ) -> dict:
     config = config_of(raw)
     started = time.perf_counter()
@@ -181,6 +184,7 @@ def run_ideal(
         outer_momentum=momentum,
         delta_dtype=wire,
         error_feedback=error_feedback,
+        global_dtype=global_wire,
     )
     return {
         "loss": result.eval_loss,
@@ -190,9 +194,12 @@ def run_ideal(
     }
 
 
-def run_real(raw: dict, nodes: list[str], work: Path, sync: str, wire: str = "fp32") -> dict:
+def run_real(
+    raw: dict, nodes: list[str], work: Path, sync: str, wire: str = "fp32", glob: str = "fp32"
+) -> dict:
     """K ``speedtronic train`` processes started at once; the master is nodes[0]; their
-    contributions travel as ``wire`` (``distributed.delta_dtype``)."""
+    contributions travel as ``wire`` (``distributed.delta_dtype``), the globals as ``glob``
+    (``distributed.global_dtype``)."""
     exchange = work / "exchange"
     work.mkdir(parents=True, exist_ok=True)
     procs = []
@@ -211,6 +218,7 @@ def run_real(raw: dict, nodes: list[str], work: Path, sync: str, wire: str = "fp
             node_id=node,
             sync=sync,
             delta_dtype=wire,
+            global_dtype=glob,
         )
         path = work / f"{node}.yaml"
         path.write_text(yaml.safe_dump(node_raw))
@@ -241,6 +249,12 @@ def run_real(raw: dict, nodes: list[str], work: Path, sync: str, wire: str = "fp
     ]
     waits = [r["seconds"] for r in events if r.get("event") == "sync_wait"]
     uploads = [r["bytes"] for r in events if r.get("event") == "delta_uploaded"]
+    pulled = [  # a round's global (global 0, every worker's first, is not a round's)
+        r
+        for r in events
+        if r.get("event") == "global_pulled" and r.get("source") != "local" and r["outer_step"]
+    ]
+    downloads = [r["bytes"] for r in pulled]
     rounds = [
         record
         for record in map(json.loads, (work / nodes[0] / "events.jsonl").read_text().splitlines())
@@ -260,17 +274,49 @@ def run_real(raw: dict, nodes: list[str], work: Path, sync: str, wire: str = "fp
         "sync_wait_seconds_per_node": sum(waits) / len(nodes),
         "stale": sum(int(r.get("deltas_stale", 0)) for r in rounds),
         "delta_dtype": wire,
-        "bytes_per_round_per_node": sum(uploads) / max(len(uploads), 1),
+        "global_dtype": glob,
+        "upload_bytes_per_round_per_node": sum(uploads) / max(len(uploads), 1),
+        "download_bytes_per_round_per_node": sum(downloads) / max(len(downloads), 1),
+        "globals_by_source": {
+            how: sum(r.get("source") == how for r in pulled) for how in ("full", "update")
+        },
+        "bytes_per_round_per_node": sum(uploads) / max(len(uploads), 1)
+        + sum(downloads) / max(len(downloads), 1),
         "state": state,
     }
 
 
-def parse_case(case: str) -> tuple[str, bool]:
-    """``int8`` -> (``int8``, error feedback on); ``int8-noef`` -> (``int8``, off)."""
-    wire, _, suffix = case.partition("-")
-    if wire not in T.DELTA_FORMATS or suffix not in ("", "noef"):
-        raise SystemExit(f"unknown delta case {case!r}: a delta_dtype, optionally with -noef")
-    return wire, suffix != "noef"
+def parse_case(case: str) -> tuple[str, bool, str]:
+    """``int8`` -> (``int8``, error feedback on, fp32 global); ``int8-noef`` -> (``int8``,
+    off, fp32); ``int8@int8`` -> (``int8``, on, the global as an int8 outer update)."""
+    head, _, glob = case.partition("@")
+    wire, _, suffix = head.partition("-")
+    glob = glob or "fp32"
+    if wire not in T.DELTA_FORMATS or suffix not in ("", "noef") or glob not in GLOBAL_FORMATS:
+        raise SystemExit(
+            f"unknown delta case {case!r}: a delta_dtype, optionally with -noef, optionally "
+            f"with @ and a global_dtype ({', '.join(GLOBAL_FORMATS)})"
+        )
+    return wire, suffix != "noef", glob
+
+
+GLOBAL_FORMATS = ("fp32", "int8", "int4")
+
+
+def download_bytes(config: SpeedtronicConfig, wire: str, block_size: int) -> int:
+    """What a node that holds the last global downloads per round: the full global file
+    (fp32) or the quantized outer update (int8, int4), with the headers the master writes."""
+    state = build_model(config.model).state_dict()
+    buffer = io.BytesIO()
+    if wire == "fp32":
+        header = {"outer_step": 99, "run_id": "0" * 32, "final": False}
+        T.write_safetensors(buffer, state, metadata=header)
+        return len(buffer.getvalue())
+    zeros = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in state.items()}
+    encoded = T.encode_delta(zeros, wire, block_size)
+    update = OuterUpdate(encoded, wire, block_size, 98, "0" * 64, 99, "0" * 64, "0" * 32)
+    update.write(buffer)
+    return len(buffer.getvalue())
 
 
 def file_bytes(config: SpeedtronicConfig, wire: str, block_size: int) -> int:
@@ -391,7 +437,7 @@ def main() -> None:
         compressed: dict[str, dict] = {}
         ideal_states: dict[str, dict] = {}
         for case in [c for c in args.deltas.split(",") if c]:
-            wire, feedback = parse_case(case)
+            wire, feedback, glob = parse_case(case)
             row = run_ideal(
                 raw,
                 nodes,
@@ -400,23 +446,29 @@ def main() -> None:
                 dist["outer_momentum"],
                 wire,
                 feedback,
+                glob,
             )
             state = row.pop("state")
             if feedback:
-                ideal_states[wire] = state
+                ideal_states[f"{wire}@{glob}"] = state
             row.update(
                 kind="ideal",
                 delta_dtype=wire,
                 error_feedback=feedback,
+                global_dtype=glob,
                 block_size=block,
-                bytes_per_round_per_node=file_bytes(config, wire, block),
+                upload_bytes_per_round_per_node=file_bytes(config, wire, block),
+                download_bytes_per_round_per_node=download_bytes(config, glob, block),
+            )
+            row["bytes_per_round_per_node"] = (
+                row["upload_bytes_per_round_per_node"] + row["download_bytes_per_round_per_node"]
             )
             compressed[f"ideal {case}"] = row
             print(f"  ideal {case}: {row['loss']:.4f}", flush=True)
-        for wire in [c for c in args.real_deltas.split(",") if c]:
-            parse_case(wire)
-            row = run_real(raw, nodes, work / f"real-{wire}", "blocking", wire)
-            ideal_state = ideal_states.get(wire)
+        for case in [c for c in args.real_deltas.split(",") if c]:
+            wire, _, glob = parse_case(case)
+            row = run_real(raw, nodes, work / f"real-{wire}-{glob}", "blocking", wire, glob)
+            ideal_state = ideal_states.get(f"{wire}@{glob}")
             if ideal_state is not None:  # the same format's ideal row ran in this process
                 row["max_abs_diff_vs_ideal"] = max(
                     (row["state"][k].float() - ideal_state[k].float()).abs().max().item()
@@ -424,8 +476,8 @@ def main() -> None:
                 )
             row.pop("state")
             row.update(kind="K processes", error_feedback=True, block_size=block)
-            compressed[f"K processes {wire}"] = row
-            print(f"  K processes {wire}: {row['loss']:.4f}", flush=True)
+            compressed[f"K processes {case}"] = row
+            print(f"  K processes {case}: {row['loss']:.4f}", flush=True)
         shipped = dist.get("sync", "blocking")
         skip = args.skip_real or args.skip_single  # these rows are measured against "ideal"
         modes = [] if skip else [m for m in args.sync.split(",") if m]
@@ -453,9 +505,14 @@ def main() -> None:
             )
             print(f"  sweep H={h} lr={lr} mom={momentum}: {result['loss']:.4f}", flush=True)
     if compressed:
-        print(f"\n{'wire format':<32}{'held-out loss':>14}{'bytes/round/node':>18}")
+        head = f"{'wire format (delta@global)':<32}{'held-out loss':>14}"
+        print(f"\n{head}{'up/round/node':>15}{'down/round/node':>17}{'both':>12}")
         for name, row in compressed.items():
-            print(f"{name:<32}{row['loss']:>14.4f}{row['bytes_per_round_per_node']:>18.0f}")
+            print(
+                f"{name:<32}{row['loss']:>14.4f}{row['upload_bytes_per_round_per_node']:>15.0f}"
+                f"{row['download_bytes_per_round_per_node']:>17.0f}"
+                f"{row['bytes_per_round_per_node']:>12.0f}"
+            )
     if blocks:
         print(f"\n{'format':<8}{'block':>8}{'rel. error':>12}{'x fp32 bytes':>14}")
         for row in blocks:
