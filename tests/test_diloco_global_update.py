@@ -189,9 +189,10 @@ def test_the_masters_update_residual_survives_a_restart(tmp_path):
     assert residual and float(residual["w"].abs().max()) > 0  # int4 leaves something out
     saved = OuterStateStore(tmp_path / "state").load(master.state)
     assert torch.equal(saved.residual["w"], residual["w"])
-    update = master.state.update
-    assert update.digest == state_digest(master.global_state)
-    assert update.base_step == 0 and update.outer_step == 1
+    header = T.read_metadata(t.root / GLOBAL_UPDATE)
+    assert header["digest"] == state_digest(master.global_state)
+    assert (header["base_outer_step"], header["outer_step"]) == ("0", "1")
+    assert master.state.update is None  # published: not kept
 
 
 def test_without_error_feedback_the_master_keeps_no_residual(tmp_path):

@@ -461,6 +461,7 @@ class RoundMaster:
         # written ahead: a kill after the exchange applied the publish and before the round
         # is reported below leaves this record, reported at the restart (OuterStateStore)
         self.outer_files.write_pending(new.outer_step, new.run_id, report)
+        update, new.update = new.update, None  # published once: a republish sends the global
         with self._lock:
             self.state = new
         try:
@@ -473,7 +474,7 @@ class RoundMaster:
                 final=final,
                 run_id=new.run_id,
                 node_records=new.node_records(),
-                **({"update": new.update} if new.update is not None else {}),
+                **({"update": update} if update is not None else {}),
             )
         except Exception:
             # It may still have landed: the next poll agrees with the exchange again. The
@@ -1109,7 +1110,8 @@ class RoundState:
     ``round_seconds``: a moving average of the round lengths (the master's drop limit counts
     in it, so it survives a restart); ``residual``: what the quantized outer updates left out
     (``global_dtype`` int8/int4 with error feedback); ``update``: the quantized update of the
-    last outer step, published with it (not saved: a republish sends the full global only).
+    outer step just taken, until it is published (never saved: a republish sends the full
+    global only).
     """
 
     outer_step: int

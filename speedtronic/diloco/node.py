@@ -969,7 +969,8 @@ class NodeLink:
     def _fetched(
         self, metadata: T.GlobalMetadata, state: dict[str, torch.Tensor], started: float, how: str
     ) -> GlobalCandidate:
-        nbytes = self._update_bytes if how == "update" else T.max_global_bytes(state) - (1 << 20)
+        weights = sum(v.numel() * v.element_size() for v in state.values())
+        nbytes = self._update_bytes if how == "update" else weights
         if self.settings.global_dtype != "fp32":  # a copy of its own: the node writes into state
             self.held = HeldGlobal.of(metadata.outer_step, metadata.run_id, state)
         seconds = time.perf_counter() - started
