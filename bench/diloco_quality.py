@@ -20,14 +20,16 @@ number of steps per node in every row. Rows:
 
 Then compressed pseudo-gradients (``distributed.delta_dtype``, issue 23): for every case of
 ``--deltas`` (``fp32``, ``bf16``, ``fp16``, ``int8``, ``int4``; ``-noef``: without error
-feedback) an ideal row with the same wire format and error feedback in
-:func:`~speedtronic.testing.diloco_ideal.simulate`, and for every format of ``--real-deltas`` a
-K-process row (error feedback on, as shipped), each with its bytes per round per node (ideal:
-the size of the file the format writes for this model; K processes: the mean ``bytes`` of the
-``delta_uploaded`` events). ``--block-sizes`` adds the quantization error of one real
-pseudo-gradient (node 0, first round) per block size, with its bytes. Targets of issue 23:
-int8 with error feedback <= 1.01x the fp32 loss at <= 0.26x its bytes, int4 <= 1.02x at
-<= 0.14x.
+feedback; ``@int8`` / ``@int4``: the global published as a quantized outer update,
+``distributed.global_dtype``) an ideal row with the same wire formats and error feedback in
+:func:`~speedtronic.testing.diloco_ideal.simulate`, and for every case of ``--real-deltas`` a
+K-process row (error feedback on, as shipped), each with its bytes per round per node up and
+down (ideal: the sizes of the files the formats write for this model, the download being the
+full global or the update; K processes: the mean ``bytes`` of the ``delta_uploaded`` and
+``global_pulled`` events of the round globals). ``--block-sizes`` adds the quantization error
+of one real pseudo-gradient (node 0, first round) per block size, with its bytes. Targets of
+issue 23: int8 with error feedback <= 1.01x the fp32 loss at <= 0.26x its bytes, int4 <= 1.02x
+at <= 0.14x.
 
 Then a sweep of outer settings (and ``inner_steps``) on the ideal row. Target of issue 15: the
 K-process global at most 0.96x the 1-node loss and at most 1.03x the ideal row.
@@ -37,6 +39,10 @@ K-process global at most 0.96x the 1-node loss and at most 1.03x the ideal row.
     python bench/diloco_quality.py --steps 120 --sweep none   # a quick look
     python bench/diloco_quality.py --sweep none --sync blocking \
         --deltas fp32,bf16,bf16-noef,int8,int8-noef,int4,int4-noef --real-deltas int8,int4
+    python bench/diloco_quality.py --steps 300 --sweep none --skip-single \
+        --deltas fp32,fp32@int8,int8@int8,int8-noef@int8,int4@int4,int4-noef@int4
+    python bench/diloco_quality.py --corpus markov --steps 300 --sweep none --skip-single \
+        --deltas fp32,int8,int8-noef,int4,int4-noef,int8@int8,int4@int4
 """
 
 from __future__ import annotations
