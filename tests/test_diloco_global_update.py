@@ -199,3 +199,52 @@ def test_without_error_feedback_the_master_keeps_no_residual(tmp_path):
     master, t, _ = _started(tmp_path, "int4", error_feedback=False)
     _round(master, t, ["a", "b"], 0)
     assert master.state.residual == {}
+
+
+def _follow(link, last):
+    return link.fetch((last.outer_step, last.run_id))
+
+
+def test_a_master_restarted_mid_round_goes_on_publishing_updates_that_apply(tmp_path):
+    master, t, log = _started(tmp_path, "int8")
+    link = _link(tmp_path, t, master, "a", log)
+    seen = link.fetch((-1, ""))
+    _round(master, t, ["a", "b"], 0)
+    seen = _follow(link, seen)
+    deliver(t, "a", 1, [0.01] * N)
+    master.poll_once()  # round 1 open, a delivered; the master dies here
+    again, _, _ = make_master(
+        tmp_path, transport=t, state=_state(), global_dtype="int8", clock=master._clock
+    )
+    assert again.outer_step == 1 and again.ledger == {"a": 0, "b": 0}
+    assert torch.equal(again.state.residual["w"], master.state.residual["w"])
+    deliver(t, "b", 1, [0.02] * N)
+    assert again.poll_once() is True and again.ledger == {"a": 1, "b": 1}  # each once
+    candidate = _follow(link, seen)
+    assert candidate.source == "update"
+    _same(candidate, again)
+
+
+def test_a_failed_publish_is_published_again_as_a_full_global_and_updates_apply_after(tmp_path):
+    master, t, log = _started(tmp_path, "int8")
+    link = _link(tmp_path, t, master, "a", log)
+    seen = link.fetch((-1, ""))
+    _round(master, t, ["a", "b"], 0)
+    seen = _follow(link, seen)
+    for node in ("a", "b"):
+        deliver(t, node, 1, [0.01] * N)
+    original = t.publish_global
+    t.publish_global = lambda *a, **k: (_ for _ in ()).throw(T.TransportError("hub down"))
+    with pytest.raises(T.TransportError):
+        master.poll_once()
+    t.publish_global = original
+    master.poll_once()  # the kept round is published again, without its update
+    assert t.global_metadata().outer_step == 2 and not t.global_metadata().update_sha256
+    candidate = _follow(link, seen)
+    assert candidate.source == "full"
+    _same(candidate, master)
+    _round(master, t, ["a", "b"], 2)
+    following = _follow(link, candidate)
+    assert following.source == "update"
+    _same(following, master)
+    assert not log.of("global_update_refused")  # no update to refuse: the record named none
