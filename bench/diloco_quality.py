@@ -1,9 +1,12 @@
 """Does DiLoCo train? K nodes against one node, the K x batch run and the exact arithmetic.
 
-Corpus: the running Python's standard library sources (``*.py`` outside site-packages, in path
-order, non-ASCII bytes dropped), one byte per token, the last 5% held out
-(``eval.holdout: 0.05``). Model: the reference transformer, ~0.8M parameters, vocabulary 128;
-AdamW, batch 16, the same number of steps per node in every row. Rows:
+Corpus (``--corpus``): ``stdlib``, the running Python's standard library sources (``*.py``
+outside site-packages, in path order, non-ASCII bytes dropped), one byte per token, the last 5%
+held out (``eval.holdout: 0.05``); or ``markov``, the data module's learnable synthetic source
+(``data.synthetic: markov``, a seeded sparse Markov chain over the 128 tokens, ``MARKOV_SAMPLES``
+windows with 5% held out; its entropy rate is the best loss possible). Nothing is downloaded.
+Model: the reference transformer, ~0.8M parameters, vocabulary 128; AdamW, batch 16, the same
+number of steps per node in every row. Rows:
 
 - ``1 node``: one trainer, batch B.
 - ``1 node, K x batch``: one trainer, batch K*B (what synchronous data parallelism computes).
@@ -17,14 +20,16 @@ AdamW, batch 16, the same number of steps per node in every row. Rows:
 
 Then compressed pseudo-gradients (``distributed.delta_dtype``, issue 23): for every case of
 ``--deltas`` (``fp32``, ``bf16``, ``fp16``, ``int8``, ``int4``; ``-noef``: without error
-feedback) an ideal row with the same wire format and error feedback in
-:func:`~speedtronic.testing.diloco_ideal.simulate`, and for every format of ``--real-deltas`` a
-K-process row (error feedback on, as shipped), each with its bytes per round per node (ideal:
-the size of the file the format writes for this model; K processes: the mean ``bytes`` of the
-``delta_uploaded`` events). ``--block-sizes`` adds the quantization error of one real
-pseudo-gradient (node 0, first round) per block size, with its bytes. Targets of issue 23:
-int8 with error feedback <= 1.01x the fp32 loss at <= 0.26x its bytes, int4 <= 1.02x at
-<= 0.14x.
+feedback; ``@int8`` / ``@int4``: the global published as a quantized outer update,
+``distributed.global_dtype``) an ideal row with the same wire formats and error feedback in
+:func:`~speedtronic.testing.diloco_ideal.simulate`, and for every case of ``--real-deltas`` a
+K-process row (error feedback on, as shipped), each with its bytes per round per node up and
+down (ideal: the sizes of the files the formats write for this model, the download being the
+full global or the update; K processes: the mean ``bytes`` of the ``delta_uploaded`` and
+``global_pulled`` events of the round globals). ``--block-sizes`` adds the quantization error
+of one real pseudo-gradient (node 0, first round) per block size, with its bytes. Targets of
+issue 23: int8 with error feedback <= 1.01x the fp32 loss at <= 0.26x its bytes, int4 <= 1.02x
+at <= 0.14x.
 
 Then a sweep of outer settings (and ``inner_steps``) on the ideal row. Target of issue 15: the
 K-process global at most 0.96x the 1-node loss and at most 1.03x the ideal row.
@@ -34,12 +39,17 @@ K-process global at most 0.96x the 1-node loss and at most 1.03x the ideal row.
     python bench/diloco_quality.py --steps 120 --sweep none   # a quick look
     python bench/diloco_quality.py --sweep none --sync blocking \
         --deltas fp32,bf16,bf16-noef,int8,int8-noef,int4,int4-noef --real-deltas int8,int4
+    python bench/diloco_quality.py --steps 300 --sweep none --skip-single \
+        --deltas fp32,fp32@int8,int8@int8,int8-noef@int8,int4@int4,int4-noef@int4
+    python bench/diloco_quality.py --corpus markov --steps 300 --sweep none --skip-single \
+        --deltas fp32,int8,int8-noef,int4,int4-noef,int8@int8,int4@int4
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import io
 import json
 import os
 import platform
@@ -59,6 +69,7 @@ sys.path.insert(0, str(ROOT))
 
 from speedtronic.config import SpeedtronicConfig  # noqa: E402
 from speedtronic.diloco import exchange as T  # noqa: E402
+from speedtronic.diloco.outer_update import OuterUpdate  # noqa: E402
 from speedtronic.model import build_model  # noqa: E402
 from speedtronic.testing.diloco_ideal import simulate  # noqa: E402
 from speedtronic.train.evaluate import build_heldout, evaluate  # noqa: E402
@@ -95,9 +106,18 @@ def build_corpus(path: Path) -> int:
     return len(tokens)
 
 
-def base_config(args: argparse.Namespace, corpus: Path) -> dict:
-    """The bench's model/data/optimizer; distributed settings come from configs/diloco.yaml."""
+MARKOV_SAMPLES = 200_000
+
+
+def base_config(args: argparse.Namespace, corpus: Path | None) -> dict:
+    """The bench's model/data/optimizer; distributed settings come from configs/diloco.yaml.
+    ``corpus``: the stdlib token file, or None for the synthetic Markov source."""
     shipped = yaml.safe_load((ROOT / "configs" / "diloco.yaml").read_text())
+    source = (
+        {"token_path": str(corpus), "sampling": "random"}
+        if corpus is not None
+        else {"synthetic": "markov", "num_tokens": MARKOV_SAMPLES}
+    )
     return {
         "name": "diloco-quality",
         "seed": 1234,
@@ -111,8 +131,7 @@ def base_config(args: argparse.Namespace, corpus: Path) -> dict:
             "d_model": 128,
         },
         "data": {
-            "token_path": str(corpus),
-            "sampling": "random",
+            **source,
             "micro_batch_size": args.batch,
             "target_batch_size": args.batch,
         },
@@ -159,6 +178,7 @@ def run_ideal(
     momentum: float,
     wire: str = "fp32",
     error_feedback: bool = True,
+    global_wire: str = "fp32",
 ) -> dict:
     config = config_of(raw)
     started = time.perf_counter()
@@ -170,6 +190,7 @@ def run_ideal(
         outer_momentum=momentum,
         delta_dtype=wire,
         error_feedback=error_feedback,
+        global_dtype=global_wire,
     )
     return {
         "loss": result.eval_loss,
@@ -179,9 +200,12 @@ def run_ideal(
     }
 
 
-def run_real(raw: dict, nodes: list[str], work: Path, sync: str, wire: str = "fp32") -> dict:
+def run_real(
+    raw: dict, nodes: list[str], work: Path, sync: str, wire: str = "fp32", glob: str = "fp32"
+) -> dict:
     """K ``speedtronic train`` processes started at once; the master is nodes[0]; their
-    contributions travel as ``wire`` (``distributed.delta_dtype``)."""
+    contributions travel as ``wire`` (``distributed.delta_dtype``), the globals as ``glob``
+    (``distributed.global_dtype``)."""
     exchange = work / "exchange"
     work.mkdir(parents=True, exist_ok=True)
     procs = []
@@ -200,6 +224,7 @@ def run_real(raw: dict, nodes: list[str], work: Path, sync: str, wire: str = "fp
             node_id=node,
             sync=sync,
             delta_dtype=wire,
+            global_dtype=glob,
         )
         path = work / f"{node}.yaml"
         path.write_text(yaml.safe_dump(node_raw))
@@ -230,6 +255,12 @@ def run_real(raw: dict, nodes: list[str], work: Path, sync: str, wire: str = "fp
     ]
     waits = [r["seconds"] for r in events if r.get("event") == "sync_wait"]
     uploads = [r["bytes"] for r in events if r.get("event") == "delta_uploaded"]
+    pulled = [  # a round's global (global 0, every worker's first, is not a round's)
+        r
+        for r in events
+        if r.get("event") == "global_pulled" and r.get("source") != "local" and r["outer_step"]
+    ]
+    downloads = [r["bytes"] for r in pulled]
     rounds = [
         record
         for record in map(json.loads, (work / nodes[0] / "events.jsonl").read_text().splitlines())
@@ -249,17 +280,49 @@ def run_real(raw: dict, nodes: list[str], work: Path, sync: str, wire: str = "fp
         "sync_wait_seconds_per_node": sum(waits) / len(nodes),
         "stale": sum(int(r.get("deltas_stale", 0)) for r in rounds),
         "delta_dtype": wire,
-        "bytes_per_round_per_node": sum(uploads) / max(len(uploads), 1),
+        "global_dtype": glob,
+        "upload_bytes_per_round_per_node": sum(uploads) / max(len(uploads), 1),
+        "download_bytes_per_round_per_node": sum(downloads) / max(len(downloads), 1),
+        "globals_by_source": {
+            how: sum(r.get("source") == how for r in pulled) for how in ("full", "update")
+        },
+        "bytes_per_round_per_node": sum(uploads) / max(len(uploads), 1)
+        + sum(downloads) / max(len(downloads), 1),
         "state": state,
     }
 
 
-def parse_case(case: str) -> tuple[str, bool]:
-    """``int8`` -> (``int8``, error feedback on); ``int8-noef`` -> (``int8``, off)."""
-    wire, _, suffix = case.partition("-")
-    if wire not in T.DELTA_FORMATS or suffix not in ("", "noef"):
-        raise SystemExit(f"unknown delta case {case!r}: a delta_dtype, optionally with -noef")
-    return wire, suffix != "noef"
+def parse_case(case: str) -> tuple[str, bool, str]:
+    """``int8`` -> (``int8``, error feedback on, fp32 global); ``int8-noef`` -> (``int8``,
+    off, fp32); ``int8@int8`` -> (``int8``, on, the global as an int8 outer update)."""
+    head, _, glob = case.partition("@")
+    wire, _, suffix = head.partition("-")
+    glob = glob or "fp32"
+    if wire not in T.DELTA_FORMATS or suffix not in ("", "noef") or glob not in GLOBAL_FORMATS:
+        raise SystemExit(
+            f"unknown delta case {case!r}: a delta_dtype, optionally with -noef, optionally "
+            f"with @ and a global_dtype ({', '.join(GLOBAL_FORMATS)})"
+        )
+    return wire, suffix != "noef", glob
+
+
+GLOBAL_FORMATS = ("fp32", "int8", "int4")
+
+
+def download_bytes(config: SpeedtronicConfig, wire: str, block_size: int) -> int:
+    """What a node that holds the last global downloads per round: the full global file
+    (fp32) or the quantized outer update (int8, int4), with the headers the master writes."""
+    state = build_model(config.model).state_dict()
+    buffer = io.BytesIO()
+    if wire == "fp32":
+        header = {"outer_step": 99, "run_id": "0" * 32, "final": False}
+        T.write_safetensors(buffer, state, metadata=header)
+        return len(buffer.getvalue())
+    zeros = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in state.items()}
+    encoded = T.encode_delta(zeros, wire, block_size)
+    update = OuterUpdate(encoded, wire, block_size, 98, "0" * 64, 99, "0" * 64, "0" * 32)
+    update.write(buffer)
+    return len(buffer.getvalue())
 
 
 def file_bytes(config: SpeedtronicConfig, wire: str, block_size: int) -> int:
@@ -323,6 +386,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--inner-steps", type=int, default=25)
     parser.add_argument("--eval-tokens", type=int, default=32768)
+    parser.add_argument("--corpus", choices=("stdlib", "markov"), default="stdlib")
     parser.add_argument("--sweep", choices=sorted(SWEEPS), default="small")
     parser.add_argument("--skip-real", action="store_true")
     parser.add_argument(
@@ -348,8 +412,12 @@ def main() -> None:
     nodes = [f"node-{i}" for i in range(args.nodes)]
     with tempfile.TemporaryDirectory(prefix="speedtronic-quality-") as tmp:
         work = Path(tmp)
-        n_tokens = build_corpus(work / "corpus.bin")
-        raw = base_config(args, work / "corpus.bin")
+        if args.corpus == "stdlib":
+            n_tokens = build_corpus(work / "corpus.bin")
+            raw = base_config(args, work / "corpus.bin")
+        else:
+            n_tokens = MARKOV_SAMPLES * args.seq
+            raw = base_config(args, None)
         dist = raw["distributed"]
         print(
             f"corpus {n_tokens:,} tokens; {args.nodes} nodes x {args.steps} steps, batch "
@@ -375,7 +443,7 @@ def main() -> None:
         compressed: dict[str, dict] = {}
         ideal_states: dict[str, dict] = {}
         for case in [c for c in args.deltas.split(",") if c]:
-            wire, feedback = parse_case(case)
+            wire, feedback, glob = parse_case(case)
             row = run_ideal(
                 raw,
                 nodes,
@@ -384,23 +452,29 @@ def main() -> None:
                 dist["outer_momentum"],
                 wire,
                 feedback,
+                glob,
             )
             state = row.pop("state")
             if feedback:
-                ideal_states[wire] = state
+                ideal_states[f"{wire}@{glob}"] = state
             row.update(
                 kind="ideal",
                 delta_dtype=wire,
                 error_feedback=feedback,
+                global_dtype=glob,
                 block_size=block,
-                bytes_per_round_per_node=file_bytes(config, wire, block),
+                upload_bytes_per_round_per_node=file_bytes(config, wire, block),
+                download_bytes_per_round_per_node=download_bytes(config, glob, block),
+            )
+            row["bytes_per_round_per_node"] = (
+                row["upload_bytes_per_round_per_node"] + row["download_bytes_per_round_per_node"]
             )
             compressed[f"ideal {case}"] = row
             print(f"  ideal {case}: {row['loss']:.4f}", flush=True)
-        for wire in [c for c in args.real_deltas.split(",") if c]:
-            parse_case(wire)
-            row = run_real(raw, nodes, work / f"real-{wire}", "blocking", wire)
-            ideal_state = ideal_states.get(wire)
+        for case in [c for c in args.real_deltas.split(",") if c]:
+            wire, _, glob = parse_case(case)
+            row = run_real(raw, nodes, work / f"real-{wire}-{glob}", "blocking", wire, glob)
+            ideal_state = ideal_states.get(f"{wire}@{glob}")
             if ideal_state is not None:  # the same format's ideal row ran in this process
                 row["max_abs_diff_vs_ideal"] = max(
                     (row["state"][k].float() - ideal_state[k].float()).abs().max().item()
@@ -408,8 +482,8 @@ def main() -> None:
                 )
             row.pop("state")
             row.update(kind="K processes", error_feedback=True, block_size=block)
-            compressed[f"K processes {wire}"] = row
-            print(f"  K processes {wire}: {row['loss']:.4f}", flush=True)
+            compressed[f"K processes {case}"] = row
+            print(f"  K processes {case}: {row['loss']:.4f}", flush=True)
         shipped = dist.get("sync", "blocking")
         skip = args.skip_real or args.skip_single  # these rows are measured against "ideal"
         modes = [] if skip else [m for m in args.sync.split(",") if m]
@@ -437,9 +511,14 @@ def main() -> None:
             )
             print(f"  sweep H={h} lr={lr} mom={momentum}: {result['loss']:.4f}", flush=True)
     if compressed:
-        print(f"\n{'wire format':<32}{'held-out loss':>14}{'bytes/round/node':>18}")
+        head = f"{'wire format (delta@global)':<32}{'held-out loss':>14}"
+        print(f"\n{head}{'up/round/node':>15}{'down/round/node':>17}{'both':>12}")
         for name, row in compressed.items():
-            print(f"{name:<32}{row['loss']:>14.4f}{row['bytes_per_round_per_node']:>18.0f}")
+            print(
+                f"{name:<32}{row['loss']:>14.4f}{row['upload_bytes_per_round_per_node']:>15.0f}"
+                f"{row['download_bytes_per_round_per_node']:>17.0f}"
+                f"{row['bytes_per_round_per_node']:>12.0f}"
+            )
     if blocks:
         print(f"\n{'format':<8}{'block':>8}{'rel. error':>12}{'x fp32 bytes':>14}")
         for row in blocks:

@@ -442,8 +442,8 @@ FROZEN_KEYS = {
     "outer_momentum "
     "repo_id token cache_dir state_dir retry_initial retry_max retry_attempts "
     "reset_inner_optimizer async_delta_upload "
-    "delta_upload_shutdown_timeout async_global_poll delta_dtype delta_block_size request_timeout "
-    "slots_dir",
+    "delta_upload_shutdown_timeout async_global_poll delta_dtype delta_block_size error_feedback "
+    "global_dtype request_timeout slots_dir",
     "shape_validation": "enabled alignment check_batch check_sequence check_model check_vocab "
     "warn_on_cpu",
     "metrics": "enabled host port stall_seconds",

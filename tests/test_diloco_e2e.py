@@ -226,6 +226,28 @@ def test_three_nodes_with_int8_deltas_compute_the_quantized_ideal_arithmetic(tmp
         assert all(row["bytes"] < 0.3 * fp32 for row in uploads), uploads
 
 
+def test_three_nodes_with_an_int8_global_apply_each_update_bit_for_bit(tmp_path, corpus):
+    """int8 deltas and the global as an int8 outer update: every worker takes each round's
+    global by applying the update to the last one (its digest proves the result is the
+    master's global bit for bit), and the final global is the ideal arithmetic with the
+    master's quantizer and residual."""
+    steps, inner = 60, 10
+    repo = f"file://{tmp_path / 'exchange'}"
+    extra = ("distributed.delta_dtype=int8", "distributed.global_dtype=int8")
+    nodes, sets = _run_golden(tmp_path, corpus, repo, _env(), steps, inner, extra)
+    config, final = _check_golden(tmp_path, corpus, nodes, sets, steps // inner)
+    assert config.distributed.global_dtype == "int8"
+    fp32 = 4 * sum(value.numel() for value in final.values() if value.is_floating_point())
+    for node in nodes[1:]:
+        pulled = {row["outer_step"]: row for row in node.events("global_pulled")}
+        assert sorted(pulled) == list(range(steps // inner + 1)), node.name
+        assert pulled[0]["source"] == "full"  # the first global: nothing to apply it to
+        for outer_step in range(1, steps // inner + 1):
+            row = pulled[outer_step]
+            assert row["source"] == "update" and row["bytes"] < 0.3 * fp32, (node.name, row)
+        assert not node.events("global_update_refused")
+
+
 def test_three_nodes_over_the_hub_emulator(tmp_path, corpus, hub_emulator):
     env = _env({"HF_ENDPOINT": hub_emulator.url})
     steps, inner = 40, 10

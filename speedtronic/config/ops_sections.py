@@ -154,6 +154,9 @@ DeltaDtype = one_of(
     "int4",
     says="distributed.delta_dtype must be fp32, bf16, fp16, int8, or int4",
 )
+GlobalDtype = one_of(
+    "fp32", "int8", "int4", says="distributed.global_dtype must be fp32, int8 or int4"
+)
 Alignment = Annotated[
     Literal["auto", "none"] | Annotated[int, Field(strict=True, gt=0, le=4096)],
     BeforeValidator(_alignment),
@@ -258,6 +261,10 @@ class DistributedConfig:
         "fp32", "upload format: fp32, bf16, fp16, int8 or int4 (+ error feedback)"
     )
     delta_block_size: Int = F(128, "values per scale of an int8/int4 delta", IN, ge=8, le=1 << 20)
+    error_feedback: Bool = F(True, "keep what a lossy delta/global format left out; send it next")
+    global_dtype: GlobalDtype = F(
+        "fp32", "global download: fp32 (full), or int8/int4 (the quantized outer update)"
+    )
     request_timeout: Float = F(60.0, "seconds one transport call may take", gt=0, le=DAY)
     slots_dir: PathStr | None = F(None, "shared folder where workers claim worker-<n> ids")
 

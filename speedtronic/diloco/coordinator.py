@@ -169,7 +169,14 @@ class DumbDiLoCoCoordinator:
             threaded=cfg.async_global_poll,
         )
         self.node = (
-            DiLoCoNode(cfg, model, send=self._send, inbox=self.inbox, emit=self._emit)
+            DiLoCoNode(
+                cfg,
+                model,
+                send=self._send,
+                inbox=self.inbox,
+                emit=self._emit,
+                error_feedback=cfg.error_feedback,
+            )
             if self.trains
             else None
         )

@@ -1267,6 +1267,7 @@ def max_global_bytes(like: Mapping[str, torch.Tensor]) -> int:
 GLOBAL_MODEL = "global/latest.safetensors"
 GLOBAL_STEP = "global/step_count.json"
 GLOBAL_PROCESSED = "global/processed.json"
+GLOBAL_UPDATE = "global/update.safetensors"  # the quantized outer update (global_dtype)
 # the records of each node that global/processed.json carries beside the ledger, by type
 NODE_RECORDS: dict[str, type] = {"finals": int, "instances": str, "digests": str}
 
@@ -1280,7 +1281,8 @@ class GlobalMetadata:
     ``final`` is true on the global the master published after the last round of a run;
     ``run_id`` names the run (a new one each time a master starts a run from global 0), so
     a node can tell a new run from the next round and the master can refuse contributions
-    computed in another run.
+    computed in another run. ``update_sha256`` names the quantized outer update published
+    with this global (``distributed.global_dtype``; :mod:`speedtronic.diloco.outer_update`).
     """
 
     outer_step: int
@@ -1289,6 +1291,7 @@ class GlobalMetadata:
     sha256: str = ""
     final: bool = False
     run_id: str = ""
+    update_sha256: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """Core keys (sha256 only when known, final only when true)."""
@@ -1303,6 +1306,8 @@ class GlobalMetadata:
             out["final"] = True
         if self.run_id:
             out["run_id"] = self.run_id
+        if self.update_sha256:
+            out["update_sha256"] = self.update_sha256
         return out
 
     @classmethod
@@ -1315,6 +1320,7 @@ class GlobalMetadata:
             sha256=str(data.get("model_sha256", "")),
             final=str(data.get("final", "false")).lower() == "true",
             run_id=str(data.get("run_id", "")),
+            update_sha256=str(data.get("update_sha256", "")),
         )
 
 
@@ -1449,9 +1455,11 @@ class Store(Protocol):
         final: bool = False,
         run_id: str = "",
         node_records: Mapping[str, Mapping[str, object]] | None = None,
+        update: Any = None,
     ) -> GlobalMetadata:
-        """One commit: weights, ledger (with ``node_records`` beside it) and version record
-        (in that order) and the deletion of ``prune``; returns the record published."""
+        """One commit: weights, the quantized outer ``update`` if given, ledger (with
+        ``node_records`` beside it) and version record (in that order) and the deletion of
+        ``prune``; returns the record published."""
         ...
 
     def upload_delta(
@@ -1812,20 +1820,36 @@ class RepoTransport:
         node_records: Mapping[str, Mapping[str, object]] | None = None,
         updated_at: str | None = None,
         work_dir: Any = None,
+        update: Any = None,
     ) -> GlobalMetadata:
-        """One commit: weights, ledger, version record (written in that order), and the
-        deletion of consumed delta files. ``work_dir`` is accepted for 2.0.0 callers and
-        unused (the bytes go straight to the transport)."""
+        """One commit: weights, the quantized outer ``update`` (an
+        :class:`~speedtronic.diloco.outer_update.OuterUpdate`) if given, ledger, version record
+        (written in that order), and the deletion of consumed delta files. ``work_dir`` is
+        accepted for 2.0.0 callers and unused (the bytes go straight to the transport)."""
         del work_dir
         header = {"outer_step": int(outer_step), "run_id": str(run_id), "final": bool(final)}
-        with self._staged("latest.safetensors") as (weights, handle):
+        with contextlib.ExitStack() as stack:
+            weights, handle = stack.enter_context(self._staged("latest.safetensors"))
             sha256 = write_safetensors(handle, state, metadata=header)
             handle.close()
+            files = {GLOBAL_MODEL: weights}
+            update_sha256 = ""
+            if update is not None:
+                path, handle = stack.enter_context(self._staged("update.safetensors"))
+                update_sha256 = update.write(handle)
+                handle.close()
+                files[GLOBAL_UPDATE] = path
             stamp = updated_at or _now()
             meta = GlobalMetadata(
-                int(outer_step), stamp, GLOBAL_MODEL, sha256, bool(final), str(run_id)
+                int(outer_step),
+                stamp,
+                GLOBAL_MODEL,
+                sha256,
+                bool(final),
+                str(run_id),
+                update_sha256,
             )
-            self._publish(meta, weights, ledger, prune, metadata_extra, node_records)
+            self._publish(meta, files, ledger, prune, metadata_extra, node_records)
         return meta
 
     @contextlib.contextmanager
@@ -1839,13 +1863,14 @@ class RepoTransport:
     def _publish(
         self,
         meta: GlobalMetadata,
-        weights: Path,
+        files: Mapping[str, Path],
         ledger: Mapping[str, int] | None,
         prune: Iterable[str],
         metadata_extra: Mapping[str, object] | None,
         node_records: Mapping[str, Mapping[str, object]] | None,
     ) -> None:
-        """The commit of :meth:`publish_global`: weights (a staged file), ledger, record."""
+        """The commit of :meth:`publish_global`: weights (and update: staged files), ledger,
+        record."""
         outer_step = meta.outer_step
         record = {**{str(k): str(v) for k, v in (metadata_extra or {}).items()}, **meta.to_dict()}
         record["processed_file"] = GLOBAL_PROCESSED
@@ -1857,7 +1882,7 @@ class RepoTransport:
             if name in NODE_RECORDS:  # what the master knows of each node, beside its round
                 book[name] = dict(sorted(values.items()))
         additions = {
-            GLOBAL_MODEL: weights,
+            **files,
             GLOBAL_PROCESSED: _json_bytes(book),
             GLOBAL_STEP: _json_bytes(record),
         }

@@ -79,6 +79,7 @@ from speedtronic.diloco.exchange import (
     ignore,
     max_global_bytes,
 )
+from speedtronic.diloco.outer_update import OuterUpdate, state_digest, step_quantized
 
 __all__ = [
     "IDENTITY_HEADERS",
@@ -458,6 +459,7 @@ class RoundMaster:
         # written ahead: a kill after the exchange applied the publish and before the round
         # is reported below leaves this record, reported at the restart (OuterStateStore)
         self.outer_files.write_pending(new.outer_step, new.run_id, report)
+        update, new.update = new.update, None  # published once: a republish sends the global
         with self._lock:
             self.state = new
         try:
@@ -470,6 +472,7 @@ class RoundMaster:
                 final=final,
                 run_id=new.run_id,
                 node_records=new.node_records(),
+                **({"update": update} if update is not None else {}),
             )
         except Exception:
             # It may still have landed: the next poll agrees with the exchange again. The
@@ -518,8 +521,26 @@ class RoundMaster:
             return True
         if new.optimizer.first_non_finite(new.global_state, mean) is not None:
             return False  # checked on temporaries: nothing changed
-        new.optimizer.step(new.global_state, mean)
+        s = self.settings
+        if s.global_dtype == "fp32":
+            new.optimizer.step(new.global_state, mean)
+            new.outer_step += 1
+            return True
+        # the global becomes the last one + the decoded quantized update (docs/diloco.md)
+        update = step_quantized(
+            new.optimizer,
+            new.global_state,
+            mean,
+            new.residual,
+            dtype=s.global_dtype,
+            block_size=s.delta_block_size,
+            error_feedback=s.error_feedback,
+        )
+        update.base_step, update.run_id = new.outer_step, new.run_id
         new.outer_step += 1
+        update.outer_step = new.outer_step
+        update.digest = state_digest(new.global_state)
+        new.update = update
         return True
 
     def _fold_node(
@@ -1065,7 +1086,10 @@ class RoundState:
     ``instances``: node -> the ``instance`` header of its last aggregated contribution;
     ``finals``: node -> the round of its aggregated contribution flagged ``final``;
     ``round_seconds``: a moving average of the round lengths (the master's drop limit counts
-    in it, so it survives a restart).
+    in it, so it survives a restart); ``residual``: what the quantized outer updates left out
+    (``global_dtype`` int8/int4 with error feedback); ``update``: the quantized update of the
+    outer step just taken, until it is published (never saved: a republish sends the full
+    global only).
     """
 
     outer_step: int
@@ -1077,6 +1101,8 @@ class RoundState:
     instances: dict[str, str] = field(default_factory=dict)
     finals: dict[str, int] = field(default_factory=dict)
     round_seconds: float = 0.0
+    residual: dict[str, torch.Tensor] = field(default_factory=dict)
+    update: OuterUpdate | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def new(cls, global_state: dict[str, torch.Tensor], lr: float, momentum: float) -> RoundState:
@@ -1102,6 +1128,7 @@ class RoundState:
             dict(self.instances),
             dict(self.finals),
             self.round_seconds,
+            T.cpu_state_dict(self.residual) if tensors else self.residual,
         )
 
     def node_records(self) -> dict[str, dict[str, Any]]:
@@ -1187,6 +1214,9 @@ class OuterStateStore:
                 optimizer.load_state_dict(
                     {k[9:]: saved_file.get_tensor(k) for k in names if k.startswith("momentum/")}
                 )
+                residual = {
+                    k[9:]: saved_file.get_tensor(k) for k in names if k.startswith("residual/")
+                }
             saved = RoundState(
                 outer_step=int(meta["outer_step"]),
                 global_state=glob,
@@ -1197,6 +1227,7 @@ class OuterStateStore:
                 instances=_json_map(meta.get("instances", "{}"), str),  # absent before 2.2
                 finals=_json_map(meta.get("finals", "{}"), int),
                 round_seconds=float(meta.get("round_seconds", "0")),  # absent before 2.3
+                residual=residual,
             )
         except Exception as exc:
             self.path.replace(self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}"))
@@ -1207,6 +1238,7 @@ class OuterStateStore:
         """Write the whole state as one atomic file."""
         tensors = {f"global/{k}": v for k, v in state.global_state.items()}
         tensors.update({f"momentum/{k}": v for k, v in state.optimizer.momentum_buffers.items()})
+        tensors.update({f"residual/{k}": v for k, v in state.residual.items()})
         meta = {
             "format": _FORMAT,
             "outer_step": state.outer_step,

@@ -65,10 +65,12 @@ from speedtronic.diloco.exchange import (
     AccessRefused,
     Emit,
     ExchangeError,
+    RemoteNotFound,
     TransportError,
     ignore,
     scrub,
 )
+from speedtronic.diloco.outer_update import HeldGlobal, read_update
 
 __all__ = [
     "Contribution",
@@ -395,6 +397,8 @@ class DiLoCoNode:
             outer_step=candidate.outer_step,
             seconds=candidate.seconds,
             step=self.step,
+            source=candidate.source,
+            bytes=candidate.nbytes,
         )
 
     def _install(self, global_state: Mapping[str, torch.Tensor]) -> None:
@@ -566,13 +570,17 @@ class Contribution:
 
 @dataclasses.dataclass
 class GlobalCandidate:
-    """A global state waiting for the training thread (``seconds``: download time)."""
+    """A global state waiting for the training thread (``seconds``: download time;
+    ``source``: ``full`` global file, quantized outer ``update`` or ``local`` master;
+    ``nbytes``: bytes downloaded, the file for an update, the weights for a full global)."""
 
     outer_step: int
     state: dict[str, torch.Tensor]
     seconds: float = 0.0
     final: bool = False
     run_id: str = ""
+    source: str = "local"
+    nbytes: int = 0
 
 
 class GlobalInbox:
@@ -761,7 +769,9 @@ class NodeLink:
     repository, never the token.
 
     ``settings`` is the ``distributed`` config section (``repo_id``, ``token``,
-    ``round_timeout``, ``poll_interval``, ``delta_dtype``); ``claim`` this process's claim on
+    ``round_timeout``, ``poll_interval``, ``delta_dtype``, ``global_dtype``: int8/int4 keeps
+    a copy of the last global, :attr:`held`, to apply the next outer update to, falling back
+    to the full global); ``claim`` this process's claim on
     its node id; ``max_bytes`` the largest global file this node's model can have; ``like``
     the model's state (a global must be finite in its dtypes);
     ``interrupted`` ends every wait early (a stop was requested).
@@ -792,6 +802,8 @@ class NodeLink:
         self._watched: dict[str, Any] | None = None
         self._holder = ""  # the displaced holder, as the log lines name it
         self._refused = ""  # checksum of a published global this node refused
+        self.held: HeldGlobal | None = None  # the last global fetched (global_dtype int8/int4)
+        self._update_bytes = 0  # size of the last update file read
 
     # -- errors no retry fixes ---------------------------------------------------------------
     def raise_if_permanent(self, exc: BaseException, what: str) -> None:
@@ -972,6 +984,9 @@ class NodeLink:
             return None
         if metadata.sha256 and metadata.sha256 == self._refused:
             return None
+        state = self._from_update(metadata)
+        if state is not None:
+            return self._fetched(metadata, state, started, "update")
         try:
             metadata, state = self.store.fetch_global(metadata, max_bytes=self.max_bytes)
             # as it will be installed: a float64 1e300 is finite in the file, inf in float32
@@ -990,13 +1005,45 @@ class NodeLink:
             _LOG.error(f"refusing the published global: {exc}")
             self._emit("global_rejected", outer_step=metadata.outer_step, error=str(exc))
             return None
+        return self._fetched(metadata, state, started, "full")
+
+    def _fetched(
+        self, metadata: T.GlobalMetadata, state: dict[str, torch.Tensor], started: float, how: str
+    ) -> GlobalCandidate:
+        weights = sum(v.numel() * v.element_size() for v in state.values())
+        nbytes = self._update_bytes if how == "update" else weights
+        if self.settings.global_dtype != "fp32":  # a copy of its own: the node writes into state
+            self.held = HeldGlobal.of(metadata.outer_step, metadata.run_id, state)
+        seconds = time.perf_counter() - started
         return GlobalCandidate(
-            metadata.outer_step,
-            state,
-            time.perf_counter() - started,
-            metadata.final,
-            metadata.run_id,
+            metadata.outer_step, state, seconds, metadata.final, metadata.run_id, how, nbytes
         )
+
+    def _from_update(self, metadata: T.GlobalMetadata) -> dict[str, torch.Tensor] | None:
+        """The global ``metadata`` names, as the held global + the published outer update;
+        None when there is none to apply, or it is unusable (said once; the full global is
+        downloaded instead). An outage raises (the next poll tries again)."""
+        held = self.held
+        if held is None or not metadata.update_sha256:
+            return None
+        if (metadata.outer_step, metadata.run_id) != (held.outer_step + 1, held.run_id):
+            return None  # not the next global of this node's run: only the full one will do
+        try:
+            with self.store.local_copy(T.GLOBAL_UPDATE, max_bytes=self.max_bytes) as local:
+                self._update_bytes = os.path.getsize(local)
+                return read_update(local, held, metadata=metadata, like=self.like)
+        except TransportError as exc:
+            if exc.kind != "permanent" and not isinstance(exc, RemoteNotFound):
+                raise
+            error = str(exc)
+        except ValueError as exc:
+            error = str(exc)
+        _LOG.warning(
+            f"not applying {T.GLOBAL_UPDATE} (outer step {metadata.outer_step}): {error}; "
+            "downloading the full global instead"
+        )
+        self._emit("global_update_refused", outer_step=metadata.outer_step, error=error)
+        return None
 
     def first_global(self, run_id: str, resumed: bool) -> tuple[GlobalCandidate | None, str]:
         """A worker's global to start from, before its first step: ``(candidate, "")``, or

@@ -10,7 +10,9 @@ out and adding it to its next pseudo-gradient (error feedback, as
 :class:`~speedtronic.diloco.node.DiLoCoNode` does); the decoded values are summed in node-id
 order and divided by K;
 one outer step (:class:`~speedtronic.diloco.master.NesterovOuterOptimizer`, the master's own
-class) updates the global; every node continues from it. No files, threads or timing.
+class) updates the global, its update quantized as the master sends it when
+``distributed.global_dtype`` is int8/int4 (:func:`speedtronic.diloco.outer_update.step_quantized`,
+with the master's error feedback); every node continues from it. No files, threads or timing.
 
 With ``sync: blocking`` and every node delivering in every round, the real processes compute
 the same numbers (up to thread-count effects on matmul reductions); any gap is what the
@@ -29,6 +31,7 @@ import torch
 
 from speedtronic.diloco import exchange as T
 from speedtronic.diloco.master import NesterovOuterOptimizer
+from speedtronic.diloco.outer_update import step_quantized
 
 __all__ = ["IdealResult", "simulate"]
 
@@ -69,18 +72,19 @@ def simulate(
     outer_momentum: float | None = None,
     delta_dtype: str | None = None,
     block_size: int | None = None,
-    error_feedback: bool = True,
+    error_feedback: bool | None = None,
+    global_dtype: str | None = None,
     eval_every_round: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> IdealResult:
     """Run K = ``len(node_ids)`` nodes of ``config`` in lockstep (see the module docstring).
 
-    ``inner_steps``, ``outer_lr``, ``outer_momentum``, ``delta_dtype`` and ``block_size``
-    (values per scale of int8/int4) default to the ``distributed`` section; without
-    ``error_feedback`` what the wire format leaves out is lost. Each node trains
-    ``config.effective_max_steps`` steps; the last round is shorter when that is not a
-    multiple of ``inner_steps``. ``progress(round, rounds)`` is called
-    after each round.
+    ``inner_steps``, ``outer_lr``, ``outer_momentum``, ``delta_dtype``, ``block_size``
+    (values per scale of int8/int4), ``error_feedback`` and ``global_dtype`` default to the
+    ``distributed`` section; without error feedback what the wire format leaves out is lost.
+    Each node trains ``config.effective_max_steps`` steps; the last round is shorter when
+    that is not a multiple of ``inner_steps``. ``progress(round, rounds)`` is called after
+    each round.
     """
     from speedtronic.config import SpeedtronicConfig
     from speedtronic.train.evaluate import build_heldout, evaluate
@@ -94,6 +98,10 @@ def simulate(
     momentum = section.outer_momentum if outer_momentum is None else float(outer_momentum)
     wire = str(delta_dtype or section.delta_dtype)
     block = int(block_size or section.delta_block_size)
+    if error_feedback is None:
+        error_feedback = section.error_feedback
+    global_wire = str(global_dtype or section.global_dtype)
+    global_residual: dict[str, torch.Tensor] = {}
     quiet = _quiet(config)
     ids = sorted(node_ids)
     trainers = [build_runtime(quiet, node_id=node)[0] for node in ids]
@@ -123,7 +131,18 @@ def simulate(
                     mean[key].add_(value)
         for value in mean.values():
             value.div_(float(len(ids)))
-        outer.step(global_state, mean)
+        if global_wire == "fp32":
+            outer.step(global_state, mean)
+        else:
+            step_quantized(
+                outer,
+                global_state,
+                mean,
+                global_residual,
+                dtype=global_wire,
+                block_size=block,
+                error_feedback=error_feedback,
+            )
         for i, trainer in enumerate(trainers):
             _install(trainer.model, global_state)
             anchors[i] = _float_state(trainer.model)
