@@ -86,9 +86,8 @@ class OuterUpdate:
             "base_outer_step": self.base_step,
             "base_digest": self.base_digest,
             "digest": self.digest,
-            **T._quantized_header(self.encoded, self.dtype, self.block_size),
         }
-        return T.write_safetensors(handle, T._wire_tensors(self.encoded), metadata=header)
+        return T.write_quantized(handle, self.encoded, self.dtype, self.block_size, header)
 
 
 @torch.no_grad()
@@ -165,7 +164,7 @@ def apply_update(
             f"the update makes global {header.get('outer_step')} of run "
             f"{header.get('run_id') or '?'}; the record names {outer_step} of {run_id or '?'}"
         )
-    codec = T._WireCodec.from_metadata(header)
+    codec = T.WireCodec.from_metadata(header)
     if codec.bits is None:
         raise ValueError(f"an update holds int8 or int4 codes, not {codec.name}")
     floating = [k for k, v in held.state.items() if v.is_floating_point()]
@@ -191,7 +190,7 @@ def read_update(
     """The global ``metadata`` names, from ``held`` and the update file at ``path`` (a local
     copy): the file must be the one the record names (sha256) and pass :func:`apply_update`,
     and the result must be finite in the model's dtypes (``like``); else ``ValueError``."""
-    if T._file_sha256(path) != metadata.update_sha256:
+    if T.file_sha256(path) != metadata.update_sha256:
         raise ValueError(f"{GLOBAL_UPDATE} does not match the version record (sha256)")
     with T.open_safetensors(path) as opened:
         state = apply_update(opened, held, outer_step=metadata.outer_step, run_id=metadata.run_id)
