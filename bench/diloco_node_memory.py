@@ -8,8 +8,9 @@ runs in this process, so its memory is not counted. The child's baseline is its 
 the model, a few optimizer steps and one warm-up write and read of a safetensors file (the
 code paths a round imports), before the coordinator exists; what the run adds above it is
 the node's exchange overhead: its anchor, the contribution in flight, the global being
-installed, and, with a lossy wire format, its error-feedback residual. One row per wire
-format; each row's run is ``--rounds`` rounds of ``--inner-steps`` steps, blocking.
+installed, and, with a lossy wire format, its error-feedback residual (``--no-error-feedback``:
+without it). One row per wire format; each row's run is ``--rounds`` rounds of
+``--inner-steps`` steps, blocking.
 
     python bench/diloco_node_memory.py                          # fp32 bf16 int8 int4, 26.2M
     python bench/diloco_node_memory.py --d-model 64 --layers 2  # quick
@@ -77,7 +78,7 @@ baseline_kib = peak_kib()
 settings = DistributedConfig(
     enabled=True, repo_id="file://" + cfg["exchange"], role="worker", node_id="n0",
     inner_steps=cfg["inner_steps"], sync="blocking", round_timeout=600.0, poll_interval=0.05,
-    delta_dtype=cfg["wire"], async_global_poll=False,
+    delta_dtype=cfg["wire"], async_global_poll=False, error_feedback=cfg["error_feedback"],
 )
 coordinator = DumbDiLoCoCoordinator(settings, model, state_dir=cfg["state_dir"])
 coordinator.attach(optimizer)
@@ -91,8 +92,11 @@ print(json.dumps({{"baseline_kib": baseline_kib, "peak_kib": peak_kib(),
 """
 
 
-def measure(wire: str, shapes: dict[str, tuple[int, ...]], rounds: int, inner: int) -> dict:
-    """One node's run with wire format ``wire`` against a master in this process."""
+def measure(
+    wire: str, shapes: dict[str, tuple[int, ...]], rounds: int, inner: int, feedback: bool = True
+) -> dict:
+    """One node's run with wire format ``wire`` (error feedback on or off) against a master
+    in this process."""
     with tempfile.TemporaryDirectory(prefix="diloco-node-memory-") as tmp:
         root = Path(tmp)
         store = DirectoryTransport(f"file://{root / 'exchange'}", RetryPolicy(attempts=3))
@@ -121,6 +125,7 @@ def measure(wire: str, shapes: dict[str, tuple[int, ...]], rounds: int, inner: i
             "state_dir": str(root / "node"),
             "rounds": rounds,
             "inner_steps": inner,
+            "error_feedback": feedback,
         }
         script = _NODE.format(root=str(REPO))
         done = subprocess.run(
@@ -138,6 +143,7 @@ def measure(wire: str, shapes: dict[str, tuple[int, ...]], rounds: int, inner: i
     overhead = (result["peak_kib"] - result["baseline_kib"]) * 1024
     return {
         "wire": wire,
+        "error_feedback": feedback,
         "parameters": model_bytes // 4,
         "model_mib": model_bytes / 2**20,
         "baseline_mib": result["baseline_kib"] / 1024,
@@ -157,13 +163,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--inner-steps", type=int, default=2)
+    parser.add_argument(
+        "--no-error-feedback",
+        action="store_true",
+        help="lossy formats without their residual (distributed.error_feedback: false)",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/diloco_node_memory.json")
     args = parser.parse_args(argv)
     shapes = model_shapes(args.d_model, args.layers, args.vocab)
     rows = []
     print(f"{'wire':<6} {'model MiB':>10} {'overhead MiB':>13} {'x model':>8} {'rounds':>7}")
     for wire in args.wires:
-        row = measure(wire, shapes, args.rounds, args.inner_steps)
+        row = measure(wire, shapes, args.rounds, args.inner_steps, not args.no_error_feedback)
         rows.append(row)
         print(
             f"{wire:<6} {row['model_mib']:>10.1f} {row['overhead_mib']:>13.1f} "
