@@ -484,7 +484,7 @@ def write_safetensors(
     for key, value in state.items():
         out = dtype if dtype is not None and value.is_floating_point() else value.dtype
         layout.append((str(key), out, tuple(value.shape)))
-    return _write_entries(handle, layout, lambda key, out: state[key].to(out), metadata)
+    return _write_entries(handle, layout, lambda key, out: state[key], metadata)
 
 
 def _write_entries(
@@ -1084,9 +1084,7 @@ def quantizer_slices(numel: int, block_size: int) -> Iterator[tuple[int, int]]:
     """``(start, stop)`` of consecutive slices of whole blocks (an even number of values, so
     4-bit codes pack within a slice), covering ``numel`` values."""
     step = block_size * max(1, QUANTIZER_SLICE // block_size)
-    step *= 1 + step % 2
-    for start in range(0, numel, step):
-        yield start, min(start + step, numel)
+    yield from value_slices(numel, step * (1 + step % 2))
 
 
 def quantize(tensor: torch.Tensor, bits: int, block_size: int) -> QuantizedTensor:

@@ -770,7 +770,7 @@ class NodeLink:
 
     ``settings`` is the ``distributed`` config section (``repo_id``, ``token``,
     ``round_timeout``, ``poll_interval``, ``delta_dtype``, ``global_dtype``: int8/int4 keeps
-    a copy of the last global, :attr:`held`, to apply the next outer update to, falling back
+    the last global, :attr:`held`, to apply the next outer update to, falling back
     to the full global); ``claim`` this process's claim on
     its node id; ``max_bytes`` the largest global file this node's model can have; ``like``
     the model's state (a global must be finite in its dtypes);
@@ -984,9 +984,9 @@ class NodeLink:
             return None
         if metadata.sha256 and metadata.sha256 == self._refused:
             return None
-        state = self._from_update(metadata)
-        if state is not None:
-            return self._fetched(metadata, state, started, "update")
+        held = self._from_update(metadata)
+        if held is not None:
+            return self._fetched(metadata, held.state, started, "update", held)
         try:
             metadata, state = self.store.fetch_global(metadata, max_bytes=self.max_bytes)
             # as it will be installed: a float64 1e300 is finite in the file, inf in float32
@@ -1008,18 +1008,23 @@ class NodeLink:
         return self._fetched(metadata, state, started, "full")
 
     def _fetched(
-        self, metadata: T.GlobalMetadata, state: dict[str, torch.Tensor], started: float, how: str
+        self,
+        metadata: T.GlobalMetadata,
+        state: dict[str, torch.Tensor],
+        started: float,
+        how: str,
+        held: HeldGlobal | None = None,
     ) -> GlobalCandidate:
         weights = sum(v.numel() * v.element_size() for v in state.values())
         nbytes = self._update_bytes if how == "update" else weights
-        if self.settings.global_dtype != "fp32":  # a copy of its own: the node writes into state
-            self.held = HeldGlobal.of(metadata.outer_step, metadata.run_id, state)
+        if self.settings.global_dtype != "fp32":  # the next update applies to this global
+            self.held = held or HeldGlobal.of(metadata.outer_step, metadata.run_id, state)
         seconds = time.perf_counter() - started
         return GlobalCandidate(
             metadata.outer_step, state, seconds, metadata.final, metadata.run_id, how, nbytes
         )
 
-    def _from_update(self, metadata: T.GlobalMetadata) -> dict[str, torch.Tensor] | None:
+    def _from_update(self, metadata: T.GlobalMetadata) -> HeldGlobal | None:
         """The global ``metadata`` names, as the held global + the published outer update;
         None when there is none to apply, or it is unusable (said once; the full global is
         downloaded instead). An outage raises (the next poll tries again)."""

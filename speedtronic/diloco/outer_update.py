@@ -128,8 +128,9 @@ def step_quantized(
 
 @dataclasses.dataclass
 class HeldGlobal:
-    """The last global a node installed, kept to apply the next update to (``state``: a copy
-    of its own, never the tensors handed to the node)."""
+    """The last global a node installed, kept to apply the next update to. ``state`` is the
+    same tensors the node was handed, not a copy: the install only reads them (it copies
+    their values into the model and the anchor), so they stay the global's bits."""
 
     outer_step: int
     run_id: str
@@ -138,18 +139,18 @@ class HeldGlobal:
 
     @classmethod
     def of(cls, outer_step: int, run_id: str, state: Mapping[str, torch.Tensor]) -> HeldGlobal:
-        """A held copy of ``state`` (global ``outer_step`` of run ``run_id``)."""
-        copy = {k: v.detach().to("cpu").clone() for k, v in state.items()}
-        return cls(outer_step, run_id, state_digest(copy), copy)
+        """``state`` held as global ``outer_step`` of run ``run_id`` (its digest computed)."""
+        return cls(outer_step, run_id, state_digest(state), dict(state))
 
 
 def apply_update(
     opened: T.SafetensorsFile, held: HeldGlobal, *, outer_step: int, run_id: str
-) -> dict[str, torch.Tensor]:
-    """Global ``outer_step`` of ``run_id`` from ``held`` and the update file ``opened``: a new
-    state (``held`` is not changed). ``ValueError`` unless the update is one (kind, codes,
-    block count, finite bounded scales as for deltas), names this global and ``held`` as its
-    base (outer step, run id, digest), and its result has the digest it announces."""
+) -> HeldGlobal:
+    """Global ``outer_step`` of ``run_id`` from ``held`` and the update file ``opened``, held
+    with its checked digest (``held`` is not changed). ``ValueError`` unless the update is
+    one (kind, codes, block count, finite bounded scales as for deltas), names this global
+    and ``held`` as its base (outer step, run id, digest), and its result has the digest it
+    announces."""
     header = opened.metadata()
     if header.get("kind") != _KIND:
         raise ValueError("not an outer update file")
@@ -175,9 +176,10 @@ def apply_update(
         value = held.state[key]
         decoded = codec.read(key, opened.get_tensor, tuple(value.shape), T.MAX_DELTA_ABS)
         result[key] = add_decoded(value, decoded)
-    if state_digest(result) != header.get("digest"):
+    digest = state_digest(result)
+    if digest != header.get("digest"):
         raise ValueError("the result differs from the master's global (digest)")
-    return result
+    return HeldGlobal(outer_step, run_id, digest, result)
 
 
 def read_update(
@@ -186,15 +188,15 @@ def read_update(
     *,
     metadata: T.GlobalMetadata,
     like: Mapping[str, torch.Tensor],
-) -> dict[str, torch.Tensor]:
+) -> HeldGlobal:
     """The global ``metadata`` names, from ``held`` and the update file at ``path`` (a local
     copy): the file must be the one the record names (sha256) and pass :func:`apply_update`,
     and the result must be finite in the model's dtypes (``like``); else ``ValueError``."""
     if T.file_sha256(path) != metadata.update_sha256:
         raise ValueError(f"{GLOBAL_UPDATE} does not match the version record (sha256)")
     with T.open_safetensors(path) as opened:
-        state = apply_update(opened, held, outer_step=metadata.outer_step, run_id=metadata.run_id)
-    bad = T.first_non_finite(state, like=like)
+        result = apply_update(opened, held, outer_step=metadata.outer_step, run_id=metadata.run_id)
+    bad = T.first_non_finite(result.state, like=like)
     if bad is not None:
         raise ValueError(f"the updated global holds non-finite values in {bad}")
-    return state
+    return result
