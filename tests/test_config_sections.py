@@ -205,6 +205,7 @@ RULES = [
         "shape_validation.alignment must be 'auto' or a positive integer",
     ),
     ({"shape_validation": {"alignment": 0}}, "shape_validation.alignment must be positive"),
+    ({"shape_validation": {"alignment": 5000}}, "shape_validation.alignment must be at most 4096"),
     *[
         ({"shape_validation": {flag: "x"}}, f"shape_validation.{flag} must be a boolean")
         for flag in ("check_batch", "check_sequence", "check_model", "check_vocab", "warn_on_cpu")
@@ -391,6 +392,13 @@ def test_role_rewrite_when_enabled() -> None:
     assert config.distributed.role == "master"
     disabled = SpeedtronicConfig.from_dict({"distributed": {"repo_id": "a/b"}})
     assert disabled.distributed.role == "single"
+    # one rule, in one place: what a coordinator built from a disabled section plays
+    assert disabled.distributed.node_role == "master"
+    assert DistributedConfig().node_role == "worker"
+    assert DistributedConfig(role="worker", repo_id="a/b").node_role == "worker"
+    section = DistributedConfig(repo_id="a/b")
+    section.enabled = True  # enabled after it was built: the aggregate applies the rule
+    assert SpeedtronicConfig(distributed=section).distributed.role == "master"
 
 
 def test_new_fields_defaults() -> None:

@@ -37,7 +37,7 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 from pydantic.fields import FieldInfo
 
 from speedtronic.config.errors import ConfigError
-from speedtronic.config.limits import MAX_STEPS, check_path_text
+from speedtronic.config.limits import MAX_INT_DIGITS, MAX_STEPS, check_path_text
 from speedtronic.config.redaction import REDACTED, contains_secret, looks_like_token
 
 __all__ = [
@@ -63,7 +63,6 @@ __all__ = [
 TRUE_STRINGS = frozenset({"true", "yes", "on", "1"})
 FALSE_STRINGS = frozenset({"false", "no", "off", "0"})
 INT64 = 2**63
-_MAX_INT_TEXT = 40  # characters of an integer written as text (int64 needs 20)
 _SHORT = reprlib.Repr()
 _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 4, 60, 60, 40
 _SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 8
@@ -97,7 +96,7 @@ def _int(value: Any) -> int:
         isinstance(value, float) and math.isfinite(value) and value.is_integer()
     ):
         result = int(value)
-    elif isinstance(value, str) and len(value.strip()) <= _MAX_INT_TEXT:
+    elif isinstance(value, str) and len(value.strip()) <= MAX_INT_DIGITS:
         try:
             result = int(value.strip(), 10)
         except ValueError:
@@ -151,7 +150,7 @@ def _str(value: Any) -> str:
             )
         return str(value)  # a plain str, also for SecretText
     if isinstance(value, int) and not isinstance(value, bool):
-        if abs(value) >= 10**_MAX_INT_TEXT:
+        if abs(value) >= 10**MAX_INT_DIGITS:
             raise ValueError(f"must be a string, got a {value.bit_length()}-bit integer")
         return str(value)
     if isinstance(value, float):
@@ -283,28 +282,23 @@ def _bound_message(dotted: str, kind: str, value: Any, info: Any) -> str:
     return f"{dotted} must be {word} {shown['low']}"
 
 
-def _field_info(cls: type, path: Sequence[str]) -> tuple[str, Any]:
-    """(dotted name, FieldInfo) for an error location below ``cls`` (section names walk in)."""
+def _locate(cls: type, loc: Sequence[Any]) -> tuple[str, Any, bool]:
+    """(dotted name, FieldInfo, checked late) of an error location below ``cls`` (section
+    names walk in). A field its section lists in ``__check_first__`` (the 2.0.0 check order)
+    is not checked late."""
     names: list[str] = []
     info = None
+    owner: Any = cls
     current: Any = cls
-    for part in path:
+    for part in loc:
         fields = getattr(current, "__pydantic_fields__", None)
         if not isinstance(part, str) or not fields or part not in fields:
             break
         names.append(part)
-        info = fields[part]
+        owner, info = current, fields[part]
         current = info.annotation
-    return ".".join(names), info
-
-
-def _checked_late(cls: type, loc: Sequence[Any]) -> bool:
-    """False for a field its section lists in ``__check_first__`` (the 2.0.0 check order)."""
-    owner: Any = cls
-    for part in loc[:-1]:
-        fields = getattr(owner, "__pydantic_fields__", None) or {}
-        owner = fields[part].annotation if part in fields else None
-    return loc[-1] not in getattr(owner, "__check_first__", ()) if loc else True
+    late = not names or names[-1] not in getattr(owner, "__check_first__", ())
+    return ".".join(names), info, late
 
 
 def to_config_error(error: ValidationError, cls: type, prefix: str = "") -> ConfigError:
@@ -315,8 +309,9 @@ def to_config_error(error: ValidationError, cls: type, prefix: str = "") -> Conf
         return ConfigError(
             f"{prefix.rstrip('.')}: unknown configuration keys: {extra[0]['loc'][-1]}"
         )
-    problem = min(problems, key=lambda p: _checked_late(cls, p["loc"]))
-    dotted, info = _field_info(cls, problem["loc"])
+    # the 2.0.0 check order first; in a union (``auto`` or a number) the number's own problem
+    problem = min(problems, key=lambda p: (_locate(cls, p["loc"])[2], p["type"] == "literal_error"))
+    dotted, info, _ = _locate(cls, problem["loc"])
     dotted = prefix + dotted if dotted else prefix.rstrip(".")
     cause = (problem.get("ctx") or {}).get("error")
     if isinstance(cause, ConfigError):

@@ -25,6 +25,7 @@ from speedtronic.config.errors import ConfigError
 __all__ = [
     "DAY",
     "HOUR",
+    "MAX_INT_DIGITS",
     "MAX_NODE_ID",
     "MAX_PATH",
     "MAX_SEED",
@@ -42,6 +43,7 @@ MAX_SEED = 2**32 - 1  # numpy.random.seed's limit; torch.manual_seed accepts mor
 MAX_PATH = 4096  # PATH_MAX on Linux
 MAX_SEGMENT = 255  # NAME_MAX on Linux
 HOUR, DAY, WEEK = 3600.0, 86400.0, 604800.0  # seconds, far below threading.TIMEOUT_MAX
+MAX_INT_DIGITS = 40  # longer integer text is refused, not converted (int64 needs 20 digits)
 MAX_NODE_ID = 128  # one path segment, with room for the files named after it
 _NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]*")
 

@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from speedtronic.config.errors import ConfigError, ConfigFileNotFoundError
+from speedtronic.config.limits import MAX_INT_DIGITS
 from speedtronic.config.redaction import REDACTED
 
 __all__ = [
@@ -46,7 +47,6 @@ logger = logging.getLogger("speedtronic.config")
 
 MAX_DEPTH = 64  # nesting levels of a document (a config needs four)
 MAX_NODES = 100_000  # nodes of a document with every alias expanded
-_MAX_INT_TEXT = 40  # longer integers stay text (int64 needs 20 digits)
 
 
 class _Refused(yaml.MarkedYAMLError):
@@ -142,7 +142,7 @@ class _BoundedLoader(yaml.SafeLoader):
 
     def construct_yaml_int(self, node: Any) -> Any:
         text = self.construct_scalar(node)
-        if len(text) > _MAX_INT_TEXT:
+        if len(text) > MAX_INT_DIGITS:
             return str(text)  # the field's own check names it; int() would take quadratic time
         return super().construct_yaml_int(node)
 
@@ -177,7 +177,7 @@ def _json_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _json_int(text: str) -> Any:
-    return int(text) if len(text) <= _MAX_INT_TEXT else text
+    return int(text) if len(text) <= MAX_INT_DIGITS else text
 
 
 def _json_depth_ok(value: Any) -> bool:

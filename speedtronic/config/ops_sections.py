@@ -116,8 +116,6 @@ def _alignment(value: Any) -> Any:
         raise ConfigError(f"{text} 'auto', 'none', or a positive integer")
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise ConfigError(f"{text} 'auto' or a positive integer, got {describe(value)}")
-    if isinstance(value, int) and value <= 0:
-        raise ConfigError(f"{text} positive")
     return choice(value)
 
 
@@ -160,6 +158,7 @@ GlobalDtype = one_of(
 Alignment = Annotated[
     Literal["auto", "none"] | Annotated[int, Field(strict=True, gt=0, le=4096)],
     BeforeValidator(_alignment),
+    Says(bound="{field} must be positive"),
 ]
 PORT = Says(bound=BETWEEN, upper=BETWEEN)
 POLL = Says(
@@ -271,8 +270,8 @@ class DistributedConfig:
     def __post_init__(self) -> None:
         if self.enabled and self.mode != "dumb_diloco":
             raise ConfigError("distributed.mode must be 'dumb_diloco' when enabled")
-        if self.enabled and self.role == "single":
-            self.role = "master" if self.repo_id else "worker"
+        if self.enabled:
+            self.role = self.node_role
         if not self.train and self.role == "worker":
             raise ConfigError(
                 "distributed.train: false is only valid on the master (a pure aggregator)"
@@ -294,6 +293,14 @@ class DistributedConfig:
             )
         if self.enabled and not self.repo_id:
             raise ConfigError("distributed.repo_id is required for DumbDiLoCo")
+
+    @property
+    def node_role(self) -> str:
+        """The role a node plays: ``role``, where ``single`` means master when ``repo_id`` is
+        set (the node creates the exchange) and worker otherwise. Enabling DiLoCo applies it."""
+        if self.role != "single":
+            return self.role
+        return "master" if self.repo_id else "worker"
 
     def __repr__(self) -> str:
         shown = {name: getattr(self, name) for name in self.__dataclass_fields__}

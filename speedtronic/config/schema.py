@@ -88,28 +88,20 @@ def build_section(name: str, value: Any) -> Any:
     return cls(**{str(key): item for key, item in value.items()})
 
 
-def _plain(value: Any) -> Any:
-    """Deep-convert to JSON/YAML-friendly builtins (tuples -> lists, Paths -> str)."""
+def _plain(value: Any, secrets: list[str] | None = None) -> Any:
+    """Deep-convert to JSON/YAML-friendly builtins (tuples -> lists, Paths -> str); with
+    ``secrets``, every string is scrubbed of them (any spelling) and of token-shaped text."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: _plain(getattr(value, f.name), secrets) for f in dataclasses.fields(value)}
     if isinstance(value, Mapping):
-        return {str(key): _plain(item) for key, item in value.items()}
+        return {str(key): _plain(item, secrets) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(item) for item in value]
+        return [_plain(item, secrets) for item in value]
     if isinstance(value, Path):
-        return str(value)
-    return copy.deepcopy(value)
-
-
-def _scrubbed(value: Any, secrets: list[str]) -> Any:
-    """``value`` with every secret (any spelling) replaced in every string it holds."""
-    if isinstance(value, str):
+        value = str(value)
+    if isinstance(value, str) and secrets is not None:
         return scrub(value, secrets)
-    if isinstance(value, dict):
-        return {key: _scrubbed(item, secrets) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_scrubbed(item, secrets) for item in value]
-    return value
+    return copy.deepcopy(value)
 
 
 @section("")
@@ -138,8 +130,8 @@ class SpeedtronicConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.distributed.enabled and self.distributed.role == "single":
-            self.distributed.role = "master" if self.distributed.repo_id else "worker"
+        if self.distributed.enabled:  # a section enabled after it was built
+            self.distributed.role = self.distributed.node_role
         if self.data.block_size is None:
             self.data.block_size = self.model.max_seq_len
         if self.data.vocab_size is None:
@@ -327,12 +319,10 @@ class SpeedtronicConfig:
     def to_dict(self, *, redact_secrets: bool = False) -> dict[str, Any]:
         """Plain nested dict in field order; ``redact_secrets`` replaces the token wherever its
         value appears (also inside other fields) and anything shaped like a Hub token."""
-        result = _plain(self)
-        if redact_secrets:
-            token = self.distributed.token
-            result = _scrubbed(result, [token] if token else [])
-            if token:
-                result["distributed"]["token"] = REDACTED
+        token = self.distributed.token
+        result = _plain(self, ([token] if token else []) if redact_secrets else None)
+        if redact_secrets and token:
+            result["distributed"]["token"] = REDACTED
         return result
 
     def to_yaml(self, *, redact_secrets: bool = False) -> str:

@@ -83,7 +83,10 @@ def _dataset(value: Any) -> Any:
 
 
 def _tokenizer(value: Any) -> Any:
-    return "bytes" if isinstance(value, str) and value.strip().lower() in ("", "bytes") else value
+    """``data.tokenizer`` without surrounding blanks; empty or any case of bytes is ``bytes``."""
+    if not isinstance(value, str):
+        return value
+    return "bytes" if value.strip().lower() in ("", "bytes") else value.strip()
 
 
 def _auto(value: Any) -> Any:
@@ -205,7 +208,6 @@ class DataConfig:
     tokenizer: Tokenizer = F("bytes", "bytes, a tokenizer.json path or folder, or a Hub repo id")
 
     def __post_init__(self) -> None:
-        self.tokenizer = _tokenizer(self.tokenizer.strip())
         if self.target_batch_size < self.micro_batch_size:
             raise ConfigError("target_batch_size must be >= micro_batch_size")
         if self.target_batch_size % self.micro_batch_size != 0:

@@ -137,7 +137,7 @@ class DumbDiLoCoCoordinator:
         self._token = cfg.token
         self._scrubber = _ScrubToken(cfg.token)
         self.node_id = resolve_node_id(cfg.node_id, environ or os.environ)
-        self.role = cfg.role if cfg.role != "single" else ("master" if cfg.repo_id else "worker")
+        self.role = cfg.node_role
         self.trains = cfg.train or self.role != "master"
         if hub is None:
             retry = retry_policy_from_config(cfg)
