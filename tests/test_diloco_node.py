@@ -259,6 +259,25 @@ def test_a_failed_final_upload_is_sent_again_not_lost():
     assert node.done and node.carry is None and weights(model) == [7.0, 7.0]
 
 
+def test_a_failed_done_status_is_reported_as_such_and_sent_again(caplog):
+    # the last step ends a round: its contribution arrived, only the done status is left
+    node, rec, model = make_node(inner=1)
+    offer(node, 0, 0.0)
+    node.merge_waiting()
+    rec.on_send = master_for(node, lambda job: 5.0)
+    train(model, 1.0)
+    node.after_optimizer_step()
+    assert [job.round for job in rec.sent] == [0] and node.installed == 1
+    rec.fail_next = 2  # the first two done statuses fail; the third arrives
+    node.finish()
+    status = rec.sent[1:]
+    assert len(status) == 1 and status[0].delta is None and status[0].final
+    # nothing was carried, and no delta upload failed: the status did, twice
+    assert rec.names().count("status_upload_failed") == 2
+    assert "delta_upload_failed" not in rec.names() and node.carry is None and node.done
+    assert not any("carried" in r.getMessage() for r in caplog.records)
+
+
 def test_a_final_upload_that_never_arrives_is_kept_and_reported(caplog):
     node, rec, model = make_node(inner=4)
     offer(node, 0, 0.0)

@@ -273,13 +273,16 @@ class DiLoCoNode:
             permanent = isinstance(exc, TransportError) and exc.kind == "permanent"
             if permanent or isinstance(exc, ConfigError):
                 self.fatal = exc  # raised on the training thread at its next step
-            if job.delta is not None:
-                with self._lock:  # the whole contribution goes into the next one
-                    self.carry = (
-                        job.delta
-                        if self.carry is None
-                        else {k: v + self.carry[k] for k, v in job.delta.items()}
-                    )
+            if job.delta is None:  # only the done status: nothing to carry
+                _LOG.warning(f"the done status after round {job.round} was not uploaded: {exc}")
+                self._emit("status_upload_failed", step=job.step, round=job.round, error=str(exc))
+                return
+            with self._lock:  # the whole contribution goes into the next one
+                self.carry = (
+                    job.delta
+                    if self.carry is None
+                    else {k: v + self.carry[k] for k, v in job.delta.items()}
+                )
             _LOG.warning(
                 f"delta upload for round {job.round} failed; carried to the next one: {exc}"
             )
@@ -444,8 +447,14 @@ class DiLoCoNode:
                 return
         else:
             self.uploads.drain()
-            self.uploads.submit(self._done_record())
-            self.uploads.drain()
+            # only the done status is left; without it the master waits drop_after round
+            # lengths before it stops waiting for this node: send it again, as a final one
+            for _ in range(FINAL_UPLOAD_ATTEMPTS):
+                record = self._done_record()
+                self.uploads.submit(record)
+                self.uploads.drain()
+                if record.arrived or self.fatal is not None:
+                    break
             if self.last_round >= 0 and self.installed <= self.last_round:
                 self._await_global(self.last_round + 1, 2 * self.settings.round_timeout)
         self.done = True  # nothing is left to send
