@@ -69,6 +69,7 @@ sys.path.insert(0, str(ROOT))
 
 from speedtronic.config import SpeedtronicConfig  # noqa: E402
 from speedtronic.diloco import exchange as T  # noqa: E402
+from speedtronic.diloco.codec import DELTA_FORMATS, decode_value, encode_delta  # noqa: E402
 from speedtronic.diloco.outer_update import OuterUpdate  # noqa: E402
 from speedtronic.model import build_model  # noqa: E402
 from speedtronic.testing.diloco_ideal import simulate  # noqa: E402
@@ -298,7 +299,7 @@ def parse_case(case: str) -> tuple[str, bool, str]:
     head, _, glob = case.partition("@")
     wire, _, suffix = head.partition("-")
     glob = glob or "fp32"
-    if wire not in T.DELTA_FORMATS or suffix not in ("", "noef") or glob not in GLOBAL_FORMATS:
+    if wire not in DELTA_FORMATS or suffix not in ("", "noef") or glob not in GLOBAL_FORMATS:
         raise SystemExit(
             f"unknown delta case {case!r}: a delta_dtype, optionally with -noef, optionally "
             f"with @ and a global_dtype ({', '.join(GLOBAL_FORMATS)})"
@@ -319,7 +320,7 @@ def download_bytes(config: SpeedtronicConfig, wire: str, block_size: int) -> int
         T.write_safetensors(buffer, state, metadata=header)
         return len(buffer.getvalue())
     zeros = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in state.items()}
-    encoded = T.encode_delta(zeros, wire, block_size)
+    encoded = encode_delta(zeros, wire, block_size)
     update = OuterUpdate(encoded, wire, block_size, 98, "0" * 64, 99, "0" * 64, "0" * 32)
     update.write(buffer)
     return len(buffer.getvalue())
@@ -361,9 +362,9 @@ def block_errors(raw: dict, sizes: list[int]) -> list[dict]:
     rows = []
     for wire in ("int8", "int4"):
         for size in sizes:
-            encoded = T.encode_delta(delta, wire, size)
+            encoded = encode_delta(delta, wire, size)
             error = sum(
-                float((v - T.decode_value(encoded[k])).pow(2).sum()) for k, v in delta.items()
+                float((v - decode_value(encoded[k])).pow(2).sum()) for k, v in delta.items()
             )
             rows.append(
                 {

@@ -60,6 +60,7 @@ import torch
 
 from speedtronic.config.errors import ConfigError
 from speedtronic.config.limits import check_node_id
+from speedtronic.diloco import codec
 from speedtronic.diloco import exchange as T
 from speedtronic.diloco.exchange import (
     AccessRefused,
@@ -263,7 +264,7 @@ class DiLoCoNode:
         name = self.settings.delta_dtype
         if name == "fp32" or job.delta is None:
             return
-        job.wire = T.EncodedView(job.delta, name, self.settings.delta_block_size)
+        job.wire = codec.EncodedView(job.delta, name, self.settings.delta_block_size)
 
     def _upload(self, job: Contribution) -> None:
         started = time.perf_counter()
@@ -288,7 +289,7 @@ class DiLoCoNode:
         with self._lock:
             self.last_round = max(self.last_round, job.round)
             job.arrived = True  # a checkpoint no longer holds it (its buffers are reused)
-            if isinstance(job.wire, T.EncodedView) and self.error_feedback:
+            if isinstance(job.wire, codec.EncodedView) and self.error_feedback:
                 self.residual = job.wire.keep_residual()  # in the contribution's buffers
         T.return_free_memory()  # the encoder's and the writer's slices
         if job.delta is not None:
@@ -510,7 +511,7 @@ def _merge_into(target: torch.Tensor, anchor: torch.Tensor, value: torch.Tensor)
         target.copy_(update.add_(value.to(target.device, torch.float32)))
         return
     flat, base, new = target.view(-1), anchor.reshape(-1), value.reshape(-1)
-    for start, stop in T.value_slices(flat.numel()):
+    for start, stop in codec.value_slices(flat.numel()):
         part = flat[start:stop]
         update = part.to(torch.float32, copy=True).sub_(base[start:stop].to(part.device))
         part.copy_(update.add_(new[start:stop].to(part.device, torch.float32)))

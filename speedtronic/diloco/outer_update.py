@@ -27,6 +27,13 @@ from typing import Any, BinaryIO
 import torch
 
 from speedtronic.diloco import exchange as T
+from speedtronic.diloco.codec import (
+    QUANTIZED_BITS,
+    SCALE_SUFFIX,
+    QuantizedTensor,
+    WireCodec,
+    quantize,
+)
 
 __all__ = [
     "GLOBAL_UPDATE",
@@ -66,7 +73,7 @@ class OuterUpdate:
     """One round's quantized outer update: ``encoded`` (key -> QuantizedTensor) turns the
     global of ``base_step`` (``base_digest``) into the one of ``outer_step`` (``digest``)."""
 
-    encoded: dict[str, T.QuantizedTensor]
+    encoded: dict[str, QuantizedTensor]
     dtype: str
     block_size: int
     base_step: int
@@ -105,9 +112,9 @@ def step_quantized(
     step's update quantized: ``state`` ends as ``add_decoded(previous, decode(sent))``;
     ``residual`` (updated in place) is what ``sent`` left out (kept only with
     ``error_feedback``). Temporaries: one tensor's copies at a time."""
-    bits = T.QUANTIZED_BITS[dtype]
+    bits = QUANTIZED_BITS[dtype]
     base_digest = state_digest(state)
-    encoded: dict[str, T.QuantizedTensor] = {}
+    encoded: dict[str, QuantizedTensor] = {}
     for key in mean:
         weight = state[key]
         if not weight.is_floating_point():
@@ -117,7 +124,7 @@ def step_quantized(
         update = weight.to(torch.float32) - previous.to(torch.float32)
         if key in residual:
             update.add_(residual[key])
-        sent = T.quantize(update, bits, block_size)
+        sent = quantize(update, bits, block_size)
         decoded = sent.dequantize()
         if error_feedback:
             residual[key] = update.sub_(decoded)
@@ -165,11 +172,11 @@ def apply_update(
             f"the update makes global {header.get('outer_step')} of run "
             f"{header.get('run_id') or '?'}; the record names {outer_step} of {run_id or '?'}"
         )
-    codec = T.WireCodec.from_metadata(header)
+    codec = WireCodec.from_metadata(header)
     if codec.bits is None:
         raise ValueError(f"an update holds int8 or int4 codes, not {codec.name}")
     floating = [k for k, v in held.state.items() if v.is_floating_point()]
-    if set(opened.keys()) != set(floating) | {k + T.SCALE_SUFFIX for k in floating}:
+    if set(opened.keys()) != set(floating) | {k + SCALE_SUFFIX for k in floating}:
         raise ValueError("the update's keys do not match the global's floating tensors")
     result = dict(held.state)
     for key in floating:  # codes (dtype, count, range) and scales (count, finite, bound)

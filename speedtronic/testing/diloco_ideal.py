@@ -5,7 +5,7 @@ node (same config, same model init, same per-node data stream, same inner optimi
 schedule, kept across rounds), then repeats: every node trains ``inner_steps`` steps; the
 pseudo-gradients ``global - local`` (float32) are encoded as the wire carries them
 (``distributed.delta_dtype``: fp32 exactly; bf16/fp16 cast; int8/int4 blockwise codes, see
-:func:`speedtronic.diloco.exchange.encode_delta`), each node keeping what the encoding left
+:func:`speedtronic.diloco.codec.encode_delta`), each node keeping what the encoding left
 out and adding it to its next pseudo-gradient (error feedback, as
 :class:`~speedtronic.diloco.node.DiLoCoNode` does); the decoded values are summed in node-id
 order and divided by K;
@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from speedtronic.diloco import exchange as T
+from speedtronic.diloco.codec import decode_value, encode_delta
 from speedtronic.diloco.master import NesterovOuterOptimizer
 from speedtronic.diloco.outer_update import step_quantized
 
@@ -171,8 +172,8 @@ def _sent(
         delta = {k: v.add_(residual[k]) for k, v in delta.items()}
     if wire == "fp32":
         return delta, None
-    encoded = T.encode_delta(delta, wire, block)
-    sent = {k: T.decode_value(v) for k, v in encoded.items()}
+    encoded = encode_delta(delta, wire, block)
+    sent = {k: decode_value(v) for k, v in encoded.items()}
     if not error_feedback:
         return sent, None
     return sent, {k: v - sent[k] for k, v in delta.items()}
