@@ -20,7 +20,6 @@ from test_diloco_master import join, lines, make_master
 
 from speedtronic.config import DistributedConfig
 from speedtronic.diloco import codec
-from speedtronic.diloco import exchange as T
 from speedtronic.diloco.codec import (
     DEFAULT_BLOCK_SIZE,
     QUANTIZED_BITS,
@@ -32,6 +31,13 @@ from speedtronic.diloco.codec import (
     quantizer_slices,
 )
 from speedtronic.diloco.node import DiLoCoNode, GlobalCandidate, GlobalInbox
+from speedtronic.diloco.wire import (
+    delta_from_bytes,
+    delta_to_bytes,
+    open_delta,
+    state_from_bytes,
+    state_to_bytes,
+)
 
 QMAX = {"int8": 127, "int4": 7}
 
@@ -84,13 +90,13 @@ def test_int4_packs_the_low_nibble_first_and_pads_an_odd_tail_with_code_zero():
 
 def test_quantized_files_are_a_quarter_and_an_eighth_of_fp32_and_decode_as_float32():
     delta = {"a.weight": _varied(65536).reshape(256, 256), "b": _varied(129, seed=1)}
-    fp32 = len(T.delta_to_bytes(delta, node_id="n", local_step=1, base_outer_step=0))
+    fp32 = len(delta_to_bytes(delta, node_id="n", local_step=1, base_outer_step=0))
     for wire, ratio in (("int8", (1 + 4 / 128) / 4), ("int4", (0.5 + 4 / 128) / 4)):
-        data = T.delta_to_bytes(
+        data = delta_to_bytes(
             delta, node_id="n", local_step=1, base_outer_step=0, dtype=wire, block_size=128
         )
         assert len(data) / fp32 == pytest.approx(ratio, rel=0.02)
-        tensors, meta = T.delta_from_bytes(data)
+        tensors, meta = delta_from_bytes(data)
         assert meta["dtype"] == wire and meta["block_size"] == "128"
         for key, value in delta.items():
             expected = quantize(value, QUANTIZED_BITS[wire], 128).dequantize()
@@ -108,7 +114,7 @@ REFERENCE = {"w": torch.zeros(300), "n": torch.tensor(3)}  # 3 blocks of 128
 
 def _good(wire: str, values: torch.Tensor | None = None, **extra: str) -> bytes:
     values = torch.linspace(-1.0, 1.0, 300) if values is None else values
-    return T.delta_to_bytes(
+    return delta_to_bytes(
         {"w": values},
         node_id="b",
         local_step=5,
@@ -121,7 +127,7 @@ def _good(wire: str, values: torch.Tensor | None = None, **extra: str) -> bytes:
 
 def _tamper(data: bytes, defect: str) -> bytes:
     """``data`` (a good quantized file) with one defect planted."""
-    tensors, meta = T.state_from_bytes(data)
+    tensors, meta = state_from_bytes(data)
     codes, scales = tensors["w"], tensors["w" + SCALE_SUFFIX]
     if defect == "nan scale":
         scales[1] = float("nan")
@@ -142,7 +148,7 @@ def _tamper(data: bytes, defect: str) -> bytes:
         tensors["w"] = torch.zeros(300)
     else:
         raise AssertionError(defect)
-    return T.state_to_bytes(tensors, metadata=meta)
+    return state_to_bytes(tensors, metadata=meta)
 
 
 DEFECTS = {
@@ -161,7 +167,7 @@ DEFECTS = {
 def test_a_reader_refuses_each_planted_defect_and_accepts_the_good_file(tmp_path, wire, defect):
     good = tmp_path / "good.safetensors"
     good.write_bytes(_good(wire))
-    with T.open_delta(good) as reader:
+    with open_delta(good) as reader:
         reader.check(REFERENCE)
         total = {"w": torch.zeros(300)}
         reader.add_to(total)
@@ -169,24 +175,24 @@ def test_a_reader_refuses_each_planted_defect_and_accepts_the_good_file(tmp_path
     assert torch.equal(total["w"], expected.dequantize())
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(_tamper(_good(wire), defect))
-    with pytest.raises(ValueError, match=DEFECTS[defect]), T.open_delta(bad) as reader:
+    with pytest.raises(ValueError, match=DEFECTS[defect]), open_delta(bad) as reader:
         reader.check(REFERENCE)
     with pytest.raises(ValueError, match=DEFECTS[defect]):
-        T.delta_from_bytes(bad.read_bytes())
+        delta_from_bytes(bad.read_bytes())
 
 
 def test_a_reader_refuses_a_quantized_file_of_another_shape_or_with_extra_keys(tmp_path):
     path = tmp_path / "d.safetensors"
     path.write_bytes(_good("int8", torch.ones(299)))
-    with pytest.raises(ValueError, match="int8 codes of shape"), T.open_delta(path) as reader:
+    with pytest.raises(ValueError, match="int8 codes of shape"), open_delta(path) as reader:
         reader.check(REFERENCE)
     path.write_bytes(_good("int4", torch.ones(310)))
-    with pytest.raises(ValueError, match="packed int4 codes"), T.open_delta(path) as reader:
+    with pytest.raises(ValueError, match="packed int4 codes"), open_delta(path) as reader:
         reader.check(REFERENCE)
-    tensors, meta = T.state_from_bytes(_good("int8"))
+    tensors, meta = state_from_bytes(_good("int8"))
     tensors["x" + SCALE_SUFFIX] = torch.ones(1)
-    path.write_bytes(T.state_to_bytes(tensors, metadata=meta))
-    with pytest.raises(ValueError, match="do not match the model"), T.open_delta(path) as r:
+    path.write_bytes(state_to_bytes(tensors, metadata=meta))
+    with pytest.raises(ValueError, match="do not match the model"), open_delta(path) as r:
         r.check(REFERENCE)
 
 
@@ -203,7 +209,7 @@ def _plant(t, node: str, round: int, data: bytes) -> None:
 
 def _send(t, node: str, round: int, wire: str, values: torch.Tensor, **extra: str) -> None:
     meta = t.global_metadata()
-    data = T.delta_to_bytes(
+    data = delta_to_bytes(
         {"w": values},
         node_id=node,
         round_index=round,
@@ -243,7 +249,7 @@ def test_the_master_refuses_and_counts_a_planted_file_and_aggregates_the_rest_on
         _send(t, "b", 1, wire, b1, run_id="0123456789abcdef")
     else:
         meta = t.global_metadata()
-        good = T.delta_to_bytes(
+        good = delta_to_bytes(
             {"w": b1},
             node_id="b",
             round_index=1,
@@ -460,8 +466,8 @@ def test_a_delta_file_is_encoded_as_it_is_written(wire):
     delta = {"a": torch.randn(40, 9, generator=gen), "b": torch.randn(7, generator=gen)}
     header = dict(node_id="n", local_step=3, base_outer_step=1, dtype=wire, block_size=16)
     encoded = encode_delta(delta, wire, 16)  # the whole encoded copy, as before
-    data = T.delta_to_bytes(encoded, **header)
-    assert T.delta_to_bytes(delta, **header) == data
-    assert T.delta_to_bytes(EncodedView(delta, wire, 16), **header) == data
-    decoded, _ = T.delta_from_bytes(data)
+    data = delta_to_bytes(encoded, **header)
+    assert delta_to_bytes(delta, **header) == data
+    assert delta_to_bytes(EncodedView(delta, wire, 16), **header) == data
+    decoded, _ = delta_from_bytes(data)
     assert all(torch.equal(decoded[k], decode_value(encoded[k])) for k in delta)

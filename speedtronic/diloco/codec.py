@@ -6,7 +6,7 @@ module holds those format names, the quantizer and its inverse, the encoding of 
 contribution (:func:`encode_delta`, :class:`EncodedView`), the check and decoding of a
 quantized file's codes and scales (:class:`WireCodec`), and the slicing that keeps the
 temporaries of a large tensor near 1 MiB. The files that carry the values are
-:mod:`.exchange`'s; this module imports nothing else of the package.
+:mod:`.wire`'s; this module imports nothing else of the package.
 """
 
 from __future__ import annotations
@@ -316,8 +316,7 @@ class WireCodec:
 class EncodedView(Mapping[str, "torch.Tensor | QuantizedTensor"]):
     """``source`` as the wire carries it in format ``dtype``, one tensor at a time: each
     lookup encodes that tensor (deterministically, so again gives the same codes), so a
-    node never holds the whole encoded copy; :func:`.exchange.write_delta` streams it to
-    the file."""
+    node never holds the whole encoded copy; :func:`.wire.write_delta` streams it to the file."""
 
     def __init__(self, source: Mapping[str, torch.Tensor], dtype: str, block_size: int):
         delta_dtype(dtype)

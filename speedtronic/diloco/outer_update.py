@@ -27,6 +27,7 @@ from typing import Any, BinaryIO
 import torch
 
 from speedtronic.diloco import exchange as T
+from speedtronic.diloco import wire
 from speedtronic.diloco.codec import (
     QUANTIZED_BITS,
     SCALE_SUFFIX,
@@ -94,7 +95,7 @@ class OuterUpdate:
             "base_digest": self.base_digest,
             "digest": self.digest,
         }
-        return T.write_quantized(handle, self.encoded, self.dtype, self.block_size, header)
+        return wire.write_quantized(handle, self.encoded, self.dtype, self.block_size, header)
 
 
 @torch.no_grad()
@@ -151,7 +152,7 @@ class HeldGlobal:
 
 
 def apply_update(
-    opened: T.SafetensorsFile, held: HeldGlobal, *, outer_step: int, run_id: str
+    opened: wire.SafetensorsFile, held: HeldGlobal, *, outer_step: int, run_id: str
 ) -> HeldGlobal:
     """Global ``outer_step`` of ``run_id`` from ``held`` and the update file ``opened``, held
     with its checked digest (``held`` is not changed). ``ValueError`` unless the update is
@@ -181,7 +182,7 @@ def apply_update(
     result = dict(held.state)
     for key in floating:  # codes (dtype, count, range) and scales (count, finite, bound)
         value = held.state[key]
-        decoded = codec.read(key, opened.get_tensor, tuple(value.shape), T.MAX_DELTA_ABS)
+        decoded = codec.read(key, opened.get_tensor, tuple(value.shape), wire.MAX_DELTA_ABS)
         result[key] = add_decoded(value, decoded)
     digest = state_digest(result)
     if digest != header.get("digest"):
@@ -201,9 +202,9 @@ def read_update(
     and the result must be finite in the model's dtypes (``like``); else ``ValueError``."""
     if T.file_sha256(path) != metadata.update_sha256:
         raise ValueError(f"{GLOBAL_UPDATE} does not match the version record (sha256)")
-    with T.open_safetensors(path) as opened:
+    with wire.open_safetensors(path) as opened:
         result = apply_update(opened, held, outer_step=metadata.outer_step, run_id=metadata.run_id)
-    bad = T.first_non_finite(result.state, like=like)
+    bad = wire.first_non_finite(result.state, like=like)
     if bad is not None:
         raise ValueError(f"the updated global holds non-finite values in {bad}")
     return result
