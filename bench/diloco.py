@@ -31,11 +31,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from speedtronic.config import DistributedConfig
-from speedtronic.diloco import exchange as T
 from speedtronic.diloco.coordinator import DumbDiLoCoCoordinator
 from speedtronic.diloco.directory import DirectoryTransport
 from speedtronic.diloco.exchange import RetryPolicy
 from speedtronic.diloco.master import NesterovOuterOptimizer, nesterov_update
+from speedtronic.diloco.wire import average_deltas, cpu_state_dict, delta_to_bytes, floating_state
 from speedtronic.model import build_model
 
 
@@ -101,7 +101,7 @@ def bench_inner(args: argparse.Namespace) -> dict:
         round_timeout=30.0,
     )
     transport = SlowTransport(
-        f"file://{tmp}/repo", args.latency, T.cpu_state_dict(model.state_dict())
+        f"file://{tmp}/repo", args.latency, cpu_state_dict(model.state_dict())
     )
     coord = DumbDiLoCoCoordinator(
         cfg, model, hub=transport, state_dir=tmp / "state", logger=_Quiet(), environ={}
@@ -156,7 +156,7 @@ def bench_outer(args: argparse.Namespace) -> dict:
         st = {k: v.clone() for k, v in state.items()}
         opt = NesterovOuterOptimizer(st, lr=0.7, momentum=0.9)
         t0 = time.perf_counter()
-        opt.step(st, T.average_deltas(deltas))
+        opt.step(st, average_deltas(deltas))
         return time.perf_counter() - t0
 
     def plain() -> float:
@@ -178,7 +178,7 @@ def bench_outer(args: argparse.Namespace) -> dict:
         plain_t.append(plain())
     # the two must agree numerically
     a = {k: v.clone() for k, v in state.items()}
-    NesterovOuterOptimizer(a, 0.7, 0.9).step(a, T.average_deltas(deltas))
+    NesterovOuterOptimizer(a, 0.7, 0.9).step(a, average_deltas(deltas))
     b = {k: v.clone() for k, v in state.items()}
     for k in b:
         buf = torch.zeros_like(b[k])
@@ -198,10 +198,10 @@ def bench_bytes(args: argparse.Namespace) -> dict:
     """(c) bytes per delta upload (one per worker per round) by wire dtype."""
     torch.manual_seed(0)
     model = _model(args)
-    delta = {k: torch.randn_like(v) * 1e-3 for k, v in T.floating_state(model.state_dict()).items()}
+    delta = {k: torch.randn_like(v) * 1e-3 for k, v in floating_state(model.state_dict()).items()}
     out = {"params": sum(v.numel() for v in delta.values())}
     for name in ("fp32", "bf16", "fp16"):
-        data = T.delta_to_bytes(delta, node_id="w", local_step=1, base_outer_step=0, dtype=name)
+        data = delta_to_bytes(delta, node_id="w", local_step=1, base_outer_step=0, dtype=name)
         out[f"{name}_bytes"] = len(data)
     out["bf16_vs_fp32"] = out["bf16_bytes"] / out["fp32_bytes"]
     return out

@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 sys.path.insert(0, {root!r})
 from speedtronic.config import DistributedConfig
-from speedtronic.diloco import exchange as T
+from speedtronic.diloco.wire import delta_from_bytes, write_delta
 from speedtronic.diloco.coordinator import DumbDiLoCoCoordinator
 
 cfg = json.loads(sys.argv[1])
@@ -71,9 +71,9 @@ for _ in range(2):
     train_step()
 with tempfile.TemporaryDirectory() as tmp:  # the safetensors paths a round uses, warmed up
     with open(Path(tmp) / "warm.safetensors", "wb") as handle:
-        T.write_delta(handle, {{"w": torch.ones(256)}}, node_id="n", local_step=1,
-                      base_outer_step=0, dtype=cfg["wire"])
-    T.delta_from_bytes((Path(tmp) / "warm.safetensors").read_bytes())
+        write_delta(handle, {{"w": torch.ones(256)}}, node_id="n", local_step=1,
+                    base_outer_step=0, dtype=cfg["wire"])
+    delta_from_bytes((Path(tmp) / "warm.safetensors").read_bytes())
 baseline_kib = peak_kib()
 settings = DistributedConfig(
     enabled=True, repo_id="file://" + cfg["exchange"], role="worker", node_id="n0",

@@ -68,8 +68,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from speedtronic.config import SpeedtronicConfig  # noqa: E402
-from speedtronic.diloco import exchange as T  # noqa: E402
+from speedtronic.diloco.codec import DELTA_FORMATS, decode_value, encode_delta  # noqa: E402
 from speedtronic.diloco.outer_update import OuterUpdate  # noqa: E402
+from speedtronic.diloco.wire import (  # noqa: E402
+    compute_pseudo_gradient,
+    cpu_state_dict,
+    delta_to_bytes,
+    floating_state,
+    load_safetensors,
+    write_safetensors,
+)
 from speedtronic.model import build_model  # noqa: E402
 from speedtronic.testing.diloco_ideal import simulate  # noqa: E402
 from speedtronic.train.evaluate import build_heldout, evaluate  # noqa: E402
@@ -266,7 +274,7 @@ def run_real(
         for record in map(json.loads, (work / nodes[0] / "events.jsonl").read_text().splitlines())
         if record.get("event") == "outer_step"
     ]
-    state = T.load_safetensors(work / nodes[0] / "final" / "model.safetensors")
+    state = load_safetensors(work / nodes[0] / "final" / "model.safetensors")
     reasons: dict[str, int] = {}
     for record in rounds:
         reason = record.get("reason", "?")
@@ -298,7 +306,7 @@ def parse_case(case: str) -> tuple[str, bool, str]:
     head, _, glob = case.partition("@")
     wire, _, suffix = head.partition("-")
     glob = glob or "fp32"
-    if wire not in T.DELTA_FORMATS or suffix not in ("", "noef") or glob not in GLOBAL_FORMATS:
+    if wire not in DELTA_FORMATS or suffix not in ("", "noef") or glob not in GLOBAL_FORMATS:
         raise SystemExit(
             f"unknown delta case {case!r}: a delta_dtype, optionally with -noef, optionally "
             f"with @ and a global_dtype ({', '.join(GLOBAL_FORMATS)})"
@@ -316,10 +324,10 @@ def download_bytes(config: SpeedtronicConfig, wire: str, block_size: int) -> int
     buffer = io.BytesIO()
     if wire == "fp32":
         header = {"outer_step": 99, "run_id": "0" * 32, "final": False}
-        T.write_safetensors(buffer, state, metadata=header)
+        write_safetensors(buffer, state, metadata=header)
         return len(buffer.getvalue())
     zeros = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in state.items()}
-    encoded = T.encode_delta(zeros, wire, block_size)
+    encoded = encode_delta(zeros, wire, block_size)
     update = OuterUpdate(encoded, wire, block_size, 98, "0" * 64, 99, "0" * 64, "0" * 32)
     update.write(buffer)
     return len(buffer.getvalue())
@@ -331,7 +339,7 @@ def file_bytes(config: SpeedtronicConfig, wire: str, block_size: int) -> int:
     model = build_model(config.model)
     delta = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in model.state_dict().items()}
     extra = {"final": "false", "run_id": "0" * 32, "instance": "0" * 16}
-    data = T.delta_to_bytes(
+    data = delta_to_bytes(
         delta,
         node_id="node-0",
         local_step=config.effective_max_steps,
@@ -352,18 +360,18 @@ def block_errors(raw: dict, sizes: list[int]) -> list[dict]:
     config = config_of(raw)
     trainer, _ = build_runtime(config, node_id="node-0")
     trainer.heldout = None
-    before = T.floating_state(T.cpu_state_dict(trainer.model.state_dict()))
+    before = floating_state(cpu_state_dict(trainer.model.state_dict()))
     trainer.fit(raw["distributed"]["inner_steps"])
     trainer.logger.close()
-    delta = T.compute_pseudo_gradient(before, T.cpu_state_dict(trainer.model.state_dict()))
+    delta = compute_pseudo_gradient(before, cpu_state_dict(trainer.model.state_dict()))
     norm = sum(float(v.pow(2).sum()) for v in delta.values()) ** 0.5
     fp32 = file_bytes(config, "fp32", 128)
     rows = []
     for wire in ("int8", "int4"):
         for size in sizes:
-            encoded = T.encode_delta(delta, wire, size)
+            encoded = encode_delta(delta, wire, size)
             error = sum(
-                float((v - T.decode_value(encoded[k])).pow(2).sum()) for k, v in delta.items()
+                float((v - decode_value(encoded[k])).pow(2).sum()) for k, v in delta.items()
             )
             rows.append(
                 {

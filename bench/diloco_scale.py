@@ -55,7 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from speedtronic.config import DistributedConfig, ModelConfig  # noqa: E402
-from speedtronic.diloco import exchange as T  # noqa: E402
+from speedtronic.diloco.codec import DELTA_FORMATS, decode_value, encode_delta  # noqa: E402
 from speedtronic.diloco.directory import DirectoryTransport  # noqa: E402
 from speedtronic.diloco.exchange import RetryPolicy  # noqa: E402
 from speedtronic.diloco.hub import HubClient  # noqa: E402
@@ -457,13 +457,13 @@ def codec_cost(
     delta = {k: torch.randn(v) * 1e-3 for k, v in shapes.items()}
     costs: dict[str, dict[str, float]] = {}
     for wire in wires:
-        T.encode_delta({"warm-up": torch.ones(1024)}, wire, block_size)  # first-call setup
+        encode_delta({"warm-up": torch.ones(1024)}, wire, block_size)  # first-call setup
         started = time.perf_counter()
-        encoded = T.encode_delta(delta, wire, block_size)
+        encoded = encode_delta(delta, wire, block_size)
         encode = time.perf_counter() - started
         started = time.perf_counter()
         for value in encoded.values():
-            T.decode_value(value)
+            decode_value(value)
         decode = time.perf_counter() - started
         costs[wire] = {"quantize_s": encode, "dequantize_s": decode}
     embed = shapes["embed"]
@@ -517,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="request latency: base seconds and uniform extra")  # fmt: skip
     parser.add_argument("--poll", type=float, default=0.2)
     parser.add_argument("--parallel", type=int, default=8)
-    parser.add_argument("--delta-dtypes", nargs="+", default=["bf16"], choices=T.DELTA_FORMATS)
+    parser.add_argument("--delta-dtypes", nargs="+", default=["bf16"], choices=DELTA_FORMATS)
     parser.add_argument("--codec-cost", action="store_true")
     parser.add_argument("--inner-steps", type=int, default=500)
     parser.add_argument("--train-batch", type=int, default=8)

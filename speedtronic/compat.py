@@ -177,7 +177,7 @@ ALIASES: dict[str, Alias] = {
         ("MasterOuterLoop", "NesterovOuterOptimizer", "nesterov_update"),
     ),
     "speedtronic.distributed.tensors": Alias(
-        ("speedtronic.diloco.exchange",),
+        ("speedtronic.diloco.wire", "speedtronic.diloco.exchange", "speedtronic.diloco.codec"),
         (
             "average_deltas",
             "compute_pseudo_gradient",

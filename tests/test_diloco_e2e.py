@@ -29,7 +29,7 @@ from process_support import TrainProcess, reap, wait_for
 
 from speedtronic.checkpoint import CheckpointManager
 from speedtronic.config import resolve_config
-from speedtronic.diloco import exchange as T
+from speedtronic.diloco.wire import cpu_state_dict, load_safetensors
 from speedtronic.model import build_model
 from speedtronic.testing.diloco_ideal import simulate
 from speedtronic.train.evaluate import build_heldout, evaluate
@@ -166,7 +166,7 @@ def _check_golden(tmp: Path, corpus: Path, nodes: list[TrainProcess], sets: list
     for r, row in enumerate(events):  # one contribution per node per round, every round
         assert row["included"] == [f"m/{r}", f"w1/{r}", f"w2/{r}"], row
         assert row["reason"] == "complete" and row["deltas_late"] == 0
-    final = T.load_safetensors(master.dir / "final" / "model.safetensors")
+    final = load_safetensors(master.dir / "final" / "model.safetensors")
     assert json.loads((master.dir / "final" / "meta.json").read_text())["outer_step"] == rounds
     # the protocol computed exactly the in-process arithmetic
     torch.set_num_threads(1)
@@ -195,7 +195,7 @@ def test_three_nodes_compute_the_ideal_arithmetic_and_beat_one_node(tmp_path, co
     trainer.heldout = None
     trainer.fit()
     trainer.logger.close()
-    single = _heldout_loss(single_config, T.cpu_state_dict(trainer.model.state_dict()))
+    single = _heldout_loss(single_config, cpu_state_dict(trainer.model.state_dict()))
     global_loss = _heldout_loss(config, final)
     assert global_loss < single - 0.02, (global_loss, single)
     # the master scored every new global; the last score is the final global's

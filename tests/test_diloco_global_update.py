@@ -20,6 +20,7 @@ from speedtronic.diloco import exchange as T
 from speedtronic.diloco.master import OuterStateStore
 from speedtronic.diloco.node import NodeClaim, NodeLink
 from speedtronic.diloco.outer_update import GLOBAL_UPDATE, state_digest
+from speedtronic.diloco.wire import open_safetensors, read_metadata, write_safetensors
 
 N = 300  # values of "w": three blocks of 128 and a short one
 
@@ -79,7 +80,7 @@ def test_every_node_ends_each_round_on_the_masters_global_bit_for_bit(tmp_path, 
             links["c"] = _link(tmp_path, t, master, "c")
             join(t, "c")
         _round(master, t, sorted(links), r)
-        assert T.read_metadata(t.root / GLOBAL_UPDATE)["outer_step"] == str(r + 1)
+        assert read_metadata(t.root / GLOBAL_UPDATE)["outer_step"] == str(r + 1)
         published = t.read_global()  # the full global, for joiners, is the same weights
         assert all(torch.equal(published[k], v) for k, v in master.global_state.items())
         for node, link in links.items():
@@ -110,12 +111,12 @@ def _rewrite(t, change) -> None:
     """Rewrite the published update with ``change(tensors, header)`` applied, and name the
     new file in the version record (so only the deeper checks can refuse it)."""
     path = t.root / GLOBAL_UPDATE
-    with T.open_safetensors(path) as opened:
+    with open_safetensors(path) as opened:
         header = opened.metadata()
         tensors = {key: opened.get_tensor(key) for key in opened}
     change(tensors, header)
     with open(path, "wb") as handle:
-        sha = T.write_safetensors(handle, tensors, metadata=header)
+        sha = write_safetensors(handle, tensors, metadata=header)
     record = json.loads((t.root / T.GLOBAL_STEP).read_text())
     record["update_sha256"] = sha
     (t.root / T.GLOBAL_STEP).write_text(json.dumps(record))
@@ -189,7 +190,7 @@ def test_the_masters_update_residual_survives_a_restart(tmp_path):
     assert residual and float(residual["w"].abs().max()) > 0  # int4 leaves something out
     saved = OuterStateStore(tmp_path / "state").load(master.state)
     assert torch.equal(saved.residual["w"], residual["w"])
-    header = T.read_metadata(t.root / GLOBAL_UPDATE)
+    header = read_metadata(t.root / GLOBAL_UPDATE)
     assert header["digest"] == state_digest(master.global_state)
     assert (header["base_outer_step"], header["outer_step"]) == ("0", "1")
     assert master.state.update is None  # published: not kept

@@ -20,11 +20,11 @@ from hub_emulator_fixtures import TEST_TOKEN, fast_retry, hub_emulator  # noqa: 
 from test_diloco_master import Log, deliver, join, lines, make_master, published
 
 from speedtronic.config import ConfigError, DistributedConfig
-from speedtronic.diloco import exchange as T
 from speedtronic.diloco.coordinator import DumbDiLoCoCoordinator
 from speedtronic.diloco.directory import DirectoryTransport
 from speedtronic.diloco.exchange import GLOBAL_STEP, ExchangeError, TransportError
 from speedtronic.diloco.node import GlobalCandidate
+from speedtronic.diloco.wire import delta_from_bytes, state_to_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,9 +102,9 @@ def test_a_delta_that_grew_after_the_listing_is_refused_on_the_file_read(tmp_pat
 
 def test_integer_and_boolean_tensors_are_not_deltas():
     for bad in (torch.ones(2, dtype=torch.int64), torch.ones(2, dtype=torch.bool)):
-        data = T.state_to_bytes({"w": bad})
+        data = state_to_bytes({"w": bad})
         with pytest.raises(ValueError, match="fp32, bf16 or fp16"):
-            T.delta_from_bytes(data)
+            delta_from_bytes(data)
 
 
 def test_contribution_identity_rules(tmp_path, caplog):
@@ -116,7 +116,7 @@ def test_contribution_identity_rules(tmp_path, caplog):
         meta = {"node_id": "a", "round": label, "base_outer_step": 0, "run_id": master.run_id}
         meta["instance"] = "a-1"
         meta.update(header)
-        data = T.state_to_bytes({"w": torch.tensor(values)}, metadata=meta)
+        data = state_to_bytes({"w": torch.tensor(values)}, metadata=meta)
         t.commit({f"nodes/a/delta_{label}.safetensors": data})
 
     plant(0, [5.0, 5.0], base_outer_step=10**9)  # based on a global never published

@@ -13,10 +13,10 @@ import torch
 from hub_emulator_fixtures import fast_retry
 
 from speedtronic.config import DistributedConfig
-from speedtronic.diloco import exchange as T
 from speedtronic.diloco.directory import DirectoryTransport
 from speedtronic.diloco.exchange import TransportError
 from speedtronic.diloco.master import RoundMaster
+from speedtronic.diloco.wire import read_metadata, state_from_bytes
 
 
 class Log:
@@ -282,7 +282,7 @@ def test_restart_mid_round_loses_nothing_and_counts_nothing_twice(tmp_path):
     deliver(t, "b", 1, [4.0, 4.0])
     assert again.poll_once() is True
     assert published(t) == [-4.0, -4.0]  # -1 then -3: both rounds once
-    meta = T.read_metadata(tmp_path / "state/outer_state.safetensors")
+    meta = read_metadata(tmp_path / "state/outer_state.safetensors")
     assert meta["outer_step"] == "2" and json.loads(meta["ledger"]) == {"a": 1, "b": 1}
 
 
@@ -389,7 +389,7 @@ def test_unreadable_repository_never_bootstraps_over_it(tmp_path):
     t.global_metadata = lambda: (_ for _ in ()).throw(TransportError("outage"))
     with pytest.raises(TransportError):
         fresh.poll_once()
-    assert T.state_from_bytes(t.read_bytes("global/latest.safetensors"))[0]["w"].tolist() == [
+    assert state_from_bytes(t.read_bytes("global/latest.safetensors"))[0]["w"].tolist() == [
         -1.0,
         -1.0,
     ]

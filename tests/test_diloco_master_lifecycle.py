@@ -18,6 +18,7 @@ from speedtronic.diloco import exchange as T
 from speedtronic.diloco import master as master_module
 from speedtronic.diloco.exchange import AccessRefused, ExchangeError, TransportError
 from speedtronic.diloco.master import IDENTITY_HEADERS
+from speedtronic.diloco.wire import state_to_bytes
 
 # -- identity headers and relay weights -----------------------------------------------------
 
@@ -38,7 +39,7 @@ def _plant(t, node, round, values, *, drop=(), **extra):
     for key in drop:
         header.pop(key)
     path = T.delta_path(node, round)
-    t.commit({path: T.state_to_bytes({"w": torch.tensor(values)}, metadata=header)})
+    t.commit({path: state_to_bytes({"w": torch.tensor(values)}, metadata=header)})
     return path
 
 
@@ -280,9 +281,7 @@ def test_an_outer_state_file_of_2_1_loads_with_its_momentum(tmp_path):
         "ledger": json.dumps({"a": 6}),
         "digests": json.dumps({"a": "x"}),
     }
-    (tmp_path / "state/outer_state.safetensors").write_bytes(
-        T.state_to_bytes(tensors, metadata=meta)
-    )
+    (tmp_path / "state/outer_state.safetensors").write_bytes(state_to_bytes(tensors, metadata=meta))
     master, _, _ = make_master(tmp_path, outer_momentum=0.9, clock=Clock())
     assert master.outer_step == 7 and master.run_id == "old-run" and master.ledger == {"a": 6}
     assert master.global_state["w"].tolist() == [4.0, 5.0]

@@ -19,8 +19,25 @@ import torch
 from test_diloco_master import join, lines, make_master
 
 from speedtronic.config import DistributedConfig
-from speedtronic.diloco import exchange as T
+from speedtronic.diloco import codec
+from speedtronic.diloco.codec import (
+    DEFAULT_BLOCK_SIZE,
+    QUANTIZED_BITS,
+    SCALE_SUFFIX,
+    EncodedView,
+    decode_value,
+    encode_delta,
+    quantize,
+    quantizer_slices,
+)
 from speedtronic.diloco.node import DiLoCoNode, GlobalCandidate, GlobalInbox
+from speedtronic.diloco.wire import (
+    delta_from_bytes,
+    delta_to_bytes,
+    open_delta,
+    state_from_bytes,
+    state_to_bytes,
+)
 
 QMAX = {"int8": 127, "int4": 7}
 
@@ -42,7 +59,7 @@ def _varied(numel: int, seed: int = 0) -> torch.Tensor:
 def test_round_trip_error_is_at_most_half_a_step_of_each_block(wire, block, shape):
     numel = math.prod(shape)
     tensor = _varied(numel).reshape(shape)
-    q = T.quantize(tensor, T.QUANTIZED_BITS[wire], block)
+    q = quantize(tensor, QUANTIZED_BITS[wire], block)
     blocks = -(-numel // block)
     assert q.scales.dtype == torch.float32 and tuple(q.scales.shape) == (blocks,)
     if wire == "int8":
@@ -65,7 +82,7 @@ def test_round_trip_error_is_at_most_half_a_step_of_each_block(wire, block, shap
 
 
 def test_int4_packs_the_low_nibble_first_and_pads_an_odd_tail_with_code_zero():
-    q = T.quantize(torch.tensor([7.0, -7.0, 1.0]), 4, 8)  # scale 1: codes 7, -7, 1
+    q = quantize(torch.tensor([7.0, -7.0, 1.0]), 4, 8)  # scale 1: codes 7, -7, 1
     assert q.scales.tolist() == [1.0]
     assert q.codes.tolist() == [(7 + 8) | ((-7 + 8) << 4), (1 + 8) | (8 << 4)]
     assert q.dequantize().tolist() == [7.0, -7.0, 1.0]
@@ -73,21 +90,21 @@ def test_int4_packs_the_low_nibble_first_and_pads_an_odd_tail_with_code_zero():
 
 def test_quantized_files_are_a_quarter_and_an_eighth_of_fp32_and_decode_as_float32():
     delta = {"a.weight": _varied(65536).reshape(256, 256), "b": _varied(129, seed=1)}
-    fp32 = len(T.delta_to_bytes(delta, node_id="n", local_step=1, base_outer_step=0))
+    fp32 = len(delta_to_bytes(delta, node_id="n", local_step=1, base_outer_step=0))
     for wire, ratio in (("int8", (1 + 4 / 128) / 4), ("int4", (0.5 + 4 / 128) / 4)):
-        data = T.delta_to_bytes(
+        data = delta_to_bytes(
             delta, node_id="n", local_step=1, base_outer_step=0, dtype=wire, block_size=128
         )
         assert len(data) / fp32 == pytest.approx(ratio, rel=0.02)
-        tensors, meta = T.delta_from_bytes(data)
+        tensors, meta = delta_from_bytes(data)
         assert meta["dtype"] == wire and meta["block_size"] == "128"
         for key, value in delta.items():
-            expected = T.quantize(value, T.QUANTIZED_BITS[wire], 128).dequantize()
+            expected = quantize(value, QUANTIZED_BITS[wire], 128).dequantize()
             assert tensors[key].dtype == torch.float32 and torch.equal(tensors[key], expected)
 
 
 def test_the_config_default_block_size_is_the_wire_default():
-    assert DistributedConfig().delta_block_size == T.DEFAULT_BLOCK_SIZE
+    assert DistributedConfig().delta_block_size == DEFAULT_BLOCK_SIZE
     assert DistributedConfig(delta_dtype="int4").delta_dtype == "int4"
 
 
@@ -97,7 +114,7 @@ REFERENCE = {"w": torch.zeros(300), "n": torch.tensor(3)}  # 3 blocks of 128
 
 def _good(wire: str, values: torch.Tensor | None = None, **extra: str) -> bytes:
     values = torch.linspace(-1.0, 1.0, 300) if values is None else values
-    return T.delta_to_bytes(
+    return delta_to_bytes(
         {"w": values},
         node_id="b",
         local_step=5,
@@ -110,8 +127,8 @@ def _good(wire: str, values: torch.Tensor | None = None, **extra: str) -> bytes:
 
 def _tamper(data: bytes, defect: str) -> bytes:
     """``data`` (a good quantized file) with one defect planted."""
-    tensors, meta = T.state_from_bytes(data)
-    codes, scales = tensors["w"], tensors["w" + T.SCALE_SUFFIX]
+    tensors, meta = state_from_bytes(data)
+    codes, scales = tensors["w"], tensors["w" + SCALE_SUFFIX]
     if defect == "nan scale":
         scales[1] = float("nan")
     elif defect == "huge scale":  # 2000 x 7 (the largest int4 code) > MAX_DELTA_ABS
@@ -119,7 +136,7 @@ def _tamper(data: bytes, defect: str) -> bytes:
     elif defect == "negative scale":
         scales[1] = -scales[1]
     elif defect == "wrong block count":
-        tensors["w" + T.SCALE_SUFFIX] = scales[:2].clone()
+        tensors["w" + SCALE_SUFFIX] = scales[:2].clone()
     elif defect == "code out of range":
         if codes.dtype == torch.int8:
             codes[0] = -128
@@ -131,7 +148,7 @@ def _tamper(data: bytes, defect: str) -> bytes:
         tensors["w"] = torch.zeros(300)
     else:
         raise AssertionError(defect)
-    return T.state_to_bytes(tensors, metadata=meta)
+    return state_to_bytes(tensors, metadata=meta)
 
 
 DEFECTS = {
@@ -150,32 +167,32 @@ DEFECTS = {
 def test_a_reader_refuses_each_planted_defect_and_accepts_the_good_file(tmp_path, wire, defect):
     good = tmp_path / "good.safetensors"
     good.write_bytes(_good(wire))
-    with T.open_delta(good) as reader:
+    with open_delta(good) as reader:
         reader.check(REFERENCE)
         total = {"w": torch.zeros(300)}
         reader.add_to(total)
-    expected = T.quantize(torch.linspace(-1.0, 1.0, 300), T.QUANTIZED_BITS[wire], 128)
+    expected = quantize(torch.linspace(-1.0, 1.0, 300), QUANTIZED_BITS[wire], 128)
     assert torch.equal(total["w"], expected.dequantize())
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(_tamper(_good(wire), defect))
-    with pytest.raises(ValueError, match=DEFECTS[defect]), T.open_delta(bad) as reader:
+    with pytest.raises(ValueError, match=DEFECTS[defect]), open_delta(bad) as reader:
         reader.check(REFERENCE)
     with pytest.raises(ValueError, match=DEFECTS[defect]):
-        T.delta_from_bytes(bad.read_bytes())
+        delta_from_bytes(bad.read_bytes())
 
 
 def test_a_reader_refuses_a_quantized_file_of_another_shape_or_with_extra_keys(tmp_path):
     path = tmp_path / "d.safetensors"
     path.write_bytes(_good("int8", torch.ones(299)))
-    with pytest.raises(ValueError, match="int8 codes of shape"), T.open_delta(path) as reader:
+    with pytest.raises(ValueError, match="int8 codes of shape"), open_delta(path) as reader:
         reader.check(REFERENCE)
     path.write_bytes(_good("int4", torch.ones(310)))
-    with pytest.raises(ValueError, match="packed int4 codes"), T.open_delta(path) as reader:
+    with pytest.raises(ValueError, match="packed int4 codes"), open_delta(path) as reader:
         reader.check(REFERENCE)
-    tensors, meta = T.state_from_bytes(_good("int8"))
-    tensors["x" + T.SCALE_SUFFIX] = torch.ones(1)
-    path.write_bytes(T.state_to_bytes(tensors, metadata=meta))
-    with pytest.raises(ValueError, match="do not match the model"), T.open_delta(path) as r:
+    tensors, meta = state_from_bytes(_good("int8"))
+    tensors["x" + SCALE_SUFFIX] = torch.ones(1)
+    path.write_bytes(state_to_bytes(tensors, metadata=meta))
+    with pytest.raises(ValueError, match="do not match the model"), open_delta(path) as r:
         r.check(REFERENCE)
 
 
@@ -192,7 +209,7 @@ def _plant(t, node: str, round: int, data: bytes) -> None:
 
 def _send(t, node: str, round: int, wire: str, values: torch.Tensor, **extra: str) -> None:
     meta = t.global_metadata()
-    data = T.delta_to_bytes(
+    data = delta_to_bytes(
         {"w": values},
         node_id=node,
         round_index=round,
@@ -206,7 +223,7 @@ def _send(t, node: str, round: int, wire: str, values: torch.Tensor, **extra: st
 
 
 def _decoded(wire: str, values: torch.Tensor) -> torch.Tensor:
-    return T.quantize(values, T.QUANTIZED_BITS[wire], 128).dequantize()
+    return quantize(values, QUANTIZED_BITS[wire], 128).dequantize()
 
 
 @pytest.mark.parametrize("wire", ["int8", "int4"])
@@ -232,7 +249,7 @@ def test_the_master_refuses_and_counts_a_planted_file_and_aggregates_the_rest_on
         _send(t, "b", 1, wire, b1, run_id="0123456789abcdef")
     else:
         meta = t.global_metadata()
-        good = T.delta_to_bytes(
+        good = delta_to_bytes(
             {"w": b1},
             node_id="b",
             round_index=1,
@@ -287,7 +304,7 @@ class Sent:
         self.jobs.append(job)
         self.contributions.append({k: v.clone() for k, v in job.delta.items()})
         wire = job.wire if job.wire is not None else job.delta
-        self.decoded.append({k: T.decode_value(v) for k, v in wire.items()})
+        self.decoded.append({k: decode_value(v) for k, v in wire.items()})
         return 1
 
 
@@ -431,15 +448,15 @@ def test_the_merge_installs_in_place_into_the_anchor():
 def test_the_quantizer_in_slices_gives_the_codes_of_the_whole_tensor(monkeypatch, bits, block):
     gen = torch.Generator().manual_seed(block)
     tensor = torch.randn(3001, generator=gen) * torch.logspace(-6, 1, 3001)
-    monkeypatch.setattr(T, "QUANTIZER_SLICE", 1 << 30)  # one slice: the whole tensor
-    whole = T.quantize(tensor, bits, block)
+    monkeypatch.setattr(codec, "QUANTIZER_SLICE", 1 << 30)  # one slice: the whole tensor
+    whole = quantize(tensor, bits, block)
     values = whole.dequantize()
-    monkeypatch.setattr(T, "QUANTIZER_SLICE", 100)  # slices of a few blocks
-    assert len(list(T.quantizer_slices(3001, block))) > 10
-    sliced = T.quantize(tensor, bits, block)
+    monkeypatch.setattr(codec, "QUANTIZER_SLICE", 100)  # slices of a few blocks
+    assert len(list(quantizer_slices(3001, block))) > 10
+    sliced = quantize(tensor, bits, block)
     assert torch.equal(sliced.codes, whole.codes) and torch.equal(sliced.scales, whole.scales)
     assert torch.equal(sliced.dequantize(), values)
-    view = T.EncodedView({"t": tensor.clone()}, f"int{bits}", block)
+    view = EncodedView({"t": tensor.clone()}, f"int{bits}", block)
     assert torch.equal(view.keep_residual()["t"], tensor - values)
 
 
@@ -448,9 +465,9 @@ def test_a_delta_file_is_encoded_as_it_is_written(wire):
     gen = torch.Generator().manual_seed(1)
     delta = {"a": torch.randn(40, 9, generator=gen), "b": torch.randn(7, generator=gen)}
     header = dict(node_id="n", local_step=3, base_outer_step=1, dtype=wire, block_size=16)
-    encoded = T.encode_delta(delta, wire, 16)  # the whole encoded copy, as before
-    data = T.delta_to_bytes(encoded, **header)
-    assert T.delta_to_bytes(delta, **header) == data
-    assert T.delta_to_bytes(T.EncodedView(delta, wire, 16), **header) == data
-    decoded, _ = T.delta_from_bytes(data)
-    assert all(torch.equal(decoded[k], T.decode_value(encoded[k])) for k in delta)
+    encoded = encode_delta(delta, wire, 16)  # the whole encoded copy, as before
+    data = delta_to_bytes(encoded, **header)
+    assert delta_to_bytes(delta, **header) == data
+    assert delta_to_bytes(EncodedView(delta, wire, 16), **header) == data
+    decoded, _ = delta_from_bytes(data)
+    assert all(torch.equal(decoded[k], decode_value(encoded[k])) for k in delta)

@@ -13,7 +13,6 @@ import pytest
 import torch
 from hub_emulator_fixtures import TEST_TOKEN, fast_retry, hub_emulator, make_transport  # noqa: F401
 
-from speedtronic.diloco import exchange as T
 from speedtronic.diloco.directory import DirectoryTransport
 from speedtronic.diloco.exchange import (
     GLOBAL_MODEL,
@@ -24,6 +23,7 @@ from speedtronic.diloco.exchange import (
     TransportError,
 )
 from speedtronic.diloco.hub import HubClient
+from speedtronic.diloco.wire import delta_to_bytes, open_delta
 from speedtronic.testing.hub_server import HubEmulator
 
 W = {"w": torch.ones(4)}
@@ -76,7 +76,7 @@ def test_a_linked_node_directory_is_refused_and_never_listed(tmp_path):
         store.claim_owner("a", {"state": "training"})
     _refused_as_link(info, "nodes/a")
     assert list(outside.iterdir()) == []
-    (outside / "delta_0.safetensors").write_bytes(T.delta_to_bytes(W, node_id="a", **_BASE))
+    (outside / "delta_0.safetensors").write_bytes(delta_to_bytes(W, node_id="a", **_BASE))
     (outside / "owner.json").write_text("{}")
     scan = store.scan()
     assert scan.deltas == {} and scan.owners == set() and scan.files == {}
@@ -99,7 +99,7 @@ def test_linked_files_are_not_listed_read_or_written_through(tmp_path):
     delta = tmp_path / "x/nodes/a/delta_0.safetensors"
     delta.parent.mkdir(parents=True)
     target = tmp_path / "elsewhere.safetensors"
-    target.write_bytes(T.delta_to_bytes(W, node_id="a", **_BASE))
+    target.write_bytes(delta_to_bytes(W, node_id="a", **_BASE))
     delta.symlink_to(target)
     assert "global/step_count.json" not in store.list_files()
     assert store.scan().deltas == {}
@@ -148,7 +148,7 @@ def test_local_copy_checks_its_bound_on_the_file_it_hands_out(kind, make_transpo
     with pytest.raises(TransportError, match=f"{size} bytes, more than the 100") as info:
         _open(store, path, max_bytes=100)
     assert info.value.kind == "permanent"
-    with store.local_copy(path, max_bytes=size) as local, T.open_delta(local) as reader:
+    with store.local_copy(path, max_bytes=size) as local, open_delta(local) as reader:
         assert reader.metadata["node_id"] == "a"
     with pytest.raises(RemoteNotFound):
         _open(store, "nodes/a/delta_7.safetensors", max_bytes=size)
@@ -159,8 +159,8 @@ def test_a_directory_copy_is_pinned_to_the_file_checked(tmp_path):
     path = store.upload_delta({"w": torch.ones(4)}, node_id="a", **_BASE)
     with store.local_copy(path, max_bytes=10_000) as local:
         # a writer renames a much larger file over it after the check
-        store.commit({path: T.delta_to_bytes({"w": torch.ones(100_000)}, node_id="a", **_BASE)})
-        with T.open_delta(local) as reader:
+        store.commit({path: delta_to_bytes({"w": torch.ones(100_000)}, node_id="a", **_BASE)})
+        with open_delta(local) as reader:
             assert reader.metadata["node_id"] == "a"
             total = {"w": torch.zeros(4)}
             reader.add_to(total)  # the 4 values checked, not the 100k now under the name

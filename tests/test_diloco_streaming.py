@@ -13,7 +13,8 @@ import pytest
 import torch
 from test_diloco_master import join, lines, make_master
 
-from speedtronic.diloco import exchange as T
+from speedtronic.diloco.codec import DELTA_DTYPES
+from speedtronic.diloco.wire import average_deltas
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,12 +46,12 @@ def test_streamed_average_equals_the_in_memory_average(tmp_path, dtype):
         join(t, node)
         _plant(t, node, 0, delta, dtype)
     assert master.poll_once() is True
-    wire = T.DELTA_DTYPES[dtype]
+    wire = DELTA_DTYPES[dtype]
     # what the master must compute: the float32 mean of what it received, in node order
     received = [
         {k: v.to(wire).to(torch.float32) for k, v in deltas[n].items()} for n in sorted(deltas)
     ]
-    expected = T.average_deltas(received)
+    expected = average_deltas(received)
     glob = t.read_global()
     for key in ("a", "b"):
         assert torch.equal(glob[key], -expected[key]), key  # outer lr 1, momentum 0, from zero

@@ -6,10 +6,23 @@ import pytest
 import torch
 
 from speedtronic.diloco import exchange as T
+from speedtronic.diloco.codec import delta_dtype
+from speedtronic.diloco.wire import (
+    average_deltas,
+    compute_pseudo_gradient,
+    delta_from_bytes,
+    delta_to_bytes,
+    is_all_zero,
+    load_safetensors,
+    read_metadata,
+    save_safetensors,
+    state_from_bytes,
+    validate_delta,
+)
 
 
 def test_pseudo_gradient_golden_sign():
-    delta = T.compute_pseudo_gradient(
+    delta = compute_pseudo_gradient(
         {"w": torch.tensor([3.0, 5.0])}, {"w": torch.tensor([1.0, 4.0])}
     )
     assert delta["w"].tolist() == [2.0, 1.0]
@@ -18,19 +31,19 @@ def test_pseudo_gradient_golden_sign():
 
 def test_pseudo_gradient_skips_integer_buffers_and_checks_shapes():
     base = {"w": torch.ones(2), "n": torch.tensor([1])}
-    delta = T.compute_pseudo_gradient(base, {"w": torch.zeros(2), "n": torch.tensor([5])})
+    delta = compute_pseudo_gradient(base, {"w": torch.zeros(2), "n": torch.tensor([5])})
     assert set(delta) == {"w"}
     with pytest.raises(ValueError, match="shape mismatch for w"):
-        T.compute_pseudo_gradient(base, {"w": torch.zeros(3), "n": torch.tensor([1])})
+        compute_pseudo_gradient(base, {"w": torch.zeros(3), "n": torch.tensor([1])})
     with pytest.raises(ValueError, match="keys differ"):
-        T.compute_pseudo_gradient(base, {"w": torch.zeros(2)})
+        compute_pseudo_gradient(base, {"w": torch.zeros(2)})
 
 
 def test_equal_weight_average_golden():
-    mean = T.average_deltas([{"w": torch.tensor([2.0, 1.0])}, {"w": torch.tensor([0.0, 3.0])}])
+    mean = average_deltas([{"w": torch.tensor([2.0, 1.0])}, {"w": torch.tensor([0.0, 3.0])}])
     assert mean["w"].tolist() == [1.0, 2.0]
     with pytest.raises(ValueError):
-        T.average_deltas([])
+        average_deltas([])
 
 
 @pytest.mark.parametrize(
@@ -54,38 +67,38 @@ def test_parse_delta_path(path, expected):
 @pytest.mark.parametrize(("name", "ratio"), [("fp32", 1.0), ("bf16", 0.5), ("fp16", 0.5)])
 def test_delta_dtype_halves_bytes_and_loads_as_float32(name, ratio):
     delta = {"w": torch.randn(64, 64)}
-    fp32 = T.delta_to_bytes(delta, node_id="a", local_step=1, base_outer_step=0)
-    data = T.delta_to_bytes(delta, node_id="a", local_step=1, base_outer_step=0, dtype=name)
+    fp32 = delta_to_bytes(delta, node_id="a", local_step=1, base_outer_step=0)
+    data = delta_to_bytes(delta, node_id="a", local_step=1, base_outer_step=0, dtype=name)
     assert len(data) == pytest.approx(len(fp32) * ratio, rel=0.05)
-    tensors, meta = T.delta_from_bytes(data)
+    tensors, meta = delta_from_bytes(data)
     assert tensors["w"].dtype == torch.float32
     assert meta["dtype"] == name and meta["node_id"] == "a" and meta["base_outer_step"] == "0"
     assert torch.allclose(tensors["w"], delta["w"], atol=1e-2 * delta["w"].abs().max().item())
     with pytest.raises(ValueError):
-        T.delta_dtype("fp8")
+        delta_dtype("fp8")
 
 
 def test_corrupt_bytes_are_value_errors():
     for data in (b"", b"not safetensors", b"\x08\x00\x00\x00\x00\x00\x00\x00{bad json"):
         with pytest.raises(ValueError):
-            T.state_from_bytes(data)
+            state_from_bytes(data)
 
 
 def test_validate_delta_rejects_keys_shapes_and_non_finite():
     ref = {"w": torch.zeros(2), "step": torch.tensor(3)}
-    T.validate_delta({"w": torch.ones(2)}, ref)
+    validate_delta({"w": torch.ones(2)}, ref)
     for bad in (
         {"w": torch.ones(3)},
         {"x": torch.ones(2)},
         {"w": torch.tensor([1.0, float("nan")])},
     ):
         with pytest.raises(ValueError):
-            T.validate_delta(bad, ref)
+            validate_delta(bad, ref)
 
 
 def test_all_zero_detection():
-    assert T.is_all_zero({"w": torch.zeros(3)})
-    assert not T.is_all_zero({"w": torch.tensor([0.0, 1e-12])})
+    assert is_all_zero({"w": torch.zeros(3)})
+    assert not is_all_zero({"w": torch.tensor([0.0, 1e-12])})
 
 
 def test_tied_weights_round_trip(tmp_path):
@@ -93,8 +106,8 @@ def test_tied_weights_round_trip(tmp_path):
     head = torch.nn.Linear(4, 8, bias=False)
     head.weight = emb.weight
     state = {"emb.weight": emb.weight, "head.weight": head.weight}
-    path = T.save_safetensors(state, tmp_path / "g.safetensors", metadata={"a": 1})
-    loaded = T.load_safetensors(path)
+    path = save_safetensors(state, tmp_path / "g.safetensors", metadata={"a": 1})
+    loaded = load_safetensors(path)
     assert len(loaded) == 2 and torch.equal(loaded["emb.weight"], loaded["head.weight"])
-    assert T.read_metadata(path) == {"a": "1"}
+    assert read_metadata(path) == {"a": "1"}
     assert not list(tmp_path.glob(".*tmp*"))

@@ -8,9 +8,11 @@ One module a role:
 - :mod:`.master`: the master's round (one class), with the nodes it waits for, its agreement
   with the published state, its round state and local file, and the outer step;
 - :mod:`.relay`: a group leader's link to the top-level exchange;
-- :mod:`.exchange`: the layout, wire format and validation, the ``Store`` protocol, and the
-  one reporting channel (log lines to the ``speedtronic.diloco`` logger, events to one
-  ``emit(event, **fields)``, :class:`.exchange.Emit`);
+- :mod:`.exchange`: the layout, the ``Store`` protocol, and the one reporting channel (log
+  lines to the ``speedtronic.diloco`` logger, events to one ``emit(event, **fields)``,
+  :class:`.exchange.Emit`);
+- :mod:`.wire`: the contribution and the safetensors files that carry it, with the checks
+  every file read passes; :mod:`.codec`: how the values are encoded (casts, int8/int4 codes);
 - :mod:`.directory` and :mod:`.hub`: the stores (shared volume, Hugging Face Hub with the
   HTTP layer that bounds its calls); errors and the one retry policy are in :mod:`.exchange`;
 - :mod:`.coordinator`: the wiring, from the ``distributed`` config section to the trainer.
@@ -31,15 +33,17 @@ from speedtronic.diloco.exchange import (
     RetryPolicy,
     Transport,
     TransportError,
+    parse_delta_path,
+)
+from speedtronic.diloco.master import NesterovOuterOptimizer, RoundMaster
+from speedtronic.diloco.node import Contribution, DiLoCoNode, GlobalCandidate, resolve_node_id
+from speedtronic.diloco.wire import (
     average_deltas,
     compute_pseudo_gradient,
     load_delta,
     load_safetensors,
-    parse_delta_path,
     save_safetensors,
 )
-from speedtronic.diloco.master import NesterovOuterOptimizer, RoundMaster
-from speedtronic.diloco.node import Contribution, DiLoCoNode, GlobalCandidate, resolve_node_id
 
 DumbDiLoCo = DumbDiLoCoCoordinator
 #: 2.0.0 names: the master's aggregation loop and the upload job.

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from speedtronic.checkpoint import atomic_write_bytes
-from speedtronic.diloco import exchange as T
+from speedtronic.diloco import wire
 from speedtronic.diloco.directory import DirectoryTransport
 from speedtronic.diloco.exchange import (
     ExchangeError,
@@ -185,7 +185,7 @@ class DumbDiLoCoCoordinator:
             self._halt = threading.Event()
             self.master = RoundMaster(
                 hub,
-                T.cpu_state_dict(model.state_dict()),
+                wire.cpu_state_dict(model.state_dict()),
                 settings=cfg,
                 state_dir=self.state_dir,
                 emit=self._emit,
@@ -449,7 +449,9 @@ class DumbDiLoCoCoordinator:
             if self.node is not None:
                 self.node.merge_waiting()
             elif self.master.finished.is_set():
-                self.model.load_state_dict(T.cpu_state_dict(self.master.global_state), strict=False)
+                self.model.load_state_dict(
+                    wire.cpu_state_dict(self.master.global_state), strict=False
+                )
 
     def _serve_until_final(self) -> None:
         """Wait while the master's rounds go on until it published the final global.
@@ -591,7 +593,7 @@ def write_final(
     was written as ``meta.json``, each file written atomically."""
     import yaml
 
-    T.save_safetensors(dict(state), directory / "model.safetensors")
+    wire.save_safetensors(dict(state), directory / "model.safetensors")
     atomic_write_bytes(
         yaml.safe_dump(dict(run_config), sort_keys=False).encode("utf-8"),
         directory / "config.yaml",

@@ -1,6 +1,6 @@
-"""The exchange every DiLoCo role meets through: its layout, its wire format and the
-``Store`` protocol that the directory (:mod:`.directory`) and Hub (:mod:`.hub`) stores
-implement, with their errors and one retry policy::
+"""The exchange every DiLoCo role meets through: its layout and the ``Store`` protocol that
+the directory (:mod:`.directory`) and Hub (:mod:`.hub`) stores implement, with their errors
+and one retry policy::
 
     global/latest.safetensors              global weights of outer step R (native dtypes)
     global/step_count.json                 version record (outer_step, sha256, run_id, final)
@@ -9,14 +9,9 @@ implement, with their errors and one retry policy::
     nodes/<node_id>/delta_<r>.safetensors  the node's contribution to round r
     nodes/<node_id>/owner.json             the node's claim and status (training/done)
 
-A contribution is ``float32(global_r) - float32(local)`` over the floating keys (the sign
-points against local progress, so the master subtracts ``lr * mean``). It travels as
-safetensors with string metadata (``node_id``, ``round``, ``run_id``, ``instance``,
-``local_step``, ``base_outer_step``, ``dtype``, ``final``), in fp32, bf16 or fp16, or
-blockwise-quantized as int8 or int4 codes with a float32 scale per block (``block_size`` in
-the header), and is aggregated in float32. Everything read is validated here before it is
-used: keys and shapes of the model, finite (as the model's dtypes will hold it), within
-:data:`MAX_DELTA_ABS`, a size bound checked on the file actually read.
+What a contribution is, the format of the files and the checks every file read passes are
+:mod:`.wire`'s; how the values are encoded (fp32, bf16, fp16, int8, int4) is :mod:`.codec`'s.
+A store adds a size bound, checked on the file actually read.
 
 :class:`RepoTransport` builds the layout over five primitives a store implements (create,
 grant, list, read, commit: one Hub commit, or temp file + rename per file on a volume). The one
@@ -33,15 +28,10 @@ token (:func:`scrub`).
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import dataclasses
 import hashlib
-import io
 import json
 import logging
-import math
-import os
 import re
 import tempfile
 import time
@@ -52,80 +42,47 @@ from typing import Any, BinaryIO, Protocol, TypeVar, runtime_checkable
 
 import torch
 
-from speedtronic.checkpoint import atomic_write_bytes
 from speedtronic.config import redaction
 from speedtronic.config.errors import ConfigError
 from speedtronic.config.limits import is_valid_node_id
+from speedtronic.diloco.wire import (
+    delta_from_bytes,
+    first_non_finite,
+    open_safetensors,
+    save_safetensors,
+    write_delta,
+    write_safetensors,
+)
 
 __all__ = [
-    "DEFAULT_BLOCK_SIZE",
-    "DELTA_DTYPES",
-    "DELTA_FORMATS",
     "GLOBAL_MODEL",
     "GLOBAL_PROCESSED",
     "GLOBAL_STEP",
-    "MAX_DELTA_ABS",
     "NODE_RECORDS",
-    "QUANTIZED_BITS",
-    "SCALE_SUFFIX",
     "AccessRefused",
-    "DeltaReader",
     "Emit",
-    "EncodedView",
     "ErrorInfo",
     "ExchangeError",
     "FileInfo",
     "GlobalMetadata",
     "HubError",
     "HubUnavailable",
-    "QuantizedTensor",
     "RemoteNotFound",
     "RepoScan",
     "RepoTransport",
     "RetryPolicy",
-    "SafetensorsFile",
     "Store",
     "Transport",
     "TransportError",
-    "WireCodec",
-    "average_deltas",
-    "check_layout",
     "classify_error",
-    "compute_pseudo_gradient",
-    "cpu_state_dict",
-    "cpu_tensor",
-    "decode_value",
-    "delta_dtype",
-    "delta_from_bytes",
     "delta_path",
-    "delta_to_bytes",
-    "encode_delta",
-    "encode_value",
     "file_sha256",
-    "first_non_finite",
-    "floating_state",
     "ignore",
-    "is_all_zero",
-    "load_delta",
-    "load_safetensors",
     "max_global_bytes",
-    "open_delta",
-    "open_safetensors",
     "parse_delta_path",
-    "quantize",
-    "read_metadata",
     "retry_policy_from_config",
-    "return_free_memory",
-    "save_safetensors",
     "scrub",
-    "state_from_bytes",
-    "state_to_bytes",
     "too_large",
-    "validate_delta",
-    "value_slices",
-    "write_delta",
-    "write_quantized",
-    "write_safetensors",
 ]
 
 _LOG = logging.getLogger("speedtronic.diloco")
@@ -316,114 +273,15 @@ def ignore(event: str, /, **fields: Any) -> None:
     """An :class:`Emit` that reports nothing (the default where nobody listens)."""
 
 
-# -- wire format ---------------------------------------------------------------------------
-#: Float wire dtypes accepted by ``distributed.delta_dtype``.
-DELTA_DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-}
-#: Blockwise-quantized wire formats of ``distributed.delta_dtype``: bits per code.
-QUANTIZED_BITS: dict[str, int] = {"int8": 8, "int4": 4}
-#: Every value of ``distributed.delta_dtype``.
-DELTA_FORMATS: tuple[str, ...] = (*DELTA_DTYPES, *QUANTIZED_BITS)
+# -- layout and the Store protocol --------------------------------------------------------
+GLOBAL_MODEL = "global/latest.safetensors"
+GLOBAL_STEP = "global/step_count.json"
+GLOBAL_PROCESSED = "global/processed.json"
+GLOBAL_UPDATE = "global/update.safetensors"  # the quantized outer update (global_dtype)
+# the records of each node that global/processed.json carries beside the ledger, by type
+NODE_RECORDS: dict[str, type] = {"finals": int, "instances": str, "digests": str}
 
 _DELTA_NAME = re.compile(r"^delta_(0|[1-9][0-9]*)\.safetensors$")
-
-
-def cpu_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """Detached, contiguous CPU clone (clones break storage sharing such as tied weights)."""
-    return tensor.detach().to("cpu").contiguous().clone()
-
-
-def cpu_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """CPU clone of every tensor, keys converted to ``str``."""
-    return {str(key): cpu_tensor(value) for key, value in state.items()}
-
-
-def _is_floating(tensor: torch.Tensor) -> bool:
-    return tensor.is_floating_point() or tensor.is_complex()
-
-
-def floating_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The floating-point or complex entries of ``state``."""
-    return {key: value for key, value in state.items() if _is_floating(value)}
-
-
-def delta_dtype(name: str | None) -> torch.dtype:
-    """Map ``fp32|bf16|fp16`` (None -> fp32) to the torch dtype of its values, and ``int8`` /
-    ``int4`` to the dtype of their codes (``int8``; ``uint8`` holding two 4-bit codes per
-    byte); anything else is a ValueError."""
-    key = (name or "fp32").lower()
-    if key == "int8":
-        return torch.int8
-    if key == "int4":
-        return torch.uint8
-    if key not in DELTA_DTYPES:
-        raise ValueError(
-            f"distributed.delta_dtype must be one of {list(DELTA_FORMATS)}, got {name!r}"
-        )
-    return DELTA_DTYPES[key]
-
-
-def check_layout(baseline: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor]) -> None:
-    """A ``ValueError`` unless both states have the same keys with the same shapes."""
-    missing_current = sorted(set(baseline) - set(current))
-    missing_baseline = sorted(set(current) - set(baseline))
-    if missing_current or missing_baseline:
-        raise ValueError(
-            "state keys differ: missing in current "
-            f"{missing_current}, missing in baseline {missing_baseline}"
-        )
-    for key, base in baseline.items():
-        cur = current[key]
-        if tuple(base.shape) != tuple(cur.shape):
-            raise ValueError(f"shape mismatch for {key}: {tuple(base.shape)} vs {tuple(cur.shape)}")
-
-
-def compute_pseudo_gradient(
-    baseline: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """``float32(baseline) - float32(current)`` for every floating key (golden: [3,5]-[1,4]=[2,1]).
-
-    Key sets must match and every shape must agree, else ``ValueError``.
-    """
-    check_layout(baseline, current)
-    delta: dict[str, torch.Tensor] = {}
-    for key, base in baseline.items():
-        cur = current[key]
-        if _is_floating(base):
-            b = base.detach().to("cpu")
-            c = cur.detach().to("cpu")
-            if b.is_complex():
-                b, c = b.real, c.real
-            delta[key] = b.to(torch.float32) - c.to(torch.float32)
-    return delta
-
-
-def average_deltas(deltas: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Equal-weight float32 mean of deltas with identical keys and shapes."""
-    items = list(deltas)
-    if not items:
-        raise ValueError("average_deltas needs at least one delta")
-    keys = set(items[0])
-    total: dict[str, torch.Tensor] = {
-        key: value.detach().to("cpu", torch.float32, copy=True) for key, value in items[0].items()
-    }
-    for delta in items[1:]:
-        if set(delta) != keys:
-            raise ValueError("all deltas must have the same keys")
-        for key, value in delta.items():
-            if tuple(value.shape) != tuple(total[key].shape):
-                raise ValueError(f"shape mismatch for {key}")
-            total[key].add_(value.detach().to("cpu", torch.float32))
-    count = float(len(items))
-    return {key: value.div_(count) for key, value in total.items()}
-
-
-def is_all_zero(delta: Mapping[str, torch.Tensor]) -> bool:
-    """True when every tensor of ``delta`` is exactly zero (nothing to upload)."""
-    return all(not bool(torch.count_nonzero(value)) for value in delta.values())
 
 
 def is_path_safe(identifier: str) -> bool:
@@ -452,822 +310,10 @@ def parse_delta_path(path: str) -> tuple[str, int] | None:
     return parts[1], int(match.group(1))
 
 
-#: safetensors' names of the dtypes a state may hold.
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-
-
-_TORCH_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
-
-
-def write_safetensors(
-    handle: BinaryIO,
-    state: Mapping[str, torch.Tensor],
-    *,
-    metadata: Mapping[str, object] | None = None,
-    dtype: torch.dtype | None = None,
-) -> str:
-    """Write ``state`` in the safetensors format to the binary file ``handle``, one tensor at
-    a time (at most one tensor's converted copy in memory, never the whole file); floating
-    tensors are cast to ``dtype`` if given. Returns the sha256 of the bytes written."""
-    layout: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
-    for key, value in state.items():
-        out = dtype if dtype is not None and value.is_floating_point() else value.dtype
-        layout.append((str(key), out, tuple(value.shape)))
-    return _write_entries(handle, layout, lambda key, out: state[key], metadata)
-
-
-def _write_entries(
-    handle: BinaryIO,
-    layout: list[tuple[str, torch.dtype, tuple[int, ...]]],
-    produce: Callable[[str, torch.dtype], torch.Tensor],
-    metadata: Mapping[str, object] | None,
-) -> str:
-    """The safetensors writer: the header from ``layout`` (key, dtype, shape), then each
-    entry's bytes as ``produce(key, dtype)`` makes them, one at a time, in layout order."""
-    header: dict[str, Any] = {}
-    offset = 0
-    for key, out, shape in layout:
-        size = math.prod(shape) * torch.empty((), dtype=out).element_size()
-        header[key] = {
-            "dtype": _SAFETENSORS_DTYPES[out],
-            "shape": list(shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    digest = hashlib.sha256()
-    for chunk in (len(raw).to_bytes(8, "little"), raw):
-        handle.write(chunk)
-        digest.update(chunk)
-    for key, out, shape in layout:
-        tensor = produce(key, out).detach().to("cpu", out).contiguous().reshape(-1)
-        if tensor.numel() != math.prod(shape):
-            raise ValueError(f"{key}: {tensor.numel()} values, the header says {shape}")
-        if tensor.numel():
-            view = memoryview(tensor.view(torch.uint8).numpy())
-            handle.write(view)
-            digest.update(view)
-    return digest.hexdigest()
-
-
-def state_to_bytes(
-    state: Mapping[str, torch.Tensor],
-    *,
-    metadata: Mapping[str, object] | None = None,
-    dtype: torch.dtype | None = None,
-) -> bytes:
-    """Serialise ``state`` as safetensors bytes; floating tensors are cast to ``dtype`` if given."""
-    from safetensors.torch import save
-
-    tensors = {}
-    for key, value in state.items():
-        tensor = cpu_tensor(value)
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
-        tensors[str(key)] = tensor
-    meta = {str(k): str(v) for k, v in (metadata or {}).items()}
-    return save(tensors, metadata=meta)
-
-
-def _header(data: bytes) -> dict:
-    if len(data) < 8:
-        raise ValueError("not a safetensors file (too short)")
-    size = int.from_bytes(data[:8], "little")
-    if size <= 0 or 8 + size > len(data):
-        raise ValueError("not a safetensors file (bad header length)")
-    try:
-        header = json.loads(data[8 : 8 + size])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"not a safetensors file (bad header: {exc})") from None
-    if not isinstance(header, dict):
-        raise ValueError("not a safetensors file (header is not an object)")
-    return header
-
-
-def state_from_bytes(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Parse safetensors bytes into ``(tensors, metadata)``; any damage is a ``ValueError``."""
-    from safetensors.torch import load
-
-    header = _header(data)
-    metadata = header.get("__metadata__") or {}
-    try:
-        tensors = load(bytes(data))
-    except Exception as exc:  # safetensors raises its own SafetensorError
-        raise ValueError(f"unable to load safetensors data: {exc}") from None
-    return dict(tensors), {str(k): str(v) for k, v in metadata.items()}
-
-
-def delta_to_bytes(delta: Mapping[str, torch.Tensor | QuantizedTensor], **header: Any) -> bytes:
-    """Delta file bytes (see :func:`write_delta`, which takes the same arguments)."""
-    buffer = io.BytesIO()
-    write_delta(buffer, delta, **header)
-    return buffer.getvalue()
-
-
-def write_delta(
-    handle: BinaryIO,
-    delta: Mapping[str, torch.Tensor | QuantizedTensor],
-    *,
-    node_id: str,
-    local_step: int,
-    base_outer_step: int,
-    round_index: int | None = None,
-    dtype: str = "fp32",
-    extra: Mapping[str, object] | None = None,
-    block_size: int | None = None,
-) -> None:
-    """Write a delta file to ``handle`` one tensor at a time: the core header keys and the
-    values in wire format ``dtype``.
-
-    ``round_index`` is the round the contribution is meant for (defaults to
-    ``base_outer_step``); ``local_step`` the node's optimizer step when it was taken. With
-    ``int8``/``int4`` the values are quantized in blocks of ``block_size`` values (default
-    :data:`DEFAULT_BLOCK_SIZE`; a value already given as a :class:`QuantizedTensor`, see
-    :func:`encode_delta`, is written as it is).
-    """
-    name = (dtype or "fp32").lower()
-    delta_dtype(name)  # a ValueError for an unknown format
-    metadata: dict[str, object] = {
-        "node_id": node_id,
-        "round": int(base_outer_step if round_index is None else round_index),
-        "local_step": int(local_step),
-        "base_outer_step": int(base_outer_step),
-        "algorithm": "dumb_diloco",
-        "dtype": name,
-        **dict(extra or {}),
-    }
-    if isinstance(delta, EncodedView):  # the same codes, made again as they are written
-        if delta.dtype != name:
-            raise ValueError(f"the values are encoded as {delta.dtype}, the file says {name}")
-        block_size, delta = delta.block_size, delta.source
-    if name not in QUANTIZED_BITS:
-        write_safetensors(handle, delta, metadata=metadata, dtype=DELTA_DTYPES[name])
-        return
-    write_quantized(handle, delta, name, int(block_size or DEFAULT_BLOCK_SIZE), metadata)
-
-
-def write_quantized(
-    handle: BinaryIO,
-    values: Mapping[str, torch.Tensor | QuantizedTensor],
-    dtype: str,
-    block_size: int,
-    metadata: Mapping[str, object],
-) -> str:
-    """Write ``values`` blockwise-quantized (``int8``/``int4``; float tensors are quantized
-    as they are written, one at a time) with ``metadata`` and what a reader needs to decode
-    them (the block size; every shape for int4, whose packed codes lose it): each tensor's
-    codes under its key, its scales beside it. Returns the file's sha256."""
-    bits = QUANTIZED_BITS[dtype]
-    layout: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
-    shapes: dict[str, list[int]] = {}
-    for key, value in values.items():
-        quantized = isinstance(value, QuantizedTensor)
-        if quantized and (value.bits, value.block_size) != (bits, block_size):
-            raise ValueError(f"{key} is quantized otherwise than {dtype}/{block_size}")
-        shape = tuple(value.shape)
-        numel = math.prod(shape)
-        codes = shape if bits == 8 else (-(-numel // 2),)
-        layout.append((str(key), delta_dtype(dtype), codes))
-        layout.append((str(key) + SCALE_SUFFIX, torch.float32, (-(-numel // block_size),)))
-        shapes[str(key)] = list(shape)
-    header = {**metadata, "block_size": str(block_size)}
-    if dtype == "int4":
-        header["shapes"] = json.dumps(shapes, sort_keys=True, separators=(",", ":"))
-    last: list[QuantizedTensor] = []  # the tensor being written: its codes, then its scales
-
-    def produce(key: str, out: torch.dtype) -> torch.Tensor:
-        if key.endswith(SCALE_SUFFIX):
-            return last.pop().scales
-        value = values[key]
-        if not isinstance(value, QuantizedTensor):
-            value = quantize(value, bits, block_size)
-        last.append(value)
-        return value.codes
-
-    return _write_entries(handle, layout, produce, header)
-
-
-class EncodedView(Mapping[str, "torch.Tensor | QuantizedTensor"]):
-    """``source`` as the wire carries it in format ``dtype``, one tensor at a time: each
-    lookup encodes that tensor (deterministically, so again gives the same codes), so a
-    node never holds the whole encoded copy; :func:`write_delta` streams it to the file."""
-
-    def __init__(self, source: Mapping[str, torch.Tensor], dtype: str, block_size: int):
-        delta_dtype(dtype)
-        self.source, self.dtype, self.block_size = source, dtype, int(block_size)
-
-    def __getitem__(self, key: str) -> torch.Tensor | QuantizedTensor:
-        return encode_value(self.source[key], self.dtype, self.block_size)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.source)
-
-    def __len__(self) -> int:
-        return len(self.source)
-
-    def keep_residual(self) -> dict[str, torch.Tensor]:
-        """Turn ``source`` into what the wire leaves out (``value - decode(encoded)``), in
-        place, tensor by tensor, and return it: the node's error-feedback residual, in the
-        contribution's own buffers (no second copy of the model)."""
-        for value in self.source.values():
-            flat = value.view(-1)  # the node's own contiguous buffers
-            for start, stop in quantizer_slices(flat.numel(), self.block_size):
-                part = flat[start:stop]
-                part.sub_(decode_value(encode_value(part, self.dtype, self.block_size)))
-        return dict(self.source)
-
-
-def delta_from_bytes(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Parse a delta file; tensors come back as float32 (the master aggregates in fp32).
-
-    Only the wire dtypes (fp32, bf16, fp16) are accepted as values: an integer or boolean
-    tensor is a ``ValueError``, never silently converted. A quantized file (``int8``,
-    ``int4`` in its header) is decoded, its codes and scales checked as in
-    :meth:`DeltaReader.check` (without a model to compare keys and shapes with).
-    """
-    tensors, metadata = state_from_bytes(data)
-    codec = WireCodec.from_metadata(metadata)
-    if codec.bits is not None:
-        shapes = codec.shapes_from(metadata, tensors)
-        return {
-            key: codec.read(key, tensors.__getitem__, shape, MAX_DELTA_ABS)
-            for key, shape in shapes.items()
-        }, metadata
-    wire = set(DELTA_DTYPES.values())
-    for key, value in tensors.items():
-        if value.dtype not in wire:
-            raise ValueError(f"{key} is {value.dtype}; a delta holds fp32, bf16 or fp16 values")
-    return {k: v.to(torch.float32) for k, v in tensors.items()}, metadata
-
-
-#: Largest magnitude accepted in a pseudo-gradient: a weight that moves this much in one round
-#: has diverged (and sums of a few such values stay far from float32 overflow).
-MAX_DELTA_ABS = 1.0e4
-
-
-def first_non_finite(
-    state: Mapping[str, torch.Tensor], like: Mapping[str, torch.Tensor] | None = None
-) -> str | None:
-    """The first floating key of ``state`` holding NaN or inf, else None.
-
-    With ``like`` (the model's state), each tensor is checked as it will be installed: cast
-    to ``like``'s dtype for that key (a float64 1e300 is finite in the file and inf in a
-    float32 model)."""
-    for key, value in state.items():
-        if not _is_floating(value):
-            continue
-        target = like.get(key) if like is not None else None
-        cast = target.dtype if target is not None and _is_floating(target) else value.dtype
-        flat = value.reshape(-1)
-        for start, stop in value_slices(flat.numel()):  # temporaries of one slice
-            if not bool(torch.isfinite(flat[start:stop].to(cast)).all()):
-                return key
-    return None
-
-
-def return_free_memory() -> None:
-    """Hand the C heap's free pages back to the system (glibc ``malloc_trim``). A round's
-    slice-sized temporaries come from the heap, and without this the process keeps their
-    pages resident: memory the model does not need stays counted as the process's."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-
-
-def _load_libc() -> Any:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim  # noqa: B018 - glibc only: another C library has none
-    except (OSError, AttributeError):
-        return None
-    return libc
-
-
-_LIBC = _load_libc()
-
-
-def value_slices(numel: int, size: int | None = None) -> Iterator[tuple[int, int]]:
-    """``(start, stop)`` of consecutive slices of at most ``size`` (default
-    :data:`READ_SLICE`) values covering ``numel``: how large tensors are worked on, so that
-    temporaries stay ~1 MiB whatever the model."""
-    step = int(size or READ_SLICE)
-    for start in range(0, numel, step):
-        yield start, min(start + step, numel)
-
-
-def validate_delta(
-    delta: Mapping[str, torch.Tensor],
-    reference: Mapping[str, torch.Tensor],
-    *,
-    max_abs: float = MAX_DELTA_ABS,
-) -> None:
-    """Reject a delta whose keys/shapes differ from the floating part of ``reference``, that
-    holds NaN/inf, or a value beyond ``max_abs`` (``ValueError`` naming the problem)."""
-    expected = _expected_keys(delta.keys(), reference)
-    for key, value in delta.items():
-        _check_tensor(key, value, expected[key], max_abs)
-
-
-def _expected_keys(
-    keys: Iterable[str], reference: Mapping[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """The floating entries of ``reference``; ``keys`` must be exactly their names."""
-    expected = {k: v for k, v in reference.items() if _is_floating(v)}
-    have = set(keys)
-    if have != set(expected):
-        extra = sorted(have - set(expected))[:5]
-        missing = sorted(set(expected) - have)[:5]
-        raise ValueError(f"delta keys do not match the model (extra {extra}, missing {missing})")
-    return expected
-
-
-def _check_tensor(key: str, value: torch.Tensor, expected: torch.Tensor, max_abs: float) -> None:
-    """One delta tensor: the model's shape, finite, within ``max_abs`` (``ValueError``)."""
-    if tuple(value.shape) != tuple(expected.shape):
-        raise ValueError(
-            f"shape mismatch for {key}: {tuple(value.shape)} vs {tuple(expected.shape)}"
-        )
-    if not bool(torch.isfinite(value).all()):
-        raise ValueError(f"non-finite values in {key}")
-    peak = float(value.abs().max()) if value.numel() else 0.0
-    if peak > max_abs:
-        raise ValueError(f"{key} holds {peak:.3g}, beyond the bound {max_abs:g}")
-
-
-def save_safetensors(
-    state: Mapping[str, torch.Tensor], path: str | os.PathLike, *, metadata=None
-) -> Path:
-    """Atomically write ``state`` to ``path`` (temp file + rename)."""
-    return atomic_write_bytes(state_to_bytes(state, metadata=metadata), path)
-
-
-def load_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Load every tensor of a safetensors file onto the CPU."""
-    return state_from_bytes(Path(path).read_bytes())[0]
-
-
-def read_metadata(path: str | os.PathLike) -> dict[str, str]:
-    """Header metadata of a safetensors file (``{}`` when absent)."""
-    data = Path(path).read_bytes()
-    return {str(k): str(v) for k, v in (_header(data).get("__metadata__") or {}).items()}
-
-
-def load_delta(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """``(tensors, metadata)`` of a delta file; damage is a ``ValueError``."""
-    return state_from_bytes(Path(path).read_bytes())
-
-
-#: Values of a delta read at a time (fp32: 1 MiB): a slice, not a whole tensor, in memory.
-READ_SLICE = 1 << 18
-
-
-class DeltaReader:
-    """A delta file opened once: :meth:`check` validates it tensor by tensor, :meth:`add_to`
-    folds it into a running sum; a float delta is read a slice at a time (a quantized one a
-    tensor at a time)."""
-
-    def __init__(self, handle: SafetensorsFile):
-        self._handle = handle
-        self.metadata = {str(k): str(v) for k, v in (handle.metadata() or {}).items()}
-        self._codec: WireCodec | None = None  # the file's encoding, read by check()
-
-    def check(
-        self, reference: Mapping[str, torch.Tensor], *, max_abs: float = MAX_DELTA_ABS
-    ) -> str:
-        """The same checks as :func:`validate_delta` plus the wire dtypes (``ValueError``);
-        returns the sha256 of the values (a re-sent copy has the same digest).
-
-        A quantized file (``int8``/``int4`` in its header, with its ``block_size``) must hold
-        for every model key its codes (the model's shape for int8, two codes a byte for
-        int4) and one float32 scale per block; scales finite, non-negative and at most
-        ``max_abs`` over the largest code (so no decoded value exceeds ``max_abs``), codes
-        within their symmetric range."""
-        codec = WireCodec.from_metadata(self.metadata)
-        if codec.bits is not None:
-            return self._check_quantized(codec, reference, max_abs)
-        expected = _expected_keys(self._handle.keys(), reference)
-        wire = set(DELTA_DTYPES.values())
-        digest = hashlib.sha256()
-        for key in sorted(expected):
-            dtype, shape = self._handle.dtype(key), self._handle.shape(key)
-            if dtype not in wire:
-                raise ValueError(f"{key} is {dtype}; a delta holds fp32, bf16 or fp16 values")
-            if shape != tuple(expected[key].shape):
-                raise ValueError(
-                    f"shape mismatch for {key}: {shape} vs {tuple(expected[key].shape)}"
-                )
-            digest.update(key.encode("utf-8"))
-            peak = 0.0
-            for part in self._slices(key, expected[key].numel()):  # one slice in memory
-                if not bool(torch.isfinite(part).all()):
-                    raise ValueError(f"non-finite values in {key}")
-                peak = max(peak, float(part.abs().max()) if part.numel() else 0.0)
-                digest.update(part.view(torch.uint8).numpy())
-            if peak > max_abs:
-                raise ValueError(f"{key} holds {peak:.3g}, beyond the bound {max_abs:g}")
-        return digest.hexdigest()
-
-    def _slices(self, key: str, count: int) -> Iterator[torch.Tensor]:
-        """Tensor ``key`` (``count`` values), read :data:`READ_SLICE` values at a time."""
-        for start in range(0, count, READ_SLICE):
-            yield self._handle.read_flat(key, start, start + READ_SLICE)
-
-    def _check_quantized(
-        self, codec: WireCodec, reference: Mapping[str, torch.Tensor], max_abs: float
-    ) -> str:
-        expected = {k: v for k, v in reference.items() if _is_floating(v)}
-        keys = set(self._handle.keys())
-        wanted = set(expected) | {k + SCALE_SUFFIX for k in expected}
-        if keys != wanted:
-            extra = sorted(keys - wanted)[:5]
-            missing = sorted(wanted - keys)[:5]
-            raise ValueError(
-                f"delta keys do not match the model (extra {extra}, missing {missing})"
-            )
-        digest = hashlib.sha256()
-        for key in sorted(expected):
-            codec.read(key, self._handle.get_tensor, tuple(expected[key].shape), max_abs)
-            for name in (key, key + SCALE_SUFFIX):
-                digest.update(name.encode("utf-8"))
-                value = self._handle.get_tensor(name).contiguous()
-                digest.update(value.view(torch.uint8).numpy().tobytes())
-        self._codec = codec
-        return digest.hexdigest()
-
-    def add_to(self, total: dict[str, torch.Tensor], scale: float = 1.0) -> None:
-        """``total[key] += scale * value`` in float32 for every key (checked first); a
-        quantized file is decoded one tensor at a time."""
-        codec = self._codec or WireCodec.from_metadata(self.metadata)
-        for key in sorted(total):
-            if codec.bits is None:  # a slice at a time (slices of whole vector widths)
-                flat, start = total[key].view(-1), 0
-                for part in self._slices(key, flat.numel()):
-                    flat[start : start + part.numel()].add_(part.to(torch.float32), alpha=scale)
-                    start += part.numel()
-                continue
-            shape = tuple(total[key].shape)
-            value = codec.read(key, self._handle.get_tensor, shape, MAX_DELTA_ABS)
-            total[key].add_(value, alpha=scale)
-
-
-class SafetensorsFile:
-    """A safetensors file read one tensor at a time with plain reads: no memory map, so only
-    the tensor being read takes memory (a mapped file's pages would count as the process's
-    own while it is open). The header is checked when the file is opened (known dtypes, and
-    each tensor's byte range inside the file and as long as its shape and dtype say);
-    damage is a ``ValueError``. Offers ``metadata()``, ``keys()``, ``shape(key)`` and
-    ``get_tensor(key)``, as the handle of safetensors' ``safe_open`` does."""
-
-    def __init__(self, handle: BinaryIO):
-        size = os.fstat(handle.fileno()).st_size
-        length = int.from_bytes(handle.read(8), "little")
-        if size < 8 or length <= 0 or 8 + length > size:
-            raise ValueError("not a safetensors file (bad header length)")
-        header = _header(length.to_bytes(8, "little") + handle.read(length))
-        self._metadata = {
-            str(k): str(v) for k, v in (header.pop("__metadata__", None) or {}).items()
-        }
-        self._handle, self._start = handle, 8 + length
-        self._entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
-        for key, info in header.items():
-            try:
-                dtype = _TORCH_DTYPES[info["dtype"]]
-                shape = tuple(int(n) for n in info["shape"])
-                begin, end = (int(n) for n in info["data_offsets"])
-            except (KeyError, TypeError, ValueError):
-                raise ValueError(f"not a safetensors file (bad entry for {key!r})") from None
-            count = 1
-            for n in shape:
-                count *= n
-            width = torch.empty((), dtype=dtype).element_size()
-            if min(shape, default=0) < 0 or not 0 <= begin <= end <= size - self._start:
-                raise ValueError(f"not a safetensors file ({key!r} lies outside the file)")
-            if end - begin != count * width:
-                raise ValueError(f"not a safetensors file ({key!r} has the wrong length)")
-            self._entries[str(key)] = (dtype, shape, begin, end)
-
-    def metadata(self) -> dict[str, str]:
-        """The header's string metadata (``{}`` when absent)."""
-        return dict(self._metadata)
-
-    def keys(self) -> list[str]:
-        """The tensor names, in the header's order."""
-        return list(self._entries)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._entries)
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        """The shape of tensor ``key`` (read from the header only)."""
-        return self._entries[key][1]
-
-    def dtype(self, key: str) -> torch.dtype:
-        """The dtype of tensor ``key`` (read from the header only)."""
-        return self._entries[key][0]
-
-    def get_tensor(self, key: str) -> torch.Tensor:
-        """Tensor ``key``, read from the file into a new CPU tensor."""
-        dtype, shape, begin, end = self._entries[key]
-        count = (end - begin) // torch.empty((), dtype=dtype).element_size()
-        return self.read_flat(key, 0, count).reshape(shape)
-
-    def read_flat(self, key: str, start: int, stop: int) -> torch.Tensor:
-        """Values ``start`` to ``stop`` (clipped to its size) of tensor ``key`` flattened, read
-        from the file into a new 1-D CPU tensor: a slice of a large tensor costs its own size."""
-        dtype, _, begin, end = self._entries[key]
-        width = torch.empty((), dtype=dtype).element_size()
-        first = min(begin + start * width, end)
-        last = min(begin + stop * width, end)
-        raw = torch.empty(last - first, dtype=torch.uint8)
-        self._handle.seek(self._start + first)
-        if last > first and self._handle.readinto(memoryview(raw.numpy())) != last - first:
-            raise ValueError(f"{key} is truncated")
-        return raw.view(dtype)
-
-
-@contextlib.contextmanager
-def open_safetensors(path: str | os.PathLike) -> Iterator[SafetensorsFile]:
-    """A local safetensors file opened for :class:`SafetensorsFile`; damage is a
-    ``ValueError``."""
-    with open(path, "rb") as handle:
-        yield SafetensorsFile(handle)
-
-
-@contextlib.contextmanager
-def open_delta(path: str | os.PathLike) -> Iterator[DeltaReader]:
-    """Open a local delta file for :class:`DeltaReader`; an unreadable file is a ValueError."""
-    try:
-        opened = open_safetensors(path)
-        reader = DeltaReader(opened.__enter__())
-    except ValueError as exc:
-        raise ValueError(f"not a safetensors delta: {exc}") from None
-    try:
-        yield reader
-    finally:
-        opened.__exit__(None, None, None)
-
-
-# -- quantized deltas ---------------------------------------------------------------------
-#: Values per float32 scale when ``distributed.delta_block_size`` does not say (measured in
-#: docs/diloco.md, "Compressed deltas": 128 keeps int8 under 0.26x and int4 under 0.14x of
-#: the fp32 bytes at the quality of smaller blocks).
-DEFAULT_BLOCK_SIZE = 128
-#: Block sizes a file may declare (the config's bounds).
-MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 8, 1 << 20
-#: Key suffix of a tensor's block scales in a quantized delta file.
-SCALE_SUFFIX = "::scale"
-
-
-def _largest_code(bits: int) -> int:
-    """The largest code magnitude of a ``bits``-bit symmetric quantizer (127, 7)."""
-    return (1 << (bits - 1)) - 1
-
-
-@dataclasses.dataclass(frozen=True)
-class QuantizedTensor:
-    """One tensor in blocks of ``block_size`` consecutive values (row-major order, the last
-    block shorter), each block ``codes * scale`` with integer codes in ``[-q, q]`` (q = 127
-    for 8 bits, 7 for 4 bits) and one float32 ``scale`` = the block's largest magnitude / q.
-
-    ``codes``: int8 with the tensor's shape (8 bits), or uint8 of ``ceil(n / 2)`` bytes each
-    holding two codes + 8 (4 bits; low nibble first; an odd tail is padded with code 0).
-    ``scales``: float32 of ``ceil(n / block_size)``.
-    """
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-    shape: tuple[int, ...]
-    bits: int
-    block_size: int
-
-    def dequantize(self) -> torch.Tensor:
-        """The float32 values the master adds: ``code * scale`` of each value's block
-        (decoded a slice of blocks at a time: temporaries of ~1 MiB)."""
-        numel = math.prod(self.shape)
-        flat = self.codes.reshape(-1)
-        out = torch.empty(numel, dtype=torch.float32)
-        for start, stop in quantizer_slices(numel, self.block_size):
-            if self.bits == 8:
-                codes = flat[start:stop].to(torch.float32)
-            else:
-                packed = flat[start // 2 : (stop + 1) // 2]
-                pairs = torch.stack((packed & 0xF, packed >> 4), dim=1).reshape(-1)
-                codes = pairs[: stop - start].to(torch.float32).sub_(8.0)
-            first, blocks = start // self.block_size, -(-(stop - start) // self.block_size)
-            padded = torch.zeros(blocks * self.block_size, dtype=torch.float32)
-            padded[: stop - start] = codes
-            values = padded.view(blocks, self.block_size)
-            values.mul_(self.scales[first : first + blocks].view(blocks, 1))
-            out[start:stop] = values.reshape(-1)[: stop - start]
-        return out.reshape(self.shape)
-
-
-#: Values the quantizer takes at once (rounded to whole blocks): its temporaries stay ~1 MiB
-#: whatever the tensor, and the codes are the same as the whole tensor's (blocks are local).
-QUANTIZER_SLICE = 1 << 18
-
-
-def quantizer_slices(numel: int, block_size: int) -> Iterator[tuple[int, int]]:
-    """``(start, stop)`` of consecutive slices of whole blocks (an even number of values, so
-    4-bit codes pack within a slice), covering ``numel`` values."""
-    step = block_size * max(1, QUANTIZER_SLICE // block_size)
-    yield from value_slices(numel, step * (1 + step % 2))
-
-
-def quantize(tensor: torch.Tensor, bits: int, block_size: int) -> QuantizedTensor:
-    """Blockwise symmetric absmax quantization of ``tensor`` (float32 arithmetic, round half
-    to even: deterministic, so a node and the ideal arithmetic send the same codes), a slice
-    of blocks at a time."""
-    flat = tensor.detach().to("cpu", torch.float32).reshape(-1)
-    numel = flat.numel()
-    top = _largest_code(bits)
-    scales = torch.empty(-(-numel // block_size), dtype=torch.float32)
-    packed = torch.empty(numel if bits == 8 else -(-numel // 2), dtype=delta_dtype(f"int{bits}"))
-    for start, stop in quantizer_slices(numel, block_size):
-        blocks = -(-(stop - start) // block_size)
-        padded = torch.zeros(blocks * block_size, dtype=torch.float32)
-        padded[: stop - start] = flat[start:stop]
-        view = padded.view(blocks, block_size)
-        part = view.abs().amax(dim=1).div_(float(top))
-        scales[start // block_size : start // block_size + blocks] = part
-        safe = torch.where(part > 0, part, torch.ones_like(part))
-        codes = torch.round(view / safe.view(blocks, 1)).clamp_(-top, top).reshape(-1)
-        codes = codes[: stop - start]
-        if bits == 8:
-            packed[start:stop] = codes.to(torch.int8)
-            continue
-        nibbles = codes.to(torch.int16).add_(8).to(torch.uint8)
-        if nibbles.numel() % 2:
-            nibbles = torch.cat((nibbles, torch.full((1,), 8, dtype=torch.uint8)))
-        packed[start // 2 : start // 2 + nibbles.numel() // 2] = nibbles[0::2] | (
-            nibbles[1::2] << 4
-        )
-    if bits == 8:
-        packed = packed.reshape(tuple(tensor.shape))
-    return QuantizedTensor(packed, scales, tuple(tensor.shape), bits, block_size)
-
-
-def encode_delta(
-    delta: Mapping[str, torch.Tensor | QuantizedTensor], dtype: str, block_size: int
-) -> dict[str, torch.Tensor | QuantizedTensor]:
-    """``delta`` as the wire will carry it: quantized (int8, int4; a value already quantized
-    is kept), cast (bf16, fp16) or unchanged (fp32). :func:`decode_value` of each value is
-    exactly what the master adds, so ``value - decode_value(encoded)`` is what a node keeps
-    as its error-feedback residual."""
-    name = (dtype or "fp32").lower()
-    delta_dtype(name)
-    bits = QUANTIZED_BITS.get(name)
-    out: dict[str, torch.Tensor | QuantizedTensor] = {}
-    for key, value in delta.items():
-        if isinstance(value, QuantizedTensor):
-            if value.bits != bits or value.block_size != block_size:
-                raise ValueError(f"{key} is quantized otherwise than {name}/{block_size}")
-            out[key] = value
-        else:
-            out[key] = encode_value(value, name, block_size)
-    return out
-
-
-def encode_value(
-    value: torch.Tensor, dtype: str, block_size: int
-) -> torch.Tensor | QuantizedTensor:
-    """One float tensor as the wire carries it in format ``dtype`` (see :func:`encode_delta`)."""
-    bits = QUANTIZED_BITS.get(dtype)
-    if bits is not None:
-        return quantize(value, bits, block_size)
-    return value.detach().to("cpu").to(DELTA_DTYPES[dtype])
-
-
-def decode_value(value: torch.Tensor | QuantizedTensor) -> torch.Tensor:
-    """The float32 values the master adds for one encoded tensor (see :func:`encode_delta`)."""
-    if isinstance(value, QuantizedTensor):
-        return value.dequantize()
-    return value.to(torch.float32)
-
-
-@dataclasses.dataclass(frozen=True)
-class WireCodec:
-    """How a delta file's values are encoded, from its header: a float dtype (``bits``
-    None) or blockwise codes of ``bits`` bits in blocks of ``block_size``."""
-
-    name: str
-    bits: int | None = None
-    block_size: int = DEFAULT_BLOCK_SIZE
-
-    @classmethod
-    def from_metadata(cls, metadata: Mapping[str, str]) -> WireCodec:
-        """The file's encoding; a quantized header without a valid block size is a
-        ``ValueError`` (a header without ``dtype`` is a float delta, as before 2.2)."""
-        name = str(metadata.get("dtype", "fp32")).lower()
-        if name not in QUANTIZED_BITS:
-            return cls(name)
-        raw = str(metadata.get("block_size", ""))
-        if not raw.isdigit() or not MIN_BLOCK_SIZE <= int(raw) <= MAX_BLOCK_SIZE:
-            raise ValueError(
-                f"a {name} delta needs a block_size between {MIN_BLOCK_SIZE} and "
-                f"{MAX_BLOCK_SIZE} in its header, got {raw!r}"
-            )
-        return cls(name, QUANTIZED_BITS[name], int(raw))
-
-    def shapes_from(
-        self, metadata: Mapping[str, str], tensors: Mapping[str, torch.Tensor]
-    ) -> dict[str, tuple[int, ...]]:
-        """Each value key's shape, without a model to ask: int8 codes carry it, int4 files
-        list it in their header (``ValueError`` when it is missing or malformed)."""
-        keys = [k for k in tensors if not k.endswith(SCALE_SUFFIX)]
-        if self.bits == 8:
-            return {k: tuple(tensors[k].shape) for k in keys}
-        try:
-            listed = json.loads(metadata["shapes"])
-            shapes = {str(k): tuple(int(d) for d in v) for k, v in listed.items()}
-        except (KeyError, ValueError, TypeError, AttributeError) as exc:
-            raise ValueError(
-                f"an int4 delta lists its tensors' shapes in its header: {exc}"
-            ) from None
-        if set(shapes) != set(keys) or any(d < 0 for s in shapes.values() for d in s):
-            raise ValueError("an int4 delta's header shapes do not match its tensors")
-        return shapes
-
-    def read(
-        self,
-        key: str,
-        get: Callable[[str], torch.Tensor],
-        shape: tuple[int, ...],
-        max_abs: float,
-    ) -> torch.Tensor:
-        """Check and decode ``key`` (its codes and scales read through ``get``) as a tensor
-        of ``shape``: the code dtype and count, one float32 scale per block, scales finite,
-        non-negative and at most ``max_abs`` / the largest code, codes within range
-        (``ValueError`` naming the key). Returns float32 values."""
-        assert self.bits is not None
-        codes, scales = get(key), get(key + SCALE_SUFFIX)
-        numel = math.prod(shape)
-        top = _largest_code(self.bits)
-        if self.bits == 8:
-            if codes.dtype != torch.int8 or tuple(codes.shape) != tuple(shape):
-                raise ValueError(
-                    f"{key}: int8 codes of shape {tuple(shape)} expected, got {codes.dtype} "
-                    f"{tuple(codes.shape)}"
-                )
-            if numel and int(codes.min()) < -top:
-                raise ValueError(f"{key} holds a code outside [-{top}, {top}]")
-        else:
-            want = (-(-numel // 2),)
-            if codes.dtype != torch.uint8 or tuple(codes.shape) != want:
-                raise ValueError(
-                    f"{key}: {want[0]} bytes of packed int4 codes expected, got {codes.dtype} "
-                    f"{tuple(codes.shape)}"
-                )
-            if codes.numel():
-                low, high = codes & 0xF, codes >> 4
-                if int(low.min()) < 8 - top or int(high.min()) < 8 - top:
-                    raise ValueError(f"{key} holds a code outside [-{top}, {top}]")
-        blocks = -(-numel // self.block_size)
-        if scales.dtype != torch.float32 or tuple(scales.shape) != (blocks,):
-            raise ValueError(
-                f"{key}: {blocks} float32 block scales expected (block size "
-                f"{self.block_size}), got {scales.dtype} {tuple(scales.shape)}"
-            )
-        if blocks:
-            if not bool(torch.isfinite(scales).all()):
-                raise ValueError(f"non-finite scales in {key}")
-            low, high = float(scales.min()), float(scales.max())
-            if low < 0:
-                raise ValueError(f"{key} holds a negative scale")
-            if high * top > max_abs:
-                raise ValueError(
-                    f"{key} holds a scale of {high:.3g}: values up to {high * top:.3g}, "
-                    f"beyond the bound {max_abs:g}"
-                )
-        quantized = QuantizedTensor(codes, scales, tuple(shape), self.bits, self.block_size)
-        return quantized.dequantize()
-
-
 def max_global_bytes(like: Mapping[str, torch.Tensor]) -> int:
     """The largest global file a model shaped and typed as ``like`` can have (+ 1 MiB)."""
     return sum(v.numel() * v.element_size() for v in like.values()) + (1 << 20)
 
-
-# -- layout and the Store protocol --------------------------------------------------------
-GLOBAL_MODEL = "global/latest.safetensors"
-GLOBAL_STEP = "global/step_count.json"
-GLOBAL_PROCESSED = "global/processed.json"
-GLOBAL_UPDATE = "global/update.safetensors"  # the quantized outer update (global_dtype)
-# the records of each node that global/processed.json carries beside the ledger, by type
-NODE_RECORDS: dict[str, type] = {"finals": int, "instances": str, "digests": str}
 
 R = TypeVar("R")
 
@@ -1904,7 +950,7 @@ class RepoTransport:
         step) as ``nodes/<node>/delta_<round>.safetensors`` in one commit, with the node's
         owner record when given, in wire format ``dtype`` (int8/int4: blocks of
         ``block_size`` values; the values may be given already quantized, see
-        :func:`encode_delta`). Returns the remote path; the size in bytes is left in
+        :func:`.codec.encode_delta`). Returns the remote path; the size in bytes is left in
         :attr:`last_upload_bytes`."""
         del work_dir  # 2.0.0's own staging directory; the store stages the file itself
         target = int(base_outer_step if round_index is None else round_index)

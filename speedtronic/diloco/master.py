@@ -65,7 +65,7 @@ from typing import Any
 import torch
 
 from speedtronic.checkpoint import atomic_json_dump, atomic_write_with
-from speedtronic.diloco import exchange as T
+from speedtronic.diloco import wire
 from speedtronic.diloco.exchange import (
     GLOBAL_PROCESSED,
     AccessRefused,
@@ -149,7 +149,7 @@ class RoundMaster:
         self.store = transport
         self.settings = settings
         s = settings  # the whole round state (RoundState), over this master's own copy
-        self.state = RoundState.new(T.cpu_state_dict(state), s.outer_lr, s.outer_momentum)
+        self.state = RoundState.new(wire.cpu_state_dict(state), s.outer_lr, s.outer_momentum)
         # the global of a new run: the held weights until the first round (no second copy);
         # only the first agreement with the exchange may start a new run, then it is dropped
         self._initial: dict[str, torch.Tensor] | None = self.state.global_state
@@ -211,7 +211,7 @@ class RoundMaster:
         s, initial = self.settings, self._initial
         if initial is None:  # never: only the first agreement starts a new run
             raise RuntimeError("a new run can only start when the master starts")
-        return RoundState.new(T.cpu_state_dict(initial), s.outer_lr, s.outer_momentum)
+        return RoundState.new(wire.cpu_state_dict(initial), s.outer_lr, s.outer_momentum)
 
     # -- local persistence and the agreement with the exchange --------------------------------
     def _load_local_state(self) -> None:
@@ -281,7 +281,7 @@ class RoundMaster:
         """Give the local node a copy of the new global (the held one steps in place)."""
         self._handed = self.outer_step
         if self.on_global is not None:
-            self.on_global(self.outer_step, T.cpu_state_dict(self.global_state))
+            self.on_global(self.outer_step, wire.cpu_state_dict(self.global_state))
 
     # -- one poll ---------------------------------------------------------------------------
     def _reset_tally(self) -> None:
@@ -425,7 +425,7 @@ class RoundMaster:
         fold = _Fold()
         for node_id in sorted(candidates):
             self._fold_node(node_id, candidates[node_id], total, fold)
-            T.return_free_memory()  # the file's temporaries, before the next file's
+            wire.return_free_memory()  # the file's temporaries, before the next file's
         if not fold.marks:
             return False
         for value in total.values():
@@ -496,7 +496,7 @@ class RoundMaster:
         new.round_seconds = length if not average else (0.7 * average + 0.3 * length)
         self._prune.clear()
         self._persist()
-        T.return_free_memory()
+        wire.return_free_memory()
         self._first_arrival = None
         self._reset_tally()
         self._emit(
@@ -551,12 +551,12 @@ class RoundMaster:
         tensor by tensor, and record them in ``fold``. Unusable files are pruned and counted,
         and leave ``total`` untouched."""
         with contextlib.ExitStack() as stack:
-            readers: list[tuple[int, str, T.DeltaReader, int]] = []
+            readers: list[tuple[int, str, wire.DeltaReader, int]] = []
             for round, path in sorted(files.items()):
                 try:
                     bound = self.max_delta_bytes  # checked on the file actually opened
                     local = stack.enter_context(self.store.local_copy(path, max_bytes=bound))
-                    reader = stack.enter_context(T.open_delta(local))
+                    reader = stack.enter_context(wire.open_delta(local))
                     header = reader.metadata
                     leaders = self.settings.relay_leaders
                     weight = self.roster.check_identity(
@@ -1053,7 +1053,7 @@ def _unusable(
             if again is None or again.sha256 != remote.sha256:
                 raise  # the exchange changed meanwhile: agree again at the next poll
             continue
-        bad = T.first_non_finite(weights, like=like)
+        bad = wire.first_non_finite(weights, like=like)
         if bad is None:
             return fetched, weights
         return f"{bad} is not finite as the model's {like[bad].dtype}"
@@ -1117,7 +1117,7 @@ class RoundState:
         if tensors:
             optimizer = NesterovOuterOptimizer({}, self.optimizer.lr, self.optimizer.momentum)
             optimizer.load_state_dict(self.optimizer.state_dict())
-        weights = T.cpu_state_dict(self.global_state) if tensors else dict(self.global_state)
+        weights = wire.cpu_state_dict(self.global_state) if tensors else dict(self.global_state)
         return RoundState(
             self.outer_step,
             weights,
@@ -1128,7 +1128,7 @@ class RoundState:
             dict(self.instances),
             dict(self.finals),
             self.round_seconds,
-            T.cpu_state_dict(self.residual) if tensors else self.residual,
+            wire.cpu_state_dict(self.residual) if tensors else self.residual,
         )
 
     def node_records(self) -> dict[str, dict[str, Any]]:
@@ -1156,7 +1156,7 @@ class RoundState:
         for key, value in state.items():
             mine = self.global_state.get(key)
             if mine is not None and tuple(value.shape) == tuple(mine.shape):
-                self.global_state[key] = T.cpu_tensor(value).to(mine.dtype)
+                self.global_state[key] = wire.cpu_tensor(value).to(mine.dtype)
         self.outer_step = int(outer_step)
         self.optimizer = NesterovOuterOptimizer(
             self.global_state, self.optimizer.lr, self.optimizer.momentum
@@ -1198,7 +1198,7 @@ class OuterStateStore:
         if not self.path.exists():
             return None
         try:  # one tensor at a time is read into its own buffer
-            with T.open_safetensors(self.path) as saved_file:
+            with wire.open_safetensors(self.path) as saved_file:
                 meta = saved_file.metadata() or {}
                 if meta.get("format") != _FORMAT:
                     raise ValueError(f"unknown format {meta.get('format')!r}")
@@ -1251,7 +1251,7 @@ class OuterStateStore:
             "updated_at": datetime.now(timezone.utc).isoformat(),
         }
         atomic_write_with(
-            lambda handle: T.write_safetensors(handle, tensors, metadata=meta), self.path
+            lambda handle: wire.write_safetensors(handle, tensors, metadata=meta), self.path
         )
 
     def write_pending(self, outer_step: int, run_id: str, report: dict[str, Any]) -> None:

@@ -27,6 +27,14 @@ from typing import Any, BinaryIO
 import torch
 
 from speedtronic.diloco import exchange as T
+from speedtronic.diloco import wire
+from speedtronic.diloco.codec import (
+    QUANTIZED_BITS,
+    SCALE_SUFFIX,
+    QuantizedTensor,
+    WireCodec,
+    quantize,
+)
 
 __all__ = [
     "GLOBAL_UPDATE",
@@ -66,7 +74,7 @@ class OuterUpdate:
     """One round's quantized outer update: ``encoded`` (key -> QuantizedTensor) turns the
     global of ``base_step`` (``base_digest``) into the one of ``outer_step`` (``digest``)."""
 
-    encoded: dict[str, T.QuantizedTensor]
+    encoded: dict[str, QuantizedTensor]
     dtype: str
     block_size: int
     base_step: int
@@ -87,7 +95,7 @@ class OuterUpdate:
             "base_digest": self.base_digest,
             "digest": self.digest,
         }
-        return T.write_quantized(handle, self.encoded, self.dtype, self.block_size, header)
+        return wire.write_quantized(handle, self.encoded, self.dtype, self.block_size, header)
 
 
 @torch.no_grad()
@@ -105,9 +113,9 @@ def step_quantized(
     step's update quantized: ``state`` ends as ``add_decoded(previous, decode(sent))``;
     ``residual`` (updated in place) is what ``sent`` left out (kept only with
     ``error_feedback``). Temporaries: one tensor's copies at a time."""
-    bits = T.QUANTIZED_BITS[dtype]
+    bits = QUANTIZED_BITS[dtype]
     base_digest = state_digest(state)
-    encoded: dict[str, T.QuantizedTensor] = {}
+    encoded: dict[str, QuantizedTensor] = {}
     for key in mean:
         weight = state[key]
         if not weight.is_floating_point():
@@ -117,7 +125,7 @@ def step_quantized(
         update = weight.to(torch.float32) - previous.to(torch.float32)
         if key in residual:
             update.add_(residual[key])
-        sent = T.quantize(update, bits, block_size)
+        sent = quantize(update, bits, block_size)
         decoded = sent.dequantize()
         if error_feedback:
             residual[key] = update.sub_(decoded)
@@ -144,7 +152,7 @@ class HeldGlobal:
 
 
 def apply_update(
-    opened: T.SafetensorsFile, held: HeldGlobal, *, outer_step: int, run_id: str
+    opened: wire.SafetensorsFile, held: HeldGlobal, *, outer_step: int, run_id: str
 ) -> HeldGlobal:
     """Global ``outer_step`` of ``run_id`` from ``held`` and the update file ``opened``, held
     with its checked digest (``held`` is not changed). ``ValueError`` unless the update is
@@ -165,16 +173,16 @@ def apply_update(
             f"the update makes global {header.get('outer_step')} of run "
             f"{header.get('run_id') or '?'}; the record names {outer_step} of {run_id or '?'}"
         )
-    codec = T.WireCodec.from_metadata(header)
+    codec = WireCodec.from_metadata(header)
     if codec.bits is None:
         raise ValueError(f"an update holds int8 or int4 codes, not {codec.name}")
     floating = [k for k, v in held.state.items() if v.is_floating_point()]
-    if set(opened.keys()) != set(floating) | {k + T.SCALE_SUFFIX for k in floating}:
+    if set(opened.keys()) != set(floating) | {k + SCALE_SUFFIX for k in floating}:
         raise ValueError("the update's keys do not match the global's floating tensors")
     result = dict(held.state)
     for key in floating:  # codes (dtype, count, range) and scales (count, finite, bound)
         value = held.state[key]
-        decoded = codec.read(key, opened.get_tensor, tuple(value.shape), T.MAX_DELTA_ABS)
+        decoded = codec.read(key, opened.get_tensor, tuple(value.shape), wire.MAX_DELTA_ABS)
         result[key] = add_decoded(value, decoded)
     digest = state_digest(result)
     if digest != header.get("digest"):
@@ -194,9 +202,9 @@ def read_update(
     and the result must be finite in the model's dtypes (``like``); else ``ValueError``."""
     if T.file_sha256(path) != metadata.update_sha256:
         raise ValueError(f"{GLOBAL_UPDATE} does not match the version record (sha256)")
-    with T.open_safetensors(path) as opened:
+    with wire.open_safetensors(path) as opened:
         result = apply_update(opened, held, outer_step=metadata.outer_step, run_id=metadata.run_id)
-    bad = T.first_non_finite(result.state, like=like)
+    bad = wire.first_non_finite(result.state, like=like)
     if bad is not None:
         raise ValueError(f"the updated global holds non-finite values in {bad}")
     return result

@@ -5,7 +5,7 @@ node (same config, same model init, same per-node data stream, same inner optimi
 schedule, kept across rounds), then repeats: every node trains ``inner_steps`` steps; the
 pseudo-gradients ``global - local`` (float32) are encoded as the wire carries them
 (``distributed.delta_dtype``: fp32 exactly; bf16/fp16 cast; int8/int4 blockwise codes, see
-:func:`speedtronic.diloco.exchange.encode_delta`), each node keeping what the encoding left
+:func:`speedtronic.diloco.codec.encode_delta`), each node keeping what the encoding left
 out and adding it to its next pseudo-gradient (error feedback, as
 :class:`~speedtronic.diloco.node.DiLoCoNode` does); the decoded values are summed in node-id
 order and divided by K;
@@ -29,9 +29,10 @@ from typing import Any
 
 import torch
 
-from speedtronic.diloco import exchange as T
+from speedtronic.diloco.codec import decode_value, encode_delta
 from speedtronic.diloco.master import NesterovOuterOptimizer
 from speedtronic.diloco.outer_update import step_quantized
+from speedtronic.diloco.wire import compute_pseudo_gradient, cpu_state_dict
 
 __all__ = ["IdealResult", "simulate"]
 
@@ -108,7 +109,7 @@ def simulate(
     for trainer in trainers:
         trainer.heldout = None  # the global is what is scored
     model = trainers[0].model
-    global_state = T.cpu_state_dict(model.state_dict())
+    global_state = cpu_state_dict(model.state_dict())
     outer = NesterovOuterOptimizer(global_state, lr, momentum)
     anchors = [_float_state(t.model) for t in trainers]
     residuals: list[dict[str, torch.Tensor] | None] = [None] * len(ids)
@@ -122,7 +123,7 @@ def simulate(
         mean: dict[str, torch.Tensor] | None = None
         for i, (node, trainer, anchor) in enumerate(zip(ids, trainers, anchors, strict=True)):
             losses[node] = trainer.fit(target).final_loss
-            delta = T.compute_pseudo_gradient(anchor, _float_state(trainer.model))
+            delta = compute_pseudo_gradient(anchor, _float_state(trainer.model))
             delta, residuals[i] = _sent(delta, residuals[i], wire, block, error_feedback)
             if mean is None:
                 mean = delta
@@ -155,7 +156,7 @@ def simulate(
         final = _score(model, global_state, heldout, trainers[0], evaluate)
     for trainer in trainers:
         trainer.logger.close()
-    return IdealResult(T.cpu_state_dict(global_state), rounds, final, curve, losses)
+    return IdealResult(cpu_state_dict(global_state), rounds, final, curve, losses)
 
 
 def _sent(
@@ -171,8 +172,8 @@ def _sent(
         delta = {k: v.add_(residual[k]) for k, v in delta.items()}
     if wire == "fp32":
         return delta, None
-    encoded = T.encode_delta(delta, wire, block)
-    sent = {k: T.decode_value(v) for k, v in encoded.items()}
+    encoded = encode_delta(delta, wire, block)
+    sent = {k: decode_value(v) for k, v in encoded.items()}
     if not error_feedback:
         return sent, None
     return sent, {k: v - sent[k] for k, v in delta.items()}

@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hub_emulator_fixtures import TEST_TOKEN, fast_retry
 from process_support import free_port, jsonl_events, reap, wait_for
 
-from speedtronic.diloco import exchange as T
 from speedtronic.diloco.hub import HubClient
+from speedtronic.diloco.wire import first_non_finite, state_to_bytes
 from speedtronic.testing.hub_server import FaultConfig, HubEmulator, LfsConfig
 
 pytestmark = pytest.mark.slow
@@ -171,7 +171,7 @@ def _plant(writer: HubClient, master: Node) -> dict[str, int]:
         {
             f"nodes/evil/delta_{r}.safetensors": b"\x10\x00\x00\x00garbage-not-safetensors",
             f"nodes/evil2/delta_{r}.safetensors": b"\x00" * (8 << 20),
-            f"nodes/evil3/delta_{r}.safetensors": T.state_to_bytes(nan),
+            f"nodes/evil3/delta_{r}.safetensors": state_to_bytes(nan),
         },
         message="plant bad deltas",
     )
@@ -303,7 +303,7 @@ def _chaos(tmp: Path, emulator: HubEmulator) -> None:
     lost = uploaded - set(included) - dropped
     assert not lost, f"uploads neither aggregated nor counted: {sorted(lost)}"
     meta, final = writer.fetch_global()
-    assert meta.final and T.first_non_finite(final) is None
+    assert meta.final and first_non_finite(final) is None
     corrupt = sum(r["deltas_corrupt"] for r in tallies)
     assert corrupt >= planted["deltas"], corrupt
     assert not [p for p in writer.list_files() if p.startswith("nodes/evil")]
