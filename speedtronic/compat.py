@@ -169,7 +169,14 @@ ALIASES: dict[str, Alias] = {
         ("DeltaUploadJob", "DumbDiLoCo", "DumbDiLoCoCoordinator", "GlobalCandidate", "SyncResult"),
     ),
     "speedtronic.distributed.hub": Alias(
-        ("speedtronic.diloco.hub", "speedtronic.diloco.exchange"),
+        # exchange.py's wire format and codec moved to wire.py and codec.py: 2.0.0 code that
+        # reached a helper through this path still finds it
+        (
+            "speedtronic.diloco.hub",
+            "speedtronic.diloco.exchange",
+            "speedtronic.diloco.wire",
+            "speedtronic.diloco.codec",
+        ),
         ("GlobalMetadata", "HubClient", "HubError", "HubTransport", "HubUnavailable"),
     ),
     "speedtronic.distributed.outer": Alias(
