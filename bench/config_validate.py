@@ -3,7 +3,7 @@
 Each sample is a fresh interpreter (``python -m speedtronic validate --config C``), so it
 measures what a user waits for: interpreter start, imports (yaml, pydantic, the config
 package), model schema build, loading and validating the file. The baseline is the package as
-committed at ``--baseline`` (default: the merge base with ``main``), exported with
+committed at ``--baseline`` (default: 2f1b716, the config before pydantic), exported with
 ``git archive`` into a temporary folder. Samples alternate between the trees; medians.
 The lines of ``speedtronic/config/`` are counted in both trees too (issue 21's two figures).
 
@@ -14,7 +14,7 @@ one-field pydantic dataclass (which discovers pydantic plugins): what any pydant
 costs before its own schemas are built.
 
     python bench/config_validate.py                      # 15 samples each (~10 s)
-    python bench/config_validate.py --baseline HEAD~3 --out bench/results/config_validate.json
+    python bench/config_validate.py --samples 21 --out bench/results/config_validate.json
 """
 
 from __future__ import annotations

@@ -218,7 +218,7 @@ class DiLoCoNode:
         if wire.is_all_zero(delta):
             self._emit("delta_upload_zero", step=self.step)
             if final:
-                self.uploads.submit(self._done_record())
+                self._send_done()
             return merged
         # a round is used up only by an upload that arrived (see _upload): after a failure
         # the carried progress goes out under the same round, so an outage never
@@ -448,21 +448,23 @@ class DiLoCoNode:
                 return
         else:
             self.uploads.drain()
-            # only the done status is left; without it the master waits drop_after round
-            # lengths before it stops waiting for this node: send it again, as a final one
-            for _ in range(FINAL_UPLOAD_ATTEMPTS):
-                record = self._done_record()
-                self.uploads.submit(record)
-                self.uploads.drain()
-                if record.arrived or self.fatal is not None:
-                    break
+            self._send_done()
             if self.last_round >= 0 and self.installed <= self.last_round:
                 self._await_global(self.last_round + 1, 2 * self.settings.round_timeout)
         self.done = True  # nothing is left to send
 
-    def _done_record(self) -> Contribution:
-        """Nothing left to contribute: only the ``done`` status (after the last round)."""
-        return Contribution(self.last_round, self.installed, self.step, None, True, self.run_id)
+    def _send_done(self) -> None:
+        """Nothing left to contribute: upload only the ``done`` status (after the last round).
+        Without it the master waits ``drop_after`` round lengths for this node, so a failed
+        one is sent again, up to ``FINAL_UPLOAD_ATTEMPTS`` times, like a final contribution."""
+        for _ in range(FINAL_UPLOAD_ATTEMPTS):
+            record = Contribution(
+                self.last_round, self.installed, self.step, None, True, self.run_id
+            )
+            self.uploads.submit(record)
+            self.uploads.drain()
+            if record.arrived or self.fatal is not None:
+                return
 
     def stop(self) -> bool:
         """Let an upload in flight finish (bounded); True when nothing is left pending."""
