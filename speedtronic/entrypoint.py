@@ -445,12 +445,22 @@ def _trackers(config: Any, node_id: str) -> list[Any]:
     """The experiment trackers of ``logging.trackers`` (W&B, TensorBoard; extra
     ``speedtronic[logging]``), each given the redacted config. Project: ``logging.project`` or
     ``run.name``; run name: ``logging.run_name`` or the node id. TensorBoard writes under
-    ``<run.output_dir>/tensorboard/<run name>``; W&B honours ``WANDB_MODE=offline``."""
+    ``<run.output_dir>/tensorboard/<run name>``; W&B honours ``WANDB_MODE=offline``. A
+    project or run name that holds the token's value (a node id from ``HOSTNAME``, a config
+    built without the layering's check) is a ``ConfigError`` that does not show it: it would
+    become a directory or a W&B run name."""
+    from speedtronic.config.redaction import holds_secret
     from speedtronic.metrics.integrations import TensorboardHook, WandbHook
 
     section = config.logging
     project = section.project or config.run.name
     name = section.run_name or node_id
+    for what, value in (("project", project), ("run name", name)):
+        if section.trackers and holds_secret(str(value), [config.distributed.token]):
+            raise ConfigError(
+                f"logging.trackers: the tracker {what} holds the value of distributed.token "
+                "(not shown); set logging.project / logging.run_name to another name"
+            )
     redacted = config.to_dict(redact_secrets=True)
     hooks: list[Any] = []
     for tracker in section.trackers:
