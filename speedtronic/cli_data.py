@@ -34,7 +34,7 @@ def _weights_flags(parser: argparse.ArgumentParser) -> None:
 def add_data_commands(commands: Any, common: argparse.ArgumentParser) -> None:
     """``prepare``, ``export`` and ``sample`` (docs/data.md)."""
     prepare = commands.add_parser(
-        "prepare", help="tokenize text / JSONL files into token shards + meta.json"
+        "prepare", help="tokenize text / JSONL / Parquet files into token shards + meta.json"
     )
     prepare.add_argument(
         "--input",
@@ -44,7 +44,8 @@ def add_data_commands(commands: Any, common: argparse.ArgumentParser) -> None:
         action="extend",
         required=True,
         metavar="PATH",
-        help="text files, JSONL files (.jsonl) or folders of them",
+        help="text, JSONL (.jsonl) or Parquet (.parquet) files, folders of them, or a Hub "
+        "dataset: hf://datasets/<owner>/<name>[@<revision>][/<path>]",
     )
     prepare.add_argument("--output", "-o", required=True, metavar="DIR")
     prepare.add_argument(
@@ -53,7 +54,9 @@ def add_data_commands(commands: Any, common: argparse.ArgumentParser) -> None:
         metavar="T",
         help="bytes (default), a tokenizer.json path or a Hub repo id (as data.tokenizer)",
     )
-    prepare.add_argument("--field", default="text", help="JSONL field holding the text")
+    prepare.add_argument(
+        "--field", default="text", help="JSONL field / Parquet column holding the text"
+    )
     prepare.add_argument(
         "--holdout", default="0", metavar="F", help="fraction of documents kept for eval"
     )
@@ -101,11 +104,16 @@ def add_data_commands(commands: Any, common: argparse.ArgumentParser) -> None:
 def prepare_command(args: argparse.Namespace) -> int:
     """``speedtronic prepare``: one summary line on stdout; notes and the bar on stderr."""
     from speedtronic.data.prepare import DEFAULT_SHARD_TOKENS, PrepareError, prepare
+    from speedtronic.hub_files import HubFilesError, resolve_inputs
 
+    try:
+        inputs = resolve_inputs(args.inputs)
+    except HubFilesError as exc:
+        raise ConfigError(str(exc)) from None
     bar = _ProgressBar(enabled=not args.no_progress)
     try:
         result = prepare(
-            args.inputs,
+            inputs,
             args.output,
             tokenizer=args.tokenizer,
             field=args.field,
