@@ -13,7 +13,13 @@ from typing import Any
 
 from speedtronic.config import ConfigError
 
-__all__ = ["add_data_commands", "export_command", "prepare_command", "sample_command"]
+__all__ = [
+    "add_data_commands",
+    "export_command",
+    "prepare_command",
+    "push_command",
+    "sample_command",
+]
 
 
 def _weights_flags(parser: argparse.ArgumentParser) -> None:
@@ -89,6 +95,13 @@ def add_data_commands(commands: Any, common: argparse.ArgumentParser) -> None:
     export.add_argument(
         "--verify", action="store_true", help="load DIR with transformers and compare logits"
     )
+
+    push = commands.add_parser(
+        "push", parents=[common], help="upload a checkpoint to a Hub model repo with a model card"
+    )
+    _weights_flags(push)
+    push.add_argument("--repo", required=True, metavar="OWNER/NAME", help="Hub model repo")
+    push.add_argument("--private", action="store_true", help="create the repo private")
 
     sample = commands.add_parser(
         "sample", parents=[common], help="continue a prompt with a checkpoint (seeded)"
@@ -213,6 +226,31 @@ def export_command(args: argparse.Namespace, config: Any) -> int:
             print(f"verified: max |logit difference| = {verify_export(model, folder):.3g}")
     except (CheckpointError, ExportError) as exc:
         raise ConfigError(str(exc)) from None
+    return 0
+
+
+def push_command(args: argparse.Namespace, config: Any) -> int:
+    """``speedtronic push``: the repo, the step and the files uploaded in one commit."""
+    from speedtronic.checkpoint import CheckpointError
+    from speedtronic.diloco.exchange import HubUnavailable, TransportError
+    from speedtronic.model.export import ExportError
+    from speedtronic.publish import push_model
+
+    try:
+        result = push_model(
+            config,
+            repo_id=args.repo,
+            checkpoint=args.checkpoint,
+            use_global=args.use_global,
+            private=args.private,
+            log=lambda message: print(message, file=sys.stderr),
+        )
+    except HubUnavailable:
+        raise  # the Hub did not answer after the retries: a runtime failure (exit 1)
+    except (CheckpointError, ExportError, TransportError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None  # refused, missing, malformed: exit 2
+    step = f" (step {result.step})" if result.step is not None else ""
+    print(f"pushed {result.repo_id}{step}: {', '.join(result.files)} in one commit")
     return 0
 
 

@@ -19,17 +19,24 @@ Errors are :class:`HubFilesError` (a ``ValueError``: the CLI reports it as one l
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["DATA_PATTERNS", "HubFilesError", "HubRef", "fetch", "parse_dataset", "resolve_inputs"]
+from speedtronic.config.limits import is_hub_repo_id
+
+__all__ = [
+    "DATA_PATTERNS",
+    "HubFilesError",
+    "HubRef",
+    "fetch",
+    "parse_dataset",
+    "resolve_inputs",
+]
 
 DATASET_PREFIX = "hf://datasets/"
 #: The files ``prepare`` reads from a dataset repo (folders are walked like local ones).
 DATA_PATTERNS = ("*.parquet", "*.jsonl", "*.ndjson", "*.txt")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 class HubFilesError(ValueError):
@@ -61,7 +68,7 @@ def parse_dataset(spec: str) -> HubRef | None:
         raise HubFilesError(f"input {spec}: expected hf://datasets/<owner>/<name>[/<path>]")
     name, _, revision = parts[1].partition("@")
     repo_id = f"{parts[0]}/{name}"
-    if not _NAME.match(repo_id) or (_ and not revision):
+    if not is_hub_repo_id(repo_id) or (_ and not revision):
         raise HubFilesError(f"input {spec}: {repo_id!r} is not a Hub repo id (owner/name)")
     path = "/".join(parts[2:])
     if ".." in parts[2:]:
