@@ -659,4 +659,29 @@ def _train(
         reason,
         extra=_event("run_finished", steps=result.steps, stopped_reason=reason),
     )
+    if config.run.push_to_hub and ranks.is_main and role != "worker" and not state.stop_signal:
+        _push_final(config)
     return RunOutcome(0, result if ranks.is_main else None)
+
+
+def _push_final(config: Any) -> None:
+    """``run.push_to_hub``: the master (or a lone node) pushes its newest checkpoint, which
+    holds the final global, as ``speedtronic push`` would; a failure leaves the run's files
+    in place and says how to push them again."""
+    from speedtronic.publish import push_model
+
+    repo = config.run.push_to_hub
+    try:
+        pushed = push_model(config, repo_id=repo, log=_LOG.info)
+    except Exception as exc:
+        raise RuntimeError(
+            f"training finished, but pushing to {repo} failed ({type(exc).__name__}: {exc}); "
+            f"the checkpoints are kept: retry with speedtronic push --config <this config> "
+            f"--repo {repo}"
+        ) from None
+    _LOG.info(
+        "pushed the model (step %s) to the Hub repo %s in one commit",
+        pushed.step,
+        repo,
+        extra=_event("model_pushed", repo=repo, step=pushed.step, files=len(pushed.files)),
+    )
