@@ -31,8 +31,11 @@ def _weights_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_data_commands(commands: Any, common: argparse.ArgumentParser) -> None:
-    """``prepare``, ``export`` and ``sample`` (docs/data.md)."""
+def add_data_commands(
+    commands: Any, reading: argparse.ArgumentParser, shown: argparse.ArgumentParser
+) -> None:
+    """``prepare``, ``export`` and ``sample`` (docs/data.md); ``reading``/``shown``: the
+    config flags of a command that computes (``sample``) and of one that does not (``export``)."""
     prepare = commands.add_parser(
         "prepare", help="tokenize text / JSONL files into token shards + meta.json"
     )
@@ -77,7 +80,7 @@ def add_data_commands(commands: Any, common: argparse.ArgumentParser) -> None:
     prepare.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     export = commands.add_parser(
-        "export", parents=[common], help="write a checkpoint as a transformers model folder"
+        "export", parents=[shown], help="write a checkpoint as a transformers model folder"
     )
     _weights_flags(export)
     export.add_argument("--format", choices=("hf",), default="hf")
@@ -88,7 +91,7 @@ def add_data_commands(commands: Any, common: argparse.ArgumentParser) -> None:
     )
 
     sample = commands.add_parser(
-        "sample", parents=[common], help="continue a prompt with a checkpoint (seeded)"
+        "sample", parents=[reading], help="continue a prompt with a checkpoint (seeded)"
     )
     _weights_flags(sample)
     sample.add_argument("--prompt", default="", metavar="TEXT")
