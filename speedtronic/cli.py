@@ -54,10 +54,13 @@ class _CommandError(Exception):
     """A usage problem detected after parsing (reported like a configuration error)."""
 
 
-def _config_flags(*, run: bool = False, device: bool = True) -> argparse.ArgumentParser:
+def _config_flags(
+    *, steps: bool = True, device: bool = True, resume: bool = True
+) -> argparse.ArgumentParser:
     """The configuration flags as an argparse parent: ``--config``, ``--output-dir`` and
-    ``--set`` for every command that reads a config; ``--device`` where the command computes;
-    ``--max-steps`` and ``--resume`` (``run``) for the commands that train or dry-run it."""
+    ``--set`` for every command that reads a config; ``--max-steps`` (``steps``) where the run
+    target matters, ``--device`` where the command computes or shows the config, ``--resume``
+    where a run starts (or is dry-run)."""
     flags = argparse.ArgumentParser(add_help=False)
     group = flags.add_argument_group("configuration")
     group.add_argument(
@@ -65,14 +68,14 @@ def _config_flags(*, run: bool = False, device: bool = True) -> argparse.Argumen
         metavar="PATH",
         help="config file (YAML/JSON) or inline YAML; default: $SPEEDTRONIC_CONFIG",
     )
-    if run:
+    if steps:
         group.add_argument("--max-steps", type=int, metavar="N", help="set the run target")
     group.add_argument("--output-dir", metavar="PATH", help="set run.output_dir")
     if device:
         group.add_argument(
             "--device", metavar="DEVICE", help="set run.device (auto, cpu, cuda, ...)"
         )
-    if run:
+    if resume:
         group.add_argument(
             "--resume", action="store_true", help="resume from the latest local checkpoint"
         )
@@ -96,9 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"speedtronic {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    training = _config_flags(run=True)  # train, run and their dry run
-    reading = _config_flags()  # commands that read a config and compute (eval, sample)
-    shown = _config_flags(device=False)  # config show, export
+    training = _config_flags()  # train, run and their dry run (validate)
+    shown = _config_flags(resume=False)  # config show: the config a run would get
+    reading = _config_flags(steps=False, resume=False)  # eval, sample: load and compute
+    writing = _config_flags(steps=False, device=False, resume=False)  # export
 
     validate = commands.add_parser(
         "validate",
@@ -145,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="score the DiLoCo global published in distributed.repo_id",
     )
     evaluate.add_argument("--format", choices=("text", "json"), default="text")
-    add_data_commands(commands, reading, shown)
+    add_data_commands(commands, reading, writing)
 
     plot = commands.add_parser("plot", help="plot a JSONL event log")
     plot.add_argument("source", help="events.jsonl file or run directory")
@@ -221,23 +225,24 @@ def _dump(payload: Any, fmt: str) -> str:
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     """The dry run of ``train`` (`speedtronic.train.preflight`): the files it opens and the
-    notes on stdout, its start-up warnings on stderr, then one verdict line."""
+    notes on stdout, its start-up warnings on stderr, then one verdict line. Every line is
+    scrubbed of the token (a repo id or path may carry it)."""
     config = _resolve(args).config
     from speedtronic.train.preflight import preflight
 
     report = preflight(config, resume=args.resume)
+    secrets = [*args.secret_values, os.environ.get("HF_TOKEN")]
     if args.format == "json":
-        print(json.dumps(report.as_dict(), indent=2))
+        print(scrub(json.dumps(report.as_dict(), indent=2), secrets))
         return EXIT_OK
-    for name, path in report.files:
-        print(f"opened {name}: {path}")
+    lines = [f"opened {name}: {path}" for name, path in report.files]
     if report.resume_from:
-        print(f"resume from {report.resume_from}")
-    for note in report.notes:
-        print(note)
+        lines.append(f"resume from {report.resume_from}")
+    for line in [*lines, *report.notes]:
+        print(scrub(line, secrets))
     for warning in report.warnings:
         print(f"warning: {_one_line(warning, args.secret_values)}", file=sys.stderr)
-    print(report.verdict())
+    print(scrub(report.verdict(), secrets))
     return EXIT_OK
 
 

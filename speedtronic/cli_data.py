@@ -32,9 +32,9 @@ def _weights_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_data_commands(
-    commands: Any, reading: argparse.ArgumentParser, shown: argparse.ArgumentParser
+    commands: Any, reading: argparse.ArgumentParser, writing: argparse.ArgumentParser
 ) -> None:
-    """``prepare``, ``export`` and ``sample`` (docs/data.md); ``reading``/``shown``: the
+    """``prepare``, ``export`` and ``sample`` (docs/data.md); ``reading``/``writing``: the
     config flags of a command that computes (``sample``) and of one that does not (``export``)."""
     prepare = commands.add_parser(
         "prepare", help="tokenize text / JSONL files into token shards + meta.json"
@@ -80,7 +80,7 @@ def add_data_commands(
     prepare.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     export = commands.add_parser(
-        "export", parents=[shown], help="write a checkpoint as a transformers model folder"
+        "export", parents=[writing], help="write a checkpoint as a transformers model folder"
     )
     _weights_flags(export)
     export.add_argument("--format", choices=("hf",), default="hf")

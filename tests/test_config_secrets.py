@@ -62,7 +62,8 @@ def test_cli_output_never_shows_the_token(planted, capsys, argv) -> None:
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert ODD_TOKEN not in captured.out + captured.err
-    assert "<redacted>" in captured.out
+    if argv[0] == "config":  # validate prints a verdict, not the config (issue 29)
+        assert "<redacted>" in captured.out
 
 
 def test_an_error_never_shows_the_token(planted, capsys) -> None:
