@@ -102,8 +102,8 @@ def open_source(
 
 def configured_tokenizer(config: DataConfig, vocab_size: int) -> Any:
     """The tokenizer ``data.tokenizer`` names (``None`` for the default byte tokenizer)."""
+    from speedtronic.config.tokenizer_file import is_bytes
     from speedtronic.data.tokenizer import load_tokenizer
-    from speedtronic.data.tokenizer_file import is_bytes
 
     spec = config.tokenizer
     return None if is_bytes(spec) else load_tokenizer(spec, vocab_size=vocab_size)
@@ -116,7 +116,7 @@ def tokenizer_sha256(config: DataConfig, tokenizer: Any = None) -> str | None:
     """
     if tokenizer is not None:
         return getattr(tokenizer, "sha256", None)
-    from speedtronic.data.tokenizer_file import describe_tokenizer, is_bytes
+    from speedtronic.config.tokenizer_file import describe_tokenizer, is_bytes
 
     spec = config.tokenizer
     return "bytes" if is_bytes(spec) else describe_tokenizer(str(spec)).sha256

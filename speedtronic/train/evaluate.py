@@ -93,9 +93,9 @@ def build_heldout(config: SpeedtronicConfig) -> HeldOut | None:
 
     Raises ``ConfigError`` (naming the field) when the held-out source is unusable.
     """
+    from speedtronic.config.tokenizer_file import is_bytes
     from speedtronic.data.heldout import open_heldout
     from speedtronic.data.tokenizer import tokenizer_for
-    from speedtronic.data.tokenizer_file import is_bytes
 
     data, section = config.data, config.eval
     block_size = int(data.block_size or config.model.max_seq_len)
