@@ -201,8 +201,8 @@ class _ProgressBar:
 def export_command(args: argparse.Namespace, config: Any) -> int:
     """``speedtronic export``: the folder written (and, with ``--verify``, the logit check)."""
     from speedtronic.checkpoint import CheckpointError
+    from speedtronic.config.tokenizer_file import is_bytes
     from speedtronic.data.tokenizer import tokenizer_for
-    from speedtronic.data.tokenizer_file import is_bytes
     from speedtronic.model.export import ExportError, check_exportable, export_hf, verify_export
     from speedtronic.train.scoring import load_model
 
