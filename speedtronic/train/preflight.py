@@ -87,7 +87,7 @@ class _Collector:
 def _files(config: SpeedtronicConfig) -> list[tuple[str, str]]:
     """``(field, path)`` of every file or folder the run reads before it trains (the training
     source by precedence: text_path > token_path > dataset; a Hub tokenizer id is marked)."""
-    from speedtronic.data.tokenizer_file import is_bytes
+    from speedtronic.config.tokenizer_file import is_bytes
 
     data, held = config.data, config.eval
     dataset = data.dataset if isinstance(data.dataset, (str, os.PathLike)) else None
