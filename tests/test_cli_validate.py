@@ -121,20 +121,26 @@ def test_the_verdict_counts_the_parameters_train_builds(capsys) -> None:
     assert json.loads(out)["parameters"] == sum(p.numel() for p in model.parameters()) == 66880
 
 
-def test_the_exchange_is_named_and_a_token_in_it_is_scrubbed(capsys, tmp_path, monkeypatch):
-    token = "Zq7-not-shaped-like-hf-9f8e7d"  # only its value can find it
-    monkeypatch.setenv("HF_TOKEN", token)
-    exchange = f"file://{tmp_path}/ex-{token}"
-    path = _config(
-        tmp_path,
-        distributed={"enabled": True, "role": "master", "repo_id": exchange, "delta_dtype": "int8"},
+def test_the_exchange_is_named_and_a_token_in_it_is_refused(capsys, tmp_path, monkeypatch):
+    exchange = f"file://{tmp_path}/exchange"
+    distributed = {"enabled": True, "role": "master", "repo_id": exchange, "delta_dtype": "int8"}
+    code, out, err = _run(
+        capsys, "validate", "--config", _config(tmp_path, distributed=distributed)
     )
-    code, out, err = _run(capsys, "validate", "--config", path)
     assert code == 0, err
     verdict = out.splitlines()[-1]
-    assert token not in out + err
-    assert "exchange file://" in verdict and "<redacted>" in verdict
+    assert f"exchange {exchange}" in verdict
     assert "(master, int8 deltas, fp32 global" in verdict
+    # A token inside the exchange's name would reach paths and logs: refused, never shown
+    # (issue 31 item 3; before, the verdict scrubbed it).
+    token = "Zq7-not-shaped-like-hf-9f8e7d"  # only its value can find it
+    monkeypatch.setenv("HF_TOKEN", token)
+    distributed["repo_id"] = f"file://{tmp_path}/ex-{token}"
+    code, out, err = _run(
+        capsys, "validate", "--config", _config(tmp_path, distributed=distributed)
+    )
+    assert code == 2 and token not in out + err
+    assert "distributed.repo_id holds the value of distributed.token (not shown)" in err
 
 
 # ------------------------------------------------------------------ the warnings train logs
