@@ -13,6 +13,8 @@ with exit 2 even when the refused upload is its last.
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import subprocess
 import sys
 import threading
@@ -21,6 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 from hub_emulator_fixtures import TEST_TOKEN, fast_retry, hub_emulator  # noqa: F401
+from process_support import TrainProcess, reap, tails
+from test_diloco_e2e import corpus, overrides  # noqa: F401
 from test_diloco_master import deliver, join, make_master, published
 from test_diloco_node import make_node, offer, train
 
@@ -287,3 +291,69 @@ def test_a_final_upload_refused_for_good_ends_the_node_with_a_config_error():
     with pytest.raises(ExchangeError, match=r"distributed\.repo_id: the exchange refused"):
         node.finish()
     assert node.carry is not None  # kept: nothing of the contribution is lost
+
+
+# -- end to end: three processes through the emulator's large-file path --------------------
+_RUNNING: list[subprocess.Popen] = []
+
+
+@pytest.fixture
+def _reap_processes():
+    yield
+    reap(_RUNNING)
+
+
+@pytest.mark.slow
+def test_a_cut_lfs_contribution_does_not_stall_a_hub_run(tmp_path, corpus, _reap_processes):
+    """Issue 31's reproduction: every file over the LFS threshold, w1's round-2 delta object
+    cut by 1,000 bytes in storage as it lands. Before: every master poll failed, no round
+    closed after round 2 and the master exited 1 (RoundsStalledError). Now the file is
+    refused and pruned, every round closes, w1 hears of it, every process exits 0, and
+    nothing else is lost."""
+    emulator = HubEmulator(0, token=TEST_TOKEN, lfs=LfsConfig(threshold=1024)).start()
+    victim = "nodes/w1/delta_2.safetensors"
+    cut: list[str] = []
+
+    def damage(repo_id: str, files: dict) -> None:  # under the emulator's lock, as it lands
+        oid = emulator.repos[repo_id].lfs.get(victim)
+        if victim in files and oid is not None and not cut:
+            emulator.lfs.objects[oid] = emulator.lfs.objects[oid][:-1000]
+            cut.append(oid)
+
+    emulator.on_commit = damage
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SPEEDTRONIC_", "HF_"))}
+        env.update(
+            PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+            HF_TOKEN=TEST_TOKEN, HF_ENDPOINT=emulator.url, HF_HUB_DISABLE_TELEMETRY="1",
+        )  # fmt: skip
+        steps, inner = 30, 5
+        sets = [
+            *overrides(corpus, steps, inner),
+            "distributed.min_nodes=3",
+            "distributed.round_timeout=20",
+        ]
+        nodes = [
+            TrainProcess(tmp_path, name, role, "org/damaged-e2e", sets, env, _RUNNING).start()
+            for name, role in (("m", "master"), ("w1", "worker"), ("w2", "worker"))
+        ]
+        for node in nodes:
+            assert node.wait(300, *nodes) == 0, tails(*nodes)
+    finally:
+        emulator.stop()
+    assert cut, "the victim never took the large-file path"
+    master = nodes[0]
+    rounds = master.events("outer_step")
+    assert [row["outer_step"] for row in rounds] == list(range(1, steps // inner + 1))
+    assert [r for row in rounds for r in row["refused"]] == ["w1/2"]
+    assert sum(row["deltas_corrupt"] for row in rounds) == 1
+    included = {tuple(i.split("/")) for row in rounds for i in row["included"]}
+    uploaded = {
+        (node.name, str(row["round"])) for node in nodes for row in node.events("delta_uploaded")
+    }
+    assert uploaded - included == {("w1", "2")}  # nothing lost beyond the damaged file
+    assert [row["round"] for row in nodes[1].events("delta_refused")] == [2]
+    assert not nodes[2].events("delta_refused") and not master.events("delta_refused")
+    files = emulator.files("org/damaged-e2e")
+    assert victim not in files
+    assert json.loads(files["global/step_count.json"])["final"] is True
