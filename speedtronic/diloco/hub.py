@@ -10,7 +10,10 @@ switched off and each primitive call is bounded by ``request_timeout`` (the HTTP
 this module), so :class:`RetryPolicy` is the one retry layer. Files
 the Hub answers ``lfs`` for (10 MiB and more) take the LFS path (batch endpoint, upload to the
 storage URL it gives, pointer commit; downloads redirected to storage) through that same
-client: Xet, which would move them outside it, is switched off for the process. The
+client: Xet, which would move them outside it, is switched off for the process. A large
+file's download must match the Hub's record of it (the size, and an LFS object's sha256, from
+one HEAD): one that does not is :class:`DamagedFile`, retried and then refused, so a damaged
+stored object is one bad file, never an endless outage. The
 token (stripped of surrounding whitespace) is handed to the SDK only; it is scrubbed from
 every error message, and a 401/403 is a permanent error that says to check the token.
 
