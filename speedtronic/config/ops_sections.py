@@ -64,9 +64,10 @@ def _exchange(value: str | None) -> str | None:
         return value
     if value.startswith("file:"):
         usable = value.startswith("file:///") and len(value) > len("file:///")
-    else:
-        usable = bool(_HUB_REPO.fullmatch(value)) and not (
-            "--" in value or ".." in value or value.endswith(".git")
+    else:  # a redacted record (a checkpoint's) reads back: the marker stands for a secret
+        hub = value.replace(REDACTED, "x")
+        usable = bool(_HUB_REPO.fullmatch(hub)) and not (
+            "--" in hub or ".." in hub or hub.endswith(".git")
         )
     if not usable:
         raise ValueError("must be 'owner/name' (Hub) or 'file:///absolute/path'")
