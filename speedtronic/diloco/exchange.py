@@ -23,8 +23,7 @@ Every failure of a store's primitive is mapped to :class:`TransportError` in one
 429, timeouts, dropped connections) are retried with exponential backoff, ``not_found`` and
 ``permanent`` ones (auth, bad request, programming errors) are not; a ``damaged`` file
 (:class:`DamagedFile`: its bytes disagree with the store's record of them) is retried, then
-``permanent``. Messages never carry the
-token (:func:`scrub`).
+``permanent``. Messages never carry the token (:func:`scrub`).
 """
 
 from __future__ import annotations

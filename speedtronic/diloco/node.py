@@ -1033,9 +1033,9 @@ class NodeLink:
                 continue
             self._told.add(name)
             _LOG.error(
-                f"the master refused this node's contribution to round {round} (unreadable "
-                "or damaged on the exchange; counted corrupt and pruned): that round's "
-                "progress is not in the global; see the master's log for why"
+                f"the master refused this node's contribution to round {round} (unreadable, "
+                "damaged or unusable; counted corrupt and pruned): that round's progress is "
+                "not in the global; see the master's log for why"
             )
             self._emit("delta_refused", round=int(round), outer_step=metadata.outer_step)
 

@@ -78,8 +78,8 @@ __all__ = [
 #: Header key of a delta file: the sha256 of its data section (every byte after the header),
 #: written by the node with the file and checked on every read (:meth:`DeltaReader.check`,
 #: :func:`delta_from_bytes`), as a global is checked against its record: a file changed or
-#: damaged after it was written is refused. A file without it (written before 2.3) is read
-#: unchecked.
+#: damaged after it was written is refused. A file without it (written before this check)
+#: is read unchecked.
 DATA_DIGEST = "data_sha256"
 
 
@@ -192,7 +192,7 @@ def write_safetensors(
     a time (at most one tensor's converted copy in memory, never the whole file); floating
     tensors are cast to ``dtype`` if given. Returns the sha256 of the bytes written; with
     ``digest_key`` (a seekable ``handle``), the header names the sha256 of the data section
-    under that key and that digest is returned (see :func:`data_digest`)."""
+    under that key and that digest is returned (:data:`DATA_DIGEST` for a delta)."""
     layout: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     for key, value in state.items():
         out = dtype if dtype is not None and value.is_floating_point() else value.dtype
