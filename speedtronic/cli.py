@@ -106,8 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--write", metavar="MARKDOWN", help="replace the generated part of this file instead"
     )
 
-    commands.add_parser("train", parents=[common], help="train locally (CLI progress)")
-    commands.add_parser("run", parents=[common], help="container entrypoint (metrics server)")
+    train = commands.add_parser("train", parents=[common], help="train locally (CLI progress)")
+    run = commands.add_parser("run", parents=[common], help="container entrypoint (metrics server)")
+    for launcher in (train, run):
+        launcher.add_argument(
+            "--init-from",
+            metavar="SOURCE",
+            help="set model.init_from: a transformers checkpoint folder or owner/name[@revision]",
+        )
 
     evaluate = commands.add_parser(
         "eval", parents=[common], help="score a checkpoint or the DiLoCo global on held-out data"
@@ -149,6 +155,8 @@ def _resolve(args: argparse.Namespace) -> ResolvedConfig:
         overrides.append(f"run.device={args.device}")
     if args.max_steps is not None:
         overrides.append(f"run.max_steps={args.max_steps}")
+    if getattr(args, "init_from", None):
+        overrides.append(f"model.init_from={json.dumps(args.init_from)}")  # YAML reads it back
     source = args.config
     if source is None and not os.environ.get("SPEEDTRONIC_CONFIG"):
         source = _checkpoint_source(args)
