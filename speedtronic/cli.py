@@ -156,7 +156,7 @@ def _resolve(args: argparse.Namespace) -> ResolvedConfig:
     if args.max_steps is not None:
         overrides.append(f"run.max_steps={args.max_steps}")
     if getattr(args, "init_from", None):
-        overrides.append(f"model.init_from={json.dumps(args.init_from)}")  # YAML reads it back
+        overrides.append(f"model.init_from={args.init_from}")  # a string field takes it as is
     source = args.config
     if source is None and not os.environ.get("SPEEDTRONIC_CONFIG"):
         source = _checkpoint_source(args)

@@ -177,10 +177,10 @@ class ModelConfig:
             raise ConfigError("model.d_model must be divisible by model.n_head")
         if self.init_from is not None:
             self.init_from = self.init_from.strip()
-            if not self.init_from or any(c.isspace() for c in self.init_from):
+            if not self.init_from:
                 raise ConfigError(
-                    f"model.init_from must be a folder or owner/name[@revision], got "
-                    f"{describe(self.init_from)}"
+                    "model.init_from must be a folder or owner/name[@revision] (null: random "
+                    "weights), got an empty string"
                 )
             if self.name not in ("reference_transformer", "gpt"):
                 raise ConfigError(
