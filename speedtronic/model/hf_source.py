@@ -6,9 +6,12 @@ else) into its cache, under the project's retry policy (:class:`RetryPolicy`, fr
 ``distributed`` section: backoff, attempts, 429 ``Retry-After``) and with the token of the usual
 config layers (``HF_TOKEN``, the ``hf_token`` secret, ``distributed.token``). ``HF_ENDPOINT``,
 ``HF_HUB_CACHE`` and ``HF_HUB_OFFLINE=1`` (the cache only, no request) are the library's own
-settings. A sharded checkpoint's shards are the ones its ``model.safetensors.index.json``
-names, fetched in a second call. ``weights=False`` (a DiLoCo worker, which takes the master's
-global 0) fetches the config and tokenizer files only.
+settings. As for the DiLoCo Hub store, the SDK's own retries and Xet are switched off
+(:func:`speedtronic.diloco.hub.install_sdk_client`): one retry layer, each attempt bounded by
+``distributed.request_timeout``, large files over the LFS path; a retried attempt keeps the
+files the failed one finished (they are in the cache). A sharded checkpoint's shards are the
+ones its ``model.safetensors.index.json`` names, fetched in a second call. ``weights=False``
+(a DiLoCo worker, which takes the master's global 0) fetches the config and tokenizer only.
 
 Errors: a repo or revision that does not exist or that the token cannot see, a folder without
 ``config.json`` or weights, a file missing from the cache while offline: a ``ConfigError``
@@ -111,11 +114,16 @@ def _snapshot(
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
+    from speedtronic.diloco.hub import hub_call, install_sdk_client
+
+    install_sdk_client()  # our policy is the one retry layer; LFS, not Xet (diloco/hub.py)
+
     def call() -> str:
         try:
-            return snapshot_download(
-                repo_id, revision=revision, allow_patterns=patterns, token=token or None
-            )
+            with hub_call(retry.timeout):
+                return snapshot_download(
+                    repo_id, revision=revision, allow_patterns=patterns, token=token or None
+                )
         except LocalEntryNotFoundError as exc:
             # Online, the SDK answers "not in the cache" for any failed listing (a 503 too):
             # let the Hub's own answer decide whether to retry.
