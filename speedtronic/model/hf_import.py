@@ -264,26 +264,28 @@ def load_hf_weights(model: torch.nn.Module, checkpoint: HFCheckpoint | str | Pat
     done: set[str] = set()
     for path in weight_files(folder):
         with safe_open(str(path), framework="pt") as handle:
-            names = list(handle.keys())  # a safe_open handle is not a mapping
-            for key in names:
-                if key.endswith(_IGNORED_TENSORS) or (key == "lm_head.weight" and cfg.tie_weights):
-                    continue  # a tied head is the embedding: transformers ignores it too
-                ours = ours_by_theirs.get(key)
-                if ours is None:
-                    raise ConfigError(
-                        f"{_FIELD}: {path.name} holds {key}, which the reference model has no "
-                        "place for"
-                    )
-                target = targets[ours]
+            names = list(handle.keys())
+        for key in names:
+            if key.endswith(_IGNORED_TENSORS) or (key == "lm_head.weight" and cfg.tie_weights):
+                continue  # a tied head is the embedding: transformers ignores it too
+            ours = ours_by_theirs.get(key)
+            if ours is None:
+                raise ConfigError(
+                    f"{_FIELD}: {path.name} holds {key}, which the reference model has no place for"
+                )
+            target = targets[ours]
+            # Opened per tensor: the file is memory-mapped, and the pages one tensor touched
+            # leave the process with the handle, so they never add up to the whole file.
+            with safe_open(str(path), framework="pt") as handle:
                 tensor = handle.get_tensor(key)
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise ConfigError(
-                        f"{_FIELD}: {path.name}: {key} has shape {tuple(tensor.shape)}, "
-                        f"config.json makes it {tuple(target.shape)}"
-                    )
-                target.copy_(tensor)
-                del tensor
-                done.add(key)
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ConfigError(
+                    f"{_FIELD}: {path.name}: {key} has shape {tuple(tensor.shape)}, "
+                    f"config.json makes it {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            del tensor
+            done.add(key)
     missing = sorted(set(ours_by_theirs) - done)
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
