@@ -168,6 +168,10 @@ def _resolve(args: argparse.Namespace) -> ResolvedConfig:
     if args.max_steps is not None and config.effective_max_steps != args.max_steps:
         config.apply_run_target(args.max_steps)  # --max-steps also beats data.max_steps
         resolved.sources["data.max_steps"] = "cli"
+    if args.command in ("eval", "export", "sample"):  # model.init_from's shape and tokenizer
+        from speedtronic.model.hf_import import resolve_init_from
+
+        resolve_init_from(config, weights=False)
     return resolved
 
 

@@ -272,3 +272,46 @@ def test_init_from_needs_the_reference_model_and_a_usable_source(tmp_path):
     config = SpeedtronicConfig.from_dict({"model": {"init_from": str(tmp_path / "empty")}})
     with pytest.raises(ConfigError, match=r"has no config\.json"):
         resolve_init_from(config)
+
+
+def test_eval_sample_and_export_take_the_shape_and_tokenizer_from_init_from(tmp_path, capsys):
+    source = tmp_path / "hf"
+    save_llama(source, tokenizer=True, tie_word_embeddings=True)
+    values = run_config(
+        tmp_path,
+        model={"init_from": str(source)},
+        data={"text_path": str(tmp_path / "corpus.txt")},
+        eval={"holdout": 0.1},
+    )
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(values))
+    assert main(["train", "--config", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--config", str(path), "--format", "json"]) == 0
+    scored = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert scored["step"] == 3 and 0 < scored["loss"] < 10  # the checkpoint's shape loaded
+    assert main(["sample", "--config", str(path), "--prompt", "the quick", "--seed", "1"]) == 0
+    assert capsys.readouterr().out.startswith("the quick")
+    assert main(["export", "--config", str(path), "-o", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (
+        source / "tokenizer.json"
+    ).read_bytes()
+
+
+def test_the_memory_bench_stays_under_its_bound(tmp_path):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from init_from_memory import main as bench
+
+    output = tmp_path / "memory.json"
+    args = ["--d-model", "128", "--layers", "2", "--vocab", "4000", "--output", str(output)]
+    assert bench(args) == 0
+    result = json.loads(output.read_text())
+    assert [row["checkpoint"] for row in result["rows"]] == [
+        "fp32, one file",
+        "fp32, 4 shards",
+        "bf16, one file",
+    ]
+    assert result["worst_ratio"] <= 1.3
+    assert all(row["ours_extra_bytes"] < row["peer_extra_bytes"] for row in result["rows"])

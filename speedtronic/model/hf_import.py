@@ -210,7 +210,8 @@ def _merge(section: ModelConfig, shape: Mapping[str, Any], spec: str) -> ModelCo
 def resolve_init_from(config: SpeedtronicConfig, *, weights: bool = True) -> HFCheckpoint | None:
     """Fill ``config.model`` (and ``data.tokenizer``) from ``model.init_from``, in place.
 
-    None without ``model.init_from``. The weight files are fetched only with ``weights`` and
+    None without ``model.init_from``; a section resolved before answers at once (the
+    ``HFCheckpoint`` is kept on it). The weight files are fetched only with ``weights`` and
     not on a DiLoCo worker (it starts from the master's global 0); ``eval``/``export``/
     ``sample`` pass ``weights=False`` (they load a trained checkpoint). Raises ``ConfigError``
     for an unsupported checkpoint or a conflicting setting.
@@ -221,6 +222,9 @@ def resolve_init_from(config: SpeedtronicConfig, *, weights: bool = True) -> HFC
     spec = config.model.init_from
     if spec is None:
         return None
+    done = config.model.__dict__.get("_init_from")  # resolved before: the section is its shape
+    if isinstance(done, HFCheckpoint) and done.spec == spec and (done.loads_weights or not weights):
+        return done
     distributed = config.distributed
     worker = distributed.enabled and distributed.node_role == "worker"
     weights = weights and not worker
@@ -241,7 +245,9 @@ def resolve_init_from(config: SpeedtronicConfig, *, weights: bool = True) -> HFC
         config.data.tokenizer = str(folder)
     config.validate()  # the tokenizer's ids must fit the checkpoint's vocabulary
     architecture = str((hf.get("architectures") or ["?"])[0])
-    return HFCheckpoint(spec, folder, architecture, weights, tokenizer)
+    found = HFCheckpoint(spec, folder, architecture, weights, tokenizer)
+    config.model.__dict__["_init_from"] = found
+    return found
 
 
 @torch.no_grad()
