@@ -110,7 +110,7 @@ def _d_ff_for(width: int, n_head: int) -> int | None:
     return None
 
 
-def _rope(hf: Mapping[str, Any]) -> tuple[float, str | None, Any]:
+def _rope(hf: Mapping[str, Any]) -> tuple[float, str | None, str]:
     """``(rope_theta, rope_type, the field that holds it)`` from a 4.x or 5.x config."""
     parameters = hf.get("rope_parameters")
     scaling = hf.get("rope_scaling")
@@ -154,9 +154,17 @@ def reference_shape(hf: Mapping[str, Any], spec: str) -> dict[str, Any]:
         ("hidden_act", hf.get("hidden_act", "silu") != "silu", "a SiLU-gated MLP"),
         ("sliding_window", hf.get("sliding_window") is not None, "full causal attention"),
         ("use_sliding_window", bool(hf.get("use_sliding_window", False)), "full attention"),
-        ("rms_norm_eps", abs(float(hf.get("rms_norm_eps", _RMS_EPS)) - _RMS_EPS) > 1e-12, "1e-05"),
-        ("head_dim", int(hf.get("head_dim") or d_model // n_head) * n_head != d_model, "C / H"),
-        ("intermediate_size", width % n_head != 0, "an MLP width that is a multiple of heads"),
+        (
+            "rms_norm_eps",
+            abs(float(hf.get("rms_norm_eps", _RMS_EPS)) - _RMS_EPS) > 1e-12,
+            "RMSNorm eps 1e-05",
+        ),
+        (
+            "head_dim",
+            int(hf.get("head_dim") or d_model // n_head) * n_head != d_model,
+            "hidden / heads",
+        ),
+        ("intermediate_size", width % n_head != 0, "its MLP width rounded to the heads"),
     )
     for field, differs, ours in checks:
         if differs:
