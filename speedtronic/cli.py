@@ -8,8 +8,8 @@ Commands (every one takes ``--config``, ``--max-steps``, ``--output-dir``, ``--d
     speedtronic config show [--sources] [--format yaml|json]
     speedtronic config schema                              # JSON Schema of a config file
     speedtronic config docs [--write docs/configuration.md] # the generated field tables
-    speedtronic train                                      # speedtronic.entrypoint.launch
-    speedtronic run                                        # the same runner + metrics server
+    speedtronic train [--init-from SOURCE]                 # speedtronic.entrypoint.launch
+    speedtronic run [--init-from SOURCE]                   # the same runner + metrics server
     speedtronic plot EVENTS [--output PNG] [--each-run]     # last run, or every run apart
     speedtronic eval [--checkpoint PATH | --global] [--format text|json]   # held-out loss
     speedtronic prepare --input PATH... --output DIR [--tokenizer T] [--holdout F] [--workers N]
