@@ -178,7 +178,8 @@ def _resolve(args: argparse.Namespace) -> ResolvedConfig:
 def _checkpoint_source(args: argparse.Namespace) -> dict[str, Any] | None:
     """``export``/``sample``/``eval --checkpoint PATH`` without a config: the run config the
     checkpoint carries (redacted: a token comes from HF_TOKEN or a secret file again)."""
-    if args.command not in ("export", "sample", "eval") or not getattr(args, "checkpoint", None):
+    commands = ("export", "sample", "eval", "push")
+    if args.command not in commands or not getattr(args, "checkpoint", None):
         return None
     from speedtronic.checkpoint import CheckpointError, checkpoint_config
     from speedtronic.config import REDACTED
@@ -337,6 +338,13 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     return sample_command(args, config)
 
 
+def _cmd_push(args: argparse.Namespace) -> int:
+    config = _resolve(args).config
+    from speedtronic.cli_data import push_command
+
+    return push_command(args, config)
+
+
 def _text_value(value: Any) -> str:
     if value is None:
         return "null"
@@ -352,6 +360,7 @@ _COMMANDS = {
     "prepare": _cmd_prepare,
     "export": _cmd_export,
     "sample": _cmd_sample,
+    "push": _cmd_push,
 }
 
 

@@ -445,12 +445,22 @@ def _trackers(config: Any, node_id: str) -> list[Any]:
     """The experiment trackers of ``logging.trackers`` (W&B, TensorBoard; extra
     ``speedtronic[logging]``), each given the redacted config. Project: ``logging.project`` or
     ``run.name``; run name: ``logging.run_name`` or the node id. TensorBoard writes under
-    ``<run.output_dir>/tensorboard/<run name>``; W&B honours ``WANDB_MODE=offline``."""
+    ``<run.output_dir>/tensorboard/<run name>``; W&B honours ``WANDB_MODE=offline``. A
+    project or run name that holds the token's value (a node id from ``HOSTNAME``, a config
+    built without the layering's check) is a ``ConfigError`` that does not show it: it would
+    become a directory or a W&B run name."""
+    from speedtronic.config.redaction import holds_secret
     from speedtronic.metrics.integrations import TensorboardHook, WandbHook
 
     section = config.logging
     project = section.project or config.run.name
     name = section.run_name or node_id
+    for what, value in (("project", project), ("run name", name)):
+        if section.trackers and holds_secret(str(value), [config.distributed.token]):
+            raise ConfigError(
+                f"logging.trackers: the tracker {what} holds the value of distributed.token "
+                "(not shown); set logging.project / logging.run_name to another name"
+            )
     redacted = config.to_dict(redact_secrets=True)
     hooks: list[Any] = []
     for tracker in section.trackers:
@@ -649,4 +659,29 @@ def _train(
         reason,
         extra=_event("run_finished", steps=result.steps, stopped_reason=reason),
     )
+    if config.run.push_to_hub and ranks.is_main and role != "worker" and not state.stop_signal:
+        _push_final(config)
     return RunOutcome(0, result if ranks.is_main else None)
+
+
+def _push_final(config: Any) -> None:
+    """``run.push_to_hub``: the master (or a lone node) pushes its newest checkpoint, which
+    holds the final global, as ``speedtronic push`` would; a failure leaves the run's files
+    in place and says how to push them again."""
+    from speedtronic.publish import push_model
+
+    repo = config.run.push_to_hub
+    try:
+        pushed = push_model(config, repo_id=repo, log=_LOG.info)
+    except Exception as exc:
+        raise RuntimeError(
+            f"training finished, but pushing to {repo} failed ({type(exc).__name__}: {exc}); "
+            f"the checkpoints are kept: retry with speedtronic push --config <this config> "
+            f"--repo {repo}"
+        ) from None
+    _LOG.info(
+        "pushed the model (step %s) to the Hub repo %s in one commit",
+        pushed.step,
+        repo,
+        extra=_event("model_pushed", repo=repo, step=pushed.step, files=len(pushed.files)),
+    )

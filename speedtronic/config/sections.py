@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from speedtronic.config.errors import ConfigError
 from speedtronic.config.fields import (
@@ -30,7 +30,7 @@ from speedtronic.config.fields import (
     one_of,
     section,
 )
-from speedtronic.config.limits import DAY, MAX_SEED, MAX_STEPS
+from speedtronic.config.limits import DAY, MAX_SEED, MAX_STEPS, is_hub_repo_id
 
 __all__ = [
     "SYNTHETIC_KINDS",
@@ -89,6 +89,13 @@ def _tokenizer(value: Any) -> Any:
     return "bytes" if value.strip().lower() in ("", "bytes") else value.strip()
 
 
+def _hub_repo(value: str | None) -> str | None:
+    """A Hub model repo id, ``owner/name``."""
+    if value is not None and not is_hub_repo_id(value):
+        raise ValueError("must be a Hub repo id 'owner/name'")
+    return value
+
+
 def _auto(value: Any) -> Any:
     return "auto" if isinstance(value, str) and value.strip().lower() == "auto" else value
 
@@ -101,6 +108,7 @@ NProc = Annotated[
     BeforeValidator(_auto),
     Says(bound=NPROC, kind=NPROC),
 ]
+HubRepo = Annotated[Str, AfterValidator(_hub_repo)]
 DataParallel = one_of("ddp", "fsdp", says="run.data_parallel must be ddp or fsdp")
 Dataset = Annotated[Any, BeforeValidator(_dataset)]
 Synthetic = Annotated[
@@ -137,6 +145,7 @@ class RunConfig:
     nproc_per_node: NProc = F(1, "ranks on this node: a count, or auto (the visible GPUs)")
     data_parallel: DataParallel = F("ddp", "ddp (replicas) or fsdp (sharded, FSDP2)")
     collective_timeout: Float = F(600.0, "seconds a collective waits for the ranks", gt=0, le=DAY)
+    push_to_hub: HubRepo | None = F(None, "owner/name: after the run, push the model there")
 
     def __post_init__(self) -> None:
         self.device = self.device.strip()
