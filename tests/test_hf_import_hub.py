@@ -128,5 +128,5 @@ def test_a_repo_the_token_cannot_see_is_a_configuration_error(tmp_path, lfs_hub)
         ["-m", "speedtronic", "train", "--config", str(path), "--init-from", "org/missing@v2"], env
     )
     assert done.returncode == 2, done.stderr[-2000:]
-    assert "model.init_from: org/missing@v2: not found on the Hub" in done.stderr
+    assert "model.init_from: download of the Hub model org/missing@v2: not found" in done.stderr
     assert TEST_TOKEN not in done.stderr

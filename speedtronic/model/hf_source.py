@@ -1,33 +1,32 @@
 """Where ``model.init_from`` points, made a local folder: a folder as is, or a Hub repo.
 
-``owner/name[@revision]`` is fetched with huggingface_hub's public ``snapshot_download``
-(``allow_patterns``: the config, the tokenizer files and the safetensors weights, nothing
-else) into its cache, under the project's retry policy (:class:`RetryPolicy`, from the
-``distributed`` section: backoff, attempts, 429 ``Retry-After``) and with the token of the usual
-config layers (``HF_TOKEN``, the ``hf_token`` secret, ``distributed.token``). ``HF_ENDPOINT``,
-``HF_HUB_CACHE`` and ``HF_HUB_OFFLINE=1`` (the cache only, no request) are the library's own
-settings. As for the DiLoCo Hub store, the SDK's own retries and Xet are switched off
-(:func:`speedtronic.diloco.hub.install_sdk_client`): one retry layer, each attempt bounded by
-``distributed.request_timeout``, large files over the LFS path; a retried attempt keeps the
-files the failed one finished (they are in the cache). A sharded checkpoint's shards are the
-ones its ``model.safetensors.index.json`` names, fetched in a second call. ``weights=False``
-(a DiLoCo worker, which takes the master's global 0) fetches the config and tokenizer only.
+``owner/name[@revision]`` is fetched by :func:`speedtronic.hub_files.fetch` (huggingface_hub's
+public ``snapshot_download``, the same path ``prepare`` takes for Hub datasets) with
+``allow_patterns`` limited to the config, the tokenizer files and the safetensors weights,
+into the Hugging Face cache, under the run's retry policy (``distributed.retry_*``: backoff,
+attempts, 429 ``Retry-After``) and with the token of the usual config layers (``HF_TOKEN``,
+the ``hf_token`` secret, ``distributed.token``). ``HF_ENDPOINT``, ``HF_HUB_CACHE`` and
+``HF_HUB_OFFLINE=1`` (the cache only, no request) are the library's own settings. As for the
+DiLoCo Hub store, the SDK's own retries and Xet are switched off
+(:func:`speedtronic.diloco.hub.install_sdk_client`): one retry layer, each request bounded,
+large files over the LFS path; a retried attempt keeps the files the failed one finished (they
+are in the cache). A sharded checkpoint's shards are the ones its
+``model.safetensors.index.json`` names, fetched in a second call. ``weights=False`` (a DiLoCo
+worker, which takes the master's global 0) fetches the config and tokenizer only.
 
-Errors: a repo or revision that does not exist or that the token cannot see, a folder without
-``config.json`` or weights, a file missing from the cache while offline: a ``ConfigError``
-naming ``model.init_from``. An outage that outlasts the retries: ``HubUnavailable``.
+Errors (a ``ConfigError`` naming ``model.init_from``, exit 2): a repo or revision that does not
+exist or that the token cannot see, an outage past the retries, a file missing from the cache
+while offline, a folder without ``config.json`` or weights.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
-from collections.abc import Callable
 from pathlib import Path
 
 from speedtronic.config import ConfigError
-from speedtronic.diloco.exchange import RetryPolicy, TransportError
+from speedtronic.diloco.exchange import RetryPolicy
 
 __all__ = ["CONFIG", "INDEX", "SINGLE", "TOKENIZER_FILES", "fetch_checkpoint", "weight_files"]
 
@@ -87,69 +86,18 @@ def fetch_checkpoint(
 
 
 def _from_hub(spec: str, token: str | None, retry: RetryPolicy, weights: bool) -> Path:
-    from huggingface_hub import constants
-
-    repo_id, _, revision = spec.partition("@")
-    offline = bool(constants.HF_HUB_OFFLINE)
-    if offline:  # the cache answers at once; retrying a miss cannot help
-        retry = dataclasses.replace(retry, attempts=1)
-    patterns = [*_META, SINGLE, INDEX] if weights else list(_META)
-    folder = Path(_snapshot(repo_id, revision or None, patterns, token, retry, offline))
-    if weights and (folder / INDEX).is_file():
-        shards = [path.name for path in weight_files(folder) if not path.is_file()]
-        if shards:
-            folder = Path(_snapshot(repo_id, revision or None, shards, token, retry, offline))
-    return folder
-
-
-def _snapshot(
-    repo_id: str,
-    revision: str | None,
-    patterns: list[str],
-    token: str | None,
-    retry: RetryPolicy,
-    offline: bool,
-) -> str:
-    """One ``snapshot_download`` under the retry policy; its errors as ours."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    from speedtronic.diloco.hub import hub_call, install_sdk_client
+    from speedtronic.diloco.hub import install_sdk_client
+    from speedtronic.hub_files import HubFilesError, HubRef, fetch
 
     install_sdk_client()  # our policy is the one retry layer; LFS, not Xet (diloco/hub.py)
-
-    def call() -> str:
-        try:
-            with hub_call(retry.timeout):
-                return snapshot_download(
-                    repo_id, revision=revision, allow_patterns=patterns, token=token or None
-                )
-        except LocalEntryNotFoundError as exc:
-            # Online, the SDK answers "not in the cache" for any failed listing (a 503 too):
-            # let the Hub's own answer decide whether to retry.
-            cause = exc.__cause__
-            if not offline and isinstance(cause, Exception):
-                raise cause from None
-            raise
-
-    where = f"{repo_id}@{revision}" if revision else repo_id
-    return _run(retry, f"download {where}", call, where, offline)
-
-
-def _run(
-    retry: RetryPolicy, operation: str, call: Callable[[], str], where: str, offline: bool
-) -> str:
+    repo_id, _, revision = spec.partition("@")
+    ref = HubRef(repo_id, "model", revision or None)
     try:
-        return retry.run(operation, call)
-    except TransportError as exc:
-        if exc.kind == "transient":
-            raise  # an outage past the retries: a runtime failure, not a configuration one
-        if offline:
-            raise ConfigError(
-                f"{_FIELD}: {where} is not in the Hugging Face cache and HF_HUB_OFFLINE=1 "
-                "forbids downloading it (run once online, or unset HF_HUB_OFFLINE)"
-            ) from None
-        reason = "not found on the Hub, or the token cannot see it"
-        if exc.status in (401, 403):
-            reason = f"refused by the Hub (HTTP {exc.status}): check the token"
-        raise ConfigError(f"{_FIELD}: {where}: {reason} ({exc})") from None
+        folder = fetch(ref, [*_META, SINGLE, INDEX] if weights else _META, token=token, retry=retry)
+        if weights and (folder / INDEX).is_file():
+            shards = [path.name for path in weight_files(folder) if not path.is_file()]
+            if shards:
+                folder = fetch(ref, shards, token=token, retry=retry)
+    except HubFilesError as exc:
+        raise ConfigError(f"{_FIELD}: {exc}") from None
+    return folder
