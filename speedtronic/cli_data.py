@@ -37,8 +37,11 @@ def _weights_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_data_commands(commands: Any, common: argparse.ArgumentParser) -> None:
-    """``prepare``, ``export`` and ``sample`` (docs/data.md)."""
+def add_data_commands(
+    commands: Any, reading: argparse.ArgumentParser, writing: argparse.ArgumentParser
+) -> None:
+    """``prepare``, ``export`` and ``sample`` (docs/data.md); ``reading``/``writing``: the
+    config flags of a command that computes (``sample``) and of one that does not (``export``)."""
     prepare = commands.add_parser(
         "prepare", help="tokenize text / JSONL / Parquet files into token shards + meta.json"
     )
@@ -86,7 +89,7 @@ def add_data_commands(commands: Any, common: argparse.ArgumentParser) -> None:
     prepare.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     export = commands.add_parser(
-        "export", parents=[common], help="write a checkpoint as a transformers model folder"
+        "export", parents=[writing], help="write a checkpoint as a transformers model folder"
     )
     _weights_flags(export)
     export.add_argument("--format", choices=("hf",), default="hf")
@@ -97,14 +100,14 @@ def add_data_commands(commands: Any, common: argparse.ArgumentParser) -> None:
     )
 
     push = commands.add_parser(
-        "push", parents=[common], help="upload a checkpoint to a Hub model repo with a model card"
+        "push", parents=[writing], help="upload a checkpoint to a Hub model repo with a model card"
     )
     _weights_flags(push)
     push.add_argument("--repo", required=True, metavar="OWNER/NAME", help="Hub model repo")
     push.add_argument("--private", action="store_true", help="create the repo private")
 
     sample = commands.add_parser(
-        "sample", parents=[common], help="continue a prompt with a checkpoint (seeded)"
+        "sample", parents=[reading], help="continue a prompt with a checkpoint (seeded)"
     )
     _weights_flags(sample)
     sample.add_argument("--prompt", default="", metavar="TEXT")
@@ -198,8 +201,8 @@ class _ProgressBar:
 def export_command(args: argparse.Namespace, config: Any) -> int:
     """``speedtronic export``: the folder written (and, with ``--verify``, the logit check)."""
     from speedtronic.checkpoint import CheckpointError
+    from speedtronic.config.tokenizer_file import is_bytes
     from speedtronic.data.tokenizer import tokenizer_for
-    from speedtronic.data.tokenizer_file import is_bytes
     from speedtronic.model.export import ExportError, check_exportable, export_hf, verify_export
     from speedtronic.train.scoring import load_model
 

@@ -57,6 +57,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from speedtronic.config import ConfigError, ResolvedConfig
@@ -248,9 +249,24 @@ def _write_resolved(config: Any, sources: dict[str, str]) -> Any:
     return path
 
 
-def _log_startup(command: Command, config: Any, sources: dict[str, str]) -> None:
-    """The startup record: versions, and where the resolved (redacted) config and its
-    sources were written; under ``logging.format: json`` the event carries them too."""
+def _config_origin(config_path: str | None) -> str:
+    """Which config the run started from: a file, the embedded main job, or none."""
+    from speedtronic.defaults import MAIN_JOB
+
+    if config_path is None:
+        return "no config file"
+    if Path(config_path).resolve() == MAIN_JOB:
+        return f"the embedded main job {config_path}"
+    return config_path
+
+
+def _log_startup(
+    command: Command, config: Any, sources: dict[str, str], config_path: str | None = None
+) -> None:
+    """The startup record: versions, the config file the run started from (``config_path``),
+    and where the resolved (redacted) config and its sources were written; under
+    ``logging.format: json`` the event carries them too."""
+    started_from = _config_origin(config_path)
     redacted = config.to_dict(redact_secrets=True)
     versions = runtime_versions()
     path = _write_resolved(config, sources)
@@ -263,6 +279,7 @@ def _log_startup(command: Command, config: Any, sources: dict[str, str]) -> None
                 versions=versions,
                 config=redacted,
                 sources=sources,
+                config_source=started_from,
                 config_file=str(path) if path else None,
             ),
         )
@@ -281,7 +298,12 @@ def _log_startup(command: Command, config: Any, sources: dict[str, str]) -> None
         kind = origin.split(":", 1)[0]
         origins[kind] = origins.get(kind, 0) + 1
     counted = ", ".join(f"{count} {kind}" for kind, count in origins.items()) or "defaults only"
-    _LOG.info("config: %s (resolved, redacted; values set: %s)", path or "not written", counted)
+    _LOG.info(
+        "config: %s (resolved, redacted; from %s; values set: %s)",
+        path or "not written",
+        started_from,
+        counted,
+    )
 
 
 def _check_local_host(host: str) -> None:
@@ -557,7 +579,7 @@ def launch(
         if nproc > 1:  # this process becomes torchrun's agent for the node's ranks
             return RunOutcome(run_agent(config, nproc, argv))
         if ranks.is_main:
-            _log_startup(command, config, sources)
+            _log_startup(command, config, sources, resolved.config_path)
         from prometheus_client import CollectorRegistry
 
         registry = CollectorRegistry()

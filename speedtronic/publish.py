@@ -213,8 +213,8 @@ def push_model(
     with a model card to the Hub model repo ``repo_id`` in one commit (see the module)."""
     from huggingface_hub import CommitOperationAdd, HfApi
 
+    from speedtronic.config.tokenizer_file import is_bytes
     from speedtronic.data.tokenizer import tokenizer_for
-    from speedtronic.data.tokenizer_file import is_bytes
     from speedtronic.diloco.exchange import retry_policy_from_config
     from speedtronic.model.export import check_exportable, export_hf
     from speedtronic.train.scoring import load_model
