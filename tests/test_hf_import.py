@@ -276,7 +276,8 @@ def test_init_from_needs_the_reference_model_and_a_usable_source(tmp_path):
 
 def test_eval_sample_and_export_take_the_shape_and_tokenizer_from_init_from(tmp_path, capsys):
     source = tmp_path / "hf"
-    save_llama(source, tokenizer=True, tie_word_embeddings=True)
+    reference = save_llama(source, tokenizer=True, tie_word_embeddings=True)
+    parameters = sum(p.numel() for p in reference.parameters())
     values = run_config(
         tmp_path,
         model={"init_from": str(source)},
@@ -285,6 +286,9 @@ def test_eval_sample_and_export_take_the_shape_and_tokenizer_from_init_from(tmp_
     )
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(values))
+    capsys.readouterr()
+    assert main(["validate", "--config", str(path)]) == 0  # the dry run sees the checkpoint
+    assert f"config OK: {parameters:,} parameters" in capsys.readouterr().out
     assert main(["train", "--config", str(path)]) == 0
     capsys.readouterr()
     assert main(["eval", "--config", str(path), "--format", "json"]) == 0

@@ -224,7 +224,7 @@ def resolve_init_from(config: SpeedtronicConfig, *, weights: bool = True) -> HFC
     ``sample`` pass ``weights=False`` (they load a trained checkpoint). Raises ``ConfigError``
     for an unsupported checkpoint or a conflicting setting.
     """
-    from speedtronic.data.tokenizer_file import is_bytes
+    from speedtronic.config.tokenizer_file import is_bytes
     from speedtronic.diloco.exchange import retry_policy_from_config
 
     spec = config.model.init_from
