@@ -7,8 +7,8 @@ section.field=value`` is repeatable; each command lists only the flags it reads)
     speedtronic config show [--sources] [--format yaml|json]   # the merged, redacted config
     speedtronic config schema                              # JSON Schema of a config file
     speedtronic config docs [--write docs/configuration.md] # the generated field tables
-    speedtronic train [--max-steps N] [--resume]           # speedtronic.entrypoint.launch
-    speedtronic run [--max-steps N] [--resume]             # the same runner + metrics server
+    speedtronic train [--max-steps N] [--resume] [--init-from SOURCE]  # entrypoint.launch
+    speedtronic run [--max-steps N] [--resume] [--init-from SOURCE]    # + metrics server
     speedtronic plot EVENTS [--output PNG] [--each-run]     # last run, or every run apart
     speedtronic eval [--checkpoint PATH | --global] [--format text|json]   # held-out loss
     speedtronic prepare --input PATH... --output DIR [--tokenizer T] [--holdout F] [--workers N]
@@ -125,12 +125,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--write", metavar="MARKDOWN", help="replace the generated part of this file instead"
     )
 
-    commands.add_parser("train", parents=[training], help="train locally (CLI progress)")
-    commands.add_parser(
+    train = commands.add_parser("train", parents=[training], help="train locally (CLI progress)")
+    run = commands.add_parser(
         "run",
         parents=[training],
         help="container entrypoint (metrics server); without a config: the embedded main job",
     )
+    for launcher in (train, run):
+        launcher.add_argument(
+            "--init-from",
+            metavar="SOURCE",
+            help="set model.init_from: a transformers checkpoint folder or owner/name[@revision]",
+        )
 
     evaluate = commands.add_parser(
         "eval", parents=[reading], help="score a checkpoint or the DiLoCo global on held-out data"
@@ -177,6 +183,8 @@ def _resolve(args: argparse.Namespace) -> ResolvedConfig:
         overrides.append(f"run.device={device}")
     if max_steps is not None:
         overrides.append(f"run.max_steps={max_steps}")
+    if getattr(args, "init_from", None):
+        overrides.append(f"model.init_from={args.init_from}")  # a string field takes it as is
     source = args.config
     named = source is not None or bool(os.environ.get("SPEEDTRONIC_CONFIG"))
     if not named:
@@ -194,6 +202,10 @@ def _resolve(args: argparse.Namespace) -> ResolvedConfig:
     if max_steps is not None and config.effective_max_steps != max_steps:
         config.apply_run_target(max_steps)  # --max-steps also beats data.max_steps
         resolved.sources["data.max_steps"] = "cli"
+    if args.command in ("eval", "export", "sample", "push"):  # init_from's shape and tokenizer
+        from speedtronic.model.hf_import import resolve_init_from
+
+        resolve_init_from(config, weights=False)
     return resolved
 
 

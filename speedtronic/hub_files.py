@@ -22,8 +22,12 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from speedtronic.config.limits import is_hub_repo_id
+
+if TYPE_CHECKING:
+    from speedtronic.diloco.exchange import RetryPolicy
 
 __all__ = [
     "DATA_PATTERNS",
@@ -86,9 +90,12 @@ def fetch(
     *,
     token: str | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
+    retry: RetryPolicy | None = None,
 ) -> Path:
     """The local snapshot folder of ``ref`` holding (at least) the files matching ``patterns``
-    under ``ref.path`` (see the module for retries, resume and offline use)."""
+    under ``ref.path`` (see the module for retries, resume and offline use). ``retry``: the
+    policy (default: four quick tries, for a person at a prompt; a training run passes the
+    one of its ``distributed`` section)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -101,7 +108,9 @@ def fetch(
         allow = [f"{base}{pattern}" for pattern in patterns]
     # A person waits at a prompt: four tries within about 3.5 s, then the hint.
     secrets = (token,) if token else ()
-    policy = RetryPolicy(initial=0.5, maximum=4.0, attempts=4, timeout=30.0, secrets=secrets)
+    policy = retry or RetryPolicy(
+        initial=0.5, maximum=4.0, attempts=4, timeout=30.0, secrets=secrets
+    )
     where = f"{ref.repo_type} {ref.repo_id}" + (f"@{ref.revision}" if ref.revision else "")
 
     def download() -> str:

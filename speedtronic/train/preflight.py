@@ -162,11 +162,13 @@ def preflight(config: SpeedtronicConfig, *, resume: bool = False) -> Preflight:
     """
     from speedtronic.data import build_node_dataloader
     from speedtronic.model import build_model
+    from speedtronic.model.hf_import import resolve_init_from
     from speedtronic.train.evaluate import build_heldout
     from speedtronic.train.runtime import _device, _log_data, _precision
     from speedtronic.train.shapes import validate_startup_shapes
 
     config = config.validate()
+    resolve_init_from(config, weights=False)  # model.init_from's shape and tokenizer
     device = _device(config, None)
     precision = _precision(config, device)
     with torch.device("meta"):
