@@ -308,7 +308,10 @@ def _start_server(command: Command, config: Any, registry: Any, state: _RunState
     metrics = config.metrics
     enabled = (command == "run") if metrics.enabled is None else metrics.enabled
     if not enabled:
-        _LOG.info("metrics server off (metrics.enabled=%s, command %s)", metrics.enabled, command)
+        if metrics.enabled is False:
+            _LOG.info("metrics server off (metrics.enabled: false)")
+        else:
+            _LOG.info("metrics server off (metrics.enabled: true serves /metrics under %s)", command)
         return None
     from speedtronic.metrics.server import MetricsServer
 
@@ -473,8 +476,9 @@ def _yaml_block(values: Any) -> str:
     return "```yaml\n" + yaml.safe_dump(values, sort_keys=False) + "```"
 
 
-def _summary(config: Any, trainer: Any, role: str, node_id: str) -> str:
-    """One line on what runs: run, model size, data, exchange, role."""
+def _summary(config: Any, trainer: Any) -> str:
+    """One line on what runs: run, model size, data (and ``exchange none`` without DiLoCo;
+    a DiLoCo run's exchange gets its own line, `_exchange`)."""
     model = getattr(trainer, "model", None)
     params = sum(p.numel() for p in model.parameters()) if model is not None else 0
     shape = config.model
@@ -483,13 +487,45 @@ def _summary(config: Any, trainer: Any, role: str, node_id: str) -> str:
         source = data.text_path or data.token_path or "dataset"
     else:
         source = f"synthetic {data.synthetic} ({data.num_tokens} samples)"
-    exchange = config.distributed.repo_id if config.distributed.enabled else "none"
+    exchange = "" if config.distributed.enabled else "; exchange none"  # else its own line
     return (
-        f"run {config.run.name} ({config.effective_max_steps} steps, {config.run.device}); "
-        f"model {shape.name} {params:,} parameters ({shape.n_layer} x {shape.d_model}, "
-        f"vocab {shape.vocab_size}, context {shape.max_seq_len}); data {source}, "
-        f"batch {data.target_batch_size} x {data.block_size} tokens; exchange {exchange}; "
-        f"role {role}, node {node_id}"
+        f"run {config.run.name}, {config.effective_max_steps} steps; model {shape.name} "
+        f"{params:,} parameters ({shape.n_layer} x {shape.d_model}, vocab {shape.vocab_size}, "
+        f"context {shape.max_seq_len}); data {source}, batch {data.target_batch_size} x "
+        f"{data.block_size} tokens{exchange}"
+    )
+
+
+def _devices(trainer: Any) -> str:
+    """Where this process computes: the device (its name and memory on CUDA), the precision
+    and, for several ranks, how many."""
+    import torch
+
+    device = torch.device(getattr(trainer, "device", "cpu"))
+    where = str(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(device)
+        where += f" ({props.name}, {props.total_memory / 2**30:.0f} GiB)"
+    precision = getattr(getattr(trainer, "precision", None), "mode", None)
+    parallel = getattr(trainer, "parallel", None)
+    world = getattr(parallel, "world_size", 1)
+    parts = [where, *([f"precision {precision}"] if precision else [])]
+    if isinstance(world, int) and world > 1:
+        parts.append(f"{world} ranks")
+    return ", ".join(parts)
+
+
+def _exchange(config: Any, role: str, node_id: str) -> str:
+    """The DiLoCo exchange in one line: where, as whom, the wire formats both ways, the
+    round's shape."""
+    dist = config.distributed
+    blocks = f" (blocks of {dist.delta_block_size})" if dist.delta_dtype in ("int8", "int4") else ""
+    lossy = dist.delta_dtype != "fp32" or dist.global_dtype != "fp32"
+    feedback = f", error feedback {'on' if dist.error_feedback else 'off'}" if lossy else ""
+    return (
+        f"{dist.repo_id} as {role} {node_id}; deltas up as {dist.delta_dtype}{blocks}, "
+        f"global down as {dist.global_dtype}{feedback}; {dist.inner_steps} inner steps per "
+        f"round, sync {dist.sync}"
     )
 
 
@@ -611,14 +647,26 @@ def _train(
     bar = _attach_progress(trainer) if progress else None
     state.built = True
     state.last_phase = time.monotonic()
-    summary = _summary(config, trainer, role, node_id)
+    summary = _summary(config, trainer)
     _LOG.info(
-        "runtime built: role=%s node_id=%s: %s",
-        role,
-        node_id,
+        "runtime built: %s",
         summary,
         extra=_event("runtime_built", role=role, node_id=node_id, summary=summary),
     )
+    devices = _devices(trainer)
+    _LOG.info("devices: %s", devices, extra=_event("devices", devices=devices))
+    if config.distributed.enabled:
+        exchange = _exchange(config, role, node_id)
+        _LOG.info(
+            "exchange: %s",
+            exchange,
+            extra=_event(
+                "exchange",
+                repo_id=config.distributed.repo_id,
+                delta_dtype=config.distributed.delta_dtype,
+                global_dtype=config.distributed.global_dtype,
+            ),
+        )
     try:
         if state.stop_signal is not None and getattr(parallel, "stops_locally", True):
             _LOG.info("stop requested before training started; exiting without training")
@@ -644,9 +692,9 @@ def _train(
         parallel.close()  # the ranks leave together (after a failure the agent ends them)
     reason = result.stopped_reason
     _LOG.info(
-        "run finished: steps=%s stopped_reason=%s",
+        "run finished after %s steps%s",
         result.steps,
-        reason,
+        f" (stopped: {reason})" if reason else "",
         extra=_event("run_finished", steps=result.steps, stopped_reason=reason),
     )
     return RunOutcome(0, result if ranks.is_main else None)
