@@ -311,7 +311,7 @@ def _start_server(command: Command, config: Any, registry: Any, state: _RunState
         if metrics.enabled is False:
             _LOG.info("metrics server off (metrics.enabled: false)")
         else:
-            _LOG.info("metrics server off (metrics.enabled: true serves /metrics under %s)", command)
+            _LOG.info("metrics server off (metrics.enabled: true serves /metrics in %s)", command)
         return None
     from speedtronic.metrics.server import MetricsServer
 

@@ -128,12 +128,15 @@ def test_smoke_train_output_reads_well(tmp_path):
     limit, nothing printed as None/null, and a finish line without a stop reason."""
     out = tmp_path / "run"
     config = str(ROOT / "configs" / "smoke.yaml")
-    done = _cli(tmp_path, "train", "--config", config, "--max-steps", "20", "--output-dir", str(out))
+    done = _cli(
+        tmp_path, "train", "--config", config, "--max-steps", "20", "--output-dir", f"{out}"
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
     steps = [line for line in lines if " train_step " in line]
     assert len(steps) == 20 and all(len(line) <= STEP_LINE_LIMIT for line in steps), steps
-    assert "step=20/20 loss=" in steps[-1] and "eval=" in steps[-1] and "outer_step" not in steps[-1]
+    assert "step=20/20 loss=" in steps[-1] and "eval=" in steps[-1]
+    assert "outer_step" not in steps[-1]
     assert not [line for line in lines if "None" in line or "null" in line], done.stdout
     assert any(line.endswith("| devices: cpu, precision fp32") for line in lines), done.stdout
     assert any(line.endswith("run finished after 20 steps") for line in lines), done.stdout
