@@ -553,7 +553,8 @@ def launch(
             ``metrics.enabled: false``, stall watchdog) or ``"train"`` (server only when
             ``metrics.enabled: true``).
         resume: resume from the newest local checkpoint (also ``checkpoint.resume``).
-        progress: show a progress bar on stderr; None: only when stdout is a terminal.
+        progress: show a progress bar on stderr; None: only when stdout and stderr are
+            terminals.
         extra_hooks: appended to the trainer's logger hooks (``on_event`` objects or callables).
         argv: the command line after ``speedtronic``, which the agent runs once per rank when
             ``run.nproc_per_node`` is above 1.
@@ -592,7 +593,8 @@ def launch(
             if command == "run" or server is not None:
                 watchdog = _start_watchdog(config, state)
         restore_signals = install_stop_handlers(state.on_signal, is_stopping=state.stopping)
-        show = _isatty(sys.stdout) if progress is None else progress
+        # the bar draws on stderr and replaces the step lines on stdout: both on a terminal
+        show = _isatty(sys.stdout) and _isatty(sys.stderr) if progress is None else progress
         shown = show and ranks.is_main
         token = sources.get("distributed.token")
         return _train(config, resume, state, registry, shown, extra_hooks, ranks, token)
