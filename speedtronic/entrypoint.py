@@ -267,13 +267,15 @@ def _log_startup(command: Command, config: Any, sources: dict[str, str]) -> None
             ),
         )
         return
+    cuda = versions["cuda"] or "none"
+    if versions["cuda"] and not versions["cuda_available"]:
+        cuda += " (no GPU available)"
     _LOG.info(
-        "speedtronic %s starting: speedtronic %s, torch %s, CUDA %s (available: %s), python %s",
+        "speedtronic %s starting: speedtronic %s, torch %s, CUDA %s, python %s",
         command,
         versions["speedtronic"],
         versions["torch"],
-        versions["cuda"] or "none",
-        versions["cuda_available"],
+        cuda,
         versions["python"],
     )
     origins: dict[str, int] = {}
@@ -523,7 +525,7 @@ def _exchange(config: Any, role: str, node_id: str) -> str:
     lossy = dist.delta_dtype != "fp32" or dist.global_dtype != "fp32"
     feedback = f", error feedback {'on' if dist.error_feedback else 'off'}" if lossy else ""
     return (
-        f"{dist.repo_id} as {role} {node_id}; deltas up as {dist.delta_dtype}{blocks}, "
+        f"{dist.repo_id} as {role}, node {node_id}; deltas up as {dist.delta_dtype}{blocks}, "
         f"global down as {dist.global_dtype}{feedback}; {dist.inner_steps} inner steps per "
         f"round, sync {dist.sync}"
     )

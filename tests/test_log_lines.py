@@ -171,7 +171,7 @@ def test_a_diloco_run_says_its_wire_formats_at_start(tmp_path):
     wire = [line for line in lines if "| exchange: " in line]
     assert len(wire) == 1, done.stdout
     assert "deltas up as int8 (blocks of 128), global down as int4" in wire[0], wire
-    assert f"file://{exchange} as master" in wire[0], wire
+    assert f"file://{exchange} as master, node " in wire[0], wire
     steps = [line for line in lines if " train_step " in line]
     assert steps and all(len(line) <= STEP_LINE_LIMIT for line in steps), steps
     assert "outer_step=2" in steps[-1], steps[-1]
