@@ -62,6 +62,7 @@ from typing import Any, Literal
 from speedtronic.config import ConfigError, ResolvedConfig
 from speedtronic.diloco.node import ExchangeAccessError, NodeIdCollisionError
 from speedtronic.metrics.logger import JsonLogFormatter, RedactingFilter
+from speedtronic.metrics.startup import devices_line, exchange_line, run_summary
 from speedtronic.train.ranks import RankEnv, resolve_nproc, run_agent
 
 __all__ = [
@@ -478,59 +479,6 @@ def _yaml_block(values: Any) -> str:
     return "```yaml\n" + yaml.safe_dump(values, sort_keys=False) + "```"
 
 
-def _summary(config: Any, trainer: Any) -> str:
-    """One line on what runs: run, model size, data (and ``exchange none`` without DiLoCo;
-    a DiLoCo run's exchange gets its own line, `_exchange`)."""
-    model = getattr(trainer, "model", None)
-    params = sum(p.numel() for p in model.parameters()) if model is not None else 0
-    shape = config.model
-    data = config.data
-    if data.text_path or data.token_path or data.dataset:
-        source = data.text_path or data.token_path or "dataset"
-    else:
-        source = f"synthetic {data.synthetic} ({data.num_tokens} samples)"
-    exchange = "" if config.distributed.enabled else "; exchange none"  # else its own line
-    return (
-        f"run {config.run.name}, {config.effective_max_steps} steps; model {shape.name} "
-        f"{params:,} parameters ({shape.n_layer} x {shape.d_model}, vocab {shape.vocab_size}, "
-        f"context {shape.max_seq_len}); data {source}, batch {data.target_batch_size} x "
-        f"{data.block_size} tokens{exchange}"
-    )
-
-
-def _devices(trainer: Any) -> str:
-    """Where this process computes: the device (its name and memory on CUDA), the precision
-    and, for several ranks, how many."""
-    import torch
-
-    device = torch.device(getattr(trainer, "device", "cpu"))
-    where = str(device)
-    if device.type == "cuda" and torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(device)
-        where += f" ({props.name}, {props.total_memory / 2**30:.0f} GiB)"
-    precision = getattr(getattr(trainer, "precision", None), "mode", None)
-    parallel = getattr(trainer, "parallel", None)
-    world = getattr(parallel, "world_size", 1)
-    parts = [where, *([f"precision {precision}"] if precision else [])]
-    if isinstance(world, int) and world > 1:
-        parts.append(f"{world} ranks")
-    return ", ".join(parts)
-
-
-def _exchange(config: Any, role: str, node_id: str) -> str:
-    """The DiLoCo exchange in one line: where, as whom, the wire formats both ways, the
-    round's shape."""
-    dist = config.distributed
-    blocks = f" (blocks of {dist.delta_block_size})" if dist.delta_dtype in ("int8", "int4") else ""
-    lossy = dist.delta_dtype != "fp32" or dist.global_dtype != "fp32"
-    feedback = f", error feedback {'on' if dist.error_feedback else 'off'}" if lossy else ""
-    return (
-        f"{dist.repo_id} as {role}, node {node_id}; deltas up as {dist.delta_dtype}{blocks}, "
-        f"global down as {dist.global_dtype}{feedback}; {dist.inner_steps} inner steps per "
-        f"round, sync {dist.sync}"
-    )
-
-
 def _isatty(stream: Any) -> bool:
     try:
         return bool(stream.isatty())
@@ -651,16 +599,16 @@ def _train(
     bar = _attach_progress(trainer) if progress else None
     state.built = True
     state.last_phase = time.monotonic()
-    summary = _summary(config, trainer)
+    summary = run_summary(config, trainer)
     _LOG.info(
         "runtime built: %s",
         summary,
         extra=_event("runtime_built", role=role, node_id=node_id, summary=summary),
     )
-    devices = _devices(trainer)
+    devices = devices_line(trainer)  # where it computes; the CPU threads are said where set
     _LOG.info("devices: %s", devices, extra=_event("devices", devices=devices))
     if config.distributed.enabled:
-        exchange = _exchange(config, role, node_id)
+        exchange = exchange_line(config, role, node_id)
         _LOG.info(
             "exchange: %s",
             exchange,
