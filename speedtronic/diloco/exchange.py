@@ -74,6 +74,7 @@ __all__ = [
     "RepoTransport",
     "RetryPolicy",
     "Store",
+    "TornRead",
     "Transport",
     "TransportError",
     "classify_error",
@@ -143,6 +144,12 @@ class RemoteNotFound(TransportError):
 
     def __init__(self, message: str, *, status: int | None = 404):
         super().__init__(message, kind="not_found", status=status)
+
+
+class TornRead(TransportError):
+    """The global's weights do not match ``step_count.json`` and are not newer than it: read
+    while a publish was between its files (weights first, record last). Transient: the
+    record that names these weights is on its way."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -837,7 +844,7 @@ class RepoTransport:
         if metadata.sha256 and digest != metadata.sha256:
             own = _own_record(header, metadata, digest)
             if own is None:
-                raise TransportError(
+                raise TornRead(
                     f"{model_file} does not match step_count.json (changed while reading)"
                 )
             metadata = own

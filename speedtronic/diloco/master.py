@@ -956,7 +956,7 @@ def reconcile(
     state = held.copy(tensors=False)
     stale: list[str] = []
     if remote is not None and remote.final and fresh:
-        _LOG.warning(
+        _LOG.info(
             f"the exchange holds the final global of a finished run (outer step "
             f"{remote.outer_step}); starting a new run over it"
         )
