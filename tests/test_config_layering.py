@@ -266,7 +266,7 @@ def test_explicit_horizon_survives_layers(no_secrets) -> None:
         ("run.bogus=1", "unknown configuration field"),
         ("bogus=1", "unknown configuration keys: bogus"),
         ("hub.repo_id=x", "unknown configuration field"),
-        ("run.max_steps=-1", "run.max_steps must be positive"),
+        ("run.max_steps=-1", r"run.max_steps must be greater than 0, got int -1 \(from cli\)"),
     ],
 )
 def test_bad_overrides(override, match, no_secrets) -> None:

@@ -216,7 +216,7 @@ def rebase_legacy_log_paths(data: dict[str, Any]) -> None:
     if output_dir is None:
         from speedtronic.config.sections import RunConfig
 
-        output_dir = RunConfig.__pydantic_fields__["output_dir"].default
+        output_dir = RunConfig().output_dir
     if not isinstance(output_dir, str) or PurePath(output_dir).is_absolute():
         return
     prefix = PurePath(output_dir).parts

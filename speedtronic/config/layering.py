@@ -361,12 +361,18 @@ def _override_layer(overrides: Iterable[str] | Mapping[str, Any]) -> list[tuple[
     return [(dotted, value, "cli") for dotted, value in canonical.items()]
 
 
-def _attribute(error: ConfigError, sources: Mapping[str, str]) -> ConfigError:
-    """Append the origin of the offending field to a validation error when known."""
+def _attribute(
+    error: ConfigError, sources: Mapping[str, str], config_path: str | None
+) -> ConfigError:
+    """Append the origin of the offending field to a validation error when known: the
+    config file's path, ``env:NAME``, ``secret:<file>`` or ``cli``."""
     message = str(error)
     for dotted in sorted(sources, key=len, reverse=True):
-        if message.startswith(dotted) and sources[dotted] != "file":
-            return ConfigError(f"{message} (from {sources[dotted]})")
+        if message.startswith(dotted):
+            origin = sources[dotted]
+            if origin == "file":
+                origin = config_path or ""
+            return ConfigError(f"{message} (from {origin})") if origin else error
     return error
 
 
@@ -451,7 +457,7 @@ def resolve_config(
         with with_origin(config_path):  # an unknown key can only come from the file
             config = SpeedtronicConfig.from_canonical(merged)
     except ConfigError as error:
-        error = _attribute(error, sources)
+        error = _attribute(error, sources, config_path)
         raise ConfigError(scrub(str(error), tokens)) from None
     _refuse_token_elsewhere(merged, tokens, sources)  # a value that passed, or one it changed
     order = {dotted: index for index, dotted in enumerate(known_fields())}

@@ -113,7 +113,7 @@ class _BoundedLoader(yaml.SafeLoader):
         self._depth += 1
         try:
             if self._depth > MAX_DEPTH:
-                event = self.peek_event()
+                event = self.peek_event()  # type: ignore[no-untyped-call]  # stubs omit types
                 raise _Refused(f"nesting deeper than {MAX_DEPTH} levels", event.start_mark)
             return super().compose_node(parent, index)
         finally:

@@ -222,7 +222,7 @@ def describe_tokenizer(
 
 @functools.lru_cache(maxsize=16)
 def _read(
-    path: str, size: int, mtime_ns: int, config_key: tuple | None, field: str
+    path: str, size: int, mtime_ns: int, config_key: tuple[str, int, int] | None, field: str
 ) -> tuple[str, int, int | None, str | None]:
     """``(sha256, vocab_size, eos_id, eos_token)``; cached per file version."""
     raw = Path(path).read_bytes()
@@ -234,7 +234,7 @@ def _read(
     ids = _vocabulary_ids(document, path, field)
     tokens = _token_ids(document)
     eos_token = _configured_eos(config_key[0]) if config_key else None
-    if eos_token is not None and eos_token not in tokens:
+    if config_key and eos_token is not None and eos_token not in tokens:
         raise ConfigError(
             f"{field}: {config_key[0]} names eos_token {eos_token!r}, which {path} does not hold"
         )
@@ -262,7 +262,7 @@ def _vocabulary_ids(document: Any, path: str, field: str) -> list[int]:
     return ids
 
 
-def _token_ids(document: dict) -> dict[str, int]:
+def _token_ids(document: dict[str, Any]) -> dict[str, int]:
     vocab = document["model"]["vocab"]
     if isinstance(vocab, list):
         ids = {str(entry[0]): index for index, entry in enumerate(vocab) if entry}
@@ -273,7 +273,7 @@ def _token_ids(document: dict) -> dict[str, int]:
     return ids
 
 
-def _special(document: dict) -> set[str]:
+def _special(document: dict[str, Any]) -> set[str]:
     return {str(t.get("content")) for t in document.get("added_tokens") or () if t.get("special")}
 
 
