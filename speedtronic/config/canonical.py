@@ -170,7 +170,7 @@ def canonicalize(values: object) -> dict[str, object]:
 def compile_shorthand(value: object) -> object:
     """The 2.0.0 ``compile: {enabled: x}`` form -> ``x`` (``{}`` -> False); other values as is.
 
-    object key besides ``enabled`` is a ``ConfigError`` (``compile: unknown configuration keys``).
+    Any key besides ``enabled`` is a ``ConfigError`` (``compile: unknown configuration keys``).
     """
     if not isinstance(value, Mapping):
         return value

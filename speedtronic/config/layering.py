@@ -16,7 +16,7 @@ log-path rule is applied once more, against the merged ``run.output_dir``).
 Environment names: ``SPEEDTRONIC_<SECTION>__<FIELD>`` and ``SPEEDTRONIC_<ROOT_FIELD>``, plus
 ``SPEEDTRONIC_CONFIG`` (config path when ``source`` is None), ``SPEEDTRONIC_SECRETS_DIR``
 (default ``/run/secrets``), ``SPEEDTRONIC_NODE_ID`` (-> ``distributed.node_id``) and ``HF_TOKEN``
-(-> ``distributed.token``). object other ``SPEEDTRONIC_*`` name is a :class:`ConfigError`, and so
+(-> ``distributed.token``). Any other ``SPEEDTRONIC_*`` name is a :class:`ConfigError`, and so
 is a near miss of the prefix before a field name (``SPEEDTONIC_RUN__MAX_STEPS``,
 `speedtronic.config.suggest`), which would otherwise set nothing without a word.
 Values (env, secret files other than tokens, overrides) are parsed as YAML scalars / flow
