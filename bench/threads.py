@@ -1,0 +1,321 @@
+"""Threads that fit (issue 29, item 2): ``runtime.threads: auto`` against one thread per process.
+
+Two ratios, each against its peer measured in the same run:
+
+(a) the README's three-process DiLoCo loop (``configs/diloco.yaml``; master, w1, w2 started
+    together as independent ``speedtronic train`` processes), shortened to ``--max-steps``
+    steps: its wall time with the default (``auto``) over its wall time with
+    ``OMP_NUM_THREADS=1`` per process. Target <= 1.15. Also reported: the thread counts each
+    process logged (first and last), and how many rounds the master closed with all three nodes.
+    ``--old`` adds the behaviour before ``runtime.threads`` (every process takes every core:
+    ``runtime.threads`` = this host's CPUs), which is slow (the issue measured 13.8x).
+
+(b) one process (``configs/smoke.yaml``) in a cgroup limited to ``--cpus`` CPUs, what
+    ``docker run --cpus 1`` sets: training time with ``auto`` over training time with
+    ``runtime.threads: 1``. Target <= 1.1. Also measured: every core of the host in the same
+    cgroup (what torch did before), to show what the quota costs a process that ignores it.
+    The cgroup is made directly (root, cgroup v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``); where
+    that is not possible the process is pinned to ``--cpus`` CPUs with its affinity mask
+    instead, and the JSON says so.
+
+    python bench/threads.py                      # ~1-2 minutes on a 2-core host
+    python bench/threads.py --repeats 3 --old    # steadier, plus the old behaviour
+
+Writes ``bench/results/threads.json``. Runs alternate between the modes so that load from
+elsewhere on the host falls on both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+THREADS_LINE = re.compile(r"threads: (?:\d+ -> )?(\d+) \((.*)\)")
+NODES = ("master", "w1", "w2")
+
+
+def _env(omp: str | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPEEDTRONIC_", "OMP_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    if omp is not None:
+        env["OMP_NUM_THREADS"] = omp
+    return env
+
+
+def _thread_lines(text: str) -> list[str]:
+    return [m.group(0) for m in THREADS_LINE.finditer(text)]
+
+
+def _events(path: Path, name: str) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [row for row in rows if row.get("event") == name]
+
+
+def loop_once(work: Path, mode: str, max_steps: int) -> dict[str, Any]:
+    """The README loop once: three processes started together; wall seconds until all end."""
+    exchange = work / f"exchange-{uuid.uuid4().hex[:8]}"
+    omp = "1" if mode == "omp1" else None
+    extra = ["--set", f"runtime.threads={os.cpu_count()}"] if mode == "old" else []
+    procs = []
+    started = time.perf_counter()
+    for node in NODES:
+        role = "master" if node == "master" else "worker"
+        out = work / f"{mode}-{exchange.name}" / node
+        command = [
+            sys.executable,
+            "-m",
+            "speedtronic",
+            "train",
+            "--config",
+            str(REPO / "configs" / "diloco.yaml"),
+            "--output-dir",
+            str(out),
+            "--max-steps",
+            str(max_steps),
+            "--set",
+            f"distributed.role={role}",
+            "--set",
+            f"distributed.node_id={node}",
+            "--set",
+            f"distributed.repo_id=file://{exchange}",
+            *extra,
+        ]
+        procs.append(
+            (
+                node,
+                out,
+                subprocess.Popen(
+                    command,
+                    cwd=work,
+                    env=_env(omp),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                ),
+            )
+        )
+    logs = {node: proc.communicate(timeout=900)[0] for node, _out, proc in procs}
+    seconds = time.perf_counter() - started
+    codes = {node: proc.returncode for node, _out, proc in procs}
+    rounds = _events(procs[0][1] / "events.jsonl", "outer_step")
+    full = sum(1 for row in rounds if len(set(row.get("included") or [])) >= len(NODES))
+    for node, code in codes.items():
+        if code:
+            print(f"{mode}: {node} exited {code}:\n{logs[node][-2000:]}", file=sys.stderr)
+    return {
+        "mode": mode,
+        "seconds": round(seconds, 2),
+        "exit_codes": codes,
+        "threads": {node: _thread_lines(text) for node, text in logs.items()},
+        "rounds": len(rounds),
+        "rounds_with_all_nodes": full,
+    }
+
+
+def _is_cpu_cgroup(base: Path, method: str) -> bool:
+    """Whether ``base`` is a mounted cgroup folder whose children get a CPU quota."""
+    try:
+        if method == "cgroup v1":
+            return (base / "cpu.cfs_quota_us").is_file()
+        return "cpu" in (base / "cgroup.subtree_control").read_text().split()
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def cpu_limit(cpus: float) -> Iterator[tuple[str, Callable[[], None]]]:
+    """A way to start a process limited to ``cpus`` CPUs: ``(method, preexec_fn)``.
+
+    A fresh cgroup (v2 ``cpu.max``, else v1 ``cpu.cfs_quota_us``) when this process may make
+    one; else the affinity mask (``int(cpus)`` CPUs). The cgroup is removed afterwards.
+    """
+    period = 100_000
+    quota = int(cpus * period)
+    name = f"speedtronic-bench-{os.getpid()}"
+    candidates = [
+        (Path("/sys/fs/cgroup"), "cgroup v2", "cpu.max", f"{quota} {period}"),
+        (Path("/sys/fs/cgroup/unified"), "cgroup v2", "cpu.max", f"{quota} {period}"),
+        (Path("/sys/fs/cgroup/cpu"), "cgroup v1", "cpu.cfs_quota_us", str(quota)),
+        (Path("/sys/fs/cgroup/cpu,cpuacct"), "cgroup v1", "cpu.cfs_quota_us", str(quota)),
+    ]
+    for base, method, control, value in candidates:
+        if not _is_cpu_cgroup(base, method):
+            continue
+        folder = base / name
+        try:
+            folder.mkdir()
+        except OSError:
+            continue
+        try:
+            if method == "cgroup v1":
+                (folder / "cpu.cfs_period_us").write_text(str(period))
+            (folder / control).write_text(value)
+        except OSError:
+            folder.rmdir()
+            continue
+        procs = folder / "cgroup.procs"
+
+        def enter(procs: Path = procs) -> None:
+            procs.write_text(str(os.getpid()))
+
+        try:
+            yield f"{method} ({folder}/{control} = {value})", enter
+        finally:
+            for _ in range(50):
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+                    break
+                time.sleep(0.1)
+        return
+    keep = sorted(os.sched_getaffinity(0))[: max(1, int(cpus))]
+    yield (
+        f"affinity mask {keep} (no cgroup could be made here)",
+        (lambda: os.sched_setaffinity(0, keep)),
+    )
+
+
+def limited_once(work: Path, mode: str, steps: int, enter: Callable[[], None]) -> dict[str, Any]:
+    """One ``speedtronic train`` of configs/smoke.yaml inside the limit; training seconds."""
+    out = work / f"limited-{mode}-{uuid.uuid4().hex[:8]}"
+    threads = {"auto": [], "one": ["--set", "runtime.threads=1"]}.get(
+        mode, ["--set", f"runtime.threads={os.cpu_count()}"]
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "speedtronic",
+        "train",
+        "--config",
+        str(REPO / "configs" / "smoke.yaml"),
+        "--output-dir",
+        str(out),
+        "--max-steps",
+        str(steps),
+        "--set",
+        "checkpoint.enabled=false",
+        *threads,
+    ]
+    started = time.perf_counter()
+    proc = subprocess.run(
+        command,
+        cwd=work,
+        env=_env(None),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=enter,
+        timeout=900,
+        check=False,
+    )
+    wall = time.perf_counter() - started
+    if proc.returncode:
+        print(f"limited {mode} exited {proc.returncode}:\n{proc.stdout[-2000:]}", file=sys.stderr)
+    end = _events(out / "events.jsonl", "train_end")
+    return {
+        "mode": mode,
+        "train_seconds": round(float(end[-1]["elapsed_s"]), 3) if end else None,
+        "wall_seconds": round(wall, 2),
+        "threads": _thread_lines(proc.stdout),
+        "exit_code": proc.returncode,
+    }
+
+
+def _median(rows: list[dict[str, Any]], key: str) -> float:
+    values = [row[key] for row in rows if row.get(key) is not None]
+    return statistics.median(values) if values else float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--max-steps", type=int, default=60, help="steps of the loop (a)")
+    parser.add_argument("--limited-steps", type=int, default=150, help="steps of (b)")
+    parser.add_argument("--cpus", type=float, default=1.0, help="the CPU limit of (b)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per mode (median)")
+    parser.add_argument("--old", action="store_true", help="(a) also with every core each")
+    parser.add_argument("--skip", choices=["loop", "limited"], help="leave one part out")
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "threads.json"))
+    args = parser.parse_args(argv)
+    result: dict[str, Any] = {
+        "host_cpus": os.cpu_count(),
+        "affinity": len(os.sched_getaffinity(0)),
+        "loadavg_start": os.getloadavg(),
+    }
+    work = Path(tempfile.mkdtemp(prefix="speedtronic-bench-threads-"))
+    try:
+        if args.skip != "loop":
+            modes = ["omp1", "auto", *(["old"] if args.old else [])]
+            runs = [
+                loop_once(work, mode, args.max_steps) for _ in range(args.repeats) for mode in modes
+            ]
+            for run in runs:
+                print(json.dumps(run), flush=True)
+            medians = {
+                mode: _median([r for r in runs if r["mode"] == mode], "seconds") for mode in modes
+            }
+            result["loop"] = {
+                "max_steps": args.max_steps,
+                "runs": runs,
+                "median_seconds": medians,
+                "ratio_auto_vs_omp1": round(medians["auto"] / medians["omp1"], 3),
+                **(
+                    {"ratio_old_vs_omp1": round(medians["old"] / medians["omp1"], 2)}
+                    if args.old
+                    else {}
+                ),
+            }
+        if args.skip != "limited":
+            with cpu_limit(args.cpus) as (method, enter):
+                modes = ["one", "auto", "all"]
+                runs = [
+                    limited_once(work, mode, args.limited_steps, enter)
+                    for _ in range(args.repeats)
+                    for mode in modes
+                ]
+            for run in runs:
+                print(json.dumps(run), flush=True)
+            medians = {
+                mode: _median([r for r in runs if r["mode"] == mode], "train_seconds")
+                for mode in modes
+            }
+            result["limited"] = {
+                "cpus": args.cpus,
+                "method": method,
+                "steps": args.limited_steps,
+                "runs": runs,
+                "median_train_seconds": medians,
+                "ratio_auto_vs_one": round(medians["auto"] / medians["one"], 3),
+                "ratio_all_cores_vs_one": round(medians["all"] / medians["one"], 3),
+            }
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    result["loadavg_end"] = os.getloadavg()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    summary = {k: v for k, v in result.items() if not isinstance(v, dict)}
+    for part in ("loop", "limited"):
+        if part in result:
+            summary[part] = {k: v for k, v in result[part].items() if k != "runs"}
+    print(json.dumps(summary, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
