@@ -209,7 +209,7 @@ class ThreadBudget:
         registry = options.pop("registry", None) or SiblingRegistry(registry_dir(environ))
         cpus = options.get("cpus", affinity_cpus)
         if not registry.register(cpus()):
-            _LOG.warning(
+            _LOG.info(  # harmless alone in a container; not a warning on a normal start
                 "threads: the sibling registry is off (%s); counting only this process",
                 registry.error,
             )
