@@ -13,19 +13,22 @@ Two ratios, each against its peer measured in the same run:
 
 (b) one process (``configs/smoke.yaml``) in a cgroup limited to ``--cpus`` CPUs, what
     ``docker run --cpus 1`` sets: training time with ``auto`` over training time with
-    ``runtime.threads: 1``. Target <= 1.1. ``--old`` adds every core of the host in the same
-    cgroup (what torch did before), to show what the quota costs a process that ignores it.
-    The cgroup is made directly (root, cgroup v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``); where
-    that is not possible the process is pinned to ``--cpus`` CPUs with its affinity mask
-    instead, and the JSON says so.
+    ``runtime.threads: 1``. Target <= 1.1. The two run at the same time, each in a cgroup of
+    its own and with a sibling registry of its own (a container has its own ``/tmp``), so that
+    load from elsewhere on the host falls on both alike; the ratio is the median over the
+    pairs. ``--old`` adds pairs of every core of the host in the same limit (what torch did
+    before) against one thread. The cgroups are made directly (root; cgroup v2 ``cpu.max`` or
+    v1 ``cpu.cfs_quota_us``); where that is not possible each process is pinned to ``--cpus``
+    CPUs with its affinity mask instead, and the JSON says so.
 
     python bench/threads.py                      # ~1-2 minutes on a 2-core host
     python bench/threads.py --repeats 3          # steadier
     python bench/threads.py --old --repeats 1 --limited-repeats 1   # + the old way (minutes)
 
-Writes ``bench/results/threads.json``. Runs alternate between the modes so that load from
-elsewhere on the host falls on both; each ratio compares the best run of each mode (the least
-disturbed, as ``timeit`` reports), and the ratio of the medians is given beside it.
+Writes ``bench/results/threads.json``. The loops of (a) alternate between the modes so that
+load from elsewhere falls on both; (a)'s ratio compares the best run of each mode (the least
+disturbed, as ``timeit`` reports), with the ratio of the medians and the CPU seconds the three
+processes used beside it.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import contextlib
 import json
 import os
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -70,13 +74,19 @@ def _events(path: Path, name: str) -> list[dict[str, Any]]:
     return [row for row in rows if row.get("event") == name]
 
 
+def _children_cpu() -> float:
+    """User + system CPU seconds of every child this process has waited for."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def loop_once(work: Path, mode: str, max_steps: int) -> dict[str, Any]:
     """The README loop once: three processes started together; wall seconds until all end."""
     exchange = work / f"exchange-{uuid.uuid4().hex[:8]}"
     omp = "1" if mode == "omp1" else None
     extra = ["--set", f"runtime.threads={os.cpu_count()}"] if mode == "old" else []
     procs = []
-    started = time.perf_counter()
+    started, used = time.perf_counter(), _children_cpu()
     for node in NODES:
         role = "master" if node == "master" else "worker"
         out = work / f"{mode}-{exchange.name}" / node
@@ -114,7 +124,7 @@ def loop_once(work: Path, mode: str, max_steps: int) -> dict[str, Any]:
             )
         )
     logs = {node: proc.communicate(timeout=900)[0] for node, _out, proc in procs}
-    seconds = time.perf_counter() - started
+    seconds, cpu = time.perf_counter() - started, _children_cpu() - used
     codes = {node: proc.returncode for node, _out, proc in procs}
     rounds = _events(procs[0][1] / "events.jsonl", "outer_step")
     full = sum(1 for row in rounds if len(set(row.get("included") or [])) >= len(NODES))
@@ -124,6 +134,7 @@ def loop_once(work: Path, mode: str, max_steps: int) -> dict[str, Any]:
     return {
         "mode": mode,
         "seconds": round(seconds, 2),
+        "cpu_seconds": round(cpu, 2),
         "exit_codes": codes,
         "threads": {node: _thread_lines(text) for node, text in logs.items()},
         "rounds": len(rounds),
@@ -142,15 +153,16 @@ def _is_cpu_cgroup(base: Path, method: str) -> bool:
 
 
 @contextlib.contextmanager
-def cpu_limit(cpus: float) -> Iterator[tuple[str, Callable[[], None]]]:
+def cpu_limit(cpus: float, slot: int) -> Iterator[tuple[str, Callable[[], None]]]:
     """A way to start a process limited to ``cpus`` CPUs: ``(method, preexec_fn)``.
 
-    A fresh cgroup (v2 ``cpu.max``, else v1 ``cpu.cfs_quota_us``) when this process may make
-    one; else the affinity mask (``int(cpus)`` CPUs). The cgroup is removed afterwards.
+    A fresh cgroup (v2 ``cpu.max``, else v1 ``cpu.cfs_quota_us``), one per ``slot``, when
+    this process may make one; else the affinity mask (``int(cpus)`` CPUs from CPU ``slot``
+    on). The cgroup is removed afterwards.
     """
     period = 100_000
     quota = int(cpus * period)
-    name = f"speedtronic-bench-{os.getpid()}"
+    name = f"speedtronic-bench-{os.getpid()}-{slot}"
     candidates = [
         (Path("/sys/fs/cgroup"), "cgroup v2", "cpu.max", f"{quota} {period}"),
         (Path("/sys/fs/cgroup/unified"), "cgroup v2", "cpu.max", f"{quota} {period}"),
@@ -178,7 +190,7 @@ def cpu_limit(cpus: float) -> Iterator[tuple[str, Callable[[], None]]]:
             procs.write_text(str(os.getpid()))
 
         try:
-            yield f"{method} ({folder}/{control} = {value})", enter
+            yield f"{method} ({base}/<one per arm>/{control} = {value})", enter
         finally:
             for _ in range(50):
                 with contextlib.suppress(OSError):
@@ -186,15 +198,17 @@ def cpu_limit(cpus: float) -> Iterator[tuple[str, Callable[[], None]]]:
                     break
                 time.sleep(0.1)
         return
-    keep = sorted(os.sched_getaffinity(0))[: max(1, int(cpus))]
+    every = sorted(os.sched_getaffinity(0))
+    keep = [every[(slot + i) % len(every)] for i in range(max(1, int(cpus)))]
     yield (
-        f"affinity mask {keep} (no cgroup could be made here)",
+        "affinity mask (no cgroup could be made here)",
         (lambda: os.sched_setaffinity(0, keep)),
     )
 
 
-def limited_once(work: Path, mode: str, steps: int, enter: Callable[[], None]) -> dict[str, Any]:
-    """One ``speedtronic train`` of configs/smoke.yaml inside the limit; training seconds."""
+def start_limited(work: Path, mode: str, steps: int, enter: Callable[[], None]) -> Any:
+    """Start one ``speedtronic train`` of configs/smoke.yaml inside a limit, with a sibling
+    registry of its own (a container has its own ``/tmp``); ``(mode, out, process)``."""
     out = work / f"limited-{mode}-{uuid.uuid4().hex[:8]}"
     threads = {"auto": [], "one": ["--set", "runtime.threads=1"]}.get(
         mode, ["--set", f"runtime.threads={os.cpu_count()}"]
@@ -214,29 +228,45 @@ def limited_once(work: Path, mode: str, steps: int, enter: Callable[[], None]) -
         "checkpoint.enabled=false",
         *threads,
     ]
-    started = time.perf_counter()
-    proc = subprocess.run(
+    (out / "run").mkdir(parents=True, mode=0o700)
+    env = {**_env(None), "XDG_RUNTIME_DIR": str(out / "run")}
+    proc = subprocess.Popen(
         command,
         cwd=work,
-        env=_env(None),
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         preexec_fn=enter,
-        timeout=900,
-        check=False,
     )
-    wall = time.perf_counter() - started
+    return mode, out, proc
+
+
+def finish_limited(mode: str, out: Path, proc: Any) -> dict[str, Any]:
+    """Wait for a `start_limited` process; its training seconds and thread line."""
+    stdout = proc.communicate(timeout=900)[0]
     if proc.returncode:
-        print(f"limited {mode} exited {proc.returncode}:\n{proc.stdout[-2000:]}", file=sys.stderr)
+        print(f"limited {mode} exited {proc.returncode}:\n{stdout[-2000:]}", file=sys.stderr)
     end = _events(out / "events.jsonl", "train_end")
     return {
         "mode": mode,
         "train_seconds": round(float(end[-1]["elapsed_s"]), 3) if end else None,
-        "wall_seconds": round(wall, 2),
-        "threads": _thread_lines(proc.stdout),
+        "threads": _thread_lines(stdout),
         "exit_code": proc.returncode,
     }
+
+
+def limited_pair(
+    work: Path, mode: str, steps: int, enters: list[Callable[[], None]]
+) -> dict[str, Any]:
+    """``mode`` and ``runtime.threads: 1`` at the same time, each in a limit of its own, so
+    that load from elsewhere falls on both alike; the ratio of their training seconds."""
+    started = [start_limited(work, m, steps, e) for m, e in zip((mode, "one"), enters, strict=True)]
+    arm, peer = (finish_limited(*item) for item in started)
+    ratio = None
+    if arm["train_seconds"] and peer["train_seconds"]:
+        ratio = round(arm["train_seconds"] / peer["train_seconds"], 3)
+    return {"mode": mode, "ratio_vs_one": ratio, "arm": arm, "one": peer}
 
 
 def _shown(run: dict[str, Any]) -> dict[str, Any]:
@@ -290,21 +320,30 @@ def main(argv: list[str] | None = None) -> int:
                 "max_steps": args.max_steps,
                 "runs": runs,
                 "seconds": _summary(runs, "seconds", "omp1"),
+                "cpu_seconds": _summary(runs, "cpu_seconds", "omp1"),
             }
         if args.skip != "limited":
-            with cpu_limit(args.cpus) as (method, enter):
-                modes = ["one", "auto", *(["all"] if args.old else [])]
-                runs = [
-                    _shown(limited_once(work, mode, args.limited_steps, enter))
+            with contextlib.ExitStack() as stack:
+                limits = [stack.enter_context(cpu_limit(args.cpus, slot)) for slot in (0, 1)]
+                enters = [enter for _method, enter in limits]
+                modes = ["auto", *(["all"] if args.old else [])]
+                pairs = [
+                    _shown(limited_pair(work, mode, args.limited_steps, enters))
                     for _ in range(args.limited_repeats)
                     for mode in modes
                 ]
+            ratios = {
+                f"ratio_{mode}_vs_one": statistics.median(
+                    p["ratio_vs_one"] for p in pairs if p["mode"] == mode and p["ratio_vs_one"]
+                )
+                for mode in modes
+            }
             result["limited"] = {
                 "cpus": args.cpus,
-                "method": method,
+                "method": limits[0][0],
                 "steps": args.limited_steps,
-                "runs": runs,
-                "train_seconds": _summary(runs, "train_seconds", "one"),
+                "pairs": pairs,
+                **{key: round(value, 3) for key, value in ratios.items()},
             }
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -315,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {k: v for k, v in result.items() if not isinstance(v, dict)}
     for part in ("loop", "limited"):
         if part in result:
-            summary[part] = {k: v for k, v in result[part].items() if k != "runs"}
+            summary[part] = {k: v for k, v in result[part].items() if k not in ("runs", "pairs")}
     print(json.dumps(summary, indent=2))
     print(f"wrote {out}")
     return 0
