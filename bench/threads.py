@@ -15,8 +15,9 @@ Two ratios, each against its peer measured in the same run:
     ``docker run --cpus 1`` sets: training time with ``auto`` over training time with
     ``runtime.threads: 1``. Target <= 1.1. The two run at the same time, each in a cgroup of
     its own and with a sibling registry of its own (a container has its own ``/tmp``), so that
-    load from elsewhere on the host falls on both alike; the ratio is the median over the
-    pairs. ``--old`` adds pairs of every core of the host in the same limit (what torch did
+    load from elsewhere on the host falls on both alike; the pairs alternate which starts
+    first (it trains while the other still imports), and the ratio is the geometric mean over
+    the pairs. ``--old`` adds pairs of every core of the host in the same limit (what torch did
     before) against one thread. The cgroups are made directly (root; cgroup v2 ``cpu.max`` or
     v1 ``cpu.cfs_quota_us``); where that is not possible each process is pinned to ``--cpus``
     CPUs with its affinity mask instead, and the JSON says so.
@@ -257,16 +258,22 @@ def finish_limited(mode: str, out: Path, proc: Any) -> dict[str, Any]:
 
 
 def limited_pair(
-    work: Path, mode: str, steps: int, enters: list[Callable[[], None]]
+    work: Path, mode: str, steps: int, enters: list[Callable[[], None]], first: bool
 ) -> dict[str, Any]:
     """``mode`` and ``runtime.threads: 1`` at the same time, each in a limit of its own, so
-    that load from elsewhere falls on both alike; the ratio of their training seconds."""
-    started = [start_limited(work, m, steps, e) for m, e in zip((mode, "one"), enters, strict=True)]
-    arm, peer = (finish_limited(*item) for item in started)
+    that load from elsewhere falls on both alike; the ratio of their training seconds.
+    ``first``: ``mode`` starts first (and takes the first limit); the pairs alternate, since
+    the one that starts first trains while the other still imports."""
+    order = [(mode, "arm"), ("one", "one")] if first else [("one", "one"), (mode, "arm")]
+    started = {
+        role: start_limited(work, m, steps, e) for (m, role), e in zip(order, enters, strict=True)
+    }
+    runs = {role: finish_limited(*item) for role, item in started.items()}
+    arm, peer = runs["arm"], runs["one"]
     ratio = None
     if arm["train_seconds"] and peer["train_seconds"]:
         ratio = round(arm["train_seconds"] / peer["train_seconds"], 3)
-    return {"mode": mode, "ratio_vs_one": ratio, "arm": arm, "one": peer}
+    return {"mode": mode, "first": mode if first else "one", "ratio_vs_one": ratio, **runs}
 
 
 def _shown(run: dict[str, Any]) -> dict[str, Any]:
@@ -297,7 +304,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limited-steps", type=int, default=300, help="steps of (b)")
     parser.add_argument("--cpus", type=float, default=1.0, help="the CPU limit of (b)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per mode of (a)")
-    parser.add_argument("--limited-repeats", type=int, default=3, help="runs per mode of (b)")
+    parser.add_argument(
+        "--limited-repeats",
+        type=int,
+        default=4,
+        help="pairs per mode of (b), start orders alternating",
+    )
     parser.add_argument("--old", action="store_true", help="also every core per process")
     parser.add_argument("--skip", choices=["loop", "limited"], help="leave one part out")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "threads.json"))
@@ -328,12 +340,12 @@ def main(argv: list[str] | None = None) -> int:
                 enters = [enter for _method, enter in limits]
                 modes = ["auto", *(["all"] if args.old else [])]
                 pairs = [
-                    _shown(limited_pair(work, mode, args.limited_steps, enters))
-                    for _ in range(args.limited_repeats)
+                    _shown(limited_pair(work, mode, args.limited_steps, enters, i % 2 == 0))
+                    for i in range(args.limited_repeats)
                     for mode in modes
                 ]
-            ratios = {
-                f"ratio_{mode}_vs_one": statistics.median(
+            ratios = {  # geometric mean: the two start orders weigh alike
+                f"ratio_{mode}_vs_one": statistics.geometric_mean(
                     p["ratio_vs_one"] for p in pairs if p["mode"] == mode and p["ratio_vs_one"]
                 )
                 for mode in modes
