@@ -312,6 +312,7 @@ def test_to_dict_order_and_types() -> None:
         "shape_validation",
         "metrics",
         "eval",
+        "runtime",
         "gradient_checkpointing",
         "compile",
         "ooo_backprop",
@@ -448,6 +449,7 @@ FROZEN_KEYS = {
     "warn_on_cpu",
     "metrics": "enabled host port stall_seconds",
     "eval": "text_path token_path holdout every_steps tokens batch_size",
+    "runtime": "threads",
 }
 
 
