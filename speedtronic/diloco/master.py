@@ -171,7 +171,9 @@ class RoundMaster:
         self.finished = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._first_arrival: float | None = None
+        self._first_arrival: float | None = None  # the open round's first on-time contribution
+        self._joins_over = False  # every expected node announced itself, or one round waited
+        self._waiting_note: int | None = None  # the round that said it waits for nodes to start
         self._opened = clock()
         self.last_progress: float = self._opened  # see the class docstring
         self._seen: set[str] = set()  # the includable contributions of the last poll
@@ -310,7 +312,7 @@ class RoundMaster:
                 self._blind_since = now
             raise
         self._credit_blind_time(now)
-        if self.roster.refresh(scan, now, self.outer_step):
+        if self.roster.refresh(scan, now, self.state):
             self.last_progress = now
         candidates = self._sort_contributions(scan, now)
         seen = {path for files in candidates.values() for path in files.values()}
@@ -320,7 +322,10 @@ class RoundMaster:
         limit = self.settings.drop_after * max(
             self.settings.round_timeout, self.state.round_seconds
         )
+        dropped = dict(self.state.dropped)
         active = self.roster.active(now, limit, self.state)
+        if self.state.dropped != dropped:  # a drop holds across a restart (RoundState)
+            self._persist()
         reason = self._close_reason(now, active, candidates)
         if reason is not None and self._close(candidates, reason, active):
             return True
@@ -375,7 +380,7 @@ class RoundMaster:
                         self._refuse(path, f"{size} bytes, more than a delta of this model")
                         continue
                     candidates.setdefault(node_id, {})[round] = path
-                    self._heard(node_id, now)
+                    self._heard(node_id, now, on_time=round == open_round)
         return candidates
 
     @property
@@ -390,10 +395,13 @@ class RoundMaster:
         self._counts["corrupt"] += 1
         _LOG.warning(f"dropping delta {path}: {why}")
 
-    def _heard(self, node_id: str, now: float) -> None:
-        if self._first_arrival is None:
+    def _heard(self, node_id: str, now: float, *, on_time: bool) -> None:
+        """A contribution of ``node_id`` is on the exchange. The round's clock starts at its
+        first on-time contribution: a late one (folded in from the last round) arrives while
+        the others still train this round, and must not shorten their wait."""
+        if on_time and self._first_arrival is None:
             self._first_arrival = now
-        self.roster.heard(node_id, now, self.outer_step)
+        self.roster.heard(node_id, now, self.state)
 
     def _close_reason(
         self, now: float, active: set[str], candidates: Mapping[str, Mapping[int, str]]
@@ -405,12 +413,50 @@ class RoundMaster:
         if len(candidates) < need:
             return None
         on_time = {node for node, files in candidates.items() if self.outer_step in files}
-        if active <= on_time:
+        missing = self._missing_nodes()
+        if active <= on_time and not (missing and active):
             return "complete" if active else "drain"
         waited = now - (self._first_arrival if self._first_arrival is not None else now)
-        if waited >= self.settings.round_timeout:
-            return "timeout"
-        return None
+        if waited < self.settings.round_timeout:
+            return None
+        if missing:
+            self._stop_expecting(missing)
+        return "timeout"
+
+    def _missing_nodes(self) -> int:
+        """How many of ``distributed.expected_nodes`` have not announced themselves yet; the
+        round waits for them (at most ``round_timeout`` after its first contribution, once:
+        see :meth:`_stop_expecting`) as it waits for the active nodes."""
+        if self._joins_over:
+            return 0
+        missing = self.settings.expected_nodes - self.roster.announced()
+        if missing <= 0:
+            self._joins_over = True
+            if self.settings.expected_nodes > 1:
+                _LOG.info(f"all {self.settings.expected_nodes} expected nodes announced themselves")
+            return 0
+        if self._waiting_note != self.outer_step:
+            self._waiting_note = self.outer_step
+            _LOG.info(
+                f"round {self.outer_step} waits for {missing} more node(s) to start "
+                f"(distributed.expected_nodes={self.settings.expected_nodes}; "
+                f"{self.roster.announced()} announced)"
+            )
+        return missing
+
+    def _stop_expecting(self, missing: int) -> None:
+        """The round timed out before every expected node started: they are waited for no
+        more (a node that starts later joins when it announces itself)."""
+        self._joins_over = True
+        expected = self.settings.expected_nodes
+        _LOG.warning(
+            f"round {self.outer_step} closes without {missing} of the "
+            f"{expected} expected nodes (distributed.expected_nodes): they did not announce "
+            f"themselves within distributed.round_timeout ({self.settings.round_timeout:.0f} s) "
+            "of the round's first contribution; no longer waiting for them (a node that starts "
+            "later joins when it announces itself)"
+        )
+        self._emit("nodes_missing", outer_step=self.outer_step, expected=expected, missing=missing)
 
     # -- closing a round -----------------------------------------------------------------------
     def _close(
@@ -764,9 +810,10 @@ class Roster:
         self.saw_training = False  # a node that trains announced itself (the run has begun)
         self._records: dict[str, tuple[str, dict[str, Any]]] = {}  # node -> (version, record)
 
-    def refresh(self, scan: RepoScan, now: float, outer_step: int) -> bool:
+    def refresh(self, scan: RepoScan, now: float, state: RoundState) -> bool:
         """Update every node from its status record (a restarted node is a new view); True
-        when a record is new or changed since the last refresh (a sign of progress)."""
+        when a record is new or changed since the last refresh (a sign of progress). An
+        instance that ``state`` lists as dropped (a restarted master) stays dropped."""
         changed = False
         for node_id in sorted(scan.owners):
             view = self.nodes.get(node_id)
@@ -775,14 +822,22 @@ class Roster:
             changed |= before is None or before[1] != record
             instance = record.get("instance")
             if view is None or (instance and instance != view.instance):
-                view = NodeView(node_id, instance=instance, last_heard=now)
+                dropped = bool(instance) and state.dropped.get(node_id) == instance
+                if not dropped:  # a new instance of a dropped node is waited for again
+                    state.dropped.pop(node_id, None)
+                view = NodeView(node_id, instance=instance, last_heard=now, dropped=dropped)
                 self.nodes[node_id] = view
-                if record.get("state", "training") == "training":
-                    self._emit("node_joined", node_id=node_id, outer_step=outer_step)
-            state = str(record.get("state", view.state))
-            if view.state == "done" and state == "training":
+                if dropped:
+                    _LOG.info(
+                        f"node {node_id} stays dropped (it was before this master restarted); "
+                        "it rejoins when it delivers"
+                    )
+                elif record.get("state", "training") == "training":
+                    self._emit("node_joined", node_id=node_id, outer_step=state.outer_step)
+            status = str(record.get("state", view.state))
+            if view.state == "done" and status == "training":
                 view.last_heard = now  # restarted after it had finished: waiting again
-            view.state = state
+            view.state = status
             final = record.get("final_round")
             view.final_round = final if isinstance(final, int) else None
             if view.state == "training":
@@ -802,14 +857,16 @@ class Roster:
             self._records[node_id] = (version, record)
         return record
 
-    def heard(self, node_id: str, now: float, outer_step: int) -> None:
-        """A contribution of ``node_id`` arrived: it is not silent (a dropped node rejoins)."""
+    def heard(self, node_id: str, now: float, state: RoundState) -> None:
+        """A contribution of ``node_id`` arrived: it is not silent (a dropped node rejoins
+        and leaves ``state.dropped``)."""
         view = self.nodes.get(node_id)
         if view is None:  # contributions without a status record are used, never waited for
             return
         if view.dropped:
             view.dropped = False
-            self._emit("node_rejoined", node_id=node_id, outer_step=outer_step)
+            state.dropped.pop(node_id, None)
+            self._emit("node_rejoined", node_id=node_id, outer_step=state.outer_step)
         view.last_heard = max(view.last_heard, now)
 
     def check_identity(
@@ -885,7 +942,8 @@ class Roster:
 
     def active(self, now: float, limit: float, state: RoundState) -> set[str]:
         """Nodes the open round waits for; a node silent for more than ``limit`` seconds is
-        dropped (logged and reported once) until it delivers again."""
+        dropped (logged and reported once, recorded in ``state.dropped``) until it delivers
+        again."""
         active = set()
         for view in self.nodes.values():
             if not self._expected(view, state):
@@ -893,6 +951,7 @@ class Roster:
             silent = now - view.last_heard
             if silent > limit and not view.dropped:
                 view.dropped = True
+                state.dropped[view.node_id] = view.instance or ""
                 _LOG.warning(
                     f"node {view.node_id} silent for {silent:.0f} s; no longer waiting for it "
                     "(it rejoins when it delivers again)"
@@ -901,6 +960,10 @@ class Roster:
             if not view.dropped:
                 active.add(view.node_id)
         return active
+
+    def announced(self) -> int:
+        """How many nodes that train announced themselves (dropped and finished included)."""
+        return sum(view.state != "aggregator" for view in self.nodes.values())
 
     def run_over(self, active: set[str], state: RoundState) -> bool:
         """No node left to wait for, and at least one finished its run (nodes that are only
@@ -1085,6 +1148,9 @@ class RoundState:
     ``digests``: node -> sha256 of its last aggregated contribution (a re-sent copy is refused);
     ``instances``: node -> the ``instance`` header of its last aggregated contribution;
     ``finals``: node -> the round of its aggregated contribution flagged ``final``;
+    ``dropped``: node -> the instance the master stopped waiting for (silent for ``drop_after``
+    round lengths; it stays dropped across a restart until that instance delivers, and a new
+    instance of the node is waited for again);
     ``round_seconds``: a moving average of the round lengths (the master's drop limit counts
     in it, so it survives a restart); ``residual``: what the quantized outer updates left out
     (``global_dtype`` int8/int4 with error feedback); ``update``: the quantized update of the
@@ -1100,6 +1166,7 @@ class RoundState:
     digests: dict[str, str] = field(default_factory=dict)
     instances: dict[str, str] = field(default_factory=dict)
     finals: dict[str, int] = field(default_factory=dict)
+    dropped: dict[str, str] = field(default_factory=dict)
     round_seconds: float = 0.0
     residual: dict[str, torch.Tensor] = field(default_factory=dict)
     update: OuterUpdate | None = field(default=None, repr=False, compare=False)
@@ -1127,6 +1194,7 @@ class RoundState:
             dict(self.digests),
             dict(self.instances),
             dict(self.finals),
+            dict(self.dropped),
             self.round_seconds,
             wire.cpu_state_dict(self.residual) if tensors else self.residual,
         )
@@ -1134,11 +1202,13 @@ class RoundState:
     def node_records(self) -> dict[str, dict[str, Any]]:
         """What the published ledger's record carries of each node beside its round (the
         transport's ``NODE_RECORDS``): a master that adopts the published global from it
-        knows which nodes finished and which instance they ran as."""
+        knows which nodes finished, which instance they ran as and which it stopped waiting
+        for."""
         return {
             "finals": dict(self.finals),
             "instances": dict(self.instances),
             "digests": dict(self.digests),
+            "dropped": dict(self.dropped),
         }
 
     def take_node_records(self, records: Mapping[str, Mapping[str, Any]], *, newer: bool) -> None:
@@ -1168,12 +1238,12 @@ class OuterStateStore:
 
     ``outer_state.safetensors`` is one atomic file: tensors ``global/<key>`` and
     ``momentum/<key>``; its header the outer step, run id, ledger, digests, the nodes'
-    instances and final rounds and the average round length (a kill leaves the old or the new
-    state). ``pending_round.json`` is the write-ahead record of a round being published: what
-    the master will report once the publish landed. A master killed between the exchange
-    applying the publish and the report finds it at its restart and reports the round then,
-    if the published global is that round's; a record of a publish that did not land is
-    dropped (its contributions are still on the exchange, and the round closes again).
+    instances, final rounds and drops, and the average round length (a kill leaves the old or
+    the new state). ``pending_round.json`` is the write-ahead record of a round being
+    published: what the master will report once the publish landed. A master killed between
+    the exchange applying the publish and the report finds it at its restart and reports the
+    round then, if the published global is that round's; a record of a publish that did not
+    land is dropped (its contributions are still on the exchange, and the round closes again).
     """
 
     def __init__(self, state_dir: str | os.PathLike):
@@ -1226,6 +1296,7 @@ class OuterStateStore:
                 digests=_json_map(meta["digests"], str),
                 instances=_json_map(meta.get("instances", "{}"), str),  # absent before 2.2
                 finals=_json_map(meta.get("finals", "{}"), int),
+                dropped=_json_map(meta.get("dropped", "{}"), str),  # absent in older files
                 round_seconds=float(meta.get("round_seconds", "0")),  # absent before 2.3
                 residual=residual,
             )
@@ -1247,6 +1318,7 @@ class OuterStateStore:
             "digests": json.dumps(dict(sorted(state.digests.items()))),
             "instances": json.dumps(dict(sorted(state.instances.items()))),
             "finals": json.dumps(dict(sorted(state.finals.items()))),
+            "dropped": json.dumps(dict(sorted(state.dropped.items()))),
             "round_seconds": repr(float(state.round_seconds)),
             "updated_at": datetime.now(timezone.utc).isoformat(),
         }
