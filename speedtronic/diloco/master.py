@@ -10,9 +10,11 @@ lists the repository, reads each node's status record and sorts the contribution
     round >  R                                  early: left for its round
 
 It closes round ``R`` when every *active* node (joined, not finished, not silent for
-``drop_after`` round lengths) delivered its round-``R`` contribution, or ``round_timeout``
-seconds after the round's first contribution arrived; never with fewer than ``min_nodes``
-contributors (less the nodes that finished their run). Closing::
+``drop_after`` round lengths, a drop kept across restarts) delivered its round-``R``
+contribution, or ``round_timeout`` seconds after the round's first on-time contribution
+arrived (a late one starts no clock); never with fewer than ``min_nodes`` contributors (less
+the nodes that finished their run). Until ``expected_nodes`` nodes announced themselves, a
+round also waits for the missing ones, up to that timeout, once per run. Closing::
 
     mean  = sum(w_n * mean(files of n)) / sum(w_n)  # each file read once, streamed, float32
     new   = state's records, copied; new.ledger[n] = round of n's newest file   # exactly once
@@ -823,7 +825,7 @@ class Roster:
             instance = record.get("instance")
             if view is None or (instance and instance != view.instance):
                 dropped = bool(instance) and state.dropped.get(node_id) == instance
-                if not dropped:  # a new instance of a dropped node is waited for again
+                if instance and not dropped:  # a new instance of a dropped node: waited for
                     state.dropped.pop(node_id, None)
                 view = NodeView(node_id, instance=instance, last_heard=now, dropped=dropped)
                 self.nodes[node_id] = view
