@@ -13,8 +13,9 @@ It closes round ``R`` when every *active* node (joined, not finished, not silent
 ``drop_after`` round lengths, a drop kept across restarts) delivered its round-``R``
 contribution, or ``round_timeout`` seconds after the round's first on-time contribution
 arrived (a late one starts no clock); never with fewer than ``min_nodes`` contributors (less
-the nodes that finished their run). Until ``expected_nodes`` nodes announced themselves, a
-round also waits for the missing ones, up to that timeout, once per run. Closing::
+the nodes that finished their run). Until ``expected_nodes`` nodes contributed to the run,
+a round also waits for the ones still starting, up to ``drop_after`` x ``round_timeout``
+after its first on-time contribution, once per run. Closing::
 
     mean  = sum(w_n * mean(files of n)) / sum(w_n)  # each file read once, streamed, float32
     new   = state's records, copied; new.ledger[n] = round of n's newest file   # exactly once
@@ -174,7 +175,7 @@ class RoundMaster:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._first_arrival: float | None = None  # the open round's first on-time contribution
-        self._joins_over = False  # every expected node announced itself, or one round waited
+        self._joins_over = False  # every expected node contributed, or one round waited
         self._waiting_note: int | None = None  # the round that said it waits for nodes to start
         self._opened = clock()
         self.last_progress: float = self._opened  # see the class docstring
@@ -321,11 +322,8 @@ class RoundMaster:
         if seen - self._seen:  # a contribution not seen before
             self.last_progress = now
         self._seen = seen
-        limit = self.settings.drop_after * max(
-            self.settings.round_timeout, self.state.round_seconds
-        )
         dropped = dict(self.state.dropped)
-        active = self.roster.active(now, limit, self.state)
+        active = self.roster.active(now, self.silence_limit, self.state)
         if self.state.dropped != dropped:  # a drop holds across a restart (RoundState)
             self._persist()
         reason = self._close_reason(now, active, candidates)
@@ -386,6 +384,13 @@ class RoundMaster:
         return candidates
 
     @property
+    def silence_limit(self) -> float:
+        """Seconds of silence before a node is no longer waited for: ``drop_after`` round
+        lengths, each at least ``round_timeout`` (the first round's wait for the nodes that
+        are still starting is bounded by the same grace)."""
+        return self.settings.drop_after * max(self.settings.round_timeout, self.state.round_seconds)
+
+    @property
     def max_delta_bytes(self) -> int:
         """The largest delta file this model can produce (float32 values + a header)."""
         values = sum(v.numel() for v in self.global_state.values() if v.is_floating_point())
@@ -415,50 +420,51 @@ class RoundMaster:
         if len(candidates) < need:
             return None
         on_time = {node for node, files in candidates.items() if self.outer_step in files}
-        missing = self._missing_nodes()
-        if active <= on_time and not (missing and active):
+        starting = self._starting(candidates)
+        if active <= on_time and not (starting and active):
             return "complete" if active else "drain"
         waited = now - (self._first_arrival if self._first_arrival is not None else now)
-        if waited < self.settings.round_timeout:
+        if waited < (self.silence_limit if starting else self.settings.round_timeout):
             return None
-        if missing:
-            self._stop_expecting(missing)
+        if starting:
+            self._stop_expecting(starting, waited)
         return "timeout"
 
-    def _missing_nodes(self) -> int:
-        """How many of ``distributed.expected_nodes`` have not announced themselves yet; the
-        round waits for them (at most ``round_timeout`` after its first contribution, once:
-        see :meth:`_stop_expecting`) as it waits for the active nodes."""
-        if self._joins_over:
+    def _starting(self, candidates: Mapping[str, Mapping[int, str]]) -> int:
+        """How many of the ``distributed.expected_nodes`` have not contributed to this run
+        yet (they are still starting, announced or not). The round waits for them, and for
+        the active nodes, up to :attr:`silence_limit` after its first on-time contribution
+        instead of ``round_timeout``: a slow start is not a slow round. Once per run: when
+        they all contributed, or when one round waited for them (:meth:`_stop_expecting`)."""
+        expected = self.settings.expected_nodes
+        if self._joins_over or expected <= 0:
             return 0
-        missing = self.settings.expected_nodes - self.roster.announced()
-        if missing <= 0:
+        started = len(set(self.ledger) | set(candidates))
+        if started >= expected:
             self._joins_over = True
-            if self.settings.expected_nodes > 1:
-                _LOG.info(f"all {self.settings.expected_nodes} expected nodes announced themselves")
+            _LOG.info(f"all {expected} expected nodes (distributed.expected_nodes) contributed")
             return 0
         if self._waiting_note != self.outer_step:
             self._waiting_note = self.outer_step
             _LOG.info(
-                f"round {self.outer_step} waits for {missing} more node(s) to start "
-                f"(distributed.expected_nodes={self.settings.expected_nodes}; "
-                f"{self.roster.announced()} announced)"
+                f"round {self.outer_step} waits for {expected - started} more node(s) to start "
+                f"and contribute (distributed.expected_nodes={expected}; at most "
+                f"{self.silence_limit:.0f} s after the round's first contribution)"
             )
-        return missing
+        return expected - started
 
-    def _stop_expecting(self, missing: int) -> None:
-        """The round timed out before every expected node started: they are waited for no
-        more (a node that starts later joins when it announces itself)."""
+    def _stop_expecting(self, starting: int, waited: float) -> None:
+        """The round waited its bound for the expected nodes that did not contribute: they
+        are waited for no more (a node that starts later joins when it announces itself)."""
         self._joins_over = True
         expected = self.settings.expected_nodes
         _LOG.warning(
-            f"round {self.outer_step} closes without {missing} of the "
-            f"{expected} expected nodes (distributed.expected_nodes): they did not announce "
-            f"themselves within distributed.round_timeout ({self.settings.round_timeout:.0f} s) "
-            "of the round's first contribution; no longer waiting for them (a node that starts "
-            "later joins when it announces itself)"
+            f"round {self.outer_step} closes without {starting} of the {expected} expected "
+            f"nodes (distributed.expected_nodes): nothing from them {waited:.0f} s after the "
+            "round's first contribution (distributed.drop_after x round_timeout); no longer "
+            "waiting for them (a node that starts later joins when it announces itself)"
         )
-        self._emit("nodes_missing", outer_step=self.outer_step, expected=expected, missing=missing)
+        self._emit("nodes_missing", outer_step=self.outer_step, expected=expected, missing=starting)
 
     # -- closing a round -----------------------------------------------------------------------
     def _close(
@@ -962,10 +968,6 @@ class Roster:
             if not view.dropped:
                 active.add(view.node_id)
         return active
-
-    def announced(self) -> int:
-        """How many nodes that train announced themselves (dropped and finished included)."""
-        return sum(view.state != "aggregator" for view in self.nodes.values())
 
     def run_over(self, active: set[str], state: RoundState) -> bool:
         """No node left to wait for, and at least one finished its run (nodes that are only
