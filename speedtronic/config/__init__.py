@@ -39,6 +39,7 @@ from speedtronic.config.sections import (
     OptimizerConfig,
     PrecisionConfig,
     RunConfig,
+    RuntimeConfig,
     SchedulerConfig,
 )
 
@@ -58,6 +59,7 @@ __all__ = [
     "PrecisionConfig",
     "ResolvedConfig",
     "RunConfig",
+    "RuntimeConfig",
     "SchedulerConfig",
     "ShapeValidationConfig",
     "SpeedtronicConfig",

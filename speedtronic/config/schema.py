@@ -41,6 +41,7 @@ from speedtronic.config.sections import (
     OptimizerConfig,
     PrecisionConfig,
     RunConfig,
+    RuntimeConfig,
     SchedulerConfig,
 )
 
@@ -59,6 +60,7 @@ SECTION_CLASSES: dict[str, type] = {
     "shape_validation": ShapeValidationConfig,
     "metrics": MetricsConfig,
     "eval": EvalConfig,
+    "runtime": RuntimeConfig,
 }
 assert tuple(SECTION_CLASSES) == SECTION_NAMES
 
@@ -109,7 +111,7 @@ def _plain(value: object, secrets: list[str] | None = None) -> object:
 
 @section("")
 class SpeedtronicConfig:
-    """The whole run configuration: twelve sections plus four root scalars."""
+    """The whole run configuration: thirteen sections plus four root scalars."""
 
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -125,6 +127,7 @@ class SpeedtronicConfig:
     )
     metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
     gradient_checkpointing: Bool = F(False, "activation checkpointing (OR-ed with model's flag)")
     compile: Bool = F(False, "torch.compile the model (also compile: {enabled: ...})")
     ooo_backprop: Bool = F(False, "out-of-order backprop streams (CUDA only)")
@@ -210,7 +213,7 @@ class SpeedtronicConfig:
     def _check_paths(self) -> None:
         """An existing path of the wrong kind (a directory where a file goes, or the reverse)
         is a ``ConfigError`` now, not a failure after training started. Nothing is created."""
-        wanted: list[tuple[str, Any, str]] = [
+        wanted: list[tuple[str, str | Path | None, str]] = [
             ("run.output_dir", self.output_path, "dir"),
             ("checkpoint.directory", self.checkpoint_dir, "dir"),
             ("distributed.state_dir", self.state_dir, "dir"),
@@ -275,7 +278,7 @@ class SpeedtronicConfig:
 
     # ----------------------------------------------------------------- construction
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any] | None = None) -> SpeedtronicConfig:
+    def from_dict(cls, values: Mapping[str, object] | None = None) -> SpeedtronicConfig:
         """Build from a mapping in any accepted form; never reads the environment.
 
         2.0.0 root aliases (``max_steps: 10``), section aliases (``hub:``) and shorthands
@@ -285,7 +288,7 @@ class SpeedtronicConfig:
         return cls.from_canonical(canonicalize(values))
 
     @classmethod
-    def from_canonical(cls, data: Mapping[str, Any]) -> SpeedtronicConfig:
+    def from_canonical(cls, data: Mapping[str, object]) -> SpeedtronicConfig:
         """Build and validate from an already canonical mapping, without normalising it again.
 
         ``data`` holds only section names (each a mapping of field names, ``None`` or a section
@@ -311,12 +314,12 @@ class SpeedtronicConfig:
             return cls.from_dict(read_config_file(path, force_yaml=True))
 
     @classmethod
-    def load(cls, source: Any) -> SpeedtronicConfig:
+    def load(cls, source: object) -> SpeedtronicConfig:
         """A mapping, inline YAML/JSON text, or a path (``.yaml``/``.yml`` else JSON)."""
         from speedtronic.config.loading import looks_inline, read_source, with_origin
 
-        is_path = isinstance(source, Path) or (isinstance(source, str) and not looks_inline(source))
-        with with_origin(source if is_path else None):
+        text = isinstance(source, str) and looks_inline(source)
+        with with_origin(source if isinstance(source, (str, Path)) and not text else None):
             return cls.from_dict(read_source(source))
 
     # ----------------------------------------------------------------- serialisation

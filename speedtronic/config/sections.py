@@ -1,4 +1,4 @@
-"""Training-side sections: run, model, data, optimizer, scheduler, precision, eval.
+"""Training-side sections: run, model, data, optimizer, scheduler, precision, eval, runtime.
 
 Each field is declared once: type, default, bounds and one line of help (the docs table and
 the JSON Schema are generated from these declarations). ``__post_init__`` holds only the rules
@@ -47,6 +47,7 @@ __all__ = [
     "OptimizerConfig",
     "PrecisionConfig",
     "RunConfig",
+    "RuntimeConfig",
     "SchedulerConfig",
 ]
 
@@ -101,6 +102,7 @@ MUON_NS_DTYPES = ("auto", "bf16", "fp32")
 
 NProc = Annotated[Annotated[Int, Field(gt=0, le=1024)] | Literal["auto"], BeforeValidator(_auto)]
 HubRepo = Annotated[Str, AfterValidator(_hub_repo)]
+Threads = Annotated[Annotated[Int, Field(gt=0, le=4096)] | Literal["auto"], BeforeValidator(_auto)]
 DataParallel = Annotated[Literal["ddp", "fsdp"], CHOICE]
 Dataset = Annotated[object, BeforeValidator(_dataset)]
 Synthetic = Annotated[Literal["markov", "uniform", "none"], BeforeValidator(_synthetic)]
@@ -327,3 +329,12 @@ class EvalConfig:
     def enabled(self) -> bool:
         """True when a held-out source is configured."""
         return bool(self.text_path or self.token_path or self.holdout > 0)
+
+
+@section("runtime")
+class RuntimeConfig:
+    """How the process uses the CPU it was given (``speedtronic.train.threads``)."""
+
+    threads: Threads = F(
+        "auto", "torch threads: a count, or auto (CPUs allowed / processes on this host)"
+    )

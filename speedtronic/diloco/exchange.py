@@ -306,7 +306,7 @@ GLOBAL_STEP = "global/step_count.json"
 GLOBAL_PROCESSED = "global/processed.json"
 GLOBAL_UPDATE = "global/update.safetensors"  # the quantized outer update (global_dtype)
 # the records of each node that global/processed.json carries beside the ledger, by type
-NODE_RECORDS: dict[str, type] = {"finals": int, "instances": str, "digests": str}
+NODE_RECORDS: dict[str, type] = {"finals": int, "instances": str, "digests": str, "dropped": str}
 
 _DELTA_NAME = re.compile(r"^delta_(0|[1-9][0-9]*)\.safetensors$")
 
@@ -883,7 +883,8 @@ class RepoTransport:
     def read_node_records(self) -> dict[str, dict[str, Any]]:
         """The master's published records of each node beside the ledger: ``finals`` (node
         -> round of its aggregated contribution flagged final), ``instances`` (node -> the
-        instance of its last aggregated contribution) and ``digests`` (node -> its sha256).
+        instance of its last aggregated contribution), ``digests`` (node -> its sha256) and
+        ``dropped`` (node -> the instance the master no longer waits for).
         A record written before they were published reads as empty maps."""
         data = self.read_json(GLOBAL_PROCESSED, default={})
         records: dict[str, dict[str, Any]] = {}

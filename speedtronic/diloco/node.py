@@ -339,10 +339,16 @@ class DiLoCoNode:
         self._emit("sync_wait", outer_step=round, seconds=waited, timed_out=timed_out)
         # a new run (reported by merge) or a stop request ends the wait without a timeout
         if timed_out and self.run_id == run and not self.interrupted.is_set():
+            # say who waits for whom: on the master, its own node waits for its own round
+            if self.settings.role == "master":
+                source = f"this master has not closed round {round - 1} yet: it still waits "
+                source += "for other nodes' contributions"
+            else:
+                source = f"the master has not closed round {round - 1} yet"
             _LOG.warning(
-                f"global {round} did not arrive within {waited:.1f} s of waiting (bound "
-                f"{timeout:.0f} s from distributed.round_timeout); training on (it is merged "
-                "when it arrives)",
+                f"this node waited {waited:.1f} s for global {round} (bound {timeout:.0f} s "
+                f"from distributed.round_timeout): {source}; training on, the global is merged "
+                "when it arrives"
             )
         self.beat()
         return merged

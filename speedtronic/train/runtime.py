@@ -3,9 +3,10 @@
 ``build_runtime(config, *, resume=False, device=None, max_steps=None)`` returns
 ``(trainer, checkpoint_manager)`` after, in order: validation → run-target override (moves an
 implicit scheduler horizon too) → ``model.init_from`` (fills the model section and the tokenizer
-from a transformers checkpoint, in place: ``speedtronic.model.hf_import``) → seeding → device
-(``run.device``) → precision → model (the checkpoint's weights loaded, then moved to the device)
-→ logger → DumbDiLoCo coordinator (when ``distributed.enabled``) → data loader (its
+from a transformers checkpoint, in place: ``speedtronic.model.hf_import``) → seeding → torch
+threads (``runtime.threads``, ``speedtronic.train.threads``) → device (``run.device``) →
+precision → model (the checkpoint's weights loaded, then moved to the device) → logger →
+DumbDiLoCo coordinator (when ``distributed.enabled``) → data loader (its
 stream seeded per node, so DiLoCo nodes see different batches; ``eval.holdout`` kept out) →
 held-out eval set (``build_heldout``) → checkpoint manager → shape validation → optimizer →
 scheduler → ``Trainer`` → resume. Every
@@ -47,6 +48,7 @@ from speedtronic.train.parallel import start_parallel
 from speedtronic.train.precision import resolve_device, resolve_precision
 from speedtronic.train.ranks import RankEnv
 from speedtronic.train.result import TrainResult
+from speedtronic.train.threads import ThreadBudget
 from speedtronic.train.trainer import Trainer
 
 #: What ``build_runtime`` accepts: a config, a mapping for ``from_dict``, or a file path.
@@ -249,6 +251,7 @@ def build_runtime(
     seed_everything(int(config.run.seed))
     ranks = ranks or RankEnv()
     _check_parallel(config, ranks)
+    threads = ThreadBudget.start(config.runtime.threads, os.environ)  # before the model
     parallel, resolved = start_parallel(ranks, _device(config, device), config.run)
     precision = _precision(config, resolved)
     model = build_model(config.model)
@@ -258,6 +261,7 @@ def build_runtime(
     logger = build_logger(config, main=parallel.is_main)
     if init is not None:
         logger.info(init.describe())
+    logger.hooks.append(threads)  # keeps the count fitting as sibling processes come and go
     heldout = build_heldout(config) if parallel.evaluates else None
     coordinator = None
     if config.distributed.enabled:  # FSDP: rank 0's round works on a full copy (every rank)
