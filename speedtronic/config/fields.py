@@ -249,7 +249,7 @@ def to_config_error(error: ValidationError, prefix: str = "") -> ConfigError:
             f"{path} must be{message[len('Input should be') :]}, got {describe(problem['input'])}"
         )
     else:
-        text = f"{path} is invalid: {message[:1].lower()}{message[1:]}"
+        text = f"{path} is invalid ({message}), got {describe(problem['input'])}"
     # a union's literal member (``auto``) is the other value the field accepts
     others = [p for p in problems if p is not problem and p["type"] == "literal_error"]
     if others and others[0]["loc"][:1] == loc[:1]:
