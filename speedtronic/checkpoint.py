@@ -28,6 +28,7 @@ are listed in :mod:`speedtronic.train.state`.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import random
@@ -52,6 +53,7 @@ __all__ = [
     "atomic_write_with",
     "capture_rng_state",
     "checkpoint_config",
+    "os_reason",
     "read_step",
     "restore_rng_state",
 ]
@@ -97,15 +99,45 @@ def _make_dirs(directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)  # raises the precise error
 
 
+class _Sink:
+    """A binary file that keeps the ``OSError`` its ``write`` raised: torch's zip writer turns a
+    failed write (a full disk) into ``RuntimeError: ... unexpected pos``, which names neither
+    the file nor the cause."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        """``handle.write(data)``, remembering the first ``OSError``."""
+        try:
+            return self.handle.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.handle, name)
+
+
 def _atomic_write(path: Path, write: Callable[[Any], None]) -> Path:
-    """Write ``path`` through ``write(fileobj)`` via temp file + fsync + rename + dir fsync."""
+    """Write ``path`` through ``write(fileobj)`` via temp file + fsync + rename + dir fsync.
+
+    A write that failed underneath a writer that hides it (torch's zip writer) raises the
+    ``OSError`` of the failed write (ENOSPC: a full disk)."""
     path = Path(path)
     _make_dirs(path.parent)
     # pid + thread id: concurrent writers (processes or threads) never share a temp file.
     temp = path.with_name(f".{path.name}{_TEMP_MARK}{os.getpid()}-{threading.get_ident()}")
     try:
         with open(temp, "wb") as handle:
-            write(handle)
+            sink = _Sink(handle)
+            try:
+                write(sink)
+            except Exception as exc:
+                if sink.error is not None and not isinstance(exc, OSError):
+                    raise sink.error from None
+                raise
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temp, path)
@@ -277,6 +309,17 @@ def read_step(path: str | os.PathLike) -> int:
     return step
 
 
+def os_reason(exc: OSError) -> str:
+    """What an ``OSError`` of a write means, in words (``no space left on device`` for ENOSPC)."""
+    reasons = {
+        errno.ENOSPC: "no space left on device",
+        errno.EDQUOT: "disk quota exceeded (no space left for this user)",
+        errno.EROFS: "read-only file system",
+        errno.EACCES: "permission denied",
+    }
+    return reasons.get(exc.errno or -1) or exc.strerror or str(exc) or type(exc).__name__
+
+
 def _short(exc: BaseException) -> str:
     """One informative line of a (possibly multi-paragraph) load error."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
@@ -337,9 +380,51 @@ class CheckpointManager:
             atomic_torch_save(state, path)
             atomic_json_dump({"step": int(step), "file": path.name}, self.pointer_path)
         except OSError as exc:
-            raise CheckpointError(f"could not write checkpoint {path}: {exc}") from exc
-        self.prune()
+            raise CheckpointError(f"could not write checkpoint {path}: {os_reason(exc)}") from None
+        self.prune(keep=path)
         return path
+
+    def claim(self, *, resume: bool, overwrite: bool, clear: bool = True) -> None:
+        """One run per directory: decide what a run starting here does with what it finds.
+
+        An empty directory (no step file, no pointer) is this run's. One that holds
+        checkpoints is continued with ``resume``, emptied for a new run with ``overwrite``
+        (``clear``: this process deletes them; other ranks of a node pass False), and
+        otherwise refused with a ``ConfigError`` naming both flags: two runs' checkpoints
+        never make one series.
+        """
+        from speedtronic.config import ConfigError
+
+        if resume and overwrite:
+            raise ConfigError(
+                "checkpoint.resume and checkpoint.overwrite are both set (--resume, "
+                "--overwrite): continue the run in the folder or start a new one, not both"
+            )
+        files = self.step_files()
+        if resume or not (files or self.pointer_path.exists()):
+            return
+        if overwrite:
+            if clear:
+                self.clear()
+            return
+        newest = files[-1][1].name if files else self.pointer_path.name
+        raise ConfigError(
+            f"checkpoint.directory {self.directory} holds another run's checkpoints (newest: "
+            f"{newest}); pass --resume (checkpoint.resume) to continue it, or --overwrite "
+            "(checkpoint.overwrite) to delete them and start a new run there"
+        )
+
+    def clear(self) -> None:
+        """Delete the pointer, every step file and stale temp files (a new run starts here).
+        The pointer goes first, so it never names a file that is gone."""
+        with contextlib.suppress(FileNotFoundError):
+            self.pointer_path.unlink()
+        for _, path in self.step_files():
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        self._remove_stale_temps(own=False)
+        if self.directory.is_dir():
+            _fsync_dir(self.directory)
 
     def step_files(self) -> list[tuple[int, Path]]:
         """``(step, path)`` of every step file, oldest first."""
@@ -454,21 +539,44 @@ class CheckpointManager:
 
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
-    def prune(self) -> None:
-        """Delete all but the newest ``keep_last`` step files, and stale temp files."""
-        if self.directory.is_dir():
-            own = f"{_TEMP_MARK}{os.getpid()}-"
-            for child in self.directory.iterdir():
-                stale = child.name.startswith(".") and _TEMP_MARK in child.name
-                if stale and own not in child.name:
-                    with contextlib.suppress(OSError):
-                        child.unlink()
-        if self.keep_last is None:
+    def _remove_stale_temps(self, *, own: bool) -> None:
+        if not self.directory.is_dir():
             return
+        mine = f"{_TEMP_MARK}{os.getpid()}-"
+        for child in self.directory.iterdir():
+            stale = child.name.startswith(".") and _TEMP_MARK in child.name
+            if stale and (own or mine not in child.name):
+                with contextlib.suppress(OSError):
+                    child.unlink()
+
+    def prune(self, keep: Path | None = None) -> None:
+        """Delete all but the newest ``keep_last`` step files, and stale temp files.
+
+        ``keep`` is the file just written (what the pointer names): it is never deleted and
+        counts as the newest; step files numbered after it belong to a branch this run left
+        when it resumed from an older checkpoint, and are deleted (with a warning) so a later
+        resume cannot pick them."""
+        self._remove_stale_temps(own=False)
         files = self.step_files()
-        for _, path in files[: max(0, len(files) - self.keep_last)]:
-            with contextlib.suppress(OSError):
-                path.unlink()
+        doomed: list[Path] = []
+        if keep is not None:
+            written = next((step for step, path in files if path == keep), None)
+            if written is not None:
+                later = [path for step, path in files if step > written]
+                for path in later:
+                    self._warn(
+                        f"deleting {path.name}: it is newer than {keep.name}, which this run "
+                        "just wrote after resuming from an older checkpoint"
+                    )
+                doomed += later
+                files = [(step, path) for step, path in files if step < written]
+                files.append((written, keep))
+        if self.keep_last is not None:
+            doomed += [path for _, path in files[: max(0, len(files) - self.keep_last)]]
+        for path in doomed:
+            if path != keep:
+                with contextlib.suppress(OSError):
+                    path.unlink()
 
     def copy_to(self, destination: str | os.PathLike) -> Path:
         """Copy the newest checkpoint file to ``destination``."""

@@ -106,8 +106,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--write", metavar="MARKDOWN", help="replace the generated part of this file instead"
     )
 
-    commands.add_parser("train", parents=[common], help="train locally (CLI progress)")
-    commands.add_parser("run", parents=[common], help="container entrypoint (metrics server)")
+    train = commands.add_parser("train", parents=[common], help="train locally (CLI progress)")
+    run = commands.add_parser("run", parents=[common], help="container entrypoint (metrics server)")
+    for launcher in (train, run):
+        launcher.add_argument(
+            "--overwrite",
+            dest="overwrite_run",
+            action="store_true",
+            help="start a new run in a folder that holds another run's checkpoints (they are "
+            "deleted; checkpoint.overwrite)",
+        )
 
     evaluate = commands.add_parser(
         "eval", parents=[common], help="score a checkpoint or the DiLoCo global on held-out data"
@@ -149,6 +157,8 @@ def _resolve(args: argparse.Namespace) -> ResolvedConfig:
         overrides.append(f"run.device={args.device}")
     if args.max_steps is not None:
         overrides.append(f"run.max_steps={args.max_steps}")
+    if getattr(args, "overwrite_run", False):
+        overrides.append("checkpoint.overwrite=true")
     source = args.config
     if source is None and not os.environ.get("SPEEDTRONIC_CONFIG"):
         source = _checkpoint_source(args)

@@ -244,6 +244,12 @@ def build_runtime(
         config = config.with_max_steps(max_steps)
     seed_everything(int(config.run.seed))
     ranks = ranks or RankEnv()
+    section = config.checkpoint
+    resume = bool(resume or section.resume)
+    # one run per folder, decided before anything (the exchange included) is touched
+    CheckpointManager(config.checkpoint_dir).claim(
+        resume=resume, overwrite=section.overwrite, clear=ranks.is_main
+    )
     _check_parallel(config, ranks)
     parallel, resolved = start_parallel(ranks, _device(config, device), config.run)
     precision = _precision(config, resolved)
@@ -271,7 +277,6 @@ def build_runtime(
         rank=parallel.rank,
         world_size=parallel.world_size,
     )
-    section = config.checkpoint
     manager = CheckpointManager(
         config.checkpoint_dir,
         every_steps=section.every_steps,
@@ -306,7 +311,7 @@ def build_runtime(
         heldout=heldout,
         parallel=parallel,
     )
-    if resume or section.resume:
+    if resume:
         state = manager.load_latest(use=trainer.resume)  # newest usable; skips are warned
         if state is None:
             logger.warning("resume requested but no local checkpoint was found")

@@ -172,6 +172,7 @@ class TrainerStateMixin:
     step: int
     _stop_reason: str | None
     _last_saved_step: int
+    _resave: bool
 
     def _register_parts(self) -> CheckpointParts:
         """The checkpoint parts of this trainer, in load order (see the module docstring);
@@ -197,14 +198,23 @@ class TrainerStateMixin:
         if due and self.step != self._last_saved_step:
             self.save_checkpoint()
 
+    def _weights_replaced(self) -> None:
+        """The coordinator installed the final global after the loop: a checkpoint already
+        written at this step holds the weights from before it and is written again (with
+        ``save_final: false`` too), so the newest checkpoint is the final model."""
+        if self._last_saved_step == self.step:
+            self._last_saved_step = -1
+            self._resave = True
+
     def _save_final(self) -> None:
         manager = self.checkpoint_manager
         if manager is None or not manager.enabled or self.step <= 0:
             return
-        if not manager.save_final and self._stop_reason is None:
+        if not manager.save_final and self._stop_reason is None and not self._resave:
             return
         if self.step != self._last_saved_step:
             self.save_checkpoint()
+        self._resave = False
 
     def save_checkpoint(self) -> Any:
         """Save the full training state for the current step; emits ``checkpoint_saved``.

@@ -155,6 +155,7 @@ class Trainer(NodeSyncMixin, TrainerStateMixin):
         self.parallel = parallel if parallel is not None else SingleProcess()
         self._coordinator_started = False
         self._last_saved_step = -1
+        self._resave = False  # the weights changed after this step's checkpoint was written
         self._ooo: Any = None
         self._consecutive_skips = 0
         self.heldout = heldout
@@ -268,6 +269,7 @@ class Trainer(NodeSyncMixin, TrainerStateMixin):
                 self.parallel.refresh_mirror(self.model)
                 if self._coordinator_started:
                     self._finish_coordinator()
+                    self._weights_replaced()  # the final global: the last checkpoint is stale
                 self.parallel.broadcast_model(self.model)  # the final global, to every rank
             spread = self.parallel.replica_spread(self.model)
             if spread is not None:  # several ranks: their replicas must be identical
