@@ -608,11 +608,14 @@ def checkpoint_config(path: str | os.PathLike) -> dict[str, Any]:
             config = yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
             raise CheckpointError(f"{folder / 'config.yaml'} is unreadable: {exc}") from None
+        if isinstance(config, dict):
+            _final_tokenizer(folder, config)
     elif target.is_dir():
-        state = CheckpointManager(target, warn=lambda message: None).load_latest()
-        config = (state or {}).get("config")
+        state = CheckpointManager(target, warn=lambda message: None).load_latest() or {}
+        config = _with_tokenizer(state.get("config"), state.get("tokenizer"))
     elif target.is_file() and target.suffix != ".safetensors":
-        config = CheckpointManager.load(target).get("config")
+        state = CheckpointManager.load(target)
+        config = _with_tokenizer(state.get("config"), state.get("tokenizer"))
     else:
         config = None
     if not isinstance(config, dict):
@@ -621,3 +624,40 @@ def checkpoint_config(path: str | os.PathLike) -> dict[str, Any]:
             "final/ folder does); pass --config"
         )
     return config
+
+
+def _with_tokenizer(config: Any, record: Any) -> Any:
+    """``config`` whose ``data.tokenizer`` names the tokenizer the checkpoint carries."""
+    from speedtronic.data.tokenizer_file import materialize_tokenizer
+
+    folder = materialize_tokenizer(record)
+    if folder is not None and isinstance(config, dict) and isinstance(config.get("data"), dict):
+        config["data"]["tokenizer"] = str(folder)
+    return config
+
+
+def _final_tokenizer(folder: Path, config: dict[str, Any]) -> None:
+    """A ``final/`` folder's tokenizer: a ``tokenizer.json`` inside it, else (when the recorded
+    path is gone, e.g. the run folder was moved) the one the run's newest checkpoint carries
+    (``final/../<checkpoint.directory>``)."""
+    data = config.get("data")
+    spec = data.get("tokenizer") if isinstance(data, dict) else None
+    if not isinstance(spec, str) or spec.strip().lower() in ("", "bytes"):
+        return
+    if (folder / "tokenizer.json").is_file():
+        data["tokenizer"] = str(folder)
+        return
+    if Path(spec).expanduser().exists():
+        return
+    section = config.get("checkpoint")
+    directory = Path(str((section or {}).get("directory") or "checkpoints"))
+    if not directory.is_absolute():
+        directory = folder.parent / directory  # final/ sits in run.output_dir
+    for path in CheckpointManager(directory, warn=lambda message: None).candidates():
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:
+            continue
+        if isinstance(state, dict) and isinstance(state.get("tokenizer"), dict):
+            _with_tokenizer(config, state["tokenizer"])
+            return

@@ -308,6 +308,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         result = score(config, checkpoint=args.checkpoint, use_global=args.use_global)
     except CheckpointError as exc:
         raise _CommandError(str(exc)) from None
+    result["checkpoint"] = result.pop("source")  # which file (and step) was scored
     if args.format == "json":
         print(json.dumps(result))
     else:

@@ -60,7 +60,8 @@ def test_eval_scores_the_newest_checkpoint_like_the_trainer_did(trained, tmp_pat
     code, out, err = run_cli(capsys, "eval", "--config", str(trained), "--format", "json")
     assert code == 0, err
     result = json.loads(out)
-    assert set(result) == {"loss", "perplexity", "tokens", "step", "outer_step"}
+    assert set(result) == {"loss", "perplexity", "tokens", "step", "outer_step", "checkpoint"}
+    assert result["checkpoint"].endswith("step_000000000006.pt")  # which file it scored
     last = eval_events(tmp_path)[-1]
     assert result["step"] == last["step"] == 6 and result["outer_step"] is None
     assert result["loss"] == pytest.approx(last["loss"], rel=1e-9)  # deterministic

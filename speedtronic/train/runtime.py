@@ -45,6 +45,7 @@ from speedtronic.train.parallel import start_parallel
 from speedtronic.train.precision import resolve_device, resolve_precision
 from speedtronic.train.ranks import RankEnv
 from speedtronic.train.result import TrainResult
+from speedtronic.train.state import portable_config
 from speedtronic.train.trainer import Trainer
 
 #: What ``build_runtime`` accepts: a config, a mapping for ``from_dict``, or a file path.
@@ -168,7 +169,7 @@ def _coordinator(
         logger=logger,
         evaluate=evaluate_global,
         final_dir=config.output_path / "final",
-        run_config=config.to_dict(redact_secrets=True),
+        run_config=portable_config(config),  # final/config.yaml: absolute data paths
     )
 
 

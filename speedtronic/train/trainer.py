@@ -156,6 +156,7 @@ class Trainer(NodeSyncMixin, TrainerStateMixin):
         self._coordinator_started = False
         self._last_saved_step = -1
         self._resave = False  # the weights changed after this step's checkpoint was written
+        self._tokenizer_travel: tuple[dict[str, Any] | None] | None = None  # read at 1st save
         self._ooo: Any = None
         self._consecutive_skips = 0
         self.heldout = heldout
