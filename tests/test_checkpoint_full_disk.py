@@ -20,7 +20,7 @@ import pytest
 import torch
 import yaml
 
-import speedtronic.checkpoint as checkpoint_module
+import speedtronic.atomic_files as atomic_module
 from speedtronic.checkpoint import CheckpointError, CheckpointManager
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +54,7 @@ def test_a_full_disk_names_the_file_and_keeps_the_previous_checkpoint(tmp_path, 
     weights = torch.arange(50_000, dtype=torch.float32)
     manager.save(1, {"weights": weights})
     monkeypatch.setattr(
-        checkpoint_module,
+        atomic_module,
         "open",
         lambda path, mode: _FullDisk(open(path, mode), 4096),  # noqa: SIM115 - closed by _FullDisk
         raising=False,
