@@ -77,6 +77,7 @@ def test_eval_sample_and_export_work_from_another_folder_without_the_tokenizer_f
     trained, tmp_path, capsys, monkeypatch
 ):
     monkeypatch.delenv("SPEEDTRONIC_CONFIG", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # where the tokenizer is written back
     checkpoints = trained / "run" / "checkpoints"
     newest = checkpoints / "step_000000000030.pt"
     moved = trained / "tok_moved"
@@ -122,7 +123,10 @@ def test_eval_sample_and_export_work_from_another_folder_without_the_tokenizer_f
         shutil.move(moved, trained / "tok")
 
 
-def test_sample_and_transformers_generate_give_the_same_greedy_tokens(trained, tmp_path, capsys):
+def test_sample_and_transformers_generate_give_the_same_greedy_tokens(
+    trained, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
     newest = trained / "run" / "checkpoints" / "step_000000000030.pt"
     code, _, err = run_cli(
         capsys, "export", "--checkpoint", str(newest), "-o", str(tmp_path / "hf")
@@ -160,3 +164,20 @@ def test_sample_and_transformers_generate_give_the_same_greedy_tokens(trained, t
     code, text, err = run_cli(capsys, *[*argv, "--max-new-tokens", "12"])
     assert code == 0, err
     assert text.rstrip("\n") == hf_tokenizer.decode(ids[1:] + theirs, skip_special_tokens=True)
+
+
+def test_a_tokenizer_record_is_written_back_where_it_can_be(tmp_path, monkeypatch):
+    from speedtronic.data.tokenizer_file import materialize_tokenizer, tokenizer_record
+
+    bpe = train_bpe(tmp_path / "tok" / "tokenizer.json", vocab_size=300)
+    record = tokenizer_record(str(bpe))
+    assert tokenizer_record("bytes") is None and materialize_tokenizer(None) is None
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    folder = materialize_tokenizer(record)
+    assert folder.parent == tmp_path / "home" / ".cache" / "speedtronic" / "tokenizers"
+    assert (folder / "tokenizer.json").read_text() == bpe.read_text()
+    assert materialize_tokenizer(record) == folder  # the same record, the same folder
+    (tmp_path / "blocked").write_text("a file where the home folder should be")
+    monkeypatch.setenv("HOME", str(tmp_path / "blocked"))
+    elsewhere = materialize_tokenizer(record)  # a private temporary folder instead
+    assert (elsewhere / "tokenizer.json").read_text() == bpe.read_text()

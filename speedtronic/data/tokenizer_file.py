@@ -252,7 +252,7 @@ def materialize_tokenizer(record: Any) -> Path | None:
     digest = hashlib.sha256("\0".join(files.values()).encode("utf-8")).hexdigest()
     try:
         return _write_folder(_cache_root() / digest, files)
-    except OSError:
+    except (OSError, RuntimeError):  # no home directory, or a read-only one
         import tempfile
 
         return _write_folder(Path(tempfile.mkdtemp(prefix="speedtronic-tokenizer-")), files)
