@@ -164,7 +164,7 @@ class CheckpointManager:
             atomic_torch_save(state, path)
             atomic_json_dump({"step": int(step), "file": path.name}, self.pointer_path)
         except OSError as exc:
-            raise CheckpointError(f"could not write checkpoint {path}: {os_reason(exc)}") from None
+            raise CheckpointError(f"could not write checkpoint {path}: {os_reason(exc)}") from exc
         self.prune(keep=path)
         return path
 

@@ -2,13 +2,15 @@
 
 ``build_runtime(config, *, resume=False, device=None, max_steps=None)`` returns
 ``(trainer, checkpoint_manager)`` after, in order: validation → run-target override (moves an
-implicit scheduler horizon too) → seeding → device (``run.device``) → precision → model (moved to
-the device) → logger → DumbDiLoCo coordinator (when ``distributed.enabled``) → data loader (its
-stream seeded per node, so DiLoCo nodes see different batches; ``eval.holdout`` kept out) →
-held-out eval set (``build_heldout``) → checkpoint manager → shape validation → optimizer →
-scheduler → ``Trainer`` → resume. Every
-configuration problem (a CUDA request without CUDA, a bad data path, an unknown model) raises
-``ConfigError`` naming the field, before any training step.
+implicit scheduler horizon too) → seeding → one run per checkpoint folder
+(``CheckpointManager.claim``: a folder holding another run's checkpoints needs ``resume`` or
+``checkpoint.overwrite``, else ``ConfigError``) → device (``run.device``) → precision → model
+(moved to the device) → logger → DumbDiLoCo coordinator (when ``distributed.enabled``) → data
+loader (its stream seeded per node, so DiLoCo nodes see different batches; ``eval.holdout``
+kept out) → held-out eval set (``build_heldout``) → checkpoint manager → shape validation →
+optimizer → scheduler → ``Trainer`` → resume. Every configuration problem (a CUDA request
+without CUDA, a bad data path, an unknown model) raises ``ConfigError`` naming the field,
+before any training step.
 
 Embedding the trainer in another process (what ``speedtronic run`` does)::
 

@@ -142,6 +142,25 @@ def sample(
     return Sample(text, ids, new, weights)
 
 
-def sample_text(config: SpeedtronicConfig, *, prompt: str, **options: Any) -> str:
+def sample_text(
+    config: SpeedtronicConfig,
+    *,
+    prompt: str,
+    checkpoint: str | None = None,
+    use_global: bool = False,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    seed: int = 0,
+) -> str:
     """:func:`sample`'s text (same arguments)."""
-    return sample(config, prompt=prompt, **options).text
+    return sample(
+        config,
+        prompt=prompt,
+        checkpoint=checkpoint,
+        use_global=use_global,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        seed=seed,
+    ).text
