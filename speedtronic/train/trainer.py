@@ -268,10 +268,12 @@ class Trainer(NodeSyncMixin, TrainerStateMixin):
             reached = self.step >= self.max_steps or not trains
             if reached and self._stop_reason is None:
                 self.parallel.refresh_mirror(self.model)
+                finishing = self._coordinator_started or self.config.distributed.enabled
                 if self._coordinator_started:
                     self._finish_coordinator()
-                    self._weights_replaced()  # the final global: the last checkpoint is stale
                 self.parallel.broadcast_model(self.model)  # the final global, to every rank
+                if finishing:  # every rank of the node alike: the save gathers from all
+                    self._weights_replaced()  # the final global: the last checkpoint is stale
             spread = self.parallel.replica_spread(self.model)
             if spread is not None:  # several ranks: their replicas must be identical
                 self.logger.emit("replicas", {"step": self.step, "spread": spread})
