@@ -4,17 +4,16 @@ Importing the package is cheap: every public name is resolved lazily through mod
 ``__getattr__`` the first time it is asked for, so ``import speedtronic`` loads neither torch
 nor the Hub SDK, and ``speedtronic.config`` stays importable without a GPU stack.
 
-The 2.0.0 module paths (``speedtronic.runtime``, ``speedtronic.trainer``,
-``speedtronic.distributed``, ...) are answered by the alias table in :mod:`speedtronic.compat`
-with a ``DeprecationWarning``.
+Importing it changes no import machinery either. The 2.0.0 module paths
+(``speedtronic.runtime``, ``speedtronic.trainer``, ``speedtronic.distributed``, ...) are small
+module files that fetch their names through the alias table in :mod:`speedtronic.compat`, with a
+``DeprecationWarning``, when they are imported.
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
-
-from speedtronic import compat as _compat
 
 __version__ = "2.1.0"
 
@@ -60,8 +59,6 @@ _LAZY: dict[str, str] = {
 }
 
 __all__ = ["__version__", *sorted(_LAZY)]
-
-_compat.install()
 
 
 def __getattr__(name: str) -> Any:

@@ -1,25 +1,26 @@
 """The ``speedtronic`` command line (the only module that prints or exits).
 
-Commands (every one takes ``--config``, ``--max-steps``, ``--output-dir``, ``--device``,
-``--resume`` and repeatable ``--set section.field=value``; the config path may also come from
-``SPEEDTRONIC_CONFIG``)::
+Commands (the config path comes from ``--config`` or ``SPEEDTRONIC_CONFIG``; ``--set
+section.field=value`` is repeatable; each command lists only the flags it reads)::
 
-    speedtronic validate [--format yaml|json]              # normalised, redacted config
-    speedtronic config show [--sources] [--format yaml|json]
+    speedtronic validate [--resume] [--format text|json]  # dry run of train, one verdict line
+    speedtronic config show [--sources] [--format yaml|json]   # the merged, redacted config
     speedtronic config schema                              # JSON Schema of a config file
     speedtronic config docs [--write docs/configuration.md] # the generated field tables
-    speedtronic train                                      # speedtronic.entrypoint.launch
-    speedtronic run                                        # the same runner + metrics server
+    speedtronic train [--max-steps N] [--resume] [--init-from SOURCE]  # entrypoint.launch
+    speedtronic run [--max-steps N] [--resume] [--init-from SOURCE]    # + metrics server
     speedtronic plot EVENTS [--output PNG] [--each-run]     # last run, or every run apart
     speedtronic eval [--checkpoint PATH | --global] [--format text|json]   # held-out loss
     speedtronic prepare --input PATH... --output DIR [--tokenizer T] [--holdout F] [--workers N]
     speedtronic export [--checkpoint PATH | --global] --format hf --output DIR
     speedtronic sample [--checkpoint PATH | --global] --prompt TEXT [--max-new-tokens N] ...
 
-``prepare`` takes no config (``--tokenizer``, default ``bytes``, is what ``data.tokenizer``
-accepts); ``export``, ``sample`` and ``eval`` read the model shape and tokenizer from
-``--config``, or, given only ``--checkpoint PATH``, from the run config the checkpoint carries
-(a trainer checkpoint or directory, or a DiLoCo ``final/`` folder).
+``run`` without ``--config`` and ``SPEEDTRONIC_CONFIG`` runs the embedded main job: the DiLoCo
+default shipped inside the package (``speedtronic/defaults/diloco.yaml``, byte for byte
+``configs/diloco.yaml``). ``prepare`` takes no config (``--tokenizer``, default ``bytes``, is
+what ``data.tokenizer`` accepts); ``export``, ``sample`` and ``eval`` read the model shape and
+tokenizer from ``--config``, or, given only ``--checkpoint PATH``, from the run config the
+checkpoint carries (a trainer checkpoint or directory, or a DiLoCo ``final/`` folder).
 
 Exit codes: 0 success; 2 configuration error (one ``error: ...`` line on stderr, no
 traceback); 1 any other failure (one ``error: <Type>: ...`` line); 130 after Ctrl-C.
@@ -39,6 +40,7 @@ from typing import Any
 from speedtronic.cli_data import add_data_commands
 from speedtronic.config import ConfigError, ResolvedConfig, resolve_config
 from speedtronic.config.redaction import scrub
+from speedtronic.defaults import MAIN_JOB
 
 __all__ = ["build_parser", "main"]
 
@@ -52,20 +54,31 @@ class _CommandError(Exception):
     """A usage problem detected after parsing (reported like a configuration error)."""
 
 
-def _common_flags() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    group = common.add_argument_group("configuration")
+def _config_flags(
+    *, steps: bool = True, device: bool = True, resume: bool = True
+) -> argparse.ArgumentParser:
+    """The configuration flags as an argparse parent: ``--config``, ``--output-dir`` and
+    ``--set`` for every command that reads a config; ``--max-steps`` (``steps``) where the run
+    target matters, ``--device`` where the command computes or shows the config, ``--resume``
+    where a run starts (or is dry-run)."""
+    flags = argparse.ArgumentParser(add_help=False)
+    group = flags.add_argument_group("configuration")
     group.add_argument(
         "--config",
         metavar="PATH",
         help="config file (YAML/JSON) or inline YAML; default: $SPEEDTRONIC_CONFIG",
     )
-    group.add_argument("--max-steps", type=int, metavar="N", help="set the run target")
+    if steps:
+        group.add_argument("--max-steps", type=int, metavar="N", help="set the run target")
     group.add_argument("--output-dir", metavar="PATH", help="set run.output_dir")
-    group.add_argument("--device", metavar="DEVICE", help="set run.device (auto, cpu, cuda, ...)")
-    group.add_argument(
-        "--resume", action="store_true", help="resume from the latest local checkpoint"
-    )
+    if device:
+        group.add_argument(
+            "--device", metavar="DEVICE", help="set run.device (auto, cpu, cuda, ...)"
+        )
+    if resume:
+        group.add_argument(
+            "--resume", action="store_true", help="resume from the latest local checkpoint"
+        )
     group.add_argument(
         "--set",
         dest="overrides",
@@ -74,7 +87,7 @@ def _common_flags() -> argparse.ArgumentParser:
         metavar="SECTION.FIELD=VALUE",
         help="override one field (repeatable); the value is parsed as YAML",
     )
-    return common
+    return flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,17 +99,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"speedtronic {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    common = _common_flags()
+    training = _config_flags()  # train, run and their dry run (validate)
+    shown = _config_flags(resume=False)  # config show: the config a run would get
+    reading = _config_flags(steps=False, resume=False)  # eval, sample: load and compute
+    writing = _config_flags(steps=False, device=False, resume=False)  # export
 
     validate = commands.add_parser(
-        "validate", parents=[common], help="load, validate and print the config"
+        "validate",
+        parents=[training],
+        help="dry run of train: open every file the run reads, print its start-up warnings "
+        "and a verdict",
     )
-    validate.add_argument("--format", choices=("yaml", "json"), default="yaml")
+    validate.add_argument("--format", choices=("text", "json"), default="text")
 
     config = commands.add_parser("config", help="inspect the merged configuration")
     config_commands = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     show = config_commands.add_parser(
-        "show", parents=[common], help="print the merged, redacted config"
+        "show", parents=[shown], help="print the merged, redacted config"
     )
     show.add_argument("--sources", action="store_true", help="also print where values came from")
     show.add_argument("--format", choices=("yaml", "json"), default="yaml")
@@ -106,9 +125,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--write", metavar="MARKDOWN", help="replace the generated part of this file instead"
     )
 
-    train = commands.add_parser("train", parents=[common], help="train locally (CLI progress)")
-    run = commands.add_parser("run", parents=[common], help="container entrypoint (metrics server)")
+    train = commands.add_parser("train", parents=[training], help="train locally (CLI progress)")
+    run = commands.add_parser(
+        "run",
+        parents=[training],
+        help="container entrypoint (metrics server); without a config: the embedded main job",
+    )
     for launcher in (train, run):
+        launcher.add_argument(
+            "--init-from",
+            metavar="SOURCE",
+            help="set model.init_from: a transformers checkpoint folder or owner/name[@revision]",
+        )
         launcher.add_argument(
             "--overwrite",
             dest="overwrite_run",
@@ -118,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
 
     evaluate = commands.add_parser(
-        "eval", parents=[common], help="score a checkpoint or the DiLoCo global on held-out data"
+        "eval", parents=[reading], help="score a checkpoint or the DiLoCo global on held-out data"
     )
     source = evaluate.add_mutually_exclusive_group()
     source.add_argument(
@@ -134,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="score the DiLoCo global published in distributed.repo_id",
     )
     evaluate.add_argument("--format", choices=("text", "json"), default="text")
-    add_data_commands(commands, common)
+    add_data_commands(commands, reading, writing)
 
     plot = commands.add_parser("plot", help="plot a JSONL event log")
     plot.add_argument("source", help="events.jsonl file or run directory")
@@ -149,34 +177,52 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _resolve(args: argparse.Namespace) -> ResolvedConfig:
-    """Layered config for a command: file < secrets < env < --set/--max-steps/--output-dir."""
+    """Layered config for a command: file < secrets < env < --set/--max-steps/--output-dir.
+
+    The file: ``--config``, else ``SPEEDTRONIC_CONFIG``, else the run config a ``--checkpoint``
+    carries (``eval``/``sample``/``export``), else, for ``run``, the embedded main job."""
+    max_steps = getattr(args, "max_steps", None)
+    device = getattr(args, "device", None)
     overrides = list(args.overrides)
     if args.output_dir:
         overrides.append(f"run.output_dir={args.output_dir}")
-    if args.device:
-        overrides.append(f"run.device={args.device}")
-    if args.max_steps is not None:
-        overrides.append(f"run.max_steps={args.max_steps}")
+    if device:
+        overrides.append(f"run.device={device}")
+    if max_steps is not None:
+        overrides.append(f"run.max_steps={max_steps}")
+    if getattr(args, "init_from", None):
+        overrides.append(f"model.init_from={args.init_from}")  # a string field takes it as is
     if getattr(args, "overwrite_run", False):
         overrides.append("checkpoint.overwrite=true")
     source = args.config
-    if source is None and not os.environ.get("SPEEDTRONIC_CONFIG"):
+    named = source is not None or bool(os.environ.get("SPEEDTRONIC_CONFIG"))
+    if not named:
         source = _checkpoint_source(args)
-    if source is None and not os.environ.get("SPEEDTRONIC_CONFIG"):
-        raise _CommandError("no configuration given: pass --config PATH or set SPEEDTRONIC_CONFIG")
+    if not named and source is None and args.command == "run":
+        source = str(MAIN_JOB)
+    if not named and source is None:
+        raise _CommandError(
+            "no configuration given: pass --config PATH or set SPEEDTRONIC_CONFIG "
+            "(`speedtronic run` without either runs the embedded main job)"
+        )
     resolved = resolve_config(source, environ=os.environ, overrides=overrides)
     config = resolved.config
     args.secret_values = [config.distributed.token] if config.distributed.token else []
-    if args.max_steps is not None and config.effective_max_steps != args.max_steps:
-        config.apply_run_target(args.max_steps)  # --max-steps also beats data.max_steps
+    if max_steps is not None and config.effective_max_steps != max_steps:
+        config.apply_run_target(max_steps)  # --max-steps also beats data.max_steps
         resolved.sources["data.max_steps"] = "cli"
+    if args.command in ("eval", "export", "sample", "push"):  # init_from's shape and tokenizer
+        from speedtronic.model.hf_import import resolve_init_from
+
+        resolve_init_from(config, weights=False)
     return resolved
 
 
 def _checkpoint_source(args: argparse.Namespace) -> dict[str, Any] | None:
     """``export``/``sample``/``eval --checkpoint PATH`` without a config: the run config the
     checkpoint carries (redacted: a token comes from HF_TOKEN or a secret file again)."""
-    if args.command not in ("export", "sample", "eval") or not getattr(args, "checkpoint", None):
+    commands = ("export", "sample", "eval", "push")
+    if args.command not in commands or not getattr(args, "checkpoint", None):
         return None
     from speedtronic.checkpoint import CheckpointError, checkpoint_config
     from speedtronic.config import REDACTED
@@ -200,17 +246,25 @@ def _dump(payload: Any, fmt: str) -> str:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
+    """The dry run of ``train`` (`speedtronic.train.preflight`): the files it opens and the
+    notes on stdout, its start-up warnings on stderr, then one verdict line. Every line is
+    scrubbed of the token (a repo id or path may carry it)."""
     config = _resolve(args).config
-    derived = {
-        "accumulation_steps": config.accumulation_steps,
-        "effective_max_steps": config.effective_max_steps,
-    }
+    from speedtronic.train.preflight import preflight
+
+    report = preflight(config, resume=args.resume)
+    secrets = [*args.secret_values, os.environ.get("HF_TOKEN")]
     if args.format == "json":
-        print(_dump({"config": config.to_dict(redact_secrets=True), "derived": derived}, "json"))
-    else:
-        print(config.to_yaml(redact_secrets=True), end="")
-        for key, value in derived.items():
-            print(f"# {key}: {value}")
+        print(scrub(json.dumps(report.as_dict(), indent=2), secrets))
+        return EXIT_OK
+    lines = [f"opened {name}: {path}" for name, path in report.files]
+    if report.resume_from:
+        lines.append(f"resume from {report.resume_from}")
+    for line in [*lines, *report.notes]:
+        print(scrub(line, secrets))
+    for warning in report.warnings:
+        print(f"warning: {_one_line(warning, args.secret_values)}", file=sys.stderr)
+    print(scrub(report.verdict(), secrets))
     return EXIT_OK
 
 
@@ -336,6 +390,13 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     return sample_command(args, config)
 
 
+def _cmd_push(args: argparse.Namespace) -> int:
+    config = _resolve(args).config
+    from speedtronic.cli_data import push_command
+
+    return push_command(args, config)
+
+
 def _text_value(value: Any) -> str:
     if value is None:
         return "null"
@@ -351,6 +412,7 @@ _COMMANDS = {
     "prepare": _cmd_prepare,
     "export": _cmd_export,
     "sample": _cmd_sample,
+    "push": _cmd_push,
 }
 
 

@@ -13,7 +13,13 @@ from typing import Any
 
 from speedtronic.config import ConfigError
 
-__all__ = ["add_data_commands", "export_command", "prepare_command", "sample_command"]
+__all__ = [
+    "add_data_commands",
+    "export_command",
+    "prepare_command",
+    "push_command",
+    "sample_command",
+]
 
 
 def _weights_flags(parser: argparse.ArgumentParser) -> None:
@@ -31,10 +37,13 @@ def _weights_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_data_commands(commands: Any, common: argparse.ArgumentParser) -> None:
-    """``prepare``, ``export`` and ``sample`` (docs/data.md)."""
+def add_data_commands(
+    commands: Any, reading: argparse.ArgumentParser, writing: argparse.ArgumentParser
+) -> None:
+    """``prepare``, ``export`` and ``sample`` (docs/data.md); ``reading``/``writing``: the
+    config flags of a command that computes (``sample``) and of one that does not (``export``)."""
     prepare = commands.add_parser(
-        "prepare", help="tokenize text / JSONL files into token shards + meta.json"
+        "prepare", help="tokenize text / JSONL / Parquet files into token shards + meta.json"
     )
     prepare.add_argument(
         "--input",
@@ -44,7 +53,8 @@ def add_data_commands(commands: Any, common: argparse.ArgumentParser) -> None:
         action="extend",
         required=True,
         metavar="PATH",
-        help="text files, JSONL files (.jsonl) or folders of them",
+        help="text, JSONL (.jsonl) or Parquet (.parquet) files, folders of them, or a Hub "
+        "dataset: hf://datasets/<owner>/<name>[@<revision>][/<path>]",
     )
     prepare.add_argument("--output", "-o", required=True, metavar="DIR")
     prepare.add_argument(
@@ -53,7 +63,9 @@ def add_data_commands(commands: Any, common: argparse.ArgumentParser) -> None:
         metavar="T",
         help="bytes (default), a tokenizer.json path or a Hub repo id (as data.tokenizer)",
     )
-    prepare.add_argument("--field", default="text", help="JSONL field holding the text")
+    prepare.add_argument(
+        "--field", default="text", help="JSONL field / Parquet column holding the text"
+    )
     prepare.add_argument(
         "--holdout", default="0", metavar="F", help="fraction of documents kept for eval"
     )
@@ -77,7 +89,7 @@ def add_data_commands(commands: Any, common: argparse.ArgumentParser) -> None:
     prepare.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     export = commands.add_parser(
-        "export", parents=[common], help="write a checkpoint as a transformers model folder"
+        "export", parents=[writing], help="write a checkpoint as a transformers model folder"
     )
     _weights_flags(export)
     export.add_argument("--format", choices=("hf",), default="hf")
@@ -87,8 +99,15 @@ def add_data_commands(commands: Any, common: argparse.ArgumentParser) -> None:
         "--verify", action="store_true", help="load DIR with transformers and compare logits"
     )
 
+    push = commands.add_parser(
+        "push", parents=[writing], help="upload a checkpoint to a Hub model repo with a model card"
+    )
+    _weights_flags(push)
+    push.add_argument("--repo", required=True, metavar="OWNER/NAME", help="Hub model repo")
+    push.add_argument("--private", action="store_true", help="create the repo private")
+
     sample = commands.add_parser(
-        "sample", parents=[common], help="continue a prompt with a checkpoint (seeded)"
+        "sample", parents=[reading], help="continue a prompt with a checkpoint (seeded)"
     )
     _weights_flags(sample)
     sample.add_argument("--prompt", default="", metavar="TEXT")
@@ -101,11 +120,16 @@ def add_data_commands(commands: Any, common: argparse.ArgumentParser) -> None:
 def prepare_command(args: argparse.Namespace) -> int:
     """``speedtronic prepare``: one summary line on stdout; notes and the bar on stderr."""
     from speedtronic.data.prepare import DEFAULT_SHARD_TOKENS, PrepareError, prepare
+    from speedtronic.hub_files import HubFilesError, resolve_inputs
 
+    try:
+        inputs = resolve_inputs(args.inputs)
+    except HubFilesError as exc:
+        raise ConfigError(str(exc)) from None
     bar = _ProgressBar(enabled=not args.no_progress)
     try:
         result = prepare(
-            args.inputs,
+            inputs,
             args.output,
             tokenizer=args.tokenizer,
             field=args.field,
@@ -177,8 +201,8 @@ class _ProgressBar:
 def export_command(args: argparse.Namespace, config: Any) -> int:
     """``speedtronic export``: the folder written (and, with ``--verify``, the logit check)."""
     from speedtronic.checkpoint import CheckpointError
+    from speedtronic.config.tokenizer_file import is_bytes
     from speedtronic.data.tokenizer import tokenizer_for
-    from speedtronic.data.tokenizer_file import is_bytes
     from speedtronic.model.export import ExportError, check_exportable, export_hf, verify_export
     from speedtronic.train.scoring import load_model
 
@@ -205,6 +229,31 @@ def export_command(args: argparse.Namespace, config: Any) -> int:
             print(f"verified: max |logit difference| = {verify_export(model, folder):.3g}")
     except (CheckpointError, ExportError) as exc:
         raise ConfigError(str(exc)) from None
+    return 0
+
+
+def push_command(args: argparse.Namespace, config: Any) -> int:
+    """``speedtronic push``: the repo, the step and the files uploaded in one commit."""
+    from speedtronic.checkpoint import CheckpointError
+    from speedtronic.diloco.exchange import HubUnavailable, TransportError
+    from speedtronic.model.export import ExportError
+    from speedtronic.publish import push_model
+
+    try:
+        result = push_model(
+            config,
+            repo_id=args.repo,
+            checkpoint=args.checkpoint,
+            use_global=args.use_global,
+            private=args.private,
+            log=lambda message: print(message, file=sys.stderr),
+        )
+    except HubUnavailable:
+        raise  # the Hub did not answer after the retries: a runtime failure (exit 1)
+    except (CheckpointError, ExportError, TransportError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None  # refused, missing, malformed: exit 2
+    step = f" (step {result.step})" if result.step is not None else ""
+    print(f"pushed {result.repo_id}{step}: {', '.join(result.files)} in one commit")
     return 0
 
 

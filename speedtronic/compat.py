@@ -3,11 +3,13 @@
 Speedtronic 2.0.0 had flat modules (``speedtronic.runtime``, ``speedtronic.trainer``, ...) and
 a ``speedtronic.distributed`` package. Their code now lives in ``speedtronic.train``,
 ``speedtronic.optim``, ``speedtronic.model``, ``speedtronic.metrics`` and
-``speedtronic.diloco``. Code written for 2.0.0 keeps importing the old paths: `install`
-(called by ``speedtronic/__init__.py``) adds a meta-path finder that answers only the names
-in `ALIASES` with a small module whose attributes *are* the objects of the real modules (no
-copies, no wrappers). Importing an old path issues one ``DeprecationWarning`` naming the new
-path. Nothing is imported until an old path is asked for.
+``speedtronic.diloco``. Code written for 2.0.0 keeps importing the old paths: each is a module
+file of three lines (``speedtronic/runtime.py``, ``speedtronic/distributed/hub.py``, ...) that
+calls `deprecated_module`, and everything else about it is its row in `ALIASES`. Its
+attributes *are* the objects of the real modules (no copies, no wrappers), fetched on first
+access. Importing an old path issues one ``DeprecationWarning`` naming the new path; nothing
+is imported until an old path is asked for, and ``import speedtronic`` neither imports this
+module nor changes the import machinery (no finder, no hook).
 
 An alias module's ``__all__`` is the 2.0.0 export list. A name outside it resolves from the
 target modules too (2.0.0 code also reached non-exported helpers), except in the
@@ -17,16 +19,13 @@ target modules too (2.0.0 code also reached non-exported helpers), except in the
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.machinery
 import sys
-import types
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ALIASES", "Alias", "SyncResult", "install"]
+__all__ = ["ALIASES", "Alias", "SyncResult", "deprecated_module"]
 
 
 @dataclass(frozen=True)
@@ -221,71 +220,54 @@ def _caller_stacklevel() -> int:
     """The ``warnings`` stack level of the code that imported the old path.
 
     ``warnings`` already skips the frozen ``importlib._bootstrap`` frames without counting
-    them; ``importlib.import_module`` and this module's frames are counted and skipped here.
+    them; the frames of this module, of the 2.0.0 module files and of
+    ``importlib.import_module`` are counted and skipped here.
     """
-    frame = sys._getframe(2)  # the caller of exec_module, which warns at stacklevel=1
-    level = 2
+    frame = sys._getframe(1)  # deprecated_module, which warns
+    level = 1
     while frame is not None:
         name = frame.f_code.co_filename
         if "importlib" in name and "_bootstrap" in name:
             frame = frame.f_back
             continue
-        if name != __file__ and not name.endswith(
-            ("importlib/__init__.py", "importlib\\__init__.py")
-        ):
+        outside = (
+            name != __file__
+            and frame.f_globals.get("__name__") not in ALIASES
+            and not name.endswith(("importlib/__init__.py", "importlib\\__init__.py"))
+        )
+        if outside:
             break
         frame = frame.f_back
         level += 1
     return level
 
 
-class _AliasModule(types.ModuleType):
-    """A 2.0.0 module: its names are fetched from the real modules on first access."""
+def deprecated_module(
+    old: str,
+) -> tuple[list[str], Callable[[str], Any], Callable[[], list[str]]]:
+    """Warn once that the 2.0.0 module ``old`` is deprecated; its ``__all__``, ``__getattr__``
+    and ``__dir__``.
 
-    def __getattr__(self, name: str) -> Any:
+    Called by the module files at the 2.0.0 paths while they run (``old`` is their
+    ``__name__``); a name is fetched from the real modules on first access and kept in the
+    old module's namespace, so the old path hands out the very same objects.
+    """
+    alias = ALIASES[old]
+    module = sys.modules[old]
+    warnings.warn(
+        f"{old} is a deprecated 2.0.0 import path; import from {new_path(old)} instead",
+        DeprecationWarning,
+        stacklevel=_caller_stacklevel(),
+    )
+
+    def __getattr__(name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
-        value = _lookup(self.__name__, ALIASES[self.__name__], name)
-        setattr(self, name, value)
+        value = _lookup(old, alias, name)
+        setattr(module, name, value)
         return value
 
-    def __dir__(self) -> list[str]:
-        return sorted(set(super().__dir__()) | ALIASES[self.__name__].names)
+    def __dir__() -> list[str]:
+        return sorted(set(vars(module)) | alias.names)
 
-
-class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Answers the `ALIASES` module names; every other import goes to the usual finders."""
-
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None = None, target: Any = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        """A spec for an old 2.0.0 path, None for anything else."""
-        alias = ALIASES.get(fullname)
-        if alias is None:
-            return None
-        return importlib.machinery.ModuleSpec(fullname, self, is_package=alias.package)
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        """An empty `_AliasModule` named after the old path."""
-        return _AliasModule(spec.name)
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        """Set ``__all__`` and warn once that the path is deprecated."""
-        alias = ALIASES[module.__name__]
-        module.__all__ = list(alias.exports)
-        module.__doc__ = f"Deprecated 2.0.0 path of {new_path(module.__name__)}."
-        warnings.warn(
-            f"{module.__name__} is a deprecated 2.0.0 import path; import from "
-            f"{new_path(module.__name__)} instead",
-            DeprecationWarning,
-            stacklevel=_caller_stacklevel(),
-        )
-
-
-_FINDER = _AliasFinder()
-
-
-def install() -> None:
-    """Add the alias finder to ``sys.meta_path`` (once; imports nothing)."""
-    if _FINDER not in sys.meta_path:
-        sys.meta_path.append(_FINDER)
+    return list(alias.exports), __getattr__, __dir__

@@ -57,6 +57,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from speedtronic.config import ConfigError, ResolvedConfig
@@ -248,9 +249,24 @@ def _write_resolved(config: Any, sources: dict[str, str]) -> Any:
     return path
 
 
-def _log_startup(command: Command, config: Any, sources: dict[str, str]) -> None:
-    """The startup record: versions, and where the resolved (redacted) config and its
-    sources were written; under ``logging.format: json`` the event carries them too."""
+def _config_origin(config_path: str | None) -> str:
+    """Which config the run started from: a file, the embedded main job, or none."""
+    from speedtronic.defaults import MAIN_JOB
+
+    if config_path is None:
+        return "no config file"
+    if Path(config_path).resolve() == MAIN_JOB:
+        return f"the embedded main job {config_path}"
+    return config_path
+
+
+def _log_startup(
+    command: Command, config: Any, sources: dict[str, str], config_path: str | None = None
+) -> None:
+    """The startup record: versions, the config file the run started from (``config_path``),
+    and where the resolved (redacted) config and its sources were written; under
+    ``logging.format: json`` the event carries them too."""
+    started_from = _config_origin(config_path)
     redacted = config.to_dict(redact_secrets=True)
     versions = runtime_versions()
     path = _write_resolved(config, sources)
@@ -263,6 +279,7 @@ def _log_startup(command: Command, config: Any, sources: dict[str, str]) -> None
                 versions=versions,
                 config=redacted,
                 sources=sources,
+                config_source=started_from,
                 config_file=str(path) if path else None,
             ),
         )
@@ -281,7 +298,12 @@ def _log_startup(command: Command, config: Any, sources: dict[str, str]) -> None
         kind = origin.split(":", 1)[0]
         origins[kind] = origins.get(kind, 0) + 1
     counted = ", ".join(f"{count} {kind}" for kind, count in origins.items()) or "defaults only"
-    _LOG.info("config: %s (resolved, redacted; values set: %s)", path or "not written", counted)
+    _LOG.info(
+        "config: %s (resolved, redacted; from %s; values set: %s)",
+        path or "not written",
+        started_from,
+        counted,
+    )
 
 
 def _check_local_host(host: str) -> None:
@@ -445,12 +467,22 @@ def _trackers(config: Any, node_id: str) -> list[Any]:
     """The experiment trackers of ``logging.trackers`` (W&B, TensorBoard; extra
     ``speedtronic[logging]``), each given the redacted config. Project: ``logging.project`` or
     ``run.name``; run name: ``logging.run_name`` or the node id. TensorBoard writes under
-    ``<run.output_dir>/tensorboard/<run name>``; W&B honours ``WANDB_MODE=offline``."""
+    ``<run.output_dir>/tensorboard/<run name>``; W&B honours ``WANDB_MODE=offline``. A
+    project or run name that holds the token's value (a node id from ``HOSTNAME``, a config
+    built without the layering's check) is a ``ConfigError`` that does not show it: it would
+    become a directory or a W&B run name."""
+    from speedtronic.config.redaction import holds_secret
     from speedtronic.metrics.integrations import TensorboardHook, WandbHook
 
     section = config.logging
     project = section.project or config.run.name
     name = section.run_name or node_id
+    for what, value in (("project", project), ("run name", name)):
+        if section.trackers and holds_secret(str(value), [config.distributed.token]):
+            raise ConfigError(
+                f"logging.trackers: the tracker {what} holds the value of distributed.token "
+                "(not shown); set logging.project / logging.run_name to another name"
+            )
     redacted = config.to_dict(redact_secrets=True)
     hooks: list[Any] = []
     for tracker in section.trackers:
@@ -547,7 +579,7 @@ def launch(
         if nproc > 1:  # this process becomes torchrun's agent for the node's ranks
             return RunOutcome(run_agent(config, nproc, argv))
         if ranks.is_main:
-            _log_startup(command, config, sources)
+            _log_startup(command, config, sources, resolved.config_path)
         from prometheus_client import CollectorRegistry
 
         registry = CollectorRegistry()
@@ -649,4 +681,29 @@ def _train(
         reason,
         extra=_event("run_finished", steps=result.steps, stopped_reason=reason),
     )
+    if config.run.push_to_hub and ranks.is_main and role != "worker" and not state.stop_signal:
+        _push_final(config)
     return RunOutcome(0, result if ranks.is_main else None)
+
+
+def _push_final(config: Any) -> None:
+    """``run.push_to_hub``: the master (or a lone node) pushes its newest checkpoint, which
+    holds the final global, as ``speedtronic push`` would; a failure leaves the run's files
+    in place and says how to push them again."""
+    from speedtronic.publish import push_model
+
+    repo = config.run.push_to_hub
+    try:
+        pushed = push_model(config, repo_id=repo, log=_LOG.info)
+    except Exception as exc:
+        raise RuntimeError(
+            f"training finished, but pushing to {repo} failed ({type(exc).__name__}: {exc}); "
+            f"the checkpoints are kept: retry with speedtronic push --config <this config> "
+            f"--repo {repo}"
+        ) from None
+    _LOG.info(
+        "pushed the model (step %s) to the Hub repo %s in one commit",
+        pushed.step,
+        repo,
+        extra=_event("model_pushed", repo=repo, step=pushed.step, files=len(pushed.files)),
+    )

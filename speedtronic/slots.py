@@ -11,7 +11,7 @@ Layout of ``slots_dir``::
 
     claim.lock        flock'ed while a worker picks its slot (milliseconds)
     worker-<n>.lock   flock'ed by the slot's holder for as long as it runs
-    worker-<n>.json   the lease: holder, host boot id, pid, renewed_at, released
+    worker-<n>.json   the lease: holder, host boot id, pid, beat, renewed_at, released
 
 When is a slot free? Never while its ``.lock`` is held: the kernel holds that lock for the
 holder's lifetime and drops it the moment the process dies, however it dies. When the lock
@@ -21,11 +21,18 @@ can be taken, the lease decides:
 * the lease was written on this kernel (same ``boot_id``: containers on one host) -> the lock
   is authoritative, the holder is gone -> dead, taken over at once;
 * written on another host (a shared network volume whose locks may not reach us) -> dead
-  only once it was not renewed for ``lease_seconds``. A lease that is renewed while we wait
-  belongs to a live worker; the newcomer moves on.
+  only once the claimant, timing with its *own* monotonic clock, saw the lease unchanged
+  (same ``beat``, ``renewed_at`` and instance) for a full lease period. A lease that changes
+  while we watch belongs to a live worker; the newcomer moves on. No wall-clock time of
+  another host is ever compared with ours: hosts whose clocks disagree by a minute or more
+  (``renewed_at`` is the holder's clock, kept for people reading the file) see the same
+  liveness, and a lease from another host is taken over after one lease period of silence
+  however old its ``renewed_at`` claims to be.
 
-The holder renews its lease every ``lease_seconds / 3`` from a daemon thread and releases it
-on a clean exit (`SlotClaim.release`).
+The holder renews its lease (``beat`` + 1) every ``lease_seconds / 3`` from a daemon thread
+and releases it on a clean exit (`SlotClaim.release`). A holder that finds another instance's
+lease in its file (its slot was taken over: the locks are not shared and it was silent for a
+lease period, e.g. a paused VM) logs an error, stops renewing and sets :attr:`SlotClaim.lost`.
 """
 
 from __future__ import annotations
@@ -65,7 +72,8 @@ def boot_id() -> str:
 
 @dataclass(frozen=True)
 class Lease:
-    """The content of ``<slot>.json``; ``renewed_at`` is wall-clock seconds (time.time)."""
+    """The content of ``<slot>.json``. ``beat`` counts the holder's renewals; ``renewed_at`` is
+    the holder's wall clock (time.time), for people: liveness never compares it with ours."""
 
     slot: str
     instance: str
@@ -75,15 +83,22 @@ class Lease:
     renewed_at: float
     lease_seconds: float
     released: bool = False
+    beat: int = 0
 
     @classmethod
     def read(cls, path: Path) -> Lease | None:
-        """The lease at ``path``; None when missing or unreadable (a torn write is free)."""
+        """The lease at ``path``; None when missing or unreadable (a torn write is free). A
+        lease written before ``beat`` existed reads with ``beat`` 0."""
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
-            return cls(**{name: data[name] for name in cls.__dataclass_fields__})
-        except (OSError, ValueError, KeyError, TypeError):
+            return cls(**{name: data[name] for name in cls.__dataclass_fields__ if name in data})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
+
+    def fingerprint(self) -> tuple[str, int, float]:
+        """What changes with every renewal (instance, beat, renewed_at): a claimant compares
+        these, never the times themselves."""
+        return (self.instance, self.beat, self.renewed_at)
 
 
 class SlotClaim:
@@ -116,9 +131,9 @@ class SlotClaim:
         return self.directory / f"{self.lease.slot}.json"
 
     def renew(self) -> bool:
-        """Re-write the lease with a fresh ``renewed_at``; False (and logged once) when another
-        instance's lease is found there, which only happens if the slot's locks are not shared
-        between the hosts that use it."""
+        """Re-write the lease with the next ``beat`` and a fresh ``renewed_at``; False (and
+        logged once) when another instance's lease is found there, which only happens if the
+        slot's locks are not shared between the hosts that use it."""
         current = Lease.read(self.path)
         if current is not None and current.instance != self.lease.instance:
             if not self.lost:
@@ -131,7 +146,7 @@ class SlotClaim:
                 )
             self.lost = True
             return False
-        self.lease = replace(self.lease, renewed_at=self._clock())
+        self.lease = replace(self.lease, renewed_at=self._clock(), beat=self.lease.beat + 1)
         atomic_json_dump(asdict(self.lease), self.path)
         return True
 
@@ -208,20 +223,23 @@ def claim_slot(
     *,
     lease_seconds: float = DEFAULT_LEASE_SECONDS,
     clock: Callable[[], float] = time.time,
+    monotonic: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
     kernel: str | None = None,
 ) -> SlotClaim:
     """Claim the lowest free or dead worker slot in ``directory`` (created when missing).
 
-    A slot whose lease comes from another host and is still fresh may be dead (its holder's
-    host is gone) or alive (its lock does not reach us); the claim waits for such leases to
-    expire (waiting at most ``2 * lease_seconds``) before it opens a new slot, so a worker
-    rescheduled onto another host resumes the slot it had.
+    A slot whose lease comes from another host may be dead (its holder's host is gone) or
+    alive (its lock does not reach us); the claim watches such leases, on its own monotonic
+    clock, and takes one over only after it stayed unchanged for a lease period; it waits for
+    them (at most ``2 * lease_seconds``) before it opens a new slot, so a worker rescheduled
+    onto another host resumes the slot it had.
 
     Args:
         directory: the shared slots directory (``distributed.slots_dir``).
-        lease_seconds: how long a lease from another host stays valid without renewal.
-        clock: wall clock (seconds), injectable for tests.
+        lease_seconds: how long a lease from another host must stay unchanged to be dead.
+        clock: wall clock (seconds) for the lease's ``renewed_at`` (informational).
+        monotonic: this process's elapsed-time clock (seconds), for every wait and watch.
         sleep: injectable for tests.
         kernel: this host's boot id (default: `boot_id()`).
 
@@ -231,8 +249,8 @@ def claim_slot(
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     kernel = boot_id() if kernel is None else kernel
-    first_seen: dict[str, float] = {}  # slot -> renewed_at when first found pending
-    give_up_waiting = clock() + 2.0 * lease_seconds
+    watch = _Watch(lease_seconds)
+    give_up_waiting = monotonic() + 2.0 * lease_seconds
     while True:
         with _locked(root / "claim.lock"):
             waiting = False
@@ -240,13 +258,13 @@ def claim_slot(
                 slot = f"{PREFIX}-{number}"
                 lock_path, lease_path = root / f"{slot}.lock", root / f"{slot}.json"
                 unused = not lock_path.exists() and not lease_path.exists()
-                if unused and waiting and clock() < give_up_waiting:
+                if unused and waiting and monotonic() < give_up_waiting:
                     break  # rather wait for a pending slot than open a new one
                 fd = _try_life_lock(lock_path)
                 if fd is None:
                     continue  # a live holder on a kernel that shares our locks
                 lease = Lease.read(lease_path)
-                state = _classify(lease, kernel, lease_seconds, clock(), first_seen)
+                state = watch.classify(slot, lease, kernel, monotonic())
                 if unused or state == "free":
                     return _take(root, slot, fd, lease_seconds, kernel, clock)
                 os.close(fd)
@@ -254,22 +272,31 @@ def claim_slot(
         sleep(min(lease_seconds / 3.0, 5.0))
 
 
-def _classify(
-    lease: Lease | None,
-    kernel: str,
-    lease_seconds: float,
-    now: float,
-    first_seen: dict[str, float],
-) -> str:
-    """``free`` (take it), ``live`` (renewed while we waited) or ``pending`` (wait)."""
-    if lease is None or lease.released:
-        return "free"
-    if kernel and lease.boot_id == kernel:
-        return "free"  # same kernel: the life lock was free, so its holder is gone
-    if now - lease.renewed_at > lease_seconds:
-        return "free"
-    seen = first_seen.setdefault(lease.slot, lease.renewed_at)
-    return "live" if lease.renewed_at != seen else "pending"
+class _Watch:
+    """A claimant's watch of other hosts' leases, timed only by its own monotonic clock."""
+
+    def __init__(self, lease_seconds: float) -> None:
+        self.lease_seconds = lease_seconds
+        self.first: dict[str, tuple[tuple[str, int, float], float]] = {}  # slot -> (seen, at)
+        self.live: set[str] = set()
+
+    def classify(self, slot: str, lease: Lease | None, kernel: str, now: float) -> str:
+        """``free`` (take it), ``live`` (changed while we watched: a running holder) or
+        ``pending`` (unchanged for less than a lease period: wait)."""
+        if lease is None or lease.released:
+            return "free"
+        if kernel and lease.boot_id == kernel:
+            return "free"  # same kernel: the life lock was free, so its holder is gone
+        if slot in self.live:
+            return "live"
+        seen = lease.fingerprint()
+        first = self.first.setdefault(slot, (seen, now))
+        if first[0] != seen:
+            self.live.add(slot)
+            return "live"
+        theirs = lease.lease_seconds  # a holder with a longer lease renews less often
+        period = max(self.lease_seconds, theirs if isinstance(theirs, (int, float)) else 0.0)
+        return "free" if now - first[1] >= period else "pending"
 
 
 def _take(

@@ -38,20 +38,30 @@ def _one_error_line(err: str) -> str:
 
 
 # --------------------------------------------------------------------------- validate
-def test_validate_yaml(capsys) -> None:
-    code, out, err = _run(capsys, "validate", "--config", SMOKE)
+def test_config_show_prints_the_yaml(capsys) -> None:
+    # issue 29: the YAML moved from validate (a dry run with a verdict) to config show
+    code, out, err = _run(capsys, "config", "show", "--config", SMOKE)
     assert code == 0 and err == ""
     assert yaml.safe_load(out) == load_config(SMOKE).to_dict(redact_secrets=True)
-    assert "# accumulation_steps: 2" in out
-    assert "# effective_max_steps: 200" in out
+
+
+def test_validate_ends_with_a_verdict(capsys) -> None:
+    code, out, err = _run(capsys, "validate", "--config", SMOKE)
+    assert code == 0 and err == ""
+    assert out.splitlines()[-1] == (
+        "config OK: 66,880 parameters, 200 steps, data synthetic markov (2048 samples), "
+        "exchange none"
+    )
+    assert "name: smoke" not in out  # no YAML (issue 29: 146 lines of it before)
 
 
 def test_validate_json(capsys) -> None:
     code, out, _ = _run(capsys, "validate", "--config", SMOKE, "--format", "json")
     assert code == 0
     payload = json.loads(out)
-    assert payload["derived"] == {"accumulation_steps": 2, "effective_max_steps": 200}
-    assert payload["config"] == load_config(SMOKE).to_dict(redact_secrets=True)
+    assert payload["ok"] is True
+    assert (payload["parameters"], payload["steps"]) == (66880, 200)
+    assert payload["warnings"] == [] and payload["files"] == []
 
 
 def test_validate_redacts_token(capsys, monkeypatch, tmp_path) -> None:
@@ -59,12 +69,14 @@ def test_validate_redacts_token(capsys, monkeypatch, tmp_path) -> None:
     path = tmp_path / "tok.yaml"
     path.write_text("distributed:\n  token: hf_yaml_secret\n")
     for source in (SMOKE, str(path)):
-        for fmt in ("yaml", "json"):
-            code, out, err = _run(capsys, "validate", "--config", source, "--format", fmt)
-            assert code == 0
-            assert "hf_cli_secret" not in out + err
-            assert "hf_yaml_secret" not in out + err
-            assert "<redacted>" in out
+        for argv in (("validate",), ("config", "show")):
+            for fmt in ("json", "text" if argv == ("validate",) else "yaml"):
+                code, out, err = _run(capsys, *argv, "--config", source, "--format", fmt)
+                assert code == 0
+                assert "hf_cli_secret" not in out + err
+                assert "hf_yaml_secret" not in out + err
+                if argv == ("config", "show"):
+                    assert "<redacted>" in out
 
 
 def test_token_in_yaml_warns_on_stderr(capsys, tmp_path) -> None:
@@ -111,7 +123,7 @@ def test_no_config_given(capsys) -> None:
 def test_config_from_environment(capsys, monkeypatch) -> None:
     monkeypatch.setenv("SPEEDTRONIC_CONFIG", SMOKE)
     code, out, _ = _run(capsys, "validate")
-    assert code == 0 and "name: smoke" in out
+    assert code == 0 and "200 steps" in out.splitlines()[-1]
 
 
 def test_unknown_env_var(capsys, monkeypatch) -> None:
@@ -393,9 +405,11 @@ def test_subprocess_malformed_yaml(tmp_path) -> None:
     assert "line 3" in line and "column" in line and "Traceback" not in result.stderr
 
 
-def test_subprocess_validate_does_not_import_torch() -> None:
+def test_subprocess_config_show_does_not_import_torch() -> None:
+    # validate imports torch since issue 29 (it opens the data and builds the model on the
+    # meta device, as train does); config show and every config error stay torch-free
     code = (
-        "import sys; from speedtronic.cli import main; rc = main(['validate', '--config', "
+        "import sys; from speedtronic.cli import main; rc = main(['config', 'show', '--config', "
         "'configs/smoke.yaml']); assert 'torch' not in sys.modules; sys.exit(rc)"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPEEDTRONIC_")}

@@ -3,6 +3,7 @@ the very objects of the real modules."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import subprocess
 import sys
@@ -15,14 +16,11 @@ from speedtronic.compat import ALIASES
 
 REPO = Path(__file__).resolve().parents[1]
 
-#: The flat 2.0.0 modules and the distributed package are not files any more.
-OLD_FILES = [
-    *(f"speedtronic/{name}.py" for name in (
-        "runtime", "precision", "trainer", "shapes", "scheduling", "optimizers", "registry",
-        "profiling", "hooks", "integrations",
-    )),
-    "speedtronic/distributed",
-]  # fmt: skip
+
+def _file_of(old: str) -> Path:
+    """Where the module of the 2.0.0 path ``old`` is written."""
+    path = REPO.joinpath(*old.split("."))
+    return path / "__init__.py" if ALIASES[old].package else path.with_suffix(".py")
 
 
 def _fresh_import(name: str) -> tuple[object, list[warnings.WarningMessage]]:
@@ -37,8 +35,39 @@ def _fresh_import(name: str) -> tuple[object, list[warnings.WarningMessage]]:
     return module, caught
 
 
-def test_no_shim_files_remain():
-    assert [path for path in OLD_FILES if (REPO / path).exists()] == []
+def test_each_old_path_is_a_thin_module_of_the_table():
+    """The 2.0.0 paths are files, so no finder is needed; each only calls deprecated_module,
+    and the table (not the file) says what it holds. No old-path file outside the table."""
+    bodies = {}
+    for old in ALIASES:
+        tree = ast.parse(_file_of(old).read_text())
+        code = [node for node in tree.body if not isinstance(node, ast.Expr)]  # the docstring
+        bodies[old] = [ast.dump(node) for node in code]
+    assert len({tuple(body) for body in bodies.values()}) == 1, "the files differ"
+    assert all(len(body) == 3 for body in bodies.values())  # import, one call, del
+    package = REPO / "speedtronic" / "distributed"
+    assert sorted(package.rglob("*.py")) == sorted(
+        _file_of(old) for old in ALIASES if old.startswith("speedtronic.distributed")
+    )
+
+
+IMPORT_MACHINERY = (
+    "import sys; state = lambda: (list(sys.meta_path), list(sys.path_hooks)); before = state(); "
+)
+
+
+def test_importing_the_package_changes_no_import_machinery():
+    """``import speedtronic`` adds no finder or hook (and imports no compat code); importing a
+    2.0.0 path adds none either."""
+    code = IMPORT_MACHINERY + (
+        "import speedtronic; assert state() == before, state(); "
+        "assert 'speedtronic.compat' not in sys.modules; "
+        "import warnings; warnings.simplefilter('ignore', DeprecationWarning); "
+        "import speedtronic.distributed.hub, speedtronic.runtime; "
+        "assert state() == before, state()"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
 
 
 @pytest.mark.parametrize("old", sorted(ALIASES))

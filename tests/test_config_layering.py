@@ -352,7 +352,11 @@ def test_secret_files_that_are_not_ours_or_not_text(tmp_path) -> None:
     outside.write_text("hf_outside_the_directory\n")
     secrets = tmp_path / "s"
     _write_secrets(secrets, RUN__SEED="6\n")
-    (secrets / "hf_token").symlink_to(outside)  # a link out of the directory is not read
+    (secrets / "hf_token").symlink_to(outside)  # a link out of the directory: an error
+    message = _resolve_error(secrets, "leads out of the secrets directory")  # (issue 31)
+    assert str(secrets / "hf_token") in message and "hf_outside" not in message
+    (secrets / "hf_token").unlink()
+    (secrets / "not_a_field").symlink_to(outside)  # a name that is no field is not ours
     resolved = resolve_config({}, environ={}, secrets_dir=str(secrets))
     assert resolved.config.distributed.token is None
     assert resolved.sources == {"run.seed": "secret:RUN__SEED"}

@@ -425,8 +425,8 @@ def test_transports_in_shipped_configs() -> None:
 # --------------------------------------------------------------------------- frozen key set
 FROZEN_KEYS = {
     "run": "name seed device max_steps output_dir log_every stop_on_nonfinite nproc_per_node "
-    "data_parallel collective_timeout",
-    "model": "name vocab_size max_seq_len n_layer n_head n_kv_head d_model d_ff dropout "
+    "data_parallel collective_timeout push_to_hub",
+    "model": "name init_from vocab_size max_seq_len n_layer n_head n_kv_head d_model d_ff dropout "
     "tie_weights rope_base gradient_checkpointing",
     "data": "text_path dataset synthetic num_tokens vocab_size block_size micro_batch_size "
     "target_batch_size num_workers prefetch_factor pin_memory shuffle drop_last seed max_steps "

@@ -1,5 +1,10 @@
 """issue 21 item 4: the token's value, whatever its shape, appears in no output, even when the
-same value was also put into other fields; a secret file others can read is warned about."""
+same value was also put into other fields; a secret file others can read is warned about.
+
+Since issue 31 item 3 the layered config (files, env, secrets, ``--set``) refuses the token's
+value in any other field (a name built from it would become a directory); a config built
+directly (``SpeedtronicConfig.from_dict``, no layering) keeps it and every serialisation
+scrubs it."""
 
 from __future__ import annotations
 
@@ -7,9 +12,10 @@ import json
 import os
 
 import pytest
+import yaml
 
 from speedtronic.cli import main
-from speedtronic.config import SpeedtronicConfig, resolve_config
+from speedtronic.config import ConfigError, SpeedtronicConfig, resolve_config
 
 ODD_TOKEN = "Zq7-not-shaped-like-hf-9f8e7d"  # no `hf_` prefix: no pattern would find it
 
@@ -32,8 +38,23 @@ def planted(tmp_path, monkeypatch):
     return path
 
 
+def _built_directly(planted) -> SpeedtronicConfig:
+    """The planted config with its token, built without the layering (the API path)."""
+    values = yaml.safe_load(planted.read_text())
+    values["distributed"]["token"] = ODD_TOKEN
+    return SpeedtronicConfig.from_dict(values)
+
+
+def test_the_layering_refuses_the_token_in_other_fields(planted) -> None:
+    with pytest.raises(ConfigError) as caught:
+        resolve_config(str(planted))
+    message = str(caught.value)
+    assert message.startswith("run.name holds the value of distributed.token (not shown)")
+    assert ODD_TOKEN.lower() not in message.lower()
+
+
 def test_token_planted_in_other_fields_is_scrubbed_from_every_serialisation(planted) -> None:
-    config = resolve_config(str(planted)).config
+    config = _built_directly(planted)
     assert config.distributed.token == ODD_TOKEN
     assert config.run.name == f"run-{ODD_TOKEN}"  # the value itself is kept for the run
     redacted = config.to_dict(redact_secrets=True)
@@ -59,10 +80,10 @@ def test_cli_output_never_shows_the_token(planted, capsys, argv) -> None:
     argv = [*argv, "--config", str(planted)] if argv[0] == "validate" else [*argv]
     if argv[0] == "config":
         argv += ["--config", str(planted)]
-    assert main(argv) == 0
+    assert main(argv) == 2  # the layering refuses the token in run.name (issue 31)
     captured = capsys.readouterr()
-    assert ODD_TOKEN not in captured.out + captured.err
-    assert "<redacted>" in captured.out
+    assert ODD_TOKEN.lower() not in (captured.out + captured.err).lower()
+    assert "run.name holds the value of distributed.token" in captured.err
 
 
 def test_an_error_never_shows_the_token(planted, capsys) -> None:
@@ -90,6 +111,6 @@ def test_group_readable_secret_file_is_warned_about(tmp_path, caplog) -> None:
 
 def test_checkpoint_config_record_is_redacted(planted) -> None:
     """Checkpoints store ``config.to_dict(redact_secrets=True)`` (train/state.py)."""
-    config = resolve_config(str(planted)).config
+    config = _built_directly(planted)
     record = SpeedtronicConfig.from_dict(config.to_dict(redact_secrets=True))
     assert ODD_TOKEN not in json.dumps(record.to_dict())

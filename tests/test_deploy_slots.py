@@ -144,7 +144,14 @@ def test_a_fresh_lease_from_another_host_is_waited_for_then_resumed(tmp_path):
     instead of starting over in a new slot."""
     fake = FakeTime()
     _foreign_lease(tmp_path, "worker-1", fake.now - 1)
-    claim = claim_slot(tmp_path, lease_seconds=30.0, clock=fake.clock, sleep=fake.sleep, kernel="k")
+    claim = claim_slot(
+        tmp_path,
+        lease_seconds=30.0,
+        clock=fake.clock,
+        monotonic=fake.clock,
+        sleep=fake.sleep,
+        kernel="k",
+    )
     try:
         assert claim.node_id == "worker-1"
         assert fake.now - 1_000_000.0 > 29  # waited for the lease to expire
@@ -156,7 +163,14 @@ def test_a_lease_renewed_while_waiting_belongs_to_a_live_worker(tmp_path):
     fake = FakeTime()
     _foreign_lease(tmp_path, "worker-1", fake.now)
     fake.on_sleep = lambda t: _foreign_lease(tmp_path, "worker-1", t.now)  # keeps renewing
-    claim = claim_slot(tmp_path, lease_seconds=30.0, clock=fake.clock, sleep=fake.sleep, kernel="k")
+    claim = claim_slot(
+        tmp_path,
+        lease_seconds=30.0,
+        clock=fake.clock,
+        monotonic=fake.clock,
+        sleep=fake.sleep,
+        kernel="k",
+    )
     try:
         assert claim.node_id == "worker-2"
         assert Lease.read(tmp_path / "worker-1.json").hostname == "node-b"

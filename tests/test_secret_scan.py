@@ -7,12 +7,15 @@ shared-directory run of ``speedtronic train`` and a Hub-emulator run of ``speedt
 end) to the master, an ``hf_token`` secret file with a trailing newline to the worker. The
 emulator requires the token, so rounds only happen when the whitespace was stripped.
 ``--set distributed.token=...`` is refused (exit 2), and a master the Hub refuses exits 2.
+The token given to a choice field, or as the TensorBoard tracker's run name, is refused
+(issue 31); the shared-directory worker runs with the TensorBoard tracker.
 Then every file under the output and exchange directories (names and bytes, checkpoints and
-safetensors included), the emulator's repository files, stdout/stderr, JSONL, ``/metrics``,
+safetensors included), the name of every file and directory the runs left (hub caches and
+working directory too), the emulator's repository files, stdout/stderr, JSONL, ``/metrics``,
 ``/healthz``, ``/readyz``, ``config show``/``validate`` output and the error texts of refused
-and failing runs are scanned for the token: raw, repr- and JSON-escaped, percent-encoded,
-UTF-16 and base64 (at every alignment). The token is deliberately not shaped like a real Hub
-token, so the pattern-based scrubbing cannot hide a missing redaction.
+and failing runs are scanned for the token, in any letter case: raw, repr- and JSON-escaped,
+percent-encoded, UTF-16 and base64 (at every alignment). The token is deliberately not shaped
+like a real Hub token, so the pattern-based scrubbing cannot hide a missing redaction.
 """
 
 from __future__ import annotations
@@ -61,7 +64,10 @@ NEEDLES = _needles(TOKEN)
 
 
 def _hits(data: bytes) -> list[str]:
-    return [name for name, needle in NEEDLES.items() if needle and needle in data]
+    """The encodings of the token found in ``data``, in any letter case (a choice field
+    lowercases what it is given; issue 31)."""
+    lowered = data.lower()
+    return [name for name, needle in NEEDLES.items() if needle and needle.lower() in lowered]
 
 
 class Scan:
@@ -85,6 +91,12 @@ class Scan:
             self.text("path name", str(path), str(path.relative_to(root)))
             if path.is_file() and not path.is_symlink():
                 self.text(kind, str(path), path.read_bytes())
+
+    def names(self, root: Path) -> None:
+        """The name of every file and directory under ``root`` (issue 31: a tracker made a
+        directory named after the token), the contents not read."""
+        for path in sorted(root.rglob("*")):
+            self.text("file or directory name", str(path), str(path.relative_to(root)))
 
 
 @pytest.fixture(autouse=True)
@@ -184,6 +196,14 @@ def _run_pair(nodes: list[Node], *, timeout: float = 300.0) -> None:
         assert node.proc.returncode == 0, node.log.read_text()[-3000:]
 
 
+def _has(module: str) -> bool:
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
+
+
 def _cli(tmp: Path, env: dict[str, str], *argv: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "speedtronic", *argv]
     return subprocess.run(command, cwd=tmp, env=env, capture_output=True, timeout=120)
@@ -198,12 +218,14 @@ def test_no_encoding_of_the_token_survives_a_full_run(tmp_path) -> None:
     from_file = {"SPEEDTRONIC_SECRETS_DIR": str(secrets)}
 
     # 1. shared directory, `speedtronic train`: master with HF_TOKEN, worker with the file
+    # (and a TensorBoard tracker, which names a directory after the run: issue 31)
     directory_env = _base_env(
         tmp_path, SPEEDTRONIC_DISTRIBUTED__REPO_ID=f"file://{tmp_path / 'exchange'}"
     )
+    tracked = {"SPEEDTRONIC_LOGGING__TRACKERS": "[tensorboard]"} if _has("tensorboard") else {}
     pair = [
         Node(tmp_path, "dir-master", "master", "train", {**directory_env, **from_env}),
-        Node(tmp_path, "dir-worker", "worker", "train", {**directory_env, **from_file}),
+        Node(tmp_path, "dir-worker", "worker", "train", {**directory_env, **from_file, **tracked}),
     ]
     _run_pair(pair)
     assert pair[0].events("outer_step"), pair[0].log.read_text()[-2000:]
@@ -278,12 +300,37 @@ def test_no_encoding_of_the_token_survives_a_full_run(tmp_path) -> None:
         ):
             done = _cli(tmp_path, env, *argv)
             assert done.returncode == 0, done.stderr
-            assert b"<redacted>" in done.stdout
+            if argv[0] == "config":  # validate prints a verdict, not the config (issue 29)
+                assert b"<redacted>" in done.stdout
             outputs.append((f"{' '.join(argv[:2])} ({env_name})", done))
     wrong_field = {**directory_env, **from_env, "SPEEDTRONIC_RUN__SEED": TOKEN}
     bad = _cli(tmp_path, wrong_field, "validate", "--config", config)
     assert bad.returncode == 2 and b"run.seed" in bad.stderr
     outputs.append(("token in a wrong field", bad))
+    # 5. the token in a choice field (lowercased before the check) and as the tracker's run
+    # name (a directory): refused, in no case shown, no directory made (issue 31)
+    file_env = {**directory_env, **from_file}
+    for dotted in ("distributed.sync", "optimizer.name", "logging.trackers"):
+        choice = _cli(
+            tmp_path, file_env, "validate", "--config", config, "--set", f"{dotted}={TOKEN}"
+        )
+        assert choice.returncode == 2 and dotted.encode() in choice.stderr
+        outputs.append((f"token in {dotted}", choice))
+    named = _cli(
+        tmp_path,
+        file_env,
+        "train",
+        "--config",
+        config,
+        "--output-dir",
+        str(tmp_path / "out" / "named"),
+        "--set",
+        "logging.trackers=[tensorboard]",
+        "--set",
+        f"logging.run_name={TOKEN.lower()}",
+    )
+    assert named.returncode == 2 and b"logging.run_name" in named.stderr
+    outputs.append(("token as the tracker's run name", named))
 
     # the scan
     for label, done in outputs:
@@ -295,6 +342,9 @@ def test_no_encoding_of_the_token_survives_a_full_run(tmp_path) -> None:
             scan.text(f"/{page}", f"{node.name} /{page}", body)
     scan.tree("file", tmp_path / "out")
     scan.tree("exchange file", tmp_path / "exchange")
+    scan.names(tmp_path)  # everything the runs left, the hub caches and the working dir too
+    if tracked:
+        assert list((tmp_path / "out" / "dir-worker" / "tensorboard").iterdir())
     kinds = ", ".join(f"{kind} {count}" for kind, count in sorted(scan.kinds.items()))
     print(
         f"\nsecret scan: {scan.items} items, {scan.bytes} bytes ({kinds}); hits: {len(scan.found)}"

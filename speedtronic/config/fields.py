@@ -38,7 +38,7 @@ from pydantic.fields import FieldInfo
 
 from speedtronic.config.errors import ConfigError
 from speedtronic.config.limits import MAX_INT_DIGITS, MAX_STEPS, check_path_text
-from speedtronic.config.redaction import REDACTED, contains_secret, looks_like_token
+from speedtronic.config.redaction import REDACTED, SecretText, contains_secret, looks_like_token
 
 __all__ = [
     "BETWEEN",
@@ -176,8 +176,12 @@ def _str_list(value: Any) -> list[str]:
 
 
 def choice(value: Any) -> Any:
-    """A choice (``Literal``) is matched without case or surrounding blanks."""
-    return value.strip().lower() if isinstance(value, str) else value
+    """A choice (``Literal``) is matched without case or surrounding blanks. A value from a
+    secret stays marked as one, so the error for a wrong choice does not echo it."""
+    if not isinstance(value, str):
+        return value
+    folded = value.strip().lower()
+    return SecretText(folded) if isinstance(value, SecretText) else folded
 
 
 Int = Annotated[int, BeforeValidator(_int)]

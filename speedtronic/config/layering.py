@@ -23,12 +23,9 @@ collections (through the bounded loader); string fields take the raw text.
 Secrets: the token (from any layer) and every value read from a secret file are wrapped in
 :class:`~speedtronic.config.redaction.SecretText` before validation, and a validation error is
 scrubbed of every token value, so no error prints a secret, even one in the wrong field. The
-token cannot be set with ``--set``/``overrides`` (it would sit in the process list). A secret
-file that is a directory, cannot be read or is not UTF-8 is a ``ConfigError`` naming the file.
-Other entries of the directory are not ours and are left alone: hidden ones (Kubernetes'
-``..data``), names that are no field, anything but a regular file, and a link that leads out of
-the directory (as pydantic-settings' secret sources do). A secret file that group or others
-may read is used, with a warning naming it.
+token cannot be set with ``--set``/``overrides`` (it would sit in the process list), and its
+value is refused in every other field (:func:`_refuse_token_elsewhere`). Which entries of the
+secrets directory are read, and which are errors: :mod:`speedtronic.config.secret_files`.
 """
 
 from __future__ import annotations
@@ -37,7 +34,6 @@ import difflib
 import functools
 import logging
 import os
-import stat
 import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -56,8 +52,9 @@ from speedtronic.config.canonical import (
 )
 from speedtronic.config.errors import ConfigError
 from speedtronic.config.loading import load_yaml_value, looks_inline, read_source, with_origin
-from speedtronic.config.redaction import SecretText, scrub
+from speedtronic.config.redaction import SecretText, holds_secret, scrub
 from speedtronic.config.schema import SpeedtronicConfig, field_infos
+from speedtronic.config.secret_files import read_secret_files
 
 __all__ = [
     "DEFAULT_SECRETS_DIR",
@@ -76,7 +73,6 @@ DEFAULT_SECRETS_DIR = "/run/secrets"
 TOKEN_KEY = "distributed.token"
 NODE_ID_KEY = "distributed.node_id"
 HF_TOKEN_FILE = "hf_token"
-MAX_SECRETS_BYTES = 16 * 2**20  # all secret files together (a token is ~40 bytes)
 #: ``SPEEDTRONIC_*`` names that are not fields but are understood (all but the first three are
 #: compose.yaml interpolation variables of the host shell, not read by the config; a shell that
 #: exports them for ``docker compose`` must still be able to run ``speedtronic``).
@@ -295,59 +291,6 @@ def _env_layer(environ: Mapping[str, str]) -> list[tuple[str, Any, str]]:
     return triples
 
 
-def _read_secret_files(secrets_dir: Path) -> dict[str, tuple[str, str]]:
-    """Dotted field -> (file name, stripped text) of the secret files that name a field.
-
-    Names match case-insensitively (the later of two spellings, in name order, wins). A
-    matching entry that is a directory or cannot be read is an error naming it; other entries
-    are not ours (module docstring). At most ``MAX_SECRETS_BYTES`` are read in all.
-    """
-    wanted = _secret_fields()
-    try:
-        entries = sorted(os.scandir(secrets_dir), key=lambda entry: entry.name)
-    except OSError as exc:
-        raise ConfigError(f"cannot list secrets directory {secrets_dir}: {exc.strerror}") from None
-    root = os.path.realpath(secrets_dir)
-    found: dict[str, tuple[str, str]] = {}
-    total = 0
-    for entry in entries:
-        dotted = wanted.get(entry.name.lower())
-        if dotted is None:
-            continue
-        path = secrets_dir / entry.name
-        try:
-            mode = os.stat(path).st_mode
-            if stat.S_ISDIR(mode):
-                raise ConfigError(
-                    f"secret {path} is a directory; expected a file holding the value"
-                )
-            if not stat.S_ISREG(mode) or not os.path.realpath(path).startswith(root + os.sep):
-                continue
-            if mode & 0o077:
-                logger.warning(
-                    "secret file %s is readable by group/others (mode %s); make it readable "
-                    "by its owner only (chmod 600, or defaultMode: 0400 in Kubernetes)",
-                    path,
-                    oct(stat.S_IMODE(mode)),
-                )
-            with open(path, "rb") as handle:
-                data = handle.read(MAX_SECRETS_BYTES + 1 - total)
-        except OSError as exc:
-            raise ConfigError(f"cannot read secret file {path}: {exc.strerror}") from None
-        total += len(data)
-        if total > MAX_SECRETS_BYTES:
-            raise ConfigError(
-                f"cannot read secrets directory {secrets_dir}: its secret files hold more than "
-                f"{MAX_SECRETS_BYTES} bytes"
-            )
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError:
-            raise ConfigError(f"secret file {path} is not UTF-8 text") from None
-        found[dotted] = (entry.name, text.strip())
-    return found
-
-
 def _secret_layer(secrets_dir: Path) -> list[tuple[str, Any, str]]:
     """(dotted, value, source) triples from ``hf_token`` and ``<section>__<field>`` files.
 
@@ -360,7 +303,7 @@ def _secret_layer(secrets_dir: Path) -> list[tuple[str, Any, str]]:
         raise ConfigError(f"secrets directory is not a directory: {secrets_dir}")
     if not os.access(secrets_dir, os.R_OK | os.X_OK):
         raise ConfigError(f"secrets directory is not readable: {secrets_dir}")
-    files = _read_secret_files(secrets_dir)
+    files = read_secret_files(secrets_dir, _secret_fields())
     triples: list[tuple[str, Any, str]] = []
     name, token = files.pop(HF_TOKEN_FILE, ("", ""))
     if token:
@@ -411,6 +354,37 @@ def _attribute(error: ConfigError, sources: Mapping[str, str]) -> ConfigError:
         if message.startswith(dotted) and sources[dotted] != "file":
             return ConfigError(f"{message} (from {sources[dotted]})")
     return error
+
+
+def _strings(value: Any) -> Iterable[str]:
+    """The strings of a merged value (a string, or inside lists and mappings)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _strings(key)
+            yield from _strings(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _strings(item)
+
+
+def _refuse_token_elsewhere(
+    merged: Mapping[str, Any], tokens: list[str], sources: Mapping[str, str]
+) -> None:
+    """A field other than ``distributed.token`` whose value is the token, in any case, or
+    contains it is a ``ConfigError`` that does not show it: a choice field would echo it
+    lowercased, and a name (tracker run, directory) would carry it into file names."""
+    if not tokens:
+        return
+    for dotted, value in _flatten(merged).items():
+        if dotted != TOKEN_KEY and any(holds_secret(text, tokens) for text in _strings(value)):
+            origin = sources.get(dotted)
+            where = f" (from {origin})" if origin and origin != "file" else ""
+            raise ConfigError(
+                f"{dotted} holds the value of distributed.token (not shown){where}; the token "
+                "belongs in HF_TOKEN or the hf_token secret file only"
+            )
 
 
 def resolve_config(
@@ -465,6 +439,7 @@ def resolve_config(
     except ConfigError as error:
         error = _attribute(error, sources)
         raise ConfigError(scrub(str(error), tokens)) from None
+    _refuse_token_elsewhere(merged, tokens, sources)  # a value that passed, or one it changed
     order = {dotted: index for index, dotted in enumerate(known_fields())}
     ordered = dict(sorted(sources.items(), key=lambda item: order.get(item[0], len(order))))
     return ResolvedConfig(config=config, sources=ordered, config_path=config_path)

@@ -87,6 +87,14 @@ def path_kind_problem(path: str | os.PathLike[str], want: str) -> str | None:
     return None
 
 
+_HUB_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def is_hub_repo_id(value: str) -> bool:
+    """``owner/name`` as the Hub spells a repo id (letters, digits, ``.``, ``_``, ``-``)."""
+    return isinstance(value, str) and bool(_HUB_REPO_ID.fullmatch(value))
+
+
 def is_valid_node_id(value: str) -> bool:
     """The node-id rule: path-safe characters, at most ``MAX_NODE_ID`` characters."""
     return isinstance(value, str) and len(value) <= MAX_NODE_ID and bool(_NODE_ID.fullmatch(value))

@@ -49,13 +49,27 @@ TRACKERS = ("tensorboard", "wandb")
 _HOSTNAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 
 
+#: A Hub repository id as the Hub accepts one, with its owner: two parts of letters, digits,
+#: ``-``, ``_`` and ``.`` (a name of at most 96), neither starting nor ending with ``-`` or
+#: ``.``, no ``--`` or ``..``, not ending in ``.git`` (huggingface_hub's ``validate_repo_id``).
+_HUB_PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?"
+_HUB_REPO = re.compile(rf"{_HUB_PART}/(?=.{{1,96}}$){_HUB_PART}")
+
+
 def _exchange(value: str | None) -> str | None:
-    """An exchange is ``owner/name`` (Hub) or ``file:///absolute/path`` (shared volume)."""
-    if (
-        value
-        and value.startswith("file:")
-        and not (value.startswith("file:///") and len(value) > len("file:///"))
-    ):
+    """An exchange is ``owner/name`` (Hub) or ``file:///absolute/path`` (shared volume); a
+    one-part id (``single``), spaces or a third part are refused here, at ``validate``,
+    rather than by every upload of a run. The value is not echoed (it may hold a secret)."""
+    if not value:
+        return value
+    if value.startswith("file:"):
+        usable = value.startswith("file:///") and len(value) > len("file:///")
+    else:  # a redacted record (a checkpoint's) reads back: the marker stands for a secret
+        hub = value.replace(REDACTED, "x")
+        usable = bool(_HUB_REPO.fullmatch(hub)) and not (
+            "--" in hub or ".." in hub or hub.endswith(".git")
+        )
+    if not usable:
         raise ValueError("must be 'owner/name' (Hub) or 'file:///absolute/path'")
     return value
 

@@ -193,7 +193,7 @@ class SpeedtronicConfig:
 
     def _check_tokenizer(self) -> None:
         """``data.tokenizer`` must be readable and fit ``model.vocab_size`` (no torch import)."""
-        from speedtronic.data.tokenizer_file import describe_tokenizer, is_bytes
+        from speedtronic.config.tokenizer_file import describe_tokenizer, is_bytes
 
         if is_bytes(self.data.tokenizer):
             return

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from speedtronic.config.errors import ConfigError
 from speedtronic.config.fields import (
@@ -30,7 +30,7 @@ from speedtronic.config.fields import (
     one_of,
     section,
 )
-from speedtronic.config.limits import DAY, MAX_SEED, MAX_STEPS
+from speedtronic.config.limits import DAY, MAX_SEED, MAX_STEPS, is_hub_repo_id
 
 __all__ = [
     "SYNTHETIC_KINDS",
@@ -89,6 +89,13 @@ def _tokenizer(value: Any) -> Any:
     return "bytes" if value.strip().lower() in ("", "bytes") else value.strip()
 
 
+def _hub_repo(value: str | None) -> str | None:
+    """A Hub model repo id, ``owner/name``."""
+    if value is not None and not is_hub_repo_id(value):
+        raise ValueError("must be a Hub repo id 'owner/name'")
+    return value
+
+
 def _auto(value: Any) -> Any:
     return "auto" if isinstance(value, str) and value.strip().lower() == "auto" else value
 
@@ -101,6 +108,7 @@ NProc = Annotated[
     BeforeValidator(_auto),
     Says(bound=NPROC, kind=NPROC),
 ]
+HubRepo = Annotated[Str, AfterValidator(_hub_repo)]
 DataParallel = one_of("ddp", "fsdp", says="run.data_parallel must be ddp or fsdp")
 Dataset = Annotated[Any, BeforeValidator(_dataset)]
 Synthetic = Annotated[
@@ -137,6 +145,7 @@ class RunConfig:
     nproc_per_node: NProc = F(1, "ranks on this node: a count, or auto (the visible GPUs)")
     data_parallel: DataParallel = F("ddp", "ddp (replicas) or fsdp (sharded, FSDP2)")
     collective_timeout: Float = F(600.0, "seconds a collective waits for the ranks", gt=0, le=DAY)
+    push_to_hub: HubRepo | None = F(None, "owner/name: after the run, push the model there")
 
     def __post_init__(self) -> None:
         self.device = self.device.strip()
@@ -151,6 +160,9 @@ class ModelConfig:
     __check_first__ = ("max_seq_len",)  # 2.0.0 checked it before vocab_size
 
     name: Str = F("reference_transformer", "model registry key (checked when built)")
+    init_from: Str | None = F(
+        None, "start from a transformers Llama checkpoint: a folder or owner/name[@revision]"
+    )
     vocab_size: Int = F(512, "vocabulary size", gt=0, le=MAX_VOCAB)
     max_seq_len: Int = F(128, "context length", gt=0, le=MAX_SEQ_LEN)
     n_layer: Int = F(4, "transformer blocks", COUNTS, gt=0, le=1024)
@@ -172,6 +184,41 @@ class ModelConfig:
             raise ConfigError("model.n_head must be divisible by model.n_kv_head")
         if self.d_model % self.n_head != 0:
             raise ConfigError("model.d_model must be divisible by model.n_head")
+        if self.init_from is not None:
+            self.init_from = self.init_from.strip()
+            if not self.init_from:
+                raise ConfigError(
+                    "model.init_from must be a folder or owner/name[@revision] (null: random "
+                    "weights), got an empty string"
+                )
+            if self.name not in ("reference_transformer", "gpt"):
+                raise ConfigError(
+                    f"model.init_from loads a transformers Llama checkpoint into the reference "
+                    f"transformer; model.name is {self.name!r} (use reference_transformer)"
+                )
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _remember_given(cls, values: Any, handler: Any) -> Any:
+        """Record which fields the input named with a value (see :attr:`given`)."""
+        section = handler(values)
+        if isinstance(values, cls):  # an instance revalidated inside the aggregate: keep its own
+            return section
+        if isinstance(values, Mapping):
+            named = dict(values)
+        else:  # pydantic's ArgsKwargs of a constructor call
+            named = dict(getattr(values, "kwargs", None) or {})
+            positional = getattr(values, "args", None) or ()
+            named.update(zip(cls.__dataclass_fields__, positional, strict=False))
+        section.__dict__["_given"] = frozenset(k for k, v in named.items() if v is not None)
+        return section
+
+    @property
+    def given(self) -> frozenset[str]:
+        """The fields the configuration set (file, env, ``--set``, keywords); the others hold
+        their defaults. ``model.init_from`` fills the shape fields not given from the
+        checkpoint and refuses a given one that differs."""
+        return self.__dict__.get("_given", frozenset())
 
 
 @section("data")

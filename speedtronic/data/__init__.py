@@ -85,7 +85,6 @@ _SUBMODULES = frozenset(
         "sources",
         "streams",
         "tokenizer",
-        "tokenizer_file",
         "units",
     }
 )

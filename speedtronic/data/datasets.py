@@ -41,7 +41,8 @@ class SyntheticTokenDataset(Dataset):
     """``num_samples`` random windows; item ``i`` depends only on ``seed + i``.
 
     Labels are uniform random, so the loss cannot fall far below ``ln(vocab_size)``: this
-    is a throughput / smoke-test dataset.
+    is a throughput / smoke-test dataset. A subclass draws its windows another way by
+    overriding :meth:`window` (``MarkovTokenDataset``).
     """
 
     def __init__(
@@ -67,11 +68,12 @@ class SyntheticTokenDataset(Dataset):
             i += self.num_samples
         if not 0 <= i < self.num_samples:
             raise IndexError(index)
-        g = torch.Generator().manual_seed(self.seed + i)
-        tokens = torch.randint(
-            self.vocab_size, (self.block_size + 1,), generator=g, dtype=torch.long
-        )
-        return _record(tokens)
+        return _record(self.window(i))
+
+    def window(self, index: int) -> torch.Tensor:
+        """The ``block_size + 1`` int64 tokens of sample ``index`` (``0 <= index < len``)."""
+        g = torch.Generator().manual_seed(self.seed + index)
+        return torch.randint(self.vocab_size, (self.block_size + 1,), generator=g, dtype=torch.long)
 
 
 class _ByteRange(io.RawIOBase):

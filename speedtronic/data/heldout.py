@@ -36,10 +36,9 @@ from speedtronic.data.sources import (
     _open_serialized,
     _require_file,
     configured_tokenizer,
+    read_tokens,
     split_map_dataset,
     split_point,
-    token_array,
-    tokenizer_sha256,
 )
 
 __all__ = ["HeldOutSource", "open_heldout"]
@@ -132,11 +131,8 @@ def open_heldout(
         return HeldOutSource(records, f"eval.text_path {text_path}")
     token_path = evaluation.token_path
     if token_path:
-        path = os.fspath(token_path)
-        dtype = data.token_dtype
-        sha = tokenizer_sha256(data, tokenizer) if os.path.isdir(path) else None
-        tokens, _ = token_array(
-            path, dtype, vocab_size, "eval.token_path", split="eval", tokenizer_sha256=sha
+        tokens, _ = read_tokens(
+            data, token_path, vocab_size, "eval.token_path", tokenizer=tokenizer, split="eval"
         )
         records = _token_records(tokens, block_size, str(token_path), "eval.token_path")
         return HeldOutSource(records, f"eval.token_path {token_path}")
@@ -158,10 +154,9 @@ def _holdout_of_training(
         return HeldOutSource(records, f"{share} data.text_path {path}")
     token_path = data.token_path
     if token_path:
-        path = os.fspath(token_path)
-        dtype = data.token_dtype
-        sha = tokenizer_sha256(data, tokenizer) if os.path.isdir(path) else None
-        tokens, _ = token_array(path, dtype, vocab_size, "data.token_path", tokenizer_sha256=sha)
+        tokens, _ = read_tokens(
+            data, token_path, vocab_size, "data.token_path", tokenizer=tokenizer
+        )
         tail = tokens[split_point(len(tokens), holdout) :]
         records = _token_records(tail, block_size, f"{share} {token_path}", "eval.holdout")
         return HeldOutSource(records, f"{share} data.token_path {token_path}")

@@ -30,7 +30,8 @@ from array import array
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+
+from speedtronic.data.datasets import SyntheticTokenDataset
 
 __all__ = [
     "CHAIN_DOMAIN",
@@ -150,7 +151,7 @@ class MarkovChain:
         return out
 
 
-class MarkovTokenDataset(Dataset):
+class MarkovTokenDataset(SyntheticTokenDataset):
     """``num_samples`` windows of ``block_size + 1`` tokens from ``MarkovChain(vocab, seed)``.
 
     Sample ``i`` depends only on ``(sample_seed, domain, i)`` (``sample_seed`` defaults to
@@ -169,12 +170,7 @@ class MarkovTokenDataset(Dataset):
         domain: int = TRAIN_DOMAIN,
         chain: MarkovChain | None = None,
     ) -> None:
-        if min(int(num_samples), int(block_size), int(vocab_size)) <= 0:
-            raise ValueError("dataset sizes must be positive")
-        self.num_samples = int(num_samples)
-        self.block_size = int(block_size)
-        self.vocab_size = int(vocab_size)
-        self.seed = int(seed)
+        super().__init__(num_samples, block_size, vocab_size, seed)
         self.sample_seed = self.seed if sample_seed is None else int(sample_seed)
         self.domain = int(domain)
         if chain is not None and (chain.vocab_size, chain.seed) != (self.vocab_size, self.seed):
@@ -186,15 +182,7 @@ class MarkovTokenDataset(Dataset):
         """The chain's entropy rate (nats per token): the loss floor."""
         return self.chain.floor
 
-    def __len__(self) -> int:
-        return self.num_samples
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        i = int(index)
-        if i < 0:
-            i += self.num_samples
-        if not 0 <= i < self.num_samples:
-            raise IndexError(index)
-        rng = seed_generator(self.sample_seed, self.domain, i)
-        window = torch.tensor(self.chain.sample(rng, self.block_size + 1), dtype=torch.long)
-        return {"input_ids": window[:-1], "labels": window[1:]}
+    def window(self, index: int) -> torch.Tensor:
+        """The ``block_size + 1`` tokens of sample ``index``, drawn from the chain."""
+        rng = seed_generator(self.sample_seed, self.domain, index)
+        return torch.tensor(self.chain.sample(rng, self.block_size + 1), dtype=torch.long)

@@ -1,4 +1,4 @@
-"""``speedtronic prepare``: text files and JSON Lines to token shards plus ``meta.json``.
+"""``speedtronic prepare``: text files, JSON Lines and Parquet to token shards plus ``meta.json``.
 
 ::
 
@@ -6,10 +6,10 @@
 
 Inputs are read as units of about ``unit_bytes`` (:mod:`speedtronic.data.units`), tokenized by
 ``workers`` processes (1: in this process) and written **in input order** by this process, so
-any number of workers gives the same bytes. Each document (a text file, a JSONL record) is
-followed by the tokenizer's end-of-text token. Document ``i`` (counted from 0 over all inputs)
-is held out when ``floor((i + 1) * holdout) > floor(i * holdout)``: exactly a ``holdout``
-fraction, spread evenly, without knowing the corpus size in advance. Shards hold
+any number of workers gives the same bytes. Each document (a text file, a JSONL record, a
+Parquet row) is followed by the tokenizer's end-of-text token. Document ``i`` (counted from 0
+over all inputs) is held out when ``floor((i + 1) * holdout) > floor(i * holdout)``: exactly
+a ``holdout`` fraction, spread evenly, without knowing the corpus size in advance. Shards hold
 ``shard_tokens`` tokens (the last of each split fewer): uint16 when the vocabulary fits, else
 uint32. Memory is bounded by the unit size times the units in flight, not by the corpus.
 
@@ -47,6 +47,7 @@ from speedtronic.data.units import (
     Encoded,
     PrepareError,
     Unit,
+    check_parquet_field,
     collect_sources,
     encode_units,
     init_worker,
@@ -121,6 +122,7 @@ class _Run:
         self.vocab = int(self.tokenizer.vocab_size) if self.vocab_file else 256
         self.dtype = "uint16" if self.vocab <= 1 << 16 else "uint32"
         self.sources, self.skipped = collect_sources(inputs)
+        check_parquet_field(self.sources, self.field)
         self.partial = self.output / PARTIAL
         self.fingerprint = self._fingerprint()
 
@@ -287,7 +289,8 @@ class _Run:
     def _encoded(self, start: int) -> Iterator[tuple[Unit, Encoded]]:
         """``(unit, tokens)`` in input order, from unit ``start`` on; work goes out in jobs of
         at most ``unit_bytes`` (several small files per job), at most ``2 * workers`` at once."""
-        units = (u for u in iter_units(self.sources, self.unit_bytes) if u.index >= start)
+        every = iter_units(self.sources, self.unit_bytes, self.field)
+        units = (u for u in every if u.index >= start)
         tokenizer_json = None if self.tokenizer.spec == "bytes" else self.tokenizer.to_str()
         init = (tokenizer_json, self.tokenizer.eos_id, self.workers > 1)
 
@@ -357,19 +360,20 @@ class _Run:
         for split, tokens in parts.items():
             closed += writers[split].write(tokens)
             state["tokens"][split] += int(tokens.size)
-        # A JSONL piece is a whole record; a text piece ends its document with the file.
-        ended = held if source.kind == "jsonl" else held[: int(unit.last)]
+        # A JSONL or Parquet piece is a whole record; a text piece ends its document with
+        # the file.
+        ended = held if source.kind != "text" else held[: int(unit.last)]
         state["documents"]["eval"] += int(ended.sum())
         state["documents"]["train"] += int(ended.size - ended.sum())
         stats = state["sources"][unit.source]
         stats[0] += int(ended.size)
         stats[1] += int(encoded.tokens.size)
         stats[2] += encoded.replaced
-        state["bytes"] += len(unit.data)
+        state["bytes"] += unit.span
         if unit.last and stats[2]:
             self.log(f"{source.path}: {stats[2]} invalid UTF-8 sequences replaced with U+FFFD")
         if self.progress is not None:
-            self.progress(len(unit.data), int(encoded.tokens.size))
+            self.progress(unit.span, int(encoded.tokens.size))
         return closed
 
     def _held_out(self, first: int, count: int) -> np.ndarray:
@@ -408,7 +412,7 @@ class _Run:
         if self.holdout and documents["eval"] == 0:
             raise PrepareError(
                 f"--holdout {float(self.holdout):g} of {documents['train']} documents holds out "
-                "none (each text file and each JSONL record is one document); use more "
+                "none (each text file, JSONL record and Parquet row is one document); use more "
                 "documents or a larger --holdout"
             )
         from speedtronic import __version__

@@ -36,6 +36,7 @@ __all__ = [
     "check_token_ids",
     "configured_tokenizer",
     "open_source",
+    "read_tokens",
     "split_map_dataset",
     "split_point",
     "token_array",
@@ -78,10 +79,7 @@ def open_source(
         return _open_text(os.fspath(text_path), block_size, vocab_size, tokenizer, holdout)
     token_path = config.token_path
     if token_path:
-        dtype = config.token_dtype
-        folder = os.path.isdir(os.fspath(token_path))
-        sha = tokenizer_sha256(config, tokenizer) if folder else None
-        return _open_token_file(os.fspath(token_path), dtype, block_size, vocab_size, holdout, sha)
+        return _open_token_file(config, block_size, vocab_size, holdout, tokenizer)
     spec = config.dataset
     if isinstance(spec, (Dataset, IterableDataset)):
         return split_map_dataset(spec, holdout, "data.dataset", block_size)[0]
@@ -102,8 +100,8 @@ def open_source(
 
 def configured_tokenizer(config: DataConfig, vocab_size: int) -> Any:
     """The tokenizer ``data.tokenizer`` names (``None`` for the default byte tokenizer)."""
+    from speedtronic.config.tokenizer_file import is_bytes
     from speedtronic.data.tokenizer import load_tokenizer
-    from speedtronic.data.tokenizer_file import is_bytes
 
     spec = config.tokenizer
     return None if is_bytes(spec) else load_tokenizer(spec, vocab_size=vocab_size)
@@ -116,7 +114,7 @@ def tokenizer_sha256(config: DataConfig, tokenizer: Any = None) -> str | None:
     """
     if tokenizer is not None:
         return getattr(tokenizer, "sha256", None)
-    from speedtronic.data.tokenizer_file import describe_tokenizer, is_bytes
+    from speedtronic.config.tokenizer_file import describe_tokenizer, is_bytes
 
     spec = config.tokenizer
     return "bytes" if is_bytes(spec) else describe_tokenizer(str(spec)).sha256
@@ -201,21 +199,34 @@ def _open_text(
 
 
 def _open_token_file(
-    path: str,
-    dtype: str,
-    block_size: int,
-    vocab_size: int,
-    holdout: float = 0.0,
-    tokenizer_sha: str | None = None,
+    config: DataConfig, block_size: int, vocab_size: int, holdout: float, tokenizer: Any
 ) -> Dataset:
-    tokens, dtype = token_array(
-        path, dtype, vocab_size, "data.token_path", tokenizer_sha256=tokenizer_sha
-    )
+    path = os.fspath(config.token_path)
+    tokens, dtype = read_tokens(config, path, vocab_size, "data.token_path", tokenizer=tokenizer)
     stop = split_point(len(tokens), holdout) if holdout > 0 else None
     kept = len(tokens) if stop is None else stop
     if kept <= block_size:
         raise _too_short("data.token_path", path, kept, block_size, holdout)
     return TokenFileDataset(path, block_size, dtype=dtype, stop=stop)
+
+
+def read_tokens(
+    config: DataConfig,
+    path: str | os.PathLike[str],
+    vocab_size: int,
+    field: str,
+    *,
+    tokenizer: Any = None,
+    split: str = "train",
+) -> tuple[Any, str]:
+    """:func:`token_array` of ``path`` read with ``config.token_dtype``; a folder written by
+    ``speedtronic prepare`` must come from the tokenizer in use (``tokenizer``, default: the one
+    ``config.tokenizer`` names)."""
+    path = os.fspath(path)
+    sha = tokenizer_sha256(config, tokenizer) if os.path.isdir(path) else None
+    return token_array(
+        path, config.token_dtype, vocab_size, field, split=split, tokenizer_sha256=sha
+    )
 
 
 def token_array(

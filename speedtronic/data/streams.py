@@ -18,9 +18,9 @@ import zlib
 from typing import Any
 
 from speedtronic.config import SpeedtronicConfig
+from speedtronic.config.tokenizer_file import is_bytes
 from speedtronic.data.loader import ResumableDataLoader, build_dataloader
 from speedtronic.data.tokenizer import tokenizer_for
-from speedtronic.data.tokenizer_file import is_bytes
 
 __all__ = ["build_node_dataloader", "node_stream_seed"]
 

@@ -2,7 +2,7 @@
 
 ``load_tokenizer("bytes")`` is the byte-level tokenizer (token = UTF-8 byte, no end-of-text
 token, today's ``text_path`` behaviour); any other value names a Hugging Face ``tokenizer.json``
-(a path, a folder holding one, or a Hub repo id; see :mod:`speedtronic.data.tokenizer_file`)
+(a path, a folder holding one, or a Hub repo id; see :mod:`speedtronic.config.tokenizer_file`)
 loaded with the ``tokenizers`` library. Both encode text without adding special tokens;
 callers append :attr:`eos_id` after each document. ``tokenizer_for(config)`` is the tokenizer
 of a ``SpeedtronicConfig``: the one text streaming, eval, ``prepare`` and ``sample`` all use.
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from speedtronic.config import SpeedtronicConfig
-from speedtronic.data.tokenizer_file import TokenizerInfo, describe_tokenizer, is_bytes
+from speedtronic.config.tokenizer_file import TokenizerInfo, describe_tokenizer, is_bytes
 
 __all__ = ["CharTokenizer", "HFTokenizer", "encode_text", "load_tokenizer", "tokenizer_for"]
 

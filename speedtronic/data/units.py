@@ -1,12 +1,14 @@
 """The inputs of ``speedtronic prepare``: sources, work units, and encoding one unit.
 
 A **source** is one input file: JSON Lines (``.jsonl``/``.ndjson``; each record's text field is
-a document) or plain text (anything else; the whole file is one document). Folders are walked
-recursively in sorted order, skipping hidden names. A **unit** is a piece of a source of about
-``unit_bytes`` bytes, cut before the whitespace around a newline (text without newlines: before
-a space, else at a character boundary), so memory stays bounded whatever the file size; JSONL
-units hold whole lines. Units are cut from the bytes alone, so the token stream does not
-depend on how many processes encode them.
+a document), Parquet (``.parquet``; each row's text column is a document, read with pyarrow one
+record batch at a time) or plain text (anything else; the whole file is one document). Folders
+are walked recursively in sorted order, skipping hidden names. A **unit** is a piece of a source
+of about ``unit_bytes`` bytes, cut before the whitespace around a newline (text without
+newlines: before a space, else at a character boundary), so memory stays bounded whatever the
+file size; JSONL units hold whole lines, Parquet units whole rows (their texts framed by
+:func:`frame_records`). Units are cut from the bytes alone, so the token stream does not depend
+on how many processes encode them.
 
 :func:`encode_units` runs in a worker process (or in-process for one worker) with the tokenizer
 installed by :func:`init_worker`; it never raises for bad input but returns the problem, which
@@ -29,13 +31,20 @@ __all__ = [
     "PrepareError",
     "Source",
     "Unit",
+    "check_parquet_field",
     "collect_sources",
     "encode_units",
+    "frame_records",
     "init_worker",
     "iter_units",
+    "unframe_records",
 ]
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
+PARQUET_SUFFIXES = (".parquet",)
+PARQUET_EXTRA = "reading Parquet needs pyarrow: pip install 'speedtronic[parquet]'"
+_PARQUET_BATCH_ROWS = 1024
+_FRAME = 4  # bytes of the little-endian length before each framed record
 _BINARY_PROBE = 8192
 _REPLACEMENT = "\ufffd"
 _WHITESPACE = frozenset(b" \t\n\r\x0b\x0c")
@@ -47,7 +56,8 @@ class PrepareError(ValueError):
 
 @dataclass(frozen=True)
 class Source:
-    """One input file: ``kind`` is ``text`` or ``jsonl``; size and mtime fingerprint it."""
+    """One input file: ``kind`` is ``text``, ``jsonl`` or ``parquet``; size and mtime
+    fingerprint it (for Parquet, ``size`` is the file's, compressed)."""
 
     path: str
     kind: str
@@ -57,7 +67,12 @@ class Source:
 
 @dataclass
 class Unit:
-    """Bytes ``[offset, offset + len(data))`` of source ``source``; ``last`` ends the file."""
+    """Bytes ``[offset, offset + len(data))`` of source ``source``; ``last`` ends the file.
+
+    For Parquet, ``data`` holds whole rows (:func:`frame_records`), ``offset`` is the first row
+    (from 0) and ``first_line`` the same row counted from 1. ``span`` is how many bytes of the
+    input file the unit accounts for (its length, except for Parquet: a share of the file).
+    """
 
     index: int
     source: int
@@ -65,6 +80,11 @@ class Unit:
     offset: int
     first_line: int
     last: bool
+    span: int = -1
+
+    def __post_init__(self) -> None:
+        if self.span < 0:
+            self.span = len(self.data)
 
 
 @dataclass
@@ -95,6 +115,46 @@ def _looks_binary(path: Path) -> bool:
         return b"\x00" in handle.read(_BINARY_PROBE)
 
 
+def _kind(path: Path) -> str:
+    suffix = path.suffix.lower()
+    if suffix in PARQUET_SUFFIXES:
+        return "parquet"
+    return "jsonl" if suffix in JSONL_SUFFIXES else "text"
+
+
+def _parquet_file(path: str) -> Any:
+    """``pyarrow.parquet.ParquetFile(path)``; a missing pyarrow or a bad file is a
+    :class:`PrepareError` naming the extra or the file."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise PrepareError(PARQUET_EXTRA) from None
+    try:
+        return pq.ParquetFile(path)
+    except Exception as exc:  # pyarrow raises ArrowInvalid / OSError for a non-Parquet file
+        raise PrepareError(f"input {path} is not a readable Parquet file ({exc})") from None
+
+
+def check_parquet_field(sources: Sequence[Source], text_field: str) -> None:
+    """Every Parquet source has a string column ``text_field`` (else a :class:`PrepareError`
+    listing the columns), checked from the footers before any row is read."""
+    for source in sources:
+        if source.kind != "parquet":
+            continue
+        schema = _parquet_file(source.path).schema_arrow
+        if text_field not in schema.names:
+            columns = ", ".join(schema.names[:8]) or "none"
+            raise PrepareError(
+                f"{source.path}: no {text_field!r} column (columns: {columns}); "
+                "choose one with --field"
+            )
+        kind = str(schema.field(text_field).type)
+        if kind not in ("string", "large_string", "string_view"):
+            raise PrepareError(
+                f"{source.path}: column {text_field!r} is {kind}, expected a string column"
+            )
+
+
 def collect_sources(inputs: Sequence[str]) -> tuple[list[Source], int]:
     """The files behind ``inputs`` (files and folders) and how many empty files were skipped.
 
@@ -120,13 +180,13 @@ def collect_sources(inputs: Sequence[str]) -> tuple[list[Source], int]:
         else:
             raise PrepareError(f"input not found: {item}")
         for file in found:
-            if _looks_binary(file):
+            kind = _kind(file)
+            if kind != "parquet" and _looks_binary(file):
                 raise PrepareError(
                     f"input {file} looks binary (NUL bytes in its first 8 KiB); remove it "
                     "from the inputs or name the text files one by one"
                 )
             stat = file.stat()
-            kind = "jsonl" if file.suffix.lower() in JSONL_SUFFIXES else "text"
             sources.append(Source(str(file), kind, stat.st_size, stat.st_mtime_ns))
     return sources, skipped
 
@@ -155,10 +215,62 @@ def _cut(buffer: bytes, kind: str) -> int:
     return cut or len(buffer)
 
 
-def iter_units(sources: Sequence[Source], unit_bytes: int) -> Iterator[Unit]:
-    """Every unit of every source, in order (memory: about ``unit_bytes`` plus one line)."""
+def frame_records(texts: Sequence[bytes]) -> bytes:
+    """UTF-8 records as one buffer: each one's length (4 bytes, little-endian), then its bytes."""
+    return b"".join(len(t).to_bytes(_FRAME, "little") + t for t in texts)
+
+
+def unframe_records(data: bytes) -> list[bytes]:
+    """The records :func:`frame_records` wrote, in order."""
+    records, at = [], 0
+    while at < len(data):
+        size = int.from_bytes(data[at : at + _FRAME], "little")
+        at += _FRAME
+        records.append(data[at : at + size])
+        at += size
+    return records
+
+
+def _parquet_units(source: Source, text_field: str, unit_bytes: int) -> Iterator[Unit]:
+    """One Parquet file as units of whole rows (about ``unit_bytes`` of text each).
+
+    Rows are read one record batch at a time, so memory is one batch plus one unit whatever
+    the file size; null texts are skipped like empty ones. ``Unit.index``/``source`` are
+    filled in by :func:`iter_units`.
+    """
+    handle = _parquet_file(source.path)
+    total_rows = max(1, handle.metadata.num_rows)
+    pending: list[bytes] = []
+    size, first, row, spent = 0, 0, 0, 0
+    batches = handle.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[text_field])
+    for batch in batches:
+        for value in batch.column(0).to_pylist():
+            row += 1
+            if value:
+                data = value.encode("utf-8")
+                pending.append(data)
+                size += len(data) + _FRAME
+            if size >= unit_bytes:
+                share = source.size * row // total_rows - spent
+                spent += share
+                yield Unit(-1, -1, frame_records(pending), first, first + 1, False, share)
+                pending, size, first = [], 0, row
+    yield Unit(-1, -1, frame_records(pending), first, first + 1, True, source.size - spent)
+
+
+def iter_units(
+    sources: Sequence[Source], unit_bytes: int, text_field: str = "text"
+) -> Iterator[Unit]:
+    """Every unit of every source, in order (memory: about ``unit_bytes`` plus one line or
+    one Parquet record batch)."""
     index = 0
     for number, source in enumerate(sources):
+        if source.kind == "parquet":
+            for unit in _parquet_units(source, text_field, unit_bytes):
+                unit.index, unit.source = index, number
+                yield unit
+                index += 1
+            continue
         offset, line = 0, 1
         carry = b""
         with open(source.path, "rb") as handle:
@@ -246,6 +358,9 @@ def encode_units(
     results: list[Encoded | None] = [None] * len(jobs)
     texts: list[tuple[int, str, int]] = []
     for position, (kind, data, _last) in enumerate(jobs):
+        if kind == "parquet":
+            results[position] = _encode_records(unframe_records(data), encode, eos)
+            continue
         if kind != "text":
             results[position] = _encode_jsonl(data, text_field, strict, encode, eos)
             continue
@@ -262,6 +377,18 @@ def encode_units(
     return results  # type: ignore[return-value]
 
 
+def _encode_records(records: list[bytes], encode: Any, eos: Any) -> Encoded:
+    """Framed Parquet texts (valid UTF-8: Arrow checks it) as one :class:`Encoded`."""
+    texts = [r.decode("utf-8").replace("\r\n", "\n") for r in records]
+    return _joined(texts, encode, eos, 0)
+
+
+def _joined(texts: list[str], encode: Any, eos: Any, replaced: int) -> Encoded:
+    pieces = encode(texts, [eos] * len(texts)) if texts else []
+    tokens = np.concatenate(pieces) if pieces else np.empty(0, np.uint32)
+    return Encoded(tokens, [len(p) for p in pieces], replaced)
+
+
 def _encode_jsonl(data: bytes, text_field: str, strict: bool, encode: Any, eos: Any) -> Encoded:
     texts, replaced = [], 0
     for number, raw in enumerate(data.split(b"\n")):
@@ -276,9 +403,7 @@ def _encode_jsonl(data: bytes, text_field: str, strict: bool, encode: Any, eos: 
             return Encoded(np.empty(0, np.uint32), error=(number, problem))
         if text:
             texts.append(text)
-    pieces = encode(texts, [eos] * len(texts)) if texts else []
-    tokens = np.concatenate(pieces) if pieces else np.empty(0, np.uint32)
-    return Encoded(tokens, [len(p) for p in pieces], replaced)
+    return _joined(texts, encode, eos, replaced)
 
 
 def _record_text(line: str, text_field: str) -> tuple[str, str | None]:

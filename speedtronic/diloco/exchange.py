@@ -21,8 +21,9 @@ and one structured :class:`Emit` ``emit(event, **fields)`` for events.
 Every failure of a store's primitive is mapped to :class:`TransportError` in one place
 (:func:`classify_error` + :meth:`RetryPolicy.run`): ``transient`` failures (outages, 5xx,
 429, timeouts, dropped connections) are retried with exponential backoff, ``not_found`` and
-``permanent`` ones (auth, bad request, programming errors) are not. Messages never carry the
-token (:func:`scrub`).
+``permanent`` ones (auth, bad request, programming errors) are not; a ``damaged`` file
+(:class:`DamagedFile`: its bytes disagree with the store's record of them) is retried, then
+``permanent``. Messages never carry the token (:func:`scrub`).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ __all__ = [
     "GLOBAL_STEP",
     "NODE_RECORDS",
     "AccessRefused",
+    "DamagedFile",
     "Emit",
     "ErrorInfo",
     "ExchangeError",
@@ -92,8 +94,9 @@ _LOG = logging.getLogger("speedtronic.diloco")
 class TransportError(RuntimeError):
     """A transport operation failed (after retries when the error was transient).
 
-    ``kind`` is ``transient`` (outage, 5xx, 429, timeout), ``not_found`` or ``permanent``
-    (auth, bad request, unsupported); ``status`` is the HTTP status when there was one.
+    ``kind`` is ``transient`` (outage, 5xx, 429, timeout), ``not_found``, ``permanent``
+    (auth, bad request, unsupported) or ``damaged`` (:class:`DamagedFile`, while it is still
+    retried); ``status`` is the HTTP status when there was one.
     """
 
     def __init__(self, message: str, *, kind: str = "transient", status: int | None = None):
@@ -120,6 +123,17 @@ class AccessRefused(TransportError):
         super().__init__(message, kind=kind, status=status)
 
 
+class DamagedFile(TransportError):
+    """A file the store holds but cannot hand over whole and intact: the bytes read disagree
+    with the size or hash of the store's own record of them (the Hub's LFS pointer), or the
+    body is cut short or too long. Retried like an outage (a read may recover); once the
+    retries are spent it is ``permanent``, and a reader refuses the file as it refuses any
+    bad one (the master counts a contribution ``corrupt`` and prunes it)."""
+
+    def __init__(self, message: str, *, kind: str = "damaged", status: int | None = None):
+        super().__init__(message, kind=kind, status=status)
+
+
 class HubUnavailable(TransportError):
     """Retries exhausted, or the SDK is missing."""
 
@@ -135,7 +149,7 @@ class RemoteNotFound(TransportError):
 class ErrorInfo:
     """How the retry policy treats one exception."""
 
-    kind: str  # transient | not_found | permanent
+    kind: str  # transient | not_found | permanent | damaged (retried, then permanent)
     status: int | None = None
     retry_after: float | None = None
 
@@ -233,6 +247,12 @@ class RetryPolicy:
                     raise TransportError(
                         f"{operation} failed: {text}", kind="permanent", status=info.status
                     ) from None
+                if info.kind == "damaged" and attempt >= attempts:  # the same every time
+                    raise DamagedFile(
+                        f"{operation} failed after {attempts} attempts: {text}",
+                        kind="permanent",
+                        status=info.status,
+                    ) from None
                 if attempt >= attempts:
                     raise HubUnavailable(
                         f"{operation} failed after {attempts} attempts: {text}",
@@ -327,6 +347,8 @@ class GlobalMetadata:
     a node can tell a new run from the next round and the master can refuse contributions
     computed in another run. ``update_sha256`` names the quantized outer update published
     with this global (``distributed.global_dtype``; :mod:`speedtronic.diloco.outer_update`).
+    ``refused`` names the contributions (``node/round``) the master refused as unreadable
+    or damaged since the previous global: how a node hears that its file was not used.
     """
 
     outer_step: int
@@ -336,6 +358,7 @@ class GlobalMetadata:
     final: bool = False
     run_id: str = ""
     update_sha256: str = ""
+    refused: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """Core keys (sha256 only when known, final only when true)."""
@@ -352,6 +375,8 @@ class GlobalMetadata:
             out["run_id"] = self.run_id
         if self.update_sha256:
             out["update_sha256"] = self.update_sha256
+        if self.refused:
+            out["refused"] = list(self.refused)
         return out
 
     @classmethod
@@ -365,7 +390,20 @@ class GlobalMetadata:
             final=str(data.get("final", "false")).lower() == "true",
             run_id=str(data.get("run_id", "")),
             update_sha256=str(data.get("update_sha256", "")),
+            refused=_refused(data.get("refused")),
         )
+
+
+def _refused(value: Any) -> tuple[str, ...]:
+    """The well-formed ``node/round`` names of a record's ``refused`` list."""
+    if not isinstance(value, list):
+        return ()
+    out = []
+    for item in value:
+        node, _, round = str(item).partition("/")
+        if parse_delta_path(f"nodes/{node}/delta_{round}.safetensors") is not None:
+            out.append(f"{node}/{round}")
+    return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -500,10 +538,12 @@ class Store(Protocol):
         run_id: str = "",
         node_records: Mapping[str, Mapping[str, object]] | None = None,
         update: Any = None,
+        refused: Iterable[str] = (),
     ) -> GlobalMetadata:
         """One commit: weights, the quantized outer ``update`` if given, ledger (with
-        ``node_records`` beside it) and version record (in that order) and the deletion of
-        ``prune``; returns the record published."""
+        ``node_records`` beside it) and version record (in that order; it names the
+        ``refused`` contributions, ``node/round``) and the deletion of ``prune``; returns
+        the record published."""
         ...
 
     def upload_delta(
@@ -865,11 +905,13 @@ class RepoTransport:
         updated_at: str | None = None,
         work_dir: Any = None,
         update: Any = None,
+        refused: Iterable[str] = (),
     ) -> GlobalMetadata:
         """One commit: weights, the quantized outer ``update`` (an
         :class:`~speedtronic.diloco.outer_update.OuterUpdate`) if given, ledger, version record
-        (written in that order), and the deletion of consumed delta files. ``work_dir`` is
-        accepted for 2.0.0 callers and unused (the bytes go straight to the transport)."""
+        (written in that order; it names the ``refused`` contributions, ``node/round``), and
+        the deletion of consumed delta files. ``work_dir`` is accepted for 2.0.0 callers and
+        unused (the bytes go straight to the transport)."""
         del work_dir
         header = {"outer_step": int(outer_step), "run_id": str(run_id), "final": bool(final)}
         with contextlib.ExitStack() as stack:
@@ -892,6 +934,7 @@ class RepoTransport:
                 bool(final),
                 str(run_id),
                 update_sha256,
+                tuple(refused),
             )
             self._publish(meta, files, ledger, prune, metadata_extra, node_records)
         return meta

@@ -10,7 +10,10 @@ switched off and each primitive call is bounded by ``request_timeout`` (the HTTP
 this module), so :class:`RetryPolicy` is the one retry layer. Files
 the Hub answers ``lfs`` for (10 MiB and more) take the LFS path (batch endpoint, upload to the
 storage URL it gives, pointer commit; downloads redirected to storage) through that same
-client: Xet, which would move them outside it, is switched off for the process. The
+client: Xet, which would move them outside it, is switched off for the process. A large
+file's download must match the Hub's record of it (the size, and an LFS object's sha256, from
+one HEAD): one that does not is :class:`DamagedFile`, retried and then refused, so a damaged
+stored object is one bad file, never an endless outage. The
 token (stripped of surrounding whitespace) is handed to the SDK only; it is scrubbed from
 every error message, and a 401/403 is a permanent error that says to check the token.
 
@@ -60,6 +63,7 @@ import io
 import ipaddress
 import logging
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -73,12 +77,14 @@ from typing import Any
 from speedtronic.diloco.exchange import (
     GLOBAL_STEP,
     AccessRefused,
+    DamagedFile,
     FileInfo,
     HubUnavailable,
     RemoteNotFound,
     RepoTransport,
     RetryPolicy,
     TransportError,
+    file_sha256,
     too_large,
 )
 
@@ -98,9 +104,13 @@ _LOG = logging.getLogger("speedtronic.diloco")
 _POINTERS = frozenset({GLOBAL_STEP})  # read by every node at every poll
 
 
-def _answer(exc: BaseException) -> tuple[int | None, bool]:
+_FILE_MISSING = ("EntryNotFoundError", "RevisionNotFoundError")
+
+
+def _answer(exc: BaseException) -> tuple[int | None, str]:
     """The HTTP status behind ``exc`` (the SDK wraps some, e.g. a forced download's failed
-    HEAD in a ValueError) and whether the Hub said the repository itself is not found."""
+    HEAD in a ValueError) and what the Hub said is missing: ``repo`` (the repository),
+    ``file`` (a file or revision of a repository that answered) or ``""`` (nothing said)."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
@@ -108,9 +118,11 @@ def _answer(exc: BaseException) -> tuple[int | None, bool]:
         status = getattr(getattr(current, "response", None), "status_code", None)
         if isinstance(status, int):
             names = {cls.__name__ for cls in type(current).__mro__}
-            return status, "RepositoryNotFoundError" in names
+            if "RepositoryNotFoundError" in names:
+                return status, "repo"
+            return status, "file" if names & set(_FILE_MISSING) else ""
         current = current.__cause__ or current.__context__
-    return None, False
+    return None, ""
 
 
 def _auth_refused(status: int, repo_id: str, has_token: bool) -> AccessRefused:
@@ -464,14 +476,16 @@ class HubClient(RepoTransport):
         found" once this client has seen the repository or waited ``missing_repo_wait``
         seconds for it (the Hub answers a repository that is not created yet, e.g. a worker
         started before its master, exactly as one the token cannot see; until then it is
-        ``RemoteNotFound``). A 404 for a file is left alone (``RemoteNotFound``)."""
-        status, repo_missing = _answer(exc)
+        ``RemoteNotFound``). A 404 for a file is left alone (``RemoteNotFound``); a 404 that
+        names nothing (e.g. no such route: a server that is not a Hub, or a repository id it
+        cannot route) counts as the repository missing until this client saw it answer."""
+        status, missing = _answer(exc)
         if status in (401, 403):
             return _auth_refused(status, self.repo_id, bool(self._token))
         if status != 404:
             return None
-        if not repo_missing:  # a file is missing: the repository itself answered
-            self._repo_seen = True
+        if missing == "file" or (not missing and self._repo_seen):
+            self._repo_seen = True  # a file is missing: the repository itself answered
             return None
         now = time.monotonic()
         if self._repo_missing_since is None:
@@ -540,32 +554,50 @@ class HubClient(RepoTransport):
             shutil.rmtree(tmp, ignore_errors=True)
 
     def _fetch(self, path: str, max_bytes: int | None, into: Path) -> Path:
-        """Download ``path`` into the directory ``into``; with ``max_bytes``, a file the Hub
-        lists as larger is refused before the download (one HEAD) and the downloaded file is
-        checked too."""
+        """Download ``path`` into the directory ``into``, whole and intact.
+
+        With ``max_bytes`` (the large files: deltas, globals, updates), one HEAD first: a
+        file the Hub lists as larger is refused unread, and the downloaded file must have the
+        size and, where the Hub names it (a 64-hex ETag: the sha256 of an LFS object), the
+        sha256 that HEAD gave. The SDK checks every download's size against the Hub's record
+        (the LFS pointer's) itself. A file that disagrees is :class:`DamagedFile`: retried,
+        then permanent (a stored object cut short or replaced never reads whole)."""
+        expected: tuple[int | None, str] = (None, "")
         if max_bytes is not None:
             from huggingface_hub import hf_hub_url
 
             url = hf_hub_url(self.repo_id, path, repo_type="model", endpoint=self.endpoint)
-            size = self.api.get_hf_file_metadata(
+            meta = self.api.get_hf_file_metadata(
                 url=url, token=self._token, timeout=self.retry.timeout
-            ).size
-            if isinstance(size, int) and size > max_bytes:
-                raise too_large(path, size, max_bytes)
-        local = Path(
-            self.api.hf_hub_download(
-                repo_id=self.repo_id,
-                filename=path,
-                local_dir=into,
-                repo_type="model",
-                token=self._token,
-                force_download=True,
-                etag_timeout=self.retry.timeout,
             )
-        )
+            size = meta.size if isinstance(meta.size, int) else None
+            if size is not None and size > max_bytes:
+                raise too_large(path, size, max_bytes)
+            etag = str(meta.etag or "").strip('"').lower()
+            expected = (size, etag if _SHA256.fullmatch(etag) else "")
+        try:
+            local = Path(
+                self.api.hf_hub_download(
+                    repo_id=self.repo_id,
+                    filename=path,
+                    local_dir=into,
+                    repo_type="model",
+                    token=self._token,
+                    force_download=True,
+                    etag_timeout=self.retry.timeout,
+                )
+            )
+        except OSError as exc:
+            # The SDK's size check raises a bare OSError (no errno); a network failure here
+            # is one of ours (HubConnectionError, HubCallTimeout), a disk error has an errno.
+            if type(exc) is OSError and exc.errno is None:
+                said = re.sub(r"\s*\(.*", "", str(exc).splitlines()[0] if str(exc) else "")
+                raise DamagedFile(f"{path} did not download whole: {said}") from None
+            raise
         size = local.stat().st_size
         if max_bytes is not None and size > max_bytes:
             raise too_large(path, size, max_bytes)
+        _check_whole(path, local, *expected)
         return local
 
     @contextlib.contextmanager
@@ -594,6 +626,24 @@ class HubClient(RepoTransport):
         self.api.create_commit(
             self.repo_id, operations=operations, commit_message=message, repo_type="model"
         )
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _check_whole(path: str, local: Path, size: int | None, sha256: str) -> None:
+    """:class:`DamagedFile` unless the downloaded ``local`` has the ``size`` and ``sha256``
+    the Hub's record gives (each checked when known)."""
+    got = local.stat().st_size
+    if size is not None and got != size:
+        raise DamagedFile(f"{path} read {got} bytes; the Hub's record of it says {size}")
+    if sha256:
+        digest = file_sha256(local)
+        if digest != sha256:
+            raise DamagedFile(
+                f"{path} does not hash to the Hub's record of it (sha256 {digest[:12]}..., "
+                f"the record names {sha256[:12]}...): the stored object is damaged"
+            )
 
 
 HubTransport = HubClient

@@ -78,6 +78,7 @@ from speedtronic.diloco.exchange import (
     TransportError,
     ignore,
     max_global_bytes,
+    parse_delta_path,
 )
 from speedtronic.diloco.outer_update import OuterUpdate, state_digest, step_quantized
 
@@ -288,12 +289,13 @@ class RoundMaster:
         """Start counting the open round's refused files afresh (after a close)."""
         self._counts = {"stale": 0, "skipped": 0, "corrupt": 0}
         self._dropped: list[str] = []  # "node/round" of stale contributions since the last close
+        self._refused: list[str] = []  # "node/round" of corrupt ones (the next record names them)
 
     def _tally(self) -> dict[str, Any]:
         """The refused files since the last close, as ``outer_step`` and ``final_global``
         report them."""
         counts = {f"deltas_{kind}": count for kind, count in self._counts.items()}
-        return {**counts, "dropped": list(self._dropped)}
+        return {**counts, "dropped": list(self._dropped), "refused": list(self._refused)}
 
     def poll_once(self) -> bool:
         """Scan the repository and close the open round when it is due; True if it closed."""
@@ -385,9 +387,13 @@ class RoundMaster:
         return 4 * values + (1 << 20)
 
     def _refuse(self, path: str, why: str) -> None:
-        """A contribution file that cannot be used: counted corrupt and pruned unread."""
+        """A contribution file that cannot be used: counted corrupt and pruned unread; the
+        next published record names it (``refused``), so its node hears of it."""
         self._prune.add(path)
         self._counts["corrupt"] += 1
+        parsed = parse_delta_path(path)
+        if parsed is not None:
+            self._refused.append(f"{parsed[0]}/{parsed[1]}")
         _LOG.warning(f"dropping delta {path}: {why}")
 
     def _heard(self, node_id: str, now: float) -> None:
@@ -473,6 +479,7 @@ class RoundMaster:
                 run_id=new.run_id,
                 node_records=new.node_records(),
                 **({"update": update} if update is not None else {}),
+                **({"refused": report["refused"]} if report["refused"] else {}),
             )
         except Exception:
             # It may still have landed: the next poll agrees with the exchange again. The
@@ -638,6 +645,7 @@ class RoundMaster:
             final=True,
             run_id=state.run_id,
             node_records=state.node_records(),
+            **({"refused": list(self._refused)} if self._refused else {}),
         )
         # files refused after the last round (e.g. written once every node was done) are
         # reported here, or they would never be counted

@@ -440,6 +440,7 @@ class DiLoCoNode:
                     break
                 self._boundary(final=True)
             if self.carry is not None:  # not done: a resumed node's finish() sends it
+                self._raise_fatal()  # unless no retry or resume can: exit 2, one line
                 _LOG.error(
                     f"the final contribution could not be uploaded after "
                     f"{FINAL_UPLOAD_ATTEMPTS} attempts; it is in this node's checkpoint and a "
@@ -449,6 +450,7 @@ class DiLoCoNode:
         else:
             self.uploads.drain()
             self._send_done()
+            self._raise_fatal()
             if self.last_round >= 0 and self.installed <= self.last_round:
                 self._await_global(self.last_round + 1, 2 * self.settings.round_timeout)
         self.done = True  # nothing is left to send
@@ -814,6 +816,7 @@ class NodeLink:
         self._watched: dict[str, Any] | None = None
         self._holder = ""  # the displaced holder, as the log lines name it
         self._refused = ""  # checksum of a published global this node refused
+        self._told: set[str] = set()  # "node/round" refusals of our files already reported
         self.held: HeldGlobal | None = None  # the last global fetched (global_dtype int8/int4)
         self._update_bytes = 0  # size of the last update file read
 
@@ -994,6 +997,7 @@ class NodeLink:
         metadata = self.store.global_metadata()
         if metadata is None or (metadata.outer_step, metadata.run_id) == seen:
             return None
+        self._hear_refusals(metadata)
         if metadata.sha256 and metadata.sha256 == self._refused:
             return None
         held = self._from_update(metadata)
@@ -1018,6 +1022,22 @@ class NodeLink:
             self._emit("global_rejected", outer_step=metadata.outer_step, error=str(exc))
             return None
         return self._fetched(metadata, state, started, "full")
+
+    def _hear_refusals(self, metadata: T.GlobalMetadata) -> None:
+        """The master names in each new record the contributions it refused (unreadable or
+        damaged, counted corrupt and pruned): this node's are said once, as an error and a
+        ``delta_refused`` event (that round's progress is not in the global)."""
+        for name in metadata.refused:
+            node, _, round = name.partition("/")
+            if node != self.node_id or name in self._told:
+                continue
+            self._told.add(name)
+            _LOG.error(
+                f"the master refused this node's contribution to round {round} (unreadable, "
+                "damaged or unusable; counted corrupt and pruned): that round's progress is "
+                "not in the global; see the master's log for why"
+            )
+            self._emit("delta_refused", round=int(round), outer_step=metadata.outer_step)
 
     def _fetched(
         self,

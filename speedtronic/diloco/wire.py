@@ -3,11 +3,13 @@
 A contribution is ``float32(global_r) - float32(local)`` over the floating keys (the sign
 points against local progress, so the master subtracts ``lr * mean``); several are averaged
 in float32. A delta file carries string metadata (``node_id``, ``round``, ``run_id``,
-``instance``, ``local_step``, ``base_outer_step``, ``dtype``, ``final``) and the values in
+``instance``, ``local_step``, ``base_outer_step``, ``dtype``, ``final``, and
+:data:`DATA_DIGEST`: the sha256 of its values as written) and the values in
 fp32, bf16 or fp16, or as int8/int4 codes with a float32 scale per block (``block_size`` in
 the header; the encoding is :mod:`.codec`'s). This module writes and reads such files, and
 globals, one tensor at a time, and checks everything read before it is used: the model's
-keys and shapes, finite (as the model's dtypes will hold it), within :data:`MAX_DELTA_ABS`.
+keys and shapes, the digest, finite (as the model's dtypes will hold it), within
+:data:`MAX_DELTA_ABS`.
 Where the files lie and how big they may be is :mod:`.exchange`'s.
 """
 
@@ -43,6 +45,7 @@ from speedtronic.diloco.codec import (
 )
 
 __all__ = [
+    "DATA_DIGEST",
     "MAX_DELTA_ABS",
     "DeltaReader",
     "SafetensorsFile",
@@ -70,6 +73,14 @@ __all__ = [
     "write_quantized",
     "write_safetensors",
 ]
+
+
+#: Header key of a delta file: the sha256 of its data section (every byte after the header),
+#: written by the node with the file and checked on every read (:meth:`DeltaReader.check`,
+#: :func:`delta_from_bytes`), as a global is checked against its record: a file changed or
+#: damaged after it was written is refused. A file without it (written before this check)
+#: is read unchecked.
+DATA_DIGEST = "data_sha256"
 
 
 def cpu_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -175,15 +186,20 @@ def write_safetensors(
     *,
     metadata: Mapping[str, object] | None = None,
     dtype: torch.dtype | None = None,
+    digest_key: str | None = None,
 ) -> str:
     """Write ``state`` in the safetensors format to the binary file ``handle``, one tensor at
     a time (at most one tensor's converted copy in memory, never the whole file); floating
-    tensors are cast to ``dtype`` if given. Returns the sha256 of the bytes written."""
+    tensors are cast to ``dtype`` if given. Returns the sha256 of the bytes written; with
+    ``digest_key`` (a seekable ``handle``), the header names the sha256 of the data section
+    under that key and that digest is returned (:data:`DATA_DIGEST` for a delta)."""
     layout: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     for key, value in state.items():
         out = dtype if dtype is not None and value.is_floating_point() else value.dtype
         layout.append((str(key), out, tuple(value.shape)))
-    return _write_entries(handle, layout, lambda key, out: state[key], metadata)
+    return _write_entries(
+        handle, layout, lambda key, out: state[key], metadata, digest_key=digest_key
+    )
 
 
 def _write_entries(
@@ -191,9 +207,19 @@ def _write_entries(
     layout: list[tuple[str, torch.dtype, tuple[int, ...]]],
     produce: Callable[[str, torch.dtype], torch.Tensor],
     metadata: Mapping[str, object] | None,
+    *,
+    digest_key: str | None = None,
 ) -> str:
     """The safetensors writer: the header from ``layout`` (key, dtype, shape), then each
-    entry's bytes as ``produce(key, dtype)`` makes them, one at a time, in layout order."""
+    entry's bytes as ``produce(key, dtype)`` makes them, one at a time, in layout order.
+
+    With ``digest_key`` (and a seekable ``handle``), the header's metadata carries under that
+    key the sha256 of the data section (every byte after the header), written as a
+    placeholder of the same width and filled in once the data is written: one pass."""
+    seekable = digest_key is not None and handle.seekable()
+    placeholder = f'"{digest_key}":"{"0" * 64}"'.encode()
+    if seekable:
+        metadata = {**dict(metadata or {}), str(digest_key): "0" * 64}
     header: dict[str, Any] = {}
     offset = 0
     for key, out, shape in layout:
@@ -208,10 +234,12 @@ def _write_entries(
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    digest = hashlib.sha256()
+    start = handle.tell() if seekable else 0
+    digest = hashlib.sha256()  # of the whole file; with digest_key, of the data section
     for chunk in (len(raw).to_bytes(8, "little"), raw):
         handle.write(chunk)
-        digest.update(chunk)
+        if not seekable:
+            digest.update(chunk)
     for key, out, shape in layout:
         tensor = produce(key, out).detach().to("cpu", out).contiguous().reshape(-1)
         if tensor.numel() != math.prod(shape):
@@ -220,6 +248,12 @@ def _write_entries(
             view = memoryview(tensor.view(torch.uint8).numpy())
             handle.write(view)
             digest.update(view)
+    if seekable:  # the placeholder (one key, so unique in the header) becomes the digest
+        end = handle.tell()
+        handle.seek(start + 8)
+        named = f'"{digest_key}":"{digest.hexdigest()}"'.encode()
+        handle.write(raw.replace(placeholder, named, 1))
+        handle.seek(end)
     return digest.hexdigest()
 
 
@@ -314,9 +348,12 @@ def write_delta(
             raise ValueError(f"the values are encoded as {delta.dtype}, the file says {name}")
         block_size, delta = delta.block_size, delta.source
     if name not in QUANTIZED_BITS:
-        write_safetensors(handle, delta, metadata=metadata, dtype=DELTA_DTYPES[name])
+        write_safetensors(
+            handle, delta, metadata=metadata, dtype=DELTA_DTYPES[name], digest_key=DATA_DIGEST
+        )
         return
-    write_quantized(handle, delta, name, int(block_size or DEFAULT_BLOCK_SIZE), metadata)
+    block = int(block_size or DEFAULT_BLOCK_SIZE)
+    write_quantized(handle, delta, name, block, metadata, digest_key=DATA_DIGEST)
 
 
 def write_quantized(
@@ -325,11 +362,15 @@ def write_quantized(
     dtype: str,
     block_size: int,
     metadata: Mapping[str, object],
+    *,
+    digest_key: str | None = None,
 ) -> str:
     """Write ``values`` blockwise-quantized (``int8``/``int4``; float tensors are quantized
     as they are written, one at a time) with ``metadata`` and what a reader needs to decode
     them (the block size; every shape for int4, whose packed codes lose it): each tensor's
-    codes under its key, its scales beside it. Returns the file's sha256."""
+    codes under its key, its scales beside it. Returns the file's sha256 (with
+    ``digest_key``: the data section's, named in the header as :func:`write_safetensors`
+    does)."""
     bits = QUANTIZED_BITS[dtype]
     layout: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     shapes: dict[str, list[int]] = {}
@@ -357,7 +398,7 @@ def write_quantized(
         last.append(value)
         return value.codes
 
-    return _write_entries(handle, layout, produce, header)
+    return _write_entries(handle, layout, produce, header, digest_key=digest_key)
 
 
 def delta_from_bytes(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -372,15 +413,31 @@ def delta_from_bytes(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, st
     codec = WireCodec.from_metadata(metadata)
     if codec.bits is not None:
         shapes = codec.shapes_from(metadata, tensors)
-        return {
+        values = {
             key: codec.read(key, tensors.__getitem__, shape, MAX_DELTA_ABS)
             for key, shape in shapes.items()
-        }, metadata
-    wire = set(DELTA_DTYPES.values())
-    for key, value in tensors.items():
-        if value.dtype not in wire:
-            raise ValueError(f"{key} is {value.dtype}; a delta holds fp32, bf16 or fp16 values")
-    return {k: v.to(torch.float32) for k, v in tensors.items()}, metadata
+        }
+    else:
+        wire = set(DELTA_DTYPES.values())
+        for key, value in tensors.items():
+            if value.dtype not in wire:
+                raise ValueError(f"{key} is {value.dtype}; a delta holds fp32, bf16 or fp16 values")
+        values = {k: v.to(torch.float32) for k, v in tensors.items()}
+    named = metadata.get(DATA_DIGEST)  # last, as DeltaReader.check does
+    if named is not None:
+        start = 8 + int.from_bytes(data[:8], "little")
+        _check_digest(named, hashlib.sha256(memoryview(data)[start:]).hexdigest())
+    return values, metadata
+
+
+def _check_digest(named: str, actual: str) -> None:
+    """A ``ValueError`` unless the data's sha256 is the one the header names."""
+    if actual != named:
+        raise ValueError(
+            f"its values do not match the digest in its header ({DATA_DIGEST} "
+            f"{named[:12]}..., the data hashes to {actual[:12]}...): changed or damaged after "
+            "it was written"
+        )
 
 
 #: Largest magnitude accepted in a pseudo-gradient: a weight that moves this much in one round
@@ -503,8 +560,9 @@ class DeltaReader:
     def check(
         self, reference: Mapping[str, torch.Tensor], *, max_abs: float = MAX_DELTA_ABS
     ) -> str:
-        """The same checks as :func:`validate_delta` plus the wire dtypes (``ValueError``);
-        returns the sha256 of the values (a re-sent copy has the same digest).
+        """The same checks as :func:`validate_delta` plus the wire dtypes and the digest the
+        header names (:data:`DATA_DIGEST`) (``ValueError``); returns the sha256 of the values
+        (a re-sent copy has the same digest).
 
         A quantized file (``int8``/``int4`` in its header, with its ``block_size``) must hold
         for every model key its codes (the model's shape for int8, two codes a byte for
@@ -513,7 +571,15 @@ class DeltaReader:
         within their symmetric range."""
         codec = WireCodec.from_metadata(self.metadata)
         if codec.bits is not None:
-            return self._check_quantized(codec, reference, max_abs)
+            values = self._check_quantized(codec, reference, max_abs)
+        else:
+            values = self._check_float(reference, max_abs)
+        named = self.metadata.get(DATA_DIGEST)  # last: a bad value is named for what it is
+        if named is not None:
+            _check_digest(named, self._handle.data_sha256())
+        return values
+
+    def _check_float(self, reference: Mapping[str, torch.Tensor], max_abs: float) -> str:
         expected = _expected_keys(self._handle.keys(), reference)
         wire = set(DELTA_DTYPES.values())
         digest = hashlib.sha256()
@@ -633,6 +699,14 @@ class SafetensorsFile:
     def dtype(self, key: str) -> torch.dtype:
         """The dtype of tensor ``key`` (read from the header only)."""
         return self._entries[key][0]
+
+    def data_sha256(self) -> str:
+        """The sha256 of the data section (every byte after the header), read in chunks."""
+        digest = hashlib.sha256()
+        self._handle.seek(self._start)
+        while chunk := self._handle.read(1 << 20):
+            digest.update(chunk)
+        return digest.hexdigest()
 
     def get_tensor(self, key: str) -> torch.Tensor:
         """Tensor ``key``, read from the file into a new CPU tensor."""

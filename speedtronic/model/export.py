@@ -36,6 +36,7 @@ __all__ = [
     "ExportError",
     "check_exportable",
     "export_hf",
+    "llama_names",
     "llama_state_dict",
     "verify_export",
 ]
@@ -53,6 +54,25 @@ LLAMA_NAMES = {
     "mlp.down_proj": "mlp.down_proj",
 }
 _RMS_EPS = 1e-5  # speedtronic.model.transformer.RMSNorm's default
+
+
+def llama_names(n_layer: int, tie_weights: bool) -> dict[str, str]:
+    """Every reference-transformer parameter name -> its Llama name, for ``n_layer`` blocks.
+
+    The one table both directions use: the exporter reads it as is, the importer
+    (:mod:`speedtronic.model.hf_import`) inverts it. With tied embeddings ``lm_head.weight``
+    is left out (transformers stores the shared matrix once, as ``embed_tokens``).
+    """
+    names = {
+        "transformer.wte.weight": "model.embed_tokens.weight",
+        "transformer.ln_f.weight": "model.norm.weight",
+    }
+    if not tie_weights:
+        names["lm_head.weight"] = "lm_head.weight"
+    for i in range(n_layer):
+        for ours, theirs in LLAMA_NAMES.items():
+            names[f"transformer.h.{i}.{ours}.weight"] = f"model.layers.{i}.{theirs}.weight"
+    return names
 
 
 class ExportError(ValueError):
@@ -101,16 +121,8 @@ def llama_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     With tied embeddings ``lm_head.weight`` is left out (transformers ties it on load).
     """
     source = model.state_dict()
-    layers = len(model.transformer.h)
-    mapped = {
-        "model.embed_tokens.weight": source["transformer.wte.weight"],
-        "model.norm.weight": source["transformer.ln_f.weight"],
-    }
-    if not model.config.tie_weights:
-        mapped["lm_head.weight"] = source["lm_head.weight"]
-    for i in range(layers):
-        for ours, theirs in LLAMA_NAMES.items():
-            mapped[f"model.layers.{i}.{theirs}.weight"] = source[f"transformer.h.{i}.{ours}.weight"]
+    names = llama_names(len(model.transformer.h), bool(model.config.tie_weights))
+    mapped = {theirs: source[ours] for ours, theirs in names.items()}
     return {k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in mapped.items()}
 
 

@@ -8,18 +8,14 @@ trainable parameter is in exactly one group (asserted).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 from torch.optim import AdamW, Optimizer
 
 from speedtronic.config import OptimizerConfig, SpeedtronicConfig
 from speedtronic.optim.cautious import CautiousOptimizer
-from speedtronic.optim.muon import HybridOptimizer
+from speedtronic.optim.muon import HybridOptimizer, adamw_or_unfused
 from speedtronic.optim.routing import assert_exactly_once, route_parameters, trainable_parameters
-
-_FUSED_FALLBACK_ERRORS = (TypeError, RuntimeError, ValueError, NotImplementedError)
 
 
 def _optimizer_section(config: SpeedtronicConfig | OptimizerConfig) -> OptimizerConfig:
@@ -50,18 +46,14 @@ def _fused_requested(section: OptimizerConfig, device: torch.device) -> bool:
 
 def build_adamw(params: list[nn.Parameter], section: OptimizerConfig, *, fused: bool) -> AdamW:
     """``torch.optim.AdamW`` from the optimizer section; a failed fused build falls back."""
-    kwargs: dict[str, Any] = {
-        "lr": section.lr,
-        "betas": section.betas,
-        "eps": section.eps,
-        "weight_decay": section.weight_decay,
-    }
-    if fused:
-        try:
-            return AdamW(params, fused=True, **kwargs)
-        except _FUSED_FALLBACK_ERRORS:
-            pass
-    return AdamW(params, **kwargs)
+    return adamw_or_unfused(
+        params,
+        fused=fused,
+        lr=section.lr,
+        betas=section.betas,
+        eps=section.eps,
+        weight_decay=section.weight_decay,
+    )
 
 
 def build_optimizer(

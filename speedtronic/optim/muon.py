@@ -402,13 +402,15 @@ def _batch_pays_off(param: Tensor) -> bool:
     return param.is_cuda or param.numel() < BATCH_NUMEL_LIMIT
 
 
-def _adamw(params: list[Tensor], fused: bool, **kwargs: Any) -> AdamW:
+def adamw_or_unfused(params: list[Tensor], *, fused: bool, **hyper: Any) -> AdamW:
+    """``torch.optim.AdamW(params, **hyper)``, fused when ``fused`` and the build accepts it;
+    a fused build that torch refuses (device, dtype, version) falls back to the default one."""
     if fused:
         try:
-            return AdamW(params, fused=True, **kwargs)
+            return AdamW(params, fused=True, **hyper)
         except _FUSED_FALLBACK_ERRORS:
             pass
-    return AdamW(params, **kwargs)
+    return AdamW(params, **hyper)
 
 
 class HybridOptimizer(Optimizer):
@@ -484,9 +486,9 @@ class HybridOptimizer(Optimizer):
                 ns_dtype=muon_ns_dtype,
             )
         if adamw_list:
-            self.adamw = _adamw(
+            self.adamw = adamw_or_unfused(
                 adamw_list,
-                bool(fused),
+                fused=bool(fused),
                 lr=float(adamw_lr),
                 betas=tuple(float(b) for b in betas),
                 eps=float(eps),

@@ -23,9 +23,14 @@ if TYPE_CHECKING:
 
 __all__ = ["HubHandler", "Repo", "endpoint_kind"]
 
-_API = re.compile(r"^/api/models/([^/]+/[^/]+)/(revision|tree|preupload|commit)/([^/]+)(/.*)?$")
-_RESOLVE = re.compile(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$")
-_LFS = re.compile(r"^/([^/]+/[^/]+)\.git/info/lfs/objects/(batch|verify)$")
+# A dataset repo is held under the key ``datasets/<owner>/<name>`` (a model repo: ``owner/name``),
+# which is also how its resolve and large-file URLs spell it.
+_API = re.compile(
+    r"^/api/(models|datasets)/([^/]+/[^/]+)/(revision|tree|preupload|commit)/([^/]+)(/.*)?$"
+)
+_INFO = re.compile(r"^/api/(models|datasets)/([^/]+/[^/]+)$")
+_RESOLVE = re.compile(r"^/((?:datasets/)?[^/]+/[^/]+)/resolve/([^/]+)/(.+)$")
+_LFS = re.compile(r"^/((?:datasets/)?[^/]+/[^/]+)\.git/info/lfs/objects/(batch|verify)$")
 _COMPLETE = re.compile(r"^/_lfs/complete/([0-9a-f]{64})$")
 _STORAGE = re.compile(r"^/lfs-objects/(.+)$")
 _XET = re.compile(r"^/api/models/[^/]+/[^/]+/xet-")
@@ -46,7 +51,7 @@ def endpoint_kind(path: str, method: str = "GET") -> str:
     path = unquote(path)
     match = _API.match(path)
     if match:
-        return match.group(2)
+        return match.group(3)
     if _RESOLVE.match(path):
         return "resolve"
     if _STORAGE.match(path):
@@ -63,6 +68,11 @@ def endpoint_kind(path: str, method: str = "GET") -> str:
     if path.startswith("/api/whoami"):
         return "whoami"
     return path.strip("/").replace("/", "_") or "root"
+
+
+def _repo_key(kind: str, repo_id: str) -> str:
+    """The emulator's key of a repo named in an API path (``models`` or ``datasets``)."""
+    return f"datasets/{repo_id}" if kind == "datasets" else repo_id
 
 
 class HubHandler(BaseHTTPRequestHandler):
@@ -223,16 +233,19 @@ class HubHandler(BaseHTTPRequestHandler):
             return self._json(200, dataclasses.asdict(self.hub.faults))
         if path == "/api/repos/create" and method == "POST":
             return self._create(body)
+        if path == "/api/validate-yaml" and method == "POST":  # a README's metadata block
+            return self._json(200, {"errors": [], "warnings": []})
         if path == "/api/whoami-v2":
             if not self._authorised(None):
                 return self._error(401, "Invalid credentials in Authorization header")
             return self._json(200, {"type": "user", "name": "emulator", "auth": {}})
-        info = re.match(r"^/api/models/([^/]+/[^/]+)$", path)
+        info = _INFO.match(path)
         if info and method == "GET":
-            return self._api(method, info.group(1), "revision", "", query, body)
+            return self._api(method, _repo_key(*info.groups()), "revision", "", query, body)
         match = _API.match(path)
         if match:
-            repo_id, action, _rev, rest = match.groups()
+            kind, repo_id, action, _rev, rest = match.groups()
+            repo_id = _repo_key(kind, repo_id)
             return self._api(method, repo_id, action, (rest or "").lstrip("/"), query, body)
         if resolve:
             repo_id, _rev, file_path = resolve.groups()
@@ -290,6 +303,8 @@ class HubHandler(BaseHTTPRequestHandler):
         data = json.loads(body or b"{}")
         name, org = data.get("name"), data.get("organization")
         repo_id = f"{org}/{name}" if org else f"emulator/{name}"
+        if data.get("type") == "dataset":
+            repo_id = f"datasets/{repo_id}"
         private = (
             data.get("visibility", "private" if data.get("private") else "public") == "private"
         )
@@ -317,8 +332,8 @@ class HubHandler(BaseHTTPRequestHandler):
                 return self._json(
                     200,
                     {
-                        "id": repo_id,
-                        "modelId": repo_id,
+                        "id": repo_id.removeprefix("datasets/"),
+                        "modelId": repo_id.removeprefix("datasets/"),
                         "sha": repo.sha,
                         "private": repo.private,
                         "siblings": [{"rfilename": p} for p in sorted(repo.files)],

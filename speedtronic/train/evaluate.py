@@ -32,7 +32,7 @@ from torch import nn
 
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.data.loader import collate_batch
-from speedtronic.train.forward import call_model, move_to_device, resolve_loss
+from speedtronic.train.forward import call_model, labels_of, move_to_device, resolve_loss
 from speedtronic.train.precision import PrecisionPlan, autocast_context
 
 __all__ = ["EvalResult", "HeldOut", "build_heldout", "evaluate"]
@@ -70,19 +70,9 @@ class HeldOut:
     floor: float | None = None
 
 
-def _labels(batch: Any) -> torch.Tensor | None:
-    if isinstance(batch, dict):
-        labels = batch.get("labels")
-    elif isinstance(batch, (tuple, list)) and len(batch) > 1:
-        labels = batch[1]
-    else:
-        labels = None
-    return labels if isinstance(labels, torch.Tensor) else None
-
-
 def _target_count(batch: Any) -> int:
     """Scored targets of a record or batch: labels that are not ``-100``."""
-    labels = _labels(batch)
+    labels = labels_of(batch)
     if labels is None:
         raise ValueError("held-out records must carry labels (a dict with 'labels' or a tuple)")
     return int((labels != -100).sum())
@@ -93,9 +83,9 @@ def build_heldout(config: SpeedtronicConfig) -> HeldOut | None:
 
     Raises ``ConfigError`` (naming the field) when the held-out source is unusable.
     """
+    from speedtronic.config.tokenizer_file import is_bytes
     from speedtronic.data.heldout import open_heldout
     from speedtronic.data.tokenizer import tokenizer_for
-    from speedtronic.data.tokenizer_file import is_bytes
 
     data, section = config.data, config.eval
     block_size = int(data.block_size or config.model.max_seq_len)

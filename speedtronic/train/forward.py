@@ -17,6 +17,7 @@ __all__ = [
     "MissingLossError",
     "batch_size_and_tokens",
     "call_model",
+    "labels_of",
     "move_to_device",
     "resolve_loss",
 ]
@@ -71,7 +72,8 @@ def call_model(model: Any, batch: Any) -> Any:
     raise TypeError(f"unsupported batch type: {type(batch).__name__}")
 
 
-def _labels_of(batch: Any) -> torch.Tensor | None:
+def labels_of(batch: Any) -> torch.Tensor | None:
+    """The labels of a batch (``batch["labels"]`` or ``batch[1]``), None when it has none."""
     if isinstance(batch, dict):
         labels = batch.get("labels")
     elif isinstance(batch, (tuple, list)) and len(batch) > 1:
@@ -83,7 +85,7 @@ def _labels_of(batch: Any) -> torch.Tensor | None:
 
 def loss_from_logits(logits: Any, batch: Any) -> torch.Tensor | None:
     """Causal cross-entropy of ``(B, T, V)`` logits against already-aligned labels, or None."""
-    labels = _labels_of(batch)
+    labels = labels_of(batch)
     if not isinstance(logits, torch.Tensor) or labels is None:
         return None
     if logits.ndim != 3 or labels.ndim != 2 or labels.shape[0] != logits.shape[0]:

@@ -2,15 +2,17 @@
 
 ``build_runtime(config, *, resume=False, device=None, max_steps=None)`` returns
 ``(trainer, checkpoint_manager)`` after, in order: validation → run-target override (moves an
-implicit scheduler horizon too) → seeding → one run per checkpoint folder
-(``CheckpointManager.claim``: a folder holding another run's checkpoints needs ``resume`` or
-``checkpoint.overwrite``, else ``ConfigError``) → device (``run.device``) → precision → model
-(moved to the device) → logger → DumbDiLoCo coordinator (when ``distributed.enabled``) → data
-loader (its stream seeded per node, so DiLoCo nodes see different batches; ``eval.holdout``
-kept out) → held-out eval set (``build_heldout``) → checkpoint manager → shape validation →
-optimizer → scheduler → ``Trainer`` → resume. Every configuration problem (a CUDA request
-without CUDA, a bad data path, an unknown model) raises ``ConfigError`` naming the field,
-before any training step.
+implicit scheduler horizon too) → ``model.init_from`` (fills the model section and the
+tokenizer from a transformers checkpoint, in place: ``speedtronic.model.hf_import``) → seeding
+→ one run per checkpoint folder (``CheckpointManager.claim``: a folder holding another run's
+checkpoints needs ``resume`` or ``checkpoint.overwrite``, else ``ConfigError``) → device
+(``run.device``) → precision → model (the checkpoint's weights loaded, then moved to the
+device) → logger → DumbDiLoCo coordinator (when ``distributed.enabled``) → data loader (its
+stream seeded per node, so DiLoCo nodes see different batches; ``eval.holdout`` kept out) →
+held-out eval set (``build_heldout``) → checkpoint manager → shape validation → optimizer →
+scheduler → ``Trainer`` → resume. Every configuration problem (a CUDA request without CUDA, a
+bad data path, an unknown model) raises ``ConfigError`` naming the field, before any training
+step.
 
 Embedding the trainer in another process (what ``speedtronic run`` does)::
 
@@ -239,12 +241,14 @@ def build_runtime(
     """
     from speedtronic.data import build_node_dataloader
     from speedtronic.model import build_model
+    from speedtronic.model.hf_import import load_hf_weights, resolve_init_from
     from speedtronic.train.evaluate import build_heldout
     from speedtronic.train.shapes import validate_startup_shapes
 
     config = _as_config(config)
     if max_steps is not None:
         config = config.with_max_steps(max_steps)
+    init = resolve_init_from(config)  # model.init_from: its shape and tokenizer, in place
     seed_everything(int(config.run.seed))
     ranks = ranks or RankEnv()
     section = config.checkpoint
@@ -257,8 +261,12 @@ def build_runtime(
     parallel, resolved = start_parallel(ranks, _device(config, device), config.run)
     precision = _precision(config, resolved)
     model = build_model(config.model)
+    if init is not None and init.loads_weights:  # a DiLoCo worker starts from global 0
+        load_hf_weights(model, init)
     model.to(resolved)
     logger = build_logger(config, main=parallel.is_main)
+    if init is not None:
+        logger.info(init.describe())
     heldout = build_heldout(config) if parallel.evaluates else None
     coordinator = None
     if config.distributed.enabled:  # FSDP: rank 0's round works on a full copy (every rank)

@@ -181,7 +181,9 @@ def load_model(
     by ``speedtronic eval``, ``export`` and ``sample``.
     """
     from speedtronic.model import build_model
+    from speedtronic.model.hf_import import resolve_init_from
 
+    resolve_init_from(config, weights=False)  # a run started from a transformers checkpoint
     weights = load_weights(config, checkpoint=checkpoint, use_global=use_global)
     model = build_model(config.model)
     try:

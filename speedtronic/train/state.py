@@ -285,7 +285,7 @@ class TrainerStateMixin:
         """The tokenizer that travels in every checkpoint (read once; ``None`` for bytes, or
         with a warning when the file cannot be read: the checkpoint is written anyway)."""
         if self._tokenizer_travel is None:
-            from speedtronic.data.tokenizer_file import tokenizer_record
+            from speedtronic.config.tokenizer_file import tokenizer_record
 
             record = None
             try:

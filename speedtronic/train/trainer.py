@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from speedtronic.config import SpeedtronicConfig
+from speedtronic.config.advice import config_warnings
 from speedtronic.metrics.logger import MetricLogger, memory_usage_bytes
 from speedtronic.train.evaluate import HeldOut, evaluate
 from speedtronic.train.features import (
@@ -474,14 +475,9 @@ class Trainer(NodeSyncMixin, TrainerStateMixin):
     def _emit_train_start(self, target: int) -> None:
         import speedtronic
 
-        warmup, horizon = self.config.scheduler.warmup_steps, self.config.scheduler.max_steps
-        if self.scheduler is not None and warmup and horizon and warmup >= horizon:
-            self.logger.warning(
-                "scheduler.warmup_steps (%s) >= scheduler.max_steps (%s): the learning rate "
-                "never leaves warmup in this run",
-                warmup,
-                horizon,
-            )
+        if self.scheduler is not None:  # the lines `speedtronic validate` prints too
+            for message in config_warnings(self.config):
+                self.logger.warning("%s", message)
         profile = getattr(self.shape_report, "profile", None)
         self.logger.emit(
             "train_start",

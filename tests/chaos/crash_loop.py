@@ -13,7 +13,11 @@ Targets:
                 ``load_latest`` must return a step >= the last save that returned (and at
                 most one more), with tensors that match that step.
 ``master``      ``RoundMaster.poll_once`` over a shared-directory exchange, driven by a
-                planted contribution per round (publish + ``_save_local_state``). The next
+                planted contribution per round (publish + ``_save_local_state``) and a
+                second node's contribution that is damaged in the exchange every round (a
+                value changed in place on a volume; its large-file object cut short behind
+                its pointer on the Hub): refused every time, never aggregated, and the
+                round closes without it (issue 31). The next
                 start must load local outer state (one atomic file) at an outer step >= the
                 last close that returned, agreeing with the published global (a local state
                 that cannot be read is counted as ``torn_local`` and rebuilt from the
@@ -58,10 +62,12 @@ from speedtronic.diloco.directory import DirectoryTransport  # noqa: E402
 from speedtronic.diloco.exchange import RetryPolicy  # noqa: E402
 from speedtronic.diloco.hub import HubClient  # noqa: E402
 from speedtronic.diloco.master import RoundMaster  # noqa: E402
+from speedtronic.diloco.wire import delta_to_bytes  # noqa: E402
 from speedtronic.testing.hub_server import HubEmulator, LfsConfig  # noqa: E402
 
 WIDTH = 250_000  # floats in the checkpoint tensor (1 MB): a write takes a while
 NODE = "crash-node"
+BAD = "crash-bad"  # every contribution of this node is damaged in the exchange
 
 
 def _retry() -> RetryPolicy:
@@ -82,6 +88,16 @@ def _exchange(root: Path) -> DirectoryTransport | HubClient:
     )
     hub.create_repo()
     return hub
+
+
+def _cut_bad_objects(repo_id: str, files: dict) -> None:
+    """The emulator's ``on_commit`` (under its lock, as a commit lands): each large-file
+    object of a ``BAD`` contribution loses its last 100 bytes (its pointer keeps the size)."""
+    hub = _HUB[0]
+    for path in files:
+        oid = hub.repos[repo_id].lfs.get(path)
+        if path.startswith(f"nodes/{BAD}/delta_") and oid is not None:
+            hub.lfs.objects[oid] = hub.lfs.objects[oid][:-100]
 
 
 def _orphans() -> int:
@@ -132,23 +148,33 @@ def _master(root: Path) -> tuple[RoundMaster, DirectoryTransport | HubClient]:
 
 
 def _contribute(transport: DirectoryTransport | HubClient, master: RoundMaster) -> None:
-    """The node's contribution to the open round (different values every round)."""
+    """Each node's contribution to the open round (different values every round); ``BAD``'s
+    is damaged in the exchange as it lands (see :func:`_cut_bad_objects`) or written with a
+    value changed after its digest was taken (a volume)."""
     label = master.outer_step
-    path = f"nodes/{NODE}/delta_{label}.safetensors"
-    if path in transport.list_info():
-        return
+    listed = transport.list_info()
     meta = transport.global_metadata()
-    scale = 0.01 * (1 + label % 7) + 1e-4 * label
-    delta = {"w": torch.full((64,), scale), "b": torch.full((8,), -scale)}
-    transport.upload_delta(
-        delta,
-        node_id=NODE,
-        round_index=label,
-        local_step=label + 1,
-        base_outer_step=label,
-        owner={"instance": f"{NODE}-1", "state": "training"},
-        metadata={"run_id": meta.run_id if meta else "", "instance": f"{NODE}-1"},
-    )
+    for node in (NODE, BAD):
+        path = f"nodes/{node}/delta_{label}.safetensors"
+        if path in listed:
+            continue
+        scale = 0.01 * (1 + label % 7) + 1e-4 * label
+        delta = {"w": torch.full((64,), scale), "b": torch.full((8,), -scale)}
+        header = {
+            "node_id": node,
+            "round_index": label,
+            "local_step": label + 1,
+            "base_outer_step": label,
+        }
+        run = {"run_id": meta.run_id if meta else "", "instance": f"{node}-1"}
+        owner = {"instance": f"{node}-1", "state": "training"}
+        if node == BAD and not _HUB:  # the last value's lowest bit flipped: same size
+            data = bytearray(delta_to_bytes(delta, **header, extra=run))
+            data[-4] ^= 0x01
+            owner_file = f"nodes/{node}/owner.json"
+            transport.commit({path: bytes(data), owner_file: json.dumps(owner).encode()})
+            continue
+        transport.upload_delta(delta, **header, owner=owner, metadata=run)
 
 
 def _master_child(root: Path, fd: int) -> None:
@@ -240,7 +266,7 @@ def run_checkpoint(root: Path, kills: int, rng: random.Random) -> dict[str, int]
 
 def run_master(root: Path, kills: int, rng: random.Random) -> dict[str, int]:
     counts = {"kills": 0, "recovered": 0, "torn_local": 0, "torn_publish": 0, "empty": 0}
-    counts.update(behind_published=0, stuck=0)
+    counts.update(behind_published=0, stuck=0, refused=0)
     highest = -1
     for _ in range(kills):
         low, high = (0.1, 0.8) if _HUB else (0.05, 0.4)  # a Hub round takes longer
@@ -267,6 +293,7 @@ def run_master(root: Path, kills: int, rng: random.Random) -> dict[str, int]:
             counts["torn_local"] += 1  # unreadable local state: rebuilt from the global
         master.reconcile()
         assert master.outer_step >= highest, (master.outer_step, highest)
+        assert BAD not in master.ledger, "a damaged contribution was aggregated"
         counts["recovered"] += 1
         # After a publish torn between its files the master comes back at the newest global
         # whose ledger landed (weights alone are recomputed: the round's files are still
@@ -276,6 +303,9 @@ def run_master(root: Path, kills: int, rng: random.Random) -> dict[str, int]:
         closed = master.poll_once()
         counts["stuck"] += int(not closed)
         assert closed, f"the round after restart {counts['kills']} never closed"
+        assert BAD not in master.ledger, "a damaged contribution was aggregated"
+        bad = f"nodes/{BAD}/delta_{master.outer_step - 1}.safetensors"
+        counts["refused"] += int(bad not in transport.list_info())  # refused and pruned
         counts["last_step"] = master.outer_step
     return counts
 
@@ -328,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.exchange == "hub-lfs":  # threads in this process only: forked writers use HTTP
         _HUB.append(HubEmulator(0, lfs=LfsConfig(threshold=256)).start())
+        _HUB[0].on_commit = _cut_bad_objects
     targets = args.targets.split(",")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     rng = random.Random(seed)

@@ -1,6 +1,8 @@
 """Crash loop (issue 12, deliverable 3): SIGKILLs at random points of checkpoint saving, the
 DiLoCo master's round (publish + local outer-state persistence) and directory publishing;
-after each kill the next start loads the newest complete state.
+after each kill the next start loads the newest complete state. In the master's rounds a
+second node's contribution is damaged in the exchange every round (issue 31): it is refused
+every time and the round closes without it.
 
 ``tests/chaos/crash_loop.py`` does the killing (one process, forked writers, real SIGKILL)
 and prints its counts; this test runs it and prints them as a table. Two deterministic
@@ -63,6 +65,9 @@ def test_crash_loop_next_start_loads_the_newest_complete_state(tmp_path) -> None
         counts = result[target]
         assert counts["recovered"] + counts["empty"] == counts["kills"]
     assert result["checkpoint"]["mid_write"] > 0  # kills did land inside writes
+    # a second node's contribution, changed in place after its digest was taken, is refused
+    # and pruned in every round that closed after a restart (issue 31)
+    assert result["master"]["refused"] == result["master"]["recovered"]
     assert result["publish"]["torn_publish"] + result["publish"]["mid_write"] > 0
 
 
@@ -79,6 +84,9 @@ def test_crash_loop_over_the_hub_large_file_path(tmp_path) -> None:
         assert counts["recovered"] + counts["empty"] == counts["kills"]
         assert counts["torn_publish"] == 0 and counts.get("stuck", 0) == 0
     assert result["master"]["recovered"] > 0 and result["publish"]["recovered"] > 0
+    # a second node's large-file object, cut short behind its pointer as it lands, is
+    # refused and pruned in every round that closed after a restart (issue 31)
+    assert result["master"]["refused"] == result["master"]["recovered"]
     requests = result["hub_requests"]
     for kind in ("POST lfs-batch", "PUT storage-upload", "GET storage-download"):
         assert requests.get(kind, 0) > 0, requests

@@ -5,10 +5,13 @@ writer plants bad files (issue 12, deliverable 2).
 Schedule (seconds after the first round): background noise (5xx, dropped connections) all
 along; a 5xx burst; 429s with Retry-After; truncated downloads; slow responses while a worker
 and then the master are SIGKILLed and restarted (likely mid-upload / mid-publish); a 30 s
-outage (every request fails); planted garbage, oversized and NaN deltas; a planted NaN global.
+outage (every request fails); a worker's contribution damaged in storage as it lands (its
+LFS object cut by 1,000 bytes behind its pointer, or, kept in git, a value changed in place:
+issue 31); planted garbage, oversized and NaN deltas; a planted NaN global.
 
 Asserts invariants, never timings: every node finishes with exit code 0; no contribution is
-aggregated twice; every upload is aggregated or counted as dropped; the global published at
+aggregated twice; every upload is aggregated or counted as dropped, but for the damaged one,
+which is refused (and only it) and its node hears of it; the global published at
 the end loads and is finite; the planted files are refused and counted; nodes refused the NaN
 global; retries happened and ``/metrics`` shows the same counters as the event log. Prints a
 table of what was injected and what happened.
@@ -34,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hub_emulator_fixtures import TEST_TOKEN, fast_retry
 from process_support import free_port, jsonl_events, reap, wait_for
 
+from speedtronic.diloco.exchange import parse_delta_path
 from speedtronic.diloco.hub import HubClient
 from speedtronic.diloco.wire import first_non_finite, state_to_bytes
 from speedtronic.testing.hub_server import FaultConfig, HubEmulator, LfsConfig
@@ -225,6 +229,32 @@ def _check_path(emulator: HubEmulator, path: str) -> None:
     assert not [k for k in counts if k.endswith(" xet")], counts
 
 
+def _damage_next_contribution(emulator: HubEmulator) -> list[tuple[str, int]]:
+    """Arm the emulator to damage the next contribution of w2 or w3 as its commit lands
+    (under the emulator's lock, so no reader sees it whole): its LFS object loses its last
+    1,000 bytes (the pointer keeps the size), or a file kept in git has a value changed in
+    place (same size). Returns the list the damaged ``(node, round)`` is appended to."""
+    damaged: list[tuple[str, int]] = []
+
+    def damage(repo_id: str, files: dict) -> None:
+        for path in files:
+            parsed = parse_delta_path(path)
+            if damaged or parsed is None or parsed[0] not in ("w2", "w3"):
+                continue
+            repo = emulator.repos[repo_id]
+            oid = repo.lfs.get(path)
+            if oid is not None:
+                emulator.lfs.objects[oid] = emulator.lfs.objects[oid][:-1000]
+            else:
+                data = bytearray(repo.files[path])
+                data[-4] ^= 0x01  # the lowest mantissa bit of the last value
+                repo.files[path] = bytes(data)
+            damaged.append(parsed)
+
+    emulator.on_commit = damage
+    return damaged
+
+
 def _chaos(tmp: Path, emulator: HubEmulator) -> None:
     env = _env(emulator)
     master = Node(tmp, "m", "master", env).start()
@@ -274,8 +304,15 @@ def _chaos(tmp: Path, emulator: HubEmulator) -> None:
     wait_for(
         lambda: master.rounds_scraped() >= 1, 120, "a round on the restarted master's /metrics"
     )
-    writer = HubClient(REPO, token=TEST_TOKEN, endpoint=emulator.url, retry=fast_retry(attempts=8))
+    # no faults while the victim's commit lands: a retried commit would send it whole again
     emulator.set_faults(error_rate=0.0, drop_rate=0.0)
+    damaged = _damage_next_contribution(emulator)
+    wait_for(lambda: damaged, 120, "a worker's contribution to damage")
+    name = f"{damaged[0][0]}/{damaged[0][1]}"
+    injected.append(f"contribution {name} damaged in storage")
+    refusals = lambda: [r for r in master.events("outer_step") if name in r["refused"]]  # noqa: E731
+    wait_for(refusals, 120, f"the master's round that refuses {name}")
+    writer = HubClient(REPO, token=TEST_TOKEN, endpoint=emulator.url, retry=fast_retry(attempts=8))
     # The master is paused (SIGSTOP) while the NaN global is live: a running master overwrites
     # it at its next publish, which may come before any worker's next poll.
     master.proc.send_signal(signal.SIGSTOP)
@@ -299,13 +336,18 @@ def _chaos(tmp: Path, emulator: HubEmulator) -> None:
     included = [(n, int(label)) for n, label in included]
     assert len(included) == len(set(included)), "a contribution was aggregated twice"
     dropped = {(i.split("/")[0], int(i.split("/")[1])) for r in tallies for i in r["dropped"]}
+    refused = {(i.split("/")[0], int(i.split("/")[1])) for r in tallies for i in r["refused"]}
     uploaded = {(n.name, e["round"]) for n in nodes for e in n.events("delta_uploaded")}
-    lost = uploaded - set(included) - dropped
+    assert refused & uploaded == set(damaged), (sorted(refused), damaged)
+    lost = uploaded - set(included) - dropped - refused
     assert not lost, f"uploads neither aggregated nor counted: {sorted(lost)}"
+    victim, round = damaged[0]
+    heard = [e["round"] for n in nodes if n.name == victim for e in n.events("delta_refused")]
+    assert heard == [round], (victim, heard)
     meta, final = writer.fetch_global()
     assert meta.final and first_non_finite(final) is None
     corrupt = sum(r["deltas_corrupt"] for r in tallies)
-    assert corrupt >= planted["deltas"], corrupt
+    assert corrupt >= planted["deltas"] + 1, corrupt
     assert not [p for p in writer.list_files() if p.startswith("nodes/evil")]
     rejected = sum(len(w.events("global_rejected")) for w in workers)
     assert rejected >= 1, "no worker refused the NaN global"

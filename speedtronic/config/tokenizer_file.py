@@ -13,7 +13,9 @@ end-of-text token, which separates documents. The end-of-text token is ``eos_tok
 ``tokenizer_config.json`` beside the file when there is one, else the first special added token
 among :data:`EOS_NAMES`. Everything wrong is a ``ConfigError`` naming ``field`` and the fix.
 The JSON is read with the standard library, so config validation (which checks that the
-file's ids fit ``model.vocab_size``) stays fast and light.
+file's ids fit ``model.vocab_size``) stays fast and light; that check is why this module
+lives in ``speedtronic.config`` and not in ``speedtronic.data``, which builds the tokenizer
+itself (:mod:`speedtronic.data.tokenizer`) and imports it from here.
 
 A tokenizer travels with a checkpoint: :func:`tokenizer_record` is what a checkpoint stores
 (the file's text, the ``tokenizer_config.json`` beside it, the hash) and
