@@ -105,6 +105,7 @@ class TrainProgress:
 
 
 _PATH_FIELDS = (
+    ("model", "init_from"),
     ("data", "text_path"),
     ("data", "token_path"),
     ("data", "tokenizer"),
