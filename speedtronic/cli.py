@@ -317,10 +317,9 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     result = outcome.result
     if train and result is not None:
         stopped = result.stopped_reason
-        line = (
-            f"completed steps={result.steps} samples={result.samples} "
-            f"tokens={result.tokens} loss={result.final_loss}"
-        )
+        loss = result.final_loss  # None when no step ran (resumed at the target)
+        line = f"completed steps={result.steps} samples={result.samples} tokens={result.tokens}"
+        line += "" if loss is None else f" loss={loss}"
         print(line + (f" stopped={stopped}" if stopped else ""))
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         _leave_rank(outcome.exit_code)
@@ -366,7 +365,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if args.format == "json":
         print(json.dumps(result))
     else:
-        print(" ".join(f"{key}={_text_value(value)}" for key, value in result.items()))
+        shown = {key: value for key, value in result.items() if value is not None}
+        print(" ".join(f"{key}={_text_value(value)}" for key, value in shown.items()))
     return EXIT_OK
 
 
@@ -398,8 +398,6 @@ def _cmd_push(args: argparse.Namespace) -> int:
 
 
 def _text_value(value: Any) -> str:
-    if value is None:
-        return "null"
     return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 

@@ -166,10 +166,12 @@ def _fraction(text: str) -> str:
 
 
 class _ProgressBar:
-    """tqdm on stderr (input bytes, with tokens/s); notes are printed above it."""
+    """tqdm on stderr (input bytes, with tokens/s) when stderr is a terminal; notes are
+    printed above it (without a bar: one ``note:`` line each, nothing redrawn in a log)."""
 
     def __init__(self, *, enabled: bool) -> None:
-        self.enabled, self.bar, self.tokens = enabled, None, 0
+        self.enabled = enabled and _is_terminal(sys.stderr)
+        self.bar, self.tokens = None, 0
 
     def start(self, total_bytes: int) -> None:
         if self.enabled:
@@ -288,3 +290,11 @@ def _loaded(weights: Any) -> str:
     if weights.outer_step is not None:
         known.append(f"outer step {weights.outer_step}")
     return f"{weights.source} ({', '.join(known)})" if known else str(weights.source)
+
+
+def _is_terminal(stream: Any) -> bool:
+    """Whether ``stream`` is a terminal (a bar redrawn in a file or a pipe is noise)."""
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # a replaced or closed stream
+        return False

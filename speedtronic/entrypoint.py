@@ -63,6 +63,7 @@ from typing import Any, Literal
 from speedtronic.config import ConfigError, ResolvedConfig
 from speedtronic.diloco.node import ExchangeAccessError, NodeIdCollisionError
 from speedtronic.metrics.logger import JsonLogFormatter, RedactingFilter
+from speedtronic.metrics.startup import devices_line, exchange_line, run_summary
 from speedtronic.train.ranks import RankEnv, resolve_nproc, run_agent
 
 __all__ = [
@@ -284,13 +285,15 @@ def _log_startup(
             ),
         )
         return
+    cuda = versions["cuda"] or "none"
+    if versions["cuda"] and not versions["cuda_available"]:
+        cuda += " (no GPU available)"
     _LOG.info(
-        "speedtronic %s starting: speedtronic %s, torch %s, CUDA %s (available: %s), python %s",
+        "speedtronic %s starting: speedtronic %s, torch %s, CUDA %s, python %s",
         command,
         versions["speedtronic"],
         versions["torch"],
-        versions["cuda"] or "none",
-        versions["cuda_available"],
+        cuda,
         versions["python"],
     )
     origins: dict[str, int] = {}
@@ -330,7 +333,10 @@ def _start_server(command: Command, config: Any, registry: Any, state: _RunState
     metrics = config.metrics
     enabled = (command == "run") if metrics.enabled is None else metrics.enabled
     if not enabled:
-        _LOG.info("metrics server off (metrics.enabled=%s, command %s)", metrics.enabled, command)
+        if metrics.enabled is False:
+            _LOG.info("metrics server off (metrics.enabled: false)")
+        else:
+            _LOG.info("metrics server off (metrics.enabled: true serves /metrics in %s)", command)
         return None
     from speedtronic.metrics.server import MetricsServer
 
@@ -505,26 +511,6 @@ def _yaml_block(values: Any) -> str:
     return "```yaml\n" + yaml.safe_dump(values, sort_keys=False) + "```"
 
 
-def _summary(config: Any, trainer: Any, role: str, node_id: str) -> str:
-    """One line on what runs: run, model size, data, exchange, role."""
-    model = getattr(trainer, "model", None)
-    params = sum(p.numel() for p in model.parameters()) if model is not None else 0
-    shape = config.model
-    data = config.data
-    if data.text_path or data.token_path or data.dataset:
-        source = data.text_path or data.token_path or "dataset"
-    else:
-        source = f"synthetic {data.synthetic} ({data.num_tokens} samples)"
-    exchange = config.distributed.repo_id if config.distributed.enabled else "none"
-    return (
-        f"run {config.run.name} ({config.effective_max_steps} steps, {config.run.device}); "
-        f"model {shape.name} {params:,} parameters ({shape.n_layer} x {shape.d_model}, "
-        f"vocab {shape.vocab_size}, context {shape.max_seq_len}); data {source}, "
-        f"batch {data.target_batch_size} x {data.block_size} tokens; exchange {exchange}; "
-        f"role {role}, node {node_id}"
-    )
-
-
 def _isatty(stream: Any) -> bool:
     try:
         return bool(stream.isatty())
@@ -549,7 +535,8 @@ def launch(
             ``metrics.enabled: false``, stall watchdog) or ``"train"`` (server only when
             ``metrics.enabled: true``).
         resume: resume from the newest local checkpoint (also ``checkpoint.resume``).
-        progress: show a progress bar on stderr; None: only when stdout is a terminal.
+        progress: show a progress bar on stderr; None: only when stdout and stderr are
+            terminals.
         extra_hooks: appended to the trainer's logger hooks (``on_event`` objects or callables).
         argv: the command line after ``speedtronic``, which the agent runs once per rank when
             ``run.nproc_per_node`` is above 1.
@@ -588,7 +575,8 @@ def launch(
             if command == "run" or server is not None:
                 watchdog = _start_watchdog(config, state)
         restore_signals = install_stop_handlers(state.on_signal, is_stopping=state.stopping)
-        show = _isatty(sys.stdout) if progress is None else progress
+        # the bar draws on stderr and replaces the step lines on stdout: both on a terminal
+        show = _isatty(sys.stdout) and _isatty(sys.stderr) if progress is None else progress
         shown = show and ranks.is_main
         token = sources.get("distributed.token")
         return _train(config, resume, state, registry, shown, extra_hooks, ranks, token)
@@ -643,14 +631,26 @@ def _train(
     bar = _attach_progress(trainer) if progress else None
     state.built = True
     state.last_phase = time.monotonic()
-    summary = _summary(config, trainer, role, node_id)
+    summary = run_summary(config, trainer)
     _LOG.info(
-        "runtime built: role=%s node_id=%s: %s",
-        role,
-        node_id,
+        "runtime built: %s",
         summary,
         extra=_event("runtime_built", role=role, node_id=node_id, summary=summary),
     )
+    devices = devices_line(trainer)  # where it computes; the CPU threads are said where set
+    _LOG.info("devices: %s", devices, extra=_event("devices", devices=devices))
+    if config.distributed.enabled:
+        exchange = exchange_line(config, role, node_id)
+        _LOG.info(
+            "exchange: %s",
+            exchange,
+            extra=_event(
+                "exchange",
+                repo_id=config.distributed.repo_id,
+                delta_dtype=config.distributed.delta_dtype,
+                global_dtype=config.distributed.global_dtype,
+            ),
+        )
     try:
         if state.stop_signal is not None and getattr(parallel, "stops_locally", True):
             _LOG.info("stop requested before training started; exiting without training")
@@ -676,9 +676,9 @@ def _train(
         parallel.close()  # the ranks leave together (after a failure the agent ends them)
     reason = result.stopped_reason
     _LOG.info(
-        "run finished: steps=%s stopped_reason=%s",
+        "run finished after %s steps%s",
         result.steps,
-        reason,
+        f" (stopped: {reason})" if reason else "",
         extra=_event("run_finished", steps=result.steps, stopped_reason=reason),
     )
     if config.run.push_to_hub and ranks.is_main and role != "worker" and not state.stop_signal:

@@ -24,6 +24,7 @@ EXPECTED = {
     "export": CONFIG
     | {"--checkpoint", "--global", "--format", "--output", "--overwrite"}
     | {"--verify"},
+    "push": CONFIG | {"--checkpoint", "--global", "--repo", "--private"},
     "prepare": {"--input", "--output", "--tokenizer", "--field", "--holdout", "--workers"}
     | {"--shard-tokens", "--utf8", "--overwrite", "--no-progress"},
     "plot": {"--output", "--each-run"},

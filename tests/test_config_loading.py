@@ -312,6 +312,7 @@ def test_to_dict_order_and_types() -> None:
         "shape_validation",
         "metrics",
         "eval",
+        "runtime",
         "gradient_checkpointing",
         "compile",
         "ooo_backprop",
@@ -438,8 +439,8 @@ FROZEN_KEYS = {
     "checkpoint": "enabled directory every_steps keep_last resume overwrite save_final",
     "logging": "level file every_steps json_file format trackers project run_name",
     "distributed": "enabled mode role node_id collaborators inner_steps poll_interval sync "
-    "round_timeout min_nodes max_staleness drop_after train relay_to relay_leaders outer_lr "
-    "outer_momentum "
+    "round_timeout min_nodes expected_nodes max_staleness drop_after train relay_to "
+    "relay_leaders outer_lr outer_momentum "
     "repo_id token cache_dir state_dir retry_initial retry_max retry_attempts "
     "reset_inner_optimizer async_delta_upload "
     "delta_upload_shutdown_timeout async_global_poll delta_dtype delta_block_size error_feedback "
@@ -448,6 +449,7 @@ FROZEN_KEYS = {
     "warn_on_cpu",
     "metrics": "enabled host port stall_seconds",
     "eval": "text_path token_path holdout every_steps tokens batch_size",
+    "runtime": "threads",
 }
 
 

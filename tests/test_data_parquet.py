@@ -263,3 +263,24 @@ def test_without_pyarrow_the_error_names_the_extra(tmp_path, capsys, monkeypatch
     code = main(["prepare", "--no-progress", "-i", str(tmp_path), "-o", str(tmp_path / "o")])
     assert code == 2
     assert "pip install 'speedtronic[parquet]'" in capsys.readouterr().err
+
+
+def test_reading_parquet_holds_one_row_group_not_the_file(tmp_path):
+    """Memory while reading is bounded by a row group, whatever the file size (pyarrow's
+    pre-buffering kept every row group read so far: 25 MiB for this file)."""
+    rng = np.random.default_rng(0)
+    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz     ", dtype=np.uint8)
+    rows = [bytes(rng.choice(letters, size=500)).decode() for _ in range(500)]
+    schema = pa.schema([("text", pa.string())])
+    path = tmp_path / "big.parquet"
+    with pq.ParquetWriter(path, schema) as writer:
+        for _ in range(100):  # 100 row groups of 250 KB of text: 25 MB
+            writer.write_table(pa.table({"text": rows}, schema=schema))
+    sources, _ = collect_sources([str(path)])
+    peak = start = pa.total_allocated_bytes()
+    count = 0
+    for unit in iter_units(sources, 1 << 20, "text"):
+        peak = max(peak, pa.total_allocated_bytes())
+        count += len(unit.data)
+    assert count > 25_000_000
+    assert peak - start < 4 * 2**20, f"{(peak - start) / 2**20:.1f} MiB held by pyarrow"

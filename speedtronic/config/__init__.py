@@ -40,6 +40,7 @@ from speedtronic.config.sections import (
     OptimizerConfig,
     PrecisionConfig,
     RunConfig,
+    RuntimeConfig,
     SchedulerConfig,
 )
 
@@ -59,6 +60,7 @@ __all__ = [
     "PrecisionConfig",
     "ResolvedConfig",
     "RunConfig",
+    "RuntimeConfig",
     "SchedulerConfig",
     "ShapeValidationConfig",
     "SpeedtronicConfig",

@@ -56,6 +56,7 @@ SECTION_NAMES = (
     "shape_validation",
     "metrics",
     "eval",
+    "runtime",
 )
 ROOT_FIELDS = ("gradient_checkpointing", "compile", "ooo_backprop", "ooo_streams")
 RUN_ALIASES = ("name", "seed", "device", "output_dir", "max_steps", "log_every")

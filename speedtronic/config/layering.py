@@ -16,7 +16,9 @@ log-path rule is applied once more, against the merged ``run.output_dir``).
 Environment names: ``SPEEDTRONIC_<SECTION>__<FIELD>`` and ``SPEEDTRONIC_<ROOT_FIELD>``, plus
 ``SPEEDTRONIC_CONFIG`` (config path when ``source`` is None), ``SPEEDTRONIC_SECRETS_DIR``
 (default ``/run/secrets``), ``SPEEDTRONIC_NODE_ID`` (-> ``distributed.node_id``) and ``HF_TOKEN``
-(-> ``distributed.token``). Any other ``SPEEDTRONIC_*`` name is a :class:`ConfigError`.
+(-> ``distributed.token``). Any other ``SPEEDTRONIC_*`` name is a :class:`ConfigError`, and so
+is a near miss of the prefix before a field name (``SPEEDTONIC_RUN__MAX_STEPS``,
+`speedtronic.config.suggest`), which would otherwise set nothing without a word.
 Values (env, secret files other than tokens, overrides) are parsed as YAML scalars / flow
 collections (through the bounded loader); string fields take the raw text.
 
@@ -55,6 +57,7 @@ from speedtronic.config.loading import load_yaml_value, looks_inline, read_sourc
 from speedtronic.config.redaction import SecretText, holds_secret, scrub
 from speedtronic.config.schema import SpeedtronicConfig, field_infos
 from speedtronic.config.secret_files import read_secret_files
+from speedtronic.config.suggest import closest_field, misspelt_prefix
 
 __all__ = [
     "DEFAULT_SECRETS_DIR",
@@ -221,10 +224,19 @@ def closest_env_name(name: str) -> str | None:
 
 def _check_env_names(environ: Mapping[str, str]) -> None:
     """Reject unknown ``SPEEDTRONIC_*`` names (typos must not be ignored silently), naming the
-    closest known one. An error, like an unknown key in a config file."""
+    closest known one, and names whose prefix is a near miss of ``SPEEDTRONIC_`` followed by
+    a field (``SPEEDTONIC_RUN__MAX_STEPS``: it would set nothing). An error, like an unknown
+    key in a config file."""
     known = {env_name_for(dotted) for dotted in known_fields()} | EXTRA_ENV_NAMES
+    suffixes = {name[len(ENV_PREFIX) :]: name for name in known}
     for name in sorted(environ):
         upper = name.upper()
+        meant = misspelt_prefix(name, ENV_PREFIX, suffixes)
+        if meant is not None:
+            raise ConfigError(
+                f"unknown environment variable {name}: its prefix is not {ENV_PREFIX}, so it "
+                f"sets nothing (did you mean {meant}?)"
+            )
         if not upper.startswith(ENV_PREFIX) or upper in known:
             continue
         suggestion = closest_env_name(name)
@@ -335,7 +347,9 @@ def _override_layer(overrides: Iterable[str] | Mapping[str, Any]) -> list[tuple[
         if dotted is None:
             aliased = {} if "." in key else _flatten(canonicalize({key: value}))
             if not aliased:
-                raise ConfigError(f"invalid override {key!r}: unknown configuration field")
+                meant = closest_field(key, known_fields())
+                hint = f" (did you mean {meant}?)" if meant else ""
+                raise ConfigError(f"invalid override {key!r}: unknown configuration field{hint}")
             dotted = next(iter(aliased))
         if dotted == TOKEN_KEY:
             raise ConfigError(

@@ -237,7 +237,8 @@ class DistributedConfig:
     """DumbDiLoCo: local inner steps, then a pseudo-gradient exchange through ``repo_id``.
 
     Rounds: an outer step averages one contribution per node; docs/diloco.md explains
-    ``sync``, ``round_timeout``, ``min_nodes``, ``max_staleness``, ``drop_after`` and relays.
+    ``sync``, ``round_timeout``, ``min_nodes``, ``expected_nodes``, ``max_staleness``,
+    ``drop_after`` and relays.
     ``token`` is a secret: redacted on save, in ``validate``/``config show`` and checkpoints.
     """
 
@@ -249,8 +250,16 @@ class DistributedConfig:
     inner_steps: Int = F(500, "local steps per round", **STEPS)
     poll_interval: Float = F(60.0, "seconds between polls of the exchange", POLL, ge=0.001, le=DAY)
     sync: Sync = F("blocking", "blocking: wait for the round's global; overlapped: keep training")
-    round_timeout: Float = F(120.0, "seconds a round waits after its first delta", gt=0, le=WEEK)
+    round_timeout: Float = F(
+        120.0, "seconds a round waits after its first on-time delta", gt=0, le=WEEK
+    )
     min_nodes: Int = F(1, "fewest contributing nodes per round", ge=1, le=10_000)
+    expected_nodes: Int = F(
+        0,
+        "nodes of the run (a training master counts): round 0 waits for them; 0: no wait",
+        ge=0,
+        le=10_000,
+    )
     max_staleness: Int = F(1, "rounds late a contribution may be and still count", ge=0, le=1000)
     drop_after: Int = F(3, "silent round lengths before a node is not waited for", ge=1, le=1000)
     train: Bool = F(True, "false on the master: a pure aggregator")

@@ -39,6 +39,7 @@ from speedtronic.config.sections import (
     OptimizerConfig,
     PrecisionConfig,
     RunConfig,
+    RuntimeConfig,
     SchedulerConfig,
 )
 
@@ -57,6 +58,7 @@ SECTION_CLASSES: dict[str, type] = {
     "shape_validation": ShapeValidationConfig,
     "metrics": MetricsConfig,
     "eval": EvalConfig,
+    "runtime": RuntimeConfig,
 }
 assert tuple(SECTION_CLASSES) == SECTION_NAMES
 
@@ -106,7 +108,7 @@ def _plain(value: Any, secrets: list[str] | None = None) -> Any:
 
 @section("")
 class SpeedtronicConfig:
-    """The whole run configuration: twelve sections plus four root scalars."""
+    """The whole run configuration: thirteen sections plus four root scalars."""
 
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -122,6 +124,7 @@ class SpeedtronicConfig:
     )
     metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
     gradient_checkpointing: Bool = F(False, "activation checkpointing (OR-ed with model's flag)")
     compile: Bool = F(False, "torch.compile the model (also compile: {enabled: ...})")
     ooo_backprop: Bool = F(False, "out-of-order backprop streams (CUDA only)")

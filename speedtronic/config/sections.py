@@ -1,4 +1,4 @@
-"""Training-side sections: run, model, data, optimizer, scheduler, precision, eval.
+"""Training-side sections: run, model, data, optimizer, scheduler, precision, eval, runtime.
 
 Each field is declared once: type, default, bounds and one line of help (the docs table and
 the JSON Schema are generated from these declarations). ``__post_init__`` holds only the rules
@@ -40,6 +40,7 @@ __all__ = [
     "OptimizerConfig",
     "PrecisionConfig",
     "RunConfig",
+    "RuntimeConfig",
     "SchedulerConfig",
 ]
 
@@ -109,6 +110,12 @@ NProc = Annotated[
     Says(bound=NPROC, kind=NPROC),
 ]
 HubRepo = Annotated[Str, AfterValidator(_hub_repo)]
+THREADS = "runtime.threads must be a positive integer or auto"
+Threads = Annotated[
+    Annotated[Int, Field(gt=0, le=4096)] | Literal["auto"],
+    BeforeValidator(_auto),
+    Says(bound=THREADS, kind=THREADS),
+]
 DataParallel = one_of("ddp", "fsdp", says="run.data_parallel must be ddp or fsdp")
 Dataset = Annotated[Any, BeforeValidator(_dataset)]
 Synthetic = Annotated[
@@ -346,3 +353,12 @@ class EvalConfig:
     def enabled(self) -> bool:
         """True when a held-out source is configured."""
         return bool(self.text_path or self.token_path or self.holdout > 0)
+
+
+@section("runtime")
+class RuntimeConfig:
+    """How the process uses the CPU it was given (``speedtronic.train.threads``)."""
+
+    threads: Threads = F(
+        "auto", "torch threads: a count, or auto (CPUs allowed / processes on this host)"
+    )

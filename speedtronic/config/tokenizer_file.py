@@ -5,7 +5,11 @@ token) or a Hugging Face ``tokenizer.json`` (the format of the ``tokenizers`` li
 
 * a path to the file, or to a folder that holds ``tokenizer.json`` (an exported model folder);
 * a Hub repo id ``owner/name`` (optionally ``owner/name@revision``), fetched once through
-  ``huggingface_hub`` into its cache (``HF_HUB_OFFLINE=1`` uses the cache only).
+  ``huggingface_hub`` into its cache (``HF_HUB_OFFLINE=1`` uses the cache only). Before a
+  download, one TCP connection to the Hub endpoint (or its proxy) is tried for at most
+  `HUB_PROBE_SECONDS`: a Hub that cannot be reached gives the cached file (said once in the
+  log) or, in seconds rather than after ``huggingface_hub``'s ~23 s of retries, a
+  ``ConfigError`` saying to put the file in the cache and set ``HF_HUB_OFFLINE=1``.
 
 :func:`describe_tokenizer` returns the file's :class:`TokenizerInfo`: where it is, its SHA-256,
 how many ids it can emit (``vocab_size`` = the highest id + 1, added tokens included) and its
@@ -28,8 +32,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import os
 import re
+import socket
+import threading
+import urllib.parse
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,13 +50,17 @@ __all__ = [
     "EOS_NAMES",
     "TokenizerInfo",
     "describe_tokenizer",
+    "hub_unreachable",
     "is_bytes",
     "materialize_tokenizer",
     "resolve_tokenizer_file",
     "tokenizer_record",
 ]
 
+_LOG = logging.getLogger("speedtronic.data")
 BYTES = "bytes"
+#: Seconds the Hub endpoint (or its proxy) gets to accept a TCP connection before a download.
+HUB_PROBE_SECONDS = 3.0
 # Special tokens recognised as end-of-text, most common first.
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[EOS]", "<|eot|>")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?(@[\w./-]+)?$")
@@ -119,21 +132,85 @@ def _from_hub(spec: str, field: str, token: str | None) -> tuple[Path, Path | No
         from huggingface_hub import hf_hub_download
     except ImportError as exc:  # pragma: no cover - a declared dependency
         raise ConfigError(f"{field}: huggingface_hub is needed to fetch {spec}") from exc
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    offline = constants.HF_HUB_OFFLINE
+    why = None if offline else hub_unreachable(constants.ENDPOINT)
+    if why is not None:
+        cached = try_to_load_from_cache(repo_id, "tokenizer.json", revision=revision or None)
+        if not isinstance(cached, str):
+            raise ConfigError(
+                f"{field}: cannot reach the Hub ({constants.ENDPOINT}: {why}) to fetch "
+                f"tokenizer.json of {repo_id}, and it is not in the local cache "
+                f"({constants.HF_HUB_CACHE}); without network, put the file in the cache "
+                "and set HF_HUB_OFFLINE=1, or give a local tokenizer.json path"
+            )
+        _LOG.warning(
+            "the Hub is unreachable (%s: %s); using the cached tokenizer.json of %s "
+            "(set HF_HUB_OFFLINE=1 to skip this check)",
+            constants.ENDPOINT,
+            why,
+            repo_id,
+        )
+        offline = True
     try:
-        path = hf_hub_download(repo_id, "tokenizer.json", revision=revision or None, token=token)
+        path = hf_hub_download(
+            repo_id,
+            "tokenizer.json",
+            revision=revision or None,
+            token=token,
+            local_files_only=offline,
+        )
     except Exception as exc:
         detail = " ".join(str(exc).split())[:200]
+        hint = (
+            "; with HF_HUB_OFFLINE=1 the file must be in the local cache"
+            if offline
+            else "; without network, put the file in the cache and set HF_HUB_OFFLINE=1"
+        )
         raise ConfigError(
             f"{field}: cannot fetch tokenizer.json from the Hub repo {repo_id}: "
-            f"{type(exc).__name__}: {detail}"
+            f"{type(exc).__name__}: {detail}{hint}"
         ) from None
     try:
         config = hf_hub_download(
-            repo_id, "tokenizer_config.json", revision=revision or None, token=token
+            repo_id,
+            "tokenizer_config.json",
+            revision=revision or None,
+            token=token,
+            local_files_only=offline,
         )
     except Exception:
         config = None  # optional: the end-of-text token is then looked up by name
     return Path(path), Path(config) if config else None
+
+
+def hub_unreachable(endpoint: str, seconds: float = HUB_PROBE_SECONDS) -> str | None:
+    """Why the Hub at ``endpoint`` cannot be reached, or None when a TCP connection to it (to
+    its proxy when one is configured for it) opens within ``seconds``, name lookup included.
+    """
+    url = urllib.parse.urlsplit(endpoint)
+    host = url.hostname
+    if not host:
+        return None
+    port = url.port or (443 if url.scheme == "https" else 80)
+    proxy = urllib.request.getproxies().get(url.scheme)
+    if proxy and not urllib.request.proxy_bypass(host):
+        via = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+        host, port = via.hostname or host, via.port or 80
+    outcome: list[str | None] = []
+
+    def probe() -> None:
+        try:
+            with socket.create_connection((host, port), timeout=seconds):
+                outcome.append(None)
+        except OSError as exc:
+            outcome.append(exc.strerror or type(exc).__name__)
+
+    thread = threading.Thread(target=probe, name="speedtronic-hub-probe", daemon=True)
+    thread.start()
+    thread.join(seconds)  # a name lookup that hangs is not waited for longer
+    return outcome[0] if outcome else f"no answer within {seconds:g} s"
 
 
 def describe_tokenizer(

@@ -130,7 +130,9 @@ def _parquet_file(path: str) -> Any:
     except ImportError:
         raise PrepareError(PARQUET_EXTRA) from None
     try:
-        return pq.ParquetFile(path)
+        # pre_buffer off: with it, pyarrow keeps the buffered column chunks of every row group
+        # read so far, and memory grows with the file (bench/prepare_parquet.py).
+        return pq.ParquetFile(path, pre_buffer=False)
     except Exception as exc:  # pyarrow raises ArrowInvalid / OSError for a non-Parquet file
         raise PrepareError(f"input {path} is not a readable Parquet file ({exc})") from None
 

@@ -74,6 +74,7 @@ __all__ = [
     "RepoTransport",
     "RetryPolicy",
     "Store",
+    "TornRead",
     "Transport",
     "TransportError",
     "classify_error",
@@ -143,6 +144,12 @@ class RemoteNotFound(TransportError):
 
     def __init__(self, message: str, *, status: int | None = 404):
         super().__init__(message, kind="not_found", status=status)
+
+
+class TornRead(TransportError):
+    """The global's weights do not match ``step_count.json`` and are not newer than it: read
+    while a publish was between its files (weights first, record last). Transient: the
+    record that names these weights is on its way."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,7 +306,7 @@ GLOBAL_STEP = "global/step_count.json"
 GLOBAL_PROCESSED = "global/processed.json"
 GLOBAL_UPDATE = "global/update.safetensors"  # the quantized outer update (global_dtype)
 # the records of each node that global/processed.json carries beside the ledger, by type
-NODE_RECORDS: dict[str, type] = {"finals": int, "instances": str, "digests": str}
+NODE_RECORDS: dict[str, type] = {"finals": int, "instances": str, "digests": str, "dropped": str}
 
 _DELTA_NAME = re.compile(r"^delta_(0|[1-9][0-9]*)\.safetensors$")
 
@@ -837,7 +844,7 @@ class RepoTransport:
         if metadata.sha256 and digest != metadata.sha256:
             own = _own_record(header, metadata, digest)
             if own is None:
-                raise TransportError(
+                raise TornRead(
                     f"{model_file} does not match step_count.json (changed while reading)"
                 )
             metadata = own
@@ -876,7 +883,8 @@ class RepoTransport:
     def read_node_records(self) -> dict[str, dict[str, Any]]:
         """The master's published records of each node beside the ledger: ``finals`` (node
         -> round of its aggregated contribution flagged final), ``instances`` (node -> the
-        instance of its last aggregated contribution) and ``digests`` (node -> its sha256).
+        instance of its last aggregated contribution), ``digests`` (node -> its sha256) and
+        ``dropped`` (node -> the instance the master no longer waits for).
         A record written before they were published reads as empty maps."""
         data = self.read_json(GLOBAL_PROCESSED, default={})
         records: dict[str, dict[str, Any]] = {}

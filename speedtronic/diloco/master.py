@@ -10,9 +10,12 @@ lists the repository, reads each node's status record and sorts the contribution
     round >  R                                  early: left for its round
 
 It closes round ``R`` when every *active* node (joined, not finished, not silent for
-``drop_after`` round lengths) delivered its round-``R`` contribution, or ``round_timeout``
-seconds after the round's first contribution arrived; never with fewer than ``min_nodes``
-contributors (less the nodes that finished their run). Closing::
+``drop_after`` round lengths, a drop kept across restarts) delivered its round-``R``
+contribution, or ``round_timeout`` seconds after the round's first on-time contribution
+arrived (a late one starts no clock); never with fewer than ``min_nodes`` contributors (less
+the nodes that finished their run). Until ``expected_nodes`` nodes contributed to the run,
+a round also waits for the ones still starting, up to ``drop_after`` x ``round_timeout``
+after its first on-time contribution, once per run. Closing::
 
     mean  = sum(w_n * mean(files of n)) / sum(w_n)  # each file read once, streamed, float32
     new   = state's records, copied; new.ledger[n] = round of n's newest file   # exactly once
@@ -172,7 +175,9 @@ class RoundMaster:
         self.finished = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._first_arrival: float | None = None
+        self._first_arrival: float | None = None  # the open round's first on-time contribution
+        self._joins_over = False  # every expected node contributed, or one round waited
+        self._waiting_note: int | None = None  # the round that said it waits for nodes to start
         self._opened = clock()
         self.last_progress: float = self._opened  # see the class docstring
         self._seen: set[str] = set()  # the includable contributions of the last poll
@@ -312,17 +317,17 @@ class RoundMaster:
                 self._blind_since = now
             raise
         self._credit_blind_time(now)
-        if self.roster.refresh(scan, now, self.outer_step):
+        if self.roster.refresh(scan, now, self.state):
             self.last_progress = now
         candidates = self._sort_contributions(scan, now)
         seen = {path for files in candidates.values() for path in files.values()}
         if seen - self._seen:  # a contribution not seen before
             self.last_progress = now
         self._seen = seen
-        limit = self.settings.drop_after * max(
-            self.settings.round_timeout, self.state.round_seconds
-        )
-        active = self.roster.active(now, limit, self.state)
+        dropped = dict(self.state.dropped)
+        active = self.roster.active(now, self.silence_limit, self.state)
+        if self.state.dropped != dropped:  # a drop holds across a restart (RoundState)
+            self._persist()
         reason = self._close_reason(now, active, candidates)
         if reason is not None and self._close(candidates, reason, active):
             return True
@@ -377,8 +382,15 @@ class RoundMaster:
                         self._refuse(path, f"{size} bytes, more than a delta of this model")
                         continue
                     candidates.setdefault(node_id, {})[round] = path
-                    self._heard(node_id, now)
+                    self._heard(node_id, now, on_time=round == open_round)
         return candidates
+
+    @property
+    def silence_limit(self) -> float:
+        """Seconds of silence before a node is no longer waited for: ``drop_after`` round
+        lengths, each at least ``round_timeout`` (the first round's wait for the nodes that
+        are still starting is bounded by the same grace)."""
+        return self.settings.drop_after * max(self.settings.round_timeout, self.state.round_seconds)
 
     @property
     def max_delta_bytes(self) -> int:
@@ -396,10 +408,13 @@ class RoundMaster:
             self._refused.append(f"{parsed[0]}/{parsed[1]}")
         _LOG.warning(f"dropping delta {path}: {why}")
 
-    def _heard(self, node_id: str, now: float) -> None:
-        if self._first_arrival is None:
+    def _heard(self, node_id: str, now: float, *, on_time: bool) -> None:
+        """A contribution of ``node_id`` is on the exchange. The round's clock starts at its
+        first on-time contribution: a late one (folded in from the last round) arrives while
+        the others still train this round, and must not shorten their wait."""
+        if on_time and self._first_arrival is None:
             self._first_arrival = now
-        self.roster.heard(node_id, now, self.outer_step)
+        self.roster.heard(node_id, now, self.state)
 
     def _close_reason(
         self, now: float, active: set[str], candidates: Mapping[str, Mapping[int, str]]
@@ -411,12 +426,51 @@ class RoundMaster:
         if len(candidates) < need:
             return None
         on_time = {node for node, files in candidates.items() if self.outer_step in files}
-        if active <= on_time:
+        starting = self._starting(candidates)
+        if active <= on_time and not (starting and active):
             return "complete" if active else "drain"
         waited = now - (self._first_arrival if self._first_arrival is not None else now)
-        if waited >= self.settings.round_timeout:
-            return "timeout"
-        return None
+        if waited < (self.silence_limit if starting else self.settings.round_timeout):
+            return None
+        if starting:
+            self._stop_expecting(starting, waited)
+        return "timeout"
+
+    def _starting(self, candidates: Mapping[str, Mapping[int, str]]) -> int:
+        """How many of the ``distributed.expected_nodes`` have not contributed to this run
+        yet (they are still starting, announced or not). The round waits for them, and for
+        the active nodes, up to :attr:`silence_limit` after its first on-time contribution
+        instead of ``round_timeout``: a slow start is not a slow round. Once per run: when
+        they all contributed, or when one round waited for them (:meth:`_stop_expecting`)."""
+        expected = self.settings.expected_nodes
+        if self._joins_over or expected <= 0:
+            return 0
+        started = len(set(self.ledger) | set(candidates))
+        if started >= expected:
+            self._joins_over = True
+            _LOG.info(f"all {expected} expected nodes (distributed.expected_nodes) contributed")
+            return 0
+        if self._waiting_note != self.outer_step:
+            self._waiting_note = self.outer_step
+            _LOG.info(
+                f"round {self.outer_step} waits for {expected - started} more node(s) to start "
+                f"and contribute (distributed.expected_nodes={expected}; at most "
+                f"{self.silence_limit:.0f} s after the round's first contribution)"
+            )
+        return expected - started
+
+    def _stop_expecting(self, starting: int, waited: float) -> None:
+        """The round waited its bound for the expected nodes that did not contribute: they
+        are waited for no more (a node that starts later joins when it announces itself)."""
+        self._joins_over = True
+        expected = self.settings.expected_nodes
+        _LOG.warning(
+            f"round {self.outer_step} closes without {starting} of the {expected} expected "
+            f"nodes (distributed.expected_nodes): nothing from them {waited:.0f} s after the "
+            "round's first contribution (distributed.drop_after x round_timeout); no longer "
+            "waiting for them (a node that starts later joins when it announces itself)"
+        )
+        self._emit("nodes_missing", outer_step=self.outer_step, expected=expected, missing=starting)
 
     # -- closing a round -----------------------------------------------------------------------
     def _close(
@@ -772,9 +826,10 @@ class Roster:
         self.saw_training = False  # a node that trains announced itself (the run has begun)
         self._records: dict[str, tuple[str, dict[str, Any]]] = {}  # node -> (version, record)
 
-    def refresh(self, scan: RepoScan, now: float, outer_step: int) -> bool:
+    def refresh(self, scan: RepoScan, now: float, state: RoundState) -> bool:
         """Update every node from its status record (a restarted node is a new view); True
-        when a record is new or changed since the last refresh (a sign of progress)."""
+        when a record is new or changed since the last refresh (a sign of progress). An
+        instance that ``state`` lists as dropped (a restarted master) stays dropped."""
         changed = False
         for node_id in sorted(scan.owners):
             view = self.nodes.get(node_id)
@@ -783,14 +838,22 @@ class Roster:
             changed |= before is None or before[1] != record
             instance = record.get("instance")
             if view is None or (instance and instance != view.instance):
-                view = NodeView(node_id, instance=instance, last_heard=now)
+                dropped = bool(instance) and state.dropped.get(node_id) == instance
+                if instance and not dropped:  # a new instance of a dropped node: waited for
+                    state.dropped.pop(node_id, None)
+                view = NodeView(node_id, instance=instance, last_heard=now, dropped=dropped)
                 self.nodes[node_id] = view
-                if record.get("state", "training") == "training":
-                    self._emit("node_joined", node_id=node_id, outer_step=outer_step)
-            state = str(record.get("state", view.state))
-            if view.state == "done" and state == "training":
+                if dropped:
+                    _LOG.info(
+                        f"node {node_id} stays dropped (it was before this master restarted); "
+                        "it rejoins when it delivers"
+                    )
+                elif record.get("state", "training") == "training":
+                    self._emit("node_joined", node_id=node_id, outer_step=state.outer_step)
+            status = str(record.get("state", view.state))
+            if view.state == "done" and status == "training":
                 view.last_heard = now  # restarted after it had finished: waiting again
-            view.state = state
+            view.state = status
             final = record.get("final_round")
             view.final_round = final if isinstance(final, int) else None
             if view.state == "training":
@@ -810,14 +873,16 @@ class Roster:
             self._records[node_id] = (version, record)
         return record
 
-    def heard(self, node_id: str, now: float, outer_step: int) -> None:
-        """A contribution of ``node_id`` arrived: it is not silent (a dropped node rejoins)."""
+    def heard(self, node_id: str, now: float, state: RoundState) -> None:
+        """A contribution of ``node_id`` arrived: it is not silent (a dropped node rejoins
+        and leaves ``state.dropped``)."""
         view = self.nodes.get(node_id)
         if view is None:  # contributions without a status record are used, never waited for
             return
         if view.dropped:
             view.dropped = False
-            self._emit("node_rejoined", node_id=node_id, outer_step=outer_step)
+            state.dropped.pop(node_id, None)
+            self._emit("node_rejoined", node_id=node_id, outer_step=state.outer_step)
         view.last_heard = max(view.last_heard, now)
 
     def check_identity(
@@ -893,7 +958,8 @@ class Roster:
 
     def active(self, now: float, limit: float, state: RoundState) -> set[str]:
         """Nodes the open round waits for; a node silent for more than ``limit`` seconds is
-        dropped (logged and reported once) until it delivers again."""
+        dropped (logged and reported once, recorded in ``state.dropped``) until it delivers
+        again."""
         active = set()
         for view in self.nodes.values():
             if not self._expected(view, state):
@@ -901,6 +967,7 @@ class Roster:
             silent = now - view.last_heard
             if silent > limit and not view.dropped:
                 view.dropped = True
+                state.dropped[view.node_id] = view.instance or ""
                 _LOG.warning(
                     f"node {view.node_id} silent for {silent:.0f} s; no longer waiting for it "
                     "(it rejoins when it delivers again)"
@@ -956,7 +1023,7 @@ def reconcile(
     state = held.copy(tensors=False)
     stale: list[str] = []
     if remote is not None and remote.final and fresh:
-        _LOG.warning(
+        _LOG.info(
             f"the exchange holds the final global of a finished run (outer step "
             f"{remote.outer_step}); starting a new run over it"
         )
@@ -1093,6 +1160,9 @@ class RoundState:
     ``digests``: node -> sha256 of its last aggregated contribution (a re-sent copy is refused);
     ``instances``: node -> the ``instance`` header of its last aggregated contribution;
     ``finals``: node -> the round of its aggregated contribution flagged ``final``;
+    ``dropped``: node -> the instance the master stopped waiting for (silent for ``drop_after``
+    round lengths; it stays dropped across a restart until that instance delivers, and a new
+    instance of the node is waited for again);
     ``round_seconds``: a moving average of the round lengths (the master's drop limit counts
     in it, so it survives a restart); ``residual``: what the quantized outer updates left out
     (``global_dtype`` int8/int4 with error feedback); ``update``: the quantized update of the
@@ -1108,6 +1178,7 @@ class RoundState:
     digests: dict[str, str] = field(default_factory=dict)
     instances: dict[str, str] = field(default_factory=dict)
     finals: dict[str, int] = field(default_factory=dict)
+    dropped: dict[str, str] = field(default_factory=dict)
     round_seconds: float = 0.0
     residual: dict[str, torch.Tensor] = field(default_factory=dict)
     update: OuterUpdate | None = field(default=None, repr=False, compare=False)
@@ -1135,6 +1206,7 @@ class RoundState:
             dict(self.digests),
             dict(self.instances),
             dict(self.finals),
+            dict(self.dropped),
             self.round_seconds,
             wire.cpu_state_dict(self.residual) if tensors else self.residual,
         )
@@ -1142,11 +1214,13 @@ class RoundState:
     def node_records(self) -> dict[str, dict[str, Any]]:
         """What the published ledger's record carries of each node beside its round (the
         transport's ``NODE_RECORDS``): a master that adopts the published global from it
-        knows which nodes finished and which instance they ran as."""
+        knows which nodes finished, which instance they ran as and which it stopped waiting
+        for."""
         return {
             "finals": dict(self.finals),
             "instances": dict(self.instances),
             "digests": dict(self.digests),
+            "dropped": dict(self.dropped),
         }
 
     def take_node_records(self, records: Mapping[str, Mapping[str, Any]], *, newer: bool) -> None:
@@ -1176,12 +1250,12 @@ class OuterStateStore:
 
     ``outer_state.safetensors`` is one atomic file: tensors ``global/<key>`` and
     ``momentum/<key>``; its header the outer step, run id, ledger, digests, the nodes'
-    instances and final rounds and the average round length (a kill leaves the old or the new
-    state). ``pending_round.json`` is the write-ahead record of a round being published: what
-    the master will report once the publish landed. A master killed between the exchange
-    applying the publish and the report finds it at its restart and reports the round then,
-    if the published global is that round's; a record of a publish that did not land is
-    dropped (its contributions are still on the exchange, and the round closes again).
+    instances, final rounds and drops, and the average round length (a kill leaves the old or
+    the new state). ``pending_round.json`` is the write-ahead record of a round being
+    published: what the master will report once the publish landed. A master killed between
+    the exchange applying the publish and the report finds it at its restart and reports the
+    round then, if the published global is that round's; a record of a publish that did not
+    land is dropped (its contributions are still on the exchange, and the round closes again).
     """
 
     def __init__(self, state_dir: str | os.PathLike):
@@ -1234,6 +1308,7 @@ class OuterStateStore:
                 digests=_json_map(meta["digests"], str),
                 instances=_json_map(meta.get("instances", "{}"), str),  # absent before 2.2
                 finals=_json_map(meta.get("finals", "{}"), int),
+                dropped=_json_map(meta.get("dropped", "{}"), str),  # absent in older files
                 round_seconds=float(meta.get("round_seconds", "0")),  # absent before 2.3
                 residual=residual,
             )
@@ -1255,6 +1330,7 @@ class OuterStateStore:
             "digests": json.dumps(dict(sorted(state.digests.items()))),
             "instances": json.dumps(dict(sorted(state.instances.items()))),
             "finals": json.dumps(dict(sorted(state.finals.items()))),
+            "dropped": json.dumps(dict(sorted(state.dropped.items()))),
             "round_seconds": repr(float(state.round_seconds)),
             "updated_at": datetime.now(timezone.utc).isoformat(),
         }

@@ -339,10 +339,16 @@ class DiLoCoNode:
         self._emit("sync_wait", outer_step=round, seconds=waited, timed_out=timed_out)
         # a new run (reported by merge) or a stop request ends the wait without a timeout
         if timed_out and self.run_id == run and not self.interrupted.is_set():
+            # say who waits for whom: on the master, its own node waits for its own round
+            if self.settings.role == "master":
+                source = f"this master has not closed round {round - 1} yet: it still waits "
+                source += "for other nodes' contributions"
+            else:
+                source = f"the master has not closed round {round - 1} yet"
             _LOG.warning(
-                f"global {round} did not arrive within {waited:.1f} s of waiting (bound "
-                f"{timeout:.0f} s from distributed.round_timeout); training on (it is merged "
-                "when it arrives)",
+                f"this node waited {waited:.1f} s for global {round} (bound {timeout:.0f} s "
+                f"from distributed.round_timeout): {source}; training on, the global is merged "
+                "when it arrives"
             )
         self.beat()
         return merged
@@ -768,6 +774,12 @@ class Uploader:
 
 
 # -- the node's link to the exchange ---------------------------------------------------
+#: Reads of a global that met a publish between its files before the error goes up, and
+#: the seconds between them (a publish writes its few files within milliseconds).
+TORN_READS = 10
+TORN_WAIT = 0.1
+
+
 class NodeLink:
     """What one node reads from and writes to the exchange ``store``: its claim on its id,
     its uploads (:meth:`send`, the uploader's), the globals (:meth:`fetch`, the inbox's) and
@@ -992,9 +1004,33 @@ class NodeLink:
     # -- globals -----------------------------------------------------------------------------
     def fetch(self, seen: tuple[int, str]) -> GlobalCandidate | None:
         """The published global when its ``(outer_step, run_id)`` is not ``seen``; a refused
-        one (too large, non-finite) is reported once and not downloaded again."""
+        one (too large, non-finite) is reported once and not downloaded again.
+
+        A read that met a publish between its files (`TornRead`: the new weights, the old
+        record; the workers of a re-run start as their master publishes) waits for the record
+        that names the new weights (polled ``TORN_WAIT`` s apart, at most ``TORN_READS``
+        times in all) and reads again; a record that does not change gives the caller the
+        error (it retries later).
+        """
         started = time.perf_counter()
         metadata = self.store.global_metadata()
+        polls = TORN_READS
+        while True:
+            try:
+                return self._fetch(metadata, seen, started)
+            except T.TornRead:
+                newer = metadata
+                while newer == metadata and polls > 0 and not self.interrupted.wait(TORN_WAIT):
+                    polls -= 1
+                    newer = self.store.global_metadata()
+                if newer == metadata:
+                    raise
+                metadata = newer
+
+    def _fetch(
+        self, metadata: T.GlobalMetadata | None, seen: tuple[int, str], started: float
+    ) -> GlobalCandidate | None:
+        """`fetch` of the global ``metadata`` names."""
         if metadata is None or (metadata.outer_step, metadata.run_id) == seen:
             return None
         self._hear_refusals(metadata)

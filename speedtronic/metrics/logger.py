@@ -3,8 +3,10 @@
 ``emit(event, payload)`` fans one event out, under a re-entrant lock so the trainer, the
 DiLoCo outer thread and the uploader can emit concurrently:
 
-1. text: one line ``<event> key=value ...`` to stdout (or ``logging.file``), or, with
-   ``logging.format: json``, one JSON object per line
+1. text: one short line ``<event> key=value ...`` to stdout (or ``logging.file``) with the
+   fields a person watches (`speedtronic.metrics.lines`: a ``train_step`` line holds step,
+   loss, lr, tok/s, the newest eval loss and the outer step; never a None), or, with
+   ``logging.format: json``, one JSON object per line with every field
    (``{"ts", "level", "logger", "event", "fields"}``; plain messages carry ``message``);
 2. JSONL (``logging.json_file``): ``{"event": <name>, **payload, "run_id": <id>}`` per line;
    the run id (`new_run_id`, one per logger, so one per process run) tells the runs that
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from speedtronic.config.redaction import REDACTED, scrub
+from speedtronic.metrics.lines import TextLines
 
 __all__ = [
     "REDACTED",
@@ -69,12 +72,6 @@ def new_run_id() -> str:
     (sorts by start time; unique across processes started in the same second)."""
     stamp = _dt.datetime.now(tz=_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     return f"{stamp}-{_secrets.token_hex(3)}"
-
-
-def _format_value(value: Any) -> str:
-    if isinstance(value, float):
-        return format(value, ".6g")
-    return str(value)
 
 
 class JsonLogFormatter(logging.Formatter):
@@ -181,6 +178,7 @@ class MetricLogger:
         self.run_id = run_id or new_run_id()
         self.text_steps = True  # False: train_step events skip the text sink (progress bar on)
         self.started = time.perf_counter()
+        self._lines = TextLines()
         self._lock = threading.RLock()
         self._json_handle: IO[str] | None = None
         self._logger = logging.getLogger(f"speedtronic.metrics.{id(self)}")
@@ -217,11 +215,12 @@ class MetricLogger:
                     key: _redact_text(value, self.secrets) if isinstance(value, str) else value
                     for key, value in safe.items()
                 }
+            own_elapsed = "elapsed_s" in safe
             safe.setdefault("elapsed_s", time.perf_counter() - self.started)
             in_cadence = event != "train_step" or self.wants_step(int(safe.get("step", 0)))
             if in_cadence:
                 if self.text_steps or event != "train_step":
-                    self._write_text(event, safe)
+                    self._write_text(event, safe, own_elapsed)
                 self._write_jsonl(event, safe)
             for hook in list(self.hooks):
                 if not in_cadence and not getattr(hook, "wants_all_steps", False):
@@ -235,11 +234,11 @@ class MetricLogger:
                 except Exception as exc:
                     self.warning("metric hook failed: %s", exc)
 
-    def _write_text(self, event: str, payload: dict[str, Any]) -> None:
+    def _write_text(self, event: str, payload: dict[str, Any], own_elapsed: bool) -> None:
+        text = self._lines.render(event, payload, own_elapsed=own_elapsed)  # remembers too
         if not self._logger.isEnabledFor(logging.INFO):
             return
-        rendered = " ".join(f"{key}={_format_value(value)}" for key, value in payload.items())
-        self._logger.info("%s %s", event, rendered, extra={"st_event": event, "st_fields": payload})
+        self._logger.info("%s", text, extra={"st_event": event, "st_fields": payload})
 
     def _write_jsonl(self, event: str, payload: dict[str, Any]) -> None:
         if self.json_file is None:

@@ -5,9 +5,10 @@
 implicit scheduler horizon too) → ``model.init_from`` (fills the model section and the
 tokenizer from a transformers checkpoint, in place: ``speedtronic.model.hf_import``) → seeding
 → one run per checkpoint folder (``CheckpointManager.claim``: a folder holding another run's
-checkpoints needs ``resume`` or ``checkpoint.overwrite``, else ``ConfigError``) → device
-(``run.device``) → precision → model (the checkpoint's weights loaded, then moved to the
-device) → logger → DumbDiLoCo coordinator (when ``distributed.enabled``) → data loader (its
+checkpoints needs ``resume`` or ``checkpoint.overwrite``, else ``ConfigError``) → torch
+threads (``runtime.threads``, ``speedtronic.train.threads``) → device (``run.device``) →
+precision → model (the checkpoint's weights loaded, then moved to the device) → logger →
+DumbDiLoCo coordinator (when ``distributed.enabled``) → data loader (its
 stream seeded per node, so DiLoCo nodes see different batches; ``eval.holdout`` kept out) →
 held-out eval set (``build_heldout``) → checkpoint manager → shape validation → optimizer →
 scheduler → ``Trainer`` → resume. Every configuration problem (a CUDA request without CUDA, a
@@ -50,6 +51,7 @@ from speedtronic.train.precision import resolve_device, resolve_precision
 from speedtronic.train.ranks import RankEnv
 from speedtronic.train.result import TrainResult
 from speedtronic.train.state import portable_config
+from speedtronic.train.threads import ThreadBudget
 from speedtronic.train.trainer import Trainer
 
 #: What ``build_runtime`` accepts: a config, a mapping for ``from_dict``, or a file path.
@@ -258,6 +260,7 @@ def build_runtime(
         resume=resume, overwrite=section.overwrite, clear=ranks.is_main
     )
     _check_parallel(config, ranks)
+    threads = ThreadBudget.start(config.runtime.threads, os.environ)  # before the model
     parallel, resolved = start_parallel(ranks, _device(config, device), config.run)
     precision = _precision(config, resolved)
     model = build_model(config.model)
@@ -267,6 +270,7 @@ def build_runtime(
     logger = build_logger(config, main=parallel.is_main)
     if init is not None:
         logger.info(init.describe())
+    logger.hooks.append(threads)  # keeps the count fitting as sibling processes come and go
     heldout = build_heldout(config) if parallel.evaluates else None
     coordinator = None
     if config.distributed.enabled:  # FSDP: rank 0's round works on a full copy (every rank)

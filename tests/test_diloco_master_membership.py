@@ -1,0 +1,197 @@
+"""Whom the master's round waits for, and from when (speedtronic.diloco.master, issues 29
+and 31): the nodes a run expects (``distributed.expected_nodes``), a round clock that starts
+at the round's first on-time contribution, and drops that hold across a master restart.
+
+Against a real shared-volume repository with a fake clock, as in test_diloco_master.py
+(whose helpers plant contributions exactly as nodes write them).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from test_diloco_master import Clock, deliver, join, lines, make_master, published
+
+from speedtronic.diloco.wire import read_metadata
+
+
+def test_the_first_round_waits_for_the_expected_nodes_that_have_not_started_yet(tmp_path):
+    """The README's loop: the master and one worker delivered round 0 before the second
+    worker announced itself. With three nodes expected, the round waits for it."""
+    clock = Clock()
+    master, t, log = make_master(tmp_path, clock=clock, expected_nodes=3)
+    join(t, "m")
+    join(t, "w1")
+    master.poll_once()
+    deliver(t, "m", 0, [1.0, 1.0])
+    deliver(t, "w1", 0, [2.0, 2.0])
+    assert master.poll_once() is False  # every announced node delivered; one more expected
+    clock.now += 5.0
+    assert master.poll_once() is False
+    join(t, "w2")
+    deliver(t, "w2", 0, [3.0, 3.0])
+    assert master.poll_once() is True
+    event = log.of("outer_step")[-1]
+    assert event["reason"] == "complete" and event["included"] == ["m/0", "w1/0", "w2/0"]
+    assert published(t) == [-2.0, -2.0]
+    assert log.of("nodes_missing") == []
+
+
+def test_a_slow_start_is_not_a_slow_round(tmp_path):
+    """A node that announced itself but is still starting (loading, compiling, on a loaded
+    host) holds the first round past round_timeout, up to drop_after x round_timeout after
+    the round's first contribution; later rounds close at round_timeout again."""
+    clock = Clock()
+    master, t, log = make_master(tmp_path, clock=clock, expected_nodes=3)  # 10 s, 3 x 10 s
+    for node in ("m", "w1", "w2"):
+        join(t, node)
+    master.poll_once()
+    deliver(t, "m", 0, [1.0, 1.0])
+    deliver(t, "w1", 0, [2.0, 2.0])
+    assert master.poll_once() is False
+    clock.now += 25.0  # past round_timeout, within the start's grace
+    assert master.poll_once() is False
+    deliver(t, "w2", 0, [3.0, 3.0])
+    assert master.poll_once() is True
+    assert log.of("outer_step")[-1]["included"] == ["m/0", "w1/0", "w2/0"]
+    deliver(t, "m", 1, [2.0, 2.0])
+    deliver(t, "w1", 1, [3.0, 3.0])
+    master.poll_once()
+    clock.now += 10.0  # round 1 is an ordinary round: round_timeout
+    assert master.poll_once() is True
+    assert log.of("outer_step")[-1]["reason"] == "timeout"
+
+
+def test_without_expected_nodes_the_first_round_holds_whoever_announced_itself(tmp_path):
+    """The default (0) keeps a master alone from waiting for nodes that never come: the
+    single-process main job closes its first round at once."""
+    master, t, log = make_master(tmp_path)
+    join(t, "m")
+    master.poll_once()
+    deliver(t, "m", 0, [1.0, 1.0])
+    assert master.poll_once() is True
+    assert log.of("outer_step")[-1]["reason"] == "complete"
+
+
+def test_expected_nodes_that_never_start_hold_only_the_first_round_and_for_a_bounded_time(
+    tmp_path, caplog
+):
+    """The wait is bounded: drop_after x round_timeout after the round's first contribution
+    the round closes with the nodes that came, says how many are missing, and later rounds
+    wait only for the nodes that announced themselves."""
+    clock = Clock()
+    master, t, log = make_master(tmp_path, clock=clock, expected_nodes=3)
+    join(t, "m")
+    join(t, "w1")
+    master.poll_once()
+    deliver(t, "m", 0, [1.0, 1.0])
+    deliver(t, "w1", 0, [3.0, 3.0])
+    assert master.poll_once() is False
+    clock.now += 29.0
+    assert master.poll_once() is False  # 29 s of the 30 s bound
+    clock.now += 1.0
+    assert master.poll_once() is True
+    assert log.of("outer_step")[-1]["reason"] == "timeout"
+    assert log.of("nodes_missing") == [{"outer_step": 0, "expected": 3, "missing": 1}]
+    warned = [m for level, m in lines(caplog) if level == "warning" and "expected" in m]
+    assert len(warned) == 1 and "1 of the 3 expected nodes" in warned[0], warned
+    deliver(t, "m", 1, [2.0, 2.0])
+    deliver(t, "w1", 1, [2.0, 2.0])
+    assert master.poll_once() is True  # round 1 does not wait for the missing node again
+    assert log.of("outer_step")[-1]["reason"] == "complete"
+    join(t, "w2")  # a node that starts later joins as any late node does
+    master.poll_once()
+    deliver(t, "m", 2, [3.0, 3.0])
+    deliver(t, "w1", 2, [3.0, 3.0])
+    assert master.poll_once() is False  # w2 is active now
+    deliver(t, "w2", 2, [1.0, 1.0])
+    assert master.poll_once() is True
+
+
+def test_the_round_clock_starts_at_the_first_on_time_contribution_not_a_late_one(tmp_path):
+    """A straggler's late contribution to the last round arrives while the others still
+    train this one: it must not start this round's round_timeout (which would close the
+    round on the late file alone, before anyone delivered on time)."""
+    clock = Clock()
+    master, t, log = make_master(tmp_path, clock=clock)
+    join(t, "a")
+    join(t, "b")
+    master.poll_once()
+    deliver(t, "a", 0, [2.0, 2.0])
+    master.poll_once()
+    clock.now += 10.0
+    assert master.poll_once() is True  # round 0 timed out without b
+    deliver(t, "b", 0, [4.0, 4.0])  # late: for round 1, while a trains round 1
+    assert master.poll_once() is False
+    clock.now += 15.0  # longer than round_timeout, nobody delivered round 1 yet
+    assert master.poll_once() is False
+    deliver(t, "a", 1, [1.0, 1.0])
+    assert master.poll_once() is False  # round 1's clock starts now; b is expected
+    clock.now += 5.0
+    deliver(t, "b", 1, [0.0, 2.0])
+    assert master.poll_once() is True
+    event = log.of("outer_step")[-1]
+    assert event["reason"] == "complete" and event["included"] == ["a/1", "b/0", "b/1"]
+
+
+@pytest.mark.parametrize("disk", ["kept", "lost"])
+def test_a_dropped_node_stays_dropped_across_a_master_restart_until_it_delivers(tmp_path, disk):
+    """Issue 31 item 9: the restarted master does not wait drop_after round lengths again
+    for a node it had dropped (its outer state, or with a lost disk the records published
+    beside the ledger, say so); the node rejoins when it delivers, and a new instance of it
+    is waited for again."""
+    clock = Clock()
+    master, t, log = make_master(tmp_path, clock=clock)
+    join(t, "a")
+    join(t, "b")
+    master.poll_once()
+    clock.now += 31.0  # b silent for more than drop_after x round_timeout
+    deliver(t, "a", 0, [1.0, 1.0])
+    assert master.poll_once() is True
+    assert [p["node_id"] for p in log.of("node_dropped")] == ["b"]
+    saved = read_metadata(tmp_path / "state/outer_state.safetensors")
+    assert json.loads(saved["dropped"]) == {"b": "b-1"}
+    assert json.loads((tmp_path / "repo/global/processed.json").read_text())["dropped"] == {
+        "b": "b-1"
+    }
+    master.stop()
+    if disk == "lost":
+        shutil.rmtree(tmp_path / "state")
+
+    again, _, log = make_master(tmp_path, transport=t, clock=clock)
+    again.poll_once()
+    deliver(t, "a", 1, [2.0, 2.0])
+    assert again.poll_once() is True  # b is not waited for again
+    assert log.of("outer_step")[-1]["included"] == ["a/1"]
+    assert log.of("node_dropped") == [] and log.of("node_joined") == [
+        {"node_id": "a", "outer_step": 1}
+    ]
+    deliver(t, "b", 2, [3.0, 3.0])  # b delivers: it rejoins, and the drop is forgotten
+    assert again.poll_once() is False  # a is expected
+    assert [p["node_id"] for p in log.of("node_rejoined")] == ["b"]
+    deliver(t, "a", 2, [3.0, 3.0])
+    assert again.poll_once() is True
+    saved = read_metadata(tmp_path / "state/outer_state.safetensors")
+    assert json.loads(saved["dropped"]) == {}
+    deliver(t, "a", 3, [4.0, 4.0])
+    assert again.poll_once() is False  # b is waited for again
+
+
+def test_a_new_instance_of_a_dropped_node_is_waited_for_after_a_restart(tmp_path):
+    clock = Clock()
+    master, t, log = make_master(tmp_path, clock=clock)
+    join(t, "a")
+    join(t, "b")
+    master.poll_once()
+    clock.now += 31.0
+    deliver(t, "a", 0, [1.0, 1.0])
+    assert master.poll_once() is True  # b dropped
+    master.stop()
+    t.claim_owner("b", {"instance": "b-2", "state": "training"})  # b restarted meanwhile
+    again, _, log = make_master(tmp_path, transport=t, clock=clock)
+    again.poll_once()
+    deliver(t, "a", 1, [2.0, 2.0])
+    assert again.poll_once() is False  # the new instance is expected
+    assert {p["node_id"] for p in log.of("node_joined")} == {"a", "b"}
