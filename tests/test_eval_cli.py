@@ -68,7 +68,8 @@ def test_eval_scores_the_newest_checkpoint_like_the_trainer_did(trained, tmp_pat
     assert result["tokens"] == last["tokens"] == 256
     assert result["perplexity"] == pytest.approx(math.exp(result["loss"]))
     code, out, _ = run_cli(capsys, "eval", "--config", str(trained))
-    assert code == 0 and out.startswith("loss=") and out.rstrip().endswith(" step=6")
+    assert code == 0 and out.startswith("loss=") and " step=6 checkpoint=" in out  # no null
+    assert "null" not in out and out.rstrip().endswith("step_000000000006.pt")
     assert "outer_step" not in out  # issue 29: absent (no DiLoCo), never printed as null
 
 
