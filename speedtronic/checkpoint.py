@@ -6,12 +6,15 @@ Layout of a checkpoint directory::
     step_000000000002.pt
     step_000000000004.pt
 
-Every file is written atomically: a temp file in the same directory
-(``.<name>.tmp-<pid>-<thread>``), flushed and ``fsync``-ed, renamed over the target with
-``os.replace`` and the directory ``fsync``-ed (directories created on the way are fsynced into
-their parents too). A process killed mid-write leaves at worst a stale temp file; the previous
-checkpoint stays loadable. Checkpoints hold only tensors and primitive containers and are read
+Every file is written atomically (:mod:`speedtronic.atomic_files`: temp file, fsync, rename,
+directory fsync): a process killed mid-write leaves at worst a stale temp file, the previous
+checkpoint stays loadable, and a full disk is one ``CheckpointError`` naming the file and "no
+space left on device". Checkpoints hold only tensors and primitive containers and are read
 with ``torch.load(weights_only=True)`` (no pickled objects).
+
+One run per directory (:meth:`CheckpointManager.claim`): a run that finds another run's
+checkpoints resumes them, deletes them (``overwrite``) or is refused. ``keep_last`` never
+deletes the file just written, so ``latest.json`` always names a file that exists.
 
 Which checkpoint resumes: the one whose *recorded* ``step`` (read from the file, tensors
 memory-mapped, not the file name) is highest; the pointer's file wins a tie. ``load_latest``
@@ -19,10 +22,9 @@ skips, with a warning each, files it cannot read, files that record no valid ste
 its ``use`` callback rejects (another model shape, other optimizer groups), and falls back to
 the next; only when files exist and none is usable is it a :class:`CheckpointError`.
 
-What goes into a file is registered, not hand-assembled: :class:`CheckpointParts` maps each key
-to the object owning that state (``state_dict()`` / ``load_state_dict()``, loaded in place in
-registration order); :class:`RNGState` makes the process RNGs such a part. The trainer's parts
-are listed in :mod:`speedtronic.train.state`.
+What goes into a file is registered, not hand-assembled (:mod:`speedtronic.checkpoint_parts`,
+re-exported here). :func:`checkpoint_config` gives the commands that read a checkpoint
+(``eval``, ``sample``, ``export``) the run config it carries, with its travelling tokenizer.
 """
 
 from __future__ import annotations
@@ -30,15 +32,30 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import re
 import shutil
-import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
+
+from speedtronic.atomic_files import (
+    TEMP_MARK,
+    atomic_json_dump,
+    atomic_torch_save,
+    atomic_write_bytes,
+    atomic_write_with,
+    fsync_dir,
+    os_reason,
+)
+from speedtronic.checkpoint_parts import (
+    CheckpointParts,
+    RNGState,
+    Stateful,
+    capture_rng_state,
+    restore_rng_state,
+)
 
 __all__ = [
     "CheckpointError",
@@ -52,206 +69,16 @@ __all__ = [
     "atomic_write_with",
     "capture_rng_state",
     "checkpoint_config",
+    "os_reason",
     "read_step",
     "restore_rng_state",
 ]
 
 _STEP_FILE = re.compile(r"step_(\d+)\.pt")
-_TEMP_MARK = ".tmp-"
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written, found or read."""
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
-
-
-def _make_dirs(directory: Path) -> None:
-    """``mkdir -p`` whose new entries survive a crash: each created directory is fsynced into
-    its parent (a file renamed into a directory that was never synced can vanish with it)."""
-    missing = []
-    current = directory
-    while not current.exists():
-        missing.append(current)
-        if current.parent == current:
-            break
-        current = current.parent
-    for created in reversed(missing):
-        try:
-            created.mkdir()
-        except FileExistsError:  # a concurrent writer made it
-            continue
-        _fsync_dir(created.parent)
-    if not directory.is_dir():
-        directory.mkdir(parents=True, exist_ok=True)  # raises the precise error
-
-
-def _atomic_write(path: Path, write: Callable[[Any], None]) -> Path:
-    """Write ``path`` through ``write(fileobj)`` via temp file + fsync + rename + dir fsync."""
-    path = Path(path)
-    _make_dirs(path.parent)
-    # pid + thread id: concurrent writers (processes or threads) never share a temp file.
-    temp = path.with_name(f".{path.name}{_TEMP_MARK}{os.getpid()}-{threading.get_ident()}")
-    try:
-        with open(temp, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, path)
-        _fsync_dir(path.parent)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            temp.unlink()
-    return path
-
-
-def atomic_torch_save(state: Any, path: str | os.PathLike) -> Path:
-    """``torch.save(state)`` to ``path`` atomically (temp file, fsync, rename, dir fsync)."""
-    return _atomic_write(Path(path), lambda handle: torch.save(state, handle))
-
-
-def atomic_write_with(write: Callable[[Any], Any], path: str | os.PathLike) -> Path:
-    """Write ``path`` atomically through ``write(binary_file)`` (a writer that streams)."""
-    return _atomic_write(Path(path), write)
-
-
-def atomic_write_bytes(data: bytes, path: str | os.PathLike) -> Path:
-    """Write ``data`` to ``path`` atomically: readers see the old or the new file, never half."""
-    return _atomic_write(Path(path), lambda handle: handle.write(data))
-
-
-def atomic_json_dump(value: Any, path: str | os.PathLike) -> Path:
-    """Write ``value`` as indented JSON (plus newline) to ``path`` atomically."""
-    data = (json.dumps(value, indent=2, default=str) + "\n").encode("utf-8")
-    return atomic_write_bytes(data, path)
-
-
-# ----------------------------------------------------------------------------- RNG state
-
-
-def capture_rng_state() -> dict[str, Any]:
-    """Python, NumPy, torch CPU and (when available) CUDA RNG states as tensors/lists.
-
-    The result survives ``torch.load(weights_only=True)``.
-    """
-    version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {
-        "python": {"version": version, "state": list(internal), "gauss": gauss},
-        "torch": torch.get_rng_state(),
-    }
-    try:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = {
-            "kind": str(kind),
-            "keys": torch.from_numpy(keys.astype("int64")),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached),
-        }
-    except Exception:  # NumPy missing or exotic
-        state["numpy"] = None
-    if torch.cuda.is_available():
-        state["cuda"] = list(torch.cuda.get_rng_state_all())
-    return state
-
-
-def restore_rng_state(state: dict[str, Any] | None) -> None:
-    """Restore what :func:`capture_rng_state` captured; each subsystem independently."""
-    if not state:
-        return
-    python = state.get("python")
-    if python:
-        random.setstate((python["version"], tuple(python["state"]), python["gauss"]))
-    if state.get("torch") is not None:
-        torch.set_rng_state(state["torch"])
-    numpy_state = state.get("numpy")
-    if numpy_state:
-        import numpy as np
-
-        np.random.set_state(
-            (
-                numpy_state["kind"],
-                numpy_state["keys"].numpy().astype("uint32"),
-                numpy_state["pos"],
-                numpy_state["has_gauss"],
-                numpy_state["cached_gaussian"],
-            )
-        )
-    if state.get("cuda") and torch.cuda.is_available():
-        with contextlib.suppress(Exception):
-            torch.cuda.set_rng_state_all(state["cuda"])
-
-
-class RNGState:
-    """The process RNGs (Python, NumPy, torch CPU, CUDA) as a checkpoint part."""
-
-    def state_dict(self) -> dict[str, Any]:
-        """:func:`capture_rng_state` now."""
-        return capture_rng_state()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """:func:`restore_rng_state` now."""
-        restore_rng_state(state)
-
-
-# ----------------------------------------------------------------------------- parts
-
-
-class Stateful(Protocol):
-    """Anything a checkpoint holds: ``state_dict()`` out, ``load_state_dict(state)`` in place."""
-
-    def state_dict(self) -> Any: ...
-
-    def load_state_dict(self, state: Any) -> Any: ...
-
-
-class CheckpointParts:
-    """The named parts of one checkpoint, saved together and loaded in place, in order.
-
-    ``parts`` maps a key of the checkpoint dictionary to the object that owns that state
-    (``None`` for a part this run does not have: it is saved as ``None`` and skipped on load).
-    The part named ``root`` writes its keys at the top level of the dictionary instead of under
-    its name (the trainer's counters, so :func:`read_step` finds ``step``). Loading goes in
-    registration order and skips parts whose saved value is missing or ``None``; register a
-    part whose load must come last (the RNG) last.
-    """
-
-    def __init__(self, parts: Mapping[str, Stateful | None], *, root: str | None = None) -> None:
-        if root is not None and root not in parts:
-            raise ValueError(f"root part {root!r} is not registered")
-        self.parts = dict(parts)
-        self.root = root
-
-    def state_dict(self) -> dict[str, Any]:
-        """Every part's ``state_dict()`` under its name (the root part's keys at the top)."""
-        state: dict[str, Any] = {}
-        for name, part in self.parts.items():
-            value = part.state_dict() if part is not None else None
-            if name == self.root:
-                state.update(value)
-            else:
-                state[name] = value
-        return state
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """``load_state_dict`` on every registered part that has saved state, in order."""
-        for name, part in self.parts.items():
-            value = state if name == self.root else state.get(name)
-            if part is not None and value is not None:
-                part.load_state_dict(value)
 
 
 # ----------------------------------------------------------------------------- manager
@@ -337,9 +164,51 @@ class CheckpointManager:
             atomic_torch_save(state, path)
             atomic_json_dump({"step": int(step), "file": path.name}, self.pointer_path)
         except OSError as exc:
-            raise CheckpointError(f"could not write checkpoint {path}: {exc}") from exc
-        self.prune()
+            raise CheckpointError(f"could not write checkpoint {path}: {os_reason(exc)}") from exc
+        self.prune(keep=path)
         return path
+
+    def claim(self, *, resume: bool, overwrite: bool, clear: bool = True) -> None:
+        """One run per directory: decide what a run starting here does with what it finds.
+
+        An empty directory (no step file, no pointer) is this run's. One that holds
+        checkpoints is continued with ``resume``, emptied for a new run with ``overwrite``
+        (``clear``: this process deletes them; other ranks of a node pass False), and
+        otherwise refused with a ``ConfigError`` naming both flags: two runs' checkpoints
+        never make one series.
+        """
+        from speedtronic.config import ConfigError
+
+        if resume and overwrite:
+            raise ConfigError(
+                "checkpoint.resume and checkpoint.overwrite are both set (--resume, "
+                "--overwrite): continue the run in the folder or start a new one, not both"
+            )
+        files = self.step_files()
+        if resume or not (files or self.pointer_path.exists()):
+            return
+        if overwrite:
+            if clear:
+                self.clear()
+            return
+        newest = files[-1][1].name if files else self.pointer_path.name
+        raise ConfigError(
+            f"checkpoint.directory {self.directory} holds another run's checkpoints (newest: "
+            f"{newest}); pass --resume (checkpoint.resume) to continue it, or --overwrite "
+            "(checkpoint.overwrite) to delete them and start a new run there"
+        )
+
+    def clear(self) -> None:
+        """Delete the pointer, every step file and stale temp files (a new run starts here).
+        The pointer goes first, so it never names a file that is gone."""
+        with contextlib.suppress(FileNotFoundError):
+            self.pointer_path.unlink()
+        for _, path in self.step_files():
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        self._remove_stale_temps(own=False)
+        if self.directory.is_dir():
+            fsync_dir(self.directory)
 
     def step_files(self) -> list[tuple[int, Path]]:
         """``(step, path)`` of every step file, oldest first."""
@@ -454,21 +323,44 @@ class CheckpointManager:
 
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
-    def prune(self) -> None:
-        """Delete all but the newest ``keep_last`` step files, and stale temp files."""
-        if self.directory.is_dir():
-            own = f"{_TEMP_MARK}{os.getpid()}-"
-            for child in self.directory.iterdir():
-                stale = child.name.startswith(".") and _TEMP_MARK in child.name
-                if stale and own not in child.name:
-                    with contextlib.suppress(OSError):
-                        child.unlink()
-        if self.keep_last is None:
+    def _remove_stale_temps(self, *, own: bool) -> None:
+        if not self.directory.is_dir():
             return
+        mine = f"{TEMP_MARK}{os.getpid()}-"
+        for child in self.directory.iterdir():
+            stale = child.name.startswith(".") and TEMP_MARK in child.name
+            if stale and (own or mine not in child.name):
+                with contextlib.suppress(OSError):
+                    child.unlink()
+
+    def prune(self, keep: Path | None = None) -> None:
+        """Delete all but the newest ``keep_last`` step files, and stale temp files.
+
+        ``keep`` is the file just written (what the pointer names): it is never deleted and
+        counts as the newest; step files numbered after it belong to a branch this run left
+        when it resumed from an older checkpoint, and are deleted (with a warning) so a later
+        resume cannot pick them."""
+        self._remove_stale_temps(own=False)
         files = self.step_files()
-        for _, path in files[: max(0, len(files) - self.keep_last)]:
-            with contextlib.suppress(OSError):
-                path.unlink()
+        doomed: list[Path] = []
+        if keep is not None:
+            written = next((step for step, path in files if path == keep), None)
+            if written is not None:
+                later = [path for step, path in files if step > written]
+                for path in later:
+                    self._warn(
+                        f"deleting {path.name}: it is newer than {keep.name}, which this run "
+                        "just wrote after resuming from an older checkpoint"
+                    )
+                doomed += later
+                files = [(step, path) for step, path in files if step < written]
+                files.append((written, keep))
+        if self.keep_last is not None:
+            doomed += [path for _, path in files[: max(0, len(files) - self.keep_last)]]
+        for path in doomed:
+            if path != keep:
+                with contextlib.suppress(OSError):
+                    path.unlink()
 
     def copy_to(self, destination: str | os.PathLike) -> Path:
         """Copy the newest checkpoint file to ``destination``."""
@@ -500,11 +392,14 @@ def checkpoint_config(path: str | os.PathLike) -> dict[str, Any]:
             config = yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
             raise CheckpointError(f"{folder / 'config.yaml'} is unreadable: {exc}") from None
+        if isinstance(config, dict):
+            _final_tokenizer(folder, config)
     elif target.is_dir():
-        state = CheckpointManager(target, warn=lambda message: None).load_latest()
-        config = (state or {}).get("config")
+        state = CheckpointManager(target, warn=lambda message: None).load_latest() or {}
+        config = _with_tokenizer(state.get("config"), state.get("tokenizer"))
     elif target.is_file() and target.suffix != ".safetensors":
-        config = CheckpointManager.load(target).get("config")
+        state = CheckpointManager.load(target)
+        config = _with_tokenizer(state.get("config"), state.get("tokenizer"))
     else:
         config = None
     if not isinstance(config, dict):
@@ -513,3 +408,40 @@ def checkpoint_config(path: str | os.PathLike) -> dict[str, Any]:
             "final/ folder does); pass --config"
         )
     return config
+
+
+def _with_tokenizer(config: Any, record: Any) -> Any:
+    """``config`` whose ``data.tokenizer`` names the tokenizer the checkpoint carries."""
+    from speedtronic.config.tokenizer_file import materialize_tokenizer
+
+    folder = materialize_tokenizer(record)
+    if folder is not None and isinstance(config, dict) and isinstance(config.get("data"), dict):
+        config["data"]["tokenizer"] = str(folder)
+    return config
+
+
+def _final_tokenizer(folder: Path, config: dict[str, Any]) -> None:
+    """A ``final/`` folder's tokenizer: a ``tokenizer.json`` inside it, else (when the recorded
+    path is gone, e.g. the run folder was moved) the one the run's newest checkpoint carries
+    (``final/../<checkpoint.directory>``)."""
+    data = config.get("data")
+    spec = data.get("tokenizer") if isinstance(data, dict) else None
+    if not isinstance(spec, str) or spec.strip().lower() in ("", "bytes"):
+        return
+    if (folder / "tokenizer.json").is_file():
+        data["tokenizer"] = str(folder)
+        return
+    if Path(spec).expanduser().exists():
+        return
+    section = config.get("checkpoint")
+    directory = Path(str((section or {}).get("directory") or "checkpoints"))
+    if not directory.is_absolute():
+        directory = folder.parent / directory  # final/ sits in run.output_dir
+    for path in CheckpointManager(directory, warn=lambda message: None).candidates():
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:
+            continue
+        if isinstance(state, dict) and isinstance(state.get("tokenizer"), dict):
+            _with_tokenizer(config, state["tokenizer"])
+            return

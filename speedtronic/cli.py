@@ -137,6 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="SOURCE",
             help="set model.init_from: a transformers checkpoint folder or owner/name[@revision]",
         )
+        launcher.add_argument(
+            "--overwrite",
+            dest="overwrite_run",
+            action="store_true",
+            help="start a new run in a folder that holds another run's checkpoints (they are "
+            "deleted; checkpoint.overwrite)",
+        )
 
     evaluate = commands.add_parser(
         "eval", parents=[reading], help="score a checkpoint or the DiLoCo global on held-out data"
@@ -185,6 +192,8 @@ def _resolve(args: argparse.Namespace) -> ResolvedConfig:
         overrides.append(f"run.max_steps={max_steps}")
     if getattr(args, "init_from", None):
         overrides.append(f"model.init_from={args.init_from}")  # a string field takes it as is
+    if getattr(args, "overwrite_run", False):
+        overrides.append("checkpoint.overwrite=true")
     source = args.config
     named = source is not None or bool(os.environ.get("SPEEDTRONIC_CONFIG"))
     if not named:
@@ -352,6 +361,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         result = score(config, checkpoint=args.checkpoint, use_global=args.use_global)
     except CheckpointError as exc:
         raise _CommandError(str(exc)) from None
+    result["checkpoint"] = result.pop("source")  # which file (and step) was scored
     if args.format == "json":
         print(json.dumps(result))
     else:

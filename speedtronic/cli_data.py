@@ -226,7 +226,7 @@ def export_command(args: argparse.Namespace, config: Any) -> int:
             provenance=provenance,
             overwrite=args.overwrite,
         )
-        print(f"exported {weights.source} to {folder} (LlamaForCausalLM, fp32)")
+        print(f"exported {_loaded(weights)} to {folder} (LlamaForCausalLM, fp32)")
         if args.verify:
             print(f"verified: max |logit difference| = {verify_export(model, folder):.3g}")
     except (CheckpointError, ExportError) as exc:
@@ -262,12 +262,12 @@ def push_command(args: argparse.Namespace, config: Any) -> int:
 def sample_command(args: argparse.Namespace, config: Any) -> int:
     """``speedtronic sample``: the prompt and its continuation on stdout."""
     from speedtronic.checkpoint import CheckpointError
-    from speedtronic.train.sampling import sample_text
+    from speedtronic.train.sampling import sample
 
     if args.max_new_tokens < 0 or args.temperature < 0 or args.top_k < 0:
         raise ConfigError("--max-new-tokens, --temperature and --top-k cannot be negative")
     try:
-        text = sample_text(
+        result = sample(
             config,
             prompt=args.prompt,
             checkpoint=args.checkpoint,
@@ -279,8 +279,17 @@ def sample_command(args: argparse.Namespace, config: Any) -> int:
         )
     except CheckpointError as exc:
         raise ConfigError(str(exc)) from None
-    print(text)
+    print(f"loaded {_loaded(result.weights)}", file=sys.stderr)
+    print(result.text)
     return 0
+
+
+def _loaded(weights: Any) -> str:
+    """Which weights a command used: ``<file> (step N, outer step M)`` as far as known."""
+    known = [f"step {weights.step}"] if weights.step is not None else []
+    if weights.outer_step is not None:
+        known.append(f"outer step {weights.outer_step}")
+    return f"{weights.source} ({', '.join(known)})" if known else str(weights.source)
 
 
 def _is_terminal(stream: Any) -> bool:

@@ -15,6 +15,7 @@ from speedtronic.train.trainer import Trainer
 V1_KEYS = {
     "format", "model", "optimizer", "scheduler", "scaler", "step", "samples", "tokens",
     "skipped_updates", "data", "rng", "coordinator", "precision", "config", "versions",
+    "tokenizer",  # added (optional on load) so a checkpoint carries its tokenizer (issue 29)
 }  # fmt: skip
 
 

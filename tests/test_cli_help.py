@@ -12,8 +12,8 @@ from speedtronic.cli import main
 CONFIG = {"--config", "--output-dir", "--set"}
 EXPECTED = {
     "validate": CONFIG | {"--max-steps", "--device", "--resume", "--format"},
-    "train": CONFIG | {"--max-steps", "--device", "--resume", "--init-from"},
-    "run": CONFIG | {"--max-steps", "--device", "--resume", "--init-from"},
+    "train": CONFIG | {"--max-steps", "--device", "--resume", "--overwrite", "--init-from"},
+    "run": CONFIG | {"--max-steps", "--device", "--resume", "--overwrite", "--init-from"},
     "config show": CONFIG | {"--max-steps", "--device", "--sources", "--format"},
     "config schema": set(),
     "config docs": {"--write"},

@@ -436,7 +436,7 @@ FROZEN_KEYS = {
     "muon_momentum muon_ns_steps muon_norm_eps muon_ns_dtype",
     "scheduler": "name warmup_steps max_steps min_lr_ratio",
     "precision": "mode dtype",
-    "checkpoint": "enabled directory every_steps keep_last resume save_final",
+    "checkpoint": "enabled directory every_steps keep_last resume overwrite save_final",
     "logging": "level file every_steps json_file format trackers project run_name",
     "distributed": "enabled mode role node_id collaborators inner_steps poll_interval sync "
     "round_timeout min_nodes expected_nodes max_staleness drop_after train relay_to "

@@ -60,14 +60,16 @@ def test_eval_scores_the_newest_checkpoint_like_the_trainer_did(trained, tmp_pat
     code, out, err = run_cli(capsys, "eval", "--config", str(trained), "--format", "json")
     assert code == 0, err
     result = json.loads(out)
-    assert set(result) == {"loss", "perplexity", "tokens", "step", "outer_step"}
+    assert set(result) == {"loss", "perplexity", "tokens", "step", "outer_step", "checkpoint"}
+    assert result["checkpoint"].endswith("step_000000000006.pt")  # which file it scored
     last = eval_events(tmp_path)[-1]
     assert result["step"] == last["step"] == 6 and result["outer_step"] is None
     assert result["loss"] == pytest.approx(last["loss"], rel=1e-9)  # deterministic
     assert result["tokens"] == last["tokens"] == 256
     assert result["perplexity"] == pytest.approx(math.exp(result["loss"]))
     code, out, _ = run_cli(capsys, "eval", "--config", str(trained))
-    assert code == 0 and out.startswith("loss=") and out.rstrip().endswith(" step=6")
+    assert code == 0 and out.startswith("loss=") and " step=6 checkpoint=" in out  # no null
+    assert "null" not in out and out.rstrip().endswith("step_000000000006.pt")
     assert "outer_step" not in out  # issue 29: absent (no DiLoCo), never printed as null
 
 

@@ -107,7 +107,9 @@ def test_export_carries_the_tokenizer_and_final_folders_work(tmp_path, capsys):
 
     ours = load_tokenizer(str(bpe))
     text = "the quick brown fox jumps over the lazy dog 12"
-    assert tokenizer(text)["input_ids"] == ours.encode(text)
+    # the end-of-text token first, as `speedtronic sample` starts a prompt (issue 29)
+    assert tokenizer(text)["input_ids"] == [ours.eos_id, *ours.encode(text)]
+    assert tokenizer(text, add_special_tokens=False)["input_ids"] == ours.encode(text)
     assert tokenizer.eos_token == "<|endoftext|>"
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["eos_token_id"] == ours.eos_id

@@ -297,9 +297,13 @@ def test_eval_sample_and_export_take_the_shape_and_tokenizer_from_init_from(tmp_
     assert main(["sample", "--config", str(path), "--prompt", "the quick", "--seed", "1"]) == 0
     assert capsys.readouterr().out.startswith("the quick")
     assert main(["export", "--config", str(path), "-o", str(tmp_path / "out")]) == 0
-    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (
-        source / "tokenizer.json"
-    ).read_bytes()
+    # the same tokenizer; the export's post-processor puts the end-of-text token first, as
+    # `sample` does (issue 29), so it is the one field that differs
+    exported = json.loads((tmp_path / "out" / "tokenizer.json").read_text())
+    original = json.loads((source / "tokenizer.json").read_text())
+    exported.pop("post_processor")
+    original.pop("post_processor", None)
+    assert exported == original
 
 
 def test_the_memory_bench_stays_under_its_bound(tmp_path):

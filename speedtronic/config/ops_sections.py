@@ -164,6 +164,7 @@ class CheckpointConfig:
     every_steps: Int = F(500, "cadence (checked even when disabled)", **STEPS)
     keep_last: Int | None = F(3, "keep the newest N (null: keep all)", gt=0, le=10**6)
     resume: Bool = F(False, "always try to resume (OR-ed with --resume)")
+    overwrite: Bool = F(False, "start a new run over another run's checkpoints (deletes them)")
     save_final: Bool = F(True, "save at the end of a run and on SIGTERM")
 
 

@@ -20,6 +20,11 @@ The JSON is read with the standard library, so config validation (which checks t
 file's ids fit ``model.vocab_size``) stays fast and light; that check is why this module
 lives in ``speedtronic.config`` and not in ``speedtronic.data``, which builds the tokenizer
 itself (:mod:`speedtronic.data.tokenizer`) and imports it from here.
+
+A tokenizer travels with a checkpoint: :func:`tokenizer_record` is what a checkpoint stores
+(the file's text, the ``tokenizer_config.json`` beside it, the hash) and
+:func:`materialize_tokenizer` writes such a record back to a folder (a per-user cache keyed
+by the hash) that ``data.tokenizer`` can name, wherever the checkpoint was moved.
 """
 
 from __future__ import annotations
@@ -47,7 +52,9 @@ __all__ = [
     "describe_tokenizer",
     "hub_unreachable",
     "is_bytes",
+    "materialize_tokenizer",
     "resolve_tokenizer_file",
+    "tokenizer_record",
 ]
 
 _LOG = logging.getLogger("speedtronic.data")
@@ -286,3 +293,58 @@ def _configured_eos(config_path: str) -> str | None:
     if isinstance(eos, dict):
         eos = eos.get("content")
     return eos if isinstance(eos, str) and eos else None
+
+
+def tokenizer_record(spec: Any, *, token: str | None = None) -> dict[str, Any] | None:
+    """What a checkpoint stores so its tokenizer travels with it: ``{"spec", "sha256",
+    "json", "config"}`` (the ``tokenizer.json`` text and the ``tokenizer_config.json`` text
+    beside it, or ``None``); ``None`` for the byte-level tokenizer, whose settings are the
+    config's."""
+    if is_bytes(spec):
+        return None
+    info = describe_tokenizer(str(spec), token=token)
+    config_text = info.config_path.read_text(encoding="utf-8") if info.config_path else None
+    return {
+        "spec": info.spec,
+        "sha256": info.sha256,
+        "json": info.path.read_text(encoding="utf-8"),
+        "config": config_text,
+    }
+
+
+def _cache_root() -> Path:
+    return Path.home() / ".cache" / "speedtronic" / "tokenizers"
+
+
+def materialize_tokenizer(record: Any) -> Path | None:
+    """A folder holding the ``tokenizer.json`` (and ``tokenizer_config.json``) of a
+    :func:`tokenizer_record`, for ``data.tokenizer``; ``None`` when ``record`` is not one.
+
+    The folder is ``~/.cache/speedtronic/tokenizers/<sha256 of the files>`` (a private
+    temporary folder when the home cache cannot be written); a file there whose bytes differ
+    is rewritten."""
+    if not isinstance(record, dict) or not isinstance(record.get("json"), str):
+        return None
+    files = {"tokenizer.json": record["json"]}
+    if isinstance(record.get("config"), str):
+        files["tokenizer_config.json"] = record["config"]
+    digest = hashlib.sha256("\0".join(files.values()).encode("utf-8")).hexdigest()
+    try:
+        return _write_folder(_cache_root() / digest, files)
+    except (OSError, RuntimeError):  # no home directory, or a read-only one
+        import tempfile
+
+        return _write_folder(Path(tempfile.mkdtemp(prefix="speedtronic-tokenizer-")), files)
+
+
+def _write_folder(folder: Path, files: dict[str, str]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        path = folder / name
+        data = text.encode("utf-8")
+        if path.is_file() and path.read_bytes() == data:
+            continue
+        temp = path.with_name(f".{name}.tmp-{os.getpid()}")
+        temp.write_bytes(data)
+        os.replace(temp, path)
+    return folder

@@ -7,13 +7,16 @@ layout, grouped-query SDPA attention, SwiGLU MLP, no biases) is architecturally 
 * ``config.json`` (written by ``transformers.LlamaConfig`` of the installed version),
 * ``model.safetensors`` (fp32 as trained; tied embeddings stored once, as transformers does),
 * ``tokenizer.json`` + ``tokenizer_config.json`` when the run used a ``data.tokenizer`` file
-  (the byte-level tokenizer has no transformers equivalent: no tokenizer files then),
+  (the byte-level tokenizer has no transformers equivalent: no tokenizer files then); its
+  post-processor puts the end-of-text token before a text, as ``speedtronic sample`` puts it
+  before a prompt, so ``generate`` on ``AutoTokenizer(prompt)`` sees the same ids,
 * ``speedtronic.json``: provenance (weights source, step, outer step, redacted config).
 
 so ``AutoModelForCausalLM.from_pretrained(DIR)`` / ``AutoTokenizer.from_pretrained(DIR)`` load
-it. A model with no Llama equivalent (a registered custom model) is an :class:`ExportError`, never a
-wrong file. The folder is assembled beside ``DIR`` and renamed into place, so ``DIR`` is
-either the previous export or the complete new one. ``transformers`` is imported lazily.
+it. Every file gets one mode (``0666 & ~umask``: 0644 under the usual umask). A model with
+no Llama equivalent (a registered custom model) is an :class:`ExportError`, never a wrong
+file. The folder is assembled beside ``DIR`` and renamed into place, so ``DIR`` is either the
+previous export or the complete new one. ``transformers`` is imported lazily.
 """
 
 from __future__ import annotations
@@ -150,19 +153,50 @@ def _llama_config(model: Any, eos_id: int | None) -> Any:
     return config
 
 
-def _write_tokenizer(tokenizer: Any, folder: Path, max_seq_len: int) -> None:
-    shutil.copyfile(tokenizer.info.path, folder / "tokenizer.json")
-    source_config = tokenizer.info.config_path
-    if source_config is not None:
-        shutil.copyfile(source_config, folder / "tokenizer_config.json")
-        return
-    config: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": int(max_seq_len),
-        "clean_up_tokenization_spaces": False,
+def _bos_processor(document: dict[str, Any], eos_token: str, eos_id: int) -> dict[str, Any]:
+    """``document`` (a ``tokenizer.json``) whose post-processor puts the end-of-text token
+    before every text, as ``speedtronic sample`` does (a prompt starts a new document). A
+    ``ByteLevel`` post-processor (offsets only) is kept in front of it; one that adds tokens
+    of its own (a template, BERT, RoBERTa) is replaced: training never added them."""
+    template = {
+        "type": "TemplateProcessing",
+        "single": [
+            {"SpecialToken": {"id": eos_token, "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}},
+        ],
+        "pair": [
+            {"SpecialToken": {"id": eos_token, "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}},
+            {"SpecialToken": {"id": eos_token, "type_id": 1}},
+            {"Sequence": {"id": "B", "type_id": 1}},
+        ],
+        "special_tokens": {eos_token: {"id": eos_token, "ids": [eos_id], "tokens": [eos_token]}},
     }
-    if tokenizer.eos_token is not None:
-        config.update(eos_token=tokenizer.eos_token, bos_token=tokenizer.eos_token)
+    current = document.get("post_processor")
+    if isinstance(current, dict) and current.get("type") == "ByteLevel":
+        template = {"type": "Sequence", "processors": [current, template]}
+    return {**document, "post_processor": template}
+
+
+def _write_tokenizer(tokenizer: Any, folder: Path, max_seq_len: int) -> None:
+    """``tokenizer.json`` + ``tokenizer_config.json``: ``AutoTokenizer`` encodes a text as
+    ``speedtronic sample`` encodes a prompt (the end-of-text token first, when there is one)."""
+    document = json.loads(tokenizer.info.path.read_text(encoding="utf-8"))
+    config: dict[str, Any] = {}
+    if tokenizer.info.config_path is not None:
+        loaded = json.loads(tokenizer.info.config_path.read_text(encoding="utf-8"))
+        config = loaded if isinstance(loaded, dict) else {}
+    config.update(
+        tokenizer_class="PreTrainedTokenizerFast",  # exactly tokenizer.json, nothing added
+        model_max_length=int(max_seq_len),
+        clean_up_tokenization_spaces=False,
+    )
+    eos_token, eos_id = tokenizer.eos_token, tokenizer.eos_id
+    if eos_token is not None and eos_id is not None:
+        document = _bos_processor(document, eos_token, int(eos_id))
+        config.update(eos_token=eos_token, bos_token=eos_token, add_bos_token=True)
+    config["add_eos_token"] = False
+    (folder / "tokenizer.json").write_text(json.dumps(document, ensure_ascii=False))
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -212,10 +246,34 @@ def export_hf(
             _write_tokenizer(tokenizer, staging, reference.config.block_size)
         record = {"format": "hf-llama", **(provenance or {})}
         (staging / "speedtronic.json").write_text(json.dumps(record, indent=2, default=str))
+        _one_mode(staging)
         _swap_into_place(staging, output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return output
+
+
+def _umask() -> int:
+    """The process umask (read from /proc where it can be, so it is never changed)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    current = os.umask(0o022)
+    os.umask(current)
+    return current
+
+
+def _one_mode(folder: Path) -> None:
+    """Every exported file ``0666 & ~umask`` (0644 usually) and the folder ``0777 & ~umask``:
+    writers differ (safetensors creates its file 0600), the export should not."""
+    mask = _umask()
+    for path in folder.iterdir():
+        if path.is_file():
+            path.chmod(0o666 & ~mask)
+    folder.chmod(0o777 & ~mask)
 
 
 def _swap_into_place(staging: Path, output: Path) -> None:

@@ -169,6 +169,13 @@ def preflight(config: SpeedtronicConfig, *, resume: bool = False) -> Preflight:
 
     config = config.validate()
     resolve_init_from(config, weights=False)  # model.init_from's shape and tokenizer
+    from speedtronic.checkpoint import CheckpointManager
+
+    CheckpointManager(config.checkpoint_dir).claim(  # one run per folder, as train refuses
+        resume=resume or config.checkpoint.resume,
+        overwrite=config.checkpoint.overwrite,
+        clear=False,  # a dry run deletes nothing
+    )
     device = _device(config, None)
     precision = _precision(config, device)
     with torch.device("meta"):

@@ -2,16 +2,18 @@
 
 ``build_runtime(config, *, resume=False, device=None, max_steps=None)`` returns
 ``(trainer, checkpoint_manager)`` after, in order: validation → run-target override (moves an
-implicit scheduler horizon too) → ``model.init_from`` (fills the model section and the tokenizer
-from a transformers checkpoint, in place: ``speedtronic.model.hf_import``) → seeding → torch
+implicit scheduler horizon too) → ``model.init_from`` (fills the model section and the
+tokenizer from a transformers checkpoint, in place: ``speedtronic.model.hf_import``) → seeding
+→ one run per checkpoint folder (``CheckpointManager.claim``: a folder holding another run's
+checkpoints needs ``resume`` or ``checkpoint.overwrite``, else ``ConfigError``) → torch
 threads (``runtime.threads``, ``speedtronic.train.threads``) → device (``run.device``) →
 precision → model (the checkpoint's weights loaded, then moved to the device) → logger →
 DumbDiLoCo coordinator (when ``distributed.enabled``) → data loader (its
 stream seeded per node, so DiLoCo nodes see different batches; ``eval.holdout`` kept out) →
 held-out eval set (``build_heldout``) → checkpoint manager → shape validation → optimizer →
-scheduler → ``Trainer`` → resume. Every
-configuration problem (a CUDA request without CUDA, a bad data path, an unknown model) raises
-``ConfigError`` naming the field, before any training step.
+scheduler → ``Trainer`` → resume. Every configuration problem (a CUDA request without CUDA, a
+bad data path, an unknown model) raises ``ConfigError`` naming the field, before any training
+step.
 
 Embedding the trainer in another process (what ``speedtronic run`` does)::
 
@@ -48,6 +50,7 @@ from speedtronic.train.parallel import start_parallel
 from speedtronic.train.precision import resolve_device, resolve_precision
 from speedtronic.train.ranks import RankEnv
 from speedtronic.train.result import TrainResult
+from speedtronic.train.state import portable_config
 from speedtronic.train.threads import ThreadBudget
 from speedtronic.train.trainer import Trainer
 
@@ -172,7 +175,7 @@ def _coordinator(
         logger=logger,
         evaluate=evaluate_global,
         final_dir=config.output_path / "final",
-        run_config=config.to_dict(redact_secrets=True),
+        run_config=portable_config(config),  # final/config.yaml: absolute data paths
     )
 
 
@@ -250,6 +253,12 @@ def build_runtime(
     init = resolve_init_from(config)  # model.init_from: its shape and tokenizer, in place
     seed_everything(int(config.run.seed))
     ranks = ranks or RankEnv()
+    section = config.checkpoint
+    resume = bool(resume or section.resume)
+    # one run per folder, decided before anything (the exchange included) is touched
+    CheckpointManager(config.checkpoint_dir).claim(
+        resume=resume, overwrite=section.overwrite, clear=ranks.is_main
+    )
     _check_parallel(config, ranks)
     threads = ThreadBudget.start(config.runtime.threads, os.environ)  # before the model
     parallel, resolved = start_parallel(ranks, _device(config, device), config.run)
@@ -283,7 +292,6 @@ def build_runtime(
         rank=parallel.rank,
         world_size=parallel.world_size,
     )
-    section = config.checkpoint
     manager = CheckpointManager(
         config.checkpoint_dir,
         every_steps=section.every_steps,
@@ -318,7 +326,7 @@ def build_runtime(
         heldout=heldout,
         parallel=parallel,
     )
-    if resume or section.resume:
+    if resume:
         state = manager.load_latest(use=trainer.resume)  # newest usable; skips are warned
         if state is None:
             logger.warning("resume requested but no local checkpoint was found")

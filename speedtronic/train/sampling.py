@@ -11,16 +11,21 @@ same weights, prompt, settings and device give the same text. Decoding stops aft
 folder, a ``.safetensors`` state or the DiLoCo global), encodes the prompt with the
 ``data.tokenizer`` of the config, and returns prompt + continuation decoded as one text. A
 prompt starts a new document: it is preceded by the end-of-text token when the tokenizer has
-one.
+one (:func:`prompt_ids`), and the exported model's tokenizer puts the same token first, so
+greedy decoding here and transformers' ``generate`` on the export give the same tokens.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from speedtronic.config import SpeedtronicConfig
+from speedtronic.train.scoring import Weights
 
-__all__ = ["generate", "sample_text"]
+__all__ = ["Sample", "generate", "prompt_ids", "sample", "sample_text"]
 
 
 def _next_logits(model: torch.nn.Module, context: torch.Tensor) -> torch.Tensor:
@@ -69,7 +74,29 @@ def generate(
     return new
 
 
-def sample_text(
+def prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
+    """The ids a prompt is continued from: the end-of-text token first when the tokenizer has
+    one (in training every document but the first follows it, so a prompt starts a new
+    document), then the prompt's tokens. The exported tokenizer adds the same token
+    (``speedtronic.model.export``), so transformers' ``generate`` on ``tokenizer(prompt)``
+    starts from these ids."""
+    ids = [int(i) for i in tokenizer.encode(prompt)]
+    return [int(tokenizer.eos_id), *ids] if tokenizer.eos_id is not None else ids
+
+
+@dataclass
+class Sample:
+    """A continuation: ``prompt_ids`` (with the leading end-of-text token, if any), the
+    ``new_ids`` generated, ``text`` (prompt + continuation, decoded together) and the
+    ``weights`` it came from (source, step)."""
+
+    text: str
+    prompt_ids: list[int]
+    new_ids: list[int]
+    weights: Weights
+
+
+def sample(
     config: SpeedtronicConfig,
     *,
     prompt: str,
@@ -79,8 +106,9 @@ def sample_text(
     temperature: float = 0.8,
     top_k: int | None = 50,
     seed: int = 0,
-) -> str:
-    """Prompt + sampled continuation, decoded with the config's tokenizer.
+) -> Sample:
+    """Prompt + sampled continuation, decoded with the config's tokenizer (see the module
+    docstring).
 
     Raises ``ConfigError`` for an empty prompt with a tokenizer that has no end-of-text token
     to start from, ``CheckpointError`` for weights that cannot be found or do not fit.
@@ -91,15 +119,13 @@ def sample_text(
     from speedtronic.train.scoring import load_model
 
     tokenizer = tokenizer_for(config)
-    ids = list(tokenizer.encode(prompt))
-    if tokenizer.eos_id is not None:
-        ids = [int(tokenizer.eos_id), *ids]
+    ids = prompt_ids(tokenizer, prompt)
     if not ids:
         raise ConfigError(
             "sample: the prompt is empty and the byte tokenizer has no end-of-text token to "
             "start from; pass --prompt TEXT"
         )
-    model, _ = load_model(config, checkpoint=checkpoint, use_global=use_global)
+    model, weights = load_model(config, checkpoint=checkpoint, use_global=use_global)
     model.to(_device(config, None))
     new = generate(
         model,
@@ -111,5 +137,30 @@ def sample_text(
         seed=seed,
         eos_id=tokenizer.eos_id,
     )
-    prompt_ids = ids[1:] if tokenizer.eos_id is not None else ids
-    return tokenizer.decode(prompt_ids + new)  # decoded together: no character cut in two
+    shown = ids[1:] if tokenizer.eos_id is not None else ids
+    text = tokenizer.decode(shown + new)  # decoded together: no character cut in two
+    return Sample(text, ids, new, weights)
+
+
+def sample_text(
+    config: SpeedtronicConfig,
+    *,
+    prompt: str,
+    checkpoint: str | None = None,
+    use_global: bool = False,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    seed: int = 0,
+) -> str:
+    """:func:`sample`'s text (same arguments)."""
+    return sample(
+        config,
+        prompt=prompt,
+        checkpoint=checkpoint,
+        use_global=use_global,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        seed=seed,
+    ).text

@@ -150,7 +150,7 @@ def score(
     config: SpeedtronicConfig, *, checkpoint: str | None = None, use_global: bool = False
 ) -> dict[str, Any]:
     """Score the chosen weights on the held-out set: ``{"loss", "perplexity", "tokens",
-    "step", "outer_step"}`` (``None`` where unknown)."""
+    "step", "outer_step", "source"}`` (``None`` where unknown; ``source`` names the file)."""
     from speedtronic.config import ConfigError
     from speedtronic.train.runtime import _device, _precision
 
@@ -164,7 +164,12 @@ def score(
     device = _device(config, None)
     model.to(device)
     result = evaluate(model, heldout, device=device, precision=_precision(config, device))
-    return {**result.as_dict(), "step": weights.step, "outer_step": weights.outer_step}
+    return {
+        **result.as_dict(),
+        "step": weights.step,
+        "outer_step": weights.outer_step,
+        "source": weights.source,
+    }
 
 
 def load_model(

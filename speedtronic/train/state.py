@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,7 +36,13 @@ from speedtronic.checkpoint import CheckpointError, CheckpointParts, RNGState
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.train.forward import BatchStream
 
-__all__ = ["DataPosition", "TrainProgress", "TrainerStateMixin", "check_resumable"]
+__all__ = [
+    "DataPosition",
+    "TrainProgress",
+    "TrainerStateMixin",
+    "check_resumable",
+    "portable_config",
+]
 
 CHECKPOINT_FORMAT = "speedtronic-checkpoint/1"
 
@@ -95,6 +102,31 @@ class TrainProgress:
         for key in self.KEYS:
             if key in state:
                 setattr(self.trainer, key, int(state[key]))
+
+
+_PATH_FIELDS = (
+    ("model", "init_from"),
+    ("data", "text_path"),
+    ("data", "token_path"),
+    ("data", "tokenizer"),
+    ("eval", "text_path"),
+    ("eval", "token_path"),
+)
+
+
+def portable_config(config: SpeedtronicConfig) -> dict[str, Any]:
+    """The redacted config a checkpoint (and ``final/``) carries, with the data and tokenizer
+    paths that exist made absolute, so ``eval``/``sample``/``export --checkpoint`` find them
+    from any working directory (the tokenizer itself also travels inside the checkpoint)."""
+    values = config.to_dict(redact_secrets=True)
+    for section, field in _PATH_FIELDS:
+        part = values.get(section)
+        value = part.get(field) if isinstance(part, dict) else None
+        if isinstance(value, str) and value.strip() and value.strip().lower() != "bytes":
+            path = Path(value).expanduser()
+            if not path.is_absolute() and path.exists():
+                part[field] = str(path.resolve())
+    return values
 
 
 def check_resumable(state: Mapping[str, Any], model: torch.nn.Module, optimizer: Any) -> None:
@@ -172,6 +204,8 @@ class TrainerStateMixin:
     step: int
     _stop_reason: str | None
     _last_saved_step: int
+    _resave: bool
+    _tokenizer_travel: tuple[dict[str, Any] | None] | None
 
     def _register_parts(self) -> CheckpointParts:
         """The checkpoint parts of this trainer, in load order (see the module docstring);
@@ -197,14 +231,23 @@ class TrainerStateMixin:
         if due and self.step != self._last_saved_step:
             self.save_checkpoint()
 
+    def _weights_replaced(self) -> None:
+        """The coordinator installed the final global after the loop: a checkpoint already
+        written at this step holds the weights from before it and is written again (with
+        ``save_final: false`` too), so the newest checkpoint is the final model."""
+        if self._last_saved_step == self.step:
+            self._last_saved_step = -1
+            self._resave = True
+
     def _save_final(self) -> None:
         manager = self.checkpoint_manager
         if manager is None or not manager.enabled or self.step <= 0:
             return
-        if not manager.save_final and self._stop_reason is None:
+        if not manager.save_final and self._stop_reason is None and not self._resave:
             return
         if self.step != self._last_saved_step:
             self.save_checkpoint()
+        self._resave = False
 
     def save_checkpoint(self) -> Any:
         """Save the full training state for the current step; emits ``checkpoint_saved``.
@@ -234,9 +277,26 @@ class TrainerStateMixin:
                 "autocast_enabled": self.precision.autocast_enabled,
                 "use_scaler": self.precision.use_scaler,
             },
-            "config": self.config.to_dict(redact_secrets=True),
+            "config": portable_config(self.config),
+            "tokenizer": self._tokenizer_record(),
             "versions": {"speedtronic": speedtronic.__version__, "torch": str(torch.__version__)},
         }
+
+    def _tokenizer_record(self) -> dict[str, Any] | None:
+        """The tokenizer that travels in every checkpoint (read once; ``None`` for bytes, or
+        with a warning when the file cannot be read: the checkpoint is written anyway)."""
+        if self._tokenizer_travel is None:
+            from speedtronic.config.tokenizer_file import tokenizer_record
+
+            record = None
+            try:
+                record = tokenizer_record(
+                    self.config.data.tokenizer, token=self.config.distributed.token
+                )
+            except (OSError, ValueError) as exc:
+                self.logger.warning("the tokenizer does not travel with the checkpoints: %s", exc)
+            self._tokenizer_travel = (record,)
+        return self._tokenizer_travel[0]
 
     def check_resumable(self, state: dict[str, Any]) -> None:
         """:func:`check_resumable` for this trainer's model and optimizer."""

@@ -156,6 +156,8 @@ class Trainer(NodeSyncMixin, TrainerStateMixin):
         self.parallel = parallel if parallel is not None else SingleProcess()
         self._coordinator_started = False
         self._last_saved_step = -1
+        self._resave = False  # the weights changed after this step's checkpoint was written
+        self._tokenizer_travel: tuple[dict[str, Any] | None] | None = None  # read at 1st save
         self._ooo: Any = None
         self._consecutive_skips = 0
         self.heldout = heldout
@@ -267,9 +269,12 @@ class Trainer(NodeSyncMixin, TrainerStateMixin):
             reached = self.step >= self.max_steps or not trains
             if reached and self._stop_reason is None:
                 self.parallel.refresh_mirror(self.model)
+                finishing = self._coordinator_started or self.config.distributed.enabled
                 if self._coordinator_started:
                     self._finish_coordinator()
                 self.parallel.broadcast_model(self.model)  # the final global, to every rank
+                if finishing:  # every rank of the node alike: the save gathers from all
+                    self._weights_replaced()  # the final global: the last checkpoint is stale
             spread = self.parallel.replica_spread(self.model)
             if spread is not None:  # several ranks: their replicas must be identical
                 self.logger.emit("replicas", {"step": self.step, "spread": spread})
