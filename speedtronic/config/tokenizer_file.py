@@ -84,7 +84,7 @@ class TokenizerInfo:
     config_path: Path | None = None
 
 
-def is_bytes(spec: Any) -> bool:
+def is_bytes(spec: object) -> bool:
     """True when ``spec`` selects the byte-level tokenizer (``bytes``, any case, or empty)."""
     return spec is None or str(spec).strip().lower() in ("", BYTES)
 
@@ -295,7 +295,7 @@ def _configured_eos(config_path: str) -> str | None:
     return eos if isinstance(eos, str) and eos else None
 
 
-def tokenizer_record(spec: Any, *, token: str | None = None) -> dict[str, Any] | None:
+def tokenizer_record(spec: object, *, token: str | None = None) -> dict[str, str | None] | None:
     """What a checkpoint stores so its tokenizer travels with it: ``{"spec", "sha256",
     "json", "config"}`` (the ``tokenizer.json`` text and the ``tokenizer_config.json`` text
     beside it, or ``None``); ``None`` for the byte-level tokenizer, whose settings are the
@@ -316,7 +316,7 @@ def _cache_root() -> Path:
     return Path.home() / ".cache" / "speedtronic" / "tokenizers"
 
 
-def materialize_tokenizer(record: Any) -> Path | None:
+def materialize_tokenizer(record: object) -> Path | None:
     """A folder holding the ``tokenizer.json`` (and ``tokenizer_config.json``) of a
     :func:`tokenizer_record`, for ``data.tokenizer``; ``None`` when ``record`` is not one.
 
