@@ -96,3 +96,62 @@ def test_the_sgd_shell_gives_the_numbers_of_nesterov_update(momentum, dtype, mon
         torch.testing.assert_close(saved["state"][0]["momentum_buffer"], buf, rtol=1e-6, atol=1e-6)
     else:
         torch.testing.assert_close(ours["w"], ref, rtol=2e-2, atol=2e-2)  # bf16 rounding
+
+
+def test_a_tensor_of_many_slices_steps_as_one_torch_sgd_over_the_whole_tensor(monkeypatch):
+    """Slices are an implementation detail: a tensor larger than a slice (and not a multiple
+    of it) gets the numbers of one torch SGD-Nesterov over the whole tensor, step after step."""
+    from speedtronic.diloco import master
+
+    monkeypatch.setattr(master, "OUTER_CHUNK", 7)
+    torch.manual_seed(1)
+    weight = torch.randn(5, 9)
+    ours = {"w": weight.clone()}
+    opt = NesterovOuterOptimizer(ours, lr=0.7, momentum=0.9)
+    param = torch.nn.Parameter(weight.clone())
+    sgd = torch.optim.SGD([param], lr=0.7, momentum=0.9, nesterov=True)
+    for _ in range(4):
+        grad = torch.randn(5, 9)
+        assert opt.first_non_finite(ours, {"w": grad}) is None
+        opt.step(ours, {"w": grad})
+        param.grad = grad.clone()
+        sgd.step()
+    torch.testing.assert_close(ours["w"], param.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        opt.momentum_buffers()["w"], sgd.state[param]["momentum_buffer"], rtol=1e-6, atol=1e-6
+    )
+
+
+def test_the_state_dict_carries_the_momentum_to_a_new_optimizer_over_new_tensors():
+    """A restart: the state_dict (torch's, or the by-name buffers of an outer state file) loaded
+    into the optimizer of another process over other tensors continues the same run."""
+    torch.manual_seed(2)
+    grads = [torch.randn(3, 4) for _ in range(4)]
+    whole = {"w": torch.randn(3, 4)}
+    first = {"w": whole["w"].clone()}
+    opt = NesterovOuterOptimizer(whole, lr=0.5, momentum=0.9)
+    for grad in grads:
+        opt.step(whole, {"w": grad})
+    half = NesterovOuterOptimizer(first, lr=0.5, momentum=0.9)
+    for grad in grads[:2]:
+        half.step(first, {"w": grad})
+    for saved in (half.state_dict(), {k: v.clone() for k, v in half.momentum_buffers().items()}):
+        again = {"w": first["w"].clone()}  # new tensors: the optimizer binds to them
+        resumed = NesterovOuterOptimizer(again, lr=0.5, momentum=0.9)
+        resumed.load_state_dict(saved)
+        for grad in grads[2:]:
+            resumed.step(again, {"w": grad})
+        assert torch.equal(again["w"], whole["w"])
+    with pytest.raises(ValueError, match="reshaped"):
+        resumed.load_state_dict({"w": torch.zeros(4, 3)})
+
+
+def test_a_failed_trial_changes_neither_the_weights_nor_the_momentum():
+    """The non-finite check runs the same update on copies: nothing of the step is kept."""
+    state = {"w": torch.tensor([3.0e38, 1.0])}
+    opt = NesterovOuterOptimizer(state, lr=1.0, momentum=0.9)
+    opt.step(state, {"w": torch.tensor([0.0, 0.5])})
+    before = (state["w"].clone(), opt.momentum_buffers()["w"].clone())
+    assert opt.first_non_finite(state, {"w": torch.tensor([-3.0e38, 0.0])}) == "w"
+    assert torch.equal(state["w"], before[0])
+    assert torch.equal(opt.momentum_buffers()["w"], before[1])
