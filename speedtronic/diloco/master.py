@@ -998,8 +998,9 @@ def reconcile(
     new_run: Callable[[], RoundState],
 ) -> RoundState:
     """Agree with the exchange ``store``, at start and after a failed publish; returns the
-    state to hold from now on (the exchange holds it when this returns; ``held`` is never
-    changed). The cases, in order:
+    state to hold from now on (the exchange holds it when this returns; ``held``'s weights and
+    records are never changed; an adopted global resets the run's one outer optimizer, which
+    ``held`` shares, and any retry adopts it again). The cases, in order:
 
     - a ``fresh`` master (training from step 0) over the final global of a finished run: a new
       run from the initial weights, the old run's contributions and done records pruned;
