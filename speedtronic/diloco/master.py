@@ -66,6 +66,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.optim.optimizer import StateDict
 from torch.optim.sgd import sgd as sgd_update
 
 from speedtronic.checkpoint import atomic_json_dump, atomic_write_with
@@ -1534,17 +1535,12 @@ class NesterovOuterOptimizer:
                 out[key] = buf
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        """The optimizer's ``state_dict`` (torch's: ``state`` by parameter index, its
-        ``param_groups`` with the names), its buffers cloned."""
-        saved = self.sgd.state_dict()
-        saved["state"] = {
-            i: {k: v.detach().clone() for k, v in entry.items()}
-            for i, entry in saved["state"].items()
-        }
-        return saved
+    def state_dict(self) -> StateDict:
+        """The optimizer's ``state_dict`` (torch's: ``state`` by parameter index, over the
+        optimizer's own buffers; ``param_groups`` with the tensor names)."""
+        return self.sgd.state_dict()
 
-    def load_state_dict(self, saved: Mapping[str, Any]) -> None:
+    def load_state_dict(self, saved: StateDict | Mapping[str, torch.Tensor]) -> None:
         """Replace the momentum with ``saved``'s: a :meth:`state_dict` (its buffers matched
         by name) or a dict of buffers by tensor name (an outer state file, also of 2.1).
         Buffers are kept as float32 CPU clones; the hyperparameters stay this run's.
