@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from torch.optim import Optimizer
 
 __all__ = [
     "MAX_CONSECUTIVE_SKIPS",
     "GradientOverflowError",
     "NonFiniteLossError",
     "StartStopCoordinator",
+    "StepUpdate",
     "SyncCoordinator",
     "TrainResult",
     "as_sync_coordinator",
@@ -40,10 +44,22 @@ class GradientOverflowError(RuntimeError):
     """Too many consecutive updates were skipped (gradient overflow or non-finite loss)."""
 
 
+@dataclass
+class StepUpdate:
+    """What one update of the trainer produced (the node's values after ``NodeSync.agree``)."""
+
+    loss: float
+    grad_norm: float | None
+    samples: int
+    tokens: int
+    micro_batches: int
+    skipped: str | None = None  # reason when the update was not applied
+
+
 @runtime_checkable
 class SyncCoordinator(Protocol):
-    """Everything the trainer, ``train/sync.py`` and the entrypoint use of a distributed
-    coordinator (DumbDiLoCo implements it).
+    """Everything the trainer (through ``train/sync.py``'s ``NodeSync``) and the entrypoint use
+    of a distributed coordinator (DumbDiLoCo implements it).
 
     Life cycle: at the start of every ``fit`` the trainer calls ``attach(optimizer)`` (the
     coordinator hooks its per-step round on ``optimizer.step``; ``hook=False`` when the model
@@ -73,7 +89,7 @@ class SyncCoordinator(Protocol):
 
     def is_ready(self) -> bool: ...
 
-    def attach(self, optimizer: Any, *, hook: bool = True) -> None: ...
+    def attach(self, optimizer: Optimizer, *, hook: bool = True) -> None: ...
 
     def wants_weights(self) -> bool: ...
 
@@ -116,7 +132,7 @@ class StartStopCoordinator:
         """Always ready."""
         return True
 
-    def attach(self, optimizer: Any, *, hook: bool = True) -> None:
+    def attach(self, optimizer: Optimizer, *, hook: bool = True) -> None:
         """Nothing is hooked on the optimizer."""
 
     def wants_weights(self) -> bool:
