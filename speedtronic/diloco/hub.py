@@ -400,7 +400,13 @@ def install_sdk_client() -> None:
 
 
 class HubClient(RepoTransport):
-    """A Hub model repository used as the DumbDiLoCo rendezvous (private, one per run)."""
+    """A Hub model repository used as the DumbDiLoCo rendezvous (private, one per run).
+
+    ``retry`` (:class:`RetryPolicy`: backoff, attempts, per-request timeout) defaults to
+    2.0.0's 1 s .. 60 s over 6 tries; ``sleeper`` replaces its sleep (tests). ``api`` injects
+    an SDK-like object, ``endpoint`` another Hub (default ``HF_ENDPOINT``). A repository that
+    answers "not found" is taken for one not created yet for ``missing_repo_wait`` seconds.
+    """
 
     kind = "hub"
 
@@ -413,17 +419,12 @@ class HubClient(RepoTransport):
         api: Any = None,
         endpoint: str | None = None,
         retry: RetryPolicy | None = None,
-        retry_initial: float = 1.0,
-        retry_max: float = 60.0,
-        retry_attempts: int = 6,
-        request_timeout: float = 60.0,
-        sleeper: Any = None,
+        sleeper: Callable[[float], None] | None = None,
         missing_repo_wait: float = 0.0,
     ):
-        if retry is None:
-            retry = RetryPolicy(retry_initial, retry_max, retry_attempts, request_timeout)
-            if sleeper is not None:
-                retry.sleeper = sleeper
+        retry = retry if retry is not None else RetryPolicy()  # 1 s .. 60 s, 6 tries, 60 s each
+        if sleeper is not None:
+            retry = dataclasses.replace(retry, sleeper=sleeper)
         token = token.strip() if token else token  # a secret file's trailing newline
         if token:
             retry.secrets = (*retry.secrets, token)
