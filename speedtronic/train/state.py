@@ -150,7 +150,9 @@ def portable_config(config: SpeedtronicConfig) -> dict[str, Any]:
     return values
 
 
-def check_resumable(state: Mapping[str, Any], model: torch.nn.Module, optimizer: Any) -> None:
+def check_resumable(
+    state: Mapping[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> None:
     """Raise ``CheckpointError`` (naming the mismatch) when ``state`` cannot resume ``model``
     and ``optimizer``: other parameter names or shapes, an invalid step or counter, other
     optimizer groups or optimizer state of other shapes. Changes nothing."""
@@ -180,7 +182,7 @@ def check_resumable(state: Mapping[str, Any], model: torch.nn.Module, optimizer:
         _check_optimizer_state(state["optimizer"], optimizer, source)
 
 
-def _check_optimizer_state(saved: Any, optimizer: Any, source: str) -> None:
+def _check_optimizer_state(saved: Any, optimizer: torch.optim.Optimizer, source: str) -> None:
     groups = saved.get("param_groups") if isinstance(saved, dict) else None
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
         raise CheckpointError(f"{source} holds no optimizer parameter groups")

@@ -20,10 +20,10 @@ refreshed after every update for liveness probes.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -68,6 +68,12 @@ from speedtronic.train.state import (
     check_resumable,
 )
 from speedtronic.train.sync import NodeSync
+
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler
+
+    from speedtronic.train.ooo import StageStreamScheduler
+    from speedtronic.train.shapes import ShapeReport
 
 __all__ = [
     "GradientOverflowError",
@@ -123,18 +129,18 @@ class Trainer:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        dataloader: Any,
+        dataloader: Iterable[Any],
         *,
         device: str | torch.device = "cpu",
         config: SpeedtronicConfig | Mapping[str, Any] | None = None,
-        scheduler: Any = None,
+        scheduler: LRScheduler | None = None,
         precision: PrecisionPlan | None = None,
         logger: MetricLogger | None = None,
-        checkpoint_manager: Any = None,
+        checkpoint_manager: CheckpointManager | None = None,
         coordinator: SyncCoordinator | None = None,
         max_steps: int | None = None,
         start_step: int = 0,
-        shape_report: Any = None,
+        shape_report: ShapeReport | None = None,
         options: TrainerOptions | None = None,
     ) -> None:
         options = options if options is not None else TrainerOptions()
@@ -149,7 +155,7 @@ class Trainer:
         self.device = torch.device(device)
         self.scheduler = scheduler
         self.logger = logger if logger is not None else MetricLogger()
-        self.checkpoint_manager: CheckpointManager | None = checkpoint_manager
+        self.checkpoint_manager = checkpoint_manager
         self.coordinator = as_sync_coordinator(coordinator)
         self.precision = precision or resolve_precision(self.config.precision, self.device)
         self.scaler = make_grad_scaler(self.precision)
@@ -176,7 +182,7 @@ class Trainer:
             self.parallel,
             reset_inner_optimizer=self.config.distributed.reset_inner_optimizer,
         )
-        self._ooo: Any = None
+        self._ooo: StageStreamScheduler | None = None
         self._consecutive_skips = 0
         self.heldout = options.heldout
         apply_gradient_checkpointing(self.model, self.config.gradient_checkpointing, self.logger)
@@ -532,7 +538,7 @@ class Trainer:
         if self.scheduler is not None:  # the lines `speedtronic validate` prints too
             for message in config_warnings(self.config):
                 self.logger.warning("%s", message)
-        profile = getattr(self.shape_report, "profile", None)
+        report = self.shape_report
         self.logger.emit(
             "train_start",
             {
@@ -544,8 +550,8 @@ class Trainer:
                 "ranks": self.parallel.world_size,
                 "data_parallel": self.parallel.mode,
                 "parameters": parameter_count(self.model),
-                "shape_alignment": getattr(profile, "alignment", None),
-                "shape_warning_count": int(getattr(self.shape_report, "warning_count", 0) or 0),
+                "shape_alignment": report.profile.alignment if report is not None else None,
+                "shape_warning_count": report.warning_count if report is not None else 0,
                 "ooo_backprop": self._ooo.as_dict() if self._ooo is not None else None,
                 "compiled": self._compiled,
                 "speedtronic_version": speedtronic.__version__,
