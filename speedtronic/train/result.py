@@ -1,8 +1,9 @@
 """What a training run returns and the errors and seams around the loop.
 
-``TrainResult`` is the value of ``Trainer.fit()``; ``SyncCoordinator`` is the protocol a
-distributed coordinator (DumbDiLoCo) implements; ``NonFiniteLossError`` and
-``GradientOverflowError`` are the loop's stop errors.
+``TrainResult`` is the value of ``Trainer.fit()``; ``TrainerOptions`` holds the ``Trainer``'s
+arguments added after 2.0.0; ``SyncCoordinator`` is the protocol a distributed coordinator
+(DumbDiLoCo) implements; ``NonFiniteLossError`` and ``GradientOverflowError`` are the loop's
+stop errors.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from torch.optim import Optimizer
 
+    from speedtronic.train.evaluate import HeldOut
+    from speedtronic.train.parallel import SingleProcess
+
 __all__ = [
     "MAX_CONSECUTIVE_SKIPS",
     "GradientOverflowError",
@@ -22,6 +26,7 @@ __all__ = [
     "StepUpdate",
     "SyncCoordinator",
     "TrainResult",
+    "TrainerOptions",
     "as_sync_coordinator",
 ]
 
@@ -42,6 +47,21 @@ class NonFiniteLossError(RuntimeError):
 
 class GradientOverflowError(RuntimeError):
     """Too many consecutive updates were skipped (gradient overflow or non-finite loss)."""
+
+
+@dataclass
+class TrainerOptions:
+    """The ``Trainer`` arguments added after 2.0.0 (its 13 documented ones stay keywords).
+
+    ``accumulation_steps`` overrides ``data.accumulation_steps``; ``heldout`` (a ``HeldOut``
+    from ``build_heldout``) turns on ``eval`` events (local weights); ``parallel`` (from
+    ``speedtronic.train.parallel.start_parallel``) makes the trainer one rank of a
+    data-parallel node (default: one process).
+    """
+
+    accumulation_steps: int | None = None
+    heldout: HeldOut | None = None
+    parallel: SingleProcess | None = None
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 One update (``_train_step``) = K micro-batches (``data.accumulation_steps``): forward under
 autocast, ``loss / K`` backward, then one host sync that reads the loss sum, the gradient norm
-and the token count together, then ``_optimizer_step``. ``sync.agree`` makes it the node's update
+and the token count together, then ``_optimizer_step``. ``_agree`` makes it the node's update
 when the node trains on several ranks (:class:`~speedtronic.train.sync.NodeSync`). ``_after_step``
 advances the counters and the LR schedule, the ``train_step`` metric is emitted,
 ``checkpoint.maybe_save`` saves on the interval
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +31,7 @@ from speedtronic.checkpoint import CheckpointManager, CheckpointParts, RNGState
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.config.advice import config_warnings
 from speedtronic.metrics.logger import MetricLogger, memory_usage_bytes
-from speedtronic.train.evaluate import HeldOut, evaluate
+from speedtronic.train.evaluate import evaluate
 from speedtronic.train.features import (
     apply_gradient_checkpointing,
     compile_model,
@@ -42,6 +41,7 @@ from speedtronic.train.forward import (
     batch_size_and_tokens,
     call_model,
     move_to_device,
+    read_update_values,
     resolve_loss,
 )
 from speedtronic.train.parallel import SingleProcess
@@ -58,6 +58,7 @@ from speedtronic.train.result import (
     NonFiniteLossError,
     StepUpdate,
     SyncCoordinator,
+    TrainerOptions,
     TrainResult,
     as_sync_coordinator,
 )
@@ -87,21 +88,6 @@ __all__ = [
 ]
 
 
-@dataclass
-class TrainerOptions:
-    """The ``Trainer`` arguments added after 2.0.0 (its 13 documented ones stay keywords).
-
-    ``accumulation_steps`` overrides ``data.accumulation_steps``; ``heldout`` (a ``HeldOut``
-    from ``build_heldout``) turns on ``eval`` events (local weights); ``parallel`` (from
-    ``speedtronic.train.parallel.start_parallel``) makes the trainer one rank of a
-    data-parallel node (default: one process).
-    """
-
-    accumulation_steps: int | None = None
-    heldout: HeldOut | None = None
-    parallel: SingleProcess | None = None
-
-
 class Trainer:
     """Runs optimizer updates of ``model`` on ``dataloader`` batches (see the module docstring).
 
@@ -111,14 +97,13 @@ class Trainer:
     list of batches are enough. Without a config there is no startup shape validation and no eval
     cadence (held-out eval only at the end).
 
-    ``max_steps`` is the absolute step target (default ``run.max_steps``);
-    ``accumulation_steps`` overrides ``data.accumulation_steps``; ``precision`` defaults to
-    ``resolve_precision(config.precision, device)``; ``logger`` to a stdout ``MetricLogger``.
-    ``checkpoint_manager``, ``coordinator``, ``scheduler`` and ``shape_report`` are optional.
-    ``options`` (:class:`TrainerOptions`) holds the rest: ``heldout`` turns on ``eval`` events
-    (local weights); ``parallel`` makes this one rank of a data-parallel node: it wraps the
-    model, syncs gradients on the last micro-batch and agrees with the other ranks after every
-    update.
+    ``max_steps`` is the absolute step target (default ``run.max_steps``); ``precision``
+    defaults to ``resolve_precision(config.precision, device)``; ``logger`` to a stdout
+    ``MetricLogger``. ``checkpoint_manager``, ``coordinator``, ``scheduler`` and
+    ``shape_report`` are optional. ``options`` (:class:`TrainerOptions`) holds the arguments
+    added after 2.0.0: ``accumulation_steps``, ``heldout`` (``eval`` events) and ``parallel``
+    (one rank of a data-parallel node: the model is wrapped, gradients sync on the last
+    micro-batch and the ranks agree after every update).
 
     The trainer owns two helpers: ``checkpoint`` (:class:`TrainerCheckpoint`: the registered
     checkpoint parts, when they are written, resume) and ``sync`` (:class:`NodeSync`: the
@@ -155,8 +140,6 @@ class Trainer:
         self.device = torch.device(device)
         self.scheduler = scheduler
         self.logger = logger if logger is not None else MetricLogger()
-        self.checkpoint_manager = checkpoint_manager
-        self.coordinator = as_sync_coordinator(coordinator)
         self.precision = precision or resolve_precision(self.config.precision, self.device)
         self.scaler = make_grad_scaler(self.precision)
         self.max_steps = int(max_steps if max_steps is not None else self.config.run.max_steps)
@@ -178,7 +161,7 @@ class Trainer:
         self._stop_request: str | None = None  # a stop asked of this rank
         self.parallel = options.parallel if options.parallel is not None else SingleProcess()
         self.sync = NodeSync(
-            self.coordinator,
+            as_sync_coordinator(coordinator),
             self.parallel,
             reset_inner_optimizer=self.config.distributed.reset_inner_optimizer,
         )
@@ -203,7 +186,7 @@ class Trainer:
                 "scaler": self.scaler,
                 "data": self.data,
                 "rng": RNGState(),
-                "coordinator": self.coordinator,
+                "coordinator": self.sync.coordinator,
             },
             root="train",
         )
@@ -219,6 +202,16 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------ settings
+
+    @property
+    def coordinator(self) -> SyncCoordinator | None:
+        """The sync coordinator (``sync.coordinator``), or ``None``."""
+        return self.sync.coordinator
+
+    @property
+    def checkpoint_manager(self) -> CheckpointManager | None:
+        """The checkpoint manager (``checkpoint.manager``), or ``None``."""
+        return self.checkpoint.manager
 
     @property
     def stop_requested(self) -> str | None:
@@ -300,10 +293,7 @@ class Trainer:
             last_tick = started
             while self.step < target and self._stop_reason is None:
                 update = self._train_step()
-                if self.sync.agree(
-                    update, self.model, self.optimizer, stop_asked=self._stop_request is not None
-                ):
-                    self._stop_with_the_node()
+                self._agree(update)
                 if update.skipped:
                     self._note_skipped(update)
                     continue
@@ -317,17 +307,8 @@ class Trainer:
                 self._maybe_evaluate(target)
             reached = self.step >= self.max_steps or not trains
             if reached and self._stop_reason is None:
-                self.parallel.refresh_mirror(self.model)
-                finishing = self.sync.started or self.config.distributed.enabled
-                self.sync.finish()
-                self.parallel.broadcast_model(self.model)  # the final global, to every rank
-                if finishing:  # every rank of the node alike: the save gathers from all
-                    self.checkpoint.weights_replaced(self.step)  # the last one is stale
-            spread = self.parallel.replica_spread(self.model)
-            if spread is not None:  # several ranks: their replicas must be identical
-                self.logger.emit("replicas", {"step": self.step, "spread": spread})
-                if spread:
-                    self.logger.warning("the ranks' replicas differ (spread %g)", spread)
+                self._finish_run()
+            self._check_replicas()
         finally:
             self.sync.stop()
             if self._ooo is not None:
@@ -363,10 +344,33 @@ class Trainer:
         if reason and self._stop_request is None:
             self.request_stop(reason)
 
-    def _stop_with_the_node(self) -> None:
-        """Some rank of the node was asked to stop: every rank stops after this update."""
-        if self._stop_reason is None:
+    def _agree(self, update: StepUpdate) -> None:
+        """Make ``update`` the node's (:meth:`NodeSync.agree`); when some rank of the node was
+        asked to stop, every rank stops after this update."""
+        stop = self.sync.agree(
+            update, self.model, self.optimizer, stop_asked=self._stop_request is not None
+        )
+        if stop and self._stop_reason is None:
             self._stop_reason = self._stop_request or "stop requested on another rank"
+
+    def _finish_run(self) -> None:
+        """The run reached its target: the coordinator's end of run (DiLoCo: the last
+        contribution, then the final global), which every rank then takes."""
+        self.parallel.refresh_mirror(self.model)
+        finishing = self.sync.started or self.config.distributed.enabled
+        self.sync.finish()
+        self.parallel.broadcast_model(self.model)  # the final global, to every rank
+        if finishing:  # every rank of the node alike: the save gathers from all
+            self.checkpoint.weights_replaced(self.step)  # the last checkpoint is stale
+
+    def _check_replicas(self) -> None:
+        """Several ranks: their replicas must be identical (``replicas`` event, a warning
+        when they differ); one process: nothing."""
+        spread = self.parallel.replica_spread(self.model)
+        if spread is not None:
+            self.logger.emit("replicas", {"step": self.step, "spread": spread})
+            if spread:
+                self.logger.warning("the ranks' replicas differ (spread %g)", spread)
 
     def _train_step(self) -> StepUpdate:
         """Forward/backward K micro-batches, read loss/norm/tokens in one sync, then update."""
@@ -387,7 +391,9 @@ class Trainer:
                 losses.append(loss.detach())
                 self._backward(loss / k if k > 1 else loss)
         grad_norm = self._unscale_and_clip()
-        loss_value, norm_value, mask_tokens = self._read_values(losses, grad_norm, token_tensors)
+        loss_value, norm_value, mask_tokens = read_update_values(
+            losses, grad_norm, token_tensors, self.device
+        )
         update = StepUpdate(loss_value, norm_value, samples, tokens + mask_tokens, k)
         if not self.parallel.finite(loss_value, norm_value):
             self.optimizer.zero_grad(set_to_none=True)
@@ -399,23 +405,6 @@ class Trainer:
         if not self._optimizer_step():
             update.skipped = "grad_scaler_overflow"
         return update
-
-    def _read_values(
-        self,
-        losses: list[torch.Tensor],
-        grad_norm: torch.Tensor | None,
-        token_counts: list[torch.Tensor],
-    ) -> tuple[float, float | None, int]:
-        """The update's only host sync: mean loss, grad norm and masked token count at once."""
-        wide = torch.float32 if self.device.type == "mps" else torch.float64
-        parts = [torch.stack(losses).to(wide).mean()]
-        if grad_norm is not None:
-            parts.append(grad_norm.to(wide))
-        if token_counts:
-            parts.append(torch.stack(token_counts).to(wide).sum())
-        values = torch.stack(parts).tolist()
-        norm = values[1] if grad_norm is not None else None
-        return values[0], norm, int(values[-1]) if token_counts else 0
 
     def _forward(self, batch: Any) -> torch.Tensor:
         """One micro-batch forward (autocast, OOO bracket, compile fallback) → scalar loss."""
