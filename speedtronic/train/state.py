@@ -78,10 +78,11 @@ class DataPosition:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restart the stream at the saved position now."""
-        load = getattr(self.loader, "load_state_dict", None)
-        restored = state.get("loader") is not None and callable(load)
-        if restored:
+        load = getattr(self.loader, "load_state_dict", None)  # a user's loader may have none
+        restored = False
+        if state.get("loader") is not None and callable(load):
             load(state["loader"])
+            restored = True
         self._stream = BatchStream(self.loader)
         self.consumed = int(state.get("batches", 0))
         if not restored:
@@ -142,7 +143,9 @@ def portable_config(config: SpeedtronicConfig) -> dict[str, Any]:
     values = config.to_dict(redact_secrets=True)
     for section, field in _PATH_FIELDS:
         part = values.get(section)
-        value = part.get(field) if isinstance(part, dict) else None
+        if not isinstance(part, dict):
+            continue
+        value = part.get(field)
         if isinstance(value, str) and value.strip() and value.strip().lower() != "bytes":
             path = Path(value).expanduser()
             if not path.is_absolute() and path.exists():

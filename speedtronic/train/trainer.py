@@ -437,6 +437,7 @@ class Trainer:
     def _unscale_and_clip(self) -> torch.Tensor | None:
         """Unscale (fp16), clip to ``optimizer.grad_clip`` when set; return the global grad norm."""
         params = [p for p in self._params if p.grad is not None]
+        grads = [p.grad for p in params if p.grad is not None]  # the same (narrowed for mypy)
         if not params:
             return None
         if self.scaler is not None:
@@ -444,7 +445,7 @@ class Trainer:
         clip = self.config.optimizer.grad_clip
         if clip is not None:
             return self.parallel.local_norm(torch.nn.utils.clip_grad_norm_(params, clip))
-        return self.parallel.local_norm(torch.nn.utils.get_total_norm([p.grad for p in params]))
+        return self.parallel.local_norm(torch.nn.utils.get_total_norm(grads))
 
     def _optimizer_step(self) -> bool:
         """Apply the update; False when the GradScaler skipped it (overflow)."""
