@@ -203,29 +203,18 @@ class _ProgressBar:
 def export_command(args: argparse.Namespace, config: Any) -> int:
     """``speedtronic export``: the folder written (and, with ``--verify``, the logit check)."""
     from speedtronic.checkpoint import CheckpointError
-    from speedtronic.config.tokenizer_file import is_bytes
-    from speedtronic.data.tokenizer import tokenizer_for
-    from speedtronic.model.export import ExportError, check_exportable, export_hf, verify_export
-    from speedtronic.train.scoring import load_model
+    from speedtronic.model.export import ExportError, verify_export
+    from speedtronic.publish import export_weights
 
     try:
-        check_exportable(config.model)
-        model, weights = load_model(config, checkpoint=args.checkpoint, use_global=args.use_global)
-        tokenizer = None if is_bytes(config.data.tokenizer) else tokenizer_for(config)
-        provenance = {
-            "source": weights.source,
-            "step": weights.step,
-            "outer_step": weights.outer_step,
-            "config": config.to_dict(redact_secrets=True),
-        }
-        folder = export_hf(
-            model,
+        exported = export_weights(
+            config,
             args.output,
-            model_name=config.model.name,
-            tokenizer=tokenizer,
-            provenance=provenance,
+            checkpoint=args.checkpoint,
+            use_global=args.use_global,
             overwrite=args.overwrite,
         )
+        model, weights, folder = exported.model, exported.weights, exported.folder
         print(f"exported {_loaded(weights)} to {folder} (LlamaForCausalLM, fp32)")
         if args.verify:
             print(f"verified: max |logit difference| = {verify_export(model, folder):.3g}")

@@ -33,8 +33,9 @@ import yaml
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.config.limits import is_hub_repo_id
 from speedtronic.config.redaction import scrub
+from speedtronic.train.scoring import Weights
 
-__all__ = ["PushResult", "eval_history", "model_card", "push_model"]
+__all__ = ["Exported", "PushResult", "eval_history", "export_weights", "model_card", "push_model"]
 
 
 @dataclass(frozen=True)
@@ -193,6 +194,53 @@ def model_card(
     return scrub("\n".join(lines), [config.distributed.token])
 
 
+@dataclass(frozen=True)
+class Exported:
+    """A transformers folder written from a run's weights, and what it came from."""
+
+    folder: Path
+    model: torch.nn.Module
+    weights: Weights
+    parameters: int
+
+
+def export_weights(
+    config: SpeedtronicConfig,
+    output: str | Path,
+    *,
+    checkpoint: str | None = None,
+    use_global: bool = False,
+    overwrite: bool = False,
+) -> Exported:
+    """The weights :func:`speedtronic.train.scoring.load_model` finds (the newest checkpoint,
+    ``checkpoint``, or the published global), written by
+    :func:`speedtronic.model.export.export_hf` at ``output`` with the run's tokenizer and a
+    ``speedtronic.json`` provenance record: what ``speedtronic export`` and ``push`` write."""
+    from speedtronic.config.tokenizer_file import is_bytes
+    from speedtronic.data.tokenizer import tokenizer_for
+    from speedtronic.model.export import check_exportable, export_hf
+    from speedtronic.train.scoring import load_model
+
+    check_exportable(config.model)
+    model, weights = load_model(config, checkpoint=checkpoint, use_global=use_global)
+    tokenizer = None if is_bytes(config.data.tokenizer) else tokenizer_for(config)
+    provenance = {
+        "source": weights.source,
+        "step": weights.step,
+        "outer_step": weights.outer_step,
+        "config": config.to_dict(redact_secrets=True),
+    }
+    folder = export_hf(
+        model,
+        output,
+        model_name=config.model.name,
+        tokenizer=tokenizer,
+        provenance=provenance,
+        overwrite=overwrite,
+    )
+    return Exported(folder, model, weights, sum(p.numel() for p in model.parameters()))
+
+
 def _generation_config(folder: Path) -> None:
     from transformers import AutoConfig, GenerationConfig
 
@@ -213,47 +261,31 @@ def push_model(
     with a model card to the Hub model repo ``repo_id`` in one commit (see the module)."""
     from huggingface_hub import CommitOperationAdd, HfApi
 
-    from speedtronic.config.tokenizer_file import is_bytes
-    from speedtronic.data.tokenizer import tokenizer_for
     from speedtronic.diloco.exchange import retry_policy_from_config
-    from speedtronic.model.export import check_exportable, export_hf
-    from speedtronic.train.scoring import load_model
 
     if not is_hub_repo_id(repo_id):
         raise ValueError(f"--repo {repo_id!r} is not a Hub repo id: expected owner/name")
     say = log or (lambda message: None)
-    check_exportable(config.model)
-    model, weights = load_model(config, checkpoint=checkpoint, use_global=use_global)
-    tokenizer = None if is_bytes(config.data.tokenizer) else tokenizer_for(config)
-    events = _events_file(config, checkpoint)
-    history = eval_history(events) if events is not None else []
-    block = config.data.block_size or config.model.max_seq_len
-    tokens = weights.step * config.data.target_batch_size * block if weights.step else None
-    card = model_card(
-        config,
-        repo_id=repo_id,
-        parameters=sum(p.numel() for p in model.parameters()),
-        step=weights.step,
-        tokens=tokens,
-        history=history,
-        source=weights.source,
-    )
-    provenance = {
-        "source": weights.source,
-        "step": weights.step,
-        "outer_step": weights.outer_step,
-        "config": config.to_dict(redact_secrets=True),
-    }
     token = config.distributed.token
     policy = retry_policy_from_config(config.distributed)
     api = HfApi(endpoint=endpoint, token=token)
     with tempfile.TemporaryDirectory(prefix="speedtronic-push-") as scratch:
-        folder = export_hf(
-            model,
-            Path(scratch) / "model",
-            model_name=config.model.name,
-            tokenizer=tokenizer,
-            provenance=provenance,
+        exported = export_weights(
+            config, Path(scratch) / "model", checkpoint=checkpoint, use_global=use_global
+        )
+        folder, weights = exported.folder, exported.weights
+        events = _events_file(config, checkpoint)
+        history = eval_history(events) if events is not None else []
+        block = config.data.block_size or config.model.max_seq_len
+        tokens = weights.step * config.data.target_batch_size * block if weights.step else None
+        card = model_card(
+            config,
+            repo_id=repo_id,
+            parameters=exported.parameters,
+            step=weights.step,
+            tokens=tokens,
+            history=history,
+            source=weights.source,
         )
         _generation_config(folder)
         (folder / "README.md").write_text(card, encoding="utf-8")

@@ -92,7 +92,7 @@ def test_token_in_yaml_warns_on_stderr(capsys, tmp_path) -> None:
     ("content", "needle"),
     [
         ("model:\n  n_layer: many\n", "error: model.n_layer must be an integer"),
-        ("model:\n  n_layer: 0\n", "error: model layer/head counts must be positive"),
+        ("model:\n  n_layer: 0\n", "error: model.n_layer must be greater than 0, got int 0 (from "),
         ("model:\n  bogus: 1\n", "error: model: unknown configuration keys: bogus"),
         ("run:\n  max_steps: null\n", "error: run.max_steps must be an integer, got null"),
         ("checkpoint:\n  enabled: maybe\n", "error: checkpoint.enabled must be a boolean"),
@@ -208,7 +208,7 @@ def test_bad_override(capsys) -> None:
     code, _, err = _run(capsys, "validate", "--config", SMOKE, "--set", "run.nope=1")
     assert code == 2 and "run.nope" in _one_error_line(err)
     code, _, err = _run(capsys, "validate", "--config", SMOKE, "--max-steps", "0")
-    assert code == 2 and "run.max_steps must be positive" in _one_error_line(err)
+    assert code == 2 and "run.max_steps must be greater than 0" in _one_error_line(err)
 
 
 # --------------------------------------------------------------------------- train / run / plot
@@ -393,7 +393,9 @@ def test_subprocess_bad_config_one_line(tmp_path) -> None:
     result = _subprocess("validate", "--config", str(bad))
     assert result.returncode == 2
     assert result.stdout == ""
-    assert result.stderr.splitlines() == ["error: optimizer.lr must be a number, got str 'fast'"]
+    assert result.stderr.splitlines() == [
+        f"error: optimizer.lr must be a number, got str 'fast' (from {bad})"
+    ]
 
 
 def test_subprocess_malformed_yaml(tmp_path) -> None:

@@ -74,7 +74,7 @@ def test_run_without_a_config_runs_the_main_job(tmp_path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr
     (line,) = [line for line in done.stdout.splitlines() if "| config: " in line]
     assert f"from the embedded main job {MAIN_JOB}" in line
-    assert "run diloco-local (20 steps" in done.stdout
+    assert "run diloco-local, 20 steps" in done.stdout
     assert "role=master" in done.stdout and "outer_step=1" in done.stdout  # a DiLoCo round
     assert (tmp_path / "runs" / "diloco" / "checkpoints").is_dir()  # configs/diloco.yaml's
 
@@ -95,7 +95,7 @@ def test_a_named_config_wins_over_the_main_job(tmp_path, how) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr
     (line,) = [line for line in done.stdout.splitlines() if "| config: " in line]
     assert f"from {SMOKE};" in line and "main job" not in line
-    assert "run smoke (2 steps" in done.stdout
+    assert "run smoke, 2 steps" in done.stdout
 
 
 @pytest.mark.parametrize("command", ["train", "validate", "config show"])

@@ -266,7 +266,7 @@ def test_explicit_horizon_survives_layers(no_secrets) -> None:
         ("run.bogus=1", "unknown configuration field"),
         ("bogus=1", "unknown configuration keys: bogus"),
         ("hub.repo_id=x", "unknown configuration field"),
-        ("run.max_steps=-1", "run.max_steps must be positive"),
+        ("run.max_steps=-1", r"run.max_steps must be greater than 0, got int -1 \(from cli\)"),
     ],
 )
 def test_bad_overrides(override, match, no_secrets) -> None:
@@ -369,3 +369,26 @@ def _resolve_error(secrets: Path, needle: str) -> str:
     with pytest.raises(ConfigError, match=needle) as caught:
         resolve_config({}, environ={}, secrets_dir=str(secrets))
     return str(caught.value)
+
+
+@pytest.mark.parametrize("layer", ["file", "env", "secret", "cli"])
+def test_a_bad_value_names_the_field_the_expectation_and_its_source(tmp_path, layer) -> None:
+    """SPEC: a config error names the field's path, what was expected, the value and where it
+    came from (the file's path, the env name, the secret file, --set)."""
+    path = tmp_path / "run.yaml"
+    path.write_text("run:\n  max_steps: -1\n" if layer == "file" else "run:\n  name: x\n")
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    if layer == "secret":
+        (secrets / "run__max_steps").write_text("-1\n")
+    environ = {"SPEEDTRONIC_RUN__MAX_STEPS": "-1"} if layer == "env" else {}
+    overrides = ["run.max_steps=-1"] if layer == "cli" else []
+    with pytest.raises(ConfigError) as caught:
+        resolve_config(str(path), environ=environ, secrets_dir=secrets, overrides=overrides)
+    origin = {
+        "file": str(path),
+        "env": "env:SPEEDTRONIC_RUN__MAX_STEPS",
+        "secret": "secret:run__max_steps",
+        "cli": "cli",
+    }[layer]
+    assert str(caught.value) == f"run.max_steps must be greater than 0, got int -1 (from {origin})"

@@ -129,7 +129,9 @@ def test_unknown_key_from_a_mapping_has_no_file() -> None:
 
 @pytest.mark.parametrize("lr", [1e300, 11.0, "1e300"])
 def test_absurd_learning_rate_is_refused(lr) -> None:
-    with pytest.raises(ConfigError, match=r"^optimizer.lr must be at most 10"):
+    with pytest.raises(
+        ConfigError, match=r"^optimizer.lr must be less than or equal to 10, got float"
+    ):
         load_config({"optimizer": {"lr": lr}})
 
 

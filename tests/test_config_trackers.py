@@ -24,9 +24,16 @@ def test_trackers_from_yaml_env_and_set(tmp_path) -> None:
     assert cli.config.logging.trackers == []
 
 
-@pytest.mark.parametrize("value", [["mlflow"], "wandb", [1]])
-def test_unknown_tracker_is_refused(value) -> None:
-    with pytest.raises(ConfigError, match=r"^logging.trackers must be a list of: tensorboard"):
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (["mlflow"], r"^logging.trackers\[0\] must be 'tensorboard' or 'wandb', got str 'mlflow'"),
+        ("wandb", r"^logging.trackers must be a valid list, got str 'wandb'"),
+        ([1], r"^logging.trackers\[0\] must be 'tensorboard' or 'wandb', got int 1"),
+    ],
+)
+def test_unknown_tracker_is_refused(value, expected) -> None:
+    with pytest.raises(ConfigError, match=expected):
         SpeedtronicConfig.from_dict({"logging": {"trackers": value}})
 
 

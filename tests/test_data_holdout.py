@@ -178,12 +178,12 @@ def test_heldout_files_and_their_errors(tmp_path):
 @pytest.mark.parametrize(
     ("section", "message"),
     [
-        ({"holdout": 1.0}, r"eval\.holdout must be in \[0, 1\)"),
-        ({"holdout": -0.1}, r"eval\.holdout must be in \[0, 1\)"),
+        ({"holdout": 1.0}, r"eval\.holdout must be less than 1, got float 1.0"),
+        ({"holdout": -0.1}, r"eval\.holdout must be greater than or equal to 0, got float -0.1"),
         ({"holdout": "much"}, r"eval\.holdout must be a number"),
-        ({"every_steps": -1}, r"eval\.every_steps must be >= 0"),
-        ({"tokens": 0}, r"eval\.tokens must be positive"),
-        ({"batch_size": 0}, r"eval\.batch_size must be positive"),
+        ({"every_steps": -1}, r"eval\.every_steps must be greater than or equal to 0"),
+        ({"tokens": 0}, r"eval\.tokens must be greater than 0"),
+        ({"batch_size": 0}, r"eval\.batch_size must be greater than 0"),
         ({"text_path": "a", "token_path": "b"}, r"eval\.text_path and eval\.token_path"),
         ({"holdout": 0.1, "text_path": "a"}, r"eval\.holdout cannot be combined"),
         ({"bogus": 1}, r"eval: unknown configuration keys: bogus"),

@@ -102,7 +102,7 @@ def test_data_synthetic_values(value, kind):
 
 @pytest.mark.parametrize("bad", ["bogus", 2, None, [1]])
 def test_data_synthetic_rejects_other_values(bad):
-    with pytest.raises(ConfigError, match=r"data\.synthetic must be markov, uniform or none"):
+    with pytest.raises(ConfigError, match=r"data\.synthetic must be 'markov', 'uniform' or 'none'"):
         DataConfig(synthetic=bad)
 
 

@@ -139,10 +139,10 @@ def test_nproc_per_node_resolution_and_validation():
         }
     )
     assert resolve_nproc(master) == 1  # a master aggregates on one process
-    for bad, text in [(0, "positive integer or auto"), ("many", "an integer"), (True, "integer")]:
+    for bad, text in [(0, "greater than 0 .or 'auto'."), ("many", "an integer"), (True, "integer")]:
         with pytest.raises(ConfigError, match=text):
             cfg(nproc_per_node=bad)
-    with pytest.raises(ConfigError, match="ddp or fsdp"):
+    with pytest.raises(ConfigError, match="'ddp' or 'fsdp', got str 'zero3'"):
         cfg(data_parallel="zero3")
     with pytest.raises(ConfigError, match="collective_timeout"):
         cfg(collective_timeout=0)

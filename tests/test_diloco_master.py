@@ -7,6 +7,7 @@ close decision (complete, timeout, min_nodes, silence) is deterministic.
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -426,6 +427,7 @@ def test_pure_aggregator_record_is_not_waited_for(tmp_path):
 
 
 def test_a_fresh_master_starts_a_new_run_over_a_finished_one(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="speedtronic.diloco")
     master, t, _ = make_master(tmp_path)
     join(t, "a")
     master.poll_once()
@@ -441,7 +443,8 @@ def test_a_fresh_master_starts_a_new_run_over_a_finished_one(tmp_path, caplog):
     assert meta.outer_step == 0 and not meta.final and published(t) == [0.0, 0.0]
     assert t.read_ledger() == {} and t.read_owner("a") is None  # a's done record is gone
     assert t.read_owner("b")["state"] == "training"
-    assert any("starting a new run" in m for lvl, m in lines(caplog) if lvl == "warning")
+    # a re-run over a finished exchange is a normal start: said at INFO, no warning (issue 29)
+    assert any("starting a new run" in m for lvl, m in lines(caplog) if lvl == "info")
     deliver(t, "b", 0, [2.0, 2.0])
     assert again.poll_once() is True and published(t) == [-2.0, -2.0]
 

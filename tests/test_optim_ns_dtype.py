@@ -209,7 +209,9 @@ def test_config_accepts_the_three_settings_case_insensitively():
 
 @pytest.mark.parametrize("bad", ["fp16", "bfloat16", "", 16, None, True, ["bf16"]])
 def test_config_rejects_other_values(bad):
-    with pytest.raises(ConfigError, match=r"optimizer\.muon_ns_dtype must be auto, bf16 or fp32"):
+    with pytest.raises(
+        ConfigError, match=r"optimizer\.muon_ns_dtype must be 'auto', 'bf16' or 'fp32', got "
+    ):
         SpeedtronicConfig.from_dict({"optimizer": {"name": "muon", "muon_ns_dtype": bad}})
 
 

@@ -156,7 +156,9 @@ def test_runtime_threads_setting_is_auto_or_a_positive_count() -> None:
     assert SpeedtronicConfig.from_dict({"runtime": {"threads": " Auto "}}).runtime.threads == "auto"
     assert SpeedtronicConfig.from_dict({"runtime": {"threads": "3"}}).runtime.threads == 3
     for bad in (0, -1, "lots", True, 1.5):
-        with pytest.raises(ConfigError, match=r"runtime\.threads must be a positive integer"):
+        # the field, what it takes (an integer > 0, or auto) and the value
+        expected = r"runtime\.threads must be (greater than 0|an integer) \(or 'auto'\), got "
+        with pytest.raises(ConfigError, match=expected):
             SpeedtronicConfig.from_dict({"runtime": {"threads": bad}})
 
 

@@ -20,7 +20,6 @@ Importing this package never imports torch and never reads the environment.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from speedtronic.config.errors import ConfigError, ConfigFileNotFoundError
 from speedtronic.config.layering import ResolvedConfig, resolve_config
@@ -70,7 +69,7 @@ __all__ = [
 ]
 
 
-def load_config(source: Any) -> SpeedtronicConfig:
+def load_config(source: object) -> SpeedtronicConfig:
     """Same as :meth:`SpeedtronicConfig.load` (mapping, inline YAML/JSON, or path)."""
     return SpeedtronicConfig.load(source)
 

@@ -23,7 +23,6 @@ import difflib
 import logging
 from collections.abc import Iterable, Mapping
 from pathlib import PurePath
-from typing import Any
 
 from speedtronic.config.errors import ConfigError
 
@@ -65,13 +64,13 @@ ROOT_ALIASES = (*RUN_ALIASES, "hub", "diloco", "muon_plus", "cautious")
 LOG_PATH_FIELDS = ("file", "json_file")
 
 
-def _queue_size_is_one(value: Any) -> bool:
+def _queue_size_is_one(value: object) -> bool:
     if isinstance(value, str):
         return value.strip() == "1"
     return isinstance(value, (bool, int, float)) and value == 1
 
 
-def _overflow_is_skip(value: Any) -> bool:
+def _overflow_is_skip(value: object) -> bool:
     return isinstance(value, str) and value.strip().lower() == "skip"
 
 
@@ -89,7 +88,9 @@ RETIRED = {
 }
 
 
-def unknown_keys_message(keys: Any, prefix: str = "", known: Iterable[str] = ()) -> str:
+def unknown_keys_message(
+    keys: Iterable[object], prefix: str = "", known: Iterable[str] = ()
+) -> str:
     """The 2.0.0 text ``[<section>: ]unknown configuration keys: a, b`` (sorted), plus the
     nearest known name of the first key that resembles one (``did you mean max_steps?``)."""
     names = sorted(str(key) for key in keys)
@@ -102,14 +103,14 @@ def unknown_keys_message(keys: Any, prefix: str = "", known: Iterable[str] = ())
     return message
 
 
-def as_dict(value: Any) -> Any:
+def as_dict(value: object) -> object:
     """A section instance becomes a dict of its fields; anything else is returned unchanged."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
     return value
 
 
-def canonicalize(values: Any) -> dict[str, Any]:
+def canonicalize(values: object) -> dict[str, object]:
     """Apply run aliases, section aliases and optimizer/precision/compile shorthands.
 
     Raises ``ConfigError`` for a non-mapping root, conflicting duplicates and unknown root keys.
@@ -119,7 +120,7 @@ def canonicalize(values: Any) -> dict[str, Any]:
         return {}
     if not isinstance(values, Mapping):
         raise ConfigError("configuration root must be a mapping")
-    data: dict[str, Any] = {str(key): value for key, value in values.items()}
+    data: dict[str, object] = {str(key): value for key, value in values.items()}
 
     run = data.get("run")
     run = {} if run is None else as_dict(run)
@@ -167,7 +168,7 @@ def canonicalize(values: Any) -> dict[str, Any]:
     return data
 
 
-def compile_shorthand(value: Any) -> Any:
+def compile_shorthand(value: object) -> object:
     """The 2.0.0 ``compile: {enabled: x}`` form -> ``x`` (``{}`` -> False); other values as is.
 
     Any key besides ``enabled`` is a ``ConfigError`` (``compile: unknown configuration keys``).
@@ -180,7 +181,7 @@ def compile_shorthand(value: Any) -> Any:
     return value.get("enabled", False)
 
 
-def _drop_retired(data: dict[str, Any]) -> None:
+def _drop_retired(data: dict[str, object]) -> None:
     """Remove the `RETIRED` keys: their one legal value is dropped with a warning, any other
     value is the 2.0.0 ``ConfigError``."""
     for (section, key), (is_legal, message) in RETIRED.items():
@@ -198,7 +199,7 @@ def _drop_retired(data: dict[str, Any]) -> None:
         )
 
 
-def rebase_legacy_log_paths(data: dict[str, Any]) -> None:
+def rebase_legacy_log_paths(data: dict[str, object]) -> None:
     """Read a 2.0.0-style log path as the path below ``run.output_dir`` it names.
 
     ``logging.file`` and ``logging.json_file`` are relative to ``run.output_dir`` now; 2.0.0
@@ -217,7 +218,7 @@ def rebase_legacy_log_paths(data: dict[str, Any]) -> None:
     if output_dir is None:
         from speedtronic.config.sections import RunConfig
 
-        output_dir = RunConfig.__pydantic_fields__["output_dir"].default
+        output_dir = RunConfig().output_dir
     if not isinstance(output_dir, str) or PurePath(output_dir).is_absolute():
         return
     prefix = PurePath(output_dir).parts

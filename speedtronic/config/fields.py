@@ -1,9 +1,10 @@
 """Field types and the section decorator: how a config field is declared once.
 
-A field is one line: ``name: Annotated[Int, Field(gt=0, le=..., description=...)] = default``.
-The type aliases here (:data:`Int`, :data:`Float`, :data:`Bool`, :data:`Str`, :data:`PathStr`)
-carry the coercion rules of SPEC §3 as pydantic ``BeforeValidator`` s, so a wrong type is a
-:class:`ConfigError` naming the field and the expected type (never a raw ``TypeError``):
+A field is one line: ``name: Int = F(default, "help", gt=0, le=...)``, or with a choice,
+``name: Literal["a", "b"] = F("a", "help")`` (annotate ``Annotated[Literal[...], CHOICE]`` to
+match it without case). The type aliases here (:data:`Int`, :data:`Float`, :data:`Bool`,
+:data:`Str`, :data:`PathStr`, :data:`StrList`) carry the coercion rules of SPEC §3 as pydantic
+``BeforeValidator`` s:
 
 * integers: ``int`` (not ``bool``), integral floats (``4.0``), decimal strings (``"7"``, ``"1e3"``);
 * numbers: ``int``/``float`` (not ``bool``) and numeric strings such as ``"3e-4"`` (PyYAML reads
@@ -13,9 +14,10 @@ carry the coercion rules of SPEC §3 as pydantic ``BeforeValidator`` s, so a wro
   bounded lengths. A token-shaped value outside ``distributed.token`` is refused, unshown.
 
 :func:`section` makes a class a pydantic dataclass (``dataclasses.fields``/``replace``/``asdict``
-keep working) whose errors are :class:`ConfigError` s in one line.
-Bounds come from the ``Field`` constraints; :class:`Says` keeps a 2.0.0 wording where the
-generic one (``must be positive``, ``cannot be negative``, ``must be at most N``) differs.
+keep working). Pydantic checks types and bounds; :func:`to_config_error` turns its first
+problem into one :class:`ConfigError` line: the field's dotted path, what was expected (type,
+bound or allowed values) and the value, never a secret. The layer that merged the value adds
+where it came from (:mod:`speedtronic.config.layering`).
 """
 
 from __future__ import annotations
@@ -25,37 +27,32 @@ import dataclasses
 import functools
 import math
 import reprlib
-import types
-import typing
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, TypeVar, cast
 
-from annotated_types import Ge, Gt, Le, Lt
 from pydantic import BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic.dataclasses import dataclass as pydantic_dataclass
+from pydantic.dataclasses import is_pydantic_dataclass
 from pydantic.fields import FieldInfo
+from typing_extensions import dataclass_transform  # typing has it from Python 3.11
 
 from speedtronic.config.errors import ConfigError
 from speedtronic.config.limits import MAX_INT_DIGITS, MAX_STEPS, check_path_text
 from speedtronic.config.redaction import REDACTED, SecretText, contains_secret, looks_like_token
 
 __all__ = [
-    "BETWEEN",
+    "CHOICE",
     "STEPS",
     "Bool",
     "F",
     "Float",
     "Int",
     "PathStr",
-    "Says",
     "Str",
     "StrList",
-    "bounds",
     "choice",
     "describe",
-    "number_text",
-    "one_of",
+    "fields_of",
     "section",
     "to_config_error",
 ]
@@ -68,7 +65,7 @@ _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 4, 60, 60, 
 _SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 8
 
 
-def describe(value: Any, *, secret: bool = False) -> str:
+def describe(value: object, *, secret: bool = False) -> str:
     """A rejected value for an error message: type and a short repr; secrets show no value."""
     if value is None:
         return "null"
@@ -84,11 +81,11 @@ def describe(value: Any, *, secret: bool = False) -> str:
     return f"{kind} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
-def _expected(what: str, value: Any) -> ValueError:
+def _expected(what: str, value: object) -> ValueError:
     return ValueError(f"must be {what}, got {describe(value)}")
 
 
-def _int(value: Any) -> int:
+def _int(value: object) -> int:
     if isinstance(value, bool) or value is None:
         raise _expected("an integer", value)
     result: int | None = None
@@ -118,7 +115,7 @@ def _number_or_nan(text: str) -> float:
         return math.nan
 
 
-def _float(value: Any) -> float:
+def _float(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise _expected("a number", value)
     try:
@@ -130,7 +127,7 @@ def _float(value: Any) -> float:
     return number
 
 
-def _bool(value: Any) -> bool:
+def _bool(value: object) -> bool:
     if isinstance(value, bool):
         return value
     if isinstance(value, int) and value in (0, 1):
@@ -141,7 +138,7 @@ def _bool(value: Any) -> bool:
     raise _expected("a boolean (true/false/yes/no/on/off/1/0)", value)
 
 
-def _str(value: Any) -> str:
+def _str(value: object) -> str:
     if isinstance(value, str):
         if looks_like_token(value):
             raise ValueError(
@@ -158,15 +155,16 @@ def _str(value: Any) -> str:
     raise _expected("a string", value)
 
 
-def _path(value: Any) -> str:
+def _path(value: object) -> str:
     text = _str(value)
     try:
-        return check_path_text(text, "")
+        check_path_text(text, "")
+        return text
     except ConfigError as error:
         raise ValueError(str(error).strip()) from None
 
 
-def _str_list(value: Any) -> list[str]:
+def _str_list(value: object) -> list[str]:
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
         raise _expected("a list of strings", value)
     for item in value:
@@ -175,7 +173,7 @@ def _str_list(value: Any) -> list[str]:
     return [str(item) for item in value]
 
 
-def choice(value: Any) -> Any:
+def choice(value: object) -> object:
     """A choice (``Literal``) is matched without case or surrounding blanks. A value from a
     secret stays marked as one, so the error for a wrong choice does not echo it."""
     if not isinstance(value, str):
@@ -192,156 +190,79 @@ PathStr = Annotated[str, BeforeValidator(_path)]
 StrList = Annotated[list[str], BeforeValidator(_str_list)]
 
 
-@dataclass(frozen=True)
-class Says:
-    """A field's 2.0.0 error wording (templates may use ``{field} {value} {low} {high}
-    {interval}``): ``bound`` for a lower-bound violation, ``upper`` for an upper one, ``kind``
-    for a wrong type or choice. Anything not given gets the generic text."""
-
-    bound: str | None = None
-    upper: str | None = None
-    kind: str | None = None
-
-
-def one_of(*names: str, says: str) -> Any:
-    """A choice among ``names`` (matched without case), with its 2.0.0 error text."""
-    return Annotated[Literal[names], BeforeValidator(choice), Says(kind=says)]
-
-
+CHOICE = BeforeValidator(choice)
 STEPS = {"gt": 0, "le": MAX_STEPS}  # a step count or cadence
-BETWEEN = "{field} must be between {low} and {high}"
+T = TypeVar("T")
 
 
-def F(default: Any, help: str, says: Says | None = None, **bounds: Any) -> Any:
-    """A field's declaration: default, one line of help, bounds (``gt/ge/lt/le``), and the
-    2.0.0 wording of its errors where that differs from the generic one."""
-    info = Field(default, description=help, **bounds)
-    if says is not None:
-        info.metadata.append(says)
-    return info
+def F(
+    default: T,
+    help: str,
+    *,
+    gt: float | None = None,
+    ge: float | None = None,
+    lt: float | None = None,
+    le: float | None = None,
+) -> T:
+    """A field's declaration: default, one line of help, bounds (``gt/ge/lt/le``).
+
+    Typed as its default so a checker compares the default with the annotation; what it
+    returns is pydantic's ``FieldInfo`` (typed so by pydantic too), which :func:`section` reads.
+    """
+    return Field(default, description=help, gt=gt, ge=ge, lt=lt, le=le)
 
 
-# --------------------------------------------------------------------------- errors
-def bounds(metadata: Sequence[Any]) -> tuple[Any, Any, bool, bool]:
-    """(low, high, low_open, high_open) of a field's constraints."""
-    low = high = None
-    low_open = high_open = False
-    for item in metadata:
-        if isinstance(item, Gt):
-            low, low_open = item.gt, True
-        elif isinstance(item, Ge):
-            low = item.ge
-        elif isinstance(item, Lt):
-            high, high_open = item.lt, True
-        elif isinstance(item, Le):
-            high = item.le
-    return low, high, low_open, high_open
+def fields_of(cls: type) -> dict[str, FieldInfo]:
+    """The pydantic fields of a section class (or the aggregate), in declaration order."""
+    if not is_pydantic_dataclass(cls):
+        raise TypeError(f"{cls.__name__} is not a config section")
+    return dict(cls.__pydantic_fields__)
 
 
-def number_text(value: Any) -> str:
-    """A bound or value in a message or the docs: ``1e+12``, ``0.001``, ``65535``."""
-    if isinstance(value, float):
-        return f"{value:g}"
-    text = repr(value) if not isinstance(value, int) or abs(value) < 10**30 else "a huge number"
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def metadata_of(info: Any) -> list[Any]:
-    """A field's metadata: its own, plus what ``Annotated`` members of its type carry
-    (``Steps | None`` keeps the bounds of ``Steps`` inside the union)."""
-    found = list(getattr(info, "metadata", ()) or ())
-    stack = list(typing.get_args(getattr(info, "annotation", None)))
-    while stack:
-        arg = stack.pop()
-        if typing.get_origin(arg) is Annotated:
-            for item in arg.__metadata__:
-                found.extend(getattr(item, "metadata", None) or [item])
-            stack.append(arg.__origin__)
-        elif typing.get_origin(arg) in (typing.Union, types.UnionType):
-            stack.extend(typing.get_args(arg))
-    return found
-
-
-def _bound_message(dotted: str, kind: str, value: Any, info: Any) -> str:
-    """The text of a bound violation, from the field's own constraints."""
-    metadata = metadata_of(info)
-    says = next((item for item in metadata if isinstance(item, Says)), None)
-    low, high, low_open, high_open = bounds(metadata)
-    lower = kind in ("greater_than", "greater_than_equal")
-    shown = {"field": dotted, "value": number_text(value)}
-    shown.update(low=number_text(low), high=number_text(high), interval="")
-    if low is not None and high is not None:
-        shown["interval"] = (
-            f"{'(' if low_open else '['}{shown['low']}, {shown['high']}{')' if high_open else ']'}"
-        )
-    template = says and (says.bound if lower else says.upper)
-    if template:
-        return template.format(**shown)
-    if not lower:
-        word = "less than" if high_open else "at most"
-        return f"{dotted} must be {word} {shown['high']}, got {shown['value']}"
-    if low == 0:
-        return f"{dotted} must be positive" if low_open else f"{dotted} cannot be negative"
-    word = "greater than" if low_open else "at least"
-    return f"{dotted} must be {word} {shown['low']}"
-
-
-def _locate(cls: type, loc: Sequence[Any]) -> tuple[str, Any, bool]:
-    """(dotted name, FieldInfo, checked late) of an error location below ``cls`` (section
-    names walk in). A field its section lists in ``__check_first__`` (the 2.0.0 check order)
-    is not checked late."""
-    names: list[str] = []
-    info = None
-    owner: Any = cls
-    current: Any = cls
-    for part in loc:
-        fields = getattr(current, "__pydantic_fields__", None)
-        if not isinstance(part, str) or not fields or part not in fields:
-            break
-        names.append(part)
-        owner, info = current, fields[part]
-        current = info.annotation
-    late = not names or names[-1] not in getattr(owner, "__check_first__", ())
-    return ".".join(names), info, late
-
-
-def to_config_error(error: ValidationError, cls: type, prefix: str = "") -> ConfigError:
-    """One line for the first problem of a pydantic ``ValidationError`` raised for ``cls``."""
+def to_config_error(error: ValidationError, prefix: str = "") -> ConfigError:
+    """One line for the first problem of a pydantic ``ValidationError``: ``prefix`` + the field
+    path, what was expected (pydantic's own words: type, bound or allowed values), the value."""
     problems = error.errors(include_url=False)
     extra = [p for p in problems if p["type"] in ("unexpected_keyword_argument", "extra_forbidden")]
     if extra:
         return ConfigError(
             f"{prefix.rstrip('.')}: unknown configuration keys: {extra[0]['loc'][-1]}"
         )
-    # the 2.0.0 check order first; in a union (``auto`` or a number) the number's own problem
-    problem = min(problems, key=lambda p: (_locate(cls, p["loc"])[2], p["type"] == "literal_error"))
-    dotted, info, _ = _locate(cls, problem["loc"])
-    dotted = prefix + dotted if dotted else prefix.rstrip(".")
+    # in a union (``auto`` or a number) the number's own problem says more than the literal's
+    problem = min(problems, key=lambda p: p["type"] == "literal_error")
     cause = (problem.get("ctx") or {}).get("error")
     if isinstance(cause, ConfigError):
         return cause
-    says = next((m for m in metadata_of(info) if isinstance(m, Says)), None)
-    kind = problem["type"]
-    if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
-        return ConfigError(_bound_message(dotted, kind, problem["input"], info))
-    detail = str(cause) if cause is not None else None
-    if says and says.kind:
-        text = says.kind.format(field=dotted)
-        if detail and kind == "value_error":
-            return ConfigError(f"{text}: {dotted} {detail}")
-        return ConfigError(f"{text}, got {describe(problem['input'])}")
-    if detail is None and kind == "literal_error":
-        expected = problem["ctx"]["expected"]
-        detail = f"must be one of {expected}, got {describe(problem['input'])}"
-    if detail is None:
-        detail = f"is invalid ({problem['msg']}), got {describe(problem['input'])}"
-    return ConfigError(f"{dotted} {detail}")
+    # a section's fields are flat: the field name, then list or tuple positions (a union's
+    # member names, such as ``constrained-int``, are not part of the path)
+    loc = problem["loc"]
+    path = (prefix + str(loc[0]) if loc else prefix.rstrip(".")) + "".join(
+        f"[{part}]" for part in loc[1:] if isinstance(part, int)
+    )
+    message = problem["msg"]
+    if cause is not None:
+        text = f"{path} {cause}"
+    elif problem["type"] == "missing":
+        text = f"{path} is missing, got {describe(problem['input'])}"
+    elif message.startswith("Input should be"):
+        text = (
+            f"{path} must be{message[len('Input should be') :]}, got {describe(problem['input'])}"
+        )
+    else:
+        text = f"{path} is invalid ({message}), got {describe(problem['input'])}"
+    # a union's literal member (``auto``) is the other value the field accepts
+    others = [p for p in problems if p is not problem and p["type"] == "literal_error"]
+    if others and others[0]["loc"][:1] == loc[:1]:
+        alternative = f" (or {others[0]['ctx']['expected']})"
+        head, got, tail = text.partition(", got ")
+        text = f"{head}{alternative}{got}{tail}"
+    return ConfigError(text)
 
 
-T = TypeVar("T")
 _CONFIG = ConfigDict(arbitrary_types_allowed=True)
 
 
+@dataclass_transform(field_specifiers=(dataclasses.field, Field))
 def section(name: str) -> Callable[[type[T]], type[T]]:
     """Make a config section: a pydantic dataclass whose errors are one-line ConfigErrors.
 
@@ -353,17 +274,17 @@ def section(name: str) -> Callable[[type[T]], type[T]]:
     """
 
     def wrap(cls: type[T]) -> type[T]:
-        built: Any = pydantic_dataclass(cls, config=_CONFIG)
+        built = pydantic_dataclass(cls, config=_CONFIG)
         prefix = f"{name}." if name else ""
         init = built.__init__
 
-        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        def __init__(self: object, *args: object, **kwargs: object) -> None:
             try:
                 init(self, *args, **kwargs)
             except ValidationError as error:
-                raise to_config_error(error, built, prefix) from None
+                raise to_config_error(error, prefix) from None
 
-        built.__init__ = __init__
+        setattr(built, "__init__", __init__)  # noqa: B010  # mypy refuses assigning a method
         for item in built.__dataclass_fields__.values():  # dataclasses.fields() shows defaults
             info = item.default
             if isinstance(info, FieldInfo):
@@ -372,7 +293,6 @@ def section(name: str) -> Callable[[type[T]], type[T]]:
                     item.default_factory = functools.partial(copy.deepcopy, info.default)
                 else:
                     item.default = info.default
-        built.__config_section__ = name
-        return built
+        return cast("type[T]", built)
 
     return wrap

@@ -110,7 +110,7 @@ class ResolvedConfig:
 def known_fields() -> dict[str, bool]:
     """Every dotted field name -> True when it is a string field (takes raw env text)."""
 
-    def plain(kind: Any) -> Any:
+    def plain(kind: object) -> object:
         return typing.get_args(kind)[0] if typing.get_origin(kind) is typing.Annotated else kind
 
     text = {str, type(None)}
@@ -143,7 +143,7 @@ def _secret_fields() -> dict[str, str]:
     return names
 
 
-def _parse_value(raw: Any, dotted: str, origin: str) -> Any:
+def _parse_value(raw: object, dotted: str, origin: str) -> object:
     """YAML-parse a text value unless the field is a string field (raw text kept)."""
     if not isinstance(raw, str):
         return raw
@@ -159,7 +159,7 @@ def _parse_value(raw: Any, dotted: str, origin: str) -> Any:
         raise ConfigError(f"{origin}: cannot parse value for {dotted}: {problem}") from None
 
 
-def _secret(value: Any) -> Any:
+def _secret(value: object) -> object:
     """Mark every string in a value read from a secret file (lists and mappings included)."""
     if isinstance(value, str):
         return SecretText(value)
@@ -170,9 +170,9 @@ def _secret(value: Any) -> Any:
     return value
 
 
-def _flatten(values: Mapping[str, Any]) -> dict[str, Any]:
+def _flatten(values: Mapping[str, object]) -> dict[str, object]:
     """Canonical nested mapping -> dotted keys (sections must be mappings or null)."""
-    flat: dict[str, Any] = {}
+    flat: dict[str, object] = {}
     for key, value in values.items():
         if key in SECTION_NAMES:
             value = as_dict(value)
@@ -187,11 +187,13 @@ def _flatten(values: Mapping[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def _put(nested: dict[str, Any], dotted: str, value: Any) -> None:
+def _put(nested: dict[str, object], dotted: str, value: object) -> None:
     """Set field ``dotted`` (``section.field`` or a root field) in a canonical nested mapping."""
     section, _, name = dotted.partition(".")
     if name:
-        nested.setdefault(section, {})[name] = value
+        fields = nested.setdefault(section, {})
+        assert isinstance(fields, dict)  # only this function fills ``nested``
+        fields[name] = value
     else:
         nested[dotted] = value
 
@@ -260,6 +262,7 @@ def _env_source_class() -> type:
     from pydantic import create_model
     from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
+    # names only: the values stay raw text (Any) for _parse_value and the sections to check
     fields: dict[str, Any] = {name: (dict[str, Any], {}) for name in SECTION_NAMES}
     fields.update({name: (Any, None) for name in ROOT_FIELDS})
     names = create_model("ConfigNames", __base__=BaseSettings, **fields)
@@ -278,14 +281,14 @@ def _env_source_class() -> type:
     return MappingEnvSource
 
 
-def _env_layer(environ: Mapping[str, str]) -> list[tuple[str, Any, str]]:
+def _env_layer(environ: Mapping[str, str]) -> list[tuple[str, object, str]]:
     """(dotted, value, source) triples from the environment, lowest precedence first.
 
     ``HF_TOKEN`` and ``SPEEDTRONIC_NODE_ID`` come first, below the field names they stand in
     for. A field set under two spellings of its name (``speedtronic_run__seed`` and
     ``SPEEDTRONIC_RUN__SEED``) takes the later variable.
     """
-    triples: list[tuple[str, Any, str]] = []
+    triples: list[tuple[str, object, str]] = []
     if environ.get("HF_TOKEN"):
         triples.append((TOKEN_KEY, SecretText(environ["HF_TOKEN"]), "env:HF_TOKEN"))
     names = {name.upper(): name for name in environ}
@@ -303,7 +306,7 @@ def _env_layer(environ: Mapping[str, str]) -> list[tuple[str, Any, str]]:
     return triples
 
 
-def _secret_layer(secrets_dir: Path) -> list[tuple[str, Any, str]]:
+def _secret_layer(secrets_dir: Path) -> list[tuple[str, object, str]]:
     """(dotted, value, source) triples from ``hf_token`` and ``<section>__<field>`` files.
 
     ``hf_token`` comes first, below ``distributed__token``; every value is a secret
@@ -316,7 +319,7 @@ def _secret_layer(secrets_dir: Path) -> list[tuple[str, Any, str]]:
     if not os.access(secrets_dir, os.R_OK | os.X_OK):
         raise ConfigError(f"secrets directory is not readable: {secrets_dir}")
     files = read_secret_files(secrets_dir, _secret_fields())
-    triples: list[tuple[str, Any, str]] = []
+    triples: list[tuple[str, object, str]] = []
     name, token = files.pop(HF_TOKEN_FILE, ("", ""))
     if token:
         triples.append((TOKEN_KEY, SecretText(token), f"secret:{name}"))
@@ -328,20 +331,22 @@ def _secret_layer(secrets_dir: Path) -> list[tuple[str, Any, str]]:
     return triples
 
 
-def _override_layer(overrides: Iterable[str] | Mapping[str, Any]) -> list[tuple[str, Any, str]]:
+def _override_layer(
+    overrides: Iterable[str] | Mapping[str, object],
+) -> list[tuple[str, object, str]]:
     """``section.field=value`` strings (or a mapping of dotted keys) from the command line."""
-    items: Iterable[tuple[str, Any]]
+    items: Iterable[tuple[str, object]]
     if isinstance(overrides, Mapping):
         items = overrides.items()
     else:
-        pairs = []
+        pairs: list[tuple[str, object]] = []
         for entry in overrides:
-            key, sep, value = str(entry).partition("=")
-            if not sep or not key.strip():
+            name, sep, text = str(entry).partition("=")
+            if not sep or not name.strip():
                 raise ConfigError(f"invalid override {entry!r}: expected section.field=value")
-            pairs.append((key.strip(), value))
+            pairs.append((name.strip(), text))
         items = pairs
-    canonical: dict[str, Any] = {}
+    canonical: dict[str, object] = {}
     for key, value in items:
         dotted = key if key in known_fields() else None
         if dotted is None:
@@ -361,16 +366,22 @@ def _override_layer(overrides: Iterable[str] | Mapping[str, Any]) -> list[tuple[
     return [(dotted, value, "cli") for dotted, value in canonical.items()]
 
 
-def _attribute(error: ConfigError, sources: Mapping[str, str]) -> ConfigError:
-    """Append the origin of the offending field to a validation error when known."""
+def _attribute(
+    error: ConfigError, sources: Mapping[str, str], config_path: str | None
+) -> ConfigError:
+    """Append the origin of the offending field to a validation error when known: the
+    config file's path, ``env:NAME``, ``secret:<file>`` or ``cli``."""
     message = str(error)
     for dotted in sorted(sources, key=len, reverse=True):
-        if message.startswith(dotted) and sources[dotted] != "file":
-            return ConfigError(f"{message} (from {sources[dotted]})")
+        if message.startswith(dotted):
+            origin = sources[dotted]
+            if origin == "file":
+                origin = config_path or ""
+            return ConfigError(f"{message} (from {origin})") if origin else error
     return error
 
 
-def _strings(value: Any) -> Iterable[str]:
+def _strings(value: object) -> Iterable[str]:
     """The strings of a merged value (a string, or inside lists and mappings)."""
     if isinstance(value, str):
         yield value
@@ -384,7 +395,7 @@ def _strings(value: Any) -> Iterable[str]:
 
 
 def _refuse_token_elsewhere(
-    merged: Mapping[str, Any], tokens: list[str], sources: Mapping[str, str]
+    merged: Mapping[str, object], tokens: list[str], sources: Mapping[str, str]
 ) -> None:
     """A field other than ``distributed.token`` whose value is the token, in any case, or
     contains it is a ``ConfigError`` that does not show it: a choice field would echo it
@@ -402,11 +413,11 @@ def _refuse_token_elsewhere(
 
 
 def resolve_config(
-    source: Any = None,
+    source: object = None,
     *,
     environ: Mapping[str, str] | None = None,
     secrets_dir: str | os.PathLike[str] | None = None,
-    overrides: Iterable[str] | Mapping[str, Any] = (),
+    overrides: Iterable[str] | Mapping[str, object] = (),
 ) -> ResolvedConfig:
     """Merge defaults < ``source`` < secret files < environment < ``overrides``.
 
@@ -434,7 +445,7 @@ def resolve_config(
         _env_layer(env),
         _override_layer(overrides),
     )
-    merged: dict[str, Any] = {}  # canonical nested mapping, built field by field
+    merged: dict[str, object] = {}  # canonical nested mapping, built field by field
     sources: dict[str, str] = {}
     tokens: list[str] = []
     for layer in layers:
@@ -451,7 +462,7 @@ def resolve_config(
         with with_origin(config_path):  # an unknown key can only come from the file
             config = SpeedtronicConfig.from_canonical(merged)
     except ConfigError as error:
-        error = _attribute(error, sources)
+        error = _attribute(error, sources, config_path)
         raise ConfigError(scrub(str(error), tokens)) from None
     _refuse_token_elsewhere(merged, tokens, sources)  # a value that passed, or one it changed
     order = {dotted: index for index, dotted in enumerate(known_fields())}

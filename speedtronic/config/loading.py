@@ -21,9 +21,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Hashable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
 
 import yaml
 
@@ -52,7 +51,7 @@ MAX_NODES = 100_000  # nodes of a document with every alias expanded
 class _Refused(yaml.MarkedYAMLError):
     """A document the bounded loader refuses (too deep, too big, duplicate key)."""
 
-    def __init__(self, problem: str, mark: Any) -> None:
+    def __init__(self, problem: str, mark: yaml.Mark | None) -> None:
         super().__init__(problem=problem, problem_mark=mark)
 
 
@@ -105,52 +104,54 @@ def _measure(root: yaml.Node) -> None:
 class _BoundedLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` that bounds the document before constructing it (see module)."""
 
-    def __init__(self, stream: Any) -> None:
+    def __init__(self, stream: str) -> None:
         super().__init__(stream)
         self._depth = 0
 
-    def compose_node(self, parent: Any, index: Any) -> Any:
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
         self._depth += 1
         try:
             if self._depth > MAX_DEPTH:
-                event = self.peek_event()
+                event = self.peek_event()  # type: ignore[no-untyped-call]  # stubs omit types
                 raise _Refused(f"nesting deeper than {MAX_DEPTH} levels", event.start_mark)
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
 
-    def compose_document(self) -> Any:
+    def compose_document(self) -> yaml.Node | None:
         node = super().compose_document()
         if node is not None:
             _measure(node)
         return node
 
-    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
-        if isinstance(node, yaml.MappingNode):
-            seen: set[Any] = set()
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(
-                    key_node, yaml.ScalarNode
-                ):
-                    continue
-                key = self.construct_object(key_node)
-                if key in seen:
-                    shown = str(key) if len(str(key)) <= 40 else str(key)[:37] + "..."
-                    raise _Refused(f"duplicate key {shown!r}", key_node.start_mark)
-                seen.add(key)
+    def construct_mapping(
+        self, node: yaml.MappingNode, deep: bool = False
+    ) -> dict[Hashable, object]:
+        seen: set[object] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(
+                key_node, yaml.ScalarNode
+            ):
+                continue
+            key = self.construct_object(key_node)
+            if key in seen:
+                shown = str(key) if len(str(key)) <= 40 else str(key)[:37] + "..."
+                raise _Refused(f"duplicate key {shown!r}", key_node.start_mark)
+            seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
-    def construct_yaml_int(self, node: Any) -> Any:
-        text = self.construct_scalar(node)
-        if len(text) > MAX_INT_DIGITS:
-            return str(text)  # the field's own check names it; int() would take quadratic time
-        return super().construct_yaml_int(node)
+
+def _int_or_text(loader: _BoundedLoader, node: yaml.ScalarNode) -> int | str:
+    """A YAML integer; one of more than ``MAX_INT_DIGITS`` digits stays text (the field's own
+    check names it; ``int()`` would take quadratic time)."""
+    text = str(loader.construct_scalar(node))
+    return text if len(text) > MAX_INT_DIGITS else loader.construct_yaml_int(node)
 
 
-_BoundedLoader.add_constructor("tag:yaml.org,2002:int", _BoundedLoader.construct_yaml_int)
+_BoundedLoader.add_constructor("tag:yaml.org,2002:int", _int_or_text)
 
 
-def _bounded_yaml(text: str) -> Any:
+def _bounded_yaml(text: str) -> object:
     loader = _BoundedLoader(text)
     try:
         return loader.get_single_data()
@@ -158,7 +159,7 @@ def _bounded_yaml(text: str) -> Any:
         loader.dispose()
 
 
-def load_yaml_value(text: str) -> Any:
+def load_yaml_value(text: str) -> object:
     """One YAML value (env variables, secret files, ``--set``) through the bounded loader.
 
     Raises ``yaml.YAMLError`` (a refusal is a ``MarkedYAMLError`` naming the problem).
@@ -166,8 +167,8 @@ def load_yaml_value(text: str) -> Any:
     return _bounded_yaml(text)
 
 
-def _json_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
+def _json_pairs(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    result: dict[str, object] = {}
     for key, value in pairs:
         if key in result:
             shown = key if len(key) <= 40 else key[:37] + "..."
@@ -176,11 +177,11 @@ def _json_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def _json_int(text: str) -> Any:
+def _json_int(text: str) -> object:
     return int(text) if len(text) <= MAX_INT_DIGITS else text
 
 
-def _json_depth_ok(value: Any) -> bool:
+def _json_depth_ok(value: object) -> bool:
     """True when ``value`` nests at most ``MAX_DEPTH`` levels (iterative walk)."""
     stack = [(value, 1)]
     while stack:
@@ -194,7 +195,7 @@ def _json_depth_ok(value: Any) -> bool:
     return True
 
 
-def _root_mapping(parsed: Any) -> dict[str, Any]:
+def _root_mapping(parsed: object) -> dict[str, object]:
     if not parsed:
         return {}
     if not isinstance(parsed, Mapping):
@@ -202,7 +203,7 @@ def _root_mapping(parsed: Any) -> dict[str, Any]:
     return dict(parsed)
 
 
-def parse_text(text: str, *, origin: str = "<inline>", use_json: bool = False) -> dict[str, Any]:
+def parse_text(text: str, *, origin: str = "<inline>", use_json: bool = False) -> dict[str, object]:
     """Parse YAML (or JSON) text into the root mapping; syntax errors name line and column."""
     if use_json:
         try:
@@ -232,7 +233,7 @@ def parse_text(text: str, *, origin: str = "<inline>", use_json: bool = False) -
     return _root_mapping(parsed)
 
 
-def warn_if_token(values: Mapping[str, Any], origin: str) -> None:
+def warn_if_token(values: Mapping[str, object], origin: str) -> None:
     """Log a warning when a mapping read from a file carries a Hub token (value never logged)."""
     for key in ("distributed", "hub", "diloco"):
         section = values.get(key)
@@ -248,7 +249,7 @@ def warn_if_token(values: Mapping[str, Any], origin: str) -> None:
                 return
 
 
-def read_config_file(path: str | Path, *, force_yaml: bool = False) -> dict[str, Any]:
+def read_config_file(path: str | Path, *, force_yaml: bool = False) -> dict[str, object]:
     """Read a config file: YAML for ``.yaml``/``.yml`` (or ``force_yaml``), else JSON."""
     file_path = Path(path)
     try:
@@ -295,7 +296,7 @@ def looks_inline(source: str) -> bool:
     return False
 
 
-def read_source(source: Any) -> dict[str, Any]:
+def read_source(source: object) -> dict[str, object]:
     """Resolve any ``SpeedtronicConfig.load`` source into a root mapping."""
     if isinstance(source, Mapping):
         return dict(source)

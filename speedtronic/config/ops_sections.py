@@ -10,25 +10,24 @@ from __future__ import annotations
 import ipaddress
 import logging
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Field
 
 from speedtronic.config.errors import ConfigError
 from speedtronic.config.fields import (
-    BETWEEN,
+    CHOICE,
     STEPS,
     Bool,
     F,
     Float,
     Int,
     PathStr,
-    Says,
     Str,
     StrList,
     choice,
     describe,
-    one_of,
+    fields_of,
     section,
 )
 from speedtronic.config.limits import DAY, HOUR, WEEK, check_node_id
@@ -74,7 +73,7 @@ def _exchange(value: str | None) -> str | None:
     return value
 
 
-def _token(value: Any) -> Any:
+def _token(value: object) -> object:
     """The token without the whitespace a secret file or ``secretKeyRef`` adds; inner
     whitespace or control characters are refused (an HTTP header cannot carry them)."""
     if value is None:
@@ -117,11 +116,11 @@ def _host(value: str) -> str:
     return host
 
 
-def _level(value: Any) -> Any:
+def _level(value: object) -> object:
     return value.strip().upper() if isinstance(value, str) else value
 
 
-def _alignment(value: Any) -> Any:
+def _alignment(value: object) -> object:
     """``auto`` (also for null), ``none``, or a positive integer (not a bool or a float)."""
     if value is None:
         return "auto"
@@ -134,59 +133,26 @@ def _alignment(value: Any) -> Any:
 
 
 Level = Annotated[
-    Literal[LOG_LEVELS],
+    Literal["CRITICAL", "FATAL", "ERROR", "WARNING", "WARN", "INFO", "DEBUG", "NOTSET"],
     BeforeValidator(_level),
-    Says(kind="logging.level must be one of " + ", ".join(LOG_LEVELS)),
 ]
-LogFormat = one_of("text", "json", says="logging.format must be 'text' or 'json'")
-Trackers = Annotated[
-    list[Annotated[Literal[TRACKERS], BeforeValidator(choice)]],
-    Says(kind="logging.trackers must be a list of: " + ", ".join(TRACKERS)),
-]
+LogFormat = Annotated[Literal["text", "json"], CHOICE]
+Trackers = list[Annotated[Literal["tensorboard", "wandb"], CHOICE]]
 Host = Annotated[Str, AfterValidator(_host)]
-Mode = one_of("dumb_diloco", "single", says="distributed.mode must be 'dumb_diloco' or 'single'")
-Role = one_of(
-    "single", "master", "worker", says="distributed.role must be single, master, or worker"
-)
+Mode = Annotated[Literal["dumb_diloco", "single"], CHOICE]
+RoleName = Literal["single", "master", "worker"]
+Role = Annotated[RoleName, CHOICE]
 NodeId = Annotated[Str, AfterValidator(_node_id)]
-Users = Annotated[StrList, Says(kind="distributed.collaborators must be a list of usernames")]
-Sync = one_of("blocking", "overlapped", says="distributed.sync must be 'blocking' or 'overlapped'")
+Sync = Annotated[Literal["blocking", "overlapped"], CHOICE]
 Exchange = Annotated[PathStr, AfterValidator(_exchange)]
-Leaders = Annotated[
-    StrList,
-    AfterValidator(_leaders),
-    Says(kind="distributed.relay_leaders must be a list of the group leaders' node ids"),
-]
+Leaders = Annotated[StrList, AfterValidator(_leaders)]
 Token = Annotated[str, BeforeValidator(_token)]
-DeltaDtype = one_of(
-    "fp32",
-    "bf16",
-    "fp16",
-    "int8",
-    "int4",
-    says="distributed.delta_dtype must be fp32, bf16, fp16, int8, or int4",
-)
-GlobalDtype = one_of(
-    "fp32", "int8", "int4", says="distributed.global_dtype must be fp32, int8 or int4"
-)
+DeltaDtype = Annotated[Literal["fp32", "bf16", "fp16", "int8", "int4"], CHOICE]
+GlobalDtype = Annotated[Literal["fp32", "int8", "int4"], CHOICE]
 Alignment = Annotated[
     Literal["auto", "none"] | Annotated[int, Field(strict=True, gt=0, le=4096)],
     BeforeValidator(_alignment),
-    Says(bound="{field} must be positive"),
 ]
-PORT = Says(bound=BETWEEN, upper=BETWEEN)
-POLL = Says(
-    bound="{field} must be positive (at least {low}), got {value}",
-    upper="{field} must be in {interval}, got {value}",
-)
-IN = Says(
-    bound="{field} must be in {interval}, got {value}",
-    upper="{field} must be in {interval}, got {value}",
-)
-KEEP = Says(bound="checkpoint.keep_last must be positive or null")
-OUTER = Says(bound="outer learning rate/momentum values are invalid ({field} = {value})")
-OUTER_RANGE = Says(bound=OUTER.bound, upper=OUTER.bound)
-RETRY = Says(bound="distributed retry bounds are invalid ({field} = {value})")
 
 
 @section("checkpoint")
@@ -196,7 +162,7 @@ class CheckpointConfig:
     enabled: Bool = F(True, "write checkpoints")
     directory: PathStr = F("checkpoints", "relative to run.output_dir unless absolute")
     every_steps: Int = F(500, "cadence (checked even when disabled)", **STEPS)
-    keep_last: Int | None = F(3, "keep the newest N (null: keep all)", KEEP, gt=0, le=10**6)
+    keep_last: Int | None = F(3, "keep the newest N (null: keep all)", gt=0, le=10**6)
     resume: Bool = F(False, "always try to resume (OR-ed with --resume)")
     overwrite: Bool = F(False, "start a new run over another run's checkpoints (deletes them)")
     save_final: Bool = F(True, "save at the end of a run and on SIGTERM")
@@ -228,7 +194,7 @@ class MetricsConfig:
 
     enabled: Bool | None = F(None, "null: on under `speedtronic run`, off under `train`")
     host: Host = F("0.0.0.0", "bind address: an IP address or a host name")
-    port: Int = F(8000, "port (0: any free port)", PORT, ge=0, le=65535)
+    port: Int = F(8000, "port (0: any free port)", ge=0, le=65535)
     stall_seconds: Float = F(300.0, "/healthz fails after a heartbeat this old", gt=0, le=WEEK)
 
 
@@ -246,9 +212,9 @@ class DistributedConfig:
     mode: Mode = F("dumb_diloco", "dumb_diloco or single")
     role: Role = F("single", "single, master or worker; enabled + single becomes master")
     node_id: NodeId | None = F(None, "path-safe node id; null: SPEEDTRONIC_NODE_ID, HOSTNAME, ...")
-    collaborators: Users = F([], "Hub usernames the master grants write access")
+    collaborators: StrList = F([], "Hub usernames the master grants write access")
     inner_steps: Int = F(500, "local steps per round", **STEPS)
-    poll_interval: Float = F(60.0, "seconds between polls of the exchange", POLL, ge=0.001, le=DAY)
+    poll_interval: Float = F(60.0, "seconds between polls of the exchange", ge=0.001, le=DAY)
     sync: Sync = F("blocking", "blocking: wait for the round's global; overlapped: keep training")
     round_timeout: Float = F(
         120.0, "seconds a round waits after its first on-time delta", gt=0, le=WEEK
@@ -265,14 +231,14 @@ class DistributedConfig:
     train: Bool = F(True, "false on the master: a pure aggregator")
     relay_to: Exchange | None = F(None, "on a group leader: the top-level exchange")
     relay_leaders: Leaders = F([], "on the top-level master: the group leaders' node ids")
-    outer_lr: Float = F(0.7, "outer Nesterov learning rate", OUTER, gt=0, le=10.0)
-    outer_momentum: Float = F(0.9, "outer Nesterov momentum", OUTER_RANGE, ge=0, lt=1.0)
+    outer_lr: Float = F(0.7, "outer Nesterov learning rate", gt=0, le=10.0)
+    outer_momentum: Float = F(0.9, "outer Nesterov momentum", ge=0, lt=1.0)
     repo_id: Exchange | None = F(None, "owner/name (Hub) or file:///abs/path (shared volume)")
     token: Token | None = F(None, "Hub token (secret): prefer HF_TOKEN or the hf_token file")
     cache_dir: PathStr = F(".speedtronic/hub", "Hub cache (relative to the CWD)")
     state_dir: PathStr = F(".speedtronic/diloco", "relative to run.output_dir, then /<node_id>")
-    retry_initial: Float = F(1.0, "first retry delay, seconds", RETRY, gt=0, le=HOUR)
-    retry_max: Float = F(60.0, "largest retry delay, seconds", RETRY, gt=0, le=DAY)
+    retry_initial: Float = F(1.0, "first retry delay, seconds", gt=0, le=HOUR)
+    retry_max: Float = F(60.0, "largest retry delay, seconds", gt=0, le=DAY)
     retry_attempts: Int = F(6, "attempts per transport operation", gt=0, le=100)
     reset_inner_optimizer: Bool = F(False, "clear the inner optimizer state at each merge")
     async_delta_upload: Bool = F(True, "upload in the background (sync: overlapped)")
@@ -283,7 +249,7 @@ class DistributedConfig:
     delta_dtype: DeltaDtype = F(
         "fp32", "upload format: fp32, bf16, fp16, int8 or int4 (+ error feedback)"
     )
-    delta_block_size: Int = F(128, "values per scale of an int8/int4 delta", IN, ge=8, le=1 << 20)
+    delta_block_size: Int = F(128, "values per scale of an int8/int4 delta", ge=8, le=1 << 20)
     error_feedback: Bool = F(True, "keep what a lossy delta/global format left out; send it next")
     global_dtype: GlobalDtype = F(
         "fp32", "global download: fp32 (full), or int8/int4 (the quantized outer update)"
@@ -319,7 +285,7 @@ class DistributedConfig:
             raise ConfigError("distributed.repo_id is required for DumbDiLoCo")
 
     @property
-    def node_role(self) -> str:
+    def node_role(self) -> RoleName:
         """The role a node plays: ``role``, where ``single`` means master when ``repo_id`` is
         set (the node creates the exchange) and worker otherwise. Enabling DiLoCo applies it."""
         if self.role != "single":
@@ -327,7 +293,7 @@ class DistributedConfig:
         return "master" if self.repo_id else "worker"
 
     def __repr__(self) -> str:
-        shown = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        shown = {name: getattr(self, name) for name in fields_of(type(self))}
         if shown["token"]:
             shown["token"] = REDACTED
         inner = ", ".join(f"{name}={value!r}" for name, value in shown.items())

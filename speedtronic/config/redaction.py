@@ -25,7 +25,6 @@ import functools
 import json
 import re
 from collections.abc import Iterable, Mapping
-from typing import Any
 from urllib.parse import quote, quote_plus
 
 __all__ = [
@@ -60,7 +59,7 @@ def looks_like_token(text: str) -> bool:
     return bool(TOKEN_PATTERN.search(text))
 
 
-def contains_secret(value: Any, *, _depth: int = 0) -> bool:
+def contains_secret(value: object, *, _depth: int = 0) -> bool:
     """True when ``value`` is, or holds (lists, tuples, mappings), a :class:`SecretText` or a
     token-shaped string. The walk is bounded (depth 32, 1000 items per container)."""
     if isinstance(value, str):
@@ -68,7 +67,7 @@ def contains_secret(value: Any, *, _depth: int = 0) -> bool:
     if _depth >= 32:
         return False
     if isinstance(value, Mapping):
-        items: Iterable[Any] = [*list(value.keys())[:1000], *list(value.values())[:1000]]
+        items: Iterable[object] = [*list(value.keys())[:1000], *list(value.values())[:1000]]
     elif isinstance(value, (list, tuple, set, frozenset)):
         items = list(value)[:1000]
     else:

@@ -10,10 +10,15 @@ either committed copy differs from the models.
 from __future__ import annotations
 
 import json
+import types
+import typing
 from typing import Any
 
+from annotated_types import Ge, Gt, Le, Lt
+from pydantic.fields import FieldInfo
+
 from speedtronic.config.canonical import ROOT_FIELDS, RUN_ALIASES, SECTION_NAMES
-from speedtronic.config.fields import bounds, metadata_of, number_text
+from speedtronic.config.fields import fields_of
 
 __all__ = ["SCHEMA_ID", "field_tables", "json_schema", "schema_text"]
 
@@ -52,10 +57,10 @@ def json_schema() -> dict[str, Any]:
     schema.update({"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": SCHEMA_ID})
     schema["additionalProperties"] = False
     schema["title"] = "Speedtronic configuration"
-    return _lenient_numbers(schema)
+    return {key: _lenient_numbers(value) for key, value in schema.items()}
 
 
-def _lenient_numbers(node: Any) -> Any:
+def _lenient_numbers(node: object) -> object:
     """Let a numeric leaf also be a numeric string (``lr: 3e-4`` is a string to PyYAML)."""
     if isinstance(node, dict):
         node = {key: _lenient_numbers(value) for key, value in node.items()}
@@ -88,14 +93,40 @@ def _type_name(prop: dict[str, Any]) -> str:
     return str(prop.get("type", "any"))
 
 
-def _range(info: Any) -> str:
-    low, high, low_open, high_open = bounds(metadata_of(info))
-    parts = [f">{'' if low_open else '='} {number_text(low)}" if low is not None else ""]
-    parts.append(f"<{'' if high_open else '='} {number_text(high)}" if high is not None else "")
-    return ", ".join(part for part in parts if part)
+def _constraints(info: FieldInfo) -> list[object]:
+    """A field's constraints: its own, plus what ``Annotated`` members of its type carry
+    (``Steps | None`` keeps the bounds of ``Steps`` inside the union)."""
+    found = list(info.metadata)
+    stack = list(typing.get_args(info.annotation))
+    while stack:
+        arg = stack.pop()
+        if typing.get_origin(arg) is typing.Annotated:
+            for item in arg.__metadata__:
+                found.extend(item.metadata if isinstance(item, FieldInfo) else [item])
+            stack.append(arg.__origin__)
+        elif typing.get_origin(arg) in (typing.Union, types.UnionType):
+            stack.extend(typing.get_args(arg))
+    return found
 
 
-def _default(info: Any) -> str:
+def _number(value: object) -> str:
+    """A bound in the docs: ``1e+12``, ``0.001``, ``65535``."""
+    return f"{value:g}" if isinstance(value, float) else repr(value)
+
+
+def _range(info: FieldInfo) -> str:
+    """``> 0, <= 1024``: the field's bounds in the docs' words."""
+    words = {Gt: (">", "gt"), Ge: (">=", "ge"), Lt: ("<", "lt"), Le: ("<=", "le")}
+    low, high = "", ""
+    for item in _constraints(info):
+        for kind, (sign, name) in words.items():
+            if isinstance(item, kind):
+                text = f"{sign} {_number(getattr(item, name))}"
+                low, high = (text, high) if kind in (Gt, Ge) else (low, text)
+    return ", ".join(part for part in (low, high) if part)
+
+
+def _default(info: FieldInfo) -> str:
     value = info.default
     if isinstance(value, tuple):
         value = list(value)
@@ -110,10 +141,10 @@ def field_tables() -> str:
 
     schema = TypeAdapter(SpeedtronicConfig).json_schema()
     groups = [
-        (f"`{name}`", cls.__pydantic_fields__, schema["$defs"][cls.__name__]["properties"])
+        (f"`{name}`", fields_of(cls), schema["$defs"][cls.__name__]["properties"])
         for name, cls in SECTION_CLASSES.items()
     ]
-    roots = SpeedtronicConfig.__pydantic_fields__
+    roots = fields_of(SpeedtronicConfig)
     groups.append(("Root scalars", {n: roots[n] for n in ROOT_FIELDS}, schema["properties"]))
     lines = [BEGIN, ""]
     for title, fields, props in groups:

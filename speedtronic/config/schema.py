@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from pydantic.fields import FieldInfo
+
 from speedtronic.config.canonical import (
     ROOT_FIELDS,
     SECTION_NAMES,
@@ -22,7 +24,7 @@ from speedtronic.config.canonical import (
     unknown_keys_message,
 )
 from speedtronic.config.errors import ConfigError
-from speedtronic.config.fields import BETWEEN, Bool, F, Int, Says, section
+from speedtronic.config.fields import Bool, F, Int, fields_of, section
 from speedtronic.config.limits import path_kind_problem
 from speedtronic.config.ops_sections import (
     CheckpointConfig,
@@ -63,19 +65,19 @@ SECTION_CLASSES: dict[str, type] = {
 assert tuple(SECTION_CLASSES) == SECTION_NAMES
 
 
-def field_infos() -> dict[str, Any]:
+def field_infos() -> dict[str, FieldInfo]:
     """Every dotted field name -> its pydantic ``FieldInfo`` (type, default, bounds, help)."""
     result = {
         f"{name}.{field}": info
         for name, cls in SECTION_CLASSES.items()
-        for field, info in cls.__pydantic_fields__.items()
+        for field, info in fields_of(cls).items()
     }
-    fields = SpeedtronicConfig.__pydantic_fields__
+    fields = fields_of(SpeedtronicConfig)
     result.update({name: fields[name] for name in ROOT_FIELDS})
     return result
 
 
-def build_section(name: str, value: Any) -> Any:
+def build_section(name: str, value: object) -> object:
     """Build section ``name`` from a mapping, ``None`` (defaults) or an existing instance."""
     cls = SECTION_CLASSES[name]
     if isinstance(value, cls):
@@ -84,13 +86,14 @@ def build_section(name: str, value: Any) -> Any:
         return cls()
     if not isinstance(value, Mapping):
         raise ConfigError(f"{name} must be a mapping")
-    unknown = set(value) - set(cls.__pydantic_fields__)
+    fields = fields_of(cls)
+    unknown = set(value) - set(fields)
     if unknown:
-        raise ConfigError(unknown_keys_message(unknown, f"{name}: ", cls.__pydantic_fields__))
+        raise ConfigError(unknown_keys_message(unknown, f"{name}: ", fields))
     return cls(**{str(key): item for key, item in value.items()})
 
 
-def _plain(value: Any, secrets: list[str] | None = None) -> Any:
+def _plain(value: object, secrets: list[str] | None = None) -> object:
     """Deep-convert to JSON/YAML-friendly builtins (tuples -> lists, Paths -> str); with
     ``secrets``, every string is scrubbed of them (any spelling) and of token-shaped text."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -128,9 +131,7 @@ class SpeedtronicConfig:
     gradient_checkpointing: Bool = F(False, "activation checkpointing (OR-ed with model's flag)")
     compile: Bool = F(False, "torch.compile the model (also compile: {enabled: ...})")
     ooo_backprop: Bool = F(False, "out-of-order backprop streams (CUDA only)")
-    ooo_streams: Int = F(
-        4, "streams for ooo_backprop", Says(bound=BETWEEN, upper=BETWEEN), ge=1, le=8
-    )
+    ooo_streams: Int = F(4, "streams for ooo_backprop", ge=1, le=8)
 
     def __post_init__(self) -> None:
         if self.distributed.enabled:  # a section enabled after it was built
@@ -164,7 +165,7 @@ class SpeedtronicConfig:
         scheduler = self.scheduler
         if not scheduler.max_steps_explicit:
             scheduler.max_steps = self.effective_max_steps
-            scheduler._filled_max_steps = scheduler.max_steps
+            scheduler.__dict__["_filled_max_steps"] = scheduler.max_steps
         return self
 
     def apply_run_target(self, max_steps: int) -> SpeedtronicConfig:
@@ -212,7 +213,7 @@ class SpeedtronicConfig:
     def _check_paths(self) -> None:
         """An existing path of the wrong kind (a directory where a file goes, or the reverse)
         is a ``ConfigError`` now, not a failure after training started. Nothing is created."""
-        wanted: list[tuple[str, Any, str]] = [
+        wanted: list[tuple[str, str | Path | None, str]] = [
             ("run.output_dir", self.output_path, "dir"),
             ("checkpoint.directory", self.checkpoint_dir, "dir"),
             ("distributed.state_dir", self.state_dir, "dir"),
@@ -277,7 +278,7 @@ class SpeedtronicConfig:
 
     # ----------------------------------------------------------------- construction
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any] | None = None) -> SpeedtronicConfig:
+    def from_dict(cls, values: Mapping[str, object] | None = None) -> SpeedtronicConfig:
         """Build from a mapping in any accepted form; never reads the environment.
 
         2.0.0 root aliases (``max_steps: 10``), section aliases (``hub:``) and shorthands
@@ -287,7 +288,7 @@ class SpeedtronicConfig:
         return cls.from_canonical(canonicalize(values))
 
     @classmethod
-    def from_canonical(cls, data: Mapping[str, Any]) -> SpeedtronicConfig:
+    def from_canonical(cls, data: Mapping[str, object]) -> SpeedtronicConfig:
         """Build and validate from an already canonical mapping, without normalising it again.
 
         ``data`` holds only section names (each a mapping of field names, ``None`` or a section
@@ -297,7 +298,10 @@ class SpeedtronicConfig:
         unknown = set(data) - set(SECTION_NAMES) - set(ROOT_FIELDS)
         if unknown:
             raise ConfigError(unknown_keys_message(unknown, "", SECTION_NAMES + ROOT_FIELDS))
-        kwargs = {name: build_section(name, data[name]) for name in SECTION_NAMES if name in data}
+        # each value is checked by the constructor (a section, or a root field's type)
+        kwargs: dict[str, Any] = {
+            name: build_section(name, data[name]) for name in SECTION_NAMES if name in data
+        }
         kwargs.update({name: data[name] for name in ROOT_FIELDS if name in data})
         return cls(**kwargs).validate()
 
@@ -310,12 +314,12 @@ class SpeedtronicConfig:
             return cls.from_dict(read_config_file(path, force_yaml=True))
 
     @classmethod
-    def load(cls, source: Any) -> SpeedtronicConfig:
+    def load(cls, source: object) -> SpeedtronicConfig:
         """A mapping, inline YAML/JSON text, or a path (``.yaml``/``.yml`` else JSON)."""
         from speedtronic.config.loading import looks_inline, read_source, with_origin
 
-        is_path = isinstance(source, Path) or (isinstance(source, str) and not looks_inline(source))
-        with with_origin(source if is_path else None):
+        text = isinstance(source, str) and looks_inline(source)
+        with with_origin(source if isinstance(source, (str, Path)) and not text else None):
             return cls.from_dict(read_source(source))
 
     # ----------------------------------------------------------------- serialisation
@@ -323,18 +327,20 @@ class SpeedtronicConfig:
         """Plain nested dict in field order; ``redact_secrets`` replaces the token wherever its
         value appears (also inside other fields) and anything shaped like a Hub token."""
         token = self.distributed.token
-        result = _plain(self, ([token] if token else []) if redact_secrets else None)
-        if redact_secrets and token:
-            result["distributed"]["token"] = REDACTED
+        secrets = ([token] if token else []) if redact_secrets else None
+        result = {f.name: _plain(getattr(self, f.name), secrets) for f in dataclasses.fields(self)}
+        distributed = result["distributed"]
+        if redact_secrets and token and isinstance(distributed, dict):
+            distributed["token"] = REDACTED
         return result
 
     def to_yaml(self, *, redact_secrets: bool = False) -> str:
         """Block-style YAML of :meth:`to_dict` (key order preserved)."""
         import yaml
 
-        return yaml.safe_dump(
-            self.to_dict(redact_secrets=redact_secrets), sort_keys=False, allow_unicode=True
-        )
+        data = self.to_dict(redact_secrets=redact_secrets)
+        text: str = yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
+        return text
 
     def save(self, path: str | Path) -> Path:
         """Write the **redacted** config as YAML (``.yaml``/``.yml``) or JSON; returns the path."""

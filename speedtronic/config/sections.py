@@ -8,13 +8,22 @@ re-validated (``SpeedtronicConfig.validate`` checks the whole again).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BeforeValidator, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    Field,
+    ValidatorFunctionWrapHandler,
+    model_validator,
+)
+from pydantic_core import ArgsKwargs
 
 from speedtronic.config.errors import ConfigError
 from speedtronic.config.fields import (
+    CHOICE,
     FALSE_STRINGS,
     STEPS,
     TRUE_STRINGS,
@@ -23,11 +32,9 @@ from speedtronic.config.fields import (
     Float,
     Int,
     PathStr,
-    Says,
     Str,
     choice,
     describe,
-    one_of,
     section,
 )
 from speedtronic.config.limits import DAY, MAX_SEED, MAX_STEPS, is_hub_repo_id
@@ -47,21 +54,11 @@ __all__ = [
 SYNTHETIC_KINDS = ("markov", "uniform", "none")
 MAX_VOCAB = 2**24  # token ids must fit the embedding; uint32 token files allow more
 MAX_SEQ_LEN = 2**20
-RANGE = Says(bound="{field} must be in {interval}", upper="{field} must be in {interval}")
-SEED = {"says": RANGE, "ge": 0, "le": MAX_SEED}
-COUNTS = Says(bound="model layer/head counts must be positive ({field} = {value})")
-DIMS = Says(bound="model dimensions must be positive ({field} = {value})")
-BATCH = Says(bound="batch sizes must be positive ({field} = {value})")
-EPS_WD = Says(
-    bound="optimizer eps must be positive and weight_decay non-negative ({field} = {value})"
-)
-MUON_FLAGS = Says(kind="optimizer Muon/cautious flags must be booleans")
+SEED = {"ge": 0, "le": MAX_SEED}
 BETA = Annotated[Float, Field(ge=0.0, lt=1.0)]
-BETAS = "optimizer.betas must contain two values in [0, 1)"
-HORIZON = Says(bound="scheduler steps must be non-negative/max_steps positive ({field} = {value})")
 
 
-def _synthetic(value: Any) -> Any:
+def _synthetic(value: object) -> object:
     """``data.synthetic``: YAML booleans keep working (true = markov, false = none)."""
     if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
         return "markov" if value else "none"
@@ -71,7 +68,7 @@ def _synthetic(value: Any) -> Any:
     return text
 
 
-def _dataset(value: Any) -> Any:
+def _dataset(value: object) -> object:
     """``data.dataset``: a path string, or (in Python) a Dataset object."""
     plain = (bool, int, float, bytes, bytearray, Mapping, list, tuple, set, frozenset)
     if value is None or isinstance(value, str):
@@ -83,7 +80,7 @@ def _dataset(value: Any) -> Any:
     return value
 
 
-def _tokenizer(value: Any) -> Any:
+def _tokenizer(value: object) -> object:
     """``data.tokenizer`` without surrounding blanks; empty or any case of bytes is ``bytes``."""
     if not isinstance(value, str):
         return value
@@ -97,44 +94,27 @@ def _hub_repo(value: str | None) -> str | None:
     return value
 
 
-def _auto(value: Any) -> Any:
+def _auto(value: object) -> object:
     return "auto" if isinstance(value, str) and value.strip().lower() == "auto" else value
 
 
 MUON_NS_DTYPES = ("auto", "bf16", "fp32")
 
-NPROC = "run.nproc_per_node must be a positive integer or auto"
-NProc = Annotated[
-    Annotated[Int, Field(gt=0, le=1024)] | Literal["auto"],
-    BeforeValidator(_auto),
-    Says(bound=NPROC, kind=NPROC),
-]
+NProc = Annotated[Annotated[Int, Field(gt=0, le=1024)] | Literal["auto"], BeforeValidator(_auto)]
 HubRepo = Annotated[Str, AfterValidator(_hub_repo)]
-THREADS = "runtime.threads must be a positive integer or auto"
-Threads = Annotated[
-    Annotated[Int, Field(gt=0, le=4096)] | Literal["auto"],
-    BeforeValidator(_auto),
-    Says(bound=THREADS, kind=THREADS),
-]
-DataParallel = one_of("ddp", "fsdp", says="run.data_parallel must be ddp or fsdp")
-Dataset = Annotated[Any, BeforeValidator(_dataset)]
-Synthetic = Annotated[
-    Literal[SYNTHETIC_KINDS],
-    BeforeValidator(_synthetic),
-    Says(kind="data.synthetic must be markov, uniform or none (true: markov, false: none)"),
-]
-TokenDtype = one_of("uint16", "uint32", says="data.token_dtype must be 'uint16' or 'uint32'")
-Sampling = one_of("random", "sequential", says="data.sampling must be 'random' or 'sequential'")
+Threads = Annotated[Annotated[Int, Field(gt=0, le=4096)] | Literal["auto"], BeforeValidator(_auto)]
+DataParallel = Annotated[Literal["ddp", "fsdp"], CHOICE]
+Dataset = Annotated[object, BeforeValidator(_dataset)]
+Synthetic = Annotated[Literal["markov", "uniform", "none"], BeforeValidator(_synthetic)]
+TokenDtype = Annotated[Literal["uint16", "uint32"], CHOICE]
+Sampling = Annotated[Literal["random", "sequential"], CHOICE]
 Tokenizer = Annotated[PathStr, BeforeValidator(_tokenizer)]
-OptimizerName = one_of("adamw", "muon", says="optimizer.name must be 'adamw' or 'muon'")
-Betas = Annotated[tuple[BETA, BETA], Says(bound=BETAS, upper=BETAS, kind=BETAS)]
-NsDtype = one_of(*MUON_NS_DTYPES, says="optimizer.muon_ns_dtype must be auto, bf16 or fp32")
-SchedulerName = one_of("cosine", "constant", says="scheduler.name must be 'cosine' or 'constant'")
-PrecisionMode = one_of(
-    "auto", "bf16", "fp16", "fp32", says="precision.mode must be auto, bf16, fp16, or fp32"
-)
-PrecisionDtype = one_of("bf16", "fp16", "fp32", says="precision.dtype must be bf16, fp16, or fp32")
-EVERY = Says(bound="eval.every_steps must be >= 0 (0 = evaluate only at the end)")
+OptimizerName = Annotated[Literal["adamw", "muon"], CHOICE]
+Betas = tuple[BETA, BETA]
+NsDtype = Annotated[Literal["auto", "bf16", "fp32"], CHOICE]
+SchedulerName = Annotated[Literal["cosine", "constant"], CHOICE]
+PrecisionMode = Annotated[Literal["auto", "bf16", "fp16", "fp32"], CHOICE]
+PrecisionDtype = Annotated[Literal["bf16", "fp16", "fp32"], CHOICE]
 WINDOW = {"gt": 0, "le": MAX_SEQ_LEN}
 
 
@@ -164,22 +144,20 @@ class RunConfig:
 class ModelConfig:
     """Reference-transformer shape; every field is forwarded to the model factory."""
 
-    __check_first__ = ("max_seq_len",)  # 2.0.0 checked it before vocab_size
-
     name: Str = F("reference_transformer", "model registry key (checked when built)")
     init_from: Str | None = F(
         None, "start from a transformers Llama checkpoint: a folder or owner/name[@revision]"
     )
     vocab_size: Int = F(512, "vocabulary size", gt=0, le=MAX_VOCAB)
     max_seq_len: Int = F(128, "context length", gt=0, le=MAX_SEQ_LEN)
-    n_layer: Int = F(4, "transformer blocks", COUNTS, gt=0, le=1024)
-    n_head: Int = F(8, "attention heads; divides d_model", COUNTS, gt=0, le=1024)
-    n_kv_head: Int | None = F(None, "key/value heads; null: n_head", COUNTS, gt=0, le=1024)
-    d_model: Int = F(256, "residual width", DIMS, gt=0, le=2**17)
-    d_ff: Int | None = F(None, "MLP width; null: 4 * d_model", DIMS, gt=0, le=2**20)
-    dropout: Float = F(0.0, "dropout rate", RANGE, ge=0.0, lt=1.0)
+    n_layer: Int = F(4, "transformer blocks", gt=0, le=1024)
+    n_head: Int = F(8, "attention heads; divides d_model", gt=0, le=1024)
+    n_kv_head: Int | None = F(None, "key/value heads; null: n_head", gt=0, le=1024)
+    d_model: Int = F(256, "residual width", gt=0, le=2**17)
+    d_ff: Int | None = F(None, "MLP width; null: 4 * d_model", gt=0, le=2**20)
+    dropout: Float = F(0.0, "dropout rate", ge=0.0, lt=1.0)
     tie_weights: Bool = F(True, "share embedding and output weights")
-    rope_base: Float = F(10000.0, "RoPE base", RANGE, gt=0, le=1e12)
+    rope_base: Float = F(10000.0, "RoPE base", gt=0, le=1e12)
     gradient_checkpointing: Bool = F(False, "activation checkpointing (OR-ed with the root flag)")
 
     def __post_init__(self) -> None:
@@ -206,17 +184,18 @@ class ModelConfig:
 
     @model_validator(mode="wrap")
     @classmethod
-    def _remember_given(cls, values: Any, handler: Any) -> Any:
+    def _remember_given(cls, values: object, handler: ValidatorFunctionWrapHandler) -> ModelConfig:
         """Record which fields the input named with a value (see :attr:`given`)."""
-        section = handler(values)
+        section: ModelConfig = handler(values)
         if isinstance(values, cls):  # an instance revalidated inside the aggregate: keep its own
             return section
+        named: dict[str, object] = {}
         if isinstance(values, Mapping):
-            named = dict(values)
-        else:  # pydantic's ArgsKwargs of a constructor call
-            named = dict(getattr(values, "kwargs", None) or {})
-            positional = getattr(values, "args", None) or ()
-            named.update(zip(cls.__dataclass_fields__, positional, strict=False))
+            named.update(values)
+        elif isinstance(values, ArgsKwargs):  # a constructor call
+            named.update(values.kwargs or {})
+            fields = [item.name for item in dataclasses.fields(cls)]
+            named.update(zip(fields, values.args, strict=False))
         section.__dict__["_given"] = frozenset(k for k, v in named.items() if v is not None)
         return section
 
@@ -225,7 +204,8 @@ class ModelConfig:
         """The fields the configuration set (file, env, ``--set``, keywords); the others hold
         their defaults. ``model.init_from`` fills the shape fields not given from the
         checkpoint and refuses a given one that differs."""
-        return self.__dict__.get("_given", frozenset())
+        given: frozenset[str] = self.__dict__.get("_given", frozenset())
+        return given
 
 
 @section("data")
@@ -236,16 +216,14 @@ class DataConfig:
     ``num_tokens`` is the number of synthetic *samples* (2.0.0 naming).
     """
 
-    __check_first__ = ("micro_batch_size", "target_batch_size")  # the 2.0.0 check order
-
     text_path: PathStr | None = F(None, "UTF-8 text file, streamed through data.tokenizer")
     dataset: Dataset = F(None, "path of a torch.save'd Dataset (a Dataset object in Python)")
     synthetic: Synthetic = F("markov", "markov, uniform or none: data when no source is given")
     num_tokens: Int = F(100000, "number of synthetic samples", gt=0, le=10**8)
     vocab_size: Int | None = F(None, "informational; null: model.vocab_size", gt=0, le=MAX_VOCAB)
     block_size: Int | None = F(None, "tokens per sample; null: model.max_seq_len", **WINDOW)
-    micro_batch_size: Int = F(1, "samples per forward/backward", BATCH, gt=0, le=2**16)
-    target_batch_size: Int = F(1, "samples per optimizer update", BATCH, gt=0, le=2**24)
+    micro_batch_size: Int = F(1, "samples per forward/backward", gt=0, le=2**16)
+    target_batch_size: Int = F(1, "samples per optimizer update", gt=0, le=2**24)
     num_workers: Int = F(0, "DataLoader workers", ge=0, le=256)
     prefetch_factor: Int | None = F(
         None, "DataLoader prefetch (null: 2 with workers)", gt=0, le=1024
@@ -280,13 +258,13 @@ class OptimizerConfig:
     name: OptimizerName = F("adamw", "adamw (every parameter) or muon (hidden matrices)")
     lr: Float = F(0.0003, "learning rate (peak, after warmup)", gt=0, le=10.0)
     betas: Betas = F((0.9, 0.95), "AdamW betas: two values in [0, 1)")
-    eps: Float = F(1e-8, "AdamW epsilon", EPS_WD, gt=0, le=1.0)
-    weight_decay: Float = F(0.1, "decoupled weight decay", EPS_WD, ge=0, le=1000.0)
+    eps: Float = F(1e-8, "AdamW epsilon", gt=0, le=1.0)
+    weight_decay: Float = F(0.1, "decoupled weight decay", ge=0, le=1000.0)
     fused: Bool | None = F(None, "fused AdamW: null probes, true tries, false is off")
     grad_clip: Float | None = F(None, "global grad-norm clip", gt=0, le=1e9)
-    muon_plus: Bool = F(False, "Muon+ normalisation (only with name: muon)", MUON_FLAGS)
-    cautious: Bool = F(False, "cautious update masking (either optimizer)", MUON_FLAGS)
-    muon_momentum: Float = F(0.95, "Muon momentum", RANGE, ge=0.0, lt=1.0)
+    muon_plus: Bool = F(False, "Muon+ normalisation (only with name: muon)")
+    cautious: Bool = F(False, "cautious update masking (either optimizer)")
+    muon_momentum: Float = F(0.95, "Muon momentum", ge=0.0, lt=1.0)
     muon_ns_steps: Int = F(5, "Newton-Schulz iterations", gt=0, le=100)
     muon_norm_eps: Float = F(1e-8, "Muon normalisation epsilon", gt=0, le=1.0)
     muon_ns_dtype: NsDtype = F("auto", "Newton-Schulz working precision: auto, bf16 or fp32")
@@ -305,9 +283,9 @@ class SchedulerConfig:
     """
 
     name: SchedulerName = F("cosine", "cosine or constant after the warmup")
-    warmup_steps: Int = F(100, "linear warmup steps", HORIZON, ge=0, le=MAX_STEPS)
-    max_steps: Int | None = F(None, "cosine horizon; null: the run target", HORIZON, **STEPS)
-    min_lr_ratio: Float = F(0.1, "final LR as a fraction of lr", RANGE, ge=0.0, le=1.0)
+    warmup_steps: Int = F(100, "linear warmup steps", ge=0, le=MAX_STEPS)
+    max_steps: Int | None = F(None, "cosine horizon; null: the run target", **STEPS)
+    min_lr_ratio: Float = F(0.1, "final LR as a fraction of lr", ge=0.0, le=1.0)
 
     @property
     def max_steps_explicit(self) -> bool:
@@ -331,10 +309,8 @@ class EvalConfig:
 
     text_path: PathStr | None = F(None, "held-out UTF-8 text file")
     token_path: PathStr | None = F(None, "held-out token file, or a prepared folder")
-    holdout: Float = F(0.0, "fraction at the end of the training source", RANGE, ge=0.0, lt=1.0)
-    every_steps: Int = F(
-        200, "eval cadence in optimizer steps (0: at the end)", EVERY, ge=0, le=MAX_STEPS
-    )
+    holdout: Float = F(0.0, "fraction at the end of the training source", ge=0.0, lt=1.0)
+    every_steps: Int = F(200, "eval cadence in optimizer steps (0: at the end)", ge=0, le=MAX_STEPS)
     tokens: Int = F(8192, "target tokens scored per eval", gt=0, le=2**31 - 1)
     batch_size: Int | None = F(
         None, "windows per forward; null: data.micro_batch_size", gt=0, le=2**16

@@ -84,7 +84,7 @@ class TokenizerInfo:
     config_path: Path | None = None
 
 
-def is_bytes(spec: Any) -> bool:
+def is_bytes(spec: object) -> bool:
     """True when ``spec`` selects the byte-level tokenizer (``bytes``, any case, or empty)."""
     return spec is None or str(spec).strip().lower() in ("", BYTES)
 
@@ -229,7 +229,7 @@ def describe_tokenizer(
 
 @functools.lru_cache(maxsize=16)
 def _read(
-    path: str, size: int, mtime_ns: int, config_key: tuple | None, field: str
+    path: str, size: int, mtime_ns: int, config_key: tuple[str, int, int] | None, field: str
 ) -> tuple[str, int, int | None, str | None]:
     """``(sha256, vocab_size, eos_id, eos_token)``; cached per file version."""
     raw = Path(path).read_bytes()
@@ -241,7 +241,7 @@ def _read(
     ids = _vocabulary_ids(document, path, field)
     tokens = _token_ids(document)
     eos_token = _configured_eos(config_key[0]) if config_key else None
-    if eos_token is not None and eos_token not in tokens:
+    if config_key and eos_token is not None and eos_token not in tokens:
         raise ConfigError(
             f"{field}: {config_key[0]} names eos_token {eos_token!r}, which {path} does not hold"
         )
@@ -269,7 +269,7 @@ def _vocabulary_ids(document: Any, path: str, field: str) -> list[int]:
     return ids
 
 
-def _token_ids(document: dict) -> dict[str, int]:
+def _token_ids(document: dict[str, Any]) -> dict[str, int]:
     vocab = document["model"]["vocab"]
     if isinstance(vocab, list):
         ids = {str(entry[0]): index for index, entry in enumerate(vocab) if entry}
@@ -280,7 +280,7 @@ def _token_ids(document: dict) -> dict[str, int]:
     return ids
 
 
-def _special(document: dict) -> set[str]:
+def _special(document: dict[str, Any]) -> set[str]:
     return {str(t.get("content")) for t in document.get("added_tokens") or () if t.get("special")}
 
 
@@ -295,7 +295,7 @@ def _configured_eos(config_path: str) -> str | None:
     return eos if isinstance(eos, str) and eos else None
 
 
-def tokenizer_record(spec: Any, *, token: str | None = None) -> dict[str, Any] | None:
+def tokenizer_record(spec: object, *, token: str | None = None) -> dict[str, str | None] | None:
     """What a checkpoint stores so its tokenizer travels with it: ``{"spec", "sha256",
     "json", "config"}`` (the ``tokenizer.json`` text and the ``tokenizer_config.json`` text
     beside it, or ``None``); ``None`` for the byte-level tokenizer, whose settings are the
@@ -316,7 +316,7 @@ def _cache_root() -> Path:
     return Path.home() / ".cache" / "speedtronic" / "tokenizers"
 
 
-def materialize_tokenizer(record: Any) -> Path | None:
+def materialize_tokenizer(record: object) -> Path | None:
     """A folder holding the ``tokenizer.json`` (and ``tokenizer_config.json``) of a
     :func:`tokenizer_record`, for ``data.tokenizer``; ``None`` when ``record`` is not one.
 
