@@ -70,6 +70,7 @@ import threading
 import time
 import urllib.request
 import uuid
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -399,6 +400,30 @@ def install_sdk_client() -> None:
         set_client_factory(_client)
 
 
+_LEGACY_RETRY = {
+    "retry_initial": "initial",
+    "retry_max": "maximum",
+    "retry_attempts": "attempts",
+    "request_timeout": "timeout",
+}
+
+
+def _legacy_retry(keywords: dict[str, float]) -> dict[str, float]:
+    """2.0.0's ``HubClient(retry_initial=..., retry_max=..., retry_attempts=...)`` as
+    :class:`RetryPolicy` fields, with a ``DeprecationWarning``; any other keyword is a
+    ``TypeError`` as for any call."""
+    unknown = sorted(set(keywords) - set(_LEGACY_RETRY))
+    if unknown:
+        raise TypeError(f"HubClient() got unexpected keyword arguments: {', '.join(unknown)}")
+    warnings.warn(
+        "HubClient(retry_initial=, retry_max=, retry_attempts=, request_timeout=) is deprecated;"
+        " pass retry=RetryPolicy(...)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return {_LEGACY_RETRY[key]: value for key, value in keywords.items()}
+
+
 class HubClient(RepoTransport):
     """A Hub model repository used as the DumbDiLoCo rendezvous (private, one per run).
 
@@ -421,8 +446,11 @@ class HubClient(RepoTransport):
         retry: RetryPolicy | None = None,
         sleeper: Callable[[float], None] | None = None,
         missing_repo_wait: float = 0.0,
+        **legacy: float,
     ):
         retry = retry if retry is not None else RetryPolicy()  # 1 s .. 60 s, 6 tries, 60 s each
+        if legacy:  # 2.0.0's loose retry keywords, kept working
+            retry = dataclasses.replace(retry, **_legacy_retry(legacy))
         if sleeper is not None:
             retry = dataclasses.replace(retry, sleeper=sleeper)
         token = token.strip() if token else token  # a secret file's trailing newline

@@ -22,8 +22,10 @@ buffer ``B`` and the returned update are fp32 either way.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -414,6 +416,25 @@ def adamw_or_unfused(params: list[Tensor], *, fused: bool, **hyper: Any) -> Adam
     return AdamW(params, **hyper)
 
 
+def _legacy_muon(keywords: dict[str, Any]) -> dict[str, Any]:
+    """2.0.0's ``HybridOptimizer(muon_momentum=..., muon_ns_steps=..., muon_norm_eps=...,
+    muon_plus=...)`` (and ``muon_ns_dtype``) as :class:`MuonSettings` fields, with a
+    ``DeprecationWarning``; any other keyword is a ``TypeError`` as for any call."""
+    names = {"muon_momentum", "muon_ns_steps", "muon_norm_eps", "muon_plus", "muon_ns_dtype"}
+    unknown = sorted(set(keywords) - names)
+    if unknown:
+        raise TypeError(f"HybridOptimizer() got unexpected keyword arguments: {', '.join(unknown)}")
+    warnings.warn(
+        "HybridOptimizer(muon_momentum=, muon_ns_steps=, ...) is deprecated; pass "
+        "muon=MuonSettings(...)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    fields = {"muon_momentum": "momentum", "muon_ns_steps": "ns_steps", "muon_norm_eps": "norm_eps"}
+    fields.update(muon_plus="muon_plus", muon_ns_dtype="ns_dtype")
+    return {fields[key]: value for key, value in keywords.items()}
+
+
 @dataclass(frozen=True)
 class MuonSettings:
     """The Muon side of a :class:`HybridOptimizer` (``optimizer.muon_*`` in the config).
@@ -454,8 +475,11 @@ class HybridOptimizer(Optimizer):
         weight_decay: float = 0.0,
         fused: bool = False,
         muon: MuonSettings | None = None,
+        **legacy: Any,
     ) -> None:
         settings = muon if muon is not None else MuonSettings()
+        if legacy:  # 2.0.0's muon_momentum=, muon_ns_steps=, ... keywords, kept working
+            settings = dataclasses.replace(settings, **_legacy_muon(legacy))
         resolve_ns_dtype(settings.ns_dtype, "meta")  # a bad value fails even without Muon params
         muon_list, adamw_list = list(muon_params), list(adamw_params)
         if not muon_list and not adamw_list:
