@@ -180,7 +180,7 @@ ALIASES: dict[str, Alias] = {
     ),
     "speedtronic.distributed.outer": Alias(
         ("speedtronic.diloco.master", "speedtronic.diloco"),
-        ("MasterOuterLoop", "NesterovOuterOptimizer", "nesterov_update"),
+        ("MasterOuterLoop", "NesterovOuterOptimizer"),
     ),
     "speedtronic.distributed.tensors": Alias(
         ("speedtronic.diloco.wire", "speedtronic.diloco.exchange", "speedtronic.diloco.codec"),

@@ -116,6 +116,20 @@ def test_a_second_run_into_a_used_folder_is_refused_resumed_or_started_over(tmp_
     assert "step_000000000002.pt (step 2)" in out
 
 
+def test_a_run_that_writes_no_checkpoints_is_not_refused_and_leaves_them(tmp_path, capsys):
+    """checkpoint.enabled: false starts no series, so it cannot mix one (the in-process DiLoCo
+    ideal and library users run so beside a used folder)."""
+    config = write_config(tmp_path)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert run_cli(capsys, "train", "--config", str(config))[0] == 0
+    before = folder_state(checkpoints)
+    code, _, err = run_cli(
+        capsys, "train", "--config", str(config), "--set", "checkpoint.enabled=false"
+    )
+    assert code == 0, err
+    assert folder_state(checkpoints) == before
+
+
 def test_the_overwrite_setting_works_through_the_environment(tmp_path, capsys, monkeypatch):
     config = write_config(tmp_path, steps=3)
     assert run_cli(capsys, "train", "--config", str(config))[0] == 0

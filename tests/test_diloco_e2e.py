@@ -190,7 +190,9 @@ def test_three_nodes_compute_the_ideal_arithmetic_and_beat_one_node(tmp_path, co
     )
     config, final = _check_golden(tmp_path, corpus, nodes, sets, steps // inner)
     # quality: the 3-node global beats one node trained on the same steps per node
-    single_config = _config(corpus, [*sets, "distributed.enabled=false"])
+    single_config = _config(
+        corpus, [*sets, "distributed.enabled=false", f"run.output_dir={tmp_path / 'single'}"]
+    )
     trainer, _ = build_runtime(single_config)
     trainer.heldout = None
     trainer.fit()

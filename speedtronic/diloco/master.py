@@ -66,6 +66,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.optim.optimizer import StateDict
+from torch.optim.sgd import sgd as sgd_update
 
 from speedtronic.checkpoint import atomic_json_dump, atomic_write_with
 from speedtronic.diloco import wire
@@ -94,7 +96,6 @@ __all__ = [
     "Roster",
     "RoundMaster",
     "RoundState",
-    "nesterov_update",
     "reconcile",
 ]
 
@@ -998,8 +999,9 @@ def reconcile(
     new_run: Callable[[], RoundState],
 ) -> RoundState:
     """Agree with the exchange ``store``, at start and after a failed publish; returns the
-    state to hold from now on (the exchange holds it when this returns; ``held`` is never
-    changed). The cases, in order:
+    state to hold from now on (the exchange holds it when this returns; ``held``'s weights and
+    records are never changed; an adopted global resets the run's one outer optimizer, which
+    ``held`` shares, and any retry adopts it again). The cases, in order:
 
     - a ``fresh`` master (training from step 0) over the final global of a finished run: a new
       run from the initial weights, the old run's contributions and done records pruned;
@@ -1189,13 +1191,11 @@ class RoundState:
         return cls(0, global_state, NesterovOuterOptimizer(global_state, lr, momentum))
 
     def copy(self, *, tensors: bool = True) -> RoundState:
-        """A copy: deep (tensors and momentum cloned), or with ``tensors=False`` new records
-        and a new weights dict over the same tensors and outer optimizer (what a reconcile
-        changes: it replaces tensors, never writes into them)."""
+        """A copy with new records over the run's one outer optimizer (shared: it is made
+        once per run): its weights and residual cloned, or with ``tensors=False`` a new
+        weights dict over the same tensors (what a reconcile changes: it replaces tensors,
+        never writes into them)."""
         optimizer = self.optimizer
-        if tensors:
-            optimizer = NesterovOuterOptimizer({}, self.optimizer.lr, self.optimizer.momentum)
-            optimizer.load_state_dict(self.optimizer.state_dict())
         weights = wire.cpu_state_dict(self.global_state) if tensors else dict(self.global_state)
         return RoundState(
             self.outer_step,
@@ -1234,15 +1234,14 @@ class RoundState:
 
     def adopt(self, state: Mapping[str, torch.Tensor], outer_step: int) -> None:
         """Take a published global (cast to this state's dtypes; other keys and shapes are
-        ignored) at ``outer_step``; the momentum starts again from zero."""
+        ignored) at ``outer_step``; the momentum starts again from zero (the run's outer
+        optimizer, shared with the state this one was copied from, forgets it)."""
         for key, value in state.items():
             mine = self.global_state.get(key)
             if mine is not None and tuple(value.shape) == tuple(mine.shape):
                 self.global_state[key] = wire.cpu_tensor(value).to(mine.dtype)
         self.outer_step = int(outer_step)
-        self.optimizer = NesterovOuterOptimizer(
-            self.global_state, self.optimizer.lr, self.optimizer.momentum
-        )
+        self.optimizer.reset()
 
 
 class OuterStateStore:
@@ -1272,8 +1271,8 @@ class OuterStateStore:
         return self.state_dir / "pending_round.json"
 
     def load(self, like: RoundState) -> RoundState | None:
-        """The saved state, its tensors shaped and typed as ``like``'s global and its outer
-        optimizer configured as ``like``'s; None when there is none.
+        """The saved state, its tensors shaped and typed as ``like``'s global, its momentum
+        loaded into ``like``'s outer optimizer (the run's one); None when there is none.
 
         Raises ``ValueError`` (after moving the file aside as ``*.corrupt-<time>``) when the
         file cannot be read or does not match ``like``."""
@@ -1292,17 +1291,16 @@ class OuterStateStore:
                     if shape is None or tuple(shape) != tuple(value.shape):
                         raise ValueError(f"global tensor {key} missing or reshaped")
                     glob[key] = saved_file.get_tensor(name).to(value.dtype)
-                optimizer = NesterovOuterOptimizer({}, like.optimizer.lr, like.optimizer.momentum)
-                optimizer.load_state_dict(
-                    {k[9:]: saved_file.get_tensor(k) for k in names if k.startswith("momentum/")}
-                )
+                momentum = {  # by tensor name: the optimizer's state (also a 2.1 file's)
+                    k[9:]: saved_file.get_tensor(k) for k in names if k.startswith("momentum/")
+                }
                 residual = {
                     k[9:]: saved_file.get_tensor(k) for k in names if k.startswith("residual/")
                 }
             saved = RoundState(
                 outer_step=int(meta["outer_step"]),
                 global_state=glob,
-                optimizer=optimizer,
+                optimizer=like.optimizer,
                 run_id=str(meta.get("run_id", "")),
                 ledger=_json_map(meta["ledger"], int),
                 digests=_json_map(meta["digests"], str),
@@ -1312,6 +1310,7 @@ class OuterStateStore:
                 round_seconds=float(meta.get("round_seconds", "0")),  # absent before 2.3
                 residual=residual,
             )
+            like.optimizer.load_state_dict(momentum)  # last: a failed read leaves it as it was
         except Exception as exc:
             self.path.replace(self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}"))
             raise ValueError(f"{type(exc).__name__}: {exc}") from None
@@ -1320,7 +1319,8 @@ class OuterStateStore:
     def save(self, state: RoundState) -> None:
         """Write the whole state as one atomic file."""
         tensors = {f"global/{k}": v for k, v in state.global_state.items()}
-        tensors.update({f"momentum/{k}": v for k, v in state.optimizer.momentum_buffers.items()})
+        momentum = state.optimizer.momentum_buffers()  # the optimizer's state, by tensor name
+        tensors.update({f"momentum/{k}": v for k, v in momentum.items()})
         tensors.update({f"residual/{k}": v for k, v in state.residual.items()})
         meta = {
             "format": _FORMAT,
@@ -1371,54 +1371,66 @@ def _json_map(text: str, kind: Callable[[Any], Any]) -> dict[str, Any]:
 
 
 # -- the outer step --------------------------------------------------------------------
-def nesterov_update(
-    weight: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, *, lr: float, momentum: float
-) -> None:
-    """One SGD-Nesterov step with the pseudo-gradient as gradient (DiLoCo, Douillard et al. 2023).
-
-    In place: ``buf = momentum*buf + g``; ``weight -= lr*(g + momentum*buf)``. Computed in
-    float32, applied in the weight's dtype. From zero momentum the first step is
-    ``weight - lr*(1+momentum)*g`` (1.9·g at μ=0.9).
-    """
-    g32 = grad.to(device=weight.device, dtype=torch.float32)
-    buf.mul_(momentum).add_(g32)
-    effective = buf.mul(momentum).add_(g32)  # g + momentum * buf, one temporary
-    if weight.dtype == torch.float32:
-        weight.add_(effective, alpha=-lr)
-    else:
-        weight.sub_((lr * effective).to(weight.dtype))
-
-
 #: Values per slice of a tensor in the outer step (1 MiB of float32 temporaries each).
 OUTER_CHUNK = 1 << 18
 
 
 class NesterovOuterOptimizer:
-    """The outer step of DiLoCo (Douillard et al. 2023, Algorithm 1): ``torch.optim.SGD``
-    (Nesterov when ``momentum > 0``) with the round's mean pseudo-gradient as ``.grad``::
+    """The outer step of DiLoCo (Douillard et al. 2023, Algorithm 1): one ``torch.optim.SGD``
+    (Nesterov when ``momentum > 0``, ``foreach=False``) made once per run over the global's
+    floating tensors, with the round's mean pseudo-gradient as gradient::
 
         buf    = momentum * buf + mean
         global = global - lr * (mean + momentum * buf)     (plain SGD when momentum == 0)
 
-    The global's floating tensors are float32 CPU parameters; the momentum buffers are kept by
-    tensor name (a saved outer state loads into any process). :func:`nesterov_update` is the
-    same rule written out for one tensor (the golden this is tested against; 2.0.0 API).
+    Its parameters are leaf tensors named by key that share the storage of the global's
+    tensors (rebound to the tensors of the state each step is given: an adopted or loaded
+    global replaces them); its state holds one float32 momentum buffer per tensor. The step
+    is torch's SGD update (``torch.optim.sgd.sgd``, what ``SGD.step`` runs) over slices of
+    at most ``OUTER_CHUNK`` values of the parameter, its gradient and its buffer, so no
+    temporary is larger than a slice however large one tensor is (the master's memory bar).
+    A weight in another dtype is updated in float32 and rounded once.
 
     ``lr`` is the outer learning rate (DiLoCo's 0.7), ``momentum`` its Nesterov momentum (0.9;
     0 is plain SGD). ``step(state, delta)`` updates ``state`` in place.
     """
 
     def __init__(self, state: Mapping[str, torch.Tensor], lr: float, momentum: float = 0.9):
-        del state  # a buffer is made at a tensor's first step (torch's SGD starts it at g)
-        self.lr = float(lr)
-        self.momentum = float(momentum)
-        self.momentum_buffers: dict[str, torch.Tensor] = {}
+        named = []
+        for key, value in state.items():
+            if value.is_floating_point():
+                param = torch.empty(0, dtype=value.dtype)
+                named.append((str(key), param.set_(value.detach())))
+        if not named:
+            raise ValueError("the global holds no floating tensor to optimize")
+        momentum = float(momentum)
+        self.sgd = torch.optim.SGD(
+            named, lr=float(lr), momentum=momentum, nesterov=momentum > 0, foreach=False
+        )
+        group = self.sgd.param_groups[0]
+        self.params: dict[str, torch.Tensor] = dict(
+            zip(group["param_names"], group["params"], strict=True)
+        )
+
+    @property
+    def lr(self) -> float:
+        """The outer learning rate (the optimizer's param group's)."""
+        return float(self.sgd.param_groups[0]["lr"])
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self.sgd.param_groups[0]["lr"] = float(value)
+
+    @property
+    def momentum(self) -> float:
+        """The Nesterov momentum (0: plain SGD)."""
+        return float(self.sgd.param_groups[0]["momentum"])
 
     def _pairs(
         self, state: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor]
     ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
         """``(key, weight, grad)`` for each floating key of ``delta`` (``KeyError`` for a key
-        ``state`` lacks, ``ValueError`` for a shape that differs)."""
+        ``state`` or the optimizer lacks, ``ValueError`` for a shape that differs)."""
         for key, grad in delta.items():
             if key not in state:
                 raise KeyError(key)
@@ -1426,64 +1438,131 @@ class NesterovOuterOptimizer:
             if tuple(weight.shape) != tuple(grad.shape):
                 raise ValueError(f"shape mismatch for {key}")
             if weight.is_floating_point():
+                if key not in self.params:
+                    raise KeyError(key)
                 yield key, weight, grad
 
-    def _chunks(
-        self, state: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor]
-    ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-        """``(key, weight, grad, buf)`` over slices of at most ``OUTER_CHUNK`` values of each
-        floating tensor (views: writing them writes the tensors), so no temporary is larger
-        than a slice however large one tensor is (an embedding may be half the model)."""
-        for key, weight, grad in self._pairs(state, delta):
-            buf = self.momentum_buffers.get(key)
-            flat = [t.detach().reshape(-1) for t in (weight, grad)]
-            buf_flat = None if buf is None else buf.reshape(-1)
-            for start in range(0, max(weight.numel(), 1), OUTER_CHUNK):
-                end = start + OUTER_CHUNK
-                part = None if buf_flat is None else buf_flat[start:end]
-                yield key, flat[0][start:end], flat[1][start:end], part
+    def _slices(
+        self, weight: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """Flat views of at most ``OUTER_CHUNK`` values of ``weight``, ``grad`` and ``buf``."""
+        flat = weight.detach().reshape(-1)
+        flat_grad = grad.detach().reshape(-1)
+        flat_buf = None if buf is None else buf.reshape(-1)
+        for start in range(0, max(flat.numel(), 1), OUTER_CHUNK):
+            end = start + OUTER_CHUNK
+            part = None if flat_buf is None else flat_buf[start:end]
+            yield flat[start:end], flat_grad[start:end], part
+
+    def _update(self, weight: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None) -> None:
+        """The optimizer's update of one slice, in place (float32 arithmetic; a weight in
+        another dtype is updated on a float32 copy and rounded once)."""
+        group = self.sgd.param_groups[0]
+        param = weight if weight.dtype == torch.float32 else weight.to(torch.float32)
+        sgd_update(
+            [param],
+            [grad.to("cpu", torch.float32)],
+            [buf],
+            weight_decay=group["weight_decay"],
+            momentum=group["momentum"],
+            lr=group["lr"],
+            dampening=group["dampening"],
+            nesterov=group["nesterov"],
+            maximize=group["maximize"],
+            foreach=False,
+        )
+        if param is not weight:
+            weight.copy_(param)
+
+    def _buffer(self, key: str, *, create: bool) -> torch.Tensor | None:
+        """The momentum buffer of ``key`` (None with plain SGD); ``create``: zeros when there
+        is none yet (the first step's buffer is then the gradient, as torch starts it)."""
+        if self.momentum == 0:
+            return None
+        param = self.params[key]
+        buf = self.sgd.state[param].get("momentum_buffer")
+        if buf is None and create:
+            buf = torch.zeros(param.shape, dtype=torch.float32)
+            self.sgd.state[param]["momentum_buffer"] = buf
+        return buf
 
     @torch.no_grad()
     def step(self, state: dict[str, torch.Tensor], delta: Mapping[str, torch.Tensor]) -> None:
-        """Apply the averaged pseudo-gradient ``delta`` to ``state`` in place, a slice at a
-        time (``torch.optim.SGD`` over each slice; float32 temporaries of one slice at most)."""
-        nesterov = self.momentum > 0
-        if nesterov:  # zeros: the first step's buffer is the gradient, as torch starts it
-            for key, weight, _ in self._pairs(state, delta):
-                if key not in self.momentum_buffers:
-                    self.momentum_buffers[key] = torch.zeros(weight.shape, dtype=torch.float32)
-        for _, weight, grad, buf in self._chunks(state, delta):
-            native = weight.dtype == torch.float32 and weight.device.type == "cpu"
-            param = weight if native else weight.to("cpu", torch.float32)
-            param.grad = grad.to("cpu", torch.float32)
-            sgd = torch.optim.SGD([param], lr=self.lr, momentum=self.momentum, nesterov=nesterov)
-            if buf is not None:
-                sgd.state[param]["momentum_buffer"] = buf
-            sgd.step()
-            param.grad = None
-            if param is not weight:
-                weight.copy_(param)
+        """Apply the averaged pseudo-gradient ``delta`` to ``state`` in place: the optimizer's
+        parameters are bound to ``state``'s tensors and stepped a slice at a time (float32
+        temporaries of one slice at most)."""
+        pairs = list(self._pairs(state, delta))  # every key checked before any is written
+        for key, weight, grad in pairs:
+            param = self.params[key]
+            if param.dtype != weight.dtype:
+                raise ValueError(f"dtype of {key} changed from {param.dtype} to {weight.dtype}")
+            param.set_(weight.detach())  # the parameter is the global's tensor
+            buf = self._buffer(key, create=True)
+            for part, grad_part, buf_part in self._slices(param, grad, buf):
+                self._update(part, grad_part, buf_part)
 
     @torch.no_grad()
     def first_non_finite(
         self, state: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor]
     ) -> str | None:
         """The first key whose weight :meth:`step` would make non-finite (in the weight's
-        dtype), else None; computed on one slice's temporaries, changing nothing."""
-        for key, weight, grad, buf in self._chunks(state, delta):
-            trial = weight.to("cpu", torch.float32, copy=True)
-            buf = torch.zeros_like(trial) if buf is None else buf.clone()
-            nesterov_update(trial, grad, buf, lr=self.lr, momentum=self.momentum)
-            if not bool(torch.isfinite(trial.to(weight.dtype)).all()):
-                return key
+        dtype), else None: the same update on copies of one slice at a time, changing
+        nothing."""
+        for key, weight, grad in self._pairs(state, delta):
+            buf = self._buffer(key, create=False)
+            for part, grad_part, buf_part in self._slices(weight, grad, buf):
+                trial = part.to("cpu", torch.float32, copy=True)
+                if buf_part is not None:
+                    buf_part = buf_part.clone()
+                elif self.momentum > 0:  # as step's first: zeros, of one slice here
+                    buf_part = torch.zeros_like(trial)
+                self._update(trial, grad_part, buf_part)
+                if not bool(torch.isfinite(trial.to(weight.dtype)).all()):
+                    return key
         return None
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """CPU clones of the momentum buffers, by tensor name."""
-        return {k: v.detach().clone() for k, v in self.momentum_buffers.items()}
+    def reset(self) -> None:
+        """Forget the momentum (an adopted global starts it again from zero)."""
+        self.sgd.state.clear()
 
-    def load_state_dict(self, buffers: Mapping[str, torch.Tensor]) -> None:
-        """Replace every buffer with a float32 CPU clone of ``buffers`` (by tensor name)."""
-        self.momentum_buffers = {
-            str(k): v.detach().to("cpu", torch.float32).clone() for k, v in buffers.items()
-        }
+    def momentum_buffers(self) -> dict[str, torch.Tensor]:
+        """The momentum buffers by tensor name (the optimizer's own tensors, not copies):
+        what the outer state file holds as ``momentum/<name>``."""
+        out = {}
+        for key, param in self.params.items():
+            buf = self.sgd.state.get(param, {}).get("momentum_buffer")
+            if buf is not None:
+                out[key] = buf
+        return out
+
+    def state_dict(self) -> StateDict:
+        """The optimizer's ``state_dict`` (torch's: ``state`` by parameter index, over the
+        optimizer's own buffers; ``param_groups`` with the tensor names)."""
+        return self.sgd.state_dict()
+
+    def load_state_dict(self, saved: StateDict | Mapping[str, torch.Tensor]) -> None:
+        """Replace the momentum with ``saved``'s: a :meth:`state_dict` (its buffers matched
+        by name) or a dict of buffers by tensor name (an outer state file, also of 2.1).
+        Buffers are kept as float32 CPU clones; the hyperparameters stay this run's.
+        ``ValueError`` for a buffer whose shape differs from its tensor's."""
+        buffers: Mapping[str, torch.Tensor]
+        if "state" in saved and "param_groups" in saved:
+            names = [n for group in saved["param_groups"] for n in group["param_names"]]
+            buffers = {
+                names[int(i)]: entry["momentum_buffer"]
+                for i, entry in saved["state"].items()
+                if entry.get("momentum_buffer") is not None
+            }
+        else:
+            buffers = saved
+        loaded = {}
+        for key, value in buffers.items():
+            param = self.params.get(str(key))
+            if param is None:
+                continue  # a tensor this global does not have: nothing to step with it
+            if tuple(value.shape) != tuple(param.shape):
+                raise ValueError(f"momentum of {key} reshaped")
+            loaded[param] = value.detach().to("cpu", torch.float32).clone()
+        self.reset()
+        for param, buf in loaded.items():
+            self.sgd.state[param]["momentum_buffer"] = buf

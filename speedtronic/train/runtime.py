@@ -255,10 +255,12 @@ def build_runtime(
     ranks = ranks or RankEnv()
     section = config.checkpoint
     resume = bool(resume or section.resume)
-    # one run per folder, decided before anything (the exchange included) is touched
-    CheckpointManager(config.checkpoint_dir).claim(
-        resume=resume, overwrite=section.overwrite, clear=ranks.is_main
-    )
+    # one run per folder, decided before anything (the exchange included) is touched; a run
+    # that writes no checkpoint (checkpoint.enabled: false) starts no series to mix
+    if section.enabled:
+        CheckpointManager(config.checkpoint_dir).claim(
+            resume=resume, overwrite=section.overwrite, clear=ranks.is_main
+        )
     _check_parallel(config, ranks)
     threads = ThreadBudget.start(config.runtime.threads, os.environ)  # before the model
     parallel, resolved = start_parallel(ranks, _device(config, device), config.run)
