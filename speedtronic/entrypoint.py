@@ -139,7 +139,7 @@ class _RunState:
     def heartbeat(self) -> float | None:
         """Latest of: start-up phase change, trainer heartbeat, last train_step seen."""
         candidates = [self.last_phase]
-        beat = getattr(self.trainer, "last_heartbeat", None)
+        beat = self.trainer.last_heartbeat if self.trainer is not None else None
         if isinstance(beat, (int, float)):
             candidates.append(float(beat))
         step_time = getattr(self.sink, "last_step_time", None)
@@ -620,7 +620,7 @@ def _train(
     token_source: str | None = None,
 ) -> RunOutcome:
     trainer, _manager = _build(config, resume)
-    parallel = getattr(trainer, "parallel", None)  # the node's ranks (None: one process)
+    parallel = trainer.parallel  # the node's ranks (SingleProcess: one process)
     state.trainer = trainer
     role, node_id = _identity(config, trainer)
     from speedtronic.metrics.prometheus import PrometheusSink
@@ -652,7 +652,7 @@ def _train(
             ),
         )
     try:
-        if state.stop_signal is not None and getattr(parallel, "stops_locally", True):
+        if state.stop_signal is not None and parallel.stops_locally:
             _LOG.info("stop requested before training started; exiting without training")
             return RunOutcome(0)
         try:
@@ -672,8 +672,7 @@ def _train(
         trainer.logger.close()
         for tracker in trackers:
             tracker.close()
-    if parallel is not None:
-        parallel.close()  # the ranks leave together (after a failure the agent ends them)
+    parallel.close()  # the ranks leave together (after a failure the agent ends them)
     reason = result.stopped_reason
     _LOG.info(
         "run finished after %s steps%s",

@@ -54,10 +54,12 @@ STALLING_RUN = textwrap.dedent(
     from types import SimpleNamespace
     from speedtronic import entrypoint
     from speedtronic.config import resolve_config
+    from speedtronic.train.parallel import SingleProcess
 
     class StuckTrainer:
         coordinator = None
         last_heartbeat = None
+        parallel = SingleProcess()
         def __init__(self):
             self.logger = SimpleNamespace(hooks=[])
         def request_stop(self, reason):

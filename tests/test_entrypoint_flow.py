@@ -19,6 +19,7 @@ from speedtronic import entrypoint
 from speedtronic.config import resolve_config
 from speedtronic.diloco.node import NodeIdCollisionError
 from speedtronic.metrics.server import MetricsPortInUse
+from speedtronic.train.parallel import SingleProcess
 
 
 def resolved(tmp_path, **env):
@@ -50,6 +51,7 @@ class FakeTrainer:
         self.stop_reason = None
         self.fitted = False
         self.last_heartbeat = None
+        self.parallel = SingleProcess()  # one process, as the Trainer's default
         self.body = body or (lambda trainer: None)
 
     def request_stop(self, reason):

@@ -15,7 +15,7 @@ from torch import nn
 from speedtronic.metrics.logger import MetricLogger
 from speedtronic.train.evaluate import EvalResult, HeldOut, build_heldout, evaluate
 from speedtronic.train.runtime import train_from_config
-from speedtronic.train.trainer import Trainer
+from speedtronic.train.trainer import Trainer, TrainerOptions
 
 
 class TinyLM(nn.Module):
@@ -186,7 +186,7 @@ def test_trainer_emits_eval_at_the_cadence_and_at_the_end_after_the_coordinator_
         coordinator=StopsLast(model, log),
         checkpoint_manager=Manager(log),
         max_steps=7,
-        heldout=held,
+        options=TrainerOptions(heldout=held),
     )
     trainer.fit()
     evals = [payload for event, payload in log if event == "eval"]
@@ -211,7 +211,7 @@ def test_trainer_eval_every_zero_means_only_at_the_end_and_no_heldout_means_none
         config={"eval": {"every_steps": 0}},
         logger=logger,
         max_steps=4,
-        heldout=heldout_of(random_batch(2, 6)),
+        options=TrainerOptions(heldout=heldout_of(random_batch(2, 6))),
     )
     trainer.fit()
     assert [step for event, step in seen if event == "eval"] == [4]

@@ -12,6 +12,7 @@ from speedtronic.model import ReferenceTransformer
 from speedtronic.optim import (
     HybridOptimizer,
     Muon,
+    MuonSettings,
     build_optimizer,
     newton_schulz,
     orthogonal_direction,
@@ -79,7 +80,7 @@ def test_unknown_settings_are_value_errors(bad):
         Muon([nn.Parameter(torch.zeros(2, 2))], ns_dtype=bad)
     with pytest.raises(ValueError, match="ns_dtype"):
         HybridOptimizer([], [nn.Parameter(torch.zeros(2))], muon_lr=0.1, adamw_lr=0.1,
-                        muon_ns_dtype=bad)  # fmt: skip
+                        muon=MuonSettings(ns_dtype=bad))  # fmt: skip
 
 
 # --------------------------------------------------------------------------- CPU detection

@@ -18,6 +18,7 @@ from speedtronic.train.trainer import (
     GradientOverflowError,
     NonFiniteLossError,
     Trainer,
+    TrainerOptions,
     TrainResult,
 )
 
@@ -56,7 +57,7 @@ def test_accumulation_golden_sgd():
         scalar_batches(0.0, 2.0),
         logger=quiet_logger(),
         max_steps=1,
-        accumulation_steps=2,
+        options=TrainerOptions(accumulation_steps=2),
     )
     result = trainer.fit()
     # micro-batch losses 0 and 4: mean 2.0; grads 0 and -4 averaged -> -2; p = 0 + 0.1*2

@@ -70,6 +70,7 @@ import threading
 import time
 import urllib.request
 import uuid
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -399,8 +400,38 @@ def install_sdk_client() -> None:
         set_client_factory(_client)
 
 
+_LEGACY_RETRY = {
+    "retry_initial": "initial",
+    "retry_max": "maximum",
+    "retry_attempts": "attempts",
+    "request_timeout": "timeout",
+}
+
+
+def _legacy_retry(keywords: dict[str, float]) -> dict[str, float]:
+    """2.0.0's ``HubClient(retry_initial=..., retry_max=..., retry_attempts=...)`` as
+    :class:`RetryPolicy` fields, with a ``DeprecationWarning``; any other keyword is a
+    ``TypeError`` as for any call."""
+    unknown = sorted(set(keywords) - set(_LEGACY_RETRY))
+    if unknown:
+        raise TypeError(f"HubClient() got unexpected keyword arguments: {', '.join(unknown)}")
+    warnings.warn(
+        "HubClient(retry_initial=, retry_max=, retry_attempts=, request_timeout=) is deprecated;"
+        " pass retry=RetryPolicy(...)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return {_LEGACY_RETRY[key]: value for key, value in keywords.items()}
+
+
 class HubClient(RepoTransport):
-    """A Hub model repository used as the DumbDiLoCo rendezvous (private, one per run)."""
+    """A Hub model repository used as the DumbDiLoCo rendezvous (private, one per run).
+
+    ``retry`` (:class:`RetryPolicy`: backoff, attempts, per-request timeout) defaults to
+    2.0.0's 1 s .. 60 s over 6 tries; ``sleeper`` replaces its sleep (tests). ``api`` injects
+    an SDK-like object, ``endpoint`` another Hub (default ``HF_ENDPOINT``). A repository that
+    answers "not found" is taken for one not created yet for ``missing_repo_wait`` seconds.
+    """
 
     kind = "hub"
 
@@ -413,17 +444,15 @@ class HubClient(RepoTransport):
         api: Any = None,
         endpoint: str | None = None,
         retry: RetryPolicy | None = None,
-        retry_initial: float = 1.0,
-        retry_max: float = 60.0,
-        retry_attempts: int = 6,
-        request_timeout: float = 60.0,
-        sleeper: Any = None,
+        sleeper: Callable[[float], None] | None = None,
         missing_repo_wait: float = 0.0,
+        **legacy: float,
     ):
-        if retry is None:
-            retry = RetryPolicy(retry_initial, retry_max, retry_attempts, request_timeout)
-            if sleeper is not None:
-                retry.sleeper = sleeper
+        retry = retry if retry is not None else RetryPolicy()  # 1 s .. 60 s, 6 tries, 60 s each
+        if legacy:  # 2.0.0's loose retry keywords, kept working
+            retry = dataclasses.replace(retry, **_legacy_retry(legacy))
+        if sleeper is not None:
+            retry = dataclasses.replace(retry, sleeper=sleeper)
         token = token.strip() if token else token  # a secret file's trailing newline
         if token:
             retry.secrets = (*retry.secrets, token)

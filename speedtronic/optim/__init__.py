@@ -3,7 +3,7 @@
 Modules:
     routing    -- ``route_parameters``: hidden matrices -> Muon, the rest -> AdamW
     muon       -- ``newton_schulz``, ``muon_update``, ``post_polar_normalize``,
-                  ``resolve_ns_dtype``; ``Muon``, ``HybridOptimizer``
+                  ``resolve_ns_dtype``; ``Muon``, ``HybridOptimizer``, ``MuonSettings``
     cautious   -- ``CautiousOptimizer`` (Liang et al. 2024) over any optimizer
     build      -- ``build_optimizer(model, config, device)``, ``supports_fused_adamw(device)``
     schedules  -- ``build_scheduler(optimizer, config)`` (warmup + cosine/constant)
@@ -22,6 +22,7 @@ from speedtronic.optim.muon import (
     NS_COEFFICIENTS,
     HybridOptimizer,
     Muon,
+    MuonSettings,
     cpu_has_native_bf16,
     muon_update,
     newton_schulz,
@@ -46,6 +47,7 @@ __all__ = [
     "HybridOptimizer",
     "LRSchedule",
     "Muon",
+    "MuonSettings",
     "ParameterRouting",
     "assert_exactly_once",
     "build_adamw",

@@ -14,7 +14,7 @@ from torch.optim import AdamW, Optimizer
 
 from speedtronic.config import OptimizerConfig, SpeedtronicConfig
 from speedtronic.optim.cautious import CautiousOptimizer
-from speedtronic.optim.muon import HybridOptimizer, adamw_or_unfused
+from speedtronic.optim.muon import HybridOptimizer, MuonSettings, adamw_or_unfused
 from speedtronic.optim.routing import assert_exactly_once, route_parameters, trainable_parameters
 
 
@@ -89,11 +89,13 @@ def build_optimizer(
             eps=section.eps,
             weight_decay=section.weight_decay,
             fused=fused and bool(adamw),
-            muon_momentum=section.muon_momentum,
-            muon_ns_steps=section.muon_ns_steps,
-            muon_norm_eps=section.muon_norm_eps,
-            muon_plus=section.muon_plus,
-            muon_ns_dtype=section.muon_ns_dtype,
+            muon=MuonSettings(
+                momentum=section.muon_momentum,
+                ns_steps=section.muon_ns_steps,
+                norm_eps=section.muon_norm_eps,
+                muon_plus=section.muon_plus,
+                ns_dtype=section.muon_ns_dtype,
+            ),
         )
     else:
         raise ValueError(f"optimizer.name must be 'adamw' or 'muon', got {name!r}")

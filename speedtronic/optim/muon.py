@@ -22,9 +22,12 @@ buffer ``B`` and the returned update are fp32 either way.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -413,6 +416,41 @@ def adamw_or_unfused(params: list[Tensor], *, fused: bool, **hyper: Any) -> Adam
     return AdamW(params, **hyper)
 
 
+def _legacy_muon(keywords: dict[str, Any]) -> dict[str, Any]:
+    """2.0.0's ``HybridOptimizer(muon_momentum=..., muon_ns_steps=..., muon_norm_eps=...,
+    muon_plus=...)`` (and ``muon_ns_dtype``) as :class:`MuonSettings` fields, with a
+    ``DeprecationWarning``; any other keyword is a ``TypeError`` as for any call."""
+    names = {"muon_momentum", "muon_ns_steps", "muon_norm_eps", "muon_plus", "muon_ns_dtype"}
+    unknown = sorted(set(keywords) - names)
+    if unknown:
+        raise TypeError(f"HybridOptimizer() got unexpected keyword arguments: {', '.join(unknown)}")
+    warnings.warn(
+        "HybridOptimizer(muon_momentum=, muon_ns_steps=, ...) is deprecated; pass "
+        "muon=MuonSettings(...)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    fields = {"muon_momentum": "momentum", "muon_ns_steps": "ns_steps", "muon_norm_eps": "norm_eps"}
+    fields.update(muon_plus="muon_plus", muon_ns_dtype="ns_dtype")
+    return {fields[key]: value for key, value in keywords.items()}
+
+
+@dataclass(frozen=True)
+class MuonSettings:
+    """The Muon side of a :class:`HybridOptimizer` (``optimizer.muon_*`` in the config).
+
+    ``momentum`` in [0, 1), ``ns_steps`` Newton–Schulz iterations, ``norm_eps`` the Muon+
+    epsilon, ``muon_plus`` the post-polar normalisation, ``ns_dtype`` the Newton–Schulz working
+    precision (``auto|bf16|fp32``). The defaults are 2.0.0's.
+    """
+
+    momentum: float = 0.95
+    ns_steps: int = 5
+    norm_eps: float = 1e-8
+    muon_plus: bool = False
+    ns_dtype: str = "auto"
+
+
 class HybridOptimizer(Optimizer):
     """Muon for hidden matrices and AdamW for the rest, behind one optimizer facade.
 
@@ -421,7 +459,8 @@ class HybridOptimizer(Optimizer):
     (``lr`` included, so one ``LambdaLR`` scales both) are copied into the two inner optimizers
     at every ``step``. Both inner optimizers share the facade's ``state`` dict, so ``state_dict``
     / ``load_state_dict`` / ``state.clear()`` cover both. The closure runs exactly once.
-    ``muon_ns_dtype`` is the inner :class:`Muon`'s ``ns_dtype`` (``auto|bf16|fp32``).
+    ``muon`` (:class:`MuonSettings`, default 2.0.0's) configures the inner :class:`Muon`;
+    ``betas``, ``eps`` and ``fused`` the inner AdamW; ``weight_decay`` is shared.
     """
 
     def __init__(
@@ -435,13 +474,13 @@ class HybridOptimizer(Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         fused: bool = False,
-        muon_momentum: float = 0.95,
-        muon_ns_steps: int = 5,
-        muon_norm_eps: float = 1e-8,
-        muon_plus: bool = False,
-        muon_ns_dtype: str = "auto",
+        muon: MuonSettings | None = None,
+        **legacy: Any,
     ) -> None:
-        resolve_ns_dtype(muon_ns_dtype, "meta")  # a bad value fails even without Muon params
+        settings = muon if muon is not None else MuonSettings()
+        if legacy:  # 2.0.0's muon_momentum=, muon_ns_steps=, ... keywords, kept working
+            settings = dataclasses.replace(settings, **_legacy_muon(legacy))
+        resolve_ns_dtype(settings.ns_dtype, "meta")  # a bad value fails even without Muon params
         muon_list, adamw_list = list(muon_params), list(adamw_params)
         if not muon_list and not adamw_list:
             raise ValueError("HybridOptimizer needs at least one parameter")
@@ -452,10 +491,10 @@ class HybridOptimizer(Optimizer):
                     "params": muon_list,
                     "algorithm": "muon",
                     "lr": float(muon_lr),
-                    "momentum": float(muon_momentum),
-                    "ns_steps": int(muon_ns_steps),
-                    "norm_eps": float(muon_norm_eps),
-                    "muon_plus": bool(muon_plus),
+                    "momentum": float(settings.momentum),
+                    "ns_steps": int(settings.ns_steps),
+                    "norm_eps": float(settings.norm_eps),
+                    "muon_plus": bool(settings.muon_plus),
                     "weight_decay": float(weight_decay),
                 }
             )
@@ -478,12 +517,12 @@ class HybridOptimizer(Optimizer):
             self.muon = Muon(
                 muon_list,
                 lr=float(muon_lr),
-                momentum=float(muon_momentum),
-                ns_steps=int(muon_ns_steps),
+                momentum=float(settings.momentum),
+                ns_steps=int(settings.ns_steps),
                 weight_decay=float(weight_decay),
-                norm_eps=float(muon_norm_eps),
-                muon_plus=bool(muon_plus),
-                ns_dtype=muon_ns_dtype,
+                norm_eps=float(settings.norm_eps),
+                muon_plus=bool(settings.muon_plus),
+                ns_dtype=settings.ns_dtype,
             )
         if adamw_list:
             self.adamw = adamw_or_unfused(

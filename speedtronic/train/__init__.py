@@ -2,7 +2,8 @@
 
 Modules:
     trainer    -- ``Trainer`` (the loop: ``fit``, ``request_stop``, ``last_heartbeat``)
-    state      -- checkpoint state, resume, the resumable batch stream (mixed into ``Trainer``)
+    state      -- ``TrainerCheckpoint`` (the trainer's parts, saves, resume), the batch stream
+    sync       -- ``NodeSync`` (the trainer's coordinator seam and rank agreement)
     result     -- ``TrainResult``, ``SyncCoordinator``, the loop's stop errors
     forward    -- the user-model contract: batch movement/counting, forward call, loss resolution
     features   -- gradient checkpointing, ``torch.compile`` with fallback, OOO scheduler setup

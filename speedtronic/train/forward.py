@@ -19,6 +19,7 @@ __all__ = [
     "call_model",
     "labels_of",
     "move_to_device",
+    "read_update_values",
     "resolve_loss",
 ]
 
@@ -175,3 +176,23 @@ class BatchStream:
                 continue
             self._produced = True
             return batch
+
+
+def read_update_values(
+    losses: list[torch.Tensor],
+    grad_norm: torch.Tensor | None,
+    token_counts: list[torch.Tensor],
+    device: torch.device,
+) -> tuple[float, float | None, int]:
+    """An update's only host sync: the mean micro-batch loss, the gradient norm (``None``
+    without one) and the summed masked token counts (0 without any), read in one transfer
+    (float64; float32 on MPS, which has no float64)."""
+    wide = torch.float32 if device.type == "mps" else torch.float64
+    parts = [torch.stack(losses).to(wide).mean()]
+    if grad_norm is not None:
+        parts.append(grad_norm.to(wide))
+    if token_counts:
+        parts.append(torch.stack(token_counts).to(wide).sum())
+    values = torch.stack(parts).tolist()
+    norm = values[1] if grad_norm is not None else None
+    return values[0], norm, int(values[-1]) if token_counts else 0

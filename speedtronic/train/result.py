@@ -1,23 +1,32 @@
 """What a training run returns and the errors and seams around the loop.
 
-``TrainResult`` is the value of ``Trainer.fit()``; ``SyncCoordinator`` is the protocol a
-distributed coordinator (DumbDiLoCo) implements; ``NonFiniteLossError`` and
-``GradientOverflowError`` are the loop's stop errors.
+``TrainResult`` is the value of ``Trainer.fit()``; ``TrainerOptions`` holds the ``Trainer``'s
+arguments added after 2.0.0; ``SyncCoordinator`` is the protocol a distributed coordinator
+(DumbDiLoCo) implements; ``NonFiniteLossError`` and ``GradientOverflowError`` are the loop's
+stop errors.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from torch.optim import Optimizer
+
+    from speedtronic.train.evaluate import HeldOut
+    from speedtronic.train.parallel import SingleProcess
 
 __all__ = [
     "MAX_CONSECUTIVE_SKIPS",
     "GradientOverflowError",
     "NonFiniteLossError",
     "StartStopCoordinator",
+    "StepUpdate",
     "SyncCoordinator",
     "TrainResult",
+    "TrainerOptions",
     "as_sync_coordinator",
 ]
 
@@ -40,10 +49,37 @@ class GradientOverflowError(RuntimeError):
     """Too many consecutive updates were skipped (gradient overflow or non-finite loss)."""
 
 
+@dataclass
+class TrainerOptions:
+    """The ``Trainer`` arguments added after 2.0.0 (its 13 documented ones stay keywords).
+
+    ``accumulation_steps`` overrides ``data.accumulation_steps``; ``heldout`` (a ``HeldOut``
+    from ``build_heldout``) turns on ``eval`` events (local weights); ``parallel`` (from
+    ``speedtronic.train.parallel.start_parallel``) makes the trainer one rank of a
+    data-parallel node (default: one process).
+    """
+
+    accumulation_steps: int | None = None
+    heldout: HeldOut | None = None
+    parallel: SingleProcess | None = None
+
+
+@dataclass
+class StepUpdate:
+    """What one update of the trainer produced (the node's values after ``NodeSync.agree``)."""
+
+    loss: float
+    grad_norm: float | None
+    samples: int
+    tokens: int
+    micro_batches: int
+    skipped: str | None = None  # reason when the update was not applied
+
+
 @runtime_checkable
 class SyncCoordinator(Protocol):
-    """Everything the trainer, ``train/sync.py`` and the entrypoint use of a distributed
-    coordinator (DumbDiLoCo implements it).
+    """Everything the trainer (through ``train/sync.py``'s ``NodeSync``) and the entrypoint use
+    of a distributed coordinator (DumbDiLoCo implements it).
 
     Life cycle: at the start of every ``fit`` the trainer calls ``attach(optimizer)`` (the
     coordinator hooks its per-step round on ``optimizer.step``; ``hook=False`` when the model
@@ -73,7 +109,7 @@ class SyncCoordinator(Protocol):
 
     def is_ready(self) -> bool: ...
 
-    def attach(self, optimizer: Any, *, hook: bool = True) -> None: ...
+    def attach(self, optimizer: Optimizer, *, hook: bool = True) -> None: ...
 
     def wants_weights(self) -> bool: ...
 
@@ -116,7 +152,7 @@ class StartStopCoordinator:
         """Always ready."""
         return True
 
-    def attach(self, optimizer: Any, *, hook: bool = True) -> None:
+    def attach(self, optimizer: Optimizer, *, hook: bool = True) -> None:
         """Nothing is hooked on the optimizer."""
 
     def wants_weights(self) -> bool:

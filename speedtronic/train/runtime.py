@@ -52,7 +52,7 @@ from speedtronic.train.ranks import RankEnv
 from speedtronic.train.result import TrainResult
 from speedtronic.train.state import portable_config
 from speedtronic.train.threads import ThreadBudget
-from speedtronic.train.trainer import Trainer
+from speedtronic.train.trainer import Trainer, TrainerOptions
 
 #: What ``build_runtime`` accepts: a config, a mapping for ``from_dict``, or a file path.
 ConfigSource = SpeedtronicConfig | Mapping[str, Any] | str | os.PathLike
@@ -325,8 +325,7 @@ def build_runtime(
         coordinator=coordinator,
         max_steps=config.effective_max_steps,
         shape_report=report,
-        heldout=heldout,
-        parallel=parallel,
+        options=TrainerOptions(heldout=heldout, parallel=parallel),
     )
     if resume:
         state = manager.load_latest(use=trainer.resume)  # newest usable; skips are warned

@@ -1,7 +1,7 @@
 """What a trainer saves and restores, as registered checkpoint parts.
 
 The trainer registers its state once, in ``__init__``, as a
-:class:`~speedtronic.checkpoint.CheckpointParts` (:meth:`TrainerStateMixin._register_parts`)::
+:class:`~speedtronic.checkpoint.CheckpointParts` held by its :class:`TrainerCheckpoint`::
 
     train        TrainProgress  step, samples, tokens, skipped_updates (at the file's root)
     model        the nn.Module
@@ -12,10 +12,11 @@ The trainer registers its state once, in ``__init__``, as a
     rng          RNGState       Python, NumPy, torch, CUDA generators (loaded last)
     coordinator  the DiLoCo coordinator, or None (it applies its state at ``start``)
 
-``state_dict()`` adds provenance (format, precision, redacted config, versions) and returns
-tensors and primitive containers only, so checkpoints load with ``torch.load(weights_only=True)``.
-``resume(state)`` first checks that the state fits this trainer (:func:`check_resumable`:
-parameter names and shapes, valid counters, the same optimizer groups and state shapes) and
+``TrainerCheckpoint.state_dict()`` adds provenance (format, precision, redacted config,
+versions) and returns tensors and primitive containers only, so checkpoints load with
+``torch.load(weights_only=True)``. ``TrainerCheckpoint.resume(state)`` first checks that the
+state fits this trainer (:func:`check_resumable`: parameter names and shapes, valid counters,
+the same optimizer groups and state shapes) and
 raises :class:`~speedtronic.checkpoint.CheckpointError` before changing anything when it does
 not, so ``CheckpointManager.load_latest(use=trainer.resume)`` falls back to an older checkpoint;
 then every part is loaded in place. The data part rebuilds the batch stream at the saved
@@ -28,18 +29,21 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from speedtronic.checkpoint import CheckpointError, CheckpointParts, RNGState
+from speedtronic.checkpoint import CheckpointError, CheckpointManager, CheckpointParts
 from speedtronic.config import SpeedtronicConfig
+from speedtronic.metrics.logger import MetricLogger
 from speedtronic.train.forward import BatchStream
+from speedtronic.train.precision import PrecisionPlan
 
 __all__ = [
+    "Counters",
     "DataPosition",
     "TrainProgress",
-    "TrainerStateMixin",
+    "TrainerCheckpoint",
     "check_resumable",
     "portable_config",
 ]
@@ -74,10 +78,11 @@ class DataPosition:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restart the stream at the saved position now."""
-        load = getattr(self.loader, "load_state_dict", None)
-        restored = state.get("loader") is not None and callable(load)
-        if restored:
+        load = getattr(self.loader, "load_state_dict", None)  # a user's loader may have none
+        restored = False
+        if state.get("loader") is not None and callable(load):
             load(state["loader"])
+            restored = True
         self._stream = BatchStream(self.loader)
         self.consumed = int(state.get("batches", 0))
         if not restored:
@@ -85,23 +90,40 @@ class DataPosition:
                 next(self._stream)
 
 
+class Counters(Protocol):
+    """What :class:`TrainProgress` saves: the trainer's counters."""
+
+    step: int
+    samples: int
+    tokens: int
+    skipped_updates: int
+
+
 class TrainProgress:
     """The trainer's counters as a checkpoint part (the attributes stay on the trainer)."""
 
     KEYS = ("step", "samples", "tokens", "skipped_updates")
 
-    def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer
+    def __init__(self, counters: Counters) -> None:
+        self.counters = counters
 
     def state_dict(self) -> dict[str, int]:
         """``{"step": .., "samples": .., "tokens": .., "skipped_updates": ..}``."""
-        return {key: int(getattr(self.trainer, key)) for key in self.KEYS}
+        c = self.counters
+        return {
+            "step": int(c.step),
+            "samples": int(c.samples),
+            "tokens": int(c.tokens),
+            "skipped_updates": int(c.skipped_updates),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Set the counters that ``state`` records (others keep their value)."""
-        for key in self.KEYS:
-            if key in state:
-                setattr(self.trainer, key, int(state[key]))
+        c = self.counters
+        c.step = int(state.get("step", c.step))
+        c.samples = int(state.get("samples", c.samples))
+        c.tokens = int(state.get("tokens", c.tokens))
+        c.skipped_updates = int(state.get("skipped_updates", c.skipped_updates))
 
 
 _PATH_FIELDS = (
@@ -121,7 +143,9 @@ def portable_config(config: SpeedtronicConfig) -> dict[str, Any]:
     values = config.to_dict(redact_secrets=True)
     for section, field in _PATH_FIELDS:
         part = values.get(section)
-        value = part.get(field) if isinstance(part, dict) else None
+        if not isinstance(part, dict):
+            continue
+        value = part.get(field)
         if isinstance(value, str) and value.strip() and value.strip().lower() != "bytes":
             path = Path(value).expanduser()
             if not path.is_absolute() and path.exists():
@@ -129,7 +153,9 @@ def portable_config(config: SpeedtronicConfig) -> dict[str, Any]:
     return values
 
 
-def check_resumable(state: Mapping[str, Any], model: torch.nn.Module, optimizer: Any) -> None:
+def check_resumable(
+    state: Mapping[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> None:
     """Raise ``CheckpointError`` (naming the mismatch) when ``state`` cannot resume ``model``
     and ``optimizer``: other parameter names or shapes, an invalid step or counter, other
     optimizer groups or optimizer state of other shapes. Changes nothing."""
@@ -159,7 +185,7 @@ def check_resumable(state: Mapping[str, Any], model: torch.nn.Module, optimizer:
         _check_optimizer_state(state["optimizer"], optimizer, source)
 
 
-def _check_optimizer_state(saved: Any, optimizer: Any, source: str) -> None:
+def _check_optimizer_state(saved: Any, optimizer: torch.optim.Optimizer, source: str) -> None:
     groups = saved.get("param_groups") if isinstance(saved, dict) else None
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
         raise CheckpointError(f"{source} holds no optimizer parameter groups")
@@ -187,81 +213,82 @@ def _check_optimizer_state(saved: Any, optimizer: Any, source: str) -> None:
                 )
 
 
-class TrainerStateMixin:
-    """Checkpoint save/restore of the ``Trainer`` through its registered parts."""
+class TrainerCheckpoint:
+    """The trainer's checkpoints: its registered ``parts``, when they are written, and resume.
 
-    model: Any
-    optimizer: Any
-    scheduler: Any
-    scaler: Any
-    precision: Any
-    config: SpeedtronicConfig
-    coordinator: Any
-    checkpoint_manager: Any
-    logger: Any
-    data: DataPosition
-    parallel: Any
-    step: int
-    _stop_reason: str | None
-    _last_saved_step: int
-    _resave: bool
-    _tokenizer_travel: tuple[dict[str, Any] | None] | None
+    ``parts`` is the trainer's :class:`CheckpointParts` (the ``train`` part is its
+    :class:`TrainProgress`); ``manager`` writes the files (``None``: no checkpoints). ``model``
+    and ``optimizer`` are what :func:`check_resumable` compares a state with; ``config``,
+    ``precision`` and the tokenizer travel as provenance. On a data-parallel node every rank
+    builds the state (FSDP gathers it) and only the main rank (``is_main``) writes it.
+    """
 
-    def _register_parts(self) -> CheckpointParts:
-        """The checkpoint parts of this trainer, in load order (see the module docstring);
-        under FSDP the model and optimizer parts hold the full, unsharded state."""
-        model, optimizer = self.parallel.checkpoint_parts(self.model, self.optimizer)
-        return CheckpointParts(
-            {
-                "train": TrainProgress(self),
-                "model": model,
-                "optimizer": optimizer,
-                "scheduler": self.scheduler,
-                "scaler": self.scaler,
-                "data": self.data,
-                "rng": RNGState(),
-                "coordinator": self.coordinator,
-            },
-            root="train",
-        )
+    def __init__(
+        self,
+        parts: CheckpointParts,
+        manager: CheckpointManager | None,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: SpeedtronicConfig,
+        precision: PrecisionPlan,
+        logger: MetricLogger,
+        is_main: bool = True,
+    ) -> None:
+        self.parts = parts
+        self.manager = manager
+        self.model = model
+        self.optimizer = optimizer
+        self.config = config
+        self.precision = precision
+        self.logger = logger
+        self.is_main = is_main
+        self.last_saved_step = -1
+        self.resave = False  # the weights changed after this step's checkpoint was written
+        self._tokenizer: tuple[dict[str, Any] | None] | None = None  # read at the first save
 
-    def _maybe_checkpoint(self) -> None:
-        manager = self.checkpoint_manager
-        due = manager is not None and manager.should_save(self.step)
-        if due and self.step != self._last_saved_step:
-            self.save_checkpoint()
+    def maybe_save(self, step: int) -> None:
+        """Save when ``step`` is on the manager's interval and not saved yet."""
+        manager = self.manager
+        due = manager is not None and manager.should_save(step)
+        if due and step != self.last_saved_step:
+            self.save(step)
 
-    def _weights_replaced(self) -> None:
+    def weights_replaced(self, step: int) -> None:
         """The coordinator installed the final global after the loop: a checkpoint already
         written at this step holds the weights from before it and is written again (with
         ``save_final: false`` too), so the newest checkpoint is the final model."""
-        if self._last_saved_step == self.step:
-            self._last_saved_step = -1
-            self._resave = True
+        if self.last_saved_step == step:
+            self.last_saved_step = -1
+            self.resave = True
 
-    def _save_final(self) -> None:
-        manager = self.checkpoint_manager
-        if manager is None or not manager.enabled or self.step <= 0:
+    def save_final(self, step: int, *, stopped: bool) -> None:
+        """The end of ``fit``: save unless disabled, at step 0, already saved at ``step``, or
+        ``save_final: false`` on a run that neither stopped early nor got new weights."""
+        manager = self.manager
+        if manager is None or not manager.enabled or step <= 0:
             return
-        if not manager.save_final and self._stop_reason is None and not self._resave:
+        if not manager.save_final and not stopped and not self.resave:
             return
-        if self.step != self._last_saved_step:
-            self.save_checkpoint()
-        self._resave = False
+        if step != self.last_saved_step:
+            self.save(step)
+        self.resave = False
 
-    def save_checkpoint(self) -> Any:
-        """Save the full training state for the current step; emits ``checkpoint_saved``.
+    def save(self, step: int) -> Path | None:
+        """Save the full training state as ``step``; emits ``checkpoint_saved``.
 
         On a data-parallel node only rank 0 writes (the others return ``None``)."""
+        if self.manager is None:
+            raise CheckpointError("this trainer has no checkpoint manager to save with")
         began = time.perf_counter()
         state = self.state_dict()  # FSDP: every rank joins the gather of the full state
-        self._last_saved_step = self.step
-        if not self.parallel.is_main:
+        self.last_saved_step = step
+        if not self.is_main:
             return None  # rank 0 writes the node's checkpoint
-        path = self.checkpoint_manager.save(self.step, state)
+        path = self.manager.save(step, state)
         self.logger.emit(
             "checkpoint_saved",
-            {"step": self.step, "path": str(path), "seconds": time.perf_counter() - began},
+            {"step": step, "path": str(path), "seconds": time.perf_counter() - began},
         )
         return path
 
@@ -269,13 +296,14 @@ class TrainerStateMixin:
         """Everything needed for an exact resume (tensors and primitive containers only)."""
         import speedtronic
 
+        precision = self.precision
         return {
             "format": CHECKPOINT_FORMAT,
             **self.parts.state_dict(),
             "precision": {
-                "mode": self.precision.mode,
-                "autocast_enabled": self.precision.autocast_enabled,
-                "use_scaler": self.precision.use_scaler,
+                "mode": precision.mode,
+                "autocast_enabled": precision.autocast_enabled,
+                "use_scaler": precision.use_scaler,
             },
             "config": portable_config(self.config),
             "tokenizer": self._tokenizer_record(),
@@ -285,7 +313,7 @@ class TrainerStateMixin:
     def _tokenizer_record(self) -> dict[str, Any] | None:
         """The tokenizer that travels in every checkpoint (read once; ``None`` for bytes, or
         with a warning when the file cannot be read: the checkpoint is written anyway)."""
-        if self._tokenizer_travel is None:
+        if self._tokenizer is None:
             from speedtronic.config.tokenizer_file import tokenizer_record
 
             record = None
@@ -295,17 +323,12 @@ class TrainerStateMixin:
                 )
             except (OSError, ValueError) as exc:
                 self.logger.warning("the tokenizer does not travel with the checkpoints: %s", exc)
-            self._tokenizer_travel = (record,)
-        return self._tokenizer_travel[0]
+            self._tokenizer = (record,)
+        return self._tokenizer[0]
 
-    def check_resumable(self, state: dict[str, Any]) -> None:
-        """:func:`check_resumable` for this trainer's model and optimizer."""
+    def resume(self, state: dict[str, Any], *, counters: Counters) -> None:
+        """Check ``state`` (:func:`check_resumable`), then load it into every part in place;
+        the step ``counters`` hold afterwards counts as saved."""
         check_resumable(state, self.model, self.optimizer)
-
-    def resume(self, state: dict[str, Any]) -> None:
-        """Load a checkpoint state into every registered part, in place.
-
-        ``CheckpointError`` (nothing changed) when :func:`check_resumable` rejects it."""
-        self.check_resumable(state)
         self.parts.load_state_dict(state)
-        self._last_saved_step = self.step
+        self.last_saved_step = counters.step

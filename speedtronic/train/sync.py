@@ -1,97 +1,138 @@
 """What the trainer keeps in step with: the DiLoCo coordinator and the node's other ranks.
 
-``NodeSyncMixin`` holds the ``Trainer``'s side of both: the coordinator's life cycle (hooked on
-the inner optimizer at ``fit`` start, ``finish`` at the run's target, ``stop`` always) and
-``_agree``, which after every update makes it the node's update when the node trains on
-several ranks (:mod:`speedtronic.train.parallel`; one process: the local values, unchanged).
+:class:`NodeSync` is an object the ``Trainer`` owns. It holds the coordinator seam (typed with
+the :class:`~speedtronic.train.result.SyncCoordinator` Protocol: every call made on it is in
+that Protocol) and the node's ranks (:class:`~speedtronic.train.parallel.SingleProcess` or a
+data-parallel node). It runs the coordinator's life cycle (hooked on the inner optimizer at
+``fit`` start, ``finish`` at the run's target, ``stop`` always) and :meth:`NodeSync.agree`,
+which after every update makes it the node's update when the node trains on several ranks (one
+process: the local values, unchanged).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import torch
+from torch import nn
 
-from speedtronic.train.result import SyncCoordinator
+from speedtronic.train.parallel import SingleProcess
+from speedtronic.train.result import StepUpdate, SyncCoordinator
 
-__all__ = ["NodeSyncMixin"]
+__all__ = ["NodeSync"]
 
 
-class NodeSyncMixin:
-    """The coordinator and rank agreement of the ``Trainer`` (see the module docstring)."""
+class NodeSync:
+    """The coordinator and rank agreement of one ``Trainer`` (see the module docstring).
 
-    model: Any
-    optimizer: Any
-    config: Any
-    coordinator: SyncCoordinator | None
-    parallel: Any
-    step: int
-    _stop_reason: str | None
-    _stop_request: str | None
-    _global_seen: Any
-    _coordinator_started: bool
-    request_stop: Any
+    ``coordinator`` is ``None`` on a single node without DiLoCo (and on the ranks > 0 of a
+    data-parallel node, which follow rank 0's coordinator); ``reset_inner_optimizer`` is
+    ``distributed.reset_inner_optimizer``: those ranks clear their optimizer state when rank 0
+    installed a new global, as rank 0's coordinator does.
+    """
 
-    def _agree(self, update: Any) -> None:
+    def __init__(
+        self,
+        coordinator: SyncCoordinator | None,
+        parallel: SingleProcess,
+        *,
+        reset_inner_optimizer: bool = False,
+    ) -> None:
+        self.coordinator = coordinator
+        self.parallel = parallel
+        self.reset_inner_optimizer = reset_inner_optimizer
+        self.started = False  # the coordinator is attached and started
+        self._global_seen: int | None = None  # the installed global's step at the last update
+
+    @property
+    def trains(self) -> bool:
+        """False for a pure DiLoCo aggregator (no local steps, only its rounds)."""
+        return self.coordinator is None or self.coordinator.trains
+
+    def heartbeat(self, own: float) -> float:
+        """The later of ``own`` and the coordinator's last sign of life (it may be waiting
+        for its round)."""
+        if self.coordinator is None:
+            return own
+        return max(own, self.coordinator.last_heartbeat)
+
+    def interrupt(self) -> None:
+        """A coordinator waiting for a global stops waiting (safe from signal handlers)."""
+        if self.coordinator is not None:
+            self.coordinator.interrupt()
+
+    def start(self, optimizer: torch.optim.Optimizer, step: int) -> None:
+        """Hook the coordinator on ``optimizer`` (``attach``) and start it at ``step``."""
+        if self.coordinator is None or self.started:
+            return
+        # FSDP: the round runs in agree, on rank 0's full copy (no hook on the optimizer)
+        self.coordinator.attach(optimizer, hook=not self.parallel.mirrored)
+        self.coordinator.start(step)
+        self.started = True
+
+    def run_ended(self) -> str | None:
+        """The coordinator's reason when the exchange's run ended without this node (it
+        arrived after the final global, or was dropped); ``None`` otherwise."""
+        if self.coordinator is None or not self.started:
+            return None
+        return self.coordinator.run_ended
+
+    def finish(self) -> None:
+        """The target was reached: the coordinator runs its end of run (DiLoCo: the last
+        contribution, then the global that includes it is installed)."""
+        if self.coordinator is not None and self.started:
+            self.coordinator.finish()
+
+    def stop(self) -> None:
+        """Stop the coordinator (always, at the end of ``fit``)."""
+        if self.coordinator is not None:
+            try:
+                self.coordinator.stop()
+            finally:
+                self.started = False
+
+    def agree(
+        self,
+        update: StepUpdate,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        stop_asked: bool,
+    ) -> bool:
         """Make ``update`` the node's (mean loss, summed samples and tokens; one ``all_reduce``
-        on several ranks), stop with every rank when one was asked to, and take rank 0's
-        weights when its coordinator installed a new global. One process: local values.
+        on several ranks) and take rank 0's weights when its coordinator installed a new
+        global. Returns whether some rank of the node was asked to stop (``stop_asked``: this
+        one was). One process: local values.
 
         FSDP with DiLoCo (``parallel.mirrored``): rank 0's round runs here, on a full copy of
         the weights that the ranks gather only when the round reads them, and shard back only
         when a global was merged."""
-        mirrored = self.parallel.mirrored
-        running = self.coordinator is not None and self._coordinator_started
-        wants = mirrored and running and not update.skipped and self.coordinator.wants_weights()
-        seen = self.coordinator.last_global_step if self.coordinator is not None else None
-        agreed = self.parallel.agree(
+        parallel, coordinator = self.parallel, self.coordinator
+        mirrored = parallel.mirrored
+        running = coordinator is not None and self.started
+        wants = False
+        if coordinator is not None and running and mirrored and not update.skipped:
+            wants = coordinator.wants_weights()
+        seen = coordinator.last_global_step if coordinator is not None else None
+        agreed = parallel.agree(
             update.loss,
             update.samples,
             update.tokens,
-            stop=self._stop_request is not None,
+            stop=stop_asked,
             new_global=not mirrored and seen != self._global_seen,
             wants_weights=wants,
         )
         self._global_seen = seen
         update.loss, update.samples, update.tokens = agreed.loss, agreed.samples, agreed.tokens
-        if agreed.stop and self._stop_reason is None:
-            self._stop_reason = self._stop_request or "stop requested on another rank"
         new_global = agreed.new_global
         if mirrored and not update.skipped:
             if agreed.wants_weights:
-                self.parallel.refresh_mirror(self.model)
-            merged = running and self.coordinator.round_step(weights_current=agreed.wants_weights)
-            new_global = agreed.wants_weights and self.parallel.any_rank(merged)
+                parallel.refresh_mirror(model)
+            merged = False
+            if coordinator is not None and running:
+                merged = coordinator.round_step(weights_current=agreed.wants_weights)
+            new_global = agreed.wants_weights and parallel.any_rank(merged)
         if new_global:
-            self.parallel.broadcast_model(self.model)
-            if self.coordinator is None and self.config.distributed.reset_inner_optimizer:
-                reset = getattr(self.optimizer, "reset_state", None)  # as rank 0's node did
-                reset() if callable(reset) else self.optimizer.state.clear()
-
-    def _start_coordinator(self) -> None:
-        """Hook the coordinator on the optimizer (``attach``) and start it at this step."""
-        if self.coordinator is None or self._coordinator_started:
-            return
-        # FSDP: the round runs in _agree, on rank 0's full copy (no hook on the optimizer)
-        self.coordinator.attach(self.optimizer, hook=not self.parallel.mirrored)
-        self.coordinator.start(self.step)
-        self._coordinator_started = True
-
-    def _stop_if_run_ended(self) -> None:
-        """The exchange's run ended without this node (it arrived after the final global, or
-        was dropped): stop with the coordinator's reason, like a stop request."""
-        if self.coordinator is None or not self._coordinator_started:
-            return
-        if self.coordinator.run_ended and self._stop_request is None:
-            self.request_stop(self.coordinator.run_ended)
-
-    def _finish_coordinator(self) -> None:
-        """The target was reached: let the coordinator run its end of run (DiLoCo: the last
-        contribution, then the global that includes it is installed)."""
-        if self.coordinator is not None:
-            self.coordinator.finish()
-
-    def _stop_coordinator(self) -> None:
-        if self.coordinator is not None:
-            try:
-                self.coordinator.stop()
-            finally:
-                self._coordinator_started = False
+            parallel.broadcast_model(model)
+            if coordinator is None and self.reset_inner_optimizer:
+                reset = getattr(optimizer, "reset_state", None)  # as rank 0's node did
+                reset() if callable(reset) else optimizer.state.clear()
+        return agreed.stop

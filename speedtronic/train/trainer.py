@@ -2,13 +2,14 @@
 
 One update (``_train_step``) = K micro-batches (``data.accumulation_steps``): forward under
 autocast, ``loss / K`` backward, then one host sync that reads the loss sum, the gradient norm
-and the token count together, then ``_optimizer_step``. ``_agree`` makes it the node's update when
-the node trains on several ranks (``speedtronic.train.sync``). ``_after_step`` advances the
-counters, the LR schedule and the sync coordinator, the ``train_step`` metric is emitted,
-``_maybe_checkpoint`` saves on the interval and ``_maybe_evaluate`` scores the held-out set
-(``eval.every_steps``, and at the end after the coordinator stopped). Skipped updates (GradScaler
-overflow, non-finite loss with ``run.stop_on_nonfinite: false``) advance nothing; 20 in a row is
-an error.
+and the token count together, then ``_optimizer_step``. ``_agree`` makes it the node's update
+when the node trains on several ranks (:class:`~speedtronic.train.sync.NodeSync`). ``_after_step``
+advances the counters and the LR schedule, the ``train_step`` metric is emitted,
+``checkpoint.maybe_save`` saves on the interval
+(:class:`~speedtronic.train.state.TrainerCheckpoint`) and ``_maybe_evaluate`` scores the held-out
+set (``eval.every_steps``, and at the end after the coordinator stopped). Skipped updates
+(GradScaler overflow, non-finite loss with ``run.stop_on_nonfinite: false``) advance nothing; 20
+in a row is an error.
 
 ``request_stop(reason)`` may be called from a signal handler or another thread: the loop stops
 at the next update boundary, stops the coordinator, saves a final checkpoint and returns a
@@ -19,17 +20,18 @@ refreshed after every update for liveness probes.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from speedtronic.checkpoint import CheckpointManager, CheckpointParts, RNGState
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.config.advice import config_warnings
 from speedtronic.metrics.logger import MetricLogger, memory_usage_bytes
-from speedtronic.train.evaluate import HeldOut, evaluate
+from speedtronic.train.evaluate import evaluate
 from speedtronic.train.features import (
     apply_gradient_checkpointing,
     compile_model,
@@ -39,6 +41,7 @@ from speedtronic.train.forward import (
     batch_size_and_tokens,
     call_model,
     move_to_device,
+    read_update_values,
     resolve_loss,
 )
 from speedtronic.train.parallel import SingleProcess
@@ -53,12 +56,25 @@ from speedtronic.train.result import (
     MAX_CONSECUTIVE_SKIPS,
     GradientOverflowError,
     NonFiniteLossError,
+    StepUpdate,
     SyncCoordinator,
+    TrainerOptions,
     TrainResult,
     as_sync_coordinator,
 )
-from speedtronic.train.state import DataPosition, TrainerStateMixin
-from speedtronic.train.sync import NodeSyncMixin
+from speedtronic.train.state import (
+    DataPosition,
+    TrainerCheckpoint,
+    TrainProgress,
+    check_resumable,
+)
+from speedtronic.train.sync import NodeSync
+
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler
+
+    from speedtronic.train.ooo import StageStreamScheduler
+    from speedtronic.train.shapes import ShapeReport
 
 __all__ = [
     "GradientOverflowError",
@@ -67,23 +83,12 @@ __all__ = [
     "SyncCoordinator",
     "TrainResult",
     "Trainer",
+    "TrainerOptions",
     "TrainingEngine",
 ]
 
 
-@dataclass
-class _Update:
-    """What one ``_train_step`` produced."""
-
-    loss: float
-    grad_norm: float | None
-    samples: int
-    tokens: int
-    micro_batches: int
-    skipped: str | None = None  # reason when the update was not applied
-
-
-class Trainer(NodeSyncMixin, TrainerStateMixin):
+class Trainer:
     """Runs optimizer updates of ``model`` on ``dataloader`` batches (see the module docstring).
 
     ``config`` (a ``SpeedtronicConfig``, a dict for ``SpeedtronicConfig.from_dict``, or ``None``
@@ -92,36 +97,38 @@ class Trainer(NodeSyncMixin, TrainerStateMixin):
     list of batches are enough. Without a config there is no startup shape validation and no eval
     cadence (held-out eval only at the end).
 
-    ``max_steps`` is the absolute step target (default ``run.max_steps``);
-    ``accumulation_steps`` overrides ``data.accumulation_steps``; ``precision`` defaults to
-    ``resolve_precision(config.precision, device)``; ``logger`` to a stdout ``MetricLogger``.
-    ``checkpoint_manager``, ``coordinator``, ``scheduler`` and ``shape_report`` are optional.
-    ``heldout`` (a ``HeldOut`` from ``build_heldout``) turns on ``eval`` events (local weights).
-    ``parallel`` (from ``speedtronic.train.parallel.start_parallel``) makes this one rank of a
-    data-parallel node: it wraps the model, syncs gradients on the last micro-batch and agrees
-    with the other ranks after every update; default: one process.
+    ``max_steps`` is the absolute step target (default ``run.max_steps``); ``precision``
+    defaults to ``resolve_precision(config.precision, device)``; ``logger`` to a stdout
+    ``MetricLogger``. ``checkpoint_manager``, ``coordinator``, ``scheduler`` and
+    ``shape_report`` are optional. ``options`` (:class:`TrainerOptions`) holds the arguments
+    added after 2.0.0: ``accumulation_steps``, ``heldout`` (``eval`` events) and ``parallel``
+    (one rank of a data-parallel node: the model is wrapped, gradients sync on the last
+    micro-batch and the ranks agree after every update).
+
+    The trainer owns two helpers: ``checkpoint`` (:class:`TrainerCheckpoint`: the registered
+    checkpoint parts, when they are written, resume) and ``sync`` (:class:`NodeSync`: the
+    coordinator seam and the node's ranks).
     """
 
     def __init__(
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        dataloader: Any,
+        dataloader: Iterable[Any],
         *,
         device: str | torch.device = "cpu",
         config: SpeedtronicConfig | Mapping[str, Any] | None = None,
-        scheduler: Any = None,
+        scheduler: LRScheduler | None = None,
         precision: PrecisionPlan | None = None,
         logger: MetricLogger | None = None,
-        checkpoint_manager: Any = None,
+        checkpoint_manager: CheckpointManager | None = None,
         coordinator: SyncCoordinator | None = None,
         max_steps: int | None = None,
         start_step: int = 0,
-        shape_report: Any = None,
-        accumulation_steps: int | None = None,
-        heldout: HeldOut | None = None,
-        parallel: SingleProcess | None = None,
+        shape_report: ShapeReport | None = None,
+        options: TrainerOptions | None = None,
     ) -> None:
+        options = options if options is not None else TrainerOptions()
         configured = config is not None
         if isinstance(config, Mapping):
             config = SpeedtronicConfig.from_dict(config)
@@ -133,8 +140,6 @@ class Trainer(NodeSyncMixin, TrainerStateMixin):
         self.device = torch.device(device)
         self.scheduler = scheduler
         self.logger = logger if logger is not None else MetricLogger()
-        self.checkpoint_manager = checkpoint_manager
-        self.coordinator = as_sync_coordinator(coordinator)
         self.precision = precision or resolve_precision(self.config.precision, self.device)
         self.scaler = make_grad_scaler(self.precision)
         self.max_steps = int(max_steps if max_steps is not None else self.config.run.max_steps)
@@ -145,31 +150,68 @@ class Trainer(NodeSyncMixin, TrainerStateMixin):
         self.last_heartbeat = time.monotonic()
         self.shape_report = shape_report
         # micro-batches per update
-        self.accumulation_steps = max(1, accumulation_steps or self.config.accumulation_steps)
+        self.accumulation_steps = max(
+            1, options.accumulation_steps or self.config.accumulation_steps
+        )
         self._model_name = self.config.model.name if configured else type(model).__name__
         self._eval_every = self.config.eval.every_steps if configured else 0
         self._shapes_validated = shape_report is not None or not configured
         self._params: list[torch.nn.Parameter] = []
         self._stop_reason: str | None = None  # the stop in effect (agreed by every rank)
         self._stop_request: str | None = None  # a stop asked of this rank
-        self._global_seen: Any = None  # the coordinator's installed global at the last update
-        self.parallel = parallel if parallel is not None else SingleProcess()
-        self._coordinator_started = False
-        self._last_saved_step = -1
-        self._resave = False  # the weights changed after this step's checkpoint was written
-        self._tokenizer_travel: tuple[dict[str, Any] | None] | None = None  # read at 1st save
-        self._ooo: Any = None
+        self.parallel = options.parallel if options.parallel is not None else SingleProcess()
+        self.sync = NodeSync(
+            as_sync_coordinator(coordinator),
+            self.parallel,
+            reset_inner_optimizer=self.config.distributed.reset_inner_optimizer,
+        )
+        self._ooo: StageStreamScheduler | None = None
         self._consecutive_skips = 0
-        self.heldout = heldout
+        self.heldout = options.heldout
         apply_gradient_checkpointing(self.model, self.config.gradient_checkpointing, self.logger)
         self._wrapped = self.parallel.wrap(model)  # DDP/FSDP on several ranks, else the model
         self._active, self._compiled = compile_model(
             self._wrapped, self.config.compile, self.logger
         )
         self._setup_ooo()
-        self.parts = self._register_parts()  # what a checkpoint saves and resume loads
+        # what a checkpoint saves and resume loads, in load order (under FSDP the model and
+        # optimizer parts hold the full, unsharded state)
+        model_part, optimizer_part = self.parallel.checkpoint_parts(model, optimizer)
+        parts = CheckpointParts(
+            {
+                "train": TrainProgress(self),
+                "model": model_part,
+                "optimizer": optimizer_part,
+                "scheduler": scheduler,
+                "scaler": self.scaler,
+                "data": self.data,
+                "rng": RNGState(),
+                "coordinator": self.sync.coordinator,
+            },
+            root="train",
+        )
+        self.checkpoint = TrainerCheckpoint(
+            parts,
+            checkpoint_manager,
+            model=model,
+            optimizer=optimizer,
+            config=self.config,
+            precision=self.precision,
+            logger=self.logger,
+            is_main=self.parallel.is_main,
+        )
 
     # ------------------------------------------------------------------ settings
+
+    @property
+    def coordinator(self) -> SyncCoordinator | None:
+        """The sync coordinator (``sync.coordinator``), or ``None``."""
+        return self.sync.coordinator
+
+    @property
+    def checkpoint_manager(self) -> CheckpointManager | None:
+        """The checkpoint manager (``checkpoint.manager``), or ``None``."""
+        return self.checkpoint.manager
 
     @property
     def stop_requested(self) -> str | None:
@@ -183,16 +225,13 @@ class Trainer(NodeSyncMixin, TrainerStateMixin):
             self._stop_request = str(reason)
         if self._stop_reason is None and self.parallel.stops_locally:
             self._stop_reason = str(reason)
-        if self.coordinator is not None:
-            self.coordinator.interrupt()  # a coordinator waiting for a global stops waiting
+        self.sync.interrupt()  # a coordinator waiting for a global stops waiting
 
     @property
     def last_heartbeat(self) -> float:
         """``time.monotonic()`` of the last sign of life: an applied update, or a coordinator
         that is waiting for its round (liveness probes read this)."""
-        if self.coordinator is None:
-            return self._heartbeat
-        return max(self._heartbeat, self.coordinator.last_heartbeat)
+        return self.sync.heartbeat(self._heartbeat)
 
     @last_heartbeat.setter
     def last_heartbeat(self, value: float) -> None:
@@ -240,13 +279,13 @@ class Trainer(NodeSyncMixin, TrainerStateMixin):
         metrics: list[dict[str, Any]] = []
         final_loss: float | None = None
         self.last_heartbeat = time.monotonic()
-        trains = self.coordinator is None or self.coordinator.trains
+        trains = self.sync.trains
         if not trains:  # a pure DiLoCo aggregator: no local steps, only its rounds
             target = self.step
         try:
             # also at (or past) the target: a resumed master serves the rounds still open
             self.parallel.refresh_mirror(self.model)  # FSDP + DiLoCo: what the round sees
-            self._start_coordinator()
+            self.sync.start(self.optimizer, self.step)
             self._stop_if_run_ended()
             self.parallel.broadcast_model(self.model)  # every rank starts from rank 0's weights
             self._emit_train_start(target)
@@ -264,24 +303,14 @@ class Trainer(NodeSyncMixin, TrainerStateMixin):
                 self.logger.emit("train_step", metric)
                 metrics.append(metric)
                 final_loss = update.loss
-                self._maybe_checkpoint()
+                self.checkpoint.maybe_save(self.step)
                 self._maybe_evaluate(target)
             reached = self.step >= self.max_steps or not trains
             if reached and self._stop_reason is None:
-                self.parallel.refresh_mirror(self.model)
-                finishing = self._coordinator_started or self.config.distributed.enabled
-                if self._coordinator_started:
-                    self._finish_coordinator()
-                self.parallel.broadcast_model(self.model)  # the final global, to every rank
-                if finishing:  # every rank of the node alike: the save gathers from all
-                    self._weights_replaced()  # the final global: the last checkpoint is stale
-            spread = self.parallel.replica_spread(self.model)
-            if spread is not None:  # several ranks: their replicas must be identical
-                self.logger.emit("replicas", {"step": self.step, "spread": spread})
-                if spread:
-                    self.logger.warning("the ranks' replicas differ (spread %g)", spread)
+                self._finish_run()
+            self._check_replicas()
         finally:
-            self._stop_coordinator()
+            self.sync.stop()
             if self._ooo is not None:
                 self._ooo.dispose()
                 self._ooo = None
@@ -289,7 +318,7 @@ class Trainer(NodeSyncMixin, TrainerStateMixin):
         if stopped is not None:
             self.logger.emit("train_stopped", {"step": self.step, "reason": stopped})
         self._maybe_evaluate(target, final=True)
-        self._save_final()
+        self.checkpoint.save_final(self.step, stopped=stopped is not None)
         elapsed = time.perf_counter() - started
         self._stop_reason = self._stop_request = None
         self.logger.emit(
@@ -308,7 +337,42 @@ class Trainer(NodeSyncMixin, TrainerStateMixin):
 
     train = fit
 
-    def _train_step(self) -> _Update:
+    def _stop_if_run_ended(self) -> None:
+        """The exchange's run ended without this node (it arrived after the final global, or
+        was dropped): stop with the coordinator's reason, like a stop request."""
+        reason = self.sync.run_ended()
+        if reason and self._stop_request is None:
+            self.request_stop(reason)
+
+    def _agree(self, update: StepUpdate) -> None:
+        """Make ``update`` the node's (:meth:`NodeSync.agree`); when some rank of the node was
+        asked to stop, every rank stops after this update."""
+        stop = self.sync.agree(
+            update, self.model, self.optimizer, stop_asked=self._stop_request is not None
+        )
+        if stop and self._stop_reason is None:
+            self._stop_reason = self._stop_request or "stop requested on another rank"
+
+    def _finish_run(self) -> None:
+        """The run reached its target: the coordinator's end of run (DiLoCo: the last
+        contribution, then the final global), which every rank then takes."""
+        self.parallel.refresh_mirror(self.model)
+        finishing = self.sync.started or self.config.distributed.enabled
+        self.sync.finish()
+        self.parallel.broadcast_model(self.model)  # the final global, to every rank
+        if finishing:  # every rank of the node alike: the save gathers from all
+            self.checkpoint.weights_replaced(self.step)  # the last checkpoint is stale
+
+    def _check_replicas(self) -> None:
+        """Several ranks: their replicas must be identical (``replicas`` event, a warning
+        when they differ); one process: nothing."""
+        spread = self.parallel.replica_spread(self.model)
+        if spread is not None:
+            self.logger.emit("replicas", {"step": self.step, "spread": spread})
+            if spread:
+                self.logger.warning("the ranks' replicas differ (spread %g)", spread)
+
+    def _train_step(self) -> StepUpdate:
         """Forward/backward K micro-batches, read loss/norm/tokens in one sync, then update."""
         k = self.accumulation_steps
         losses: list[torch.Tensor] = []
@@ -327,8 +391,10 @@ class Trainer(NodeSyncMixin, TrainerStateMixin):
                 losses.append(loss.detach())
                 self._backward(loss / k if k > 1 else loss)
         grad_norm = self._unscale_and_clip()
-        loss_value, norm_value, mask_tokens = self._read_values(losses, grad_norm, token_tensors)
-        update = _Update(loss_value, norm_value, samples, tokens + mask_tokens, k)
+        loss_value, norm_value, mask_tokens = read_update_values(
+            losses, grad_norm, token_tensors, self.device
+        )
+        update = StepUpdate(loss_value, norm_value, samples, tokens + mask_tokens, k)
         if not self.parallel.finite(loss_value, norm_value):
             self.optimizer.zero_grad(set_to_none=True)
             self.logger.emit("nonfinite_loss", {"step": self.step + 1, "loss": loss_value})
@@ -339,23 +405,6 @@ class Trainer(NodeSyncMixin, TrainerStateMixin):
         if not self._optimizer_step():
             update.skipped = "grad_scaler_overflow"
         return update
-
-    def _read_values(
-        self,
-        losses: list[torch.Tensor],
-        grad_norm: torch.Tensor | None,
-        token_counts: list[torch.Tensor],
-    ) -> tuple[float, float | None, int]:
-        """The update's only host sync: mean loss, grad norm and masked token count at once."""
-        wide = torch.float32 if self.device.type == "mps" else torch.float64
-        parts = [torch.stack(losses).to(wide).mean()]
-        if grad_norm is not None:
-            parts.append(grad_norm.to(wide))
-        if token_counts:
-            parts.append(torch.stack(token_counts).to(wide).sum())
-        values = torch.stack(parts).tolist()
-        norm = values[1] if grad_norm is not None else None
-        return values[0], norm, int(values[-1]) if token_counts else 0
 
     def _forward(self, batch: Any) -> torch.Tensor:
         """One micro-batch forward (autocast, OOO bracket, compile fallback) → scalar loss."""
@@ -388,6 +437,7 @@ class Trainer(NodeSyncMixin, TrainerStateMixin):
     def _unscale_and_clip(self) -> torch.Tensor | None:
         """Unscale (fp16), clip to ``optimizer.grad_clip`` when set; return the global grad norm."""
         params = [p for p in self._params if p.grad is not None]
+        grads = [p.grad for p in params if p.grad is not None]  # the same (narrowed for mypy)
         if not params:
             return None
         if self.scaler is not None:
@@ -395,7 +445,7 @@ class Trainer(NodeSyncMixin, TrainerStateMixin):
         clip = self.config.optimizer.grad_clip
         if clip is not None:
             return self.parallel.local_norm(torch.nn.utils.clip_grad_norm_(params, clip))
-        return self.parallel.local_norm(torch.nn.utils.get_total_norm([p.grad for p in params]))
+        return self.parallel.local_norm(torch.nn.utils.get_total_norm(grads))
 
     def _optimizer_step(self) -> bool:
         """Apply the update; False when the GradScaler skipped it (overflow)."""
@@ -410,7 +460,7 @@ class Trainer(NodeSyncMixin, TrainerStateMixin):
         self.optimizer.zero_grad(set_to_none=True)
         return applied
 
-    def _note_skipped(self, update: _Update) -> None:
+    def _note_skipped(self, update: StepUpdate) -> None:
         self.skipped_updates += 1
         self._consecutive_skips += 1
         self.last_heartbeat = time.monotonic()  # alive, even if this update was skipped
@@ -426,9 +476,9 @@ class Trainer(NodeSyncMixin, TrainerStateMixin):
                 "precision bf16/fp32"
             )
 
-    def _after_step(self, update: _Update) -> None:
+    def _after_step(self, update: StepUpdate) -> None:
         """Count the applied update and step the LR schedule (a DiLoCo coordinator runs its
-        round from a hook on ``optimizer.step``, see ``_start_coordinator``)."""
+        round from a hook on ``optimizer.step``, see ``NodeSync.start``)."""
         self._consecutive_skips = 0
         self.samples += update.samples
         self.tokens += update.tokens
@@ -449,7 +499,7 @@ class Trainer(NodeSyncMixin, TrainerStateMixin):
         self.logger.emit("eval", {"step": self.step, **result.as_dict(), "scope": "local"})
 
     def _step_metric(
-        self, update: _Update, start: tuple[int, int, int], started: float, last_tick: float
+        self, update: StepUpdate, start: tuple[int, int, int], started: float, last_tick: float
     ) -> tuple[dict[str, Any], float]:
         now = time.perf_counter()
         wall = max(now - started, 1e-9)
@@ -478,7 +528,7 @@ class Trainer(NodeSyncMixin, TrainerStateMixin):
         if self.scheduler is not None:  # the lines `speedtronic validate` prints too
             for message in config_warnings(self.config):
                 self.logger.warning("%s", message)
-        profile = getattr(self.shape_report, "profile", None)
+        report = self.shape_report
         self.logger.emit(
             "train_start",
             {
@@ -490,14 +540,37 @@ class Trainer(NodeSyncMixin, TrainerStateMixin):
                 "ranks": self.parallel.world_size,
                 "data_parallel": self.parallel.mode,
                 "parameters": parameter_count(self.model),
-                "shape_alignment": getattr(profile, "alignment", None),
-                "shape_warning_count": int(getattr(self.shape_report, "warning_count", 0) or 0),
+                "shape_alignment": report.profile.alignment if report is not None else None,
+                "shape_warning_count": report.warning_count if report is not None else 0,
                 "ooo_backprop": self._ooo.as_dict() if self._ooo is not None else None,
                 "compiled": self._compiled,
                 "speedtronic_version": speedtronic.__version__,
                 "torch_version": str(torch.__version__),
             },
         )
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self) -> Path | None:
+        """Save the full training state for the current step; emits ``checkpoint_saved``.
+
+        On a data-parallel node only rank 0 writes (the others return ``None``)."""
+        return self.checkpoint.save(self.step)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed for an exact resume (tensors and primitive containers only)."""
+        return self.checkpoint.state_dict()
+
+    def check_resumable(self, state: dict[str, Any]) -> None:
+        """:func:`~speedtronic.train.state.check_resumable` for this trainer's model and
+        optimizer: ``CheckpointError`` naming the mismatch, nothing changed."""
+        check_resumable(state, self.model, self.optimizer)
+
+    def resume(self, state: dict[str, Any]) -> None:
+        """Load a checkpoint state into every registered part, in place.
+
+        ``CheckpointError`` (nothing changed) when :meth:`check_resumable` rejects it."""
+        self.checkpoint.resume(state, counters=self)
 
 
 TrainingEngine = Trainer
