@@ -87,12 +87,20 @@ def path_kind_problem(path: str | os.PathLike[str], want: str) -> str | None:
     return None
 
 
-_HUB_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+#: A Hub repository id as the Hub accepts one, with its owner: two parts of letters, digits,
+#: ``-``, ``_`` and ``.`` (a name of at most 96), neither starting nor ending with ``-`` or
+#: ``.``, no ``--`` or ``..``, not ending in ``.git`` (huggingface_hub's ``validate_repo_id``).
+_HUB_PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?"
+_HUB_REPO_ID = re.compile(rf"{_HUB_PART}/(?=.{{1,96}}$){_HUB_PART}")
 
 
 def is_hub_repo_id(value: str) -> bool:
-    """``owner/name`` as the Hub spells a repo id (letters, digits, ``.``, ``_``, ``-``)."""
-    return isinstance(value, str) and bool(_HUB_REPO_ID.fullmatch(value))
+    """``owner/name`` as the Hub accepts a repo id (the one rule: exchange, push, datasets)."""
+    return (
+        isinstance(value, str)
+        and bool(_HUB_REPO_ID.fullmatch(value))
+        and not ("--" in value or ".." in value or value.endswith(".git"))
+    )
 
 
 def is_valid_node_id(value: str) -> bool:

@@ -30,7 +30,7 @@ from speedtronic.config.fields import (
     fields_of,
     section,
 )
-from speedtronic.config.limits import DAY, HOUR, WEEK, check_node_id
+from speedtronic.config.limits import DAY, HOUR, WEEK, check_node_id, is_hub_repo_id
 from speedtronic.config.redaction import REDACTED
 
 __all__ = [
@@ -48,13 +48,6 @@ TRACKERS = ("tensorboard", "wandb")
 _HOSTNAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 
 
-#: A Hub repository id as the Hub accepts one, with its owner: two parts of letters, digits,
-#: ``-``, ``_`` and ``.`` (a name of at most 96), neither starting nor ending with ``-`` or
-#: ``.``, no ``--`` or ``..``, not ending in ``.git`` (huggingface_hub's ``validate_repo_id``).
-_HUB_PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?"
-_HUB_REPO = re.compile(rf"{_HUB_PART}/(?=.{{1,96}}$){_HUB_PART}")
-
-
 def _exchange(value: str | None) -> str | None:
     """An exchange is ``owner/name`` (Hub) or ``file:///absolute/path`` (shared volume); a
     one-part id (``single``), spaces or a third part are refused here, at ``validate``,
@@ -64,10 +57,7 @@ def _exchange(value: str | None) -> str | None:
     if value.startswith("file:"):
         usable = value.startswith("file:///") and len(value) > len("file:///")
     else:  # a redacted record (a checkpoint's) reads back: the marker stands for a secret
-        hub = value.replace(REDACTED, "x")
-        usable = bool(_HUB_REPO.fullmatch(hub)) and not (
-            "--" in hub or ".." in hub or hub.endswith(".git")
-        )
+        usable = is_hub_repo_id(value.replace(REDACTED, "x"))
     if not usable:
         raise ValueError("must be 'owner/name' (Hub) or 'file:///absolute/path'")
     return value
