@@ -45,12 +45,12 @@ import logging
 import os
 import secrets
 import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from speedtronic.background import Loop
 from speedtronic.checkpoint import atomic_json_dump
 
 __all__ = ["DEFAULT_LEASE_SECONDS", "Lease", "SlotClaim", "boot_id", "claim_slot"]
@@ -116,8 +116,9 @@ class SlotClaim:
         self.lease = lease
         self._lock_fd: int | None = lock_fd
         self._clock = clock
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._renewer = Loop(
+            "speedtronic-slot-lease", self._renew_tick, lease.lease_seconds / 3.0, wait_first=True
+        )
         self.lost = False
 
     @property
@@ -152,28 +153,20 @@ class SlotClaim:
 
     def start(self) -> SlotClaim:
         """Renew the lease every ``lease_seconds / 3`` in a daemon thread; returns self."""
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._renew_loop, name="speedtronic-slot-lease", daemon=True
-            )
-            self._thread.start()
+        if not self._renewer.stopping:
+            self._renewer.start()
         return self
 
-    def _renew_loop(self) -> None:
-        interval = self.lease.lease_seconds / 3.0
-        while not self._stop.wait(interval):
-            try:
-                if not self.renew():
-                    return
-            except OSError as exc:  # a volume hiccup: the next renewal tries again
-                _LOG.warning("could not renew worker slot %s: %s", self.lease.slot, exc)
+    def _renew_tick(self) -> bool:
+        try:
+            return not self.renew()
+        except OSError as exc:  # a volume hiccup: the next renewal tries again
+            _LOG.warning("could not renew worker slot %s: %s", self.lease.slot, exc)
+            return False
 
     def release(self) -> None:
         """Stop renewing, mark the lease released and drop the life lock (idempotent)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5.0)
-            self._thread = None
+        self._renewer.stop(timeout=5.0)
         if self._lock_fd is None:
             return
         try:

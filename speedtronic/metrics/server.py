@@ -27,13 +27,13 @@ nothing acts on ``/healthz``.
 from __future__ import annotations
 
 import errno
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from speedtronic.background import Loop
 from speedtronic.config import ConfigError
 from speedtronic.metrics.httpd import BoundedHTTPServer, Response, json_response
 
@@ -214,8 +214,7 @@ class StallWatchdog:
         self.interval = interval if interval is not None else min(self.stall_seconds / 10, 5.0)
         self._clock = clock
         self._started = clock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._loop = Loop("speedtronic-stall-watchdog", self.check, self.interval, wait_first=True)
         self.fired = False
 
     def check(self) -> bool:
@@ -231,21 +230,9 @@ class StallWatchdog:
 
     def start(self) -> StallWatchdog:
         """Check every ``interval`` seconds in a daemon thread; returns self."""
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._run, name="speedtronic-stall-watchdog", daemon=True
-            )
-            self._thread.start()
+        self._loop.start()
         return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            if self.check():
-                return
 
     def stop(self) -> None:
         """Stop checking (idempotent)."""
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5.0)
-        self._thread = None
+        self._loop.stop(timeout=5.0)
