@@ -124,10 +124,11 @@ class DumbDiLoCoCoordinator:
     """One node's DiLoCo participation. Roles: ``worker`` trains and contributes; ``master``
     also runs the master's round (and trains unless ``distributed.train`` is false).
 
-    ``hub`` is the store (default: :func:`build_transport`); ``logger`` gets the events (a
-    ``logging.Logger``, by default ``speedtronic.diloco``, one line each); ``state_dir`` +
-    node id holds the local state; ``evaluate(state)`` scores a global (master only);
-    ``final_dir`` receives :func:`write_final` with ``run_config``, the redacted config."""
+    ``config`` is the ``distributed`` section (or a whole config); ``hub`` the store (default:
+    :func:`build_transport`); ``logger`` gets the events (a ``logging.Logger``, by default
+    ``speedtronic.diloco``, one line each); ``state_dir`` + node id holds the local state;
+    ``evaluate(state)`` scores a global (master only); ``final_dir`` receives
+    :func:`write_final` with ``run_config``, the redacted config."""
 
     def __init__(
         self,
