@@ -1,13 +1,6 @@
 """DumbDiLoCo: local inner steps, then one contribution per node per round, exchanged through
-a Hub repository or a shared volume (``file:///abs/path``).
-
-One module a role (docs/diloco.md has the table): :mod:`.node` a node's round, :mod:`.master`
-the master's round, :mod:`.coordinator` the wiring from the ``distributed`` section to the
-trainer (and a group leader's relay), :mod:`.exchange` the layout, the ``Store`` protocol, its
-errors and retry policy, :mod:`.directory` and :mod:`.hub` the stores, :mod:`.wire` and
-:mod:`.codec` the files and their encodings. The same arithmetic run exactly in one process is
-:mod:`speedtronic.testing.diloco_ideal`.
-"""
+a Hub repository or a shared volume (``file:///abs/path``). One module a role: docs/diloco.md
+has the table; :mod:`.coordinator` is the entry (the trainer's ``SyncCoordinator``)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import threading
@@ -28,7 +27,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from speedtronic.background import wait_for
-from speedtronic.checkpoint import atomic_write_bytes
+from speedtronic.checkpoint import atomic_json_dump, atomic_write_bytes
 from speedtronic.config import DistributedConfig, SpeedtronicConfig
 from speedtronic.diloco import wire
 from speedtronic.diloco.directory import DirectoryTransport
@@ -151,7 +150,7 @@ class DumbDiLoCoCoordinator:
         self._scrubber = _ScrubToken(cfg.token)
         environ = environ or os.environ
         self.node_id = resolve_node_id(cfg.node_id, environ)
-        self.role = cfg.node_role
+        self.role: str = cfg.node_role
         self.trains = cfg.train or self.role != "master"
         if hub is None:
             hub = build_transport(cfg, self._retry_policy())
@@ -712,7 +711,5 @@ def write_final(
         yaml.safe_dump(dict(run_config), sort_keys=False).encode("utf-8"),
         directory / "config.yaml",
     )
-    record = {**meta, "written_at": datetime.now(timezone.utc).isoformat()}
-    atomic_write_bytes(
-        (json.dumps(record, indent=2) + "\n").encode("utf-8"), directory / "meta.json"
-    )
+    written = datetime.now(timezone.utc).isoformat()
+    atomic_json_dump({**meta, "written_at": written}, directory / "meta.json")
