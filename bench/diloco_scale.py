@@ -56,11 +56,11 @@ sys.path.insert(0, str(REPO))
 
 from speedtronic.config import DistributedConfig, ModelConfig  # noqa: E402
 from speedtronic.diloco.codec import DELTA_FORMATS, decode_value, encode_delta  # noqa: E402
+from speedtronic.diloco.coordinator import Upstream  # noqa: E402
 from speedtronic.diloco.directory import DirectoryTransport  # noqa: E402
 from speedtronic.diloco.exchange import RetryPolicy  # noqa: E402
 from speedtronic.diloco.hub import HubClient  # noqa: E402
 from speedtronic.diloco.master import RoundMaster  # noqa: E402
-from speedtronic.diloco.relay import Upstream  # noqa: E402
 from speedtronic.testing.hub_budget import Budget  # noqa: E402
 from speedtronic.testing.hub_server import FaultConfig, HubEmulator, token_tag  # noqa: E402
 

@@ -19,7 +19,7 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -75,7 +75,7 @@ class _Sink:
     failed write (a full disk) into ``RuntimeError: ... unexpected pos``, which names neither
     the file nor the cause."""
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: BinaryIO) -> None:
         self.handle = handle
         self.error: OSError | None = None
 
@@ -119,22 +119,22 @@ def _atomic_write(path: Path, write: Callable[[Any], None]) -> Path:
     return path
 
 
-def atomic_torch_save(state: Any, path: str | os.PathLike) -> Path:
+def atomic_torch_save(state: Any, path: str | os.PathLike[str]) -> Path:
     """``torch.save(state)`` to ``path`` atomically (temp file, fsync, rename, dir fsync)."""
     return _atomic_write(Path(path), lambda handle: torch.save(state, handle))
 
 
-def atomic_write_with(write: Callable[[Any], Any], path: str | os.PathLike) -> Path:
+def atomic_write_with(write: Callable[[Any], Any], path: str | os.PathLike[str]) -> Path:
     """Write ``path`` atomically through ``write(binary_file)`` (a writer that streams)."""
     return _atomic_write(Path(path), write)
 
 
-def atomic_write_bytes(data: bytes, path: str | os.PathLike) -> Path:
+def atomic_write_bytes(data: bytes, path: str | os.PathLike[str]) -> Path:
     """Write ``data`` to ``path`` atomically: readers see the old or the new file, never half."""
     return _atomic_write(Path(path), lambda handle: handle.write(data))
 
 
-def atomic_json_dump(value: Any, path: str | os.PathLike) -> Path:
+def atomic_json_dump(value: Any, path: str | os.PathLike[str]) -> Path:
     """Write ``value`` as indented JSON (plus newline) to ``path`` atomically."""
     data = (json.dumps(value, indent=2, default=str) + "\n").encode("utf-8")
     return atomic_write_bytes(data, path)

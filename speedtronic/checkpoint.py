@@ -84,7 +84,7 @@ class CheckpointError(RuntimeError):
 # ----------------------------------------------------------------------------- manager
 
 
-def read_step(path: str | os.PathLike) -> int:
+def read_step(path: str | os.PathLike[str]) -> int:
     """The optimizer step recorded inside checkpoint ``path``.
 
     The file is opened with ``mmap=True`` so its tensors are not read (a legacy, non-zip file
@@ -121,7 +121,7 @@ class CheckpointManager:
 
     def __init__(
         self,
-        directory: str | os.PathLike,
+        directory: str | os.PathLike[str],
         *,
         every_steps: int = 500,
         keep_last: int | None = 3,
@@ -260,7 +260,7 @@ class CheckpointManager:
         return candidates[0] if candidates else None
 
     @staticmethod
-    def load(path: str | os.PathLike) -> dict[str, Any]:
+    def load(path: str | os.PathLike[str]) -> dict[str, Any]:
         """Read one checkpoint with ``weights_only=True``; ``CheckpointError`` when unusable."""
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
@@ -362,7 +362,7 @@ class CheckpointManager:
                 with contextlib.suppress(OSError):
                     path.unlink()
 
-    def copy_to(self, destination: str | os.PathLike) -> Path:
+    def copy_to(self, destination: str | os.PathLike[str]) -> Path:
         """Copy the newest checkpoint file to ``destination``."""
         source = self.latest_path()
         if source is None:
@@ -373,7 +373,7 @@ class CheckpointManager:
         return destination
 
 
-def checkpoint_config(path: str | os.PathLike) -> dict[str, Any]:
+def checkpoint_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The (redacted) run config a checkpoint carries, so it can be used without ``--config``.
 
     ``path`` is a trainer checkpoint (``step_*.pt``: its ``config`` entry), a checkpoint
@@ -425,7 +425,9 @@ def _final_tokenizer(folder: Path, config: dict[str, Any]) -> None:
     path is gone, e.g. the run folder was moved) the one the run's newest checkpoint carries
     (``final/../<checkpoint.directory>``)."""
     data = config.get("data")
-    spec = data.get("tokenizer") if isinstance(data, dict) else None
+    if not isinstance(data, dict):
+        return
+    spec = data.get("tokenizer")
     if not isinstance(spec, str) or spec.strip().lower() in ("", "bytes"):
         return
     if (folder / "tokenizer.json").is_file():

@@ -34,7 +34,9 @@ def capture_rng_state() -> dict[str, Any]:
     try:
         import numpy as np
 
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        saved = np.random.get_state(legacy=True)
+        assert isinstance(saved, tuple)  # legacy=True: always (kind, keys, pos, gauss, cached)
+        kind, keys, pos, has_gauss, cached = saved
         state["numpy"] = {
             "kind": str(kind),
             "keys": torch.from_numpy(keys.astype("int64")),
@@ -120,11 +122,12 @@ class CheckpointParts:
         """Every part's ``state_dict()`` under its name (the root part's keys at the top)."""
         state: dict[str, Any] = {}
         for name, part in self.parts.items():
-            value = part.state_dict() if part is not None else None
-            if name == self.root:
-                state.update(value)
+            if part is None:
+                state[name] = None
+            elif name == self.root:
+                state.update(part.state_dict())
             else:
-                state[name] = value
+                state[name] = part.state_dict()
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -13,10 +13,10 @@ from hub_emulator_fixtures import fast_retry
 from process_support import wait_for
 
 from speedtronic.config import DistributedConfig
+from speedtronic.diloco.coordinator import Upstream
 from speedtronic.diloco.directory import DirectoryTransport
 from speedtronic.diloco.exchange import TransportError
 from speedtronic.diloco.master import RoundMaster
-from speedtronic.diloco.relay import Upstream
 
 
 def _settings(**extra) -> DistributedConfig:

@@ -1,29 +1,11 @@
 """DumbDiLoCo: local inner steps, then one contribution per node per round, exchanged through
-a Hub repository or a shared volume (``file:///abs/path``).
-
-One module a role:
-
-- :mod:`.node`: a node's round, hooked on the inner optimizer, with its inbox of globals, its
-  uploader, its link to the exchange and its identity;
-- :mod:`.master`: the master's round (one class), with the nodes it waits for, its agreement
-  with the published state, its round state and local file, and the outer step;
-- :mod:`.relay`: a group leader's link to the top-level exchange;
-- :mod:`.exchange`: the layout, the ``Store`` protocol, and the one reporting channel (log
-  lines to the ``speedtronic.diloco`` logger, events to one ``emit(event, **fields)``,
-  :class:`.exchange.Emit`);
-- :mod:`.wire`: the contribution and the safetensors files that carry it, with the checks
-  every file read passes; :mod:`.codec`: how the values are encoded (casts, int8/int4 codes);
-- :mod:`.directory` and :mod:`.hub`: the stores (shared volume, Hugging Face Hub with the
-  HTTP layer that bounds its calls); errors and the one retry policy are in :mod:`.exchange`;
-- :mod:`.coordinator`: the wiring, from the ``distributed`` config section to the trainer.
-
-The same arithmetic run exactly in one process, the peer the protocol is measured against,
-is :mod:`speedtronic.testing.diloco_ideal`. See docs/diloco.md.
-"""
+a Hub repository or a shared volume (``file:///abs/path``). One module a role: docs/diloco.md
+has the table; :mod:`.coordinator` is the entry (the trainer's ``SyncCoordinator``)."""
 
 from __future__ import annotations
 
 from speedtronic.diloco.coordinator import DumbDiLoCoCoordinator, build_transport
+from speedtronic.diloco.directory import DirectoryTransport
 from speedtronic.diloco.exchange import (
     GlobalMetadata,
     HubError,
@@ -35,6 +17,7 @@ from speedtronic.diloco.exchange import (
     TransportError,
     parse_delta_path,
 )
+from speedtronic.diloco.hub import HubClient, HubTransport
 from speedtronic.diloco.master import NesterovOuterOptimizer, RoundMaster
 from speedtronic.diloco.node import Contribution, DiLoCoNode, GlobalCandidate, resolve_node_id
 from speedtronic.diloco.wire import (
@@ -49,20 +32,6 @@ DumbDiLoCo = DumbDiLoCoCoordinator
 #: 2.0.0 names: the master's aggregation loop and the upload job.
 MasterOuterLoop = RoundMaster
 DeltaUploadJob = Contribution
-
-
-def __getattr__(name: str):
-    """``HubClient``/``HubTransport``/``DirectoryTransport`` load their modules on first use."""
-    if name in ("HubClient", "HubTransport"):
-        from speedtronic.diloco import hub
-
-        return getattr(hub, name)
-    if name == "DirectoryTransport":
-        from speedtronic.diloco.directory import DirectoryTransport
-
-        return DirectoryTransport
-    raise AttributeError(name)
-
 
 __all__ = [
     "Contribution",

@@ -1,27 +1,19 @@
 """The wiring: builds a node's round, the master's round and the store from the config.
 
 The trainer sees one object (its ``SyncCoordinator``): it attaches it to the inner optimizer
-and calls ``start`` / ``finish`` (the run reached its target) / ``stop``. What happens in a
-round lives in two modules: :mod:`.node` (the node side, hooked on ``optimizer.step``, with
-its link to the exchange) and :mod:`.master` (the master's round, on its own thread). This
-module builds them and the store (:func:`build_transport`) from the ``distributed`` config
-section and owns the order of startup, the end of the run, the final directory
-(:func:`write_final`) and the checkpointed state.
-
-Reporting: every DiLoCo class logs to the ``speedtronic.diloco`` logger and reports events
-through one ``emit(event, **fields)``, which the coordinator builds from its ``logger`` (the
-metrics logger). The token never appears in either: string fields are scrubbed, and while the
-coordinator runs a filter on the logger scrubs every line.
-
-Roles: ``worker`` trains and contributes; ``master`` also runs the master's round (and trains
-unless ``distributed.train`` is false, which makes it a pure aggregator).
+and calls ``start`` / ``finish`` (the run reached its target) / ``stop``. The rounds live in
+:mod:`.node` and :mod:`.master`; this module builds them and the store (:func:`build_transport`)
+from the ``distributed`` section and owns the order of startup, the end of the run,
+``final/`` (:func:`write_final`), the checkpointed state, a group leader's relay to the
+top-level exchange (:class:`Upstream`) and the one ``emit(event, **fields)`` every DiLoCo class
+reports through, handed to the metrics logger. The token appears in no event and, while the
+coordinator runs, in no line of the ``speedtronic.diloco`` logger.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import threading
@@ -29,22 +21,28 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
-from speedtronic.checkpoint import atomic_write_bytes
+from speedtronic.background import wait_for
+from speedtronic.checkpoint import atomic_json_dump, atomic_write_bytes
+from speedtronic.config import DistributedConfig, SpeedtronicConfig
 from speedtronic.diloco import wire
 from speedtronic.diloco.directory import DirectoryTransport
 from speedtronic.diloco.exchange import (
     ExchangeError,
+    GlobalMetadata,
     RetryPolicy,
+    Store,
+    TransportError,
     max_global_bytes,
     retry_policy_from_config,
     scrub,
 )
 from speedtronic.diloco.hub import HubClient
-from speedtronic.diloco.master import RoundMaster
+from speedtronic.diloco.master import META, RoundMaster, RoundState
 from speedtronic.diloco.node import (
     Contribution,
     DiLoCoNode,
@@ -54,42 +52,44 @@ from speedtronic.diloco.node import (
     NodeLink,
     resolve_node_id,
 )
-from speedtronic.diloco.relay import Upstream
 
 __all__ = [
-    "DumbDiLoCo",
     "DumbDiLoCoCoordinator",
     "RoundsStalledError",
+    "Upstream",
     "build_transport",
-    "resolve_node_id",
     "write_final",
 ]
 
 _LOG = logging.getLogger("speedtronic.diloco")
 
-
 # finish() waits for the master's final global while rounds close; with no new global for
 # (drop_after + 2) round lengths plus this margin, the rounds stalled (RoundsStalledError)
 STALL_MARGIN_S = 60.0
 
+Global = tuple[GlobalMetadata, dict[str, torch.Tensor]]  # a version record and its weights
 
-def _distributed_section(config: Any) -> Any:
-    from speedtronic.config import DistributedConfig, SpeedtronicConfig
 
-    if isinstance(config, Mapping):
-        if "distributed" in config:
-            return SpeedtronicConfig.from_dict(dict(config)).distributed
-        return DistributedConfig(**dict(config))
-    if isinstance(config, SpeedtronicConfig):
-        return config.distributed
-    return config
+class EventSink(Protocol):
+    """Where the coordinator's events go: the metrics logger's ``emit(event, payload)``."""
+
+    def emit(self, event: str, payload: dict[str, object]) -> None: ...
+
+
+class _LogLines:
+    """The :class:`EventSink` without a metrics logger: one line per event on ``logger``."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger = logger
+
+    def emit(self, event: str, payload: dict[str, object]) -> None:
+        self.logger.info("%s %s", event, payload)
 
 
 class _ScrubToken(logging.Filter):
-    """Replaces the token, in every form it can take (:func:`scrub`), in each line of the
-    logger it is added to."""
+    """Replaces the token, in every form it can take (:func:`scrub`), in each line."""
 
-    def __init__(self, token: str | None):
+    def __init__(self, token: str | None) -> None:
         super().__init__()
         self.secrets = (token,)
 
@@ -106,51 +106,63 @@ class RoundsStalledError(RuntimeError):
     restart resumes them)."""
 
 
-class DumbDiLoCoCoordinator:
-    """One node's DiLoCo participation (see the module docstring).
+def _distributed_section(
+    config: DistributedConfig | SpeedtronicConfig | Mapping[str, object],
+) -> DistributedConfig:
+    """The ``distributed`` section of a whole config, a mapping of one (2.0.0: a root
+    config), or the section itself."""
+    if isinstance(config, DistributedConfig):
+        return config
+    if isinstance(config, SpeedtronicConfig):
+        return config.distributed
+    root = config if "distributed" in config else {"distributed": dict(config)}
+    return SpeedtronicConfig.from_dict(root).distributed
 
-    ``config`` is the ``distributed`` section (or a whole config); ``hub`` the exchange's
-    store (built from ``repo_id`` when None); ``logger`` receives the events (its
-    ``emit(event, payload)``; without one, they are lines of the ``speedtronic.diloco``
-    logger); ``state_dir`` the base of this node's local state (the node id
-    is appended). ``evaluate(state)`` scores a global (master only); ``final_dir`` receives the
-    final global as ``model.safetensors`` + ``config.yaml`` + ``meta.json``; ``run_config``
-    is the redacted config written there.
-    """
+
+class DumbDiLoCoCoordinator:
+    """One node's DiLoCo participation. Roles: ``worker`` trains and contributes; ``master``
+    also runs the master's round (and trains unless ``distributed.train`` is false).
+
+    ``config`` is the ``distributed`` section (or a whole config); ``hub`` the store (default:
+    :func:`build_transport`); ``logger`` gets the events (a ``logging.Logger``, by default
+    ``speedtronic.diloco``, one line each); ``state_dir`` + node id holds the local state;
+    ``evaluate(state)`` scores a global (master only); ``final_dir`` receives
+    :func:`write_final` with ``run_config``, the redacted config."""
 
     def __init__(
         self,
-        config: Any,
+        config: DistributedConfig | SpeedtronicConfig | Mapping[str, object],
         model: torch.nn.Module,
         *,
-        hub: Any = None,
-        state_dir: str | os.PathLike | None = None,
-        logger: Any = None,
+        hub: Store | None = None,
+        state_dir: str | os.PathLike[str] | None = None,
+        logger: EventSink | logging.Logger | None = None,
         environ: Mapping[str, str] | None = None,
-        evaluate: Callable[[dict[str, torch.Tensor]], Any] | None = None,
-        final_dir: str | os.PathLike | None = None,
-        run_config: Mapping[str, Any] | None = None,
-    ):
+        evaluate: Callable[[dict[str, torch.Tensor]], object] | None = None,
+        final_dir: str | os.PathLike[str] | None = None,
+        run_config: Mapping[str, object] | None = None,
+    ) -> None:
         self.config = cfg = _distributed_section(config)
         self.model = model
-        self.logger = logger if logger is not None else _LOG
-        self._token = cfg.token
+        if logger is None or isinstance(logger, logging.Logger):
+            logger = _LogLines(logger or _LOG)
+        self.logger: EventSink = logger
         self._scrubber = _ScrubToken(cfg.token)
-        self.node_id = resolve_node_id(cfg.node_id, environ or os.environ)
-        self.role = cfg.node_role
+        environ = environ or os.environ
+        self.node_id = resolve_node_id(cfg.node_id, environ)
+        self.role: str = cfg.node_role
         self.trains = cfg.train or self.role != "master"
         if hub is None:
-            retry = retry_policy_from_config(cfg)
-            retry.on_retry = self._on_retry
-            hub = build_transport(cfg, retry)
-        elif getattr(hub, "retry", None) is not None and hub.retry.on_retry is None:
+            hub = build_transport(cfg, self._retry_policy())
+        elif hub.retry.on_retry is None:
             hub.retry.on_retry = self._on_retry
         self.store = hub
         self.state_dir = Path(state_dir or cfg.state_dir) / self.node_id
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        host = (environ or os.environ).get("HOSTNAME") or None  # a container's or pod's name
+        host = environ.get("HOSTNAME") or None  # a container's or pod's name
         self.claim = NodeClaim(self.node_id, self.role, self.state_dir, host=host)
         self._interrupted = threading.Event()
+        self._halt = threading.Event()  # set at stop(): a relay waiting for the top level ends
         like = model.state_dict()  # the global must fit this model's shapes and dtypes
         self.link = NodeLink(
             hub,
@@ -168,8 +180,9 @@ class DumbDiLoCoCoordinator:
             interval=cfg.poll_interval,
             threaded=cfg.async_global_poll,
         )
-        self.node = (
-            DiLoCoNode(
+        self.node: DiLoCoNode | None = None
+        if self.trains:
+            self.node = DiLoCoNode(
                 cfg,
                 model,
                 send=self._send,
@@ -177,12 +190,8 @@ class DumbDiLoCoCoordinator:
                 emit=self._emit,
                 error_feedback=cfg.error_feedback,
             )
-            if self.trains
-            else None
-        )
         self.master: RoundMaster | None = None
         if self.role == "master":
-            self._halt = threading.Event()
             self.master = RoundMaster(
                 hub,
                 wire.cpu_state_dict(model.state_dict()),
@@ -192,43 +201,39 @@ class DumbDiLoCoCoordinator:
                 on_global=self._offer,
                 evaluate=None if cfg.relay_to else evaluate,
                 on_final=self._write_final,
-                upstream=self._upstream(cfg) if cfg.relay_to else None,
+                upstream=self._upstream(cfg, cfg.relay_to) if cfg.relay_to else None,
             )
-        self._prepared: Mapping[str, Any] | None = None
+        self._prepared: Mapping[str, object] | None = None
+        self._prepared_step: int | None = None  # the node's step in the applied checkpoint
         self._resumed = False  # a checkpoint with this coordinator's state was applied
         self._run_ended: str | None = None  # why this node has no run to take part in
-        self._master_hook: Any = None  # raises the master thread's fatal error on each step
+        self._master_hook: RemovableHandle | None = None  # raises the master's fatal error
         self._global_at = time.monotonic()  # when the last global was handed to this process
         self._longest_round = 0.0  # the longest time between two globals seen here
         self._started = False
         self._ready = False
         self._beat = time.monotonic()
 
-    def _upstream(self, cfg: Any) -> Upstream:
-        """A group leader's relay to the top-level exchange ``relay_to`` (same token)."""
-        retry = retry_policy_from_config(cfg)
+    def _retry_policy(self) -> RetryPolicy:
+        retry = retry_policy_from_config(self.config)
         retry.on_retry = self._on_retry
-        top = build_transport(dataclasses.replace(cfg, repo_id=cfg.relay_to, relay_to=None), retry)
+        return retry
+
+    def _upstream(self, cfg: DistributedConfig, top: str) -> Upstream:
+        """A group leader's relay to the top-level exchange ``top`` (same token)."""
+        store = build_transport(
+            dataclasses.replace(cfg, repo_id=top, relay_to=None), self._retry_policy()
+        )
         return Upstream(
-            top,
-            node_id=self.node_id,
-            settings=cfg,
-            record=self.claim.record,
-            stop=self._halt,
+            store, node_id=self.node_id, settings=cfg, record=self.claim.record, stop=self._halt
         )
 
     # -- reporting ---------------------------------------------------------------------------
-    def _emit(self, event: str, /, **fields: Any) -> None:
-        """The one ``emit`` every DiLoCo object reports through: string fields scrubbed of
-        the token, handed to the metrics logger's ``emit(event, payload)``."""
-        clean = {
-            k: scrub(v, (self._token,)) if isinstance(v, str) else v for k, v in fields.items()
-        }
-        emit = getattr(self.logger, "emit", None)
-        if callable(emit):
-            emit(event, clean)
-        else:
-            self.logger.info("%s %s", event, clean)
+    def _emit(self, event: str, /, **fields: object) -> None:
+        """The one ``emit``: string fields scrubbed of the token, to ``logger.emit``."""
+        secrets = self._scrubber.secrets
+        clean = {k: scrub(v, secrets) if isinstance(v, str) else v for k, v in fields.items()}
+        self.logger.emit(event, clean)
 
     def _on_retry(self, operation: str, attempt: int, error: str) -> None:
         self._emit(
@@ -269,8 +274,9 @@ class DumbDiLoCoCoordinator:
         final global, or the master published the final global while this node still had
         steps to train (it was dropped). The trainer stops with this reason (exit 0)."""
         node = self.node
-        dropped = node is not None and node.final_seen and not node.finishing
-        if self._run_ended is None and dropped and self.master is None:
+        if self._run_ended is not None or self.master is not None or node is None:
+            return self._run_ended
+        if node.final_seen and not node.finishing:
             self._end_run(
                 f"the master published the final global of this run (outer step "
                 f"{node.installed}) while this node still had steps to train; they would "
@@ -297,9 +303,10 @@ class DumbDiLoCoCoordinator:
 
     def _raise_master_fatal(self) -> None:
         """The master thread met an error no retry fixes (it stopped): end the process."""
-        if self.master is not None and self.master.fatal is not None:
-            self.link.raise_if_permanent(self.master.fatal, "the master cannot use the exchange")
-            raise self.master.fatal
+        fatal = self.master.fatal if self.master is not None else None
+        if fatal is not None:
+            self.link.raise_if_permanent(fatal, "the master cannot use the exchange")
+            raise fatal
 
     def wants_weights(self) -> bool:
         """Whether the next :meth:`round_step` reads or writes ``model`` (see
@@ -335,57 +342,75 @@ class DumbDiLoCoCoordinator:
         if self._scrubber not in _LOG.filters:
             _LOG.addFilter(self._scrubber)  # removed at stop()
         pending = self._apply_prepared()
-        if self.node is not None and step is not None and self._prepared_step is None:
-            self.node.step = int(step)
-        if self.master is not None:  # a master starting from scratch starts a new run
-            self.master.fresh = self._starts_new_run(step)
+        node = self.node
+        if node is not None and step is not None and self._prepared_step is None:
+            node.step = int(step)
         with self._quick_retries():  # an outage must not hold training at startup
             if self.master is not None:
-                self._create_exchange()
-                self.link.claim_id(**self._status())
-                self._start_master()
-            else:  # a worker claims its id only once it found a run to take part in
-                resumed = self.node.installed >= 0
-                self.link.check_id()  # a live process here with our id: exit 2 before waiting
-                candidate, ended = self.link.first_global(self.node.run_id, resumed)
-                if ended:
-                    self._end_run(ended)
-                    self._started = True
-                    return
-                if candidate is not None:
-                    self.inbox.offer(candidate)
-                self.link.claim_id(**self._status())
-        if self.node is not None:
-            if self.node.may_merge():  # start the round from the current global
-                self.node.merge_waiting()
-            self._ready = self._ready or self.node.installed >= 0
+                self._start_master(self.master, step)
+            elif node is not None and not self._join_run(node):
+                self._started = True  # the run ended without this node
+                return
+        if node is not None:
+            if node.may_merge():  # start the round from the current global
+                node.merge_waiting()
+            self._ready = self._ready or node.installed >= 0
             if pending is not None:
-                self.node.uploads.submit(pending)
+                node.uploads.submit(pending)
         self.inbox.start()
         if self.master is not None:
             self.master.start()
         self._started = True
+        installed = self.last_global_step
         _LOG.info(
             f"DumbDiLoCo started role={self.role} node_id={self.node_id} "
-            f"global_step={self.last_global_step} sync={self.config.sync}"
+            f"global_step={installed} sync={self.config.sync}"
         )
-        self._emit(
-            "diloco_started",
-            role=self.role,
-            node_id=self.node_id,
-            global_step=self.last_global_step,
-        )
+        self._emit("diloco_started", role=self.role, node_id=self.node_id, global_step=installed)
 
-    def _starts_new_run(self, step: int | None) -> bool:
-        """Whether this master starts a new run (over a finished one on the exchange): only
-        from scratch. A trained step or a checkpoint with coordinator state (an ``outer``
-        section, node state) is a resumed run; a pure aggregator's step is always 0, so its
-        own local outer state (``state_dir``: it served a run) says it is restarted too."""
-        if step or self._resumed:
+    def _join_run(self, node: DiLoCoNode) -> bool:
+        """A worker claims its id only once it found a run to take part in (False: none)."""
+        self.link.check_id()  # a live process here with our id: exit 2 before waiting
+        candidate, ended = self.link.first_global(node.run_id, node.installed >= 0)
+        if ended:
+            self._end_run(ended)
             return False
-        return self.trains or not self.master.has_local_state
+        if candidate is not None:
+            self.inbox.offer(candidate)
+        self.link.claim_id(**self._status())
+        return True
 
-    def _status(self) -> dict[str, Any]:
+    def _start_master(self, master: RoundMaster, step: int | None) -> None:
+        """Create the exchange (private), claim the id, grant access, agree with the exchange.
+        Only a master from scratch starts a new run (over a finished one): not after a trained
+        step, a checkpoint with coordinator state, or (a pure aggregator, always at step 0)
+        with a local outer state of its own (it served a run)."""
+        master.fresh = not (step or self._resumed) and (self.trains or not master.has_local_state)
+        try:
+            self.store.create_repo(private=True)
+        except Exception as exc:
+            self.link.raise_if_permanent(exc, "cannot create the exchange")
+            master.exchange_created = False  # the master's thread creates it later
+            _LOG.warning(
+                f"master repository initialization failed; continuing (retried at every "
+                f"poll): {exc}"
+            )
+        self.link.claim_id(**self._status())
+        for name in self.config.collaborators:
+            try:
+                self.store.add_collaborator(name, permission="write")
+            except Exception as exc:
+                _LOG.warning(f"could not grant write access to {name}: {exc}")
+        try:
+            master.reconcile()
+        except ExchangeError:
+            raise  # an unusable exchange (e.g. a corrupt global and no local state): exit 2
+        except Exception as exc:
+            self.link.raise_if_permanent(exc, "cannot use the exchange")
+            _LOG.warning(f"master could not reconcile with the repository yet: {exc}")
+        self._ready = True
+
+    def _status(self) -> dict[str, object]:
         """The status record this node claims its id with at startup."""
         if self.node is not None and self.node.done:  # resumed after its last contribution
             return {"state": "done", "final_round": self.node.last_round}
@@ -394,42 +419,12 @@ class DumbDiLoCoCoordinator:
     @contextlib.contextmanager
     def _quick_retries(self) -> Iterator[None]:
         """At most two attempts per call during startup; the threads retry fully later."""
-        retry = getattr(self.store, "retry", None)
-        saved = getattr(retry, "attempts", None)
-        if saved is not None:
-            retry.attempts = min(saved, 2)
+        retry = self.store.retry
+        saved, retry.attempts = retry.attempts, min(retry.attempts, 2)
         try:
             yield
         finally:
-            if saved is not None:
-                retry.attempts = saved
-
-    def _create_exchange(self) -> None:
-        """The master creates the repository (private) before anything is written to it."""
-        try:
-            self.store.create_repo(private=True)
-        except Exception as exc:
-            self.link.raise_if_permanent(exc, "cannot create the exchange")
-            self.master.exchange_created = False  # the master's thread creates it later
-            _LOG.warning(
-                f"master repository initialization failed; continuing (retried at every "
-                f"poll): {exc}"
-            )
-
-    def _start_master(self) -> None:
-        for name in self.config.collaborators:
-            try:
-                self.store.add_collaborator(name, permission="write")
-            except Exception as exc:
-                _LOG.warning(f"could not grant write access to {name}: {exc}")
-        try:
-            self.master.reconcile()
-        except ExchangeError:
-            raise  # an unusable exchange (e.g. a corrupt global and no local state): exit 2
-        except Exception as exc:
-            self.link.raise_if_permanent(exc, "cannot use the exchange")
-            _LOG.warning(f"master could not reconcile with the repository yet: {exc}")
-        self._ready = True
+            retry.attempts = saved
 
     def _end_run(self, why: str) -> None:
         """This node has no run to take part in: one line, and the trainer stops (exit 0)."""
@@ -438,14 +433,14 @@ class DumbDiLoCoCoordinator:
         self._emit("diloco_run_ended", node_id=self.node_id, reason=why)
 
     def finish(self) -> None:
-        """The run reached its target: the node's last contribution and ``done`` status;
-        the master then serves rounds until every node is done or dropped and installs the
-        final global (a bounded wait, see :meth:`_serve_until_final`)."""
+        """The run reached its target: the node's last contribution and ``done`` status; the
+        master serves rounds until every node is done or dropped, then installs the final
+        global."""
         if self.node is not None:
             self.node.finish()
             self._ready = self._ready or self.node.installed >= 0
         if self.master is not None:
-            self._serve_until_final()
+            self._serve_until_final(self.master)
             if self.node is not None:
                 self.node.merge_waiting()
             elif self.master.finished.is_set():
@@ -453,26 +448,25 @@ class DumbDiLoCoCoordinator:
                     wire.cpu_state_dict(self.master.global_state), strict=False
                 )
 
-    def _serve_until_final(self) -> None:
+    def _serve_until_final(self, master: RoundMaster) -> None:
         """Wait while the master's rounds go on until it published the final global.
 
-        The wait is bounded by progress, not by the last global: a round may be slow, or the
-        workers may start long after a pure aggregator entered here. Progress is the later of
-        the last global handed to this process and the master's ``last_progress`` (a
-        contribution seen, a node's status record changed, a round closed, the master's
-        start). When there was none for ``(drop_after + 2)`` times the longer of
-        ``round_timeout`` and the longest round seen, plus ``STALL_MARGIN_S`` (a silent node
-        is dropped after ``drop_after`` round lengths, so the master had every chance to
-        close), it is a :class:`RoundsStalledError`. A fatal error of the master's thread is
-        raised here too."""
-        cfg = self.config
-        started = time.monotonic()
-        while not self.master.finished.is_set() and not self._interrupted.is_set():
+        The bound counts from the last progress (a global handed to this process, or the
+        master's ``last_progress``: a contribution, a status change, a closed round), not from
+        the last global: a round may be slow, workers may start late. With none for
+        ``drop_after + 2`` times the longer of ``round_timeout`` and the longest round, plus
+        ``STALL_MARGIN_S`` (a silent node is dropped after ``drop_after`` rounds), it is a
+        :class:`RoundsStalledError`. A fatal error of the master's thread is raised too."""
+        cfg, started = self.config, time.monotonic()
+
+        def over() -> bool:
+            if master.finished.is_set() or self._interrupted.is_set():
+                return True
             self._raise_master_fatal()
             now = self._beat = time.monotonic()
-            progress = max(self._global_at, self.master.last_progress)
-            rounds = (cfg.drop_after + 2) * max(cfg.round_timeout, self._longest_round)
-            bound = rounds + STALL_MARGIN_S
+            progress = max(self._global_at, master.last_progress)
+            bound = (cfg.drop_after + 2) * max(cfg.round_timeout, self._longest_round)
+            bound += STALL_MARGIN_S
             if now - progress > bound:
                 raise RoundsStalledError(
                     f"the master waited {now - started:.0f} s for its final global and saw no "
@@ -482,7 +476,9 @@ class DumbDiLoCoCoordinator:
                     f"{STALL_MARGIN_S:.0f} s); its state is saved, a restart with --resume "
                     "serves the open rounds again"
                 )
-            self.master.finished.wait(0.5)
+            return False
+
+        wait_for(over, timeout=None, interval=0.5, stop=master.finished)
         self._raise_master_fatal()
 
     def stop(self) -> None:
@@ -491,7 +487,7 @@ class DumbDiLoCoCoordinator:
             _LOG.warning("an upload was still in flight at stop; it is in the checkpoint")
         self.inbox.stop(self.config.delta_upload_shutdown_timeout)
         if self.master is not None:
-            self._halt.set()  # a relay waiting for the top level stops waiting
+            self._halt.set()
             self.master.stop()
         self._started = False
         _LOG.removeFilter(self._scrubber)
@@ -524,9 +520,7 @@ class DumbDiLoCoCoordinator:
         self._emit("diloco_final", outer_step=outer_step, path=str(self.final_dir))
 
     # -- checkpointed state ---------------------------------------------------------------
-    _prepared_step: int | None = None
-
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """The node's round state (the master keeps its own in ``state_dir``)."""
         return {
             "node_id": self.node_id,
@@ -535,7 +529,7 @@ class DumbDiLoCoCoordinator:
             "outer": self.master.state_dict() if self.master is not None else None,
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
         """Restore checkpointed state (applied at ``start()`` when not started yet)."""
         self._prepared = dict(state)
         if self._started:
@@ -544,30 +538,149 @@ class DumbDiLoCoCoordinator:
                 self.node.uploads.submit(pending)
 
     def _apply_prepared(self) -> Contribution | None:
-        state, self._prepared = self._prepared, None
-        if state and (state.get("outer") or state.get("node")):
+        state, self._prepared = self._prepared or {}, None
+        node_state = state.get("node")
+        if state.get("outer") or node_state:
             self._resumed = True  # the run this state belongs to goes on
-        if not state or self.node is None or not state.get("node"):
+        if self.node is None or not node_state or not isinstance(node_state, Mapping):
             return None
-        pending = self.node.load_state_dict(state["node"])
+        pending = self.node.load_state_dict(node_state)
         self._prepared_step = self.node.step
         return pending
 
 
-DumbDiLoCo = DumbDiLoCoCoordinator
+class Upstream:
+    """A group leader's relay (docs/diloco.md, relay groups): the master of a group's exchange
+    with ``relay_to`` sends its members' mean up to the top-level exchange ``store`` as one
+    contribution weighing as many nodes, and publishes the top-level global of the next round
+    to its members: G + 1 top-level commits a round for K nodes in G groups, each node weighing
+    the same. ``record(**status)`` builds the leader's status record there (its claim);
+    ``stop`` ends a wait (the master is stopping)."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        node_id: str,
+        settings: DistributedConfig,
+        record: Callable[..., dict[str, object]],
+        stop: threading.Event,
+    ) -> None:
+        self.store = store
+        self.node_id = node_id
+        self.settings = settings
+        self._record = record
+        self._stop = stop
+        self.instance = str(record().get("instance", ""))
+        self.max_bytes: int | None = None  # set by the master from its model
+        self.last_round: int | None = None  # the last round this group contributed to
+
+    def _wait(self, than: int, run_id: str, what: str, timeout: float | None = None) -> Global:
+        """The first top-level global newer than ``than`` (or of another run); past ``timeout``
+        seconds (None: until stopped) a ``TransportError`` (the master retries it)."""
+
+        def newer() -> Global | None:
+            if self._stop.is_set():
+                return None
+            try:
+                meta = self.store.global_metadata()
+                if meta is None:
+                    return None
+                if meta.outer_step > than or (run_id and meta.run_id != run_id):
+                    return self.store.fetch_global(meta, max_bytes=self.max_bytes)
+                return None
+            except TransportError as exc:
+                _LOG.warning(f"relay: reading the top-level global failed: {exc}")
+                return None
+
+        started = time.monotonic()
+        found = wait_for(
+            newer, timeout=timeout, interval=self.settings.poll_interval, stop=self._stop
+        )
+        if found is not None:
+            return found
+        if self._stop.is_set():
+            raise TransportError(f"relay stopped while waiting for {what}")
+        raise TransportError(
+            f"relay: no {what} within {time.monotonic() - started:.1f} s "
+            f"(distributed.round_timeout {timeout:g} s); waiting again at the master's next poll"
+        )
+
+    def current(self) -> Global:
+        """The top-level global (waits for the top-level master's first publish)."""
+        self.store.claim_owner(self.node_id, self._record(state="training", relay=True))
+        # bounded: at startup this runs on the training thread (the master retries it)
+        return self._wait(-1, "", "first top-level global", self.settings.round_timeout)
+
+    def agree(self, store: Store, held: RoundState, max_bytes: int) -> RoundState:
+        """The leader's reconcile: the group's state becomes the top-level global (outer step,
+        run id), published to the group's ``store`` unless it is there. ``held`` keeps its
+        ledger, so after a group publish that failed once the mean went up, the members' files
+        are never sent up twice."""
+        self.max_bytes = max_bytes
+        meta, weights = self.current()
+        state = held.copy()
+        state.adopt(weights, meta.outer_step)
+        state.run_id = meta.run_id
+        remote = store.global_metadata()
+        if remote is None or (remote.outer_step, remote.run_id) != (meta.outer_step, meta.run_id):
+            store.publish_global(
+                state.global_state,
+                outer_step=state.outer_step,
+                ledger=state.ledger,
+                metadata_extra={**META, "relay": "true"},
+                run_id=state.run_id,
+                node_records=state.node_records(),
+            )
+        return state
+
+    def forward(
+        self, mean: Mapping[str, torch.Tensor], *, round: int, weight: int, run_id: str, final: bool
+    ) -> Global:
+        """Upload the group's ``mean`` as its contribution to ``round`` (weighing ``weight``
+        nodes), then return the first top-level global after it."""
+        status = {"state": "done", "final_round": round} if final else {"state": "training"}
+        started = time.perf_counter()
+        self.store.upload_delta(
+            mean,
+            node_id=self.node_id,
+            round_index=round,
+            local_step=round,
+            base_outer_step=round,
+            dtype=self.settings.delta_dtype,
+            block_size=self.settings.delta_block_size,
+            metadata={
+                "weight": str(int(weight)),
+                "run_id": run_id,
+                "final": str(final).lower(),
+                "instance": self.instance,
+            },
+            owner=self._record(relay=True, **status),
+        )
+        self.last_round = round
+        _LOG.info(
+            f"relay: round {round} of {weight} nodes sent up in "
+            f"{time.perf_counter() - started:.2f} s"
+        )
+        return self._wait(round, run_id, f"top-level global {round + 1}")
+
+    def finish(self) -> None:
+        """The group's run is over (maybe after a round not marked final): tell the top level,
+        so its master stops waiting for this group."""
+        final = -1 if self.last_round is None else self.last_round
+        self.store.claim_owner(
+            self.node_id, self._record(relay=True, state="done", final_round=final)
+        )
+        _LOG.info(f"relay: group done after round {final}; told the top level")
 
 
 def build_transport(
-    config: Any, retry: RetryPolicy | None = None
+    config: DistributedConfig, retry: RetryPolicy | None = None
 ) -> DirectoryTransport | HubClient:
-    """``file:///abs`` -> :class:`DirectoryTransport`; ``owner/name`` -> :class:`HubClient`.
-
-    ``config`` is the ``distributed`` section (``repo_id``, ``token``, ``cache_dir``,
-    ``round_timeout`` and the retry settings); ``retry`` overrides the policy built from it.
-    A Hub repository that answers "not found" is taken for one its master has not created
-    yet for ``round_timeout`` seconds (what a worker waits for the first global), then for
-    one the token cannot see (a permanent ``AccessRefused``).
-    """
+    """``file:///abs`` -> :class:`DirectoryTransport`; ``owner/name`` -> :class:`HubClient`
+    (``retry`` overrides the section's policy). A Hub repository that answers "not found" is
+    one its master has not created yet for ``round_timeout`` seconds (what a worker waits for
+    the first global), then one the token cannot see (a permanent ``AccessRefused``)."""
     retry = retry or retry_policy_from_config(config)
     repo_id = config.repo_id or ""
     if repo_id.startswith("file:"):
@@ -585,8 +698,8 @@ def write_final(
     directory: Path,
     state: Mapping[str, torch.Tensor],
     *,
-    meta: Mapping[str, Any],
-    run_config: Mapping[str, Any],
+    meta: Mapping[str, object],
+    run_config: Mapping[str, object],
 ) -> None:
     """The final global as ``model.safetensors``, ``run_config`` (redacted) as
     ``config.yaml`` and ``meta`` (outer step, steps behind it, node, ledger) with the time it
@@ -598,7 +711,5 @@ def write_final(
         yaml.safe_dump(dict(run_config), sort_keys=False).encode("utf-8"),
         directory / "config.yaml",
     )
-    record = {**meta, "written_at": datetime.now(timezone.utc).isoformat()}
-    atomic_write_bytes(
-        (json.dumps(record, indent=2) + "\n").encode("utf-8"), directory / "meta.json"
-    )
+    written = datetime.now(timezone.utc).isoformat()
+    atomic_json_dump({**meta, "written_at": written}, directory / "meta.json")
