@@ -36,8 +36,7 @@ from pydantic.dataclasses import is_pydantic_dataclass
 from pydantic.fields import FieldInfo
 from typing_extensions import dataclass_transform  # typing has it from Python 3.11
 
-from speedtronic.config.errors import ConfigError
-from speedtronic.config.limits import MAX_INT_DIGITS, MAX_STEPS, check_path_text
+from speedtronic.config.limits import MAX_INT_DIGITS, MAX_STEPS, ConfigError, check_path_text
 from speedtronic.config.redaction import REDACTED, SecretText, contains_secret, looks_like_token
 
 __all__ = [

@@ -17,8 +17,8 @@ from typing import Any
 from annotated_types import Ge, Gt, Le, Lt
 from pydantic.fields import FieldInfo
 
-from speedtronic.config.canonical import ROOT_FIELDS, RUN_ALIASES, SECTION_NAMES
 from speedtronic.config.fields import fields_of
+from speedtronic.config.loading import ROOT_FIELDS, RUN_ALIASES, SECTION_NAMES
 
 __all__ = ["SCHEMA_ID", "field_tables", "json_schema", "schema_text"]
 

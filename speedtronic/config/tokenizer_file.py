@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from speedtronic.config.errors import ConfigError
+from speedtronic.config.limits import ConfigError
 
 __all__ = [
     "BYTES",
