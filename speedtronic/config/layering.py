@@ -259,16 +259,17 @@ def _env_source_class() -> type:
     validate (one validator). It reads the ``environ`` given, not ``os.environ``. Imported on
     first use: a run without ``SPEEDTRONIC_*`` fields never pays for pydantic-settings.
     """
-    from pydantic import create_model
     from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
     # names only: the values stay raw text for _parse_value and the sections to check
-    fields: dict[str, object] = {name: (dict[str, object], {}) for name in SECTION_NAMES}
-    fields.update({name: (object, None) for name in ROOT_FIELDS})
-    names = create_model("ConfigNames", __base__=BaseSettings, **fields)
-    names.model_config = SettingsConfigDict(
+    fields: dict[str, object] = {name: dict[str, object] for name in SECTION_NAMES}
+    fields.update({name: object for name in ROOT_FIELDS})
+    namespace: dict[str, object] = {name: None for name in fields}
+    namespace["__annotations__"] = fields
+    namespace["model_config"] = SettingsConfigDict(
         env_prefix=ENV_PREFIX, env_nested_delimiter="__", case_sensitive=False, extra="ignore"
     )
+    names = typing.cast("type[BaseSettings]", type("ConfigNames", (BaseSettings,), namespace))
 
     class MappingEnvSource(EnvSettingsSource):
         def __init__(self, environ: Mapping[str, str]) -> None:
