@@ -10,14 +10,8 @@ either committed copy differs from the models.
 from __future__ import annotations
 
 import json
-import types
-import typing
 from typing import Any
 
-from annotated_types import Ge, Gt, Le, Lt
-from pydantic.fields import FieldInfo
-
-from speedtronic.config.fields import fields_of
 from speedtronic.config.loading import ROOT_FIELDS, RUN_ALIASES, SECTION_NAMES
 
 __all__ = ["SCHEMA_ID", "field_tables", "json_schema", "schema_text"]
