@@ -57,23 +57,6 @@ __all__ = [
     "field_infos",
 ]
 
-SECTION_CLASSES: dict[str, type] = {
-    "run": RunConfig,
-    "model": ModelConfig,
-    "data": DataConfig,
-    "optimizer": OptimizerConfig,
-    "scheduler": SchedulerConfig,
-    "precision": PrecisionConfig,
-    "checkpoint": CheckpointConfig,
-    "logging": LoggingConfig,
-    "distributed": DistributedConfig,
-    "shape_validation": ShapeValidationConfig,
-    "metrics": MetricsConfig,
-    "eval": EvalConfig,
-    "runtime": RuntimeConfig,
-}
-assert tuple(SECTION_CLASSES) == SECTION_NAMES
-
 
 def field_infos() -> dict[str, FieldInfo]:
     """Every dotted field name -> its pydantic ``FieldInfo`` (type, default, bounds, help)."""
@@ -366,6 +349,13 @@ class SpeedtronicConfig:
 
 
 Config = SpeedtronicConfig
+#: Section name -> its class, in the aggregate's order (the file order of every listing).
+SECTION_CLASSES: dict[str, type] = {
+    name: info.default_factory
+    for name, info in fields_of(SpeedtronicConfig).items()
+    if isinstance(info.default_factory, type)
+}
+assert tuple(SECTION_CLASSES) == SECTION_NAMES
 
 
 def config_warnings(config: SpeedtronicConfig) -> list[str]:
