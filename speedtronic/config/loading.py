@@ -163,20 +163,16 @@ def _int_or_text(loader: _BoundedLoader, node: yaml.ScalarNode) -> int | str:
 _BoundedLoader.add_constructor("tag:yaml.org,2002:int", _int_or_text)
 
 
-def _bounded_yaml(text: str) -> object:
+def load_yaml_value(text: str) -> object:
+    """A YAML document (a file, or one env/secret/``--set`` value) through the bounded loader.
+
+    Raises ``yaml.YAMLError`` (a refusal is a ``MarkedYAMLError`` naming the problem).
+    """
     loader = _BoundedLoader(text)
     try:
         return loader.get_single_data()
     finally:
         loader.dispose()
-
-
-def load_yaml_value(text: str) -> object:
-    """One YAML value (env variables, secret files, ``--set``) through the bounded loader.
-
-    Raises ``yaml.YAMLError`` (a refusal is a ``MarkedYAMLError`` naming the problem).
-    """
-    return _bounded_yaml(text)
 
 
 def _json_pairs(pairs: list[tuple[str, object]]) -> dict[str, object]:
@@ -234,7 +230,7 @@ def parse_text(text: str, *, origin: str = "<inline>", use_json: bool = False) -
             raise ConfigError(f"{origin}: invalid JSON: nesting deeper than {MAX_DEPTH} levels")
         return _root_mapping(parsed)
     try:
-        parsed = _bounded_yaml(text)
+        parsed = load_yaml_value(text)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
