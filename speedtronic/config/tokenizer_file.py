@@ -120,11 +120,7 @@ def _beside(path: Path) -> Path | None:
 def _from_hub(spec: str, field: str, token: str | None) -> tuple[Path, Path | None]:
     """Download (or find in the cache) a Hub repo's tokenizer files, once per process."""
     repo_id, _, revision = spec.partition("@")
-    try:
-        from huggingface_hub import hf_hub_download
-    except ImportError as exc:  # pragma: no cover - a declared dependency
-        raise ConfigError(f"{field}: huggingface_hub is needed to fetch {spec}") from exc
-    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
 
     offline = constants.HF_HUB_OFFLINE
     why = None if offline else hub_unreachable(constants.ENDPOINT)
