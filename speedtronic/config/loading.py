@@ -339,8 +339,8 @@ ROOT_FIELDS = ("gradient_checkpointing", "compile", "ooo_backprop", "ooo_streams
 RUN_ALIASES = ("name", "seed", "device", "output_dir", "max_steps", "log_every")
 ROOT_ALIASES = (*RUN_ALIASES, "hub", "diloco", "muon_plus", "cautious")
 #: 2.0.0 settings that had one legal value and are gone: (section, key) -> that value.
-RETIRED = {
-    ("distributed", "delta_upload_queue_size"): "1",
+RETIRED: dict[tuple[str, str], object] = {
+    ("distributed", "delta_upload_queue_size"): 1,
     ("distributed", "delta_upload_overflow"): "skip",
 }
 
@@ -416,7 +416,8 @@ def canonicalize(values: object) -> dict[str, object]:
         section = data.get(name)
         if isinstance(section, Mapping) and key in section:
             value = section[key]
-            if isinstance(value, bool) or str(value).strip().lower() not in (legal, f"{legal}.0"):
+            text = value.strip().lower() if isinstance(value, str) else None
+            if isinstance(value, bool) or (text != str(legal) and value != legal):
                 raise ConfigError(f"{name}.{key} is retired: it must be {legal} or absent")
             data[name] = {k: v for k, v in section.items() if k != key}
             logger.warning("%s.%s is retired; the setting is ignored, remove it", name, key)
