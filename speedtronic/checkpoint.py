@@ -412,7 +412,7 @@ def checkpoint_config(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def _with_tokenizer(config: Any, record: Any) -> Any:
     """``config`` whose ``data.tokenizer`` names the tokenizer the checkpoint carries."""
-    from speedtronic.config.tokenizer_file import materialize_tokenizer
+    from speedtronic.data.tokenizer import materialize_tokenizer
 
     folder = materialize_tokenizer(record)
     if folder is not None and isinstance(config, dict) and isinstance(config.get("data"), dict):

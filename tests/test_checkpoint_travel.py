@@ -167,7 +167,7 @@ def test_sample_and_transformers_generate_give_the_same_greedy_tokens(
 
 
 def test_a_tokenizer_record_is_written_back_where_it_can_be(tmp_path, monkeypatch):
-    from speedtronic.config.tokenizer_file import materialize_tokenizer, tokenizer_record
+    from speedtronic.data.tokenizer import materialize_tokenizer, tokenizer_record
 
     bpe = train_bpe(tmp_path / "tok" / "tokenizer.json", vocab_size=300)
     record = tokenizer_record(str(bpe))

@@ -307,13 +307,13 @@ def test_load_and_from_dict_never_read_environment(monkeypatch) -> None:
 
 def test_aliases_are_normalised_once_per_load(tmp_path, monkeypatch, no_secrets) -> None:
     """issue 11: the file is canonicalised where it is read; the merge is built as canonical."""
-    from speedtronic.config import canonical, layering, schema
+    from speedtronic.config import layering, loading, schema
 
     calls: list[object] = []
 
     def counting(values):
         calls.append(values)
-        return canonical.canonicalize(values)
+        return loading.canonicalize(values)
 
     monkeypatch.setattr(layering, "canonicalize", counting)
     monkeypatch.setattr(schema, "canonicalize", counting)

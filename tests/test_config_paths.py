@@ -213,9 +213,15 @@ def test_retired_one_value_settings_load_at_their_value_and_are_dropped(caplog) 
     assert not hasattr(config.distributed, "delta_upload_overflow")
     assert sum("is retired" in r.getMessage() for r in caplog.records) == 2
     for bad, message in (
-        ({"delta_upload_queue_size": 2}, "distributed.delta_upload_queue_size must be 1 in v2"),
+        (
+            {"delta_upload_queue_size": 2},
+            "distributed.delta_upload_queue_size is retired: it must be 1 or absent",
+        ),
         ({"delta_upload_queue_size": "x"}, "distributed.delta_upload_queue_size"),
-        ({"delta_upload_overflow": "block"}, "distributed.delta_upload_overflow must be 'skip'"),
+        (
+            {"delta_upload_overflow": "block"},
+            "distributed.delta_upload_overflow is retired: it must be skip or absent",
+        ),
     ):
         with pytest.raises(ConfigError, match=message):
             SpeedtronicConfig.from_dict({"distributed": bad})

@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from speedtronic.config import ConfigError, SpeedtronicConfig, load_config, resolve_config
-from speedtronic.config.canonical import ROOT_ALIASES, ROOT_FIELDS
 from speedtronic.config.layering import env_name_for, known_fields
+from speedtronic.config.loading import ROOT_ALIASES, ROOT_FIELDS
 from speedtronic.config.schema import SECTION_CLASSES
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -181,11 +181,11 @@ RULES = [
     ),
     (
         {"distributed": {"delta_upload_queue_size": 2}},
-        "distributed.delta_upload_queue_size must be 1 in v2",
+        "distributed.delta_upload_queue_size is retired: it must be 1 or absent",
     ),
     (
         {"distributed": {"delta_upload_overflow": "block"}},
-        "distributed.delta_upload_overflow must be 'skip'",
+        "distributed.delta_upload_overflow is retired: it must be skip or absent",
     ),
     (
         {"distributed": {"delta_upload_shutdown_timeout": 0}},

@@ -13,7 +13,7 @@ import torch
 from process_support import wait_for
 from test_diloco_master import Clock, deliver, join, lines, make_master, published
 
-from speedtronic.config.errors import ConfigError
+from speedtronic.config import ConfigError
 from speedtronic.diloco import exchange as T
 from speedtronic.diloco import master as master_module
 from speedtronic.diloco.exchange import AccessRefused, ExchangeError, TransportError

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from speedtronic.config.errors import ConfigError, ConfigFileNotFoundError
 from speedtronic.config.layering import ResolvedConfig, resolve_config
+from speedtronic.config.limits import ConfigError, ConfigFileNotFoundError
 from speedtronic.config.ops_sections import (
     CheckpointConfig,
     DistributedConfig,

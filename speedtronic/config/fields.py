@@ -1,23 +1,14 @@
-"""Field types and the section decorator: how a config field is declared once.
+"""How a config field is declared once: ``name: Int = F(default, "help", gt=0, le=...)``.
 
-A field is one line: ``name: Int = F(default, "help", gt=0, le=...)``, or with a choice,
-``name: Literal["a", "b"] = F("a", "help")`` (annotate ``Annotated[Literal[...], CHOICE]`` to
-match it without case). The type aliases here (:data:`Int`, :data:`Float`, :data:`Bool`,
-:data:`Str`, :data:`PathStr`, :data:`StrList`) carry the coercion rules of SPEC §3 as pydantic
-``BeforeValidator`` s:
-
-* integers: ``int`` (not ``bool``), integral floats (``4.0``), decimal strings (``"7"``, ``"1e3"``);
-* numbers: ``int``/``float`` (not ``bool``) and numeric strings such as ``"3e-4"`` (PyYAML reads
-  exponent floats without a decimal point as strings); the result is a finite ``float``;
-* booleans: ``bool``, the integers 0/1, the strings true/false/yes/no/on/off/1/0 (any case);
-* strings: ``str``, and ``int``/``float`` scalars (``name: 2024``); paths have no NUL byte and
-  bounded lengths. A token-shaped value outside ``distributed.token`` is refused, unshown.
-
-:func:`section` makes a class a pydantic dataclass (``dataclasses.fields``/``replace``/``asdict``
-keep working). Pydantic checks types and bounds; :func:`to_config_error` turns its first
-problem into one :class:`ConfigError` line: the field's dotted path, what was expected (type,
-bound or allowed values) and the value, never a secret. The layer that merged the value adds
-where it came from (:mod:`speedtronic.config.layering`).
+The type aliases (:data:`Int`, :data:`Float`, :data:`Bool`, :data:`Str`, :data:`PathStr`,
+:data:`StrList`) are pydantic ``BeforeValidator`` s for the input rules of SPEC §3 that pydantic's
+lax mode does not have: no ``bool`` as a number, integral floats and numeric strings such as
+``"1e3"``/``"3e-4"`` as numbers (PyYAML reads exponent floats as strings), 64-bit integers, the
+boolean words true/false/yes/no/on/off/1/0 in any case and nothing else, numbers as strings,
+no token-shaped text outside ``distributed.token``. A choice is a ``Literal`` (annotate
+``Annotated[Literal[...], CHOICE]`` to match it without case). :func:`section` makes a class a
+pydantic dataclass whose errors are one :class:`ConfigError` line naming the field, what was
+expected and the value (never a secret); the layering adds where the value came from.
 """
 
 from __future__ import annotations
@@ -36,8 +27,7 @@ from pydantic.dataclasses import is_pydantic_dataclass
 from pydantic.fields import FieldInfo
 from typing_extensions import dataclass_transform  # typing has it from Python 3.11
 
-from speedtronic.config.errors import ConfigError
-from speedtronic.config.limits import MAX_INT_DIGITS, MAX_STEPS, check_path_text
+from speedtronic.config.limits import MAX_INT_DIGITS, MAX_STEPS, ConfigError, check_path_text
 from speedtronic.config.redaction import REDACTED, SecretText, contains_secret, looks_like_token
 
 __all__ = [
@@ -86,40 +76,37 @@ def _expected(what: str, value: object) -> ValueError:
 
 
 def _int(value: object) -> int:
-    if isinstance(value, bool) or value is None:
+    if isinstance(value, str) and len(value.strip()) > MAX_INT_DIGITS:
+        if value.strip().lstrip("+-").isdigit():
+            raise ValueError(f"must be a 64-bit integer, got a {len(value.strip())}-digit one")
         raise _expected("an integer", value)
-    result: int | None = None
-    if isinstance(value, int) or (
-        isinstance(value, float) and math.isfinite(value) and value.is_integer()
-    ):
-        result = int(value)
-    elif isinstance(value, str) and len(value.strip()) <= MAX_INT_DIGITS:
+    number: object = value
+    if isinstance(value, str):
         try:
-            result = int(value.strip(), 10)
+            number = int(value.strip(), 10)
         except ValueError:
-            number = _number_or_nan(value)
-            result = int(number) if math.isfinite(number) and number.is_integer() else None
-    elif isinstance(value, str) and value.strip().lstrip("+-").isdigit():
-        raise ValueError(f"must be a 64-bit integer, got a {len(value.strip())}-digit one")
-    if result is None:
+            number = _float(value) if _is_number(value) else None
+    if isinstance(number, float) and number.is_integer():
+        number = int(number)
+    if isinstance(number, bool) or not isinstance(number, int):
         raise _expected("an integer", value)
-    if not -INT64 <= result < INT64:
+    if not -INT64 <= number < INT64:
         raise ValueError("must be a 64-bit integer, got a larger one")
-    return result
+    return number
 
 
-def _number_or_nan(text: str) -> float:
+def _is_number(text: str) -> bool:
     try:
-        return float(text.strip())
+        return math.isfinite(float(text.strip()))
     except (ValueError, OverflowError):
-        return math.nan
+        return False
 
 
 def _float(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise _expected("a number", value)
     try:
-        number = float(value) if not isinstance(value, str) else float(value.strip())
+        number = float(value.strip() if isinstance(value, str) else value)
     except (ValueError, OverflowError):
         raise _expected("a number", value) from None
     if not math.isfinite(number):

@@ -1,33 +1,21 @@
 """Layered configuration: defaults < file < secret files < environment < CLI overrides.
 
 :func:`resolve_config` is the one place that reads the environment and the secrets directory.
-The environment is read by pydantic-settings' ``EnvSettingsSource`` (``env_prefix``, ``__``
-nested delimiter, any case) over the names of the config tree, into raw text per dotted field;
-secret files by name (``hf_token`` and ``<section>__<field>``) with the checks below. Each
-value is parsed once (YAML) and goes into one canonical mapping that the section dataclasses
-validate (they are the one validator). Our own, because pydantic-settings lacks them: per-field
-provenance, refusing unknown ``SPEEDTRONIC_*`` names with a suggestion, the 2.0.0 aliases (the
-file layer is canonicalised once), and keeping secrets out of every error. The winner of each
-field is recorded in ``ResolvedConfig.sources`` (``file``, ``env:<NAME>``, ``secret:<file>``,
-``cli``). Fields no layer set keep their defaults and are not listed. The merged mapping is
-built with ``SpeedtronicConfig.from_canonical`` (no second normalisation; only the 2.0.0
-log-path rule is applied once more, against the merged ``run.output_dir``).
+pydantic-settings' ``EnvSettingsSource`` reads ``SPEEDTRONIC_<SECTION>__<FIELD>`` and
+``SPEEDTRONIC_<ROOT_FIELD>`` (any case) into raw text; :mod:`~speedtronic.config.secret_files`
+reads ``hf_token`` and ``<section>__<field>`` files. Each value is parsed once (YAML, through the
+bounded loader; string fields keep the raw text) into one canonical mapping that the sections
+validate. Ours, because the library lacks them: per-field provenance (``ResolvedConfig.sources``:
+``file``, ``env:<NAME>``, ``secret:<file>``, ``cli``; defaults are not listed), the origin in a
+validation error, refusing unknown ``SPEEDTRONIC_*`` names and near misses of the prefix
+(``SPEEDTONIC_RUN__MAX_STEPS`` would set nothing) with a "did you mean", and keeping secrets
+out of every error. Also understood: ``SPEEDTRONIC_CONFIG`` (the path when ``source`` is None),
+``SPEEDTRONIC_SECRETS_DIR`` (default ``/run/secrets``), ``SPEEDTRONIC_NODE_ID`` and ``HF_TOKEN``.
 
-Environment names: ``SPEEDTRONIC_<SECTION>__<FIELD>`` and ``SPEEDTRONIC_<ROOT_FIELD>``, plus
-``SPEEDTRONIC_CONFIG`` (config path when ``source`` is None), ``SPEEDTRONIC_SECRETS_DIR``
-(default ``/run/secrets``), ``SPEEDTRONIC_NODE_ID`` (-> ``distributed.node_id``) and ``HF_TOKEN``
-(-> ``distributed.token``). Any other ``SPEEDTRONIC_*`` name is a :class:`ConfigError`, and so
-is a near miss of the prefix before a field name (``SPEEDTONIC_RUN__MAX_STEPS``,
-`speedtronic.config.suggest`), which would otherwise set nothing without a word.
-Values (env, secret files other than tokens, overrides) are parsed as YAML scalars / flow
-collections (through the bounded loader); string fields take the raw text.
-
-Secrets: the token (from any layer) and every value read from a secret file are wrapped in
-:class:`~speedtronic.config.redaction.SecretText` before validation, and a validation error is
-scrubbed of every token value, so no error prints a secret, even one in the wrong field. The
-token cannot be set with ``--set``/``overrides`` (it would sit in the process list), and its
-value is refused in every other field (:func:`_refuse_token_elsewhere`). Which entries of the
-secrets directory are read, and which are errors: :mod:`speedtronic.config.secret_files`.
+Secrets: the token (any layer) and every secret-file value are :class:`SecretText` before
+validation, and errors are scrubbed of the token, so no error prints a secret. The token cannot
+be set with ``--set`` (the process list would show it), and its value is refused in any other
+field (:func:`_refuse_token_elsewhere`).
 """
 
 from __future__ import annotations
@@ -40,24 +28,26 @@ import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import yaml
 
-from speedtronic.config.canonical import (
+from speedtronic.config.limits import ConfigError
+from speedtronic.config.loading import (
     ROOT_FIELDS,
     SECTION_NAMES,
     as_dict,
     canonicalize,
+    closest_name,
     compile_shorthand,
+    load_yaml_value,
+    looks_inline,
+    read_source,
     rebase_legacy_log_paths,
+    with_origin,
 )
-from speedtronic.config.errors import ConfigError
-from speedtronic.config.loading import load_yaml_value, looks_inline, read_source, with_origin
 from speedtronic.config.redaction import SecretText, holds_secret, scrub
 from speedtronic.config.schema import SpeedtronicConfig, field_infos
 from speedtronic.config.secret_files import read_secret_files
-from speedtronic.config.suggest import closest_field, misspelt_prefix
 
 __all__ = [
     "DEFAULT_SECRETS_DIR",
@@ -201,11 +191,9 @@ def _put(nested: dict[str, object], dotted: str, value: object) -> None:
 def closest_env_name(name: str) -> str | None:
     """The known ``SPEEDTRONIC_*`` name an unknown ``name`` most likely meant, or None.
 
-    A bare field name gets its section (``SPEEDTRONIC_MAX_STEPS`` ->
-    ``SPEEDTRONIC_RUN__MAX_STEPS``, ``run`` first), a 2.0.0 section alias its section
-    (``SPEEDTRONIC_HUB__REPO_ID`` -> ``SPEEDTRONIC_DISTRIBUTED__REPO_ID``); anything else the
-    most similar known name (`difflib`, on the part after the prefix: a missing ``_``, a
-    dropped letter, a misspelt section), if one is similar enough.
+    A bare field name gets its section (``SPEEDTRONIC_MAX_STEPS`` -> ``..._RUN__MAX_STEPS``,
+    ``run`` first), a 2.0.0 section alias its section (``SPEEDTRONIC_HUB__REPO_ID``); anything
+    else the most similar known name, if one is similar enough.
     """
     upper = name.upper()
     rest = upper[len(ENV_PREFIX) :].lower() if upper.startswith(ENV_PREFIX) else upper.lower()
@@ -213,33 +201,45 @@ def closest_env_name(name: str) -> str | None:
     section, _, leaf = rest.partition("__")
     if section in ("hub", "diloco") and f"distributed.{leaf}" in fields:
         return env_name_for(f"distributed.{leaf}")
-    by_field = [d for d in fields if d == f"run.{rest}"] + [
-        d for d in fields if d.endswith(f".{rest}")
-    ]
+    by_field = sorted(
+        (d for d in fields if d.endswith(f".{rest}")), key=lambda d: d != f"run.{rest}"
+    )
     if by_field:
         return env_name_for(by_field[0])
-    targets = {env_name_for(dotted)[len(ENV_PREFIX) :]: dotted for dotted in fields}
-    targets.update({extra[len(ENV_PREFIX) :]: extra for extra in _ENV_SUGGESTIONS})
-    close = difflib.get_close_matches(rest.upper(), sorted(targets), n=1, cutoff=0.75)
-    return ENV_PREFIX + close[0] if close else None
+    targets = [env_name_for(dotted) for dotted in fields] + list(_ENV_SUGGESTIONS)
+    meant = closest_name(rest.upper(), [target[len(ENV_PREFIX) :] for target in targets])
+    return ENV_PREFIX + meant if meant else None
+
+
+def _misspelt_prefix(name: str, known: Iterable[str]) -> str | None:
+    """The known name ``name`` meant when it is ``<near miss of SPEEDTRONIC><field suffix>``
+    (the suffix may have one ``_`` between section and field: ``SPEEDTONIC_RUN_MAX_STEPS``).
+    Prefixes at least 0.8 alike count (``SPEEDTONIC`` 0.95; ``SPEEDTEST`` 0.6 does not)."""
+    upper = name.upper()
+    if upper.startswith(ENV_PREFIX):
+        return None
+    suffixes = {full[len(ENV_PREFIX) :]: full for full in known}
+    suffixes.update({s.replace("__", "_"): full for s, full in list(suffixes.items())})
+    for suffix in sorted(suffixes, key=len, reverse=True):  # the longest field name first
+        if upper.endswith(suffix) and len(upper) > len(suffix):
+            head = upper[: -len(suffix)].rstrip("_-").replace("_", "")
+            if difflib.SequenceMatcher(None, head, ENV_PREFIX.rstrip("_")).ratio() >= 0.8:
+                return suffixes[suffix]
+    return None
 
 
 def _check_env_names(environ: Mapping[str, str]) -> None:
-    """Reject unknown ``SPEEDTRONIC_*`` names (typos must not be ignored silently), naming the
-    closest known one, and names whose prefix is a near miss of ``SPEEDTRONIC_`` followed by
-    a field (``SPEEDTONIC_RUN__MAX_STEPS``: it would set nothing). An error, like an unknown
-    key in a config file."""
+    """Refuse unknown ``SPEEDTRONIC_*`` names and near misses of the prefix before a field
+    (typos must not be ignored silently), naming the closest known name."""
     known = {env_name_for(dotted) for dotted in known_fields()} | EXTRA_ENV_NAMES
-    suffixes = {name[len(ENV_PREFIX) :]: name for name in known}
     for name in sorted(environ):
-        upper = name.upper()
-        meant = misspelt_prefix(name, ENV_PREFIX, suffixes)
+        meant = _misspelt_prefix(name, known)
         if meant is not None:
             raise ConfigError(
                 f"unknown environment variable {name}: its prefix is not {ENV_PREFIX}, so it "
                 f"sets nothing (did you mean {meant}?)"
             )
-        if not upper.startswith(ENV_PREFIX) or upper in known:
+        if not name.upper().startswith(ENV_PREFIX) or name.upper() in known:
             continue
         suggestion = closest_env_name(name)
         hint = f" (did you mean {suggestion}?)" if suggestion else ""
@@ -259,16 +259,17 @@ def _env_source_class() -> type:
     validate (one validator). It reads the ``environ`` given, not ``os.environ``. Imported on
     first use: a run without ``SPEEDTRONIC_*`` fields never pays for pydantic-settings.
     """
-    from pydantic import create_model
     from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
-    # names only: the values stay raw text (Any) for _parse_value and the sections to check
-    fields: dict[str, Any] = {name: (dict[str, Any], {}) for name in SECTION_NAMES}
-    fields.update({name: (Any, None) for name in ROOT_FIELDS})
-    names = create_model("ConfigNames", __base__=BaseSettings, **fields)
-    names.model_config = SettingsConfigDict(
+    # names only: the values stay raw text for _parse_value and the sections to check
+    fields: dict[str, object] = {name: dict[str, object] for name in SECTION_NAMES}
+    fields.update({name: object for name in ROOT_FIELDS})
+    namespace: dict[str, object] = {name: None for name in fields}
+    namespace["__annotations__"] = fields
+    namespace["model_config"] = SettingsConfigDict(
         env_prefix=ENV_PREFIX, env_nested_delimiter="__", case_sensitive=False, extra="ignore"
     )
+    names = typing.cast("type[BaseSettings]", type("ConfigNames", (BaseSettings,), namespace))
 
     class MappingEnvSource(EnvSettingsSource):
         def __init__(self, environ: Mapping[str, str]) -> None:
@@ -352,7 +353,9 @@ def _override_layer(
         if dotted is None:
             aliased = {} if "." in key else _flatten(canonicalize({key: value}))
             if not aliased:
-                meant = closest_field(key, known_fields())
+                meant = closest_name(key.strip().lower(), known_fields())
+                leaf = key.strip().lower().rpartition(".")[2]
+                meant = meant or next((d for d in known_fields() if d.endswith(f".{leaf}")), None)
                 hint = f" (did you mean {meant}?)" if meant else ""
                 raise ConfigError(f"invalid override {key!r}: unknown configuration field{hint}")
             dotted = next(iter(aliased))

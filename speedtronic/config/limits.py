@@ -1,4 +1,4 @@
-"""Ranges, path rules and the node-id rule shared by every config section.
+"""The config error, and the ranges, path rules and id rules shared by every config section.
 
 Every numeric field has a range checked at validation (docs/configuration.md lists them).
 The constants here are the ones several sections share: step counts (``MAX_STEPS``: twelve
@@ -20,8 +20,6 @@ import os
 import re
 from pathlib import Path
 
-from speedtronic.config.errors import ConfigError
-
 __all__ = [
     "DAY",
     "HOUR",
@@ -32,6 +30,8 @@ __all__ = [
     "MAX_SEGMENT",
     "MAX_STEPS",
     "WEEK",
+    "ConfigError",
+    "ConfigFileNotFoundError",
     "check_node_id",
     "check_path_text",
     "is_valid_node_id",
@@ -46,6 +46,14 @@ HOUR, DAY, WEEK = 3600.0, 86400.0, 604800.0  # seconds, far below threading.TIME
 MAX_INT_DIGITS = 40  # longer integer text is refused, not converted (int64 needs 20 digits)
 MAX_NODE_ID = 128  # one path segment, with room for the files named after it
 _NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]*")
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the field (or file) and the fix."""
+
+
+class ConfigFileNotFoundError(ConfigError, FileNotFoundError):
+    """The configuration file does not exist (also a ``FileNotFoundError`` for 2.0.0 callers)."""
 
 
 def check_path_text(value: str | None, field: str) -> str | None:

@@ -1,44 +1,56 @@
-"""Reading configuration text and files into plain mappings (no validation, no environment).
+"""What a user writes, read into the canonical mapping the sections are built from.
 
-``read_source`` implements the 2.0.0 ``SpeedtronicConfig.load`` heuristic (reference/config.md
-§2.3): a mapping is used as is; a ``str`` that contains a newline, starts with ``{``/``[``, or
-contains ``:`` and is not an existing path is inline YAML/JSON; anything else is a path
-(``.yaml``/``.yml`` -> YAML, any other suffix -> JSON). Differences from 2.0.0: malformed
-YAML/JSON is a :class:`ConfigError` with line and column, a missing file is a
-:class:`ConfigFileNotFoundError` (also a ``FileNotFoundError``), and a token found in a file or
-inline text is logged as a warning on the ``speedtronic.config`` logger.
+Reading (no validation, no environment): ``read_source`` keeps 2.0.0's ``load`` heuristic
+(reference/config.md §2.3): a mapping is used as is; a ``str`` with a newline, a leading
+``{``/``[``, or a ``:`` that is not an existing path is inline YAML/JSON; anything else is a
+path (``.yaml``/``.yml`` -> YAML, else JSON). Malformed text is a :class:`ConfigError` with line
+and column, a missing file a :class:`ConfigFileNotFoundError`, and a token in a file is logged
+as a warning. Documents are bounded before they are built (the one loader, also for env values,
+secret files and ``--set``): nesting deeper than ``MAX_DEPTH``, aliases expanding to more than
+``MAX_NODES`` nodes or into themselves, duplicate keys; integers over 40 digits stay text.
 
-Documents are bounded before they are built, so hostile text costs milliseconds, never
-memory: YAML nesting deeper than ``MAX_DEPTH`` levels, anchors and aliases that would expand
-to more than ``MAX_NODES`` nodes (an alias bomb) or refer to themselves, duplicate mapping
-keys, and integers longer than 40 digits (kept as text, so the field's check names them) are
-refused with a one-line :class:`ConfigError`; JSON gets the same depth, duplicate-key and
-integer rules.
+Normalising (:func:`canonicalize`, once, where a mapping enters): the 2.0.0 root aliases
+(``max_steps: 4`` -> ``run.max_steps``), section aliases (``hub:``/``diloco:``), shorthands
+(``optimizer: muon``, ``precision: bf16``, ``compile: {enabled: x}``, root ``muon_plus``/
+``cautious``), the retired settings of `RETIRED` (accepted at their one legal value, then
+dropped with a warning) and 2.0.0 log paths written under ``run.output_dir``
+(:func:`rebase_legacy_log_paths`). The canonical form has only section keys and root fields.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import difflib
 import json
 import logging
-from collections.abc import Hashable, Iterator, Mapping
-from pathlib import Path
+from collections.abc import Hashable, Iterable, Iterator, Mapping
+from pathlib import Path, PurePath
 
 import yaml
 
-from speedtronic.config.errors import ConfigError, ConfigFileNotFoundError
-from speedtronic.config.limits import MAX_INT_DIGITS
+from speedtronic.config.limits import MAX_INT_DIGITS, ConfigError, ConfigFileNotFoundError
 from speedtronic.config.redaction import REDACTED
+from speedtronic.config.sections import RunConfig
 
 __all__ = [
     "MAX_DEPTH",
     "MAX_NODES",
+    "RETIRED",
+    "ROOT_ALIASES",
+    "ROOT_FIELDS",
+    "RUN_ALIASES",
+    "SECTION_NAMES",
+    "as_dict",
+    "canonicalize",
+    "closest_name",
+    "compile_shorthand",
     "load_yaml_value",
     "looks_inline",
-    "parse_text",
     "read_config_file",
     "read_source",
-    "warn_if_token",
+    "rebase_legacy_log_paths",
+    "unknown_keys_message",
     "with_origin",
 ]
 
@@ -151,20 +163,16 @@ def _int_or_text(loader: _BoundedLoader, node: yaml.ScalarNode) -> int | str:
 _BoundedLoader.add_constructor("tag:yaml.org,2002:int", _int_or_text)
 
 
-def _bounded_yaml(text: str) -> object:
+def load_yaml_value(text: str) -> object:
+    """A YAML document (a file, or one env/secret/``--set`` value) through the bounded loader.
+
+    Raises ``yaml.YAMLError`` (a refusal is a ``MarkedYAMLError`` naming the problem).
+    """
     loader = _BoundedLoader(text)
     try:
         return loader.get_single_data()
     finally:
         loader.dispose()
-
-
-def load_yaml_value(text: str) -> object:
-    """One YAML value (env variables, secret files, ``--set``) through the bounded loader.
-
-    Raises ``yaml.YAMLError`` (a refusal is a ``MarkedYAMLError`` naming the problem).
-    """
-    return _bounded_yaml(text)
 
 
 def _json_pairs(pairs: list[tuple[str, object]]) -> dict[str, object]:
@@ -222,7 +230,7 @@ def parse_text(text: str, *, origin: str = "<inline>", use_json: bool = False) -
             raise ConfigError(f"{origin}: invalid JSON: nesting deeper than {MAX_DEPTH} levels")
         return _root_mapping(parsed)
     try:
-        parsed = _bounded_yaml(text)
+        parsed = load_yaml_value(text)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -310,3 +318,154 @@ def read_source(source: object) -> dict[str, object]:
             f"got {type(source).__name__}"
         )
     return read_config_file(source)
+
+
+SECTION_NAMES = (
+    "run",
+    "model",
+    "data",
+    "optimizer",
+    "scheduler",
+    "precision",
+    "checkpoint",
+    "logging",
+    "distributed",
+    "shape_validation",
+    "metrics",
+    "eval",
+    "runtime",
+)
+ROOT_FIELDS = ("gradient_checkpointing", "compile", "ooo_backprop", "ooo_streams")
+RUN_ALIASES = ("name", "seed", "device", "output_dir", "max_steps", "log_every")
+ROOT_ALIASES = (*RUN_ALIASES, "hub", "diloco", "muon_plus", "cautious")
+#: 2.0.0 settings that had one legal value and are gone: (section, key) -> that value.
+RETIRED: dict[tuple[str, str], object] = {
+    ("distributed", "delta_upload_queue_size"): 1,
+    ("distributed", "delta_upload_overflow"): "skip",
+}
+
+
+def closest_name(name: str, choices: Iterable[str]) -> str | None:
+    """The one "did you mean": the most similar of ``choices`` (`difflib`), or None."""
+    close = difflib.get_close_matches(name, sorted(choices), n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+def unknown_keys_message(
+    keys: Iterable[object], prefix: str = "", known: Iterable[str] = ()
+) -> str:
+    """``[<section>: ]unknown configuration keys: a, b`` (sorted), with ``did you mean``."""
+    names = sorted(str(key) for key in keys)
+    message = f"{prefix}unknown configuration keys: {', '.join(names)}"
+    choices = [str(name) for name in known if name not in names]
+    meant = next(filter(None, (closest_name(name, choices) for name in names)), None)
+    return f"{message} (did you mean {meant}?)" if meant else message
+
+
+def as_dict(value: object) -> object:
+    """A section instance becomes a dict of its fields; anything else is returned unchanged."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    return value
+
+
+def _merged_section(data: dict[str, object], name: str, what: str) -> dict[str, object]:
+    section = as_dict(data.get(name))
+    if section is None:
+        return {}
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"{name} must be {what}")
+    return dict(section)
+
+
+def canonicalize(values: object) -> dict[str, object]:
+    """Apply run aliases, section aliases and optimizer/precision/compile shorthands.
+
+    Raises ``ConfigError`` for a non-mapping root, conflicting duplicates and unknown root keys;
+    section values are left to the section classes.
+    """
+    if values is None:
+        return {}
+    if not isinstance(values, Mapping):
+        raise ConfigError("configuration root must be a mapping")
+    data: dict[str, object] = {str(key): value for key, value in values.items()}
+    run = _merged_section(data, "run", "a mapping")
+    run.update({alias: data.pop(alias) for alias in RUN_ALIASES if alias in data})
+    if run or "run" in data:
+        data["run"] = run
+    for alias in ("hub", "diloco"):
+        if alias in data and "distributed" not in data:
+            data["distributed"] = data.pop(alias)
+    if isinstance(data.get("optimizer"), str):
+        data["optimizer"] = {"name": data["optimizer"]}
+    for flag in ("muon_plus", "cautious"):
+        if flag in data:
+            optimizer = _merged_section(data, "optimizer", "a mapping or optimizer name string")
+            value = data.pop(flag)
+            if flag in optimizer and optimizer[flag] != value:
+                raise ConfigError(f"conflicting optimizer.{flag} values")
+            data["optimizer"] = {**optimizer, flag: value}
+    if isinstance(data.get("precision"), str):
+        data["precision"] = {"mode": data["precision"]}
+    unknown = set(data) - set(SECTION_NAMES) - set(ROOT_FIELDS)
+    if unknown:
+        raise ConfigError(unknown_keys_message(unknown, "", (*SECTION_NAMES, *ROOT_ALIASES)))
+    if "compile" in data:
+        data["compile"] = compile_shorthand(data["compile"])
+    for (name, key), legal in RETIRED.items():
+        section = data.get(name)
+        if isinstance(section, Mapping) and key in section:
+            value = section[key]
+            text = value.strip().lower() if isinstance(value, str) else None
+            if isinstance(value, bool) or (text != str(legal) and value != legal):
+                raise ConfigError(f"{name}.{key} is retired: it must be {legal} or absent")
+            data[name] = {k: v for k, v in section.items() if k != key}
+            logger.warning("%s.%s is retired; the setting is ignored, remove it", name, key)
+    rebase_legacy_log_paths(data)
+    return data
+
+
+def compile_shorthand(value: object) -> object:
+    """The 2.0.0 ``compile: {enabled: x}`` form -> ``x`` (``{}`` -> False); other values as is."""
+    if not isinstance(value, Mapping):
+        return value
+    extra = set(value) - {"enabled"}
+    if extra:
+        raise ConfigError(unknown_keys_message(extra, "compile: "))
+    return value.get("enabled", False)
+
+
+def rebase_legacy_log_paths(data: dict[str, object]) -> None:
+    """Read a 2.0.0-style log path as the path below ``run.output_dir`` it names.
+
+    ``logging.file``/``json_file`` are relative to ``run.output_dir`` since 2.1; 2.0.0 took them
+    relative to the working directory, so its configs spell the output directory out
+    (``runs/smoke/events.jsonl`` beside ``output_dir: runs/smoke``, or the default ``runs``).
+    Such a relative path loses that prefix (the same file, now following ``--output-dir``),
+    with a warning naming the new spelling. Absolute paths are never changed.
+    """
+    section = data.get("logging")
+    run = data.get("run")
+    output_dir = run.get("output_dir") if isinstance(run, Mapping) else None
+    output_dir = RunConfig().output_dir if output_dir is None else output_dir
+    if not isinstance(section, Mapping) or not isinstance(output_dir, str):
+        return
+    prefix = PurePath(output_dir).parts
+    if not prefix or PurePath(output_dir).is_absolute():
+        return
+    rebased = dict(section)
+    for key in ("file", "json_file"):
+        value = section.get(key)
+        parts = PurePath(value).parts if isinstance(value, str) else ()
+        if len(parts) <= len(prefix) or parts[: len(prefix)] != prefix:
+            continue
+        rebased[key] = str(PurePath(*parts[len(prefix) :]))
+        logger.warning(
+            "logging.%s: %s is read as %s below run.output_dir (log paths are relative to "
+            "run.output_dir since 2.1); write %s to keep this meaning",
+            key,
+            value,
+            rebased[key],
+            rebased[key],
+        )
+    data["logging"] = rebased

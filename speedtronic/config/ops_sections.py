@@ -14,7 +14,6 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Field
 
-from speedtronic.config.errors import ConfigError
 from speedtronic.config.fields import (
     CHOICE,
     STEPS,
@@ -30,7 +29,7 @@ from speedtronic.config.fields import (
     fields_of,
     section,
 )
-from speedtronic.config.limits import DAY, HOUR, WEEK, check_node_id, is_hub_repo_id
+from speedtronic.config.limits import DAY, HOUR, WEEK, ConfigError, check_node_id, is_hub_repo_id
 from speedtronic.config.redaction import REDACTED
 
 __all__ = [

@@ -10,23 +10,18 @@ either committed copy differs from the models.
 from __future__ import annotations
 
 import json
-import types
-import typing
 from typing import Any
 
-from annotated_types import Ge, Gt, Le, Lt
-from pydantic.fields import FieldInfo
-
-from speedtronic.config.canonical import ROOT_FIELDS, RUN_ALIASES, SECTION_NAMES
-from speedtronic.config.fields import fields_of
+from speedtronic.config.loading import ROOT_FIELDS, RUN_ALIASES, SECTION_NAMES
 
 __all__ = ["SCHEMA_ID", "field_tables", "json_schema", "schema_text"]
 
 SCHEMA_ID = "https://speedtronic.dev/schema/config.json"
+Schema = dict[str, Any]  # a JSON Schema document or property
 BEGIN, END = "<!-- fields:begin (speedtronic config docs) -->", "<!-- fields:end -->"
 
 
-def json_schema() -> dict[str, Any]:
+def json_schema() -> Schema:
     """The JSON Schema of a config file, 2.0.0 aliases and shorthands included.
 
     Numbers also accept strings (PyYAML reads ``3e-4`` as a string), so the schema checks
@@ -78,7 +73,7 @@ def schema_text() -> str:
     return json.dumps(json_schema(), indent=2, sort_keys=True) + "\n"
 
 
-def _type_name(prop: dict[str, Any]) -> str:
+def _type_name(prop: Schema) -> str:
     """A property of the JSON Schema in words: ``integer``, ``auto | none | integer``, ..."""
     if "const" in prop:
         return f"`{prop['const']}`"
@@ -93,44 +88,28 @@ def _type_name(prop: dict[str, Any]) -> str:
     return str(prop.get("type", "any"))
 
 
-def _constraints(info: FieldInfo) -> list[object]:
-    """A field's constraints: its own, plus what ``Annotated`` members of its type carry
-    (``Steps | None`` keeps the bounds of ``Steps`` inside the union)."""
-    found = list(info.metadata)
-    stack = list(typing.get_args(info.annotation))
+def _range(prop: object) -> str:
+    """``> 0, <= 1024``: the bounds found anywhere in a property (a union, a pair's items)."""
+    signs = {"exclusiveMinimum": ">", "minimum": ">=", "exclusiveMaximum": "<", "maximum": "<="}
+    signs.update(gt=">", ge=">=", lt="<", le="<=")  # pydantic's words for a bound in a union
+    bounds: dict[str, str] = {}
+    stack = [prop]
     while stack:
-        arg = stack.pop()
-        if typing.get_origin(arg) is typing.Annotated:
-            for item in arg.__metadata__:
-                found.extend(item.metadata if isinstance(item, FieldInfo) else [item])
-            stack.append(arg.__origin__)
-        elif typing.get_origin(arg) in (typing.Union, types.UnionType):
-            stack.extend(typing.get_args(arg))
-    return found
+        node = stack.pop()
+        if isinstance(node, dict):
+            for key, sign in signs.items():
+                if key in node:
+                    value = node[key]
+                    shown = f"{value:g}" if isinstance(value, float) else repr(value)
+                    bounds["low" if ">" in sign else "high"] = f"{sign} {shown}"
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return ", ".join(bounds[end] for end in ("low", "high") if end in bounds)
 
 
-def _number(value: object) -> str:
-    """A bound in the docs: ``1e+12``, ``0.001``, ``65535``."""
-    return f"{value:g}" if isinstance(value, float) else repr(value)
-
-
-def _range(info: FieldInfo) -> str:
-    """``> 0, <= 1024``: the field's bounds in the docs' words."""
-    words = {Gt: (">", "gt"), Ge: (">=", "ge"), Lt: ("<", "lt"), Le: ("<=", "le")}
-    low, high = "", ""
-    for item in _constraints(info):
-        for kind, (sign, name) in words.items():
-            if isinstance(item, kind):
-                text = f"{sign} {_number(getattr(item, name))}"
-                low, high = (text, high) if kind in (Gt, Ge) else (low, text)
-    return ", ".join(part for part in (low, high) if part)
-
-
-def _default(info: FieldInfo) -> str:
-    value = info.default
-    if isinstance(value, tuple):
-        value = list(value)
-    return f"`{json.dumps(value)}`" if not isinstance(value, str) else f"`{value}`"
+def _default(value: object) -> str:
+    return f"`{value}`" if isinstance(value, str) else f"`{json.dumps(value)}`"
 
 
 def field_tables() -> str:
@@ -141,17 +120,16 @@ def field_tables() -> str:
 
     schema = TypeAdapter(SpeedtronicConfig).json_schema()
     groups = [
-        (f"`{name}`", fields_of(cls), schema["$defs"][cls.__name__]["properties"])
+        (f"`{name}`", schema["$defs"][cls.__name__]["properties"])
         for name, cls in SECTION_CLASSES.items()
     ]
-    roots = fields_of(SpeedtronicConfig)
-    groups.append(("Root scalars", {n: roots[n] for n in ROOT_FIELDS}, schema["properties"]))
+    groups.append(("Root scalars", {n: schema["properties"][n] for n in ROOT_FIELDS}))
     lines = [BEGIN, ""]
-    for title, fields, props in groups:
+    for title, props in groups:
         lines += [f"### {title}", "", "| Field | Type | Default | Range | Meaning |"]
         lines.append("|---|---|---|---|---|")
-        for name, info in fields.items():
-            cells = (f"`{name}`", _type_name(props[name]), _default(info), _range(info))
-            lines.append(f"| {' | '.join(cells)} | {info.description} |")
+        for name, prop in props.items():
+            cells = (f"`{name}`", _type_name(prop), _default(prop.get("default")), _range(prop))
+            lines.append(f"| {' | '.join(cells)} | {prop.get('description')} |")
         lines.append("")
     return "\n".join([*lines, END]) + "\n"

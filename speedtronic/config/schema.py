@@ -17,15 +17,18 @@ from typing import Any
 
 from pydantic.fields import FieldInfo
 
-from speedtronic.config.canonical import (
+from speedtronic.config.fields import Bool, F, Int, fields_of, section
+from speedtronic.config.limits import ConfigError, path_kind_problem
+from speedtronic.config.loading import (
     ROOT_FIELDS,
     SECTION_NAMES,
     canonicalize,
+    looks_inline,
+    read_config_file,
+    read_source,
     unknown_keys_message,
+    with_origin,
 )
-from speedtronic.config.errors import ConfigError
-from speedtronic.config.fields import Bool, F, Int, fields_of, section
-from speedtronic.config.limits import path_kind_problem
 from speedtronic.config.ops_sections import (
     CheckpointConfig,
     DistributedConfig,
@@ -45,24 +48,14 @@ from speedtronic.config.sections import (
     SchedulerConfig,
 )
 
-__all__ = ["SECTION_CLASSES", "Config", "SpeedtronicConfig", "build_section", "field_infos"]
-
-SECTION_CLASSES: dict[str, type] = {
-    "run": RunConfig,
-    "model": ModelConfig,
-    "data": DataConfig,
-    "optimizer": OptimizerConfig,
-    "scheduler": SchedulerConfig,
-    "precision": PrecisionConfig,
-    "checkpoint": CheckpointConfig,
-    "logging": LoggingConfig,
-    "distributed": DistributedConfig,
-    "shape_validation": ShapeValidationConfig,
-    "metrics": MetricsConfig,
-    "eval": EvalConfig,
-    "runtime": RuntimeConfig,
-}
-assert tuple(SECTION_CLASSES) == SECTION_NAMES
+__all__ = [
+    "SECTION_CLASSES",
+    "Config",
+    "SpeedtronicConfig",
+    "build_section",
+    "config_warnings",
+    "field_infos",
+]
 
 
 def field_infos() -> dict[str, FieldInfo]:
@@ -308,18 +301,14 @@ class SpeedtronicConfig:
     @classmethod
     def from_yaml(cls, path: str | Path) -> SpeedtronicConfig:
         """Load a YAML file (malformed YAML or a missing file is a ``ConfigError``)."""
-        from speedtronic.config.loading import read_config_file, with_origin
-
         with with_origin(path):
             return cls.from_dict(read_config_file(path, force_yaml=True))
 
     @classmethod
     def load(cls, source: object) -> SpeedtronicConfig:
         """A mapping, inline YAML/JSON text, or a path (``.yaml``/``.yml`` else JSON)."""
-        from speedtronic.config.loading import looks_inline, read_source, with_origin
-
-        text = isinstance(source, str) and looks_inline(source)
-        with with_origin(source if isinstance(source, (str, Path)) and not text else None):
+        inline = isinstance(source, str) and looks_inline(source)
+        with with_origin(source if isinstance(source, (str, Path)) and not inline else None):
             return cls.from_dict(read_source(source))
 
     # ----------------------------------------------------------------- serialisation
@@ -360,3 +349,26 @@ class SpeedtronicConfig:
 
 
 Config = SpeedtronicConfig
+#: Section name -> its class, in the aggregate's order (the file order of every listing).
+SECTION_CLASSES: dict[str, type] = {
+    name: info.default_factory
+    for name, info in fields_of(SpeedtronicConfig).items()
+    if isinstance(info.default_factory, type)
+}
+assert tuple(SECTION_CLASSES) == SECTION_NAMES
+
+
+def config_warnings(config: SpeedtronicConfig) -> list[str]:
+    """One line per setting that loads but is probably not what was meant (empty when none).
+
+    Logged by the trainer when training starts, printed by ``speedtronic validate``. Today: a
+    warmup that does not end before the scheduler horizon (allowed, SPEC §3 "Scheduler
+    horizon", so that ``load_config({"max_steps": 10})`` works with the default warmup of 100).
+    """
+    warmup, horizon = config.scheduler.warmup_steps, config.scheduler.max_steps
+    if warmup and horizon and warmup >= horizon:
+        return [
+            f"scheduler.warmup_steps ({warmup}) >= scheduler.max_steps ({horizon}): the "
+            "learning rate never leaves warmup in this run"
+        ]
+    return []

@@ -19,7 +19,7 @@ import stat
 from collections.abc import Mapping
 from pathlib import Path
 
-from speedtronic.config.errors import ConfigError
+from speedtronic.config.limits import ConfigError
 
 __all__ = ["MAX_SECRETS_BYTES", "read_secret_file", "read_secret_files"]
 

@@ -21,7 +21,6 @@ from pydantic import (
 )
 from pydantic_core import ArgsKwargs
 
-from speedtronic.config.errors import ConfigError
 from speedtronic.config.fields import (
     CHOICE,
     FALSE_STRINGS,
@@ -37,7 +36,7 @@ from speedtronic.config.fields import (
     describe,
     section,
 )
-from speedtronic.config.limits import DAY, MAX_SEED, MAX_STEPS, is_hub_repo_id
+from speedtronic.config.limits import DAY, MAX_SEED, MAX_STEPS, ConfigError, is_hub_repo_id
 
 __all__ = [
     "SYNTHETIC_KINDS",

@@ -18,13 +18,8 @@ end-of-text token, which separates documents. The end-of-text token is ``eos_tok
 among :data:`EOS_NAMES`. Everything wrong is a ``ConfigError`` naming ``field`` and the fix.
 The JSON is read with the standard library, so config validation (which checks that the
 file's ids fit ``model.vocab_size``) stays fast and light; that check is why this module
-lives in ``speedtronic.config`` and not in ``speedtronic.data``, which builds the tokenizer
-itself (:mod:`speedtronic.data.tokenizer`) and imports it from here.
-
-A tokenizer travels with a checkpoint: :func:`tokenizer_record` is what a checkpoint stores
-(the file's text, the ``tokenizer_config.json`` beside it, the hash) and
-:func:`materialize_tokenizer` writes such a record back to a folder (a per-user cache keyed
-by the hash) that ``data.tokenizer`` can name, wherever the checkpoint was moved.
+lives in ``speedtronic.config``. :mod:`speedtronic.data.tokenizer` builds the tokenizer from
+what it finds, and makes the record a checkpoint carries of it.
 """
 
 from __future__ import annotations
@@ -41,9 +36,8 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from speedtronic.config.errors import ConfigError
+from speedtronic.config.limits import ConfigError
 
 __all__ = [
     "BYTES",
@@ -52,9 +46,7 @@ __all__ = [
     "describe_tokenizer",
     "hub_unreachable",
     "is_bytes",
-    "materialize_tokenizer",
     "resolve_tokenizer_file",
-    "tokenizer_record",
 ]
 
 _LOG = logging.getLogger("speedtronic.data")
@@ -128,11 +120,7 @@ def _beside(path: Path) -> Path | None:
 def _from_hub(spec: str, field: str, token: str | None) -> tuple[Path, Path | None]:
     """Download (or find in the cache) a Hub repo's tokenizer files, once per process."""
     repo_id, _, revision = spec.partition("@")
-    try:
-        from huggingface_hub import hf_hub_download
-    except ImportError as exc:  # pragma: no cover - a declared dependency
-        raise ConfigError(f"{field}: huggingface_hub is needed to fetch {spec}") from exc
-    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
 
     offline = constants.HF_HUB_OFFLINE
     why = None if offline else hub_unreachable(constants.ENDPOINT)
@@ -238,50 +226,37 @@ def _read(
     except (ValueError, UnicodeDecodeError) as exc:
         message = f"{field}: {path} is not a tokenizer.json file (not JSON: {exc})"
         raise ConfigError(message) from None
-    ids = _vocabulary_ids(document, path, field)
-    tokens = _token_ids(document)
+    tokens, special = _vocabulary(document, path, field)
     eos_token = _configured_eos(config_key[0]) if config_key else None
     if config_key and eos_token is not None and eos_token not in tokens:
         raise ConfigError(
             f"{field}: {config_key[0]} names eos_token {eos_token!r}, which {path} does not hold"
         )
     if eos_token is None:
-        eos_token = next((name for name in EOS_NAMES if name in _special(document)), None)
+        eos_token = next((name for name in EOS_NAMES if name in special), None)
     eos_id = tokens[eos_token] if eos_token is not None else None
-    return hashlib.sha256(raw).hexdigest(), max(ids) + 1, eos_id, eos_token
+    return hashlib.sha256(raw).hexdigest(), max(tokens.values()) + 1, eos_id, eos_token
 
 
-def _vocabulary_ids(document: Any, path: str, field: str) -> list[int]:
-    model = document.get("model") if isinstance(document, dict) else None
+def _vocabulary(document: object, path: str, field: str) -> tuple[dict[str, int], set[str]]:
+    """Token -> id (the model's vocabulary and the added tokens) and the special tokens."""
+    document = document if isinstance(document, dict) else {}
+    model = document.get("model")
     vocab = model.get("vocab") if isinstance(model, dict) else None
     if isinstance(vocab, dict):
-        ids = [value for value in vocab.values() if isinstance(value, int)]
+        ids = {str(token): value for token, value in vocab.items() if isinstance(value, int)}
     elif isinstance(vocab, list):  # Unigram: [[piece, score], ...], the id is the position
-        ids = list(range(len(vocab)))
+        ids = {str(entry[0]): index for index, entry in enumerate(vocab) if entry}
     else:
         raise ConfigError(
             f"{field}: {path} is not a tokenizer.json file (no model vocabulary); save one with "
             "tokenizers' Tokenizer.save() or use a Hub repo that has tokenizer.json"
         )
-    ids += [t["id"] for t in document.get("added_tokens") or () if isinstance(t.get("id"), int)]
-    if not ids or min(ids) < 0:
+    added = [t for t in document.get("added_tokens") or () if isinstance(t, dict)]
+    ids.update({str(t.get("content")): t["id"] for t in added if isinstance(t.get("id"), int)})
+    if not ids or min(ids.values()) < 0:
         raise ConfigError(f"{field}: {path} has an empty or negative vocabulary")
-    return ids
-
-
-def _token_ids(document: dict[str, Any]) -> dict[str, int]:
-    vocab = document["model"]["vocab"]
-    if isinstance(vocab, list):
-        ids = {str(entry[0]): index for index, entry in enumerate(vocab) if entry}
-    else:
-        ids = {str(token): value for token, value in vocab.items()}
-    for added in document.get("added_tokens") or ():
-        ids[str(added.get("content"))] = int(added["id"])
-    return ids
-
-
-def _special(document: dict[str, Any]) -> set[str]:
-    return {str(t.get("content")) for t in document.get("added_tokens") or () if t.get("special")}
+    return ids, {str(t.get("content")) for t in added if t.get("special")}
 
 
 def _configured_eos(config_path: str) -> str | None:
@@ -293,58 +268,3 @@ def _configured_eos(config_path: str) -> str | None:
     if isinstance(eos, dict):
         eos = eos.get("content")
     return eos if isinstance(eos, str) and eos else None
-
-
-def tokenizer_record(spec: object, *, token: str | None = None) -> dict[str, str | None] | None:
-    """What a checkpoint stores so its tokenizer travels with it: ``{"spec", "sha256",
-    "json", "config"}`` (the ``tokenizer.json`` text and the ``tokenizer_config.json`` text
-    beside it, or ``None``); ``None`` for the byte-level tokenizer, whose settings are the
-    config's."""
-    if is_bytes(spec):
-        return None
-    info = describe_tokenizer(str(spec), token=token)
-    config_text = info.config_path.read_text(encoding="utf-8") if info.config_path else None
-    return {
-        "spec": info.spec,
-        "sha256": info.sha256,
-        "json": info.path.read_text(encoding="utf-8"),
-        "config": config_text,
-    }
-
-
-def _cache_root() -> Path:
-    return Path.home() / ".cache" / "speedtronic" / "tokenizers"
-
-
-def materialize_tokenizer(record: object) -> Path | None:
-    """A folder holding the ``tokenizer.json`` (and ``tokenizer_config.json``) of a
-    :func:`tokenizer_record`, for ``data.tokenizer``; ``None`` when ``record`` is not one.
-
-    The folder is ``~/.cache/speedtronic/tokenizers/<sha256 of the files>`` (a private
-    temporary folder when the home cache cannot be written); a file there whose bytes differ
-    is rewritten."""
-    if not isinstance(record, dict) or not isinstance(record.get("json"), str):
-        return None
-    files = {"tokenizer.json": record["json"]}
-    if isinstance(record.get("config"), str):
-        files["tokenizer_config.json"] = record["config"]
-    digest = hashlib.sha256("\0".join(files.values()).encode("utf-8")).hexdigest()
-    try:
-        return _write_folder(_cache_root() / digest, files)
-    except (OSError, RuntimeError):  # no home directory, or a read-only one
-        import tempfile
-
-        return _write_folder(Path(tempfile.mkdtemp(prefix="speedtronic-tokenizer-")), files)
-
-
-def _write_folder(folder: Path, files: dict[str, str]) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, text in files.items():
-        path = folder / name
-        data = text.encode("utf-8")
-        if path.is_file() and path.read_bytes() == data:
-            continue
-        temp = path.with_name(f".{name}.tmp-{os.getpid()}")
-        temp.write_bytes(data)
-        os.replace(temp, path)
-    return folder

@@ -7,12 +7,20 @@ loaded with the ``tokenizers`` library. Both encode text without adding special 
 callers append :attr:`eos_id` after each document. ``tokenizer_for(config)`` is the tokenizer
 of a ``SpeedtronicConfig``: the one text streaming, eval, ``prepare`` and ``sample`` all use.
 
+A tokenizer travels with a checkpoint: :func:`tokenizer_record` is what a checkpoint stores
+(the file's text, the ``tokenizer_config.json`` beside it, the hash) and
+:func:`materialize_tokenizer` writes such a record back to a folder (a per-user cache keyed by
+the hash) that ``data.tokenizer`` can name, wherever the checkpoint was moved.
+
 This module imports neither torch nor ``tokenizers`` at import time.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,7 +28,15 @@ import numpy as np
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.config.tokenizer_file import TokenizerInfo, describe_tokenizer, is_bytes
 
-__all__ = ["CharTokenizer", "HFTokenizer", "encode_text", "load_tokenizer", "tokenizer_for"]
+__all__ = [
+    "CharTokenizer",
+    "HFTokenizer",
+    "encode_text",
+    "load_tokenizer",
+    "materialize_tokenizer",
+    "tokenizer_for",
+    "tokenizer_record",
+]
 
 
 class CharTokenizer:
@@ -180,3 +196,58 @@ def encode_text(tokenizer: Any, text: str) -> Any:
     if hasattr(ids, "tolist"):
         ids = ids.tolist()
     return torch.tensor([int(i) for i in ids], dtype=torch.long)
+
+
+def tokenizer_record(spec: object, *, token: str | None = None) -> dict[str, str | None] | None:
+    """What a checkpoint stores so its tokenizer travels with it: ``{"spec", "sha256",
+    "json", "config"}`` (the ``tokenizer.json`` text and the ``tokenizer_config.json`` text
+    beside it, or ``None``); ``None`` for the byte-level tokenizer, whose settings are the
+    config's."""
+    if is_bytes(spec):
+        return None
+    info = describe_tokenizer(str(spec), token=token)
+    config_text = info.config_path.read_text(encoding="utf-8") if info.config_path else None
+    return {
+        "spec": info.spec,
+        "sha256": info.sha256,
+        "json": info.path.read_text(encoding="utf-8"),
+        "config": config_text,
+    }
+
+
+def _cache_root() -> Path:
+    return Path.home() / ".cache" / "speedtronic" / "tokenizers"
+
+
+def materialize_tokenizer(record: object) -> Path | None:
+    """A folder holding the ``tokenizer.json`` (and ``tokenizer_config.json``) of a
+    :func:`tokenizer_record`, for ``data.tokenizer``; ``None`` when ``record`` is not one.
+
+    The folder is ``~/.cache/speedtronic/tokenizers/<sha256 of the files>`` (a private
+    temporary folder when the home cache cannot be written); a file there whose bytes differ
+    is rewritten."""
+    if not isinstance(record, dict) or not isinstance(record.get("json"), str):
+        return None
+    files = {"tokenizer.json": record["json"]}
+    if isinstance(record.get("config"), str):
+        files["tokenizer_config.json"] = record["config"]
+    digest = hashlib.sha256("\0".join(files.values()).encode("utf-8")).hexdigest()
+    try:
+        return _write_folder(_cache_root() / digest, files)
+    except (OSError, RuntimeError):  # no home directory, or a read-only one
+        import tempfile
+
+        return _write_folder(Path(tempfile.mkdtemp(prefix="speedtronic-tokenizer-")), files)
+
+
+def _write_folder(folder: Path, files: dict[str, str]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        path = folder / name
+        data = text.encode("utf-8")
+        if path.is_file() and path.read_bytes() == data:
+            continue
+        temp = path.with_name(f".{name}.tmp-{os.getpid()}")
+        temp.write_bytes(data)
+        os.replace(temp, path)
+    return folder

@@ -43,8 +43,7 @@ from typing import Any, BinaryIO, Protocol, TypeVar, runtime_checkable
 
 import torch
 
-from speedtronic.config import redaction
-from speedtronic.config.errors import ConfigError
+from speedtronic.config import ConfigError, redaction
 from speedtronic.config.limits import is_valid_node_id
 from speedtronic.diloco.wire import (
     delta_from_bytes,

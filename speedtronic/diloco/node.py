@@ -58,7 +58,7 @@ from typing import Any
 
 import torch
 
-from speedtronic.config.errors import ConfigError
+from speedtronic.config import ConfigError
 from speedtronic.config.limits import check_node_id
 from speedtronic.diloco import codec, wire
 from speedtronic.diloco import exchange as T

@@ -8,7 +8,7 @@ prepared folders matched to the tokenizer, token ids checked against ``model.voc
 held-out set (``eval.text_path``, ``eval.token_path``, ``eval.holdout``), and, when the run
 resumes, the checkpoint it would resume from. Every problem is the ``ConfigError`` the run would
 raise (exit 2 in the CLI). The warnings and notes the run logs at start come from the functions
-the run calls (`speedtronic.config.advice.config_warnings`, the runtime's data lines, the shape
+the run calls (`speedtronic.config.schema.config_warnings`, the runtime's data lines, the shape
 check), collected instead of logged. Nothing is written, nothing is trained, no network call is
 made beyond a Hub tokenizer id (as the run would).
 """
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from speedtronic.config import SpeedtronicConfig
-from speedtronic.config.advice import config_warnings
+from speedtronic.config.schema import config_warnings
 
 __all__ = ["Preflight", "preflight"]
 

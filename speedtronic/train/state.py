@@ -314,7 +314,7 @@ class TrainerCheckpoint:
         """The tokenizer that travels in every checkpoint (read once; ``None`` for bytes, or
         with a warning when the file cannot be read: the checkpoint is written anyway)."""
         if self._tokenizer is None:
-            from speedtronic.config.tokenizer_file import tokenizer_record
+            from speedtronic.data.tokenizer import tokenizer_record
 
             record = None
             try:

@@ -29,7 +29,7 @@ from torch import nn
 
 from speedtronic.checkpoint import CheckpointManager, CheckpointParts, RNGState
 from speedtronic.config import SpeedtronicConfig
-from speedtronic.config.advice import config_warnings
+from speedtronic.config.schema import config_warnings
 from speedtronic.metrics.logger import MetricLogger, memory_usage_bytes
 from speedtronic.train.evaluate import evaluate
 from speedtronic.train.features import (
