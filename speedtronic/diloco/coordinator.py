@@ -500,7 +500,7 @@ class DumbDiLoCoCoordinator:
         """The node's upload (see :meth:`NodeLink.send`); a local master looks at once."""
         nbytes = self.link.send(job)
         if self.master is not None:
-            self.master.wake.set()
+            self.master.wake()
         return nbytes
 
     def _offer(self, outer_step: int, state: dict[str, torch.Tensor]) -> None:
