@@ -353,7 +353,7 @@ class GlobalMetadata:
     ``run_id`` names the run (a new one each time a master starts a run from global 0), so
     a node can tell a new run from the next round and the master can refuse contributions
     computed in another run. ``update_sha256`` names the quantized outer update published
-    with this global (``distributed.global_dtype``; :func:`speedtronic.diloco.master.step_quantized`).
+    with this global (``distributed.global_dtype``; :mod:`.master`).
     ``refused`` names the contributions (``node/round``) the master refused as unreadable
     or damaged since the previous global: how a node hears that its file was not used.
     """
