@@ -1,38 +1,14 @@
 """The master's round: one outer step from one contribution per node, and the global it publishes.
 
-Round ``R`` is open while ``global/latest.safetensors`` holds outer step ``R``. Every
-``poll_interval`` seconds (sooner when the local node uploaded) :meth:`RoundMaster.poll_once`
-lists the exchange, reads the nodes' status records (:class:`~.ledger.Roster`) and sorts the
-contribution files::
-
-    round <= ledger[node]                       duplicate (a replay): pruned
-    round <  R - max_staleness                  stale: dropped, pruned, counted
-    R - max_staleness <= round <= R             included in the open round (late if < R)
-    round >  R                                  early: left for its round
-
-It closes round ``R`` when every active node delivered, or ``round_timeout`` seconds after the
-round's first on-time contribution (a late one starts no clock), never with fewer than
-``min_nodes`` contributors (less the nodes that finished); until ``expected_nodes`` nodes
-contributed, once per run, a round also waits for the ones still starting (up to
-``drop_after`` x ``round_timeout``). Closing::
-
-    mean  = sum(w_n * mean(files of n)) / sum(w_n)  # each file read once, streamed, float32
-    new   = state's records, copied; new.ledger[n] = round of n's newest file   # exactly once
-    SGD(nesterov).step(global, grad=mean) in place (checked finite first); new.outer_step += 1
-    state = new; write-ahead record; publish weights + ledger + prune in one commit
-    persist; report; hand a copy of the global to the local node; evaluate
-
-With ``global_dtype`` int8/int4 the step's update is quantized (:func:`step_quantized`) and
-published as ``global/update.safetensors`` beside the global, which becomes the last one plus
-the decoded update: a node that holds the last global applies it (:func:`read_update`) and
-holds the master's bits, checked by digest; any other node downloads the full global.
-
-Memory: the held global, the outer momentum and one float32 running sum; a delta is read a
-tensor at a time. A failed publish keeps the closed round (persisted; its ledger marks the
-consumed files): the next poll agrees with the exchange again (:func:`~.ledger.reconcile`).
-An error no retry fixes is stored in :attr:`RoundMaster.fatal` and ends the master's thread
-(the coordinator raises it); transient failures are retried at every poll and logged once,
-then every 30 s.
+:class:`RoundMaster` polls the exchange, sorts the contribution files (duplicate, stale,
+included, early), closes the open round when every active node delivered or ``round_timeout``
+passed, steps the global with the run's one outer optimizer (:class:`NesterovOuterOptimizer`)
+and publishes it with the ledger in one commit (docs/diloco.md, "Master side", has the rules
+and the failure table). With ``global_dtype`` int8/int4 the step's update is quantized
+(:func:`step_quantized`) and published beside the global, which becomes the last one plus the
+decoded update; a node holding the last global applies it (:func:`read_update`) and holds the
+master's bits, checked by digest. Memory: the held global, the outer momentum and one float32
+running sum; a delta is read a tensor at a time, the outer step runs a slice at a time.
 """
 
 from __future__ import annotations
@@ -91,7 +67,6 @@ if TYPE_CHECKING:
     from speedtronic.diloco.relay import Upstream
 
 __all__ = [
-    "GLOBAL_UPDATE",
     "META",
     "HeldGlobal",
     "NesterovOuterOptimizer",
@@ -132,13 +107,11 @@ class _Fold:
 class RoundMaster:
     """Aggregates one contribution per node per round into the published global.
 
-    ``state``: the model's weights (the global of a new run, and the shapes and dtypes every
-    global is checked against). ``on_global(step, state)`` receives every new global (the local
-    node's inbox); ``evaluate(state)`` scores one (or None); ``on_final(step, state)`` runs once
-    after the final global was published; ``upstream`` makes this master a group leader that
-    relays its rounds (:mod:`.relay`). ``last_progress`` is the ``clock()`` time of the last
-    sign that the run moves (the master starting, a new contribution, a changed status record,
-    a round closed): the coordinator bounds its wait for the final global from it.
+    ``state``: the model's weights (the global of a new run; every global is checked against
+    its shapes and dtypes). ``on_global`` receives every new global, ``evaluate`` scores one,
+    ``on_final`` runs once after the final global was published; ``upstream`` makes this master
+    a group leader (:mod:`.relay`). ``last_progress``: the ``clock()`` time of the last sign
+    that the run moves (the coordinator bounds its wait for the final global from it).
     """
 
     def __init__(
@@ -174,7 +147,7 @@ class RoundMaster:
         self._lock = threading.RLock()
         self.finished = threading.Event()
         self._loop = Loop("speedtronic-diloco-master", self._tick, lambda: settings.poll_interval)
-        self._trouble = _Trouble(time.monotonic)
+        self._failing: tuple[str, float, float] | None = None  # kind, since, last logged
         self._first_arrival: float | None = None  # the open round's first on-time contribution
         self._joins_over = False  # every expected node contributed, or one round waited
         self._waiting_note: int | None = None  # the round that said it waits for nodes to start
@@ -258,11 +231,8 @@ class RoundMaster:
             )
         # read before it counts as agreed: a failed read agrees again at the next poll
         meta = None if self.upstream is not None else self.store.global_metadata()
-        mine = meta is not None and (meta.run_id, meta.outer_step) == (
-            state.run_id,
-            state.outer_step,
-        )
-        over = mine and meta is not None and meta.final
+        key = (state.run_id, state.outer_step)
+        over = meta is not None and meta.final and (meta.run_id, meta.outer_step) == key
         with self._lock:
             self.state = state
         self.reconciled = True
@@ -586,12 +556,9 @@ class RoundMaster:
                     bound = self.max_delta_bytes  # checked on the file actually opened
                     local = stack.enter_context(self.store.local_copy(path, max_bytes=bound))
                     reader = stack.enter_context(wire.open_delta(local))
+                    leaders, step = self.settings.relay_leaders, self.outer_step
                     weight = self.roster.check_identity(
-                        node_id,
-                        reader.metadata,
-                        round,
-                        self.outer_step,
-                        self.settings.relay_leaders,
+                        node_id, reader.metadata, round, step, leaders
                     )
                     digest = reader.check(self.global_state)
                     if self.state.digests.get(node_id) == digest:
@@ -682,12 +649,27 @@ class RoundMaster:
             self.fatal = exc
             return True
         except TransportError as exc:
-            self._trouble.failed(logging.WARNING, exc)
+            self._failed(logging.WARNING, exc)
         except Exception as exc:  # never let the aggregation thread die silently
-            self._trouble.failed(logging.ERROR, exc)
+            self._failed(logging.ERROR, exc)
         else:
-            self._trouble.recovered()
+            if self._failing is not None:
+                since = time.monotonic() - self._failing[1]
+                _LOG.info(f"master round works again after {since:.0f} s")
+                self._failing = None
         return self.finished.is_set()
+
+    def _failed(self, level: int, exc: Exception) -> None:
+        """The first failure of a kind is logged, then one line per ``FAILURE_LOG_SECONDS``
+        while the same kind repeats."""
+        now, kind = time.monotonic(), type(exc).__name__
+        if self._failing is None or self._failing[0] != kind:
+            self._failing = (kind, now, now)
+            _LOG.log(level, f"master round failed ({kind}); retrying at every poll: {exc}")
+        elif now - self._failing[2] >= FAILURE_LOG_SECONDS:
+            self._failing = (kind, self._failing[1], now)
+            since = now - self._failing[1]
+            _LOG.log(level, f"master round still failing after {since:.0f} s ({kind}): {exc}")
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the thread (bounded join); state is persisted after every round."""
@@ -697,32 +679,6 @@ class RoundMaster:
         """Outer step and ledger (the tensors live in ``state_dir`` and the repository)."""
         with self._lock:
             return {"outer_step": self.outer_step, "ledger": dict(self.ledger)}
-
-
-class _Trouble:
-    """The master loop's failures: the first of a kind is logged, then while the same kind
-    (exception class) repeats, one line per ``FAILURE_LOG_SECONDS`` saying for how long."""
-
-    def __init__(self, clock: Callable[[], float]):
-        self._clock = clock
-        self._kind: str | None = None
-        self._since = self._said = 0.0
-
-    def failed(self, level: int, exc: BaseException) -> None:
-        now, kind = self._clock(), type(exc).__name__
-        if kind != self._kind:
-            self._kind, self._since, self._said = kind, now, now
-            _LOG.log(level, f"master round failed ({kind}); retrying at every poll: {exc}")
-        elif now - self._said >= FAILURE_LOG_SECONDS:
-            self._said = now
-            _LOG.log(
-                level, f"master round still failing after {now - self._since:.0f} s ({kind}): {exc}"
-            )
-
-    def recovered(self) -> None:
-        if self._kind is not None:
-            _LOG.info(f"master round works again after {self._clock() - self._since:.0f} s")
-            self._kind = None
 
 
 # -- the compressed global ---------------------------------------------------------------
@@ -976,35 +932,38 @@ class NesterovOuterOptimizer:
             self.sgd.state[param]["momentum_buffer"] = buf
         return buf
 
-    @torch.no_grad()
     def step(self, state: dict[str, torch.Tensor], delta: Mapping[str, torch.Tensor]) -> None:
         """Apply the averaged pseudo-gradient ``delta`` to ``state`` in place, a slice at a
         time (every key checked before any is written)."""
-        for key, weight, grad in self._pairs(state, delta):
-            param = self.params[key]
-            if param.dtype != weight.dtype:
-                raise ValueError(f"dtype of {key} changed from {param.dtype} to {weight.dtype}")
-            _bound(param, weight)  # the parameter is the global's tensor
-            buf = self._buffer(key, create=True)
-            for part, grad_part, buf_part in self._slices(param, grad, buf):
-                self._update(part, grad_part, buf_part)
+        self._run(state, delta, trial=False)
 
-    @torch.no_grad()
     def first_non_finite(
         self, state: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor]
     ) -> str | None:
         """The first key whose weight :meth:`step` would make non-finite (in its dtype), else
         None: the same update on copies of one slice at a time, changing nothing."""
+        return self._run(state, delta, trial=True)
+
+    @torch.no_grad()
+    def _run(
+        self, state: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor], *, trial: bool
+    ) -> str | None:
         for key, weight, grad in self._pairs(state, delta):
-            buf = self._buffer(key, create=False)
+            param = self.params[key]
+            if not trial:
+                if param.dtype != weight.dtype:
+                    raise ValueError(f"dtype of {key} changed from {param.dtype} to {weight.dtype}")
+                _bound(param, weight)  # the parameter is the global's tensor
+            buf = self._buffer(key, create=not trial)
             for part, grad_part, buf_part in self._slices(weight, grad, buf):
-                trial = part.to("cpu", torch.float32, copy=True)
-                if buf_part is not None:
-                    buf_part = buf_part.clone()
-                elif self.momentum > 0:  # as step's first: zeros, of one slice here
-                    buf_part = torch.zeros_like(trial)
-                self._update(trial, grad_part, buf_part)
-                if not bool(torch.isfinite(trial.to(weight.dtype)).all()):
+                if trial:  # as step's: the slice's update on float32 copies
+                    part = part.to("cpu", torch.float32, copy=True)
+                    if buf_part is not None:
+                        buf_part = buf_part.clone()
+                    elif self.momentum > 0:  # as step's first: zeros, of one slice here
+                        buf_part = torch.zeros_like(part)
+                self._update(part, grad_part, buf_part)
+                if trial and not bool(torch.isfinite(part.to(weight.dtype)).all()):
                     return key
         return None
 
