@@ -29,7 +29,6 @@ from torch.optim.optimizer import StateDict
 from torch.optim.sgd import sgd as sgd_update
 
 from speedtronic.background import Loop
-from speedtronic.config import DistributedConfig
 from speedtronic.diloco import wire
 from speedtronic.diloco.codec import (
     QUANTIZED_BITS,
@@ -64,6 +63,7 @@ from speedtronic.diloco.ledger import (
 )
 
 if TYPE_CHECKING:
+    from speedtronic.config import DistributedConfig
     from speedtronic.diloco.relay import Upstream
 
 __all__ = [
