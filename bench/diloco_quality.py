@@ -69,7 +69,7 @@ sys.path.insert(0, str(ROOT))
 
 from speedtronic.config import SpeedtronicConfig  # noqa: E402
 from speedtronic.diloco.codec import DELTA_FORMATS, decode_value, encode_delta  # noqa: E402
-from speedtronic.diloco.outer_update import OuterUpdate  # noqa: E402
+from speedtronic.diloco.master import OuterUpdate  # noqa: E402
 from speedtronic.diloco.wire import (  # noqa: E402
     compute_pseudo_gradient,
     cpu_state_dict,

@@ -17,7 +17,7 @@ from speedtronic.config import ConfigError
 from speedtronic.diloco import exchange as T
 from speedtronic.diloco import master as master_module
 from speedtronic.diloco.exchange import AccessRefused, ExchangeError, TransportError
-from speedtronic.diloco.master import IDENTITY_HEADERS
+from speedtronic.diloco.ledger import IDENTITY_HEADERS
 from speedtronic.diloco.wire import state_to_bytes
 
 # -- identity headers and relay weights -----------------------------------------------------
@@ -158,9 +158,9 @@ def _plant_global(t, state, outer_step=5, garbage=False):
 
 @pytest.fixture
 def quick_reads(monkeypatch):
-    from speedtronic.diloco import master
+    from speedtronic.diloco import ledger
 
-    monkeypatch.setattr(master, "CORRUPT_WAIT", 0.01)
+    monkeypatch.setattr(ledger, "CORRUPT_WAIT", 0.01)
 
 
 @pytest.mark.parametrize("damage", ["garbage", "non-finite"])
@@ -204,7 +204,7 @@ def _run_until_fatal(master) -> None:
     master.start()
     try:
         wait_for(lambda: master.fatal is not None, 30.0, "the master's fatal error", interval=0.02)
-        wait_for(lambda: not master._thread.is_alive(), 30.0, "the master thread to end")
+        wait_for(lambda: not master._loop.running, 30.0, "the master thread to end")
     finally:
         master.stop()
 

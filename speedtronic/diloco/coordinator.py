@@ -42,7 +42,8 @@ from speedtronic.diloco.exchange import (
     scrub,
 )
 from speedtronic.diloco.hub import HubClient
-from speedtronic.diloco.master import META, RoundMaster, RoundState
+from speedtronic.diloco.ledger import RoundState, publish
+from speedtronic.diloco.master import RoundMaster
 from speedtronic.diloco.node import (
     Contribution,
     DiLoCoNode,
@@ -496,7 +497,7 @@ class DumbDiLoCoCoordinator:
         """The node's upload (see :meth:`NodeLink.send`); a local master looks at once."""
         nbytes = self.link.send(job)
         if self.master is not None:
-            self.master.wake.set()
+            self.master.wake()
         return nbytes
 
     def _offer(self, outer_step: int, state: dict[str, torch.Tensor]) -> None:
@@ -624,14 +625,7 @@ class Upstream:
         state.run_id = meta.run_id
         remote = store.global_metadata()
         if remote is None or (remote.outer_step, remote.run_id) != (meta.outer_step, meta.run_id):
-            store.publish_global(
-                state.global_state,
-                outer_step=state.outer_step,
-                ledger=state.ledger,
-                metadata_extra={**META, "relay": "true"},
-                run_id=state.run_id,
-                node_records=state.node_records(),
-            )
+            publish(store, state, relay="true")
         return state
 
     def forward(

@@ -352,7 +352,7 @@ class GlobalMetadata:
     ``run_id`` names the run (a new one each time a master starts a run from global 0), so
     a node can tell a new run from the next round and the master can refuse contributions
     computed in another run. ``update_sha256`` names the quantized outer update published
-    with this global (``distributed.global_dtype``; :mod:`speedtronic.diloco.outer_update`).
+    with this global (``distributed.global_dtype``; :mod:`.master`).
     ``refused`` names the contributions (``node/round``) the master refused as unreadable
     or damaged since the previous global: how a node hears that its file was not used.
     """
@@ -915,7 +915,7 @@ class RepoTransport:
         refused: Iterable[str] = (),
     ) -> GlobalMetadata:
         """One commit: weights, the quantized outer ``update`` (an
-        :class:`~speedtronic.diloco.outer_update.OuterUpdate`) if given, ledger, version record
+        :class:`~speedtronic.diloco.master.OuterUpdate`) if given, ledger, version record
         (written in that order; it names the ``refused`` contributions, ``node/round``), and
         the deletion of consumed delta files. ``work_dir`` is accepted for 2.0.0 callers and
         unused (the bytes go straight to the transport)."""

@@ -1,108 +1,93 @@
-"""The master's round: one outer step from one contribution per node.
+"""The master's round: one outer step from one contribution per node, and the global it publishes.
 
-Round ``R`` is open while ``global/latest.safetensors`` holds outer step ``R``. Every
-``poll_interval`` seconds (sooner when the local node uploaded) :meth:`RoundMaster.poll_once`
-lists the repository, reads each node's status record and sorts the contribution files::
-
-    round <= ledger[node]                       duplicate (a replay): pruned
-    round <  R - max_staleness                  stale: dropped, pruned, counted
-    R - max_staleness <= round <= R             included in the open round (late if < R)
-    round >  R                                  early: left for its round
-
-It closes round ``R`` when every *active* node (joined, not finished, not silent for
-``drop_after`` round lengths, a drop kept across restarts) delivered its round-``R``
-contribution, or ``round_timeout`` seconds after the round's first on-time contribution
-arrived (a late one starts no clock); never with fewer than ``min_nodes`` contributors (less
-the nodes that finished their run). Until ``expected_nodes`` nodes contributed to the run,
-a round also waits for the ones still starting, up to ``drop_after`` x ``round_timeout``
-after its first on-time contribution, once per run. Closing::
-
-    mean  = sum(w_n * mean(files of n)) / sum(w_n)  # each file read once, streamed, float32
-    new   = state's records, copied; new.ledger[n] = round of n's newest file   # exactly once
-    SGD(nesterov).step(global, grad=mean) in place (checked finite first); new.outer_step += 1
-    state = new; write-ahead record; publish weights + ledger + prune in one commit
-    persist; report; hand a copy of the global to the local node; evaluate
-
-Memory is the model's: the held global, the outer momentum and one float32 running sum; a
-delta is read one tensor at a time, and the global and the local state are written to disk
-one tensor at a time. The global steps in place, so a failed publish keeps the closed round
-(persisted; its ledger marks the consumed files): the next poll agrees with the exchange
-again (:func:`reconcile`) and publishes it, or finds that it landed. With no local state to
-trust, the master takes the exchange's global back instead and the round closes anew. The
-published ledger's record carries which nodes finished and as which instance, so an adopted
-state knows them too; a master that finds its own run's global already final (a lost reply
-to the last publish, a restart after it) finishes at once.
-Every file is checked before it is used: its header names its node, round, run, instance and
-base (any missing: refused and counted corrupt), it matches the model, it is finite, it is not
-the node's last contribution again, and a ``weight`` other than 1 comes only from a node
-listed in ``distributed.relay_leaders``. The run ends when no node is left to wait for and
-the nodes finished by what the master aggregated (:class:`Roster`): then the
-master publishes the final global and calls ``on_final``.
-
-A failure the master cannot retry its way out of (an unusable global and no local state to
-republish) is stored in :attr:`RoundMaster.fatal` and ends its thread; the coordinator raises
-it. Transient failures are retried at every poll and logged once, then every 30 s.
-
-Below the round, in the order it uses them: :class:`Roster` (who the round waits for),
-:func:`reconcile` (agreeing with the published state), :class:`RoundState` and
-:class:`OuterStateStore` (all that a round changes, and its local file with the write-ahead
-record) and :class:`NesterovOuterOptimizer` (the outer step).
+:class:`RoundMaster` polls the exchange, sorts the contribution files (duplicate, stale,
+included, early), closes the open round when every active node delivered or ``round_timeout``
+passed, steps the global with the run's one outer optimizer (:class:`NesterovOuterOptimizer`)
+and publishes it with the ledger in one commit (docs/diloco.md, "Master side", has the rules
+and the failure table). With ``global_dtype`` int8/int4 the step's update is quantized
+(:func:`step_quantized`) and published beside the global, which becomes the last one plus the
+decoded update; a node holding the last global applies it (:func:`read_update`) and holds the
+master's bits, checked by digest. Memory: the held global, the outer momentum and one float32
+running sum; a delta is read a tensor at a time, the outer step runs a slice at a time.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
+import hashlib
 import logging
 import os
-import secrets
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, BinaryIO, Protocol, cast
 
 import torch
 from torch.optim.optimizer import StateDict
 from torch.optim.sgd import sgd as sgd_update
 
-from speedtronic.checkpoint import atomic_json_dump, atomic_write_with
+from speedtronic.background import Loop
 from speedtronic.diloco import wire
+from speedtronic.diloco.codec import (
+    QUANTIZED_BITS,
+    SCALE_SUFFIX,
+    QuantizedTensor,
+    WireCodec,
+    quantize,
+)
 from speedtronic.diloco.exchange import (
-    GLOBAL_PROCESSED,
+    GLOBAL_UPDATE,
     AccessRefused,
     Emit,
     ExchangeError,
     GlobalMetadata,
-    HubUnavailable,
     RemoteNotFound,
     RepoScan,
+    Store,
     TransportError,
+    file_sha256,
     ignore,
     max_global_bytes,
     parse_delta_path,
 )
-from speedtronic.diloco.outer_update import OuterUpdate, state_digest, step_quantized
+from speedtronic.diloco.ledger import (
+    META,
+    NodeView,
+    OuterStateStore,
+    Roster,
+    RoundState,
+    publish,
+    reconcile,
+)
+
+if TYPE_CHECKING:
+    from speedtronic.config import DistributedConfig
+    from speedtronic.diloco.relay import Upstream
 
 __all__ = [
-    "IDENTITY_HEADERS",
     "META",
+    "HeldGlobal",
     "NesterovOuterOptimizer",
-    "NodeView",
-    "OuterStateStore",
-    "Roster",
+    "OuterUpdate",
     "RoundMaster",
     "RoundState",
-    "reconcile",
+    "read_update",
+    "state_digest",
+    "step_quantized",
 ]
 
 _LOG = logging.getLogger("speedtronic.diloco")
-
-
 FAILURE_LOG_SECONDS = 30.0  # a failure that repeats is logged again at most this often
+
+
+class Score(Protocol):
+    """What ``evaluate`` returns for a global."""
+
+    loss: float
+    perplexity: float
+    tokens: int
 
 
 @dataclasses.dataclass
@@ -122,41 +107,31 @@ class _Fold:
 class RoundMaster:
     """Aggregates one contribution per node per round into the published global.
 
-    ``transport`` is the exchange (``self.store``); ``settings`` the ``distributed`` config
-    section; ``state`` the model's weights (the global of a new run, and the shapes and dtypes
-    every global is checked against). ``on_global(step, state)`` receives every new global
-    (the local node's inbox); ``evaluate(state)`` returns an object with ``loss``,
-    ``perplexity``, ``tokens`` (or None); ``on_final(step, state)`` runs once after the final
-    global was published; ``upstream`` makes this master a group leader that relays its
-    rounds (:mod:`speedtronic.diloco.relay`). ``emit`` reports rounds, joins, drops and
-    evaluations; lines go to the ``speedtronic.diloco`` logger.
-
-    ``last_progress`` is the ``clock()`` time (``time.monotonic`` unless a test clock is given)
-    of the last sign that the run moves: the master starting, a new contribution seen on the
-    exchange, a node's status record changing, a round closed. The coordinator bounds its wait
-    for the final global from it (a run whose rounds are slow but moving is not stalled).
+    ``state``: the model's weights (the global of a new run; every global is checked against
+    its shapes and dtypes). ``on_global`` receives every new global, ``evaluate`` scores one,
+    ``on_final`` runs once after the final global was published; ``upstream`` makes this master
+    a group leader (:mod:`.relay`). ``last_progress``: the ``clock()`` time of the last sign
+    that the run moves (the coordinator bounds its wait for the final global from it).
     """
 
     def __init__(
         self,
-        transport: Any,
+        store: Store,
         state: Mapping[str, torch.Tensor],
         *,
-        settings: Any,
-        state_dir: str | os.PathLike,
+        settings: DistributedConfig,
+        state_dir: str | os.PathLike[str],
         emit: Emit = ignore,
         on_global: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
-        evaluate: Callable[[dict[str, torch.Tensor]], Any] | None = None,
+        evaluate: Callable[[dict[str, torch.Tensor]], Score | None] | None = None,
         on_final: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
-        upstream: Any = None,
+        upstream: Upstream | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.store = transport
+        self.store = store
         self.settings = settings
-        s = settings  # the whole round state (RoundState), over this master's own copy
-        self.state = RoundState.new(wire.cpu_state_dict(state), s.outer_lr, s.outer_momentum)
-        # the global of a new run: the held weights until the first round (no second copy);
-        # only the first agreement with the exchange may start a new run, then it is dropped
+        self.state = self._new_run(wire.cpu_state_dict(state))
+        # the global of a new run: only the first agreement with the exchange may start one
         self._initial: dict[str, torch.Tensor] | None = self.state.global_state
         self.fresh = False  # set by a master that starts its training from step 0
         self.outer_files = OuterStateStore(state_dir)
@@ -166,21 +141,17 @@ class RoundMaster:
         self.fatal: Exception | None = None  # an error no retry fixes; the thread stopped
         self._emit = emit
         self.roster = Roster(lambda node_id: self.store.read_owner(node_id), emit)
-        self.on_global = on_global
-        self.evaluate = evaluate
-        self.on_final = on_final
-        self.upstream = upstream  # a group leader's relay (speedtronic.diloco.relay.Upstream)
+        self.on_global, self.evaluate, self.on_final = on_global, evaluate, on_final
+        self.upstream = upstream
         self._clock = clock
         self._lock = threading.RLock()
-        self.wake = threading.Event()
         self.finished = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._loop = Loop("speedtronic-diloco-master", self._tick, lambda: settings.poll_interval)
+        self._failing: tuple[str, float, float] | None = None  # kind, since, last logged
         self._first_arrival: float | None = None  # the open round's first on-time contribution
         self._joins_over = False  # every expected node contributed, or one round waited
         self._waiting_note: int | None = None  # the round that said it waits for nodes to start
-        self._opened = clock()
-        self.last_progress: float = self._opened  # see the class docstring
+        self._opened = self.last_progress = clock()
         self._seen: set[str] = set()  # the includable contributions of the last poll
         self._blind_since: float | None = None  # when the exchange became unreadable
         self._prune: set[str] = set()
@@ -188,7 +159,6 @@ class RoundMaster:
         self._handed: int | None = None  # the outer step last given to on_global
         self._load_local_state()
 
-    # -- the held state, as others read it ---------------------------------------------------
     @property
     def outer_step(self) -> int:
         """The outer step of the global this master holds (= the open round)."""
@@ -211,14 +181,18 @@ class RoundMaster:
 
     @property
     def nodes(self) -> dict[str, NodeView]:
-        """The nodes of this exchange, by id (see :class:`Roster`)."""
+        """The nodes of this exchange, by id."""
         return self.roster.nodes
 
-    def _new_run(self) -> RoundState:
-        s, initial = self.settings, self._initial
-        if initial is None:  # never: only the first agreement starts a new run
-            raise RuntimeError("a new run can only start when the master starts")
-        return RoundState.new(wire.cpu_state_dict(initial), s.outer_lr, s.outer_momentum)
+    def _new_run(self, initial: dict[str, torch.Tensor] | None = None) -> RoundState:
+        """Outer step 0 over ``initial`` (kept, not copied) or a copy of the initial weights,
+        with the run's one outer optimizer."""
+        if initial is None:
+            if self._initial is None:  # never: only the first agreement starts a new run
+                raise RuntimeError("a new run can only start when the master starts")
+            initial = wire.cpu_state_dict(self._initial)
+        s = self.settings
+        return RoundState(0, initial, NesterovOuterOptimizer(initial, s.outer_lr, s.outer_momentum))
 
     # -- local persistence and the agreement with the exchange --------------------------------
     def _load_local_state(self) -> None:
@@ -241,10 +215,9 @@ class RoundMaster:
             _LOG.warning(f"could not persist local outer state: {exc}")
 
     def reconcile(self) -> None:
-        """Agree with the exchange once (:func:`reconcile`; a group leader
-        takes the top-level global, :meth:`Upstream.agree`). A failed read raises
-        ``TransportError`` (retried); an unusable global with no local state to republish
-        raises ``ExchangeError``."""
+        """Agree with the exchange once (:func:`~.ledger.reconcile`; a group leader takes the
+        top-level global). A failed read raises ``TransportError`` (retried); an unusable
+        global with no local state to republish raises ``ExchangeError``."""
         if self.upstream is not None:
             bound = max_global_bytes(self.global_state)
             state = self.upstream.agree(self.store, self.state, bound)
@@ -257,15 +230,17 @@ class RoundMaster:
                 new_run=self._new_run,
             )
         # read before it counts as agreed: a failed read agrees again at the next poll
-        over = self.upstream is None and self._published_final(state)
+        meta = None if self.upstream is not None else self.store.global_metadata()
+        key = (state.run_id, state.outer_step)
+        over = meta is not None and meta.final and (meta.run_id, meta.outer_step) == key
         with self._lock:
             self.state = state
         self.reconciled = True
         self.fresh = False  # a later reconcile (after a failed publish) is never a new run
-        self._initial = None  # so the initial weights are needed no more
+        self._initial = None
         self._persist()
         report = self.outer_files.take_pending(self.outer_step, self.run_id)
-        if report is not None:  # published by this master, never reported (killed, or lost reply)
+        if report is not None:  # published by this master, never reported (killed, lost reply)
             self._reset_tally()
             self._emit("outer_step", **{**report, "recovered": True})
         if self._handed != self.outer_step:  # a re-reconcile after a failed publish may not move
@@ -273,16 +248,6 @@ class RoundMaster:
             self._hand_over()
         if over and not self.finished.is_set():  # this run ended (a lost reply, a restart)
             self._finalize(self.global_state)
-
-    def _published_final(self, state: RoundState) -> bool:
-        """The exchange holds ``state``'s global marked final: its run is over."""
-        meta = self.store.global_metadata()
-        return (
-            meta is not None
-            and meta.final
-            and meta.run_id == state.run_id
-            and meta.outer_step == state.outer_step
-        )
 
     def _hand_over(self) -> None:
         """Give the local node a copy of the new global (the held one steps in place)."""
@@ -292,14 +257,12 @@ class RoundMaster:
 
     # -- one poll ---------------------------------------------------------------------------
     def _reset_tally(self) -> None:
-        """Start counting the open round's refused files afresh (after a close)."""
+        """Count the open round's refused files afresh (after a close)."""
         self._counts = {"stale": 0, "skipped": 0, "corrupt": 0}
         self._dropped: list[str] = []  # "node/round" of stale contributions since the last close
         self._refused: list[str] = []  # "node/round" of corrupt ones (the next record names them)
 
-    def _tally(self) -> dict[str, Any]:
-        """The refused files since the last close, as ``outer_step`` and ``final_global``
-        report them."""
+    def _tally(self) -> dict[str, object]:
         counts = {f"deltas_{kind}": count for kind, count in self._counts.items()}
         return {**counts, "dropped": list(self._dropped), "refused": list(self._refused)}
 
@@ -317,7 +280,11 @@ class RoundMaster:
             if self._blind_since is None:
                 self._blind_since = now
             raise
-        self._credit_blind_time(now)
+        if self._blind_since is not None:  # while the exchange was unreadable nobody was
+            blind, self._blind_since = now - self._blind_since, None  # silent: no drop for it
+            self.roster.credit(blind)
+            if self._first_arrival is not None:
+                self._first_arrival += blind
         if self.roster.refresh(scan, now, self.state):
             self.last_progress = now
         candidates = self._sort_contributions(scan, now)
@@ -327,30 +294,21 @@ class RoundMaster:
         self._seen = seen
         dropped = dict(self.state.dropped)
         active = self.roster.active(now, self.silence_limit, self.state)
-        if self.state.dropped != dropped:  # a drop holds across a restart (RoundState)
+        if self.state.dropped != dropped:  # a drop holds across a restart
             self._persist()
         reason = self._close_reason(now, active, candidates)
         if reason is not None and self._close(candidates, reason, active):
             return True
         if self._prune:  # refused, duplicate or stale files go now, before they are re-sent
-            self._flush_prune()
-        if (
-            self.roster.run_over(active, self.state)
-            and not candidates
-            and not self.finished.is_set()
-        ):
+            try:
+                self.store.prune(sorted(self._prune))
+                self._prune.clear()
+            except TransportError as exc:
+                _LOG.warning(f"could not prune consumed deltas: {exc}")
+        over = self.roster.run_over(active, self.state) and not candidates
+        if over and not self.finished.is_set():
             self._finish()
         return False
-
-    def _credit_blind_time(self, now: float) -> None:
-        """While the master could not read the exchange, nobody was silent: an outage must
-        not drop every node (and end the run) the moment it is over."""
-        if self._blind_since is None:
-            return
-        blind, self._blind_since = now - self._blind_since, None
-        self.roster.credit(blind)
-        if self._first_arrival is not None:
-            self._first_arrival += blind
 
     def _sort_contributions(self, scan: RepoScan, now: float) -> dict[str, dict[int, str]]:
         """Includable files ``{node: {round: path}}``; duplicates and stale ones are queued
@@ -367,30 +325,29 @@ class RoundMaster:
                     self._prune.add(path)
                     self._counts["skipped"] += 1
                 elif round < oldest:
-                    self._prune.add(path)
-                    self._counts["stale"] += 1
-                    self._dropped.append(f"{node_id}/{round}")
-                    with self._lock:
-                        self.ledger[node_id] = max(self.ledger.get(node_id, -1), round)
+                    self._drop(node_id, round, path)
                     _LOG.warning(
                         f"dropping the contribution of {node_id} to round {round}: "
                         f"{open_round - round} rounds late (max_staleness "
                         f"{self.settings.max_staleness})"
                     )
+                    with self._lock:
+                        self.ledger[node_id] = max(self.ledger.get(node_id, -1), round)
                 elif round <= open_round:
                     size = scan.size(path)
                     if size is not None and size > self.max_delta_bytes:
                         self._refuse(path, f"{size} bytes, more than a delta of this model")
                         continue
                     candidates.setdefault(node_id, {})[round] = path
-                    self._heard(node_id, now, on_time=round == open_round)
+                    if round == open_round and self._first_arrival is None:
+                        self._first_arrival = now  # a late file must not shorten the wait
+                    self.roster.heard(node_id, now, self.state)
         return candidates
 
     @property
     def silence_limit(self) -> float:
         """Seconds of silence before a node is no longer waited for: ``drop_after`` round
-        lengths, each at least ``round_timeout`` (the first round's wait for the nodes that
-        are still starting is bounded by the same grace)."""
+        lengths, each at least ``round_timeout``."""
         return self.settings.drop_after * max(self.settings.round_timeout, self.state.round_seconds)
 
     @property
@@ -399,23 +356,21 @@ class RoundMaster:
         values = sum(v.numel() for v in self.global_state.values() if v.is_floating_point())
         return 4 * values + (1 << 20)
 
+    def _drop(self, node_id: str, round: int, path: str) -> None:
+        """A stale contribution (too late, or of another run): pruned and counted."""
+        self._prune.add(path)
+        self._counts["stale"] += 1
+        self._dropped.append(f"{node_id}/{round}")
+
     def _refuse(self, path: str, why: str) -> None:
-        """A contribution file that cannot be used: counted corrupt and pruned unread; the
-        next published record names it (``refused``), so its node hears of it."""
+        """An unusable contribution: counted corrupt and pruned unread; the next published
+        record names it (``refused``), so its node hears of it."""
         self._prune.add(path)
         self._counts["corrupt"] += 1
         parsed = parse_delta_path(path)
         if parsed is not None:
             self._refused.append(f"{parsed[0]}/{parsed[1]}")
         _LOG.warning(f"dropping delta {path}: {why}")
-
-    def _heard(self, node_id: str, now: float, *, on_time: bool) -> None:
-        """A contribution of ``node_id`` is on the exchange. The round's clock starts at its
-        first on-time contribution: a late one (folded in from the last round) arrives while
-        the others still train this round, and must not shorten their wait."""
-        if on_time and self._first_arrival is None:
-            self._first_arrival = now
-        self.roster.heard(node_id, now, self.state)
 
     def _close_reason(
         self, now: float, active: set[str], candidates: Mapping[str, Mapping[int, str]]
@@ -433,16 +388,24 @@ class RoundMaster:
         waited = now - (self._first_arrival if self._first_arrival is not None else now)
         if waited < (self.silence_limit if starting else self.settings.round_timeout):
             return None
-        if starting:
-            self._stop_expecting(starting, waited)
+        if starting:  # the round waited its bound for them: no longer (they join later)
+            self._joins_over = True
+            expected = self.settings.expected_nodes
+            _LOG.warning(
+                f"round {self.outer_step} closes without {starting} of the {expected} expected "
+                f"nodes (distributed.expected_nodes): nothing from them {waited:.0f} s after "
+                "the round's first contribution (distributed.drop_after x round_timeout); no "
+                "longer waiting for them (a node that starts later joins when it announces itself)"
+            )
+            self._emit(
+                "nodes_missing", outer_step=self.outer_step, expected=expected, missing=starting
+            )
         return "timeout"
 
     def _starting(self, candidates: Mapping[str, Mapping[int, str]]) -> int:
-        """How many of the ``distributed.expected_nodes`` have not contributed to this run
-        yet (they are still starting, announced or not). The round waits for them, and for
-        the active nodes, up to :attr:`silence_limit` after its first on-time contribution
-        instead of ``round_timeout``: a slow start is not a slow round. Once per run: when
-        they all contributed, or when one round waited for them (:meth:`_stop_expecting`)."""
+        """How many of the ``expected_nodes`` have not contributed to this run yet: the round
+        waits for them up to :attr:`silence_limit` (a slow start is not a slow round), once
+        per run."""
         expected = self.settings.expected_nodes
         if self._joins_over or expected <= 0:
             return 0
@@ -459,19 +422,6 @@ class RoundMaster:
                 f"{self.silence_limit:.0f} s after the round's first contribution)"
             )
         return expected - started
-
-    def _stop_expecting(self, starting: int, waited: float) -> None:
-        """The round waited its bound for the expected nodes that did not contribute: they
-        are waited for no more (a node that starts later joins when it announces itself)."""
-        self._joins_over = True
-        expected = self.settings.expected_nodes
-        _LOG.warning(
-            f"round {self.outer_step} closes without {starting} of the {expected} expected "
-            f"nodes (distributed.expected_nodes): nothing from them {waited:.0f} s after the "
-            "round's first contribution (distributed.drop_after x round_timeout); no longer "
-            "waiting for them (a node that starts later joins when it announces itself)"
-        )
-        self._emit("nodes_missing", outer_step=self.outer_step, expected=expected, missing=starting)
 
     # -- closing a round -----------------------------------------------------------------------
     def _close(
@@ -500,12 +450,13 @@ class RoundMaster:
         new.instances.update(fold.instances)
         new.finals.update(fold.finals)
         final = self.roster.run_over(self.roster.waiting(new), new)
-        if not self._step(new, total, fold.weight, final):
+        stepped = self._step(new, total, fold.weight, final)
+        if stepped is False:
             for path in fold.consumed:
                 self._refuse(path, "the outer step would make the global non-finite")
             return False
         del total
-        report = {
+        report: dict[str, object] = {
             "outer_step": new.outer_step,
             "round": round,
             "reason": reason,
@@ -518,30 +469,20 @@ class RoundMaster:
             **self._tally(),
         }
         # written ahead: a kill after the exchange applied the publish and before the round
-        # is reported below leaves this record, reported at the restart (OuterStateStore)
+        # is reported below leaves this record, reported at the restart
         self.outer_files.write_pending(new.outer_step, new.run_id, report)
-        update, new.update = new.update, None  # published once: a republish sends the global
         with self._lock:
             self.state = new
         try:
-            self.store.publish_global(
-                new.global_state,
-                outer_step=new.outer_step,
-                ledger=new.ledger,
-                prune=sorted(set(fold.consumed) | self._prune),
-                metadata_extra=META,
-                final=final,
-                run_id=new.run_id,
-                node_records=new.node_records(),
-                **({"update": update} if update is not None else {}),
-                **({"refused": report["refused"]} if report["refused"] else {}),
-            )
+            update = stepped if isinstance(stepped, OuterUpdate) else None
+            prune = set(fold.consumed) | self._prune
+            publish(self.store, new, prune=prune, final=final, refused=self._refused, update=update)
         except Exception:
             # It may still have landed: the next poll agrees with the exchange again. The
-            # closed round is kept (its ledger marks the consumed files, so nothing is counted
-            # twice; a group leader's mean is at the top level already) and published again
-            # from the local state; with no local state to trust, the exchange's global is
-            # taken again instead and the round closes anew from the files still there.
+            # closed round is kept (its ledger marks the consumed files; a group leader's mean
+            # is at the top level already) and published again from the local state (the full
+            # global: the update is sent once); with no local state to trust, the exchange's
+            # global is taken again and the round closes anew from the files still there.
             self._persist()
             if self.has_local_state:
                 self._prune.update(fold.consumed)  # consumed: they go with the next commit
@@ -570,10 +511,10 @@ class RoundMaster:
 
     def _step(
         self, new: RoundState, mean: dict[str, torch.Tensor], weight: int, final: bool
-    ) -> bool:
-        """The outer step on ``new``; a group leader relays the round's ``mean`` up instead
-        and takes the top-level global that includes it. False when the result would not be
-        finite (``new`` is then discarded)."""
+    ) -> OuterUpdate | bool:
+        """The outer step on ``new`` (a group leader relays the round's ``mean`` up and takes
+        the top-level global that includes it): the quantized update to publish, True, or
+        False when the result would not be finite (``new`` is then discarded)."""
         if self.upstream is not None:  # the wait for the top level may be long: no lock held
             meta, weights = self.upstream.forward(
                 mean, round=new.outer_step, weight=weight, run_id=new.run_id, final=final
@@ -588,7 +529,6 @@ class RoundMaster:
             new.optimizer.step(new.global_state, mean)
             new.outer_step += 1
             return True
-        # the global becomes the last one + the decoded quantized update (docs/diloco.md)
         update = step_quantized(
             new.optimizer,
             new.global_state,
@@ -600,18 +540,15 @@ class RoundMaster:
         )
         update.base_step, update.run_id = new.outer_step, new.run_id
         new.outer_step += 1
-        update.outer_step = new.outer_step
-        update.digest = state_digest(new.global_state)
-        new.update = update
-        return True
+        update.outer_step, update.digest = new.outer_step, state_digest(new.global_state)
+        return update
 
     def _fold_node(
         self, node_id: str, files: Mapping[int, str], total: dict[str, torch.Tensor], fold: _Fold
     ) -> None:
         """Add one node's valid files for this round into ``total`` as their mean times the
-        node's weight (1, or the nodes a relay leader speaks for), reading each file once,
-        tensor by tensor, and record them in ``fold``. Unusable files are pruned and counted,
-        and leave ``total`` untouched."""
+        node's weight (1, or the nodes a relay leader speaks for), each file read once, tensor
+        by tensor, and record them in ``fold``. Unusable files are pruned and counted."""
         with contextlib.ExitStack() as stack:
             readers: list[tuple[int, str, wire.DeltaReader, int]] = []
             for round, path in sorted(files.items()):
@@ -619,10 +556,9 @@ class RoundMaster:
                     bound = self.max_delta_bytes  # checked on the file actually opened
                     local = stack.enter_context(self.store.local_copy(path, max_bytes=bound))
                     reader = stack.enter_context(wire.open_delta(local))
-                    header = reader.metadata
-                    leaders = self.settings.relay_leaders
+                    leaders, step = self.settings.relay_leaders, self.outer_step
                     weight = self.roster.check_identity(
-                        node_id, header, round, self.outer_step, leaders
+                        node_id, reader.metadata, round, step, leaders
                     )
                     digest = reader.check(self.global_state)
                     if self.state.digests.get(node_id) == digest:
@@ -638,10 +574,8 @@ class RoundMaster:
                     self._refuse(path, f"{type(exc).__name__}: {exc}")
                     continue
                 run = reader.metadata["run_id"]
-                if run and self.run_id and run != self.run_id:  # computed in another run
-                    self._prune.add(path)
-                    self._counts["stale"] += 1
-                    self._dropped.append(f"{node_id}/{round}")
+                if run and self.run_id and run != self.run_id:
+                    self._drop(node_id, round, path)
                     _LOG.warning(f"dropping {path}: it belongs to another run ({run})")
                     continue
                 readers.append((round, path, reader, weight))
@@ -664,49 +598,30 @@ class RoundMaster:
     def _after_publish(self, final: bool) -> None:
         self._hand_over()
         state = self.global_state  # read while the master thread does nothing else
-        if self.evaluate is not None:
-            result = self.evaluate(state)
-            if result is not None:
-                self._emit(
-                    "eval",
-                    scope="global",
-                    outer_step=self.outer_step,
-                    step=self.outer_step * self.settings.inner_steps,
-                    loss=result.loss,
-                    perplexity=result.perplexity,
-                    tokens=result.tokens,
-                )
+        result = self.evaluate(state) if self.evaluate is not None else None
+        if result is not None:
+            self._emit(
+                "eval",
+                scope="global",
+                outer_step=self.outer_step,
+                step=self.outer_step * self.settings.inner_steps,
+                loss=result.loss,
+                perplexity=result.perplexity,
+                tokens=result.tokens,
+            )
         if final:
             self._finalize(state)
-
-    def _flush_prune(self) -> None:
-        try:
-            self.store.prune(sorted(self._prune))
-            self._prune.clear()
-        except TransportError as exc:
-            _LOG.warning(f"could not prune consumed deltas: {exc}")
 
     def _finish(self) -> None:
         """Every node is done and nothing is left: mark the published global final (a group
         leader first tells the top level that its group is done)."""
         if self.upstream is not None:
             self.upstream.finish()
-        state = self.state
-        self.store.publish_global(
-            state.global_state,
-            outer_step=state.outer_step,
-            ledger=state.ledger,
-            metadata_extra=META,
-            final=True,
-            run_id=state.run_id,
-            node_records=state.node_records(),
-            **({"refused": list(self._refused)} if self._refused else {}),
-        )
-        # files refused after the last round (e.g. written once every node was done) are
-        # reported here, or they would never be counted
-        self._emit("final_global", outer_step=state.outer_step, **self._tally())
+        publish(self.store, self.state, final=True, refused=self._refused)
+        # files refused after the last round are reported here, or they would never be counted
+        self._emit("final_global", outer_step=self.outer_step, **self._tally())
         self._reset_tally()
-        self._finalize(state.global_state)
+        self._finalize(self.global_state)
 
     def _finalize(self, state: dict[str, torch.Tensor]) -> None:
         if self.on_final is not None:
@@ -717,657 +632,199 @@ class RoundMaster:
     # -- the thread ---------------------------------------------------------------------------
     def start(self) -> None:
         """Run :meth:`poll_once` on a daemon thread until stopped, finished or fatal."""
-        if self._thread is not None and self._thread.is_alive():
-            return
-        self._stop.clear()
-        self.last_progress = self._clock()
-        self._thread = threading.Thread(
-            target=self._loop, name="speedtronic-diloco-master", daemon=True
-        )
-        self._thread.start()
+        if not self._loop.running:
+            self.last_progress = self._clock()
+            self._loop.start()
 
-    def _loop(self) -> None:
-        trouble = _Trouble()
-        while not self._stop.is_set() and not self.finished.is_set():
-            try:
-                closed = self.poll_once()
-            except (ExchangeError, AccessRefused) as exc:  # no retry fixes it: the
-                # coordinator raises it on the training thread (exit 2)
-                _LOG.error(str(exc))
-                self.fatal = exc
-                return
-            except TransportError as exc:
-                trouble.failed("warning", exc)
-                closed = False
-            except Exception as exc:  # never let the aggregation thread die silently
-                trouble.failed("error", exc)
-                closed = False
-            else:
-                trouble.recovered()
-            if not closed:
-                self.wake.wait(self.settings.poll_interval)
-                self.wake.clear()
+    def wake(self) -> None:
+        """Poll now (the local node uploaded)."""
+        self._loop.wake()
+
+    def _tick(self) -> bool:
+        try:
+            if self.poll_once():
+                self._loop.wake()  # a round closed: look again at once
+        except (ExchangeError, AccessRefused) as exc:  # no retry fixes it: the coordinator
+            _LOG.error(str(exc))  # raises it on the training thread (exit 2)
+            self.fatal = exc
+            return True
+        except TransportError as exc:
+            self._failed(logging.WARNING, exc)
+        except Exception as exc:  # never let the aggregation thread die silently
+            self._failed(logging.ERROR, exc)
+        else:
+            if self._failing is not None:
+                since = time.monotonic() - self._failing[1]
+                _LOG.info(f"master round works again after {since:.0f} s")
+                self._failing = None
+        return self.finished.is_set()
+
+    def _failed(self, level: int, exc: Exception) -> None:
+        """The first failure of a kind is logged, then one line per ``FAILURE_LOG_SECONDS``
+        while the same kind repeats."""
+        now, kind = time.monotonic(), type(exc).__name__
+        if self._failing is None or self._failing[0] != kind:
+            self._failing = (kind, now, now)
+            _LOG.log(level, f"master round failed ({kind}); retrying at every poll: {exc}")
+        elif now - self._failing[2] >= FAILURE_LOG_SECONDS:
+            self._failing = (kind, self._failing[1], now)
+            since = now - self._failing[1]
+            _LOG.log(level, f"master round still failing after {since:.0f} s ({kind}): {exc}")
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the thread (bounded join); state is persisted after every round."""
-        self._stop.set()
-        self.wake.set()
-        thread, self._thread = self._thread, None
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
+        self._loop.stop(timeout)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """Outer step and ledger (the tensors live in ``state_dir`` and the repository)."""
         with self._lock:
             return {"outer_step": self.outer_step, "ledger": dict(self.ledger)}
 
 
-class _Trouble:
-    """The master loop's failures: the first of a kind is logged, then while the same kind
-    (exception class) repeats, one line per ``FAILURE_LOG_SECONDS`` saying for how long."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
-        self._clock = clock
-        self._kind: str | None = None
-        self._since = self._said = 0.0
-
-    def failed(self, level: str, exc: BaseException) -> None:
-        now, kind = self._clock(), type(exc).__name__
-        line = getattr(_LOG, level)
-        if kind != self._kind:
-            self._kind, self._since, self._said = kind, now, now
-            line(f"master round failed ({kind}); retrying at every poll: {exc}")
-        elif now - self._said >= FAILURE_LOG_SECONDS:
-            self._said = now
-            line(f"master round still failing after {now - self._since:.0f} s ({kind}): {exc}")
-
-    def recovered(self) -> None:
-        if self._kind is not None:
-            _LOG.info(f"master round works again after {self._clock() - self._since:.0f} s")
-            self._kind = None
+# -- the compressed global ---------------------------------------------------------------
+def state_digest(state: Mapping[str, torch.Tensor]) -> str:
+    """sha256 of a state's names, dtypes, shapes and bytes (keys in sorted order)."""
+    digest = hashlib.sha256()
+    for key in sorted(state):
+        value = state[key].detach().to("cpu").contiguous()
+        digest.update(f"{key}|{value.dtype}|{tuple(value.shape)}|".encode())
+        if value.numel():
+            digest.update(value.reshape(-1).view(torch.uint8).numpy().data)
+    return digest.hexdigest()
 
 
-# -- who the round waits for -----------------------------------------------------------
-# every contribution names these (the node writes them; see link.NodeLink.send)
-IDENTITY_HEADERS = ("node_id", "round", "run_id", "instance", "base_outer_step")
+def add_decoded(base: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
+    """``base + decoded`` in float32, in ``base``'s dtype: the one addition the master and
+    every node perform, so they hold the same bits."""
+    return (base.detach().to("cpu", torch.float32) + decoded).to(base.dtype)
 
 
 @dataclasses.dataclass
-class NodeView:
-    """What the master knows about one node (rebuilt from the repository after a restart)."""
+class OuterUpdate:
+    """One round's quantized outer update: ``encoded`` turns the global of ``base_step``
+    (``base_digest``) into the one of ``outer_step`` (``digest``)."""
 
-    node_id: str
-    instance: str | None = None
-    state: str = "training"  # training | done | aggregator
-    final_round: int | None = None
-    last_heard: float = 0.0  # monotonic: joined, or newest contribution seen
-    dropped: bool = False
+    encoded: dict[str, QuantizedTensor]
+    dtype: str
+    block_size: int
+    base_step: int
+    base_digest: str
+    outer_step: int = -1
+    digest: str = ""
+    run_id: str = ""
 
-
-class Roster:
-    """Who the round waits for: one :class:`NodeView` per node of the exchange, from its
-    status record (``nodes/<id>/owner.json``: instance, ``state`` training | done |
-    aggregator, ``final_round`` when done; ``read_owner`` of the store), rebuilt from the
-    exchange after a restart. A record is read again only when the listing shows a new version
-    of it, so a poll costs one listing however many nodes there are. ``emit`` reports joins,
-    drops and rejoins.
-
-    A status record is a claim, never proof (anyone who can write to the exchange can write
-    one): a node finished its run only by what the master aggregated, see :meth:`finished`.
-    """
-
-    def __init__(
-        self,
-        read_owner: Callable[[str], dict[str, Any] | None],
-        emit: Emit = ignore,
-    ):
-        self._read_owner = read_owner
-        self._emit = emit
-        self.nodes: dict[str, NodeView] = {}
-        self.saw_training = False  # a node that trains announced itself (the run has begun)
-        self._records: dict[str, tuple[str, dict[str, Any]]] = {}  # node -> (version, record)
-
-    def refresh(self, scan: RepoScan, now: float, state: RoundState) -> bool:
-        """Update every node from its status record (a restarted node is a new view); True
-        when a record is new or changed since the last refresh (a sign of progress). An
-        instance that ``state`` lists as dropped (a restarted master) stays dropped."""
-        changed = False
-        for node_id in sorted(scan.owners):
-            view = self.nodes.get(node_id)
-            before = self._records.get(node_id)
-            record = self._record(node_id, scan)
-            changed |= before is None or before[1] != record
-            instance = record.get("instance")
-            if view is None or (instance and instance != view.instance):
-                dropped = bool(instance) and state.dropped.get(node_id) == instance
-                if instance and not dropped:  # a new instance of a dropped node: waited for
-                    state.dropped.pop(node_id, None)
-                view = NodeView(node_id, instance=instance, last_heard=now, dropped=dropped)
-                self.nodes[node_id] = view
-                if dropped:
-                    _LOG.info(
-                        f"node {node_id} stays dropped (it was before this master restarted); "
-                        "it rejoins when it delivers"
-                    )
-                elif record.get("state", "training") == "training":
-                    self._emit("node_joined", node_id=node_id, outer_step=state.outer_step)
-            status = str(record.get("state", view.state))
-            if view.state == "done" and status == "training":
-                view.last_heard = now  # restarted after it had finished: waiting again
-            view.state = status
-            final = record.get("final_round")
-            view.final_round = final if isinstance(final, int) else None
-            if view.state == "training":
-                self.saw_training = True
-        return changed
-
-    def _record(self, node_id: str, scan: RepoScan) -> dict[str, Any]:
-        """A node's status record, read again only when the listing shows a new version of
-        it: a poll costs one listing, not one read per node (K grows, requests do not)."""
-        info = scan.files.get(f"nodes/{node_id}/owner.json")
-        version = info.version if info is not None else None
-        cached = self._records.get(node_id)
-        if version is not None and cached is not None and cached[0] == version:
-            return cached[1]
-        record = self._read_owner(node_id) or {}
-        if version is not None:
-            self._records[node_id] = (version, record)
-        return record
-
-    def heard(self, node_id: str, now: float, state: RoundState) -> None:
-        """A contribution of ``node_id`` arrived: it is not silent (a dropped node rejoins
-        and leaves ``state.dropped``)."""
-        view = self.nodes.get(node_id)
-        if view is None:  # contributions without a status record are used, never waited for
-            return
-        if view.dropped:
-            view.dropped = False
-            state.dropped.pop(node_id, None)
-            self._emit("node_rejoined", node_id=node_id, outer_step=state.outer_step)
-        view.last_heard = max(view.last_heard, now)
-
-    def check_identity(
-        self,
-        node_id: str,
-        header: Mapping[str, str],
-        round: int,
-        outer_step: int,
-        relay_leaders: Collection[str],
-    ) -> int:
-        """A contribution to ``round`` found under ``nodes/<node_id>/`` names its node, round,
-        run, instance and base, matches its path, comes from the node's current instance, and
-        is based on a global the master published (``ValueError`` otherwise). Returns its
-        weight: 1, or for a node in ``relay_leaders`` the number of nodes it speaks for."""
-        missing = [key for key in IDENTITY_HEADERS if key not in header]
-        if missing:
-            raise ValueError(
-                f"no {', '.join(missing)} in its header (a node names its node, round, run, "
-                "instance and base outer step in every contribution)"
-            )
-        if header["node_id"] != node_id or header["round"] != str(round):
-            raise ValueError("its header names another node or round than its path")
-        instance = header["instance"]
-        if not instance:
-            raise ValueError("an empty instance in its header")
-        base = int(header["base_outer_step"])
-        if not -1 <= base <= outer_step:  # -1: measured from the node's initial weights
-            raise ValueError(f"based on outer step {base}, which this master never published")
-        view = self.nodes.get(node_id)
-        if view is not None and view.instance and instance != view.instance:
-            raise ValueError(f"written by instance {instance}, not the node's {view.instance}")
-        weight = int(header.get("weight", "1"))
-        if weight != 1 and node_id not in relay_leaders:
-            raise ValueError(
-                f"weight {weight} from {node_id}, which is not a relay leader (only nodes "
-                "listed in the top master's distributed.relay_leaders may weigh more than 1)"
-            )
-        if not 1 <= weight <= 1_000_000:
-            raise ValueError(f"weight {weight} is not a number of nodes")
-        return weight
-
-    def credit(self, seconds: float) -> None:
-        """Time the exchange could not be read: nobody was silent during it."""
-        for view in self.nodes.values():
-            view.last_heard += seconds
-
-    @staticmethod
-    def finished(view: NodeView, state: RoundState) -> bool:
-        """Done with its run by what the master aggregated (see the module docstring): the
-        record says ``done``, the node's last aggregated contribution came from the record's
-        instance, and it was flagged final or the ledger holds the record's ``final_round``."""
-        node = view.node_id
-        if view.state != "done" or not view.instance:
-            return False
-        if state.instances.get(node) != view.instance:
-            return False  # nothing aggregated from the instance that claims to be done
-        if node in state.finals:
-            return True
-        final = view.final_round
-        return final is not None and final >= 0 and state.ledger.get(node, -1) >= final
-
-    def finished_count(self, state: RoundState) -> int:
-        """How many nodes finished their run."""
-        return sum(self.finished(view, state) for view in self.nodes.values())
-
-    def _expected(self, view: NodeView, state: RoundState) -> bool:
-        """Neither finished nor a pure aggregator (which never contributes)."""
-        return view.state != "aggregator" and not self.finished(view, state)
-
-    def waiting(self, state: RoundState) -> set[str]:
-        """Nodes expected and not dropped (no clock: what a closing round still expects)."""
-        return {n for n, v in self.nodes.items() if self._expected(v, state) and not v.dropped}
-
-    def active(self, now: float, limit: float, state: RoundState) -> set[str]:
-        """Nodes the open round waits for; a node silent for more than ``limit`` seconds is
-        dropped (logged and reported once, recorded in ``state.dropped``) until it delivers
-        again."""
-        active = set()
-        for view in self.nodes.values():
-            if not self._expected(view, state):
-                continue
-            silent = now - view.last_heard
-            if silent > limit and not view.dropped:
-                view.dropped = True
-                state.dropped[view.node_id] = view.instance or ""
-                _LOG.warning(
-                    f"node {view.node_id} silent for {silent:.0f} s; no longer waiting for it "
-                    "(it rejoins when it delivers again)"
-                )
-                self._emit("node_dropped", node_id=view.node_id, silent_seconds=silent)
-            if not view.dropped:
-                active.add(view.node_id)
-        return active
-
-    def run_over(self, active: set[str], state: RoundState) -> bool:
-        """No node left to wait for, and at least one finished its run (nodes that are only
-        silent, e.g. all at once, keep the run open until one of them is done)."""
-        return self.saw_training and not active and self.finished_count(state) > 0
+    def write(self, handle: BinaryIO) -> str:
+        """Write the update file (codes and scales, as deltas) to ``handle``; its sha256."""
+        header: dict[str, object] = {
+            "kind": "outer_update",
+            "dtype": self.dtype,
+            "outer_step": self.outer_step,
+            "run_id": self.run_id,
+            "base_outer_step": self.base_step,
+            "base_digest": self.base_digest,
+            "digest": self.digest,
+        }
+        return wire.write_quantized(handle, self.encoded, self.dtype, self.block_size, header)
 
 
-# -- agreeing with the published state -------------------------------------------------
-META = {"algorithm": "dumb_diloco", "optimizer": "nesterov_sgd"}
-CORRUPT_READS = 3  # reads of an unchanged record before its weights count as unusable
-CORRUPT_WAIT = 0.2  # seconds before the second read (then twice that)
-
-
-def reconcile(
-    store: Any,
-    held: RoundState,
+@torch.no_grad()
+def step_quantized(
+    optimizer: NesterovOuterOptimizer,
+    state: dict[str, torch.Tensor],
+    mean: Mapping[str, torch.Tensor],
+    residual: dict[str, torch.Tensor],
     *,
-    trusted: bool,
-    fresh: bool,
-    new_run: Callable[[], RoundState],
-) -> RoundState:
-    """Agree with the exchange ``store``, at start and after a failed publish; returns the
-    state to hold from now on (the exchange holds it when this returns; ``held``'s weights and
-    records are never changed; an adopted global resets the run's one outer optimizer, which
-    ``held`` shares, and any retry adopts it again). The cases, in order:
-
-    - a ``fresh`` master (training from step 0) over the final global of a finished run: a new
-      run from the initial weights, the old run's contributions and done records pruned;
-    - nothing published: bootstrap (publish the held global, with a new run id when none);
-    - a newer published global, or no trusted local state: adopt it (finite as the model's
-      dtypes); an unusable one (corrupt, non-finite, too large) is overwritten with the local
-      state, or is an :class:`ExchangeError` (exit 2) when there is none: never a loop;
-    - a ledger ahead of the weights' record (a publish torn between its files): the weights'
-      own header says which step they hold, and the held global is published again;
-    - the published ledger is merged into the held one (a lost disk never aggregates a
-      contribution twice), and with an adopted global the node records beside it (who
-      finished, as which instance: a lost reply or a restart never waits for nodes that are
-      done).
-
-    ``trusted``: ``held`` was read from (or saved to) the master's own valid local state and
-    may be republished; ``fresh``: the master starts training from step 0; ``new_run()``: the
-    state of a new run. A failed read raises ``TransportError`` (the caller retries); it never
-    leads to a bootstrap that could overwrite a live global.
-    """
-    remote = store.global_metadata()
-    state = held.copy(tensors=False)
-    stale: list[str] = []
-    if remote is not None and remote.final and fresh:
-        _LOG.info(
-            f"the exchange holds the final global of a finished run (outer step "
-            f"{remote.outer_step}); starting a new run over it"
-        )
-        state = new_run()
-        stale = _leftovers(store)
-        remote = None
-    if remote is None:
-        state.run_id = state.run_id or secrets.token_hex(6)
-        store.publish_global(
-            state.global_state,
-            outer_step=state.outer_step,
-            ledger=state.ledger,
-            prune=stale,
-            metadata_extra={**META, "bootstrap": str(state.outer_step == 0).lower()},
-            run_id=state.run_id,
-            node_records=state.node_records(),
-        )
-        _LOG.info(f"published global state at outer step {state.outer_step} (bootstrap)")
-        return state
-    book = store.read_json(GLOBAL_PROCESSED, default={})
-    booked = book.get("outer_step") if isinstance(book, dict) else None
-    record = remote
-    adopted = False
-    # the ledger ahead of the record: a publish torn between its files; the weights' own
-    # header says which outer step they hold
-    torn = isinstance(booked, int) and booked > remote.outer_step
-    if remote.outer_step > state.outer_step or not trusted or torn:
-        fetched = _fetch(store, remote, state.global_state, trusted)
-        if fetched is None:  # unusable: this master's own global goes over it
-            remote = dataclasses.replace(remote, outer_step=-1)
-        else:
-            remote, weights = fetched
-            if remote.outer_step > state.outer_step or not trusted:
-                state.adopt(weights, remote.outer_step)
-                state.run_id = remote.run_id
-                adopted = True
-                _LOG.info(f"adopted published global at outer step {remote.outer_step}")
-    if not isinstance(booked, int) or booked <= state.outer_step:
-        for node, done in store.read_ledger().items():  # never a ledger ahead of the global
-            state.ledger[node] = max(done, state.ledger.get(node, -1))
-    if booked == state.outer_step:  # who finished, as whom: never lost with a reply
-        state.take_node_records(store.read_node_records(), newer=adopted)
-    repaired = remote.sha256 != record.sha256
-    if remote.outer_step < state.outer_step or repaired:
-        store.publish_global(
-            state.global_state,
-            outer_step=state.outer_step,
-            ledger=state.ledger,
-            metadata_extra=META,
-            run_id=state.run_id,
-            node_records=state.node_records(),
-        )
-    return state
-
-
-def _fetch(
-    store: Any,
-    remote: GlobalMetadata,
-    like: Mapping[str, torch.Tensor],
-    trusted: bool,
-) -> tuple[GlobalMetadata, dict[str, torch.Tensor]] | None:
-    """The published global, finite as the model's dtypes ``like``; None when it is unusable
-    and the master may republish its own (``trusted``), else ``ExchangeError``."""
-    problem = _unusable(store, remote, like)
-    if not isinstance(problem, str):
-        return problem
-    where = f"{remote.model_file} (outer step {remote.outer_step}) of {store.repo_id!r}"
-    if not trusted:
-        raise ExchangeError(
-            f"distributed.repo_id: the published global {where} is unusable ({problem}) and "
-            "this master has no local outer state to publish over it; restore its "
-            "distributed.state_dir, or delete global/ from the exchange to start a new run"
-        )
-    _LOG.error(
-        f"the published global {where} is unusable ({problem}); publishing this master's "
-        "own global over it"
-    )
-    return None
-
-
-def _unusable(
-    store: Any, remote: GlobalMetadata, like: Mapping[str, torch.Tensor]
-) -> tuple[GlobalMetadata, dict[str, torch.Tensor]] | str:
-    """The global and its record, or why it cannot be used. A read that fails while the
-    record stays the same is tried ``CORRUPT_READS`` times: a file read mid-write (or a
-    truncated reply) reads whole the next time, garbage never does. An outage (the record
-    cannot be read) raises ``TransportError``: retried at the next poll."""
-    for attempt in range(1, CORRUPT_READS + 1):
-        try:
-            fetched, weights = store.fetch_global(
-                remote, max_bytes=max_global_bytes(like), like=like
-            )
-        except TransportError as exc:
-            if exc.kind == "permanent":
-                return str(exc)
-            if isinstance(exc, HubUnavailable):
-                raise  # an outage, not the file: retried at the next poll
-            if attempt == CORRUPT_READS:
-                return f"{exc}, {CORRUPT_READS} reads of the same record"
-            time.sleep(CORRUPT_WAIT * attempt)
-            again = store.global_metadata()
-            if again is None or again.sha256 != remote.sha256:
-                raise  # the exchange changed meanwhile: agree again at the next poll
+    dtype: str,
+    block_size: int,
+    error_feedback: bool,
+) -> OuterUpdate:
+    """The outer step of ``optimizer`` on ``state`` (in place, a tensor at a time), its update
+    quantized: ``state`` ends as ``add_decoded(previous, decode(sent))``; ``residual`` (in
+    place) keeps what ``sent`` left out when ``error_feedback``."""
+    bits = QUANTIZED_BITS[dtype]
+    base_digest = state_digest(state)
+    encoded: dict[str, QuantizedTensor] = {}
+    for key in mean:
+        weight = state[key]
+        if not weight.is_floating_point():
             continue
-        bad = wire.first_non_finite(weights, like=like)
-        if bad is None:
-            return fetched, weights
-        return f"{bad} is not finite as the model's {like[bad].dtype}"
-    raise AssertionError("unreachable")
+        previous = weight.detach().clone()
+        optimizer.step({key: weight}, {key: mean[key]})
+        update = weight.to(torch.float32) - previous.to(torch.float32)
+        if key in residual:
+            update.add_(residual[key])
+        sent = quantize(update, bits, block_size)
+        decoded = sent.dequantize()
+        if error_feedback:
+            residual[key] = update.sub_(decoded)
+        weight.copy_(add_decoded(previous, decoded))
+        encoded[key] = sent
+    return OuterUpdate(encoded, dtype, block_size, -1, base_digest)
 
 
-def _leftovers(store: Any) -> list[str]:
-    """Files of a finished run: its contributions and the records of nodes that were done."""
-    scan = store.scan()
-    paths = [path for files in scan.deltas.values() for path in files.values()]
-    for node_id in scan.owners:
-        if (store.read_owner(node_id) or {}).get("state") == "done":
-            paths.append(f"nodes/{node_id}/owner.json")
-    return sorted(paths)
-
-
-# -- the round state and its local file ------------------------------------------------
-_FORMAT = "speedtronic-outer-state/2"
-
-
-@dataclass
-class RoundState:
-    """The master's whole mutable round state (one object: copy it, change the copy, keep it
-    once the exchange holds it).
-
-    ``outer_step``: the published global's outer step (= the open round); ``global_state``:
-    its weights in the model's dtypes; ``optimizer``: the outer optimizer and its momentum;
-    ``run_id``: names the run; ``ledger``: node -> highest round aggregated (or dropped);
-    ``digests``: node -> sha256 of its last aggregated contribution (a re-sent copy is refused);
-    ``instances``: node -> the ``instance`` header of its last aggregated contribution;
-    ``finals``: node -> the round of its aggregated contribution flagged ``final``;
-    ``dropped``: node -> the instance the master stopped waiting for (silent for ``drop_after``
-    round lengths; it stays dropped across a restart until that instance delivers, and a new
-    instance of the node is waited for again);
-    ``round_seconds``: a moving average of the round lengths (the master's drop limit counts
-    in it, so it survives a restart); ``residual``: what the quantized outer updates left out
-    (``global_dtype`` int8/int4 with error feedback); ``update``: the quantized update of the
-    outer step just taken, until it is published (never saved: a republish sends the full
-    global only).
-    """
+@dataclasses.dataclass
+class HeldGlobal:
+    """The last global a node installed, kept to apply the next update to (the tensors the
+    node was handed, not a copy: the install only reads them)."""
 
     outer_step: int
-    global_state: dict[str, torch.Tensor]
-    optimizer: NesterovOuterOptimizer
-    run_id: str = ""
-    ledger: dict[str, int] = field(default_factory=dict)
-    digests: dict[str, str] = field(default_factory=dict)
-    instances: dict[str, str] = field(default_factory=dict)
-    finals: dict[str, int] = field(default_factory=dict)
-    dropped: dict[str, str] = field(default_factory=dict)
-    round_seconds: float = 0.0
-    residual: dict[str, torch.Tensor] = field(default_factory=dict)
-    update: OuterUpdate | None = field(default=None, repr=False, compare=False)
+    run_id: str
+    digest: str
+    state: dict[str, torch.Tensor]
 
     @classmethod
-    def new(cls, global_state: dict[str, torch.Tensor], lr: float, momentum: float) -> RoundState:
-        """Outer step 0 of a new run over ``global_state`` (kept, not copied)."""
-        return cls(0, global_state, NesterovOuterOptimizer(global_state, lr, momentum))
-
-    def copy(self, *, tensors: bool = True) -> RoundState:
-        """A copy with new records over the run's one outer optimizer (shared: it is made
-        once per run): its weights and residual cloned, or with ``tensors=False`` a new
-        weights dict over the same tensors (what a reconcile changes: it replaces tensors,
-        never writes into them)."""
-        optimizer = self.optimizer
-        weights = wire.cpu_state_dict(self.global_state) if tensors else dict(self.global_state)
-        return RoundState(
-            self.outer_step,
-            weights,
-            optimizer,
-            self.run_id,
-            dict(self.ledger),
-            dict(self.digests),
-            dict(self.instances),
-            dict(self.finals),
-            dict(self.dropped),
-            self.round_seconds,
-            wire.cpu_state_dict(self.residual) if tensors else self.residual,
-        )
-
-    def node_records(self) -> dict[str, dict[str, Any]]:
-        """What the published ledger's record carries of each node beside its round (the
-        transport's ``NODE_RECORDS``): a master that adopts the published global from it
-        knows which nodes finished, which instance they ran as and which it stopped waiting
-        for."""
-        return {
-            "finals": dict(self.finals),
-            "instances": dict(self.instances),
-            "digests": dict(self.digests),
-            "dropped": dict(self.dropped),
-        }
-
-    def take_node_records(self, records: Mapping[str, Mapping[str, Any]], *, newer: bool) -> None:
-        """Merge published ``records`` (see :meth:`node_records`): they replace this state's
-        when ``newer`` (the published global was adopted), else they only fill what it lacks
-        (an outer state file written before they were kept)."""
-        for name, mine in self.node_records().items():
-            published = dict(records.get(name) or {})
-            merged = {**mine, **published} if newer else {**published, **mine}
-            setattr(self, name, merged)
-
-    def adopt(self, state: Mapping[str, torch.Tensor], outer_step: int) -> None:
-        """Take a published global (cast to this state's dtypes; other keys and shapes are
-        ignored) at ``outer_step``; the momentum starts again from zero (the run's outer
-        optimizer, shared with the state this one was copied from, forgets it)."""
-        for key, value in state.items():
-            mine = self.global_state.get(key)
-            if mine is not None and tuple(value.shape) == tuple(mine.shape):
-                self.global_state[key] = wire.cpu_tensor(value).to(mine.dtype)
-        self.outer_step = int(outer_step)
-        self.optimizer.reset()
+    def of(cls, outer_step: int, run_id: str, state: Mapping[str, torch.Tensor]) -> HeldGlobal:
+        """``state`` held as global ``outer_step`` of run ``run_id`` (its digest computed)."""
+        return cls(outer_step, run_id, state_digest(state), dict(state))
 
 
-class OuterStateStore:
-    """One master's files under ``state_dir``.
-
-    ``outer_state.safetensors`` is one atomic file: tensors ``global/<key>`` and
-    ``momentum/<key>``; its header the outer step, run id, ledger, digests, the nodes'
-    instances, final rounds and drops, and the average round length (a kill leaves the old or
-    the new state). ``pending_round.json`` is the write-ahead record of a round being
-    published: what the master will report once the publish landed. A master killed between
-    the exchange applying the publish and the report finds it at its restart and reports the
-    round then, if the published global is that round's; a record of a publish that did not
-    land is dropped (its contributions are still on the exchange, and the round closes again).
-    """
-
-    def __init__(self, state_dir: str | os.PathLike):
-        self.state_dir = Path(state_dir)
-
-    @property
-    def path(self) -> Path:
-        """The outer state file."""
-        return self.state_dir / "outer_state.safetensors"
-
-    @property
-    def pending_path(self) -> Path:
-        """The write-ahead record of a round being published."""
-        return self.state_dir / "pending_round.json"
-
-    def load(self, like: RoundState) -> RoundState | None:
-        """The saved state, its tensors shaped and typed as ``like``'s global, its momentum
-        loaded into ``like``'s outer optimizer (the run's one); None when there is none.
-
-        Raises ``ValueError`` (after moving the file aside as ``*.corrupt-<time>``) when the
-        file cannot be read or does not match ``like``."""
-        if not self.path.exists():
-            return None
-        try:  # one tensor at a time is read into its own buffer
-            with wire.open_safetensors(self.path) as saved_file:
-                meta = saved_file.metadata() or {}
-                if meta.get("format") != _FORMAT:
-                    raise ValueError(f"unknown format {meta.get('format')!r}")
-                names = set(saved_file.keys())
-                glob: dict[str, torch.Tensor] = {}
-                for key, value in like.global_state.items():
-                    name = f"global/{key}"
-                    shape = saved_file.shape(name) if name in names else None
-                    if shape is None or tuple(shape) != tuple(value.shape):
-                        raise ValueError(f"global tensor {key} missing or reshaped")
-                    glob[key] = saved_file.get_tensor(name).to(value.dtype)
-                momentum = {  # by tensor name: the optimizer's state (also a 2.1 file's)
-                    k[9:]: saved_file.get_tensor(k) for k in names if k.startswith("momentum/")
-                }
-                residual = {
-                    k[9:]: saved_file.get_tensor(k) for k in names if k.startswith("residual/")
-                }
-            saved = RoundState(
-                outer_step=int(meta["outer_step"]),
-                global_state=glob,
-                optimizer=like.optimizer,
-                run_id=str(meta.get("run_id", "")),
-                ledger=_json_map(meta["ledger"], int),
-                digests=_json_map(meta["digests"], str),
-                instances=_json_map(meta.get("instances", "{}"), str),  # absent before 2.2
-                finals=_json_map(meta.get("finals", "{}"), int),
-                dropped=_json_map(meta.get("dropped", "{}"), str),  # absent in older files
-                round_seconds=float(meta.get("round_seconds", "0")),  # absent before 2.3
-                residual=residual,
+def read_update(
+    path: str | os.PathLike[str],
+    held: HeldGlobal,
+    *,
+    metadata: GlobalMetadata,
+    like: Mapping[str, torch.Tensor],
+) -> HeldGlobal:
+    """The global ``metadata`` names, from ``held`` and the update file at ``path``. The file
+    must be the one the record names (sha256), an update (codes and scales checked as a
+    delta's) from ``held`` (outer step, run id, digest) to this global, its result must have
+    the digest it announces and be finite in the model's dtypes ``like``; else ``ValueError``."""
+    if file_sha256(Path(path)) != metadata.update_sha256:
+        raise ValueError(f"{GLOBAL_UPDATE} does not match the version record (sha256)")
+    with wire.open_safetensors(path) as opened:
+        header = opened.metadata()
+        if header.get("kind") != "outer_update":
+            raise ValueError("not an outer update file")
+        base = (header.get("base_outer_step"), header.get("base_digest"))
+        if base != (str(held.outer_step), held.digest) or held.run_id != metadata.run_id:
+            raise ValueError(
+                f"the update applies to global {base[0]} ({str(base[1])[:12]}), this node holds "
+                f"{held.outer_step} ({held.digest[:12]}) of run {held.run_id or '?'}"
             )
-            like.optimizer.load_state_dict(momentum)  # last: a failed read leaves it as it was
-        except Exception as exc:
-            self.path.replace(self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}"))
-            raise ValueError(f"{type(exc).__name__}: {exc}") from None
-        return saved
-
-    def save(self, state: RoundState) -> None:
-        """Write the whole state as one atomic file."""
-        tensors = {f"global/{k}": v for k, v in state.global_state.items()}
-        momentum = state.optimizer.momentum_buffers()  # the optimizer's state, by tensor name
-        tensors.update({f"momentum/{k}": v for k, v in momentum.items()})
-        tensors.update({f"residual/{k}": v for k, v in state.residual.items()})
-        meta = {
-            "format": _FORMAT,
-            "outer_step": state.outer_step,
-            "run_id": state.run_id,
-            "ledger": json.dumps(dict(sorted(state.ledger.items()))),
-            "digests": json.dumps(dict(sorted(state.digests.items()))),
-            "instances": json.dumps(dict(sorted(state.instances.items()))),
-            "finals": json.dumps(dict(sorted(state.finals.items()))),
-            "dropped": json.dumps(dict(sorted(state.dropped.items()))),
-            "round_seconds": repr(float(state.round_seconds)),
-            "updated_at": datetime.now(timezone.utc).isoformat(),
-        }
-        atomic_write_with(
-            lambda handle: wire.write_safetensors(handle, tensors, metadata=meta), self.path
-        )
-
-    def write_pending(self, outer_step: int, run_id: str, report: dict[str, Any]) -> None:
-        """Record, before publishing ``outer_step``, what the master will report about it."""
-        atomic_json_dump(
-            {"outer_step": outer_step, "run_id": run_id, "report": report}, self.pending_path
-        )
-
-    def clear_pending(self) -> None:
-        """The round was reported (or will close again): forget its record."""
-        self.pending_path.unlink(missing_ok=True)
-
-    def take_pending(self, outer_step: int, run_id: str) -> dict[str, Any] | None:
-        """The report of a round that was published but never reported, given the global the
-        master now holds; None when there is none or its publish did not land. The record is
-        removed either way."""
-        try:
-            record = json.loads(self.pending_path.read_text())
-        except (OSError, ValueError):
-            record = None
-        self.clear_pending()
-        if not isinstance(record, dict) or not isinstance(record.get("report"), dict):
-            return None
-        landed = record.get("run_id") == run_id and isinstance(record.get("outer_step"), int)
-        if not landed or record["outer_step"] > outer_step:
-            return None
-        return record["report"]
-
-
-def _json_map(text: str, kind: Callable[[Any], Any]) -> dict[str, Any]:
-    """A JSON object of the header, its keys as strings and its values as ``kind``."""
-    return {str(k): kind(v) for k, v in json.loads(text).items()}
+        made = (header.get("outer_step"), header.get("run_id"))
+        if made != (str(metadata.outer_step), metadata.run_id):
+            raise ValueError(
+                f"the update makes global {made[0]} of run {made[1] or '?'}; the record names "
+                f"{metadata.outer_step} of {metadata.run_id or '?'}"
+            )
+        codec = WireCodec.from_metadata(header)
+        if codec.bits is None:
+            raise ValueError(f"an update holds int8 or int4 codes, not {codec.name}")
+        floating = [k for k, v in held.state.items() if v.is_floating_point()]
+        if set(opened.keys()) != set(floating) | {k + SCALE_SUFFIX for k in floating}:
+            raise ValueError("the update's keys do not match the global's floating tensors")
+        result = dict(held.state)
+        for key in floating:  # codes (dtype, count, range) and scales (count, finite, bound)
+            value = held.state[key]
+            decoded = codec.read(key, opened.get_tensor, tuple(value.shape), wire.MAX_DELTA_ABS)
+            result[key] = add_decoded(value, decoded)
+    digest = state_digest(result)
+    if digest != header.get("digest"):
+        raise ValueError("the result differs from the master's global (digest)")
+    bad = wire.first_non_finite(result, like=like)
+    if bad is not None:
+        raise ValueError(f"the updated global holds non-finite values in {bad}")
+    return HeldGlobal(metadata.outer_step, metadata.run_id, digest, result)
 
 
 # -- the outer step --------------------------------------------------------------------
@@ -1376,36 +833,31 @@ OUTER_CHUNK = 1 << 18
 
 
 class NesterovOuterOptimizer:
-    """The outer step of DiLoCo (Douillard et al. 2023, Algorithm 1): one ``torch.optim.SGD``
-    (Nesterov when ``momentum > 0``, ``foreach=False``) made once per run over the global's
-    floating tensors, with the round's mean pseudo-gradient as gradient::
+    """The outer step of DiLoCo (Douillard et al. 2023): one ``torch.optim.SGD`` (Nesterov
+    when ``momentum > 0``) made once per run over the global's floating tensors, the round's
+    mean pseudo-gradient as gradient::
 
         buf    = momentum * buf + mean
         global = global - lr * (mean + momentum * buf)     (plain SGD when momentum == 0)
 
-    Its parameters are leaf tensors named by key that share the storage of the global's
-    tensors (rebound to the tensors of the state each step is given: an adopted or loaded
-    global replaces them); its state holds one float32 momentum buffer per tensor. The step
-    is torch's SGD update (``torch.optim.sgd.sgd``, what ``SGD.step`` runs) over slices of
-    at most ``OUTER_CHUNK`` values of the parameter, its gradient and its buffer, so no
-    temporary is larger than a slice however large one tensor is (the master's memory bar).
-    A weight in another dtype is updated in float32 and rounded once.
-
-    ``lr`` is the outer learning rate (DiLoCo's 0.7), ``momentum`` its Nesterov momentum (0.9;
-    0 is plain SGD). ``step(state, delta)`` updates ``state`` in place.
+    Its parameters are named by key and share the storage of the tensors of the state each
+    step is given (an adopted or loaded global replaces them); its state holds one float32
+    momentum buffer per tensor. The step is torch's SGD update (what ``SGD.step`` runs) over
+    slices of at most ``OUTER_CHUNK`` values, so no temporary is larger than a slice (the
+    master's memory bar); a weight in another dtype is updated in float32 and rounded once.
     """
 
     def __init__(self, state: Mapping[str, torch.Tensor], lr: float, momentum: float = 0.9):
-        named = []
-        for key, value in state.items():
-            if value.is_floating_point():
-                param = torch.empty(0, dtype=value.dtype)
-                named.append((str(key), param.set_(value.detach())))
+        named = [
+            (str(key), _bound(torch.empty(0, dtype=value.dtype), value))
+            for key, value in state.items()
+            if value.is_floating_point()
+        ]
         if not named:
             raise ValueError("the global holds no floating tensor to optimize")
-        momentum = float(momentum)
+        self.momentum = float(momentum)
         self.sgd = torch.optim.SGD(
-            named, lr=float(lr), momentum=momentum, nesterov=momentum > 0, foreach=False
+            named, lr=float(lr), momentum=self.momentum, nesterov=self.momentum > 0, foreach=False
         )
         group = self.sgd.param_groups[0]
         self.params: dict[str, torch.Tensor] = dict(
@@ -1421,33 +873,28 @@ class NesterovOuterOptimizer:
     def lr(self, value: float) -> None:
         self.sgd.param_groups[0]["lr"] = float(value)
 
-    @property
-    def momentum(self) -> float:
-        """The Nesterov momentum (0: plain SGD)."""
-        return float(self.sgd.param_groups[0]["momentum"])
-
     def _pairs(
         self, state: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor]
-    ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
         """``(key, weight, grad)`` for each floating key of ``delta`` (``KeyError`` for a key
         ``state`` or the optimizer lacks, ``ValueError`` for a shape that differs)."""
+        pairs = []
         for key, grad in delta.items():
-            if key not in state:
-                raise KeyError(key)
             weight = state[key]
             if tuple(weight.shape) != tuple(grad.shape):
                 raise ValueError(f"shape mismatch for {key}")
             if weight.is_floating_point():
                 if key not in self.params:
                     raise KeyError(key)
-                yield key, weight, grad
+                pairs.append((key, weight, grad))
+        return pairs
 
+    @staticmethod
     def _slices(
-        self, weight: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None
+        weight: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         """Flat views of at most ``OUTER_CHUNK`` values of ``weight``, ``grad`` and ``buf``."""
-        flat = weight.detach().reshape(-1)
-        flat_grad = grad.detach().reshape(-1)
+        flat, flat_grad = weight.detach().reshape(-1), grad.detach().reshape(-1)
         flat_buf = None if buf is None else buf.reshape(-1)
         for start in range(0, max(flat.numel(), 1), OUTER_CHUNK):
             end = start + OUTER_CHUNK
@@ -1455,8 +902,7 @@ class NesterovOuterOptimizer:
             yield flat[start:end], flat_grad[start:end], part
 
     def _update(self, weight: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None) -> None:
-        """The optimizer's update of one slice, in place (float32 arithmetic; a weight in
-        another dtype is updated on a float32 copy and rounded once)."""
+        """The optimizer's update of one slice, in place, in float32."""
         group = self.sgd.param_groups[0]
         param = weight if weight.dtype == torch.float32 else weight.to(torch.float32)
         sgd_update(
@@ -1480,44 +926,44 @@ class NesterovOuterOptimizer:
         if self.momentum == 0:
             return None
         param = self.params[key]
-        buf = self.sgd.state[param].get("momentum_buffer")
+        buf: torch.Tensor | None = self.sgd.state[param].get("momentum_buffer")
         if buf is None and create:
             buf = torch.zeros(param.shape, dtype=torch.float32)
             self.sgd.state[param]["momentum_buffer"] = buf
         return buf
 
-    @torch.no_grad()
     def step(self, state: dict[str, torch.Tensor], delta: Mapping[str, torch.Tensor]) -> None:
-        """Apply the averaged pseudo-gradient ``delta`` to ``state`` in place: the optimizer's
-        parameters are bound to ``state``'s tensors and stepped a slice at a time (float32
-        temporaries of one slice at most)."""
-        pairs = list(self._pairs(state, delta))  # every key checked before any is written
-        for key, weight, grad in pairs:
-            param = self.params[key]
-            if param.dtype != weight.dtype:
-                raise ValueError(f"dtype of {key} changed from {param.dtype} to {weight.dtype}")
-            param.set_(weight.detach())  # the parameter is the global's tensor
-            buf = self._buffer(key, create=True)
-            for part, grad_part, buf_part in self._slices(param, grad, buf):
-                self._update(part, grad_part, buf_part)
+        """Apply the averaged pseudo-gradient ``delta`` to ``state`` in place, a slice at a
+        time (every key checked before any is written)."""
+        self._run(state, delta, trial=False)
 
-    @torch.no_grad()
     def first_non_finite(
         self, state: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor]
     ) -> str | None:
-        """The first key whose weight :meth:`step` would make non-finite (in the weight's
-        dtype), else None: the same update on copies of one slice at a time, changing
-        nothing."""
+        """The first key whose weight :meth:`step` would make non-finite (in its dtype), else
+        None: the same update on copies of one slice at a time, changing nothing."""
+        return self._run(state, delta, trial=True)
+
+    @torch.no_grad()
+    def _run(
+        self, state: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor], *, trial: bool
+    ) -> str | None:
         for key, weight, grad in self._pairs(state, delta):
-            buf = self._buffer(key, create=False)
+            param = self.params[key]
+            if not trial:
+                if param.dtype != weight.dtype:
+                    raise ValueError(f"dtype of {key} changed from {param.dtype} to {weight.dtype}")
+                _bound(param, weight)  # the parameter is the global's tensor
+            buf = self._buffer(key, create=not trial)
             for part, grad_part, buf_part in self._slices(weight, grad, buf):
-                trial = part.to("cpu", torch.float32, copy=True)
-                if buf_part is not None:
-                    buf_part = buf_part.clone()
-                elif self.momentum > 0:  # as step's first: zeros, of one slice here
-                    buf_part = torch.zeros_like(trial)
-                self._update(trial, grad_part, buf_part)
-                if not bool(torch.isfinite(trial.to(weight.dtype)).all()):
+                if trial:  # as step's: the slice's update on float32 copies
+                    part = part.to("cpu", torch.float32, copy=True)
+                    if buf_part is not None:
+                        buf_part = buf_part.clone()
+                    elif self.momentum > 0:  # as step's first: zeros, of one slice here
+                        buf_part = torch.zeros_like(part)
+                self._update(part, grad_part, buf_part)
+                if trial and not bool(torch.isfinite(part.to(weight.dtype)).all()):
                     return key
         return None
 
@@ -1526,35 +972,30 @@ class NesterovOuterOptimizer:
         self.sgd.state.clear()
 
     def momentum_buffers(self) -> dict[str, torch.Tensor]:
-        """The momentum buffers by tensor name (the optimizer's own tensors, not copies):
-        what the outer state file holds as ``momentum/<name>``."""
-        out = {}
-        for key, param in self.params.items():
-            buf = self.sgd.state.get(param, {}).get("momentum_buffer")
-            if buf is not None:
-                out[key] = buf
-        return out
+        """The momentum buffers by tensor name (the optimizer's own tensors): what the outer
+        state file holds as ``momentum/<name>``."""
+        buffers = {
+            key: self.sgd.state.get(p, {}).get("momentum_buffer") for key, p in self.params.items()
+        }
+        return {key: buf for key, buf in buffers.items() if buf is not None}
 
     def state_dict(self) -> StateDict:
-        """The optimizer's ``state_dict`` (torch's: ``state`` by parameter index, over the
-        optimizer's own buffers; ``param_groups`` with the tensor names)."""
+        """The optimizer's ``state_dict`` (torch's, with the tensor names in its group)."""
         return self.sgd.state_dict()
 
     def load_state_dict(self, saved: StateDict | Mapping[str, torch.Tensor]) -> None:
-        """Replace the momentum with ``saved``'s: a :meth:`state_dict` (its buffers matched
-        by name) or a dict of buffers by tensor name (an outer state file, also of 2.1).
-        Buffers are kept as float32 CPU clones; the hyperparameters stay this run's.
-        ``ValueError`` for a buffer whose shape differs from its tensor's."""
-        buffers: Mapping[str, torch.Tensor]
+        """Replace the momentum with ``saved``'s: a :meth:`state_dict` or the buffers by tensor
+        name (an outer state file), kept as float32 CPU clones; the hyperparameters stay this
+        run's. ``ValueError`` for a buffer whose shape differs from its tensor's."""
+        buffers = cast(Mapping[str, torch.Tensor], saved)
         if "state" in saved and "param_groups" in saved:
-            names = [n for group in saved["param_groups"] for n in group["param_names"]]
+            torch_state = cast(StateDict, saved)
+            names = [n for group in torch_state["param_groups"] for n in group["param_names"]]
             buffers = {
                 names[int(i)]: entry["momentum_buffer"]
-                for i, entry in saved["state"].items()
+                for i, entry in torch_state["state"].items()
                 if entry.get("momentum_buffer") is not None
             }
-        else:
-            buffers = saved
         loaded = {}
         for key, value in buffers.items():
             param = self.params.get(str(key))
@@ -1566,3 +1007,9 @@ class NesterovOuterOptimizer:
         self.reset()
         for param, buf in loaded.items():
             self.sgd.state[param]["momentum_buffer"] = buf
+
+
+def _bound(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``param`` made to share ``value``'s storage (and shape)."""
+    param.set_(value.detach())  # type: ignore[call-overload]  # torch's stubs lack set_(Tensor)
+    return param

@@ -71,7 +71,7 @@ from speedtronic.diloco.exchange import (
     ignore,
     scrub,
 )
-from speedtronic.diloco.outer_update import HeldGlobal, read_update
+from speedtronic.diloco.master import HeldGlobal, read_update
 
 __all__ = [
     "Contribution",

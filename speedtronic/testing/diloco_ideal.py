@@ -11,7 +11,7 @@ out and adding it to its next pseudo-gradient (error feedback, as
 order and divided by K;
 one outer step (:class:`~speedtronic.diloco.master.NesterovOuterOptimizer`, the master's own
 class) updates the global, its update quantized as the master sends it when
-``distributed.global_dtype`` is int8/int4 (:func:`speedtronic.diloco.outer_update.step_quantized`,
+``distributed.global_dtype`` is int8/int4 (:func:`speedtronic.diloco.master.step_quantized`,
 with the master's error feedback); every node continues from it. No files, threads or timing.
 
 With ``sync: blocking`` and every node delivering in every round, the real processes compute
@@ -30,8 +30,7 @@ from typing import Any
 import torch
 
 from speedtronic.diloco.codec import decode_value, encode_delta
-from speedtronic.diloco.master import NesterovOuterOptimizer
-from speedtronic.diloco.outer_update import step_quantized
+from speedtronic.diloco.master import NesterovOuterOptimizer, step_quantized
 from speedtronic.diloco.wire import compute_pseudo_gradient, cpu_state_dict
 
 __all__ = ["IdealResult", "simulate"]

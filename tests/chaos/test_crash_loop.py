@@ -131,7 +131,7 @@ def test_master_killed_while_persisting_its_state_keeps_the_last_complete_state(
     """The local state is one atomic file (it was two: a kill between them lost it all)."""
     import crash_loop
 
-    from speedtronic.diloco import master as store_module
+    from speedtronic.diloco import ledger as store_module
 
     master, transport = crash_loop._master(tmp_path)
     master.reconcile()

@@ -1,0 +1,591 @@
+"""The master's round bookkeeping: who a round waits for, what a round changes, and where it lives.
+
+:class:`Roster` keeps one :class:`NodeView` per node from its status record; :class:`RoundState`
+is everything a round changes (weights, ledger, node records), copied, changed and kept once the
+exchange holds it; :func:`publish` is the one way a state goes to the exchange;
+:func:`reconcile` agrees with the published state at start and after a failed publish; and
+:class:`OuterStateStore` keeps the state in one atomic local file beside the write-ahead record
+of the round being published (exactly once: a contribution is counted by the ledger that the
+same commit publishes with the weights).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import secrets
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+import torch
+
+from speedtronic.background import wait_for
+from speedtronic.checkpoint import atomic_json_dump, atomic_write_with
+from speedtronic.diloco import wire
+from speedtronic.diloco.exchange import (
+    GLOBAL_PROCESSED,
+    Emit,
+    ExchangeError,
+    GlobalMetadata,
+    HubUnavailable,
+    RepoScan,
+    Store,
+    TransportError,
+    max_global_bytes,
+)
+
+if TYPE_CHECKING:
+    from speedtronic.diloco.master import NesterovOuterOptimizer, OuterUpdate
+
+__all__ = [
+    "IDENTITY_HEADERS",
+    "META",
+    "NodeView",
+    "OuterStateStore",
+    "Roster",
+    "RoundState",
+    "publish",
+    "reconcile",
+]
+
+_LOG = logging.getLogger("speedtronic.diloco")
+V = TypeVar("V")
+
+#: Every contribution names these in its header (the node writes them).
+IDENTITY_HEADERS = ("node_id", "round", "run_id", "instance", "base_outer_step")
+META = {"algorithm": "dumb_diloco", "optimizer": "nesterov_sgd"}
+CORRUPT_READS = 3  # reads of an unchanged record before its weights count as unusable
+CORRUPT_WAIT = 0.2  # seconds before the second read (then twice that)
+_FORMAT = "speedtronic-outer-state/2"
+
+
+# -- who the round waits for -----------------------------------------------------------
+@dataclasses.dataclass
+class NodeView:
+    """What the master knows about one node (rebuilt from the repository after a restart)."""
+
+    node_id: str
+    instance: str | None = None
+    state: str = "training"  # training | done | aggregator
+    final_round: int | None = None
+    last_heard: float = 0.0  # monotonic: joined, or newest contribution seen
+    dropped: bool = False
+
+
+class Roster:
+    """One :class:`NodeView` per node, from its status record (``nodes/<id>/owner.json``:
+    instance, ``state``, ``final_round``), read again only when the listing shows a new
+    version of it (a poll costs one listing however many nodes there are). A record is a
+    claim, never proof: a node finished only by what the master aggregated
+    (:meth:`finished`). ``emit`` reports joins, drops and rejoins."""
+
+    def __init__(self, read_owner: Callable[[str], Mapping[str, object] | None], emit: Emit):
+        self._read_owner = read_owner
+        self._emit = emit
+        self.nodes: dict[str, NodeView] = {}
+        self.saw_training = False  # a node that trains announced itself (the run has begun)
+        self._records: dict[str, tuple[str, Mapping[str, object]]] = {}  # node -> version, record
+
+    def refresh(self, scan: RepoScan, now: float, state: RoundState) -> bool:
+        """Update every node from its status record (a new instance is a new view; one that
+        ``state`` lists as dropped stays dropped); True when a record is new or changed."""
+        changed = False
+        for node_id in sorted(scan.owners):
+            view, before = self.nodes.get(node_id), self._records.get(node_id)
+            record = self._record(node_id, scan)
+            changed |= before is None or before[1] != record
+            instance = str(record.get("instance") or "") or None
+            if view is None or (instance and instance != view.instance):
+                dropped = bool(instance) and state.dropped.get(node_id) == instance
+                if instance and not dropped:  # a new instance of a dropped node: waited for
+                    state.dropped.pop(node_id, None)
+                view = NodeView(node_id, instance=instance, last_heard=now, dropped=dropped)
+                self.nodes[node_id] = view
+                if dropped:
+                    _LOG.info(
+                        f"node {node_id} stays dropped (it was before this master restarted); "
+                        "it rejoins when it delivers"
+                    )
+                elif record.get("state", "training") == "training":
+                    self._emit("node_joined", node_id=node_id, outer_step=state.outer_step)
+            status = str(record.get("state", view.state))
+            if view.state == "done" and status == "training":
+                view.last_heard = now  # restarted after it had finished: waiting again
+            view.state = status
+            final = record.get("final_round")
+            view.final_round = final if isinstance(final, int) else None
+            self.saw_training |= view.state == "training"
+        return changed
+
+    def _record(self, node_id: str, scan: RepoScan) -> Mapping[str, object]:
+        info = scan.files.get(f"nodes/{node_id}/owner.json")
+        version = info.version if info is not None else None
+        cached = self._records.get(node_id)
+        if version is not None and cached is not None and cached[0] == version:
+            return cached[1]
+        record = self._read_owner(node_id) or {}
+        if version is not None:
+            self._records[node_id] = (version, record)
+        return record
+
+    def heard(self, node_id: str, now: float, state: RoundState) -> None:
+        """A contribution of ``node_id`` arrived: it is not silent (a dropped node rejoins).
+        Contributions without a status record are used, never waited for."""
+        view = self.nodes.get(node_id)
+        if view is None:
+            return
+        if view.dropped:
+            view.dropped = False
+            state.dropped.pop(node_id, None)
+            self._emit("node_rejoined", node_id=node_id, outer_step=state.outer_step)
+        view.last_heard = max(view.last_heard, now)
+
+    def check_identity(
+        self,
+        node_id: str,
+        header: Mapping[str, str],
+        round: int,
+        outer_step: int,
+        relay_leaders: Collection[str],
+    ) -> int:
+        """A contribution to ``round`` under ``nodes/<node_id>/`` names its node, round, run,
+        instance and base, matches its path, comes from the node's current instance and is
+        based on a published global (else ``ValueError``). Returns its weight: 1, or for a node
+        in ``relay_leaders`` the number of nodes it speaks for."""
+        missing = [key for key in IDENTITY_HEADERS if key not in header]
+        if missing:
+            raise ValueError(
+                f"no {', '.join(missing)} in its header (a node names its node, round, run, "
+                "instance and base outer step in every contribution)"
+            )
+        if header["node_id"] != node_id or header["round"] != str(round):
+            raise ValueError("its header names another node or round than its path")
+        instance = header["instance"]
+        if not instance:
+            raise ValueError("an empty instance in its header")
+        base = int(header["base_outer_step"])
+        if not -1 <= base <= outer_step:  # -1: measured from the node's initial weights
+            raise ValueError(f"based on outer step {base}, which this master never published")
+        view = self.nodes.get(node_id)
+        if view is not None and view.instance and instance != view.instance:
+            raise ValueError(f"written by instance {instance}, not the node's {view.instance}")
+        weight = int(header.get("weight", "1"))
+        if weight != 1 and node_id not in relay_leaders:
+            raise ValueError(
+                f"weight {weight} from {node_id}, which is not a relay leader (only nodes "
+                "listed in the top master's distributed.relay_leaders may weigh more than 1)"
+            )
+        if not 1 <= weight <= 1_000_000:
+            raise ValueError(f"weight {weight} is not a number of nodes")
+        return weight
+
+    def credit(self, seconds: float) -> None:
+        """Time the exchange could not be read: nobody was silent during it."""
+        for view in self.nodes.values():
+            view.last_heard += seconds
+
+    @staticmethod
+    def finished(view: NodeView, state: RoundState) -> bool:
+        """Done by what the master aggregated: the record says ``done``, the node's last
+        aggregated contribution came from the record's instance, and it was flagged final or
+        the ledger holds the record's ``final_round``."""
+        node = view.node_id
+        if view.state != "done" or not view.instance:
+            return False
+        if state.instances.get(node) != view.instance:
+            return False  # nothing aggregated from the instance that claims to be done
+        if node in state.finals:
+            return True
+        final = view.final_round
+        return final is not None and final >= 0 and state.ledger.get(node, -1) >= final
+
+    def finished_count(self, state: RoundState) -> int:
+        """How many nodes finished their run."""
+        return sum(self.finished(view, state) for view in self.nodes.values())
+
+    def _expected(self, view: NodeView, state: RoundState) -> bool:
+        return view.state != "aggregator" and not self.finished(view, state)
+
+    def waiting(self, state: RoundState) -> set[str]:
+        """Nodes expected and not dropped (no clock: what a closing round still expects)."""
+        return {n for n, v in self.nodes.items() if self._expected(v, state) and not v.dropped}
+
+    def active(self, now: float, limit: float, state: RoundState) -> set[str]:
+        """Nodes the open round waits for; one silent for more than ``limit`` seconds is
+        dropped (reported once, recorded in ``state.dropped``) until it delivers again."""
+        active = set()
+        for view in self.nodes.values():
+            if not self._expected(view, state):
+                continue
+            silent = now - view.last_heard
+            if silent > limit and not view.dropped:
+                view.dropped = True
+                state.dropped[view.node_id] = view.instance or ""
+                _LOG.warning(
+                    f"node {view.node_id} silent for {silent:.0f} s; no longer waiting for it "
+                    "(it rejoins when it delivers again)"
+                )
+                self._emit("node_dropped", node_id=view.node_id, silent_seconds=silent)
+            if not view.dropped:
+                active.add(view.node_id)
+        return active
+
+    def run_over(self, active: set[str], state: RoundState) -> bool:
+        """No node left to wait for, and at least one finished (nodes that are only silent
+        keep the run open until one of them is done)."""
+        return self.saw_training and not active and self.finished_count(state) > 0
+
+
+# -- the round state -------------------------------------------------------------------
+@dataclasses.dataclass
+class RoundState:
+    """The master's whole mutable round state.
+
+    ``outer_step``: the published global's (= the open round); ``global_state``: its weights
+    in the model's dtypes; ``optimizer``: the run's one outer optimizer (shared by copies);
+    ``ledger``: node -> highest round aggregated (or dropped as stale); ``digests``: node ->
+    sha256 of its last aggregated contribution (a re-sent copy is refused); ``instances``:
+    node -> the instance of that contribution; ``finals``: node -> the round of its
+    contribution flagged final; ``dropped``: node -> the instance no longer waited for (kept
+    across a restart until it delivers); ``round_seconds``: the moving average of round
+    lengths (the drop limit counts in it); ``residual``: what the quantized global updates
+    left out (error feedback).
+    """
+
+    outer_step: int
+    global_state: dict[str, torch.Tensor]
+    optimizer: NesterovOuterOptimizer
+    run_id: str = ""
+    ledger: dict[str, int] = dataclasses.field(default_factory=dict)
+    digests: dict[str, str] = dataclasses.field(default_factory=dict)
+    instances: dict[str, str] = dataclasses.field(default_factory=dict)
+    finals: dict[str, int] = dataclasses.field(default_factory=dict)
+    dropped: dict[str, str] = dataclasses.field(default_factory=dict)
+    round_seconds: float = 0.0
+    residual: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def copy(self, *, tensors: bool = True) -> RoundState:
+        """New records over the same optimizer; the weights and residual cloned, or with
+        ``tensors=False`` new dicts over the same tensors (a reconcile replaces tensors, never
+        writes into them)."""
+        clone = wire.cpu_state_dict if tensors else dict
+        return dataclasses.replace(
+            self,
+            global_state=clone(self.global_state),
+            ledger=dict(self.ledger),
+            digests=dict(self.digests),
+            instances=dict(self.instances),
+            finals=dict(self.finals),
+            dropped=dict(self.dropped),
+            residual=clone(self.residual) if tensors else self.residual,
+        )
+
+    def node_records(self) -> dict[str, dict[str, object]]:
+        """What the published ledger carries of each node beside its round, so that a master
+        adopting the global knows who finished, as which instance, and who was dropped."""
+        return {
+            "finals": dict(self.finals),
+            "instances": dict(self.instances),
+            "digests": dict(self.digests),
+            "dropped": dict(self.dropped),
+        }
+
+    def take_node_records(
+        self, records: Mapping[str, Mapping[str, object]], *, newer: bool
+    ) -> None:
+        """Merge published ``records``: they replace this state's when ``newer`` (the global
+        was adopted), else they only fill what it lacks."""
+
+        def merged(mine: dict[str, V], name: str) -> dict[str, V]:
+            published = cast(dict[str, V], dict(records.get(name) or {}))
+            return {**mine, **published} if newer else {**published, **mine}
+
+        self.finals = merged(self.finals, "finals")
+        self.instances = merged(self.instances, "instances")
+        self.digests = merged(self.digests, "digests")
+        self.dropped = merged(self.dropped, "dropped")
+
+    def adopt(self, state: Mapping[str, torch.Tensor], outer_step: int) -> None:
+        """Take a published global (cast to this state's dtypes; other keys and shapes are
+        ignored) at ``outer_step``; the run's outer optimizer forgets its momentum."""
+        for key, value in state.items():
+            mine = self.global_state.get(key)
+            if mine is not None and tuple(value.shape) == tuple(mine.shape):
+                self.global_state[key] = wire.cpu_tensor(value).to(mine.dtype)
+        self.outer_step = int(outer_step)
+        self.optimizer.reset()
+
+
+def publish(
+    store: Store,
+    state: RoundState,
+    *,
+    prune: Iterable[str] = (),
+    final: bool = False,
+    refused: Iterable[str] = (),
+    update: OuterUpdate | None = None,
+    **note: str,
+) -> GlobalMetadata:
+    """Publish ``state`` to ``store`` in one commit: weights (and the quantized ``update``),
+    ledger with the node records, the version record (naming the ``refused`` contributions),
+    the deletion of ``prune``. ``note`` adds to the record's :data:`META` (``bootstrap``,
+    ``relay``)."""
+    return store.publish_global(
+        state.global_state,
+        outer_step=state.outer_step,
+        ledger=state.ledger,
+        prune=sorted(prune),
+        metadata_extra={**META, **note},
+        final=final,
+        run_id=state.run_id,
+        node_records=state.node_records(),
+        update=update,
+        refused=list(refused),
+    )
+
+
+# -- agreeing with the published state -------------------------------------------------
+def reconcile(
+    store: Store,
+    held: RoundState,
+    *,
+    trusted: bool,
+    fresh: bool,
+    new_run: Callable[[], RoundState],
+) -> RoundState:
+    """Agree with the exchange; returns the state to hold (the exchange holds it when this
+    returns; ``held``'s weights and records are never changed). In order:
+
+    - a ``fresh`` master (training from step 0) over the final global of a finished run: a new
+      run (``new_run()``), the old run's contributions and done records pruned;
+    - nothing published: bootstrap (the held global, with a new run id when none);
+    - a newer global, or no ``trusted`` local state: adopt it; an unusable one is overwritten
+      with the trusted local state, or is an :class:`ExchangeError` (exit 2);
+    - a ledger ahead of the weights' record (a torn publish): the held global again;
+    - the published ledger merged into the held one (a lost disk never aggregates a
+      contribution twice), and the node records beside it.
+
+    A failed read raises ``TransportError`` (retried); it never leads to a bootstrap.
+    """
+    remote = store.global_metadata()
+    state = held.copy(tensors=False)
+    stale: list[str] = []
+    if remote is not None and remote.final and fresh:
+        _LOG.info(
+            f"the exchange holds the final global of a finished run (outer step "
+            f"{remote.outer_step}); starting a new run over it"
+        )
+        state, stale, remote = new_run(), _leftovers(store), None
+    if remote is None:
+        state.run_id = state.run_id or secrets.token_hex(6)
+        publish(store, state, prune=stale, bootstrap=str(state.outer_step == 0).lower())
+        _LOG.info(f"published global state at outer step {state.outer_step} (bootstrap)")
+        return state
+    book = store.read_json(GLOBAL_PROCESSED, default={})
+    booked = book.get("outer_step") if isinstance(book, dict) else None
+    record, adopted = remote, False
+    torn = isinstance(booked, int) and booked > remote.outer_step
+    if remote.outer_step > state.outer_step or not trusted or torn:
+        fetched = _fetch(store, remote, state.global_state, trusted)
+        if fetched is None:  # unusable: this master's own global goes over it
+            remote = dataclasses.replace(remote, outer_step=-1)
+        else:
+            remote, weights = fetched
+            if remote.outer_step > state.outer_step or not trusted:
+                state.adopt(weights, remote.outer_step)
+                state.run_id, adopted = remote.run_id, True
+                _LOG.info(f"adopted published global at outer step {remote.outer_step}")
+    if not isinstance(booked, int) or booked <= state.outer_step:
+        for node, done in store.read_ledger().items():  # never a ledger ahead of the global
+            state.ledger[node] = max(done, state.ledger.get(node, -1))
+    if booked == state.outer_step:  # who finished, as whom: never lost with a reply
+        state.take_node_records(store.read_node_records(), newer=adopted)
+    if remote.outer_step < state.outer_step or remote.sha256 != record.sha256:
+        publish(store, state)
+    return state
+
+
+Fetched = tuple[GlobalMetadata, dict[str, torch.Tensor]]
+
+
+def _fetch(
+    store: Store, remote: GlobalMetadata, like: Mapping[str, torch.Tensor], trusted: bool
+) -> Fetched | None:
+    """The published global, finite as the model's dtypes ``like``; None when it is unusable
+    and the master may publish its own over it (``trusted``), else ``ExchangeError``."""
+    problem = _unusable(store, remote, like)
+    if not isinstance(problem, str):
+        return problem
+    where = f"{remote.model_file} (outer step {remote.outer_step}) of {store.repo_id!r}"
+    if not trusted:
+        raise ExchangeError(
+            f"distributed.repo_id: the published global {where} is unusable ({problem}) and "
+            "this master has no local outer state to publish over it; restore its "
+            "distributed.state_dir, or delete global/ from the exchange to start a new run"
+        )
+    _LOG.error(
+        f"the published global {where} is unusable ({problem}); publishing this master's "
+        "own global over it"
+    )
+    return None
+
+
+def _unusable(
+    store: Store, remote: GlobalMetadata, like: Mapping[str, torch.Tensor]
+) -> Fetched | str:
+    """The global and its record, or why it cannot be used. A read that fails while the
+    record stays the same is tried ``CORRUPT_READS`` times (a file read mid-write reads whole
+    the next time, garbage never does); an outage, or a record that changed meanwhile,
+    raises ``TransportError`` (agreed again at the next poll)."""
+    failures: list[TransportError] = []
+
+    def read() -> Fetched | str | None:
+        if failures:
+            again = store.global_metadata()
+            if again is None or again.sha256 != remote.sha256:
+                raise failures[-1]
+        try:
+            fetched = store.fetch_global(remote, max_bytes=max_global_bytes(like), like=like)
+        except TransportError as exc:
+            if exc.kind == "permanent":
+                return str(exc)
+            if isinstance(exc, HubUnavailable):
+                raise  # an outage, not the file
+            failures.append(exc)
+            return (
+                f"{exc}, {CORRUPT_READS} reads of the same record"
+                if len(failures) == CORRUPT_READS
+                else None
+            )
+        bad = wire.first_non_finite(fetched[1], like=like)
+        return fetched if bad is None else f"{bad} is not finite as the model's {like[bad].dtype}"
+
+    found = wait_for(read, timeout=None, interval=lambda attempt: CORRUPT_WAIT * attempt)
+    assert found is not None  # no deadline, no stop: it returns a result
+    return found
+
+
+def _leftovers(store: Store) -> list[str]:
+    """Files of a finished run: its contributions and the records of nodes that were done."""
+    scan = store.scan()
+    paths = [path for files in scan.deltas.values() for path in files.values()]
+    for node_id in scan.owners:
+        if (store.read_owner(node_id) or {}).get("state") == "done":
+            paths.append(f"nodes/{node_id}/owner.json")
+    return sorted(paths)
+
+
+# -- the local file ----------------------------------------------------------------------
+class OuterStateStore:
+    """One master's files under ``state_dir``: ``outer_state.safetensors``, one atomic file
+    (tensors ``global/<key>``, ``momentum/<key>``, ``residual/<key>``; the records in its
+    header), and ``pending_round.json``, the write-ahead record of a round being published:
+    what the master reports once it landed. A master killed between the exchange applying the
+    publish and the report reports the round at its restart if the published global is that
+    round's; a record of a publish that did not land is dropped (the round closes again)."""
+
+    def __init__(self, state_dir: str | os.PathLike[str]):
+        self.state_dir = Path(state_dir)
+        self.path = self.state_dir / "outer_state.safetensors"
+        self.pending_path = self.state_dir / "pending_round.json"
+
+    def load(self, like: RoundState) -> RoundState | None:
+        """The saved state, shaped and typed as ``like``'s global, its momentum loaded into
+        ``like``'s optimizer; None when there is none. ``ValueError`` (the file moved aside
+        as ``*.corrupt-<time>``) when it cannot be read or does not match ``like``."""
+        if not self.path.exists():
+            return None
+        try:  # one tensor at a time is read into its own buffer
+            with wire.open_safetensors(self.path) as saved_file:
+                meta = saved_file.metadata() or {}
+                if meta.get("format") != _FORMAT:
+                    raise ValueError(f"unknown format {meta.get('format')!r}")
+                names = set(saved_file.keys())
+                glob: dict[str, torch.Tensor] = {}
+                for key, value in like.global_state.items():
+                    name = f"global/{key}"
+                    shape = saved_file.shape(name) if name in names else None
+                    if shape is None or tuple(shape) != tuple(value.shape):
+                        raise ValueError(f"global tensor {key} missing or reshaped")
+                    glob[key] = saved_file.get_tensor(name).to(value.dtype)
+                tensors = {
+                    kind: {k[9:]: saved_file.get_tensor(k) for k in names if k.startswith(kind)}
+                    for kind in ("momentum/", "residual/")
+                }
+            saved = RoundState(
+                outer_step=int(meta["outer_step"]),
+                global_state=glob,
+                optimizer=like.optimizer,
+                run_id=str(meta.get("run_id", "")),
+                ledger=_json_map(meta["ledger"], int),
+                digests=_json_map(meta["digests"], str),
+                instances=_json_map(meta.get("instances", "{}"), str),  # absent before 2.2
+                finals=_json_map(meta.get("finals", "{}"), int),
+                dropped=_json_map(meta.get("dropped", "{}"), str),
+                round_seconds=float(meta.get("round_seconds", "0")),  # absent before 2.3
+                residual=tensors["residual/"],
+            )
+            like.optimizer.load_state_dict(tensors["momentum/"])  # last: a failure changes nothing
+        except Exception as exc:
+            self.path.replace(self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}"))
+            raise ValueError(f"{type(exc).__name__}: {exc}") from None
+        return saved
+
+    def save(self, state: RoundState) -> None:
+        """Write the whole state as one atomic file."""
+        tensors = {f"global/{k}": v for k, v in state.global_state.items()}
+        tensors.update({f"momentum/{k}": v for k, v in state.optimizer.momentum_buffers().items()})
+        tensors.update({f"residual/{k}": v for k, v in state.residual.items()})
+        records: dict[str, Mapping[str, object]] = {
+            "ledger": state.ledger,
+            "digests": state.digests,
+            "instances": state.instances,
+            "finals": state.finals,
+            "dropped": state.dropped,
+        }
+        meta: dict[str, object] = {
+            "format": _FORMAT,
+            "outer_step": state.outer_step,
+            "run_id": state.run_id,
+            **{k: json.dumps(dict(sorted(v.items()))) for k, v in records.items()},
+            "round_seconds": repr(float(state.round_seconds)),
+            "updated_at": datetime.now(timezone.utc).isoformat(),
+        }
+        atomic_write_with(
+            lambda handle: wire.write_safetensors(handle, tensors, metadata=meta), self.path
+        )
+
+    def write_pending(self, outer_step: int, run_id: str, report: Mapping[str, object]) -> None:
+        """Record, before publishing ``outer_step``, what the master will report about it."""
+        atomic_json_dump(
+            {"outer_step": outer_step, "run_id": run_id, "report": report}, self.pending_path
+        )
+
+    def clear_pending(self) -> None:
+        """The round was reported (or will close again): forget its record."""
+        self.pending_path.unlink(missing_ok=True)
+
+    def take_pending(self, outer_step: int, run_id: str) -> dict[str, object] | None:
+        """The report of a round published but never reported, if the global the master now
+        holds is (or follows) that round's; the record is removed either way."""
+        try:
+            record = json.loads(self.pending_path.read_text())
+        except (OSError, ValueError):
+            record = None
+        self.clear_pending()
+        if not isinstance(record, dict) or not isinstance(record.get("report"), dict):
+            return None
+        step = record.get("outer_step")
+        if record.get("run_id") != run_id or not isinstance(step, int) or step > outer_step:
+            return None
+        return cast(dict[str, object], record["report"])
+
+
+def _json_map(text: str, kind: Callable[[Any], V]) -> dict[str, V]:
+    """A JSON object of the header, its keys as strings and its values as ``kind``."""
+    return {str(k): kind(v) for k, v in json.loads(text).items()}
