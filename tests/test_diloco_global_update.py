@@ -17,10 +17,10 @@ import torch
 from test_diloco_master import deliver, join, make_master
 
 from speedtronic.diloco import exchange as T
+from speedtronic.diloco.codec import open_safetensors, read_metadata, write_safetensors
 from speedtronic.diloco.master import OuterStateStore
 from speedtronic.diloco.node import NodeClaim, NodeLink
 from speedtronic.diloco.outer_update import GLOBAL_UPDATE, state_digest
-from speedtronic.diloco.wire import open_safetensors, read_metadata, write_safetensors
 
 N = 300  # values of "w": three blocks of 128 and a short one
 

@@ -6,18 +6,18 @@ import pytest
 import torch
 
 from speedtronic.diloco import exchange as T
-from speedtronic.diloco.codec import delta_dtype
-from speedtronic.diloco.wire import (
+from speedtronic.diloco.codec import (
     average_deltas,
     compute_pseudo_gradient,
+    delta_dtype,
     delta_from_bytes,
     delta_to_bytes,
     is_all_zero,
     load_safetensors,
+    open_delta,
     read_metadata,
     save_safetensors,
     state_from_bytes,
-    validate_delta,
 )
 
 
@@ -33,9 +33,9 @@ def test_pseudo_gradient_skips_integer_buffers_and_checks_shapes():
     base = {"w": torch.ones(2), "n": torch.tensor([1])}
     delta = compute_pseudo_gradient(base, {"w": torch.zeros(2), "n": torch.tensor([5])})
     assert set(delta) == {"w"}
-    with pytest.raises(ValueError, match="shape mismatch for w"):
+    with pytest.raises(ValueError, match=r"w has shape \(3,\), expected \(2,\)"):
         compute_pseudo_gradient(base, {"w": torch.zeros(3), "n": torch.tensor([1])})
-    with pytest.raises(ValueError, match="keys differ"):
+    with pytest.raises(ValueError, match=r"missing \['n'\]"):
         compute_pseudo_gradient(base, {"w": torch.zeros(2)})
 
 
@@ -84,16 +84,24 @@ def test_corrupt_bytes_are_value_errors():
             state_from_bytes(data)
 
 
-def test_validate_delta_rejects_keys_shapes_and_non_finite():
+def test_a_delta_reader_rejects_keys_shapes_and_non_finite(tmp_path):
     ref = {"w": torch.zeros(2), "step": torch.tensor(3)}
-    validate_delta({"w": torch.ones(2)}, ref)
-    for bad in (
-        {"w": torch.ones(3)},
-        {"x": torch.ones(2)},
-        {"w": torch.tensor([1.0, float("nan")])},
+    path = tmp_path / "d.safetensors"
+
+    def check(delta: dict[str, torch.Tensor]) -> None:
+        path.write_bytes(delta_to_bytes(delta, node_id="a", local_step=1, base_outer_step=0))
+        with open_delta(path) as reader:
+            reader.check(ref)
+
+    check({"w": torch.ones(2)})
+    for bad, message in (
+        ({"w": torch.ones(3)}, r"w has shape \(3,\), expected \(2,\)"),
+        ({"x": torch.ones(2)}, r"missing \['w'\], unexpected \['x'\]"),
+        ({"w": torch.tensor([1.0, float("nan")])}, "non-finite values in w"),
+        ({"w": torch.tensor([1.0, 2e4])}, "beyond the bound"),
     ):
-        with pytest.raises(ValueError):
-            validate_delta(bad, ref)
+        with pytest.raises(ValueError, match=message):
+            check(bad)
 
 
 def test_all_zero_detection():

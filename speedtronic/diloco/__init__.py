@@ -23,6 +23,13 @@ is :mod:`speedtronic.testing.diloco_ideal`. See docs/diloco.md.
 
 from __future__ import annotations
 
+from speedtronic.diloco.codec import (
+    average_deltas,
+    compute_pseudo_gradient,
+    load_delta,
+    load_safetensors,
+    save_safetensors,
+)
 from speedtronic.diloco.coordinator import DumbDiLoCoCoordinator, build_transport
 from speedtronic.diloco.exchange import (
     GlobalMetadata,
@@ -37,13 +44,6 @@ from speedtronic.diloco.exchange import (
 )
 from speedtronic.diloco.master import NesterovOuterOptimizer, RoundMaster
 from speedtronic.diloco.node import Contribution, DiLoCoNode, GlobalCandidate, resolve_node_id
-from speedtronic.diloco.wire import (
-    average_deltas,
-    compute_pseudo_gradient,
-    load_delta,
-    load_safetensors,
-    save_safetensors,
-)
 
 DumbDiLoCo = DumbDiLoCoCoordinator
 #: 2.0.0 names: the master's aggregation loop and the upload job.

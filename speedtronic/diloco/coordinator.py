@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from speedtronic.checkpoint import atomic_write_bytes
-from speedtronic.diloco import wire
+from speedtronic.diloco import codec as wire
 from speedtronic.diloco.directory import DirectoryTransport
 from speedtronic.diloco.exchange import (
     ExchangeError,

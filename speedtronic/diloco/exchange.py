@@ -46,7 +46,7 @@ import torch
 from speedtronic.config import redaction
 from speedtronic.config.errors import ConfigError
 from speedtronic.config.limits import is_valid_node_id
-from speedtronic.diloco.wire import (
+from speedtronic.diloco.codec import (
     delta_from_bytes,
     first_non_finite,
     open_safetensors,

@@ -70,7 +70,7 @@ from torch.optim.optimizer import StateDict
 from torch.optim.sgd import sgd as sgd_update
 
 from speedtronic.checkpoint import atomic_json_dump, atomic_write_with
-from speedtronic.diloco import wire
+from speedtronic.diloco import codec as wire
 from speedtronic.diloco.exchange import (
     GLOBAL_PROCESSED,
     AccessRefused,

@@ -60,7 +60,8 @@ import torch
 
 from speedtronic.config.errors import ConfigError
 from speedtronic.config.limits import check_node_id
-from speedtronic.diloco import codec, wire
+from speedtronic.diloco import codec
+from speedtronic.diloco import codec as wire
 from speedtronic.diloco import exchange as T
 from speedtronic.diloco.exchange import (
     AccessRefused,
@@ -247,7 +248,7 @@ class DiLoCoNode:
         }
         extras = [dict(x) for x in (self.carry, self.residual) if x is not None]
         self.carry = self.residual = None
-        wire.check_layout(self.anchor, current)
+        wire.check_like(self.anchor, current, what="the model does not match its anchor")
         anchor: dict[str, torch.Tensor] = {}
         for key, delta in self.anchor.items():
             anchor[key] = current[key].detach().to("cpu", torch.float32, copy=True)

@@ -26,8 +26,8 @@ from typing import Any, BinaryIO
 
 import torch
 
+from speedtronic.diloco import codec as wire
 from speedtronic.diloco import exchange as T
-from speedtronic.diloco import wire
 from speedtronic.diloco.codec import (
     QUANTIZED_BITS,
     SCALE_SUFFIX,
