@@ -8,6 +8,7 @@ import torch
 from speedtronic.diloco import exchange as T
 from speedtronic.diloco.codec import (
     average_deltas,
+    check_like,
     compute_pseudo_gradient,
     delta_dtype,
     delta_from_bytes,
@@ -18,6 +19,7 @@ from speedtronic.diloco.codec import (
     read_metadata,
     save_safetensors,
     state_from_bytes,
+    state_to_bytes,
 )
 
 
@@ -44,6 +46,18 @@ def test_equal_weight_average_golden():
     assert mean["w"].tolist() == [1.0, 2.0]
     with pytest.raises(ValueError):
         average_deltas([])
+    with pytest.raises(ValueError, match=r"delta 1 does not match delta 0: w has shape \(3,\)"):
+        average_deltas([{"w": torch.zeros(2)}, {"w": torch.zeros(3)}])
+
+
+def test_check_like_names_the_key_and_both_shapes():
+    model = {"w": torch.zeros(2, 3), "b": torch.zeros(3)}
+    check_like(model, {"w": (2, 3), "b": torch.ones(3)}, what="unused")  # tensors or shapes
+    what = "the global does not match the model"
+    with pytest.raises(ValueError, match=rf"^{what}: w has shape \(3, 2\), expected \(2, 3\)$"):
+        check_like(model, {"w": (3, 2), "b": (3,)}, what=what)
+    with pytest.raises(ValueError, match=rf"^{what}: missing \['b'\], unexpected \['c'\]$"):
+        check_like(model, {"w": (2, 3), "c": (3,)}, what=what)
 
 
 @pytest.mark.parametrize(
@@ -79,8 +93,19 @@ def test_delta_dtype_halves_bytes_and_loads_as_float32(name, ratio):
 
 
 def test_corrupt_bytes_are_value_errors():
-    for data in (b"", b"not safetensors", b"\x08\x00\x00\x00\x00\x00\x00\x00{bad json"):
-        with pytest.raises(ValueError):
+    good = state_to_bytes({"a": torch.ones(2), "b": torch.ones(3)}, metadata={"k": "v"})
+    assert state_from_bytes(good)[1] == {"k": "v"}
+    header = good[8 : 8 + int.from_bytes(good[:8], "little")]
+    overlap = header.replace(b'"data_offsets":[8,20]', b'"data_offsets":[4,16]')
+    for data in (
+        b"",
+        b"not safetensors",
+        b"\x08\x00\x00\x00\x00\x00\x00\x00{bad json",
+        good[:-4],  # truncated
+        good + b"\x00" * 4,  # bytes no tensor owns
+        good[:8] + overlap + good[8 + len(header) :],  # two tensors share bytes
+    ):
+        with pytest.raises(ValueError, match="not a safetensors file"):
             state_from_bytes(data)
 
 

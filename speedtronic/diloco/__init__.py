@@ -11,8 +11,8 @@ One module a role:
 - :mod:`.exchange`: the layout, the ``Store`` protocol, and the one reporting channel (log
   lines to the ``speedtronic.diloco`` logger, events to one ``emit(event, **fields)``,
   :class:`.exchange.Emit`);
-- :mod:`.wire`: the contribution and the safetensors files that carry it, with the checks
-  every file read passes; :mod:`.codec`: how the values are encoded (casts, int8/int4 codes);
+- :mod:`.codec`: the wire format: the contribution, how its values are encoded (casts,
+  int8/int4 codes) and the safetensors files that carry it, with the checks every read passes;
 - :mod:`.directory` and :mod:`.hub`: the stores (shared volume, Hugging Face Hub with the
   HTTP layer that bounds its calls); errors and the one retry policy are in :mod:`.exchange`;
 - :mod:`.coordinator`: the wiring, from the ``distributed`` config section to the trainer.

@@ -3,18 +3,13 @@ carry contributions and globals.
 
 A contribution is ``float32(global_r) - float32(local)`` over the floating keys (the sign
 points against local progress, so the master subtracts ``lr * mean``); several are averaged
-in float32. Its values travel in a format of ``distributed.delta_dtype``: fp32, bf16 or fp16
-(casts), or int8/int4 (blockwise symmetric codes, one float32 scale per block of
-``block_size`` values stored under ``<key>::scale``). A delta file carries string metadata
+in float32. Its values travel as fp32, bf16 or fp16 (casts) or as int8/int4 codes (blockwise
+symmetric, one float32 scale per block, under ``<key>::scale``), with string metadata
 (``node_id``, ``round``, ``run_id``, ``instance``, ``local_step``, ``base_outer_step``,
-``dtype``, ``block_size``, ``final``, and :data:`DATA_DIGEST`: the sha256 of its data as
-written) and the values.
-
-Files are written and read one tensor at a time (a large one ~1 MiB at a time), and what is
-read is checked before it is used: the model's keys and shapes (:func:`check_like`, the one
-such check), the wire dtypes, the codes and scales, the digest, finite, within
-:data:`MAX_DELTA_ABS`. Where the files lie and how big they may be is :mod:`.exchange`'s;
-this module imports nothing else of the package but the atomic writer.
+``dtype``, ``block_size``, ``final``, :data:`DATA_DIGEST`). Files are written and read one
+tensor at a time (a large one ~1 MiB at a time), and what is read is checked before it is
+used: keys and shapes (:func:`check_like`, the one such check), wire dtypes, codes and scales,
+digest, finite, within :data:`MAX_DELTA_ABS`. Where files lie is :mod:`.exchange`'s.
 """
 
 from __future__ import annotations
@@ -37,7 +32,7 @@ import torch
 
 from speedtronic.atomic_files import atomic_write_with
 
-PathArg: TypeAlias = "str | os.PathLike[str]"
+_PathArg: TypeAlias = "str | os.PathLike[str]"
 
 #: Float wire dtypes accepted by ``distributed.delta_dtype``.
 DELTA_DTYPES: dict[str, torch.dtype] = {
@@ -49,24 +44,20 @@ DELTA_DTYPES: dict[str, torch.dtype] = {
 QUANTIZED_BITS: dict[str, int] = {"int8": 8, "int4": 4}
 #: Every value of ``distributed.delta_dtype``.
 DELTA_FORMATS: tuple[str, ...] = (*DELTA_DTYPES, *QUANTIZED_BITS)
-#: Values per float32 scale when ``distributed.delta_block_size`` does not say (measured in
-#: docs/diloco.md, "Compressed deltas": 128 keeps int8 under 0.26x and int4 under 0.14x of
-#: the fp32 bytes at the quality of smaller blocks).
+#: Values per float32 scale when ``distributed.delta_block_size`` does not say (docs/diloco.md,
+#: "Compressed deltas": int8 under 0.26x, int4 under 0.14x of fp32, as good as smaller blocks).
 DEFAULT_BLOCK_SIZE = 128
 #: Block sizes a file may declare (the config's bounds).
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 8, 1 << 20
 #: Key suffix of a tensor's block scales in a quantized file.
 SCALE_SUFFIX = "::scale"
 #: Header key of a delta file: the sha256 of its data section (every byte after the header),
-#: written with the file and checked on every read, as a global is checked against its
-#: record: a file changed or damaged after it was written is refused. A file without it
-#: (written before this check) is read unchecked.
+#: checked on every read (a file changed after it was written is refused; none: unchecked).
 DATA_DIGEST = "data_sha256"
 #: Largest magnitude accepted in a pseudo-gradient: a weight that moves this much in one round
 #: has diverged (and sums of a few such values stay far from float32 overflow).
 MAX_DELTA_ABS = 1.0e4
-#: Values worked on at a time (fp32: 1 MiB): the temporaries of a large tensor stay near
-#: this whatever the model.
+#: Values worked on at a time (fp32: 1 MiB), so temporaries stay small whatever the model.
 SLICE = 1 << 18
 
 
@@ -74,16 +65,13 @@ def delta_dtype(name: str | None) -> torch.dtype:
     """Map ``fp32|bf16|fp16`` (None -> fp32) to the torch dtype of its values, and ``int8`` /
     ``int4`` to the dtype of their codes (``int8``; ``uint8`` holding two 4-bit codes per
     byte); anything else is a ValueError."""
+    dtypes = {**DELTA_DTYPES, "int8": torch.int8, "int4": torch.uint8}
     key = (name or "fp32").lower()
-    if key == "int8":
-        return torch.int8
-    if key == "int4":
-        return torch.uint8
-    if key not in DELTA_DTYPES:
+    if key not in dtypes:
         raise ValueError(
             f"distributed.delta_dtype must be one of {list(DELTA_FORMATS)}, got {name!r}"
         )
-    return DELTA_DTYPES[key]
+    return dtypes[key]
 
 
 def value_slices(numel: int, block_size: int = 1) -> Iterator[tuple[int, int]]:
@@ -95,6 +83,11 @@ def value_slices(numel: int, block_size: int = 1) -> Iterator[tuple[int, int]]:
     step *= 1 + step % 2
     for start in range(0, numel, step):
         yield start, min(start + step, numel)
+
+
+def _code_shape(bits: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of a value's codes: the value's (8 bits), or its count over two (4 bits)."""
+    return shape if bits == 8 else (-(-math.prod(shape) // 2),)
 
 
 # -- quantized values ---------------------------------------------------------------------
@@ -149,7 +142,8 @@ def quantize(tensor: torch.Tensor, bits: int, block_size: int) -> QuantizedTenso
     numel = flat.numel()
     top = (1 << (bits - 1)) - 1  # the largest code magnitude: 127, 7
     scales = torch.empty(-(-numel // block_size), dtype=torch.float32)
-    packed = torch.empty(numel if bits == 8 else -(-numel // 2), dtype=delta_dtype(f"int{bits}"))
+    codes_of = torch.empty(_code_shape(bits, tuple(tensor.shape)), dtype=delta_dtype(f"int{bits}"))
+    packed = codes_of.view(-1)
     for start, stop in value_slices(numel, block_size):
         blocks = -(-(stop - start) // block_size)
         padded = torch.zeros(blocks * block_size, dtype=torch.float32)
@@ -169,9 +163,7 @@ def quantize(tensor: torch.Tensor, bits: int, block_size: int) -> QuantizedTenso
         packed[start // 2 : start // 2 + nibbles.numel() // 2] = nibbles[0::2] | (
             nibbles[1::2] << 4
         )
-    if bits == 8:
-        packed = packed.reshape(tuple(tensor.shape))
-    return QuantizedTensor(packed, scales, tuple(tensor.shape), bits, block_size)
+    return QuantizedTensor(codes_of, scales, tuple(tensor.shape), bits, block_size)
 
 
 def encode_value(value: Encoded, dtype: str, block_size: int) -> Encoded:
@@ -303,26 +295,20 @@ class WireCodec:
         within range (``ValueError`` naming the key). Returns float32 values."""
         assert self.bits is not None
         codes, scales = get(key), get(key + SCALE_SUFFIX)
-        numel = math.prod(shape)
-        top = (1 << (self.bits - 1)) - 1
-        if self.bits == 8:
-            if codes.dtype != torch.int8 or tuple(codes.shape) != tuple(shape):
-                raise ValueError(
-                    f"{key}: int8 codes of shape {tuple(shape)} expected, got {codes.dtype} "
-                    f"{tuple(codes.shape)}"
-                )
-            if numel and int(codes.min()) < -top:
+        top, blocks = (1 << (self.bits - 1)) - 1, -(-math.prod(shape) // self.block_size)
+        want = (delta_dtype(self.name), _code_shape(self.bits, tuple(shape)))
+        if (codes.dtype, tuple(codes.shape)) != want:
+            raise ValueError(
+                f"{key}: {self.name} codes of shape {want[1]} ({want[0]}) expected, got "
+                f"{codes.dtype} {tuple(codes.shape)}"
+            )
+        if codes.numel():
+            if self.bits == 8:
+                low = int(codes.min())
+            else:  # two codes + 8 a byte
+                low = min(int((codes & 0xF).min()), int((codes >> 4).min())) - 8
+            if low < -top:
                 raise ValueError(f"{key} holds a code outside [-{top}, {top}]")
-        else:
-            want = (-(-numel // 2),)
-            if codes.dtype != torch.uint8 or tuple(codes.shape) != want:
-                raise ValueError(
-                    f"{key}: {want[0]} bytes of packed int4 codes expected, got {codes.dtype} "
-                    f"{tuple(codes.shape)}"
-                )
-            if codes.numel() and min(int((codes & 0xF).min()), int((codes >> 4).min())) < 8 - top:
-                raise ValueError(f"{key} holds a code outside [-{top}, {top}]")
-        blocks = -(-numel // self.block_size)
         if scales.dtype != torch.float32 or tuple(scales.shape) != (blocks,):
             raise ValueError(
                 f"{key}: {blocks} float32 block scales expected (block size "
@@ -374,10 +360,9 @@ def check_like(
     what: str,
 ) -> None:
     """The one check of keys and shapes: a ``ValueError`` unless ``got`` has exactly the keys
-    of ``expected``, each with its shape (tensors or shapes on either side). The message
-    opens with ``what`` (what failed to match what: "the delta does not match the model"),
-    then names the keys missing and unexpected (five of each, sorted) or the first key whose
-    shape differs: ``<what>: <key> has shape <got>, expected <expected>``."""
+    of ``expected`` with their shapes (tensors or shapes on either side), reading
+    ``<what>: missing [...], unexpected [...]`` (five of each, sorted) or ``<what>: <key> has
+    shape <got>, expected <expected>``; ``what`` says what failed to match what."""
     missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
     if missing or extra:
         raise ValueError(f"{what}: missing {missing[:5]}, unexpected {extra[:5]}")
@@ -443,22 +428,19 @@ def first_non_finite(
 
 @functools.cache
 def _malloc_trim() -> Callable[[int], object] | None:
-    """glibc's ``malloc_trim``, loaded on first use (another C library has none: None)."""
-    try:
+    """glibc's ``malloc_trim``, loaded on first use (None with another C library)."""
+    with contextlib.suppress(OSError, AttributeError):
         trim: Callable[[int], object] = ctypes.CDLL(
             ctypes.util.find_library("c") or "libc.so.6"
         ).malloc_trim
-    except (OSError, AttributeError):
-        return None
-    return trim
+        return trim
+    return None
 
 
 def return_free_memory() -> None:
-    """Hand the C heap's free pages back to the system (glibc ``malloc_trim``). A round's
-    slice-sized temporaries come from the heap, and without this the process keeps their
-    pages resident: memory the model does not need stays counted as the process's."""
-    trim = _malloc_trim()
-    if trim is not None:
+    """Hand the C heap's free pages back to the system (glibc ``malloc_trim``): a round's
+    slice-sized temporaries would otherwise stay resident, counted as the process's."""
+    if (trim := _malloc_trim()) is not None:
         trim(0)
 
 
@@ -508,12 +490,9 @@ def _write_entries(
     digest_key: str | None,
 ) -> str:
     """The safetensors writer: the header from ``layout`` (key, dtype, shape), then each
-    entry's bytes as ``produce(key)`` makes them (cast to the entry's dtype), one at a time,
-    in layout order.
-
-    With ``digest_key`` (and a seekable ``handle``), the header's metadata carries under that
-    key the sha256 of the data section (every byte after the header), written as a
-    placeholder of the same width and filled in once the data is written: one pass."""
+    entry's bytes as ``produce(key)`` makes them (cast to the entry's dtype), one at a time.
+    With ``digest_key`` (a seekable ``handle``), the data section's sha256 is written under
+    that key as a placeholder of the same width, filled in at the end: one pass."""
     seekable = digest_key is not None and handle.seekable()
     placeholder = f'"{digest_key}":"{"0" * 64}"'.encode()
     if seekable:
@@ -555,12 +534,11 @@ def _write_entries(
 
 
 class SafetensorsFile:
-    """A safetensors file read one tensor at a time with plain reads: no memory map, so only
-    the tensor being read takes memory (a mapped file's pages would count as the process's
-    own while it is open). The header is checked when the file is opened, as the
-    safetensors library does (known dtypes; the tensors' bytes, as long as their shapes and
-    dtypes say, tile the data section); damage is a ``ValueError``. Offers ``metadata()``,
-    ``keys()``, ``shape(key)`` and ``get_tensor(key)``, as safetensors' ``safe_open`` does."""
+    """A safetensors file (a local file or bytes) read one tensor at a time with plain reads:
+    no memory map, whose pages would count as the process's own. The header is checked on
+    opening as the safetensors library does (known dtypes; the tensors' bytes, as long as
+    shape and dtype say, tile the data section); damage is a ``ValueError``. Offers
+    ``metadata()``, ``keys()``, ``shape(key)``, ``get_tensor(key)`` as ``safe_open`` does."""
 
     def __init__(self, handle: io.BufferedIOBase):
         size = handle.seek(0, os.SEEK_END)
@@ -644,7 +622,7 @@ class SafetensorsFile:
 
 
 @contextlib.contextmanager
-def open_safetensors(path: PathArg) -> Iterator[SafetensorsFile]:
+def open_safetensors(path: _PathArg) -> Iterator[SafetensorsFile]:
     """A local safetensors file opened for :class:`SafetensorsFile`; damage is a
     ``ValueError``."""
     with open(path, "rb") as handle:
@@ -657,19 +635,19 @@ def state_from_bytes(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, st
     return {key: opened.get_tensor(key) for key in opened}, opened.metadata()
 
 
-def load_delta(path: PathArg) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def load_delta(path: _PathArg) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """``(tensors, metadata)`` of a safetensors file as it is stored (a delta's values not
     decoded); damage is a ``ValueError``."""
     with open_safetensors(path) as opened:
         return {key: opened.get_tensor(key) for key in opened}, opened.metadata()
 
 
-def load_safetensors(path: PathArg) -> dict[str, torch.Tensor]:
+def load_safetensors(path: _PathArg) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file, on the CPU."""
     return load_delta(path)[0]
 
 
-def read_metadata(path: PathArg) -> dict[str, str]:
+def read_metadata(path: _PathArg) -> dict[str, str]:
     """Header metadata of a safetensors file (``{}`` when absent)."""
     with open_safetensors(path) as opened:
         return opened.metadata()
@@ -677,7 +655,7 @@ def read_metadata(path: PathArg) -> dict[str, str]:
 
 def save_safetensors(
     state: Mapping[str, torch.Tensor],
-    path: PathArg,
+    path: _PathArg,
     *,
     metadata: Mapping[str, object] | None = None,
 ) -> Path:
@@ -701,14 +679,10 @@ def write_delta(
     block_size: int | None = None,
 ) -> None:
     """Write a delta file to ``handle`` one tensor at a time: the core header keys and the
-    values in wire format ``dtype``.
-
-    ``round_index`` is the round the contribution is meant for (defaults to
-    ``base_outer_step``); ``local_step`` the node's optimizer step when it was taken. With
-    ``int8``/``int4`` the values are quantized in blocks of ``block_size`` values (default
-    :data:`DEFAULT_BLOCK_SIZE`; a value already given as a :class:`QuantizedTensor`, see
-    :func:`encode_delta`, is written as it is).
-    """
+    values in wire format ``dtype`` (int8/int4: blocks of ``block_size``, default
+    :data:`DEFAULT_BLOCK_SIZE`; a :class:`QuantizedTensor` is written as it is).
+    ``round_index`` is the round it is meant for (default ``base_outer_step``),
+    ``local_step`` the node's optimizer step when it was taken."""
     name = (dtype or "fp32").lower()
     delta_dtype(name)  # a ValueError for an unknown format
     metadata: dict[str, object] = {
@@ -744,20 +718,19 @@ def write_quantized(
     *,
     digest_key: str | None = None,
 ) -> str:
-    """Write ``values`` blockwise-quantized (``int8``/``int4``; float tensors are quantized
-    as they are written, one at a time) with ``metadata`` and what a reader needs to decode
-    them (the block size; every shape for int4, whose packed codes lose it): each tensor's
-    codes under its key, its scales beside it. Returns the file's sha256 (with
-    ``digest_key``: the data section's, named in the header as :func:`write_safetensors`
-    does)."""
+    """Write ``values`` blockwise-quantized (``int8``/``int4``; a float tensor quantized as
+    it is written) with ``metadata``, the block size and, for int4 (packed codes lose it),
+    every shape: each tensor's codes under its key, its scales beside it. Returns the sha256
+    of the file (with ``digest_key``, of the data section, as :func:`write_safetensors`)."""
     bits = QUANTIZED_BITS[dtype]
     layout: _Layout = []
     shapes: dict[str, list[int]] = {}
     for key, value in values.items():
         shape = tuple(value.shape)
-        numel = math.prod(shape)
-        layout.append((str(key), delta_dtype(dtype), shape if bits == 8 else (-(-numel // 2),)))
-        layout.append((str(key) + SCALE_SUFFIX, torch.float32, (-(-numel // block_size),)))
+        layout.append((str(key), delta_dtype(dtype), _code_shape(bits, shape)))
+        layout.append(
+            (str(key) + SCALE_SUFFIX, torch.float32, (-(-math.prod(shape) // block_size),))
+        )
         shapes[str(key)] = list(shape)
     header = {**metadata, "block_size": str(block_size)}
     if dtype == "int4":
@@ -779,7 +752,7 @@ _P = ParamSpec("_P")
 
 
 def _in_memory(write: Callable[Concatenate[BinaryIO, _P], object]) -> Callable[_P, bytes]:
-    """The bytes the writer ``write`` writes, in memory (the form tests and small files use)."""
+    """The bytes the writer ``write`` writes, in memory."""
 
     def to_bytes(*args: _P.args, **kwargs: _P.kwargs) -> bytes:
         buffer = io.BytesIO()
@@ -803,19 +776,6 @@ def delta_from_bytes(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, st
     return reader.values(), reader.metadata
 
 
-def _check_digest(named: str | None, opened: SafetensorsFile) -> None:
-    """A ``ValueError`` unless the data's sha256 is the one the header names (if it names one)."""
-    if named is None:
-        return
-    actual = opened.data_sha256()
-    if actual != named:
-        raise ValueError(
-            f"its values do not match the digest in its header ({DATA_DIGEST} "
-            f"{named[:12]}..., the data hashes to {actual[:12]}...): changed or damaged after "
-            "it was written"
-        )
-
-
 class DeltaReader:
     """A delta file opened once: :meth:`check` validates it against the model tensor by
     tensor, :meth:`add_to` folds it into a running sum, :meth:`values` decodes it whole; a
@@ -835,6 +795,16 @@ class DeltaReader:
                     f"{key} is {self._file.dtype(key)}; a delta holds fp32, bf16 or fp16 values"
                 )
         return codec, shapes
+
+    def _check_digest(self) -> None:
+        """A ``ValueError`` unless the data hashes to the digest the header names, if any."""
+        named = self.metadata.get(DATA_DIGEST)
+        if named is not None and (actual := self._file.data_sha256()) != named:
+            raise ValueError(
+                f"its values do not match the digest in its header ({DATA_DIGEST} "
+                f"{named[:12]}..., the data hashes to {actual[:12]}...): changed or damaged "
+                "after it was written"
+            )
 
     def check(
         self, reference: Mapping[str, torch.Tensor], *, max_abs: float = MAX_DELTA_ABS
@@ -869,7 +839,7 @@ class DeltaReader:
                 digest.update(part.view(torch.uint8).numpy().data)
             if peak > max_abs:
                 raise ValueError(f"{key} holds {peak:.3g}, beyond the bound {max_abs:g}")
-        _check_digest(self.metadata.get(DATA_DIGEST), self._file)  # last: a bad value is named
+        self._check_digest()  # last: a bad value is named for what it is
         return digest.hexdigest()
 
     def values(self) -> dict[str, torch.Tensor]:
@@ -882,7 +852,7 @@ class DeltaReader:
             values = {key: get(key).to(torch.float32) for key in shapes}
         else:
             values = {k: codec.read(k, get, s, MAX_DELTA_ABS) for k, s in shapes.items()}
-        _check_digest(self.metadata.get(DATA_DIGEST), self._file)
+        self._check_digest()
         return values
 
     def add_to(self, total: dict[str, torch.Tensor], scale: float = 1.0) -> None:
@@ -902,7 +872,7 @@ class DeltaReader:
 
 
 @contextlib.contextmanager
-def open_delta(path: PathArg) -> Iterator[DeltaReader]:
+def open_delta(path: _PathArg) -> Iterator[DeltaReader]:
     """A local delta file opened for :class:`DeltaReader`; an unreadable file is a
     ``ValueError``."""
     with open(path, "rb") as handle:
