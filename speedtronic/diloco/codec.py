@@ -475,11 +475,12 @@ def write_safetensors(
     tensors are cast to ``dtype`` if given. Returns the sha256 of the bytes written; with
     ``digest_key`` (a seekable ``handle``), the header names the sha256 of the data section
     under that key and that digest is returned (:data:`DATA_DIGEST` for a delta)."""
+    tensors = {str(key): value for key, value in state.items()}
     layout: _Layout = []
-    for key, value in state.items():
+    for key, value in tensors.items():
         out = dtype if dtype is not None and value.is_floating_point() else value.dtype
-        layout.append((str(key), out, tuple(value.shape)))
-    return _write_entries(handle, layout, lambda key: state[key], metadata, digest_key)
+        layout.append((key, out, tuple(value.shape)))
+    return _write_entries(handle, layout, tensors.__getitem__, metadata, digest_key)
 
 
 def _write_entries(
