@@ -31,11 +31,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from speedtronic.config import DistributedConfig
+from speedtronic.diloco.codec import average_deltas, cpu_state_dict, delta_to_bytes, floating_state
 from speedtronic.diloco.coordinator import DumbDiLoCoCoordinator
 from speedtronic.diloco.directory import DirectoryTransport
 from speedtronic.diloco.exchange import RetryPolicy
 from speedtronic.diloco.master import NesterovOuterOptimizer
-from speedtronic.diloco.wire import average_deltas, cpu_state_dict, delta_to_bytes, floating_state
 from speedtronic.model import build_model
 
 

@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 sys.path.insert(0, {root!r})
 from speedtronic.config import DistributedConfig
-from speedtronic.diloco.wire import delta_from_bytes, write_delta
+from speedtronic.diloco.codec import delta_from_bytes, write_delta
 from speedtronic.diloco.coordinator import DumbDiLoCoCoordinator
 
 cfg = json.loads(sys.argv[1])

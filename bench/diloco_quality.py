@@ -68,16 +68,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from speedtronic.config import SpeedtronicConfig  # noqa: E402
-from speedtronic.diloco.codec import DELTA_FORMATS, decode_value, encode_delta  # noqa: E402
-from speedtronic.diloco.master import OuterUpdate  # noqa: E402
-from speedtronic.diloco.wire import (  # noqa: E402
+from speedtronic.diloco.codec import (  # noqa: E402
+    DELTA_FORMATS,
     compute_pseudo_gradient,
     cpu_state_dict,
+    decode_value,
     delta_to_bytes,
+    encode_delta,
     floating_state,
     load_safetensors,
     write_safetensors,
 )
+from speedtronic.diloco.master import OuterUpdate  # noqa: E402
 from speedtronic.model import build_model  # noqa: E402
 from speedtronic.testing.diloco_ideal import simulate  # noqa: E402
 from speedtronic.train.evaluate import build_heldout, evaluate  # noqa: E402

@@ -168,14 +168,9 @@ ALIASES: dict[str, Alias] = {
         ("DeltaUploadJob", "DumbDiLoCo", "DumbDiLoCoCoordinator", "GlobalCandidate", "SyncResult"),
     ),
     "speedtronic.distributed.hub": Alias(
-        # exchange.py's wire format and codec moved to wire.py and codec.py: 2.0.0 code that
-        # reached a helper through this path still finds it
-        (
-            "speedtronic.diloco.hub",
-            "speedtronic.diloco.exchange",
-            "speedtronic.diloco.wire",
-            "speedtronic.diloco.codec",
-        ),
+        # exchange.py's wire format and codecs moved to codec.py: 2.0.0 code that reached a
+        # helper through this path still finds it
+        ("speedtronic.diloco.hub", "speedtronic.diloco.exchange", "speedtronic.diloco.codec"),
         ("GlobalMetadata", "HubClient", "HubError", "HubTransport", "HubUnavailable"),
     ),
     "speedtronic.distributed.outer": Alias(
@@ -183,7 +178,7 @@ ALIASES: dict[str, Alias] = {
         ("MasterOuterLoop", "NesterovOuterOptimizer"),
     ),
     "speedtronic.distributed.tensors": Alias(
-        ("speedtronic.diloco.wire", "speedtronic.diloco.exchange", "speedtronic.diloco.codec"),
+        ("speedtronic.diloco.codec", "speedtronic.diloco.exchange"),
         (
             "average_deltas",
             "compute_pseudo_gradient",

@@ -29,6 +29,7 @@ from test_diloco_master import deliver, join, make_master, published
 from test_diloco_node import make_node, offer, train
 
 from speedtronic.config import ConfigError, DistributedConfig, SpeedtronicConfig
+from speedtronic.diloco.codec import DATA_DIGEST, delta_from_bytes, delta_to_bytes, open_delta
 from speedtronic.diloco.directory import DirectoryTransport
 from speedtronic.diloco.exchange import (
     AccessRefused,
@@ -39,7 +40,6 @@ from speedtronic.diloco.exchange import (
 )
 from speedtronic.diloco.hub import HubClient
 from speedtronic.diloco.node import NodeClaim, NodeLink
-from speedtronic.diloco.wire import DATA_DIGEST, delta_from_bytes, delta_to_bytes, open_delta
 from speedtronic.testing.hub_server import FaultConfig, HubEmulator, LfsConfig
 
 ROOT = Path(__file__).resolve().parents[1]

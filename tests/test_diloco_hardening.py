@@ -20,11 +20,11 @@ from hub_emulator_fixtures import TEST_TOKEN, fast_retry, hub_emulator  # noqa: 
 from test_diloco_master import Log, deliver, join, lines, make_master, published
 
 from speedtronic.config import ConfigError, DistributedConfig
+from speedtronic.diloco.codec import delta_from_bytes, state_to_bytes
 from speedtronic.diloco.coordinator import DumbDiLoCoCoordinator
 from speedtronic.diloco.directory import DirectoryTransport
 from speedtronic.diloco.exchange import GLOBAL_STEP, ExchangeError, TransportError
 from speedtronic.diloco.node import GlobalCandidate
-from speedtronic.diloco.wire import delta_from_bytes, state_to_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 

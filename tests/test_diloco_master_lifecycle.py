@@ -16,9 +16,9 @@ from test_diloco_master import Clock, deliver, join, lines, make_master, publish
 from speedtronic.config import ConfigError
 from speedtronic.diloco import exchange as T
 from speedtronic.diloco import master as master_module
+from speedtronic.diloco.codec import state_to_bytes
 from speedtronic.diloco.exchange import AccessRefused, ExchangeError, TransportError
 from speedtronic.diloco.ledger import IDENTITY_HEADERS
-from speedtronic.diloco.wire import state_to_bytes
 
 # -- identity headers and relay weights -----------------------------------------------------
 

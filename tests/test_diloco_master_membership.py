@@ -14,7 +14,7 @@ import shutil
 import pytest
 from test_diloco_master import Clock, deliver, join, lines, make_master, published
 
-from speedtronic.diloco.wire import read_metadata
+from speedtronic.diloco.codec import read_metadata
 
 
 def test_the_first_round_waits_for_the_expected_nodes_that_have_not_started_yet(tmp_path):

@@ -26,18 +26,16 @@ from speedtronic.diloco.codec import (
     SCALE_SUFFIX,
     EncodedView,
     decode_value,
-    encode_delta,
-    quantize,
-    quantizer_slices,
-)
-from speedtronic.diloco.node import DiLoCoNode, GlobalCandidate, GlobalInbox
-from speedtronic.diloco.wire import (
     delta_from_bytes,
     delta_to_bytes,
+    encode_delta,
     open_delta,
+    quantize,
     state_from_bytes,
     state_to_bytes,
+    value_slices,
 )
+from speedtronic.diloco.node import DiLoCoNode, GlobalCandidate, GlobalInbox
 
 QMAX = {"int8": 127, "int4": 7}
 
@@ -183,16 +181,23 @@ def test_a_reader_refuses_each_planted_defect_and_accepts_the_good_file(tmp_path
 
 def test_a_reader_refuses_a_quantized_file_of_another_shape_or_with_extra_keys(tmp_path):
     path = tmp_path / "d.safetensors"
-    path.write_bytes(_good("int8", torch.ones(299)))
-    with pytest.raises(ValueError, match="int8 codes of shape"), open_delta(path) as reader:
-        reader.check(REFERENCE)
-    path.write_bytes(_good("int4", torch.ones(310)))
-    with pytest.raises(ValueError, match="packed int4 codes"), open_delta(path) as reader:
+    for wire, count in (("int8", 299), ("int4", 310)):  # int4: the shapes its header lists
+        path.write_bytes(_good(wire, torch.ones(count)))
+        shape = rf"w has shape \({count},\), expected \(300,\)"
+        with pytest.raises(ValueError, match=shape), open_delta(path) as reader:
+            reader.check(REFERENCE)
+    tensors, meta = state_from_bytes(_good("int4", torch.ones(310)))
+    meta["shapes"] = json.dumps({"w": [300]})  # the header agrees with the model, not the codes
+    path.write_bytes(state_to_bytes(tensors, metadata=meta))
+    with (
+        pytest.raises(ValueError, match=r"int4 codes of shape \(150,\)"),
+        open_delta(path) as reader,
+    ):
         reader.check(REFERENCE)
     tensors, meta = state_from_bytes(_good("int8"))
     tensors["x" + SCALE_SUFFIX] = torch.ones(1)
     path.write_bytes(state_to_bytes(tensors, metadata=meta))
-    with pytest.raises(ValueError, match="do not match the model"), open_delta(path) as r:
+    with pytest.raises(ValueError, match=r"do not pair.*x::scale"), open_delta(path) as r:
         r.check(REFERENCE)
 
 
@@ -448,11 +453,11 @@ def test_the_merge_installs_in_place_into_the_anchor():
 def test_the_quantizer_in_slices_gives_the_codes_of_the_whole_tensor(monkeypatch, bits, block):
     gen = torch.Generator().manual_seed(block)
     tensor = torch.randn(3001, generator=gen) * torch.logspace(-6, 1, 3001)
-    monkeypatch.setattr(codec, "QUANTIZER_SLICE", 1 << 30)  # one slice: the whole tensor
+    monkeypatch.setattr(codec, "SLICE", 1 << 30)  # one slice: the whole tensor
     whole = quantize(tensor, bits, block)
     values = whole.dequantize()
-    monkeypatch.setattr(codec, "QUANTIZER_SLICE", 100)  # slices of a few blocks
-    assert len(list(quantizer_slices(3001, block))) > 10
+    monkeypatch.setattr(codec, "SLICE", 100)  # slices of a few blocks
+    assert len(list(value_slices(3001, block))) > 10
     sliced = quantize(tensor, bits, block)
     assert torch.equal(sliced.codes, whole.codes) and torch.equal(sliced.scales, whole.scales)
     assert torch.equal(sliced.dequantize(), values)

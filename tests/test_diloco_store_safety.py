@@ -13,6 +13,7 @@ import pytest
 import torch
 from hub_emulator_fixtures import TEST_TOKEN, fast_retry, hub_emulator, make_transport  # noqa: F401
 
+from speedtronic.diloco.codec import delta_to_bytes, open_delta
 from speedtronic.diloco.directory import DirectoryTransport
 from speedtronic.diloco.exchange import (
     GLOBAL_MODEL,
@@ -23,7 +24,6 @@ from speedtronic.diloco.exchange import (
     TransportError,
 )
 from speedtronic.diloco.hub import HubClient
-from speedtronic.diloco.wire import delta_to_bytes, open_delta
 from speedtronic.testing.hub_server import HubEmulator
 
 W = {"w": torch.ones(4)}

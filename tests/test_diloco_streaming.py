@@ -13,8 +13,7 @@ import pytest
 import torch
 from test_diloco_master import join, lines, make_master
 
-from speedtronic.diloco.codec import DELTA_DTYPES
-from speedtronic.diloco.wire import average_deltas
+from speedtronic.diloco.codec import DELTA_DTYPES, average_deltas
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -4,6 +4,13 @@ has the table; :mod:`.coordinator` is the entry (the trainer's ``SyncCoordinator
 
 from __future__ import annotations
 
+from speedtronic.diloco.codec import (
+    average_deltas,
+    compute_pseudo_gradient,
+    load_delta,
+    load_safetensors,
+    save_safetensors,
+)
 from speedtronic.diloco.coordinator import DumbDiLoCoCoordinator, build_transport
 from speedtronic.diloco.directory import DirectoryTransport
 from speedtronic.diloco.exchange import (
@@ -20,13 +27,6 @@ from speedtronic.diloco.exchange import (
 from speedtronic.diloco.hub import HubClient, HubTransport
 from speedtronic.diloco.master import NesterovOuterOptimizer, RoundMaster
 from speedtronic.diloco.node import Contribution, DiLoCoNode, GlobalCandidate, resolve_node_id
-from speedtronic.diloco.wire import (
-    average_deltas,
-    compute_pseudo_gradient,
-    load_delta,
-    load_safetensors,
-    save_safetensors,
-)
 
 DumbDiLoCo = DumbDiLoCoCoordinator
 #: 2.0.0 names: the master's aggregation loop and the upload job.

@@ -29,7 +29,7 @@ from torch.utils.hooks import RemovableHandle
 from speedtronic.background import wait_for
 from speedtronic.checkpoint import atomic_json_dump, atomic_write_bytes
 from speedtronic.config import DistributedConfig, SpeedtronicConfig
-from speedtronic.diloco import wire
+from speedtronic.diloco import codec
 from speedtronic.diloco.directory import DirectoryTransport
 from speedtronic.diloco.exchange import (
     ExchangeError,
@@ -195,7 +195,7 @@ class DumbDiLoCoCoordinator:
         if self.role == "master":
             self.master = RoundMaster(
                 hub,
-                wire.cpu_state_dict(model.state_dict()),
+                codec.cpu_state_dict(model.state_dict()),
                 settings=cfg,
                 state_dir=self.state_dir,
                 emit=self._emit,
@@ -446,7 +446,7 @@ class DumbDiLoCoCoordinator:
                 self.node.merge_waiting()
             elif self.master.finished.is_set():
                 self.model.load_state_dict(
-                    wire.cpu_state_dict(self.master.global_state), strict=False
+                    codec.cpu_state_dict(self.master.global_state), strict=False
                 )
 
     def _serve_until_final(self, master: RoundMaster) -> None:
@@ -700,7 +700,7 @@ def write_final(
     was written as ``meta.json``, each file written atomically."""
     import yaml
 
-    wire.save_safetensors(dict(state), directory / "model.safetensors")
+    codec.save_safetensors(dict(state), directory / "model.safetensors")
     atomic_write_bytes(
         yaml.safe_dump(dict(run_config), sort_keys=False).encode("utf-8"),
         directory / "config.yaml",

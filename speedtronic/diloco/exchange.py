@@ -9,8 +9,8 @@ and one retry policy::
     nodes/<node_id>/delta_<r>.safetensors  the node's contribution to round r
     nodes/<node_id>/owner.json             the node's claim and status (training/done)
 
-What a contribution is, the format of the files and the checks every file read passes are
-:mod:`.wire`'s; how the values are encoded (fp32, bf16, fp16, int8, int4) is :mod:`.codec`'s.
+What a contribution is, how its values are encoded (fp32, bf16, fp16, int8, int4), the format
+of the files and the checks every file read passes are :mod:`.codec`'s.
 A store adds a size bound, checked on the file actually read.
 
 :class:`RepoTransport` builds the layout over five primitives a store implements (create,
@@ -45,7 +45,7 @@ import torch
 
 from speedtronic.config import ConfigError, redaction
 from speedtronic.config.limits import is_valid_node_id
-from speedtronic.diloco.wire import (
+from speedtronic.diloco.codec import (
     delta_from_bytes,
     first_non_finite,
     open_safetensors,

@@ -26,7 +26,7 @@ import torch
 
 from speedtronic.background import wait_for
 from speedtronic.checkpoint import atomic_json_dump, atomic_write_with
-from speedtronic.diloco import wire
+from speedtronic.diloco import codec
 from speedtronic.diloco.exchange import (
     GLOBAL_PROCESSED,
     Emit,
@@ -273,7 +273,7 @@ class RoundState:
         """New records over the same optimizer; the weights and residual cloned, or with
         ``tensors=False`` new dicts over the same tensors (a reconcile replaces tensors, never
         writes into them)."""
-        clone = wire.cpu_state_dict if tensors else dict
+        clone = codec.cpu_state_dict if tensors else dict
         return dataclasses.replace(
             self,
             global_state=clone(self.global_state),
@@ -316,7 +316,7 @@ class RoundState:
         for key, value in state.items():
             mine = self.global_state.get(key)
             if mine is not None and tuple(value.shape) == tuple(mine.shape):
-                self.global_state[key] = wire.cpu_tensor(value).to(mine.dtype)
+                self.global_state[key] = codec.cpu_tensor(value).to(mine.dtype)
         self.outer_step = int(outer_step)
         self.optimizer.reset()
 
@@ -462,7 +462,7 @@ def _unusable(
                 if len(failures) == CORRUPT_READS
                 else None
             )
-        bad = wire.first_non_finite(fetched[1], like=like)
+        bad = codec.first_non_finite(fetched[1], like=like)
         return fetched if bad is None else f"{bad} is not finite as the model's {like[bad].dtype}"
 
     found = wait_for(read, timeout=None, interval=lambda attempt: CORRUPT_WAIT * attempt)
@@ -501,7 +501,7 @@ class OuterStateStore:
         if not self.path.exists():
             return None
         try:  # one tensor at a time is read into its own buffer
-            with wire.open_safetensors(self.path) as saved_file:
+            with codec.open_safetensors(self.path) as saved_file:
                 meta = saved_file.metadata() or {}
                 if meta.get("format") != _FORMAT:
                     raise ValueError(f"unknown format {meta.get('format')!r}")
@@ -557,7 +557,7 @@ class OuterStateStore:
             "updated_at": datetime.now(timezone.utc).isoformat(),
         }
         atomic_write_with(
-            lambda handle: wire.write_safetensors(handle, tensors, metadata=meta), self.path
+            lambda handle: codec.write_safetensors(handle, tensors, metadata=meta), self.path
         )
 
     def write_pending(self, outer_step: int, run_id: str, report: Mapping[str, object]) -> None:

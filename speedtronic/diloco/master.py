@@ -29,7 +29,7 @@ from torch.optim.optimizer import StateDict
 from torch.optim.sgd import sgd as sgd_update
 
 from speedtronic.background import Loop
-from speedtronic.diloco import wire
+from speedtronic.diloco import codec
 from speedtronic.diloco.codec import (
     QUANTIZED_BITS,
     SCALE_SUFFIX,
@@ -64,7 +64,7 @@ from speedtronic.diloco.ledger import (
 
 if TYPE_CHECKING:
     from speedtronic.config import DistributedConfig
-    from speedtronic.diloco.relay import Upstream
+    from speedtronic.diloco.coordinator import Upstream
 
 __all__ = [
     "META",
@@ -130,7 +130,7 @@ class RoundMaster:
     ):
         self.store = store
         self.settings = settings
-        self.state = self._new_run(wire.cpu_state_dict(state))
+        self.state = self._new_run(codec.cpu_state_dict(state))
         # the global of a new run: only the first agreement with the exchange may start one
         self._initial: dict[str, torch.Tensor] | None = self.state.global_state
         self.fresh = False  # set by a master that starts its training from step 0
@@ -190,7 +190,7 @@ class RoundMaster:
         if initial is None:
             if self._initial is None:  # never: only the first agreement starts a new run
                 raise RuntimeError("a new run can only start when the master starts")
-            initial = wire.cpu_state_dict(self._initial)
+            initial = codec.cpu_state_dict(self._initial)
         s = self.settings
         return RoundState(0, initial, NesterovOuterOptimizer(initial, s.outer_lr, s.outer_momentum))
 
@@ -253,7 +253,7 @@ class RoundMaster:
         """Give the local node a copy of the new global (the held one steps in place)."""
         self._handed = self.outer_step
         if self.on_global is not None:
-            self.on_global(self.outer_step, wire.cpu_state_dict(self.global_state))
+            self.on_global(self.outer_step, codec.cpu_state_dict(self.global_state))
 
     # -- one poll ---------------------------------------------------------------------------
     def _reset_tally(self) -> None:
@@ -436,7 +436,7 @@ class RoundMaster:
         fold = _Fold()
         for node_id in sorted(candidates):
             self._fold_node(node_id, candidates[node_id], total, fold)
-            wire.return_free_memory()  # the file's temporaries, before the next file's
+            codec.return_free_memory()  # the file's temporaries, before the next file's
         if not fold.marks:
             return False
         for value in total.values():
@@ -499,7 +499,7 @@ class RoundMaster:
         new.round_seconds = length if not average else (0.7 * average + 0.3 * length)
         self._prune.clear()
         self._persist()
-        wire.return_free_memory()
+        codec.return_free_memory()
         self._first_arrival = None
         self._reset_tally()
         self._emit(
@@ -550,12 +550,12 @@ class RoundMaster:
         node's weight (1, or the nodes a relay leader speaks for), each file read once, tensor
         by tensor, and record them in ``fold``. Unusable files are pruned and counted."""
         with contextlib.ExitStack() as stack:
-            readers: list[tuple[int, str, wire.DeltaReader, int]] = []
+            readers: list[tuple[int, str, codec.DeltaReader, int]] = []
             for round, path in sorted(files.items()):
                 try:
                     bound = self.max_delta_bytes  # checked on the file actually opened
                     local = stack.enter_context(self.store.local_copy(path, max_bytes=bound))
-                    reader = stack.enter_context(wire.open_delta(local))
+                    reader = stack.enter_context(codec.open_delta(local))
                     leaders, step = self.settings.relay_leaders, self.outer_step
                     weight = self.roster.check_identity(
                         node_id, reader.metadata, round, step, leaders
@@ -724,7 +724,7 @@ class OuterUpdate:
             "base_digest": self.base_digest,
             "digest": self.digest,
         }
-        return wire.write_quantized(handle, self.encoded, self.dtype, self.block_size, header)
+        return codec.write_quantized(handle, self.encoded, self.dtype, self.block_size, header)
 
 
 @torch.no_grad()
@@ -791,7 +791,7 @@ def read_update(
     the digest it announces and be finite in the model's dtypes ``like``; else ``ValueError``."""
     if file_sha256(Path(path)) != metadata.update_sha256:
         raise ValueError(f"{GLOBAL_UPDATE} does not match the version record (sha256)")
-    with wire.open_safetensors(path) as opened:
+    with codec.open_safetensors(path) as opened:
         header = opened.metadata()
         if header.get("kind") != "outer_update":
             raise ValueError("not an outer update file")
@@ -807,21 +807,21 @@ def read_update(
                 f"the update makes global {made[0]} of run {made[1] or '?'}; the record names "
                 f"{metadata.outer_step} of {metadata.run_id or '?'}"
             )
-        codec = WireCodec.from_metadata(header)
-        if codec.bits is None:
-            raise ValueError(f"an update holds int8 or int4 codes, not {codec.name}")
+        fmt = WireCodec.from_metadata(header)
+        if fmt.bits is None:
+            raise ValueError(f"an update holds int8 or int4 codes, not {fmt.name}")
         floating = [k for k, v in held.state.items() if v.is_floating_point()]
         if set(opened.keys()) != set(floating) | {k + SCALE_SUFFIX for k in floating}:
             raise ValueError("the update's keys do not match the global's floating tensors")
         result = dict(held.state)
         for key in floating:  # codes (dtype, count, range) and scales (count, finite, bound)
             value = held.state[key]
-            decoded = codec.read(key, opened.get_tensor, tuple(value.shape), wire.MAX_DELTA_ABS)
+            decoded = fmt.read(key, opened.get_tensor, tuple(value.shape), codec.MAX_DELTA_ABS)
             result[key] = add_decoded(value, decoded)
     digest = state_digest(result)
     if digest != header.get("digest"):
         raise ValueError("the result differs from the master's global (digest)")
-    bad = wire.first_non_finite(result, like=like)
+    bad = codec.first_non_finite(result, like=like)
     if bad is not None:
         raise ValueError(f"the updated global holds non-finite values in {bad}")
     return HeldGlobal(metadata.outer_step, metadata.run_id, digest, result)

@@ -60,7 +60,7 @@ import torch
 
 from speedtronic.config import ConfigError
 from speedtronic.config.limits import check_node_id
-from speedtronic.diloco import codec, wire
+from speedtronic.diloco import codec
 from speedtronic.diloco import exchange as T
 from speedtronic.diloco.exchange import (
     AccessRefused,
@@ -215,7 +215,7 @@ class DiLoCoNode:
         with self._lock:
             delta, self.anchor = self._take_contribution()
             self.inner = 0
-        if wire.is_all_zero(delta):
+        if codec.is_all_zero(delta):
             self._emit("delta_upload_zero", step=self.step)
             if final:
                 self._send_done()
@@ -247,7 +247,7 @@ class DiLoCoNode:
         }
         extras = [dict(x) for x in (self.carry, self.residual) if x is not None]
         self.carry = self.residual = None
-        wire.check_layout(self.anchor, current)
+        codec.check_like(self.anchor, current, what="the model does not match its anchor")
         anchor: dict[str, torch.Tensor] = {}
         for key, delta in self.anchor.items():
             anchor[key] = current[key].detach().to("cpu", torch.float32, copy=True)
@@ -294,7 +294,7 @@ class DiLoCoNode:
             job.arrived = True  # a checkpoint no longer holds it (its buffers are reused)
             if isinstance(job.wire, codec.EncodedView) and self.error_feedback:
                 self.residual = job.wire.keep_residual()  # in the contribution's buffers
-        wire.return_free_memory()  # the encoder's and the writer's slices
+        codec.return_free_memory()  # the encoder's and the writer's slices
         if job.delta is not None:
             self._emit(
                 "delta_uploaded",
@@ -398,7 +398,7 @@ class DiLoCoNode:
             self.installed = candidate.outer_step
             self.run_id = candidate.run_id or self.run_id
             self.final_seen = self.final_seen or candidate.final
-        wire.return_free_memory()  # the download's and the slices' pages
+        codec.return_free_memory()  # the download's and the slices' pages
         if self.settings.reset_inner_optimizer and self.optimizer is not None:
             reset = getattr(self.optimizer, "reset_state", None)
             reset() if callable(reset) else self.optimizer.state.clear()
@@ -493,9 +493,9 @@ class DiLoCoNode:
                 "run_id": self.run_id,
                 "last_round": self.last_round,
                 "last_label": self.last_round,  # the key readers of this format knew first
-                "anchor": wire.cpu_state_dict(self.anchor),
-                "carry": None if self.carry is None else wire.cpu_state_dict(self.carry),
-                "residual": None if self.residual is None else wire.cpu_state_dict(self.residual),
+                "anchor": codec.cpu_state_dict(self.anchor),
+                "carry": None if self.carry is None else codec.cpu_state_dict(self.carry),
+                "residual": None if self.residual is None else codec.cpu_state_dict(self.residual),
                 "pending": None if pending is None else pending.to_dict(),
                 "done": self.done,
             }
@@ -512,11 +512,11 @@ class DiLoCoNode:
             self.installed = int(state["installed"])
             self.run_id = str(state.get("run_id", ""))
             self.last_round = int(state.get("last_round", state.get("last_label", -1)))
-            self.anchor = wire.cpu_state_dict(state["anchor"])
+            self.anchor = codec.cpu_state_dict(state["anchor"])
             carry = state.get("carry")
-            self.carry = None if carry is None else wire.cpu_state_dict(carry)
+            self.carry = None if carry is None else codec.cpu_state_dict(carry)
             residual = state.get("residual")  # absent in checkpoints written before int8/int4
-            self.residual = None if residual is None else wire.cpu_state_dict(residual)
+            self.residual = None if residual is None else codec.cpu_state_dict(residual)
             self.done = bool(state.get("done", False))
         pending = state.get("pending")
         return None if pending is None else Contribution.from_dict(pending)
@@ -569,7 +569,7 @@ class Contribution:
             "round": self.round,
             "base": self.base,
             "step": self.step,
-            "delta": None if self.delta is None else wire.cpu_state_dict(self.delta),
+            "delta": None if self.delta is None else codec.cpu_state_dict(self.delta),
             "final": self.final,
             "run_id": self.run_id,
         }
@@ -582,7 +582,7 @@ class Contribution:
             int(data["round"] if "round" in data else data["label"]),  # "label": before 2.2
             int(data["base"]),
             int(data["step"]),
-            None if delta is None else wire.cpu_state_dict(delta),
+            None if delta is None else codec.cpu_state_dict(delta),
             bool(data.get("final", False)),
             str(data.get("run_id", "")),
         )
@@ -1043,7 +1043,7 @@ class NodeLink:
             metadata, state = self.store.fetch_global(metadata, max_bytes=self.max_bytes)
             # as it will be installed: a float64 1e300 is finite in the file, inf in float32
             # (keys and shapes are the node's to judge: another model ends the node, exit 2)
-            bad = wire.first_non_finite(state, like=self.like)
+            bad = codec.first_non_finite(state, like=self.like)
             if bad is not None:
                 raise TransportError(
                     f"{metadata.model_file} (outer step {metadata.outer_step}) holds values "

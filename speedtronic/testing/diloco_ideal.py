@@ -29,9 +29,13 @@ from typing import Any
 
 import torch
 
-from speedtronic.diloco.codec import decode_value, encode_delta
+from speedtronic.diloco.codec import (
+    compute_pseudo_gradient,
+    cpu_state_dict,
+    decode_value,
+    encode_delta,
+)
 from speedtronic.diloco.master import NesterovOuterOptimizer, step_quantized
-from speedtronic.diloco.wire import compute_pseudo_gradient, cpu_state_dict
 
 __all__ = ["IdealResult", "simulate"]
 

@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hub_emulator_fixtures import TEST_TOKEN, fast_retry
 from process_support import free_port, jsonl_events, reap, wait_for
 
+from speedtronic.diloco.codec import first_non_finite, state_to_bytes
 from speedtronic.diloco.exchange import parse_delta_path
 from speedtronic.diloco.hub import HubClient
-from speedtronic.diloco.wire import first_non_finite, state_to_bytes
 from speedtronic.testing.hub_server import FaultConfig, HubEmulator, LfsConfig
 
 pytestmark = pytest.mark.slow
