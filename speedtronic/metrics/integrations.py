@@ -10,6 +10,8 @@ parameter count). A tracker plots against the step already and records wall time
 
 from __future__ import annotations
 
+from typing import Any
+
 from speedtronic.json_types import JSON
 
 __all__ = ["COORDINATES", "SETUP_EVENTS", "TensorboardHook", "WandbHook", "metric_values"]
@@ -48,7 +50,7 @@ class WandbHook:
     """Logs an event's metrics (`metric_values`) to a W&B run (``<event>/<key>``, at the
     event's step)."""
 
-    def __init__(self, project: str | None = None, **settings: object) -> None:
+    def __init__(self, project: str | None = None, **settings: Any) -> None:
         try:
             import wandb
         except ImportError as exc:

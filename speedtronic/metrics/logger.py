@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Protocol
+from typing import IO, TYPE_CHECKING, Protocol, runtime_checkable
 
 from speedtronic.config.redaction import REDACTED, scrub
 from speedtronic.json_types import JSON
@@ -43,9 +43,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "REDACTED",
+    "EventLog",
     "JsonLogFormatter",
     "MetricLogger",
     "RedactingFilter",
+    "TextLog",
     "memory_usage_bytes",
     "new_run_id",
 ]
@@ -59,6 +61,27 @@ class TextSink(Protocol):
 
     def flush(self) -> None:
         """Push out what was written."""
+
+
+class TextLog(Protocol):
+    """A logger of plain lines: ``MetricLogger``, ``logging.Logger`` or a stand-in."""
+
+    def info(self, message: str, /, *args: object) -> None:
+        """Log at INFO."""
+
+    def warning(self, message: str, /, *args: object) -> None:
+        """Log at WARNING."""
+
+
+@runtime_checkable
+class EventLog(Protocol):
+    """What a component that warns and reports events needs (``MetricLogger`` is one)."""
+
+    def warning(self, message: str, *args: object) -> None:
+        """Log a warning."""
+
+    def emit(self, event: str, payload: JSON | None = None) -> None:
+        """Report one structured event."""
 
 
 def memory_usage_bytes(device: torch.device | str | int | None = None) -> int | None:
@@ -111,12 +134,13 @@ class JsonLogFormatter(logging.Formatter):
             "level": record.levelname,
             "logger": self.logger_name or record.name,
         }
-        event = getattr(record, "st_event", None)
+        extra = vars(record)  # ``extra=`` fields are the record's own attributes
+        event = extra.get("st_event")
         if event is None or self.event_messages:
             line["message"] = record.getMessage()
         if event is not None:
             line["event"] = event
-            line["fields"] = getattr(record, "st_fields", {})
+            line["fields"] = extra.get("st_fields", {})
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
         return json.dumps(line, default=str)
@@ -132,7 +156,7 @@ class RedactingFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if self.secrets:
             record.msg, record.args = _redact_text(record.getMessage(), self.secrets), None
-            fields = getattr(record, "st_fields", None)
+            fields = vars(record).get("st_fields")
             if fields is not None:
                 try:
                     record.st_fields = json.loads(
@@ -194,7 +218,8 @@ class MetricLogger:
         self._lock = threading.RLock()
         self._json_handle: IO[str] | None = None
         self._logger = logging.getLogger(f"speedtronic.metrics.{id(self)}")
-        self._logger.setLevel(getattr(logging, self.level, logging.INFO))
+        number: object = logging.getLevelName(self.level)  # a known name gives its number
+        self._logger.setLevel(number if isinstance(number, int) else logging.INFO)
         self._logger.propagate = False
         if self.file is not None:
             self.file.parent.mkdir(parents=True, exist_ok=True)
