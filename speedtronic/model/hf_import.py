@@ -38,7 +38,6 @@ import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -90,7 +89,7 @@ class HFCheckpoint:
         return f"init_from {self.spec} ({self.architecture}): {source}{tokenizer}"
 
 
-def _refuse(spec: str, architecture: str, field: str, value: Any, why: str) -> ConfigError:
+def _refuse(spec: str, architecture: str, field: str, value: object, why: str) -> ConfigError:
     return ConfigError(
         f"{_FIELD}: {spec} is a {architecture} with {field} = {json.dumps(value)}; {why}"
     )

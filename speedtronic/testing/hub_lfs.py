@@ -36,6 +36,7 @@ import json
 import secrets
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from speedtronic.json_types import JSON
@@ -135,14 +136,14 @@ class LfsStorage:
             return None
         return data
 
-    def keep(self, oids: Any) -> None:
+    def keep(self, oids: Iterable[str]) -> None:
         """Objects a commit points to again are live again."""
         with self._lock:
             for oid in oids:
                 if oid in self._released:
                     self.objects[oid] = self._released.pop(oid)[0]
 
-    def release(self, oids: Any) -> None:
+    def release(self, oids: Iterable[str]) -> None:
         """Objects no file points to any more: dropped after ``release_after`` seconds (the
         emulator keeps no history, and a long run must not hold every delta ever sent)."""
         now = time.monotonic()

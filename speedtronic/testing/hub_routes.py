@@ -80,7 +80,7 @@ class HubHandler(BaseHTTPRequestHandler):
     server_version = "SpeedtronicHubEmulator/1.0"
     protocol_version = "HTTP/1.1"
 
-    def log_message(self, format: str, *args: Any) -> None:  # quiet
+    def log_message(self, format: str, *args: object) -> None:  # quiet
         return
 
     @property
