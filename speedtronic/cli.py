@@ -35,12 +35,13 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TextIO
 
 from speedtronic.cli_data import add_data_commands
 from speedtronic.config import ConfigError, ResolvedConfig, resolve_config
 from speedtronic.config.redaction import scrub
 from speedtronic.defaults import MAIN_JOB
+from speedtronic.json_types import JSON
 
 __all__ = ["build_parser", "main"]
 
@@ -181,8 +182,9 @@ def _resolve(args: argparse.Namespace) -> ResolvedConfig:
 
     The file: ``--config``, else ``SPEEDTRONIC_CONFIG``, else the run config a ``--checkpoint``
     carries (``eval``/``sample``/``export``), else, for ``run``, the embedded main job."""
-    max_steps = getattr(args, "max_steps", None)
-    device = getattr(args, "device", None)
+    options = vars(args)  # each command has its own options
+    max_steps = options.get("max_steps")
+    device = options.get("device")
     overrides = list(args.overrides)
     if args.output_dir:
         overrides.append(f"run.output_dir={args.output_dir}")
@@ -190,9 +192,9 @@ def _resolve(args: argparse.Namespace) -> ResolvedConfig:
         overrides.append(f"run.device={device}")
     if max_steps is not None:
         overrides.append(f"run.max_steps={max_steps}")
-    if getattr(args, "init_from", None):
+    if options.get("init_from"):
         overrides.append(f"model.init_from={args.init_from}")  # a string field takes it as is
-    if getattr(args, "overwrite_run", False):
+    if options.get("overwrite_run"):
         overrides.append("checkpoint.overwrite=true")
     source = args.config
     named = source is not None or bool(os.environ.get("SPEEDTRONIC_CONFIG"))
@@ -218,11 +220,11 @@ def _resolve(args: argparse.Namespace) -> ResolvedConfig:
     return resolved
 
 
-def _checkpoint_source(args: argparse.Namespace) -> dict[str, Any] | None:
+def _checkpoint_source(args: argparse.Namespace) -> JSON | None:
     """``export``/``sample``/``eval --checkpoint PATH`` without a config: the run config the
     checkpoint carries (redacted: a token comes from HF_TOKEN or a secret file again)."""
     commands = ("export", "sample", "eval", "push")
-    if args.command not in commands or not getattr(args, "checkpoint", None):
+    if args.command not in commands or not vars(args).get("checkpoint"):
         return None
     from speedtronic.checkpoint import CheckpointError, checkpoint_config
     from speedtronic.config import REDACTED
@@ -237,7 +239,7 @@ def _checkpoint_source(args: argparse.Namespace) -> dict[str, Any] | None:
     return values
 
 
-def _dump(payload: Any, fmt: str) -> str:
+def _dump(payload: object, fmt: str) -> str:
     if fmt == "json":
         return json.dumps(payload, indent=2)
     import yaml
@@ -397,7 +399,7 @@ def _cmd_push(args: argparse.Namespace) -> int:
     return push_command(args, config)
 
 
-def _text_value(value: Any) -> str:
+def _text_value(value: object) -> str:
     return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
@@ -428,11 +430,11 @@ class _StderrHandler(logging.StreamHandler):
     """Writes to whatever ``sys.stderr`` is at emit time (survives redirection in tests)."""
 
     @property  # type: ignore[override]
-    def stream(self) -> Any:
+    def stream(self) -> TextIO:
         return sys.stderr
 
     @stream.setter
-    def stream(self, value: Any) -> None:
+    def stream(self, value: TextIO) -> None:
         pass
 
 

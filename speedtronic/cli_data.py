@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import IO, TYPE_CHECKING
 
 from speedtronic.config import ConfigError
+
+if TYPE_CHECKING:
+    from speedtronic.config import SpeedtronicConfig
+    from speedtronic.train.scoring import Weights
 
 __all__ = [
     "add_data_commands",
@@ -38,7 +42,9 @@ def _weights_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_data_commands(
-    commands: Any, reading: argparse.ArgumentParser, writing: argparse.ArgumentParser
+    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+    reading: argparse.ArgumentParser,
+    writing: argparse.ArgumentParser,
 ) -> None:
     """``prepare``, ``export`` and ``sample`` (docs/data.md); ``reading``/``writing``: the
     config flags of a command that computes (``sample``) and of one that does not (``export``)."""
@@ -200,7 +206,7 @@ class _ProgressBar:
             self.bar.close()
 
 
-def export_command(args: argparse.Namespace, config: Any) -> int:
+def export_command(args: argparse.Namespace, config: SpeedtronicConfig) -> int:
     """``speedtronic export``: the folder written (and, with ``--verify``, the logit check)."""
     from speedtronic.checkpoint import CheckpointError
     from speedtronic.model.export import ExportError, verify_export
@@ -223,7 +229,7 @@ def export_command(args: argparse.Namespace, config: Any) -> int:
     return 0
 
 
-def push_command(args: argparse.Namespace, config: Any) -> int:
+def push_command(args: argparse.Namespace, config: SpeedtronicConfig) -> int:
     """``speedtronic push``: the repo, the step and the files uploaded in one commit."""
     from speedtronic.checkpoint import CheckpointError
     from speedtronic.diloco.exchange import HubUnavailable, TransportError
@@ -248,7 +254,7 @@ def push_command(args: argparse.Namespace, config: Any) -> int:
     return 0
 
 
-def sample_command(args: argparse.Namespace, config: Any) -> int:
+def sample_command(args: argparse.Namespace, config: SpeedtronicConfig) -> int:
     """``speedtronic sample``: the prompt and its continuation on stdout."""
     from speedtronic.checkpoint import CheckpointError
     from speedtronic.train.sampling import sample
@@ -273,7 +279,7 @@ def sample_command(args: argparse.Namespace, config: Any) -> int:
     return 0
 
 
-def _loaded(weights: Any) -> str:
+def _loaded(weights: Weights) -> str:
     """Which weights a command used: ``<file> (step N, outer step M)`` as far as known."""
     known = [f"step {weights.step}"] if weights.step is not None else []
     if weights.outer_step is not None:
@@ -281,7 +287,7 @@ def _loaded(weights: Any) -> str:
     return f"{weights.source} ({', '.join(known)})" if known else str(weights.source)
 
 
-def _is_terminal(stream: Any) -> bool:
+def _is_terminal(stream: IO[str]) -> bool:
     """Whether ``stream`` is a terminal (a bar redrawn in a file or a pipe is noise)."""
     try:
         return bool(stream.isatty())

@@ -58,13 +58,29 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from types import FrameType
+from typing import IO, TYPE_CHECKING, Literal
 
 from speedtronic.config import ConfigError, ResolvedConfig
 from speedtronic.diloco.node import ExchangeAccessError, NodeIdCollisionError
+from speedtronic.json_types import JSON
 from speedtronic.metrics.logger import JsonLogFormatter, RedactingFilter
 from speedtronic.metrics.startup import devices_line, exchange_line, run_summary
 from speedtronic.train.ranks import RankEnv, resolve_nproc, run_agent
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from speedtronic.checkpoint import CheckpointManager
+    from speedtronic.config import LoggingConfig, SpeedtronicConfig
+    from speedtronic.metrics.hooks import Hook
+    from speedtronic.metrics.integrations import TensorboardHook, WandbHook
+    from speedtronic.metrics.progress import ProgressBarHook
+    from speedtronic.metrics.prometheus import PrometheusSink
+    from speedtronic.metrics.server import MetricsServer, StallWatchdog
+    from speedtronic.slots import SlotClaim
+    from speedtronic.train.result import TrainResult
+    from speedtronic.train.trainer import Trainer
 
 __all__ = [
     "JsonLogFormatter",
@@ -89,12 +105,12 @@ NODE_PATHS = (
 )
 
 
-def _event(name: str, **fields: Any) -> dict[str, Any]:
+def _event(name: str, **fields: object) -> JSON:
     """``extra=`` for a log record that is also a structured event."""
     return {"st_event": name, "st_fields": fields}
 
 
-def runtime_versions() -> dict[str, Any]:
+def runtime_versions() -> JSON:
     """Versions recorded in the startup log: speedtronic, torch, CUDA, Python, host."""
     import torch
 
@@ -121,15 +137,15 @@ class RunOutcome:
     several ranks, so only it reports)."""
 
     exit_code: int
-    result: Any = None
+    result: TrainResult | None = None
 
 
 @dataclass
 class _RunState:
     """What the signal handlers, probes and the watchdog share during one run."""
 
-    trainer: Any = None
-    sink: Any = None
+    trainer: Trainer | None = None
+    sink: PrometheusSink | None = None
     built: bool = False
     stop_signal: int | None = None
     training_started: bool = False
@@ -142,7 +158,7 @@ class _RunState:
         beat = self.trainer.last_heartbeat if self.trainer is not None else None
         if isinstance(beat, (int, float)):
             candidates.append(float(beat))
-        step_time = getattr(self.sink, "last_step_time", None)
+        step_time = self.sink.last_step_time if self.sink is not None else None
         if step_time is not None:
             candidates.append(step_time)
         return max(candidates)
@@ -173,7 +189,7 @@ class _RunState:
         if self.trainer is not None:
             self.trainer.request_stop(name)
 
-    def on_event(self, event: str, payload: dict[str, Any]) -> None:
+    def on_event(self, event: str, payload: JSON) -> None:
         """Logger hook: the loop has started (the watchdog counts from here)."""
         if event == "train_start":
             self.training_started = True
@@ -190,9 +206,9 @@ def install_stop_handlers(
     only delivers signals there)."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
-    previous: dict[signal.Signals, Any] = {}
+    previous: dict[signal.Signals, Callable[[int, FrameType | None], object] | int | None] = {}
 
-    def handler(signum: int, _frame: Any) -> None:
+    def handler(signum: int, _frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if is_stopping():
             raise KeyboardInterrupt(f"second {name} while stopping")
@@ -209,7 +225,7 @@ def install_stop_handlers(
 
 
 def _configure_logging(
-    logging_config: Any, *, main: bool = True, secrets: tuple[str | None, ...] = ()
+    logging_config: LoggingConfig, *, main: bool = True, secrets: tuple[str | None, ...] = ()
 ) -> logging.Handler:
     """Attach one stdout handler (text or JSON) to the ``speedtronic`` logger tree (errors
     only on ranks other than 0). Every line through it has ``secrets`` scrubbed, whichever
@@ -229,7 +245,7 @@ def _configure_logging(
 RESOLVED_CONFIG_FILE = "resolved_config.yaml"
 
 
-def _write_resolved(config: Any, sources: dict[str, str]) -> Any:
+def _write_resolved(config: SpeedtronicConfig, sources: dict[str, str]) -> Path | None:
     """The full resolved config (redacted) and its sources, as YAML in ``run.output_dir``;
     the path, or None when it cannot be written (logged, never fatal)."""
     import yaml
@@ -262,7 +278,10 @@ def _config_origin(config_path: str | None) -> str:
 
 
 def _log_startup(
-    command: Command, config: Any, sources: dict[str, str], config_path: str | None = None
+    command: Command,
+    config: SpeedtronicConfig,
+    sources: dict[str, str],
+    config_path: str | None = None,
 ) -> None:
     """The startup record: versions, the config file the run started from (``config_path``),
     and where the resolved (redacted) config and its sources were written; under
@@ -327,7 +346,9 @@ def _check_local_host(host: str) -> None:
             ) from None
 
 
-def _start_server(command: Command, config: Any, registry: Any, state: _RunState) -> Any:
+def _start_server(
+    command: Command, config: SpeedtronicConfig, registry: CollectorRegistry, state: _RunState
+) -> MetricsServer | None:
     """Bind and start the metrics server; None when it is off (``metrics.enabled: false``,
     or unset under ``train``)."""
     metrics = config.metrics
@@ -361,7 +382,9 @@ def _start_server(command: Command, config: Any, registry: Any, state: _RunState
     return server
 
 
-def _claim_identity(config: Any, sources: dict[str, str], ranks: RankEnv | None = None) -> Any:
+def _claim_identity(
+    config: SpeedtronicConfig, sources: dict[str, str], ranks: RankEnv | None = None
+) -> SlotClaim | None:
     """Give a worker without a node id a slot (when ``distributed.slots_dir`` is set) and
     put the node id into the ``{node_id}`` output paths; the `SlotClaim`, or None. ``ranks``:
     this process's place in a torchrun launch (default: one process)."""
@@ -406,7 +429,7 @@ def _claim_identity(config: Any, sources: dict[str, str], ranks: RankEnv | None 
     return claim
 
 
-def _expand_node_paths(config: Any) -> None:
+def _expand_node_paths(config: SpeedtronicConfig) -> None:
     """Replace ``{node_id}`` in the `NODE_PATHS` by ``distributed.node_id``."""
     node_id = config.distributed.node_id
     for section_name, name in NODE_PATHS:
@@ -428,7 +451,7 @@ def _exit_stalled(code: int) -> None:
     os._exit(code)
 
 
-def _start_watchdog(config: Any, state: _RunState) -> Any:
+def _start_watchdog(config: SpeedtronicConfig, state: _RunState) -> StallWatchdog:
     """The stall watchdog (`speedtronic.metrics.server.StallWatchdog`), started."""
     from speedtronic.metrics.server import StallWatchdog
 
@@ -450,7 +473,7 @@ def _start_watchdog(config: Any, state: _RunState) -> Any:
     return StallWatchdog(state.heartbeat, stall_seconds, on_stall, armed=state.watching).start()
 
 
-def _identity(config: Any, trainer: Any) -> tuple[str, str]:
+def _identity(config: SpeedtronicConfig, trainer: Trainer) -> tuple[str, str]:
     """(role, node_id) labels: the coordinator's when distributed, else the host name."""
     distributed = config.distributed
     coordinator = trainer.coordinator
@@ -460,7 +483,7 @@ def _identity(config: Any, trainer: Any) -> tuple[str, str]:
     return role, str(distributed.node_id or socket.gethostname())
 
 
-def _build(config: Any, resume: bool) -> tuple[Any, Any]:
+def _build(config: SpeedtronicConfig, resume: bool) -> tuple[Trainer, CheckpointManager]:
     """The runtime (trainer, checkpoint manager) of this rank; the config is already in the
     startup log."""
     from speedtronic.train.runtime import build_runtime
@@ -469,7 +492,7 @@ def _build(config: Any, resume: bool) -> tuple[Any, Any]:
     return build_runtime(config, resume=resume, log_config=False, ranks=ranks)
 
 
-def _trackers(config: Any, node_id: str) -> list[Any]:
+def _trackers(config: SpeedtronicConfig, node_id: str) -> list[WandbHook | TensorboardHook]:
     """The experiment trackers of ``logging.trackers`` (W&B, TensorBoard; extra
     ``speedtronic[logging]``), each given the redacted config. Project: ``logging.project`` or
     ``run.name``; run name: ``logging.run_name`` or the node id. TensorBoard writes under
@@ -490,7 +513,7 @@ def _trackers(config: Any, node_id: str) -> list[Any]:
                 "(not shown); set logging.project / logging.run_name to another name"
             )
     redacted = config.to_dict(redact_secrets=True)
-    hooks: list[Any] = []
+    hooks: list[WandbHook | TensorboardHook] = []
     for tracker in section.trackers:
         try:
             if tracker == "wandb":
@@ -505,13 +528,13 @@ def _trackers(config: Any, node_id: str) -> list[Any]:
     return hooks
 
 
-def _yaml_block(values: Any) -> str:
+def _yaml_block(values: JSON) -> str:
     import yaml
 
     return "```yaml\n" + yaml.safe_dump(values, sort_keys=False) + "```"
 
 
-def _isatty(stream: Any) -> bool:
+def _isatty(stream: IO[str]) -> bool:
     try:
         return bool(stream.isatty())
     except (AttributeError, ValueError):
@@ -524,7 +547,7 @@ def launch(
     command: Command = "run",
     resume: bool = False,
     progress: bool | None = False,
-    extra_hooks: Iterable[Any] = (),
+    extra_hooks: Iterable[Hook] = (),
     argv: Sequence[str] | None = None,
 ) -> RunOutcome:
     """Run one training job as ``speedtronic <command>`` does (see the module docstring).
@@ -596,7 +619,7 @@ def run_command(resolved: ResolvedConfig, *, resume: bool = False) -> int:
     return launch(resolved, command="run", resume=resume).exit_code
 
 
-def _attach_progress(trainer: Any) -> Any:
+def _attach_progress(trainer: Trainer) -> ProgressBarHook:
     """A progress bar hook on the trainer's logger; per-step text lines go to the bar."""
     from speedtronic.metrics.progress import ProgressBarHook, TqdmStream
 
@@ -610,12 +633,12 @@ def _attach_progress(trainer: Any) -> Any:
 
 
 def _train(
-    config: Any,
+    config: SpeedtronicConfig,
     resume: bool,
     state: _RunState,
-    registry: Any,
+    registry: CollectorRegistry,
     progress: bool,
-    extra_hooks: Iterable[Any],
+    extra_hooks: Iterable[Hook],
     ranks: RankEnv,
     token_source: str | None = None,
 ) -> RunOutcome:
@@ -685,13 +708,14 @@ def _train(
     return RunOutcome(0, result if ranks.is_main else None)
 
 
-def _push_final(config: Any) -> None:
+def _push_final(config: SpeedtronicConfig) -> None:
     """``run.push_to_hub``: the master (or a lone node) pushes its newest checkpoint, which
     holds the final global, as ``speedtronic push`` would; a failure leaves the run's files
     in place and says how to push them again."""
     from speedtronic.publish import push_model
 
     repo = config.run.push_to_hub
+    assert repo is not None  # the caller checked
     try:
         pushed = push_model(config, repo_id=repo, log=_LOG.info)
     except Exception as exc:

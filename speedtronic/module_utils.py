@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol, TypeVar, runtime_checkable
 
-__all__ = ["set_gradient_checkpointing"]
+__all__ = ["CheckpointingModule", "set_gradient_checkpointing"]
 
 
-def set_gradient_checkpointing(module: Any, enabled: bool = True) -> Any:
+@runtime_checkable
+class CheckpointingModule(Protocol):
+    """A model with the gradient checkpointing hook (``speedtronic.model.GPT`` has one)."""
+
+    def set_gradient_checkpointing(self, enabled: bool) -> object:
+        """Recompute activations in the backward pass when ``enabled``."""
+
+
+_Module = TypeVar("_Module")
+
+
+def set_gradient_checkpointing(module: _Module, enabled: bool = True) -> _Module:
     """Call ``module.set_gradient_checkpointing(bool(enabled))`` and return ``module``.
 
     Raises ``AttributeError`` when the module has no such hook (the trainer only warns).
     """
-    hook = getattr(module, "set_gradient_checkpointing", None)
-    if not callable(hook):
+    if not isinstance(module, CheckpointingModule):
         raise AttributeError(
             "module must expose set_gradient_checkpointing(enabled) to use this feature"
         )
-    hook(bool(enabled))
+    module.set_gradient_checkpointing(bool(enabled))
     return module

@@ -25,7 +25,6 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import yaml
@@ -33,6 +32,7 @@ import yaml
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.config.limits import is_hub_repo_id
 from speedtronic.config.redaction import scrub
+from speedtronic.json_types import JSON
 from speedtronic.train.scoring import Weights
 
 __all__ = ["Exported", "PushResult", "eval_history", "export_weights", "model_card", "push_model"]
@@ -48,12 +48,12 @@ class PushResult:
     step: int | None
 
 
-def eval_history(events: Path) -> list[dict[str, Any]]:
+def eval_history(events: Path) -> list[JSON]:
     """The ``eval`` events (``step``, ``loss``, ``scope``) of the last run recorded in the JSONL
     file ``events`` (a file appended to by several runs keeps them apart by ``run_id``)."""
     if not events.is_file():
         return []
-    runs: dict[str, list[dict[str, Any]]] = {}
+    runs: dict[str, list[JSON]] = {}
     last = ""
     with open(events, encoding="utf-8", errors="replace") as handle:
         for line in handle:
@@ -80,7 +80,7 @@ def _events_file(config: SpeedtronicConfig, checkpoint: str | None) -> Path | No
     return beside if beside.is_file() else configured
 
 
-def _loss_table(history: list[dict[str, Any]]) -> list[str]:
+def _loss_table(history: list[JSON]) -> list[str]:
     if not history:
         return ["No held-out evaluation was recorded for this run."]
     best = min(history, key=lambda r: r["loss"])
@@ -120,7 +120,7 @@ def model_card(
     parameters: int,
     step: int | None,
     tokens: int | None,
-    history: list[dict[str, Any]],
+    history: list[JSON],
     source: str,
 ) -> str:
     """The ``README.md`` of a pushed model (Markdown with a metadata block); it holds the
@@ -305,4 +305,4 @@ def push_model(
             f"commit to {repo_id}",
             lambda: api.create_commit(repo_id, operations=operations, commit_message=message),
         )
-    return PushResult(repo_id, str(getattr(commit, "commit_url", "")), files, weights.step)
+    return PushResult(repo_id, str(commit.commit_url), files, weights.step)

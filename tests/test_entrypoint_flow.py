@@ -11,6 +11,7 @@ import socket
 from types import SimpleNamespace
 
 import pytest
+import torch
 import yaml
 from test_deploy_support import REPO
 from test_rehearsal_support import free_port, http_get
@@ -52,6 +53,9 @@ class FakeTrainer:
         self.fitted = False
         self.last_heartbeat = None
         self.parallel = SingleProcess()  # one process, as the Trainer's default
+        self.model = torch.nn.Linear(2, 2)  # what the start-up lines read from a Trainer
+        self.device = torch.device("cpu")
+        self.precision = SimpleNamespace(mode="fp32")
         self.body = body or (lambda trainer: None)
 
     def request_stop(self, reason):

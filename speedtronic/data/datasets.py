@@ -11,13 +11,17 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from speedtronic.data.tokenizer import CharTokenizer, encode_text
+from speedtronic.data.tokenizer import CharTokenizer, TokenizerLike, encode_text
+from speedtronic.json_types import StateDict
+
+if TYPE_CHECKING:
+    from speedtronic.data.shards import TokenArray
 
 __all__ = [
     "SampleTensorDataset",
@@ -79,7 +83,7 @@ class SyntheticTokenDataset(Dataset):
 class _ByteRange(io.RawIOBase):
     """A read-only view of ``length`` bytes of an open binary file from its current offset."""
 
-    def __init__(self, handle: Any, length: int) -> None:
+    def __init__(self, handle: IO[bytes], length: int) -> None:
         super().__init__()
         self._handle = handle
         self._left = max(int(length), 0)
@@ -121,7 +125,7 @@ class TextFileTokenDataset(IterableDataset):
         self,
         path: str | os.PathLike[str],
         block_size: int,
-        tokenizer: Any = None,
+        tokenizer: TokenizerLike | None = None,
         vocab_size: int = 256,
         chunk_chars: int | None = None,
         *,
@@ -141,7 +145,7 @@ class TextFileTokenDataset(IterableDataset):
         if self.chunk_chars <= 0:
             raise ValueError("chunk_chars must be positive")
 
-    def _open(self) -> Any:
+    def _open(self) -> IO[str]:
         if self.start_byte == 0 and self.stop_byte is None:
             return open(self.path, encoding="utf-8", errors="replace")
         raw = open(self.path, "rb")  # noqa: SIM115 - closed by the wrapper
@@ -218,15 +222,16 @@ class TokenWindowDataset(Dataset):
     ``TokenWindowSampler`` that picks random or sequential starts.
     """
 
-    def __init__(self, tokens: Any, block_size: int) -> None:
+    def __init__(self, tokens: TokenArray | None, block_size: int) -> None:
         if int(block_size) <= 0:
             raise ValueError("block_size must be positive")
         self.block_size = int(block_size)
         self._tokens = tokens
 
     @property
-    def tokens(self) -> Any:
-        """The 1-D token array (numpy array, memmap or tensor)."""
+    def tokens(self) -> TokenArray:
+        """The 1-D token array (numpy array, memmap, tensor or prepared shards)."""
+        assert self._tokens is not None  # given to the constructor (a token file: read lazily)
         return self._tokens
 
     @property
@@ -273,19 +278,19 @@ class TokenFileDataset(TokenWindowDataset):
         self.split = split
 
     @property
-    def tokens(self) -> Any:
+    def tokens(self) -> TokenArray:
         if self._tokens is None:
             tokens = open_token_array(self.path, self.dtype, split=self.split)
             self._tokens = tokens[self.start : self.stop]
         return self._tokens
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> StateDict:
         state = dict(self.__dict__)
         state["_tokens"] = None
         return state
 
 
-def open_token_array(path: str, dtype: str = "uint16", *, split: str = "train") -> Any:
+def open_token_array(path: str, dtype: str = "uint16", *, split: str = "train") -> TokenArray:
     """Memory-map a token file: ``.npy`` with its own dtype, anything else as raw ``dtype``.
 
     A folder written by ``speedtronic prepare`` gives all shards of ``split`` as one stream
@@ -296,7 +301,8 @@ def open_token_array(path: str, dtype: str = "uint16", *, split: str = "train") 
 
         return open_prepared(path, split, "data.token_path")
     if path.endswith(".npy"):
-        return np.load(path, mmap_mode="r")
+        array: np.ndarray = np.load(path, mmap_mode="r")
+        return array
     return np.memmap(path, dtype=np.dtype(dtype), mode="r")
 
 

@@ -21,16 +21,17 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sized
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset
 
 from speedtronic.config import DataConfig, EvalConfig
 from speedtronic.data.datasets import TextFileTokenDataset
 from speedtronic.data.markov import HELDOUT_DOMAIN, MarkovTokenDataset, seed_generator
+from speedtronic.data.shards import TokenArray
 from speedtronic.data.sources import (
     _error,
     _open_serialized,
@@ -40,6 +41,7 @@ from speedtronic.data.sources import (
     split_map_dataset,
     split_point,
 )
+from speedtronic.data.tokenizer import TokenizerLike
 
 __all__ = ["HeldOutSource", "open_heldout"]
 
@@ -54,12 +56,12 @@ class HeldOutSource:
     mean cross-entropy in nats when known (the Markov chain's entropy rate), else ``None``.
     """
 
-    records: Any  # () -> Iterator[record]
+    records: Callable[[], Iterator[Record]]
     description: str
     floor: float | None = None
 
 
-def _windows(tokens: Any, block_size: int) -> Iterator[Record]:
+def _windows(tokens: TokenArray, block_size: int) -> Iterator[Record]:
     """Sequential non-overlapping windows of ``block_size + 1`` from a 1-D token array."""
     span = block_size + 1
     for start in range(0, len(tokens) - block_size, span):
@@ -69,8 +71,13 @@ def _windows(tokens: Any, block_size: int) -> Iterator[Record]:
 
 
 def _text_records(
-    path: str, block_size: int, vocab_size: int, start_byte: int, field: str, tokenizer: Any
-):
+    path: str,
+    block_size: int,
+    vocab_size: int,
+    start_byte: int,
+    field: str,
+    tokenizer: TokenizerLike | None,
+) -> Callable[[], Iterator[Record]]:
     dataset = TextFileTokenDataset(
         path, block_size, tokenizer=tokenizer, vocab_size=vocab_size, start_byte=start_byte
     )
@@ -83,7 +90,9 @@ def _text_records(
     return dataset.__iter__
 
 
-def _token_records(tokens: Any, block_size: int, what: str, field: str):
+def _token_records(
+    tokens: TokenArray, block_size: int, what: str, field: str
+) -> Callable[[], Iterator[Record]]:
     if len(tokens) <= block_size:
         raise _error(
             f"{field}: the held-out tokens ({what}) number {len(tokens)}, fewer than one window "
@@ -92,7 +101,9 @@ def _token_records(tokens: Any, block_size: int, what: str, field: str):
     return lambda: _windows(tokens, block_size)
 
 
-def _uniform_records(count: int, block_size: int, vocab_size: int, seed: int):
+def _uniform_records(
+    count: int, block_size: int, vocab_size: int, seed: int
+) -> Callable[[], Iterator[Record]]:
     def records() -> Iterator[Record]:
         for index in range(count):
             rng = seed_generator(seed, HELDOUT_DOMAIN, index)
@@ -102,7 +113,8 @@ def _uniform_records(count: int, block_size: int, vocab_size: int, seed: int):
     return records
 
 
-def _held_samples(held: Any):
+def _held_samples(held: object) -> Callable[[], Iterator[Record]]:
+    assert isinstance(held, Dataset) and isinstance(held, Sized)  # split_map_dataset checked
     return lambda: (held[index] for index in range(len(held)))
 
 
@@ -112,7 +124,7 @@ def open_heldout(
     *,
     block_size: int,
     vocab_size: int,
-    tokenizer: Any = None,
+    tokenizer: TokenizerLike | None = None,
 ) -> HeldOutSource | None:
     """The held-out region named by ``evaluation`` (an ``EvalConfig``) over ``data``.
 
@@ -143,7 +155,11 @@ def open_heldout(
 
 
 def _holdout_of_training(
-    data: DataConfig, holdout: float, block_size: int, vocab_size: int, tokenizer: Any
+    data: DataConfig,
+    holdout: float,
+    block_size: int,
+    vocab_size: int,
+    tokenizer: TokenizerLike | None,
 ) -> HeldOutSource:
     share = f"last {holdout:g} of"
     text_path = data.text_path

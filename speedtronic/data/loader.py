@@ -11,8 +11,8 @@ data position can be saved in a checkpoint and restored exactly (see the package
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
@@ -20,6 +20,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 from speedtronic.config import DataConfig, ModelConfig
 from speedtronic.data.datasets import TextFileTokenDataset, TokenWindowDataset
 from speedtronic.data.sources import open_source
+from speedtronic.data.tokenizer import TokenizerLike
+from speedtronic.json_types import StateDict
 
 __all__ = [
     "EpochSampler",
@@ -34,7 +36,12 @@ __all__ = [
 ]
 
 
-def collate_causal(batch: Sequence[dict[str, torch.Tensor]]) -> Any:
+_Batch = TypeVar("_Batch")
+
+
+def collate_causal(
+    batch: Sequence[dict[str, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor] | dict[str, torch.Tensor]:
     """Stack causal-LM records into ``(inputs, labels)``, padding only when lengths differ.
 
     Equal lengths -> ``(input_ids, labels)`` int64 ``(B, T)``. Different lengths -> a dict
@@ -59,7 +66,7 @@ def collate_causal(batch: Sequence[dict[str, torch.Tensor]]) -> Any:
     return {"input_ids": inputs, "labels": labels, "attention_mask": mask}
 
 
-def collate_batch(batch: Sequence[Any]) -> Any:
+def collate_batch(batch: Sequence[Any]) -> object:
     """Collate dict records (causal LM), tuples/lists (column-wise), tensors or anything else."""
     if not batch:
         raise ValueError("cannot collate an empty batch")
@@ -83,7 +90,7 @@ def collate_batch(batch: Sequence[Any]) -> Any:
     return list(batch)
 
 
-def infinite_batches(loader: Any) -> Iterator[Any]:
+def infinite_batches(loader: Iterable[_Batch]) -> Iterator[_Batch]:
     """Loop over ``loader`` forever; a pass that yields nothing raises ``RuntimeError``."""
     while True:
         produced = False
@@ -207,16 +214,16 @@ class ResumableDataLoader(DataLoader):
         if self._epoch_sampler is not None:
             self._epoch_sampler.shard(self.rank, self.world_size, int(self.batch_size or 1))
 
-    def _rank_batches(self) -> Iterator[Any]:
+    def _rank_batches(self) -> Iterator[object]:
         batches = super().__iter__()
         if self.world_size == 1 or self._epoch_sampler is not None:
             return batches
         return (b for i, b in enumerate(batches) if i % self.world_size == self.rank)
 
-    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+    def __iter__(self) -> Iterator[object]:  # type: ignore[override]
         return self._pass()
 
-    def _pass(self) -> Iterator[Any]:
+    def _pass(self) -> Iterator[object]:
         start = self._batches
         skip = start
         if self._epoch_sampler is not None:
@@ -249,7 +256,7 @@ class ResumableDataLoader(DataLoader):
             state["ranks"] = self.world_size
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         """Resume at a saved position; call before the next batch is drawn."""
         self._epoch = int(state.get("epoch", 0))
         batches = int(state.get("batches", 0))
@@ -259,18 +266,26 @@ class ResumableDataLoader(DataLoader):
         self._batches = batches * saved_batch * saved_ranks // (own_batch * self.world_size)
 
 
-def data_state_dict(loader: Any) -> dict[str, Any] | None:
+@runtime_checkable
+class _SavesPosition(Protocol):
+    def state_dict(self) -> Mapping[str, object]: ...
+
+
+@runtime_checkable
+class _LoadsPosition(Protocol):
+    def load_state_dict(self, state: StateDict) -> None: ...
+
+
+def data_state_dict(loader: object) -> StateDict | None:
     """The loader's data position, or ``None`` for a loader that cannot report one."""
-    get = getattr(loader, "state_dict", None)
-    return dict(get()) if callable(get) else None
+    return dict(loader.state_dict()) if isinstance(loader, _SavesPosition) else None
 
 
-def load_data_state_dict(loader: Any, state: dict[str, Any] | None) -> bool:
+def load_data_state_dict(loader: object, state: StateDict | None) -> bool:
     """Restore a position saved by ``data_state_dict``; False when nothing was restored."""
-    load = getattr(loader, "load_state_dict", None)
-    if state is None or not callable(load):
+    if state is None or not isinstance(loader, _LoadsPosition):
         return False
-    load(state)
+    loader.load_state_dict(state)
     return True
 
 
@@ -278,7 +293,7 @@ def build_dataloader(
     config: DataConfig | None = None,
     *,
     dataset: Dataset | None = None,
-    tokenizer: Any = None,
+    tokenizer: TokenizerLike | None = None,
     pin_memory_device: bool = False,
     vocab_size: int | None = None,
     stream_seed: int | None = None,

@@ -53,6 +53,7 @@ from speedtronic.data.units import (
     init_worker,
     iter_units,
 )
+from speedtronic.json_types import JSON
 
 __all__ = ["DEFAULT_SHARD_TOKENS", "PrepareError", "PrepareResult", "prepare"]
 
@@ -68,11 +69,11 @@ class PrepareResult:
     """What ``prepare`` did: ``status`` is ``written``, ``resumed`` or ``unchanged``."""
 
     output: Path
-    meta: dict[str, Any]
+    meta: JSON
     status: str
 
 
-def _write_json(path: Path, payload: dict[str, Any]) -> None:
+def _write_json(path: Path, payload: JSON) -> None:
     """Atomic JSON write: temp file, fsync, rename, fsync the folder."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as handle:
@@ -84,7 +85,7 @@ def _write_json(path: Path, payload: dict[str, Any]) -> None:
     fsync_dir(path.parent)
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+def _read_json(path: Path) -> JSON | None:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -140,7 +141,7 @@ class _Run:
         }
         return hashlib.sha256(json.dumps(settings).encode()).hexdigest()
 
-    def check_output(self, overwrite: bool) -> dict[str, Any] | None:
+    def check_output(self, overwrite: bool) -> JSON | None:
         """The finished meta when ``DIR`` already holds this corpus; refuses other contents."""
         if self.output.exists() and not self.output.is_dir():
             raise PrepareError(f"--output {self.output} is a file, expected a folder")
@@ -169,7 +170,7 @@ class _Run:
         return None
 
     # ------------------------------------------------------------------ resume
-    def _resume_state(self) -> dict[str, Any] | None:
+    def _resume_state(self) -> JSON | None:
         if not self.partial.exists():
             return None
         state = _read_json(self.partial / "progress.json")
@@ -188,7 +189,7 @@ class _Run:
             shutil.rmtree(self.partial)
         return state
 
-    def _files_match(self, state: dict[str, Any]) -> bool:
+    def _files_match(self, state: JSON) -> bool:
         if state.get("finalizing"):
             return True
         itemsize = np.dtype(self.dtype).itemsize
@@ -243,7 +244,7 @@ class _Run:
             raise
         return PrepareResult(self.output, meta, "resumed" if resumed else "written")
 
-    def _new_state(self) -> dict[str, Any]:
+    def _new_state(self) -> JSON:
         empty = {"closed": [], "open_tokens": 0}
         return {
             "fingerprint": self.fingerprint,
@@ -255,7 +256,7 @@ class _Run:
             "writers": {s: {**empty, "split": s} for s in ("train", "eval")},
         }
 
-    def _encode_all(self, state: dict[str, Any]) -> None:
+    def _encode_all(self, state: JSON) -> None:
         writers = {
             split: ShardWriter(self.partial, split, self.dtype, self.shard_tokens, saved)
             for split, saved in state["writers"].items()
@@ -280,7 +281,7 @@ class _Run:
             for writer in writers.values():
                 writer.close()
 
-    def _checkpoint(self, state: dict[str, Any], writers: dict[str, ShardWriter]) -> None:
+    def _checkpoint(self, state: JSON, writers: dict[str, ShardWriter]) -> None:
         for split, writer in writers.items():
             writer.sync()
             state["writers"][split] = {**writer.state(), "split": split}
@@ -338,7 +339,7 @@ class _Run:
             pool.shutdown(wait=True, cancel_futures=True)
 
     def _consume(
-        self, unit: Unit, encoded: Encoded, state: dict[str, Any], writers: dict[str, ShardWriter]
+        self, unit: Unit, encoded: Encoded, state: JSON, writers: dict[str, ShardWriter]
     ) -> int:
         """Write one unit's tokens to the train/eval shards; returns the shards it closed."""
         source = self.sources[unit.source]
@@ -383,7 +384,7 @@ class _Run:
         return (index + 1) * num // den > index * num // den
 
     # ------------------------------------------------------------------ finish
-    def _finalize(self, state: dict[str, Any]) -> dict[str, Any]:
+    def _finalize(self, state: JSON) -> JSON:
         meta = state.get("meta") or self._meta(state)
         if not state.get("finalizing"):
             state.update(finalizing=True, meta=meta)
@@ -405,7 +406,7 @@ class _Run:
             self.log(f"replaced the previous corpus in {self.output} (--overwrite)")
         return meta
 
-    def _meta(self, state: dict[str, Any]) -> dict[str, Any]:
+    def _meta(self, state: JSON) -> JSON:
         tokens, documents = state["tokens"], state["documents"]
         if tokens["train"] == 0:
             raise PrepareError("the inputs hold no text to tokenize (every document is empty)")

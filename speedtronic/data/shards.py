@@ -21,9 +21,15 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, TYPE_CHECKING, Union, overload
 
 import numpy as np
+
+from speedtronic.json_types import JSON, StateDict
+
+if TYPE_CHECKING:
+    import torch
+    from numpy.typing import DTypeLike
 
 __all__ = [
     "FORMAT",
@@ -87,7 +93,13 @@ class TokenShards:
         view.start, view.stop, view._maps = start, stop, self._maps
         return view
 
-    def __getitem__(self, key: Any) -> Any:
+    @overload
+    def __getitem__(self, key: slice) -> TokenShards: ...
+
+    @overload
+    def __getitem__(self, key: int) -> np.generic: ...
+
+    def __getitem__(self, key: int | slice) -> TokenShards | np.generic:
         if isinstance(key, slice):
             begin, end, step = key.indices(len(self))
             if step != 1:
@@ -98,7 +110,8 @@ class TokenShards:
             index += len(self)
         if not 0 <= index < len(self):
             raise IndexError(key)
-        return self._read(self.start + index, self.start + index + 1)[0]
+        item: np.generic = self._read(self.start + index, self.start + index + 1)[0]
+        return item
 
     def _map(self, shard: int) -> np.ndarray:
         array = self._maps.get(shard)
@@ -120,17 +133,21 @@ class TokenShards:
             return np.empty(0, dtype=self.dtype)
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+    def __array__(self, dtype: DTypeLike | None = None, copy: bool | None = None) -> np.ndarray:
         data = np.asarray(self._read(self.start, self.stop))
         return data.astype(dtype) if dtype is not None else data
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> StateDict:
         state = dict(self.__dict__)
         state["_maps"] = {}
         return state
 
 
-def read_meta(folder: str | os.PathLike[str], field: str) -> dict[str, Any]:
+TokenArray = Union[np.ndarray, "torch.Tensor", TokenShards]
+"""A flat token stream: an array (or memory map), a tensor, or prepared shards."""
+
+
+def read_meta(folder: str | os.PathLike[str], field: str) -> JSON:
     """The ``meta.json`` of a prepared folder (``ConfigError`` naming ``field`` when unusable)."""
     path = Path(folder) / META
     if not path.is_file():
@@ -224,21 +241,21 @@ class ShardWriter:
         split: str,
         dtype: str,
         shard_tokens: int,
-        state: dict[str, Any] | None = None,
+        state: JSON | None = None,
     ) -> None:
         self.folder, self.split = Path(folder), split
         self.dtype = np.dtype(dtype)
         self.shard_tokens = int(shard_tokens)
-        self.closed: list[dict[str, Any]] = []
+        self.closed: list[JSON] = []
         self.open_tokens = 0
-        self._handle: Any = None
+        self._handle: IO[bytes] | None = None
         if state:
             self._restore(state)
 
     def _name(self, index: int) -> Path:
         return self.folder / shard_name(self.split, index)
 
-    def _restore(self, state: dict[str, Any]) -> None:
+    def _restore(self, state: StateDict) -> None:
         self.closed = [dict(entry) for entry in state["closed"]]
         self.open_tokens = int(state["open_tokens"])
         final = self._name(len(self.closed))
@@ -254,7 +271,7 @@ class ShardWriter:
                 stale.unlink(missing_ok=True)
             index += 1
 
-    def _open(self) -> Any:
+    def _open(self) -> IO[bytes]:
         if self._handle is None:
             final = self._name(len(self.closed))
             tmp = final.with_name(final.name + ".tmp")
@@ -293,11 +310,11 @@ class ShardWriter:
             self._handle.flush()
             os.fsync(self._handle.fileno())
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> JSON:
         """Closed shards and the open shard's length (JSON-ready)."""
         return {"closed": [dict(e) for e in self.closed], "open_tokens": self.open_tokens}
 
-    def finish(self) -> list[dict[str, Any]]:
+    def finish(self) -> list[JSON]:
         """Close the last, shorter shard; returns every shard ``{"file", "tokens"}``."""
         if self.open_tokens:
             self._close_shard()

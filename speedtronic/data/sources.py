@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import pickle
 import zipfile
-from typing import Any
 
 import numpy as np
 import torch
@@ -31,6 +30,8 @@ from speedtronic.data.datasets import (
     TokenWindowDataset,
 )
 from speedtronic.data.markov import MarkovTokenDataset
+from speedtronic.data.shards import TokenArray
+from speedtronic.data.tokenizer import Tokenizer, TokenizerLike
 
 __all__ = [
     "check_token_ids",
@@ -65,7 +66,7 @@ def open_source(
     *,
     block_size: int,
     vocab_size: int,
-    tokenizer: Any = None,
+    tokenizer: TokenizerLike | None = None,
     holdout: float = 0.0,
     stream_seed: int | None = None,
 ) -> Dataset:
@@ -98,7 +99,7 @@ def open_source(
     return MarkovTokenDataset(num_samples, block_size, vocab_size, seed, sample_seed=samples_seed)
 
 
-def configured_tokenizer(config: DataConfig, vocab_size: int) -> Any:
+def configured_tokenizer(config: DataConfig, vocab_size: int) -> Tokenizer | None:
     """The tokenizer ``data.tokenizer`` names (``None`` for the default byte tokenizer)."""
     from speedtronic.config.tokenizer_file import is_bytes
     from speedtronic.data.tokenizer import load_tokenizer
@@ -107,7 +108,7 @@ def configured_tokenizer(config: DataConfig, vocab_size: int) -> Any:
     return None if is_bytes(spec) else load_tokenizer(spec, vocab_size=vocab_size)
 
 
-def tokenizer_sha256(config: DataConfig, tokenizer: Any = None) -> str | None:
+def tokenizer_sha256(config: DataConfig, tokenizer: TokenizerLike | None = None) -> str | None:
     """Hash of the tokenizer in use (``"bytes"`` for bytes), to match a prepared folder's.
 
     ``None`` (no check) for a tokenizer object passed from Python without a hash.
@@ -122,7 +123,7 @@ def tokenizer_sha256(config: DataConfig, tokenizer: Any = None) -> str | None:
 
 def split_map_dataset(
     dataset: Dataset, holdout: float, field: str, block_size: int
-) -> tuple[Dataset, Any]:
+) -> tuple[Dataset, Dataset | TokenArray | None]:
     """``(training part, held-out part)`` of a dataset: its last ``holdout`` fraction held out.
 
     Token streams (``TokenWindowDataset``) are split by tokens, anything else with ``len()`` by
@@ -178,7 +179,11 @@ def _too_short(
 
 
 def _open_text(
-    path: str, block_size: int, vocab_size: int, tokenizer: Any, holdout: float = 0.0
+    path: str,
+    block_size: int,
+    vocab_size: int,
+    tokenizer: TokenizerLike | None,
+    holdout: float = 0.0,
 ) -> Dataset:
     _require_file("data.text_path", path)
     stop = split_point(os.path.getsize(path), holdout) if holdout > 0 else None
@@ -199,7 +204,11 @@ def _open_text(
 
 
 def _open_token_file(
-    config: DataConfig, block_size: int, vocab_size: int, holdout: float, tokenizer: Any
+    config: DataConfig,
+    block_size: int,
+    vocab_size: int,
+    holdout: float,
+    tokenizer: TokenizerLike | None,
 ) -> Dataset:
     path = os.fspath(config.token_path)
     tokens, dtype = read_tokens(config, path, vocab_size, "data.token_path", tokenizer=tokenizer)
@@ -216,9 +225,9 @@ def read_tokens(
     vocab_size: int,
     field: str,
     *,
-    tokenizer: Any = None,
+    tokenizer: TokenizerLike | None = None,
     split: str = "train",
-) -> tuple[Any, str]:
+) -> tuple[TokenArray, str]:
     """:func:`token_array` of ``path`` read with ``config.token_dtype``; a folder written by
     ``speedtronic prepare`` must come from the tokenizer in use (``tokenizer``, default: the one
     ``config.tokenizer`` names)."""
@@ -237,7 +246,7 @@ def token_array(
     *,
     split: str = "train",
     tokenizer_sha256: str | None = None,
-) -> tuple[Any, str]:
+) -> tuple[TokenArray, str]:
     """Open and check a token file (``field`` names the setting in errors); ``(array, dtype)``.
 
     ``.npy`` files carry their own dtype; ``.bin`` files use ``dtype`` (``data.token_dtype``).
@@ -287,7 +296,7 @@ def token_array(
     return tokens, dtype
 
 
-def _sample(tokens: Any) -> np.ndarray:
+def _sample(tokens: TokenArray) -> np.ndarray:
     """A bounded sample of a long token stream: evenly spaced blocks (whole stream if small)."""
     n = len(tokens)
     if n <= _SAMPLE_BLOCKS * _SAMPLE_BLOCK_TOKENS:
@@ -297,7 +306,11 @@ def _sample(tokens: Any) -> np.ndarray:
 
 
 def check_token_ids(
-    sample: Any, vocab_size: int, field: str, path: str, dtype: str | None = None
+    sample: np.ndarray | torch.Tensor,
+    vocab_size: int,
+    field: str,
+    path: str,
+    dtype: str | None = None,
 ) -> None:
     """Raise ``ConfigError`` when a token id in ``sample`` is >= ``vocab_size`` or negative."""
     values = sample.numpy() if isinstance(sample, torch.Tensor) else np.asarray(sample)
@@ -337,7 +350,7 @@ def _open_serialized(path: str, allow_pickle: bool, block_size: int, vocab_size:
     return _dataset_from_tensors(obj, path, block_size, vocab_size)
 
 
-def _dataset_from_tensors(obj: Any, path: str, block_size: int, vocab_size: int) -> Dataset:
+def _dataset_from_tensors(obj: object, path: str, block_size: int, vocab_size: int) -> Dataset:
     expected = (
         "expected a 1-D token tensor, a 2-D (samples, block_size + 1) tensor, a dict with "
         "'input_ids' and 'labels' tensors, or (with data.allow_pickle: true) a Dataset"

@@ -15,12 +15,11 @@ reproduce the real processes' data.
 from __future__ import annotations
 
 import zlib
-from typing import Any
 
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.config.tokenizer_file import is_bytes
 from speedtronic.data.loader import ResumableDataLoader, build_dataloader
-from speedtronic.data.tokenizer import tokenizer_for
+from speedtronic.data.tokenizer import TokenizerLike, tokenizer_for
 
 __all__ = ["build_node_dataloader", "node_stream_seed"]
 
@@ -38,7 +37,7 @@ def build_node_dataloader(
     node_id: str | None = None,
     *,
     pin_memory_device: bool = False,
-    tokenizer: Any = None,
+    tokenizer: TokenizerLike | None = None,
     rank: int = 0,
     world_size: int = 1,
 ) -> ResumableDataLoader:

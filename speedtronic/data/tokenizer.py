@@ -20,17 +20,26 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Protocol, SupportsInt, runtime_checkable
 
 import numpy as np
 
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.config.tokenizer_file import TokenizerInfo, describe_tokenizer, is_bytes
+from speedtronic.json_types import StateDict
+
+if TYPE_CHECKING:
+    import tokenizers
+    import torch
 
 __all__ = [
     "CharTokenizer",
+    "Encoder",
     "HFTokenizer",
+    "Tokenizer",
+    "TokenizerLike",
     "encode_text",
     "load_tokenizer",
     "materialize_tokenizer",
@@ -73,13 +82,13 @@ class CharTokenizer:
         """``encode_array`` of each text."""
         return [self.encode_array(text) for text in texts]
 
-    def encode_tensor(self, text: str) -> Any:
+    def encode_tensor(self, text: str) -> torch.Tensor:
         """Token ids of ``text`` as a 1-D int64 tensor (same values as ``encode``)."""
         import torch
 
         return torch.from_numpy(self.encode_array(text).astype(np.int64))
 
-    def decode(self, ids: Any) -> str:
+    def decode(self, ids: Iterable[SupportsInt]) -> str:
         """Bytes back to text (ids above 255 are dropped; invalid UTF-8 becomes U+FFFD)."""
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
@@ -121,25 +130,25 @@ class HFTokenizer:
         encode = getattr(self._tokenizer, "encode_batch_fast", self._tokenizer.encode_batch)
         return [np.asarray(e.ids, dtype=np.uint32) for e in encode(texts, add_special_tokens=False)]
 
-    def encode_tensor(self, text: str) -> Any:
+    def encode_tensor(self, text: str) -> torch.Tensor:
         """Token ids of ``text`` as a 1-D int64 tensor."""
         import torch
 
         return torch.tensor(self.encode(text), dtype=torch.long)
 
-    def decode(self, ids: Any) -> str:
+    def decode(self, ids: Iterable[SupportsInt]) -> str:
         """Text of ``ids`` (special tokens are left out)."""
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> StateDict:
         return {"info": self.info, "json": self.to_str()}
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
+    def __setstate__(self, state: StateDict) -> None:
         self.info = state["info"]
         self._tokenizer = _parse(state["json"], str(self.info.path), "data.tokenizer")
 
 
-def _parse(text: str, where: str, field: str) -> Any:
+def _parse(text: str, where: str, field: str) -> tokenizers.Tokenizer:
     from speedtronic.config import ConfigError
 
     try:
@@ -154,6 +163,22 @@ def _parse(text: str, where: str, field: str) -> Any:
         raise ConfigError(f"{field}: {where} does not parse as a tokenizer: {detail}") from None
 
 
+Tokenizer = CharTokenizer | HFTokenizer
+"""The package's tokenizers."""
+
+
+@runtime_checkable
+class Encoder(Protocol):
+    """A user's tokenizer: anything with ``encode(text)`` (docs/data.md)."""
+
+    def encode(self, text: str) -> Iterable[SupportsInt]:
+        """Token ids of ``text``."""
+
+
+TokenizerLike = Tokenizer | Encoder | Callable[[str], Iterable[SupportsInt]]
+"""What the data path takes: a package tokenizer, an ``Encoder``, or a callable."""
+
+
 @functools.lru_cache(maxsize=8)
 def _load_file(info: TokenizerInfo, field: str) -> HFTokenizer:
     return HFTokenizer(info, field=field)
@@ -165,7 +190,7 @@ def load_tokenizer(
     vocab_size: int | None = None,
     token: str | None = None,
     field: str = "data.tokenizer",
-) -> CharTokenizer | HFTokenizer:
+) -> Tokenizer:
     """The tokenizer ``spec`` names (``bytes``/``None``: byte-level, ids ``b % vocab_size``).
 
     A bad file, a missing file or an unreachable Hub repo is a ``ConfigError`` naming ``field``.
@@ -175,7 +200,7 @@ def load_tokenizer(
     return _load_file(describe_tokenizer(str(spec), field=field, token=token), field)
 
 
-def tokenizer_for(config: SpeedtronicConfig) -> CharTokenizer | HFTokenizer:
+def tokenizer_for(config: SpeedtronicConfig) -> Tokenizer:
     """The tokenizer of a ``SpeedtronicConfig`` (``data.tokenizer``, ``model.vocab_size``)."""
     return load_tokenizer(
         config.data.tokenizer,
@@ -184,15 +209,18 @@ def tokenizer_for(config: SpeedtronicConfig) -> CharTokenizer | HFTokenizer:
     )
 
 
-def encode_text(tokenizer: Any, text: str) -> Any:
+@runtime_checkable
+class _TensorEncoder(Protocol):
+    def encode_tensor(self, text: str) -> torch.Tensor: ...
+
+
+def encode_text(tokenizer: TokenizerLike, text: str) -> torch.Tensor:
     """Tokenize ``text`` with any tokenizer (``encode`` method or callable) into int64 (N,)."""
     import torch
 
-    fast = getattr(tokenizer, "encode_tensor", None)
-    if callable(fast):
-        return fast(text)
-    encode = getattr(tokenizer, "encode", None)
-    ids = encode(text) if callable(encode) else tokenizer(text)
+    if isinstance(tokenizer, _TensorEncoder):
+        return tokenizer.encode_tensor(text)
+    ids = tokenizer.encode(text) if isinstance(tokenizer, Encoder) else tokenizer(text)
     if hasattr(ids, "tolist"):
         ids = ids.tolist()
     return torch.tensor([int(i) for i in ids], dtype=torch.long)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -303,7 +303,9 @@ def iter_units(
 
 
 # ----------------------------------------------------------------------------- worker side
-_STATE: dict[str, Any] = {}
+_Encode = Callable[[list[str], list[int | None]], list[np.ndarray]]
+"""Texts and each one's end-of-text id (or None) -> their token arrays."""
+_STATE: dict[str, Any] = {}  # this worker's "encode" (an _Encode) and "eos"
 
 
 def init_worker(tokenizer_json: str | None, eos_id: int | None, single_thread: bool) -> None:
@@ -379,19 +381,21 @@ def encode_units(
     return results  # type: ignore[return-value]
 
 
-def _encode_records(records: list[bytes], encode: Any, eos: Any) -> Encoded:
+def _encode_records(records: list[bytes], encode: _Encode, eos: int | None) -> Encoded:
     """Framed Parquet texts (valid UTF-8: Arrow checks it) as one :class:`Encoded`."""
     texts = [r.decode("utf-8").replace("\r\n", "\n") for r in records]
     return _joined(texts, encode, eos, 0)
 
 
-def _joined(texts: list[str], encode: Any, eos: Any, replaced: int) -> Encoded:
+def _joined(texts: list[str], encode: _Encode, eos: int | None, replaced: int) -> Encoded:
     pieces = encode(texts, [eos] * len(texts)) if texts else []
     tokens = np.concatenate(pieces) if pieces else np.empty(0, np.uint32)
     return Encoded(tokens, [len(p) for p in pieces], replaced)
 
 
-def _encode_jsonl(data: bytes, text_field: str, strict: bool, encode: Any, eos: Any) -> Encoded:
+def _encode_jsonl(
+    data: bytes, text_field: str, strict: bool, encode: _Encode, eos: int | None
+) -> Encoded:
     texts, replaced = [], 0
     for number, raw in enumerate(data.split(b"\n")):
         if not raw.strip():

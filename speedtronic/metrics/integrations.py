@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from speedtronic.json_types import JSON
+
 __all__ = ["COORDINATES", "SETUP_EVENTS", "TensorboardHook", "WandbHook", "metric_values"]
 
 #: Fields that say where or when an event happened, never plotted as a metric.
@@ -22,15 +24,15 @@ COORDINATES = frozenset(
 SETUP_EVENTS = frozenset({"train_start", "shape_profile", "diloco_started", "compile", "replicas"})
 
 
-def _integer(value: Any) -> int | None:
+def _integer(value: object) -> int | None:
     return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _step_of(payload: dict[str, Any]) -> int | None:
+def _step_of(payload: JSON) -> int | None:
     return _integer(payload.get("step"))
 
 
-def metric_values(event: str, payload: dict[str, Any]) -> dict[str, float]:
+def metric_values(event: str, payload: JSON) -> dict[str, float]:
     """The metrics of one event: its numeric fields, less `COORDINATES`; none for
     `SETUP_EVENTS`."""
     if event in SETUP_EVENTS:
@@ -56,7 +58,7 @@ class WandbHook:
         self._wandb = wandb
         self._run = wandb.init(project=project, **settings)
 
-    def on_event(self, event: str, payload: dict[str, Any]) -> None:
+    def on_event(self, event: str, payload: JSON) -> None:
         """Log the event's numeric fields."""
         values = {f"{event}/{key}": value for key, value in metric_values(event, payload).items()}
         if values:
@@ -78,7 +80,7 @@ class TensorboardHook:
             raise RuntimeError("install speedtronic[logging] to use the TensorBoard hook") from exc
         self.writer = SummaryWriter(log_dir=log_dir)
 
-    def on_event(self, event: str, payload: dict[str, Any]) -> None:
+    def on_event(self, event: str, payload: JSON) -> None:
         """Add the event's numeric fields as scalars."""
         step = _step_of(payload)
         if step is None:

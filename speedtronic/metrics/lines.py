@@ -17,7 +17,8 @@ A field that is None is never shown, and the counters of `QUIET` (nothing went w
 from __future__ import annotations
 
 import math
-from typing import Any
+
+from speedtronic.json_types import JSON
 
 __all__ = ["QUIET", "STEP_LINE_LIMIT", "TEXT_FIELDS", "TextLines", "format_value"]
 
@@ -74,7 +75,7 @@ QUIET = frozenset(
 _SECONDS = ("seconds", "elapsed_s", "round_seconds", "step_time_s")
 
 
-def format_value(key: str, value: Any) -> str:
+def format_value(key: str, value: object) -> str:
     """``value`` as a text line shows it: losses with 4 decimals, durations with 3
     significant digits, other floats with 5, everything else as ``str``."""
     if isinstance(value, bool) or not isinstance(value, float):
@@ -88,7 +89,7 @@ def format_value(key: str, value: Any) -> str:
     return f"{value:.5g}"
 
 
-def _shown(key: str, value: Any) -> bool:
+def _shown(key: str, value: object) -> bool:
     if value is None:
         return False
     return not (key in QUIET and not value)
@@ -104,7 +105,7 @@ class TextLines:
         self.eval_loss: float | None = None
         self.outer_step: int | None = None
 
-    def render(self, event: str, payload: dict[str, Any], *, own_elapsed: bool = False) -> str:
+    def render(self, event: str, payload: JSON, *, own_elapsed: bool = False) -> str:
         """The text of ``event`` (without the log prefix). ``own_elapsed``: ``elapsed_s`` was
         given by the emitter (shown where `TEXT_FIELDS` lists it), not added by the logger."""
         self._observe(event, payload)
@@ -122,7 +123,7 @@ class TextLines:
         ]
         return " ".join([event, *shown])
 
-    def step_fields(self, payload: dict[str, Any]) -> str:
+    def step_fields(self, payload: JSON) -> str:
         """``step=<n>/<target> loss= lr= tok/s= [eval=] [outer_step=]`` of a ``train_step``."""
         step = payload.get("step")
         parts = []
@@ -142,7 +143,7 @@ class TextLines:
             parts.append(f"outer_step={self.outer_step}")
         return " ".join(parts)
 
-    def _observe(self, event: str, payload: dict[str, Any]) -> None:
+    def _observe(self, event: str, payload: JSON) -> None:
         if event == "train_start" and isinstance(payload.get("target_step"), int):
             self.target_step = payload["target_step"]
         elif event == "eval" and isinstance(payload.get("loss"), (int, float)):

@@ -31,24 +31,60 @@ import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Protocol, runtime_checkable
 
 from speedtronic.config.redaction import REDACTED, scrub
+from speedtronic.json_types import JSON
+from speedtronic.metrics.hooks import Hook, call, wants_all_steps
 from speedtronic.metrics.lines import TextLines
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "REDACTED",
+    "EventLog",
     "JsonLogFormatter",
     "MetricLogger",
     "RedactingFilter",
+    "TextLog",
     "memory_usage_bytes",
     "new_run_id",
 ]
 
-_HANDLER_TAG = "_speedtronic_handler"
+
+class TextSink(Protocol):
+    """Where text lines go: a file-like object, or the progress bar's ``TqdmStream``."""
+
+    def write(self, text: str, /) -> int:
+        """Write ``text``; the number of characters taken."""
+
+    def flush(self) -> None:
+        """Push out what was written."""
 
 
-def memory_usage_bytes(device: Any = None) -> int | None:
+class TextLog(Protocol):
+    """A logger of plain lines: ``MetricLogger``, ``logging.Logger`` or a stand-in."""
+
+    def info(self, message: str, /, *args: object) -> None:
+        """Log at INFO."""
+
+    def warning(self, message: str, /, *args: object) -> None:
+        """Log at WARNING."""
+
+
+@runtime_checkable
+class EventLog(Protocol):
+    """What a component that warns and reports events needs (``MetricLogger`` is one)."""
+
+    def warning(self, message: str, *args: object) -> None:
+        """Log a warning."""
+
+    def emit(self, event: str, payload: JSON | None = None) -> None:
+        """Report one structured event."""
+
+
+def memory_usage_bytes(device: torch.device | str | int | None = None) -> int | None:
     """Allocated accelerator memory in bytes for ``device`` (CUDA or MPS), else ``None``.
 
     A CPU device (or no accelerator) gives ``None``; no query ever synchronises the device.
@@ -56,12 +92,11 @@ def memory_usage_bytes(device: Any = None) -> int | None:
     try:
         import torch
 
-        kind = getattr(device, "type", device)
+        kind = device.type if isinstance(device, torch.device) else device
         if kind in (None, "cuda") and torch.cuda.is_available():
             return int(torch.cuda.memory_allocated(device))
-        mps = getattr(torch, "mps", None)
-        if kind in (None, "mps") and mps is not None and torch.backends.mps.is_available():
-            return int(mps.current_allocated_memory())
+        if kind in (None, "mps") and torch.backends.mps.is_available():
+            return int(torch.mps.current_allocated_memory())
     except Exception:
         return None
     return None
@@ -94,17 +129,18 @@ class JsonLogFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         """Render ``record`` as a single-line JSON object."""
         stamp = _dt.datetime.fromtimestamp(record.created, tz=_dt.timezone.utc)
-        line: dict[str, Any] = {
+        line: JSON = {
             "ts": stamp.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
             "level": record.levelname,
             "logger": self.logger_name or record.name,
         }
-        event = getattr(record, "st_event", None)
+        extra = vars(record)  # ``extra=`` fields are the record's own attributes
+        event = extra.get("st_event")
         if event is None or self.event_messages:
             line["message"] = record.getMessage()
         if event is not None:
             line["event"] = event
-            line["fields"] = getattr(record, "st_fields", {})
+            line["fields"] = extra.get("st_fields", {})
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
         return json.dumps(line, default=str)
@@ -120,7 +156,7 @@ class RedactingFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if self.secrets:
             record.msg, record.args = _redact_text(record.getMessage(), self.secrets), None
-            fields = getattr(record, "st_fields", None)
+            fields = vars(record).get("st_fields")
             if fields is not None:
                 try:
                     record.st_fields = json.loads(
@@ -159,7 +195,7 @@ class MetricLogger:
         json_file: str | Path | None = None,
         every_steps: int = 1,
         stream: IO[str] | None = None,
-        hooks: list[Any] | None = None,
+        hooks: list[Hook] | None = None,
         format: str = "text",
         secrets: Iterable[str | None] = (),
         run_id: str | None = None,
@@ -173,7 +209,7 @@ class MetricLogger:
         self.json_file = Path(json_file) if json_file else None
         self.every_steps = int(every_steps)
         self.format = format
-        self.hooks: list[Any] = list(hooks) if hooks else []
+        self.hooks: list[Hook] = list(hooks) if hooks else []
         self.secrets = [s for s in secrets if s]
         self.run_id = run_id or new_run_id()
         self.text_steps = True  # False: train_step events skip the text sink (progress bar on)
@@ -182,14 +218,14 @@ class MetricLogger:
         self._lock = threading.RLock()
         self._json_handle: IO[str] | None = None
         self._logger = logging.getLogger(f"speedtronic.metrics.{id(self)}")
-        self._logger.setLevel(getattr(logging, self.level, logging.INFO))
+        number: object = logging.getLevelName(self.level)  # a known name gives its number
+        self._logger.setLevel(number if isinstance(number, int) else logging.INFO)
         self._logger.propagate = False
         if self.file is not None:
             self.file.parent.mkdir(parents=True, exist_ok=True)
             handler: logging.Handler = logging.FileHandler(self.file, encoding="utf-8")
         else:
             handler = logging.StreamHandler(stream or sys.stdout)
-        setattr(handler, _HANDLER_TAG, True)
         if format == "json":
             handler.setFormatter(JsonLogFormatter("speedtronic", event_messages=False))
         else:
@@ -206,7 +242,7 @@ class MetricLogger:
         """Whether a ``train_step`` at ``step`` passes the cadence filter."""
         return self.every_steps <= 1 or step % self.every_steps == 0
 
-    def emit(self, event: str, payload: dict[str, Any] | None = None) -> None:
+    def emit(self, event: str, payload: JSON | None = None) -> None:
         """Send one event to text, JSONL and hooks (see the module docstring)."""
         with self._lock:
             safe = dict(payload or {})
@@ -223,24 +259,20 @@ class MetricLogger:
                     self._write_text(event, safe, own_elapsed)
                 self._write_jsonl(event, safe)
             for hook in list(self.hooks):
-                if not in_cadence and not getattr(hook, "wants_all_steps", False):
+                if not in_cadence and not wants_all_steps(hook):
                     continue
                 try:
-                    handler = getattr(hook, "on_event", None)
-                    if callable(handler):
-                        handler(event, safe)
-                    else:
-                        hook(event, safe)
+                    call(hook, event, safe)
                 except Exception as exc:
                     self.warning("metric hook failed: %s", exc)
 
-    def _write_text(self, event: str, payload: dict[str, Any], own_elapsed: bool) -> None:
+    def _write_text(self, event: str, payload: JSON, own_elapsed: bool) -> None:
         text = self._lines.render(event, payload, own_elapsed=own_elapsed)  # remembers too
         if not self._logger.isEnabledFor(logging.INFO):
             return
         self._logger.info("%s", text, extra={"st_event": event, "st_fields": payload})
 
-    def _write_jsonl(self, event: str, payload: dict[str, Any]) -> None:
+    def _write_jsonl(self, event: str, payload: JSON) -> None:
         if self.json_file is None:
             return
         line = json.dumps({"event": event, **payload, "run_id": self.run_id}, default=str)
@@ -253,24 +285,24 @@ class MetricLogger:
 
     # ------------------------------------------------------------------ plain messages
 
-    def log(self, level: int, message: str, *args: Any) -> None:
+    def log(self, level: int, message: str, *args: object) -> None:
         """Log a plain message (``%``-style ``args``) to the text sink."""
         with self._lock:
             self._logger.log(level, message, *args)
 
-    def debug(self, message: str, *args: Any) -> None:
+    def debug(self, message: str, *args: object) -> None:
         """Log at DEBUG."""
         self.log(logging.DEBUG, message, *args)
 
-    def info(self, message: str, *args: Any) -> None:
+    def info(self, message: str, *args: object) -> None:
         """Log at INFO."""
         self.log(logging.INFO, message, *args)
 
-    def warning(self, message: str, *args: Any) -> None:
+    def warning(self, message: str, *args: object) -> None:
         """Log at WARNING."""
         self.log(logging.WARNING, message, *args)
 
-    def error(self, message: str, *args: Any) -> None:
+    def error(self, message: str, *args: object) -> None:
         """Log at ERROR."""
         self.log(logging.ERROR, message, *args)
 
@@ -278,7 +310,7 @@ class MetricLogger:
         """``text`` with every configured secret replaced by ``<redacted>``."""
         return _redact_text(text, self.secrets)
 
-    def set_stream(self, stream: IO[str]) -> None:
+    def set_stream(self, stream: TextSink) -> None:
         """Send text lines to ``stream`` (no-op when logging to a file)."""
         if isinstance(self._handler, logging.StreamHandler) and self.file is None:
             with self._lock:
@@ -290,8 +322,7 @@ class MetricLogger:
             if self._json_handle is not None:
                 self._json_handle.close()
                 self._json_handle = None
-            for handler in list(self._logger.handlers):
-                if getattr(handler, _HANDLER_TAG, False):
-                    handler.flush()
-                    handler.close()
-                    self._logger.removeHandler(handler)
+            if self._handler in self._logger.handlers:
+                self._handler.flush()
+                self._handler.close()
+                self._logger.removeHandler(self._handler)

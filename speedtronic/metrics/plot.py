@@ -21,7 +21,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+
+from speedtronic.json_types import JSON
 
 __all__ = [
     "Run",
@@ -50,8 +51,8 @@ class Run:
 
     run_id: str
     start_step: int = 0
-    train_steps: list[dict[str, Any]] = field(default_factory=list)
-    evals: list[dict[str, Any]] = field(default_factory=list)
+    train_steps: list[JSON] = field(default_factory=list)
+    evals: list[JSON] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -72,7 +73,7 @@ def find_event_log(source: str | Path) -> Path:
     raise FileNotFoundError(f"plot source not found: {path}")
 
 
-def _records(path: str | Path) -> list[dict[str, Any]]:
+def _records(path: str | Path) -> list[JSON]:
     """Every JSON object of a JSONL file, in file order (a torn last line is skipped)."""
     found = []
     with open(path, encoding="utf-8") as handle:
@@ -144,22 +145,22 @@ def last_run(runs: list[Run]) -> list[Run]:
     return chain
 
 
-def _merge(chain: list[Run], kind: str) -> list[dict[str, Any]]:
+def _merge(chain: list[Run], kind: str) -> list[JSON]:
     """``kind`` records of a resume chain: each run's records up to where the next one
     started from, the later run winning a step logged twice."""
-    merged: list[dict[str, Any]] = []
+    merged: list[JSON] = []
     for position, run in enumerate(chain):
         limit = chain[position + 1].start_step if position + 1 < len(chain) else None
         merged += [r for r in getattr(run, kind) if limit is None or int(r["step"]) <= int(limit)]
     return merged
 
 
-def _train_steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _train_steps(records: list[JSON]) -> list[JSON]:
     by_step = {int(record["step"]): record for record in records}
     return [by_step[step] for step in sorted(by_step)]
 
 
-def _eval_points(records: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
+def _eval_points(records: list[JSON]) -> dict[str, list[tuple[int, float]]]:
     by_scope: dict[str, dict[int, float]] = {}
     for record in records:
         loss = record.get("loss")
@@ -169,7 +170,7 @@ def _eval_points(records: list[dict[str, Any]]) -> dict[str, list[tuple[int, flo
     return {scope: sorted(points.items()) for scope, points in sorted(by_scope.items())}
 
 
-def read_train_steps(path: str | Path) -> list[dict[str, Any]]:
+def read_train_steps(path: str | Path) -> list[JSON]:
     """``train_step`` records of the log's last run (with the runs it resumed), ordered by
     step; the last record per step wins."""
     return _train_steps(_merge(last_run(read_runs(path)), "train_steps"))

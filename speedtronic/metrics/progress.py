@@ -6,7 +6,7 @@ break it, and per-step lines are left to the JSONL file.
 
 from __future__ import annotations
 
-from typing import Any
+from speedtronic.json_types import JSON
 
 __all__ = ["ProgressBarHook", "TqdmStream"]
 
@@ -37,7 +37,7 @@ class ProgressBarHook:
 
         self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
 
-    def on_event(self, event: str, payload: dict[str, Any]) -> None:
+    def on_event(self, event: str, payload: JSON) -> None:
         """Advance the bar on ``train_step``; show loss and lr."""
         if event == "train_step":
             self.bar.update(int(payload["step"]) - self.bar.n)

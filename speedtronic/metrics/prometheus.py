@@ -18,10 +18,14 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from speedtronic.json_types import JSONView
+
+_Series = TypeVar("_Series", Counter, Gauge)
 
 __all__ = ["EVAL_SCOPES", "SERIES", "UPLOAD_RESULTS", "PrometheusSink"]
 
@@ -90,7 +94,7 @@ def _host_rss_bytes() -> float:
         return math.nan
 
 
-def _number(payload: Mapping[str, Any], key: str) -> float | None:
+def _number(payload: JSONView, key: str) -> float | None:
     """The payload value under `key` as a finite-or-not float, None when absent or not numeric."""
     value = payload.get(key)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -132,24 +136,27 @@ class PrometheusSink:
         self._build_series()
 
     # -- construction -------------------------------------------------------------------
-    def _series(self, kind: type, name: str, *extra: str, **kwargs: Any) -> Any:
+    def _series(self, kind: type[_Series], name: str, *extra: str) -> _Series:
         labels = ("role", "node_id", *extra)
         sample = name if kind is not Counter else f"{name}_total"
-        doc = SERIES[sample]
-        return kind(name, doc, labels, registry=self.registry, **kwargs)
+        return kind(name, SERIES[sample], labels, registry=self.registry)
+
+    def _histogram(self, name: str, buckets: tuple[float, ...]) -> Histogram:
+        labels = ("role", "node_id")
+        return Histogram(name, SERIES[name], labels, registry=self.registry, buckets=buckets)
 
     def _build_series(self) -> None:
         ids = {"role": self.role, "node_id": self.node_id}
-        c, g, h = Counter, Gauge, Histogram
+        c, g = Counter, Gauge
         self.steps = self._series(c, "speedtronic_train_steps").labels(**ids)
         self.tokens = self._series(c, "speedtronic_train_tokens").labels(**ids)
         self.samples = self._series(c, "speedtronic_train_samples").labels(**ids)
         self.step = self._series(g, "speedtronic_train_step").labels(**ids)
         self.loss = self._series(g, "speedtronic_train_loss").labels(**ids)
         self.learning_rate = self._series(g, "speedtronic_train_learning_rate").labels(**ids)
-        self.step_seconds = self._series(
-            h, "speedtronic_train_step_seconds", buckets=_STEP_BUCKETS
-        ).labels(**ids)
+        self.step_seconds = self._histogram("speedtronic_train_step_seconds", _STEP_BUCKETS).labels(
+            **ids
+        )
         self.tokens_per_second = self._series(g, "speedtronic_train_tokens_per_second").labels(
             **ids
         )
@@ -160,8 +167,8 @@ class PrometheusSink:
         self.since_step = self._series(g, "speedtronic_seconds_since_last_step").labels(**ids)
         self.since_step.set_function(self._seconds_since_step)
         self.checkpoint_saves = self._series(c, "speedtronic_checkpoint_saves").labels(**ids)
-        self.checkpoint_seconds = self._series(
-            h, "speedtronic_checkpoint_save_seconds", buckets=_IO_BUCKETS
+        self.checkpoint_seconds = self._histogram(
+            "speedtronic_checkpoint_save_seconds", _IO_BUCKETS
         ).labels(**ids)
         self._eval_loss = self._series(g, "speedtronic_eval_loss", "scope")
         self.outer_step = self._series(g, "speedtronic_diloco_outer_step").labels(**ids)
@@ -173,15 +180,15 @@ class PrometheusSink:
         self.round_seconds = self._series(g, "speedtronic_diloco_round_seconds").labels(**ids)
         self.nodes_active = self._series(g, "speedtronic_diloco_nodes_active").labels(**ids)
         self.nodes_dropped = self._series(c, "speedtronic_diloco_nodes_dropped").labels(**ids)
-        self.sync_wait = self._series(
-            h, "speedtronic_diloco_sync_wait_seconds", buckets=_IO_BUCKETS
+        self.sync_wait = self._histogram(
+            "speedtronic_diloco_sync_wait_seconds", _IO_BUCKETS
         ).labels(**ids)
         self.sync_timeouts = self._series(c, "speedtronic_diloco_sync_timeouts").labels(**ids)
         uploads = self._series(c, "speedtronic_diloco_uploads", "result")
         self.uploads = {result: uploads.labels(result=result, **ids) for result in UPLOAD_RESULTS}
         self.upload_bytes = self._series(c, "speedtronic_diloco_upload_bytes").labels(**ids)
-        self.upload_seconds = self._series(
-            h, "speedtronic_diloco_upload_seconds", buckets=_IO_BUCKETS
+        self.upload_seconds = self._histogram(
+            "speedtronic_diloco_upload_seconds", _IO_BUCKETS
         ).labels(**ids)
         self.global_pulls = self._series(c, "speedtronic_diloco_global_pulls").labels(**ids)
         self.globals_rejected = self._series(c, "speedtronic_diloco_globals_rejected").labels(**ids)
@@ -210,19 +217,19 @@ class PrometheusSink:
         return self._last_step_time
 
     # -- the hook -----------------------------------------------------------------------
-    def on_event(self, event: str, payload: Mapping[str, Any]) -> None:
+    def on_event(self, event: str, payload: JSONView) -> None:
         """Update the series for one logger event; unknown events are ignored."""
-        handler = getattr(self, f"_on_{event}", None)
+        handler = _HANDLERS.get(event)
         if handler is not None:
             with self._lock:
-                handler(payload)
+                handler(self, payload)
         elif event in _UPLOAD_EVENTS:
             with self._lock:
                 self._on_upload(_UPLOAD_EVENTS[event], payload)
 
     __call__ = on_event
 
-    def _count_growth(self, attr: str, counter: Any, value: float | None, fresh: bool) -> None:
+    def _count_growth(self, attr: str, counter: Counter, value: float | None, fresh: bool) -> None:
         """Increase `counter` by the growth of the cumulative payload value `value`.
 
         The first value seen counts in full when the run started from step 0 (`fresh`); after
@@ -240,13 +247,13 @@ class PrometheusSink:
             counter.inc(current - previous)
         setattr(self, attr, current)
 
-    def _on_train_start(self, payload: Mapping[str, Any]) -> None:
+    def _on_train_start(self, payload: JSONView) -> None:
         start = _number(payload, "start_step")
         if start is not None:
             self._step = int(start)
             self.step.set(start)
 
-    def _on_train_step(self, payload: Mapping[str, Any]) -> None:
+    def _on_train_step(self, payload: JSONView) -> None:
         now = self._clock()
         step = _number(payload, "step")
         fresh = self._step in (None, 0) if self._samples is None else False
@@ -276,33 +283,31 @@ class PrometheusSink:
             self._device_memory = memory
         self._last_step_time = now
 
-    def _on_optimizer_step_skipped(self, payload: Mapping[str, Any]) -> None:
+    def _on_optimizer_step_skipped(self, payload: JSONView) -> None:
         self.skipped_steps.inc()
 
-    def _on_nonfinite_loss(self, payload: Mapping[str, Any]) -> None:
+    def _on_nonfinite_loss(self, payload: JSONView) -> None:
         self.skipped_steps.inc()
 
-    def _on_checkpoint_saved(self, payload: Mapping[str, Any]) -> None:
+    def _on_checkpoint_saved(self, payload: JSONView) -> None:
         self.checkpoint_saves.inc()
         seconds = _number(payload, "seconds")
         if seconds is not None:
             self.checkpoint_seconds.observe(seconds)
 
-    _on_checkpoint = _on_checkpoint_saved  # 2.0.0 name of the same event
-
-    def _on_eval(self, payload: Mapping[str, Any]) -> None:
+    def _on_eval(self, payload: JSONView) -> None:
         loss = _number(payload, "loss")
         scope = str(payload.get("scope") or "local")
         if loss is None or scope not in EVAL_SCOPES:
             return
         self._eval_loss.labels(role=self.role, node_id=self.node_id, scope=scope).set(loss)
 
-    def _on_diloco_started(self, payload: Mapping[str, Any]) -> None:
+    def _on_diloco_started(self, payload: JSONView) -> None:
         step = _number(payload, "global_step")
         if step is not None:
             self.outer_step.set(step)
 
-    def _on_outer_step(self, payload: Mapping[str, Any]) -> None:
+    def _on_outer_step(self, payload: JSONView) -> None:
         self.rounds.inc()
         step = _number(payload, "outer_step")
         if step is not None:
@@ -319,40 +324,40 @@ class PrometheusSink:
         if included:
             self._last_sync_time = self._clock()
 
-    def _on_final_global(self, payload: Mapping[str, Any]) -> None:
+    def _on_final_global(self, payload: JSONView) -> None:
         self._count_deltas(payload)  # files refused after the last round
 
-    def _count_deltas(self, payload: Mapping[str, Any]) -> None:
+    def _count_deltas(self, payload: JSONView) -> None:
         for kind, counter in self.deltas.items():
             value = _number(payload, f"deltas_{kind}")
             if value is not None and value > 0:
                 counter.inc(value)
 
-    def _on_sync_wait(self, payload: Mapping[str, Any]) -> None:
+    def _on_sync_wait(self, payload: JSONView) -> None:
         seconds = _number(payload, "seconds")
         if seconds is not None and seconds >= 0:
             self.sync_wait.observe(seconds)
         if payload.get("timed_out") is True:
             self.sync_timeouts.inc()
 
-    def _on_node_dropped(self, payload: Mapping[str, Any]) -> None:
+    def _on_node_dropped(self, payload: JSONView) -> None:
         self.nodes_dropped.inc()
 
-    def _on_global_rejected(self, payload: Mapping[str, Any]) -> None:
+    def _on_global_rejected(self, payload: JSONView) -> None:
         self.globals_rejected.inc()
 
-    def _on_global_pulled(self, payload: Mapping[str, Any]) -> None:
+    def _on_global_pulled(self, payload: JSONView) -> None:
         self.global_pulls.inc()
         step = _number(payload, "outer_step")
         if step is not None:
             self.outer_step.set(step)
         self._last_sync_time = self._clock()
 
-    def _on_transport_retry(self, payload: Mapping[str, Any]) -> None:
+    def _on_transport_retry(self, payload: JSONView) -> None:
         operation = str(payload.get("operation") or "unknown")
         self._retries.labels(role=self.role, node_id=self.node_id, operation=operation).inc()
 
-    def _on_upload(self, result: str, payload: Mapping[str, Any]) -> None:
+    def _on_upload(self, result: str, payload: JSONView) -> None:
         self.uploads[result].inc()
         if result != "ok":
             return
@@ -363,3 +368,23 @@ class PrometheusSink:
         if seconds is not None and seconds >= 0:
             self.upload_seconds.observe(seconds)
         self._last_sync_time = self._clock()
+
+
+_HANDLERS: dict[str, Callable[[PrometheusSink, JSONView], None]] = {
+    "train_start": PrometheusSink._on_train_start,
+    "train_step": PrometheusSink._on_train_step,
+    "optimizer_step_skipped": PrometheusSink._on_optimizer_step_skipped,
+    "nonfinite_loss": PrometheusSink._on_nonfinite_loss,
+    "checkpoint_saved": PrometheusSink._on_checkpoint_saved,
+    "checkpoint": PrometheusSink._on_checkpoint_saved,  # 2.0.0 name of the same event
+    "eval": PrometheusSink._on_eval,
+    "diloco_started": PrometheusSink._on_diloco_started,
+    "outer_step": PrometheusSink._on_outer_step,
+    "final_global": PrometheusSink._on_final_global,
+    "sync_wait": PrometheusSink._on_sync_wait,
+    "node_dropped": PrometheusSink._on_node_dropped,
+    "global_rejected": PrometheusSink._on_global_rejected,
+    "global_pulled": PrometheusSink._on_global_pulled,
+    "transport_retry": PrometheusSink._on_transport_retry,
+}
+"""The events the sink reads, each with its method (the upload events go through ``_on_upload``)."""

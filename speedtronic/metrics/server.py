@@ -29,13 +29,17 @@ from __future__ import annotations
 import errno
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from speedtronic.background import Loop
 from speedtronic.config import ConfigError
+from speedtronic.json_types import JSON
 from speedtronic.metrics.httpd import BoundedHTTPServer, Response, json_response
+
+if TYPE_CHECKING:
+    from speedtronic.metrics.prometheus import PrometheusSink
 
 __all__ = [
     "MAX_CONNECTIONS",
@@ -87,7 +91,7 @@ class MetricsServer:
         self,
         host: str,
         port: int,
-        registry: Any,
+        registry: CollectorRegistry | PrometheusSink,
         *,
         heartbeat: Callable[[], float | None] | None = None,
         ready: Callable[[], bool] | None = None,
@@ -97,7 +101,7 @@ class MetricsServer:
         request_timeout: float = REQUEST_TIMEOUT,
         max_request_bytes: int = MAX_REQUEST_BYTES,
     ) -> None:
-        self.registry: CollectorRegistry = getattr(registry, "registry", registry)
+        self.registry = registry if isinstance(registry, CollectorRegistry) else registry.registry
         self.heartbeat = heartbeat or (lambda: None)
         self.ready = ready or (lambda: True)
         self.stall_seconds = float(stall_seconds)
@@ -151,7 +155,7 @@ class MetricsServer:
         ready = self.is_ready()
         return json_response(200 if ready else 503, {"ready": ready})
 
-    def health(self) -> tuple[bool, dict[str, Any]]:
+    def health(self) -> tuple[bool, JSON]:
         """``(healthy, detail)``: healthy while the heartbeat is younger than stall_seconds."""
         age = heartbeat_age(self.heartbeat(), self._started, self._clock())
         healthy = age <= self.stall_seconds

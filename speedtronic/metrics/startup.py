@@ -19,8 +19,7 @@ __all__ = ["devices_line", "exchange_line", "run_summary"]
 def run_summary(config: SpeedtronicConfig, trainer: Trainer) -> str:
     """One line on what runs: run, model size, data (and ``exchange none`` without DiLoCo;
     a DiLoCo run's exchange gets its own line, `exchange_line`)."""
-    model = getattr(trainer, "model", None)
-    params = sum(p.numel() for p in model.parameters()) if model is not None else 0
+    params = sum(p.numel() for p in trainer.model.parameters())
     shape = config.model
     data = config.data
     if data.text_path or data.token_path or data.dataset:
@@ -38,19 +37,18 @@ def run_summary(config: SpeedtronicConfig, trainer: Trainer) -> str:
 
 def devices_line(trainer: Trainer) -> str:
     """Where this process computes: the device (its name and memory on CUDA), the precision
-    and, for several ranks, how many (read with defaults: a stand-in trainer may lack them)."""
+    and, for several ranks, how many."""
     import torch
 
-    device = torch.device(getattr(trainer, "device", "cpu"))
+    device = trainer.device
     where = str(device)
     if device.type == "cuda" and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(device)
         where += f" ({props.name}, {props.total_memory / 2**30:.0f} GiB)"
-    precision = getattr(getattr(trainer, "precision", None), "mode", None)
-    parallel = getattr(trainer, "parallel", None)
-    world = getattr(parallel, "world_size", 1)
+    precision = trainer.precision.mode
+    world = trainer.parallel.world_size
     parts = [where, *([f"precision {precision}"] if precision else [])]
-    if isinstance(world, int) and world > 1:
+    if world > 1:
         parts.append(f"{world} ranks")
     return ", ".join(parts)
 

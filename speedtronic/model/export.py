@@ -25,11 +25,19 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
 from speedtronic.config import ModelConfig
+from speedtronic.json_types import JSON
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig
+
+    from speedtronic.data.tokenizer import HFTokenizer, Tokenizer
+    from speedtronic.model.transformer import ReferenceTransformer
 
 __all__ = [
     "LLAMA_NAMES",
@@ -79,7 +87,7 @@ class ExportError(ValueError):
     """The model or the output folder cannot be exported as asked (CLI exit 2)."""
 
 
-def _transformers() -> Any:
+def _transformers() -> ModuleType:
     try:
         import transformers
     except ImportError:
@@ -104,7 +112,7 @@ def check_exportable(model_config: ModelConfig) -> None:
         )
 
 
-def _reference_model(model: torch.nn.Module, name: str) -> Any:
+def _reference_model(model: torch.nn.Module, name: str) -> ReferenceTransformer:
     from speedtronic.model.transformer import ReferenceTransformer
 
     if not isinstance(model, ReferenceTransformer):
@@ -126,12 +134,14 @@ def llama_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in mapped.items()}
 
 
-def _llama_config(model: Any, eos_id: int | None) -> Any:
+def _llama_config(model: ReferenceTransformer, eos_id: int | None) -> LlamaConfig:
     cfg = model.config
-    config = _transformers().LlamaConfig(
+    gate = model.get_submodule("transformer.h.0.mlp.gate_proj")
+    assert isinstance(gate, torch.nn.Linear)
+    config: LlamaConfig = _transformers().LlamaConfig(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.d_model,
-        intermediate_size=model.transformer.h[0].mlp.gate_proj.out_features,
+        intermediate_size=gate.out_features,
         num_hidden_layers=cfg.n_layer,
         num_attention_heads=cfg.n_head,
         num_key_value_heads=cfg.n_kv_head,
@@ -153,7 +163,7 @@ def _llama_config(model: Any, eos_id: int | None) -> Any:
     return config
 
 
-def _bos_processor(document: dict[str, Any], eos_token: str, eos_id: int) -> dict[str, Any]:
+def _bos_processor(document: JSON, eos_token: str, eos_id: int) -> JSON:
     """``document`` (a ``tokenizer.json``) whose post-processor puts the end-of-text token
     before every text, as ``speedtronic sample`` does (a prompt starts a new document). A
     ``ByteLevel`` post-processor (offsets only) is kept in front of it; one that adds tokens
@@ -178,11 +188,11 @@ def _bos_processor(document: dict[str, Any], eos_token: str, eos_id: int) -> dic
     return {**document, "post_processor": template}
 
 
-def _write_tokenizer(tokenizer: Any, folder: Path, max_seq_len: int) -> None:
+def _write_tokenizer(tokenizer: HFTokenizer, folder: Path, max_seq_len: int) -> None:
     """``tokenizer.json`` + ``tokenizer_config.json``: ``AutoTokenizer`` encodes a text as
     ``speedtronic sample`` encodes a prompt (the end-of-text token first, when there is one)."""
     document = json.loads(tokenizer.info.path.read_text(encoding="utf-8"))
-    config: dict[str, Any] = {}
+    config: JSON = {}
     if tokenizer.info.config_path is not None:
         loaded = json.loads(tokenizer.info.config_path.read_text(encoding="utf-8"))
         config = loaded if isinstance(loaded, dict) else {}
@@ -220,8 +230,8 @@ def export_hf(
     output: str | os.PathLike[str],
     *,
     model_name: str = "reference_transformer",
-    tokenizer: Any = None,
-    provenance: dict[str, Any] | None = None,
+    tokenizer: Tokenizer | None = None,
+    provenance: JSON | None = None,
     overwrite: bool = False,
 ) -> Path:
     """Write ``model`` as a transformers Llama folder at ``output``; returns the folder.
@@ -233,17 +243,19 @@ def export_hf(
     """
     from safetensors.torch import save_file
 
+    from speedtronic.data.tokenizer import HFTokenizer
+
     reference = _reference_model(model, model_name)
     output = Path(output)
-    has_files = tokenizer is not None and getattr(tokenizer, "info", None) is not None
-    eos_id = tokenizer.eos_id if has_files else None
+    files = tokenizer if isinstance(tokenizer, HFTokenizer) else None
+    eos_id = files.eos_id if files is not None else None
     config = _llama_config(reference, eos_id)
     staging = _prepare_output(output, overwrite)
     try:
         config.save_pretrained(staging)
         save_file(llama_state_dict(reference), str(staging / "model.safetensors"), {"format": "pt"})
-        if has_files:
-            _write_tokenizer(tokenizer, staging, reference.config.block_size)
+        if files is not None:
+            _write_tokenizer(files, staging, reference.config.block_size)
         record = {"format": "hf-llama", **(provenance or {})}
         (staging / "speedtronic.json").write_text(json.dumps(record, indent=2, default=str))
         _one_mode(staging)

@@ -38,11 +38,11 @@ import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from speedtronic.config import ConfigError, ModelConfig, SpeedtronicConfig
+from speedtronic.json_types import JSON, JSONView
 from speedtronic.model.hf_source import CONFIG, fetch_checkpoint, weight_files
 
 __all__ = [
@@ -89,7 +89,7 @@ class HFCheckpoint:
         return f"init_from {self.spec} ({self.architecture}): {source}{tokenizer}"
 
 
-def _refuse(spec: str, architecture: str, field: str, value: Any, why: str) -> ConfigError:
+def _refuse(spec: str, architecture: str, field: str, value: object, why: str) -> ConfigError:
     return ConfigError(
         f"{_FIELD}: {spec} is a {architecture} with {field} = {json.dumps(value)}; {why}"
     )
@@ -110,7 +110,7 @@ def _d_ff_for(width: int, n_head: int) -> int | None:
     return None
 
 
-def _rope(hf: Mapping[str, Any]) -> tuple[float, str | None, str]:
+def _rope(hf: JSONView) -> tuple[float, str | None, str]:
     """``(rope_theta, rope_type, the field that holds it)`` from a 4.x or 5.x config."""
     parameters = hf.get("rope_parameters")
     scaling = hf.get("rope_scaling")
@@ -124,7 +124,7 @@ def _rope(hf: Mapping[str, Any]) -> tuple[float, str | None, str]:
     return float(theta or 10000.0), None, "rope_scaling"
 
 
-def reference_shape(hf: Mapping[str, Any], spec: str) -> dict[str, Any]:
+def reference_shape(hf: JSONView, spec: str) -> JSON:
     """The ``model`` fields (``max_seq_len`` included) of a transformers ``config.json``, or a
     ``ConfigError`` naming the architecture and the field the reference model cannot match."""
     architecture = str((hf.get("architectures") or [hf.get("model_type") or "?"])[0])
@@ -187,7 +187,7 @@ def reference_shape(hf: Mapping[str, Any], spec: str) -> dict[str, Any]:
     }
 
 
-def _merge(section: ModelConfig, shape: Mapping[str, Any], spec: str) -> ModelConfig:
+def _merge(section: ModelConfig, shape: JSONView, spec: str) -> ModelConfig:
     """``section`` with the checkpoint's shape; a given field that differs is a ConfigError."""
     values = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
     for field, theirs in shape.items():

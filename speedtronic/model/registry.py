@@ -17,17 +17,18 @@ Registration is process-local: YAML can name a model but cannot import plugin co
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from torch import nn
 
 from speedtronic.config import ConfigError, ModelConfig
 from speedtronic.config.schema import build_section
+from speedtronic.json_types import JSONView
 
 __all__ = ["ModelFactory", "ModelRegistry", "build_model", "register_model", "registry"]
 
-ModelFactory = Callable[..., Any]
+ModelFactory = Callable[..., nn.Module]
 
 # ModelConfig fields forwarded to every factory (``max_seq_len`` is passed as ``block_size``).
 _FORWARDED = (
@@ -88,7 +89,7 @@ class ModelRegistry:
     def __contains__(self, name: object) -> bool:
         return name in self._factories or name in self.builtin_names
 
-    def build(self, name: str, **kwargs: Any) -> Any:
+    def build(self, name: str, **kwargs: object) -> nn.Module:
         """Call the factory registered under ``name`` with ``kwargs``."""
         return self.get(name)(**kwargs)
 
@@ -101,16 +102,14 @@ def register_model(name: str, factory: ModelFactory | None = None) -> Any:
     return registry.register(name, factory)
 
 
-def _model_section(model_config: ModelConfig | Mapping[str, Any] | None) -> ModelConfig:
+def _model_section(model_config: ModelConfig | JSONView | None) -> ModelConfig:
     """The validated ``model`` section: as given, from a mapping, or the defaults."""
     if isinstance(model_config, ModelConfig):
         return model_config
     return build_section("model", dict(model_config or {}))
 
 
-def build_model(
-    model_config: ModelConfig | Mapping[str, Any] | None = None, **overrides: Any
-) -> nn.Module:
+def build_model(model_config: ModelConfig | JSONView | None = None, **overrides: Any) -> nn.Module:
     """Build the model named by ``model_config.name`` (the ``model`` config section).
 
     Every factory receives ``vocab_size``, ``block_size`` (= ``max_seq_len``), ``n_layer``,

@@ -329,7 +329,7 @@ class ReferenceTransformer(nn.Module):
         input_ids: torch.Tensor,
         labels: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
-        **_: Any,
+        **_: object,
     ) -> dict[str, torch.Tensor]:
         if input_ids.ndim != 2:
             raise ValueError("input_ids must have shape (batch, sequence)")

@@ -27,6 +27,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from speedtronic.json_types import StateDict
+
 
 def cautious_mask(update: Tensor, grad: Tensor) -> Tensor:
     """Rescaled cautious mask ``φ · numel(φ) / (Σφ + 1)`` with ``φ = 1[update ⊙ grad > 0]``.
@@ -77,7 +79,7 @@ class CautiousOptimizer(Optimizer):
         self.state = self.base.state
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Evaluate ``closure`` once, step the base, then apply the cautious mask."""
         loss = None
         if closure is not None:
@@ -102,11 +104,11 @@ class CautiousOptimizer(Optimizer):
         """Delegate to the base optimizer."""
         self.base.zero_grad(set_to_none=set_to_none)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """The base optimizer's state dict (no cautious-specific entries)."""
         return self.base.state_dict()
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: StateDict) -> None:
         """Load into the base, then re-alias groups, defaults and state."""
         self.base.load_state_dict(state_dict)
         self._alias()

@@ -33,6 +33,9 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.optim import AdamW, Optimizer
+from torch.optim.optimizer import ParamsT
+
+from speedtronic.json_types import StateDict
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """Quintic Newton–Schulz coefficients (a, b, c) from Keller Jordan's Muon."""
@@ -297,7 +300,7 @@ class Muon(Optimizer):
 
     def __init__(
         self,
-        params: Iterable[Any],
+        params: ParamsT,
         lr: float = 3e-4,
         momentum: float = 0.95,
         nesterov: bool = True,
@@ -353,7 +356,7 @@ class Muon(Optimizer):
         return buckets
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Apply one Muon update to every parameter with a gradient; returns the closure value."""
         loss = None
         if closure is not None:
@@ -554,7 +557,7 @@ class HybridOptimizer(Optimizer):
                 child[key] = adamw_group[key]
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Evaluate ``closure`` once, then step Muon and AdamW; returns the closure value."""
         loss = None
         if closure is not None:
@@ -567,7 +570,7 @@ class HybridOptimizer(Optimizer):
             self.adamw.step()
         return loss
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: StateDict) -> None:
         """Load facade state, then re-bind both inner optimizers to it."""
         super().load_state_dict(state_dict)
         self._bind_children()

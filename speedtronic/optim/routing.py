@@ -131,7 +131,7 @@ def route_parameters(model: nn.Module) -> ParameterRouting:
             continue
         owner_name, owner, local_name = owners.get(id(param), ("", model, name))
         destination = _route_one(owner_name, owner, local_name, param)
-        getattr(routing, destination).append((name, param))
+        (routing.muon if destination == "muon" else routing.adamw).append((name, param))
     return routing
 
 

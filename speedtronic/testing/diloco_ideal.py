@@ -25,7 +25,7 @@ import copy
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,6 +36,11 @@ from speedtronic.diloco.codec import (
     encode_delta,
 )
 from speedtronic.diloco.master import NesterovOuterOptimizer, step_quantized
+
+if TYPE_CHECKING:
+    from speedtronic.config import SpeedtronicConfig
+    from speedtronic.train.evaluate import EvalResult, HeldOut
+    from speedtronic.train.trainer import Trainer
 
 __all__ = ["IdealResult", "simulate"]
 
@@ -56,7 +61,7 @@ class IdealResult:
     node_losses: dict[str, float | None]
 
 
-def _quiet(config: Any) -> Any:
+def _quiet(config: SpeedtronicConfig) -> SpeedtronicConfig:
     """A copy that trains locally: no DiLoCo, no checkpoints, no files, warnings only."""
     config = copy.deepcopy(config)
     config.distributed.enabled = False
@@ -68,7 +73,7 @@ def _quiet(config: Any) -> Any:
 
 
 def simulate(
-    config: Any,
+    config: SpeedtronicConfig,
     node_ids: Sequence[str],
     *,
     inner_steps: int | None = None,
@@ -182,7 +187,13 @@ def _sent(
     return sent, {k: v - sent[k] for k, v in delta.items()}
 
 
-def _score(model: Any, state: Any, heldout: Any, trainer: Any, evaluate: Any) -> float:
+def _score(
+    model: torch.nn.Module,
+    state: dict[str, torch.Tensor],
+    heldout: HeldOut,
+    trainer: Trainer,
+    evaluate: Callable[..., EvalResult],
+) -> float:
     _install(model, state)
     return evaluate(model, heldout, device=trainer.device, precision=trainer.precision).loss
 

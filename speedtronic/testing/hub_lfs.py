@@ -36,7 +36,10 @@ import json
 import secrets
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
+
+from speedtronic.json_types import JSON
 
 __all__ = ["LFS_THRESHOLD", "LfsConfig", "LfsStorage", "git_blob_oid", "lfs_pointer"]
 
@@ -133,14 +136,14 @@ class LfsStorage:
             return None
         return data
 
-    def keep(self, oids: Any) -> None:
+    def keep(self, oids: Iterable[str]) -> None:
         """Objects a commit points to again are live again."""
         with self._lock:
             for oid in oids:
                 if oid in self._released:
                     self.objects[oid] = self._released.pop(oid)[0]
 
-    def release(self, oids: Any) -> None:
+    def release(self, oids: Iterable[str]) -> None:
         """Objects no file points to any more: dropped after ``release_after`` seconds (the
         emulator keeps no history, and a long run must not hold every delta ever sent)."""
         now = time.monotonic()
@@ -173,14 +176,14 @@ class LfsStorage:
                     }
                 )
                 continue
-            entry: dict[str, Any] = {"oid": oid, "size": size, "authenticated": True}
+            entry: JSON = {"oid": oid, "size": size, "authenticated": True}
             if self.stored(oid, size, live=True) is None:
                 entry["actions"] = self._actions(repo_id, oid, size, multipart)
             objects.append(entry)
         transfer = "multipart" if multipart else "basic"
         return 200, {"transfer": transfer, "objects": objects, "hash_algo": "sha256"}, {}
 
-    def _actions(self, repo_id: str, oid: str, size: int, multipart: bool) -> dict[str, Any]:
+    def _actions(self, repo_id: str, oid: str, size: int, multipart: bool) -> JSON:
         part = self.config.part_size
         if multipart and size > part:
             count = -(-size // part)
@@ -188,7 +191,7 @@ class LfsStorage:
             for n in range(1, count + 1):
                 header[str(n)] = self.signed("part", f"{oid}/{n}", f"/lfs-objects/{oid}/{n}")
             href = self.signed("complete", oid, f"/_lfs/complete/{oid}", base=self.hub_url)
-            upload: dict[str, Any] = {"href": href, "header": header}
+            upload: JSON = {"href": href, "header": header}
         else:
             upload = {"href": self.signed("upload", oid, f"/lfs-objects/{oid}")}
         actions = {"upload": upload}

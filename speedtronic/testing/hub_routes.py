@@ -16,6 +16,7 @@ from http.server import BaseHTTPRequestHandler
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, unquote, urlparse
 
+from speedtronic.json_types import JSON
 from speedtronic.testing.hub_lfs import git_blob_oid, json_body, lfs_pointer
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ class HubHandler(BaseHTTPRequestHandler):
     server_version = "SpeedtronicHubEmulator/1.0"
     protocol_version = "HTTP/1.1"
 
-    def log_message(self, format: str, *args: Any) -> None:  # quiet
+    def log_message(self, format: str, *args: object) -> None:  # quiet
         return
 
     @property
@@ -104,7 +105,7 @@ class HubHandler(BaseHTTPRequestHandler):
     @property
     def _on_storage(self) -> bool:
         """Whether this request arrived on the storage origin (not the Hub's)."""
-        return bool(getattr(self.server, "storage", False))
+        return bool(self.server.storage)  # type: ignore[attr-defined]
 
     def _send(
         self,
@@ -378,7 +379,7 @@ class HubHandler(BaseHTTPRequestHandler):
                 if recursive or i == 1:
                     dirs.add(base + "/".join(parts[:i]))
             if recursive or len(parts) == 1:
-                entry: dict[str, Any] = {
+                entry: JSON = {
                     "type": "file",
                     "path": path,
                     "size": len(data),

@@ -52,6 +52,7 @@ from collections.abc import Callable, Iterable
 from http.server import ThreadingHTTPServer
 from typing import Any
 
+from speedtronic.json_types import JSON
 from speedtronic.testing.hub_budget import Budget, BudgetKeeper
 from speedtronic.testing.hub_lfs import LfsConfig, LfsStorage
 from speedtronic.testing.hub_routes import HubHandler, Repo, endpoint_kind
@@ -206,7 +207,7 @@ class HubEmulator:
                 jitter = self._rng.random() * f.latency_jitter
             time.sleep(f.latency + jitter)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> JSON:
         """Counters: requests, injected faults, refusals past a budget, commits, repos."""
         with self.lock:
             return {

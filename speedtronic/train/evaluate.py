@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.data.loader import collate_batch
-from speedtronic.train.forward import call_model, labels_of, move_to_device, resolve_loss
+from speedtronic.json_types import JSON
+from speedtronic.train.forward import Batch, call_model, labels_of, move_to_device, resolve_loss
 from speedtronic.train.precision import PrecisionPlan, autocast_context
 
 __all__ = ["EvalResult", "HeldOut", "build_heldout", "evaluate"]
@@ -47,7 +47,7 @@ class EvalResult:
     perplexity: float
     tokens: int
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> JSON:
         """``{"loss", "perplexity", "tokens"}``."""
         return {"loss": self.loss, "perplexity": self.perplexity, "tokens": self.tokens}
 
@@ -63,14 +63,14 @@ class HeldOut:
     when known (Markov data), else ``None``.
     """
 
-    batches: tuple[Any, ...]
+    batches: tuple[Batch, ...]
     tokens: int
     requested: int
     description: str
     floor: float | None = None
 
 
-def _target_count(batch: Any) -> int:
+def _target_count(batch: Batch) -> int:
     """Scored targets of a record or batch: labels that are not ``-100``."""
     labels = labels_of(batch)
     if labels is None:
@@ -101,8 +101,8 @@ def build_heldout(config: SpeedtronicConfig) -> HeldOut | None:
         return None
     batch_size = int(section.batch_size or data.micro_batch_size)
     requested = int(section.tokens)
-    batches: list[Any] = []
-    rows: list[Any] = []
+    batches: list[Batch] = []
+    rows: list[dict[str, torch.Tensor]] = []
     tokens = 0
     for record in source.records():
         rows.append(record)

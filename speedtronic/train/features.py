@@ -7,10 +7,17 @@ value it needs (the trainer reads them from its typed ``SpeedtronicConfig``).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+from speedtronic.module_utils import CheckpointingModule
+
+if TYPE_CHECKING:
+    from speedtronic.metrics.logger import MetricLogger
+    from speedtronic.train.ooo import StageStreamScheduler
 
 __all__ = [
     "apply_gradient_checkpointing",
@@ -19,23 +26,24 @@ __all__ = [
 ]
 
 
-def apply_gradient_checkpointing(model: nn.Module, enabled: bool, logger: Any) -> None:
+def apply_gradient_checkpointing(model: nn.Module, enabled: bool, logger: MetricLogger) -> None:
     """Call ``model.set_gradient_checkpointing(True)`` when ``enabled`` (warn if impossible)."""
     if not enabled:
         return
-    hook = getattr(model, "set_gradient_checkpointing", None)
-    if not callable(hook):
+    if not isinstance(model, CheckpointingModule):
         logger.warning(
             "gradient checkpointing requested but model has no set_gradient_checkpointing hook"
         )
         return
     try:
-        hook(True)
+        model.set_gradient_checkpointing(True)
     except Exception as exc:
         logger.warning("gradient checkpointing hook failed; continuing without it: %s", exc)
 
 
-def compile_model(model: nn.Module, enabled: bool, logger: Any) -> tuple[Any, bool]:
+def compile_model(
+    model: nn.Module, enabled: bool, logger: MetricLogger
+) -> tuple[Callable[..., object], bool]:
     """``(torch.compile(model), True)`` when ``enabled`` and wrapping works, else
     ``(model, False)``; emits ``compile {enabled[, reason]}`` when compile was requested."""
     if not enabled:
@@ -52,12 +60,12 @@ def compile_model(model: nn.Module, enabled: bool, logger: Any) -> tuple[Any, bo
 def make_ooo_scheduler(
     model: nn.Module,
     device: torch.device,
-    logger: Any,
+    logger: MetricLogger,
     *,
     enabled: bool,
     num_streams: int,
     compiled: bool,
-) -> Any:
+) -> StageStreamScheduler | None:
     """A ``StageStreamScheduler`` with ``num_streams`` streams when ``enabled`` (the
     ``ooo_backprop`` setting) and compile is not; else None.
 

@@ -8,12 +8,16 @@ Labels are already next-token aligned (``labels[i]`` is the token after ``input_
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 
+Batch = object
+"""A user's batch: a dict of tensors, a tuple/list ``(inputs, labels)`` or a tensor."""
+
 __all__ = [
+    "Batch",
     "MissingLossError",
     "batch_size_and_tokens",
     "call_model",
@@ -28,7 +32,7 @@ class MissingLossError(ValueError):
     """The model's output contains no loss the trainer can optimise."""
 
 
-def move_to_device(batch: Any, device: torch.device) -> Any:
+def move_to_device(batch: Batch, device: torch.device) -> Batch:
     """Recursively move tensors in dicts/tuples/lists to ``device`` (non-blocking)."""
     if isinstance(batch, torch.Tensor):
         return batch if batch.device == device else batch.to(device, non_blocking=True)
@@ -41,7 +45,7 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def batch_size_and_tokens(batch: Any) -> tuple[int, int | torch.Tensor]:
+def batch_size_and_tokens(batch: Batch) -> tuple[int, int | torch.Tensor]:
     """Samples and tokens in one micro-batch.
 
     Tokens are the attention-mask sum when the batch has one (returned as a 0-d tensor so the
@@ -62,7 +66,7 @@ def batch_size_and_tokens(batch: Any) -> tuple[int, int | torch.Tensor]:
     return samples, candidate.numel()
 
 
-def call_model(model: Any, batch: Any) -> Any:
+def call_model(model: Callable[..., object], batch: Batch) -> object:
     """Run the forward pass for one batch (dict → kwargs, tuple → ``(inputs, labels)``)."""
     if isinstance(batch, dict):
         return model(**batch)
@@ -73,7 +77,7 @@ def call_model(model: Any, batch: Any) -> Any:
     raise TypeError(f"unsupported batch type: {type(batch).__name__}")
 
 
-def labels_of(batch: Any) -> torch.Tensor | None:
+def labels_of(batch: Batch) -> torch.Tensor | None:
     """The labels of a batch (``batch["labels"]`` or ``batch[1]``), None when it has none."""
     if isinstance(batch, dict):
         labels = batch.get("labels")
@@ -84,7 +88,7 @@ def labels_of(batch: Any) -> torch.Tensor | None:
     return labels if isinstance(labels, torch.Tensor) else None
 
 
-def loss_from_logits(logits: Any, batch: Any) -> torch.Tensor | None:
+def loss_from_logits(logits: object, batch: Batch) -> torch.Tensor | None:
     """Causal cross-entropy of ``(B, T, V)`` logits against already-aligned labels, or None."""
     labels = labels_of(batch)
     if not isinstance(logits, torch.Tensor) or labels is None:
@@ -105,9 +109,9 @@ def loss_from_logits(logits: Any, batch: Any) -> torch.Tensor | None:
     )
 
 
-def resolve_loss(output: Any, batch: Any, *, model_name: str = "model") -> torch.Tensor:
+def resolve_loss(output: object, batch: Batch, *, model_name: str = "model") -> torch.Tensor:
     """The scalar loss in a model's output (see the module docstring for accepted forms)."""
-    loss: Any = None
+    loss: object = None
     if isinstance(output, dict):
         loss = output["loss"] if "loss" in output else loss_from_logits(output.get("logits"), batch)
         if loss is None:
@@ -146,7 +150,7 @@ class BatchStream:
 
     _NOTHING = object()
 
-    def __init__(self, loader: Any) -> None:
+    def __init__(self, loader: Iterable[Batch]) -> None:
         self.loader = loader
         self._iterator = iter(loader)
         self._produced = False
@@ -156,13 +160,13 @@ class BatchStream:
     def __iter__(self) -> BatchStream:
         return self
 
-    def __next__(self) -> Any:
+    def __next__(self) -> Batch:
         if self._first is not self._NOTHING:
             first, self._first = self._first, self._NOTHING
             return first
         return self._next()
 
-    def _next(self) -> Any:
+    def _next(self) -> Batch:
         empty_passes = 0
         while True:
             try:

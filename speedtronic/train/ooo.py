@@ -38,12 +38,18 @@ get ``record_stream`` so the caching allocator does not reuse their memory early
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from speedtronic.json_types import JSON
+
+if TYPE_CHECKING:
+    from speedtronic.metrics.logger import EventLog
 
 __all__ = ["StageInfo", "StageStreamScheduler", "select_stages"]
 
@@ -99,7 +105,7 @@ def _leaves(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
             yield qualified, child
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
+def _tensors(value: object) -> Iterator[torch.Tensor]:
     """Every tensor inside nested tuples/lists/dicts."""
     if isinstance(value, torch.Tensor):
         yield value
@@ -125,7 +131,7 @@ class StageStreamScheduler:
         device: torch.device | str,
         *,
         num_streams: int = 4,
-        logger: Any = None,
+        logger: EventLog | logging.Logger | None = None,
     ) -> None:
         self.model = model
         self.device = torch.device(device)
@@ -134,12 +140,12 @@ class StageStreamScheduler:
         self.enabled = False
         self.reason: str | None = None
         self.stages: list[StageInfo] = []
-        self._streams: list[Any] = []
-        self._handles: list[Any] = []
-        self._ambient: Any = None
+        self._streams: list[torch.cuda.Stream] = []
+        self._handles: list[RemovableHandle] = []
+        self._ambient: torch.cuda.Stream  # the current stream, set by begin()
         self._active = False
-        self._producers: dict[int, Any] = {}
-        self._contexts: list[Any] = []
+        self._producers: dict[int, torch.cuda.Stream] = {}
+        self._contexts: list[torch.cuda.StreamContext] = []
         self._setup()
 
     @classmethod
@@ -185,17 +191,14 @@ class StageStreamScheduler:
 
     def _report_failure(self) -> None:
         message = f"ooo_backprop disabled: {self.reason}"
-        if callable(getattr(self.logger, "warning", None)):
-            self.logger.warning(message)
-        elif callable(getattr(self.logger, "emit", None)):
-            self.logger.emit("ooo_backprop", self.as_dict())
-        else:
-            _log.warning(message)
+        (self.logger or _log).warning(message)
 
     # -------------------------------------------------------------- hooks
 
-    def _pre_hook(self, stream: Any) -> Any:
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _pre_hook(
+        self, stream: torch.cuda.Stream
+    ) -> Callable[[nn.Module, tuple[object, ...], dict[str, object]], None]:
+        def hook(module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
             if not self._active:
                 return None
             stream.wait_stream(self._ambient)
@@ -212,8 +215,10 @@ class StageStreamScheduler:
 
         return hook
 
-    def _post_hook(self, stream: Any) -> Any:
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+    def _post_hook(
+        self, stream: torch.cuda.Stream
+    ) -> Callable[[nn.Module, tuple[object, ...], object], None]:
+        def hook(module: nn.Module, args: tuple[object, ...], output: object) -> None:
             if not self._active or not self._contexts:
                 return None
             self._contexts.pop().__exit__(None, None, None)
@@ -261,7 +266,7 @@ class StageStreamScheduler:
             handle.remove()
         self._handles = []
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> JSON:
         """``{"enabled", "reason", "streams", "stages"}`` for the ``ooo_backprop`` event."""
         return {
             "enabled": self.enabled,

@@ -29,15 +29,25 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from torch import nn
 
+from speedtronic.json_types import StateDict
 from speedtronic.train.ranks import RankEnv
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    from speedtronic.checkpoint_parts import Stateful
+    from speedtronic.config import RunConfig
+
+
+_T = TypeVar("_T")
 
 __all__ = [
     "Agreement",
@@ -105,7 +115,7 @@ class SingleProcess:
         """Whether ``flag`` holds on some rank (here: the local value)."""
         return flag
 
-    def round_model(self, model: nn.Module, build: Any) -> nn.Module:
+    def round_model(self, model: nn.Module, build: Callable[[], nn.Module]) -> nn.Module:
         """The model the DiLoCo coordinator reads and writes: ``model`` itself."""
         return model
 
@@ -132,7 +142,9 @@ class SingleProcess:
         """How far the ranks' replicas differ (``None``: nothing to compare)."""
         return None
 
-    def checkpoint_parts(self, model: nn.Module, optimizer: Any) -> tuple[Any, Any]:
+    def checkpoint_parts(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[Stateful, Stateful]:
         """The checkpoint parts that save and load ``model`` and ``optimizer``: themselves."""
         return model, optimizer
 
@@ -253,7 +265,7 @@ class DataParallel(SingleProcess):
 
     # ------------------------------------------------------------------ FSDP with DiLoCo
 
-    def round_model(self, model: nn.Module, build: Any) -> nn.Module:
+    def round_model(self, model: nn.Module, build: Callable[[], nn.Module]) -> nn.Module:
         """The model the DiLoCo coordinator reads and writes (every rank calls this, before
         :meth:`wrap`). DDP: ``model``, a full replica. FSDP: a full copy on rank 0's CPU
         (``build()`` makes the empty module), kept in step at the round's steps only:
@@ -325,7 +337,9 @@ class DataParallel(SingleProcess):
         high, neg_low = values.tolist()
         return high + neg_low
 
-    def checkpoint_parts(self, model: nn.Module, optimizer: Any) -> tuple[Any, Any]:
+    def checkpoint_parts(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[Stateful, Stateful]:
         """DDP: the model and optimizer themselves (every rank holds everything). FSDP:
         :class:`FullModelState` and :class:`FullOptimizerState`, which gather the unsharded
         state on save and shard a full state on load."""
@@ -336,7 +350,7 @@ class DataParallel(SingleProcess):
     def _collective_device(self) -> torch.device:
         return self.device if self.device.type == "cuda" else torch.device("cpu")
 
-    def _run(self, what: str, call: Any) -> Any:
+    def _run(self, what: str, call: Callable[[], _T]) -> _T:
         try:
             return call()
         except Exception as exc:
@@ -357,7 +371,7 @@ class DataParallel(SingleProcess):
             dist.destroy_process_group()
 
 
-def _full_options(*, saving: bool) -> Any:
+def _full_options(*, saving: bool) -> StateDictOptions:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(full_state_dict=True, cpu_offload=saving)
@@ -371,13 +385,13 @@ class FullModelState:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """The unsharded ``{name: tensor}`` on rank 0 (every rank must call this)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         return get_model_state_dict(self.model, options=_full_options(saving=True))
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         """Shard a full state dict into the model (every rank, with the whole dict)."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
@@ -391,14 +405,14 @@ class FullOptimizerState:
     index of a name is its position in the optimizer's groups, as ``Optimizer.state_dict``
     numbers them."""
 
-    def __init__(self, model: nn.Module, optimizer: Any) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
 
     def _names(self) -> list[str]:
         by_id = {id(p): name for name, p in self.model.named_parameters()}
         return [by_id[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """The unsharded optimizer state on rank 0, keyed by parameter index."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -414,7 +428,7 @@ class FullOptimizerState:
         ]
         return {"state": {index[k]: v for k, v in full["state"].items()}, "param_groups": groups}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         """Shard an index-keyed full optimizer state into this rank's optimizer."""
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
@@ -431,7 +445,7 @@ class FullOptimizerState:
 
 
 def start_parallel(
-    ranks: RankEnv, device: torch.device, run: Any
+    ranks: RankEnv, device: torch.device, run: RunConfig
 ) -> tuple[SingleProcess, torch.device]:
     """Join the node's process group; returns ``(parallel, this rank's device)``.
 

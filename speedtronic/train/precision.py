@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -87,9 +86,8 @@ def resolve_device(requested: str | torch.device | None = "auto") -> torch.devic
 
 
 def _mps_available() -> bool:
-    backend = getattr(torch.backends, "mps", None)
     try:
-        return bool(backend is not None and backend.is_available())
+        return bool(torch.backends.mps.is_available())
     except Exception:  # pragma: no cover - exotic builds
         return False
 
@@ -150,7 +148,7 @@ def autocast_context(
     return torch.autocast(device_type=plan.device_type, dtype=plan.dtype)
 
 
-def make_grad_scaler(plan: PrecisionPlan) -> Any | None:
+def make_grad_scaler(plan: PrecisionPlan) -> torch.amp.GradScaler | None:
     """A dynamic loss scaler for CUDA fp16 (``None`` otherwise).
 
     PyTorch defaults apply: initial scale 65536, x2 growth every 2000 clean steps, x0.5 backoff.

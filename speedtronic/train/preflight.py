@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.config.schema import config_warnings
+from speedtronic.json_types import JSON
+
+if TYPE_CHECKING:
+    from torch.utils.data import Dataset
 
 __all__ = ["Preflight", "preflight"]
 
@@ -56,7 +60,7 @@ class Preflight:
         count = len(self.warnings)
         return line + (f"; {count} warning{'s' if count > 1 else ''}" if count else "")
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> JSON:
         """JSON-ready form (``files`` as ``{"field", "path"}`` objects)."""
         return {
             "ok": True,
@@ -77,10 +81,10 @@ class _Collector:
     def __init__(self, report: Preflight) -> None:
         self.report = report
 
-    def info(self, message: str, *args: Any) -> None:
+    def info(self, message: str, *args: object) -> None:
         self.report.notes.append(message % args if args else message)
 
-    def warning(self, message: str, *args: Any) -> None:
+    def warning(self, message: str, *args: object) -> None:
         self.report.warnings.append(message % args if args else message)
 
 
@@ -114,11 +118,13 @@ def _files(config: SpeedtronicConfig) -> list[tuple[str, str]]:
     return found
 
 
-def _describe_data(config: SpeedtronicConfig, dataset: Any) -> str:
+def _describe_data(config: SpeedtronicConfig, dataset: Dataset[object]) -> str:
     """One phrase for the training source, as the run's start-up summary says it."""
     data = config.data
-    size = getattr(dataset, "num_tokens", None)
-    tokens = f" ({size:,} tokens)" if isinstance(size, int) else ""
+    from speedtronic.data.datasets import TokenWindowDataset
+
+    size = dataset.num_tokens if isinstance(dataset, TokenWindowDataset) else None
+    tokens = f" ({size:,} tokens)" if size is not None else ""
     if data.text_path:
         return f"{data.text_path}"
     if data.token_path:

@@ -20,7 +20,12 @@ import sys
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from speedtronic.config import SpeedtronicConfig
 
 __all__ = [
     "RankEnv",
@@ -73,7 +78,7 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def resolve_nproc(config: Any, gpus: int | None = None) -> int:
+def resolve_nproc(config: SpeedtronicConfig, gpus: int | None = None) -> int:
     """Ranks this node runs for a ``SpeedtronicConfig``.
 
     ``run.nproc_per_node: auto`` is the number of visible GPUs (``gpus``, default
@@ -98,9 +103,9 @@ class RanksOutcome:
     message: str
 
 
-def _failure_message(exc: Any, nproc: int) -> str:
+def _failure_message(exc: ChildFailedError, nproc: int) -> str:
     """One line naming the first rank that failed and how."""
-    failures = getattr(exc, "failures", {}) or {}
+    failures = exc.failures or {}
     parts = []
     for rank, failure in sorted(failures.items()):
         code = failure.exitcode
@@ -152,14 +157,14 @@ def launch_ranks(
     except ChildFailedError as exc:
         return RanksOutcome(1, _failure_message(exc, nproc))
     except SignalException as exc:
-        name = getattr(exc.sigval, "name", str(exc.sigval))
+        name = exc.sigval.name
         return RanksOutcome(
             0, f"{name} forwarded to all {nproc} ranks: they stop at one step, rank 0 saves"
         )
     return RanksOutcome(0, f"all {nproc} ranks finished")
 
 
-def run_agent(config: Any, nproc: int, argv: Sequence[str] | None) -> int:
+def run_agent(config: SpeedtronicConfig, nproc: int, argv: Sequence[str] | None) -> int:
     """``speedtronic train|run`` as the agent of ``nproc`` ranks: log, :func:`launch_ranks`
     with the node id and ``run.collective_timeout``, log the outcome; returns exit code 0.
 

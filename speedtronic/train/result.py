@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from speedtronic.json_types import JSON, StateDict
+
 if TYPE_CHECKING:
     from torch.optim import Optimizer
 
@@ -99,7 +101,9 @@ class SyncCoordinator(Protocol):
     node_id: str
     role: str
     trains: bool
-    run_ended: str | None
+
+    @property
+    def run_ended(self) -> str | None: ...
 
     @property
     def last_heartbeat(self) -> float: ...
@@ -123,9 +127,9 @@ class SyncCoordinator(Protocol):
 
     def interrupt(self) -> None: ...
 
-    def state_dict(self) -> dict[str, Any] | None: ...
+    def state_dict(self) -> StateDict | None: ...
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def load_state_dict(self, state: StateDict) -> None: ...
 
 
 class StartStopCoordinator:
@@ -178,11 +182,11 @@ class StartStopCoordinator:
     def interrupt(self) -> None:
         """Nothing waits."""
 
-    def state_dict(self) -> dict[str, Any] | None:
+    def state_dict(self) -> StateDict | None:
         """The wrapped coordinator's state."""
         return self.wrapped.state_dict()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         """Hand the checkpointed state back to the wrapped coordinator."""
         self.wrapped.load_state_dict(state)
 
@@ -210,6 +214,6 @@ class TrainResult:
     tokens: int
     final_loss: float | None
     elapsed_s: float
-    metrics: list[dict[str, Any]] = field(default_factory=list)
+    metrics: list[JSON] = field(default_factory=list)
     stopped_reason: str | None = None
     skipped_updates: int = 0

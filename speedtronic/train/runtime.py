@@ -38,13 +38,14 @@ import math
 import os
 import random
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from speedtronic.checkpoint import CheckpointManager
 from speedtronic.config import SpeedtronicConfig
-from speedtronic.metrics.logger import MetricLogger
+from speedtronic.json_types import JSONView
+from speedtronic.metrics.logger import MetricLogger, TextLog
 from speedtronic.optim import build_optimizer, build_scheduler
 from speedtronic.train.parallel import start_parallel
 from speedtronic.train.precision import resolve_device, resolve_precision
@@ -54,8 +55,14 @@ from speedtronic.train.state import portable_config
 from speedtronic.train.threads import ThreadBudget
 from speedtronic.train.trainer import Trainer, TrainerOptions
 
+if TYPE_CHECKING:
+    from speedtronic.data.loader import ResumableDataLoader
+    from speedtronic.train.evaluate import EvalResult, HeldOut
+    from speedtronic.train.precision import PrecisionPlan
+    from speedtronic.train.result import SyncCoordinator
+
 #: What ``build_runtime`` accepts: a config, a mapping for ``from_dict``, or a file path.
-ConfigSource = SpeedtronicConfig | Mapping[str, Any] | str | os.PathLike
+ConfigSource = SpeedtronicConfig | JSONView | str | os.PathLike[str]
 
 __all__ = [
     "build_logger",
@@ -116,7 +123,7 @@ def _as_config(config: ConfigSource) -> SpeedtronicConfig:
     return config.validate()
 
 
-def _device(config: SpeedtronicConfig, override: Any) -> torch.device:
+def _device(config: SpeedtronicConfig, override: str | torch.device | None) -> torch.device:
     from speedtronic.config import ConfigError
 
     requested = override or config.run.device
@@ -130,7 +137,7 @@ def _device(config: SpeedtronicConfig, override: Any) -> torch.device:
         raise ConfigError(f"run.device: invalid device {requested!r}: {exc}") from None
 
 
-def _precision(config: SpeedtronicConfig, device: torch.device) -> Any:
+def _precision(config: SpeedtronicConfig, device: torch.device) -> PrecisionPlan:
     from speedtronic.config import ConfigError
 
     try:
@@ -144,10 +151,10 @@ def _coordinator(
     model: torch.nn.Module,
     logger: MetricLogger,
     *,
-    heldout: Any,
+    heldout: HeldOut | None,
     device: torch.device,
-    precision: Any,
-) -> Any:
+    precision: PrecisionPlan,
+) -> SyncCoordinator | None:
     """The DumbDiLoCo coordinator (None when ``distributed.enabled`` is false).
 
     A master scores every new global on the held-out set with its own copy of the model
@@ -164,7 +171,7 @@ def _coordinator(
 
         scorer = build_model(config.model).to(device)
 
-        def evaluate_global(state: dict[str, torch.Tensor]) -> Any:
+        def evaluate_global(state: dict[str, torch.Tensor]) -> EvalResult:
             scorer.load_state_dict(state)
             return evaluate(scorer, heldout, device=device, precision=precision)
 
@@ -199,14 +206,16 @@ def _check_parallel(config: SpeedtronicConfig, ranks: RankEnv) -> None:
         raise ConfigError("ooo_backprop is not supported with several ranks per node")
 
 
-def _log_data(logger: MetricLogger, loader: Any, heldout: Any) -> None:
+def _log_data(logger: TextLog, loader: ResumableDataLoader, heldout: HeldOut | None) -> None:
     """One line on the training source's loss floor (Markov data) and the held-out set."""
-    floor = getattr(loader.dataset, "floor", None)
-    if floor is not None:
+    from speedtronic.data.markov import MarkovTokenDataset
+
+    dataset = loader.dataset
+    if isinstance(dataset, MarkovTokenDataset):
         logger.info(
             "data: synthetic Markov chain, loss floor %.4f nats (uniform guess %.4f)",
-            floor,
-            math.log(loader.dataset.vocab_size),
+            dataset.floor,
+            math.log(dataset.vocab_size),
         )
     if heldout is not None:
         logger.info("eval: %d held-out tokens from %s", heldout.tokens, heldout.description)

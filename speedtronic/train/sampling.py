@@ -18,12 +18,15 @@ greedy decoding here and transformers' ``generate`` on the export give the same 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.train.scoring import Weights
+
+if TYPE_CHECKING:
+    from speedtronic.data.tokenizer import Tokenizer
 
 __all__ = ["Sample", "generate", "prompt_ids", "sample", "sample_text"]
 
@@ -74,7 +77,7 @@ def generate(
     return new
 
 
-def prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
+def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
     """The ids a prompt is continued from: the end-of-text token first when the tokenizer has
     one (in training every document but the first follows it, so a prompt starts a new
     document), then the prompt's tokens. The exported tokenizer adds the same token

@@ -19,12 +19,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from speedtronic.checkpoint import CheckpointError, CheckpointManager
 from speedtronic.config import SpeedtronicConfig
+from speedtronic.json_types import JSON, StateDict
 from speedtronic.train.evaluate import build_heldout, evaluate
 
 __all__ = ["Weights", "load_model", "load_weights", "score"]
@@ -40,13 +40,13 @@ class Weights:
     outer_step: int | None = None
 
 
-def _int_or_none(value: Any) -> int | None:
+def _int_or_none(value: object) -> int | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return int(value)
 
 
-def _checkpoint_outer_step(coordinator: Any) -> int | None:
+def _checkpoint_outer_step(coordinator: object) -> int | None:
     """The outer step a trainer checkpoint's DiLoCo state records (master or node), if any."""
     if not isinstance(coordinator, dict):
         return None
@@ -61,7 +61,7 @@ def _checkpoint_outer_step(coordinator: Any) -> int | None:
     return None
 
 
-def _from_trainer_state(state: dict[str, Any], source: str) -> Weights:
+def _from_trainer_state(state: StateDict, source: str) -> Weights:
     model = state.get("model")
     if not isinstance(model, dict):
         raise CheckpointError(f"checkpoint {source} holds no model state")
@@ -88,7 +88,7 @@ def _from_safetensors(path: Path, meta_path: Path | None = None) -> Weights:
         state = load_file(str(path), device="cpu")
     except Exception as exc:
         raise CheckpointError(f"{path} is not a readable safetensors file: {exc}") from exc
-    meta: dict[str, Any] = {}
+    meta: JSON = {}
     if meta_path is not None and meta_path.is_file():
         try:
             meta = json.loads(meta_path.read_text(encoding="utf-8"))
@@ -148,7 +148,7 @@ def load_weights(
 
 def score(
     config: SpeedtronicConfig, *, checkpoint: str | None = None, use_global: bool = False
-) -> dict[str, Any]:
+) -> JSON:
     """Score the chosen weights on the held-out set: ``{"loss", "perplexity", "tokens",
     "step", "outer_step", "source"}`` (``None`` where unknown; ``source`` names the file)."""
     from speedtronic.config import ConfigError

@@ -23,12 +23,17 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from speedtronic.config import SpeedtronicConfig
+from speedtronic.json_types import JSON
+from speedtronic.metrics.logger import EventLog, TextLog
+
+if TYPE_CHECKING:
+    from speedtronic.train.precision import PrecisionPlan
 
 __all__ = [
     "ShapeProfile",
@@ -87,7 +92,7 @@ class ShapeReport:
         """The distinct warning codes."""
         return {w.code for w in self.warnings}
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> JSON:
         """``{"profile": {...}, "warning_count": n, "warnings": [{...}, ...]}`` (JSON-ready)."""
         return {
             "profile": asdict(self.profile),
@@ -96,14 +101,17 @@ class ShapeReport:
         }
 
 
-def _precision_mode(precision: Any) -> str:
-    """Duck-typed ``PrecisionPlan.mode`` (a plain string is accepted too)."""
-    mode = precision if isinstance(precision, str) else getattr(precision, "mode", "fp32")
+def _precision_mode(precision: PrecisionPlan | str) -> str:
+    """``PrecisionPlan.mode`` (a plain string is accepted too)."""
+    mode = precision if isinstance(precision, str) else precision.mode
     return str(mode).lower()
 
 
 def resolve_shape_profile(
-    device: torch.device | str, precision: Any, *, requested_alignment: Any = "auto"
+    device: torch.device | str,
+    precision: PrecisionPlan | str,
+    *,
+    requested_alignment: int | str | None = "auto",
 ) -> ShapeProfile:
     """Which alignment applies to ``device`` with resolved ``precision``.
 
@@ -228,9 +236,9 @@ def validate_startup_shapes(
     config: SpeedtronicConfig,
     model: nn.Module,
     device: torch.device | str,
-    precision: Any,
+    precision: PrecisionPlan | str,
     *,
-    logger: Any = None,
+    logger: EventLog | TextLog | None = None,
 ) -> ShapeReport:
     """Check configured and model sizes against the alignment; advisory only (see module doc).
 
@@ -251,24 +259,22 @@ def validate_startup_shapes(
     return report
 
 
-def _log_report(report: ShapeReport, logger: Any) -> None:
+def _log_report(report: ShapeReport, logger: EventLog | TextLog | None) -> None:
     if logger is None:
         return
-    warn = getattr(logger, "warning", None)
-    emit = getattr(logger, "emit", None)
+    emit = logger.emit if isinstance(logger, EventLog) else None
     for item in report.warnings:
-        if callable(warn):
-            warn(
-                "shape warning: %s=%s is not a multiple of %s; consider %s (%s)",
-                item.field,
-                item.value,
-                item.alignment,
-                "null" if item.suggested is None else item.suggested,
-                item.reason,
-            )
-        if callable(emit):
+        logger.warning(
+            "shape warning: %s=%s is not a multiple of %s; consider %s (%s)",
+            item.field,
+            item.value,
+            item.alignment,
+            "null" if item.suggested is None else item.suggested,
+            item.reason,
+        )
+        if emit is not None:
             emit("shape_warning", asdict(item))
-    if callable(emit):
+    if emit is not None:
         emit(
             "shape_profile",
             {

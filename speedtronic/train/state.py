@@ -27,16 +27,18 @@ them.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 from speedtronic.checkpoint import CheckpointError, CheckpointManager, CheckpointParts
 from speedtronic.config import SpeedtronicConfig
+from speedtronic.data.loader import data_state_dict, load_data_state_dict
+from speedtronic.json_types import JSON, JSONView, StateDict
 from speedtronic.metrics.logger import MetricLogger
-from speedtronic.train.forward import BatchStream
+from speedtronic.train.forward import Batch, BatchStream
 from speedtronic.train.precision import PrecisionPlan
 
 __all__ = [
@@ -58,12 +60,12 @@ class DataPosition:
     any other re-iterable is fast-forwarded by the saved micro-batch count.
     """
 
-    def __init__(self, loader: Any) -> None:
+    def __init__(self, loader: Iterable[Batch]) -> None:
         self.loader = loader
         self.consumed = 0  # micro-batches handed to the trainer
         self._stream: BatchStream | None = None
 
-    def next_batch(self) -> Any:
+    def next_batch(self) -> Batch:
         """The next micro-batch (the stream starts on first use)."""
         if self._stream is None:
             self._stream = BatchStream(self.loader)
@@ -71,18 +73,13 @@ class DataPosition:
         self.consumed += 1
         return batch
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """``{"batches": consumed, "loader": <the loader's state_dict() or None>}``."""
-        get = getattr(self.loader, "state_dict", None)
-        return {"batches": self.consumed, "loader": dict(get()) if callable(get) else None}
+        return {"batches": self.consumed, "loader": data_state_dict(self.loader)}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: JSONView) -> None:
         """Restart the stream at the saved position now."""
-        load = getattr(self.loader, "load_state_dict", None)  # a user's loader may have none
-        restored = False
-        if state.get("loader") is not None and callable(load):
-            load(state["loader"])
-            restored = True
+        restored = load_data_state_dict(self.loader, state.get("loader"))  # a user's may not
         self._stream = BatchStream(self.loader)
         self.consumed = int(state.get("batches", 0))
         if not restored:
@@ -117,7 +114,7 @@ class TrainProgress:
             "skipped_updates": int(c.skipped_updates),
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: JSONView) -> None:
         """Set the counters that ``state`` records (others keep their value)."""
         c = self.counters
         c.step = int(state.get("step", c.step))
@@ -136,7 +133,7 @@ _PATH_FIELDS = (
 )
 
 
-def portable_config(config: SpeedtronicConfig) -> dict[str, Any]:
+def portable_config(config: SpeedtronicConfig) -> JSON:
     """The redacted config a checkpoint (and ``final/``) carries, with the data and tokenizer
     paths that exist made absolute, so ``eval``/``sample``/``export --checkpoint`` find them
     from any working directory (the tokenizer itself also travels inside the checkpoint)."""
@@ -154,7 +151,7 @@ def portable_config(config: SpeedtronicConfig) -> dict[str, Any]:
 
 
 def check_resumable(
-    state: Mapping[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    state: JSONView, model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> None:
     """Raise ``CheckpointError`` (naming the mismatch) when ``state`` cannot resume ``model``
     and ``optimizer``: other parameter names or shapes, an invalid step or counter, other
@@ -185,9 +182,13 @@ def check_resumable(
         _check_optimizer_state(state["optimizer"], optimizer, source)
 
 
-def _check_optimizer_state(saved: Any, optimizer: torch.optim.Optimizer, source: str) -> None:
+def _check_optimizer_state(saved: object, optimizer: torch.optim.Optimizer, source: str) -> None:
     groups = saved.get("param_groups") if isinstance(saved, dict) else None
-    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+    if (
+        not isinstance(saved, dict)
+        or not isinstance(groups, list)
+        or not all(isinstance(g, dict) for g in groups)
+    ):
         raise CheckpointError(f"{source} holds no optimizer parameter groups")
     current = optimizer.param_groups
     theirs = [(len(g.get("params", [])), g.get("algorithm")) for g in groups]
@@ -245,7 +246,7 @@ class TrainerCheckpoint:
         self.is_main = is_main
         self.last_saved_step = -1
         self.resave = False  # the weights changed after this step's checkpoint was written
-        self._tokenizer: tuple[dict[str, Any] | None] | None = None  # read at the first save
+        self._tokenizer: tuple[JSON | None] | None = None  # read at the first save
 
     def maybe_save(self, step: int) -> None:
         """Save when ``step`` is on the manager's interval and not saved yet."""
@@ -292,7 +293,7 @@ class TrainerCheckpoint:
         )
         return path
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """Everything needed for an exact resume (tensors and primitive containers only)."""
         import speedtronic
 
@@ -310,7 +311,7 @@ class TrainerCheckpoint:
             "versions": {"speedtronic": speedtronic.__version__, "torch": str(torch.__version__)},
         }
 
-    def _tokenizer_record(self) -> dict[str, Any] | None:
+    def _tokenizer_record(self) -> JSON | None:
         """The tokenizer that travels in every checkpoint (read once; ``None`` for bytes, or
         with a warning when the file cannot be read: the checkpoint is written anyway)."""
         if self._tokenizer is None:
@@ -326,7 +327,7 @@ class TrainerCheckpoint:
             self._tokenizer = (record,)
         return self._tokenizer[0]
 
-    def resume(self, state: dict[str, Any], *, counters: Counters) -> None:
+    def resume(self, state: StateDict, *, counters: Counters) -> None:
         """Check ``state`` (:func:`check_resumable`), then load it into every part in place;
         the step ``counters`` hold afterwards counts as saved."""
         check_resumable(state, self.model, self.optimizer)

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from speedtronic.json_types import JSON, JSONView
 from speedtronic.train.cpus import (
     ThreadPlan,
     affinity_cpus,
@@ -258,7 +259,7 @@ class ThreadBudget:
         )
         return True
 
-    def on_event(self, event: str, payload: Mapping[str, Any]) -> None:
+    def on_event(self, event: str, payload: JSONView) -> None:
         """Logger hook: re-plan when due, adopt the current count on this thread, and leave
         the registry when the run ends."""
         if event == "train_end":
@@ -274,7 +275,7 @@ class ThreadBudget:
             self.registry.release()
 
 
-def _event(plan: ThreadPlan) -> dict[str, Any]:
+def _event(plan: ThreadPlan) -> JSON:
     """``extra=`` that makes the log record a ``threads`` event under ``logging.format: json``."""
     fields = {
         "threads": plan.threads,

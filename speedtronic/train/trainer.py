@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -30,6 +30,7 @@ from torch import nn
 from speedtronic.checkpoint import CheckpointManager, CheckpointParts, RNGState
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.config.schema import config_warnings
+from speedtronic.json_types import JSON, JSONView, StateDict
 from speedtronic.metrics.logger import MetricLogger, memory_usage_bytes
 from speedtronic.train.evaluate import evaluate
 from speedtronic.train.features import (
@@ -38,6 +39,7 @@ from speedtronic.train.features import (
     make_ooo_scheduler,
 )
 from speedtronic.train.forward import (
+    Batch,
     batch_size_and_tokens,
     call_model,
     move_to_device,
@@ -114,10 +116,10 @@ class Trainer:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        dataloader: Iterable[Any],
+        dataloader: Iterable[Batch],
         *,
         device: str | torch.device = "cpu",
-        config: SpeedtronicConfig | Mapping[str, Any] | None = None,
+        config: SpeedtronicConfig | JSONView | None = None,
         scheduler: LRScheduler | None = None,
         precision: PrecisionPlan | None = None,
         logger: MetricLogger | None = None,
@@ -276,7 +278,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         started = time.perf_counter()
         start = (self.step, self.samples, self.tokens)
-        metrics: list[dict[str, Any]] = []
+        metrics: list[JSON] = []
         final_loss: float | None = None
         self.last_heartbeat = time.monotonic()
         trains = self.sync.trains
@@ -406,7 +408,7 @@ class Trainer:
             update.skipped = "grad_scaler_overflow"
         return update
 
-    def _forward(self, batch: Any) -> torch.Tensor:
+    def _forward(self, batch: Batch) -> torch.Tensor:
         """One micro-batch forward (autocast, OOO bracket, compile fallback) → scalar loss."""
         if self._ooo is not None:
             self._ooo.begin()
@@ -429,10 +431,11 @@ class Trainer:
         return resolve_loss(output, batch, model_name=f"model '{self._model_name}'")
 
     def _backward(self, loss: torch.Tensor) -> None:
+        # torch declares Tensor.backward without annotations: mypy calls it untyped
         if self.scaler is not None:
-            self.scaler.scale(loss).backward()
+            self.scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
         else:
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
 
     def _unscale_and_clip(self) -> torch.Tensor | None:
         """Unscale (fp16), clip to ``optimizer.grad_clip`` when set; return the global grad norm."""
@@ -500,10 +503,10 @@ class Trainer:
 
     def _step_metric(
         self, update: StepUpdate, start: tuple[int, int, int], started: float, last_tick: float
-    ) -> tuple[dict[str, Any], float]:
+    ) -> tuple[JSON, float]:
         now = time.perf_counter()
         wall = max(now - started, 1e-9)
-        metric: dict[str, Any] = {
+        metric: JSON = {
             "step": self.step,
             "loss": update.loss,
             "lr": float(self.optimizer.param_groups[0].get("lr", 0.0)),
@@ -557,16 +560,16 @@ class Trainer:
         On a data-parallel node only rank 0 writes (the others return ``None``)."""
         return self.checkpoint.save(self.step)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """Everything needed for an exact resume (tensors and primitive containers only)."""
         return self.checkpoint.state_dict()
 
-    def check_resumable(self, state: dict[str, Any]) -> None:
+    def check_resumable(self, state: StateDict) -> None:
         """:func:`~speedtronic.train.state.check_resumable` for this trainer's model and
         optimizer: ``CheckpointError`` naming the mismatch, nothing changed."""
         check_resumable(state, self.model, self.optimizer)
 
-    def resume(self, state: dict[str, Any]) -> None:
+    def resume(self, state: StateDict) -> None:
         """Load a checkpoint state into every registered part, in place.
 
         ``CheckpointError`` (nothing changed) when :meth:`check_resumable` rejects it."""
