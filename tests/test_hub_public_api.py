@@ -181,6 +181,25 @@ def test_our_large_files_take_the_lfs_path_while_the_sdk_keeps_xet(
     assert counts.get("GET xet", 0) + counts.get("POST xet", 0) >= 1, counts
 
 
+def test_with_hf_xet_installed_our_uploads_still_take_the_lfs_path(
+    lfs_hub, tmp_path, monkeypatch, caplog
+) -> None:
+    """Where hf_xet is installed the SDK uploads through it unless handed open files: the
+    store hands it open files (staged or in memory), silently, and the LFS path is taken."""
+    import huggingface_hub._commit_api as commit_api  # the SDK's own switch, simulated
+
+    monkeypatch.setattr(commit_api, "is_xet_available", lambda: True)
+    hub = _hub(lfs_hub, tmp_path)
+    staged = tmp_path / "staged.bin"
+    staged.write_bytes(b"s" * 4096)
+    with caplog.at_level("DEBUG", logger="huggingface_hub"):
+        hub.commit({"big.bin": b"x" * 4096, "staged.bin": staged})
+    counts = lfs_hub.stats()["counts"]
+    assert counts["PUT storage-upload"] == 2, counts
+    assert not [k for k in counts if k.endswith(" xet")], counts
+    assert not [r for r in caplog.records if "Xet" in r.getMessage()]
+
+
 def test_several_staged_files_of_one_commit_are_each_bounded(tmp_path) -> None:
     """The SDK uploads several LFS files of one call from worker threads, which the call's
     deadline does not reach: the store uploads each staged file in a call of its own, so each

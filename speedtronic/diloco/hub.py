@@ -41,6 +41,7 @@ import contextlib
 import contextvars
 import dataclasses
 import io
+import logging
 import os
 import re
 import tempfile
@@ -222,12 +223,23 @@ class HubSession(httpx2.Client):
             response.stream = _Bounded(response.stream, call, what)
 
 
+class _XetNotice(logging.Filter):
+    """Drops the SDK's warning that an upload of a HubClient call falls back from Xet to the
+    LFS path (we hand it open files for that); anyone else's warnings pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _CALL.get() is None or "Xet" not in record.getMessage()
+
+
 def install_session() -> None:
     """Give huggingface_hub the :class:`HubSession` (once per process; harmless twice)."""
     import huggingface_hub
 
     if not isinstance(huggingface_hub.get_session(), HubSession):
         huggingface_hub.set_client_factory(HubSession)
+    commits = logging.getLogger("huggingface_hub._commit_api")  # where the SDK says it
+    if not any(isinstance(f, _XetNotice) for f in commits.filters):
+        commits.addFilter(_XetNotice())
 
 
 # -- the store -------------------------------------------------------------------------------
