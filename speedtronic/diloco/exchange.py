@@ -30,7 +30,6 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import logging
 import re
 import tempfile
 import time
@@ -41,9 +40,9 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, TypeVar, runtime_chec
 
 import torch
 
-from speedtronic.config import redaction
 from speedtronic.config.errors import ConfigError
 from speedtronic.config.limits import is_valid_node_id
+from speedtronic.config.redaction import scrub as scrub  # every form of the token (re-exported)
 from speedtronic.diloco.wire import (
     delta_from_bytes,
     first_non_finite,
@@ -58,10 +57,11 @@ if TYPE_CHECKING:
     from speedtronic.diloco.codec import QuantizedTensor
     from speedtronic.diloco.outer_update import OuterUpdate
 
-_LOG = logging.getLogger("speedtronic.diloco")
 R = TypeVar("R")
 #: A decoded JSON value (what a record file holds).
 Json = Any
+#: What one commit writes: path -> bytes, or a staged local file read as it is sent.
+Additions = Mapping[str, bytes | Path]
 
 
 # -- errors and the one retry policy ---------------------------------------------------
@@ -70,12 +70,14 @@ class TransportError(RuntimeError):
 
     ``kind`` is ``transient`` (outage, 5xx, 429, timeout), ``not_found``, ``permanent``
     (auth, bad request, unsupported) or ``damaged`` (:class:`DamagedFile`, while it is still
-    retried); ``status`` is the HTTP status when there was one.
+    retried), by default the class's; ``status`` is the HTTP status when there was one.
     """
 
-    def __init__(self, message: str, *, kind: str = "transient", status: int | None = None):
+    default_kind = "transient"
+
+    def __init__(self, message: str, *, kind: str | None = None, status: int | None = None):
         super().__init__(message)
-        self.kind = kind
+        self.kind = kind or self.default_kind
         self.status = status
 
 
@@ -93,8 +95,7 @@ class AccessRefused(TransportError):
     not found" for our own repository (a token that cannot see it). Always permanent; the
     message names the repository and what to check, never the token."""
 
-    def __init__(self, message: str, *, status: int | None = None, kind: str = "permanent"):
-        super().__init__(message, kind=kind, status=status)
+    default_kind = "permanent"
 
 
 class DamagedFile(TransportError):
@@ -103,19 +104,20 @@ class DamagedFile(TransportError):
     body is cut short. Retried like an outage (a read may recover), then ``permanent``: a
     reader refuses it as any bad file (the master counts it ``corrupt`` and prunes it)."""
 
-    def __init__(self, message: str, *, kind: str = "damaged", status: int | None = None):
-        super().__init__(message, kind=kind, status=status)
+    default_kind = "damaged"
 
 
 class HubUnavailable(TransportError):
-    """Retries exhausted, or the SDK is missing."""
+    """Retries exhausted: the store is unreachable for now."""
 
 
 class RemoteNotFound(TransportError):
     """The remote file or repository does not exist."""
 
+    default_kind = "not_found"
+
     def __init__(self, message: str, *, status: int | None = 404):
-        super().__init__(message, kind="not_found", status=status)
+        super().__init__(message, status=status)
 
 
 class TornRead(TransportError):
@@ -176,13 +178,6 @@ def classify_error(exc: BaseException) -> ErrorInfo:
     if isinstance(exc, ValueError):
         return ErrorInfo("permanent")
     return ErrorInfo("transient")
-
-
-def scrub(text: str, secrets: Iterable[str | None]) -> str:
-    """Replace every secret (the Hub token) in ``text`` by ``<redacted>``, in every form it
-    can take there: raw, whitespace-stripped, repr/JSON-escaped, header bytes, percent or
-    base64 encoded, and any token-shaped string (see :mod:`speedtronic.config.redaction`)."""
-    return redaction.scrub(text, secrets)
 
 
 @dataclasses.dataclass
@@ -436,10 +431,7 @@ class Store(Protocol):
         ...
 
     def commit(
-        self,
-        additions: Mapping[str, bytes | Path],
-        deletions: Iterable[str] = (),
-        message: str = "update",
+        self, additions: Additions, deletions: Iterable[str] = (), message: str = "update"
     ) -> None:
         """Apply additions (in order; bytes, or a staged local file read as it is sent) and
         deletions as one unit: one Hub commit, or temp file + rename per file on a volume, so
@@ -539,15 +531,8 @@ class Store(Protocol):
     def read_ledger(self) -> dict[str, int]:
         """The published ledger: node id -> highest round already aggregated. A ledger in
         another format (2.0.0 wrote a list of consumed files) reads as empty."""
-        data = self.read_json(GLOBAL_PROCESSED, default={})
-        nodes = data.get("nodes") if isinstance(data, dict) else None
-        return {
-            str(node): value
-            for node, value in (nodes if isinstance(nodes, dict) else {}).items()
-            if is_valid_node_id(str(node))
-            and isinstance(value, int)
-            and not isinstance(value, bool)
-        }
+        book = self.read_json(GLOBAL_PROCESSED, default={})
+        return _by_node(book.get("nodes") if isinstance(book, dict) else None, int)
 
     def read_node_records(self) -> dict[str, dict[str, Json]]:
         """What the published ledger's record says of each node beside its round: ``finals``
@@ -555,18 +540,9 @@ class Store(Protocol):
         the instance of its last aggregated contribution), ``digests`` (node -> its sha256)
         and ``dropped`` (node -> the instance the master no longer waits for); empty maps
         in a record written before they were published."""
-        data = self.read_json(GLOBAL_PROCESSED, default={})
-        records: dict[str, dict[str, Json]] = {}
-        for name, kind in NODE_RECORDS.items():
-            found = data.get(name) if isinstance(data, dict) else None
-            records[name] = {
-                str(node): value
-                for node, value in (found if isinstance(found, dict) else {}).items()
-                if is_valid_node_id(str(node))
-                and isinstance(value, kind)
-                and not isinstance(value, bool)
-            }
-        return records
+        book = self.read_json(GLOBAL_PROCESSED, default={})
+        found = book if isinstance(book, dict) else {}
+        return {name: _by_node(found.get(name), kind) for name, kind in NODE_RECORDS.items()}
 
     def publish_global(
         self,
@@ -769,6 +745,15 @@ def _check_like(
             )
 
 
+def _by_node(found: Json, kind: type) -> dict[str, Json]:
+    """The entries of a ledger map whose key is a valid node id and whose value a ``kind``."""
+    return {
+        str(node): value
+        for node, value in (found if isinstance(found, dict) else {}).items()
+        if is_valid_node_id(str(node)) and isinstance(value, kind) and not isinstance(value, bool)
+    }
+
+
 def _json_bytes(value: object) -> bytes:
     return (json.dumps(value, indent=2, sort_keys=True) + "\n").encode("utf-8")
 
@@ -813,9 +798,7 @@ class RepoTransport(Store):
     def _read(self, path: str, max_bytes: int | None) -> bytes:
         raise NotImplementedError
 
-    def _commit(
-        self, additions: Mapping[str, bytes | Path], deletions: list[str], message: str
-    ) -> None:
+    def _commit(self, additions: Additions, deletions: list[str], message: str) -> None:
         raise NotImplementedError
 
     def _attempt(self, fn: Callable[[], R]) -> R:
@@ -857,10 +840,7 @@ class RepoTransport(Store):
             yield local
 
     def commit(
-        self,
-        additions: Mapping[str, bytes | Path],
-        deletions: Iterable[str] = (),
-        message: str = "update",
+        self, additions: Additions, deletions: Iterable[str] = (), message: str = "update"
     ) -> None:
         adds = dict(additions)
         dels = [p for p in dict.fromkeys(deletions) if p not in adds]

@@ -1,38 +1,35 @@
 """Hugging Face Hub store (``distributed.repo_id: owner/name``) on ``huggingface_hub.HfApi``.
 
-Calls used (checked against huggingface_hub 2.4.0): ``create_repo(private=True,
-exist_ok=True)``, ``list_repo_tree(recursive=True)`` (paths, sizes, blob ids),
-``get_hf_file_metadata`` (one HEAD), ``hf_hub_download(local_dir=...)`` and
-``preupload_lfs_files`` + ``create_commit``: one commit per delta upload, one for publish +
-prune on the master. The endpoint is the ``endpoint`` argument, else ``HF_ENDPOINT`` (read in
-the constructor, never at import). The token (stripped of surrounding whitespace) goes to the
-SDK only and is scrubbed from every message; a 401/403 is a permanent error that says to check
-it. A large file's download must match the Hub's record of it (size, and an LFS object's
-sha256, from one HEAD): one that does not is :class:`DamagedFile`, retried, then refused.
+Calls used (huggingface_hub 2.4.0): ``create_repo(private=True, exist_ok=True)``,
+``list_repo_tree(recursive=True)``, ``get_hf_file_metadata`` (one HEAD),
+``hf_hub_download(local_dir=...)``, ``preupload_lfs_files`` + ``create_commit`` (one commit per
+delta upload, one for publish + prune). The endpoint is ``endpoint``, else ``HF_ENDPOINT``
+(read in the constructor). The token (whitespace stripped) goes to the SDK only and is scrubbed
+from every message; 401/403 are permanent errors that say to check it. A large file's download
+must match the Hub's record of it (size, and an LFS object's sha256, from one HEAD), else it is
+:class:`DamagedFile`: retried, then refused.
 
-One retry layer, bounded calls. huggingface_hub retries inside its own calls (408, 429, 5xx,
-timeouts and dropped connections, up to five times, sleeping 1 to 8 s): nested inside the
-store's :class:`RetryPolicy`, one attempt could take 23 s of SDK sleeps, and
-``request_timeout`` bounded nothing. The SDK reaches the network only through its shared
-client (``set_client_factory``), so that is where a HubClient's requests are shaped: the
-client installed once (:class:`HubSession`) is the SDK's default one for every request, and
-for a request made inside a HubClient call (:func:`hub_call`, a context variable: this call,
-this thread) also:
+One retry layer, bounded calls. The SDK retries inside its calls (408, 429, 5xx, timeouts,
+dropped connections; up to five times, 1 to 8 s apart): nested in the store's
+:class:`RetryPolicy` that made one attempt last 23 s and ``request_timeout`` bound nothing. The
+SDK reaches the network only through its shared client, so the store gives it one
+(:class:`HubSession`, through ``set_client_factory``): the SDK's default client for every
+request, which inside a HubClient call (:func:`hub_call`, a context variable) also
 
-* a 408, 425, 429 or 5xx answer -> :class:`HubHTTPStatus` (with the status and
-  ``Retry-After``), a timeout -> :class:`HubCallTimeout`, a dropped connection or a body cut
-  short -> :class:`HubConnectionError`: exceptions the SDK does not retry and we do;
-* the requests of one call share one deadline: ``request_timeout`` seconds plus one second per
-  MiB sent or received (a large transfer that keeps moving is not cut off, a stalled or
-  dripping server is); each request's connect/read/write timeouts are the time left;
-* no Xet: its headers are dropped from the answers, and uploads are handed over as open
-  files, so large files take the LFS path through this client (Xet would move them in Rust,
-  past any deadline). A staged file is uploaded per call of its own: the SDK sends several
-  LFS files of one call from worker threads, which a call's context does not reach.
+* turns a 408/425/429/5xx answer into :class:`HubHTTPStatus` (status, ``Retry-After``), a
+  timeout into :class:`HubCallTimeout`, a dropped connection or cut body into
+  :class:`HubConnectionError`: errors the SDK does not retry and the policy does;
+* gives the call's requests one deadline, ``request_timeout`` plus one second per MiB moved
+  (a transfer that keeps moving is not cut off, a stalled server is), each request's timeouts
+  being the time left;
+* keeps the transfer off Xet (which moves files in Rust, past any deadline): its headers are
+  dropped from the answers, and uploads are handed over as open files, so large files take the
+  LFS path. Each staged file is uploaded in a call of its own: the SDK sends several LFS files
+  of one call from worker threads, which the call's context does not reach.
 
-Every other request of the process (another library's, the SDK's outside a HubClient call)
-is sent as the SDK's default client sends it: its retries, its timeouts, Xet if installed.
-Only public huggingface_hub names are used (``tests/test_hub_public_api.py``).
+Every other request of the process is sent as the SDK's default client sends it (its retries,
+its timeouts, Xet if installed). Only public huggingface_hub names are used
+(``tests/test_hub_public_api.py``).
 """
 
 from __future__ import annotations
@@ -59,7 +56,6 @@ from speedtronic.diloco.exchange import (
     AccessRefused,
     DamagedFile,
     FileInfo,
-    HubUnavailable,
     R,
     RemoteNotFound,
     RepoTransport,
@@ -338,10 +334,8 @@ class HubClient(RepoTransport):
     def api(self) -> HfApi:
         """The ``HfApi`` (built on first use)."""
         if self._api is None:
-            try:
-                from huggingface_hub import HfApi
-            except ImportError:
-                raise HubUnavailable("huggingface_hub is required for the Hub transport") from None
+            from huggingface_hub import HfApi  # a dependency; imported when first needed
+
             self._api = HfApi(endpoint=self.endpoint, token=self._token)
         return self._api
 
@@ -444,14 +438,11 @@ class HubClient(RepoTransport):
             return self._fetch(path, max_bytes, Path(tmp)).read_bytes()
 
     def _fetch(self, path: str, max_bytes: int | None, into: Path) -> Path:
-        """Download ``path`` into the directory ``into``, whole and intact.
-
-        With ``max_bytes`` (the large files: deltas, globals, updates), one HEAD first: a
-        file the Hub lists as larger is refused unread, and the downloaded file must have the
-        size and, where the Hub names it (a 64-hex ETag: the sha256 of an LFS object), the
-        sha256 that HEAD gave. The SDK checks every download's size against the Hub's record
-        (the LFS pointer's) itself. A file that disagrees is :class:`DamagedFile`: retried,
-        then permanent (a stored object cut short or replaced never reads whole)."""
+        """Download ``path`` into the directory ``into``, whole and intact. With ``max_bytes``
+        (deltas, globals, updates) one HEAD first: a file listed larger is refused unread, and
+        the download must have the size and, where the Hub names it (a 64-hex ETag: an LFS
+        object's sha256), the sha256 that HEAD gave, else :class:`DamagedFile` (the SDK checks
+        the size against the LFS pointer's itself)."""
         size: int | None = None
         sha256 = ""
         if max_bytes is not None:
