@@ -100,7 +100,7 @@ def test_directory_writes_are_atomic(tmp_path):
         with pytest.raises(ValueError):
             directory_root(bad)
     with pytest.raises(ValueError, match="unsafe"):
-        t._path("nodes/../../etc")
+        t._parts("nodes/../../etc")
 
 
 def test_hub_wrong_token_is_refused_and_never_echoed(tmp_path, hub_emulator):

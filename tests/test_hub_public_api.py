@@ -1,7 +1,9 @@
-"""huggingface_hub through public names only, and Xet off for the Hub store (issue 22, items 2
-and 3): no private import of the SDK (or of httpx2) anywhere in the package, a version bound
-that the installed SDK satisfies, the client installed through ``set_client_factory`` with
-its proxies wrapped, SDK worker threads bounded too, and large files on the LFS path."""
+"""huggingface_hub through public names only, and no Xet for the Hub store (issue 22, items 2
+and 3; issue 30): no private import of the SDK (or of httpx2) anywhere in the package, a
+version bound that the installed SDK satisfies, the session installed through
+``set_client_factory`` shaping only the requests of a HubClient call (the SDK is unchanged for
+every other user of the process, Xet and proxies included), several staged files of one commit
+bounded too, and the store's large files on the LFS path."""
 
 from __future__ import annotations
 
@@ -109,15 +111,27 @@ def test_the_sdk_version_is_bounded_and_the_installed_one_fits() -> None:
     assert hub.specifier.contains(version("huggingface_hub")), (hub, version("huggingface_hub"))
 
 
-def test_the_sdk_gets_our_client_through_its_public_factory(monkeypatch) -> None:
+def test_only_requests_of_a_hubclient_call_are_shaped(tmp_path) -> None:
+    """The SDK's shared client is the HubSession once a HubClient has run; a request outside
+    a HubClient call is answered as the SDK's default client answers it (a 503 is a response
+    for the SDK to retry), one inside a call is our error, which the SDK does not retry."""
     import huggingface_hub
 
-    installed = []
-    monkeypatch.setattr(hub_http, "_INSTALLED", [])
-    monkeypatch.setattr(huggingface_hub, "set_client_factory", installed.append)
-    hub_http.install_sdk_client()
-    hub_http.install_sdk_client()  # idempotent
-    assert installed == [hub_http._client]
+    emulator = HubEmulator(0, token=TEST_TOKEN).start()
+    try:
+        hub = HubClient("org/shaped", token=TEST_TOKEN, endpoint=emulator.url, cache_dir=tmp_path)
+        hub.create_repo()
+        session = huggingface_hub.get_session()
+        assert isinstance(session, hub_http.HubSession)
+        hub_http.install_session()  # installed once: the same session stays
+        assert huggingface_hub.get_session() is session
+        emulator.set_faults(error_rate=1.0, endpoints="tree")
+        url = f"{emulator.url}/api/models/org/shaped/tree/main"
+        assert session.get(url).status_code >= 500
+        with hub_http.hub_call(5.0), pytest.raises(hub_http.HubHTTPStatus):
+            session.get(url)
+    finally:
+        emulator.stop()
 
 
 @pytest.fixture
@@ -143,77 +157,88 @@ def _hub(emulator, tmp_path, **policy) -> HubClient:
     return hub
 
 
-def test_a_large_file_takes_the_lfs_path_and_never_xet(lfs_hub, tmp_path) -> None:
+def test_our_large_files_take_the_lfs_path_while_the_sdk_keeps_xet(
+    lfs_hub, tmp_path, monkeypatch
+) -> None:
+    """The store's files never go through Xet (which would move them past our client), and
+    the SDK's Xet setting stays as it was: the same file fetched by another user of the SDK in
+    this process goes to the Xet routes (the emulator has no Xet service: an error)."""
     from huggingface_hub import HfApi, constants
 
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", False)  # the SDK's default
     hub = _hub(lfs_hub, tmp_path)
     hub.commit({"big.bin": b"x" * 4096})
     assert hub.read_bytes("big.bin") == b"x" * 4096
-    assert constants.HF_HUB_DISABLE_XET is True
-    api = HfApi(endpoint=lfs_hub.url, token=TEST_TOKEN)  # bytes: the SDK's Xet input
-    api.upload_file(path_or_fileobj=b"y" * 4096, path_in_repo="raw.bin", repo_id="org/xet")
     counts = lfs_hub.stats()["counts"]
-    assert counts["PUT storage-upload"] == 2 and counts["GET storage-download"] == 1
-    assert counts["POST lfs-batch"] == 2
+    assert counts["PUT storage-upload"] == 1 and counts["GET storage-download"] == 1
+    assert counts["POST lfs-batch"] == 1
     assert not [k for k in counts if k.endswith(" xet")], counts
-
-
-def test_with_xet_on_the_sdk_would_leave_our_client(lfs_hub, tmp_path, monkeypatch) -> None:
-    """The control: the same files with Xet left on go to the Xet token routes (and from
-    there to a storage service past our client), which is why the Hub store turns it off."""
-    from huggingface_hub import HfApi, constants
-
-    hub = _hub(lfs_hub, tmp_path)
-    hub.commit({"big.bin": b"x" * 4096})
-    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", False)
+    assert constants.HF_HUB_DISABLE_XET is False
     api = HfApi(endpoint=lfs_hub.url, token=TEST_TOKEN)
-    with pytest.raises(Exception):  # noqa: B017  the emulator has no Xet service
-        api.upload_file(path_or_fileobj=b"y" * 4096, path_in_repo="raw.bin", repo_id="org/xet")
     with pytest.raises(Exception):  # noqa: B017
         api.hf_hub_download("org/xet", "big.bin", local_dir=tmp_path / "dl")
     counts = lfs_hub.stats()["counts"]
-    assert counts.get("GET xet", 0) + counts.get("POST xet", 0) >= 2, counts
+    assert counts.get("GET xet", 0) + counts.get("POST xet", 0) >= 1, counts
 
 
-def test_the_xet_switch_is_logged_once(monkeypatch, caplog) -> None:
-    from huggingface_hub import constants
+def test_with_hf_xet_installed_our_uploads_still_take_the_lfs_path(
+    lfs_hub, tmp_path, monkeypatch, caplog
+) -> None:
+    """Where hf_xet is installed the SDK uploads through it unless handed open files: the
+    store hands it open files (staged or in memory), silently, and the LFS path is taken."""
+    import huggingface_hub._commit_api as commit_api  # the SDK's own switch, simulated
 
-    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", False)
-    with caplog.at_level("INFO", logger="speedtronic.diloco"):
-        hub_http._disable_xet()
-        hub_http._disable_xet()
-    lines = [r for r in caplog.records if "Xet transfers are off" in r.getMessage()]
-    assert len(lines) == 1 and constants.HF_HUB_DISABLE_XET is True
+    monkeypatch.setattr(commit_api, "is_xet_available", lambda: True)
+    hub = _hub(lfs_hub, tmp_path)
+    staged = tmp_path / "staged.bin"
+    staged.write_bytes(b"s" * 4096)
+    with caplog.at_level("DEBUG", logger="huggingface_hub"):
+        hub.commit({"big.bin": b"x" * 4096, "staged.bin": staged})
+    counts = lfs_hub.stats()["counts"]
+    assert counts["PUT storage-upload"] == 2, counts
+    assert not [k for k in counts if k.endswith(" xet")], counts
+    assert not [r for r in caplog.records if "Xet" in r.getMessage()]
 
 
-def test_requests_on_sdk_worker_threads_are_bounded_too(tmp_path) -> None:
-    """Several LFS files in one commit are uploaded from the SDK's thread pool, outside our
-    call's context: each request still times out after request_timeout."""
+def test_several_staged_files_of_one_commit_are_each_bounded(tmp_path) -> None:
+    """The SDK uploads several LFS files of one call from worker threads, which the call's
+    deadline does not reach: the store uploads each staged file in a call of its own, so each
+    upload still times out after request_timeout."""
     emulator = HubEmulator(0, token=TEST_TOKEN, lfs=LfsConfig(threshold=1024)).start()
     try:
         hub = _hub(emulator, tmp_path, attempts=1, timeout=1.0)
         emulator.set_faults(slow_rate=1.0, slow_seconds=3.0, endpoints="storage-upload")
+        staged = {}
+        for name in ("a.bin", "b.bin"):
+            staged[name] = tmp_path / f"staged-{name}"
+            staged[name].write_bytes(name.encode() * 1024)
         started = time.monotonic()
         with pytest.raises(HubUnavailable):
-            hub.commit({"a.bin": b"a" * 2048, "b.bin": b"b" * 2048})
+            hub.commit(staged)
         assert time.monotonic() - started < 2.5
     finally:
         emulator.stop()
 
 
-def test_proxies_from_the_environment_are_wrapped_and_no_proxy_goes_direct(
+def test_proxies_from_the_environment_are_used_and_no_proxy_goes_direct(
     monkeypatch,
 ) -> None:
+    """The session reads the proxies as the SDK's default client does (httpx, from the
+    environment); a failure through one is our error inside a HubClient call only."""
+    import httpx2
+
     emulator = HubEmulator(0).start()
     try:
         for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY"):
             for key in (name, name.lower()):
                 monkeypatch.delenv(key, raising=False)
         monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")  # nothing listens there
-        client = hub_http._client()
-        with pytest.raises(hub_http.HubConnectionError):  # our error: the proxy is wrapped
-            client.get(f"{emulator.url}/api/whoami-v2")
+        url = f"{emulator.url}/api/whoami-v2"
+        with pytest.raises(httpx2.ConnectError):  # the proxy is used ...
+            hub_http.HubSession().get(url)
+        with hub_http.hub_call(5.0), pytest.raises(hub_http.HubConnectionError):  # ... ours
+            hub_http.HubSession().get(url)
         monkeypatch.setenv("NO_PROXY", "127.0.0.1")
-        assert hub_http._client().get(f"{emulator.url}/api/whoami-v2").status_code == 200
+        assert hub_http.HubSession().get(url).status_code == 200
     finally:
         emulator.stop()

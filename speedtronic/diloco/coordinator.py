@@ -43,7 +43,7 @@ from speedtronic.diloco.exchange import (
 )
 from speedtronic.diloco.hub import HubClient
 from speedtronic.diloco.ledger import RoundState, publish
-from speedtronic.diloco.master import RoundMaster
+from speedtronic.diloco.master import RoundMaster, Score
 from speedtronic.diloco.node import (
     Contribution,
     DiLoCoNode,
@@ -139,7 +139,7 @@ class DumbDiLoCoCoordinator:
         state_dir: str | os.PathLike[str] | None = None,
         logger: EventSink | logging.Logger | None = None,
         environ: Mapping[str, str] | None = None,
-        evaluate: Callable[[dict[str, torch.Tensor]], object] | None = None,
+        evaluate: Callable[[dict[str, torch.Tensor]], Score | None] | None = None,
         final_dir: str | os.PathLike[str] | None = None,
         run_config: Mapping[str, object] | None = None,
     ) -> None:

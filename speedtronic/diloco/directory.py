@@ -1,17 +1,15 @@
 """Shared-volume store: ``distributed.repo_id: file:///abs/path``.
 
 Same layout and retry policy as the Hub. Every write goes to a temp file in the target
-directory, is fsynced, then renamed over the final name, so a reader never sees half a file.
-A "commit" applies its additions in order (weights, processed set, version record last) and
-then its deletions. Local file operations are bounded by the filesystem, not by
-``request_timeout`` (documented in docs/diloco.md).
+directory, is fsynced, then renamed over the final name, so a reader never sees half a file;
+a "commit" applies its additions in order, then its deletions. File operations are bounded
+by the filesystem, not by ``request_timeout`` (docs/diloco.md).
 
-The store never follows a symbolic link below the root: every directory is opened relative to
-its parent with ``O_NOFOLLOW`` (``openat``-style, through ``dir_fd``), and every file is opened
-with ``O_NOFOLLOW`` too, so a link planted as ``global/`` or ``nodes/<id>`` cannot send a
-write outside the exchange or a read to another file; such a path is a permanent
-``TransportError`` naming it. Listings skip links. A size bound is checked on the descriptor
-actually read (``fstat``), never on a listing. The root itself may be a link (a mount point).
+No symbolic link below the root is followed: every directory is opened relative to its parent
+and every file with ``O_NOFOLLOW`` (``dir_fd``), so a link planted as ``global/`` or
+``nodes/<id>`` cannot send a write outside the exchange or a read to another file (a
+permanent ``TransportError`` naming it); listings skip links. A size bound is checked on the
+descriptor read (``fstat``), never on a listing. The root itself may be a link (a mount).
 """
 
 from __future__ import annotations
@@ -25,11 +23,12 @@ import shutil
 import stat
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from speedtronic.diloco.exchange import (
+    Additions,
     FileInfo,
     RemoteNotFound,
     RepoTransport,
@@ -37,8 +36,6 @@ from speedtronic.diloco.exchange import (
     TransportError,
     too_large,
 )
-
-__all__ = ["DirectoryTransport", "directory_root"]
 
 _LOG = logging.getLogger("speedtronic.diloco")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -77,10 +74,6 @@ class DirectoryTransport(RepoTransport):
     def __init__(self, repo_id: str, retry: RetryPolicy | None = None):
         super().__init__(repo_id, retry)
         self.root = directory_root(repo_id)
-
-    def _path(self, remote: str) -> Path:
-        """The local path of ``remote`` (for messages; every access goes through a dir fd)."""
-        return self.root.joinpath(*self._parts(remote))
 
     @staticmethod
     def _parts(remote: str) -> list[str]:
@@ -190,20 +183,21 @@ class DirectoryTransport(RepoTransport):
             with contextlib.suppress(OSError):
                 os.chmod(self.root, 0o770)
 
-    def _sweep_temp_files(self, older_than: float = 3600.0) -> int:
+    def _sweep_temp_files(self, older_than: float = 3600.0) -> None:
         """Remove the temp files of writers killed mid-write (``.<name>.tmp-<pid>-...``,
-        untouched for ``older_than`` seconds); returns how many went. Runs when the master
-        opens the exchange."""
+        untouched for ``older_than`` seconds), when the master opens the exchange."""
         removed = 0
-        cutoff = time.time() - older_than
         for _, parent, name, info in self._walk():
-            if name.startswith(".") and ".tmp-" in name and info.st_mtime < cutoff:
+            if (
+                name.startswith(".")
+                and ".tmp-" in name
+                and info.st_mtime < time.time() - older_than
+            ):
                 with contextlib.suppress(OSError):
                     os.unlink(name, dir_fd=parent)
                     removed += 1
         if removed:
             _LOG.info("removed %d stale temp files from %s", removed, self.root)
-        return removed
 
     def _walk(self) -> Iterator[tuple[str, int, str, os.stat_result]]:
         """Every regular file below the root as ``(relative path, parent fd, name, stat)``;
@@ -278,9 +272,7 @@ class DirectoryTransport(RepoTransport):
         except (FileNotFoundError, NotADirectoryError):
             return
 
-    def _commit(
-        self, additions: Mapping[str, bytes | Path], deletions: list[str], message: str
-    ) -> None:
+    def _commit(self, additions: Additions, deletions: list[str], message: str) -> None:
         with _writable(self.root):
             for remote, data in additions.items():
                 self._write(remote, data)

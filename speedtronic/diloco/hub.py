@@ -1,57 +1,35 @@
-"""Hugging Face Hub transport (``distributed.repo_id: owner/name``) on ``huggingface_hub.HfApi``.
+"""Hugging Face Hub store (``distributed.repo_id: owner/name``) on ``huggingface_hub.HfApi``.
 
-Calls used (all checked against huggingface_hub 2.4.0): ``create_repo(private=True,
-exist_ok=True)``, ``list_repo_tree(recursive=True)`` (paths and sizes),
-``hf_hub_download(local_dir=...)`` (HEAD + GET on ``/resolve/``) and ``create_commit`` with
-``CommitOperationAdd``/``CommitOperationDelete``: one commit per delta upload, and one commit
-for publish + prune on the master. The endpoint comes from the ``endpoint`` argument, else
-``HF_ENDPOINT`` read here in the constructor (never at import). The SDK's own retries are
-switched off and each primitive call is bounded by ``request_timeout`` (the HTTP layer, below in
-this module), so :class:`RetryPolicy` is the one retry layer. Files
-the Hub answers ``lfs`` for (10 MiB and more) take the LFS path (batch endpoint, upload to the
-storage URL it gives, pointer commit; downloads redirected to storage) through that same
-client: Xet, which would move them outside it, is switched off for the process. A large
-file's download must match the Hub's record of it (the size, and an LFS object's sha256, from
-one HEAD): one that does not is :class:`DamagedFile`, retried and then refused, so a damaged
-stored object is one bad file, never an endless outage. The
-token (stripped of surrounding whitespace) is handed to the SDK only; it is scrubbed from
-every error message, and a 401/403 is a permanent error that says to check the token.
+Calls used (huggingface_hub 2.4.0): ``create_repo(private=True, exist_ok=True)``,
+``list_repo_tree(recursive=True)``, ``get_hf_file_metadata`` (one HEAD),
+``hf_hub_download(local_dir=...)``, ``preupload_lfs_files`` + ``create_commit`` (one commit per
+delta upload, one for publish + prune). The endpoint is ``endpoint``, else ``HF_ENDPOINT``
+(read in the constructor). The token (whitespace stripped) goes to the SDK only and is scrubbed
+from every message; 401/403 are permanent errors that say to check it. A large file's download
+must match the Hub's record of it (size, and an LFS object's sha256, from one HEAD), else it is
+:class:`DamagedFile`: retried, then refused.
 
-The HTTP layer: one retry layer, bounded calls. huggingface_hub 2.x retries inside its own
-calls: ``http_backoff`` (used by listings, ``create_commit``, the LFS endpoints and storage
-PUTs, and ``hf_hub_download``'s HEAD/GET)
-retries 408, 429 and 5xx answers, timeouts and dropped connections up to five times, sleeping
-1, 2, 4, 8, 8 s and logging ``Retrying in ...`` lines; ``hf_hub_download`` resumes broken
-bodies on its own. There is no environment knob for it. Nested inside
-:class:`RetryPolicy`, one of our attempts could take 23 s of SDK
-sleeps, and ``request_timeout`` bounded nothing.
+One retry layer, bounded calls. The SDK retries inside its calls (408, 429, 5xx, timeouts,
+dropped connections; up to five times, 1 to 8 s apart): nested in the store's
+:class:`RetryPolicy` that made one attempt last 23 s and ``request_timeout`` bound nothing. The
+SDK reaches the network only through its shared client, so the store gives it one
+(:class:`HubSession`, through ``set_client_factory``): the SDK's default client for every
+request, which inside a HubClient call (:func:`hub_call`, a context variable) also
 
-So the SDK gets a client through its public hook ``huggingface_hub.set_client_factory``: an
-``httpx2.Client`` built here whose transports (the direct one and one per proxy from
-``HTTP(S)_PROXY``/``ALL_PROXY``, ``NO_PROXY`` honoured) turn every answer and failure the SDK
-would retry into an exception the SDK does not catch:
+* turns a 408/425/429/5xx answer into :class:`HubHTTPStatus` (status, ``Retry-After``), a
+  timeout into :class:`HubCallTimeout`, a dropped connection or cut body into
+  :class:`HubConnectionError`: errors the SDK does not retry and the policy does;
+* gives the call's requests one deadline, ``request_timeout`` plus one second per MiB moved
+  (a transfer that keeps moving is not cut off, a stalled server is), each request's timeouts
+  being the time left;
+* keeps the transfer off Xet (which moves files in Rust, past any deadline): its headers are
+  dropped from the answers, and uploads are handed over as open files, so large files take the
+  LFS path. Each staged file is uploaded in a call of its own: the SDK sends several LFS files
+  of one call from worker threads, which the call's context does not reach.
 
-* 408, 425, 429 and 5xx answers -> :class:`HubHTTPStatus` (carries ``response.status_code``
-  and the ``Retry-After`` header, so ``classify_error`` retries it and honours 429s);
-* timeouts -> :class:`HubCallTimeout` (a ``TimeoutError``), dropped connections and broken
-  bodies -> :class:`HubConnectionError` (a ``ConnectionError``): both transient for us.
-
-Our policy is then the only retry layer. Inside :func:`hub_call` (every ``HubClient``
-primitive) the requests of one call share one deadline: ``request_timeout`` seconds, plus one
-second per MiB sent or received, so a large transfer that keeps moving is not cut off while a
-stalled or dripping server is. Each request's connect/read/write timeouts are the time left.
-Requests on the SDK's own worker threads (it uploads several LFS files of one commit in a
-thread pool, which does not inherit the call's context) get no shared deadline but still each
-wait at most the ``request_timeout`` of the latest call for any connect, read or write.
-
-Xet: huggingface_hub moves large files through ``hf_xet`` when it is installed, in Rust, past
-this client (no deadline, its own retries). :func:`install_sdk_client` switches it off for the
-process (``huggingface_hub.constants.HF_HUB_DISABLE_XET``, the documented
-``HF_HUB_DISABLE_XET`` setting, read by the SDK at each call) and logs that once, so large
-files take the LFS path through this client (docs/diloco.md, "The Hub's large-file path").
-
-Only public huggingface_hub names are used here (``set_client_factory``, ``constants``,
-``errors``); ``tests/test_hub_public_api.py`` fails on a private import anywhere in the package.
+Every other request of the process is sent as the SDK's default client sends it (its retries,
+its timeouts, Xet if installed). Only public huggingface_hub names are used
+(``tests/test_hub_public_api.py``).
 """
 
 from __future__ import annotations
@@ -60,27 +38,25 @@ import contextlib
 import contextvars
 import dataclasses
 import io
-import ipaddress
 import logging
 import os
 import re
-import shutil
 import tempfile
-import threading
 import time
-import urllib.request
 import uuid
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import httpx2
 
 from speedtronic.diloco.exchange import (
     GLOBAL_STEP,
     AccessRefused,
     DamagedFile,
     FileInfo,
-    HubUnavailable,
+    R,
     RemoteNotFound,
     RepoTransport,
     RetryPolicy,
@@ -89,80 +65,19 @@ from speedtronic.diloco.exchange import (
     too_large,
 )
 
-__all__ = [
-    "BYTES_PER_SECOND",
-    "HubCallTimeout",
-    "HubClient",
-    "HubConnectionError",
-    "HubHTTPStatus",
-    "HubTransport",
-    "hub_call",
-    "install_sdk_client",
-    "install_sdk_timeouts",
-]
+if TYPE_CHECKING:
+    from huggingface_hub import HfApi
 
-_LOG = logging.getLogger("speedtronic.diloco")
-_POINTERS = frozenset({GLOBAL_STEP})  # read by every node at every poll
-
-
-_FILE_MISSING = ("EntryNotFoundError", "RevisionNotFoundError")
-
-
-def _answer(exc: BaseException) -> tuple[int | None, str]:
-    """The HTTP status behind ``exc`` (the SDK wraps some, e.g. a forced download's failed
-    HEAD in a ValueError) and what the Hub said is missing: ``repo`` (the repository),
-    ``file`` (a file or revision of a repository that answered) or ``""`` (nothing said)."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        status = getattr(getattr(current, "response", None), "status_code", None)
-        if isinstance(status, int):
-            names = {cls.__name__ for cls in type(current).__mro__}
-            if "RepositoryNotFoundError" in names:
-                return status, "repo"
-            return status, "file" if names & set(_FILE_MISSING) else ""
-        current = current.__cause__ or current.__context__
-    return None, ""
-
-
-def _auth_refused(status: int, repo_id: str, has_token: bool) -> AccessRefused:
-    """A 401/403 from the Hub as a permanent error that says what to fix (never the token)."""
-    if not has_token:
-        problem = "requires a token and none is configured"
-    elif status == 401:
-        problem = "rejected the token"
-    else:
-        problem = "refused access with this token (no write access to the repository?)"
-    return AccessRefused(
-        f"the Hub {problem} (HTTP {status}) for {repo_id}; check HF_TOKEN or the hf_token "
-        "secret file",
-        status=status,
-    )
-
-
-def _repo_hidden(repo_id: str, has_token: bool) -> AccessRefused:
-    """A 404 "Repository not found" for our own repository: the token cannot see it."""
-    who = "this token cannot see it" if has_token else "no token is configured"
-    return AccessRefused(
-        f"the Hub answers 404 Repository not found for {repo_id}: {who} (or it was never "
-        "created); check that HF_TOKEN or the hf_token secret file holds a token with write "
-        "access to it",
-        status=404,
-    )
-
-
-# -- the HTTP client huggingface_hub uses in this process ------------------------------
 #: Transfer rate a call is always granted on top of ``request_timeout`` (bytes per second).
 BYTES_PER_SECOND = 1024 * 1024
-_RETRIED_STATUSES = frozenset({408, 425, 429})
+_RETRIED = frozenset({408, 425, 429})
 _CHUNK = 1024 * 1024
-_LOCK = threading.Lock()
-_INSTALLED: list[bool] = []
-#: Per-request timeout (seconds) for requests outside a call: the latest call's timeout.
-_OUTSIDE_TIMEOUT = [60.0]
+_POINTERS = frozenset({GLOBAL_STEP})  # read by every node at every poll
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_FILE_MISSING = frozenset({"EntryNotFoundError", "RevisionNotFoundError"})
 
 
+# -- one call's deadline, and the client the SDK uses --------------------------------------
 class HubCallTimeout(TimeoutError):
     """A Hub call ran past its deadline (``request_timeout`` plus transfer allowance)."""
 
@@ -172,232 +87,175 @@ class HubConnectionError(ConnectionError):
 
 
 class HubHTTPStatus(Exception):
-    """The Hub answered with a status worth retrying (408, 425, 429, 5xx).
+    """The Hub answered a status worth retrying (408, 425, 429, 5xx). ``response`` (closed)
+    keeps ``status_code`` and ``headers`` (``Retry-After``) for ``classify_error``."""
 
-    ``response`` keeps ``status_code`` and ``headers`` (``Retry-After``) for
-    :func:`speedtronic.diloco.exchange.classify_error`; the body is not kept.
-    """
-
-    def __init__(self, method: str, path: str, status: int, headers: Any) -> None:
-        super().__init__(f"HTTP {status} from {method} {path}")
-        self.response = _Answer(status, headers)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Answer:
-    status_code: int
-    headers: Any  # httpx Headers: case-insensitive ``get``
+    def __init__(self, request: httpx2.Request, response: httpx2.Response) -> None:
+        super().__init__(f"HTTP {response.status_code} from {request.method} {request.url.path}")
+        self.response = response
 
 
 @dataclasses.dataclass
-class _Call:
+class HubCall:
+    """One HubClient call: its requests share the deadline (``time.monotonic()`` seconds)."""
+
     timeout: float
     deadline: float
 
     def left(self) -> float:
+        """Seconds left."""
         return self.deadline - time.monotonic()
 
     def moved(self, nbytes: int) -> None:
+        """``nbytes`` went over the wire: the deadline moves by their allowance."""
         self.deadline += nbytes / BYTES_PER_SECOND
 
+    def expired(self, what: str) -> HubCallTimeout:
+        """The error of a request that finds no time left."""
+        return HubCallTimeout(f"{what}: no answer within the call's {self.timeout:g} s timeout")
 
-_CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar(
-    "speedtronic_hub_call", default=None
-)
+
+#: The HubClient call this context is in (None: a request that is not ours).
+_CALL: contextvars.ContextVar[HubCall | None] = contextvars.ContextVar("hub_call", default=None)
 
 
 @contextlib.contextmanager
-def hub_call(timeout: float) -> Iterator[None]:
+def hub_call(timeout: float) -> Iterator[HubCall]:
     """Run one Hub call (any number of SDK requests) under one deadline of ``timeout`` s."""
-    token = _CALL.set(_Call(float(timeout), time.monotonic() + float(timeout)))
-    _OUTSIDE_TIMEOUT[0] = float(timeout)
+    call = HubCall(float(timeout), time.monotonic() + float(timeout))
+    token = _CALL.set(call)
     try:
-        yield
+        yield call
     finally:
         _CALL.reset(token)
 
 
-def _expired(call: _Call, what: str) -> HubCallTimeout:
-    return HubCallTimeout(f"{what}: no answer within the call's {call.timeout:g} s timeout")
-
-
-def _translate(exc: BaseException, what: str) -> BaseException:
-    """An httpx failure as the transient error the SDK does not retry (others unchanged)."""
-    import httpx2
-
-    if isinstance(exc, httpx2.TimeoutException):
-        return HubCallTimeout(f"{what}: timed out ({type(exc).__name__})")
-    if isinstance(exc, (httpx2.NetworkError, httpx2.RemoteProtocolError)):
-        return HubConnectionError(f"{what}: connection failed ({type(exc).__name__}: {exc})")
-    return exc
-
-
-def _stream_class() -> type:
-    import httpx2
-
-    class _Bounded(httpx2.SyncByteStream):
-        """A request or response body that counts towards the call's deadline."""
-
-        def __init__(self, inner: Any, call: _Call | None, what: str, rechunk: bool) -> None:
-            self._inner, self._call, self._what, self._rechunk = inner, call, what, rechunk
-
-        def __iter__(self) -> Iterator[bytes]:
-            try:
-                for chunk in self._inner:
-                    pieces = (
-                        [chunk[i : i + _CHUNK] for i in range(0, len(chunk), _CHUNK)]
-                        if self._rechunk
-                        else [chunk]
-                    )
-                    for piece in pieces:
-                        if self._call is not None:
-                            if self._call.left() <= 0:
-                                raise _expired(self._call, self._what)
-                            self._call.moved(len(piece))
-                        yield piece
-            except Exception as exc:
-                translated = _translate(exc, self._what)
-                if translated is exc:
-                    raise
-                raise translated from None
-
-        def close(self) -> None:
-            close = getattr(self._inner, "close", None)
-            if callable(close):
-                close()
-
-    return _Bounded
-
-
-def _transport_class() -> type:
-    import httpx2
-
-    bounded = _stream_class()
-
-    class _OneRetryLayer(httpx2.BaseTransport):
-        """Wraps the real transport (see the module docstring)."""
-
-        def __init__(self, inner: Any) -> None:
-            self._inner = inner
-
-        def handle_request(self, request: Any) -> Any:
-            call = _CALL.get()
-            what = f"{request.method} {request.url.path}"
-            limit = _OUTSIDE_TIMEOUT[0]
-            if call is not None:
-                left = call.left()
-                if left <= 0:
-                    raise _expired(call, what)
-                limit = min(call.timeout, left)
-            request.extensions["timeout"] = dict.fromkeys(
-                ("connect", "read", "write", "pool"), limit
-            )
-            request.stream = bounded(request.stream, call, what, rechunk=True)
-            try:
-                response = self._inner.handle_request(request)
-            except Exception as exc:
-                translated = _translate(exc, what)
-                if translated is exc:
-                    raise
-                raise translated from None
-            status = response.status_code
-            if status in _RETRIED_STATUSES or status >= 500:
-                headers = response.headers
-                response.close()
-                raise HubHTTPStatus(request.method, request.url.path, status, headers)
-            response.stream = bounded(response.stream, call, what, rechunk=False)
-            return response
-
-        def close(self) -> None:
-            self._inner.close()
-
-    return _OneRetryLayer
-
-
-def _request_hook(request: Any) -> None:
-    """What the SDK's own client does before each request, through public names only:
-    refuse in offline mode (``HF_HUB_OFFLINE``) and tag the request with an id."""
-    from huggingface_hub import constants
-    from huggingface_hub.errors import OfflineModeIsEnabled
-
-    if constants.is_offline_mode():
-        raise OfflineModeIsEnabled(f"Cannot reach {request.url}: offline mode is enabled.")
-    if "X-Amzn-Trace-Id" not in request.headers:
-        request.headers["X-Amzn-Trace-Id"] = request.headers.get("X-Request-Id") or str(
-            uuid.uuid4()
-        )
-
-
-def _proxy_mounts(wrap: Callable[[Any], Any]) -> dict[str, Any]:
-    """Transports per URL pattern for the proxies in the environment (``HTTP_PROXY``,
-    ``HTTPS_PROXY``, ``ALL_PROXY``; ``NO_PROXY`` hosts go direct), each wrapped: httpx only
-    reads them itself when no transport is given, and ours is."""
-    import httpx2
-
-    proxies = urllib.request.getproxies()
-    mounts: dict[str, Any] = {}
-    for scheme in ("http", "https", "all"):
-        url = proxies.get(scheme)
-        if url:
-            url = url if "://" in url else f"http://{url}"
-            mounts[f"{scheme}://"] = wrap(httpx2.HTTPTransport(proxy=url))
-    for host in (h.strip() for h in proxies.get("no", "").split(",")):
-        if host == "*":
-            return {}
-        if not host:
-            continue
-        if "://" in host:
-            mounts[host] = None  # None: the client's own (wrapped, direct) transport
-            continue
-        try:
-            address = ipaddress.ip_address(host.strip("[]"))
-            mounts[f"all://[{address}]" if address.version == 6 else f"all://{address}"] = None
-        except ValueError:
-            mounts[f"all://*{host}" if host.lower() != "localhost" else "all://localhost"] = None
-    return mounts
-
-
-def _client() -> Any:
-    """A client like the SDK's default one (redirects followed, no client-wide timeout), with
-    every transport wrapped by :func:`_transport_class`."""
-    import httpx2
-
-    wrap = _transport_class()
-    return httpx2.Client(
-        transport=wrap(httpx2.HTTPTransport()),
-        mounts=_proxy_mounts(wrap),
-        event_hooks={"request": [_request_hook]},
-        follow_redirects=True,
-        timeout=None,
-    )
-
-
-def _disable_xet() -> None:
-    """Large files through the LFS path and this client, never ``hf_xet`` (logged once)."""
-    from huggingface_hub import constants
-
-    if not constants.HF_HUB_DISABLE_XET:
-        constants.HF_HUB_DISABLE_XET = True
-        _LOG.info(
-            "huggingface_hub: Xet transfers are off for the Hub store; large files take the "
-            "LFS path, bounded by request_timeout and retried by the transport's retry policy"
-        )
-
-
-def install_sdk_client() -> None:
-    """Make huggingface_hub use :func:`_client` and the LFS path instead of Xet (idempotent;
-    a no-op without an httpx2-based huggingface_hub)."""
+@contextlib.contextmanager
+def _translated(what: str) -> Iterator[None]:
+    """httpx failures as the transient errors the SDK does not retry."""
     try:
-        import httpx2  # noqa: F401
-        from huggingface_hub import set_client_factory
-    except ImportError:  # no SDK, or one from before its httpx2 client hooks
-        return
-    with _LOCK:
-        if _INSTALLED:
+        yield
+    except httpx2.TimeoutException as exc:
+        raise HubCallTimeout(f"{what}: timed out ({type(exc).__name__})") from None
+    except (httpx2.NetworkError, httpx2.RemoteProtocolError) as exc:
+        raise HubConnectionError(
+            f"{what}: connection failed ({type(exc).__name__}: {exc})"
+        ) from None
+
+
+class _Bounded(httpx2.SyncByteStream):
+    """A request or response body of a call: every MiB counts towards its deadline."""
+
+    def __init__(self, inner: httpx2.SyncByteStream, call: HubCall, what: str) -> None:
+        self._inner, self._call, self._what = inner, call, what
+
+    def __iter__(self) -> Iterator[bytes]:
+        with _translated(self._what):
+            for chunk in self._inner:
+                for start in range(0, len(chunk), _CHUNK):
+                    if self._call.left() <= 0:
+                        raise self._call.expired(self._what)
+                    piece = chunk[start : start + _CHUNK]
+                    self._call.moved(len(piece))
+                    yield piece
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+class HubSession(httpx2.Client):
+    """The client huggingface_hub shares in this process (see the module): its default one
+    (redirects followed, no client-wide timeout, offline mode refused and a request id set as
+    its own hook does), which bounds the requests made inside a :func:`hub_call`."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            event_hooks={"request": [self._on_request], "response": [self._on_response]},
+            follow_redirects=True,
+            timeout=None,
+        )
+
+    def send(self, request: httpx2.Request, **options: Any) -> httpx2.Response:
+        """Send as httpx does; inside a call, its failures as errors the SDK does not retry."""
+        if _CALL.get() is None:
+            return super().send(request, **options)
+        with _translated(f"{request.method} {request.url.path}"):
+            return super().send(request, **options)
+
+    @staticmethod
+    def _on_request(request: httpx2.Request) -> None:
+        from huggingface_hub import constants
+        from huggingface_hub.errors import OfflineModeIsEnabled
+
+        if constants.is_offline_mode():
+            raise OfflineModeIsEnabled(f"Cannot reach {request.url}: offline mode is enabled.")
+        trace = request.headers.get("X-Request-Id") or str(uuid.uuid4())
+        request.headers.setdefault("X-Amzn-Trace-Id", trace)
+        call = _CALL.get()
+        if call is None:
             return
-        _INSTALLED.append(True)
-        _disable_xet()
-        set_client_factory(_client)
+        what = f"{request.method} {request.url.path}"
+        if call.left() <= 0:
+            raise call.expired(what)
+        limit = min(call.timeout, call.left())
+        request.extensions["timeout"] = dict.fromkeys(("connect", "read", "write", "pool"), limit)
+        stream = request.stream  # a redirect keeps the (bounded) body
+        if isinstance(stream, httpx2.SyncByteStream) and not isinstance(stream, _Bounded):
+            request.stream = _Bounded(stream, call, what)
+
+    @staticmethod
+    def _on_response(response: httpx2.Response) -> None:
+        call = _CALL.get()
+        if call is None:
+            return
+        for name in [name for name in response.headers if name.lower().startswith("x-xet-")]:
+            del response.headers[name]  # a download of ours stays on this client
+        request = response.request
+        if response.status_code in _RETRIED or response.status_code >= 500:
+            response.close()
+            raise HubHTTPStatus(request, response)
+        if isinstance(response.stream, httpx2.SyncByteStream):
+            what = f"{request.method} {request.url.path}"
+            response.stream = _Bounded(response.stream, call, what)
+
+
+class _XetNotice(logging.Filter):
+    """Drops the SDK's warning that an upload of a HubClient call falls back from Xet to the
+    LFS path (we hand it open files for that); anyone else's warnings pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _CALL.get() is None or "Xet" not in record.getMessage()
+
+
+def install_session() -> None:
+    """Give huggingface_hub the :class:`HubSession` (once per process; harmless twice)."""
+    import huggingface_hub
+
+    if not isinstance(huggingface_hub.get_session(), HubSession):
+        huggingface_hub.set_client_factory(HubSession)
+    commits = logging.getLogger("huggingface_hub._commit_api")  # where the SDK says it
+    if not any(isinstance(f, _XetNotice) for f in commits.filters):
+        commits.addFilter(_XetNotice())
+
+
+# -- the store -------------------------------------------------------------------------------
+def _answer(exc: BaseException) -> tuple[int | None, str]:
+    """The HTTP status behind ``exc`` (the SDK wraps some, e.g. a forced download's failed
+    HEAD in a ValueError) and what the Hub said is missing: ``repo`` (the repository),
+    ``file`` (a file or revision of a repository that answered) or ``""`` (nothing said)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        # the SDK's HTTP errors carry the answer they failed on (third-party objects)
+        status = getattr(getattr(current, "response", None), "status_code", None)
+        if isinstance(status, int):
+            names = {cls.__name__ for cls in type(current).__mro__}
+            if "RepositoryNotFoundError" in names:
+                return status, "repo"
+            return status, "file" if names & _FILE_MISSING else ""
+        current = current.__cause__ or current.__context__
+    return None, ""
 
 
 _LEGACY_RETRY = {
@@ -408,29 +266,15 @@ _LEGACY_RETRY = {
 }
 
 
-def _legacy_retry(keywords: dict[str, float]) -> dict[str, float]:
-    """2.0.0's ``HubClient(retry_initial=..., retry_max=..., retry_attempts=...)`` as
-    :class:`RetryPolicy` fields, with a ``DeprecationWarning``; any other keyword is a
-    ``TypeError`` as for any call."""
-    unknown = sorted(set(keywords) - set(_LEGACY_RETRY))
-    if unknown:
-        raise TypeError(f"HubClient() got unexpected keyword arguments: {', '.join(unknown)}")
-    warnings.warn(
-        "HubClient(retry_initial=, retry_max=, retry_attempts=, request_timeout=) is deprecated;"
-        " pass retry=RetryPolicy(...)",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return {_LEGACY_RETRY[key]: value for key, value in keywords.items()}
-
-
 class HubClient(RepoTransport):
     """A Hub model repository used as the DumbDiLoCo rendezvous (private, one per run).
 
-    ``retry`` (:class:`RetryPolicy`: backoff, attempts, per-request timeout) defaults to
-    2.0.0's 1 s .. 60 s over 6 tries; ``sleeper`` replaces its sleep (tests). ``api`` injects
+    ``retry`` (:class:`RetryPolicy`: backoff, attempts, the deadline of one call) defaults to
+    1 s .. 60 s over 6 tries of 60 s; ``sleeper`` replaces its sleep (2.0.0). ``api`` injects
     an SDK-like object, ``endpoint`` another Hub (default ``HF_ENDPOINT``). A repository that
     answers "not found" is taken for one not created yet for ``missing_repo_wait`` seconds.
+    2.0.0's ``retry_initial=``, ``retry_max=``, ``retry_attempts=`` and ``request_timeout=``
+    still set the policy's fields, with a ``DeprecationWarning``.
     """
 
     kind = "hub"
@@ -440,17 +284,30 @@ class HubClient(RepoTransport):
         repo_id: str,
         *,
         token: str | None = None,
-        cache_dir: str | os.PathLike | None = None,
-        api: Any = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        api: HfApi | None = None,
         endpoint: str | None = None,
         retry: RetryPolicy | None = None,
         sleeper: Callable[[float], None] | None = None,
         missing_repo_wait: float = 0.0,
         **legacy: float,
     ):
-        retry = retry if retry is not None else RetryPolicy()  # 1 s .. 60 s, 6 tries, 60 s each
-        if legacy:  # 2.0.0's loose retry keywords, kept working
-            retry = dataclasses.replace(retry, **_legacy_retry(legacy))
+        retry = retry if retry is not None else RetryPolicy()
+        if legacy:
+            unknown = sorted(set(legacy) - set(_LEGACY_RETRY))
+            if unknown:
+                raise TypeError(
+                    f"HubClient() got unexpected keyword arguments: {', '.join(unknown)}"
+                )
+            warnings.warn(
+                "HubClient(retry_initial=, retry_max=, retry_attempts=, request_timeout=) is "
+                "deprecated; pass retry=RetryPolicy(...)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            retry = dataclasses.replace(retry)
+            for key, value in legacy.items():
+                setattr(retry, _LEGACY_RETRY[key], value)
         if sleeper is not None:
             retry = dataclasses.replace(retry, sleeper=sleeper)
         token = token.strip() if token else token  # a secret file's trailing newline
@@ -474,24 +331,19 @@ class HubClient(RepoTransport):
         return f"HubClient(repo_id={self.repo_id!r}, endpoint={self.endpoint!r})"
 
     @property
-    def api(self) -> Any:
+    def api(self) -> HfApi:
         """The ``HfApi`` (built on first use)."""
         if self._api is None:
-            try:
-                from huggingface_hub import HfApi
-                from huggingface_hub.utils import disable_progress_bars
-            except ImportError:
-                raise HubUnavailable("huggingface_hub is required for the Hub transport") from None
-            disable_progress_bars()
-            install_sdk_client()
+            from huggingface_hub import HfApi  # a dependency; imported when first needed
+
             self._api = HfApi(endpoint=self.endpoint, token=self._token)
         return self._api
 
-    def _scoped(self, fn: Any, *args: Any) -> Any:
-        _ = self.api  # build the client (and install the SDK client) before the first request
+    def _attempt(self, fn: Callable[[], R]) -> R:
+        install_session()  # before the first request of the SDK
         try:
             with hub_call(self.retry.timeout):
-                out = fn(*args)
+                out = fn()
         except Exception as exc:
             refused = self._refusal(exc)
             if refused is None:
@@ -509,8 +361,15 @@ class HubClient(RepoTransport):
         names nothing (e.g. no such route: a server that is not a Hub, or a repository id it
         cannot route) counts as the repository missing until this client saw it answer."""
         status, missing = _answer(exc)
+        where = f"for {self.repo_id}; check HF_TOKEN or the hf_token secret file"
         if status in (401, 403):
-            return _auth_refused(status, self.repo_id, bool(self._token))
+            if not self._token:
+                problem = "requires a token and none is configured"
+            elif status == 401:
+                problem = "rejected the token"
+            else:
+                problem = "refused access with this token (no write access to the repository?)"
+            return AccessRefused(f"the Hub {problem} (HTTP {status}) {where}", status=status)
         if status != 404:
             return None
         if missing == "file" or (not missing and self._repo_seen):
@@ -521,7 +380,13 @@ class HubClient(RepoTransport):
             self._repo_missing_since = now
         waited = now - self._repo_missing_since
         if self._repo_seen or waited >= self.missing_repo_wait:
-            return _repo_hidden(self.repo_id, bool(self._token))
+            who = "this token cannot see it" if self._token else "no token is configured"
+            return AccessRefused(
+                f"the Hub answers 404 Repository not found for {self.repo_id}: {who} (or it "
+                "was never created); check that HF_TOKEN or the hf_token secret file holds a "
+                "token with write access to it",
+                status=404,
+            )
         return RemoteNotFound(
             f"repository {self.repo_id} not found yet (its master creates it; waited "
             f"{waited:.1f} of {self.missing_repo_wait:g} s)"
@@ -531,79 +396,60 @@ class HubClient(RepoTransport):
         self.api.create_repo(self.repo_id, repo_type="model", private=private, exist_ok=True)
 
     def _grant(self, username: str, permission: str) -> None:
-        grant = getattr(self.api, "add_collaborator", None)
-        if grant is None:
-            raise TransportError(
-                "this huggingface_hub SDK cannot add collaborators; grant access in the Hub UI",
-                kind="permanent",
-            )
-        grant(username, repo_id=self.repo_id, repo_type="model", permission=permission)
+        raise TransportError(
+            "huggingface_hub cannot add collaborators; grant access in the Hub UI",
+            kind="permanent",
+        )
 
     def _list(self) -> dict[str, FileInfo]:
+        from huggingface_hub import RepoFile
+
         entries = self.api.list_repo_tree(self.repo_id, recursive=True, repo_type="model")
-        out: dict[str, FileInfo] = {}
-        for entry in entries or []:
-            if hasattr(entry, "size") and not hasattr(entry, "tree_id"):  # a file, not a folder
-                size = getattr(entry, "size", None)
-                blob = getattr(entry, "blob_id", None)
-                out[str(entry.path)] = FileInfo(
-                    int(size) if isinstance(size, int) else None, str(blob) if blob else None
-                )
-        return out
+        return {
+            entry.path: FileInfo(entry.size, entry.blob_id or None)
+            for entry in entries
+            if isinstance(entry, RepoFile)
+        }
 
-    def _read(self, path: str, max_bytes: int | None = None) -> bytes:
-        if path in _POINTERS and max_bytes is None:
-            return self._read_pointer(path)
-        return self._download(path, max_bytes)
-
-    def _read_pointer(self, path: str) -> bytes:
-        """A small file every node polls (the global's version record): one HEAD request
-        while its ETag is the one already read, a download only when it changed, so a poll
-        costs one request however long the run or large the repository."""
+    def _head(self, path: str) -> tuple[str, int | None]:
+        """The ETag (quotes stripped) and size the Hub gives for ``path`` (one HEAD)."""
         from huggingface_hub import hf_hub_url
 
         url = hf_hub_url(self.repo_id, path, repo_type="model", endpoint=self.endpoint)
-        etag = self.api.get_hf_file_metadata(
-            url=url, token=self._token, timeout=self.retry.timeout
-        ).etag
+        meta = self.api.get_hf_file_metadata(url=url, token=self._token, timeout=self.retry.timeout)
+        return str(meta.etag or "").strip('"'), meta.size
+
+    def _read(self, path: str, max_bytes: int | None) -> bytes:
+        if path not in _POINTERS or max_bytes is not None:
+            return self._download(path, max_bytes)
+        # The version record every node polls: one HEAD while its ETag is the one already
+        # read, a download only when it changed, so a poll costs one request.
+        etag, _ = self._head(path)
         cached = self._pointers.get(path)
         if etag and cached is not None and cached[0] == etag:
             return cached[1]
-        data = self._download(path)
+        data = self._download(path, None)
         if etag:  # the ETag of the HEAD: content newer than it is only read once more
             self._pointers[path] = (etag, data)
         return data
 
-    def _download(self, path: str, max_bytes: int | None = None) -> bytes:
-        """The content of ``path`` (see :meth:`_fetch`), read into memory."""
-        tmp = tempfile.mkdtemp(prefix="speedtronic-download-", dir=self.cache_dir)
-        try:
+    def _download(self, path: str, max_bytes: int | None) -> bytes:
+        with tempfile.TemporaryDirectory(prefix="speedtronic-download-", dir=self.cache_dir) as tmp:
             return self._fetch(path, max_bytes, Path(tmp)).read_bytes()
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
 
     def _fetch(self, path: str, max_bytes: int | None, into: Path) -> Path:
-        """Download ``path`` into the directory ``into``, whole and intact.
-
-        With ``max_bytes`` (the large files: deltas, globals, updates), one HEAD first: a
-        file the Hub lists as larger is refused unread, and the downloaded file must have the
-        size and, where the Hub names it (a 64-hex ETag: the sha256 of an LFS object), the
-        sha256 that HEAD gave. The SDK checks every download's size against the Hub's record
-        (the LFS pointer's) itself. A file that disagrees is :class:`DamagedFile`: retried,
-        then permanent (a stored object cut short or replaced never reads whole)."""
-        expected: tuple[int | None, str] = (None, "")
+        """Download ``path`` into the directory ``into``, whole and intact. With ``max_bytes``
+        (deltas, globals, updates) one HEAD first: a file listed larger is refused unread, and
+        the download must have the size and, where the Hub names it (a 64-hex ETag: an LFS
+        object's sha256), the sha256 that HEAD gave, else :class:`DamagedFile` (the SDK checks
+        the size against the LFS pointer's itself)."""
+        size: int | None = None
+        sha256 = ""
         if max_bytes is not None:
-            from huggingface_hub import hf_hub_url
-
-            url = hf_hub_url(self.repo_id, path, repo_type="model", endpoint=self.endpoint)
-            meta = self.api.get_hf_file_metadata(
-                url=url, token=self._token, timeout=self.retry.timeout
-            )
-            size = meta.size if isinstance(meta.size, int) else None
+            etag, size = self._head(path)
             if size is not None and size > max_bytes:
                 raise too_large(path, size, max_bytes)
-            etag = str(meta.etag or "").strip('"').lower()
-            expected = (size, etag if _SHA256.fullmatch(etag) else "")
+            sha256 = etag.lower() if _SHA256.fullmatch(etag.lower()) else ""
         try:
             local = Path(
                 self.api.hf_hub_download(
@@ -614,6 +460,7 @@ class HubClient(RepoTransport):
                     token=self._token,
                     force_download=True,
                     etag_timeout=self.retry.timeout,
+                    tqdm_class=_quiet_bar(),
                 )
             )
         except OSError as exc:
@@ -623,10 +470,16 @@ class HubClient(RepoTransport):
                 said = re.sub(r"\s*\(.*", "", str(exc).splitlines()[0] if str(exc) else "")
                 raise DamagedFile(f"{path} did not download whole: {said}") from None
             raise
-        size = local.stat().st_size
-        if max_bytes is not None and size > max_bytes:
-            raise too_large(path, size, max_bytes)
-        _check_whole(path, local, *expected)
+        got = local.stat().st_size
+        if max_bytes is not None and got > max_bytes:
+            raise too_large(path, got, max_bytes)
+        if size is not None and got != size:
+            raise DamagedFile(f"{path} read {got} bytes; the Hub's record of it says {size}")
+        if sha256 and (digest := file_sha256(local)) != sha256:
+            raise DamagedFile(
+                f"{path} does not hash to the Hub's record of it (sha256 {digest[:12]}..., "
+                f"the record names {sha256[:12]}...): the stored object is damaged"
+            )
         return local
 
     @contextlib.contextmanager
@@ -635,48 +488,49 @@ class HubClient(RepoTransport):
         ``max_bytes`` on the file; removed afterwards), never read into memory here: the master
         reads a delta from it one tensor at a time. A missing file is ``RemoteNotFound``."""
         with tempfile.TemporaryDirectory(prefix="speedtronic-download-", dir=self.cache_dir) as tmp:
-            yield self.retry.run(
-                f"download {path}", lambda: self._scoped(self._fetch, path, max_bytes, Path(tmp))
-            )
+            yield self._run(f"download {path}", lambda: self._fetch(path, max_bytes, Path(tmp)))
 
     def _commit(
         self, additions: Mapping[str, bytes | Path], deletions: list[str], message: str
     ) -> None:
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
-        operations: list[Any] = [  # a staged file is read from disk as it is sent
-            CommitOperationAdd(
-                path_in_repo=path,
-                path_or_fileobj=str(data) if isinstance(data, Path) else io.BytesIO(data),
+        with contextlib.ExitStack() as files:
+            adds = {  # open files: read as they are sent, never through Xet
+                path: CommitOperationAdd(
+                    path_in_repo=path,
+                    path_or_fileobj=files.enter_context(open(data, "rb"))
+                    if isinstance(data, Path)
+                    else io.BytesIO(data),
+                )
+                for path, data in additions.items()
+            }
+            staged = [adds[p] for p, data in additions.items() if isinstance(data, Path)]
+            records = [adds[p] for p, data in additions.items() if not isinstance(data, Path)]
+            for group in ([*records, *staged[:1]], *([op] for op in staged[1:])):
+                if group:  # one staged file per call (see the module); records with the first
+                    self.api.preupload_lfs_files(self.repo_id, additions=group, repo_type="model")
+            deletes = [CommitOperationDelete(path_in_repo=path) for path in deletions]
+            operations: list[CommitOperationAdd | CommitOperationDelete] = [
+                *adds.values(),
+                *deletes,
+            ]
+            self.api.create_commit(
+                self.repo_id, operations=operations, commit_message=message, repo_type="model"
             )
-            for path, data in additions.items()
-        ]
-        operations += [CommitOperationDelete(path_in_repo=path) for path in deletions]
-        self.api.create_commit(
-            self.repo_id, operations=operations, commit_message=message, repo_type="model"
-        )
 
 
-_SHA256 = re.compile(r"[0-9a-f]{64}")
+def _quiet_bar() -> type:
+    """A progress bar class that shows nothing (this store's downloads are logged, not drawn;
+    the SDK's own setting is left alone)."""
+    from huggingface_hub.utils.tqdm import tqdm
 
+    class Quiet(tqdm):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]  # tqdm: no types
 
-def _check_whole(path: str, local: Path, size: int | None, sha256: str) -> None:
-    """:class:`DamagedFile` unless the downloaded ``local`` has the ``size`` and ``sha256``
-    the Hub's record gives (each checked when known)."""
-    got = local.stat().st_size
-    if size is not None and got != size:
-        raise DamagedFile(f"{path} read {got} bytes; the Hub's record of it says {size}")
-    if sha256:
-        digest = file_sha256(local)
-        if digest != sha256:
-            raise DamagedFile(
-                f"{path} does not hash to the Hub's record of it (sha256 {digest[:12]}..., "
-                f"the record names {sha256[:12]}...): the stored object is damaged"
-            )
+    return Quiet
 
 
 HubTransport = HubClient
-
-
-#: 2.1 name of :func:`install_sdk_client`.
-install_sdk_timeouts = install_sdk_client

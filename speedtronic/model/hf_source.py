@@ -6,11 +6,10 @@ public ``snapshot_download``, the same path ``prepare`` takes for Hub datasets) 
 into the Hugging Face cache, under the run's retry policy (``distributed.retry_*``: backoff,
 attempts, 429 ``Retry-After``) and with the token of the usual config layers (``HF_TOKEN``,
 the ``hf_token`` secret, ``distributed.token``). ``HF_ENDPOINT``, ``HF_HUB_CACHE`` and
-``HF_HUB_OFFLINE=1`` (the cache only, no request) are the library's own settings. As for the
-DiLoCo Hub store, the SDK's own retries and Xet are switched off
-(:func:`speedtronic.diloco.hub.install_sdk_client`): one retry layer, each request bounded,
-large files over the LFS path; a retried attempt keeps the files the failed one finished (they
-are in the cache). A sharded checkpoint's shards are the ones its
+``HF_HUB_OFFLINE=1`` (the cache only, no request) are the library's own settings, and so are
+its transfers (its own per-request retries and timeouts, Xet where installed) inside each
+attempt of the policy; a retried attempt keeps the files the failed one finished (they are in
+the cache). A sharded checkpoint's shards are the ones its
 ``model.safetensors.index.json`` names, fetched in a second call. ``weights=False`` (a DiLoCo
 worker, which takes the master's global 0) fetches the config and tokenizer only.
 
@@ -86,10 +85,8 @@ def fetch_checkpoint(
 
 
 def _from_hub(spec: str, token: str | None, retry: RetryPolicy, weights: bool) -> Path:
-    from speedtronic.diloco.hub import install_sdk_client
     from speedtronic.hub_files import HubFilesError, HubRef, fetch
 
-    install_sdk_client()  # our policy is the one retry layer; LFS, not Xet (diloco/hub.py)
     repo_id, _, revision = spec.partition("@")
     ref = HubRef(repo_id, "model", revision or None)
     try:
