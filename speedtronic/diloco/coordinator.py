@@ -175,7 +175,6 @@ class DumbDiLoCoCoordinator:
                 send=self._send,
                 inbox=self.inbox,
                 emit=self._emit,
-                error_feedback=cfg.error_feedback,
             )
             if self.trains
             else None
