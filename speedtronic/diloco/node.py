@@ -26,12 +26,8 @@ that contribution is late, and the master folds it into the open round when it i
 next contribution, so nothing is counted twice; the final one is sent again, up to
 ``FINAL_UPLOAD_ATTEMPTS`` times, with a ``done`` status, and :meth:`DiLoCoNode.finish` installs
 the global that includes it. Network failures are state (logged, counted, carried), never a
-crash of the training loop.
-
-Below the round: :class:`Contribution` and :class:`GlobalCandidate` (what passes between the
-training thread and the exchange), :class:`GlobalInbox` (where globals arrive) and
-:class:`Uploader` (one upload at a time), :class:`NodeLink` (the node's reads and writes on
-the exchange) and the node's identity (:func:`resolve_node_id`, :class:`NodeClaim`).
+crash of the training loop. Below the round: what passes between the training thread and
+the exchange, the node's link to the exchange (:class:`NodeLink`) and its identity.
 """
 
 from __future__ import annotations
@@ -98,13 +94,8 @@ FINAL_UPLOAD_ATTEMPTS = 3
 
 
 class DiLoCoNode:
-    """The round of one node (see the module docstring).
-
-    ``send(contribution)`` performs the upload (raising on failure) and returns its bytes;
-    ``inbox`` delivers new globals; ``emit`` reports events. ``settings.error_feedback`` keeps
-    what a lossy wire format did not carry and adds it to the next contribution (off: it is
-    lost, as the bench's "without error feedback" rows measure).
-    """
+    """The round of one node (see the module docstring): ``send`` uploads a contribution
+    (raising on failure) and returns its bytes; ``inbox`` delivers new globals."""
 
     def __init__(
         self,
@@ -592,12 +583,9 @@ class GlobalCandidate:
 
 
 class GlobalInbox:
-    """Where new globals arrive: offered by the in-process master, or fetched by polling.
-
-    ``fetch(seen)`` (workers) returns a candidate when the published ``(outer_step, run_id)``
-    differs from ``seen``. With ``threaded`` a :class:`Loop` polls every ``interval`` seconds
-    (sooner after :meth:`poke`); otherwise :meth:`poll_due` polls on the calling thread.
-    """
+    """Where new globals arrive: offered by the in-process master, or fetched (``fetch(seen)``,
+    workers) every ``interval`` seconds and sooner after :meth:`poke`, by a :class:`Loop`
+    (``threaded``) or on the calling thread (:meth:`poll_due`)."""
 
     def __init__(
         self,
@@ -721,22 +709,12 @@ TORN_WAIT = 0.1
 
 
 class NodeLink:
-    """What one node reads from and writes to the exchange ``store``: its claim on its id,
-    its uploads (:meth:`send`), the globals (:meth:`fetch`) and the wait for a run's first
-    global.
-
-    Identity: the claim is written before anything else; another live node holding the id
-    is a :class:`NodeIdCollisionError` (exit 2). A record of another host's unfinished node
-    is watched for ``drop_after`` x ``round_timeout`` (as long as the master waits for a
-    silent node) before the id is taken over; every upload reads the record back first, and
-    a node that took an id over stops before its first upload when the holder's round files
-    changed since the watch. Errors no retry fixes are an :class:`ExchangeAccessError` or
-    ``ExchangeError`` (exit 2) naming the repository, never the token.
-
-    ``max_bytes`` bounds a global file; ``like`` is the model's state (a global must be
-    finite in its dtypes); with ``global_dtype`` int8/int4 the last global is kept
-    (:attr:`held`) to apply the next outer update to; ``interrupted`` ends every wait.
-    """
+    """What one node reads from and writes to the exchange: its claim on its id (see
+    :class:`NodeClaim`), its uploads (:meth:`send`), the globals (:meth:`fetch`) and the
+    wait for a run's first global. Errors no retry fixes are an :class:`ExchangeAccessError`
+    or ``ExchangeError`` (exit 2) naming the repository, never the token. ``max_bytes``
+    bounds a global file; ``like`` is the model's state (a global must be finite in its
+    dtypes); ``interrupted`` ends every wait."""
 
     def __init__(
         self,
@@ -935,13 +913,9 @@ class NodeLink:
     # -- globals -----------------------------------------------------------------------------
     def fetch(self, seen: tuple[int, str]) -> GlobalCandidate | None:
         """The published global when its ``(outer_step, run_id)`` is not ``seen``; a refused
-        one (too large, non-finite) is reported once and not downloaded again.
-
-        A read that met a publish between its files (`TornRead`: the new weights, the old
-        record) reads again once the record changes (polled ``TORN_WAIT`` s apart, for at
-        most ``TORN_READS`` polls in all); a record that does not change gives the caller
-        the error (it retries later).
-        """
+        one (too large, non-finite) is reported once and not downloaded again. A read that met
+        a publish between its files (`TornRead`) reads again once the record changes (for at
+        most ``TORN_READS`` polls); a record that does not change raises (the caller retries)."""
         started = time.perf_counter()
         metadata = self.store.global_metadata()
         deadline = time.monotonic() + TORN_READS * TORN_WAIT
@@ -1057,15 +1031,10 @@ class NodeLink:
         return None
 
     def first_global(self, run_id: str, resumed: bool) -> tuple[GlobalCandidate | None, str]:
-        """A worker's global to start from: ``(candidate, "")``, or ``(None, why)`` when this
-        node has no run to take part in.
-
-        A final global ends a run: a node resumed into that run has nothing left to do; any
-        other waits (at most ``round_timeout``) for the first global of a new run, and when
-        none comes, its run has ended too. With no global at all, a fresh node waits as long
-        for the master's first one (None: it trains from its own weights); a ``resumed`` node
-        goes on from its checkpointed round at once.
-        """
+        """A worker's global to start from: ``(candidate, "")``, or ``(None, why)`` when it
+        has no run to take part in. A final global ends a run: a node of that run is done;
+        another waits (<= ``round_timeout``) for a new run's first global. With no global, a
+        fresh node waits as long for the first (None: its own weights); a resumed one not."""
         try:
             candidate = self.fetch((-1, ""))
         except Exception as exc:
@@ -1174,12 +1143,13 @@ class ExchangeAccessError(ConfigError):
 
 class NodeClaim:
     """This process's claim on ``node_id``: the ``nodes/<id>/owner.json`` record, written at
-    startup and with every upload (same commit), with the round status (``training``,
-    ``done``) the master reads. Another instance token there means another *live* process
-    wrote it after us: a collision. A dead incarnation's claim is taken over: on this host
-    when its pid is gone; from another host when its files did not change while watched
-    (:meth:`held_elsewhere`). The instance token is kept in ``<state_dir>/identity.json``,
-    so a restart keeps it."""
+    startup and with every upload, with the round status the master reads. Another live
+    instance's token there is a collision (:class:`NodeIdCollisionError`, exit 2). A dead
+    holder's claim is taken over: on this host when its pid is gone; from another host when
+    its files did not change for ``drop_after`` x ``round_timeout`` (as long as the master
+    waits for a silent node; :meth:`NodeLink.claim_id`), and a holder that writes after
+    that stops this node before its first upload. The instance token survives restarts in
+    ``<state_dir>/identity.json``."""
 
     def __init__(self, node_id: str, role: str, state_dir: Path, host: str | None = None):
         self.node_id, self.role = node_id, role
