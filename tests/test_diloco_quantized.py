@@ -321,13 +321,14 @@ def make_node(wire="int4", *, error_feedback=True, model=None):
         async_delta_upload=False,
         delta_dtype=wire,
         delta_block_size=8,
+        error_feedback=error_feedback,
     )
     if model is None:
         model = torch.nn.Linear(16, 4, bias=False)
         torch.nn.init.normal_(model.weight, std=0.1)
     sent = Sent()
     inbox = GlobalInbox(None, interval=0.01, threaded=False)
-    node = DiLoCoNode(settings, model, send=sent, inbox=inbox, error_feedback=error_feedback)
+    node = DiLoCoNode(settings, model, send=sent, inbox=inbox)
     return node, sent, model
 
 

@@ -189,7 +189,6 @@ class DumbDiLoCoCoordinator:
                 send=self._send,
                 inbox=self.inbox,
                 emit=self._emit,
-                error_feedback=cfg.error_feedback,
             )
         self.master: RoundMaster | None = None
         if self.role == "master":

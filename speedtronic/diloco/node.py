@@ -19,25 +19,15 @@ installed global, or its own weights at its last upload). After every applied op
         blocking: wait (<= round_timeout) for the global that includes the contribution
     merge global G:  weights := G + (weights - anchor);  anchor := G  (in place)
 
-The merge keeps every step of progress made since the upload and counts none twice (in
-blocking mode there is none, and the merge is a plain install). A newer global that arrives
-before the node contributed for its current base is held until the node's boundary: that
-contribution is then late, and the master folds it into the open round when it is at most
-``max_staleness`` rounds old. A failed upload is carried into the next contribution (the
-final one is sent again, up to ``FINAL_UPLOAD_ATTEMPTS`` times): the carry is the whole
-unquantized contribution, residual included, so a failed upload leaves no residual and
-nothing is counted twice. At the end of a run,
-:meth:`DiLoCoNode.finish` uploads the last contribution marked final together with a ``done``
-status, waits for the global that includes it and installs it, so the node's
-final checkpoint holds it. Network failures are state (logged, counted, carried), never a
-crash of the training loop.
-
-Below the round: :class:`Contribution` and :class:`GlobalCandidate` (what passes between the
-training thread and the exchange), :class:`GlobalInbox` (where globals arrive: offered by the
-local master or polled) and :class:`Uploader` (one upload at a time), :class:`NodeLink` (what
-the node reads from and writes to the exchange: its claim on its id, its uploads, the globals
-and the wait for a run's first global) and the node's identity (:func:`resolve_node_id`,
-:class:`NodeClaim`).
+The merge counts every step of progress made since the upload exactly once. A newer global
+that arrives before the node contributed for its current base is held until the boundary:
+that contribution is late, and the master folds it into the open round when it is at most
+``max_staleness`` rounds old. A failed upload is carried whole (residual included) into the
+next contribution, so nothing is counted twice; the final one is sent again, up to
+``FINAL_UPLOAD_ATTEMPTS`` times, with a ``done`` status, and :meth:`DiLoCoNode.finish` installs
+the global that includes it. Network failures are state (logged, counted, carried), never a
+crash of the training loop. Below the round: what passes between the training thread and
+the exchange, the node's link to the exchange (:class:`NodeLink`) and its identity.
 """
 
 from __future__ import annotations
@@ -47,7 +37,6 @@ import dataclasses
 import json
 import logging
 import os
-import queue
 import secrets
 import socket
 import threading
@@ -57,8 +46,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
-from speedtronic.config import ConfigError
+from speedtronic.background import Loop, wait_for
+from speedtronic.config import ConfigError, DistributedConfig
 from speedtronic.config.limits import check_node_id
 from speedtronic.diloco import codec
 from speedtronic.diloco import exchange as T
@@ -66,7 +57,9 @@ from speedtronic.diloco.exchange import (
     AccessRefused,
     Emit,
     ExchangeError,
+    FileInfo,
     RemoteNotFound,
+    Store,
     TransportError,
     ignore,
     scrub,
@@ -83,11 +76,16 @@ __all__ = [
     "NodeIdCollisionError",
     "NodeLink",
     "Uploader",
+    "float_state",
     "resolve_node_id",
 ]
 
 _LOG = logging.getLogger("speedtronic.diloco")
 
+#: A checkpointed state: tensors, numbers, strings and nested states of them.
+Checkpoint = Mapping[str, Any]
+#: A node's status record on the exchange (``nodes/<id>/owner.json``), as JSON.
+Record = Mapping[str, object]
 
 # The final contribution has no next round to be carried into: finish() sends it this many
 # times (each with the transport's own retries) before it gives up and says so.
@@ -95,30 +93,19 @@ FINAL_UPLOAD_ATTEMPTS = 3
 
 
 class DiLoCoNode:
-    """The round of one node (see the module docstring).
-
-    ``send(contribution)`` performs the upload (raising on failure); ``inbox`` delivers new
-    globals; ``emit`` reports events (log lines go to the ``speedtronic.diloco`` logger).
-    ``settings`` is the ``distributed``
-    config section (``inner_steps``, ``sync``, ``round_timeout``, ``reset_inner_optimizer``,
-    ``async_delta_upload``, ``delta_upload_shutdown_timeout``, ``delta_dtype``,
-    ``delta_block_size``). ``error_feedback`` keeps what a lossy wire format (bf16, fp16,
-    int8, int4) did not carry and adds it to the next contribution (off: it is lost, as
-    the bench's "without error feedback" rows measure).
-    """
+    """The round of one node (see the module docstring): ``send`` uploads a contribution
+    (raising on failure) and returns its bytes; ``inbox`` delivers new globals."""
 
     def __init__(
         self,
-        settings: Any,
+        settings: DistributedConfig,
         model: torch.nn.Module,
         *,
         send: Callable[[Contribution], int],
         inbox: GlobalInbox,
         emit: Emit = ignore,
-        error_feedback: bool = True,
     ):
         self.settings = settings
-        self.error_feedback = error_feedback
         self.model = model
         self.inbox = inbox
         self._emit = emit
@@ -127,13 +114,13 @@ class DiLoCoNode:
         self.uploads = Uploader(self._upload, threaded=threaded)
         self._lock = threading.RLock()
         self.optimizer: torch.optim.Optimizer | None = None
-        self._hook: Any = None
+        self._hook: RemovableHandle | None = None
         self.step = 0  # optimizer steps applied (absolute)
         self.inner = 0  # steps since the last contribution
         self.installed = -1  # outer step of the installed global (-1: none yet)
         self.run_id = ""  # the run of the installed global
         self.last_round = -1  # round of the last upload that arrived (-1: none yet)
-        self.anchor = _float_state(model)
+        self.anchor = float_state(model)
         self.carry: dict[str, torch.Tensor] | None = None
         # what the wire format left out of the last contribution that arrived (error feedback)
         self.residual: dict[str, torch.Tensor] | None = None
@@ -151,7 +138,10 @@ class DiLoCoNode:
             return
         self.detach()
         self.optimizer = optimizer
-        self._hook = optimizer.register_step_post_hook(lambda *_: self.after_optimizer_step())
+        self._hook = optimizer.register_step_post_hook(self._on_step)
+
+    def _on_step(self, *_: object) -> None:
+        self.after_optimizer_step()
 
     def bind(self, optimizer: torch.optim.Optimizer) -> None:
         """Keep ``optimizer`` for the round's state resets, without a hook: the caller runs
@@ -171,24 +161,21 @@ class DiLoCoNode:
 
     # -- the per-step hook ------------------------------------------------------------------
     def wants_weights(self) -> bool:
-        """Whether the next :meth:`after_optimizer_step` reads or writes the weights: a round
-        boundary is due, or a waiting global may be merged. A node whose weights are a copy
-        (sharded ranks) refreshes the copy only then."""
+        """Whether the next :meth:`after_optimizer_step` reads or writes the weights (a
+        boundary is due, or a waiting global may be merged): a sharded rank refreshes its
+        copy only then."""
         due = self.inner + 1 >= self.settings.inner_steps
         return due or (self.may_merge() and self.inbox.waiting_step() >= 0)
 
     def after_optimizer_step(self, *, weights_current: bool = True) -> bool:
         """One applied inner step; True when a global was merged into the weights.
-
-        ``weights_current=False`` (the model is a copy that was not refreshed this step, see
-        :meth:`wants_weights`) leaves a waiting global for a later step."""
+        ``weights_current=False`` (a copy not refreshed this step) leaves a waiting global."""
         self._raise_fatal()
         self.step += 1
         self.inner += 1
         self.beat()
         self.inbox.poll_due()
-        may_merge = weights_current and self.may_merge()
-        merged = self.merge_waiting() if may_merge else False
+        merged = self.merge_waiting() if weights_current and self.may_merge() else False
         if self.inner >= self.settings.inner_steps:
             merged = self._boundary(final=False) or merged
         return merged
@@ -220,12 +207,14 @@ class DiLoCoNode:
             if final:
                 self._send_done()
             return merged
-        # a round is used up only by an upload that arrived (see _upload): after a failure
-        # the carried progress goes out under the same round, so an outage never
-        # pushes a node's rounds ahead of the master's
+        # a round is used up only by an upload that arrived (see _upload): carried progress
+        # goes out under the same round, so an outage never pushes rounds past the master's
         round = max(self.installed, self.last_round + 1)
         job = Contribution(round, self.installed, self.step, delta, final, self.run_id)
-        self._encode(job)
+        if self.settings.delta_dtype != "fp32":  # what it leaves out: the residual (_upload)
+            job.wire = codec.EncodedView(
+                delta, self.settings.delta_dtype, self.settings.delta_block_size
+            )
         self.uploads.submit(job)
         del job, delta  # the wait below holds no copy of the contribution (nor the uploader)
         if self.settings.sync == "blocking" or final:
@@ -240,11 +229,8 @@ class DiLoCoNode:
         """``(anchor - weights) + carry + residual`` in the old anchor's buffers, and the new
         anchor (the weights, float32), one tensor at a time: the carry and the residual are
         let go as the new anchor grows, so the node never holds a third copy of the model."""
-        current = {
-            key: value
-            for key, value in self.model.state_dict().items()
-            if value.is_floating_point()
-        }
+        state = self.model.state_dict()
+        current = {key: value for key, value in state.items() if value.is_floating_point()}
         extras = [dict(x) for x in (self.carry, self.residual) if x is not None]
         self.carry = self.residual = None
         codec.check_like(self.anchor, current, what="the model does not match its anchor")
@@ -256,17 +242,10 @@ class DiLoCoNode:
                 delta.add_(extra.pop(key))
         return self.anchor, anchor
 
-    def _encode(self, job: Contribution) -> None:
-        """Encode ``job`` for the wire (the upload sends exactly ``job.wire``, encoded tensor
-        by tensor as it is written). What it leaves out becomes the residual of the next
-        contribution (error feedback) once the upload arrived (:meth:`_upload`); a failed
-        upload leaves no residual: the carry holds the whole contribution."""
-        name = self.settings.delta_dtype
-        if name == "fp32" or job.delta is None:
-            return
-        job.wire = codec.EncodedView(job.delta, name, self.settings.delta_block_size)
-
     def _upload(self, job: Contribution) -> None:
+        """Send ``job``. Arrived: its round is used up and the wire's leftover becomes the
+        residual. Failed: the whole contribution is carried (no residual), or, permanent,
+        kept in :attr:`fatal` for the training thread to raise."""
         started = time.perf_counter()
         try:
             nbytes = self._send(job)
@@ -278,11 +257,10 @@ class DiLoCoNode:
                 _LOG.warning(f"the done status after round {job.round} was not uploaded: {exc}")
                 self._emit("status_upload_failed", step=job.step, round=job.round, error=str(exc))
                 return
-            with self._lock:  # the whole contribution goes into the next one
+            with self._lock:
+                carry = self.carry
                 self.carry = (
-                    job.delta
-                    if self.carry is None
-                    else {k: v + self.carry[k] for k, v in job.delta.items()}
+                    job.delta if carry is None else {k: v + carry[k] for k, v in job.delta.items()}
                 )
             _LOG.warning(
                 f"delta upload for round {job.round} failed; carried to the next one: {exc}"
@@ -292,7 +270,7 @@ class DiLoCoNode:
         with self._lock:
             self.last_round = max(self.last_round, job.round)
             job.arrived = True  # a checkpoint no longer holds it (its buffers are reused)
-            if isinstance(job.wire, codec.EncodedView) and self.error_feedback:
+            if isinstance(job.wire, codec.EncodedView) and self.settings.error_feedback:
                 self.residual = job.wire.keep_residual()  # in the contribution's buffers
         codec.return_free_memory()  # the encoder's and the writer's slices
         if job.delta is not None:
@@ -308,6 +286,7 @@ class DiLoCoNode:
 
     # -- globals ------------------------------------------------------------------------
     def merge_waiting(self) -> bool:
+        """Merge the waiting global, if any and new; True when one was merged."""
         candidate = self.inbox.take()
         if candidate is None:
             return False
@@ -325,28 +304,32 @@ class DiLoCoNode:
         self.inbox.poke()
         merged = False
         run = self.run_id
-        while True:
+
+        def arrived() -> bool:  # or a new run started (its round count begins again)
+            nonlocal merged
             merged = self.merge_waiting() or merged
-            if self.installed >= round or self.last_round < 0 or self.run_id != run:
-                break  # arrived, or a new run started (its round count begins again)
-            now = time.monotonic()
-            if self.interrupted.is_set() or now >= deadline:
-                break
+            return self.installed >= round or self.last_round < 0 or self.run_id != run
+
+        def waited() -> bool:
+            if arrived():
+                return True
             self.beat()
-            self.inbox.wait(min(0.5, deadline - now))
-        waited = time.monotonic() - started
+            self.inbox.wait(min(0.5, max(deadline - time.monotonic(), 0.0)))
+            return arrived()
+
+        wait_for(waited, timeout=timeout, interval=0.0, stop=self.interrupted)
+        waited_s = time.monotonic() - started
         timed_out = self.installed < round
-        self._emit("sync_wait", outer_step=round, seconds=waited, timed_out=timed_out)
+        self._emit("sync_wait", outer_step=round, seconds=waited_s, timed_out=timed_out)
         # a new run (reported by merge) or a stop request ends the wait without a timeout
         if timed_out and self.run_id == run and not self.interrupted.is_set():
             # say who waits for whom: on the master, its own node waits for its own round
+            source = f"the master has not closed round {round - 1} yet"
             if self.settings.role == "master":
                 source = f"this master has not closed round {round - 1} yet: it still waits "
                 source += "for other nodes' contributions"
-            else:
-                source = f"the master has not closed round {round - 1} yet"
             _LOG.warning(
-                f"this node waited {waited:.1f} s for global {round} (bound {timeout:.0f} s "
+                f"this node waited {waited_s:.1f} s for global {round} (bound {timeout:.0f} s "
                 f"from distributed.round_timeout): {source}; training on, the global is merged "
                 "when it arrives"
             )
@@ -377,11 +360,9 @@ class DiLoCoNode:
 
     @torch.no_grad()
     def merge(self, candidate: GlobalCandidate) -> None:
-        """``weights := G + (weights - anchor)``; ``anchor := G`` (training thread only).
-
-        A global of another run is installed as it is: progress, carry and round numbers of
-        the old run do not belong to the new one.
-        """
+        """``weights := G + (weights - anchor)``; ``anchor := G`` (training thread only). A
+        global of another run is installed as it is: the old run's progress, carry, residual
+        and round numbers do not belong to the new one."""
         self._check_fits(candidate)
         if self._new_run(candidate):
             _LOG.warning(
@@ -389,9 +370,8 @@ class DiLoCoNode:
                 f"{candidate.run_id or '?'}); restarting the round count from it",
             )
             with self._lock:
-                self.last_round, self.carry, self.inner = -1, None, 0
-                self.residual = None  # the old run's error feedback
-                self.anchor = _float_state(self.model)  # progress since here is dropped
+                self.last_round, self.carry, self.residual, self.inner = -1, None, None, 0
+                self.anchor = float_state(self.model)  # progress since here is dropped
             self.installed = -1
         with self._lock:
             self._install(candidate.state)
@@ -400,8 +380,7 @@ class DiLoCoNode:
             self.final_seen = self.final_seen or candidate.final
         codec.return_free_memory()  # the download's and the slices' pages
         if self.settings.reset_inner_optimizer and self.optimizer is not None:
-            reset = getattr(self.optimizer, "reset_state", None)
-            reset() if callable(reset) else self.optimizer.state.clear()
+            self.optimizer.state.clear()
         self._emit(
             "global_pulled",
             outer_step=candidate.outer_step,
@@ -413,10 +392,10 @@ class DiLoCoNode:
 
     def _install(self, global_state: Mapping[str, torch.Tensor]) -> None:
         """``weights := G + (weights - anchor)``, ``anchor := G``, tensor by tensor and in
-        place (temporaries of one tensor). A tensor the model holds under several keys (tied
-        weights) is written once, from its first key: all its keys hold the same values."""
+        place. A tensor the model holds under several keys (tied weights) is written once,
+        from its first key: all its keys hold the same values."""
         state = self.model.state_dict()
-        written: set[tuple[Any, ...]] = set()
+        written: set[tuple[object, ...]] = set()
         for key, value in global_state.items():
             target = state.get(key)
             if target is None or tuple(target.shape) != tuple(value.shape):
@@ -439,12 +418,11 @@ class DiLoCoNode:
             return
         self.finishing = True
         if self.inner > 0 or self.carry is not None:
-            self._boundary(final=True)
             # a failed final upload has no next round to be carried into: send it again
-            for _ in range(FINAL_UPLOAD_ATTEMPTS - 1):
+            for _ in range(FINAL_UPLOAD_ATTEMPTS):
+                self._boundary(final=True)
                 if self.carry is None or self.fatal is not None:
                     break
-                self._boundary(final=True)
             if self.carry is not None:  # not done: a resumed node's finish() sends it
                 self._raise_fatal()  # unless no retry or resume can: exit 2, one line
                 _LOG.error(
@@ -462,9 +440,9 @@ class DiLoCoNode:
         self.done = True  # nothing is left to send
 
     def _send_done(self) -> None:
-        """Nothing left to contribute: upload only the ``done`` status (after the last round).
-        Without it the master waits ``drop_after`` round lengths for this node, so a failed
-        one is sent again, up to ``FINAL_UPLOAD_ATTEMPTS`` times, like a final contribution."""
+        """Nothing left to contribute: upload only the ``done`` status (without it the master
+        waits ``drop_after`` round lengths for this node), up to ``FINAL_UPLOAD_ATTEMPTS``
+        times, like a final contribution."""
         for _ in range(FINAL_UPLOAD_ATTEMPTS):
             record = Contribution(
                 self.last_round, self.installed, self.step, None, True, self.run_id
@@ -476,10 +454,10 @@ class DiLoCoNode:
 
     def stop(self) -> bool:
         """Let an upload in flight finish (bounded); True when nothing is left pending."""
-        return self.uploads.stop(self.settings.delta_upload_shutdown_timeout)
+        return self.uploads.drain(self.settings.delta_upload_shutdown_timeout)
 
     # -- state ------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """Counters, anchor, carry, the error-feedback residual and the upload in flight
         (re-sent on resume)."""
         with self._lock:
@@ -500,7 +478,7 @@ class DiLoCoNode:
                 "done": self.done,
             }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> Contribution | None:
+    def load_state_dict(self, state: Checkpoint) -> Contribution | None:
         """Restore a checkpointed state; returns the contribution that was still in flight
         (the caller sends it again: the master recognises a replay by its round)."""
         if state.get("format") != "speedtronic-diloco-node/2":
@@ -536,8 +514,8 @@ def _merge_into(target: torch.Tensor, anchor: torch.Tensor, value: torch.Tensor)
         part.copy_(update.add_(new[start:stop].to(part.device, torch.float32)))
 
 
-def _float_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Float32 CPU copies of the floating-point entries of ``model.state_dict()``."""
+def float_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Float32 CPU copies of the floating-point entries of ``model.state_dict()`` (an anchor)."""
     return {
         key: value.detach().to("cpu", torch.float32, copy=True)
         for key, value in model.state_dict().items()
@@ -557,13 +535,13 @@ class Contribution:
     delta: dict[str, torch.Tensor] | None
     final: bool = False
     run_id: str = ""
-    # ``delta`` as the wire carries it (None: fp32, or not encoded yet); not checkpointed:
-    # a resumed upload encodes ``delta`` again into the same codes
-    wire: Mapping[str, Any] | None = dataclasses.field(default=None, repr=False, compare=False)
+    # ``delta`` as the wire carries it (None: fp32); not checkpointed: a resumed upload
+    # encodes ``delta`` again into the same codes
+    wire: codec.EncodedView | None = dataclasses.field(default=None, repr=False, compare=False)
     # the exchange has it: ``delta``'s buffers may hold the node's residual now
     arrived: bool = dataclasses.field(default=False, repr=False, compare=False)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """Checkpointable form (tensors and primitives only)."""
         return {
             "round": self.round,
@@ -575,11 +553,11 @@ class Contribution:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Contribution:
-        """Rebuild a checkpointed contribution."""
+    def from_dict(cls, data: Checkpoint) -> Contribution:
+        """Rebuild a checkpointed contribution (``label``: its round, before 2.2)."""
         delta = data.get("delta")
         return cls(
-            int(data["round"] if "round" in data else data["label"]),  # "label": before 2.2
+            int(data["round"] if "round" in data else data["label"]),
             int(data["base"]),
             int(data["step"]),
             None if delta is None else codec.cpu_state_dict(delta),
@@ -604,12 +582,9 @@ class GlobalCandidate:
 
 
 class GlobalInbox:
-    """Where new globals arrive: offered by the in-process master, or fetched by polling.
-
-    ``fetch(seen)`` (workers) returns a candidate when the published ``(outer_step, run_id)``
-    differs from ``seen``. With ``threaded`` a daemon thread polls every ``interval`` seconds
-    (sooner after :meth:`poke`); otherwise :meth:`poll_due` polls on the calling thread.
-    """
+    """Where new globals arrive: offered by the in-process master, or fetched (``fetch(seen)``,
+    workers) every ``interval`` seconds and sooner after :meth:`poke`, by a :class:`Loop`
+    (``threaded``) or on the calling thread (:meth:`poll_due`)."""
 
     def __init__(
         self,
@@ -620,14 +595,13 @@ class GlobalInbox:
     ):
         self._fetch = fetch
         self.interval = interval
-        self.threaded = threaded and fetch is not None
         self._cond = threading.Condition()
         self._candidate: GlobalCandidate | None = None
         self._seen = (-1, "")  # (outer step, run id) of the newest global offered or fetched
         self._last_poll = 0.0
-        self._poke = threading.Event()
-        self._stop = threading.Event()
-        self.thread: threading.Thread | None = None
+        self.poller = None
+        if threaded and fetch is not None:
+            self.poller = Loop("speedtronic-diloco-poll", self._poll, interval)
 
     def offer(self, candidate: GlobalCandidate) -> None:
         """Make ``candidate`` the waiting global (the newest offer wins)."""
@@ -649,8 +623,7 @@ class GlobalInbox:
 
     def wait(self, timeout: float) -> None:
         """Block up to ``timeout`` seconds for an offer (inline polling happens here too)."""
-        if not self.threaded and self._fetch is not None:
-            self.poll_due()
+        self.poll_due()
         with self._cond:
             if self._candidate is None:
                 self._cond.wait(timeout)
@@ -658,20 +631,21 @@ class GlobalInbox:
     def poke(self) -> None:
         """Ask for a poll as soon as possible (a node waits for a global)."""
         self._last_poll = 0.0
-        self._poke.set()
+        if self.poller is not None:
+            self.poller.wake()
 
     def poll_due(self) -> None:
         """Inline mode: poll when ``interval`` seconds passed since the last poll."""
-        if self.threaded or self._fetch is None:
-            return
         now = time.monotonic()
-        if now - self._last_poll >= self.interval:
+        if self.poller is None and now - self._last_poll >= self.interval:
             self._last_poll = now
             self._poll()
 
     def _poll(self) -> None:
+        if self._fetch is None:
+            return
         try:
-            candidate = self._fetch(self._seen)  # type: ignore[misc]
+            candidate = self._fetch(self._seen)
         except Exception as exc:
             _LOG.warning(f"global poll failed; retrying at the next poll: {exc}")
             return
@@ -679,41 +653,26 @@ class GlobalInbox:
             self.offer(candidate)
 
     def start(self) -> None:
-        """Start the poller thread (threaded mode only)."""
-        if not self.threaded or (self.thread is not None and self.thread.is_alive()):
-            return
-        self._stop.clear()
-        self.thread = threading.Thread(
-            target=self._loop, name="speedtronic-diloco-poll", daemon=True
-        )
-        self.thread.start()
+        """Start the poller (threaded mode only)."""
+        if self.poller is not None:
+            self.poller.start()
 
     def stop(self, timeout: float) -> None:
-        """Stop the poller thread (bounded join)."""
-        self._stop.set()
-        self._poke.set()
-        thread, self.thread = self.thread, None
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self._poll()
-            self._poke.wait(self.interval)
-            self._poke.clear()
+        """Stop the poller (bounded join)."""
+        if self.poller is not None:
+            self.poller.stop(timeout)
 
 
 class Uploader:
-    """One upload at a time: on a daemon thread (``threaded``) or on the calling thread."""
+    """One upload at a time, in one slot (:attr:`pending`): on a daemon thread of its own
+    that ends with the upload (``threaded``), or on the calling thread. A submit waits for
+    the slot; the thread's last reference to the job goes with the thread."""
 
-    def __init__(self, send: Callable[[Contribution], Any], *, threaded: bool):
+    def __init__(self, send: Callable[[Contribution], None], *, threaded: bool):
         self._send = send
         self.threaded = threaded
-        self._queue: queue.Queue[Contribution] = queue.Queue()
         self._cond = threading.Condition()
         self.pending: Contribution | None = None  # submitted, not finished
-        self._stop = threading.Event()
-        self.thread: threading.Thread | None = None
 
     def submit(self, job: Contribution) -> None:
         """Send ``job`` (after the previous one finished)."""
@@ -721,21 +680,15 @@ class Uploader:
         with self._cond:
             self.pending = job
         if self.threaded:
-            self._ensure_thread()
-            self._queue.put(job)
+            name = "speedtronic-diloco-upload"
+            threading.Thread(target=self._run, args=(job,), name=name, daemon=True).start()
         else:
             self._run(job)
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until no upload is in flight; False when ``timeout`` passed first."""
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self.pending is not None and (self.thread is not None or not self.threaded):
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._cond.wait(remaining)
-        return True
+            return self._cond.wait_for(lambda: self.pending is None, timeout)
 
     def _run(self, job: Contribution) -> None:
         try:
@@ -746,32 +699,6 @@ class Uploader:
                     self.pending = None
                 self._cond.notify_all()
 
-    def _ensure_thread(self) -> None:
-        if self.thread is None or not self.thread.is_alive():
-            self._stop.clear()
-            self.thread = threading.Thread(
-                target=self._loop, name="speedtronic-diloco-upload", daemon=True
-            )
-            self.thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set() or not self._queue.empty():
-            try:
-                job = self._queue.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            self._run(job)
-            del job  # its contribution is not kept alive while the thread waits
-
-    def stop(self, timeout: float) -> bool:
-        """Let the job in flight finish (bounded); True when nothing is left pending."""
-        finished = self.drain(timeout)
-        self._stop.set()
-        thread, self.thread = self.thread, None
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(0.5)
-        return finished
-
 
 # -- the node's link to the exchange ---------------------------------------------------
 #: Reads of a global that met a publish between its files before the error goes up, and
@@ -781,32 +708,17 @@ TORN_WAIT = 0.1
 
 
 class NodeLink:
-    """What one node reads from and writes to the exchange ``store``: its claim on its id,
-    its uploads (:meth:`send`, the uploader's), the globals (:meth:`fetch`, the inbox's) and
-    the wait for a run's first global.
-
-    Identity: the claim is written before the node writes anything else; another live node
-    holding the id is a :class:`NodeIdCollisionError` (exit 2). A record of another host's
-    unfinished node is watched for ``drop_after`` x ``round_timeout`` (as long as the master
-    waits for a silent node) before the id is taken over; every upload reads the record back
-    first, and a node that took an id over stops before its first upload when the holder's
-    round files changed since the watch. Errors no retry fixes (auth refused, an unusable
-    path) are an :class:`ExchangeAccessError` or ``ExchangeError`` (exit 2) naming the
-    repository, never the token.
-
-    ``settings`` is the ``distributed`` config section (``repo_id``, ``token``,
-    ``round_timeout``, ``poll_interval``, ``delta_dtype``, ``global_dtype``: int8/int4 keeps
-    the last global, :attr:`held`, to apply the next outer update to, falling back
-    to the full global); ``claim`` this process's claim on
-    its node id; ``max_bytes`` the largest global file this node's model can have; ``like``
-    the model's state (a global must be finite in its dtypes);
-    ``interrupted`` ends every wait early (a stop was requested).
-    """
+    """What one node reads from and writes to the exchange: its claim on its id (see
+    :class:`NodeClaim`), its uploads (:meth:`send`), the globals (:meth:`fetch`) and the
+    wait for a run's first global. Errors no retry fixes are an :class:`ExchangeAccessError`
+    or ``ExchangeError`` (exit 2) naming the repository, never the token. ``max_bytes``
+    bounds a global file; ``like`` is the model's state (a global must be finite in its
+    dtypes); ``interrupted`` ends every wait."""
 
     def __init__(
         self,
-        store: Any,
-        settings: Any,
+        store: Store,
+        settings: DistributedConfig,
         *,
         claim: NodeClaim,
         max_bytes: int,
@@ -825,7 +737,7 @@ class NodeLink:
         self.beat = time.monotonic()  # the last sign of life while waiting here
         self._displaced = ""  # the instance whose record this node took over at its claim
         # the displaced holder's round files when the watch ended, until our first upload
-        self._watched: dict[str, Any] | None = None
+        self._watched: dict[str, FileInfo] | None = None
         self._holder = ""  # the displaced holder, as the log lines name it
         self._refused = ""  # checksum of a published global this node refused
         self._told: set[str] = set()  # "node/round" refusals of our files already reported
@@ -839,10 +751,8 @@ class NodeLink:
         if isinstance(exc, AccessRefused):
             raise self.access_error(exc) from None
         if isinstance(exc, TransportError) and exc.kind == "permanent":
-            repo = self.settings.repo_id
-            raise ExchangeError(
-                scrub(f"distributed.repo_id: {what} {repo!r}: {exc}", (self.settings.token,))
-            ) from None
+            message = f"distributed.repo_id: {what} {self.settings.repo_id!r}: {exc}"
+            raise ExchangeError(scrub(message, (self.settings.token,))) from None
 
     def access_error(self, exc: AccessRefused) -> ExchangeAccessError:
         """Exit 2: the exchange refused this node's token; names the repository (the
@@ -860,9 +770,8 @@ class NodeLink:
 
     # -- the claim on the node id ------------------------------------------------------------
     def check_id(self) -> None:
-        """Before a worker waits for a run to join: a live process on this host already
-        holding the id is a `NodeIdCollisionError` at once (nothing is written; the claim
-        itself, with the watch of another host's holder, comes once a run is found)."""
+        """Before a worker waits for a run: a live process on this host holding the id is a
+        `NodeIdCollisionError` at once (nothing is written)."""
         try:
             owner = self.store.read_owner(self.node_id)
         except Exception as exc:
@@ -871,20 +780,19 @@ class NodeLink:
         if self._collides(owner):
             raise NodeIdCollisionError(self.node_id)
 
-    def claim_id(self, **status: Any) -> None:
-        """Write our claim/status record (``status``: ``state`` and, when done,
-        ``final_round``); another live node holding the id is a `NodeIdCollisionError`,
-        raised before this node writes anything."""
+    def claim_id(self, **status: object) -> None:
+        """Write our claim/status record (``state`` and, when done, ``final_round``); another
+        live node holding the id is a `NodeIdCollisionError`, raised before any write."""
         try:
             owner = self.store.read_owner(self.node_id)
             if self._collides(owner):
                 raise NodeIdCollisionError(self.node_id)
-            if self.claim.held_elsewhere(owner):
+            if owner is not None and self.claim.held_elsewhere(owner):
                 self._watched = self._watch_holder(owner)
             other = (owner or {}).get("instance")
             if other and other != self.claim.instance:
                 self._displaced = str(other)
-            if other != self.claim.instance or owner.get("state") != status["state"]:
+            if other != self.claim.instance or (owner or {}).get("state") != status["state"]:
                 self.store.claim_owner(self.node_id, self.claim.record(**status))
             self.claim.claimed = True
         except NodeIdCollisionError:
@@ -893,22 +801,19 @@ class NodeLink:
             self.raise_if_permanent(exc, "cannot write to the exchange")
             _LOG.warning(f"could not claim node_id {self.node_id}: {exc}")
 
-    def _round_files(self) -> dict[str, Any]:
+    def _round_files(self) -> dict[str, FileInfo]:
         """This id's files on the exchange but its status record (which we write too)."""
         prefix, record = f"nodes/{self.node_id}/", f"nodes/{self.node_id}/owner.json"
         files = self.store.scan().files.items()
         return {p: i for p, i in files if p.startswith(prefix) and p != record}
 
-    def _watch_holder(self, owner: Mapping[str, Any]) -> dict[str, Any]:
-        """Another host's node holds our id and had not finished: watch its files for up to
-        ``drop_after`` x ``round_timeout`` (a live node writes once a round, and a round may
-        last minutes; the master drops a node only after as long a silence). A change is a
-        `NodeIdCollisionError`; none means its instance is gone, and the id is taken over.
-        Returns the holder's round files at the end (checked again before our first upload)."""
-        holder = f"instance {owner.get('instance')} on host {owner.get('host', '?')}"
-        self._holder = holder
-        cfg = self.settings
-        window = max(int(cfg.drop_after), 1) * cfg.round_timeout
+    def _watch_holder(self, owner: Record) -> dict[str, FileInfo]:
+        """Another host's unfinished node holds our id: watch its files for up to
+        ``drop_after`` x ``round_timeout`` (a live node writes once a round). A change is a
+        `NodeIdCollisionError`; none means its instance is gone and the id is taken over.
+        Returns the holder's round files (checked again before our first upload)."""
+        self._holder = holder = f"instance {owner.get('instance')} on host {owner.get('host', '?')}"
+        window = max(self.settings.drop_after, 1) * self.settings.round_timeout
         _LOG.info(
             f"node id {self.node_id!r} is held by {holder} (state {owner.get('state')}); "
             f"watching its files for up to {window:.0f} s (distributed.drop_after x "
@@ -916,22 +821,25 @@ class NodeLink:
             "taking the id over"
         )
         before, started = self._round_files(), time.monotonic()
-        while time.monotonic() - started < window and not self.interrupted.is_set():
+
+        def changed() -> bool:
             self.beat = time.monotonic()
-            time.sleep(min(cfg.poll_interval, 1.0))
-            if self._round_files() != before:
-                waited = time.monotonic() - started
-                self._emit("node_id_collision", node_id=self.node_id)
-                raise NodeIdCollisionError(
-                    self.node_id, f"{holder} wrote to the exchange {waited:.1f} s into the watch"
-                )
+            return self._round_files() != before
+
+        pause = min(self.settings.poll_interval, 1.0)
+        if wait_for(changed, timeout=window, interval=pause, stop=self.interrupted):
+            self._emit("node_id_collision", node_id=self.node_id)
+            waited = time.monotonic() - started
+            raise NodeIdCollisionError(
+                self.node_id, f"{holder} wrote to the exchange {waited:.1f} s into the watch"
+            )
         _LOG.info(
             f"{holder} wrote nothing in {time.monotonic() - started:.1f} s; taking node id "
             f"{self.node_id!r} over (that instance is gone)"
         )
         return before
 
-    def _collides(self, owner: Mapping[str, Any] | None) -> bool:
+    def _collides(self, owner: Record | None) -> bool:
         other = self.claim.check(owner)
         if other is None:
             return False
@@ -942,41 +850,41 @@ class NodeLink:
         self._emit("node_id_collision", node_id=self.node_id)
         return True
 
+    def _check_still_ours(self, job: Contribution) -> None:
+        """Before an upload: the record and the watched holder's files say whether another
+        live node uses our id (this node stops; nothing of the other is lost)."""
+        owner = self.store.read_owner(self.node_id) or {}
+        later = ""
+        if self._displaced and owner.get("instance") == self._displaced:
+            later = f"instance {self._displaced} wrote again after this node took the id over"
+        elif self._watched is not None and self._round_files() != self._watched:
+            # the holder uploaded after our watch: an upload of ours could take its place
+            later = (
+                f"{self._holder} wrote round files after this node's watch ended; this node "
+                "stops before its first upload"
+            )
+        if later:
+            self._emit("node_id_collision", node_id=self.node_id)
+            raise NodeIdCollisionError(self.node_id, later)
+        if self._collides(owner):  # a later instance took our id over after our claim
+            _LOG.error(
+                f"node id {self.node_id!r} was taken over by instance {owner.get('instance')} "
+                f"on host {owner.get('host', '?')} after this node claimed it; this node's "
+                f"round {job.round} upload reclaims it and the later instance stops at its "
+                "next upload (a round it uploaded first stands for this node's)"
+            )
+
     # -- uploads -----------------------------------------------------------------------------
     def send(self, job: Contribution) -> int:
         """Upload one contribution with our status record (one commit); returns bytes."""
         with contextlib.suppress(TransportError):  # the upload below reports an outage
-            owner = self.store.read_owner(self.node_id)
-            if self._displaced and (owner or {}).get("instance") == self._displaced:
-                # the instance this node took the id over from writes again: it is live, and
-                # this node is the later of the two (it stops; nothing of the other is lost)
-                self._emit("node_id_collision", node_id=self.node_id)
-                raise NodeIdCollisionError(
-                    self.node_id,
-                    f"instance {self._displaced} wrote again after this node took the id over",
-                )
-            if self._watched is not None and self._round_files() != self._watched:
-                # the holder uploaded after our watch ended (its record may since be ours
-                # again): it is live; an upload of ours could take its round's place
-                self._emit("node_id_collision", node_id=self.node_id)
-                raise NodeIdCollisionError(
-                    self.node_id,
-                    f"{self._holder} wrote round files after this node's watch ended; this "
-                    "node stops before its first upload",
-                )
-            if self._collides(owner):  # a later instance took our id over after our claim
-                _LOG.error(
-                    f"node id {self.node_id!r} was taken over by instance "
-                    f"{(owner or {}).get('instance')} on host {(owner or {}).get('host', '?')} "
-                    f"after this node claimed it; this node's round {job.round} upload "
-                    "reclaims it and the later instance stops at its next upload (a round it "
-                    "uploaded first stands for this node's)"
-                )
-        status = {"state": "done", "final_round": job.round} if job.final else {"state": "training"}
+            self._check_still_ours(job)
+        status: dict[str, object] = {"state": "training"}
+        if job.final:
+            status = {"state": "done", "final_round": job.round}
         try:
             if job.delta is None:  # nothing left to contribute: only the done status
-                record = self.claim.record(state="done", final_round=job.round)
-                self.store.claim_owner(self.node_id, record)
+                self.store.claim_owner(self.node_id, self.claim.record(**status))
                 nbytes = 0
             else:
                 self.store.upload_delta(
@@ -1004,28 +912,32 @@ class NodeLink:
     # -- globals -----------------------------------------------------------------------------
     def fetch(self, seen: tuple[int, str]) -> GlobalCandidate | None:
         """The published global when its ``(outer_step, run_id)`` is not ``seen``; a refused
-        one (too large, non-finite) is reported once and not downloaded again.
-
-        A read that met a publish between its files (`TornRead`: the new weights, the old
-        record; the workers of a re-run start as their master publishes) waits for the record
-        that names the new weights (polled ``TORN_WAIT`` s apart, at most ``TORN_READS``
-        times in all) and reads again; a record that does not change gives the caller the
-        error (it retries later).
-        """
+        one (too large, non-finite) is reported once and not downloaded again. A read that met
+        a publish between its files (`TornRead`) reads again once the record changes (for at
+        most ``TORN_READS`` polls); a record that does not change raises (the caller retries)."""
         started = time.perf_counter()
         metadata = self.store.global_metadata()
-        polls = TORN_READS
+        deadline = time.monotonic() + TORN_READS * TORN_WAIT
         while True:
             try:
                 return self._fetch(metadata, seen, started)
             except T.TornRead:
-                newer = metadata
-                while newer == metadata and polls > 0 and not self.interrupted.wait(TORN_WAIT):
-                    polls -= 1
-                    newer = self.store.global_metadata()
-                if newer == metadata:
+                newer = self._newer_record(metadata, deadline)
+                if newer is None:
                     raise
-                metadata = newer
+                metadata = newer[0]
+
+    def _newer_record(
+        self, old: T.GlobalMetadata | None, deadline: float
+    ) -> tuple[T.GlobalMetadata | None] | None:
+        """The version record once it differs from ``old``, polled until ``deadline``."""
+
+        def changed() -> tuple[T.GlobalMetadata | None] | None:
+            record = self.store.global_metadata()
+            return (record,) if record != old else None
+
+        remaining = max(deadline - time.monotonic(), 0.0)
+        return wait_for(changed, timeout=remaining, interval=TORN_WAIT, stop=self.interrupted)
 
     def _fetch(
         self, metadata: T.GlobalMetadata | None, seen: tuple[int, str], started: float
@@ -1060,9 +972,8 @@ class NodeLink:
         return self._fetched(metadata, state, started, "full")
 
     def _hear_refusals(self, metadata: T.GlobalMetadata) -> None:
-        """The master names in each new record the contributions it refused (unreadable or
-        damaged, counted corrupt and pruned): this node's are said once, as an error and a
-        ``delta_refused`` event (that round's progress is not in the global)."""
+        """The record names the contributions the master refused (damaged, counted corrupt
+        and pruned): this node's are said once, as an error and a ``delta_refused`` event."""
         for name in metadata.refused:
             node, _, round = name.partition("/")
             if node != self.node_id or name in self._told:
@@ -1119,16 +1030,10 @@ class NodeLink:
         return None
 
     def first_global(self, run_id: str, resumed: bool) -> tuple[GlobalCandidate | None, str]:
-        """A worker's global to start from, before its first step: ``(candidate, "")``, or
-        ``(None, why)`` when this node has no run to take part in.
-
-        A global marked final ends a run. A node resumed into that run (its ``run_id``) has
-        nothing left to do. Any other node never trains from it: it waits (at most
-        ``round_timeout``) for the first global of a new run, and when none comes, its run
-        has ended too. With no global at all, a fresh node waits as long for the master's
-        first one (None: it trains from its own weights); a ``resumed`` node goes on from its
-        checkpointed round at once.
-        """
+        """A worker's global to start from: ``(candidate, "")``, or ``(None, why)`` when it
+        has no run to take part in. A final global ends a run: a node of that run is done;
+        another waits (<= ``round_timeout``) for a new run's first global. With no global, a
+        fresh node waits as long for the first (None: its own weights); a resumed one not."""
         try:
             candidate = self.fetch((-1, ""))
         except Exception as exc:
@@ -1171,21 +1076,24 @@ class NodeLink:
         """Poll (at most ``round_timeout``, interruptible) for a published global other than
         ``seen`` that is not final; returns it (None: none came) and the seconds waited."""
         started = time.monotonic()
-        deadline = started + self.settings.round_timeout
-        while not self.interrupted.is_set() and time.monotonic() < deadline:
+
+        def published() -> GlobalCandidate | None:
+            nonlocal seen
             self.beat = time.monotonic()
-            pause = min(self.settings.poll_interval, 1.0, max(deadline - time.monotonic(), 0))
-            time.sleep(pause)
             try:
                 candidate = self.fetch(seen)
             except Exception as exc:
                 self.raise_if_permanent(exc, "cannot read from the exchange")
-                candidate = None
+                return None
             if candidate is not None and candidate.final:
                 seen, candidate = (candidate.outer_step, candidate.run_id), None
-            if candidate is not None:
-                return candidate, time.monotonic() - started
-        return None, time.monotonic() - started
+            return candidate
+
+        pause = min(self.settings.poll_interval, 1.0)
+        candidate = wait_for(
+            published, timeout=self.settings.round_timeout, interval=pause, stop=self.interrupted
+        )
+        return candidate, time.monotonic() - started
 
 
 # -- identity --------------------------------------------------------------------------
@@ -1193,21 +1101,17 @@ _NODE_ENV = ("SPEEDTRONIC_NODE_ID", "HOSTNAME", "HF_USERNAME", "USER")
 
 
 def resolve_node_id(configured: str | None, environ: Mapping[str, str]) -> str:
-    """``node_id`` -> SPEEDTRONIC_NODE_ID -> HOSTNAME -> HF_USERNAME -> USER -> ``local``.
-
-    The result must pass the config layer's one node-id rule (letters, digits, ``._@+-``, at
-    most 128 characters), else ``ConfigError``.
-    """
+    """``node_id`` -> SPEEDTRONIC_NODE_ID -> HOSTNAME -> HF_USERNAME -> USER -> ``local``,
+    checked by the config layer's one node-id rule (else ``ConfigError``)."""
     candidates = [configured, *(environ.get(name) for name in _NODE_ENV), "local"]
     value = next(str(c).strip() for c in candidates if c is not None and str(c).strip())
     return check_node_id(value)
 
 
 class NodeIdCollisionError(ConfigError):
-    """Another live node already uses this node's id, found when the node claims it at
-    startup (before it trains or writes anything) or, for the later of two nodes, when the
-    earlier one writes again: a configuration error, exit code 2. ``detail`` says how it
-    was found."""
+    """Another live node already uses this node's id, found at the claim (before the node
+    trains or writes anything) or, for the later of two nodes, when the earlier one writes
+    again: exit code 2. ``detail`` says how it was found."""
 
     def __init__(self, node_id: str, detail: str = "") -> None:
         found = f" ({detail})" if detail else ""
@@ -1221,8 +1125,7 @@ class NodeIdCollisionError(ConfigError):
 
 class ExchangeAccessError(ConfigError):
     """The exchange refused this node's credentials (HTTP 401/403, or 404 for its own
-    repository): exit code 2. The message names the repository; the entrypoint, which knows
-    where the token came from, adds that (:meth:`with_token_source`). Never the token."""
+    repository): exit code 2. The message names the repository, never the token."""
 
     def __init__(self, message: str, *, repo_id: str, status: int | None = None) -> None:
         super().__init__(message)
@@ -1237,24 +1140,15 @@ class ExchangeAccessError(ConfigError):
         )
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):
-        return True
-    return True
-
-
 class NodeClaim:
     """This process's claim on ``node_id``: the ``nodes/<id>/owner.json`` record, written at
-    startup and again with every upload (same commit), with the node's round status
-    (``training``, ``done``) that the master reads. A different instance token there means
-    another *live* process wrote it after us: a collision. A claim left by a dead incarnation
-    is taken over: on this host when its pid is gone; from another host when its files did
-    not change while this node watched them (:meth:`held_elsewhere`). The instance token is
-    kept in ``<state_dir>/identity.json``, so a restart keeps it."""
+    startup and with every upload, with the round status the master reads. Another live
+    instance's token there is a collision (:class:`NodeIdCollisionError`, exit 2). A dead
+    holder's claim is taken over: on this host when its pid is gone; from another host when
+    its files did not change for ``drop_after`` x ``round_timeout`` (as long as the master
+    waits for a silent node; :meth:`NodeLink.claim_id`), and a holder that writes after
+    that stops this node before its first upload. The instance token survives restarts in
+    ``<state_dir>/identity.json``."""
 
     def __init__(self, node_id: str, role: str, state_dir: Path, host: str | None = None):
         self.node_id, self.role = node_id, role
@@ -1273,9 +1167,9 @@ class NodeClaim:
                 path.write_text(json.dumps({"instance": token}) + "\n", encoding="utf-8")
             return token
 
-    def record(self, **status: Any) -> dict[str, Any]:
-        """The claim written to ``nodes/<id>/owner.json``, with the node's round status
-        (``state``: ``training``, ``done`` or ``aggregator``; ``final_round`` when done)."""
+    def record(self, **status: object) -> dict[str, object]:
+        """The claim record with the node's round status (``state``: ``training``, ``done``
+        or ``aggregator``; ``final_round`` when done)."""
         return {
             "node_id": self.node_id,
             "instance": self.instance,
@@ -1285,31 +1179,39 @@ class NodeClaim:
             **status,  # no timestamp: an unchanged record keeps its blob id (the master skips it)
         }
 
-    def check(self, owner: Mapping[str, Any] | None) -> str | None:
+    def check(self, owner: Record | None) -> str | None:
         """The instance token of a live colliding node (reported once), else None."""
         other = owner.get("instance") if owner else None
-        if not other or other == self.instance or other in self.reported:
+        if owner is None or not other or other == self.instance or other in self.reported:
             return None
-        if self.claimed:
-            live = True  # somebody overwrote our claim after we made it
-        else:  # before our first claim: only a running process on this host is provably live
-            pid = owner.get("pid")
-            live = (
-                owner.get("host") == self.host
-                and isinstance(pid, int)
-                and pid != os.getpid()
-                and _pid_alive(pid)
-            )
-        if live:
-            self.reported.add(str(other))
-            return str(other)
-        return None
+        pid = owner.get("pid")
+        # after our claim, somebody overwrote it; before it, only a running process on this
+        # host is provably live
+        live = self.claimed or (
+            owner.get("host") == self.host
+            and isinstance(pid, int)
+            and pid != os.getpid()
+            and _pid_alive(pid)
+        )
+        if not live:
+            return None
+        self.reported.add(str(other))
+        return str(other)
 
-    def held_elsewhere(self, owner: Mapping[str, Any] | None) -> bool:
+    def held_elsewhere(self, owner: Record) -> bool:
         """Whether ``owner`` is another instance's record, written on another host by a node
-        that has not finished: it may be live, and only its files can tell (a live node
-        writes at every round), see :meth:`NodeLink.claim_id`."""
-        other = owner.get("instance") if owner else None
+        that has not finished: it may be live, and only its files can tell."""
+        other = owner.get("instance")
         if not other or other == self.instance or owner.get("host") == self.host:
             return False
         return owner.get("state") in ("training", "aggregator")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: alive, another user's
+        return True
+    return True

@@ -36,6 +36,7 @@ from speedtronic.diloco.codec import (
     encode_delta,
 )
 from speedtronic.diloco.master import NesterovOuterOptimizer, step_quantized
+from speedtronic.diloco.node import float_state
 
 if TYPE_CHECKING:
     from speedtronic.config import SpeedtronicConfig
@@ -119,7 +120,7 @@ def simulate(
     model = trainers[0].model
     global_state = cpu_state_dict(model.state_dict())
     outer = NesterovOuterOptimizer(global_state, lr, momentum)
-    anchors = [_float_state(t.model) for t in trainers]
+    anchors = [float_state(t.model) for t in trainers]
     residuals: list[dict[str, torch.Tensor] | None] = [None] * len(ids)
     heldout = build_heldout(config)
     total_steps = config.effective_max_steps
@@ -131,7 +132,7 @@ def simulate(
         mean: dict[str, torch.Tensor] | None = None
         for i, (node, trainer, anchor) in enumerate(zip(ids, trainers, anchors, strict=True)):
             losses[node] = trainer.fit(target).final_loss
-            delta = compute_pseudo_gradient(anchor, _float_state(trainer.model))
+            delta = compute_pseudo_gradient(anchor, float_state(trainer.model))
             delta, residuals[i] = _sent(delta, residuals[i], wire, block, error_feedback)
             if mean is None:
                 mean = delta
@@ -154,7 +155,7 @@ def simulate(
             )
         for i, trainer in enumerate(trainers):
             _install(trainer.model, global_state)
-            anchors[i] = _float_state(trainer.model)
+            anchors[i] = float_state(trainer.model)
         if eval_every_round and heldout is not None:
             curve.append((r + 1, _score(model, global_state, heldout, trainers[0], evaluate)))
         if progress is not None:
@@ -196,14 +197,6 @@ def _score(
 ) -> float:
     _install(model, state)
     return evaluate(model, heldout, device=trainer.device, precision=trainer.precision).loss
-
-
-def _float_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {
-        key: value.detach().to("cpu", torch.float32, copy=True)
-        for key, value in model.state_dict().items()
-        if value.is_floating_point()
-    }
 
 
 @torch.no_grad()
