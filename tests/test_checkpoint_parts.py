@@ -9,7 +9,7 @@ from torch import nn
 
 from speedtronic.checkpoint import CheckpointManager, CheckpointParts
 from speedtronic.metrics.logger import MetricLogger
-from speedtronic.train.trainer import Trainer
+from speedtronic.train.trainer import Trainer, TrainerOptions
 
 # The keys of a "speedtronic-checkpoint/1" file as the code before the parts wrote them.
 V1_KEYS = {
@@ -66,7 +66,7 @@ def make_trainer(tmp_path, model: nn.Module) -> Trainer:
         logger=MetricLogger(stream=io.StringIO()),
         scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.9),
         checkpoint_manager=CheckpointManager(tmp_path, every_steps=2, keep_last=None),
-        max_steps=4,
+        options=TrainerOptions(max_steps=4),
     )
 
 

@@ -185,8 +185,7 @@ def test_trainer_emits_eval_at_the_cadence_and_at_the_end_after_the_coordinator_
         logger=logger,
         coordinator=StopsLast(model, log),
         checkpoint_manager=Manager(log),
-        max_steps=7,
-        options=TrainerOptions(heldout=held),
+        options=TrainerOptions(max_steps=7, heldout=held),
     )
     trainer.fit()
     evals = [payload for event, payload in log if event == "eval"]
@@ -210,8 +209,7 @@ def test_trainer_eval_every_zero_means_only_at_the_end_and_no_heldout_means_none
         lm_batches(),
         config={"eval": {"every_steps": 0}},
         logger=logger,
-        max_steps=4,
-        options=TrainerOptions(heldout=heldout_of(random_batch(2, 6))),
+        options=TrainerOptions(max_steps=4, heldout=heldout_of(random_batch(2, 6))),
     )
     trainer.fit()
     assert [step for event, step in seen if event == "eval"] == [4]

@@ -56,8 +56,7 @@ def test_accumulation_golden_sgd():
         optimizer,
         scalar_batches(0.0, 2.0),
         logger=quiet_logger(),
-        max_steps=1,
-        options=TrainerOptions(accumulation_steps=2),
+        options=TrainerOptions(max_steps=1, accumulation_steps=2),
     )
     result = trainer.fit()
     # micro-batch losses 0 and 4: mean 2.0; grads 0 and -4 averaged -> -2; p = 0 + 0.1*2
@@ -97,7 +96,7 @@ def test_loss_decreases_and_metrics_keys():
         torch.optim.AdamW(model.parameters(), lr=0.05),
         lm_batches(),
         logger=quiet_logger(),
-        max_steps=40,
+        options=TrainerOptions(max_steps=40),
     )
     result = trainer.fit()
     assert isinstance(result, TrainResult)
@@ -133,7 +132,7 @@ def test_attention_mask_counts_tokens():
         torch.optim.SGD(model.parameters(), lr=0.1),
         [batch],
         logger=quiet_logger(),
-        max_steps=2,
+        options=TrainerOptions(max_steps=2),
     )
     assert trainer.fit().tokens == 18
 
@@ -145,7 +144,7 @@ def test_absolute_target_and_second_fit():
         torch.optim.SGD(model.parameters(), lr=0.1),
         lm_batches(),
         logger=quiet_logger(),
-        max_steps=3,
+        options=TrainerOptions(max_steps=3),
     )
     assert trainer.fit().steps == 3
     again = trainer.fit()
@@ -181,7 +180,7 @@ def test_loss_resolution_forms(output):
         torch.optim.SGD(model.parameters(), lr=0.1),
         lm_batches(2),
         logger=quiet_logger(),
-        max_steps=2,
+        options=TrainerOptions(max_steps=2),
     )
     assert trainer.fit().final_loss > 0
 
@@ -203,7 +202,7 @@ def test_model_without_loss_is_a_clear_error_before_any_update():
         torch.optim.SGD(model.parameters(), lr=0.1),
         batches,
         logger=quiet_logger(),
-        max_steps=2,
+        options=TrainerOptions(max_steps=2),
     )
     with pytest.raises(MissingLossError, match="NoLoss"):
         trainer.fit()
@@ -249,8 +248,7 @@ def test_grad_scaler_overflow_skips_then_recovers():
         torch.optim.SGD(model.parameters(), lr=0.1),
         scalar_batches(1.0),
         logger=logger,
-        precision=cpu_fp16_plan(),
-        max_steps=3,
+        options=TrainerOptions(precision=cpu_fp16_plan(), max_steps=3),
     )
     result = trainer.fit()
     assert result.steps == 3 and result.skipped_updates == 2
@@ -270,8 +268,7 @@ def test_twenty_consecutive_overflows_raise():
         torch.optim.SGD(model.parameters(), lr=0.1),
         scalar_batches(1.0),
         logger=quiet_logger(),
-        precision=cpu_fp16_plan(),
-        max_steps=3,
+        options=TrainerOptions(precision=cpu_fp16_plan(), max_steps=3),
     )
     with pytest.raises(GradientOverflowError, match="20 consecutive updates"):
         trainer.fit()
@@ -301,7 +298,7 @@ def test_nonfinite_loss_stops_with_step_and_keeps_last_checkpoint(tmp_path):
         scalar_batches(1.0),
         logger=logger,
         checkpoint_manager=manager,
-        max_steps=5,
+        options=TrainerOptions(max_steps=5),
     )
     with pytest.raises(NonFiniteLossError, match="at step 3") as info:
         trainer.fit()
@@ -355,7 +352,7 @@ def test_request_stop_from_a_thread_saves_final_checkpoint(tmp_path):
         lm_batches(),
         logger=logger,
         checkpoint_manager=manager,
-        max_steps=10_000,
+        options=TrainerOptions(max_steps=10_000),
     )
 
     def stopper(event, payload):
@@ -434,7 +431,7 @@ def test_coordinator_hooks_the_optimizer_and_finishes_only_at_the_run_target():
         lm_batches(),
         logger=quiet_logger(),
         coordinator=coordinator,
-        max_steps=2,
+        options=TrainerOptions(max_steps=2),
     )
     trainer.fit(1)  # below the run target: no end-of-run
     trainer.fit(2)
@@ -456,7 +453,7 @@ def test_stop_request_interrupts_the_coordinator_and_skips_finish():
         lm_batches(),
         logger=quiet_logger(),
         coordinator=coordinator,
-        max_steps=5,
+        options=TrainerOptions(max_steps=5),
     )
     trainer.logger.hooks.append(
         lambda event, payload: trainer.request_stop("test") if event == "train_step" else None
@@ -475,7 +472,7 @@ def test_pure_aggregator_coordinator_runs_no_steps():
         lm_batches(),
         logger=quiet_logger(),
         coordinator=coordinator,
-        max_steps=5,
+        options=TrainerOptions(max_steps=5),
     )
     result = trainer.fit()
     assert result.steps == 0
@@ -493,7 +490,7 @@ def test_checkpoint_state_round_trips_and_coordinator_prepare(tmp_path):
         logger=quiet_logger(),
         checkpoint_manager=manager,
         coordinator=coordinator,
-        max_steps=3,
+        options=TrainerOptions(max_steps=3),
     )
     trainer.fit()
     state = manager.load_latest()
@@ -505,7 +502,7 @@ def test_checkpoint_state_round_trips_and_coordinator_prepare(tmp_path):
         lm_batches(),
         logger=quiet_logger(),
         coordinator=other,
-        max_steps=3,
+        options=TrainerOptions(max_steps=3),
     )
     fresh.resume(state)
     assert other.calls == [("load", state["coordinator"])] and fresh.step == 3
@@ -609,7 +606,7 @@ def test_list_loader_resume_fast_forwards_position():
         torch.optim.SGD(model.parameters(), lr=0.1),
         batches,
         logger=quiet_logger(),
-        max_steps=7,
+        options=TrainerOptions(max_steps=7),
     )
     first.fit(3)
     state = copy.deepcopy(first.state_dict())  # live tensors otherwise
@@ -621,7 +618,7 @@ def test_list_loader_resume_fast_forwards_position():
         torch.optim.SGD(other.parameters(), lr=0.1),
         batches,
         logger=quiet_logger(),
-        max_steps=7,
+        options=TrainerOptions(max_steps=7),
     )
     second.resume(state)
     assert [m["loss"] for m in second.fit().metrics] == [m["loss"] for m in reference]

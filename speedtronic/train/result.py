@@ -1,16 +1,19 @@
 """What a training run returns and the errors and seams around the loop.
 
 ``TrainResult`` is the value of ``Trainer.fit()``; ``TrainerOptions`` holds the ``Trainer``'s
-arguments added after 2.0.0; ``SyncCoordinator`` is the protocol a distributed coordinator
-(DumbDiLoCo) implements; ``NonFiniteLossError`` and ``GradientOverflowError`` are the loop's
-stop errors.
+settings beyond the objects it drives (2.0.0's ``max_steps=``, ``start_step=``, ``precision=``
+and ``shape_report=`` keywords still map onto it, with a ``DeprecationWarning``);
+``SyncCoordinator`` is the protocol a distributed coordinator (DumbDiLoCo) implements;
+``NonFiniteLossError`` and ``GradientOverflowError`` are the loop's stop errors.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
+import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypedDict, runtime_checkable
 
 from speedtronic.json_types import JSON, StateDict
 
@@ -19,17 +22,22 @@ if TYPE_CHECKING:
 
     from speedtronic.train.evaluate import HeldOut
     from speedtronic.train.parallel import SingleProcess
+    from speedtronic.train.precision import PrecisionPlan
+    from speedtronic.train.shapes import ShapeReport
 
 __all__ = [
     "MAX_CONSECUTIVE_SKIPS",
     "GradientOverflowError",
+    "LegacyTrainerKeywords",
     "NonFiniteLossError",
+    "StartStop",
     "StartStopCoordinator",
     "StepUpdate",
     "SyncCoordinator",
     "TrainResult",
     "TrainerOptions",
     "as_sync_coordinator",
+    "with_legacy_keywords",
 ]
 
 MAX_CONSECUTIVE_SKIPS = 20
@@ -53,17 +61,49 @@ class GradientOverflowError(RuntimeError):
 
 @dataclass
 class TrainerOptions:
-    """The ``Trainer`` arguments added after 2.0.0 (its 13 documented ones stay keywords).
+    """The ``Trainer``'s settings beyond the objects it drives; each defaults to the config.
 
     ``accumulation_steps`` overrides ``data.accumulation_steps``; ``heldout`` (a ``HeldOut``
     from ``build_heldout``) turns on ``eval`` events (local weights); ``parallel`` (from
     ``speedtronic.train.parallel.start_parallel``) makes the trainer one rank of a
-    data-parallel node (default: one process).
+    data-parallel node (default: one process). ``max_steps`` is the absolute step target
+    (default ``run.max_steps``), ``start_step`` the step counter it starts from;
+    ``precision`` defaults to ``resolve_precision(config.precision, device)``; a
+    ``shape_report`` says the startup shape check already ran (the trainer skips its own).
     """
 
     accumulation_steps: int | None = None
     heldout: HeldOut | None = None
     parallel: SingleProcess | None = None
+    max_steps: int | None = None
+    start_step: int = 0
+    precision: PrecisionPlan | None = None
+    shape_report: ShapeReport | None = None
+
+
+class LegacyTrainerKeywords(TypedDict, total=False):
+    """2.0.0's ``Trainer`` keywords that are :class:`TrainerOptions` fields now."""
+
+    max_steps: int | None
+    start_step: int
+    precision: PrecisionPlan | None
+    shape_report: ShapeReport | None
+
+
+def with_legacy_keywords(options: TrainerOptions, legacy: LegacyTrainerKeywords) -> TrainerOptions:
+    """``options`` with 2.0.0's ``Trainer(max_steps=..., ...)`` keywords applied, with a
+    ``DeprecationWarning`` naming the new spelling; any other keyword is a ``TypeError`` as for
+    any call."""
+    unknown = sorted(set(legacy) - set(LegacyTrainerKeywords.__annotations__))
+    if unknown:
+        raise TypeError(f"Trainer() got unexpected keyword arguments: {', '.join(unknown)}")
+    given = ", ".join(f"{name}=..." for name in legacy)
+    warnings.warn(
+        f"Trainer({given}) is deprecated; pass options=TrainerOptions({given})",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return dataclasses.replace(options, **legacy)
 
 
 @dataclass
@@ -132,19 +172,32 @@ class SyncCoordinator(Protocol):
     def load_state_dict(self, state: StateDict) -> None: ...
 
 
-class StartStopCoordinator:
-    """A 2.0.0-style coordinator (``start()``, ``stop()``, ``state_dict()``,
-    ``load_state_dict(state)``) seen through :class:`SyncCoordinator`: it is started and
-    stopped, its state is checkpointed, and nothing else is asked of it."""
+class StartStop(Protocol):
+    """A 2.0.0-style coordinator: it is started and stopped and its state is checkpointed
+    (``load_state_dict`` is called only on a resume that holds coordinator state)."""
 
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def state_dict(self) -> StateDict | None: ...
+
+    def load_state_dict(self, state: StateDict) -> None: ...
+
+
+class StartStopCoordinator:
+    """A :class:`StartStop` coordinator seen through :class:`SyncCoordinator`: it is started
+    and stopped, its state is checkpointed, and nothing else is asked of it (no node id or
+    role labels: those are a DiLoCo node's)."""
+
+    node_id = ""
+    role = ""
     trains = True
     run_ended: str | None = None
     last_global_step = -1
 
-    def __init__(self, wrapped: Any) -> None:
+    def __init__(self, wrapped: StartStop) -> None:
         self.wrapped = wrapped
-        self.node_id = str(getattr(wrapped, "node_id", "") or "")
-        self.role = str(getattr(wrapped, "role", "") or "")
         self._beat = time.monotonic()
 
     @property
@@ -191,9 +244,9 @@ class StartStopCoordinator:
         self.wrapped.load_state_dict(state)
 
 
-def as_sync_coordinator(coordinator: Any) -> SyncCoordinator | None:
+def as_sync_coordinator(coordinator: SyncCoordinator | StartStop | None) -> SyncCoordinator | None:
     """``coordinator`` itself when it implements :class:`SyncCoordinator`; a 2.0.0-style one
-    (start/stop/state only) wrapped in :class:`StartStopCoordinator`; None stays None."""
+    (:class:`StartStop`) wrapped in :class:`StartStopCoordinator`; None stays None."""
     if coordinator is None or isinstance(coordinator, SyncCoordinator):
         return coordinator
     return StartStopCoordinator(coordinator)

@@ -328,13 +328,16 @@ def build_runtime(
         device=resolved,
         config=config,
         scheduler=scheduler,
-        precision=precision,
         logger=logger,
         checkpoint_manager=manager,
         coordinator=coordinator,
-        max_steps=config.effective_max_steps,
-        shape_report=report,
-        options=TrainerOptions(heldout=heldout, parallel=parallel),
+        options=TrainerOptions(
+            heldout=heldout,
+            parallel=parallel,
+            max_steps=config.effective_max_steps,
+            precision=precision,
+            shape_report=report,
+        ),
     )
     if resume:
         state = manager.load_latest(use=trainer.resume)  # newest usable; skips are warned

@@ -11,13 +11,23 @@ process: the local values, unchanged).
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 from torch import nn
 
 from speedtronic.train.parallel import SingleProcess
 from speedtronic.train.result import StepUpdate, SyncCoordinator
 
-__all__ = ["NodeSync"]
+__all__ = ["NodeSync", "ResettableOptimizer"]
+
+
+@runtime_checkable
+class ResettableOptimizer(Protocol):
+    """An inner optimizer with its own way to drop its state on a new global (otherwise its
+    ``state`` is cleared)."""
+
+    def reset_state(self) -> None: ...
 
 
 class NodeSync:
@@ -133,6 +143,8 @@ class NodeSync:
         if new_global:
             parallel.broadcast_model(model)
             if coordinator is None and self.reset_inner_optimizer:
-                reset = getattr(optimizer, "reset_state", None)  # as rank 0's node did
-                reset() if callable(reset) else optimizer.state.clear()
+                if isinstance(optimizer, ResettableOptimizer):  # as rank 0's node did
+                    optimizer.reset_state()
+                else:
+                    optimizer.state.clear()
         return agreed.stop

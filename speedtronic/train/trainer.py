@@ -48,7 +48,6 @@ from speedtronic.train.forward import (
 )
 from speedtronic.train.parallel import SingleProcess
 from speedtronic.train.precision import (
-    PrecisionPlan,
     autocast_context,
     make_grad_scaler,
     parameter_count,
@@ -57,12 +56,15 @@ from speedtronic.train.precision import (
 from speedtronic.train.result import (
     MAX_CONSECUTIVE_SKIPS,
     GradientOverflowError,
+    LegacyTrainerKeywords,
     NonFiniteLossError,
+    StartStop,
     StepUpdate,
     SyncCoordinator,
     TrainerOptions,
     TrainResult,
     as_sync_coordinator,
+    with_legacy_keywords,
 )
 from speedtronic.train.state import (
     DataPosition,
@@ -74,9 +76,9 @@ from speedtronic.train.sync import NodeSync
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
+    from typing_extensions import Unpack
 
     from speedtronic.train.ooo import StageStreamScheduler
-    from speedtronic.train.shapes import ShapeReport
 
 __all__ = [
     "GradientOverflowError",
@@ -99,13 +101,15 @@ class Trainer:
     list of batches are enough. Without a config there is no startup shape validation and no eval
     cadence (held-out eval only at the end).
 
-    ``max_steps`` is the absolute step target (default ``run.max_steps``); ``precision``
-    defaults to ``resolve_precision(config.precision, device)``; ``logger`` to a stdout
-    ``MetricLogger``. ``checkpoint_manager``, ``coordinator``, ``scheduler`` and
-    ``shape_report`` are optional. ``options`` (:class:`TrainerOptions`) holds the arguments
-    added after 2.0.0: ``accumulation_steps``, ``heldout`` (``eval`` events) and ``parallel``
+    ``logger`` defaults to a stdout ``MetricLogger``; ``checkpoint_manager``, ``coordinator``
+    (a :class:`SyncCoordinator`, or a 2.0.0-style :class:`StartStop` one) and ``scheduler`` are
+    optional. ``options`` (:class:`TrainerOptions`) holds the rest: the step target
+    (``max_steps``, default ``run.max_steps``) and ``start_step``, ``precision``,
+    ``shape_report``, ``accumulation_steps``, ``heldout`` (``eval`` events) and ``parallel``
     (one rank of a data-parallel node: the model is wrapped, gradients sync on the last
-    micro-batch and the ranks agree after every update).
+    micro-batch and the ranks agree after every update). 2.0.0's ``max_steps=``,
+    ``start_step=``, ``precision=`` and ``shape_report=`` keywords still work and warn
+    (``DeprecationWarning``).
 
     The trainer owns two helpers: ``checkpoint`` (:class:`TrainerCheckpoint`: the registered
     checkpoint parts, when they are written, resume) and ``sync`` (:class:`NodeSync`: the
@@ -121,16 +125,15 @@ class Trainer:
         device: str | torch.device = "cpu",
         config: SpeedtronicConfig | JSONView | None = None,
         scheduler: LRScheduler | None = None,
-        precision: PrecisionPlan | None = None,
         logger: MetricLogger | None = None,
         checkpoint_manager: CheckpointManager | None = None,
-        coordinator: SyncCoordinator | None = None,
-        max_steps: int | None = None,
-        start_step: int = 0,
-        shape_report: ShapeReport | None = None,
+        coordinator: SyncCoordinator | StartStop | None = None,
         options: TrainerOptions | None = None,
+        **legacy: Unpack[LegacyTrainerKeywords],
     ) -> None:
         options = options if options is not None else TrainerOptions()
+        if legacy:  # 2.0.0's max_steps=, start_step=, precision=, shape_report=, kept working
+            options = with_legacy_keywords(options, legacy)
         configured = config is not None
         if isinstance(config, Mapping):
             config = SpeedtronicConfig.from_dict(config)
@@ -142,22 +145,23 @@ class Trainer:
         self.device = torch.device(device)
         self.scheduler = scheduler
         self.logger = logger if logger is not None else MetricLogger()
-        self.precision = precision or resolve_precision(self.config.precision, self.device)
+        self.precision = options.precision or resolve_precision(self.config.precision, self.device)
         self.scaler = make_grad_scaler(self.precision)
+        max_steps = options.max_steps
         self.max_steps = int(max_steps if max_steps is not None else self.config.run.max_steps)
-        self.step = int(start_step)
+        self.step = int(options.start_step)
         self.samples = 0
         self.tokens = 0
         self.skipped_updates = 0
         self.last_heartbeat = time.monotonic()
-        self.shape_report = shape_report
+        self.shape_report = options.shape_report
         # micro-batches per update
         self.accumulation_steps = max(
             1, options.accumulation_steps or self.config.accumulation_steps
         )
         self._model_name = self.config.model.name if configured else type(model).__name__
         self._eval_every = self.config.eval.every_steps if configured else 0
-        self._shapes_validated = shape_report is not None or not configured
+        self._shapes_validated = options.shape_report is not None or not configured
         self._params: list[torch.nn.Parameter] = []
         self._stop_reason: str | None = None  # the stop in effect (agreed by every rank)
         self._stop_request: str | None = None  # a stop asked of this rank
