@@ -60,8 +60,12 @@ STALLING_RUN = textwrap.dedent(
         coordinator = None
         last_heartbeat = None
         parallel = SingleProcess()
-        def __init__(self):
+        def __init__(self):  # what the start-up lines read of every Trainer
+            import torch
+            from speedtronic.train.precision import resolve_precision
             self.logger = SimpleNamespace(hooks=[])
+            self.model, self.device = torch.nn.Linear(2, 2), torch.device("cpu")
+            self.precision = resolve_precision(None, self.device)
         def request_stop(self, reason):
             pass
         def fit(self):
