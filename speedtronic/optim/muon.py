@@ -292,6 +292,9 @@ def closure_loss(closure: Callable[[], float] | None) -> float | None:
         return closure()
 
 
+_Bucket = tuple[tuple[int, ...], torch.device]
+
+
 class Muon(Optimizer):
     """Muon for 2-D parameters (see the module docstring for the update and units).
 
@@ -337,9 +340,9 @@ class Muon(Optimizer):
         }
         super().__init__(params, defaults)
 
-    def _collect(self, group: dict[str, Any]) -> dict[tuple, list[Tensor]]:
+    def _collect(self, group: dict[str, Any]) -> dict[_Bucket, list[Tensor]]:
         """Validate the group's parameters with gradients and bucket them by (shape, device)."""
-        buckets: dict[tuple, list[Tensor]] = {}
+        buckets: dict[_Bucket, list[Tensor]] = {}
         for param in group["params"]:
             if param.grad is None:
                 continue
@@ -411,7 +414,7 @@ def _batch_pays_off(param: Tensor) -> bool:
     return param.is_cuda or param.numel() < BATCH_NUMEL_LIMIT
 
 
-def adamw_or_unfused(params: list[Tensor], *, fused: bool, **hyper: Any) -> AdamW:
+def adamw_or_unfused(params: Sequence[Tensor], *, fused: bool, **hyper: Any) -> AdamW:
     """``torch.optim.AdamW(params, **hyper)``, fused when ``fused`` and the build accepts it;
     a fused build that torch refuses (device, dtype, version) falls back to the default one."""
     if fused:
