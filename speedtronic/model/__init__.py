@@ -5,6 +5,7 @@ their own with ``register_model("name")``. See ``transformer.py`` for the archit
 the stable parameter names.
 """
 
+from speedtronic.model import transformer
 from speedtronic.model.registry import (
     ModelFactory,
     ModelRegistry,
@@ -12,43 +13,7 @@ from speedtronic.model.registry import (
     register_model,
     registry,
 )
-from speedtronic.model.transformer import (
-    GPT,
-    CausalSelfAttention,
-    GPTConfig,
-    GPTModel,
-    ReferenceModel,
-    ReferenceTransformer,
-    RMSNorm,
-    RotaryEmbedding,
-    SwiGLU,
-    Transformer,
-    TransformerBlock,
-    TransformerConfig,
-    apply_rope,
-    causal_lm_loss,
-    rotate_half,
-)
+from speedtronic.model.transformer import *  # noqa: F403 (the names of transformer.__all__)
 
-__all__ = [
-    "GPT",
-    "CausalSelfAttention",
-    "GPTConfig",
-    "GPTModel",
-    "ModelFactory",
-    "ModelRegistry",
-    "RMSNorm",
-    "ReferenceModel",
-    "ReferenceTransformer",
-    "RotaryEmbedding",
-    "SwiGLU",
-    "Transformer",
-    "TransformerBlock",
-    "TransformerConfig",
-    "apply_rope",
-    "build_model",
-    "causal_lm_loss",
-    "register_model",
-    "registry",
-    "rotate_half",
-]
+__all__ = ["ModelFactory", "ModelRegistry", "build_model", "register_model", "registry"]
+__all__ += transformer.__all__

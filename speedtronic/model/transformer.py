@@ -46,6 +46,7 @@ __all__ = [
     "TransformerBlock",
     "TransformerConfig",
     "apply_rope",
+    "causal_lm_loss",
     "rotate_half",
 ]
 

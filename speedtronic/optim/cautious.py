@@ -28,6 +28,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from speedtronic.json_types import StateDict
+from speedtronic.optim.muon import closure_loss
 
 
 def cautious_mask(update: Tensor, grad: Tensor) -> Tensor:
@@ -81,10 +82,7 @@ class CautiousOptimizer(Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Evaluate ``closure`` once, step the base, then apply the cautious mask."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         snapshot: list[tuple[Tensor, Tensor, float, float]] = []
         for group in self.param_groups:
             lr, decay = float(group["lr"]), float(group.get("weight_decay", 0.0))

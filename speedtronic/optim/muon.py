@@ -28,7 +28,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from torch import Tensor
@@ -36,6 +36,9 @@ from torch.optim import AdamW, Optimizer
 from torch.optim.optimizer import ParamsT
 
 from speedtronic.json_types import StateDict
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """Quintic Newton–Schulz coefficients (a, b, c) from Keller Jordan's Muon."""
@@ -226,36 +229,30 @@ def shape_scale(shape: Sequence[int]) -> float:
     return math.sqrt(max(1.0, rows / cols))
 
 
+class DirectionOptions(TypedDict, total=False):
+    """The keywords of :func:`orthogonal_direction` and :func:`muon_update` (defaults there)."""
+
+    momentum: float
+    nesterov: bool
+    ns_steps: int
+    eps: float
+    muon_plus: bool
+    norm_eps: float
+    ns_dtype: torch.dtype
+
+
 def muon_update(
-    grad: Tensor,
-    momentum_buffer: Tensor,
-    *,
-    momentum: float = 0.95,
-    nesterov: bool = True,
-    ns_steps: int = 5,
-    eps: float = NS_EPS,
-    muon_plus: bool = False,
-    norm_eps: float = 1e-8,
-    ns_dtype: torch.dtype = torch.float32,
+    grad: Tensor, momentum_buffer: Tensor, **options: Unpack[DirectionOptions]
 ) -> Tensor:
     """Advance the fp32 ``momentum_buffer`` in place and return the scaled update direction.
 
-    Returns ``sqrt(max(1, r/c)) · U`` in float32, where ``U`` is the Newton–Schulz
-    orthogonalisation (run in ``ns_dtype``; Muon+ normalised if ``muon_plus``) of the Nesterov
-    direction; the caller applies ``θ ← θ·(1 − ηλ) − η·result``. ``grad`` may also be a stack
-    ``(n, r, c)`` with a matching buffer. ``grad`` is never modified.
+    Returns ``sqrt(max(1, r/c)) · U`` in float32, where ``U`` is :func:`orthogonal_direction`
+    with the same ``options``: the Newton–Schulz orthogonalisation (run in ``ns_dtype``; Muon+
+    normalised if ``muon_plus``) of the Nesterov direction; the caller applies
+    ``θ ← θ·(1 − ηλ) − η·result``. ``grad`` may also be a stack ``(n, r, c)`` with a matching
+    buffer. ``grad`` is never modified.
     """
-    update = orthogonal_direction(
-        grad,
-        momentum_buffer,
-        momentum=momentum,
-        nesterov=nesterov,
-        ns_steps=ns_steps,
-        eps=eps,
-        muon_plus=muon_plus,
-        norm_eps=norm_eps,
-        ns_dtype=ns_dtype,
-    )
+    update = orthogonal_direction(grad, momentum_buffer, **options)
     scale = shape_scale(update.shape)
     return update.mul_(scale) if scale != 1.0 else update
 
@@ -284,6 +281,18 @@ def orthogonal_direction(
     if muon_plus:
         update = _post_polar(update, "row_col", float(norm_eps))
     return update
+
+
+def closure_loss(closure: Callable[[], float] | None) -> float | None:
+    """What an optimizer's ``step(closure)`` returns: ``closure()`` run with gradients enabled
+    (``step`` itself runs under ``no_grad``), or ``None`` without a closure."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+_Bucket = tuple[tuple[int, ...], torch.device]
 
 
 class Muon(Optimizer):
@@ -331,9 +340,9 @@ class Muon(Optimizer):
         }
         super().__init__(params, defaults)
 
-    def _collect(self, group: dict[str, Any]) -> dict[tuple, list[Tensor]]:
+    def _collect(self, group: dict[str, Any]) -> dict[_Bucket, list[Tensor]]:
         """Validate the group's parameters with gradients and bucket them by (shape, device)."""
-        buckets: dict[tuple, list[Tensor]] = {}
+        buckets: dict[_Bucket, list[Tensor]] = {}
         for param in group["params"]:
             if param.grad is None:
                 continue
@@ -358,27 +367,24 @@ class Muon(Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Apply one Muon update to every parameter with a gradient; returns the closure value."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             lr, decay = float(group["lr"]), float(group["weight_decay"])
-            options = {
-                "momentum": float(group["momentum"]),
-                "nesterov": bool(group.get("nesterov", True)),
-                "ns_steps": int(group["ns_steps"]),
-                "eps": float(group.get("eps", NS_EPS)),
-                "muon_plus": bool(group.get("muon_plus", False)),
-                "norm_eps": float(group.get("norm_eps", 1e-8)),
-            }
+            options = DirectionOptions(
+                momentum=float(group["momentum"]),
+                nesterov=bool(group.get("nesterov", True)),
+                ns_steps=int(group["ns_steps"]),
+                eps=float(group.get("eps", NS_EPS)),
+                muon_plus=bool(group.get("muon_plus", False)),
+                norm_eps=float(group.get("norm_eps", 1e-8)),
+            )
             for (_, device), params in self._collect(group).items():
-                ns_dtype = resolve_ns_dtype(self.ns_dtype, device)
-                self._step_bucket(params, lr, decay, {**options, "ns_dtype": ns_dtype})
+                options["ns_dtype"] = resolve_ns_dtype(self.ns_dtype, device)
+                self._step_bucket(params, lr, decay, options)
         return loss
 
     def _step_bucket(
-        self, params: list[Tensor], lr: float, decay: float, options: dict[str, Any]
+        self, params: list[Tensor], lr: float, decay: float, options: DirectionOptions
     ) -> None:
         states = [self.state[p] for p in params]
         if len(params) == 1 or not _batch_pays_off(params[0]):
@@ -408,7 +414,7 @@ def _batch_pays_off(param: Tensor) -> bool:
     return param.is_cuda or param.numel() < BATCH_NUMEL_LIMIT
 
 
-def adamw_or_unfused(params: list[Tensor], *, fused: bool, **hyper: Any) -> AdamW:
+def adamw_or_unfused(params: Sequence[Tensor], *, fused: bool, **hyper: Any) -> AdamW:
     """``torch.optim.AdamW(params, **hyper)``, fused when ``fused`` and the build accepts it;
     a fused build that torch refuses (device, dtype, version) falls back to the default one."""
     if fused:
@@ -559,10 +565,7 @@ class HybridOptimizer(Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Evaluate ``closure`` once, then step Muon and AdamW; returns the closure value."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         self._bind_children()
         if self.muon is not None:
             self.muon.step()

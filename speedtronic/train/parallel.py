@@ -108,8 +108,12 @@ class SingleProcess:
         new_global: bool,
         wants_weights: bool = False,
     ) -> Agreement:
-        """The local values."""
-        return Agreement(loss, samples, tokens, stop, new_global, wants_weights)
+        """This update's local values as the whole node sees them (:meth:`_agreed`); one
+        process: the local values themselves."""
+        return self._agreed(Agreement(loss, samples, tokens, stop, new_global, wants_weights))
+
+    def _agreed(self, local: Agreement) -> Agreement:
+        return local
 
     def any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` holds on some rank (here: the local value)."""
@@ -225,24 +229,17 @@ class DataParallel(SingleProcess):
 
     # ------------------------------------------------------------------ collectives
 
-    def agree(
-        self,
-        loss: float,
-        samples: int,
-        tokens: int,
-        *,
-        stop: bool,
-        new_global: bool,
-        wants_weights: bool = False,
-    ) -> Agreement:
+    def _agreed(self, local: Agreement) -> Agreement:
         """One ``all_reduce``: node mean loss, node samples and tokens, a stop on any rank, and
         whether rank 0 installed a new global or its round needs the weights."""
         import torch.distributed as dist
 
         main = self.is_main
-        flags = [float(stop), float(new_global and main), float(wants_weights and main)]
+        flags = [local.stop, local.new_global and main, local.wants_weights and main]
         values = torch.tensor(
-            [*flags, loss, samples, tokens], dtype=torch.float64, device=self._collective_device()
+            [*map(float, flags), local.loss, local.samples, local.tokens],
+            dtype=torch.float64,
+            device=self._collective_device(),
         )
         self._run("all_reduce", lambda: dist.all_reduce(values))
         total_stop, installed, wanted, loss_sum, samples_sum, tokens_sum = values.tolist()

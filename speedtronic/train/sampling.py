@@ -7,12 +7,13 @@ from a private ``torch.Generator`` seeded with ``seed`` (the global RNG is untou
 same weights, prompt, settings and device give the same text. Decoding stops after
 ``max_new_tokens`` or at the tokenizer's end-of-text token.
 
-:func:`sample_text` loads the weights ``speedtronic eval`` would (a checkpoint, a ``final/``
+:func:`sample` loads the weights ``speedtronic eval`` would (a checkpoint, a ``final/``
 folder, a ``.safetensors`` state or the DiLoCo global), encodes the prompt with the
-``data.tokenizer`` of the config, and returns prompt + continuation decoded as one text. A
-prompt starts a new document: it is preceded by the end-of-text token when the tokenizer has
-one (:func:`prompt_ids`), and the exported model's tokenizer puts the same token first, so
-greedy decoding here and transformers' ``generate`` on the export give the same tokens.
+``data.tokenizer`` of the config, and returns a :class:`Sample` whose ``text`` is prompt +
+continuation decoded as one text. A prompt starts a new document: it is preceded by the
+end-of-text token when the tokenizer has one (:func:`prompt_ids`), and the exported model's
+tokenizer puts the same token first, so greedy decoding here and transformers' ``generate`` on
+the export give the same tokens.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from speedtronic.train.scoring import Weights
 if TYPE_CHECKING:
     from speedtronic.data.tokenizer import Tokenizer
 
-__all__ = ["Sample", "generate", "prompt_ids", "sample", "sample_text"]
+__all__ = ["Sample", "generate", "prompt_ids", "sample"]
 
 
 def _next_logits(model: torch.nn.Module, context: torch.Tensor) -> torch.Tensor:
@@ -143,27 +144,3 @@ def sample(
     shown = ids[1:] if tokenizer.eos_id is not None else ids
     text = tokenizer.decode(shown + new)  # decoded together: no character cut in two
     return Sample(text, ids, new, weights)
-
-
-def sample_text(
-    config: SpeedtronicConfig,
-    *,
-    prompt: str,
-    checkpoint: str | None = None,
-    use_global: bool = False,
-    max_new_tokens: int = 200,
-    temperature: float = 0.8,
-    top_k: int | None = 50,
-    seed: int = 0,
-) -> str:
-    """:func:`sample`'s text (same arguments)."""
-    return sample(
-        config,
-        prompt=prompt,
-        checkpoint=checkpoint,
-        use_global=use_global,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        seed=seed,
-    ).text
