@@ -265,7 +265,10 @@ class DistributedConfig:
     outer_lr: Float = F(0.7, "outer Nesterov learning rate (outer_step: nesterov)", gt=0, le=10.0)
     outer_momentum: Float = F(0.9, "outer Nesterov momentum (outer_step: nesterov)", ge=0, lt=1.0)
     adaptive_c: Float = F(
-        0.75, "adaptive: eta = c x mean |delta|^2 / |mean delta|^2", gt=0, le=10.0
+        0.75,
+        "adaptive: eta = c x mean squared delta norm / squared norm of the mean",
+        gt=0,
+        le=10.0,
     )
     adaptive_max: Float = F(2.0, "adaptive: the largest eta (it is at least 1)", ge=1.0, le=10.0)
     final_average: Int = F(1, "the final model: the mean of the last N globals", ge=1, le=16)

@@ -52,13 +52,15 @@ from speedtronic.diloco.outer_update import step_quantized
 from speedtronic.diloco.wire import compute_pseudo_gradient, cpu_state_dict
 
 if TYPE_CHECKING:
-    from speedtronic.config import SpeedtronicConfig
+    from speedtronic.config import DistributedConfig, SpeedtronicConfig
     from speedtronic.train.evaluate import HeldOut
-    from speedtronic.train.runtime import ConfigSource, Trainer
+    from speedtronic.train.runtime import ConfigSource
+    from speedtronic.train.trainer import Trainer
 
 __all__ = ["IdealResult", "simulate"]
 
 State = dict[str, torch.Tensor]
+_OUTER = ("outer_step", "outer_lr", "outer_momentum")
 
 
 @dataclasses.dataclass
@@ -79,20 +81,6 @@ class IdealResult:
     node_losses: dict[str, float | None]
     etas: list[float] = dataclasses.field(default_factory=list)
     momentum_syncs: int = 0
-
-
-@dataclasses.dataclass
-class _Outer:
-    """The outer settings a run uses (the ``distributed`` section's, or overridden)."""
-
-    step: str
-    lr: float
-    momentum: float
-    c: float
-    cap: float
-    final_average: int
-    momentum_mode: str
-    momentum_every: int
 
 
 def _quiet(config: SpeedtronicConfig) -> SpeedtronicConfig:
@@ -141,28 +129,23 @@ def simulate(
 
     if not isinstance(config, SpeedtronicConfig):
         config = SpeedtronicConfig.load(config)
-    section = config.distributed
-    explicit = outer_lr is not None or outer_momentum is not None
-    step = outer_step or ("nesterov" if explicit else section.outer_step)
-    nesterov = step == "nesterov"
-    outer = _Outer(
-        step=step,
-        lr=(section.outer_lr if outer_lr is None else float(outer_lr)) if nesterov else 1.0,
-        momentum=(section.outer_momentum if outer_momentum is None else float(outer_momentum))
-        if nesterov
-        else 0.0,
-        c=section.adaptive_c if adaptive_c is None else float(adaptive_c),
-        cap=section.adaptive_max if adaptive_max is None else float(adaptive_max),
-        final_average=int(final_average or section.final_average),
-        momentum_mode=sync_inner_momentum or section.sync_inner_momentum,
-        momentum_every=int(inner_momentum_every or section.inner_momentum_every),
+    s = _settings(
+        config.distributed,
+        inner_steps=inner_steps,
+        outer_step=outer_step,
+        outer_lr=outer_lr,
+        outer_momentum=outer_momentum,
+        adaptive_c=adaptive_c,
+        adaptive_max=adaptive_max,
+        final_average=final_average,
+        sync_inner_momentum=sync_inner_momentum,
+        inner_momentum_every=inner_momentum_every,
+        delta_dtype=delta_dtype,
+        delta_block_size=block_size,
+        error_feedback=error_feedback,
+        global_dtype=global_dtype,
     )
-    h = int(inner_steps or section.inner_steps)
-    wire = str(delta_dtype or section.delta_dtype)
-    block = int(block_size or section.delta_block_size)
-    if error_feedback is None:
-        error_feedback = section.error_feedback
-    global_wire = str(global_dtype or section.global_dtype)
+    h, wire, block, global_wire = s.inner_steps, s.delta_dtype, s.delta_block_size, s.global_dtype
     global_residual: State = {}
     quiet = _quiet(config)
     ids = sorted(node_ids)
@@ -171,8 +154,8 @@ def simulate(
         trainer.heldout = None  # the global is what is scored
     model = trainers[0].model
     global_state = cpu_state_dict(model.state_dict())
-    optimizer = NesterovOuterOptimizer(global_state, outer.lr, outer.momentum)
-    recent = RecentGlobals(outer.final_average)
+    optimizer = NesterovOuterOptimizer(global_state, s.outer_lr, s.outer_momentum)
+    recent = RecentGlobals(s.final_average)
     recent.push(global_state)
     anchors = [_float_state(t.model) for t in trainers]
     residuals: list[State | None] = [None] * len(ids)
@@ -187,7 +170,7 @@ def simulate(
         for i, (node, trainer, anchor) in enumerate(zip(ids, trainers, anchors, strict=True)):
             result.node_losses[node] = trainer.fit(target).final_loss
             delta = compute_pseudo_gradient(anchor, _float_state(trainer.model))
-            delta, residuals[i] = _sent(delta, residuals[i], wire, block, error_feedback)
+            delta, residuals[i] = _sent(delta, residuals[i], wire, block, s.error_feedback)
             for value in delta.values():  # what the master reads, tensor by tensor
                 tally.add(value)
             tally.close()
@@ -199,8 +182,10 @@ def simulate(
         assert mean is not None  # at least one node
         for value in mean.values():
             value.div_(float(len(ids)))
-        if outer.step == "adaptive":
-            eta = adaptive_eta(tally.spread, squared_norm(mean), tally.count, outer.c, outer.cap)
+        if s.outer_step == "adaptive":
+            eta = adaptive_eta(
+                tally.spread, squared_norm(mean), tally.count, s.adaptive_c, s.adaptive_max
+            )
             optimizer.lr = eta
         result.etas.append(optimizer.lr)
         if global_wire == "fp32":
@@ -213,10 +198,10 @@ def simulate(
                 global_residual,
                 dtype=global_wire,
                 block_size=block,
-                error_feedback=error_feedback,
+                error_feedback=s.error_feedback,
             )
         recent.push(global_state)
-        if syncs_momentum(outer.momentum_mode, outer.momentum_every, r + 1):
+        if syncs_momentum(s.sync_inner_momentum, s.inner_momentum_every, r + 1):
             _sync_momentum(trainers, wire, block)
             result.momentum_syncs += 1
         for i, trainer in enumerate(trainers):
@@ -228,7 +213,7 @@ def simulate(
             progress(r + 1, rounds)
     final = recent.final()
     if heldout is not None:
-        last_scored = eval_every_round and outer.final_average == 1
+        last_scored = eval_every_round and s.final_average == 1
         result.eval_loss = result.curve[-1][1] if last_scored else None
         if result.eval_loss is None:
             result.eval_loss = _score(trainers[0], final, heldout)
@@ -236,6 +221,18 @@ def simulate(
         trainer.logger.close()
     result.global_state = cpu_state_dict(final)
     return result
+
+
+def _settings(section: DistributedConfig, **overrides: object) -> DistributedConfig:
+    """``section`` with the ``overrides`` that are not None, resolved as a config is: an
+    outer setting given here replaces all three of the section's (``outer_lr`` alone means
+    ``nesterov``; a conflicting pair is a ConfigError)."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    values = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
+    if given.keys() & set(_OUTER):
+        for name in _OUTER:
+            values.pop(name)
+    return type(section)(**{**values, **given})
 
 
 def _through(state: State, wire: str, block: int) -> State:
