@@ -58,6 +58,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -352,10 +353,12 @@ def momentum_bytes(config: SpeedtronicConfig, wire: str, block_size: int) -> int
     return len(data)
 
 
-def outer_rows(raw: dict, nodes: list[str], args: argparse.Namespace) -> list[dict]:
+def outer_rows(
+    raw: dict, nodes: list[str], args: argparse.Namespace, save: Callable[[list[dict]], None]
+) -> list[dict]:
     """For every seed: the K x batch run, then the ideal row of every ``--outer`` case at every
     ``--outer-inner-steps``, with its loss against the K x batch run, the eta of each round and
-    the bytes a node moves per round (the first moment included)."""
+    the bytes a node moves per round (the first moment included); ``save(rows)`` after each."""
     rows = []
     cases = [c for c in args.outer.split(",") if c]
     steps = [int(h) for h in (args.outer_inner_steps or str(args.inner_steps)).split(",")]
@@ -392,6 +395,7 @@ def outer_rows(raw: dict, nodes: list[str], args: argparse.Namespace) -> list[di
                     "seconds": time.perf_counter() - started,
                 }
                 rows.append(row)
+                save(rows)
                 ratio = f" x batch {row['x_batch']:.4f}" if batch else ""
                 print(
                     f"  seed {seed} H={h} {case}: {row['loss']:.4f}{ratio} eta "
@@ -551,8 +555,9 @@ def main() -> None:
             flush=True,
         )
         if args.outer:
-            outer = outer_rows(raw, nodes, args)
-            _write(args, n_tokens, raw, {}, [], {}, {}, [], outer)
+            outer_rows(
+                raw, nodes, args, lambda done: _write(args, n_tokens, raw, {}, [], {}, {}, [], done)
+            )
             return
         rows: dict[str, dict] = {}
         blocks = block_errors(raw, [int(b) for b in args.block_sizes.split(",") if b])
