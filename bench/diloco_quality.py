@@ -58,6 +58,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -302,6 +303,110 @@ def run_real(
     }
 
 
+def parse_outer(case: str) -> dict:
+    """An outer-step case: ``-``-separated, the outer step first (``average``, ``nesterov``,
+    ``adaptive``), then any of ``c0.75`` (adaptive_c), ``max2`` (adaptive_max), ``fa2``
+    (final_average), ``mom`` (the first moment averaged every round) or ``mom2`` (every 2nd),
+    ``int8``/``int4``/``bf16`` (delta_dtype). ``nesterov`` is 0.7/0.9 unless ``lr0.5`` /
+    ``m0.5`` say otherwise."""
+    step, *options = case.split("-")
+    if step not in ("average", "nesterov", "adaptive"):
+        raise SystemExit(f"unknown outer case {case!r}: starts with average, nesterov, adaptive")
+    settings: dict = {"outer_step": step}
+    if step == "nesterov":
+        settings.update(outer_lr=0.7, outer_momentum=0.9)
+    for option in options:
+        if option in DELTA_FORMATS:
+            settings["delta_dtype"] = option
+        elif option == "mom":
+            settings["sync_inner_momentum"] = "every_round"
+        elif option.startswith("mom") and option[3:].isdigit():
+            settings.update(sync_inner_momentum="every_n", inner_momentum_every=int(option[3:]))
+        elif option.startswith("fa") and option[2:].isdigit():
+            settings["final_average"] = int(option[2:])
+        elif option.startswith("max"):
+            settings["adaptive_max"] = float(option[3:])
+        elif option.startswith("lr"):
+            settings["outer_lr"] = float(option[2:])
+        elif option.startswith("m"):
+            settings["outer_momentum"] = float(option[1:])
+        elif option.startswith("c"):
+            settings["adaptive_c"] = float(option[1:])
+        else:
+            raise SystemExit(f"unknown option {option!r} in outer case {case!r}")
+    return settings
+
+
+def momentum_bytes(config: SpeedtronicConfig, wire: str, block_size: int) -> int:
+    """One first-moment file of this model (every trainable parameter) in ``wire``, with the
+    header a contribution carries: what a node uploads and downloads in a syncing round."""
+    model = build_model(config.model)
+    moments = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in model.named_parameters()}
+    extra = {"final": "false", "run_id": "0" * 32, "instance": "0" * 16}
+    data = delta_to_bytes(
+        moments,
+        node_id="node-0",
+        local_step=config.effective_max_steps,
+        base_outer_step=99,
+        dtype=wire,
+        block_size=block_size,
+        extra=extra,
+    )
+    return len(data)
+
+
+def outer_rows(
+    raw: dict, nodes: list[str], args: argparse.Namespace, save: Callable[[list[dict]], None]
+) -> list[dict]:
+    """For every seed: the K x batch run, then the ideal row of every ``--outer`` case at every
+    ``--outer-inner-steps``, with its loss against the K x batch run, the eta of each round and
+    the bytes a node moves per round (the first moment included); ``save(rows)`` after each."""
+    rows = []
+    cases = [c for c in args.outer.split(",") if c]
+    steps = [int(h) for h in (args.outer_inner_steps or str(args.inner_steps)).split(",")]
+    for seed in [int(s) for s in args.seeds.split(",") if s]:
+        seeded = dict(copy.deepcopy(raw), seed=seed)
+        batch = None
+        if not args.skip_batch:
+            batch = run_single(seeded, args.batch * args.nodes)
+            print(f"  seed {seed} 1 node, K x batch: {batch['loss']:.4f}", flush=True)
+            rows.append({"seed": seed, "case": "1 node, K x batch", **batch})
+        for h in steps:
+            for case in cases:
+                settings = parse_outer(case)
+                config = config_of(seeded)
+                started = time.perf_counter()
+                result = simulate(config, nodes, inner_steps=h, **settings)
+                wire = settings.get("delta_dtype", config.distributed.delta_dtype)
+                block = config.distributed.delta_block_size
+                moment = momentum_bytes(config, wire, block) * result.momentum_syncs
+                up = file_bytes(config, wire, block) + moment / result.outer_steps
+                down = download_bytes(config, "fp32", block) + moment / result.outer_steps
+                row = {
+                    "seed": seed,
+                    "case": case,
+                    "inner_steps": h,
+                    "settings": settings,
+                    "loss": result.eval_loss,
+                    "x_batch": result.eval_loss / batch["loss"] if batch else None,
+                    "etas": result.etas,
+                    "momentum_syncs": result.momentum_syncs,
+                    "rounds": result.outer_steps,
+                    "upload_bytes_per_round_per_node": up,
+                    "download_bytes_per_round_per_node": down,
+                    "seconds": time.perf_counter() - started,
+                }
+                rows.append(row)
+                save(rows)
+                ratio = f" x batch {row['x_batch']:.4f}" if batch else ""
+                print(
+                    f"  seed {seed} H={h} {case}: {row['loss']:.4f}{ratio} eta "
+                    f"{min(result.etas):.3f}-{max(result.etas):.3f} ({row['seconds']:.0f} s)",
+                    flush=True,
+                )
+    return rows
+
+
 def parse_case(case: str) -> tuple[str, bool, str]:
     """``int8`` -> (``int8``, error feedback on, fp32 global); ``int8-noef`` -> (``int8``,
     off, fp32); ``int8@int8`` -> (``int8``, on, the global as an int8 outer update)."""
@@ -416,6 +521,20 @@ def main() -> None:
     parser.add_argument(
         "--sync", default="blocking,overlapped", help="sync modes of the K-process rows"
     )
+    parser.add_argument(
+        "--outer",
+        default="",
+        help="outer-step cases on the ideal row only (no other rows), e.g. "
+        "average,adaptive,adaptive-fa2,adaptive-fa2-mom,adaptive-fa2-mom2,nesterov,"
+        "adaptive-fa2-int8 (see parse_outer)",
+    )
+    parser.add_argument("--seeds", default="1234", help="run.seed of each --outer run")
+    parser.add_argument(
+        "--outer-inner-steps", default="", help="inner_steps of the --outer runs (default: H)"
+    )
+    parser.add_argument(
+        "--skip-batch", action="store_true", help="--outer without the K x batch run"
+    )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "diloco_quality.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)  # as each real process (OMP_NUM_THREADS=1): same arithmetic
@@ -429,12 +548,19 @@ def main() -> None:
             n_tokens = MARKOV_SAMPLES * args.seq
             raw = base_config(args, None)
         dist = raw["distributed"]
+        shipped_outer = config_of(raw).distributed
         print(
             f"corpus {n_tokens:,} tokens; {args.nodes} nodes x {args.steps} steps, batch "
-            f"{args.batch}, inner_steps {args.inner_steps}, outer {dist['outer_lr']}/"
-            f"{dist['outer_momentum']}, sync {dist.get('sync', 'blocking')}",
+            f"{args.batch}, inner_steps {args.inner_steps}, outer {shipped_outer.outer_step} "
+            f"{shipped_outer.outer_lr}/{shipped_outer.outer_momentum}, sync "
+            f"{dist.get('sync', 'blocking')}",
             flush=True,
         )
+        if args.outer:
+            outer_rows(
+                raw, nodes, args, lambda done: _write(args, n_tokens, raw, {}, [], {}, {}, [], done)
+            )
+            return
         rows: dict[str, dict] = {}
         blocks = block_errors(raw, [int(b) for b in args.block_sizes.split(",") if b])
         for row in blocks:
@@ -445,7 +571,7 @@ def main() -> None:
             rows["1 node, K x batch"] = run_single(raw, args.batch * args.nodes)
             print(f"  1 node, K x batch: {rows['1 node, K x batch']['loss']:.4f}", flush=True)
             rows["ideal"] = run_ideal(
-                raw, nodes, args.inner_steps, dist["outer_lr"], dist["outer_momentum"]
+                raw, nodes, args.inner_steps, shipped_outer.outer_lr, shipped_outer.outer_momentum
             )
             print(f"  ideal: {rows['ideal']['loss']:.4f}", flush=True)
         config = config_of(raw)
@@ -458,8 +584,8 @@ def main() -> None:
                 raw,
                 nodes,
                 args.inner_steps,
-                dist["outer_lr"],
-                dist["outer_momentum"],
+                shipped_outer.outer_lr,
+                shipped_outer.outer_momentum,
                 wire,
                 feedback,
                 glob,
@@ -588,6 +714,7 @@ def _write(
     verdict: dict,
     compressed: dict,
     blocks: list,
+    outer: list | None = None,
 ) -> None:
     for row in rows.values():
         row.pop("state", None)
@@ -609,6 +736,7 @@ def _write(
                 "verdict": verdict,
                 "compressed": compressed,
                 "block_sizes": blocks,
+                "outer": outer or [],
             },
             indent=2,
         )

@@ -10,9 +10,11 @@ from __future__ import annotations
 import ipaddress
 import logging
 import re
+from collections.abc import Mapping
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BeforeValidator, Field
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
+from pydantic_core import ArgsKwargs
 
 from speedtronic.config.fields import (
     CHOICE,
@@ -86,6 +88,40 @@ def _leaders(value: list[str]) -> list[str]:
     return [check_node_id(node, "distributed.relay_leaders") for node in value]
 
 
+def _momentum_sync(value: object) -> object:
+    """``sync_inner_momentum``: a choice; ``false`` (YAML's boolean or the word) is ``off``."""
+    return "off" if value is False or choice(value) == "false" else choice(value)
+
+
+def _plain_step(value: object) -> float | None:
+    """A given ``outer_lr``/``outer_momentum`` as a number (None: not one; its field says so)."""
+    try:
+        return float(str(value).strip())
+    except ValueError:
+        return None
+
+
+def _outer_step(named: dict[str, object]) -> dict[str, object]:
+    """Resolve ``outer_step`` from the keys the input gave (see DistributedConfig)."""
+    given = [k for k in ("outer_lr", "outer_momentum") if named.get(k) is not None]
+    step = choice(named.get("outer_step"))
+    if step is None:  # 2.0.0's configs set outer_lr/outer_momentum: they keep their meaning
+        step = named["outer_step"] = "nesterov" if given else "average"
+    if step not in ("average", "adaptive"):
+        return named  # nesterov, or a wrong value its field reports
+    lr = "eta" if step == "adaptive" else "1.0"
+    for name, plain in (("outer_lr", 1.0), ("outer_momentum", 0.0)):
+        if name in given and _plain_step(named[name]) != plain:
+            raise ConfigError(
+                f"distributed.outer_step is {step!r} (outer lr {lr}, no momentum) but "
+                f"distributed.{name} is {describe(named[name])}: set "
+                f"distributed.outer_step: nesterov to use outer_lr/outer_momentum, or drop "
+                f"distributed.{name}"
+            )
+    named.update(outer_lr=1.0, outer_momentum=0.0)
+    return named
+
+
 def _host(value: str) -> str:
     """``metrics.host``: an IP address or a host name (checked now, not when binding)."""
     host = value.strip()
@@ -138,6 +174,8 @@ Leaders = Annotated[StrList, AfterValidator(_leaders)]
 Token = Annotated[str, BeforeValidator(_token)]
 DeltaDtype = Annotated[Literal["fp32", "bf16", "fp16", "int8", "int4"], CHOICE]
 GlobalDtype = Annotated[Literal["fp32", "int8", "int4"], CHOICE]
+OuterStep = Annotated[Literal["average", "nesterov", "adaptive"], CHOICE]
+MomentumSync = Annotated[Literal["off", "every_round", "every_n"], BeforeValidator(_momentum_sync)]
 Alignment = Annotated[
     Literal["auto", "none"] | Annotated[int, Field(strict=True, gt=0, le=4096)],
     BeforeValidator(_alignment),
@@ -220,8 +258,25 @@ class DistributedConfig:
     train: Bool = F(True, "false on the master: a pure aggregator")
     relay_to: Exchange | None = F(None, "on a group leader: the top-level exchange")
     relay_leaders: Leaders = F([], "on the top-level master: the group leaders' node ids")
-    outer_lr: Float = F(0.7, "outer Nesterov learning rate", gt=0, le=10.0)
-    outer_momentum: Float = F(0.9, "outer Nesterov momentum", ge=0, lt=1.0)
+    outer_step: OuterStep = F(
+        "average", "average (lr 1, no momentum), nesterov (outer_lr/outer_momentum) or adaptive"
+    )
+    outer_lr: Float = F(0.7, "outer Nesterov learning rate (outer_step: nesterov)", gt=0, le=10.0)
+    outer_momentum: Float = F(0.9, "outer Nesterov momentum (outer_step: nesterov)", ge=0, lt=1.0)
+    adaptive_c: Float = F(
+        0.75,
+        "adaptive: eta = c x mean squared delta norm / squared norm of the mean",
+        gt=0,
+        le=10.0,
+    )
+    adaptive_max: Float = F(2.0, "adaptive: the largest eta (it is at least 1)", ge=1.0, le=10.0)
+    final_average: Int = F(1, "the final model: the mean of the last N globals", ge=1, le=16)
+    sync_inner_momentum: MomentumSync = F(
+        "off", "average the inner AdamW first moment: off, every_round or every_n"
+    )
+    inner_momentum_every: Int = F(
+        2, "every_n: the rounds between two first-moment averages", ge=1, le=10_000
+    )
     repo_id: Exchange | None = F(None, "owner/name (Hub) or file:///abs/path (shared volume)")
     token: Token | None = F(None, "Hub token (secret): prefer HF_TOKEN or the hf_token file")
     cache_dir: PathStr = F(".speedtronic/hub", "Hub cache (relative to the CWD)")
@@ -245,6 +300,19 @@ class DistributedConfig:
     )
     request_timeout: Float = F(60.0, "seconds one transport call may take", gt=0, le=DAY)
     slots_dir: PathStr | None = F(None, "shared folder where workers claim worker-<n> ids")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_outer_step(cls, values: object) -> object:
+        """``outer_step`` not given: ``nesterov`` when ``outer_lr`` or ``outer_momentum`` is
+        (a 2.0.0 config keeps its meaning), else ``average``. ``average`` and ``adaptive``
+        hold ``outer_lr`` 1.0 and ``outer_momentum`` 0.0 (so a saved config reads back the
+        same); another value given beside them is a ConfigError naming both fields."""
+        if isinstance(values, ArgsKwargs) and not values.args:  # a constructor call
+            return ArgsKwargs((), _outer_step(dict(values.kwargs or {})))
+        if isinstance(values, Mapping):
+            return _outer_step({str(k): v for k, v in values.items()})
+        return values
 
     def __post_init__(self) -> None:
         if self.enabled and self.mode != "dumb_diloco":

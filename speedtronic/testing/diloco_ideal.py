@@ -8,11 +8,18 @@ pseudo-gradients ``global - local`` (float32) are encoded as the wire carries th
 :func:`speedtronic.diloco.codec.encode_delta`), each node keeping what the encoding left
 out and adding it to its next pseudo-gradient (error feedback, as
 :class:`~speedtronic.diloco.node.DiLoCoNode` does); the decoded values are summed in node-id
-order and divided by K;
-one outer step (:class:`~speedtronic.diloco.master.NesterovOuterOptimizer`, the master's own
-class) updates the global, its update quantized as the master sends it when
-``distributed.global_dtype`` is int8/int4 (:func:`speedtronic.diloco.master.step_quantized`,
-with the master's error feedback); every node continues from it. No files, threads or timing.
+order and divided by K. One outer step updates the global
+(:class:`~speedtronic.diloco.master.NesterovOuterOptimizer`, the master's own class): lr 1 and
+no momentum (``outer_step: average``), ``outer_lr``/``outer_momentum`` (``nesterov``), or lr
+eta from the decoded contributions (``adaptive``,
+:func:`speedtronic.diloco.outer_step.adaptive_eta`); its update is quantized as the master
+sends it when ``distributed.global_dtype`` is int8/int4
+(:func:`speedtronic.diloco.master.step_quantized`, with the master's error feedback).
+In the rounds ``sync_inner_momentum`` names, every node's AdamW first moment travels in
+``delta_dtype`` (no error feedback), the decoded moments are averaged in node order, the mean
+travels back in ``delta_dtype`` and every node installs it. Every node continues from the
+global; the result is the mean of the last ``final_average`` globals. No files, threads or
+timing.
 
 With ``sync: blocking`` and every node delivering in every round, the real processes compute
 the same numbers (up to thread-count effects on matmul reductions); any gap is what the
@@ -24,7 +31,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,29 +44,47 @@ from speedtronic.diloco.codec import (
 )
 from speedtronic.diloco.master import NesterovOuterOptimizer, step_quantized
 from speedtronic.diloco.node import float_state
+from speedtronic.diloco.outer_step import (
+    NormTally,
+    RecentGlobals,
+    adaptive_eta,
+    average_states,
+    first_moments,
+    install_first_moments,
+    squared_norm,
+    syncs_momentum,
+)
 
 if TYPE_CHECKING:
-    from speedtronic.config import SpeedtronicConfig
-    from speedtronic.train.evaluate import EvalResult, HeldOut
+    from speedtronic.config import DistributedConfig, SpeedtronicConfig
+    from speedtronic.train.evaluate import HeldOut
+    from speedtronic.train.runtime import ConfigSource
     from speedtronic.train.trainer import Trainer
 
 __all__ = ["IdealResult", "simulate"]
+
+State = dict[str, torch.Tensor]
+_OUTER = ("outer_step", "outer_lr", "outer_momentum")
 
 
 @dataclasses.dataclass
 class IdealResult:
     """Outcome of :func:`simulate`.
 
-    ``global_state``: the final global; ``outer_steps``: rounds run; ``eval_loss``: held-out
-    loss of the final global (None without held-out data); ``curve``: ``(outer_step, loss)``
-    after every round when ``eval_every_round``; ``node_losses``: each node's last train loss.
+    ``global_state``: the final model (the mean of the last ``final_average`` globals);
+    ``outer_steps``: rounds run; ``eval_loss``: held-out loss of the final model (None without
+    held-out data); ``curve``: ``(outer_step, loss)`` of each round's global when
+    ``eval_every_round``; ``node_losses``: each node's last train loss; ``etas``: each round's
+    outer lr (1.0 for ``average``); ``momentum_syncs``: rounds that averaged the first moment.
     """
 
-    global_state: dict[str, torch.Tensor]
+    global_state: State
     outer_steps: int
     eval_loss: float | None
     curve: list[tuple[int, float]]
     node_losses: dict[str, float | None]
+    etas: list[float] = dataclasses.field(default_factory=list)
+    momentum_syncs: int = 0
 
 
 def _quiet(config: SpeedtronicConfig) -> SpeedtronicConfig:
@@ -74,12 +99,18 @@ def _quiet(config: SpeedtronicConfig) -> SpeedtronicConfig:
 
 
 def simulate(
-    config: SpeedtronicConfig,
+    config: ConfigSource,
     node_ids: Sequence[str],
     *,
     inner_steps: int | None = None,
+    outer_step: str | None = None,
     outer_lr: float | None = None,
     outer_momentum: float | None = None,
+    adaptive_c: float | None = None,
+    adaptive_max: float | None = None,
+    final_average: int | None = None,
+    sync_inner_momentum: str | None = None,
+    inner_momentum_every: int | None = None,
     delta_dtype: str | None = None,
     block_size: int | None = None,
     error_feedback: bool | None = None,
@@ -89,29 +120,37 @@ def simulate(
 ) -> IdealResult:
     """Run K = ``len(node_ids)`` nodes of ``config`` in lockstep (see the module docstring).
 
-    ``inner_steps``, ``outer_lr``, ``outer_momentum``, ``delta_dtype``, ``block_size``
-    (values per scale of int8/int4), ``error_feedback`` and ``global_dtype`` default to the
-    ``distributed`` section; without error feedback what the wire format leaves out is lost.
-    Each node trains ``config.effective_max_steps`` steps; the last round is shorter when
-    that is not a multiple of ``inner_steps``. ``progress(round, rounds)`` is called after
-    each round.
+    Every keyword defaults to the ``distributed`` field of its name (``block_size``:
+    ``delta_block_size``). ``outer_lr`` or ``outer_momentum`` without ``outer_step`` means
+    ``nesterov``, as in a config. Without error feedback what the wire format leaves out is
+    lost. Each node trains ``config.effective_max_steps`` steps; the last round is shorter
+    when that is not a multiple of ``inner_steps``. ``progress(round, rounds)`` is called
+    after each round.
     """
     from speedtronic.config import SpeedtronicConfig
-    from speedtronic.train.evaluate import build_heldout, evaluate
+    from speedtronic.train.evaluate import build_heldout
     from speedtronic.train.runtime import build_runtime
 
     if not isinstance(config, SpeedtronicConfig):
         config = SpeedtronicConfig.load(config)
-    section = config.distributed
-    h = int(inner_steps or section.inner_steps)
-    lr = section.outer_lr if outer_lr is None else float(outer_lr)
-    momentum = section.outer_momentum if outer_momentum is None else float(outer_momentum)
-    wire = str(delta_dtype or section.delta_dtype)
-    block = int(block_size or section.delta_block_size)
-    if error_feedback is None:
-        error_feedback = section.error_feedback
-    global_wire = str(global_dtype or section.global_dtype)
-    global_residual: dict[str, torch.Tensor] = {}
+    s = _settings(
+        config.distributed,
+        inner_steps=inner_steps,
+        outer_step=outer_step,
+        outer_lr=outer_lr,
+        outer_momentum=outer_momentum,
+        adaptive_c=adaptive_c,
+        adaptive_max=adaptive_max,
+        final_average=final_average,
+        sync_inner_momentum=sync_inner_momentum,
+        inner_momentum_every=inner_momentum_every,
+        delta_dtype=delta_dtype,
+        delta_block_size=block_size,
+        error_feedback=error_feedback,
+        global_dtype=global_dtype,
+    )
+    h, wire, block, global_wire = s.inner_steps, s.delta_dtype, s.delta_block_size, s.global_dtype
+    global_residual: State = {}
     quiet = _quiet(config)
     ids = sorted(node_ids)
     trainers = [build_runtime(quiet, node_id=node)[0] for node in ids]
@@ -119,88 +158,127 @@ def simulate(
         trainer.heldout = None  # the global is what is scored
     model = trainers[0].model
     global_state = cpu_state_dict(model.state_dict())
-    outer = NesterovOuterOptimizer(global_state, lr, momentum)
+    optimizer = NesterovOuterOptimizer(global_state, s.outer_lr, s.outer_momentum)
+    recent = RecentGlobals(s.final_average)
+    recent.push(global_state)
     anchors = [float_state(t.model) for t in trainers]
-    residuals: list[dict[str, torch.Tensor] | None] = [None] * len(ids)
+    residuals: list[State | None] = [None] * len(ids)
     heldout = build_heldout(config)
     total_steps = config.effective_max_steps
     rounds = math.ceil(total_steps / h)
-    curve: list[tuple[int, float]] = []
-    losses: dict[str, float | None] = {}
+    result = IdealResult({}, rounds, None, [], {})
     for r in range(rounds):
         target = min((r + 1) * h, total_steps)
-        mean: dict[str, torch.Tensor] | None = None
+        mean: State | None = None
+        tally = NormTally()
         for i, (node, trainer, anchor) in enumerate(zip(ids, trainers, anchors, strict=True)):
-            losses[node] = trainer.fit(target).final_loss
+            result.node_losses[node] = trainer.fit(target).final_loss
             delta = compute_pseudo_gradient(anchor, float_state(trainer.model))
-            delta, residuals[i] = _sent(delta, residuals[i], wire, block, error_feedback)
+            delta, residuals[i] = _sent(delta, residuals[i], wire, block, s.error_feedback)
+            for value in delta.values():  # what the master reads, tensor by tensor
+                tally.add(value)
+            tally.close()
             if mean is None:
                 mean = delta
             else:
                 for key, value in delta.items():
                     mean[key].add_(value)
+        assert mean is not None  # at least one node
         for value in mean.values():
             value.div_(float(len(ids)))
+        if s.outer_step == "adaptive":
+            eta = adaptive_eta(
+                tally.spread, squared_norm(mean), tally.count, s.adaptive_c, s.adaptive_max
+            )
+            optimizer.lr = eta
+        result.etas.append(optimizer.lr)
         if global_wire == "fp32":
-            outer.step(global_state, mean)
+            optimizer.step(global_state, mean)
         else:
             step_quantized(
-                outer,
+                optimizer,
                 global_state,
                 mean,
                 global_residual,
                 dtype=global_wire,
                 block_size=block,
-                error_feedback=error_feedback,
+                error_feedback=s.error_feedback,
             )
+        recent.push(global_state)
+        if syncs_momentum(s.sync_inner_momentum, s.inner_momentum_every, r + 1):
+            _sync_momentum(trainers, wire, block)
+            result.momentum_syncs += 1
         for i, trainer in enumerate(trainers):
             _install(trainer.model, global_state)
             anchors[i] = float_state(trainer.model)
         if eval_every_round and heldout is not None:
-            curve.append((r + 1, _score(model, global_state, heldout, trainers[0], evaluate)))
+            result.curve.append((r + 1, _score(trainers[0], global_state, heldout)))
         if progress is not None:
             progress(r + 1, rounds)
-    final = curve[-1][1] if curve else None
-    if final is None and heldout is not None:
-        final = _score(model, global_state, heldout, trainers[0], evaluate)
+    final = recent.final()
+    if heldout is not None:
+        last_scored = eval_every_round and s.final_average == 1
+        result.eval_loss = result.curve[-1][1] if last_scored else None
+        if result.eval_loss is None:
+            result.eval_loss = _score(trainers[0], final, heldout)
     for trainer in trainers:
         trainer.logger.close()
-    return IdealResult(cpu_state_dict(global_state), rounds, final, curve, losses)
+    result.global_state = cpu_state_dict(final)
+    return result
+
+
+def _settings(section: DistributedConfig, **overrides: object) -> DistributedConfig:
+    """``section`` with the ``overrides`` that are not None, resolved as a config is: an
+    outer setting given here replaces all three of the section's (``outer_lr`` alone means
+    ``nesterov``; a conflicting pair is a ConfigError)."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    values = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
+    if given.keys() & set(_OUTER):
+        for name in _OUTER:
+            values.pop(name)
+    return type(section)(**{**values, **given})
+
+
+def _through(state: State, wire: str, block: int) -> State:
+    """``state`` as the other side decodes it after ``wire`` (no error feedback)."""
+    if wire == "fp32":
+        return state
+    return {k: decode_value(v) for k, v in encode_delta(state, wire, block).items()}
+
+
+def _sync_momentum(trainers: Sequence[Trainer], wire: str, block: int) -> None:
+    """Every node's first moment, sent and decoded, averaged in node order, sent back and
+    installed on every node (the master's and the nodes' arithmetic without the files)."""
+    sent = [_through(first_moments(t.model, t.optimizer), wire, block) for t in trainers]
+    mean = _through(average_states(sent), wire, block)
+    for trainer in trainers:
+        install_first_moments(trainer.model, trainer.optimizer, mean)
 
 
 def _sent(
-    delta: dict[str, torch.Tensor],
-    residual: dict[str, torch.Tensor] | None,
-    wire: str,
-    block: int,
-    error_feedback: bool,
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+    delta: State, residual: State | None, wire: str, block: int, error_feedback: bool
+) -> tuple[State, State | None]:
     """What the master adds for one node's ``delta`` (plus its ``residual``), and the node's
     next residual: the node's arithmetic (``DiLoCoNode._boundary``) without its files."""
     if residual is not None:
         delta = {k: v.add_(residual[k]) for k, v in delta.items()}
     if wire == "fp32":
         return delta, None
-    encoded = encode_delta(delta, wire, block)
-    sent = {k: decode_value(v) for k, v in encoded.items()}
+    sent = _through(delta, wire, block)
     if not error_feedback:
         return sent, None
     return sent, {k: v - sent[k] for k, v in delta.items()}
 
 
-def _score(
-    model: torch.nn.Module,
-    state: dict[str, torch.Tensor],
-    heldout: HeldOut,
-    trainer: Trainer,
-    evaluate: Callable[..., EvalResult],
-) -> float:
-    _install(model, state)
-    return evaluate(model, heldout, device=trainer.device, precision=trainer.precision).loss
+def _score(trainer: Trainer, state: Mapping[str, torch.Tensor], heldout: HeldOut) -> float:
+    from speedtronic.train.evaluate import evaluate
+
+    _install(trainer.model, state)
+    return evaluate(trainer.model, heldout, device=trainer.device, precision=trainer.precision).loss
 
 
 @torch.no_grad()
-def _install(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+def _install(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
     current = model.state_dict()
     for key, value in state.items():
         current[key].copy_(value.to(current[key].device, current[key].dtype))
