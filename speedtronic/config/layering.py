@@ -1,21 +1,11 @@
 """Layered configuration: defaults < file < secret files < environment < CLI overrides.
 
-:func:`resolve_config` is the one place that reads the environment and the secrets directory.
-pydantic-settings' ``EnvSettingsSource`` reads ``SPEEDTRONIC_<SECTION>__<FIELD>`` and
-``SPEEDTRONIC_<ROOT_FIELD>`` (any case) into raw text; :mod:`~speedtronic.config.secret_files`
-reads ``hf_token`` and ``<section>__<field>`` files. Each value is parsed once (YAML, through the
-bounded loader; string fields keep the raw text) into one canonical mapping that the sections
-validate. Ours, because the library lacks them: per-field provenance (``ResolvedConfig.sources``:
-``file``, ``env:<NAME>``, ``secret:<file>``, ``cli``; defaults are not listed), the origin in a
-validation error, refusing unknown ``SPEEDTRONIC_*`` names and near misses of the prefix
-(``SPEEDTONIC_RUN__MAX_STEPS`` would set nothing) with a "did you mean", and keeping secrets
-out of every error. Also understood: ``SPEEDTRONIC_CONFIG`` (the path when ``source`` is None),
-``SPEEDTRONIC_SECRETS_DIR`` (default ``/run/secrets``), ``SPEEDTRONIC_NODE_ID`` and ``HF_TOKEN``.
-
-Secrets: the token (any layer) and every secret-file value are :class:`SecretText` before
-validation, and errors are scrubbed of the token, so no error prints a secret. The token cannot
-be set with ``--set`` (the process list would show it), and its value is refused in any other
-field (:func:`_refuse_token_elsewhere`).
+:func:`resolve_config` is the one place that reads the environment and the secrets directory
+(pydantic-settings' ``EnvSettingsSource`` for ``SPEEDTRONIC_<SECTION>__<FIELD>``). Ours, because
+the library lacks them: per-field provenance (``file``, ``env:<NAME>``, ``secret:<file>``,
+``cli``), the origin in an error, "did you mean" for unknown ``SPEEDTRONIC_*`` names and near
+misses of the prefix, and secrets kept out of every error (:class:`SecretText`; the token is
+refused in other fields and on the command line).
 """
 
 from __future__ import annotations
@@ -66,25 +56,11 @@ DEFAULT_SECRETS_DIR = "/run/secrets"
 TOKEN_KEY = "distributed.token"
 NODE_ID_KEY = "distributed.node_id"
 HF_TOKEN_FILE = "hf_token"
-#: ``SPEEDTRONIC_*`` names that are not fields but are understood (all but the first three are
-#: compose.yaml interpolation variables of the host shell, not read by the config; a shell that
-#: exports them for ``docker compose`` must still be able to run ``speedtronic``).
-EXTRA_ENV_NAMES = frozenset(
-    {
-        "SPEEDTRONIC_CONFIG",
-        "SPEEDTRONIC_SECRETS_DIR",
-        "SPEEDTRONIC_NODE_ID",
-        "SPEEDTRONIC_IMAGE",
-        "SPEEDTRONIC_HUB_REPO",
-        "SPEEDTRONIC_HF_TOKEN_FILE",
-        "SPEEDTRONIC_BIND_ADDRESS",
-        "SPEEDTRONIC_MASTER_PORT",
-        "SPEEDTRONIC_CPUS",
-        "SPEEDTRONIC_MEMORY",
-    }
-)
-#: The non-field names worth suggesting for a typo (not the compose variables).
+#: ``SPEEDTRONIC_*`` names that are not fields but are understood: ours, then compose.yaml's
+#: interpolation variables (a shell that exports them for ``docker compose`` must still run us).
 _ENV_SUGGESTIONS = ("SPEEDTRONIC_CONFIG", "SPEEDTRONIC_SECRETS_DIR", "SPEEDTRONIC_NODE_ID")
+_COMPOSE = ("IMAGE", "HUB_REPO", "HF_TOKEN_FILE", "BIND_ADDRESS", "MASTER_PORT", "CPUS", "MEMORY")
+EXTRA_ENV_NAMES = frozenset(_ENV_SUGGESTIONS + tuple(ENV_PREFIX + name for name in _COMPOSE))
 
 
 @dataclass
@@ -188,27 +164,31 @@ def _put(nested: dict[str, object], dotted: str, value: object) -> None:
         nested[dotted] = value
 
 
-def closest_env_name(name: str) -> str | None:
-    """The known ``SPEEDTRONIC_*`` name an unknown ``name`` most likely meant, or None.
+def closest_field(key: str, extra: Iterable[str] = ()) -> str | None:
+    """The dotted field (or one of ``extra``) an unknown ``key`` most likely meant, or None.
 
-    A bare field name gets its section (``SPEEDTRONIC_MAX_STEPS`` -> ``..._RUN__MAX_STEPS``,
-    ``run`` first), a 2.0.0 section alias its section (``SPEEDTRONIC_HUB__REPO_ID``); anything
-    else the most similar known name, if one is similar enough.
+    ``key`` is ``section.field`` or ``section__field`` in any case. A 2.0.0 section alias
+    gets its section (``hub.repo_id``), a known field name its section (``run`` first), anything
+    else the most similar name, if one is similar enough.
     """
-    upper = name.upper()
-    rest = upper[len(ENV_PREFIX) :].lower() if upper.startswith(ENV_PREFIX) else upper.lower()
+    key = key.strip().lower().replace("__", ".")
     fields = list(known_fields())
-    section, _, leaf = rest.partition("__")
+    section, _, leaf = key.rpartition(".")
     if section in ("hub", "diloco") and f"distributed.{leaf}" in fields:
-        return env_name_for(f"distributed.{leaf}")
-    by_field = sorted(
-        (d for d in fields if d.endswith(f".{rest}")), key=lambda d: d != f"run.{rest}"
+        return f"distributed.{leaf}"
+    same_leaf = sorted(
+        (d for d in fields if d.endswith(f".{leaf}")), key=lambda d: d != f"run.{leaf}"
     )
-    if by_field:
-        return env_name_for(by_field[0])
-    targets = [env_name_for(dotted) for dotted in fields] + list(_ENV_SUGGESTIONS)
-    meant = closest_name(rest.upper(), [target[len(ENV_PREFIX) :] for target in targets])
-    return ENV_PREFIX + meant if meant else None
+    return same_leaf[0] if same_leaf else closest_name(key, [*fields, *extra])
+
+
+def closest_env_name(name: str) -> str | None:
+    """The known ``SPEEDTRONIC_*`` name an unknown ``name`` most likely meant, or None."""
+    upper = name.upper()
+    rest = upper[len(ENV_PREFIX) :] if upper.startswith(ENV_PREFIX) else upper
+    extra = [known[len(ENV_PREFIX) :].lower() for known in _ENV_SUGGESTIONS]
+    meant = closest_field(rest, extra)
+    return None if meant is None else env_name_for(meant)
 
 
 def _misspelt_prefix(name: str, known: Iterable[str]) -> str | None:
@@ -353,9 +333,7 @@ def _override_layer(
         if dotted is None:
             aliased = {} if "." in key else _flatten(canonicalize({key: value}))
             if not aliased:
-                meant = closest_name(key.strip().lower(), known_fields())
-                leaf = key.strip().lower().rpartition(".")[2]
-                meant = meant or next((d for d in known_fields() if d.endswith(f".{leaf}")), None)
+                meant = closest_field(key)
                 hint = f" (did you mean {meant}?)" if meant else ""
                 raise ConfigError(f"invalid override {key!r}: unknown configuration field{hint}")
             dotted = next(iter(aliased))
