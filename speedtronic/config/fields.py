@@ -27,7 +27,13 @@ from pydantic.dataclasses import is_pydantic_dataclass
 from pydantic.fields import FieldInfo
 from typing_extensions import dataclass_transform  # typing has it from Python 3.11
 
-from speedtronic.config.limits import MAX_INT_DIGITS, MAX_STEPS, ConfigError, check_path_text
+from speedtronic.config.limits import (
+    MAX_INT_DIGITS,
+    MAX_PATH,
+    MAX_SEGMENT,
+    MAX_STEPS,
+    ConfigError,
+)
 from speedtronic.config.redaction import REDACTED, SecretText, contains_secret, looks_like_token
 
 __all__ = [
@@ -143,12 +149,16 @@ def _str(value: object) -> str:
 
 
 def _path(value: object) -> str:
+    """A path the OS can take: no NUL byte, at most ``MAX_PATH`` bytes, ``MAX_SEGMENT`` a part."""
     text = _str(value)
-    try:
-        check_path_text(text, "")
-        return text
-    except ConfigError as error:
-        raise ValueError(str(error).strip()) from None
+    encoded = text.encode("utf-8", "surrogateescape")
+    if "\x00" in text:
+        raise ValueError("must not contain a NUL byte")
+    if len(encoded) > MAX_PATH:
+        raise ValueError(f"is longer than {MAX_PATH} bytes")
+    if max(len(part) for part in encoded.split(b"/")) > MAX_SEGMENT:
+        raise ValueError(f"has a path segment longer than {MAX_SEGMENT} bytes")
+    return text
 
 
 def _str_list(value: object) -> list[str]:

@@ -35,7 +35,7 @@ from speedtronic.config.loading import (
     rebase_legacy_log_paths,
     with_origin,
 )
-from speedtronic.config.redaction import SecretText, holds_secret, scrub
+from speedtronic.config.redaction import SecretText, holds_secret, scrub, strings
 from speedtronic.config.schema import SpeedtronicConfig, field_infos
 from speedtronic.config.secret_files import read_secret_files
 
@@ -362,19 +362,6 @@ def _attribute(
     return error
 
 
-def _strings(value: object) -> Iterable[str]:
-    """The strings of a merged value (a string, or inside lists and mappings)."""
-    if isinstance(value, str):
-        yield value
-    elif isinstance(value, Mapping):
-        for key, item in value.items():
-            yield from _strings(key)
-            yield from _strings(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _strings(item)
-
-
 def _refuse_token_elsewhere(
     merged: Mapping[str, object], tokens: list[str], sources: Mapping[str, str]
 ) -> None:
@@ -384,7 +371,7 @@ def _refuse_token_elsewhere(
     if not tokens:
         return
     for dotted, value in _flatten(merged).items():
-        if dotted != TOKEN_KEY and any(holds_secret(text, tokens) for text in _strings(value)):
+        if dotted != TOKEN_KEY and any(holds_secret(text, tokens) for text in strings(value)):
             origin = sources.get(dotted)
             where = f" (from {origin})" if origin and origin != "file" else ""
             raise ConfigError(
