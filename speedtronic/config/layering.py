@@ -88,10 +88,7 @@ def known_fields() -> dict[str, bool]:
 
 
 def env_name_for(dotted: str) -> str:
-    """``run.max_steps`` -> ``SPEEDTRONIC_RUN__MAX_STEPS``, ``compile`` -> ``SPEEDTRONIC_COMPILE``.
-
-    Root fields have no section part.
-    """
+    """``run.max_steps`` -> ``SPEEDTRONIC_RUN__MAX_STEPS``; root fields have no section part."""
     return ENV_PREFIX + dotted.replace(".", "__").upper()
 
 
@@ -231,13 +228,8 @@ def _check_env_names(environ: Mapping[str, str]) -> None:
 
 @functools.cache
 def _env_source_class() -> type:
-    """pydantic-settings' environment source over the config tree's names.
-
-    ``SPEEDTRONIC_<SECTION>__<FIELD>`` and ``SPEEDTRONIC_<ROOT_FIELD>`` (prefix, ``__`` nested
-    delimiter, any case) are matched by pydantic-settings; each section is read as a mapping
-    of raw text, which :func:`_parse_value` parses as YAML and the section dataclasses then
-    validate (one validator). It reads the ``environ`` given, not ``os.environ``. Imported on
-    first use: a run without ``SPEEDTRONIC_*`` fields never pays for pydantic-settings.
+    """pydantic-settings' environment source over the config tree's names, reading the
+    ``environ`` given; each section comes back as a mapping of raw text (imported on first use).
     """
     from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
@@ -263,12 +255,8 @@ def _env_source_class() -> type:
 
 
 def _env_layer(environ: Mapping[str, str]) -> list[tuple[str, object, str]]:
-    """(dotted, value, source) triples from the environment, lowest precedence first.
-
-    ``HF_TOKEN`` and ``SPEEDTRONIC_NODE_ID`` come first, below the field names they stand in
-    for. A field set under two spellings of its name (``speedtronic_run__seed`` and
-    ``SPEEDTRONIC_RUN__SEED``) takes the later variable.
-    """
+    """(dotted, value, source) triples from the environment, lowest precedence first:
+    ``HF_TOKEN`` and ``SPEEDTRONIC_NODE_ID`` below the field names they stand in for."""
     triples: list[tuple[str, object, str]] = []
     if environ.get("HF_TOKEN"):
         triples.append((TOKEN_KEY, SecretText(environ["HF_TOKEN"]), "env:HF_TOKEN"))
@@ -288,17 +276,12 @@ def _env_layer(environ: Mapping[str, str]) -> list[tuple[str, object, str]]:
 
 
 def _secret_layer(secrets_dir: Path) -> list[tuple[str, object, str]]:
-    """(dotted, value, source) triples from ``hf_token`` and ``<section>__<field>`` files.
-
-    ``hf_token`` comes first, below ``distributed__token``; every value is a secret
-    (:class:`SecretText`, never shown in an error).
-    """
+    """(dotted, value, source) triples from the secret files, ``hf_token`` first (below
+    ``distributed__token``); every value is :class:`SecretText`."""
     if not secrets_dir.exists():
         return []
     if not secrets_dir.is_dir():
         raise ConfigError(f"secrets directory is not a directory: {secrets_dir}")
-    if not os.access(secrets_dir, os.R_OK | os.X_OK):
-        raise ConfigError(f"secrets directory is not readable: {secrets_dir}")
     files = read_secret_files(secrets_dir, _secret_fields())
     triples: list[tuple[str, object, str]] = []
     name, token = files.pop(HF_TOKEN_FILE, ("", ""))
@@ -350,8 +333,7 @@ def _override_layer(
 def _attribute(
     error: ConfigError, sources: Mapping[str, str], config_path: str | None
 ) -> ConfigError:
-    """Append the origin of the offending field to a validation error when known: the
-    config file's path, ``env:NAME``, ``secret:<file>`` or ``cli``."""
+    """``error`` with the origin of the field it names, when known."""
     message = str(error)
     for dotted in sorted(sources, key=len, reverse=True):
         if message.startswith(dotted):

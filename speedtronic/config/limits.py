@@ -46,7 +46,8 @@ class ConfigFileNotFoundError(ConfigError, FileNotFoundError):
 
 
 def path_kind_problem(path: str | os.PathLike[str], want: str) -> str | None:
-    """Why ``path`` cannot be used as a ``file`` or a ``dir`` (``None`` when it can or may).
+    """Why ``path`` cannot be used as a ``file``, a ``dir`` or ``tokens`` (a token file or a
+    folder written by ``speedtronic prepare``); ``None`` when it can or may.
 
     Only what exists is judged: the path itself (a directory where a file is wanted, or the
     reverse) and its nearest existing ancestor (which must be a directory). A path that does
@@ -60,6 +61,11 @@ def path_kind_problem(path: str | os.PathLike[str], want: str) -> str | None:
                 return "is a directory, expected a file"
             if want == "dir" and not target.is_dir():
                 return "is a file, expected a directory"
+            if want == "tokens" and target.is_dir() and not (target / "meta.json").is_file():
+                return (
+                    "is a directory, expected a token file or a folder written by "
+                    "speedtronic prepare (it has no meta.json)"
+                )
             return None
         for parent in target.parents:
             if parent.exists():

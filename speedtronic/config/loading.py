@@ -1,20 +1,15 @@
 """What a user writes, read into the canonical mapping the sections are built from.
 
-Reading (no validation, no environment): ``read_source`` keeps 2.0.0's ``load`` heuristic
-(reference/config.md §2.3): a mapping is used as is; a ``str`` with a newline, a leading
-``{``/``[``, or a ``:`` that is not an existing path is inline YAML/JSON; anything else is a
-path (``.yaml``/``.yml`` -> YAML, else JSON). Malformed text is a :class:`ConfigError` with line
-and column, a missing file a :class:`ConfigFileNotFoundError`, and a token in a file is logged
-as a warning. Documents are bounded before they are built (the one loader, also for env values,
-secret files and ``--set``): nesting deeper than ``MAX_DEPTH``, aliases expanding to more than
-``MAX_NODES`` nodes or into themselves, duplicate keys; integers over 40 digits stay text.
+Reading (:func:`read_source`, 2.0.0's ``load`` heuristic, reference/config.md §2.3): a mapping
+as is; a ``str`` with a newline, a leading ``{``/``[``, or a ``:`` that is no existing path is
+inline YAML/JSON; anything else a path (``.yaml``/``.yml`` YAML, else JSON). Every YAML
+document (files, env, secret and ``--set`` values) goes through one bounded loader: at most
+``MAX_DEPTH`` levels and ``MAX_NODES`` nodes with aliases expanded, no alias into itself, no
+duplicate key, integers over 40 digits kept as text.
 
-Normalising (:func:`canonicalize`, once, where a mapping enters): the 2.0.0 root aliases
-(``max_steps: 4`` -> ``run.max_steps``), section aliases (``hub:``/``diloco:``), shorthands
-(``optimizer: muon``, ``precision: bf16``, ``compile: {enabled: x}``, root ``muon_plus``/
-``cautious``), the retired settings of `RETIRED` (accepted at their one legal value, then
-dropped with a warning) and 2.0.0 log paths written under ``run.output_dir``
-(:func:`rebase_legacy_log_paths`). The canonical form has only section keys and root fields.
+Normalising (:func:`canonicalize`, once, where a mapping enters): the 2.0.0 root and section
+aliases, the ``optimizer``/``precision``/``compile`` shorthands, `RETIRED` settings and 2.0.0
+log paths under ``run.output_dir``. The canonical form has only section keys and root fields.
 """
 
 from __future__ import annotations

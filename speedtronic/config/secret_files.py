@@ -1,14 +1,10 @@
 """Reading the secrets directory: one file per secret (``hf_token``, ``<section>__<field>``).
 
-A secret file (an entry whose name is one of ours) must be a regular file inside the
-directory; a directory, a FIFO, a device, a socket, a link that leads out of the directory, a
-file that cannot be read or is not UTF-8 is a ``ConfigError`` naming it, so a value the user
-meant to give is never dropped without a word. A FIFO or a device is never read: its type is
-checked before it is opened, and the file is opened without blocking and checked again (a
-FIFO would block the read, ``/dev/zero`` never ends). Links inside the directory are followed
-(Kubernetes' ``hf_token -> ..data/hf_token``). Other entries are not ours and are left alone:
-hidden ones (Kubernetes' ``..data``) and names that are no field. A secret file that group or
-others may read is used, with a warning naming it. Surrounding whitespace is stripped.
+An entry whose name is one of ours must be a regular file inside the directory (links inside
+it are followed: Kubernetes' ``hf_token -> ..data/hf_token``); anything else, or a file that
+cannot be read, is a ``ConfigError`` naming it, so a value meant is never dropped silently. A
+FIFO or device is never read (checked before opening, opened without blocking, checked again).
+Other entries are not ours and are left alone.
 """
 
 from __future__ import annotations

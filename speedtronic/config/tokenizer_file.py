@@ -1,25 +1,11 @@
 """What ``data.tokenizer`` names, read without importing ``tokenizers`` or torch.
 
-``data.tokenizer`` is ``bytes`` (the byte-level tokenizer: token = UTF-8 byte, no end-of-text
-token) or a Hugging Face ``tokenizer.json`` (the format of the ``tokenizers`` library), given as
-
-* a path to the file, or to a folder that holds ``tokenizer.json`` (an exported model folder);
-* a Hub repo id ``owner/name`` (optionally ``owner/name@revision``), fetched once through
-  ``huggingface_hub`` into its cache (``HF_HUB_OFFLINE=1`` uses the cache only). Before a
-  download, one TCP connection to the Hub endpoint (or its proxy) is tried for at most
-  `HUB_PROBE_SECONDS`: a Hub that cannot be reached gives the cached file (said once in the
-  log) or, in seconds rather than after ``huggingface_hub``'s ~23 s of retries, a
-  ``ConfigError`` saying to put the file in the cache and set ``HF_HUB_OFFLINE=1``.
-
-:func:`describe_tokenizer` returns the file's :class:`TokenizerInfo`: where it is, its SHA-256,
-how many ids it can emit (``vocab_size`` = the highest id + 1, added tokens included) and its
-end-of-text token, which separates documents. The end-of-text token is ``eos_token`` of a
-``tokenizer_config.json`` beside the file when there is one, else the first special added token
-among :data:`EOS_NAMES`. Everything wrong is a ``ConfigError`` naming ``field`` and the fix.
-The JSON is read with the standard library, so config validation (which checks that the
-file's ids fit ``model.vocab_size``) stays fast and light; that check is why this module
-lives in ``speedtronic.config``. :mod:`speedtronic.data.tokenizer` builds the tokenizer from
-what it finds, and makes the record a checkpoint carries of it.
+``bytes`` (one token per UTF-8 byte), or a Hugging Face ``tokenizer.json``: a path to the file
+or to a folder holding it, or a Hub repo id ``owner/name[@revision]`` fetched once into the
+``huggingface_hub`` cache. Before a download one TCP connection to the Hub (or its proxy) is
+tried for `HUB_PROBE_SECONDS`, so an unreachable Hub gives the cached file or, in seconds, a
+``ConfigError`` saying how to work offline. Validation reads the ids here (they must fit
+``model.vocab_size``); :mod:`speedtronic.data.tokenizer` builds the tokenizer.
 """
 
 from __future__ import annotations
@@ -141,14 +127,14 @@ def _from_hub(spec: str, field: str, token: str | None) -> tuple[Path, Path | No
             repo_id,
         )
         offline = True
-    try:
-        path = hf_hub_download(
-            repo_id,
-            "tokenizer.json",
-            revision=revision or None,
-            token=token,
-            local_files_only=offline,
+
+    def fetch(name: str) -> str:
+        return hf_hub_download(
+            repo_id, name, revision=revision or None, token=token, local_files_only=offline
         )
+
+    try:
+        path = fetch("tokenizer.json")
     except Exception as exc:
         detail = " ".join(str(exc).split())[:200]
         hint = (
@@ -161,13 +147,7 @@ def _from_hub(spec: str, field: str, token: str | None) -> tuple[Path, Path | No
             f"{type(exc).__name__}: {detail}{hint}"
         ) from None
     try:
-        config = hf_hub_download(
-            repo_id,
-            "tokenizer_config.json",
-            revision=revision or None,
-            token=token,
-            local_files_only=offline,
-        )
+        config = fetch("tokenizer_config.json")
     except Exception:
         config = None  # optional: the end-of-text token is then looked up by name
     return Path(path), Path(config) if config else None
