@@ -159,10 +159,7 @@ _BoundedLoader.add_constructor("tag:yaml.org,2002:int", _int_or_text)
 
 
 def load_yaml_value(text: str) -> object:
-    """A YAML document (a file, or one env/secret/``--set`` value) through the bounded loader.
-
-    Raises ``yaml.YAMLError`` (a refusal is a ``MarkedYAMLError`` naming the problem).
-    """
+    """A YAML document through the bounded loader (a refusal is a ``MarkedYAMLError``)."""
     loader = _BoundedLoader(text)
     try:
         return loader.get_single_data()
@@ -374,11 +371,8 @@ def _merged_section(data: dict[str, object], name: str, what: str) -> dict[str, 
 
 
 def canonicalize(values: object) -> dict[str, object]:
-    """Apply run aliases, section aliases and optimizer/precision/compile shorthands.
-
-    Raises ``ConfigError`` for a non-mapping root, conflicting duplicates and unknown root keys;
-    section values are left to the section classes.
-    """
+    """Apply the 2.0.0 aliases and shorthands (module docstring); section values are left to
+    the section classes."""
     if values is None:
         return {}
     if not isinstance(values, Mapping):
@@ -431,14 +425,8 @@ def compile_shorthand(value: object) -> object:
 
 
 def rebase_legacy_log_paths(data: dict[str, object]) -> None:
-    """Read a 2.0.0-style log path as the path below ``run.output_dir`` it names.
-
-    ``logging.file``/``json_file`` are relative to ``run.output_dir`` since 2.1; 2.0.0 took them
-    relative to the working directory, so its configs spell the output directory out
-    (``runs/smoke/events.jsonl`` beside ``output_dir: runs/smoke``, or the default ``runs``).
-    Such a relative path loses that prefix (the same file, now following ``--output-dir``),
-    with a warning naming the new spelling. Absolute paths are never changed.
-    """
+    """A 2.0.0 log path that spells ``run.output_dir`` out (``runs/smoke/events.jsonl``) loses
+    that prefix, with a warning: since 2.1 ``logging.file``/``json_file`` are relative to it."""
     section = data.get("logging")
     run = data.get("run")
     output_dir = run.get("output_dir") if isinstance(run, Mapping) else None

@@ -86,10 +86,8 @@ def build_section(name: str, value: object) -> object:
 
 
 def _plain(value: object, secrets: list[str] | None = None) -> object:
-    """Deep-convert to JSON/YAML-friendly builtins (tuples -> lists, Paths -> str); with
+    """JSON/YAML-friendly builtins (tuples -> lists, Paths -> str) of a deep copy; with
     ``secrets``, every string is scrubbed of them (any spelling) and of token-shaped text."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name), secrets) for f in dataclasses.fields(value)}
     if isinstance(value, Mapping):
         return {str(key): _plain(item, secrets) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
@@ -98,7 +96,7 @@ def _plain(value: object, secrets: list[str] | None = None) -> object:
         value = str(value)
     if isinstance(value, str) and secrets is not None:
         return scrub(value, secrets)
-    return copy.deepcopy(value)
+    return value
 
 
 @section("")
@@ -294,7 +292,8 @@ class SpeedtronicConfig:
         value appears (also inside other fields) and anything shaped like a Hub token."""
         token = self.distributed.token
         secrets = ([token] if token else []) if redact_secrets else None
-        result = {f.name: _plain(getattr(self, f.name), secrets) for f in dataclasses.fields(self)}
+        result = _plain(dataclasses.asdict(self), secrets)
+        assert isinstance(result, dict)
         distributed = result["distributed"]
         if redact_secrets and token and isinstance(distributed, dict):
             distributed["token"] = REDACTED

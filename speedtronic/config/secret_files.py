@@ -37,9 +37,8 @@ def _not_regular(mode: int) -> str | None:
 
 
 def read_secret_file(path: Path, root: str, limit: int) -> bytes:
-    """At most ``limit`` bytes of the secret file ``path``, which must be a regular file whose
-    real path lies inside the secrets directory ``root`` (a real path), else ``ConfigError``
-    naming it (module docstring)."""
+    """At most ``limit`` bytes of ``path``, a regular file inside the directory ``root`` (a real
+    path), else a ``ConfigError`` naming it."""
     expected = "expected a regular file in the secrets directory holding the value"
     try:
         mode = os.stat(path).st_mode
@@ -72,14 +71,8 @@ def read_secret_file(path: Path, root: str, limit: int) -> bytes:
 
 
 def read_secret_files(secrets_dir: Path, wanted: Mapping[str, str]) -> dict[str, tuple[str, str]]:
-    """Dotted field -> (file name, stripped text) of the secret files that name a field.
-
-    Names match case-insensitively (the later of two spellings, in name order, wins). A
-    matching entry that is not a regular file inside the directory, or cannot be read, is an
-    error naming it (:func:`read_secret_file`); other entries are not ours (module
-    docstring). ``wanted`` maps a file name (lower case) to its dotted field. At most
-    ``MAX_SECRETS_BYTES`` are read in all.
-    """
+    """Dotted field -> (file name, stripped text) of the files ``wanted`` names (lower-case
+    file name -> dotted field; any case matches, the later in name order wins)."""
     try:
         entries = sorted(os.scandir(secrets_dir), key=lambda entry: entry.name)
     except OSError as exc:
