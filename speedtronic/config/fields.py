@@ -239,6 +239,8 @@ def to_config_error(error: ValidationError, prefix: str = "") -> ConfigError:
     message = problem["msg"]
     if cause is not None:
         text = f"{path} {cause}"
+    elif problem["type"] == "missing":  # a short tuple's missing item
+        text = f"{path} is missing, got {describe(problem['input'])}"
     elif message.startswith("Input should be"):
         text = (
             f"{path} must be{message[len('Input should be') :]}, got {describe(problem['input'])}"
