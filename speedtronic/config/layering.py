@@ -344,9 +344,7 @@ def _attribute(
     return error
 
 
-def _refuse_token_elsewhere(
-    merged: Mapping[str, object], tokens: list[str], sources: Mapping[str, str]
-) -> None:
+def _refuse_token_elsewhere(merged: Mapping[str, object], tokens: list[str]) -> None:
     """A field other than ``distributed.token`` whose value is the token, in any case, or
     contains it is a ``ConfigError`` that does not show it: a choice field would echo it
     lowercased, and a name (tracker run, directory) would carry it into file names."""
@@ -354,11 +352,9 @@ def _refuse_token_elsewhere(
         return
     for dotted, value in _flatten(merged).items():
         if dotted != TOKEN_KEY and any(holds_secret(text, tokens) for text in strings(value)):
-            origin = sources.get(dotted)
-            where = f" (from {origin})" if origin and origin != "file" else ""
             raise ConfigError(
-                f"{dotted} holds the value of distributed.token (not shown){where}; the token "
-                "belongs in HF_TOKEN or the hf_token secret file only"
+                f"{dotted} holds the value of distributed.token (not shown); the token belongs "
+                "in HF_TOKEN or the hf_token secret file only"
             )
 
 
@@ -411,10 +407,10 @@ def resolve_config(
         rebase_legacy_log_paths(merged)  # against the merged run.output_dir (configuration.md)
         with with_origin(config_path):  # an unknown key can only come from the file
             config = SpeedtronicConfig.from_canonical(merged)
+        _refuse_token_elsewhere(merged, tokens)  # a value that passed, or one it changed
     except ConfigError as error:
         error = _attribute(error, sources, config_path)
         raise ConfigError(scrub(str(error), tokens)) from None
-    _refuse_token_elsewhere(merged, tokens, sources)  # a value that passed, or one it changed
     order = {dotted: index for index, dotted in enumerate(known_fields())}
     ordered = dict(sorted(sources.items(), key=lambda item: order.get(item[0], len(order))))
     return ResolvedConfig(config=config, sources=ordered, config_path=config_path)
