@@ -56,6 +56,7 @@ DEFAULT_SECRETS_DIR = "/run/secrets"
 TOKEN_KEY = "distributed.token"
 NODE_ID_KEY = "distributed.node_id"
 HF_TOKEN_FILE = "hf_token"
+Layer = list[tuple[str, object, str]]  # (dotted field, value, source), lowest precedence first
 #: ``SPEEDTRONIC_*`` names that are not fields but are understood: ours, then compose.yaml's
 #: interpolation variables (a shell that exports them for ``docker compose`` must still run us).
 _ENV_SUGGESTIONS = ("SPEEDTRONIC_CONFIG", "SPEEDTRONIC_SECRETS_DIR", "SPEEDTRONIC_NODE_ID")
@@ -254,10 +255,9 @@ def _env_source_class() -> type:
     return MappingEnvSource
 
 
-def _env_layer(environ: Mapping[str, str]) -> list[tuple[str, object, str]]:
-    """(dotted, value, source) triples from the environment, lowest precedence first:
-    ``HF_TOKEN`` and ``SPEEDTRONIC_NODE_ID`` below the field names they stand in for."""
-    triples: list[tuple[str, object, str]] = []
+def _env_layer(environ: Mapping[str, str]) -> Layer:
+    """The environment's values; ``HF_TOKEN``/``SPEEDTRONIC_NODE_ID`` below the fields' names."""
+    triples: Layer = []
     if environ.get("HF_TOKEN"):
         triples.append((TOKEN_KEY, SecretText(environ["HF_TOKEN"]), "env:HF_TOKEN"))
     names = {name.upper(): name for name in environ}
@@ -275,15 +275,14 @@ def _env_layer(environ: Mapping[str, str]) -> list[tuple[str, object, str]]:
     return triples
 
 
-def _secret_layer(secrets_dir: Path) -> list[tuple[str, object, str]]:
-    """(dotted, value, source) triples from the secret files, ``hf_token`` first (below
-    ``distributed__token``); every value is :class:`SecretText`."""
+def _secret_layer(secrets_dir: Path) -> Layer:
+    """The secret files' values (:class:`SecretText`); ``hf_token`` below ``distributed__token``."""
     if not secrets_dir.exists():
         return []
     if not secrets_dir.is_dir():
         raise ConfigError(f"secrets directory is not a directory: {secrets_dir}")
     files = read_secret_files(secrets_dir, _secret_fields())
-    triples: list[tuple[str, object, str]] = []
+    triples: Layer = []
     name, token = files.pop(HF_TOKEN_FILE, ("", ""))
     if token:
         triples.append((TOKEN_KEY, SecretText(token), f"secret:{name}"))
@@ -295,9 +294,7 @@ def _secret_layer(secrets_dir: Path) -> list[tuple[str, object, str]]:
     return triples
 
 
-def _override_layer(
-    overrides: Iterable[str] | Mapping[str, object],
-) -> list[tuple[str, object, str]]:
+def _override_layer(overrides: Iterable[str] | Mapping[str, object]) -> Layer:
     """``section.field=value`` strings (or a mapping of dotted keys) from the command line."""
     items: Iterable[tuple[str, object]]
     if isinstance(overrides, Mapping):
