@@ -187,35 +187,31 @@ def describe_tokenizer(
     """Resolve ``spec`` (not ``bytes``) and read its vocabulary and end-of-text token."""
     path, config_path = resolve_tokenizer_file(spec, field=field, token=token)
     stat = path.stat()
-    config_key = None
-    if config_path is not None:
-        config_stat = config_path.stat()
-        config_key = (str(config_path), config_stat.st_size, config_stat.st_mtime_ns)
-    info = _read(str(path), stat.st_size, stat.st_mtime_ns, config_key, field)
-    return TokenizerInfo(str(spec).strip(), path, *info, config_path)
+    sha256, tokens, special = _read(str(path), stat.st_size, stat.st_mtime_ns, field)
+    eos_token = _configured_eos(config_path) if config_path else None
+    if eos_token is not None and eos_token not in tokens:
+        raise ConfigError(
+            f"{field}: {config_path} names eos_token {eos_token!r}, which {path} does not hold"
+        )
+    if eos_token is None:
+        eos_token = next((name for name in EOS_NAMES if name in special), None)
+    eos_id = tokens[eos_token] if eos_token is not None else None
+    vocab_size = max(tokens.values()) + 1
+    return TokenizerInfo(
+        str(spec).strip(), path, sha256, vocab_size, eos_id, eos_token, config_path
+    )
 
 
 @functools.lru_cache(maxsize=16)
-def _read(
-    path: str, size: int, mtime_ns: int, config_key: tuple[str, int, int] | None, field: str
-) -> tuple[str, int, int | None, str | None]:
-    """``(sha256, vocab_size, eos_id, eos_token)``; cached per file version."""
+def _read(path: str, size: int, mtime_ns: int, field: str) -> tuple[str, dict[str, int], set[str]]:
+    """``(sha256, token -> id, special tokens)`` of a tokenizer.json; cached per file version."""
     raw = Path(path).read_bytes()
     try:
         document = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         message = f"{field}: {path} is not a tokenizer.json file (not JSON: {exc})"
         raise ConfigError(message) from None
-    tokens, special = _vocabulary(document, path, field)
-    eos_token = _configured_eos(config_key[0]) if config_key else None
-    if config_key and eos_token is not None and eos_token not in tokens:
-        raise ConfigError(
-            f"{field}: {config_key[0]} names eos_token {eos_token!r}, which {path} does not hold"
-        )
-    if eos_token is None:
-        eos_token = next((name for name in EOS_NAMES if name in special), None)
-    eos_id = tokens[eos_token] if eos_token is not None else None
-    return hashlib.sha256(raw).hexdigest(), max(tokens.values()) + 1, eos_id, eos_token
+    return (hashlib.sha256(raw).hexdigest(), *_vocabulary(document, path, field))
 
 
 def _vocabulary(document: object, path: str, field: str) -> tuple[dict[str, int], set[str]]:
@@ -239,9 +235,9 @@ def _vocabulary(document: object, path: str, field: str) -> tuple[dict[str, int]
     return ids, {str(t.get("content")) for t in added if t.get("special")}
 
 
-def _configured_eos(config_path: str) -> str | None:
+def _configured_eos(config_path: Path) -> str | None:
     try:
-        config = json.loads(Path(config_path).read_text(encoding="utf-8"))
+        config = json.loads(config_path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     eos = config.get("eos_token") if isinstance(config, dict) else None
