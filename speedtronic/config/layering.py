@@ -165,19 +165,20 @@ def _put(nested: dict[str, object], dotted: str, value: object) -> None:
 def closest_field(key: str, extra: Iterable[str] = ()) -> str | None:
     """The dotted field (or one of ``extra``) an unknown ``key`` most likely meant, or None.
 
-    ``key`` is ``section.field`` or ``section__field`` in any case. A 2.0.0 section alias
-    gets its section (``hub.repo_id``), a known field name its section (``run`` first), anything
-    else the most similar name, if one is similar enough.
+    ``key`` is ``section.field`` or ``section__field`` in any case. A 2.0.0 section alias gets
+    its section (``hub.repo_id``); then the most similar name, if one is similar enough; then a
+    field of the same name in another section (``run`` first: ``max_steps``, ``run.lr``).
     """
     key = key.strip().lower().replace("__", ".")
     fields = list(known_fields())
     section, _, leaf = key.rpartition(".")
     if section in ("hub", "diloco") and f"distributed.{leaf}" in fields:
         return f"distributed.{leaf}"
+    meant = closest_name(key, [*fields, *extra]) if section else None
     same_leaf = sorted(
         (d for d in fields if d.endswith(f".{leaf}")), key=lambda d: d != f"run.{leaf}"
     )
-    return same_leaf[0] if same_leaf else closest_name(key, [*fields, *extra])
+    return meant or (same_leaf[0] if same_leaf else closest_name(key, [*fields, *extra]))
 
 
 def closest_env_name(name: str) -> str | None:
