@@ -25,7 +25,6 @@ from speedtronic.config.limits import ConfigError
 from speedtronic.config.loading import (
     ROOT_FIELDS,
     SECTION_NAMES,
-    as_dict,
     canonicalize,
     closest_name,
     compile_shorthand,
@@ -33,6 +32,7 @@ from speedtronic.config.loading import (
     looks_inline,
     read_source,
     rebase_legacy_log_paths,
+    section_mapping,
     with_origin,
 )
 from speedtronic.config.redaction import SecretText, holds_secret, scrub, strings
@@ -139,12 +139,7 @@ def _flatten(values: Mapping[str, object]) -> dict[str, object]:
     flat: dict[str, object] = {}
     for key, value in values.items():
         if key in SECTION_NAMES:
-            value = as_dict(value)
-            if value is None:
-                continue
-            if not isinstance(value, Mapping):
-                raise ConfigError(f"{key} must be a mapping")
-            for name, item in value.items():
+            for name, item in section_mapping(values, key).items():
                 flat[f"{key}.{name}"] = item
         else:
             flat[key] = value

@@ -36,7 +36,6 @@ __all__ = [
     "ROOT_FIELDS",
     "RUN_ALIASES",
     "SECTION_NAMES",
-    "as_dict",
     "canonicalize",
     "closest_name",
     "compile_shorthand",
@@ -45,6 +44,7 @@ __all__ = [
     "read_config_file",
     "read_source",
     "rebase_legacy_log_paths",
+    "section_mapping",
     "unknown_keys_message",
     "with_origin",
 ]
@@ -354,15 +354,13 @@ def unknown_keys_message(
     return f"{message} (did you mean {meant}?)" if meant else message
 
 
-def as_dict(value: object) -> object:
-    """A section instance becomes a dict of its fields; anything else is returned unchanged."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-    return value
-
-
-def _merged_section(data: dict[str, object], name: str, what: str) -> dict[str, object]:
-    section = as_dict(data.get(name))
+def section_mapping(
+    data: Mapping[str, object], name: str, what: str = "a mapping"
+) -> dict[str, object]:
+    """Section ``name`` of ``data`` as a dict of its fields (``{}`` when absent or null)."""
+    section = data.get(name)
+    if dataclasses.is_dataclass(section) and not isinstance(section, type):
+        return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
     if section is None:
         return {}
     if not isinstance(section, Mapping):
@@ -378,7 +376,7 @@ def canonicalize(values: object) -> dict[str, object]:
     if not isinstance(values, Mapping):
         raise ConfigError("configuration root must be a mapping")
     data: dict[str, object] = {str(key): value for key, value in values.items()}
-    run = _merged_section(data, "run", "a mapping")
+    run = section_mapping(data, "run")
     run.update({alias: data.pop(alias) for alias in RUN_ALIASES if alias in data})
     if run or "run" in data:
         data["run"] = run
@@ -389,7 +387,7 @@ def canonicalize(values: object) -> dict[str, object]:
         data["optimizer"] = {"name": data["optimizer"]}
     for flag in ("muon_plus", "cautious"):
         if flag in data:
-            optimizer = _merged_section(data, "optimizer", "a mapping or optimizer name string")
+            optimizer = section_mapping(data, "optimizer", "a mapping or optimizer name string")
             value = data.pop(flag)
             if flag in optimizer and optimizer[flag] != value:
                 raise ConfigError(f"conflicting optimizer.{flag} values")

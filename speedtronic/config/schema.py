@@ -25,6 +25,7 @@ from speedtronic.config.loading import (
     looks_inline,
     read_config_file,
     read_source,
+    section_mapping,
     unknown_keys_message,
     with_origin,
 )
@@ -74,15 +75,12 @@ def build_section(name: str, value: object) -> object:
     cls = SECTION_CLASSES[name]
     if isinstance(value, cls):
         return value
-    if value is None:
-        return cls()
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{name} must be a mapping")
+    values = section_mapping({name: value}, name)
     fields = fields_of(cls)
-    unknown = set(value) - set(fields)
+    unknown = set(values) - set(fields)
     if unknown:
         raise ConfigError(unknown_keys_message(unknown, f"{name}: ", fields))
-    return cls(**{str(key): item for key, item in value.items()})
+    return cls(**{str(key): item for key, item in values.items()})
 
 
 def _plain(value: object, secrets: list[str] | None = None) -> object:
