@@ -91,7 +91,10 @@ def _int(value: object) -> int:
         try:
             number = int(value.strip(), 10)
         except ValueError:
-            number = _float(value) if _is_number(value) else None
+            try:
+                number = _float(value)
+            except ValueError:
+                number = None
     if isinstance(number, float) and number.is_integer():
         number = int(number)
     if isinstance(number, bool) or not isinstance(number, int):
@@ -99,13 +102,6 @@ def _int(value: object) -> int:
     if not -INT64 <= number < INT64:
         raise ValueError("must be a 64-bit integer, got a larger one")
     return number
-
-
-def _is_number(text: str) -> bool:
-    try:
-        return math.isfinite(float(text.strip()))
-    except (ValueError, OverflowError):
-        return False
 
 
 def _float(value: object) -> float:
