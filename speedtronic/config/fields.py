@@ -27,7 +27,13 @@ from pydantic.dataclasses import is_pydantic_dataclass
 from pydantic.fields import FieldInfo
 from typing_extensions import dataclass_transform  # typing has it from Python 3.11
 
-from speedtronic.config.limits import MAX_INT_DIGITS, MAX_STEPS, ConfigError, check_path_text
+from speedtronic.config.limits import (
+    MAX_INT_DIGITS,
+    MAX_PATH,
+    MAX_SEGMENT,
+    MAX_STEPS,
+    ConfigError,
+)
 from speedtronic.config.redaction import REDACTED, SecretText, contains_secret, looks_like_token
 
 __all__ = [
@@ -85,7 +91,10 @@ def _int(value: object) -> int:
         try:
             number = int(value.strip(), 10)
         except ValueError:
-            number = _float(value) if _is_number(value) else None
+            try:
+                number = _float(value)
+            except ValueError:
+                number = None
     if isinstance(number, float) and number.is_integer():
         number = int(number)
     if isinstance(number, bool) or not isinstance(number, int):
@@ -93,13 +102,6 @@ def _int(value: object) -> int:
     if not -INT64 <= number < INT64:
         raise ValueError("must be a 64-bit integer, got a larger one")
     return number
-
-
-def _is_number(text: str) -> bool:
-    try:
-        return math.isfinite(float(text.strip()))
-    except (ValueError, OverflowError):
-        return False
 
 
 def _float(value: object) -> float:
@@ -143,12 +145,16 @@ def _str(value: object) -> str:
 
 
 def _path(value: object) -> str:
+    """A path the OS can take: no NUL byte, at most ``MAX_PATH`` bytes, ``MAX_SEGMENT`` a part."""
     text = _str(value)
-    try:
-        check_path_text(text, "")
-        return text
-    except ConfigError as error:
-        raise ValueError(str(error).strip()) from None
+    encoded = text.encode("utf-8", "surrogateescape")
+    if "\x00" in text:
+        raise ValueError("must not contain a NUL byte")
+    if len(encoded) > MAX_PATH:
+        raise ValueError(f"is longer than {MAX_PATH} bytes")
+    if max(len(part) for part in encoded.split(b"/")) > MAX_SEGMENT:
+        raise ValueError(f"has a path segment longer than {MAX_SEGMENT} bytes")
+    return text
 
 
 def _str_list(value: object) -> list[str]:
@@ -229,7 +235,7 @@ def to_config_error(error: ValidationError, prefix: str = "") -> ConfigError:
     message = problem["msg"]
     if cause is not None:
         text = f"{path} {cause}"
-    elif problem["type"] == "missing":
+    elif problem["type"] == "missing":  # a short tuple's missing item
         text = f"{path} is missing, got {describe(problem['input'])}"
     elif message.startswith("Input should be"):
         text = (

@@ -1,21 +1,11 @@
 """Layered configuration: defaults < file < secret files < environment < CLI overrides.
 
-:func:`resolve_config` is the one place that reads the environment and the secrets directory.
-pydantic-settings' ``EnvSettingsSource`` reads ``SPEEDTRONIC_<SECTION>__<FIELD>`` and
-``SPEEDTRONIC_<ROOT_FIELD>`` (any case) into raw text; :mod:`~speedtronic.config.secret_files`
-reads ``hf_token`` and ``<section>__<field>`` files. Each value is parsed once (YAML, through the
-bounded loader; string fields keep the raw text) into one canonical mapping that the sections
-validate. Ours, because the library lacks them: per-field provenance (``ResolvedConfig.sources``:
-``file``, ``env:<NAME>``, ``secret:<file>``, ``cli``; defaults are not listed), the origin in a
-validation error, refusing unknown ``SPEEDTRONIC_*`` names and near misses of the prefix
-(``SPEEDTONIC_RUN__MAX_STEPS`` would set nothing) with a "did you mean", and keeping secrets
-out of every error. Also understood: ``SPEEDTRONIC_CONFIG`` (the path when ``source`` is None),
-``SPEEDTRONIC_SECRETS_DIR`` (default ``/run/secrets``), ``SPEEDTRONIC_NODE_ID`` and ``HF_TOKEN``.
-
-Secrets: the token (any layer) and every secret-file value are :class:`SecretText` before
-validation, and errors are scrubbed of the token, so no error prints a secret. The token cannot
-be set with ``--set`` (the process list would show it), and its value is refused in any other
-field (:func:`_refuse_token_elsewhere`).
+:func:`resolve_config` is the one place that reads the environment and the secrets directory
+(pydantic-settings' ``EnvSettingsSource`` for ``SPEEDTRONIC_<SECTION>__<FIELD>``). Ours, because
+the library lacks them: per-field provenance (``file``, ``env:<NAME>``, ``secret:<file>``,
+``cli``), the origin in an error, "did you mean" for unknown ``SPEEDTRONIC_*`` names and near
+misses of the prefix, and secrets kept out of every error (:class:`SecretText`; the token is
+refused in other fields and on the command line).
 """
 
 from __future__ import annotations
@@ -35,7 +25,6 @@ from speedtronic.config.limits import ConfigError
 from speedtronic.config.loading import (
     ROOT_FIELDS,
     SECTION_NAMES,
-    as_dict,
     canonicalize,
     closest_name,
     compile_shorthand,
@@ -43,9 +32,10 @@ from speedtronic.config.loading import (
     looks_inline,
     read_source,
     rebase_legacy_log_paths,
+    section_mapping,
     with_origin,
 )
-from speedtronic.config.redaction import SecretText, holds_secret, scrub
+from speedtronic.config.redaction import SecretText, holds_secret, scrub, strings
 from speedtronic.config.schema import SpeedtronicConfig, field_infos
 from speedtronic.config.secret_files import read_secret_files
 
@@ -66,25 +56,12 @@ DEFAULT_SECRETS_DIR = "/run/secrets"
 TOKEN_KEY = "distributed.token"
 NODE_ID_KEY = "distributed.node_id"
 HF_TOKEN_FILE = "hf_token"
-#: ``SPEEDTRONIC_*`` names that are not fields but are understood (all but the first three are
-#: compose.yaml interpolation variables of the host shell, not read by the config; a shell that
-#: exports them for ``docker compose`` must still be able to run ``speedtronic``).
-EXTRA_ENV_NAMES = frozenset(
-    {
-        "SPEEDTRONIC_CONFIG",
-        "SPEEDTRONIC_SECRETS_DIR",
-        "SPEEDTRONIC_NODE_ID",
-        "SPEEDTRONIC_IMAGE",
-        "SPEEDTRONIC_HUB_REPO",
-        "SPEEDTRONIC_HF_TOKEN_FILE",
-        "SPEEDTRONIC_BIND_ADDRESS",
-        "SPEEDTRONIC_MASTER_PORT",
-        "SPEEDTRONIC_CPUS",
-        "SPEEDTRONIC_MEMORY",
-    }
-)
-#: The non-field names worth suggesting for a typo (not the compose variables).
+Layer = list[tuple[str, object, str]]  # (dotted field, value, source), lowest precedence first
+#: ``SPEEDTRONIC_*`` names that are not fields but are understood: ours, then compose.yaml's
+#: interpolation variables (a shell that exports them for ``docker compose`` must still run us).
 _ENV_SUGGESTIONS = ("SPEEDTRONIC_CONFIG", "SPEEDTRONIC_SECRETS_DIR", "SPEEDTRONIC_NODE_ID")
+_COMPOSE = ("IMAGE", "HUB_REPO", "HF_TOKEN_FILE", "BIND_ADDRESS", "MASTER_PORT", "CPUS", "MEMORY")
+EXTRA_ENV_NAMES = frozenset(_ENV_SUGGESTIONS + tuple(ENV_PREFIX + name for name in _COMPOSE))
 
 
 @dataclass
@@ -112,10 +89,7 @@ def known_fields() -> dict[str, bool]:
 
 
 def env_name_for(dotted: str) -> str:
-    """``run.max_steps`` -> ``SPEEDTRONIC_RUN__MAX_STEPS``, ``compile`` -> ``SPEEDTRONIC_COMPILE``.
-
-    Root fields have no section part.
-    """
+    """``run.max_steps`` -> ``SPEEDTRONIC_RUN__MAX_STEPS``; root fields have no section part."""
     return ENV_PREFIX + dotted.replace(".", "__").upper()
 
 
@@ -165,12 +139,7 @@ def _flatten(values: Mapping[str, object]) -> dict[str, object]:
     flat: dict[str, object] = {}
     for key, value in values.items():
         if key in SECTION_NAMES:
-            value = as_dict(value)
-            if value is None:
-                continue
-            if not isinstance(value, Mapping):
-                raise ConfigError(f"{key} must be a mapping")
-            for name, item in value.items():
+            for name, item in section_mapping(values, key).items():
                 flat[f"{key}.{name}"] = item
         else:
             flat[key] = value
@@ -188,27 +157,32 @@ def _put(nested: dict[str, object], dotted: str, value: object) -> None:
         nested[dotted] = value
 
 
-def closest_env_name(name: str) -> str | None:
-    """The known ``SPEEDTRONIC_*`` name an unknown ``name`` most likely meant, or None.
+def closest_field(key: str, extra: Iterable[str] = ()) -> str | None:
+    """The dotted field (or one of ``extra``) an unknown ``key`` most likely meant, or None.
 
-    A bare field name gets its section (``SPEEDTRONIC_MAX_STEPS`` -> ``..._RUN__MAX_STEPS``,
-    ``run`` first), a 2.0.0 section alias its section (``SPEEDTRONIC_HUB__REPO_ID``); anything
-    else the most similar known name, if one is similar enough.
+    ``key`` is ``section.field`` or ``section__field`` in any case. A 2.0.0 section alias gets
+    its section (``hub.repo_id``); then the most similar name, if one is similar enough; then a
+    field of the same name in another section (``run`` first: ``max_steps``, ``run.lr``).
     """
-    upper = name.upper()
-    rest = upper[len(ENV_PREFIX) :].lower() if upper.startswith(ENV_PREFIX) else upper.lower()
+    key = key.strip().lower().replace("__", ".")
     fields = list(known_fields())
-    section, _, leaf = rest.partition("__")
+    section, _, leaf = key.rpartition(".")
     if section in ("hub", "diloco") and f"distributed.{leaf}" in fields:
-        return env_name_for(f"distributed.{leaf}")
-    by_field = sorted(
-        (d for d in fields if d.endswith(f".{rest}")), key=lambda d: d != f"run.{rest}"
+        return f"distributed.{leaf}"
+    meant = closest_name(key, [*fields, *extra]) if section else None
+    same_leaf = sorted(
+        (d for d in fields if d.endswith(f".{leaf}")), key=lambda d: d != f"run.{leaf}"
     )
-    if by_field:
-        return env_name_for(by_field[0])
-    targets = [env_name_for(dotted) for dotted in fields] + list(_ENV_SUGGESTIONS)
-    meant = closest_name(rest.upper(), [target[len(ENV_PREFIX) :] for target in targets])
-    return ENV_PREFIX + meant if meant else None
+    return meant or (same_leaf[0] if same_leaf else closest_name(key, [*fields, *extra]))
+
+
+def closest_env_name(name: str) -> str | None:
+    """The known ``SPEEDTRONIC_*`` name an unknown ``name`` most likely meant, or None."""
+    upper = name.upper()
+    rest = upper[len(ENV_PREFIX) :] if upper.startswith(ENV_PREFIX) else upper
+    extra = [known[len(ENV_PREFIX) :].lower() for known in _ENV_SUGGESTIONS]
+    meant = closest_field(rest, extra)
+    return None if meant is None else env_name_for(meant)
 
 
 def _misspelt_prefix(name: str, known: Iterable[str]) -> str | None:
@@ -251,13 +225,8 @@ def _check_env_names(environ: Mapping[str, str]) -> None:
 
 @functools.cache
 def _env_source_class() -> type:
-    """pydantic-settings' environment source over the config tree's names.
-
-    ``SPEEDTRONIC_<SECTION>__<FIELD>`` and ``SPEEDTRONIC_<ROOT_FIELD>`` (prefix, ``__`` nested
-    delimiter, any case) are matched by pydantic-settings; each section is read as a mapping
-    of raw text, which :func:`_parse_value` parses as YAML and the section dataclasses then
-    validate (one validator). It reads the ``environ`` given, not ``os.environ``. Imported on
-    first use: a run without ``SPEEDTRONIC_*`` fields never pays for pydantic-settings.
+    """pydantic-settings' environment source over the config tree's names, reading the
+    ``environ`` given; each section comes back as a mapping of raw text (imported on first use).
     """
     from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
@@ -282,14 +251,9 @@ def _env_source_class() -> type:
     return MappingEnvSource
 
 
-def _env_layer(environ: Mapping[str, str]) -> list[tuple[str, object, str]]:
-    """(dotted, value, source) triples from the environment, lowest precedence first.
-
-    ``HF_TOKEN`` and ``SPEEDTRONIC_NODE_ID`` come first, below the field names they stand in
-    for. A field set under two spellings of its name (``speedtronic_run__seed`` and
-    ``SPEEDTRONIC_RUN__SEED``) takes the later variable.
-    """
-    triples: list[tuple[str, object, str]] = []
+def _env_layer(environ: Mapping[str, str]) -> Layer:
+    """The environment's values; ``HF_TOKEN``/``SPEEDTRONIC_NODE_ID`` below the fields' names."""
+    triples: Layer = []
     if environ.get("HF_TOKEN"):
         triples.append((TOKEN_KEY, SecretText(environ["HF_TOKEN"]), "env:HF_TOKEN"))
     names = {name.upper(): name for name in environ}
@@ -307,20 +271,14 @@ def _env_layer(environ: Mapping[str, str]) -> list[tuple[str, object, str]]:
     return triples
 
 
-def _secret_layer(secrets_dir: Path) -> list[tuple[str, object, str]]:
-    """(dotted, value, source) triples from ``hf_token`` and ``<section>__<field>`` files.
-
-    ``hf_token`` comes first, below ``distributed__token``; every value is a secret
-    (:class:`SecretText`, never shown in an error).
-    """
+def _secret_layer(secrets_dir: Path) -> Layer:
+    """The secret files' values (:class:`SecretText`); ``hf_token`` below ``distributed__token``."""
     if not secrets_dir.exists():
         return []
     if not secrets_dir.is_dir():
         raise ConfigError(f"secrets directory is not a directory: {secrets_dir}")
-    if not os.access(secrets_dir, os.R_OK | os.X_OK):
-        raise ConfigError(f"secrets directory is not readable: {secrets_dir}")
     files = read_secret_files(secrets_dir, _secret_fields())
-    triples: list[tuple[str, object, str]] = []
+    triples: Layer = []
     name, token = files.pop(HF_TOKEN_FILE, ("", ""))
     if token:
         triples.append((TOKEN_KEY, SecretText(token), f"secret:{name}"))
@@ -332,9 +290,7 @@ def _secret_layer(secrets_dir: Path) -> list[tuple[str, object, str]]:
     return triples
 
 
-def _override_layer(
-    overrides: Iterable[str] | Mapping[str, object],
-) -> list[tuple[str, object, str]]:
+def _override_layer(overrides: Iterable[str] | Mapping[str, object]) -> Layer:
     """``section.field=value`` strings (or a mapping of dotted keys) from the command line."""
     items: Iterable[tuple[str, object]]
     if isinstance(overrides, Mapping):
@@ -353,9 +309,7 @@ def _override_layer(
         if dotted is None:
             aliased = {} if "." in key else _flatten(canonicalize({key: value}))
             if not aliased:
-                meant = closest_name(key.strip().lower(), known_fields())
-                leaf = key.strip().lower().rpartition(".")[2]
-                meant = meant or next((d for d in known_fields() if d.endswith(f".{leaf}")), None)
+                meant = closest_field(key)
                 hint = f" (did you mean {meant}?)" if meant else ""
                 raise ConfigError(f"invalid override {key!r}: unknown configuration field{hint}")
             dotted = next(iter(aliased))
@@ -372,8 +326,7 @@ def _override_layer(
 def _attribute(
     error: ConfigError, sources: Mapping[str, str], config_path: str | None
 ) -> ConfigError:
-    """Append the origin of the offending field to a validation error when known: the
-    config file's path, ``env:NAME``, ``secret:<file>`` or ``cli``."""
+    """``error`` with the origin of the field it names, when known."""
     message = str(error)
     for dotted in sorted(sources, key=len, reverse=True):
         if message.startswith(dotted):
@@ -384,34 +337,17 @@ def _attribute(
     return error
 
 
-def _strings(value: object) -> Iterable[str]:
-    """The strings of a merged value (a string, or inside lists and mappings)."""
-    if isinstance(value, str):
-        yield value
-    elif isinstance(value, Mapping):
-        for key, item in value.items():
-            yield from _strings(key)
-            yield from _strings(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _strings(item)
-
-
-def _refuse_token_elsewhere(
-    merged: Mapping[str, object], tokens: list[str], sources: Mapping[str, str]
-) -> None:
+def _refuse_token_elsewhere(merged: Mapping[str, object], tokens: list[str]) -> None:
     """A field other than ``distributed.token`` whose value is the token, in any case, or
     contains it is a ``ConfigError`` that does not show it: a choice field would echo it
     lowercased, and a name (tracker run, directory) would carry it into file names."""
     if not tokens:
         return
     for dotted, value in _flatten(merged).items():
-        if dotted != TOKEN_KEY and any(holds_secret(text, tokens) for text in _strings(value)):
-            origin = sources.get(dotted)
-            where = f" (from {origin})" if origin and origin != "file" else ""
+        if dotted != TOKEN_KEY and any(holds_secret(text, tokens) for text in strings(value)):
             raise ConfigError(
-                f"{dotted} holds the value of distributed.token (not shown){where}; the token "
-                "belongs in HF_TOKEN or the hf_token secret file only"
+                f"{dotted} holds the value of distributed.token (not shown); the token belongs "
+                "in HF_TOKEN or the hf_token secret file only"
             )
 
 
@@ -464,10 +400,10 @@ def resolve_config(
         rebase_legacy_log_paths(merged)  # against the merged run.output_dir (configuration.md)
         with with_origin(config_path):  # an unknown key can only come from the file
             config = SpeedtronicConfig.from_canonical(merged)
+        _refuse_token_elsewhere(merged, tokens)  # a value that passed, or one it changed
     except ConfigError as error:
         error = _attribute(error, sources, config_path)
         raise ConfigError(scrub(str(error), tokens)) from None
-    _refuse_token_elsewhere(merged, tokens, sources)  # a value that passed, or one it changed
     order = {dotted: index for index, dotted in enumerate(known_fields())}
     ordered = dict(sorted(sources.items(), key=lambda item: order.get(item[0], len(order))))
     return ResolvedConfig(config=config, sources=ordered, config_path=config_path)

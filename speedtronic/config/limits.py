@@ -1,17 +1,7 @@
-"""The config error, and the ranges, path rules and id rules shared by every config section.
+"""The config error and the limits several config sections share: ranges, paths, ids.
 
-Every numeric field has a range checked at validation (docs/configuration.md lists them).
-The constants here are the ones several sections share: step counts (``MAX_STEPS``: twelve
-digits, the width of a checkpoint file name), seeds (what ``numpy.random.seed`` accepts, and
-``torch.manual_seed`` with it), and durations in seconds that end up in ``time.sleep`` or
-``threading.Event.wait`` (far below ``threading.TIMEOUT_MAX``, so they can never overflow).
-
-Paths: no NUL byte, at most ``MAX_PATH`` bytes, no segment longer than ``MAX_SEGMENT`` bytes.
-:func:`path_kind_problem` says why an existing path cannot serve as a file or a directory.
-
-Node ids: :func:`check_node_id` is the one rule (letters, digits and ``. _ - @ +``, starting
-with a letter or digit, at most ``MAX_NODE_ID`` characters). The config sections and
-``speedtronic.diloco.node.resolve_node_id`` both use it.
+A numeric field's range is checked at validation (docs/configuration.md lists them); durations
+in seconds stay far below ``threading.TIMEOUT_MAX``, so a sleep or wait cannot overflow.
 """
 
 from __future__ import annotations
@@ -33,7 +23,6 @@ __all__ = [
     "ConfigError",
     "ConfigFileNotFoundError",
     "check_node_id",
-    "check_path_text",
     "is_valid_node_id",
     "path_kind_problem",
 ]
@@ -56,23 +45,9 @@ class ConfigFileNotFoundError(ConfigError, FileNotFoundError):
     """The configuration file does not exist (also a ``FileNotFoundError`` for 2.0.0 callers)."""
 
 
-def check_path_text(value: str | None, field: str) -> str | None:
-    """Refuse a path the OS cannot take: NUL bytes, over-long paths or segments."""
-    if value is None:
-        return None
-    if "\x00" in value:
-        raise ConfigError(f"{field} must not contain a NUL byte")
-    encoded = value.encode("utf-8", "surrogateescape")
-    if len(encoded) > MAX_PATH:
-        raise ConfigError(f"{field} is longer than {MAX_PATH} bytes")
-    longest = max((len(part) for part in encoded.split(b"/")), default=0)
-    if longest > MAX_SEGMENT:
-        raise ConfigError(f"{field} has a path segment longer than {MAX_SEGMENT} bytes")
-    return value
-
-
 def path_kind_problem(path: str | os.PathLike[str], want: str) -> str | None:
-    """Why ``path`` cannot be used as a ``file`` or a ``dir`` (``None`` when it can or may).
+    """Why ``path`` cannot be used as a ``file``, a ``dir`` or ``tokens`` (a token file or a
+    folder written by ``speedtronic prepare``); ``None`` when it can or may.
 
     Only what exists is judged: the path itself (a directory where a file is wanted, or the
     reverse) and its nearest existing ancestor (which must be a directory). A path that does
@@ -86,6 +61,11 @@ def path_kind_problem(path: str | os.PathLike[str], want: str) -> str | None:
                 return "is a directory, expected a file"
             if want == "dir" and not target.is_dir():
                 return "is a file, expected a directory"
+            if want == "tokens" and target.is_dir() and not (target / "meta.json").is_file():
+                return (
+                    "is a directory, expected a token file or a folder written by "
+                    "speedtronic prepare (it has no meta.json)"
+                )
             return None
         for parent in target.parents:
             if parent.exists():

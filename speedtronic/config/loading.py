@@ -1,20 +1,15 @@
 """What a user writes, read into the canonical mapping the sections are built from.
 
-Reading (no validation, no environment): ``read_source`` keeps 2.0.0's ``load`` heuristic
-(reference/config.md §2.3): a mapping is used as is; a ``str`` with a newline, a leading
-``{``/``[``, or a ``:`` that is not an existing path is inline YAML/JSON; anything else is a
-path (``.yaml``/``.yml`` -> YAML, else JSON). Malformed text is a :class:`ConfigError` with line
-and column, a missing file a :class:`ConfigFileNotFoundError`, and a token in a file is logged
-as a warning. Documents are bounded before they are built (the one loader, also for env values,
-secret files and ``--set``): nesting deeper than ``MAX_DEPTH``, aliases expanding to more than
-``MAX_NODES`` nodes or into themselves, duplicate keys; integers over 40 digits stay text.
+Reading (:func:`read_source`, 2.0.0's ``load`` heuristic, reference/config.md §2.3): a mapping
+as is; a ``str`` with a newline, a leading ``{``/``[``, or a ``:`` that is no existing path is
+inline YAML/JSON; anything else a path (``.yaml``/``.yml`` YAML, else JSON). Every YAML
+document (files, env, secret and ``--set`` values) goes through one bounded loader: at most
+``MAX_DEPTH`` levels and ``MAX_NODES`` nodes with aliases expanded, no alias into itself, no
+duplicate key, integers over 40 digits kept as text.
 
-Normalising (:func:`canonicalize`, once, where a mapping enters): the 2.0.0 root aliases
-(``max_steps: 4`` -> ``run.max_steps``), section aliases (``hub:``/``diloco:``), shorthands
-(``optimizer: muon``, ``precision: bf16``, ``compile: {enabled: x}``, root ``muon_plus``/
-``cautious``), the retired settings of `RETIRED` (accepted at their one legal value, then
-dropped with a warning) and 2.0.0 log paths written under ``run.output_dir``
-(:func:`rebase_legacy_log_paths`). The canonical form has only section keys and root fields.
+Normalising (:func:`canonicalize`, once, where a mapping enters): the 2.0.0 root and section
+aliases, the ``optimizer``/``precision``/``compile`` shorthands, `RETIRED` settings and 2.0.0
+log paths under ``run.output_dir``. The canonical form has only section keys and root fields.
 """
 
 from __future__ import annotations
@@ -41,7 +36,6 @@ __all__ = [
     "ROOT_FIELDS",
     "RUN_ALIASES",
     "SECTION_NAMES",
-    "as_dict",
     "canonicalize",
     "closest_name",
     "compile_shorthand",
@@ -50,6 +44,7 @@ __all__ = [
     "read_config_file",
     "read_source",
     "rebase_legacy_log_paths",
+    "section_mapping",
     "unknown_keys_message",
     "with_origin",
 ]
@@ -164,10 +159,7 @@ _BoundedLoader.add_constructor("tag:yaml.org,2002:int", _int_or_text)
 
 
 def load_yaml_value(text: str) -> object:
-    """A YAML document (a file, or one env/secret/``--set`` value) through the bounded loader.
-
-    Raises ``yaml.YAMLError`` (a refusal is a ``MarkedYAMLError`` naming the problem).
-    """
+    """A YAML document through the bounded loader (a refusal is a ``MarkedYAMLError``)."""
     loader = _BoundedLoader(text)
     try:
         return loader.get_single_data()
@@ -362,15 +354,13 @@ def unknown_keys_message(
     return f"{message} (did you mean {meant}?)" if meant else message
 
 
-def as_dict(value: object) -> object:
-    """A section instance becomes a dict of its fields; anything else is returned unchanged."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-    return value
-
-
-def _merged_section(data: dict[str, object], name: str, what: str) -> dict[str, object]:
-    section = as_dict(data.get(name))
+def section_mapping(
+    data: Mapping[str, object], name: str, what: str = "a mapping"
+) -> dict[str, object]:
+    """Section ``name`` of ``data`` as a dict of its fields (``{}`` when absent or null)."""
+    section = data.get(name)
+    if dataclasses.is_dataclass(section) and not isinstance(section, type):
+        return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
     if section is None:
         return {}
     if not isinstance(section, Mapping):
@@ -379,17 +369,14 @@ def _merged_section(data: dict[str, object], name: str, what: str) -> dict[str, 
 
 
 def canonicalize(values: object) -> dict[str, object]:
-    """Apply run aliases, section aliases and optimizer/precision/compile shorthands.
-
-    Raises ``ConfigError`` for a non-mapping root, conflicting duplicates and unknown root keys;
-    section values are left to the section classes.
-    """
+    """Apply the 2.0.0 aliases and shorthands (module docstring); section values are left to
+    the section classes."""
     if values is None:
         return {}
     if not isinstance(values, Mapping):
         raise ConfigError("configuration root must be a mapping")
     data: dict[str, object] = {str(key): value for key, value in values.items()}
-    run = _merged_section(data, "run", "a mapping")
+    run = section_mapping(data, "run")
     run.update({alias: data.pop(alias) for alias in RUN_ALIASES if alias in data})
     if run or "run" in data:
         data["run"] = run
@@ -400,7 +387,7 @@ def canonicalize(values: object) -> dict[str, object]:
         data["optimizer"] = {"name": data["optimizer"]}
     for flag in ("muon_plus", "cautious"):
         if flag in data:
-            optimizer = _merged_section(data, "optimizer", "a mapping or optimizer name string")
+            optimizer = section_mapping(data, "optimizer", "a mapping or optimizer name string")
             value = data.pop(flag)
             if flag in optimizer and optimizer[flag] != value:
                 raise ConfigError(f"conflicting optimizer.{flag} values")
@@ -436,14 +423,8 @@ def compile_shorthand(value: object) -> object:
 
 
 def rebase_legacy_log_paths(data: dict[str, object]) -> None:
-    """Read a 2.0.0-style log path as the path below ``run.output_dir`` it names.
-
-    ``logging.file``/``json_file`` are relative to ``run.output_dir`` since 2.1; 2.0.0 took them
-    relative to the working directory, so its configs spell the output directory out
-    (``runs/smoke/events.jsonl`` beside ``output_dir: runs/smoke``, or the default ``runs``).
-    Such a relative path loses that prefix (the same file, now following ``--output-dir``),
-    with a warning naming the new spelling. Absolute paths are never changed.
-    """
+    """A 2.0.0 log path that spells ``run.output_dir`` out (``runs/smoke/events.jsonl``) loses
+    that prefix, with a warning: since 2.1 ``logging.file``/``json_file`` are relative to it."""
     section = data.get("logging")
     run = data.get("run")
     output_dir = run.get("output_dir") if isinstance(run, Mapping) else None

@@ -1,21 +1,10 @@
 """Keeping the Hub token out of text: every spelling of a secret, and values marked secret.
 
-:func:`scrub` is the one scrubber (the transports, the coordinator, the MetricLogger and the
-CLI all use it). A token can reach text in more spellings than its raw form: with the
-whitespace a secret file or a ``secretKeyRef`` added (``hf_x\\n``), escaped by ``repr`` or
-JSON (``hf_x\\\\n``), inside header bytes (``b'Bearer hf_x\\n'``), percent-encoded or base64
-encoded, and in another case: a choice field lowercases what it is given before it checks it.
-:func:`secret_forms` lists them; ``scrub`` replaces each (longest first, in any letter case)
-by ``<redacted>``, and also anything shaped like a Hub token (``hf_`` + 20 or more letters
-and digits) whose value we were not told. :func:`holds_secret` tells whether a value is, or
-contains, a secret (any case, whitespace stripped): the config layer refuses such a value in
-any field but the token's own, so no name built from the config (a tracker run, a directory)
-can carry it.
-
-:class:`SecretText` marks a string that came from a secret (a secret file, ``HF_TOKEN``): the
-config layer wraps such values before validation, so an error about a field never prints
-one even when it landed in the wrong field (:func:`contains_secret`). Validation turns every
-accepted value back into a plain ``str``.
+:func:`scrub` is the one scrubber (transports, coordinator, metrics and CLI use it). It replaces
+every spelling :func:`secret_forms` lists, in any letter case, and anything shaped like a Hub
+token. :class:`SecretText` marks a string from a secret source, so a field error never prints
+it (:func:`contains_secret`); :func:`holds_secret` lets the config refuse the token in any
+field but its own, so no name built from the config carries it.
 """
 
 from __future__ import annotations
@@ -24,7 +13,7 @@ import base64
 import functools
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from urllib.parse import quote, quote_plus
 
 __all__ = [
@@ -36,6 +25,7 @@ __all__ = [
     "looks_like_token",
     "scrub",
     "secret_forms",
+    "strings",
 ]
 
 REDACTED = "<redacted>"
@@ -59,20 +49,20 @@ def looks_like_token(text: str) -> bool:
     return bool(TOKEN_PATTERN.search(text))
 
 
-def contains_secret(value: object, *, _depth: int = 0) -> bool:
-    """True when ``value`` is, or holds (lists, tuples, mappings), a :class:`SecretText` or a
-    token-shaped string. The walk is bounded (depth 32, 1000 items per container)."""
+def strings(value: object, _depth: int = 0) -> Iterator[str]:
+    """The strings of ``value``: itself, or inside lists, tuples, sets and mappings (keys too),
+    at most 32 levels deep (a value built in code may refer to itself)."""
     if isinstance(value, str):
-        return isinstance(value, SecretText) or looks_like_token(value)
-    if _depth >= 32:
-        return False
-    if isinstance(value, Mapping):
-        items: Iterable[object] = [*list(value.keys())[:1000], *list(value.values())[:1000]]
-    elif isinstance(value, (list, tuple, set, frozenset)):
-        items = list(value)[:1000]
-    else:
-        return False
-    return any(contains_secret(item, _depth=_depth + 1) for item in items)
+        yield value
+    elif _depth < 32 and isinstance(value, (Mapping, list, tuple, set, frozenset)):
+        items = [*value.keys(), *value.values()] if isinstance(value, Mapping) else value
+        for item in items:
+            yield from strings(item, _depth + 1)
+
+
+def contains_secret(value: object) -> bool:
+    """True when ``value`` is, or holds, a :class:`SecretText` or a token-shaped string."""
+    return any(isinstance(text, SecretText) or looks_like_token(text) for text in strings(value))
 
 
 def _escapes(text: str) -> set[str]:

@@ -1,9 +1,8 @@
 """The aggregate :class:`SpeedtronicConfig`: sections, normalisation, serialisation, paths.
 
-Scheduler horizon: ``scheduler.max_steps`` left unset (``null``) follows the effective run target
-(``data.max_steps`` if set, else ``run.max_steps``). The aggregate fills the number in at
-construction; :meth:`SpeedtronicConfig.apply_run_target` (or :meth:`sync_scheduler_horizon`
-after mutating ``run``/``data`` directly) moves it along. An explicit horizon is never touched.
+An unset ``scheduler.max_steps`` follows the effective run target (``data.max_steps``, else
+``run.max_steps``): filled in at construction, moved by :meth:`~SpeedtronicConfig.apply_run_target`
+or :meth:`~SpeedtronicConfig.sync_scheduler_horizon`. An explicit horizon is never touched.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from speedtronic.config.loading import (
     looks_inline,
     read_config_file,
     read_source,
+    section_mapping,
     unknown_keys_message,
     with_origin,
 )
@@ -75,22 +75,17 @@ def build_section(name: str, value: object) -> object:
     cls = SECTION_CLASSES[name]
     if isinstance(value, cls):
         return value
-    if value is None:
-        return cls()
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{name} must be a mapping")
+    values = section_mapping({name: value}, name)
     fields = fields_of(cls)
-    unknown = set(value) - set(fields)
+    unknown = set(values) - set(fields)
     if unknown:
         raise ConfigError(unknown_keys_message(unknown, f"{name}: ", fields))
-    return cls(**{str(key): item for key, item in value.items()})
+    return cls(**{str(key): item for key, item in values.items()})
 
 
 def _plain(value: object, secrets: list[str] | None = None) -> object:
-    """Deep-convert to JSON/YAML-friendly builtins (tuples -> lists, Paths -> str); with
+    """JSON/YAML-friendly builtins (tuples -> lists, Paths -> str) of a deep copy; with
     ``secrets``, every string is scrubbed of them (any spelling) and of token-shaped text."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name), secrets) for f in dataclasses.fields(value)}
     if isinstance(value, Mapping):
         return {str(key): _plain(item, secrets) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
@@ -99,7 +94,7 @@ def _plain(value: object, secrets: list[str] | None = None) -> object:
         value = str(value)
     if isinstance(value, str) and secrets is not None:
         return scrub(value, secrets)
-    return copy.deepcopy(value)
+    return value
 
 
 @section("")
@@ -162,11 +157,8 @@ class SpeedtronicConfig:
         return self
 
     def apply_run_target(self, max_steps: int) -> SpeedtronicConfig:
-        """Change the run target in place (``--max-steps``, ``max_steps=``); returns ``self``.
-
-        Sets ``run.max_steps`` (and ``data.max_steps`` when that is set, so the effective target
-        is ``max_steps``), then moves an implicit scheduler horizon along.
-        """
+        """Change the run target in place (``--max-steps``, ``max_steps=``): ``run.max_steps``,
+        ``data.max_steps`` when set, and an implicit scheduler horizon; returns ``self``."""
         max_steps = RunConfig(max_steps=max_steps).max_steps  # validated like the field
         self.run.max_steps = max_steps
         if self.data.max_steps is not None:
@@ -204,8 +196,8 @@ class SpeedtronicConfig:
             )
 
     def _check_paths(self) -> None:
-        """An existing path of the wrong kind (a directory where a file goes, or the reverse)
-        is a ``ConfigError`` now, not a failure after training started. Nothing is created."""
+        """An existing path of the wrong kind is a ``ConfigError`` now, not after training
+        started. Nothing is created."""
         wanted: list[tuple[str, str | Path | None, str]] = [
             ("run.output_dir", self.output_path, "dir"),
             ("checkpoint.directory", self.checkpoint_dir, "dir"),
@@ -215,9 +207,9 @@ class SpeedtronicConfig:
             ("logging.file", self.text_log_path, "file"),
             ("logging.json_file", self.events_path, "file"),
             ("data.text_path", self.data.text_path, "file"),
-            ("data.token_path", self.data.token_path, "any"),  # a file or a prepared folder
+            ("data.token_path", self.data.token_path, "tokens"),
             ("eval.text_path", self.eval.text_path, "file"),
-            ("eval.token_path", self.eval.token_path, "any"),
+            ("eval.token_path", self.eval.token_path, "tokens"),
         ]
         repo = self.distributed.repo_id or ""
         if repo.startswith("file:///"):
@@ -226,15 +218,6 @@ class SpeedtronicConfig:
             problem = path_kind_problem(path, kind) if path else None
             if problem:
                 raise ConfigError(f"{field}: {path} {problem}")
-        for field, path in (
-            ("data.token_path", self.data.token_path),
-            ("eval.token_path", self.eval.token_path),
-        ):
-            if path and Path(path).is_dir() and not (Path(path) / "meta.json").is_file():
-                raise ConfigError(
-                    f"{field}: {path} is a directory, expected a token file or a folder written "
-                    "by speedtronic prepare (it has no meta.json)"
-                )
 
     @property
     def output_path(self) -> Path:
@@ -263,31 +246,21 @@ class SpeedtronicConfig:
 
     @property
     def state_dir(self) -> Path:
-        """DiLoCo state base: ``distributed.state_dir`` under ``run.output_dir`` if relative.
-
-        The coordinator appends ``/<node_id>``.
-        """
+        """DiLoCo state base (``/<node_id>`` is appended): ``distributed.state_dir`` under
+        ``run.output_dir`` if relative."""
         return self.resolve_output_path(self.distributed.state_dir)
 
     # ----------------------------------------------------------------- construction
     @classmethod
     def from_dict(cls, values: Mapping[str, object] | None = None) -> SpeedtronicConfig:
-        """Build from a mapping in any accepted form; never reads the environment.
-
-        2.0.0 root aliases (``max_steps: 10``), section aliases (``hub:``) and shorthands
-        (``optimizer: muon``, ``precision: bf16``, ``compile: {enabled: true}``) are normalised
-        here, once (:func:`canonicalize`), then built by :meth:`from_canonical`.
-        """
+        """Build from a mapping in any accepted form, 2.0.0 aliases and shorthands included
+        (:func:`canonicalize`); never reads the environment."""
         return cls.from_canonical(canonicalize(values))
 
     @classmethod
     def from_canonical(cls, data: Mapping[str, object]) -> SpeedtronicConfig:
-        """Build and validate from an already canonical mapping, without normalising it again.
-
-        ``data`` holds only section names (each a mapping of field names, ``None`` or a section
-        instance) and the root fields. An alias or shorthand here is an unknown key or a wrong
-        type, a ``ConfigError`` like any other. Use :meth:`from_dict` for users' mappings.
-        """
+        """Build and validate from a canonical mapping (section names, each a mapping, ``None``
+        or a section instance, and root fields); an alias here is an unknown key."""
         unknown = set(data) - set(SECTION_NAMES) - set(ROOT_FIELDS)
         if unknown:
             raise ConfigError(unknown_keys_message(unknown, "", SECTION_NAMES + ROOT_FIELDS))
@@ -317,7 +290,8 @@ class SpeedtronicConfig:
         value appears (also inside other fields) and anything shaped like a Hub token."""
         token = self.distributed.token
         secrets = ([token] if token else []) if redact_secrets else None
-        result = {f.name: _plain(getattr(self, f.name), secrets) for f in dataclasses.fields(self)}
+        result = _plain(dataclasses.asdict(self), secrets)
+        assert isinstance(result, dict)
         distributed = result["distributed"]
         if redact_secrets and token and isinstance(distributed, dict):
             distributed["token"] = REDACTED
@@ -359,12 +333,8 @@ assert tuple(SECTION_CLASSES) == SECTION_NAMES
 
 
 def config_warnings(config: SpeedtronicConfig) -> list[str]:
-    """One line per setting that loads but is probably not what was meant (empty when none).
-
-    Logged by the trainer when training starts, printed by ``speedtronic validate``. Today: a
-    warmup that does not end before the scheduler horizon (allowed, SPEC §3 "Scheduler
-    horizon", so that ``load_config({"max_steps": 10})`` works with the default warmup of 100).
-    """
+    """One line per setting that loads but is probably not what was meant: today a warmup
+    that does not end before the scheduler horizon (allowed, SPEC §3 "Scheduler horizon")."""
     warmup, horizon = config.scheduler.warmup_steps, config.scheduler.max_steps
     if warmup and horizon and warmup >= horizon:
         return [

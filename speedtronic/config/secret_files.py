@@ -1,14 +1,10 @@
 """Reading the secrets directory: one file per secret (``hf_token``, ``<section>__<field>``).
 
-A secret file (an entry whose name is one of ours) must be a regular file inside the
-directory; a directory, a FIFO, a device, a socket, a link that leads out of the directory, a
-file that cannot be read or is not UTF-8 is a ``ConfigError`` naming it, so a value the user
-meant to give is never dropped without a word. A FIFO or a device is never read: its type is
-checked before it is opened, and the file is opened without blocking and checked again (a
-FIFO would block the read, ``/dev/zero`` never ends). Links inside the directory are followed
-(Kubernetes' ``hf_token -> ..data/hf_token``). Other entries are not ours and are left alone:
-hidden ones (Kubernetes' ``..data``) and names that are no field. A secret file that group or
-others may read is used, with a warning naming it. Surrounding whitespace is stripped.
+An entry whose name is one of ours must be a regular file inside the directory (links inside
+it are followed: Kubernetes' ``hf_token -> ..data/hf_token``); anything else, or a file that
+cannot be read, is a ``ConfigError`` naming it, so a value meant is never dropped silently. A
+FIFO or device is never read (checked before opening, opened without blocking, checked again).
+Other entries are not ours and are left alone.
 """
 
 from __future__ import annotations
@@ -41,9 +37,8 @@ def _not_regular(mode: int) -> str | None:
 
 
 def read_secret_file(path: Path, root: str, limit: int) -> bytes:
-    """At most ``limit`` bytes of the secret file ``path``, which must be a regular file whose
-    real path lies inside the secrets directory ``root`` (a real path), else ``ConfigError``
-    naming it (module docstring)."""
+    """At most ``limit`` bytes of ``path``, a regular file inside the directory ``root`` (a real
+    path), else a ``ConfigError`` naming it."""
     expected = "expected a regular file in the secrets directory holding the value"
     try:
         mode = os.stat(path).st_mode
@@ -76,14 +71,8 @@ def read_secret_file(path: Path, root: str, limit: int) -> bytes:
 
 
 def read_secret_files(secrets_dir: Path, wanted: Mapping[str, str]) -> dict[str, tuple[str, str]]:
-    """Dotted field -> (file name, stripped text) of the secret files that name a field.
-
-    Names match case-insensitively (the later of two spellings, in name order, wins). A
-    matching entry that is not a regular file inside the directory, or cannot be read, is an
-    error naming it (:func:`read_secret_file`); other entries are not ours (module
-    docstring). ``wanted`` maps a file name (lower case) to its dotted field. At most
-    ``MAX_SECRETS_BYTES`` are read in all.
-    """
+    """Dotted field -> (file name, stripped text) of the files ``wanted`` names (lower-case
+    file name -> dotted field; any case matches, the later in name order wins)."""
     try:
         entries = sorted(os.scandir(secrets_dir), key=lambda entry: entry.name)
     except OSError as exc:

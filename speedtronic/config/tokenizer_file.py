@@ -1,25 +1,11 @@
 """What ``data.tokenizer`` names, read without importing ``tokenizers`` or torch.
 
-``data.tokenizer`` is ``bytes`` (the byte-level tokenizer: token = UTF-8 byte, no end-of-text
-token) or a Hugging Face ``tokenizer.json`` (the format of the ``tokenizers`` library), given as
-
-* a path to the file, or to a folder that holds ``tokenizer.json`` (an exported model folder);
-* a Hub repo id ``owner/name`` (optionally ``owner/name@revision``), fetched once through
-  ``huggingface_hub`` into its cache (``HF_HUB_OFFLINE=1`` uses the cache only). Before a
-  download, one TCP connection to the Hub endpoint (or its proxy) is tried for at most
-  `HUB_PROBE_SECONDS`: a Hub that cannot be reached gives the cached file (said once in the
-  log) or, in seconds rather than after ``huggingface_hub``'s ~23 s of retries, a
-  ``ConfigError`` saying to put the file in the cache and set ``HF_HUB_OFFLINE=1``.
-
-:func:`describe_tokenizer` returns the file's :class:`TokenizerInfo`: where it is, its SHA-256,
-how many ids it can emit (``vocab_size`` = the highest id + 1, added tokens included) and its
-end-of-text token, which separates documents. The end-of-text token is ``eos_token`` of a
-``tokenizer_config.json`` beside the file when there is one, else the first special added token
-among :data:`EOS_NAMES`. Everything wrong is a ``ConfigError`` naming ``field`` and the fix.
-The JSON is read with the standard library, so config validation (which checks that the
-file's ids fit ``model.vocab_size``) stays fast and light; that check is why this module
-lives in ``speedtronic.config``. :mod:`speedtronic.data.tokenizer` builds the tokenizer from
-what it finds, and makes the record a checkpoint carries of it.
+``bytes`` (one token per UTF-8 byte), or a Hugging Face ``tokenizer.json``: a path to the file
+or to a folder holding it, or a Hub repo id ``owner/name[@revision]`` fetched once into the
+``huggingface_hub`` cache. Before a download one TCP connection to the Hub (or its proxy) is
+tried for `HUB_PROBE_SECONDS`, so an unreachable Hub gives the cached file or, in seconds, a
+``ConfigError`` saying how to work offline. Validation reads the ids here (they must fit
+``model.vocab_size``); :mod:`speedtronic.data.tokenizer` builds the tokenizer.
 """
 
 from __future__ import annotations
@@ -141,14 +127,14 @@ def _from_hub(spec: str, field: str, token: str | None) -> tuple[Path, Path | No
             repo_id,
         )
         offline = True
-    try:
-        path = hf_hub_download(
-            repo_id,
-            "tokenizer.json",
-            revision=revision or None,
-            token=token,
-            local_files_only=offline,
+
+    def fetch(name: str) -> str:
+        return hf_hub_download(
+            repo_id, name, revision=revision or None, token=token, local_files_only=offline
         )
+
+    try:
+        path = fetch("tokenizer.json")
     except Exception as exc:
         detail = " ".join(str(exc).split())[:200]
         hint = (
@@ -161,13 +147,7 @@ def _from_hub(spec: str, field: str, token: str | None) -> tuple[Path, Path | No
             f"{type(exc).__name__}: {detail}{hint}"
         ) from None
     try:
-        config = hf_hub_download(
-            repo_id,
-            "tokenizer_config.json",
-            revision=revision or None,
-            token=token,
-            local_files_only=offline,
-        )
+        config = fetch("tokenizer_config.json")
     except Exception:
         config = None  # optional: the end-of-text token is then looked up by name
     return Path(path), Path(config) if config else None
@@ -207,35 +187,31 @@ def describe_tokenizer(
     """Resolve ``spec`` (not ``bytes``) and read its vocabulary and end-of-text token."""
     path, config_path = resolve_tokenizer_file(spec, field=field, token=token)
     stat = path.stat()
-    config_key = None
-    if config_path is not None:
-        config_stat = config_path.stat()
-        config_key = (str(config_path), config_stat.st_size, config_stat.st_mtime_ns)
-    info = _read(str(path), stat.st_size, stat.st_mtime_ns, config_key, field)
-    return TokenizerInfo(str(spec).strip(), path, *info, config_path)
+    sha256, tokens, special = _read(str(path), stat.st_size, stat.st_mtime_ns, field)
+    eos_token = _configured_eos(config_path) if config_path else None
+    if eos_token is not None and eos_token not in tokens:
+        raise ConfigError(
+            f"{field}: {config_path} names eos_token {eos_token!r}, which {path} does not hold"
+        )
+    if eos_token is None:
+        eos_token = next((name for name in EOS_NAMES if name in special), None)
+    eos_id = tokens[eos_token] if eos_token is not None else None
+    vocab_size = max(tokens.values()) + 1
+    return TokenizerInfo(
+        str(spec).strip(), path, sha256, vocab_size, eos_id, eos_token, config_path
+    )
 
 
 @functools.lru_cache(maxsize=16)
-def _read(
-    path: str, size: int, mtime_ns: int, config_key: tuple[str, int, int] | None, field: str
-) -> tuple[str, int, int | None, str | None]:
-    """``(sha256, vocab_size, eos_id, eos_token)``; cached per file version."""
+def _read(path: str, size: int, mtime_ns: int, field: str) -> tuple[str, dict[str, int], set[str]]:
+    """``(sha256, token -> id, special tokens)`` of a tokenizer.json; cached per file version."""
     raw = Path(path).read_bytes()
     try:
         document = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         message = f"{field}: {path} is not a tokenizer.json file (not JSON: {exc})"
         raise ConfigError(message) from None
-    tokens, special = _vocabulary(document, path, field)
-    eos_token = _configured_eos(config_key[0]) if config_key else None
-    if config_key and eos_token is not None and eos_token not in tokens:
-        raise ConfigError(
-            f"{field}: {config_key[0]} names eos_token {eos_token!r}, which {path} does not hold"
-        )
-    if eos_token is None:
-        eos_token = next((name for name in EOS_NAMES if name in special), None)
-    eos_id = tokens[eos_token] if eos_token is not None else None
-    return hashlib.sha256(raw).hexdigest(), max(tokens.values()) + 1, eos_id, eos_token
+    return (hashlib.sha256(raw).hexdigest(), *_vocabulary(document, path, field))
 
 
 def _vocabulary(document: object, path: str, field: str) -> tuple[dict[str, int], set[str]]:
@@ -259,9 +235,9 @@ def _vocabulary(document: object, path: str, field: str) -> tuple[dict[str, int]
     return ids, {str(t.get("content")) for t in added if t.get("special")}
 
 
-def _configured_eos(config_path: str) -> str | None:
+def _configured_eos(config_path: Path) -> str | None:
     try:
-        config = json.loads(Path(config_path).read_text(encoding="utf-8"))
+        config = json.loads(config_path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     eos = config.get("eos_token") if isinstance(config, dict) else None
