@@ -337,14 +337,13 @@ def parse_outer(case: str) -> dict:
     return settings
 
 
-def momentum_bytes(config: SpeedtronicConfig, wire: str, block_size: int) -> int:
-    """One first-moment file of this model (every trainable parameter) in ``wire``, with the
-    header a contribution carries: what a node uploads and downloads in a syncing round."""
-    model = build_model(config.model)
-    moments = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in model.named_parameters()}
+def _sized(
+    config: SpeedtronicConfig, tensors: dict[str, torch.Tensor], wire: str, block_size: int
+) -> int:
+    """Bytes of ``tensors`` written as a contribution file in ``wire``, with a node's header."""
     extra = {"final": "false", "run_id": "0" * 32, "instance": "0" * 16}
     data = delta_to_bytes(
-        moments,
+        tensors,
         node_id="node-0",
         local_step=config.effective_max_steps,
         base_outer_step=99,
@@ -353,6 +352,14 @@ def momentum_bytes(config: SpeedtronicConfig, wire: str, block_size: int) -> int
         extra=extra,
     )
     return len(data)
+
+
+def momentum_bytes(config: SpeedtronicConfig, wire: str, block_size: int) -> int:
+    """One first-moment file of this model (every trainable parameter) in ``wire``, with the
+    header a contribution carries: what a node uploads and downloads in a syncing round."""
+    model = build_model(config.model)
+    moments = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in model.named_parameters()}
+    return _sized(config, moments, wire, block_size)
 
 
 def outer_rows(
@@ -445,17 +452,7 @@ def file_bytes(config: SpeedtronicConfig, wire: str, block_size: int) -> int:
     node writes); it does not depend on the values."""
     model = build_model(config.model)
     delta = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in model.state_dict().items()}
-    extra = {"final": "false", "run_id": "0" * 32, "instance": "0" * 16}
-    data = delta_to_bytes(
-        delta,
-        node_id="node-0",
-        local_step=config.effective_max_steps,
-        base_outer_step=99,
-        dtype=wire,
-        block_size=block_size,
-        extra=extra,
-    )
-    return len(data)
+    return _sized(config, delta, wire, block_size)
 
 
 def block_errors(raw: dict, sizes: list[int]) -> list[dict]:
