@@ -856,20 +856,30 @@ class DeltaReader:
         self._check_digest()
         return values
 
-    def add_to(self, total: dict[str, torch.Tensor], scale: float = 1.0) -> None:
+    def add_to(
+        self,
+        total: dict[str, torch.Tensor],
+        scale: float = 1.0,
+        observe: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
         """``total[key] += scale * value`` in float32 for every key of ``total`` (the file
-        checked first); a quantized file is decoded one tensor at a time."""
+        checked first); a quantized file is decoded one tensor at a time. ``observe`` sees
+        every decoded float32 slice before it is scaled (the adaptive outer step's norms)."""
         codec = WireCodec.from_metadata(self.metadata)
         for key in sorted(total):
             if codec.bits is not None:
                 shape = tuple(total[key].shape)
                 value = codec.read(key, self._file.get_tensor, shape, MAX_DELTA_ABS)
+                if observe is not None:
+                    observe(value)
                 total[key].add_(value, alpha=scale)
                 continue
             flat = total[key].view(-1)
             for start, stop in value_slices(flat.numel()):
-                part = self._file.read_flat(key, start, stop)
-                flat[start:stop].add_(part.to(torch.float32), alpha=scale)
+                part = self._file.read_flat(key, start, stop).to(torch.float32)
+                if observe is not None:
+                    observe(part)
+                flat[start:stop].add_(part, alpha=scale)
 
 
 @contextlib.contextmanager

@@ -507,7 +507,12 @@ class DumbDiLoCoCoordinator:
         self.inbox.offer(GlobalCandidate(outer_step, state, run_id=run_id))
 
     def _write_final(self, outer_step: int, state: dict[str, torch.Tensor]) -> None:
-        """``final/``: the final global, the redacted config and what produced it."""
+        """``final/``: the final global, the redacted config and what produced it; with
+        ``final_average`` > 1 (a mean, not the last global) offered to the local node too."""
+        if self.config.final_average > 1 and self.master is not None:
+            copy = codec.cpu_state_dict(state)
+            final = GlobalCandidate(outer_step, copy, final=True, run_id=self.master.run_id)
+            self.inbox.offer(final)
         if self.final_dir is None:
             return
         meta = {

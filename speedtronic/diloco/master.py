@@ -61,6 +61,7 @@ from speedtronic.diloco.ledger import (
     publish,
     reconcile,
 )
+from speedtronic.diloco.outer_step import NormTally, adaptive_eta, average_states, squared_norm
 
 if TYPE_CHECKING:
     from speedtronic.config import DistributedConfig
@@ -102,6 +103,7 @@ class _Fold:
     instances: dict[str, str] = dataclasses.field(default_factory=dict)
     finals: dict[str, int] = dataclasses.field(default_factory=dict)
     late: int = 0
+    norms: NormTally = dataclasses.field(default_factory=NormTally)  # for outer_step: adaptive
 
 
 class RoundMaster:
@@ -441,6 +443,7 @@ class RoundMaster:
             return False
         for value in total.values():
             value.div_(float(fold.weight))
+        eta = self._eta(fold.norms, total)
         old, new = self.state, self.state.copy(tensors=False)  # the weights step in place
         round = new.outer_step
         for node_id, newest in fold.marks.items():
@@ -450,11 +453,14 @@ class RoundMaster:
         new.instances.update(fold.instances)
         new.finals.update(fold.finals)
         final = self.roster.run_over(self.roster.waiting(new), new)
-        stepped = self._step(new, total, fold.weight, final)
+        self._keep(new)  # the global this round steps from
+        stepped = self._step(new, total, fold.weight, final, eta)
         if stepped is False:
             for path in fold.consumed:
                 self._refuse(path, "the outer step would make the global non-finite")
             return False
+        if final and self._final_mean(new):
+            stepped = True  # the final global is published whole, not as an update
         del total
         report: dict[str, object] = {
             "outer_step": new.outer_step,
@@ -466,6 +472,7 @@ class RoundMaster:
             "deltas_included": len(fold.consumed),
             "deltas_late": fold.late,
             "included": fold.included,
+            "eta": eta,
             **self._tally(),
         }
         # written ahead: a kill after the exchange applied the publish and before the round
@@ -476,7 +483,14 @@ class RoundMaster:
         try:
             update = stepped if isinstance(stepped, OuterUpdate) else None
             prune = set(fold.consumed) | self._prune
-            publish(self.store, new, prune=prune, final=final, refused=self._refused, update=update)
+            publish(
+                self.store,
+                new,
+                prune=prune,
+                final=final,
+                refused=self._refused,
+                update=update,
+            )
         except Exception:
             # It may still have landed: the next poll agrees with the exchange again. The
             # closed round is kept (its ledger marks the consumed files; a group leader's mean
@@ -509,12 +523,46 @@ class RoundMaster:
         self._after_publish(final)
         return True
 
+    def _keep(self, state: RoundState) -> None:
+        """Keep ``state``'s global on disk when the final model is a mean of several."""
+        n = self.settings.final_average
+        if n > 1 and self.upstream is None:
+            self.outer_files.keep_global(state.outer_step, state.run_id, state.global_state, n)
+
+    def _final_mean(self, state: RoundState) -> bool:
+        """``final_average`` N > 1: make ``state``'s global the mean of the last N globals
+        (fewer when fewer were made), read from the kept files, so a retry or a restart
+        computes the same; True if it did (a group leader takes the top level's)."""
+        n = self.settings.final_average
+        if n == 1 or self.upstream is not None:
+            return False
+        self._keep(state)
+        kept = self.outer_files.kept_globals(
+            state.run_id, state.outer_step - n + 1, state.outer_step
+        )
+        for key, value in average_states(kept).items():
+            state.global_state[key] = value.to(state.global_state[key].dtype)
+        _LOG.info(f"the final global is the mean of the last {len(kept)} globals")
+        return True
+
+    def _eta(self, norms: NormTally, mean: Mapping[str, torch.Tensor]) -> float:
+        """The round's outer lr: ``outer_lr`` (1.0 for ``average``), or with ``outer_step:
+        adaptive`` the one :func:`adaptive_eta` computes from the contributions' norms and
+        the mean's (a group leader relays and steps nothing: 1.0)."""
+        s = self.settings
+        if s.outer_step != "adaptive" or self.upstream is not None:
+            return s.outer_lr
+        return adaptive_eta(
+            norms.spread, squared_norm(mean), norms.count, s.adaptive_c, s.adaptive_max
+        )
+
     def _step(
-        self, new: RoundState, mean: dict[str, torch.Tensor], weight: int, final: bool
+        self, new: RoundState, mean: dict[str, torch.Tensor], weight: int, final: bool, eta: float
     ) -> OuterUpdate | bool:
-        """The outer step on ``new`` (a group leader relays the round's ``mean`` up and takes
-        the top-level global that includes it): the quantized update to publish, True, or
-        False when the result would not be finite (``new`` is then discarded)."""
+        """The outer step on ``new`` with lr ``eta`` (a group leader relays the round's
+        ``mean`` up and takes the top-level global that includes it): the quantized update to
+        publish, True, or False when the result would not be finite (``new`` is then
+        discarded)."""
         if self.upstream is not None:  # the wait for the top level may be long: no lock held
             meta, weights = self.upstream.forward(
                 mean, round=new.outer_step, weight=weight, run_id=new.run_id, final=final
@@ -522,6 +570,7 @@ class RoundMaster:
             new.adopt(weights, meta.outer_step)
             new.run_id = meta.run_id
             return True
+        new.optimizer.lr = new.eta = eta  # this round's (the same every round but with adaptive)
         if new.optimizer.first_non_finite(new.global_state, mean) is not None:
             return False  # checked on temporaries: nothing changed
         s = self.settings
@@ -586,8 +635,10 @@ class RoundMaster:
             if not readers:
                 return
             weight = max(w for _, _, _, w in readers)
+            share = weight / len(readers)  # several files of one node: each counts its share
             for _, _, reader, _ in readers:
-                reader.add_to(total, scale=weight / len(readers))
+                reader.add_to(total, scale=share, observe=lambda part: fold.norms.add(part, share))
+                fold.norms.close(share)
         fold.weight += weight
         for round, path, _, _ in readers:
             fold.included.append(f"{node_id}/{round}")
@@ -617,7 +668,9 @@ class RoundMaster:
         leader first tells the top level that its group is done)."""
         if self.upstream is not None:
             self.upstream.finish()
+        self._final_mean(self.state)
         publish(self.store, self.state, final=True, refused=self._refused)
+        self._persist()
         # files refused after the last round are reported here, or they would never be counted
         self._emit("final_global", outer_step=self.outer_step, **self._tally())
         self._reset_tally()

@@ -437,7 +437,31 @@ class DiLoCoNode:
             self._raise_fatal()
             if self.last_round >= 0 and self.installed <= self.last_round:
                 self._await_global(self.last_round + 1, 2 * self.settings.round_timeout)
+            if self.settings.final_average > 1 and self.inbox.fetches:
+                self._await_final(2 * self.settings.round_timeout)
         self.done = True  # nothing is left to send
+
+    def _await_final(self, timeout: float) -> None:
+        """Wait (bounded, interruptible) for the final global and install it. With
+        ``final_average`` > 1 it is the mean of the last globals, published once every node
+        is done, under the outer step of the last global this node holds: the inbox forgets
+        what it saw, so that it reads the global again until the record says final."""
+
+        def installed() -> bool:
+            self.merge_waiting()
+            if not self.final_seen:
+                self.beat()
+                self.inbox.forget()
+                self.inbox.poke()
+                self.inbox.poll_due()
+            return self.final_seen
+
+        pause = min(self.settings.poll_interval, 1.0)
+        if not wait_for(installed, timeout=timeout, interval=pause, stop=self.interrupted):
+            _LOG.warning(
+                f"no final global within {timeout:.0f} s; this node keeps the last global "
+                "(distributed.final_average: the final model is in the master's final/)"
+            )
 
     def _send_done(self) -> None:
         """Nothing left to contribute: upload only the ``done`` status (without it the master
@@ -627,6 +651,16 @@ class GlobalInbox:
         with self._cond:
             if self._candidate is None:
                 self._cond.wait(timeout)
+
+    @property
+    def fetches(self) -> bool:
+        """Whether this inbox reads globals from the exchange (a worker's)."""
+        return self._fetch is not None
+
+    def forget(self) -> None:
+        """Read the published global again at the next poll, even one already seen."""
+        with self._cond:
+            self._seen = (-1, "")
 
     def poke(self) -> None:
         """Ask for a poll as soon as possible (a node waits for a global)."""
