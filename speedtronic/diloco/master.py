@@ -240,8 +240,15 @@ class RoundMaster:
         self.reconciled = True
         self.fresh = False  # a later reconcile (after a failed publish) is never a new run
         self._initial = None
-        self._persist()
         report = self.outer_files.take_pending(self.outer_step, self.run_id)
+        eta = report.get("eta") if report is not None else None
+        if (
+            isinstance(eta, float)
+            and report is not None
+            and report["outer_step"] == state.outer_step
+        ):
+            state.eta = eta  # the adopted global's step: its lr is the write-ahead record's
+        self._persist()
         if report is not None:  # published by this master, never reported (killed, lost reply)
             self._reset_tally()
             self._emit("outer_step", **{**report, "recovered": True})
