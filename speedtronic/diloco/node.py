@@ -41,7 +41,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -76,8 +76,11 @@ __all__ = [
     "NodeIdCollisionError",
     "NodeLink",
     "Uploader",
+    "first_moments",
     "float_state",
+    "install_first_moments",
     "resolve_node_id",
+    "syncs_momentum",
 ]
 
 _LOG = logging.getLogger("speedtronic.diloco")
@@ -1249,3 +1252,45 @@ def _pid_alive(pid: int) -> bool:
     except OSError:  # PermissionError: alive, another user's
         return True
     return True
+
+
+# -- the inner optimizer's first moment averaged across nodes (issue 33) ------------------
+def syncs_momentum(mode: str, every: int, outer_step: int) -> bool:
+    """Whether the round that makes global ``outer_step`` (1, 2, ...) averages the inner first
+    moment: never (``off``), every round, or every ``every``-th (``every_n``)."""
+    if mode == "off":
+        return False
+    return mode == "every_round" or outer_step % every == 0
+
+
+def _named_params(model: torch.nn.Module) -> Iterable[tuple[str, torch.nn.Parameter]]:
+    return ((name, p) for name, p in model.named_parameters() if p.requires_grad)
+
+
+def first_moments(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, torch.Tensor]:
+    """The inner optimizer's first moment (AdamW ``exp_avg``) by parameter name, float32 CPU
+    copies; parameters without one yet (no step taken) are absent."""
+    result: dict[str, torch.Tensor] = {}
+    for name, param in _named_params(model):
+        moment = optimizer.state.get(param, {}).get("exp_avg")
+        if isinstance(moment, torch.Tensor):
+            result[name] = moment.detach().to("cpu", torch.float32, copy=True)
+    return result
+
+
+@torch.no_grad()
+def install_first_moments(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, moments: Mapping[str, torch.Tensor]
+) -> int:
+    """Copy ``moments`` into the optimizer's ``exp_avg`` of the parameters of the same names
+    (in their dtype and device); returns how many were installed. A parameter the optimizer
+    holds no first moment for is left alone (its state starts at its first step)."""
+    installed = 0
+    for name, param in _named_params(model):
+        moment = optimizer.state.get(param, {}).get("exp_avg")
+        if name in moments and isinstance(moment, torch.Tensor):
+            moment.copy_(moments[name].to(moment.device, moment.dtype))
+            installed += 1
+    return installed
