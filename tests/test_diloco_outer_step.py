@@ -15,8 +15,9 @@ from speedtronic.diloco.master import (
     adaptive_eta,
     average_states,
     squared_norm,
+    syncs_momentum,
 )
-from speedtronic.diloco.node import first_moments, install_first_moments, syncs_momentum
+from speedtronic.diloco.node import first_moments, install_first_moments
 from speedtronic.testing.diloco_ideal import simulate
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -331,6 +331,7 @@ def publish(
     final: bool = False,
     refused: Iterable[str] = (),
     update: OuterUpdate | None = None,
+    moments: Mapping[str, torch.Tensor] | None = None,
     **note: str,
 ) -> GlobalMetadata:
     """Publish ``state`` to ``store`` in one commit: weights (and the quantized ``update``),
@@ -348,6 +349,7 @@ def publish(
         node_records=state.node_records(),
         update=update,
         refused=list(refused),
+        moments=moments,
     )
 
 

@@ -84,6 +84,7 @@ __all__ = [
     "squared_norm",
     "state_digest",
     "step_quantized",
+    "syncs_momentum",
 ]
 
 _LOG = logging.getLogger("speedtronic.diloco")
@@ -219,6 +220,14 @@ class RecentGlobals:
         return average_states([*self._held, self._last])
 
 
+def syncs_momentum(mode: str, every: int, outer_step: int) -> bool:
+    """Whether the round that makes global ``outer_step`` (1, 2, ...) averages the inner first
+    moment: never (``off``), every round, or every ``every``-th (``every_n``)."""
+    if mode == "off":
+        return False
+    return mode == "every_round" or outer_step % every == 0
+
+
 class Score(Protocol):
     """What ``evaluate`` returns for a global."""
 
@@ -239,6 +248,8 @@ class _Fold:
     instances: dict[str, str] = dataclasses.field(default_factory=dict)
     finals: dict[str, int] = dataclasses.field(default_factory=dict)
     late: int = 0
+    moments: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # weighted sums
+    moment_weights: dict[str, float] = dataclasses.field(default_factory=dict)
     norms: NormTally = dataclasses.field(default_factory=NormTally)  # for outer_step: adaptive
 
 
@@ -295,6 +306,8 @@ class RoundMaster:
         self._prune: set[str] = set()
         self._reset_tally()
         self._handed: int | None = None  # the outer step last given to on_global
+        # (outer step, round, mean first moments) published with the last global that had them
+        self.moments: tuple[int, int, dict[str, torch.Tensor]] | None = None
         self._load_local_state()
 
     @property
@@ -497,9 +510,11 @@ class RoundMaster:
 
     @property
     def max_delta_bytes(self) -> int:
-        """The largest delta file this model can produce (float32 values + a header)."""
+        """The largest delta file this model can produce (float32 values, and as many first
+        moments with ``sync_inner_momentum``, + a header)."""
         values = sum(v.numel() for v in self.global_state.values() if v.is_floating_point())
-        return 4 * values + (1 << 20)
+        copies = 1 if self.settings.sync_inner_momentum == "off" else 2  # + the first moments
+        return 4 * copies * values + (1 << 20)
 
     def _drop(self, node_id: str, round: int, path: str) -> None:
         """A stale contribution (too late, or of another run): pruned and counted."""
@@ -587,6 +602,7 @@ class RoundMaster:
         for value in total.values():
             value.div_(float(fold.weight))
         eta = self._eta(fold.norms, total)
+        moments = self._mean_moments(fold)
         old, new = self.state, self.state.copy(tensors=False)  # the weights step in place
         round = new.outer_step
         for node_id, newest in fold.marks.items():
@@ -633,6 +649,8 @@ class RoundMaster:
                 final=final,
                 refused=self._refused,
                 update=update,
+                moments=moments,
+                **({} if moments is None else {"moments_round": str(round)}),
             )
         except Exception:
             # It may still have landed: the next poll agrees with the exchange again. The
@@ -663,8 +681,40 @@ class RoundMaster:
             "outer_step", **report, seconds=time.perf_counter() - started, round_seconds=length
         )
         self.outer_files.clear_pending()
+        self.moments = None if moments is None else (new.outer_step, round, moments)
         self._after_publish(final)
         return True
+
+    def _syncs_moments(self) -> bool:
+        """Whether the open round averages the nodes' first moments (a group leader relays
+        the weights only)."""
+        s = self.settings
+        due = syncs_momentum(s.sync_inner_momentum, s.inner_momentum_every, self.outer_step + 1)
+        return due and self.upstream is None
+
+    def _add_moments(self, reader: codec.DeltaReader, weight: float, fold: _Fold) -> None:
+        """Add the first moments ``reader``'s file carries, times ``weight``, to the round's
+        sums (a second running sum, key by key)."""
+        view = {}
+        for key in reader.moment_keys():
+            like = self.global_state[key[len(codec.MOMENT_PREFIX) :]]
+            view[key] = fold.moments.setdefault(key, torch.zeros(tuple(like.shape)))
+            fold.moment_weights[key] = fold.moment_weights.get(key, 0.0) + weight
+        if view:
+            reader.add_to(view, scale=weight)
+
+    def _mean_moments(self, fold: _Fold) -> dict[str, torch.Tensor] | None:
+        """The round's mean first moments by parameter name, as the nodes will decode them
+        (through ``delta_dtype`` like their own, no error feedback); None when none came."""
+        if not fold.moments:
+            return None
+        n = len(codec.MOMENT_PREFIX)
+        mean = {k[n:]: v.div_(fold.moment_weights[k]) for k, v in fold.moments.items()}
+        s = self.settings
+        if s.delta_dtype == "fp32":
+            return mean
+        encoded = codec.encode_delta(mean, s.delta_dtype, s.delta_block_size)
+        return {k: codec.decode_value(v) for k, v in encoded.items()}
 
     def _keep(self, state: RoundState) -> None:
         """Keep ``state``'s global on disk when the final model is a mean of several."""
@@ -689,12 +739,12 @@ class RoundMaster:
         return True
 
     def _eta(self, norms: NormTally, mean: Mapping[str, torch.Tensor]) -> float:
-        """The round's outer lr: ``outer_lr`` (1.0 for ``average``), or with ``outer_step:
-        adaptive`` the one :func:`adaptive_eta` computes from the contributions' norms and
-        the mean's (a group leader relays and steps nothing: 1.0)."""
+        """The round's outer lr: the optimizer's (``outer_lr``; 1.0 for ``average``), or with
+        ``outer_step: adaptive`` the one :func:`adaptive_eta` computes from the contributions'
+        norms and the mean's (a group leader relays and steps nothing)."""
         s = self.settings
         if s.outer_step != "adaptive" or self.upstream is not None:
-            return s.outer_lr
+            return self.state.optimizer.lr
         return adaptive_eta(
             norms.spread, squared_norm(mean), norms.count, s.adaptive_c, s.adaptive_max
         )
@@ -779,9 +829,12 @@ class RoundMaster:
                 return
             weight = max(w for _, _, _, w in readers)
             share = weight / len(readers)  # several files of one node: each counts its share
-            for _, _, reader, _ in readers:
+            moments = self._syncs_moments()
+            for round, _, reader, _ in readers:
                 reader.add_to(total, scale=share, observe=lambda part: fold.norms.add(part, share))
                 fold.norms.close(share)
+                if moments and round == self.outer_step:  # a late file's moments: too old
+                    self._add_moments(reader, weight, fold)
         fold.weight += weight
         for round, path, _, _ in readers:
             fold.included.append(f"{node_id}/{round}")

@@ -64,7 +64,7 @@ from speedtronic.diloco.exchange import (
     ignore,
     scrub,
 )
-from speedtronic.diloco.master import HeldGlobal, read_update
+from speedtronic.diloco.master import HeldGlobal, read_update, syncs_momentum
 
 __all__ = [
     "Contribution",
@@ -80,7 +80,6 @@ __all__ = [
     "float_state",
     "install_first_moments",
     "resolve_node_id",
-    "syncs_momentum",
 ]
 
 _LOG = logging.getLogger("speedtronic.diloco")
@@ -129,6 +128,7 @@ class DiLoCoNode:
         self.residual: dict[str, torch.Tensor] | None = None
         self.done = False
         self.final_seen = False
+        self.moments_sent = -1  # the round whose upload carried this node's first moments
         self.finishing = False  # finish() runs: the final global is expected now
         self.fatal: Exception | None = None  # a permanent upload failure
         self.interrupted = threading.Event()
@@ -213,6 +213,12 @@ class DiLoCoNode:
         # a round is used up only by an upload that arrived (see _upload): carried progress
         # goes out under the same round, so an outage never pushes rounds past the master's
         round = max(self.installed, self.last_round + 1)
+        s = self.settings
+        if self.optimizer is not None and syncs_momentum(
+            s.sync_inner_momentum, s.inner_momentum_every, round + 1
+        ):  # the first moments travel with the delta, without error feedback
+            moments = first_moments(self.model, self.optimizer)
+            delta.update({codec.MOMENT_PREFIX + k: v for k, v in moments.items()})
         job = Contribution(round, self.installed, self.step, delta, final, self.run_id)
         if self.settings.delta_dtype != "fp32":  # what it leaves out: the residual (_upload)
             job.wire = codec.EncodedView(
@@ -260,11 +266,10 @@ class DiLoCoNode:
                 _LOG.warning(f"the done status after round {job.round} was not uploaded: {exc}")
                 self._emit("status_upload_failed", step=job.step, round=job.round, error=str(exc))
                 return
+            delta = {k: v for k, v in job.delta.items() if not k.startswith(codec.MOMENT_PREFIX)}
             with self._lock:
                 carry = self.carry
-                self.carry = (
-                    job.delta if carry is None else {k: v + carry[k] for k, v in job.delta.items()}
-                )
+                self.carry = delta if carry is None else {k: v + carry[k] for k, v in delta.items()}
             _LOG.warning(
                 f"delta upload for round {job.round} failed; carried to the next one: {exc}"
             )
@@ -274,7 +279,12 @@ class DiLoCoNode:
             self.last_round = max(self.last_round, job.round)
             job.arrived = True  # a checkpoint no longer holds it (its buffers are reused)
             if isinstance(job.wire, codec.EncodedView) and self.settings.error_feedback:
-                self.residual = job.wire.keep_residual()  # in the contribution's buffers
+                kept = job.wire.keep_residual()  # in the contribution's buffers
+                self.residual = {
+                    k: v for k, v in kept.items() if not k.startswith(codec.MOMENT_PREFIX)
+                }
+            if job.delta is not None and any(k.startswith(codec.MOMENT_PREFIX) for k in job.delta):
+                self.moments_sent = job.round
         codec.return_free_memory()  # the encoder's and the writer's slices
         if job.delta is not None:
             self._emit(
@@ -384,6 +394,11 @@ class DiLoCoNode:
         codec.return_free_memory()  # the download's and the slices' pages
         if self.settings.reset_inner_optimizer and self.optimizer is not None:
             self.optimizer.state.clear()
+        moments = candidate.moments
+        if moments is not None and self.optimizer is not None and self.moments_sent == moments[0]:
+            # the mean of the round this node sent its own to; any other round's: kept its own
+            install_first_moments(self.model, self.optimizer, moments[1])
+            self.moments_sent = -1
         self._emit(
             "global_pulled",
             outer_step=candidate.outer_step,
@@ -606,6 +621,8 @@ class GlobalCandidate:
     run_id: str = ""
     source: str = "local"
     nbytes: int = 0
+    # (round, mean first moments by parameter name) published with this global
+    moments: tuple[int, dict[str, torch.Tensor]] | None = None
 
 
 class GlobalInbox:
@@ -1036,9 +1053,30 @@ class NodeLink:
         if self.settings.global_dtype != "fp32":  # the next update applies to this global
             self.held = held or HeldGlobal.of(metadata.outer_step, metadata.run_id, state)
         seconds = time.perf_counter() - started
-        return GlobalCandidate(
+        candidate = GlobalCandidate(
             metadata.outer_step, state, seconds, metadata.final, metadata.run_id, how, nbytes
         )
+        if self.settings.sync_inner_momentum != "off":
+            candidate.moments = self._moments(metadata)
+        return candidate
+
+    def _moments(self, metadata: T.GlobalMetadata) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """The mean first moments published with global ``metadata`` names (its record's
+        ``moments_round``: the round they were sent with), or None when it has none."""
+        record = self.store.read_json(T.GLOBAL_STEP, default={})
+        if not isinstance(record, dict) or record.get("outer_step") != metadata.outer_step:
+            return None
+        round = record.get("moments_round")
+        if not isinstance(round, str):
+            return None
+        bound = self.max_bytes
+        with (
+            self.store.local_copy(T.GLOBAL_MOMENTS, max_bytes=bound) as local,
+            codec.open_delta(local) as reader,
+        ):
+            if reader.metadata.get("outer_step") != str(metadata.outer_step):
+                return None  # a later publish's: this global's were replaced
+            return int(round), reader.values()
 
     def _from_update(self, metadata: T.GlobalMetadata) -> HeldGlobal | None:
         """The global ``metadata`` names, as the held global + the published outer update;
@@ -1255,12 +1293,6 @@ def _pid_alive(pid: int) -> bool:
 
 
 # -- the inner optimizer's first moment averaged across nodes (issue 33) ------------------
-def syncs_momentum(mode: str, every: int, outer_step: int) -> bool:
-    """Whether the round that makes global ``outer_step`` (1, 2, ...) averages the inner first
-    moment: never (``off``), every round, or every ``every``-th (``every_n``)."""
-    if mode == "off":
-        return False
-    return mode == "every_round" or outer_step % every == 0
 
 
 def _named_params(model: torch.nn.Module) -> Iterable[tuple[str, torch.nn.Parameter]]:

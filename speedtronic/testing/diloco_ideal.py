@@ -50,12 +50,12 @@ from speedtronic.diloco.master import (
     average_states,
     squared_norm,
     step_quantized,
+    syncs_momentum,
 )
 from speedtronic.diloco.node import (
     first_moments,
     float_state,
     install_first_moments,
-    syncs_momentum,
 )
 
 if TYPE_CHECKING:
