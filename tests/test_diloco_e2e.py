@@ -228,6 +228,48 @@ def test_three_nodes_with_int8_deltas_compute_the_quantized_ideal_arithmetic(tmp
         assert all(row["bytes"] < 0.3 * fp32 for row in uploads), uploads
 
 
+def test_three_nodes_with_adaptive_outer_steps_and_a_final_average_equal_the_ideal(
+    tmp_path, corpus
+):
+    """``outer_step: adaptive`` and ``final_average: 2`` in real processes: every round's eta
+    (the master's ``outer_step`` events) is the ideal's, some round extrapolates (eta > 1),
+    and the final global, ``final/`` and every node's last checkpoint are the ideal's mean of
+    the last two globals."""
+    steps, inner = 60, 10
+    repo = f"file://{tmp_path / 'exchange'}"
+    extra = (
+        "distributed.outer_step=adaptive",
+        "distributed.adaptive_c=1.5",  # three nodes' short rounds agree: c 0.75 keeps eta 1.0
+        "distributed.final_average=2",
+    )
+    nodes, sets = _run_golden(tmp_path, corpus, repo, _env(), steps, inner, extra)
+    config, _ = _check_golden(tmp_path, corpus, nodes, sets, steps // inner)
+    ideal = simulate(config, ["m", "w1", "w2"])
+    etas = [row["eta"] for row in nodes[0].events("outer_step")]
+    assert etas == ideal.etas, (etas, ideal.etas)
+    assert 1.0 < max(etas) < 2.0, etas  # some rounds extrapolate, none at the cap
+    record = json.loads((tmp_path / "exchange/global/step_count.json").read_text())
+    assert float(record["eta"]) == etas[-1]
+
+
+@pytest.mark.parametrize("wire", ["fp32", "int8"])
+def test_three_nodes_averaging_their_first_moments_equal_the_ideal(tmp_path, corpus, wire):
+    """``sync_inner_momentum: every_round``: each node sends its AdamW first moment with its
+    delta, the master publishes their mean with the global and every node installs it; the
+    final global is the ideal's (which would differ without the averaged moments)."""
+    steps, inner = 60, 10
+    repo = f"file://{tmp_path / 'exchange'}"
+    extra = ("distributed.sync_inner_momentum=every_round", f"distributed.delta_dtype={wire}")
+    nodes, sets = _run_golden(tmp_path, corpus, repo, _env(), steps, inner, extra)
+    config, final = _check_golden(tmp_path, corpus, nodes, sets, steps // inner)
+    assert simulate(config, ["m", "w1", "w2"]).momentum_syncs == steps // inner
+    off = simulate(
+        _config(corpus, [*sets, "distributed.sync_inner_momentum=off"]), ["m", "w1", "w2"]
+    )
+    assert max((off.global_state[k] - final[k]).abs().max().item() for k in final) > 1e-4
+    assert (tmp_path / "exchange/global/moments.safetensors").exists()
+
+
 def test_three_nodes_with_an_int8_global_apply_each_update_bit_for_bit(tmp_path, corpus):
     """int8 deltas and the global as an int8 outer update: every worker takes each round's
     global by applying the update to the last one (its digest proves the result is the

@@ -445,3 +445,57 @@ def test_a_new_run_is_installed_as_it_is_and_restarts_the_round_count():
     node.after_optimizer_step()
     assert (rec.sent[-1].round, rec.sent[-1].run_id) == (0, "new")
     assert rec.sent[-1].delta["weight"].tolist() == [[-1.0, -1.0]]
+
+
+def _momentum_node():
+    """A node with ``sync_inner_momentum: every_round`` and an AdamW that took one step."""
+    settings = DistributedConfig(
+        inner_steps=1,
+        round_timeout=0.2,
+        async_delta_upload=False,
+        sync_inner_momentum="every_round",
+    )
+    model = torch.nn.Linear(2, 1, bias=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    rec = Recorder()
+    node = DiLoCoNode(
+        settings,
+        model,
+        send=rec.send,
+        inbox=GlobalInbox(None, interval=0.01, threaded=False),
+        emit=rec.emit,
+    )
+    node.bind(optimizer)
+    offer(node, 0, 0.0)
+    node.merge_waiting()
+    return node, rec, model, optimizer
+
+
+def _with_moments(step, round, value):
+    candidate = GlobalCandidate(step, {"weight": torch.zeros(1, 2)})
+    candidate.moments = round, {"weight": torch.full((1, 2), float(value))}
+    return candidate
+
+
+def test_a_node_sends_its_first_moment_and_installs_the_mean_of_its_round():
+    node, rec, model, optimizer = _momentum_node()
+    own = optimizer.state[model.weight]["exp_avg"].clone()
+    rec.on_send = lambda job: node.inbox.offer(_with_moments(job.round + 1, job.round, 7.0))
+    train(model, 1.0)
+    node.after_optimizer_step()  # round 0: delta + first moment, then global 1 with the mean
+    job = rec.sent[0]
+    assert sorted(job.delta) == ["moment::weight", "weight"]
+    assert torch.equal(job.delta["moment::weight"], own)
+    assert optimizer.state[model.weight]["exp_avg"].tolist() == [[7.0, 7.0]]
+
+
+def test_a_node_keeps_its_own_first_moment_for_a_round_it_did_not_send_to():
+    node, rec, model, optimizer = _momentum_node()
+    own = optimizer.state[model.weight]["exp_avg"].clone()
+    rec.on_send = lambda job: node.inbox.offer(_with_moments(job.round + 1, job.round + 5, 7.0))
+    train(model, 1.0)
+    node.after_optimizer_step()
+    assert node.installed == 1 and "moment::weight" in rec.sent[0].delta
+    assert torch.equal(optimizer.state[model.weight]["exp_avg"], own)

@@ -1,4 +1,4 @@
-"""Issue 33's outer-step arithmetic (speedtronic/diloco/outer_step.py), its settings, and the
+"""Issue 33's outer-step arithmetic (speedtronic/diloco/master.py, node.py), its settings, and the
 ideal run that computes it (speedtronic.testing.diloco_ideal.simulate)."""
 
 from __future__ import annotations
@@ -9,16 +9,15 @@ import pytest
 import torch
 
 from speedtronic.config import ConfigError, DistributedConfig, SpeedtronicConfig
-from speedtronic.diloco.outer_step import (
+from speedtronic.diloco.master import (
     NormTally,
     RecentGlobals,
     adaptive_eta,
     average_states,
-    first_moments,
-    install_first_moments,
     squared_norm,
     syncs_momentum,
 )
+from speedtronic.diloco.node import first_moments, install_first_moments
 from speedtronic.testing.diloco_ideal import simulate
 
 ROOT = Path(__file__).resolve().parents[1]

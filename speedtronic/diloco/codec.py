@@ -353,6 +353,11 @@ def _shape(value: torch.Tensor | tuple[int, ...]) -> tuple[int, ...]:
     return tuple(value.shape) if isinstance(value, torch.Tensor) else tuple(value)
 
 
+#: A delta file's keys of the inner optimizer's first moments (``distributed.sync_inner_momentum``)
+#: are this prefix + the parameter's key: never a model key (``::`` is in none).
+MOMENT_PREFIX = "moment::"
+
+
 def check_like(
     expected: Mapping[str, torch.Tensor | tuple[int, ...]],
     got: Mapping[str, torch.Tensor | tuple[int, ...]],
@@ -817,7 +822,15 @@ class DeltaReader:
         Returns the sha256 of the values (a re-sent copy has the same digest)."""
         codec, shapes = self._layout()
         model = {key: tuple(value.shape) for key, value in floating_state(reference).items()}
-        check_like(model, shapes, what="the delta does not match the model")
+        moments = {k: v for k, v in shapes.items() if k.startswith(MOMENT_PREFIX)}
+        check_like(
+            model,
+            {k: v for k, v in shapes.items() if k not in moments},
+            what="the delta does not match the model",
+        )
+        for key, shape in moments.items():  # a first moment: of a model tensor, its shape
+            if model.get(key[len(MOMENT_PREFIX) :]) != tuple(shape):
+                raise ValueError(f"{key} is no first moment of a model tensor of its shape")
         digest = hashlib.sha256()
 
         def hashed(name: str) -> torch.Tensor:  # a tensor read, and added to the digest
@@ -843,6 +856,10 @@ class DeltaReader:
         self._check_digest()  # last: a bad value is named for what it is
         return digest.hexdigest()
 
+    def moment_keys(self) -> list[str]:
+        """The names of the first moments the file carries (``MOMENT_PREFIX`` + a model key)."""
+        return sorted(k for k in self._layout()[1] if k.startswith(MOMENT_PREFIX))
+
     def values(self) -> dict[str, torch.Tensor]:
         """Every value as float32 (the master aggregates in fp32), without a model: float
         values must be in a wire dtype (an integer or boolean tensor is a ``ValueError``,
@@ -856,20 +873,30 @@ class DeltaReader:
         self._check_digest()
         return values
 
-    def add_to(self, total: dict[str, torch.Tensor], scale: float = 1.0) -> None:
+    def add_to(
+        self,
+        total: dict[str, torch.Tensor],
+        scale: float = 1.0,
+        observe: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
         """``total[key] += scale * value`` in float32 for every key of ``total`` (the file
-        checked first); a quantized file is decoded one tensor at a time."""
+        checked first); a quantized file is decoded one tensor at a time. ``observe`` sees
+        every decoded float32 slice before it is scaled (the adaptive outer step's norms)."""
         codec = WireCodec.from_metadata(self.metadata)
         for key in sorted(total):
             if codec.bits is not None:
                 shape = tuple(total[key].shape)
                 value = codec.read(key, self._file.get_tensor, shape, MAX_DELTA_ABS)
+                if observe is not None:
+                    observe(value)
                 total[key].add_(value, alpha=scale)
                 continue
             flat = total[key].view(-1)
             for start, stop in value_slices(flat.numel()):
-                part = self._file.read_flat(key, start, stop)
-                flat[start:stop].add_(part.to(torch.float32), alpha=scale)
+                part = self._file.read_flat(key, start, stop).to(torch.float32)
+                if observe is not None:
+                    observe(part)
+                flat[start:stop].add_(part, alpha=scale)
 
 
 @contextlib.contextmanager

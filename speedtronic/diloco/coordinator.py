@@ -504,10 +504,19 @@ class DumbDiLoCoCoordinator:
         self._longest_round = max(self._longest_round, now - self._global_at)
         self._global_at = now
         run_id = self.master.run_id if self.master is not None else ""
-        self.inbox.offer(GlobalCandidate(outer_step, state, run_id=run_id))
+        candidate = GlobalCandidate(outer_step, state, run_id=run_id)
+        moments = self.master.moments if self.master is not None else None
+        if moments is not None and moments[0] == outer_step:
+            candidate.moments = moments[1], moments[2]
+        self.inbox.offer(candidate)
 
     def _write_final(self, outer_step: int, state: dict[str, torch.Tensor]) -> None:
-        """``final/``: the final global, the redacted config and what produced it."""
+        """``final/``: the final global, the redacted config and what produced it; with
+        ``final_average`` > 1 (a mean, not the last global) offered to the local node too."""
+        if self.config.final_average > 1 and self.master is not None:
+            copy = codec.cpu_state_dict(state)
+            final = GlobalCandidate(outer_step, copy, final=True, run_id=self.master.run_id)
+            self.inbox.offer(final)
         if self.final_dir is None:
             return
         meta = {

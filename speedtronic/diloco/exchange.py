@@ -261,6 +261,8 @@ GLOBAL_MODEL = "global/latest.safetensors"
 GLOBAL_STEP = "global/step_count.json"
 GLOBAL_PROCESSED = "global/processed.json"
 GLOBAL_UPDATE = "global/update.safetensors"
+#: The mean inner first moments published with a global (``distributed.sync_inner_momentum``).
+GLOBAL_MOMENTS = "global/moments.safetensors"
 # the records of each node that global/processed.json carries beside the ledger, by type
 NODE_RECORDS: dict[str, type] = {"finals": int, "instances": str, "digests": str, "dropped": str}
 
@@ -559,8 +561,10 @@ class Store(Protocol):
         work_dir: object = None,
         update: OuterUpdate | None = None,
         refused: Iterable[str] = (),
+        moments: Mapping[str, torch.Tensor] | None = None,
     ) -> GlobalMetadata:
-        """One commit: the weights, the quantized outer ``update`` if given, the ledger (with
+        """One commit: the weights, the quantized outer ``update`` and the mean first
+        ``moments`` (:data:`GLOBAL_MOMENTS`) if given, the ledger (with
         ``node_records`` beside it) and the version record, in that order (the record names
         the ``refused`` contributions, ``node/round``), and the deletion of ``prune``;
         returns the record published. ``work_dir`` (2.0.0) is accepted and unused."""
@@ -577,6 +581,11 @@ class Store(Protocol):
                 update_sha256 = update.write(handle)
                 handle.close()
                 files[GLOBAL_UPDATE] = path
+            if moments is not None:
+                path, handle = stack.enter_context(_staged(self.staging_dir, "moments.safetensors"))
+                write_safetensors(handle, moments, metadata={"outer_step": str(int(outer_step))})
+                handle.close()
+                files[GLOBAL_MOMENTS] = path
             meta = GlobalMetadata(
                 outer_step=int(outer_step),
                 updated_at=updated_at or datetime.now(timezone.utc).isoformat(),

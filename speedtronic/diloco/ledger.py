@@ -254,7 +254,8 @@ class RoundState:
     contribution flagged final; ``dropped``: node -> the instance no longer waited for (kept
     across a restart until it delivers); ``round_seconds``: the moving average of round
     lengths (the drop limit counts in it); ``residual``: what the quantized global updates
-    left out (error feedback).
+    left out (error feedback); ``eta``: the outer lr of the step that made the global (in
+    every published record).
     """
 
     outer_step: int
@@ -268,6 +269,7 @@ class RoundState:
     dropped: dict[str, str] = dataclasses.field(default_factory=dict)
     round_seconds: float = 0.0
     residual: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    eta: float = 1.0
 
     def copy(self, *, tensors: bool = True) -> RoundState:
         """New records over the same optimizer; the weights and residual cloned, or with
@@ -329,6 +331,7 @@ def publish(
     final: bool = False,
     refused: Iterable[str] = (),
     update: OuterUpdate | None = None,
+    moments: Mapping[str, torch.Tensor] | None = None,
     **note: str,
 ) -> GlobalMetadata:
     """Publish ``state`` to ``store`` in one commit: weights (and the quantized ``update``),
@@ -340,12 +343,13 @@ def publish(
         outer_step=state.outer_step,
         ledger=state.ledger,
         prune=sorted(prune),
-        metadata_extra={**META, **note},
+        metadata_extra={**META, "eta": repr(state.eta), **note},
         final=final,
         run_id=state.run_id,
         node_records=state.node_records(),
         update=update,
         refused=list(refused),
+        moments=moments,
     )
 
 
@@ -528,6 +532,7 @@ class OuterStateStore:
                 finals=_json_map(meta.get("finals", "{}"), int),
                 dropped=_json_map(meta.get("dropped", "{}"), str),
                 round_seconds=float(meta.get("round_seconds", "0")),  # absent before 2.3
+                eta=float(meta.get("eta", "1.0")),
                 residual=tensors["residual/"],
             )
             like.optimizer.load_state_dict(tensors["momentum/"])  # last: a failure changes nothing
@@ -554,11 +559,50 @@ class OuterStateStore:
             "run_id": state.run_id,
             **{k: json.dumps(dict(sorted(v.items()))) for k, v in records.items()},
             "round_seconds": repr(float(state.round_seconds)),
+            "eta": repr(float(state.eta)),
             "updated_at": datetime.now(timezone.utc).isoformat(),
         }
         atomic_write_with(
             lambda handle: codec.write_safetensors(handle, tensors, metadata=meta), self.path
         )
+
+    def keep_global(
+        self, outer_step: int, run_id: str, state: Mapping[str, torch.Tensor], keep: int
+    ) -> None:
+        """Keep global ``outer_step`` of ``run_id`` in float32 as ``globals/<outer_step>``
+        (``distributed.final_average``), written once: a global kept stays as first written;
+        globals older than the last ``keep`` go."""
+        folder = self.state_dir / "globals"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{outer_step}.safetensors"
+        if self._kept_run(path) != run_id:
+            fp32 = {k: v.to(torch.float32) for k, v in state.items() if v.is_floating_point()}
+            meta = {"outer_step": str(outer_step), "run_id": run_id}
+            atomic_write_with(
+                lambda handle: codec.write_safetensors(handle, fp32, metadata=meta), path
+            )
+        for old in folder.glob("*.safetensors"):
+            if old.stem.isdigit() and int(old.stem) <= outer_step - keep:
+                old.unlink(missing_ok=True)
+
+    def kept_globals(self, run_id: str, first: int, last: int) -> list[dict[str, torch.Tensor]]:
+        """The kept globals ``first`` .. ``last`` of ``run_id``, oldest first (a global not
+        kept, or of another run, is left out)."""
+        found = []
+        for step in range(max(first, 0), last + 1):
+            path = self.state_dir / "globals" / f"{step}.safetensors"
+            if self._kept_run(path) == run_id:
+                found.append(codec.load_safetensors(path))
+        return found
+
+    @staticmethod
+    def _kept_run(path: Path) -> str | None:
+        """The run of the global kept at ``path`` (None: none there, or unreadable)."""
+        try:
+            with codec.open_safetensors(path) as kept:
+                return (kept.metadata() or {}).get("run_id")
+        except (OSError, ValueError):
+            return None
 
     def write_pending(self, outer_step: int, run_id: str, report: Mapping[str, object]) -> None:
         """Record, before publishing ``outer_step``, what the master will report about it."""

@@ -17,10 +17,12 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Protocol, cast
 
@@ -67,19 +69,163 @@ if TYPE_CHECKING:
     from speedtronic.diloco.coordinator import Upstream
 
 __all__ = [
+    "ETA_DIGITS",
     "META",
     "HeldGlobal",
     "NesterovOuterOptimizer",
+    "NormTally",
     "OuterUpdate",
+    "RecentGlobals",
     "RoundMaster",
     "RoundState",
+    "adaptive_eta",
+    "average_states",
     "read_update",
+    "squared_norm",
     "state_digest",
     "step_quantized",
+    "syncs_momentum",
 ]
 
 _LOG = logging.getLogger("speedtronic.diloco")
 FAILURE_LOG_SECONDS = 30.0  # a failure that repeats is logged again at most this often
+
+
+# -- adaptive extrapolation and the final average (issue 33) ------------------------------
+# FedExP (Jhunjhunwala et al., ICLR 2023). A round's contributions ``d_j`` with weights ``w_j``
+# (1 a file; a relay leader's file counts for its group) give::
+#
+#     mean    = sum_j w_j d_j / W                     W = sum_j w_j
+#     spread  = sum_j w_j ||d_j||^2 / W               the mean squared norm of a contribution
+#     eta     = min(cap, max(1, c * spread / ||mean||^2))
+#     global  = global - eta * mean                   (SGD, lr eta, no momentum)
+#
+# Identical contributions give ``spread == ||mean||^2`` (eta 1 for c <= 1); K orthogonal ones
+# of equal norm give ``K``. :class:`NormTally` collects ``spread`` while the contributions are
+# summed, a slice at a time, so the master's memory stays one running sum; ``||mean||^2`` is
+# read from that sum afterwards (:func:`squared_norm`). Sums of squares are float64, and eta is
+# rounded to :data:`ETA_DIGITS` decimals, so the order in which slices were added (a file read
+# in chunks, the ideal's whole tensors) cannot change it: the master, a restarted master and
+# :func:`speedtronic.testing.diloco_ideal.simulate` agree on it exactly.
+
+#: eta is rounded to this many decimals (see the module docstring).
+ETA_DIGITS = 6
+
+
+def _sq(value: torch.Tensor) -> float:
+    """``||value||^2`` in float64 (a float32 value's square is exact in float64)."""
+    return float(value.detach().to(torch.float64).pow(2).sum())
+
+
+class NormTally:
+    """``sum_j w_j ||d_j||^2`` and ``sum_j w_j`` over a round's contributions, fed slice by slice.
+
+    Call :meth:`add` with every decoded slice of contribution ``j`` (any partition of its
+    values, in any order) and its weight, then :meth:`close` once per contribution with the
+    same weight. :attr:`count` is the number of contributions closed.
+    """
+
+    def __init__(self) -> None:
+        self.weighted_sq = 0.0
+        self.weight = 0.0
+        self.count = 0
+
+    def add(self, part: torch.Tensor, weight: float = 1.0) -> None:
+        """Add ``weight * ||part||^2`` (one slice of the contribution being read)."""
+        self.weighted_sq += weight * _sq(part)
+
+    def close(self, weight: float = 1.0) -> None:
+        """One contribution of ``weight`` is complete."""
+        self.weight += weight
+        self.count += 1
+
+    @property
+    def spread(self) -> float:
+        """``sum_j w_j ||d_j||^2 / W`` (0.0 before any contribution)."""
+        return self.weighted_sq / self.weight if self.weight > 0 else 0.0
+
+
+def squared_norm(state: Mapping[str, torch.Tensor], chunk: int = 1 << 18) -> float:
+    """``||state||^2`` over every floating tensor, in float64, ``chunk`` values at a time (the
+    temporaries stay one chunk however large a tensor is)."""
+    total = 0.0
+    for key in sorted(state):
+        value = state[key]
+        if not value.is_floating_point():
+            continue
+        flat = value.detach().reshape(-1)
+        for start in range(0, flat.numel(), chunk):
+            total += _sq(flat[start : start + chunk])
+    return total
+
+
+def adaptive_eta(spread: float, mean_sq_norm: float, count: int, c: float, cap: float) -> float:
+    """The round's outer lr: ``min(cap, max(1, c * spread / mean_sq_norm))``, rounded.
+
+    Degenerate rounds step with 1.0 (plain averaging): fewer than two contributions (the ratio
+    of one contribution to itself says nothing about how the nodes disagree), a zero mean (the
+    step is zero whatever eta is) or a ratio that is not finite.
+    """
+    if count < 2 or mean_sq_norm <= 0.0:
+        return 1.0
+    ratio = c * spread / mean_sq_norm
+    if not math.isfinite(ratio):
+        return 1.0
+    return round(min(cap, max(1.0, ratio)), ETA_DIGITS)
+
+
+def average_states(states: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The mean of ``states`` key by key: summed in float32 in the given order, divided by
+    their number, cast back to the first state's dtypes; non-floating values (counters) are
+    the last state's."""
+    if not states:
+        raise ValueError("nothing to average")
+    last = states[-1]
+    result: dict[str, torch.Tensor] = {}
+    for key, value in states[0].items():
+        if not value.is_floating_point():
+            result[key] = last[key].clone()
+            continue
+        total = value.detach().to("cpu", torch.float32, copy=True)
+        for state in states[1:]:
+            total.add_(state[key].detach().to("cpu", torch.float32))
+        result[key] = total.div_(float(len(states))).to(value.dtype)
+    return result
+
+
+class RecentGlobals:
+    """The last ``n`` globals, for ``distributed.final_average``: :meth:`push` each global as it
+    is made (global 0 included), :meth:`final` gives the mean of those held (fewer than ``n``
+    before ``n`` rounds). Holds ``n - 1`` copies besides the caller's (none for ``n == 1``)."""
+
+    def __init__(self, n: int) -> None:
+        if n < 1:
+            raise ValueError("final_average must be >= 1")
+        self.n = n
+        self._held: deque[dict[str, torch.Tensor]] = deque(maxlen=n - 1)
+        self._last: Mapping[str, torch.Tensor] | None = None
+
+    def push(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Record the newest global (copied when it is not the last one kept)."""
+        if self._last is not None and self.n > 1:
+            self._held.append({k: v.detach().clone() for k, v in self._last.items()})
+        self._last = {k: v.detach().clone() for k, v in state.items()} if self.n > 1 else state
+
+    def final(self) -> dict[str, torch.Tensor]:
+        """The mean of the held globals, oldest first; the last global itself when n == 1."""
+        if self._last is None:
+            raise ValueError("no global pushed")
+        if self.n == 1:
+            return {k: v.detach().clone() for k, v in self._last.items()}
+        return average_states([*self._held, self._last])
+
+
+def syncs_momentum(mode: str, every: int, outer_step: int) -> bool:
+    """Whether the round that makes global ``outer_step`` (1, 2, ...) averages the inner first
+    moment: never (``off``), every round, or every ``every``-th (``every_n``)."""
+    if mode == "off":
+        return False
+    return mode == "every_round" or outer_step % every == 0
 
 
 class Score(Protocol):
@@ -102,6 +248,9 @@ class _Fold:
     instances: dict[str, str] = dataclasses.field(default_factory=dict)
     finals: dict[str, int] = dataclasses.field(default_factory=dict)
     late: int = 0
+    moments: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # weighted sums
+    moment_weights: dict[str, float] = dataclasses.field(default_factory=dict)
+    norms: NormTally = dataclasses.field(default_factory=NormTally)  # for outer_step: adaptive
 
 
 class RoundMaster:
@@ -157,6 +306,8 @@ class RoundMaster:
         self._prune: set[str] = set()
         self._reset_tally()
         self._handed: int | None = None  # the outer step last given to on_global
+        # (outer step, round, mean first moments) published with the last global that had them
+        self.moments: tuple[int, int, dict[str, torch.Tensor]] | None = None
         self._load_local_state()
 
     @property
@@ -238,8 +389,15 @@ class RoundMaster:
         self.reconciled = True
         self.fresh = False  # a later reconcile (after a failed publish) is never a new run
         self._initial = None
-        self._persist()
         report = self.outer_files.take_pending(self.outer_step, self.run_id)
+        eta = report.get("eta") if report is not None else None
+        if (
+            isinstance(eta, float)
+            and report is not None
+            and report["outer_step"] == state.outer_step
+        ):
+            state.eta = eta  # the adopted global's step: its lr is the write-ahead record's
+        self._persist()
         if report is not None:  # published by this master, never reported (killed, lost reply)
             self._reset_tally()
             self._emit("outer_step", **{**report, "recovered": True})
@@ -352,9 +510,11 @@ class RoundMaster:
 
     @property
     def max_delta_bytes(self) -> int:
-        """The largest delta file this model can produce (float32 values + a header)."""
+        """The largest delta file this model can produce (float32 values, and as many first
+        moments with ``sync_inner_momentum``, + a header)."""
         values = sum(v.numel() for v in self.global_state.values() if v.is_floating_point())
-        return 4 * values + (1 << 20)
+        copies = 1 if self.settings.sync_inner_momentum == "off" else 2  # + the first moments
+        return 4 * copies * values + (1 << 20)
 
     def _drop(self, node_id: str, round: int, path: str) -> None:
         """A stale contribution (too late, or of another run): pruned and counted."""
@@ -441,6 +601,8 @@ class RoundMaster:
             return False
         for value in total.values():
             value.div_(float(fold.weight))
+        eta = self._eta(fold.norms, total)
+        moments = self._mean_moments(fold)
         old, new = self.state, self.state.copy(tensors=False)  # the weights step in place
         round = new.outer_step
         for node_id, newest in fold.marks.items():
@@ -450,11 +612,14 @@ class RoundMaster:
         new.instances.update(fold.instances)
         new.finals.update(fold.finals)
         final = self.roster.run_over(self.roster.waiting(new), new)
-        stepped = self._step(new, total, fold.weight, final)
+        self._keep(new)  # the global this round steps from
+        stepped = self._step(new, total, fold.weight, final, eta)
         if stepped is False:
             for path in fold.consumed:
                 self._refuse(path, "the outer step would make the global non-finite")
             return False
+        if final and self._final_mean(new):
+            stepped = True  # the final global is published whole, not as an update
         del total
         report: dict[str, object] = {
             "outer_step": new.outer_step,
@@ -466,6 +631,7 @@ class RoundMaster:
             "deltas_included": len(fold.consumed),
             "deltas_late": fold.late,
             "included": fold.included,
+            "eta": eta,
             **self._tally(),
         }
         # written ahead: a kill after the exchange applied the publish and before the round
@@ -476,7 +642,16 @@ class RoundMaster:
         try:
             update = stepped if isinstance(stepped, OuterUpdate) else None
             prune = set(fold.consumed) | self._prune
-            publish(self.store, new, prune=prune, final=final, refused=self._refused, update=update)
+            publish(
+                self.store,
+                new,
+                prune=prune,
+                final=final,
+                refused=self._refused,
+                update=update,
+                moments=moments,
+                **({} if moments is None else {"moments_round": str(round)}),
+            )
         except Exception:
             # It may still have landed: the next poll agrees with the exchange again. The
             # closed round is kept (its ledger marks the consumed files; a group leader's mean
@@ -506,15 +681,81 @@ class RoundMaster:
             "outer_step", **report, seconds=time.perf_counter() - started, round_seconds=length
         )
         self.outer_files.clear_pending()
+        self.moments = None if moments is None else (new.outer_step, round, moments)
         self._after_publish(final)
         return True
 
+    def _syncs_moments(self) -> bool:
+        """Whether the open round averages the nodes' first moments (a group leader relays
+        the weights only)."""
+        s = self.settings
+        due = syncs_momentum(s.sync_inner_momentum, s.inner_momentum_every, self.outer_step + 1)
+        return due and self.upstream is None
+
+    def _add_moments(self, reader: codec.DeltaReader, weight: float, fold: _Fold) -> None:
+        """Add the first moments ``reader``'s file carries, times ``weight``, to the round's
+        sums (a second running sum, key by key)."""
+        view = {}
+        for key in reader.moment_keys():
+            like = self.global_state[key[len(codec.MOMENT_PREFIX) :]]
+            view[key] = fold.moments.setdefault(key, torch.zeros(tuple(like.shape)))
+            fold.moment_weights[key] = fold.moment_weights.get(key, 0.0) + weight
+        if view:
+            reader.add_to(view, scale=weight)
+
+    def _mean_moments(self, fold: _Fold) -> dict[str, torch.Tensor] | None:
+        """The round's mean first moments by parameter name, as the nodes will decode them
+        (through ``delta_dtype`` like their own, no error feedback); None when none came."""
+        if not fold.moments:
+            return None
+        n = len(codec.MOMENT_PREFIX)
+        mean = {k[n:]: v.div_(fold.moment_weights[k]) for k, v in fold.moments.items()}
+        s = self.settings
+        if s.delta_dtype == "fp32":
+            return mean
+        encoded = codec.encode_delta(mean, s.delta_dtype, s.delta_block_size)
+        return {k: codec.decode_value(v) for k, v in encoded.items()}
+
+    def _keep(self, state: RoundState) -> None:
+        """Keep ``state``'s global on disk when the final model is a mean of several."""
+        n = self.settings.final_average
+        if n > 1 and self.upstream is None:
+            self.outer_files.keep_global(state.outer_step, state.run_id, state.global_state, n)
+
+    def _final_mean(self, state: RoundState) -> bool:
+        """``final_average`` N > 1: make ``state``'s global the mean of the last N globals
+        (fewer when fewer were made), read from the kept files, so a retry or a restart
+        computes the same; True if it did (a group leader takes the top level's)."""
+        n = self.settings.final_average
+        if n == 1 or self.upstream is not None:
+            return False
+        self._keep(state)
+        kept = self.outer_files.kept_globals(
+            state.run_id, state.outer_step - n + 1, state.outer_step
+        )
+        for key, value in average_states(kept).items():
+            state.global_state[key] = value.to(state.global_state[key].dtype)
+        _LOG.info(f"the final global is the mean of the last {len(kept)} globals")
+        return True
+
+    def _eta(self, norms: NormTally, mean: Mapping[str, torch.Tensor]) -> float:
+        """The round's outer lr: the optimizer's (``outer_lr``; 1.0 for ``average``), or with
+        ``outer_step: adaptive`` the one :func:`adaptive_eta` computes from the contributions'
+        norms and the mean's (a group leader relays and steps nothing)."""
+        s = self.settings
+        if s.outer_step != "adaptive" or self.upstream is not None:
+            return self.state.optimizer.lr
+        return adaptive_eta(
+            norms.spread, squared_norm(mean), norms.count, s.adaptive_c, s.adaptive_max
+        )
+
     def _step(
-        self, new: RoundState, mean: dict[str, torch.Tensor], weight: int, final: bool
+        self, new: RoundState, mean: dict[str, torch.Tensor], weight: int, final: bool, eta: float
     ) -> OuterUpdate | bool:
-        """The outer step on ``new`` (a group leader relays the round's ``mean`` up and takes
-        the top-level global that includes it): the quantized update to publish, True, or
-        False when the result would not be finite (``new`` is then discarded)."""
+        """The outer step on ``new`` with lr ``eta`` (a group leader relays the round's
+        ``mean`` up and takes the top-level global that includes it): the quantized update to
+        publish, True, or False when the result would not be finite (``new`` is then
+        discarded)."""
         if self.upstream is not None:  # the wait for the top level may be long: no lock held
             meta, weights = self.upstream.forward(
                 mean, round=new.outer_step, weight=weight, run_id=new.run_id, final=final
@@ -522,6 +763,7 @@ class RoundMaster:
             new.adopt(weights, meta.outer_step)
             new.run_id = meta.run_id
             return True
+        new.optimizer.lr = new.eta = eta  # this round's (the same every round but with adaptive)
         if new.optimizer.first_non_finite(new.global_state, mean) is not None:
             return False  # checked on temporaries: nothing changed
         s = self.settings
@@ -586,8 +828,13 @@ class RoundMaster:
             if not readers:
                 return
             weight = max(w for _, _, _, w in readers)
-            for _, _, reader, _ in readers:
-                reader.add_to(total, scale=weight / len(readers))
+            share = weight / len(readers)  # several files of one node: each counts its share
+            moments = self._syncs_moments()
+            for round, _, reader, _ in readers:
+                reader.add_to(total, scale=share, observe=lambda part: fold.norms.add(part, share))
+                fold.norms.close(share)
+                if moments and round == self.outer_step:  # a late file's moments: too old
+                    self._add_moments(reader, weight, fold)
         fold.weight += weight
         for round, path, _, _ in readers:
             fold.included.append(f"{node_id}/{round}")
@@ -617,7 +864,9 @@ class RoundMaster:
         leader first tells the top level that its group is done)."""
         if self.upstream is not None:
             self.upstream.finish()
+        self._final_mean(self.state)
         publish(self.store, self.state, final=True, refused=self._refused)
+        self._persist()
         # files refused after the last round are reported here, or they would never be counted
         self._emit("final_global", outer_step=self.outer_step, **self._tally())
         self._reset_tally()

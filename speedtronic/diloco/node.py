@@ -41,7 +41,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +64,7 @@ from speedtronic.diloco.exchange import (
     ignore,
     scrub,
 )
-from speedtronic.diloco.master import HeldGlobal, read_update
+from speedtronic.diloco.master import HeldGlobal, read_update, syncs_momentum
 
 __all__ = [
     "Contribution",
@@ -76,7 +76,9 @@ __all__ = [
     "NodeIdCollisionError",
     "NodeLink",
     "Uploader",
+    "first_moments",
     "float_state",
+    "install_first_moments",
     "resolve_node_id",
 ]
 
@@ -126,6 +128,7 @@ class DiLoCoNode:
         self.residual: dict[str, torch.Tensor] | None = None
         self.done = False
         self.final_seen = False
+        self.moments_sent = -1  # the round whose upload carried this node's first moments
         self.finishing = False  # finish() runs: the final global is expected now
         self.fatal: Exception | None = None  # a permanent upload failure
         self.interrupted = threading.Event()
@@ -210,6 +213,12 @@ class DiLoCoNode:
         # a round is used up only by an upload that arrived (see _upload): carried progress
         # goes out under the same round, so an outage never pushes rounds past the master's
         round = max(self.installed, self.last_round + 1)
+        s = self.settings
+        if self.optimizer is not None and syncs_momentum(
+            s.sync_inner_momentum, s.inner_momentum_every, round + 1
+        ):  # the first moments travel with the delta, without error feedback
+            moments = first_moments(self.model, self.optimizer)
+            delta.update({codec.MOMENT_PREFIX + k: v for k, v in moments.items()})
         job = Contribution(round, self.installed, self.step, delta, final, self.run_id)
         if self.settings.delta_dtype != "fp32":  # what it leaves out: the residual (_upload)
             job.wire = codec.EncodedView(
@@ -257,11 +266,10 @@ class DiLoCoNode:
                 _LOG.warning(f"the done status after round {job.round} was not uploaded: {exc}")
                 self._emit("status_upload_failed", step=job.step, round=job.round, error=str(exc))
                 return
+            delta = {k: v for k, v in job.delta.items() if not k.startswith(codec.MOMENT_PREFIX)}
             with self._lock:
                 carry = self.carry
-                self.carry = (
-                    job.delta if carry is None else {k: v + carry[k] for k, v in job.delta.items()}
-                )
+                self.carry = delta if carry is None else {k: v + carry[k] for k, v in delta.items()}
             _LOG.warning(
                 f"delta upload for round {job.round} failed; carried to the next one: {exc}"
             )
@@ -271,7 +279,12 @@ class DiLoCoNode:
             self.last_round = max(self.last_round, job.round)
             job.arrived = True  # a checkpoint no longer holds it (its buffers are reused)
             if isinstance(job.wire, codec.EncodedView) and self.settings.error_feedback:
-                self.residual = job.wire.keep_residual()  # in the contribution's buffers
+                kept = job.wire.keep_residual()  # in the contribution's buffers
+                self.residual = {
+                    k: v for k, v in kept.items() if not k.startswith(codec.MOMENT_PREFIX)
+                }
+            if job.delta is not None and any(k.startswith(codec.MOMENT_PREFIX) for k in job.delta):
+                self.moments_sent = job.round
         codec.return_free_memory()  # the encoder's and the writer's slices
         if job.delta is not None:
             self._emit(
@@ -381,6 +394,11 @@ class DiLoCoNode:
         codec.return_free_memory()  # the download's and the slices' pages
         if self.settings.reset_inner_optimizer and self.optimizer is not None:
             self.optimizer.state.clear()
+        moments = candidate.moments
+        if moments is not None and self.optimizer is not None and self.moments_sent == moments[0]:
+            # the mean of the round this node sent its own to; any other round's: kept its own
+            install_first_moments(self.model, self.optimizer, moments[1])
+            self.moments_sent = -1
         self._emit(
             "global_pulled",
             outer_step=candidate.outer_step,
@@ -437,7 +455,31 @@ class DiLoCoNode:
             self._raise_fatal()
             if self.last_round >= 0 and self.installed <= self.last_round:
                 self._await_global(self.last_round + 1, 2 * self.settings.round_timeout)
+            if self.settings.final_average > 1 and self.inbox.fetches:
+                self._await_final(2 * self.settings.round_timeout)
         self.done = True  # nothing is left to send
+
+    def _await_final(self, timeout: float) -> None:
+        """Wait (bounded, interruptible) for the final global and install it. With
+        ``final_average`` > 1 it is the mean of the last globals, published once every node
+        is done, under the outer step of the last global this node holds: the inbox forgets
+        what it saw, so that it reads the global again until the record says final."""
+
+        def installed() -> bool:
+            self.merge_waiting()
+            if not self.final_seen:
+                self.beat()
+                self.inbox.forget()
+                self.inbox.poke()
+                self.inbox.poll_due()
+            return self.final_seen
+
+        pause = min(self.settings.poll_interval, 1.0)
+        if not wait_for(installed, timeout=timeout, interval=pause, stop=self.interrupted):
+            _LOG.warning(
+                f"no final global within {timeout:.0f} s; this node keeps the last global "
+                "(distributed.final_average: the final model is in the master's final/)"
+            )
 
     def _send_done(self) -> None:
         """Nothing left to contribute: upload only the ``done`` status (without it the master
@@ -579,6 +621,8 @@ class GlobalCandidate:
     run_id: str = ""
     source: str = "local"
     nbytes: int = 0
+    # (round, mean first moments by parameter name) published with this global
+    moments: tuple[int, dict[str, torch.Tensor]] | None = None
 
 
 class GlobalInbox:
@@ -627,6 +671,16 @@ class GlobalInbox:
         with self._cond:
             if self._candidate is None:
                 self._cond.wait(timeout)
+
+    @property
+    def fetches(self) -> bool:
+        """Whether this inbox reads globals from the exchange (a worker's)."""
+        return self._fetch is not None
+
+    def forget(self) -> None:
+        """Read the published global again at the next poll, even one already seen."""
+        with self._cond:
+            self._seen = (-1, "")
 
     def poke(self) -> None:
         """Ask for a poll as soon as possible (a node waits for a global)."""
@@ -999,9 +1053,30 @@ class NodeLink:
         if self.settings.global_dtype != "fp32":  # the next update applies to this global
             self.held = held or HeldGlobal.of(metadata.outer_step, metadata.run_id, state)
         seconds = time.perf_counter() - started
-        return GlobalCandidate(
+        candidate = GlobalCandidate(
             metadata.outer_step, state, seconds, metadata.final, metadata.run_id, how, nbytes
         )
+        if self.settings.sync_inner_momentum != "off":
+            candidate.moments = self._moments(metadata)
+        return candidate
+
+    def _moments(self, metadata: T.GlobalMetadata) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """The mean first moments published with global ``metadata`` names (its record's
+        ``moments_round``: the round they were sent with), or None when it has none."""
+        record = self.store.read_json(T.GLOBAL_STEP, default={})
+        if not isinstance(record, dict) or record.get("outer_step") != metadata.outer_step:
+            return None
+        round = record.get("moments_round")
+        if not isinstance(round, str):
+            return None
+        bound = self.max_bytes
+        with (
+            self.store.local_copy(T.GLOBAL_MOMENTS, max_bytes=bound) as local,
+            codec.open_delta(local) as reader,
+        ):
+            if reader.metadata.get("outer_step") != str(metadata.outer_step):
+                return None  # a later publish's: this global's were replaced
+            return int(round), reader.values()
 
     def _from_update(self, metadata: T.GlobalMetadata) -> HeldGlobal | None:
         """The global ``metadata`` names, as the held global + the published outer update;
@@ -1215,3 +1290,39 @@ def _pid_alive(pid: int) -> bool:
     except OSError:  # PermissionError: alive, another user's
         return True
     return True
+
+
+# -- the inner optimizer's first moment averaged across nodes (issue 33) ------------------
+
+
+def _named_params(model: torch.nn.Module) -> Iterable[tuple[str, torch.nn.Parameter]]:
+    return ((name, p) for name, p in model.named_parameters() if p.requires_grad)
+
+
+def first_moments(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, torch.Tensor]:
+    """The inner optimizer's first moment (AdamW ``exp_avg``) by parameter name, float32 CPU
+    copies; parameters without one yet (no step taken) are absent."""
+    result: dict[str, torch.Tensor] = {}
+    for name, param in _named_params(model):
+        moment = optimizer.state.get(param, {}).get("exp_avg")
+        if isinstance(moment, torch.Tensor):
+            result[name] = moment.detach().to("cpu", torch.float32, copy=True)
+    return result
+
+
+@torch.no_grad()
+def install_first_moments(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, moments: Mapping[str, torch.Tensor]
+) -> int:
+    """Copy ``moments`` into the optimizer's ``exp_avg`` of the parameters of the same names
+    (in their dtype and device); returns how many were installed. A parameter the optimizer
+    holds no first moment for is left alone (its state starts at its first step)."""
+    installed = 0
+    for name, param in _named_params(model):
+        moment = optimizer.state.get(param, {}).get("exp_avg")
+        if name in moments and isinstance(moment, torch.Tensor):
+            moment.copy_(moments[name].to(moment.device, moment.dtype))
+            installed += 1
+    return installed

@@ -50,6 +50,7 @@ TEXT_FIELDS: dict[str, tuple[str, ...]] = {
         "deltas_corrupt",
         "dropped",
         "round_seconds",
+        "eta",
     ),
     "global_pulled": ("outer_step", "step", "source", "bytes", "seconds"),
     "sync_wait": ("outer_step", "seconds", "timed_out"),

@@ -12,7 +12,7 @@ order and divided by K. One outer step updates the global
 (:class:`~speedtronic.diloco.master.NesterovOuterOptimizer`, the master's own class): lr 1 and
 no momentum (``outer_step: average``), ``outer_lr``/``outer_momentum`` (``nesterov``), or lr
 eta from the decoded contributions (``adaptive``,
-:func:`speedtronic.diloco.outer_step.adaptive_eta`); its update is quantized as the master
+:func:`speedtronic.diloco.master.adaptive_eta`); its update is quantized as the master
 sends it when ``distributed.global_dtype`` is int8/int4
 (:func:`speedtronic.diloco.master.step_quantized`, with the master's error feedback).
 In the rounds ``sync_inner_momentum`` names, every node's AdamW first moment travels in
@@ -42,17 +42,20 @@ from speedtronic.diloco.codec import (
     decode_value,
     encode_delta,
 )
-from speedtronic.diloco.master import NesterovOuterOptimizer, step_quantized
-from speedtronic.diloco.node import float_state
-from speedtronic.diloco.outer_step import (
+from speedtronic.diloco.master import (
+    NesterovOuterOptimizer,
     NormTally,
     RecentGlobals,
     adaptive_eta,
     average_states,
-    first_moments,
-    install_first_moments,
     squared_norm,
+    step_quantized,
     syncs_momentum,
+)
+from speedtronic.diloco.node import (
+    first_moments,
+    float_state,
+    install_first_moments,
 )
 
 if TYPE_CHECKING:
