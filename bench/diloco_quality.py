@@ -31,6 +31,12 @@ of one real pseudo-gradient (node 0, first round) per block size, with its bytes
 issue 23: int8 with error feedback <= 1.01x the fp32 loss at <= 0.26x its bytes, int4 <= 1.02x
 at <= 0.14x.
 
+With ``--outer`` (cases as in :func:`parse_outer`), the run is instead the outer-step table
+(issue 33): per ``--seeds`` seed the K x batch run, then every case's ideal row at every
+``--outer-inner-steps``, with each round's eta and the bytes per round per node (the first
+moments included); ``--real-outer`` adds each case as K processes, measured against its ideal
+row (loss, largest weight difference, every round's eta, the bytes the events report).
+
 Then a sweep of outer settings (and ``inner_steps``) on the ideal row. Target of issue 15: the
 K-process global at most 0.96x the 1-node loss and at most 1.03x the ideal row.
 
@@ -43,6 +49,8 @@ K-process global at most 0.96x the 1-node loss and at most 1.03x the ideal row.
         --deltas fp32,fp32@int8,int8@int8,int8-noef@int8,int4@int4,int4-noef@int4
     python bench/diloco_quality.py --corpus markov --steps 300 --sweep none --skip-single \
         --deltas fp32,int8,int8-noef,int4,int4-noef,int8@int8,int4@int4
+    python bench/diloco_quality.py --corpus markov --outer average,adaptive-fa2,adaptive-fa2-mom \
+        --seeds 0 --real-outer
 """
 
 from __future__ import annotations
@@ -82,7 +90,7 @@ from speedtronic.diloco.codec import (  # noqa: E402
 )
 from speedtronic.diloco.master import OuterUpdate  # noqa: E402
 from speedtronic.model import build_model  # noqa: E402
-from speedtronic.testing.diloco_ideal import simulate  # noqa: E402
+from speedtronic.testing.diloco_ideal import IdealResult, simulate  # noqa: E402
 from speedtronic.train.evaluate import build_heldout, evaluate  # noqa: E402
 from speedtronic.train.runtime import build_runtime  # noqa: E402
 
@@ -212,11 +220,17 @@ def run_ideal(
 
 
 def run_real(
-    raw: dict, nodes: list[str], work: Path, sync: str, wire: str = "fp32", glob: str = "fp32"
+    raw: dict,
+    nodes: list[str],
+    work: Path,
+    sync: str,
+    wire: str = "fp32",
+    glob: str = "fp32",
+    settings: dict | None = None,
 ) -> dict:
     """K ``speedtronic train`` processes started at once; the master is nodes[0]; their
     contributions travel as ``wire`` (``distributed.delta_dtype``), the globals as ``glob``
-    (``distributed.global_dtype``)."""
+    (``distributed.global_dtype``); ``settings``: more ``distributed`` keys (an outer case)."""
     exchange = work / "exchange"
     work.mkdir(parents=True, exist_ok=True)
     procs = []
@@ -237,6 +251,7 @@ def run_real(
             delta_dtype=wire,
             global_dtype=glob,
         )
+        node_raw["distributed"].update(settings or {})
         path = work / f"{node}.yaml"
         path.write_text(yaml.safe_dump(node_raw))
         log = open(work / f"{node}.log", "w")  # noqa: SIM115 - closed below
@@ -287,6 +302,7 @@ def run_real(
         "seconds": seconds,
         "rounds": len(rounds),
         "close_reasons": reasons,
+        "etas": [float(r.get("eta", 1.0)) for r in rounds],
         "late": sum(int(r.get("deltas_late", 0)) for r in rounds),
         "sync_wait_seconds_per_node": sum(waits) / len(nodes),
         "stale": sum(int(r.get("deltas_stale", 0)) for r in rounds),
@@ -363,11 +379,16 @@ def momentum_bytes(config: SpeedtronicConfig, wire: str, block_size: int) -> int
 
 
 def outer_rows(
-    raw: dict, nodes: list[str], args: argparse.Namespace, save: Callable[[list[dict]], None]
+    raw: dict,
+    nodes: list[str],
+    args: argparse.Namespace,
+    work: Path,
+    save: Callable[[list[dict]], None],
 ) -> list[dict]:
     """For every seed: the K x batch run, then the ideal row of every ``--outer`` case at every
     ``--outer-inner-steps``, with its loss against the K x batch run, the eta of each round and
-    the bytes a node moves per round (the first moment included); ``save(rows)`` after each."""
+    the bytes a node moves per round (the first moment included), and with ``--real-outer`` the
+    same case in K processes under ``work``; ``save(rows)`` after each."""
     rows = []
     cases = [c for c in args.outer.split(",") if c]
     steps = [int(h) for h in (args.outer_inner_steps or str(args.inner_steps)).split(",")]
@@ -411,7 +432,53 @@ def outer_rows(
                     f"{min(result.etas):.3f}-{max(result.etas):.3f} ({row['seconds']:.0f} s)",
                     flush=True,
                 )
+                if args.real_outer:
+                    rows.append(real_outer_row(seeded, nodes, work, row, result, batch))
+                    save(rows)
     return rows
+
+
+def real_outer_row(
+    raw: dict, nodes: list[str], work: Path, ideal: dict, result: IdealResult, batch: dict | None
+) -> dict:
+    """The K-process run of the outer case of ``ideal`` (its settings, seed and
+    ``inner_steps``), measured against that ideal row: loss, the largest weight difference,
+    every round's eta, and the bytes the nodes' events say they moved."""
+    seeded = copy.deepcopy(raw)
+    settings = dict(ideal["settings"], inner_steps=ideal["inner_steps"])
+    wire = settings.pop("delta_dtype", seeded["distributed"].get("delta_dtype", "fp32"))
+    name = f"real-{ideal['case']}-h{ideal['inner_steps']}-s{ideal['seed']}"
+    real = run_real(seeded, nodes, work / name, "blocking", wire, settings=settings)
+    state = real.pop("state")
+    etas = real["etas"]
+    row = {
+        "seed": ideal["seed"],
+        "case": f"K processes {ideal['case']}",
+        "inner_steps": ideal["inner_steps"],
+        "settings": ideal["settings"],
+        **real,
+        "x_batch": real["loss"] / batch["loss"] if batch else None,
+        "x_ideal": real["loss"] / ideal["loss"],
+        "max_abs_diff_vs_ideal": max(
+            (state[k].float() - result.global_state[k].float()).abs().max().item()
+            for k in result.global_state
+        ),
+        "max_eta_diff_vs_ideal": max(
+            (abs(a - b) for a, b in zip(etas, result.etas, strict=False)), default=0.0
+        )
+        if len(etas) == len(result.etas)
+        else None,
+    }
+    print(
+        f"  K processes {ideal['case']}: {row['loss']:.4f} x ideal {row['x_ideal']:.4f}, max "
+        f"|weight - ideal| {row['max_abs_diff_vs_ideal']:.2e}, max |eta - ideal| "
+        f"{row['max_eta_diff_vs_ideal']}, rounds {row['rounds']} {row['close_reasons']}, up "
+        f"{row['upload_bytes_per_round_per_node']:,.0f} / down "
+        f"{row['download_bytes_per_round_per_node']:,.0f} bytes per round per node "
+        f"({row['seconds']:.0f} s)",
+        flush=True,
+    )
+    return row
 
 
 def parse_case(case: str) -> tuple[str, bool, str]:
@@ -525,6 +592,11 @@ def main() -> None:
         "average,adaptive,adaptive-fa2,adaptive-fa2-mom,adaptive-fa2-mom2,nesterov,"
         "adaptive-fa2-int8 (see parse_outer)",
     )
+    parser.add_argument(
+        "--real-outer",
+        action="store_true",
+        help="each --outer case also as K processes, measured against its ideal row",
+    )
     parser.add_argument("--seeds", default="1234", help="run.seed of each --outer run")
     parser.add_argument(
         "--outer-inner-steps", default="", help="inner_steps of the --outer runs (default: H)"
@@ -555,7 +627,11 @@ def main() -> None:
         )
         if args.outer:
             outer_rows(
-                raw, nodes, args, lambda done: _write(args, n_tokens, raw, {}, [], {}, {}, [], done)
+                raw,
+                nodes,
+                args,
+                work,
+                lambda done: _write(args, n_tokens, raw, {}, [], {}, {}, [], done),
             )
             return
         rows: dict[str, dict] = {}

@@ -267,7 +267,12 @@ def test_three_nodes_averaging_their_first_moments_equal_the_ideal(tmp_path, cor
         _config(corpus, [*sets, "distributed.sync_inner_momentum=off"]), ["m", "w1", "w2"]
     )
     assert max((off.global_state[k] - final[k]).abs().max().item() for k in final) > 1e-4
-    assert (tmp_path / "exchange/global/moments.safetensors").exists()
+    moments = (tmp_path / "exchange/global/moments.safetensors").stat().st_size
+    weights = sum(value.numel() * value.element_size() for value in final.values())
+    for node in nodes[1:]:  # a round's global costs its weights and the moments' file
+        pulled = {row["outer_step"]: row["bytes"] for row in node.events("global_pulled")}
+        rounds = range(1, steps // inner)
+        assert [pulled[r] for r in rounds] == [weights + moments] * len(rounds), node.name
 
 
 def test_three_nodes_with_an_int8_global_apply_each_update_bit_for_bit(tmp_path, corpus):

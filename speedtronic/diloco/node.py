@@ -612,7 +612,8 @@ class Contribution:
 class GlobalCandidate:
     """A global state waiting for the training thread (``seconds``: download time;
     ``source``: ``full`` global file, quantized outer ``update`` or ``local`` master;
-    ``nbytes``: bytes downloaded, the file for an update, the weights for a full global)."""
+    ``nbytes``: bytes downloaded, the file for an update, the weights for a full global, plus
+    the first moments' file when they came with it)."""
 
     outer_step: int
     state: dict[str, torch.Tensor]
@@ -1056,13 +1057,19 @@ class NodeLink:
         candidate = GlobalCandidate(
             metadata.outer_step, state, seconds, metadata.final, metadata.run_id, how, nbytes
         )
-        if self.settings.sync_inner_momentum != "off":
-            candidate.moments = self._moments(metadata)
+        found = self._moments(metadata) if self.settings.sync_inner_momentum != "off" else None
+        if found is not None:
+            round, moments, size = found
+            candidate.moments = (round, moments)
+            candidate.nbytes += size  # what this global cost to download, the moments with it
         return candidate
 
-    def _moments(self, metadata: T.GlobalMetadata) -> tuple[int, dict[str, torch.Tensor]] | None:
+    def _moments(
+        self, metadata: T.GlobalMetadata
+    ) -> tuple[int, dict[str, torch.Tensor], int] | None:
         """The mean first moments published with global ``metadata`` names (its record's
-        ``moments_round``: the round they were sent with), or None when it has none."""
+        ``moments_round``: the round they were sent with) and their file's size, or None when
+        it has none."""
         record = self.store.read_json(T.GLOBAL_STEP, default={})
         if not isinstance(record, dict) or record.get("outer_step") != metadata.outer_step:
             return None
@@ -1076,7 +1083,7 @@ class NodeLink:
         ):
             if reader.metadata.get("outer_step") != str(metadata.outer_step):
                 return None  # a later publish's: this global's were replaced
-            return int(round), reader.values()
+            return int(round), reader.values(), local.stat().st_size
 
     def _from_update(self, metadata: T.GlobalMetadata) -> HeldGlobal | None:
         """The global ``metadata`` names, as the held global + the published outer update;
