@@ -30,6 +30,7 @@ from process_support import TrainProcess, reap, wait_for
 from speedtronic.checkpoint import CheckpointManager
 from speedtronic.config import resolve_config
 from speedtronic.diloco.codec import cpu_state_dict, load_safetensors
+from speedtronic.diloco.master import syncs_momentum
 from speedtronic.model import build_model
 from speedtronic.testing.diloco_ideal import simulate
 from speedtronic.train.evaluate import build_heldout, evaluate
@@ -252,27 +253,37 @@ def test_three_nodes_with_adaptive_outer_steps_and_a_final_average_equal_the_ide
     assert float(record["eta"]) == etas[-1]
 
 
-@pytest.mark.parametrize("wire", ["fp32", "int8"])
-def test_three_nodes_averaging_their_first_moments_equal_the_ideal(tmp_path, corpus, wire):
-    """``sync_inner_momentum: every_round``: each node sends its AdamW first moment with its
-    delta, the master publishes their mean with the global and every node installs it; the
-    final global is the ideal's (which would differ without the averaged moments)."""
+@pytest.mark.parametrize(
+    ("wire", "every"), [("fp32", 1), ("int8", 1), ("fp32", 2)], ids=["fp32", "int8", "every-2nd"]
+)
+def test_three_nodes_averaging_their_first_moments_equal_the_ideal(tmp_path, corpus, wire, every):
+    """``sync_inner_momentum: every_round`` (or ``every_n`` with ``inner_momentum_every: 2``):
+    each node sends its AdamW first moment with its delta in the syncing rounds, the master
+    publishes their mean with the global and every node installs it; the final global is the
+    ideal's (which would differ without the averaged moments), and a round's global costs a
+    worker the moments' file only when it carries them."""
     steps, inner = 60, 10
     repo = f"file://{tmp_path / 'exchange'}"
-    extra = ("distributed.sync_inner_momentum=every_round", f"distributed.delta_dtype={wire}")
+    mode = "every_round" if every == 1 else "every_n"
+    extra = (
+        f"distributed.sync_inner_momentum={mode}",
+        f"distributed.inner_momentum_every={every}",
+        f"distributed.delta_dtype={wire}",
+    )
     nodes, sets = _run_golden(tmp_path, corpus, repo, _env(), steps, inner, extra)
     config, final = _check_golden(tmp_path, corpus, nodes, sets, steps // inner)
-    assert simulate(config, ["m", "w1", "w2"]).momentum_syncs == steps // inner
+    assert simulate(config, ["m", "w1", "w2"]).momentum_syncs == steps // inner // every
     off = simulate(
         _config(corpus, [*sets, "distributed.sync_inner_momentum=off"]), ["m", "w1", "w2"]
     )
     assert max((off.global_state[k] - final[k]).abs().max().item() for k in final) > 1e-4
     moments = (tmp_path / "exchange/global/moments.safetensors").stat().st_size
     weights = sum(value.numel() * value.element_size() for value in final.values())
-    for node in nodes[1:]:  # a round's global costs its weights and the moments' file
+    rounds = range(1, steps // inner)  # the last global is the final one
+    expected = [weights + (moments if syncs_momentum(mode, every, r) else 0) for r in rounds]
+    for node in nodes[1:]:
         pulled = {row["outer_step"]: row["bytes"] for row in node.events("global_pulled")}
-        rounds = range(1, steps // inner)
-        assert [pulled[r] for r in rounds] == [weights + moments] * len(rounds), node.name
+        assert [pulled[r] for r in rounds] == expected, node.name
 
 
 def test_three_nodes_with_an_int8_global_apply_each_update_bit_for_bit(tmp_path, corpus):
