@@ -63,7 +63,7 @@ def test_the_sgd_shell_gives_the_numbers_of_nesterov_update(momentum, dtype, mon
     whose update (torch's functional SGD, slice by slice) gives the numbers of the hand-written
     rule over several steps (float32 rounding apart; a bf16 weight is updated in float32 and
     rounded once, where the hand rule rounds the step)."""
-    from speedtronic.diloco import master
+    from speedtronic.diloco import ledger
 
     torch.manual_seed(0)
     weight = torch.randn(16, 9).to(dtype)
@@ -72,13 +72,13 @@ def test_the_sgd_shell_gives_the_numbers_of_nesterov_update(momentum, dtype, mon
     sgd = opt.sgd
     ref, buf = weight.clone(), torch.zeros(16, 9)
     steps = []
-    real_update = master.sgd_update
+    real_update = ledger.sgd_update
 
     def counted(*args, **kwargs):
         steps.append(kwargs["nesterov"])
         return real_update(*args, **kwargs)
 
-    monkeypatch.setattr(master, "sgd_update", counted)
+    monkeypatch.setattr(ledger, "sgd_update", counted)
     for _ in range(6):
         grad = torch.randn(16, 9)
         opt.step(ours, {"w": grad})
@@ -101,9 +101,9 @@ def test_the_sgd_shell_gives_the_numbers_of_nesterov_update(momentum, dtype, mon
 def test_a_tensor_of_many_slices_steps_as_one_torch_sgd_over_the_whole_tensor(monkeypatch):
     """Slices are an implementation detail: a tensor larger than a slice (and not a multiple
     of it) gets the numbers of one torch SGD-Nesterov over the whole tensor, step after step."""
-    from speedtronic.diloco import master
+    from speedtronic.diloco import ledger
 
-    monkeypatch.setattr(master, "OUTER_CHUNK", 7)
+    monkeypatch.setattr(ledger, "OUTER_CHUNK", 7)
     torch.manual_seed(1)
     weight = torch.randn(5, 9)
     ours = {"w": weight.clone()}

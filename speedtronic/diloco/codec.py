@@ -909,3 +909,31 @@ def open_delta(path: _PathArg) -> Iterator[DeltaReader]:
         except ValueError as exc:
             raise ValueError(f"not a safetensors delta: {exc}") from None
         yield reader
+
+
+@dataclasses.dataclass
+class OuterUpdate:
+    """One round's quantized outer update: ``encoded`` turns the global of ``base_step``
+    (``base_digest``) into the one of ``outer_step`` (``digest``)."""
+
+    encoded: dict[str, QuantizedTensor]
+    dtype: str
+    block_size: int
+    base_step: int
+    base_digest: str
+    outer_step: int = -1
+    digest: str = ""
+    run_id: str = ""
+
+    def write(self, handle: BinaryIO) -> str:
+        """Write the update file (codes and scales, as deltas) to ``handle``; its sha256."""
+        header: dict[str, object] = {
+            "kind": "outer_update",
+            "dtype": self.dtype,
+            "outer_step": self.outer_step,
+            "run_id": self.run_id,
+            "base_outer_step": self.base_step,
+            "base_digest": self.base_digest,
+            "digest": self.digest,
+        }
+        return write_quantized(handle, self.encoded, self.dtype, self.block_size, header)

@@ -54,8 +54,7 @@ from speedtronic.diloco.codec import (
 
 if TYPE_CHECKING:
     from speedtronic.config.ops_sections import DistributedConfig
-    from speedtronic.diloco.codec import QuantizedTensor
-    from speedtronic.diloco.master import OuterUpdate
+    from speedtronic.diloco.codec import OuterUpdate, QuantizedTensor
 
 R = TypeVar("R")
 #: A decoded JSON value (what a record file holds).

@@ -17,16 +17,19 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import torch
+from torch.optim.optimizer import StateDict
+from torch.optim.sgd import sgd as sgd_update
 
 from speedtronic.background import wait_for
 from speedtronic.checkpoint import atomic_json_dump, atomic_write_with
 from speedtronic.diloco import codec
+from speedtronic.diloco.codec import OuterUpdate
 from speedtronic.diloco.exchange import (
     GLOBAL_PROCESSED,
     Emit,
@@ -39,12 +42,11 @@ from speedtronic.diloco.exchange import (
     max_global_bytes,
 )
 
-if TYPE_CHECKING:
-    from speedtronic.diloco.master import NesterovOuterOptimizer, OuterUpdate
-
 __all__ = [
     "IDENTITY_HEADERS",
     "META",
+    "OUTER_CHUNK",
+    "NesterovOuterOptimizer",
     "NodeView",
     "OuterStateStore",
     "Roster",
@@ -633,3 +635,191 @@ class OuterStateStore:
 def _json_map(text: str, kind: Callable[[Any], V]) -> dict[str, V]:
     """A JSON object of the header, its keys as strings and its values as ``kind``."""
     return {str(k): kind(v) for k, v in json.loads(text).items()}
+
+
+# -- the outer step --------------------------------------------------------------------
+#: Values per slice of a tensor in the outer step (1 MiB of float32 temporaries each).
+OUTER_CHUNK = 1 << 18
+
+
+class NesterovOuterOptimizer:
+    """The outer step of DiLoCo (Douillard et al. 2023): one ``torch.optim.SGD`` (Nesterov
+    when ``momentum > 0``) made once per run over the global's floating tensors, the round's
+    mean pseudo-gradient as gradient::
+
+        buf    = momentum * buf + mean
+        global = global - lr * (mean + momentum * buf)     (plain SGD when momentum == 0)
+
+    Its parameters are named by key and share the storage of the tensors of the state each
+    step is given (an adopted or loaded global replaces them); its state holds one float32
+    momentum buffer per tensor. The step is torch's SGD update (what ``SGD.step`` runs) over
+    slices of at most ``OUTER_CHUNK`` values, so no temporary is larger than a slice (the
+    master's memory bar); a weight in another dtype is updated in float32 and rounded once.
+    """
+
+    def __init__(self, state: Mapping[str, torch.Tensor], lr: float, momentum: float = 0.9):
+        named = [
+            (str(key), _bound(torch.empty(0, dtype=value.dtype), value))
+            for key, value in state.items()
+            if value.is_floating_point()
+        ]
+        if not named:
+            raise ValueError("the global holds no floating tensor to optimize")
+        self.momentum = float(momentum)
+        self.sgd = torch.optim.SGD(
+            named, lr=float(lr), momentum=self.momentum, nesterov=self.momentum > 0, foreach=False
+        )
+        group = self.sgd.param_groups[0]
+        self.params: dict[str, torch.Tensor] = dict(
+            zip(group["param_names"], group["params"], strict=True)
+        )
+
+    @property
+    def lr(self) -> float:
+        """The outer learning rate (the optimizer's param group's)."""
+        return float(self.sgd.param_groups[0]["lr"])
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self.sgd.param_groups[0]["lr"] = float(value)
+
+    def _pairs(
+        self, state: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor]
+    ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """``(key, weight, grad)`` for each floating key of ``delta`` (``KeyError`` for a key
+        ``state`` or the optimizer lacks, ``ValueError`` for a shape that differs)."""
+        pairs = []
+        for key, grad in delta.items():
+            weight = state[key]
+            if tuple(weight.shape) != tuple(grad.shape):
+                raise ValueError(f"shape mismatch for {key}")
+            if weight.is_floating_point():
+                if key not in self.params:
+                    raise KeyError(key)
+                pairs.append((key, weight, grad))
+        return pairs
+
+    @staticmethod
+    def _slices(
+        weight: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """Flat views of at most ``OUTER_CHUNK`` values of ``weight``, ``grad`` and ``buf``."""
+        flat, flat_grad = weight.detach().reshape(-1), grad.detach().reshape(-1)
+        flat_buf = None if buf is None else buf.reshape(-1)
+        for start in range(0, max(flat.numel(), 1), OUTER_CHUNK):
+            end = start + OUTER_CHUNK
+            part = None if flat_buf is None else flat_buf[start:end]
+            yield flat[start:end], flat_grad[start:end], part
+
+    def _update(self, weight: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None) -> None:
+        """The optimizer's update of one slice, in place, in float32."""
+        group = self.sgd.param_groups[0]
+        param = weight if weight.dtype == torch.float32 else weight.to(torch.float32)
+        sgd_update(
+            [param],
+            [grad.to("cpu", torch.float32)],
+            [buf],
+            weight_decay=group["weight_decay"],
+            momentum=group["momentum"],
+            lr=group["lr"],
+            dampening=group["dampening"],
+            nesterov=group["nesterov"],
+            maximize=group["maximize"],
+            foreach=False,
+        )
+        if param is not weight:
+            weight.copy_(param)
+
+    def _buffer(self, key: str, *, create: bool) -> torch.Tensor | None:
+        """The momentum buffer of ``key`` (None with plain SGD); ``create``: zeros when there
+        is none yet (the first step's buffer is then the gradient, as torch starts it)."""
+        if self.momentum == 0:
+            return None
+        param = self.params[key]
+        buf: torch.Tensor | None = self.sgd.state[param].get("momentum_buffer")
+        if buf is None and create:
+            buf = torch.zeros(param.shape, dtype=torch.float32)
+            self.sgd.state[param]["momentum_buffer"] = buf
+        return buf
+
+    def step(self, state: dict[str, torch.Tensor], delta: Mapping[str, torch.Tensor]) -> None:
+        """Apply the averaged pseudo-gradient ``delta`` to ``state`` in place, a slice at a
+        time (every key checked before any is written)."""
+        self._run(state, delta, trial=False)
+
+    def first_non_finite(
+        self, state: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor]
+    ) -> str | None:
+        """The first key whose weight :meth:`step` would make non-finite (in its dtype), else
+        None: the same update on copies of one slice at a time, changing nothing."""
+        return self._run(state, delta, trial=True)
+
+    @torch.no_grad()
+    def _run(
+        self, state: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor], *, trial: bool
+    ) -> str | None:
+        for key, weight, grad in self._pairs(state, delta):
+            param = self.params[key]
+            if not trial:
+                if param.dtype != weight.dtype:
+                    raise ValueError(f"dtype of {key} changed from {param.dtype} to {weight.dtype}")
+                _bound(param, weight)  # the parameter is the global's tensor
+            buf = self._buffer(key, create=not trial)
+            for part, grad_part, buf_part in self._slices(weight, grad, buf):
+                if trial:  # as step's: the slice's update on float32 copies
+                    part = part.to("cpu", torch.float32, copy=True)
+                    if buf_part is not None:
+                        buf_part = buf_part.clone()
+                    elif self.momentum > 0:  # as step's first: zeros, of one slice here
+                        buf_part = torch.zeros_like(part)
+                self._update(part, grad_part, buf_part)
+                if trial and not bool(torch.isfinite(part.to(weight.dtype)).all()):
+                    return key
+        return None
+
+    def reset(self) -> None:
+        """Forget the momentum (an adopted global starts it again from zero)."""
+        self.sgd.state.clear()
+
+    def momentum_buffers(self) -> dict[str, torch.Tensor]:
+        """The momentum buffers by tensor name (the optimizer's own tensors): what the outer
+        state file holds as ``momentum/<name>``."""
+        buffers = {
+            key: self.sgd.state.get(p, {}).get("momentum_buffer") for key, p in self.params.items()
+        }
+        return {key: buf for key, buf in buffers.items() if buf is not None}
+
+    def state_dict(self) -> StateDict:
+        """The optimizer's ``state_dict`` (torch's, with the tensor names in its group)."""
+        return self.sgd.state_dict()
+
+    def load_state_dict(self, saved: StateDict | Mapping[str, torch.Tensor]) -> None:
+        """Replace the momentum with ``saved``'s: a :meth:`state_dict` or the buffers by tensor
+        name (an outer state file), kept as float32 CPU clones; the hyperparameters stay this
+        run's. ``ValueError`` for a buffer whose shape differs from its tensor's."""
+        buffers = cast(Mapping[str, torch.Tensor], saved)
+        if "state" in saved and "param_groups" in saved:
+            torch_state = cast(StateDict, saved)
+            names = [n for group in torch_state["param_groups"] for n in group["param_names"]]
+            buffers = {
+                names[int(i)]: entry["momentum_buffer"]
+                for i, entry in torch_state["state"].items()
+                if entry.get("momentum_buffer") is not None
+            }
+        loaded = {}
+        for key, value in buffers.items():
+            param = self.params.get(str(key))
+            if param is None:
+                continue  # a tensor this global does not have: nothing to step with it
+            if tuple(value.shape) != tuple(param.shape):
+                raise ValueError(f"momentum of {key} reshaped")
+            loaded[param] = value.detach().to("cpu", torch.float32).clone()
+        self.reset()
+        for param, buf in loaded.items():
+            self.sgd.state[param]["momentum_buffer"] = buf
+
+
+def _bound(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``param`` made to share ``value``'s storage (and shape)."""
+    param.set_(value.detach())  # type: ignore[call-overload]  # torch's stubs lack set_(Tensor)
+    return param

@@ -22,19 +22,18 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Protocol, cast
+from typing import TYPE_CHECKING, Protocol
 
 import torch
-from torch.optim.optimizer import StateDict
-from torch.optim.sgd import sgd as sgd_update
 
 from speedtronic.background import Loop
 from speedtronic.diloco import codec
 from speedtronic.diloco.codec import (
     QUANTIZED_BITS,
     SCALE_SUFFIX,
+    OuterUpdate,
     QuantizedTensor,
     WireCodec,
     quantize,
@@ -56,6 +55,7 @@ from speedtronic.diloco.exchange import (
 )
 from speedtronic.diloco.ledger import (
     META,
+    NesterovOuterOptimizer,
     NodeView,
     OuterStateStore,
     Roster,
@@ -66,7 +66,6 @@ from speedtronic.diloco.ledger import (
 
 if TYPE_CHECKING:
     from speedtronic.config import DistributedConfig
-    from speedtronic.diloco.coordinator import Upstream
 
 __all__ = [
     "ETA_DIGITS",
@@ -236,6 +235,25 @@ class Score(Protocol):
     tokens: int
 
 
+class Relay(Protocol):
+    """What a group leader's master asks of its way up to the top-level exchange
+    (:class:`~speedtronic.diloco.coordinator.Upstream`, docs/diloco.md "relay groups")."""
+
+    def agree(self, store: Store, held: RoundState, max_bytes: int) -> RoundState:
+        """The group's state, made the top-level global and published to ``store``."""
+        ...
+
+    def forward(
+        self, mean: Mapping[str, torch.Tensor], *, round: int, weight: int, run_id: str, final: bool
+    ) -> tuple[GlobalMetadata, dict[str, torch.Tensor]]:
+        """Send the group's ``mean`` up; the first top-level global after it."""
+        ...
+
+    def finish(self) -> None:
+        """Tell the top level that the group's run is over."""
+        ...
+
+
 @dataclasses.dataclass
 class _Fold:
     """What closing a round read: the files used and what they say about their nodes."""
@@ -274,7 +292,7 @@ class RoundMaster:
         on_global: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
         evaluate: Callable[[dict[str, torch.Tensor]], Score | None] | None = None,
         on_final: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
-        upstream: Upstream | None = None,
+        upstream: Relay | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.store = store
@@ -948,34 +966,6 @@ def add_decoded(base: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
     return (base.detach().to("cpu", torch.float32) + decoded).to(base.dtype)
 
 
-@dataclasses.dataclass
-class OuterUpdate:
-    """One round's quantized outer update: ``encoded`` turns the global of ``base_step``
-    (``base_digest``) into the one of ``outer_step`` (``digest``)."""
-
-    encoded: dict[str, QuantizedTensor]
-    dtype: str
-    block_size: int
-    base_step: int
-    base_digest: str
-    outer_step: int = -1
-    digest: str = ""
-    run_id: str = ""
-
-    def write(self, handle: BinaryIO) -> str:
-        """Write the update file (codes and scales, as deltas) to ``handle``; its sha256."""
-        header: dict[str, object] = {
-            "kind": "outer_update",
-            "dtype": self.dtype,
-            "outer_step": self.outer_step,
-            "run_id": self.run_id,
-            "base_outer_step": self.base_step,
-            "base_digest": self.base_digest,
-            "digest": self.digest,
-        }
-        return codec.write_quantized(handle, self.encoded, self.dtype, self.block_size, header)
-
-
 @torch.no_grad()
 def step_quantized(
     optimizer: NesterovOuterOptimizer,
@@ -1074,191 +1064,3 @@ def read_update(
     if bad is not None:
         raise ValueError(f"the updated global holds non-finite values in {bad}")
     return HeldGlobal(metadata.outer_step, metadata.run_id, digest, result)
-
-
-# -- the outer step --------------------------------------------------------------------
-#: Values per slice of a tensor in the outer step (1 MiB of float32 temporaries each).
-OUTER_CHUNK = 1 << 18
-
-
-class NesterovOuterOptimizer:
-    """The outer step of DiLoCo (Douillard et al. 2023): one ``torch.optim.SGD`` (Nesterov
-    when ``momentum > 0``) made once per run over the global's floating tensors, the round's
-    mean pseudo-gradient as gradient::
-
-        buf    = momentum * buf + mean
-        global = global - lr * (mean + momentum * buf)     (plain SGD when momentum == 0)
-
-    Its parameters are named by key and share the storage of the tensors of the state each
-    step is given (an adopted or loaded global replaces them); its state holds one float32
-    momentum buffer per tensor. The step is torch's SGD update (what ``SGD.step`` runs) over
-    slices of at most ``OUTER_CHUNK`` values, so no temporary is larger than a slice (the
-    master's memory bar); a weight in another dtype is updated in float32 and rounded once.
-    """
-
-    def __init__(self, state: Mapping[str, torch.Tensor], lr: float, momentum: float = 0.9):
-        named = [
-            (str(key), _bound(torch.empty(0, dtype=value.dtype), value))
-            for key, value in state.items()
-            if value.is_floating_point()
-        ]
-        if not named:
-            raise ValueError("the global holds no floating tensor to optimize")
-        self.momentum = float(momentum)
-        self.sgd = torch.optim.SGD(
-            named, lr=float(lr), momentum=self.momentum, nesterov=self.momentum > 0, foreach=False
-        )
-        group = self.sgd.param_groups[0]
-        self.params: dict[str, torch.Tensor] = dict(
-            zip(group["param_names"], group["params"], strict=True)
-        )
-
-    @property
-    def lr(self) -> float:
-        """The outer learning rate (the optimizer's param group's)."""
-        return float(self.sgd.param_groups[0]["lr"])
-
-    @lr.setter
-    def lr(self, value: float) -> None:
-        self.sgd.param_groups[0]["lr"] = float(value)
-
-    def _pairs(
-        self, state: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor]
-    ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-        """``(key, weight, grad)`` for each floating key of ``delta`` (``KeyError`` for a key
-        ``state`` or the optimizer lacks, ``ValueError`` for a shape that differs)."""
-        pairs = []
-        for key, grad in delta.items():
-            weight = state[key]
-            if tuple(weight.shape) != tuple(grad.shape):
-                raise ValueError(f"shape mismatch for {key}")
-            if weight.is_floating_point():
-                if key not in self.params:
-                    raise KeyError(key)
-                pairs.append((key, weight, grad))
-        return pairs
-
-    @staticmethod
-    def _slices(
-        weight: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-        """Flat views of at most ``OUTER_CHUNK`` values of ``weight``, ``grad`` and ``buf``."""
-        flat, flat_grad = weight.detach().reshape(-1), grad.detach().reshape(-1)
-        flat_buf = None if buf is None else buf.reshape(-1)
-        for start in range(0, max(flat.numel(), 1), OUTER_CHUNK):
-            end = start + OUTER_CHUNK
-            part = None if flat_buf is None else flat_buf[start:end]
-            yield flat[start:end], flat_grad[start:end], part
-
-    def _update(self, weight: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None) -> None:
-        """The optimizer's update of one slice, in place, in float32."""
-        group = self.sgd.param_groups[0]
-        param = weight if weight.dtype == torch.float32 else weight.to(torch.float32)
-        sgd_update(
-            [param],
-            [grad.to("cpu", torch.float32)],
-            [buf],
-            weight_decay=group["weight_decay"],
-            momentum=group["momentum"],
-            lr=group["lr"],
-            dampening=group["dampening"],
-            nesterov=group["nesterov"],
-            maximize=group["maximize"],
-            foreach=False,
-        )
-        if param is not weight:
-            weight.copy_(param)
-
-    def _buffer(self, key: str, *, create: bool) -> torch.Tensor | None:
-        """The momentum buffer of ``key`` (None with plain SGD); ``create``: zeros when there
-        is none yet (the first step's buffer is then the gradient, as torch starts it)."""
-        if self.momentum == 0:
-            return None
-        param = self.params[key]
-        buf: torch.Tensor | None = self.sgd.state[param].get("momentum_buffer")
-        if buf is None and create:
-            buf = torch.zeros(param.shape, dtype=torch.float32)
-            self.sgd.state[param]["momentum_buffer"] = buf
-        return buf
-
-    def step(self, state: dict[str, torch.Tensor], delta: Mapping[str, torch.Tensor]) -> None:
-        """Apply the averaged pseudo-gradient ``delta`` to ``state`` in place, a slice at a
-        time (every key checked before any is written)."""
-        self._run(state, delta, trial=False)
-
-    def first_non_finite(
-        self, state: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor]
-    ) -> str | None:
-        """The first key whose weight :meth:`step` would make non-finite (in its dtype), else
-        None: the same update on copies of one slice at a time, changing nothing."""
-        return self._run(state, delta, trial=True)
-
-    @torch.no_grad()
-    def _run(
-        self, state: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor], *, trial: bool
-    ) -> str | None:
-        for key, weight, grad in self._pairs(state, delta):
-            param = self.params[key]
-            if not trial:
-                if param.dtype != weight.dtype:
-                    raise ValueError(f"dtype of {key} changed from {param.dtype} to {weight.dtype}")
-                _bound(param, weight)  # the parameter is the global's tensor
-            buf = self._buffer(key, create=not trial)
-            for part, grad_part, buf_part in self._slices(weight, grad, buf):
-                if trial:  # as step's: the slice's update on float32 copies
-                    part = part.to("cpu", torch.float32, copy=True)
-                    if buf_part is not None:
-                        buf_part = buf_part.clone()
-                    elif self.momentum > 0:  # as step's first: zeros, of one slice here
-                        buf_part = torch.zeros_like(part)
-                self._update(part, grad_part, buf_part)
-                if trial and not bool(torch.isfinite(part.to(weight.dtype)).all()):
-                    return key
-        return None
-
-    def reset(self) -> None:
-        """Forget the momentum (an adopted global starts it again from zero)."""
-        self.sgd.state.clear()
-
-    def momentum_buffers(self) -> dict[str, torch.Tensor]:
-        """The momentum buffers by tensor name (the optimizer's own tensors): what the outer
-        state file holds as ``momentum/<name>``."""
-        buffers = {
-            key: self.sgd.state.get(p, {}).get("momentum_buffer") for key, p in self.params.items()
-        }
-        return {key: buf for key, buf in buffers.items() if buf is not None}
-
-    def state_dict(self) -> StateDict:
-        """The optimizer's ``state_dict`` (torch's, with the tensor names in its group)."""
-        return self.sgd.state_dict()
-
-    def load_state_dict(self, saved: StateDict | Mapping[str, torch.Tensor]) -> None:
-        """Replace the momentum with ``saved``'s: a :meth:`state_dict` or the buffers by tensor
-        name (an outer state file), kept as float32 CPU clones; the hyperparameters stay this
-        run's. ``ValueError`` for a buffer whose shape differs from its tensor's."""
-        buffers = cast(Mapping[str, torch.Tensor], saved)
-        if "state" in saved and "param_groups" in saved:
-            torch_state = cast(StateDict, saved)
-            names = [n for group in torch_state["param_groups"] for n in group["param_names"]]
-            buffers = {
-                names[int(i)]: entry["momentum_buffer"]
-                for i, entry in torch_state["state"].items()
-                if entry.get("momentum_buffer") is not None
-            }
-        loaded = {}
-        for key, value in buffers.items():
-            param = self.params.get(str(key))
-            if param is None:
-                continue  # a tensor this global does not have: nothing to step with it
-            if tuple(value.shape) != tuple(param.shape):
-                raise ValueError(f"momentum of {key} reshaped")
-            loaded[param] = value.detach().to("cpu", torch.float32).clone()
-        self.reset()
-        for param, buf in loaded.items():
-            self.sgd.state[param]["momentum_buffer"] = buf
-
-
-def _bound(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """``param`` made to share ``value``'s storage (and shape)."""
-    param.set_(value.detach())  # type: ignore[call-overload]  # torch's stubs lack set_(Tensor)
-    return param
