@@ -129,6 +129,7 @@ def test_diloco_events_drive_the_diloco_series():
             "seconds": 0.1,
             "round_seconds": 12.5,
             "nodes_active": 3,
+            "eta": 1.4172,
         },
     )
     sink.on_event("outer_step", {"outer_step": 5, "deltas_found": 1, "deltas_corrupt": 1})
@@ -142,6 +143,7 @@ def test_diloco_events_drive_the_diloco_series():
     assert value(sink, "speedtronic_diloco_deltas_stale_total") == 2
     assert value(sink, "speedtronic_diloco_round_seconds") == 12.5
     assert value(sink, "speedtronic_diloco_nodes_active") == 3
+    assert value(sink, "speedtronic_diloco_outer_lr") == 1.4172
     # files refused once every node was done, reported with the final global, not a round
     sink.on_event("final_global", {"outer_step": 5, "deltas_corrupt": 2, "dropped": []})
     assert value(sink, "speedtronic_diloco_deltas_corrupt_total") == 3

@@ -56,6 +56,7 @@ SERIES: dict[str, str] = {
     "speedtronic_diloco_deltas_corrupt_total": "Deltas that could not be read.",
     "speedtronic_diloco_round_seconds": "Length of the last closed round (master).",
     "speedtronic_diloco_nodes_active": "Nodes the open round waits for (master).",
+    "speedtronic_diloco_outer_lr": "Outer lr of the last closed round (adaptive: its eta).",
     "speedtronic_diloco_nodes_dropped_total": "Nodes no longer waited for after silence (master).",
     "speedtronic_diloco_sync_wait_seconds": "Time a node waited for the global of its round.",
     "speedtronic_diloco_sync_timeouts_total": "Waits for a global that ended at round_timeout.",
@@ -179,6 +180,7 @@ class PrometheusSink:
         }
         self.round_seconds = self._series(g, "speedtronic_diloco_round_seconds").labels(**ids)
         self.nodes_active = self._series(g, "speedtronic_diloco_nodes_active").labels(**ids)
+        self.outer_lr = self._series(g, "speedtronic_diloco_outer_lr").labels(**ids)
         self.nodes_dropped = self._series(c, "speedtronic_diloco_nodes_dropped").labels(**ids)
         self.sync_wait = self._histogram(
             "speedtronic_diloco_sync_wait_seconds", _IO_BUCKETS
@@ -316,6 +318,7 @@ class PrometheusSink:
         for gauge, key in (
             (self.round_seconds, "round_seconds"),
             (self.nodes_active, "nodes_active"),
+            (self.outer_lr, "eta"),
         ):
             value = _number(payload, key)
             if value is not None:
