@@ -26,7 +26,7 @@ import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import BinaryIO, Concatenate, ParamSpec, TypeAlias
+from typing import BinaryIO, Concatenate, ParamSpec, TypeAlias, TypeVar
 
 import torch
 
@@ -356,6 +356,17 @@ def _shape(value: torch.Tensor | tuple[int, ...]) -> tuple[int, ...]:
 #: A delta file's keys of the inner optimizer's first moments (``distributed.sync_inner_momentum``)
 #: are this prefix + the parameter's key: never a model key (``::`` is in none).
 MOMENT_PREFIX = "moment::"
+V = TypeVar("V")
+
+
+def is_moment(key: str) -> bool:
+    """Whether a contribution's ``key`` is a first moment's, not a weight's."""
+    return key.startswith(MOMENT_PREFIX)
+
+
+def without_moments(values: Mapping[str, V]) -> dict[str, V]:
+    """The weights' part of a contribution: ``values`` less its first moments."""
+    return {k: v for k, v in values.items() if not is_moment(k)}
 
 
 def check_like(
@@ -822,7 +833,7 @@ class DeltaReader:
         Returns the sha256 of the values (a re-sent copy has the same digest)."""
         codec, shapes = self._layout()
         model = {key: tuple(value.shape) for key, value in floating_state(reference).items()}
-        moments = {k: v for k, v in shapes.items() if k.startswith(MOMENT_PREFIX)}
+        moments = {k: v for k, v in shapes.items() if is_moment(k)}
         check_like(
             model,
             {k: v for k, v in shapes.items() if k not in moments},
@@ -858,7 +869,7 @@ class DeltaReader:
 
     def moment_keys(self) -> list[str]:
         """The names of the first moments the file carries (``MOMENT_PREFIX`` + a model key)."""
-        return sorted(k for k in self._layout()[1] if k.startswith(MOMENT_PREFIX))
+        return sorted(k for k in self._layout()[1] if is_moment(k))
 
     def values(self) -> dict[str, torch.Tensor]:
         """Every value as float32 (the master aggregates in fp32), without a model: float

@@ -266,7 +266,7 @@ class DiLoCoNode:
                 _LOG.warning(f"the done status after round {job.round} was not uploaded: {exc}")
                 self._emit("status_upload_failed", step=job.step, round=job.round, error=str(exc))
                 return
-            delta = {k: v for k, v in job.delta.items() if not k.startswith(codec.MOMENT_PREFIX)}
+            delta = codec.without_moments(job.delta)
             with self._lock:
                 carry = self.carry
                 self.carry = delta if carry is None else {k: v + carry[k] for k, v in delta.items()}
@@ -279,11 +279,9 @@ class DiLoCoNode:
             self.last_round = max(self.last_round, job.round)
             job.arrived = True  # a checkpoint no longer holds it (its buffers are reused)
             if isinstance(job.wire, codec.EncodedView) and self.settings.error_feedback:
-                kept = job.wire.keep_residual()  # in the contribution's buffers
-                self.residual = {
-                    k: v for k, v in kept.items() if not k.startswith(codec.MOMENT_PREFIX)
-                }
-            if job.delta is not None and any(k.startswith(codec.MOMENT_PREFIX) for k in job.delta):
+                # in the contribution's buffers
+                self.residual = codec.without_moments(job.wire.keep_residual())
+            if job.delta is not None and any(map(codec.is_moment, job.delta)):
                 self.moments_sent = job.round
         codec.return_free_memory()  # the encoder's and the writer's slices
         if job.delta is not None:
