@@ -374,7 +374,9 @@ class CheckpointManager:
 
 
 def checkpoint_config(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The (redacted) run config a checkpoint carries, so it can be used without ``--config``.
+    """The (redacted) run config a checkpoint carries, so it can be used without ``--config``,
+    less what only the user may set (:func:`speedtronic.config.layering.travelling`: pickle
+    loading, ``init_from``, a push, trackers; one warning names what was set).
 
     ``path`` is a trainer checkpoint (``step_*.pt``: its ``config`` entry), a checkpoint
     directory (its newest usable checkpoint), a ``final/`` folder or a ``.safetensors`` file
@@ -407,7 +409,9 @@ def checkpoint_config(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"{target} carries no run config (a trainer checkpoint, a checkpoint directory or a "
             "final/ folder does); pass --config"
         )
-    return config
+    from speedtronic.config.layering import travelling
+
+    return travelling(config, f"the config in {target}")  # never what runs code or reaches out
 
 
 def _with_tokenizer(config: Any, record: Any) -> Any:
