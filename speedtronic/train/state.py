@@ -248,6 +248,11 @@ class TrainerCheckpoint:
         self.resave = False  # the weights changed after this step's checkpoint was written
         self._tokenizer: tuple[JSON | None] | None = None  # read at the first save
 
+    def start(self) -> None:
+        """Training starts: the manager deletes what ``claim(overwrite=True)`` left to it."""
+        if self.manager is not None:
+            self.manager.start()
+
     def maybe_save(self, step: int) -> None:
         """Save when ``step`` is on the manager's interval and not saved yet."""
         manager = self.manager
