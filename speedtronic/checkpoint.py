@@ -73,7 +73,9 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_with",
     "capture_rng_state",
+    "check_finite",
     "checkpoint_config",
+    "non_finite",
     "os_reason",
     "read_step",
     "restore_rng_state",
@@ -110,6 +112,25 @@ def read_step(path: str | os.PathLike[str]) -> int:
         shown = repr(step) if len(repr(step)) <= 40 else repr(step)[:37] + "..."
         raise CheckpointError(f"checkpoint {path} records no valid step (step: {shown})")
     return step
+
+
+def non_finite(state: dict[str, Any], chunk: int = 1 << 14) -> str | None:
+    """The first floating tensor of ``state`` holding NaN or inf, else None; checked ``chunk``
+    values at a time, so the check adds a few kB, not a mask the size of a tensor."""
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            continue
+        if not all(bool(torch.isfinite(part).all()) for part in value.reshape(-1).split(chunk)):
+            return key
+    return None
+
+
+def check_finite(state: dict[str, Any], source: str) -> None:
+    """Refuse a model state that holds NaN or inf: a ``CheckpointError`` naming ``source`` and
+    the first such tensor (a resume would train on from it as ``loss=nan``)."""
+    bad = non_finite(state)
+    if bad is not None:
+        raise CheckpointError(f"{source}: {bad} holds NaN or inf values; its weights are refused")
 
 
 def _short(exc: BaseException) -> str:

@@ -254,6 +254,7 @@ def build_runtime(
     from speedtronic.data import build_node_dataloader
     from speedtronic.model import build_model
     from speedtronic.model.hf_import import load_hf_weights, resolve_init_from
+    from speedtronic.model.sizes import check_memory
     from speedtronic.train.evaluate import build_heldout
     from speedtronic.train.shapes import validate_startup_shapes
 
@@ -281,6 +282,8 @@ def build_runtime(
     threads = ThreadBudget.start(config.runtime.threads, os.environ)  # before the model
     parallel, resolved = start_parallel(ranks, _device(config, device), config.run)
     precision = _precision(config, resolved)
+    origin = f"model.init_from {init.spec}" if init is not None else "the config"
+    check_memory(config.model, origin)  # sizes are checked before they are built
     model = build_model(config.model)
     if init is not None and init.loads_weights:  # a DiLoCo worker starts from global 0
         load_hf_weights(model, init)
