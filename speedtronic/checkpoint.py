@@ -120,7 +120,9 @@ def non_finite(state: dict[str, Any], chunk: int = 1 << 14) -> str | None:
     for key, value in state.items():
         if not isinstance(value, torch.Tensor) or not value.is_floating_point():
             continue
-        if not all(bool(torch.isfinite(part).all()) for part in value.reshape(-1).split(chunk)):
+        flat = value.reshape(-1)
+        parts = (flat[start : start + chunk] for start in range(0, flat.numel(), chunk))
+        if not all(bool(torch.isfinite(part).all()) for part in parts):
             return key
     return None
 
