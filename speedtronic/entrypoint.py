@@ -327,7 +327,8 @@ def _log_startup(
         origins[kind] = origins.get(kind, 0) + 1
     counted = ", ".join(f"{count} {kind}" for kind, count in origins.items()) or "defaults only"
     _LOG.info(
-        "config: %s (resolved, redacted; from %s; values set: %s)",
+        "config: %s (resolved, redacted, written once the runtime is built; from %s; values "
+        "set: %s)",
         path,
         started_from,
         counted,
