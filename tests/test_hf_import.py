@@ -218,17 +218,24 @@ def test_a_weight_file_with_a_tensor_the_model_has_no_place_for(tmp_path):
     from safetensors.torch import load_file, save_file
 
     save_llama(tmp_path / "hf")
+    config = SpeedtronicConfig.from_dict({"model": {"init_from": str(tmp_path / "hf")}})
+    checkpoint = resolve_init_from(config)  # resolved while the file is whole
     weights = load_file(str(tmp_path / "hf" / "model.safetensors"))
     weights["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(32)
     save_file(weights, str(tmp_path / "hf" / "model.safetensors"))
-    config = SpeedtronicConfig.from_dict({"model": {"init_from": str(tmp_path / "hf")}})
-    checkpoint = resolve_init_from(config)
-    with pytest.raises(ConfigError, match=r"q_proj\.bias, which the reference model has no place"):
-        load_hf_weights(trainer_model(config), checkpoint)
+
+    def again():  # issue 39: the headers are read at resolve, before the model is built
+        fresh = {"model": {"init_from": str(tmp_path / "hf")}}
+        return resolve_init_from(SpeedtronicConfig.from_dict(fresh))
+
+    for load in (again, lambda: load_hf_weights(trainer_model(config), checkpoint)):
+        with pytest.raises(ConfigError, match=r"q_proj\.bias, which the reference model has no"):
+            load()
     del weights["model.layers.0.self_attn.q_proj.bias"], weights["model.norm.weight"]
     save_file(weights, str(tmp_path / "hf" / "model.safetensors"))
-    with pytest.raises(ConfigError, match=r"lacks model\.norm\.weight"):
-        load_hf_weights(trainer_model(config), checkpoint)
+    for load in (again, lambda: load_hf_weights(trainer_model(config), checkpoint)):
+        with pytest.raises(ConfigError, match=r"lacks model\.norm\.weight"):
+            load()
 
 
 def test_the_diloco_master_publishes_the_loaded_weights_and_a_worker_needs_no_weights(tmp_path):

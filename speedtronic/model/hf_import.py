@@ -21,10 +21,13 @@ Everything else is refused with one line naming the architecture and the field t
    a different value is a ``ConfigError`` naming both. ``model.max_seq_len`` is the
    checkpoint's ``max_position_embeddings`` unless set (then it may only be smaller). The
    tokenizer is the checkpoint's (``data.tokenizer`` becomes its folder) unless
-   ``data.tokenizer`` names another one.
+   ``data.tokenizer`` names another one. When the weight files are here, their safetensors
+   headers (not their data) must hold every tensor in the shape ``config.json`` declares
+   (:func:`speedtronic.model.sizes.check_stored`): a ``config.json`` declaring a huge model
+   beside a small or broken weights file is refused before anything is allocated.
 2. :func:`load_hf_weights` copies the weights into the built model tensor by tensor
    (``safetensors.safe_open``): beyond the model itself, at most one tensor is held at a time
-   (``bench/init_from_memory.py`` measures it).
+   (``bench/init_from_memory.py`` measures it). A tensor holding NaN or inf is refused.
 
 DiLoCo: the master loads the weights, so the global it publishes first (global 0, taken from
 the model when the coordinator is built) is the checkpoint, bit for bit in fp32. A worker
@@ -248,6 +251,7 @@ def resolve_init_from(config: SpeedtronicConfig, *, weights: bool = True) -> HFC
     config.model = _merge(config.model, shape, spec)
     if config.data.vocab_size == old_vocab:  # informational; filled from the old section
         config.data.vocab_size = config.model.vocab_size
+    _check_headers(folder, config.model, spec)
     tokenizer = is_bytes(config.data.tokenizer) and (folder / "tokenizer.json").is_file()
     if tokenizer:
         config.data.tokenizer = str(folder)
@@ -256,6 +260,46 @@ def resolve_init_from(config: SpeedtronicConfig, *, weights: bool = True) -> HFC
     found = HFCheckpoint(spec, folder, architecture, weights, tokenizer)
     config.model.__dict__["_init_from"] = found
     return found
+
+
+def _check_headers(folder: Path, section: ModelConfig, spec: str) -> None:
+    """The weight files' headers against the shapes ``section`` declares (when the files are
+    here: a DiLoCo worker and ``validate`` of a Hub repo fetch none); nothing is allocated."""
+    from safetensors import SafetensorError, safe_open
+
+    from speedtronic.model.export import llama_names
+    from speedtronic.model.sizes import check_stored
+
+    try:
+        files = weight_files(folder)
+    except ConfigError:
+        return  # fetch_checkpoint said so where the weights are needed
+    if not all(path.is_file() for path in files):
+        return
+    ours = {v: k for k, v in llama_names(section.n_layer, section.tie_weights).items()}
+    stored: dict[str, list[int]] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for key in list(handle.keys()):
+                    tied_head = key == "lm_head.weight" and section.tie_weights
+                    if tied_head or key.endswith(_IGNORED_TENSORS):
+                        continue
+                    if key not in ours:
+                        raise ConfigError(
+                            f"{_FIELD}: {path.name} holds {key}, which the reference model has "
+                            "no place for"
+                        )
+                    stored[ours[key]] = handle.get_slice(key).get_shape()
+        except (SafetensorError, OSError) as exc:
+            raise ConfigError(
+                f"{_FIELD}: {path} is not a readable safetensors file ({exc})"
+            ) from None
+    _refuse_missing(folder, sorted(theirs for theirs, mine in ours.items() if mine not in stored))
+    if section.tie_weights and "transformer.wte.weight" in stored:
+        stored["lm_head.weight"] = stored["transformer.wte.weight"]  # one matrix, two names
+    names = ", ".join(path.name for path in files)
+    check_stored(section, stored, f"{_FIELD} {spec} ({names} against {CONFIG})")
 
 
 @torch.no_grad()
@@ -269,6 +313,7 @@ def load_hf_weights(model: torch.nn.Module, checkpoint: HFCheckpoint | str | Pat
     """
     from safetensors import safe_open
 
+    from speedtronic.checkpoint import non_finite
     from speedtronic.model.export import llama_names
 
     folder = checkpoint.folder if isinstance(checkpoint, HFCheckpoint) else Path(checkpoint)
@@ -292,6 +337,8 @@ def load_hf_weights(model: torch.nn.Module, checkpoint: HFCheckpoint | str | Pat
             # leave the process with the handle, so they never add up to the whole file.
             with safe_open(str(path), framework="pt") as handle:
                 tensor = handle.get_tensor(key)
+            if non_finite({key: tensor}) is not None:  # 16 K values at a time
+                raise ConfigError(f"{_FIELD}: {path}: {key} holds NaN or inf values")
             if tuple(tensor.shape) != tuple(target.shape):
                 raise ConfigError(
                     f"{_FIELD}: {path.name}: {key} has shape {tuple(tensor.shape)}, "
@@ -300,8 +347,12 @@ def load_hf_weights(model: torch.nn.Module, checkpoint: HFCheckpoint | str | Pat
             target.copy_(tensor)
             del tensor
             done.add(key)
-    missing = sorted(set(ours_by_theirs) - done)
+    _refuse_missing(folder, sorted(set(ours_by_theirs) - done))
+    return len(done)
+
+
+def _refuse_missing(folder: Path, missing: list[str]) -> None:
+    """A ``ConfigError`` naming the (transformers) tensors a checkpoint lacks, if any."""
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ConfigError(f"{_FIELD}: {folder} lacks {', '.join(missing[:3])}{more}")
-    return len(done)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from speedtronic.checkpoint import CheckpointError, CheckpointManager
+from speedtronic.checkpoint import CheckpointError, CheckpointManager, check_finite
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.json_types import JSON, StateDict
 from speedtronic.train.evaluate import build_heldout, evaluate
@@ -154,13 +154,15 @@ def score(
     from speedtronic.config import ConfigError
     from speedtronic.train.runtime import _device, _precision
 
+    # the weights first: the model a checkpoint's config declares is checked against them
+    # before anything of its size (the synthetic held-out chain included) is built
+    model, weights = load_model(config, checkpoint=checkpoint, use_global=use_global)
     heldout = build_heldout(config)
     if heldout is None:
         raise ConfigError(
             "eval: no held-out data configured; set eval.holdout (a fraction of the training "
             "data) or eval.text_path / eval.token_path"
         )
-    model, weights = load_model(config, checkpoint=checkpoint, use_global=use_global)
     device = _device(config, None)
     model.to(device)
     result = evaluate(model, heldout, device=device, precision=_precision(config, device))
@@ -177,14 +179,20 @@ def load_model(
 ) -> tuple[torch.nn.Module, Weights]:
     """The configured model (on CPU, eval mode) holding the weights :func:`load_weights` finds.
 
-    Weights that do not fit ``config.model`` are a ``CheckpointError`` naming the source. Used
-    by ``speedtronic eval``, ``export`` and ``sample``.
+    Weights that do not fit ``config.model`` (compared before the model is built, so a
+    config declaring a larger model than the file holds allocates nothing) or hold NaN/inf
+    are a ``CheckpointError`` naming the source. Used by ``speedtronic eval``, ``export``,
+    ``sample`` and ``push``.
     """
     from speedtronic.model import build_model
     from speedtronic.model.hf_import import resolve_init_from
+    from speedtronic.model.sizes import check_stored
 
     resolve_init_from(config, weights=False)  # a run started from a transformers checkpoint
     weights = load_weights(config, checkpoint=checkpoint, use_global=use_global)
+    shapes = {k: getattr(v, "shape", ()) for k, v in weights.state.items()}
+    check_stored(config.model, shapes, weights.source, error=CheckpointError)
+    check_finite(weights.state, weights.source)
     model = build_model(config.model)
     try:
         model.load_state_dict(weights.state, strict=True)

@@ -33,7 +33,7 @@ from typing import Protocol
 
 import torch
 
-from speedtronic.checkpoint import CheckpointError, CheckpointManager, CheckpointParts
+from speedtronic.checkpoint import CheckpointError, CheckpointManager, CheckpointParts, check_finite
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.data.loader import data_state_dict, load_data_state_dict
 from speedtronic.json_types import JSON, JSONView, StateDict
@@ -154,8 +154,8 @@ def check_resumable(
     state: JSONView, model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> None:
     """Raise ``CheckpointError`` (naming the mismatch) when ``state`` cannot resume ``model``
-    and ``optimizer``: other parameter names or shapes, an invalid step or counter, other
-    optimizer groups or optimizer state of other shapes. Changes nothing."""
+    and ``optimizer``: other parameter names or shapes, NaN or inf weights, an invalid step or
+    counter, other optimizer groups or optimizer state of other shapes. Changes nothing."""
     source = state.get("path", "checkpoint")
     saved = state.get("model")
     if not isinstance(saved, dict):
@@ -174,6 +174,7 @@ def check_resumable(
                 f"{source} is for another model: {name} is {shape}, "
                 f"this model has {tuple(tensor.shape)}"
             )
+    check_finite(saved, str(source))  # NaN weights would train on as loss=nan
     for key in TrainProgress.KEYS:
         value = state.get(key, 0)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -247,6 +248,11 @@ class TrainerCheckpoint:
         self.last_saved_step = -1
         self.resave = False  # the weights changed after this step's checkpoint was written
         self._tokenizer: tuple[JSON | None] | None = None  # read at the first save
+
+    def start(self) -> None:
+        """Training starts: the manager deletes what ``claim(overwrite=True)`` left to it."""
+        if self.manager is not None:
+            self.manager.start()
 
     def maybe_save(self, step: int) -> None:
         """Save when ``step`` is on the manager's interval and not saved yet."""

@@ -289,6 +289,7 @@ class Trainer:
         if not trains:  # a pure DiLoCo aggregator: no local steps, only its rounds
             target = self.step
         try:
+            self.checkpoint.start()  # --overwrite: the old run's checkpoints go now
             # also at (or past) the target: a resumed master serves the rounds still open
             self.parallel.refresh_mirror(self.model)  # FSDP + DiLoCo: what the round sees
             self.sync.start(self.optimizer, self.step)
