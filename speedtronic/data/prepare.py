@@ -426,6 +426,7 @@ class _Run:
                 "spec": self.tokenizer.spec,
                 "file": str(self.tokenizer.info.path.resolve()) if self.vocab_file else None,
                 "sha256": self.tokenizer.sha256,
+                "encoding": self.tokenizer.encoding,
                 "vocab_size": self.vocab,
                 "eos_id": self.tokenizer.eos_id,
                 "eos_token": self.tokenizer.eos_token,

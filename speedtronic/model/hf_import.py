@@ -215,6 +215,22 @@ def _merge(section: ModelConfig, shape: JSONView, spec: str) -> ModelConfig:
         raise ConfigError(f"{_FIELD} {spec}: {exc}") from None
 
 
+def _fit_block_size(config: SpeedtronicConfig, old_context: int, spec: str) -> None:
+    """Samples no longer than the checkpoint's context: a ``data.block_size`` filled from the
+    section's own ``max_seq_len`` (128 unset) follows the checkpoint's; a longer one given
+    explicitly is a ``ConfigError`` (the model could not read it)."""
+    context, block = config.model.max_seq_len, config.data.block_size
+    if block is None or block <= context:
+        return
+    if block == old_context:
+        config.data.block_size = context
+        return
+    raise ConfigError(
+        f"data.block_size is {block} but model.init_from {spec} has max_position_embeddings "
+        f"{context}; set data.block_size to at most {context}"
+    )
+
+
 def resolve_init_from(config: SpeedtronicConfig, *, weights: bool = True) -> HFCheckpoint | None:
     """Fill ``config.model`` (and ``data.tokenizer``) from ``model.init_from``, in place.
 
@@ -244,10 +260,11 @@ def resolve_init_from(config: SpeedtronicConfig, *, weights: bool = True) -> HFC
         shape = reference_shape(hf, spec)
     except (ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"{_FIELD}: {folder / CONFIG} is not a usable config ({exc!r})") from None
-    old_vocab = config.model.vocab_size
+    old_vocab, old_context = config.model.vocab_size, config.model.max_seq_len
     config.model = _merge(config.model, shape, spec)
     if config.data.vocab_size == old_vocab:  # informational; filled from the old section
         config.data.vocab_size = config.model.vocab_size
+    _fit_block_size(config, old_context, spec)
     tokenizer = is_bytes(config.data.tokenizer) and (folder / "tokenizer.json").is_file()
     if tokenizer:
         config.data.tokenizer = str(folder)
