@@ -114,7 +114,7 @@ def test_shards_are_matched_by_what_the_tokenizer_encodes(exported, tmp_path) ->
     other = describe_tokenizer(str(word_level(tmp_path / "other.json", 1024, eos="</s>")))
     bpe = describe_tokenizer(str(train_bpe(tmp_path / "bpe.json", vocab_size=300)))
     for stranger in (other, bpe):  # another end-of-text token, another vocabulary
-        with pytest.raises(ConfigError, match="was tokenized with 'tokenizer.json'"):
+        with pytest.raises(ConfigError, match=r"was tokenized with 'tokenizer\.json'"):
             open_prepared(tokens, "train", "data.token_path",
                           tokenizer_sha256=(stranger.sha256, stranger.encoding))  # fmt: skip
     # A folder prepared before the digest was recorded: read from the tokenizer file it names.
