@@ -513,9 +513,9 @@ class Trainer:
         if final and local and self._evaluated_at == self.step:
             return
         every, at_target = self._eval_every, self.step >= target
-        if not final and not (local and at_target):
-            if every <= 0 or self.step % every or at_target:
-                return
+        on_cadence = every > 0 and not self.step % every and not at_target
+        if not (final or (local and at_target) or on_cadence):
+            return
         result = evaluate(self.model, self.heldout, device=self.device, precision=self.precision)
         self._evaluated_at = self.step
         self.logger.emit("eval", {"step": self.step, **result.as_dict(), "scope": "local"})
