@@ -100,6 +100,8 @@ def fetch_checkpoint(
         missing = [path.name for path in weight_files(folder) if not path.is_file()]
         if missing:
             raise ConfigError(f"{_FIELD}: {spec} lacks the weight files {', '.join(missing)}")
+    elif (folder / INDEX).is_file():
+        weight_files(folder)  # its names are checked even when the weights are not read
     return folder
 
 
