@@ -110,13 +110,13 @@ def test_shards_are_matched_by_what_the_tokenizer_encodes(exported, tmp_path) ->
     export = describe_tokenizer(str(exported / "model-hf"))
     assert ours.sha256 != export.sha256 and ours.encoding == export.encoding
     tokens = exported / "tokens"
-    assert open_prepared(tokens, "train", "data.token_path", tokenizer_sha256=export.encoding)
+    assert open_prepared(tokens, "train", "data.token_path", tokenizer_marks=export.encoding)
     other = describe_tokenizer(str(word_level(tmp_path / "other.json", 1024, eos="</s>")))
     bpe = describe_tokenizer(str(train_bpe(tmp_path / "bpe.json", vocab_size=300)))
     for stranger in (other, bpe):  # another end-of-text token, another vocabulary
         with pytest.raises(ConfigError, match=r"was tokenized with 'tokenizer\.json'"):
             open_prepared(tokens, "train", "data.token_path",
-                          tokenizer_sha256=(stranger.sha256, stranger.encoding))  # fmt: skip
+                          tokenizer_marks=(stranger.sha256, stranger.encoding))  # fmt: skip
     # A folder prepared before the digest was recorded: read from the tokenizer file it names.
     old = tmp_path / "old-tokens"
     old.mkdir()
@@ -125,4 +125,4 @@ def test_shards_are_matched_by_what_the_tokenizer_encodes(exported, tmp_path) ->
     for entry in meta["shards"]["train"]:
         (old / entry["file"]).write_bytes((tokens / entry["file"]).read_bytes())
     (old / "meta.json").write_text(json.dumps(meta))
-    assert open_prepared(old, "train", "data.token_path", tokenizer_sha256=[export.encoding])
+    assert open_prepared(old, "train", "data.token_path", tokenizer_marks=[export.encoding])

@@ -187,11 +187,11 @@ def open_prepared(
     field: str,
     *,
     vocab_size: int | None = None,
-    tokenizer_sha256: str | Sequence[str] | None = None,
+    tokenizer_marks: str | Sequence[str] | None = None,
 ) -> TokenShards:
     """All shards of ``split`` in a prepared folder, checked against the model and tokenizer.
 
-    ``vocab_size``: the model's; a folder tokenized for more ids is refused. ``tokenizer_sha256``:
+    ``vocab_size``: the model's; a folder tokenized for more ids is refused. ``tokenizer_marks``:
     what identifies the configured tokenizer (``"bytes"`` for the byte tokenizer; for a
     ``tokenizer.json`` its file's sha256 and the digest of what it encodes,
     ``TokenizerInfo.encoding``); a folder whose ``meta.json`` names neither was made with
@@ -199,7 +199,7 @@ def open_prepared(
     """
     meta = read_meta(folder, field)
     tokenizer = meta.get("tokenizer") or {}
-    marks = [tokenizer_sha256] if isinstance(tokenizer_sha256, str) else tokenizer_sha256
+    marks = [tokenizer_marks] if isinstance(tokenizer_marks, str) else tokenizer_marks
     if marks is not None and not _recorded_marks(tokenizer) & set(marks):
         raise _error(
             f"{field}: {folder} was tokenized with {tokenizer.get('spec')!r} "

@@ -42,7 +42,7 @@ __all__ = [
     "split_map_dataset",
     "split_point",
     "token_array",
-    "tokenizer_sha256",
+    "tokenizer_marks",
 ]
 
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -109,7 +109,7 @@ def configured_tokenizer(config: DataConfig, vocab_size: int) -> Tokenizer | Non
     return None if is_bytes(spec) else load_tokenizer(spec, vocab_size=vocab_size)
 
 
-def tokenizer_sha256(
+def tokenizer_marks(
     config: DataConfig, tokenizer: TokenizerLike | None = None
 ) -> tuple[str, ...] | None:
     """What identifies the tokenizer in use, to match a prepared folder's ``meta.json``: the
@@ -242,9 +242,9 @@ def read_tokens(
     ``speedtronic prepare`` must come from the tokenizer in use (``tokenizer``, default: the one
     ``config.tokenizer`` names)."""
     path = os.fspath(path)
-    sha = tokenizer_sha256(config, tokenizer) if os.path.isdir(path) else None
+    marks = tokenizer_marks(config, tokenizer) if os.path.isdir(path) else None
     return token_array(
-        path, config.token_dtype, vocab_size, field, split=split, tokenizer_sha256=sha
+        path, config.token_dtype, vocab_size, field, split=split, tokenizer_marks=marks
     )
 
 
@@ -255,21 +255,21 @@ def token_array(
     field: str,
     *,
     split: str = "train",
-    tokenizer_sha256: Sequence[str] | None = None,
+    tokenizer_marks: Sequence[str] | None = None,
 ) -> tuple[TokenArray, str]:
     """Open and check a token file (``field`` names the setting in errors); ``(array, dtype)``.
 
     ``.npy`` files carry their own dtype; ``.bin`` files use ``dtype`` (``data.token_dtype``).
     A folder written by ``speedtronic prepare`` gives the shards of ``split`` (dtype from its
-    ``meta.json``; refused when made with another tokenizer than ``tokenizer_sha256`` names,
-    see :func:`tokenizer_sha256`). Token
-    ids are checked against ``vocab_size`` on a bounded sample.
+    ``meta.json``; refused when made with another tokenizer than ``tokenizer_marks`` names,
+    see :func:`tokenizer_marks`). Token ids are checked against ``vocab_size`` on a bounded
+    sample.
     """
     if os.path.isdir(path):
         from speedtronic.data.shards import open_prepared
 
         tokens = open_prepared(
-            path, split, field, vocab_size=vocab_size, tokenizer_sha256=tokenizer_sha256
+            path, split, field, vocab_size=vocab_size, tokenizer_marks=tokenizer_marks
         )
         check_token_ids(_sample(tokens), vocab_size, field, path)
         return tokens, tokens.dtype.name

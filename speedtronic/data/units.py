@@ -263,8 +263,7 @@ def _parquet_units(source: Source, text_field: str, unit_bytes: int) -> Iterator
             if size >= unit_bytes:
                 share = source.size * row // total_rows - spent
                 spent += share
-                data = frame_records(pending)
-                yield Unit(-1, -1, data, first, first + 1, False, share, rows)
+                yield Unit(-1, -1, frame_records(pending), first, first + 1, False, share, rows)
                 pending, rows, size, first = [], [], 0, row
     last = source.size - spent
     yield Unit(-1, -1, frame_records(pending), first, first + 1, True, last, rows)

@@ -169,8 +169,9 @@ def _env_count(name: str, text: str) -> int | None:
     text = text.strip()
     if not text:
         return None
-    if text.isascii() and text.isdigit() and int(text[:10]) > 0:
-        return int(text) if len(text) <= 9 else 10**9
+    digits = text.lstrip("0")
+    if text.isascii() and text.isdigit() and digits:
+        return int(digits) if len(digits) <= 9 else 10**9
     _LOG.warning("%s=%r in the environment is not a positive integer; ignored", name, text[:40])
     return None
 
