@@ -155,9 +155,9 @@ def _history(config: SpeedtronicConfig, weights: Weights, checkpoint: str | None
     run = _run_folder(weights.source) if checkpoint else config.output_path
     if run is None:
         return []
-    names = [Path(config.logging.json_file).name] if config.logging.json_file else []
-    configured = config.events_path if checkpoint is None else None
-    logs = [*([configured] if configured else []), *(run / name for name in names)]
+    logs = [run / Path(config.logging.json_file).name] if config.logging.json_file else []
+    if checkpoint is None and config.events_path is not None:
+        logs.insert(0, config.events_path)
     for log in [*logs, run / "events.jsonl"]:
         if history := eval_history(log):
             return history
@@ -174,7 +174,8 @@ def _loss_table(history: list[JSON]) -> list[str]:
     final = history[-1]
     lines = [
         f"Held-out loss (mean cross-entropy, nats): final **{final['loss']:.4f}** at step "
-        f"{final.get('step')}, best **{best['loss']:.4f}** at step {best.get('step')}.",
+        f"{inline(final.get('step'))}, best **{best['loss']:.4f}** at step "
+        f"{inline(best.get('step'))}.",
         "",
         "| step | scope | held-out loss |",
         "|---:|---|---:|",
@@ -182,7 +183,11 @@ def _loss_table(history: list[JSON]) -> list[str]:
     shown = history if len(history) <= 20 else history[:: max(1, len(history) // 20)]
     if shown[-1] is not final:
         shown = [*shown, final]
-    lines += [f"| {r.get('step')} | {r.get('scope', 'local')} | {r['loss']:.4f} |" for r in shown]
+    # a log is a file that arrives: what it says is escaped like any text on the card
+    lines += [
+        f"| {inline(r.get('step'))} | {inline(r.get('scope', 'local'))} | {r['loss']:.4f} |"
+        for r in shown
+    ]
     return lines
 
 

@@ -277,11 +277,15 @@ def test_the_card_keeps_the_history_of_the_checkpoints_own_run(trained, hub, mon
     (final / "meta.json").write_text(json.dumps({"outer_step": 3, "step": 12}))
     events = [{"event": "eval", "run_id": "r", "step": s, "loss": v, "scope": "global"}
               for s, v in ((4, 7.1234), (8, 6.5432), (12, 6.9876))]  # fmt: skip
+    events[0]["scope"] = "<script>alert(3)</script>"  # a log is a file that arrives
     (final.parent / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     push_model(config, repo_id="org/other", checkpoint=str(final), endpoint=hub.url)
     card = _published(hub, "org/other")["README.md"]
     assert "final **6.9876** at step 12, best **6.5432** at step 8" in card
     assert "| 8 | global | 6.5432 |" in card
+    assert (
+        "| 4 | &lt;script&gt;alert(3)&lt;/script&gt; | 7.1234 |" in card and "<script" not in card
+    )
 
     quiet = trained / "quiet.yaml"  # the same run without a JSONL log
     values = yaml.safe_load((trained / "push.yaml").read_text())
