@@ -4,15 +4,16 @@ The inverse of :mod:`speedtronic.model.export`, through the same parameter-name 
 (:func:`~speedtronic.model.export.llama_names`). What the reference transformer represents
 exactly (logits equal to transformers' in fp32, measured in the tests):
 
-* ``LlamaForCausalLM`` with no ``rope_scaling`` (``rope_type: default``), no attention or MLP
-  biases, ``hidden_act: silu``, ``rms_norm_eps`` 1e-5 (the reference RMSNorm's), ``head_dim`` =
+* ``LlamaForCausalLM`` with no ``rope_scaling`` or ``rope_parameters`` other than
+  ``rope_type: default``, no attention or MLP biases, ``hidden_act: silu``, ``head_dim`` =
   ``hidden_size / num_attention_heads``, and ``intermediate_size`` a multiple of
-  ``num_attention_heads`` (the reference MLP rounds its width to the head count);
+  ``num_attention_heads`` (the reference MLP rounds its width to the head count); its
+  ``rms_norm_eps`` becomes ``model.norm_eps`` (transformers' default 1e-6 when absent);
 * ``MistralForCausalLM`` under the same rules with ``sliding_window: null`` (then it is a Llama).
 
 Everything else is refused with one line naming the architecture and the field that differs:
 ``Qwen2ForCausalLM`` always (its q/k/v projections have biases), a ``rope_scaling``, a
-``sliding_window``, another ``rms_norm_eps``, ... Two steps, both called by
+``sliding_window``, ... Two steps, both called by
 :func:`speedtronic.train.runtime.build_runtime`:
 
 1. :func:`resolve_init_from` (before the model is built) fetches the checkpoint
@@ -57,7 +58,7 @@ __all__ = [
 ]
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM")
-_RMS_EPS = 1e-5  # speedtronic.model.transformer.RMSNorm's eps
+_HF_RMS_EPS = 1e-6  # transformers' LlamaConfig / MistralConfig default for rms_norm_eps
 _FIELD = "model.init_from"
 # ModelConfig field -> the config.json key it comes from (for messages).
 _HF_KEYS = {
@@ -69,6 +70,7 @@ _HF_KEYS = {
     "d_ff": "intermediate_size",
     "tie_weights": "tie_word_embeddings",
     "rope_base": "rope_theta",
+    "norm_eps": "rms_norm_eps",
     "max_seq_len": "max_position_embeddings",
 }
 _IGNORED_TENSORS = ("rotary_emb.inv_freq",)  # old checkpoints saved the RoPE table
@@ -113,18 +115,22 @@ def _d_ff_for(width: int, n_head: int) -> int | None:
     return None
 
 
-def _rope(hf: JSONView) -> tuple[float, str | None, str]:
-    """``(rope_theta, rope_type, the field that holds it)`` from a 4.x or 5.x config."""
+def _rope_theta(hf: JSONView, spec: str, architecture: str) -> float:
+    """``rope_theta`` of a 4.x (``rope_scaling``) or 5.x (``rope_parameters``) config; either
+    field (both may be there) naming a RoPE type other than ``default`` is refused."""
+    for field in ("rope_parameters", "rope_scaling"):
+        value = hf.get(field)
+        kind = value
+        if isinstance(value, Mapping):
+            kind = value.get("rope_type") or value.get("type")
+        if kind not in (None, "default"):
+            why = "the reference model has plain RoPE only (no scaling)"
+            raise _refuse(spec, architecture, field, value, why)
     parameters = hf.get("rope_parameters")
-    scaling = hf.get("rope_scaling")
     theta = hf.get("rope_theta")
     if isinstance(parameters, Mapping):
         theta = parameters.get("rope_theta", theta)
-        return float(theta or 10000.0), parameters.get("rope_type"), "rope_parameters"
-    if isinstance(scaling, Mapping):
-        kind = scaling.get("rope_type") or scaling.get("type")
-        return float(theta or 10000.0), kind, "rope_scaling"
-    return float(theta or 10000.0), None, "rope_scaling"
+    return float(theta or 10000.0)
 
 
 def reference_shape(hf: JSONView, spec: str) -> JSON:
@@ -144,11 +150,7 @@ def reference_shape(hf: JSONView, spec: str) -> JSON:
             f"{_FIELD}: {spec} is a {architecture}; supported: LlamaForCausalLM and "
             "MistralForCausalLM (with sliding_window: null)"
         )
-    theta, rope_type, rope_field = _rope(hf)
-    if rope_type not in (None, "default"):
-        value = hf.get(rope_field)
-        why = "the reference model has plain RoPE only (no scaling)"
-        raise _refuse(spec, architecture, rope_field, value, why)
+    theta = _rope_theta(hf, spec, architecture)
     n_head, d_model = int(hf["num_attention_heads"]), int(hf["hidden_size"])
     width = int(hf["intermediate_size"])
     checks = (
@@ -157,11 +159,6 @@ def reference_shape(hf: JSONView, spec: str) -> JSON:
         ("hidden_act", hf.get("hidden_act", "silu") != "silu", "a SiLU-gated MLP"),
         ("sliding_window", hf.get("sliding_window") is not None, "full causal attention"),
         ("use_sliding_window", bool(hf.get("use_sliding_window", False)), "full attention"),
-        (
-            "rms_norm_eps",
-            abs(float(hf.get("rms_norm_eps", _RMS_EPS)) - _RMS_EPS) > 1e-12,
-            "RMSNorm eps 1e-05",
-        ),
         (
             "head_dim",
             int(hf.get("head_dim") or d_model // n_head) * n_head != d_model,
@@ -186,6 +183,7 @@ def reference_shape(hf: JSONView, spec: str) -> JSON:
         "d_ff": d_ff,
         "tie_weights": bool(hf.get("tie_word_embeddings", False)),
         "rope_base": theta,
+        "norm_eps": float(_HF_RMS_EPS if hf.get("rms_norm_eps") is None else hf["rms_norm_eps"]),
         "max_seq_len": int(hf.get("max_position_embeddings") or ModelConfig.max_seq_len),
     }
 
@@ -218,6 +216,22 @@ def _merge(section: ModelConfig, shape: JSONView, spec: str) -> ModelConfig:
         raise ConfigError(f"{_FIELD} {spec}: {exc}") from None
 
 
+def _fit_block_size(config: SpeedtronicConfig, old_context: int, spec: str) -> None:
+    """Samples no longer than the checkpoint's context: a ``data.block_size`` filled from the
+    section's own ``max_seq_len`` (128 unset) follows the checkpoint's; a longer one given
+    explicitly is a ``ConfigError`` (the model could not read it)."""
+    context, block = config.model.max_seq_len, config.data.block_size
+    if block is None or block <= context:
+        return
+    if block == old_context:
+        config.data.block_size = context
+        return
+    raise ConfigError(
+        f"data.block_size is {block} but model.init_from {spec} has max_position_embeddings "
+        f"{context}; set data.block_size to at most {context}"
+    )
+
+
 def resolve_init_from(config: SpeedtronicConfig, *, weights: bool = True) -> HFCheckpoint | None:
     """Fill ``config.model`` (and ``data.tokenizer``) from ``model.init_from``, in place.
 
@@ -247,11 +261,12 @@ def resolve_init_from(config: SpeedtronicConfig, *, weights: bool = True) -> HFC
         shape = reference_shape(hf, spec)
     except (ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"{_FIELD}: {folder / CONFIG} is not a usable config ({exc!r})") from None
-    old_vocab = config.model.vocab_size
+    old_vocab, old_context = config.model.vocab_size, config.model.max_seq_len
     config.model = _merge(config.model, shape, spec)
     if config.data.vocab_size == old_vocab:  # informational; filled from the old section
         config.data.vocab_size = config.model.vocab_size
     _check_headers(folder, config.model, spec)
+    _fit_block_size(config, old_context, spec)
     tokenizer = is_bytes(config.data.tokenizer) and (folder / "tokenizer.json").is_file()
     if tokenizer:
         config.data.tokenizer = str(folder)

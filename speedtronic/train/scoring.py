@@ -32,12 +32,14 @@ __all__ = ["Weights", "load_model", "load_weights", "score"]
 
 @dataclass
 class Weights:
-    """A model state to score and what is known about it (``None`` = unknown)."""
+    """A model state to score and what is known about it (``None`` = unknown); ``evals``: the
+    held-out evaluations a trainer checkpoint carries (``None``: the file carries none)."""
 
     state: dict[str, torch.Tensor]
     source: str
     step: int | None = None
     outer_step: int | None = None
+    evals: list[JSON] | None = None
 
 
 def _int_or_none(value: object) -> int | None:
@@ -62,14 +64,18 @@ def _checkpoint_outer_step(coordinator: object) -> int | None:
 
 
 def _from_trainer_state(state: StateDict, source: str) -> Weights:
+    from speedtronic.train.state import eval_records
+
     model = state.get("model")
     if not isinstance(model, dict):
         raise CheckpointError(f"checkpoint {source} holds no model state")
+    evals = state.get("evals")
     return Weights(
         model,
         source,
         _int_or_none(state.get("step")),
         _checkpoint_outer_step(state.get("coordinator")),
+        eval_records(evals.get("records")) if isinstance(evals, dict) else None,
     )
 
 

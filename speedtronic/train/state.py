@@ -9,6 +9,7 @@ The trainer registers its state once, in ``__init__``, as a
     scheduler    the LR scheduler, or None
     scaler       the GradScaler (CUDA fp16), or None
     data         DataPosition   micro-batches consumed + the loader's own position
+    evals        EvalHistory    the run's held-out evaluations so far (the model card's)
     rng          RNGState       Python, NumPy, torch, CUDA generators (loaded last)
     coordinator  the DiLoCo coordinator, or None (it applies its state at ``start``)
 
@@ -44,6 +45,7 @@ from speedtronic.train.precision import PrecisionPlan
 __all__ = [
     "Counters",
     "DataPosition",
+    "EvalHistory",
     "TrainProgress",
     "TrainerCheckpoint",
     "check_resumable",
@@ -85,6 +87,50 @@ class DataPosition:
         if not restored:
             for _ in range(self.consumed):
                 next(self._stream)
+
+
+class EvalHistory:
+    """The run's held-out evaluations as a checkpoint part: a logger hook that keeps every
+    ``eval`` event (``step``, ``loss``, ``scope``, ``outer_step``), so a checkpoint carries the
+    evaluations up to its step and ``speedtronic push`` writes them on the model card without
+    the run's JSONL log. Kept across a resume; at most :attr:`LIMIT` (the newest)."""
+
+    LIMIT = 10_000
+
+    def __init__(self) -> None:
+        self.records: list[JSON] = []
+
+    def on_event(self, event: str, payload: JSONView) -> None:
+        """Logger hook: keep an ``eval`` event that has a numeric loss."""
+        loss = payload.get("loss")
+        if event != "eval" or isinstance(loss, bool) or not isinstance(loss, (int, float)):
+            return
+        keys = ("step", "loss", "scope", "outer_step")
+        self.records.append({k: payload[k] for k in keys if payload.get(k) is not None})
+        del self.records[: -self.LIMIT]
+
+    def state_dict(self) -> dict[str, list[JSON]]:
+        """``{"records": [...]}`` (numbers and strings only)."""
+        return {"records": [dict(record) for record in self.records]}
+
+    def load_state_dict(self, state: JSONView) -> None:
+        """The records a checkpoint saved (anything else in it is dropped)."""
+        self.records = eval_records(state.get("records"))
+
+
+def eval_records(value: object) -> list[JSON]:
+    """The well-formed ``eval`` records of a checkpoint's ``evals`` part: dicts with a numeric
+    ``loss``, the newest :attr:`EvalHistory.LIMIT` of them (a file is data, not trusted)."""
+    if not isinstance(value, list):
+        return []
+    kept = [
+        {k: v for k, v in record.items() if k in ("step", "loss", "scope", "outer_step")}
+        for record in value
+        if isinstance(record, dict)
+        and isinstance(record.get("loss"), (int, float))
+        and not isinstance(record.get("loss"), bool)
+    ]
+    return kept[-EvalHistory.LIMIT :]
 
 
 class Counters(Protocol):
