@@ -71,12 +71,12 @@ def eval_history(events: Path) -> list[JSON]:
 
 def _events_file(config: SpeedtronicConfig, checkpoint: str | None) -> Path | None:
     """The run's JSONL: where the config puts it, else beside the checkpoint's folder."""
-    if config.logging.json_file is None:
+    configured = config.events_path
+    if configured is None:
         return None
-    configured = Path(config.events_path)
     if configured.is_file() or checkpoint is None:
         return configured
-    beside = Path(checkpoint).resolve().parent.parent / Path(config.logging.json_file).name
+    beside = Path(checkpoint).resolve().parent.parent / configured.name
     return beside if beside.is_file() else configured
 
 
