@@ -248,5 +248,5 @@ def test_init_from_into_a_factory_registered_over_the_reference_name_is_refused(
     config = small_config(tmp_path, model={"init_from": str(tmp_path / "llama")})
     del config["model"]["vocab_size"], config["model"]["n_head"], config["model"]["d_model"]
     del config["model"]["n_layer"]
-    with pytest.raises(ConfigError, match="model.init_from loads into the reference"):
+    with pytest.raises(ConfigError, match=r"model\.init_from loads into the reference"):
         build_runtime(config)
