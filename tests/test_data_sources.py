@@ -197,6 +197,28 @@ def test_dataset_path_errors(tmp_path):
     assert "token id 99" in bad(tmp_path, dataset=str(out_of_vocab), vocab=50)
 
 
+def test_a_dataset_object_that_is_no_torch_dataset_is_named():
+    """An object with ``__getitem__`` passes the config's check but is no torch Dataset: the
+    training source and the held-out split both refuse it in one line (was a TypeError)."""
+
+    class Rows:
+        def __getitem__(self, index: int) -> torch.Tensor:
+            return torch.arange(9)
+
+        def __len__(self) -> int:
+            return 4
+
+    message = "data.dataset must be a path or a torch Dataset, got a Rows"
+    assert bad(None, dataset=Rows()) == message
+    from speedtronic.config import EvalConfig
+    from speedtronic.data.heldout import open_heldout
+
+    with pytest.raises(ConfigError, match=message):
+        open_heldout(
+            data_config(dataset=Rows()), EvalConfig(holdout=0.25), block_size=8, vocab_size=64
+        )
+
+
 def test_no_source_with_synthetic_off():
     with pytest.raises(ConfigError, match=r"data\.synthetic: false"):
         build_dataloader(data_config(synthetic=False))
