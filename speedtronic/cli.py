@@ -35,7 +35,6 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TextIO
 
 from speedtronic.cli_data import add_data_commands
 from speedtronic.config import ConfigError, ResolvedConfig, resolve_config
@@ -427,16 +426,16 @@ def _one_line(message: str, secrets: Sequence[str] = ()) -> str:
     return " ".join(scrub(message, candidates).split())
 
 
-class _StderrHandler(logging.StreamHandler):
+class _StderrHandler(logging.Handler):
     """Writes to whatever ``sys.stderr`` is at emit time (survives redirection in tests)."""
 
-    @property  # type: ignore[override]
-    def stream(self) -> TextIO:
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value: TextIO) -> None:
-        pass
+    def emit(self, record: logging.LogRecord) -> None:
+        """One formatted line on the current ``sys.stderr``."""
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+            sys.stderr.flush()
+        except Exception:
+            self.handleError(record)
 
 
 def _setup_logging() -> None:

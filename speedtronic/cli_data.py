@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, NoReturn
 
 from speedtronic.config import ConfigError
 
 if TYPE_CHECKING:
+    from tqdm import tqdm
+
     from speedtronic.config import SpeedtronicConfig
     from speedtronic.train.scoring import Weights
 
@@ -177,7 +179,8 @@ class _ProgressBar:
 
     def __init__(self, *, enabled: bool) -> None:
         self.enabled = enabled and _is_terminal(sys.stderr)
-        self.bar, self.tokens = None, 0
+        self.bar: tqdm[NoReturn] | None = None  # a bar over a byte count, not an iterable
+        self.tokens = 0
 
     def start(self, total_bytes: int) -> None:
         if self.enabled:

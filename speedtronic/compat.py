@@ -23,6 +23,7 @@ import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 __all__ = ["ALIASES", "Alias", "SyncResult", "deprecated_module"]
@@ -218,7 +219,7 @@ def _caller_stacklevel() -> int:
     them; the frames of this module, of the 2.0.0 module files and of
     ``importlib.import_module`` are counted and skipped here.
     """
-    frame = sys._getframe(1)  # deprecated_module, which warns
+    frame: FrameType | None = sys._getframe(1)  # deprecated_module, which warns
     level = 1
     while frame is not None:
         name = frame.f_code.co_filename

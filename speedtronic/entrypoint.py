@@ -681,13 +681,14 @@ def _train(
         _write_resolved(config, sources)
     state.built = True
     state.last_phase = time.monotonic()
-    summary = run_summary(config, trainer)
+    summary = run_summary(config, sum(p.numel() for p in trainer.model.parameters()))
     _LOG.info(
         "runtime built: %s",
         summary,
         extra=_event("runtime_built", role=role, node_id=node_id, summary=summary),
     )
-    devices = devices_line(trainer)  # where it computes; the CPU threads are said where set
+    # where it computes; the CPU threads are said where set
+    devices = devices_line(trainer.device, trainer.precision.mode, trainer.parallel.world_size)
     _LOG.info("devices: %s", devices, extra=_event("devices", devices=devices))
     if config.distributed.enabled:
         exchange = exchange_line(config, role, node_id)

@@ -99,7 +99,7 @@ def fetch(
     patterns: Sequence[str],
     *,
     token: str | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
+    cache_dir: str | Path | None = None,
     retry: RetryPolicy | None = None,
 ) -> Path:
     """The local snapshot folder of ``ref`` holding (at least) the files matching ``patterns``

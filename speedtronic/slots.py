@@ -212,7 +212,7 @@ def _try_life_lock(path: Path) -> int | None:
 
 
 def claim_slot(
-    directory: str | os.PathLike,
+    directory: str | os.PathLike[str],
     *,
     lease_seconds: float = DEFAULT_LEASE_SECONDS,
     clock: Callable[[], float] = time.time,

@@ -1,8 +1,12 @@
-"""Suite-wide settings: CPU only, few threads (CI machines have two cores)."""
+"""Suite-wide settings: CPU only, few threads (CI machines have two cores); no process a test
+started outlives it."""
 
 from __future__ import annotations
 
 import os
+
+import pytest
+from process_support import STARTED, reap
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
@@ -23,3 +27,11 @@ def pytest_configure(config):
     except ImportError:  # the config tests run without torch too
         return
     torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _reap_started_processes():
+    """Kill and collect every process in `process_support.STARTED` still alive after a test,
+    even when it failed."""
+    yield
+    reap(STARTED)

@@ -4,6 +4,7 @@ never leave a started process behind, and give each server a port of its own."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import socket
@@ -12,6 +13,8 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def wait_for(
@@ -26,13 +29,50 @@ def wait_for(
     raise AssertionError(f"timed out waiting for {what}")
 
 
+STARTED: list[subprocess.Popen] = []
+"""Every process a test starts (append it; `TrainProcess` does): after each test the suite's
+conftest reaps what is still alive, so no process outlives a failing test."""
+
+
 def reap(running: list[subprocess.Popen]) -> None:
-    """Kill and collect every process in ``running`` that is still alive (emptying it)."""
+    """Kill and collect every process in ``running`` that is still alive (emptying it); one
+    that leads its own process group (``start_new_session``) is killed with its group."""
     while running:
         proc = running.pop()
         if proc.poll() is None:
-            proc.kill()
+            try:
+                if os.getpgid(proc.pid) == proc.pid:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                else:
+                    proc.kill()
+            except ProcessLookupError:
+                pass  # it ended between the poll and the kill
             proc.wait(60)
+
+
+def run_speedtronic(
+    *argv: str, env: dict[str, str], cwd: Path | str | None = None, timeout: float = 300.0
+) -> subprocess.CompletedProcess[str]:
+    """``python -m speedtronic argv`` run to its end in ``cwd`` with ``env``: its exit code
+    and its output (stdout, stderr) as text; past ``timeout`` seconds it is killed."""
+    return subprocess.run(
+        [sys.executable, "-m", "speedtronic", *argv],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a ``python -m speedtronic`` child: this process's without any
+    ``SPEEDTRONIC_*`` or ``HF_*`` variable (a developer's settings must not leak in), this tree
+    on ``PYTHONPATH``, one OpenMP thread and unbuffered output; then ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPEEDTRONIC_", "HF_"))}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
 
 
 def _ephemeral_low() -> int:
@@ -70,15 +110,12 @@ def free_port() -> int:
     raise RuntimeError("no free TCP port below the ephemeral range")
 
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
 class TrainProcess:
     """One ``python -m speedtronic train --config configs/diloco.yaml`` process: its output
     directory ``tmp/<name>``, its event log and its combined output ``tmp/<name>.out``.
 
     ``sets`` are ``--set`` overrides; the role, node id, exchange ``repo`` and event log are
-    added, then ``extra``. Every started process is appended to ``running`` (reap it)."""
+    added, then ``extra``. Every started process is appended to `STARTED`."""
 
     def __init__(
         self,
@@ -88,11 +125,10 @@ class TrainProcess:
         repo: str,
         sets: list[str],
         env: dict,
-        running: list[subprocess.Popen],
         extra: tuple[str, ...] = (),
     ):
         self.tmp, self.name, self.role, self.repo = tmp, name, role, repo
-        self.sets, self.env, self.running, self.extra = sets, env, running, extra
+        self.sets, self.env, self.extra = sets, env, extra
         self.dir = tmp / name
         self.jsonl = self.dir / "events.jsonl"
         self.out = tmp / f"{name}.out"
@@ -118,7 +154,7 @@ class TrainProcess:
             self.proc = subprocess.Popen(
                 args, cwd=self.tmp, env=self.env, stdout=out, stderr=subprocess.STDOUT
             )
-        self.running.append(self.proc)
+        STARTED.append(self.proc)
         return self
 
     def events(self, name: str) -> list[dict]:
@@ -134,6 +170,15 @@ class TrainProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             raise AssertionError(f"{self.name} did not finish:\n{tails(self, *others)}") from None
+
+    def included(self) -> list[tuple[str, int]]:
+        """``(node, round)`` of every contribution the (master's) ``outer_step`` events name."""
+        out = []
+        for row in self.events("outer_step"):
+            for item in row["included"]:
+                node, label = item.split("/")
+                out.append((node, int(label)))
+        return out
 
     def tail(self, chars: int = 4000) -> str:
         """The last ``chars`` characters of the process's output."""

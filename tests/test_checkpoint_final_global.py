@@ -10,34 +10,17 @@ Each case runs a real master and a real worker (``python -m speedtronic train``)
 
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from process_support import TrainProcess, reap, tails
+from process_support import TrainProcess, child_env, tails
 from safetensors.torch import load_file
 
 from speedtronic.checkpoint import CheckpointManager
 from speedtronic.cli import main
 
 pytestmark = pytest.mark.slow
-
-ROOT = Path(__file__).resolve().parents[1]
-_RUNNING: list[subprocess.Popen] = []
-
-
-@pytest.fixture(autouse=True)
-def _reap_processes():
-    yield
-    reap(_RUNNING)
-
-
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPEEDTRONIC_", "HF_"))}
-    env.update({"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-    return env
 
 
 def _sets(sync: str, global_dtype: str, every: int) -> list[str]:
@@ -73,9 +56,9 @@ def test_the_newest_checkpoint_of_every_node_is_the_final_global(
 ):
     repo = f"file://{tmp_path / 'exchange'}"
     sets = _sets(sync, global_dtype, every)
-    env = _env()
-    master = TrainProcess(tmp_path, "m", "master", repo, sets, env, _RUNNING).start()
-    worker = TrainProcess(tmp_path, "w", "worker", repo, sets, env, _RUNNING).start()
+    env = child_env()
+    master = TrainProcess(tmp_path, "m", "master", repo, sets, env).start()
+    worker = TrainProcess(tmp_path, "w", "worker", repo, sets, env).start()
     assert master.wait(240, worker) == 0, tails(master, worker)
     assert worker.wait(240, master) == 0, tails(master, worker)
     final = load_file(str(master.dir / "final" / "model.safetensors"))

@@ -13,12 +13,12 @@ import errno
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from process_support import run_speedtronic
 
 import speedtronic.atomic_files as atomic_module
 from speedtronic.checkpoint import CheckpointError, CheckpointManager
@@ -108,14 +108,7 @@ def test_train_on_a_full_disk_exits_1_with_one_line_and_the_previous_checkpoint_
         config.write_text(yaml.safe_dump(values))
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         env = {k: v for k, v in env.items() if not k.startswith("SPEEDTRONIC_")}
-        done = subprocess.run(
-            [sys.executable, "-m", "speedtronic", "train", "--config", str(config)],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        done = run_speedtronic("train", "--config", str(config), cwd=tmp_path, env=env)
         checkpoints = disk / "run" / "checkpoints"
         errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
         assert done.returncode == 1, done.stderr[-3000:]

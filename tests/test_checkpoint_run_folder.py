@@ -22,10 +22,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
+from cli_support import run_cli, write_run_config
 
 from speedtronic.checkpoint import CheckpointManager, read_step
-from speedtronic.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"vocab_size": 64, "max_seq_len": 16, "n_layer": 1, "n_head": 2, "d_model": 32}
@@ -41,16 +40,7 @@ def write_config(tmp_path: Path, steps: int = 6) -> Path:
         "eval": {"holdout": 0.1, "every_steps": 0, "tokens": 256},
         "logging": {"level": "WARNING"},
     }
-    values["data"]["target_batch_size"] = 2
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(values))
-    return path
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+    return write_run_config(tmp_path, values, data={"target_batch_size": 2})
 
 
 def folder_state(directory: Path) -> tuple[list[str], dict]:

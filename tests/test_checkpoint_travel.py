@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from cli_support import run_cli, write_run_config
 from tokenizer_fixtures import corpus_text, train_bpe
 
 from speedtronic.checkpoint import CheckpointManager
-from speedtronic.cli import main
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.data.tokenizer import tokenizer_for
 from speedtronic.model import build_model
@@ -57,7 +57,7 @@ def trained(tmp_path_factory) -> Path:
         "eval": {"holdout": 0.1, "every_steps": 0, "tokens": 512},
         "logging": {"level": "WARNING"},
     }
-    (home / "run.yaml").write_text(yaml.safe_dump(values))
+    write_run_config(home, values)
     before = Path.cwd()
     os.chdir(home)
     try:
@@ -65,12 +65,6 @@ def trained(tmp_path_factory) -> Path:
     finally:
         os.chdir(before)
     return home
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def test_eval_sample_and_export_work_from_another_folder_without_the_tokenizer_file(

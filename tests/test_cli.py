@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cli_support import run_cli
+from process_support import run_speedtronic
 
 from speedtronic.cli import main
 from speedtronic.config import ConfigError, ResolvedConfig, SpeedtronicConfig, load_config
@@ -24,12 +26,6 @@ def _isolated_secrets(tmp_path, monkeypatch):
     monkeypatch.setenv("SPEEDTRONIC_SECRETS_DIR", str(tmp_path / "secrets"))
 
 
-def _run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
 def _one_error_line(err: str) -> str:
     lines = err.splitlines()
     assert len(lines) == 1, err
@@ -40,13 +36,13 @@ def _one_error_line(err: str) -> str:
 # --------------------------------------------------------------------------- validate
 def test_config_show_prints_the_yaml(capsys) -> None:
     # issue 29: the YAML moved from validate (a dry run with a verdict) to config show
-    code, out, err = _run(capsys, "config", "show", "--config", SMOKE)
+    code, out, err = run_cli(capsys, "config", "show", "--config", SMOKE)
     assert code == 0 and err == ""
     assert yaml.safe_load(out) == load_config(SMOKE).to_dict(redact_secrets=True)
 
 
 def test_validate_ends_with_a_verdict(capsys) -> None:
-    code, out, err = _run(capsys, "validate", "--config", SMOKE)
+    code, out, err = run_cli(capsys, "validate", "--config", SMOKE)
     assert code == 0 and err == ""
     assert out.splitlines()[-1] == (
         "config OK: 66,880 parameters, 200 steps, data synthetic markov (2048 samples), "
@@ -56,7 +52,7 @@ def test_validate_ends_with_a_verdict(capsys) -> None:
 
 
 def test_validate_json(capsys) -> None:
-    code, out, _ = _run(capsys, "validate", "--config", SMOKE, "--format", "json")
+    code, out, _ = run_cli(capsys, "validate", "--config", SMOKE, "--format", "json")
     assert code == 0
     payload = json.loads(out)
     assert payload["ok"] is True
@@ -71,7 +67,7 @@ def test_validate_redacts_token(capsys, monkeypatch, tmp_path) -> None:
     for source in (SMOKE, str(path)):
         for argv in (("validate",), ("config", "show")):
             for fmt in ("json", "text" if argv == ("validate",) else "yaml"):
-                code, out, err = _run(capsys, *argv, "--config", source, "--format", fmt)
+                code, out, err = run_cli(capsys, *argv, "--config", source, "--format", fmt)
                 assert code == 0
                 assert "hf_cli_secret" not in out + err
                 assert "hf_yaml_secret" not in out + err
@@ -82,7 +78,7 @@ def test_validate_redacts_token(capsys, monkeypatch, tmp_path) -> None:
 def test_token_in_yaml_warns_on_stderr(capsys, tmp_path) -> None:
     path = tmp_path / "tok.yaml"
     path.write_text("distributed:\n  token: hf_yaml_secret\n")
-    code, _, err = _run(capsys, "validate", "--config", str(path))
+    code, _, err = run_cli(capsys, "validate", "--config", str(path))
     assert code == 0
     assert "warning:" in err and "token" in err
     assert "hf_yaml_secret" not in err
@@ -103,32 +99,32 @@ def test_token_in_yaml_warns_on_stderr(capsys, tmp_path) -> None:
 def test_bad_config_exits_2_with_one_line(capsys, tmp_path, content, needle) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text(content)
-    code, out, err = _run(capsys, "validate", "--config", str(path))
+    code, out, err = run_cli(capsys, "validate", "--config", str(path))
     assert code == 2 and out == ""
     assert needle in _one_error_line(err)
 
 
 def test_missing_config_file(capsys, tmp_path) -> None:
-    code, _, err = _run(capsys, "validate", "--config", str(tmp_path / "nope.yaml"))
+    code, _, err = run_cli(capsys, "validate", "--config", str(tmp_path / "nope.yaml"))
     assert code == 2
     assert "config file not found" in _one_error_line(err)
 
 
 def test_no_config_given(capsys) -> None:
-    code, _, err = _run(capsys, "validate")
+    code, _, err = run_cli(capsys, "validate")
     assert code == 2
     assert "SPEEDTRONIC_CONFIG" in _one_error_line(err)
 
 
 def test_config_from_environment(capsys, monkeypatch) -> None:
     monkeypatch.setenv("SPEEDTRONIC_CONFIG", SMOKE)
-    code, out, _ = _run(capsys, "validate")
+    code, out, _ = run_cli(capsys, "validate")
     assert code == 0 and "200 steps" in out.splitlines()[-1]
 
 
 def test_unknown_env_var(capsys, monkeypatch) -> None:
     monkeypatch.setenv("SPEEDTRONIC_FOO", "1")
-    code, _, err = _run(capsys, "validate", "--config", SMOKE)
+    code, _, err = run_cli(capsys, "validate", "--config", SMOKE)
     assert code == 2
     assert "SPEEDTRONIC_FOO" in _one_error_line(err)
 
@@ -138,7 +134,7 @@ def test_config_show_sources_json(capsys, monkeypatch) -> None:
     monkeypatch.setenv("SPEEDTRONIC_RUN__MAX_STEPS", "7")
     monkeypatch.setenv("HF_TOKEN", "hf_show_secret")
     argv = ["config", "show", "--config", SMOKE, "--sources", "--format", "json"]
-    code, out, _ = _run(capsys, *argv, "--set", "optimizer.lr=1e-3")
+    code, out, _ = run_cli(capsys, *argv, "--set", "optimizer.lr=1e-3")
     assert code == 0
     payload = json.loads(out)
     assert set(payload) == {"config", "sources"}
@@ -153,10 +149,10 @@ def test_config_show_sources_json(capsys, monkeypatch) -> None:
 
 
 def test_config_show_yaml(capsys) -> None:
-    code, out, _ = _run(capsys, "config", "show", "--config", SMOKE)
+    code, out, _ = run_cli(capsys, "config", "show", "--config", SMOKE)
     assert code == 0
     assert yaml.safe_load(out) == load_config(SMOKE).to_dict(redact_secrets=True)
-    code, out, _ = _run(capsys, "config", "show", "--config", SMOKE, "--sources")
+    code, out, _ = run_cli(capsys, "config", "show", "--config", SMOKE, "--sources")
     payload = yaml.safe_load(out)
     assert payload["sources"]["run.name"] == "file"
 
@@ -181,7 +177,7 @@ def test_global_overrides(capsys, tmp_path) -> None:
         "--set",
         "compile=true",
     ]
-    code, out, _ = _run(capsys, *argv)
+    code, out, _ = run_cli(capsys, *argv)
     assert code == 0
     payload = json.loads(out)
     config, sources = payload["config"], payload["sources"]
@@ -197,7 +193,7 @@ def test_max_steps_beats_data_max_steps(capsys, tmp_path) -> None:
     path = tmp_path / "data.yaml"
     path.write_text("max_steps: 10\ndata:\n  max_steps: 50\n")
     argv = ["config", "show", "--config", str(path), "--max-steps", "5", "--format", "json"]
-    code, out, _ = _run(capsys, *argv)
+    code, out, _ = run_cli(capsys, *argv)
     config = json.loads(out)
     assert code == 0
     assert (config["run"]["max_steps"], config["data"]["max_steps"]) == (5, 5)
@@ -205,9 +201,9 @@ def test_max_steps_beats_data_max_steps(capsys, tmp_path) -> None:
 
 
 def test_bad_override(capsys) -> None:
-    code, _, err = _run(capsys, "validate", "--config", SMOKE, "--set", "run.nope=1")
+    code, _, err = run_cli(capsys, "validate", "--config", SMOKE, "--set", "run.nope=1")
     assert code == 2 and "run.nope" in _one_error_line(err)
-    code, _, err = _run(capsys, "validate", "--config", SMOKE, "--max-steps", "0")
+    code, _, err = run_cli(capsys, "validate", "--config", SMOKE, "--max-steps", "0")
     assert code == 2 and "run.max_steps must be greater than 0" in _one_error_line(err)
 
 
@@ -225,19 +221,26 @@ def _fake_launch(monkeypatch, launch) -> None:
     _fake_module(monkeypatch, "speedtronic.entrypoint", launch=launch)
 
 
-def test_train_delegates(capsys, monkeypatch) -> None:
-    calls = {}
+def _recording_launch(monkeypatch, exit_code: int) -> dict:
+    """A fake ``launch`` that records what it was called with (in the dict returned) and
+    reports a 4-step run that ends with ``exit_code``."""
+    seen: dict = {}
 
     def launch(resolved, *, command, resume, progress, argv):
-        calls.update(resolved=resolved, command=command, resume=resume, progress=progress)
-        calls["argv"] = argv
+        seen.update(resolved=resolved, command=command, resume=resume, progress=progress)
+        seen["argv"] = argv
         result = types.SimpleNamespace(
             steps=4, samples=8, tokens=256, final_loss=1.5, stopped_reason=None
         )
-        return types.SimpleNamespace(exit_code=0, result=result)
+        return types.SimpleNamespace(exit_code=exit_code, result=result)
 
     _fake_launch(monkeypatch, launch)
-    code, out, _ = _run(capsys, "train", "--config", SMOKE, "--resume", "--max-steps", "3")
+    return seen
+
+
+def test_train_delegates(capsys, monkeypatch) -> None:
+    calls = _recording_launch(monkeypatch, exit_code=0)
+    code, out, _ = run_cli(capsys, "train", "--config", SMOKE, "--resume", "--max-steps", "3")
     assert code == 0
     assert out.strip() == "completed steps=4 samples=8 tokens=256 loss=1.5"
     assert isinstance(calls["resolved"], ResolvedConfig)
@@ -256,7 +259,7 @@ def test_train_after_a_failed_graceful_stop_prints_no_completed_line(capsys, mon
     _fake_launch(
         monkeypatch, lambda resolved, **kwargs: types.SimpleNamespace(exit_code=143, result=None)
     )
-    code, out, _ = _run(capsys, "train", "--config", SMOKE)
+    code, out, _ = run_cli(capsys, "train", "--config", SMOKE)
     assert code == 143 and "completed" not in out
 
 
@@ -273,7 +276,7 @@ def test_train_failures(capsys, monkeypatch, exc, code, needle) -> None:
         raise exc
 
     _fake_launch(monkeypatch, launch)
-    result, _, err = _run(capsys, "train", "--config", SMOKE)
+    result, _, err = run_cli(capsys, "train", "--config", SMOKE)
     assert result == code
     assert _one_error_line(err) == needle or _one_error_line(err).startswith(needle)
 
@@ -285,7 +288,7 @@ def test_errors_never_show_the_token(capsys, monkeypatch) -> None:
         raise RuntimeError(f"upload failed with {resolved.config.distributed.token}")
 
     _fake_launch(monkeypatch, launch)
-    code, _, err = _run(capsys, "train", "--config", SMOKE)
+    code, _, err = run_cli(capsys, "train", "--config", SMOKE)
     assert code == 1
     assert "hf_leaky_token" not in err and "<redacted>" in err
 
@@ -300,25 +303,15 @@ def test_errors_never_show_a_secret_file_token(capsys, monkeypatch, tmp_path) ->
         raise OSError(f"bad credentials {resolved.config.distributed.token}")
 
     _fake_launch(monkeypatch, launch)
-    code, _, err = _run(capsys, "train", "--config", SMOKE)
+    code, _, err = run_cli(capsys, "train", "--config", SMOKE)
     assert code == 1
     assert "hf_file_token_value" not in err and "<redacted>" in err
 
 
 def test_run_delegates(capsys, monkeypatch) -> None:
-    seen = {}
-
-    def launch(resolved, *, command, resume, progress, argv):
-        seen.update(resolved=resolved, command=command, resume=resume, progress=progress)
-        seen["argv"] = argv
-        result = types.SimpleNamespace(
-            steps=4, samples=8, tokens=256, final_loss=1.5, stopped_reason=None
-        )
-        return types.SimpleNamespace(exit_code=3, result=result)
-
-    _fake_launch(monkeypatch, launch)
+    seen = _recording_launch(monkeypatch, exit_code=3)
     monkeypatch.setenv("SPEEDTRONIC_RUN__SEED", "9")
-    code, out, _ = _run(capsys, "run", "--config", SMOKE)
+    code, out, _ = run_cli(capsys, "run", "--config", SMOKE)
     assert code == 3
     assert isinstance(seen["resolved"], ResolvedConfig)
     assert seen["resolved"].sources["run.seed"] == "env:SPEEDTRONIC_RUN__SEED"
@@ -339,12 +332,12 @@ def test_plot_delegates(capsys, monkeypatch, tmp_path) -> None:
 
     pytest.importorskip("speedtronic.metrics")
     _fake_module(monkeypatch, "speedtronic.metrics.plot", plot_command=plot_command)
-    code, out, _ = _run(capsys, "plot", str(events))
+    code, out, _ = run_cli(capsys, "plot", str(events))
     assert code == 0 and out.strip() == str(tmp_path / "events.png")
     assert seen["each_run"] is False
-    code, out, _ = _run(capsys, "plot", str(events), "-o", str(tmp_path / "x.png"), "--each-run")
+    code, out, _ = run_cli(capsys, "plot", str(events), "-o", str(tmp_path / "x.png"), "--each-run")
     assert out.strip() == str(tmp_path / "x.png") and seen["each_run"] is True
-    code, _, err = _run(capsys, "plot", str(tmp_path / "missing.jsonl"))
+    code, _, err = run_cli(capsys, "plot", str(tmp_path / "missing.jsonl"))
     assert code == 2 and "not found" in _one_error_line(err)
 
 
@@ -365,14 +358,7 @@ def _subprocess(*argv: str, env: dict[str, str] | None = None) -> subprocess.Com
     base.pop("HF_TOKEN", None)
     base["SPEEDTRONIC_SECRETS_DIR"] = "/nonexistent-speedtronic-secrets"
     base.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "speedtronic", *argv],
-        cwd=REPO,
-        env=base,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_speedtronic(*argv, cwd=REPO, env=base, timeout=120)
 
 
 def test_subprocess_done_when_env_max_steps() -> None:

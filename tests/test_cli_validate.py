@@ -9,10 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
+from cli_support import run_cli, write_run_config
 from tokenizer_fixtures import word_level, write_corpus
 
-from speedtronic.cli import main
 from speedtronic.config import load_config
 from speedtronic.model import build_model
 
@@ -29,12 +28,6 @@ def _isolated(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
 
-def _run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
 def _config(tmp_path: Path, **sections) -> str:
     values = {
         "run": {"max_steps": 6, "output_dir": str(tmp_path / "out"), "device": "cpu"},
@@ -43,11 +36,7 @@ def _config(tmp_path: Path, **sections) -> str:
         "scheduler": {"warmup_steps": 1},
         "checkpoint": {"every_steps": 3},
     }
-    for name, fields in sections.items():
-        values[name] = {**values.get(name, {}), **fields}
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(values))
-    return str(path)
+    return str(write_run_config(tmp_path, values, **sections))
 
 
 def _error_line(err: str) -> str:
@@ -72,17 +61,17 @@ def test_a_missing_file_exits_2_in_validate_as_in_train(
     capsys, tmp_path, section, fields, needle
 ) -> None:
     path = _config(tmp_path, **{section: fields})
-    code, out, err = _run(capsys, "validate", "--config", path)
+    code, out, err = run_cli(capsys, "validate", "--config", path)
     line = _error_line(err)
     assert code == 2 and needle in line and "config OK" not in out
-    code, _, err = _run(capsys, "train", "--config", path)
+    code, _, err = run_cli(capsys, "train", "--config", path)
     assert code == 2 and err.strip().splitlines()[-1] == line  # the same line as train
 
 
 def test_a_token_id_outside_the_vocabulary_is_refused_before_training(capsys, tmp_path) -> None:
     np.arange(300, dtype=np.uint16).tofile(tmp_path / "tokens.bin")
     path = _config(tmp_path, data={"token_path": str(tmp_path / "tokens.bin")})
-    code, _, err = _run(capsys, "validate", "--config", path)
+    code, _, err = run_cli(capsys, "validate", "--config", path)
     assert code == 2 and "token id 299, outside the model vocabulary" in _error_line(err)
 
 
@@ -92,7 +81,7 @@ def test_a_prepared_folder_and_a_tokenizer_are_opened_and_named(capsys, tmp_path
     corpus = write_corpus(tmp_path / "texts", files=4, lines=20)
     for text in corpus.iterdir():  # words the word-level vocabulary knows
         text.write_text(" ".join(f"w{i % 200}" for i in range(400)) + "\n")
-    code, out, err = _run(
+    code, out, err = run_cli(
         capsys,
         "prepare", "-i", str(corpus), "-o", str(tmp_path / "tokens"),
         "--tokenizer", str(tokenizer), "--holdout", "0.25", "--no-progress",
@@ -103,7 +92,7 @@ def test_a_prepared_folder_and_a_tokenizer_are_opened_and_named(capsys, tmp_path
         data={"token_path": str(tmp_path / "tokens"), "tokenizer": str(tokenizer)},
         eval={"token_path": str(tmp_path / "tokens"), "tokens": 64},
     )
-    code, out, err = _run(capsys, "validate", "--config", path)
+    code, out, err = run_cli(capsys, "validate", "--config", path)
     assert code == 0, err
     lines = out.splitlines()
     assert f"opened data.token_path: {tmp_path / 'tokens'}" in lines
@@ -115,7 +104,7 @@ def test_a_prepared_folder_and_a_tokenizer_are_opened_and_named(capsys, tmp_path
 
 
 def test_the_verdict_counts_the_parameters_train_builds(capsys) -> None:
-    code, out, _ = _run(capsys, "validate", "--config", SMOKE, "--format", "json")
+    code, out, _ = run_cli(capsys, "validate", "--config", SMOKE, "--format", "json")
     model = build_model(load_config(SMOKE).model)
     assert code == 0
     assert json.loads(out)["parameters"] == sum(p.numel() for p in model.parameters()) == 66880
@@ -124,7 +113,7 @@ def test_the_verdict_counts_the_parameters_train_builds(capsys) -> None:
 def test_the_exchange_is_named_and_a_token_in_it_is_refused(capsys, tmp_path, monkeypatch):
     exchange = f"file://{tmp_path}/exchange"
     distributed = {"enabled": True, "role": "master", "repo_id": exchange, "delta_dtype": "int8"}
-    code, out, err = _run(
+    code, out, err = run_cli(
         capsys, "validate", "--config", _config(tmp_path, distributed=distributed)
     )
     assert code == 0, err
@@ -136,7 +125,7 @@ def test_the_exchange_is_named_and_a_token_in_it_is_refused(capsys, tmp_path, mo
     token = "Zq7-not-shaped-like-hf-9f8e7d"  # only its value can find it
     monkeypatch.setenv("HF_TOKEN", token)
     distributed["repo_id"] = f"file://{tmp_path}/ex-{token}"
-    code, out, err = _run(
+    code, out, err = run_cli(
         capsys, "validate", "--config", _config(tmp_path, distributed=distributed)
     )
     assert code == 2 and token not in out + err
@@ -146,14 +135,14 @@ def test_the_exchange_is_named_and_a_token_in_it_is_refused(capsys, tmp_path, mo
 # ------------------------------------------------------------------ the warnings train logs
 def test_validate_prints_the_warnings_train_logs(capsys, tmp_path) -> None:
     path = _config(tmp_path, scheduler={"warmup_steps": 50})
-    code, out, err = _run(capsys, "validate", "--config", path)
+    code, out, err = run_cli(capsys, "validate", "--config", path)
     warnings = [line.removeprefix("warning: ") for line in err.splitlines()]
     assert code == 0 and warnings == [
         "scheduler.warmup_steps (50) >= scheduler.max_steps (6): the learning rate never "
         "leaves warmup in this run"
     ]
     assert out.splitlines()[-1].endswith("exchange none; 1 warning")
-    code, logged, _ = _run(capsys, "train", "--config", path)
+    code, logged, _ = run_cli(capsys, "train", "--config", path)
     assert code == 0
     for warning in warnings:  # the very line the run logs (one function for both)
         assert f"WARNING | {warning}" in logged
@@ -166,7 +155,7 @@ def test_shape_and_heldout_warnings_come_from_the_runs_own_checks(capsys, tmp_pa
         eval={"holdout": 0.1, "tokens": 10**6},
         shape_validation={"alignment": 8, "warn_on_cpu": True},
     )
-    code, _, err = _run(capsys, "validate", "--config", path)
+    code, _, err = run_cli(capsys, "validate", "--config", path)
     assert code == 0
     assert "warning: shape warning: data.micro_batch_size=3 is not a multiple of 8" in err
     assert "warning: eval.tokens asks for 1000000 tokens but the held-out data holds" in err
@@ -174,11 +163,11 @@ def test_shape_and_heldout_warnings_come_from_the_runs_own_checks(capsys, tmp_pa
 
 def test_resume_names_the_checkpoint_or_warns_as_train_does(capsys, tmp_path) -> None:
     path = _config(tmp_path)
-    code, _, err = _run(capsys, "validate", "--config", path, "--resume")
+    code, _, err = run_cli(capsys, "validate", "--config", path, "--resume")
     assert code == 0
     assert "warning: resume requested but no local checkpoint was found" in err.splitlines()
-    assert _run(capsys, "train", "--config", path)[0] == 0
-    code, out, err = _run(capsys, "validate", "--config", path, "--resume")
+    assert run_cli(capsys, "train", "--config", path)[0] == 0
+    code, out, err = run_cli(capsys, "validate", "--config", path, "--resume")
     assert code == 0 and "resume" not in err
     assert f"resume from {tmp_path / 'out' / 'checkpoints'}" in out
     assert "step_000000000006.pt" in out
@@ -186,5 +175,5 @@ def test_resume_names_the_checkpoint_or_warns_as_train_does(capsys, tmp_path) ->
 
 def test_validate_writes_nothing(capsys, tmp_path) -> None:
     path = _config(tmp_path, checkpoint={"resume": True})
-    assert _run(capsys, "validate", "--config", path)[0] == 0
+    assert run_cli(capsys, "validate", "--config", path)[0] == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]

@@ -23,6 +23,8 @@ from speedtronic.data import datasets as datasets_module
 
 
 def data_config(**kwargs) -> DataConfig:
+    """A ``data`` section of ``micro_batch_size`` (2) samples per step and per micro-batch,
+    ``block_size`` 8 and ``seed`` 7 unless given."""
     micro = kwargs.pop("micro_batch_size", 2)
     kwargs.setdefault("block_size", 8)
     kwargs.setdefault("seed", 7)
@@ -32,6 +34,18 @@ def data_config(**kwargs) -> DataConfig:
 def take(loader, n: int) -> list:
     batches = infinite_batches(loader)
     return [next(batches) for _ in range(n)]
+
+
+def resumed_after(cfg: DataConfig, consumed: int):
+    """A new loader on ``cfg`` (vocabulary 256) that took over the saved position of one that
+    had handed out ``consumed`` batches."""
+    loader = build_dataloader(cfg, vocab_size=256)
+    stream = infinite_batches(loader)
+    for _ in range(consumed):
+        next(stream)
+    resumed = build_dataloader(cfg, vocab_size=256)
+    load_data_state_dict(resumed, data_state_dict(loader))
+    return resumed
 
 
 def test_char_tokenizer_is_byte_level():
@@ -96,12 +110,7 @@ def test_resume_exactly_at_an_epoch_boundary(tmp_path, source):
     else:
         cfg = data_config(num_tokens=10, shuffle=True, vocab_size=16)  # 5 batches
     reference = take(build_dataloader(cfg, vocab_size=256), 7)
-    loader = build_dataloader(cfg, vocab_size=256)
-    stream = infinite_batches(loader)
-    for _ in range(5):
-        next(stream)
-    resumed = build_dataloader(cfg, vocab_size=256)
-    load_data_state_dict(resumed, data_state_dict(loader))
+    resumed = resumed_after(cfg, 5)
     assert [b[0].tolist() for b in take(resumed, 2)] == [b[0].tolist() for b in reference[5:]]
 
 
@@ -189,12 +198,7 @@ def test_text_resume_fast_forwards_the_stream(tmp_path):
     path = write_text(tmp_path, "0123456789" * 50)
     cfg = data_config(text_path=str(path), block_size=8)
     reference = take(build_dataloader(cfg, vocab_size=256), 40)
-    loader = build_dataloader(cfg, vocab_size=256)
-    stream = infinite_batches(loader)
-    for _ in range(30):
-        next(stream)
-    resumed = build_dataloader(cfg, vocab_size=256)
-    load_data_state_dict(resumed, data_state_dict(loader))
+    resumed = resumed_after(cfg, 30)
     for want, got in zip(reference[30:], take(resumed, 10), strict=True):
         assert torch.equal(want[0], got[0])
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from process_support import free_port, jsonl_events, reap, wait_for
+from process_support import STARTED, child_env, free_port, jsonl_events, wait_for
 
 from speedtronic.config import ConfigError, SpeedtronicConfig
 from speedtronic.data import build_dataloader
@@ -34,7 +34,6 @@ from speedtronic.train.ranks import RankEnv, resolve_nproc
 from speedtronic.train.runtime import build_runtime
 
 ROOT = Path(__file__).resolve().parents[1]
-_RUNNING: list[subprocess.Popen] = []
 
 TINY = {
     "run": {"name": "dp", "seed": 7, "device": "cpu", "max_steps": 6, "collective_timeout": 30},
@@ -55,13 +54,6 @@ TINY = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _reap_processes():
-    """Never leave a rank behind, even when a test fails."""
-    yield
-    reap(_RUNNING)
-
-
 def _config(tmp: Path, name: str, **sections) -> Path:
     raw = json.loads(json.dumps(TINY))
     for section, values in sections.items():
@@ -72,8 +64,7 @@ def _config(tmp: Path, name: str, **sections) -> Path:
 
 
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPEEDTRONIC_", "HF_"))}
-    env.update({"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    env = child_env()
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     return env
@@ -85,7 +76,7 @@ def _start(tmp: Path, config: Path, *sets: str, out: str = "node.out") -> subpro
         args += ["--set", item]
     with open(tmp / out, "ab") as sink:
         proc = subprocess.Popen(args, cwd=tmp, env=_env(), stdout=sink, stderr=subprocess.STDOUT)
-    _RUNNING.append(proc)
+    STARTED.append(proc)
     return proc
 
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_support import run_cli
 from tokenizer_fixtures import corpus_text, train_bpe, word_level, write_corpus
 
-from speedtronic.cli import main
 from speedtronic.data.prepare import PrepareError, prepare
 from speedtronic.data.tokenizer import load_tokenizer
 
@@ -45,9 +45,7 @@ def stream(folder: Path, split: str) -> np.ndarray:
 
 
 def cli(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(["prepare", "--no-progress", *argv])
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    return run_cli(capsys, "prepare", "--no-progress", *argv)
 
 
 def test_shards_meta_and_documents_separated_by_eos(tmp_path, corpus, bpe):

@@ -5,23 +5,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_data import data_config as small_data_config
+from test_data import resumed_after
 from torch.utils.data import Dataset
 
 from speedtronic.config import ConfigError, DataConfig
 from speedtronic.data import (
     TokenFileDataset,
     build_dataloader,
-    data_state_dict,
     infinite_batches,
-    load_data_state_dict,
 )
 
 
 def data_config(**kwargs) -> DataConfig:
-    micro = kwargs.pop("micro_batch_size", 2)
-    kwargs.setdefault("block_size", 8)
     kwargs.setdefault("seed", 5)
-    return DataConfig(micro_batch_size=micro, target_batch_size=micro, **kwargs)
+    return small_data_config(**kwargs)
 
 
 def write_tokens(tmp_path, tokens: np.ndarray, suffix: str):
@@ -86,12 +84,7 @@ def test_token_file_resume_across_epochs(tmp_path):
     cfg = data_config(token_path=str(path))  # 24 windows -> 12 batches per epoch
     ref_stream = infinite_batches(build_dataloader(cfg, vocab_size=256))
     reference = [next(ref_stream) for _ in range(30)]
-    loader = build_dataloader(cfg, vocab_size=256)
-    stream = infinite_batches(loader)
-    for _ in range(17):
-        next(stream)
-    resumed = build_dataloader(cfg, vocab_size=256)
-    load_data_state_dict(resumed, data_state_dict(loader))
+    resumed = resumed_after(cfg, 17)
     again = infinite_batches(resumed)
     for want in reference[17:]:
         assert torch.equal(next(again)[0], want[0])
@@ -195,6 +188,28 @@ def test_dataset_path_errors(tmp_path):
     out_of_vocab = tmp_path / "oov.pt"
     torch.save(torch.arange(100), out_of_vocab)
     assert "token id 99" in bad(tmp_path, dataset=str(out_of_vocab), vocab=50)
+
+
+def test_a_dataset_object_that_is_no_torch_dataset_is_named():
+    """An object with ``__getitem__`` passes the config's check but is no torch Dataset: the
+    training source and the held-out split both refuse it in one line (was a TypeError)."""
+
+    class Rows:
+        def __getitem__(self, index: int) -> torch.Tensor:
+            return torch.arange(9)
+
+        def __len__(self) -> int:
+            return 4
+
+    message = "data.dataset must be a path or a torch Dataset, got a Rows"
+    assert bad(None, dataset=Rows()) == message
+    from speedtronic.config import EvalConfig
+    from speedtronic.data.heldout import open_heldout
+
+    with pytest.raises(ConfigError, match=message):
+        open_heldout(
+            data_config(dataset=Rows()), EvalConfig(holdout=0.25), block_size=8, vocab_size=64
+        )
 
 
 def test_no_source_with_synthetic_off():

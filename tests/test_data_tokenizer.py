@@ -14,6 +14,7 @@ import pytest
 import torch
 import yaml
 from hub_emulator_fixtures import TEST_TOKEN, hub_emulator  # noqa: F401
+from process_support import run_speedtronic
 from tokenizer_fixtures import corpus_text, train_bpe, vocab_of, word_level
 
 from speedtronic.cli import main
@@ -172,24 +173,12 @@ def test_validate_resolves_a_hub_repo_id_through_huggingface_hub(
         "HF_TOKEN": TEST_TOKEN,
         "PYTHONPATH": str(REPO),
     }
-    done = subprocess.run(
-        [sys.executable, "-m", "speedtronic", "validate", "--config", str(path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    done = run_speedtronic("validate", "--config", str(path), env=env, timeout=120)
     assert done.returncode == 2
     assert "org/tok has 300 token ids but model.vocab_size is 256" in done.stderr
     assert TEST_TOKEN not in done.stderr
     path.write_text(yaml.safe_dump({"model": dict(MODEL), "data": {"tokenizer": "org/tok"}}))
-    done = subprocess.run(
-        [sys.executable, "-m", "speedtronic", "validate", "--config", str(path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    done = run_speedtronic("validate", "--config", str(path), env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "tokenizer: org/tok" in done.stdout
 

@@ -18,7 +18,7 @@ from test_deploy_support import REPO
 
 from speedtronic import entrypoint
 from speedtronic.config import ConfigError, resolve_config
-from speedtronic.slots import Lease, claim_slot
+from speedtronic.slots import Lease, SlotClaim, claim_slot
 
 HOLDER = textwrap.dedent(
     """
@@ -138,20 +138,24 @@ class FakeTime:
         if self.on_sleep:
             self.on_sleep(self)
 
+    def claim(self, directory: Path) -> SlotClaim:
+        """`claim_slot` in ``directory`` (30 s leases) on this clock, as kernel ``k``."""
+        return claim_slot(
+            directory,
+            lease_seconds=30.0,
+            clock=self.clock,
+            monotonic=self.clock,
+            sleep=self.sleep,
+            kernel="k",
+        )
+
 
 def test_a_fresh_lease_from_another_host_is_waited_for_then_resumed(tmp_path):
     """A worker rescheduled to another host finds its old slot again once the lease expires,
     instead of starting over in a new slot."""
     fake = FakeTime()
     _foreign_lease(tmp_path, "worker-1", fake.now - 1)
-    claim = claim_slot(
-        tmp_path,
-        lease_seconds=30.0,
-        clock=fake.clock,
-        monotonic=fake.clock,
-        sleep=fake.sleep,
-        kernel="k",
-    )
+    claim = fake.claim(tmp_path)
     try:
         assert claim.node_id == "worker-1"
         assert fake.now - 1_000_000.0 > 29  # waited for the lease to expire
@@ -163,14 +167,7 @@ def test_a_lease_renewed_while_waiting_belongs_to_a_live_worker(tmp_path):
     fake = FakeTime()
     _foreign_lease(tmp_path, "worker-1", fake.now)
     fake.on_sleep = lambda t: _foreign_lease(tmp_path, "worker-1", t.now)  # keeps renewing
-    claim = claim_slot(
-        tmp_path,
-        lease_seconds=30.0,
-        clock=fake.clock,
-        monotonic=fake.clock,
-        sleep=fake.sleep,
-        kernel="k",
-    )
+    claim = fake.claim(tmp_path)
     try:
         assert claim.node_id == "worker-2"
         assert Lease.read(tmp_path / "worker-1.json").hostname == "node-b"

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -22,10 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from hub_emulator_fixtures import TEST_TOKEN, fast_retry, hub_emulator  # noqa: F401
-from process_support import TrainProcess, reap, tails
+from hub_emulator_fixtures import TEST_TOKEN, fast_retry, hub_emulator, running_emulator  # noqa: F401
+from process_support import TrainProcess, child_env, tails
 from test_diloco_e2e import corpus, overrides  # noqa: F401
-from test_diloco_master import deliver, join, make_master, published
+from test_diloco_master import bootstrap, deliver, join, make_master, published
 from test_diloco_node import make_node, offer, train
 
 from speedtronic.config import ConfigError, DistributedConfig, SpeedtronicConfig
@@ -40,7 +39,7 @@ from speedtronic.diloco.exchange import (
 )
 from speedtronic.diloco.hub import HubClient
 from speedtronic.diloco.node import NodeClaim, NodeLink
-from speedtronic.testing.hub_server import FaultConfig, HubEmulator, LfsConfig
+from speedtronic.testing.hub_server import HubEmulator, LfsConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 REPO = "org/damaged"
@@ -50,13 +49,8 @@ A0 = "nodes/a/delta_0.safetensors"
 @pytest.fixture
 def lfs_hub():
     """An emulator on which every delta and global takes the large-file path."""
-    emulator = HubEmulator(
-        0, token=TEST_TOKEN, faults=FaultConfig(seed=3), lfs=LfsConfig(threshold=64)
-    ).start()
-    try:
+    with running_emulator(3, lfs=LfsConfig(threshold=64)) as emulator:
         yield emulator
-    finally:
-        emulator.stop()
 
 
 def _hub(emulator: HubEmulator, tmp_path: Path, sleeps: list | None = None) -> HubClient:
@@ -171,9 +165,7 @@ def test_a_delta_changed_in_place_with_the_same_size_is_refused(tmp_path, store,
         )  # fmt: skip
         transport.create_repo()
     master, t, log = make_master(tmp_path, transport=transport)
-    join(t, "a")
-    join(t, "b")
-    master.poll_once()
+    bootstrap(master, t, "a", "b")
     deliver(t, "a", 0, [0.0, 0.001])
     deliver(t, "b", 0, [4.0, 2.0])
     if store == "directory":
@@ -294,17 +286,8 @@ def test_a_final_upload_refused_for_good_ends_the_node_with_a_config_error():
 
 
 # -- end to end: three processes through the emulator's large-file path --------------------
-_RUNNING: list[subprocess.Popen] = []
-
-
-@pytest.fixture
-def _reap_processes():
-    yield
-    reap(_RUNNING)
-
-
 @pytest.mark.slow
-def test_a_cut_lfs_contribution_does_not_stall_a_hub_run(tmp_path, corpus, _reap_processes):
+def test_a_cut_lfs_contribution_does_not_stall_a_hub_run(tmp_path, corpus):
     """Issue 31's reproduction: every file over the LFS threshold, w1's round-2 delta object
     cut by 1,000 bytes in storage as it lands. Before: every master poll failed, no round
     closed after round 2 and the master exited 1 (RoundsStalledError). Now the file is
@@ -322,11 +305,7 @@ def test_a_cut_lfs_contribution_does_not_stall_a_hub_run(tmp_path, corpus, _reap
 
     emulator.on_commit = damage
     try:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SPEEDTRONIC_", "HF_"))}
-        env.update(
-            PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-            HF_TOKEN=TEST_TOKEN, HF_ENDPOINT=emulator.url, HF_HUB_DISABLE_TELEMETRY="1",
-        )  # fmt: skip
+        env = child_env(HF_TOKEN=TEST_TOKEN, HF_ENDPOINT=emulator.url, HF_HUB_DISABLE_TELEMETRY="1")
         steps, inner = 30, 5
         sets = [
             *overrides(corpus, steps, inner),
@@ -334,7 +313,7 @@ def test_a_cut_lfs_contribution_does_not_stall_a_hub_run(tmp_path, corpus, _reap
             "distributed.round_timeout=20",
         ]
         nodes = [
-            TrainProcess(tmp_path, name, role, "org/damaged-e2e", sets, env, _RUNNING).start()
+            TrainProcess(tmp_path, name, role, "org/damaged-e2e", sets, env).start()
             for name, role in (("m", "master"), ("w1", "worker"), ("w2", "worker"))
         ]
         for node in nodes:

@@ -16,8 +16,6 @@ round waits for every node, and the failure runs assert invariants, not round co
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sysconfig
 from pathlib import Path
 
@@ -25,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 from hub_emulator_fixtures import TEST_TOKEN, hub_emulator  # noqa: F401
-from process_support import TrainProcess, reap, wait_for
+from process_support import TrainProcess, child_env, wait_for
 
 from speedtronic.checkpoint import CheckpointManager
 from speedtronic.config import resolve_config
@@ -39,14 +37,6 @@ from speedtronic.train.runtime import build_runtime
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-_RUNNING: list[subprocess.Popen] = []
-
-
-@pytest.fixture(autouse=True)
-def _reap_processes():
-    """Never leave a training process behind, even when a test fails."""
-    yield
-    reap(_RUNNING)
 
 
 @pytest.fixture(scope="module")
@@ -99,31 +89,21 @@ def Node(tmp: Path, name: str, role: str, repo: str, sets: list[str], env: dict)
         "logging.every_steps=10",
         "checkpoint.every_steps=5",
     )
-    return TrainProcess(tmp, name, role, repo, sets, env, _RUNNING, extra)
+    return TrainProcess(tmp, name, role, repo, sets, env, extra)
 
 
-def _env(extra: dict | None = None) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPEEDTRONIC_", "HF_"))}
-    env.update(
-        {
-            "PYTHONPATH": str(ROOT),
-            "OMP_NUM_THREADS": "1",
-            "HF_TOKEN": TEST_TOKEN,
-            "HF_HUB_DISABLE_TELEMETRY": "1",
-            "PYTHONUNBUFFERED": "1",
-        }
-    )
-    env.update(extra or {})
-    return env
+def _three_nodes(tmp: Path, repo: str, sets: list[str], env: dict) -> list[TrainProcess]:
+    """Master ``m`` and workers ``w1``, ``w2`` started at once, each run to exit 0 (300 s)."""
+    names = (("m", "master"), ("w1", "worker"), ("w2", "worker"))
+    nodes = [Node(tmp, name, role, repo, sets, env).start() for name, role in names]
+    for node in nodes:
+        assert node.wait(300) == 0, node.tail()
+    return nodes
 
 
-def _included(master: TrainProcess) -> list[tuple[str, int]]:
-    out = []
-    for row in master.events("outer_step"):
-        for item in row["included"]:
-            node, label = item.split("/")
-            out.append((node, int(label)))
-    return out
+def _env(**extra: str) -> dict[str, str]:
+    """A node's environment: the emulator's token, no telemetry, then ``extra``."""
+    return child_env(HF_TOKEN=TEST_TOKEN, HF_HUB_DISABLE_TELEMETRY="1", **extra)
 
 
 def _assert_no_token(tmp: Path) -> None:
@@ -150,14 +130,7 @@ def _run_golden(
 ):
     """Master (trains) + w1 + w2, all started at once; the first round waits for all three."""
     sets = [*overrides(corpus, steps, inner), "distributed.min_nodes=3", *extra]
-    nodes = [
-        Node(tmp, "m", "master", repo, sets, env).start(),
-        Node(tmp, "w1", "worker", repo, sets, env).start(),
-        Node(tmp, "w2", "worker", repo, sets, env).start(),
-    ]
-    for node in nodes:
-        assert node.wait(300) == 0, node.tail()
-    return nodes, sets
+    return _three_nodes(tmp, repo, sets, env), sets
 
 
 def _check_golden(tmp: Path, corpus: Path, nodes: list[TrainProcess], sets: list[str], rounds: int):
@@ -309,7 +282,7 @@ def test_three_nodes_with_an_int8_global_apply_each_update_bit_for_bit(tmp_path,
 
 
 def test_three_nodes_over_the_hub_emulator(tmp_path, corpus, hub_emulator):
-    env = _env({"HF_ENDPOINT": hub_emulator.url})
+    env = _env(HF_ENDPOINT=hub_emulator.url)
     steps, inner = 40, 10
     nodes, sets = _run_golden(tmp_path, corpus, "org/diloco-e2e", env, steps, inner)
     _check_golden(tmp_path, corpus, nodes, sets, steps // inner)
@@ -356,7 +329,7 @@ def test_late_join_kill_and_resume_of_a_worker_and_of_the_master(tmp_path, corpu
     for node in (w1, w2, master):
         assert node.wait(300) == 0, node.tail()
 
-    included = _included(master)
+    included = master.included()
     assert len(included) == len(set(included)), "a contribution was aggregated twice"
     rounds = master.events("outer_step")
     for row in rounds:  # at most one contribution per node and round label
@@ -379,18 +352,12 @@ def test_injected_hub_faults_every_node_finishes_nothing_counted_twice(
     tmp_path, corpus, hub_emulator
 ):
     hub_emulator.set_faults(error_rate=0.2, drop_rate=0.1, seed=7)
-    env = _env({"HF_ENDPOINT": hub_emulator.url})
+    env = _env(HF_ENDPOINT=hub_emulator.url)
     repo = "org/diloco-faults"
     sets = [*overrides(corpus, 60, 5), "distributed.round_timeout=5"]
-    nodes = [
-        Node(tmp_path, "m", "master", repo, sets, env).start(),
-        Node(tmp_path, "w1", "worker", repo, sets, env).start(),
-        Node(tmp_path, "w2", "worker", repo, sets, env).start(),
-    ]
-    for node in nodes:
-        assert node.wait(300) == 0, node.tail()
+    nodes = _three_nodes(tmp_path, repo, sets, env)
     master = nodes[0]
-    included = _included(master)
+    included = master.included()
     assert len(included) == len(set(included))
     dropped = _dropped(master)
     ledger = json.loads(hub_emulator.files(repo)["global/processed.json"])["nodes"]

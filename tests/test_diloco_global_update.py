@@ -206,12 +206,18 @@ def _follow(link, last):
     return link.fetch((last.outer_step, last.run_id))
 
 
-def test_a_master_restarted_mid_round_goes_on_publishing_updates_that_apply(tmp_path):
+def _after_round_0(tmp_path):
+    """An int8 master whose round 0 (a and b) closed, and a's link that followed it there:
+    ``(master, exchange, log, link, the global the link fetched last)``."""
     master, t, log = _started(tmp_path, "int8")
     link = _link(tmp_path, t, master, "a", log)
     seen = link.fetch((-1, ""))
     _round(master, t, ["a", "b"], 0)
-    seen = _follow(link, seen)
+    return master, t, log, link, _follow(link, seen)
+
+
+def test_a_master_restarted_mid_round_goes_on_publishing_updates_that_apply(tmp_path):
+    master, t, _, link, seen = _after_round_0(tmp_path)
     deliver(t, "a", 1, [0.01] * N)
     master.poll_once()  # round 1 open, a delivered; the master dies here
     again, _, _ = make_master(
@@ -227,11 +233,7 @@ def test_a_master_restarted_mid_round_goes_on_publishing_updates_that_apply(tmp_
 
 
 def test_a_failed_publish_is_published_again_as_a_full_global_and_updates_apply_after(tmp_path):
-    master, t, log = _started(tmp_path, "int8")
-    link = _link(tmp_path, t, master, "a", log)
-    seen = link.fetch((-1, ""))
-    _round(master, t, ["a", "b"], 0)
-    seen = _follow(link, seen)
+    master, t, log, link, seen = _after_round_0(tmp_path)
     for node in ("a", "b"):
         deliver(t, node, 1, [0.01] * N)
     original = t.publish_global

@@ -9,7 +9,6 @@ Each test plants the bad input exactly as a careless or hostile writer to the ex
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 from hub_emulator_fixtures import TEST_TOKEN, fast_retry, hub_emulator  # noqa: F401
-from test_diloco_master import Log, deliver, join, lines, make_master, published
+from process_support import child_env
+from test_diloco_master import Log, bootstrap, deliver, lines, make_master, published
 
 from speedtronic.config import ConfigError, DistributedConfig
 from speedtronic.diloco.codec import delta_from_bytes, state_to_bytes
@@ -31,9 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_huge_finite_deltas_are_refused_and_the_global_stays_finite(tmp_path, caplog):
     master, t, _ = make_master(tmp_path)
-    join(t, "a")
-    join(t, "b")
-    master.poll_once()
+    bootstrap(master, t, "a", "b")
     deliver(t, "a", 0, [3e38, 0.0])  # finite in fp32, far beyond any real update
     deliver(t, "b", 0, [2e38, 2e38])  # two of these would sum to inf
     assert master.poll_once() is False  # nothing usable: no round, nothing published
@@ -52,8 +50,7 @@ def test_huge_finite_deltas_are_refused_and_the_global_stays_finite(tmp_path, ca
 def test_an_outer_step_that_would_leave_the_global_non_finite_is_undone(tmp_path, caplog):
     start = torch.full((2,), 3.0e38)
     master, t, _ = make_master(tmp_path, state={"w": start.clone()})
-    join(t, "a")
-    master.poll_once()
+    bootstrap(master, t, "a")
     deliver(t, "a", 0, [-9.0e3, 1.0])  # a valid delta ...
     master.state.optimizer.lr = 1.0e35  # ... and an outer lr large enough to overflow the step
     assert master.poll_once() is False
@@ -63,8 +60,7 @@ def test_an_outer_step_that_would_leave_the_global_non_finite_is_undone(tmp_path
 
 def test_a_sparse_giant_file_posing_as_a_delta_is_refused_unread(tmp_path, caplog):
     master, t, _ = make_master(tmp_path)
-    join(t, "a")
-    master.poll_once()
+    bootstrap(master, t, "a")
     deliver(t, "a", 0, [1.0, 1.0])
     giant = tmp_path / "repo/nodes/a/delta_0.safetensors"
     with open(giant, "r+b") as handle:  # 3 GB, no disk blocks: a hostile or broken writer
@@ -82,8 +78,7 @@ def test_a_delta_that_grew_after_the_listing_is_refused_on_the_file_read(tmp_pat
     a file that is small when listed and huge when read is refused, counted and pruned, and
     the round does not stall on it."""
     master, t, _ = make_master(tmp_path)
-    join(t, "a")
-    master.poll_once()
+    bootstrap(master, t, "a")
     deliver(t, "a", 0, [1.0, 1.0])
     giant = tmp_path / "repo/nodes/a/delta_0.safetensors"
     listed = t.scan
@@ -199,8 +194,7 @@ def test_a_worker_refuses_a_global_finite_in_float64_but_not_in_its_float32_mode
 
 def test_a_master_with_state_republishes_over_a_nan_global(tmp_path, caplog):
     master, t, _ = make_master(tmp_path)
-    join(t, "a")
-    master.poll_once()
+    bootstrap(master, t, "a")
     deliver(t, "a", 0, [1.0, 1.0])
     master.poll_once()
     t.publish_global({"w": torch.tensor([float("nan"), 0.0]), "n": torch.tensor(3)}, outer_step=7)
@@ -212,8 +206,7 @@ def test_a_master_with_state_republishes_over_a_nan_global(tmp_path, caplog):
 
 def test_a_torn_publish_is_repaired_from_the_weights_own_header(tmp_path):
     master, t, _ = make_master(tmp_path)
-    join(t, "a")
-    master.poll_once()
+    bootstrap(master, t, "a")
     record = (tmp_path / "repo" / GLOBAL_STEP).read_bytes()
     deliver(t, "a", 0, [1.0, 1.0])
     master.poll_once()  # publishes global 1
@@ -260,20 +253,14 @@ def _run(args: list[str], env: dict, cwd: Path) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
-def _env(**extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPEEDTRONIC_", "HF_"))}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **extra)
-    return env
-
-
 @pytest.mark.slow
 def test_permanent_misconfigurations_exit_2_with_one_line(tmp_path, hub_emulator):
     cases = [
-        (["--set", "distributed.repo_id=file:///proc/xch"], _env()),
-        (["--set", "distributed.repo_id=a/b/c"], _env(HF_ENDPOINT=hub_emulator.url)),
+        (["--set", "distributed.repo_id=file:///proc/xch"], child_env()),
+        (["--set", "distributed.repo_id=a/b/c"], child_env(HF_ENDPOINT=hub_emulator.url)),
         (
             ["--set", "distributed.repo_id=org/run", "--set", "distributed.role=master"],
-            _env(HF_ENDPOINT=hub_emulator.url, HF_TOKEN="hf_wrong_token_value_123"),
+            child_env(HF_ENDPOINT=hub_emulator.url, HF_TOKEN="hf_wrong_token_value_123"),
         ),
     ]
     for args, env in cases:

@@ -15,31 +15,14 @@ well inside the test's own timeout and prints the processes' output when it give
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
-from process_support import TrainProcess, reap, tails, wait_for
+from process_support import TrainProcess, child_env, tails, wait_for
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-_RUNNING: list[subprocess.Popen] = []
-
-
-@pytest.fixture(autouse=True)
-def _reap_processes():
-    """Never leave a training process behind, even when a test fails."""
-    yield
-    reap(_RUNNING)
-
-
-def _env(extra: dict | None = None) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPEEDTRONIC_", "HF_"))}
-    env.update({"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-    env.update(extra or {})
-    return env
 
 
 def _sets(steps: int, inner: int = 5) -> list[str]:
@@ -60,7 +43,7 @@ def _sets(steps: int, inner: int = 5) -> list[str]:
 def Proc(tmp: Path, name: str, role: str, sets: list[str], env: dict | None = None):
     """One ``speedtronic train`` process on the shared-directory exchange ``tmp/exchange``."""
     repo = f"file://{tmp / 'exchange'}"
-    return TrainProcess(tmp, name, role, repo, sets, env or _env(), _RUNNING)
+    return TrainProcess(tmp, name, role, repo, sets, env or child_env())
 
 
 def _wait(predicate, timeout: float, what: str, *procs: TrainProcess) -> None:
@@ -76,15 +59,6 @@ def _step_count(tmp: Path) -> dict:
 
 def _ledger(tmp: Path) -> dict:
     return json.loads((tmp / "exchange/global/processed.json").read_text())["nodes"]
-
-
-def _included(master: TrainProcess) -> list[tuple[str, int]]:
-    out = []
-    for row in master.events("outer_step"):
-        for item in row["included"]:
-            node, label = item.split("/")
-            out.append((node, int(label)))
-    return out
 
 
 def _uploaded(node: TrainProcess, name: str | None = None) -> set[tuple[str, int]]:
@@ -107,7 +81,7 @@ def test_a_master_restarted_after_its_last_step_serves_the_remaining_rounds(tmp_
     assert master.wait(180, worker) == 0, tails(master, worker)
     assert worker.wait(180, master) == 0, tails(master, worker)
     assert _step_count(tmp_path).get("final") is True
-    included = _included(master)
+    included = master.included()
     assert len(included) == len(set(included)), "a contribution was aggregated twice"
     assert not _uploaded(worker) - set(included), tails(master, worker)
     assert _ledger(tmp_path)["w"] == max(label for _, label in _uploaded(worker))
@@ -176,8 +150,8 @@ def test_the_same_node_id_on_a_second_host_exits_2_and_the_first_goes_on(tmp_pat
     slow = ["data.micro_batch_size=2", "data.target_batch_size=32", "distributed.min_nodes=2"]
     sets = [*_sets(60), *slow, "distributed.round_timeout=30"]
     master = Proc(tmp_path, "m", "master", sets).start()
-    first = Proc(tmp_path, "w_a", "worker", sets, _env({"HOSTNAME": "host-a"}))
-    second = Proc(tmp_path, "w_b", "worker", sets, _env({"HOSTNAME": "host-b"}))
+    first = Proc(tmp_path, "w_a", "worker", sets, child_env(HOSTNAME="host-a"))
+    second = Proc(tmp_path, "w_b", "worker", sets, child_env(HOSTNAME="host-b"))
     first.start(node_id="w")
     _wait(lambda: first.events("delta_uploaded"), 120, "the first w's upload", master, first)
     second.start(node_id="w")
@@ -189,7 +163,7 @@ def test_the_same_node_id_on_a_second_host_exits_2_and_the_first_goes_on(tmp_pat
     assert first.proc.poll() is None, "the first node ended before the second one was refused"
     assert first.wait(180, master) == 0, tails(first, master)
     assert master.wait(180, first) == 0, tails(first, master)
-    included = _included(master)
+    included = master.included()
     assert not _uploaded(first, "w") - set(included), tails(master, first)
     assert _step_count(tmp_path).get("final") is True
 
@@ -214,12 +188,12 @@ def test_hub_access_refused_exits_2_naming_the_repo_and_the_token_source(tmp_pat
         base = {"HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_TELEMETRY": "1"}
         sets = [*_sets(10), "distributed.retry_attempts=2"]
         cases = [  # (process, token, its source as the error names it)
-            (Proc(tmp_path, "w404", "worker", sets, _env({**base, "HF_TOKEN": unknown})),
+            (Proc(tmp_path, "w404", "worker", sets, child_env(**base, HF_TOKEN=unknown)),
              unknown, "env:HF_TOKEN"),
             (Proc(tmp_path, "m401", "master", sets,
-                  _env({**base, "SPEEDTRONIC_SECRETS_DIR": str(secrets)})),
+                  child_env(**base, SPEEDTRONIC_SECRETS_DIR=str(secrets))),
              refused, "secret:hf_token"),
-            (Proc(tmp_path, "w403", "worker", sets, _env({**base, "HF_TOKEN": read_only})),
+            (Proc(tmp_path, "w403", "worker", sets, child_env(**base, HF_TOKEN=read_only)),
              read_only, "env:HF_TOKEN"),
         ]  # fmt: skip
         HfApi(endpoint=hub.url, token=TEST_TOKEN).create_repo("org/run", private=True)

@@ -88,6 +88,13 @@ def join(t, node, state="training"):
     t.claim_owner(node, {"instance": f"{node}-1", "state": state})
 
 
+def bootstrap(master, t, *nodes):
+    """``nodes`` join and the master polls once: the initial global is published."""
+    for node in nodes:
+        join(t, node)
+    master.poll_once()
+
+
 def deliver(t, node, label, values, *, final=False, run_id=None):
     status = {"instance": f"{node}-1", "state": "done" if final else "training"}
     if final:
@@ -134,9 +141,7 @@ def test_round_closes_when_every_active_node_delivered(tmp_path):
 def test_timeout_closes_without_the_straggler_who_is_folded_in_next_round(tmp_path):
     clock = Clock()
     master, t, log = make_master(tmp_path, clock=clock)
-    join(t, "a")
-    join(t, "b")
-    master.poll_once()
+    bootstrap(master, t, "a", "b")
     deliver(t, "a", 0, [2.0, 2.0])
     assert master.poll_once() is False
     clock.now += 9.0
@@ -161,9 +166,7 @@ def test_timeout_closes_without_the_straggler_who_is_folded_in_next_round(tmp_pa
 def test_too_late_is_dropped_and_replays_are_never_counted_twice(tmp_path, caplog):
     clock = Clock()
     master, t, log = make_master(tmp_path, clock=clock, max_staleness=0)
-    join(t, "a")
-    join(t, "b")
-    master.poll_once()
+    bootstrap(master, t, "a", "b")
     deliver(t, "a", 0, [1.0, 1.0])
     master.poll_once()
     clock.now += 10.0
@@ -205,9 +208,7 @@ def test_min_nodes_holds_a_timed_out_round(tmp_path):
 def test_silent_node_drops_out_and_rejoins_when_it_delivers(tmp_path):
     clock = Clock()
     master, t, log = make_master(tmp_path, clock=clock)
-    join(t, "a")
-    join(t, "b")
-    master.poll_once()
+    bootstrap(master, t, "a", "b")
     clock.now += 31.0  # b (and a) silent for more than drop_after * round_timeout
     deliver(t, "a", 0, [1.0, 1.0])
     assert master.poll_once() is True  # a heard just now; b dropped: nobody to wait for
@@ -226,9 +227,7 @@ def test_silent_node_drops_out_and_rejoins_when_it_delivers(tmp_path):
 
 def test_last_round_publishes_the_final_global(tmp_path):
     master, t, log = make_master(tmp_path)
-    join(t, "a")
-    join(t, "b")
-    master.poll_once()
+    bootstrap(master, t, "a", "b")
     deliver(t, "a", 0, [1.0, 1.0], final=True)  # a is done after round 0
     deliver(t, "b", 0, [3.0, 3.0])
     assert master.poll_once() is True
@@ -243,8 +242,7 @@ def test_last_round_publishes_the_final_global(tmp_path):
 
 def test_nodes_that_finish_without_a_last_delta_end_the_run(tmp_path):
     master, t, _ = make_master(tmp_path)
-    join(t, "a")
-    master.poll_once()
+    bootstrap(master, t, "a")
     deliver(t, "a", 0, [1.0, 1.0])
     master.poll_once()
     t.claim_owner("a", {"instance": "a-1", "state": "done", "final_round": 0})
@@ -254,8 +252,7 @@ def test_nodes_that_finish_without_a_last_delta_end_the_run(tmp_path):
 
 def test_files_refused_after_the_last_round_are_reported_with_the_final_global(tmp_path):
     master, t, log = make_master(tmp_path)
-    join(t, "a")
-    master.poll_once()
+    bootstrap(master, t, "a")
     deliver(t, "a", 0, [1.0, 1.0])
     assert master.poll_once() is True
     t.claim_owner("a", {"instance": "a-1", "state": "done", "final_round": 0})
@@ -270,9 +267,7 @@ def test_files_refused_after_the_last_round_are_reported_with_the_final_global(t
 
 def test_restart_mid_round_loses_nothing_and_counts_nothing_twice(tmp_path):
     master, t, _ = make_master(tmp_path)
-    join(t, "a")
-    join(t, "b")
-    master.poll_once()
+    bootstrap(master, t, "a", "b")
     deliver(t, "a", 0, [1.0, 1.0])
     deliver(t, "b", 0, [1.0, 1.0])
     master.poll_once()
@@ -290,8 +285,7 @@ def test_restart_mid_round_loses_nothing_and_counts_nothing_twice(tmp_path):
 @pytest.mark.parametrize("damage", ["corrupt", "lost"])
 def test_damaged_local_state_rebuilds_from_the_published_ledger(tmp_path, damage, caplog):
     master, t, _ = make_master(tmp_path, outer_momentum=0.9)
-    join(t, "a")
-    master.poll_once()
+    bootstrap(master, t, "a")
     deliver(t, "a", 0, [0.1, 0.2])
     master.poll_once()
     before = published(t)
@@ -314,8 +308,7 @@ def test_damaged_local_state_rebuilds_from_the_published_ledger(tmp_path, damage
 
 def test_corrupt_delta_is_counted_once_and_pruned(tmp_path, caplog):
     master, t, log = make_master(tmp_path)
-    join(t, "a")
-    master.poll_once()
+    bootstrap(master, t, "a")
     t.commit({"nodes/bad/delta_0.safetensors": b"garbage"})
     deliver(t, "a", 0, [1.0, 1.0])
     assert master.poll_once() is True
@@ -339,8 +332,7 @@ def test_a_failed_publish_keeps_the_closed_round_and_publishes_it_again(tmp_path
     model's), so a failed publish keeps the closed round instead of rolling it back: its
     local state holds it, and the next poll publishes it; the contribution counts once."""
     master, t, log = make_master(tmp_path)
-    join(t, "a")
-    master.poll_once()
+    bootstrap(master, t, "a")
     deliver(t, "a", 0, [1.0, 2.0])
     original = _failing_publish(t)
     with pytest.raises(TransportError):
@@ -362,8 +354,7 @@ def test_a_failed_publish_without_local_state_takes_the_exchange_global_again(tm
     exchange after a failed publish: it takes the published global back and closes the round
     anew from the files still there."""
     master, t, _ = make_master(tmp_path)
-    join(t, "a")
-    master.poll_once()
+    bootstrap(master, t, "a")
     master.outer_files.save = lambda state: (_ for _ in ()).throw(OSError("read-only"))
     master.has_local_state = False
     deliver(t, "a", 0, [1.0, 2.0])
@@ -378,8 +369,7 @@ def test_a_failed_publish_without_local_state_takes_the_exchange_global_again(tm
 
 def test_unreadable_repository_never_bootstraps_over_it(tmp_path):
     master, t, _ = make_master(tmp_path)
-    join(t, "a")
-    master.poll_once()
+    bootstrap(master, t, "a")
     deliver(t, "a", 0, [1.0, 1.0])
     master.poll_once()
     for path in (tmp_path / "state").iterdir():
@@ -399,9 +389,7 @@ def test_unreadable_repository_never_bootstraps_over_it(tmp_path):
 def test_min_nodes_waits_for_nodes_that_have_not_announced_themselves_yet(tmp_path):
     clock = Clock()
     master, t, _ = make_master(tmp_path, clock=clock, min_nodes=3)
-    join(t, "a")
-    join(t, "b")
-    master.poll_once()
+    bootstrap(master, t, "a", "b")
     deliver(t, "a", 0, [1.0, 1.0])
     deliver(t, "b", 0, [1.0, 1.0])
     assert master.poll_once() is False  # every known node delivered, but only two of three
@@ -420,8 +408,7 @@ def test_min_nodes_waits_for_nodes_that_have_not_announced_themselves_yet(tmp_pa
 def test_pure_aggregator_record_is_not_waited_for(tmp_path):
     master, t, _ = make_master(tmp_path)
     join(t, "agg", state="aggregator")
-    join(t, "a")
-    master.poll_once()
+    bootstrap(master, t, "a")
     deliver(t, "a", 0, [1.0, 1.0])
     assert master.poll_once() is True
 
@@ -429,8 +416,7 @@ def test_pure_aggregator_record_is_not_waited_for(tmp_path):
 def test_a_fresh_master_starts_a_new_run_over_a_finished_one(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="speedtronic.diloco")
     master, t, _ = make_master(tmp_path)
-    join(t, "a")
-    master.poll_once()
+    bootstrap(master, t, "a")
     deliver(t, "a", 0, [1.0, 1.0], final=True)
     master.poll_once()
     assert t.global_metadata().final and t.global_metadata().outer_step == 1
@@ -451,8 +437,7 @@ def test_a_fresh_master_starts_a_new_run_over_a_finished_one(tmp_path, caplog):
 
 def test_a_resuming_master_continues_a_finished_run_as_is(tmp_path):
     master, t, _ = make_master(tmp_path)
-    join(t, "a")
-    master.poll_once()
+    bootstrap(master, t, "a")
     deliver(t, "a", 0, [1.0, 1.0], final=True)
     master.poll_once()
     again, _, _ = make_master(tmp_path, transport=t)
@@ -462,9 +447,7 @@ def test_a_resuming_master_continues_a_finished_run_as_is(tmp_path):
 
 def test_contributions_of_another_run_are_dropped(tmp_path, caplog):
     master, t, log = make_master(tmp_path)
-    join(t, "a")
-    join(t, "b")
-    master.poll_once()
+    bootstrap(master, t, "a", "b")
     run = t.global_metadata().run_id
     assert len(run) == 12 and master.run_id == run
     deliver(t, "a", 0, [1.0, 1.0])
@@ -483,9 +466,7 @@ def test_contributions_of_another_run_are_dropped(tmp_path, caplog):
 def test_an_outage_of_the_exchange_does_not_drop_every_node_or_end_the_run(tmp_path):
     clock = Clock()
     master, t, log = make_master(tmp_path, clock=clock)
-    join(t, "a")
-    join(t, "b")
-    master.poll_once()
+    bootstrap(master, t, "a", "b")
     original = t.scan
     t.scan = lambda: (_ for _ in ()).throw(TransportError("hub down"))
     for _ in range(6):  # 60 s the master cannot read the exchange (drop_after x timeout = 30)
@@ -503,9 +484,7 @@ def test_an_outage_of_the_exchange_does_not_drop_every_node_or_end_the_run(tmp_p
 def test_nodes_that_only_went_silent_never_end_the_run(tmp_path):
     clock = Clock()
     master, t, log = make_master(tmp_path, clock=clock)
-    join(t, "a")
-    join(t, "b")
-    master.poll_once()
+    bootstrap(master, t, "a", "b")
     deliver(t, "a", 0, [1.0, 1.0])
     deliver(t, "b", 0, [2.0, 2.0])
     master.poll_once()
@@ -538,9 +517,7 @@ def test_a_poll_reads_a_node_record_again_only_when_the_listing_shows_it_changed
 def test_a_restarted_master_keeps_the_round_length_its_drop_limit_counts_in(tmp_path):
     clock = Clock()
     master, t, _ = make_master(tmp_path, clock=clock)  # drop after 3 x max(10 s, round)
-    join(t, "a")
-    join(t, "b")
-    master.poll_once()
+    bootstrap(master, t, "a", "b")
     clock.now += 100.0  # rounds take 100 s
     deliver(t, "a", 0, [1.0, 1.0])
     deliver(t, "b", 0, [1.0, 1.0])

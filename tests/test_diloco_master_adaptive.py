@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_diloco_master import deliver, join, make_master, published
+from test_diloco_master import bootstrap, deliver, make_master, published
 from test_diloco_master_publish_loss import Killed, _publish_then
 
 from speedtronic.diloco.codec import load_safetensors
@@ -15,9 +15,7 @@ from speedtronic.diloco.codec import load_safetensors
 def _adaptive_round(tmp_path, **overrides):
     """Two orthogonal contributions: spread 4, ||mean||^2 2, so eta = 0.75 * 4 / 2 = 1.5."""
     master, t, log = make_master(tmp_path, outer_step="adaptive", **overrides)
-    join(t, "a")
-    join(t, "b")
-    master.poll_once()
+    bootstrap(master, t, "a", "b")
     deliver(t, "a", 0, [2.0, 0.0])
     deliver(t, "b", 0, [0.0, 2.0])
     return master, t, log
@@ -65,9 +63,7 @@ def test_a_master_killed_before_its_publish_computes_the_same_eta_again(tmp_path
 def test_the_final_global_is_the_mean_of_the_last_two(tmp_path):
     state = {"w": torch.zeros(2, dtype=torch.bfloat16), "n": torch.tensor(3)}
     master, t, _ = make_master(tmp_path, state=state, final_average=2)
-    join(t, "a")
-    join(t, "b")
-    master.poll_once()
+    bootstrap(master, t, "a", "b")
     deliver(t, "a", 0, [2.0, 0.0])
     deliver(t, "b", 0, [4.0, 2.0])
     assert master.poll_once() is True  # global 1: [-3, -1]
@@ -84,9 +80,7 @@ def test_the_final_global_is_the_mean_of_the_last_two(tmp_path):
 
 def test_the_kept_globals_survive_a_restart(tmp_path):
     master, t, _ = make_master(tmp_path, final_average=2)
-    join(t, "a")
-    join(t, "b")
-    master.poll_once()
+    bootstrap(master, t, "a", "b")
     deliver(t, "a", 0, [2.0, 0.0])
     deliver(t, "b", 0, [4.0, 2.0])
     assert master.poll_once() is True  # global 1: [-3, -1]; global 0 kept on disk

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 from process_support import wait_for
-from test_diloco_master import Clock, deliver, join, lines, make_master, published
+from test_diloco_master import Clock, bootstrap, deliver, join, lines, make_master, published
 
 from speedtronic.config import ConfigError
 from speedtronic.diloco import exchange as T
@@ -48,9 +48,7 @@ def test_a_contribution_missing_an_identity_header_is_refused_and_counted(
     tmp_path, missing, caplog
 ):
     master, t, log = make_master(tmp_path)
-    join(t, "a")
-    join(t, "b")
-    master.poll_once()
+    bootstrap(master, t, "a", "b")
     deliver(t, "a", 0, [1.0, 1.0])
     bad = _plant(t, "b", 0, [100.0, 100.0], drop=(missing,))
     assert master.poll_once() is True  # b delivered a file: the round is complete, b refused
@@ -103,8 +101,7 @@ def test_a_forged_done_record_of_a_node_with_nothing_aggregated_does_not_end_the
 
 def test_a_forged_done_record_of_another_instance_does_not_end_the_run(tmp_path):
     master, t, _ = make_master(tmp_path)
-    join(t, "a")
-    master.poll_once()
+    bootstrap(master, t, "a")
     deliver(t, "a", 0, [1.0, 1.0])
     assert master.poll_once() is True
     t.claim_owner("a", {"instance": "forger", "state": "done", "final_round": 0})
@@ -118,9 +115,7 @@ def test_the_genuine_ends_still_end_the_run(tmp_path):
     """A final contribution; and a done record after an all-zero last delta (the node sends
     only the record, naming its last aggregated round)."""
     master, t, _ = make_master(tmp_path)
-    join(t, "a")
-    join(t, "b")
-    master.poll_once()
+    bootstrap(master, t, "a", "b")
     deliver(t, "a", 0, [1.0, 1.0], final=True)
     deliver(t, "b", 0, [3.0, 3.0])
     assert master.poll_once() is True and not master.finished.is_set()
@@ -132,9 +127,7 @@ def test_the_genuine_ends_still_end_the_run(tmp_path):
 
 def test_a_restarted_master_still_knows_which_nodes_finished(tmp_path):
     master, t, _ = make_master(tmp_path)
-    join(t, "a")
-    join(t, "b")
-    master.poll_once()
+    bootstrap(master, t, "a", "b")
     deliver(t, "a", 0, [1.0, 1.0], final=True)  # a is done after round 0
     deliver(t, "b", 0, [3.0, 3.0])
     assert master.poll_once() is True
@@ -184,8 +177,7 @@ def test_an_unusable_global_is_replaced_by_the_masters_own_state(
 ):
     state = {"w": torch.zeros(2, dtype=torch.float16)}
     master, t, _ = make_master(tmp_path, state=state)
-    join(t, "a")
-    master.poll_once()
+    bootstrap(master, t, "a")
     deliver(t, "a", 0, [1.0, 2.0])
     assert master.poll_once() is True  # outer step 1, saved in state_dir
     if damage == "garbage":

@@ -12,7 +12,7 @@ import json
 import shutil
 
 import pytest
-from test_diloco_master import Clock, deliver, join, lines, make_master, published
+from test_diloco_master import Clock, bootstrap, deliver, join, lines, make_master, published
 
 from speedtronic.diloco.codec import read_metadata
 
@@ -22,9 +22,7 @@ def test_the_first_round_waits_for_the_expected_nodes_that_have_not_started_yet(
     worker announced itself. With three nodes expected, the round waits for it."""
     clock = Clock()
     master, t, log = make_master(tmp_path, clock=clock, expected_nodes=3)
-    join(t, "m")
-    join(t, "w1")
-    master.poll_once()
+    bootstrap(master, t, "m", "w1")
     deliver(t, "m", 0, [1.0, 1.0])
     deliver(t, "w1", 0, [2.0, 2.0])
     assert master.poll_once() is False  # every announced node delivered; one more expected
@@ -68,8 +66,7 @@ def test_without_expected_nodes_the_first_round_holds_whoever_announced_itself(t
     """The default (0) keeps a master alone from waiting for nodes that never come: the
     single-process main job closes its first round at once."""
     master, t, log = make_master(tmp_path)
-    join(t, "m")
-    master.poll_once()
+    bootstrap(master, t, "m")
     deliver(t, "m", 0, [1.0, 1.0])
     assert master.poll_once() is True
     assert log.of("outer_step")[-1]["reason"] == "complete"
@@ -83,9 +80,7 @@ def test_expected_nodes_that_never_start_hold_only_the_first_round_and_for_a_bou
     wait only for the nodes that announced themselves."""
     clock = Clock()
     master, t, log = make_master(tmp_path, clock=clock, expected_nodes=3)
-    join(t, "m")
-    join(t, "w1")
-    master.poll_once()
+    bootstrap(master, t, "m", "w1")
     deliver(t, "m", 0, [1.0, 1.0])
     deliver(t, "w1", 0, [3.0, 3.0])
     assert master.poll_once() is False
@@ -116,9 +111,7 @@ def test_the_round_clock_starts_at_the_first_on_time_contribution_not_a_late_one
     round on the late file alone, before anyone delivered on time)."""
     clock = Clock()
     master, t, log = make_master(tmp_path, clock=clock)
-    join(t, "a")
-    join(t, "b")
-    master.poll_once()
+    bootstrap(master, t, "a", "b")
     deliver(t, "a", 0, [2.0, 2.0])
     master.poll_once()
     clock.now += 10.0
@@ -144,9 +137,7 @@ def test_a_dropped_node_stays_dropped_across_a_master_restart_until_it_delivers(
     is waited for again."""
     clock = Clock()
     master, t, log = make_master(tmp_path, clock=clock)
-    join(t, "a")
-    join(t, "b")
-    master.poll_once()
+    bootstrap(master, t, "a", "b")
     clock.now += 31.0  # b silent for more than drop_after x round_timeout
     deliver(t, "a", 0, [1.0, 1.0])
     assert master.poll_once() is True
@@ -182,9 +173,7 @@ def test_a_dropped_node_stays_dropped_across_a_master_restart_until_it_delivers(
 def test_a_new_instance_of_a_dropped_node_is_waited_for_after_a_restart(tmp_path):
     clock = Clock()
     master, t, log = make_master(tmp_path, clock=clock)
-    join(t, "a")
-    join(t, "b")
-    master.poll_once()
+    bootstrap(master, t, "a", "b")
     clock.now += 31.0
     deliver(t, "a", 0, [1.0, 1.0])
     assert master.poll_once() is True  # b dropped

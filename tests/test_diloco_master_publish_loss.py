@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_diloco_master import Clock, deliver, join, make_master, published
+from test_diloco_master import Clock, bootstrap, deliver, join, make_master, published
 
 from speedtronic.diloco.exchange import TransportError
 
@@ -19,9 +19,7 @@ class Killed(BaseException):
 
 def _two_nodes_delivered(tmp_path):
     master, t, log = make_master(tmp_path)
-    join(t, "a")
-    join(t, "b")
-    master.poll_once()
+    bootstrap(master, t, "a", "b")
     deliver(t, "a", 0, [2.0, 0.0])
     deliver(t, "b", 0, [4.0, 2.0])
     return master, t, log
@@ -122,8 +120,7 @@ def test_an_outage_that_begins_with_a_failed_publish_drops_no_node(tmp_path):
 
 def test_a_lost_reply_to_the_final_rounds_publish_still_ends_the_run(tmp_path):
     master, t, _ = make_master(tmp_path)
-    join(t, "a")
-    master.poll_once()
+    bootstrap(master, t, "a")
     deliver(t, "a", 0, [1.0, 1.0], final=True)
     _publish_then(t, TransportError("connection reset after the commit"))
     with pytest.raises(TransportError):
@@ -141,8 +138,7 @@ def test_a_lost_reply_to_the_final_rounds_publish_still_ends_the_run(tmp_path):
 @pytest.mark.parametrize("disk", ["kept", "lost", "lost, record of the previous version"])
 def test_a_master_restarted_over_its_final_global_finishes_at_once(tmp_path, disk):
     master, t, _ = make_master(tmp_path)
-    join(t, "a")
-    master.poll_once()
+    bootstrap(master, t, "a")
     deliver(t, "a", 0, [1.0, 1.0], final=True)
     _publish_then(t, Killed())
     with pytest.raises(Killed):
@@ -161,9 +157,7 @@ def test_a_master_restarted_over_its_final_global_finishes_at_once(tmp_path, dis
 
 def test_nodes_done_in_a_round_whose_reply_was_lost_are_not_waited_for(tmp_path):
     master, t, log = make_master(tmp_path)
-    join(t, "a")
-    join(t, "b")
-    master.poll_once()
+    bootstrap(master, t, "a", "b")
     deliver(t, "a", 0, [2.0, 2.0], final=True)  # a is done after round 0
     deliver(t, "b", 0, [4.0, 4.0])
     _publish_then(t, TransportError("connection reset after the commit"))

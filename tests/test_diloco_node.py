@@ -76,6 +76,14 @@ def offer(node, step, value, final=False):
     )
 
 
+def started_node(**settings):
+    """`make_node` (with ``settings``) that has installed global 0, all zeros."""
+    node, rec, model = make_node(**settings)
+    offer(node, 0, 0.0)
+    node.merge_waiting()
+    return node, rec, model
+
+
 def master_for(node, value_of):
     """A send hook that publishes global ``label + 1`` = ``value_of(job)`` right away."""
 
@@ -111,9 +119,7 @@ def test_blocking_round_golden():
 
 
 def test_overlapped_merge_keeps_progress_since_upload_exactly_once():
-    node, rec, model = make_node(sync="overlapped")
-    offer(node, 0, 0.0)
-    node.merge_waiting()
+    node, rec, model = started_node(sync="overlapped")
     train(model, 1.0)
     node.after_optimizer_step()
     train(model, 1.0)
@@ -167,9 +173,7 @@ def test_a_node_on_a_copy_asks_for_the_weights_only_when_its_round_reads_them():
 
 
 def test_overlapped_boundary_waits_for_the_previous_global_then_runs_ahead():
-    node, rec, model = make_node(sync="overlapped", timeout=0.05)
-    offer(node, 0, 0.0)
-    node.merge_waiting()
+    node, rec, model = started_node(sync="overlapped", timeout=0.05)
     for _ in range(4):  # two boundaries, no master answering
         train(model, 1.0)
         node.after_optimizer_step()
@@ -206,9 +210,7 @@ def test_a_newer_global_is_held_until_the_node_contributed():
 
 
 def test_failed_upload_is_carried_into_the_next_contribution():
-    node, rec, model = make_node(timeout=0.05)
-    offer(node, 0, 0.0)
-    node.merge_waiting()
+    node, rec, model = started_node(timeout=0.05)
     rec.fail_next = 1
     for _ in range(2):
         train(model, 1.0)
@@ -232,9 +234,7 @@ def test_zero_contribution_is_not_uploaded():
 
 
 def test_finish_uploads_the_final_contribution_and_installs_its_global():
-    node, rec, model = make_node(inner=4)
-    offer(node, 0, 0.0)
-    node.merge_waiting()
+    node, rec, model = started_node(inner=4)
     rec.on_send = master_for(node, lambda job: 42.0)
     train(model, 1.0)
     node.after_optimizer_step()
@@ -245,9 +245,7 @@ def test_finish_uploads_the_final_contribution_and_installs_its_global():
 
 
 def test_a_failed_final_upload_is_sent_again_not_lost():
-    node, rec, model = make_node(inner=4)
-    offer(node, 0, 0.0)
-    node.merge_waiting()
+    node, rec, model = started_node(inner=4)
     rec.on_send = master_for(node, lambda job: 7.0)
     rec.fail_next = 2  # the first two attempts fail; the third arrives
     train(model, 1.0)
@@ -261,9 +259,7 @@ def test_a_failed_final_upload_is_sent_again_not_lost():
 
 def test_a_failed_done_status_is_reported_as_such_and_sent_again(caplog):
     # the last step ends a round: its contribution arrived, only the done status is left
-    node, rec, model = make_node(inner=1)
-    offer(node, 0, 0.0)
-    node.merge_waiting()
+    node, rec, model = started_node(inner=1)
     rec.on_send = master_for(node, lambda job: 5.0)
     train(model, 1.0)
     node.after_optimizer_step()
@@ -279,9 +275,7 @@ def test_a_failed_done_status_is_reported_as_such_and_sent_again(caplog):
 
 
 def test_a_final_upload_that_never_arrives_is_kept_and_reported(caplog):
-    node, rec, model = make_node(inner=4)
-    offer(node, 0, 0.0)
-    node.merge_waiting()
+    node, rec, model = started_node(inner=4)
     rec.fail_next = 100
     train(model, 1.0)
     node.after_optimizer_step()
@@ -296,9 +290,7 @@ def test_a_final_contribution_left_in_the_checkpoint_is_sent_on_resume():
     """A final upload that failed every attempt leaves the node not done: its checkpoint holds
     the carry, and the resumed node's finish() sends it (before, ``done`` was saved and the
     resumed finish() returned at once: the last round never reached the master)."""
-    node, rec, model = make_node(inner=4)
-    offer(node, 0, 0.0)
-    node.merge_waiting()
+    node, rec, model = started_node(inner=4)
     rec.fail_next = 100
     train(model, 1.0)
     node.after_optimizer_step()
@@ -318,9 +310,7 @@ def test_a_final_contribution_left_in_the_checkpoint_is_sent_on_resume():
 
 
 def test_finish_with_nothing_left_sends_only_the_done_status():
-    node, rec, model = make_node(inner=1)
-    offer(node, 0, 0.0)
-    node.merge_waiting()
+    node, rec, model = started_node(inner=1)
     rec.on_send = master_for(node, lambda job: 5.0)
     train(model, 1.0)
     node.after_optimizer_step()  # boundary: round 0, global 1 installed
@@ -354,9 +344,7 @@ def test_state_round_trip_resends_the_upload_in_flight():
 def test_the_node_state_keeps_the_key_older_readers_of_its_format_read():
     """``speedtronic-diloco-node/2`` was first written with ``last_label``; a reader of that
     key (an older release resuming this checkpoint) finds it beside ``last_round``."""
-    node, rec, model = make_node(inner=1)
-    offer(node, 0, 0.0)
-    node.merge_waiting()
+    node, rec, model = started_node(inner=1)
     rec.on_send = master_for(node, lambda job: 1.0)
     train(model, 1.0)
     node.after_optimizer_step()

@@ -23,6 +23,17 @@ def nesterov_update(
         weight.sub_((lr * effective).to(weight.dtype))
 
 
+def _ours_and_torch(shape: tuple[int, ...]):
+    """One random weight of ``shape`` twice: ours (``{"w": ...}`` and its Nesterov outer
+    optimizer) and torch's (a Parameter and ``SGD(nesterov=True)``), lr 0.7, momentum 0.9."""
+    weight = torch.randn(*shape)
+    ours = {"w": weight.clone()}
+    opt = NesterovOuterOptimizer(ours, lr=0.7, momentum=0.9)
+    param = torch.nn.Parameter(weight.clone())
+    sgd = torch.optim.SGD([param], lr=0.7, momentum=0.9, nesterov=True)
+    return ours, opt, param, sgd
+
+
 def test_nesterov_first_step_golden():
     state = {"w": torch.tensor([1.0, 1.0])}
     opt = NesterovOuterOptimizer(state, lr=1.0, momentum=0.9)
@@ -43,11 +54,7 @@ def test_nesterov_first_step_golden():
 def test_nesterov_matches_torch_sgd_nesterov():
     """Same arithmetic as torch.optim.SGD(nesterov=True) with the pseudo-gradient as .grad."""
     torch.manual_seed(0)
-    weight = torch.randn(4, 3)
-    ours = {"w": weight.clone()}
-    opt = NesterovOuterOptimizer(ours, lr=0.7, momentum=0.9)
-    param = torch.nn.Parameter(weight.clone())
-    sgd = torch.optim.SGD([param], lr=0.7, momentum=0.9, nesterov=True)
+    ours, opt, param, sgd = _ours_and_torch((4, 3))
     for _ in range(5):
         grad = torch.randn(4, 3)
         opt.step(ours, {"w": grad})
@@ -105,11 +112,7 @@ def test_a_tensor_of_many_slices_steps_as_one_torch_sgd_over_the_whole_tensor(mo
 
     monkeypatch.setattr(ledger, "OUTER_CHUNK", 7)
     torch.manual_seed(1)
-    weight = torch.randn(5, 9)
-    ours = {"w": weight.clone()}
-    opt = NesterovOuterOptimizer(ours, lr=0.7, momentum=0.9)
-    param = torch.nn.Parameter(weight.clone())
-    sgd = torch.optim.SGD([param], lr=0.7, momentum=0.9, nesterov=True)
+    ours, opt, param, sgd = _ours_and_torch((5, 9))
     for _ in range(4):
         grad = torch.randn(5, 9)
         assert opt.first_non_finite(ours, {"w": grad}) is None

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from process_support import jsonl_events
+from process_support import STARTED, jsonl_events
 
 pytestmark = pytest.mark.slow
 
@@ -30,19 +30,6 @@ NODES = ("master", "w1", "w2")
 INNER = 20  # configs/diloco.yaml's distributed.inner_steps
 ROUNDS = 3
 LOOP_TIMEOUT = 300.0  # seconds; a run takes ~20 s on an idle 2-core machine
-
-_STARTED: list[subprocess.Popen] = []
-
-
-@pytest.fixture(autouse=True)
-def _reap_groups():
-    """Never leave a loop (bash and its three trainers) or a CPU hog behind."""
-    yield
-    while _STARTED:
-        proc = _STARTED.pop()
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(60)
 
 
 def readme_loop() -> str:
@@ -73,7 +60,7 @@ def _start_group(args: list[str], cwd: Path, env: dict[str, str], out: Path) -> 
         proc = subprocess.Popen(
             args, cwd=cwd, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
         )
-    _STARTED.append(proc)
+    STARTED.append(proc)  # reaped with its group (bash and its trainers, or a CPU hog)
     return proc
 
 

@@ -11,12 +11,12 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from process_support import run_speedtronic
 from test_deploy_support import REPO
 from test_rehearsal_support import (
     Rehearsal,
@@ -162,14 +162,7 @@ def test_json_logs_are_one_object_per_line_and_never_carry_the_token(tmp_path):
         SPEEDTRONIC_METRICS__ENABLED="false",
         HF_TOKEN="hf_SuperSecretValue123",
     )
-    result = subprocess.run(
-        [sys.executable, "-m", "speedtronic", "run", "--config", str(config)],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_speedtronic("run", "--config", str(config), env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "hf_SuperSecretValue123" not in result.stdout + result.stderr
     records = [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
@@ -217,14 +210,7 @@ def test_bad_input_exits_2_with_one_line_before_training(tmp_path, case):
         args, extra, needle = _bad_input_cases(tmp_path, busy.getsockname()[1])[case]
         env = run_env(tmp_path, SPEEDTRONIC_METRICS__PORT=str(free_port()))
         env.update(extra)
-        result = subprocess.run(
-            [sys.executable, "-m", "speedtronic", "run", *args],
-            env=env,
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        result = run_speedtronic("run", *args, env=env, cwd=tmp_path)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2, result.stderr[-2000:]
     assert len(lines) == 1 and lines[0].startswith("error: "), lines
@@ -256,14 +242,8 @@ def test_worker_node_id_collision_exits_2_before_training(tmp_path):
         assert http_get(first.url("/readyz"))[0] == 503
         owner_file = exchange / "nodes" / "worker-a" / "owner.json"
         first_instance = json.loads(owner_file.read_text())["instance"]
-        second = subprocess.run(
-            [sys.executable, "-m", "speedtronic", "run", "--config", str(config)],
-            env=run_env(tmp_path, SPEEDTRONIC_METRICS__PORT=str(free_port()), **common),
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        env = run_env(tmp_path, SPEEDTRONIC_METRICS__PORT=str(free_port()), **common)
+        second = run_speedtronic("run", "--config", str(config), env=env, cwd=tmp_path)
         lines = [line for line in second.stderr.splitlines() if line.strip()]
         assert second.returncode == 2, second.stderr[-3000:] + second.stdout[-3000:]
         assert lines[-1].startswith("error: distributed.node_id") and "worker-a" in lines[-1]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
+from cli_support import run_cli, write_run_config
 
 from speedtronic.cli import main
 from speedtronic.config import SpeedtronicConfig
@@ -20,7 +20,7 @@ MODEL = {"vocab_size": 64, "max_seq_len": 16, "n_layer": 1, "n_head": 2, "d_mode
 
 
 def write_config(tmp_path: Path, **changes) -> Path:
-    values = {
+    base = {
         "run": {"device": "cpu", "max_steps": 6, "output_dir": str(tmp_path / "run")},
         "model": dict(MODEL),
         "data": {"num_tokens": 256, "micro_batch_size": 4, "target_batch_size": 4},
@@ -31,17 +31,7 @@ def write_config(tmp_path: Path, **changes) -> Path:
         "logging": {"level": "WARNING", "json_file": str(tmp_path / "events.jsonl")},
         "eval": {"holdout": 0.1, "every_steps": 3, "tokens": 256, "batch_size": 8},
     }
-    for section, fields in changes.items():
-        values.setdefault(section, {}).update(fields)
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(values))
-    return path
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+    return write_run_config(tmp_path, base, **changes)
 
 
 def eval_events(tmp_path: Path) -> list[dict]:

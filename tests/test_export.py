@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
+from cli_support import run_cli, write_run_config
 from tokenizer_fixtures import train_bpe
 
-from speedtronic.cli import main
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.model import build_model, register_model
 from speedtronic.train.runtime import train_from_config
@@ -22,7 +21,7 @@ MODEL = {"vocab_size": 320, "max_seq_len": 32, "n_layer": 2, "n_head": 4, "d_mod
 
 
 def write_config(tmp_path: Path, model: dict | None = None, **sections) -> Path:
-    values = {
+    base = {
         "run": {"device": "cpu", "max_steps": 4, "output_dir": str(tmp_path / "run")},
         "model": {**MODEL, **(model or {})},
         "data": {"num_tokens": 64, "micro_batch_size": 2, "target_batch_size": 2},
@@ -30,17 +29,7 @@ def write_config(tmp_path: Path, model: dict | None = None, **sections) -> Path:
         "scheduler": {"warmup_steps": 1},
         "logging": {"level": "WARNING"},
     }
-    for name, fields in sections.items():
-        values.setdefault(name, {}).update(fields)
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(values))
-    return path
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+    return write_run_config(tmp_path, base, **sections)
 
 
 def trained_model(path: Path) -> torch.nn.Module:

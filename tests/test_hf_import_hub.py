@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hub_emulator_fixtures import TEST_TOKEN
+from hub_emulator_fixtures import TEST_TOKEN, running_emulator
 from test_hf_import import run_config, save_llama
 
-from speedtronic.testing.hub_server import FaultConfig, HubEmulator, LfsConfig
+from speedtronic.testing.hub_server import LfsConfig
 
 pytest.importorskip("transformers")
 
@@ -39,13 +39,8 @@ print(json.dumps({"weights": found.loads_weights, "files": sorted(
 def lfs_hub():
     """An emulator whose files of 16 KiB or more take the LFS path: every weight shard here,
     not the tokenizer or the configs."""
-    emulator = HubEmulator(
-        0, token=TEST_TOKEN, faults=FaultConfig(seed=11), lfs=LfsConfig(threshold=16384)
-    ).start()
-    try:
+    with running_emulator(11, lfs=LfsConfig(threshold=16384)) as emulator:
         yield emulator
-    finally:
-        emulator.stop()
 
 
 def _speedtronic(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:

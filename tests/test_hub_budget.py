@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from hub_emulator_fixtures import TEST_TOKEN
+from hub_emulator_fixtures import TEST_TOKEN, upload_then_poll
 
 from speedtronic.config import DistributedConfig
 from speedtronic.diloco.exchange import AccessRefused, RetryPolicy
@@ -65,24 +65,9 @@ def test_a_budgeted_hub_returns_429_and_every_contribution_is_aggregated_once(tm
         )
         hub.create_repo()
         master.reconcile()
-        nodes = ["a", "b", "c"]
         started = time.monotonic()
-        for r in range(3):  # 3 uploads + 1 publish per round: past the budget every round
-            run = hub.global_metadata().run_id
-            for i, node in enumerate(nodes):
-                hub.upload_delta(
-                    {"w": torch.full((4,), float(r * 3 + i + 1))},
-                    node_id=node,
-                    round_index=r,
-                    local_step=r,
-                    base_outer_step=r,
-                    owner={"instance": node, "state": "training"},
-                    metadata={"run_id": run, "instance": node},
-                )
-            deadline = time.monotonic() + 120
-            while not master.poll_once():
-                assert time.monotonic() < deadline, f"round {r} never closed: {events[-5:]}"
-                time.sleep(0.05)
+        # 3 uploads + 1 publish per round: past the budget every round
+        upload_then_poll(hub, master, events, rounds=3, width=4)
         refused = emulator.stats()["budget_refused"]["commit"]
         assert refused > 0, "the budget never bit"
         assert time.monotonic() - started >= 1.5  # the 429s were waited out, not ignored

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hub_emulator_fixtures import TEST_TOKEN
+from hub_emulator_fixtures import TEST_TOKEN, upload_then_poll
 
 from speedtronic.config import DistributedConfig
 from speedtronic.diloco.exchange import HubUnavailable, RetryPolicy
@@ -289,22 +289,7 @@ def test_a_delta_and_a_global_above_the_threshold_through_faulty_storage(tmp_pat
         emulator.on_commit = landed
         hub.create_repo()
         master.reconcile()
-        for r in range(3):
-            run = hub.global_metadata().run_id
-            for i, node in enumerate(["a", "b", "c"]):
-                hub.upload_delta(
-                    {"w": torch.full((width,), float(r * 3 + i + 1))},
-                    node_id=node,
-                    round_index=r,
-                    local_step=r,
-                    base_outer_step=r,
-                    owner={"instance": node, "state": "training"},
-                    metadata={"run_id": run, "instance": node},
-                )
-            deadline = time.monotonic() + 120
-            while not master.poll_once():
-                assert time.monotonic() < deadline, f"round {r} never closed: {events[-5:]}"
-                time.sleep(0.02)
+        upload_then_poll(hub, master, events, rounds=3, width=width, pause=0.02)
         stats = emulator.stats()
         deltas = {f"nodes/{n}/delta_{r}.safetensors" for n in "abc" for r in range(3)}
         assert deltas <= set(through_lfs), sorted(through_lfs)

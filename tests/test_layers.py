@@ -35,6 +35,18 @@ def test_config_imports_nothing_above_it():
     assert climbing == set()
 
 
+def test_metrics_imports_nothing_from_train():
+    """The metrics layer sits beside the trainer: it names no trainer type, even for the
+    checker (the start-up lines take the values they print)."""
+    climbing = {
+        f"{path.relative_to(PACKAGE)}: {name}"
+        for path in _modules(PACKAGE / "metrics")
+        for name in _imports(path)
+        if name == "speedtronic.train" or name.startswith("speedtronic.train.")
+    }
+    assert climbing == set()
+
+
 def test_no_product_module_imports_the_testing_package():
     testing = PACKAGE / "testing"
     offenders = {

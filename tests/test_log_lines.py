@@ -7,8 +7,9 @@ import io
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
+
+from process_support import run_speedtronic
 
 from speedtronic.metrics import MetricLogger
 from speedtronic.metrics.lines import STEP_LINE_LIMIT
@@ -113,14 +114,7 @@ def test_json_format_keeps_every_field():
 def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env = {k: v for k, v in env.items() if not k.startswith("SPEEDTRONIC_")}
-    return subprocess.run(
-        [sys.executable, "-m", "speedtronic", *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    return run_speedtronic(*args, cwd=tmp_path, env=env, timeout=240)
 
 
 def test_smoke_train_output_reads_well(tmp_path):

@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from hub_emulator_fixtures import TEST_TOKEN
+from process_support import run_speedtronic
 from tokenizer_fixtures import train_bpe, write_corpus
 
 from speedtronic.cli import main
@@ -70,14 +70,7 @@ def _push(root: Path, url: str, *args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE"))}
     env.update(HF_ENDPOINT=url, HF_TOKEN=TEST_TOKEN, HF_HOME=str(root / "hf-home"))
     env.update(HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_TELEMETRY="1")
-    return subprocess.run(
-        [sys.executable, "-m", "speedtronic", "push", "--config", "push.yaml", *args],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    return run_speedtronic("push", "--config", "push.yaml", *args, cwd=root, env=env, timeout=180)
 
 
 def test_push_uploads_one_commit_that_transformers_loads(trained, tmp_path, monkeypatch):
@@ -159,27 +152,8 @@ def test_run_push_to_hub_pushes_the_final_model_after_training(trained, tmp_path
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE"))}
     env.update(HF_ENDPOINT=emulator.url, HF_TOKEN=TEST_TOKEN, HF_HUB_DISABLE_XET="1")
     try:
-        run = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "speedtronic",
-                "train",
-                "--config",
-                "push.yaml",
-                "--output-dir",
-                "run-pushed",
-                "--max-steps",
-                "6",
-                "--set",
-                "run.push_to_hub=org/auto",
-            ],
-            cwd=trained,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        argv = ["train", "--config", "push.yaml", "--output-dir", "run-pushed", "--max-steps", "6"]
+        run = run_speedtronic(*argv, "--set", "run.push_to_hub=org/auto", cwd=trained, env=env)
         assert run.returncode == 0, run.stderr[-2000:]
         assert emulator.stats()["commits_by_repo"]["org/auto"] == 1
         folder = Path(

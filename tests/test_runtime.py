@@ -229,3 +229,24 @@ def test_exploding_run_stops_on_nonfinite_loss_keeping_last_good_checkpoint(tmp_
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     nonfinite = next(e for e in events if e["event"] == "nonfinite_loss")
     assert nonfinite["step"] == bad
+
+
+def test_init_from_into_a_factory_registered_over_the_reference_name_is_refused(
+    tmp_path, monkeypatch
+):
+    """``model.init_from`` is for the reference transformer; a factory registered over its
+    name that builds something else is a configuration error, not an AttributeError."""
+    transformers = pytest.importorskip("transformers")
+    from speedtronic.model.registry import register_model, registry
+
+    shape = {"vocab_size": 300, "hidden_size": 32, "intermediate_size": 64}
+    shape |= {"num_hidden_layers": 1, "num_attention_heads": 2, "rms_norm_eps": 1e-5}
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape))
+    llama.save_pretrained(str(tmp_path / "llama"))
+    monkeypatch.setattr(registry, "_factories", {})  # restored after the test
+    register_model("reference_transformer", lambda **shape: torch.nn.Linear(2, 2))
+    config = small_config(tmp_path, model={"init_from": str(tmp_path / "llama")})
+    del config["model"]["vocab_size"], config["model"]["n_head"], config["model"]["d_model"]
+    del config["model"]["n_layer"]
+    with pytest.raises(ConfigError, match=r"model\.init_from loads into the reference"):
+        build_runtime(config)

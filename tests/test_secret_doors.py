@@ -14,12 +14,11 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import pytest
+from process_support import run_speedtronic
 
 from speedtronic import entrypoint
 from speedtronic.cli import main
@@ -154,15 +153,10 @@ def test_train_with_the_token_as_run_name_makes_no_directory(tmp_path) -> None:
     secrets = _secrets(tmp_path, hf_token=TOKEN + "\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPEEDTRONIC_", "HF_"))}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", SPEEDTRONIC_SECRETS_DIR=str(secrets))
-    argv = [sys.executable, "-m", "speedtronic", "train", "--config", SMOKE, "--max-steps", "2"]
-    argv += ["--output-dir", str(tmp_path / "o"), "--set", "logging.trackers=[tensorboard]"]
-    done = subprocess.run(
-        [*argv, "--set", f"logging.run_name={TOKEN.lower()}"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    argv = ["train", "--config", SMOKE, "--max-steps", "2", "--output-dir", str(tmp_path / "o")]
+    argv += ["--set", "logging.trackers=[tensorboard]"]
+    done = run_speedtronic(
+        *argv, "--set", f"logging.run_name={TOKEN.lower()}", cwd=tmp_path, env=env, timeout=120
     )
     assert done.returncode == 2, done.stderr
     assert "logging.run_name holds the value of distributed.token" in done.stderr

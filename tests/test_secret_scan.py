@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import subprocess
 import sys
 import time
@@ -31,7 +30,7 @@ from pathlib import Path
 from urllib.parse import quote, quote_plus
 
 import pytest
-from process_support import free_port, reap
+from process_support import STARTED, child_env, free_port
 
 from speedtronic.testing.hub_server import FaultConfig, HubEmulator
 
@@ -39,7 +38,6 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "hf_scan+Secret-8472_xyzzy+QWERTYuiop"  # '+' percent-encodes; '_'/'-' defeat patterns
-_RUNNING: list[subprocess.Popen] = []
 
 
 def _needles(token: str) -> dict[str, bytes]:
@@ -99,18 +97,8 @@ class Scan:
             self.text("file or directory name", str(path), str(path.relative_to(root)))
 
 
-@pytest.fixture(autouse=True)
-def _reap():
-    yield
-    reap(_RUNNING)
-
-
 def _base_env(tmp: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPEEDTRONIC_", "HF_"))}
-    env.update(
-        PYTHONPATH=str(ROOT),
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
+    env = child_env(
         HF_HUB_DISABLE_TELEMETRY="1",
         SPEEDTRONIC_SECRETS_DIR=str(tmp / "no-secrets"),
         SPEEDTRONIC_RUN__MAX_STEPS="20",
@@ -158,7 +146,7 @@ class Node:
         args += ["--config", str(ROOT / "configs" / "diloco.yaml")]
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(args, cwd=self.tmp, env=self.env, stdout=out, stderr=out)
-        _RUNNING.append(self.proc)
+        STARTED.append(self.proc)
         return self
 
     def scrape(self) -> None:

@@ -33,6 +33,13 @@ def speedtronic(*args: str, env: dict[str, str] | None = None, **kwargs) -> subp
     )
 
 
+def train_smoke(output: Path, *args: str, **kwargs) -> subprocess.Popen:
+    """``speedtronic train`` of configs/smoke.yaml into ``output``, with ``args`` after."""
+    return speedtronic(
+        "train", "--config", "configs/smoke.yaml", "--output-dir", str(output), *args, **kwargs
+    )
+
+
 def events(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -43,15 +50,8 @@ def events(path: Path) -> list[dict]:
 def test_smoke_config_end_to_end(tmp_path):
     jsonl = tmp_path / "events.jsonl"
     began = time.monotonic()
-    proc = speedtronic(
-        "train",
-        "--config",
-        "configs/smoke.yaml",
-        "--output-dir",
-        str(tmp_path),
-        "--set",
-        f"logging.json_file={jsonl}",
-        env={"OMP_NUM_THREADS": "1"},
+    proc = train_smoke(
+        tmp_path, "--set", f"logging.json_file={jsonl}", env={"OMP_NUM_THREADS": "1"}
     )
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
@@ -75,9 +75,7 @@ def test_smoke_config_end_to_end(tmp_path):
     train = [e["loss"] for e in records if e["event"] == "train_step"]
     assert sum(train[-20:]) / 20 < 2.0 < 4.6 < sum(train[:5]) / 5
     # resuming at the target does no work and keeps the counters
-    proc = speedtronic(
-        "train", "--config", "configs/smoke.yaml", "--output-dir", str(tmp_path), "--resume"
-    )
+    proc = train_smoke(tmp_path, "--resume")
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     # issue 29: no step ran, so no loss (never printed as None)
@@ -87,18 +85,9 @@ def test_smoke_config_end_to_end(tmp_path):
 @pytest.mark.slow
 def test_sigterm_stops_gracefully_with_final_checkpoint(tmp_path):
     jsonl = tmp_path / "events.jsonl"
-    proc = speedtronic(
-        "train",
-        "--config",
-        "configs/smoke.yaml",
-        "--output-dir",
-        str(tmp_path),
-        "--max-steps",
-        "100000",
-        "--set",
-        "checkpoint.every_steps=100000",
-        "--set",
-        f"logging.json_file={jsonl}",
+    every = "checkpoint.every_steps=100000"
+    proc = train_smoke(
+        tmp_path, "--max-steps", "100000", "--set", every, "--set", f"logging.json_file={jsonl}"
     )
     try:
         deadline = time.monotonic() + 90
@@ -126,15 +115,7 @@ def test_sigterm_stops_gracefully_with_final_checkpoint(tmp_path):
 def test_cuda_request_without_cuda_exits_2(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("machine has CUDA")
-    proc = speedtronic(
-        "train",
-        "--config",
-        "configs/smoke.yaml",
-        "--output-dir",
-        str(tmp_path),
-        "--set",
-        "run.device=cuda",
-    )
+    proc = train_smoke(tmp_path, "--set", "run.device=cuda")
     _out, err = proc.communicate(timeout=120)
     assert proc.returncode == 2
     lines = err.strip().splitlines()
@@ -188,12 +169,8 @@ def test_node_id_collision_stops_train_with_exit_2(tmp_path):
         "state": "training",
     }
     owner.write_text(json.dumps(record))
-    proc = speedtronic(
-        "train",
-        "--config",
-        "configs/smoke.yaml",
-        "--output-dir",
-        str(tmp_path / "out"),
+    proc = train_smoke(
+        tmp_path / "out",
         "--max-steps",
         "3",
         env={

@@ -44,6 +44,13 @@ def events_of(logger: MetricLogger) -> list[tuple[str, dict]]:
     return seen
 
 
+def sgd_trainer(model: nn.Module, batches, *, lr: float = 0.1, **keywords) -> Trainer:
+    """A `Trainer` of ``model`` on ``batches`` with plain SGD at ``lr`` and a quiet logger
+    (unless ``keywords`` name another); ``keywords`` go to the Trainer as they are."""
+    keywords.setdefault("logger", quiet_logger())
+    return Trainer(model, torch.optim.SGD(model.parameters(), lr=lr), batches, **keywords)
+
+
 def scalar_batches(*values: float):
     return [(torch.tensor([v]), torch.tensor([0.0])) for v in values]
 
@@ -127,25 +134,13 @@ def test_attention_mask_counts_tokens():
     batch["attention_mask"] = torch.tensor(
         [[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool
     )
-    trainer = Trainer(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        [batch],
-        logger=quiet_logger(),
-        options=TrainerOptions(max_steps=2),
-    )
+    trainer = sgd_trainer(model, [batch], options=TrainerOptions(max_steps=2))
     assert trainer.fit().tokens == 18
 
 
 def test_absolute_target_and_second_fit():
     model = TinyLM()
-    trainer = Trainer(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        lm_batches(),
-        logger=quiet_logger(),
-        options=TrainerOptions(max_steps=3),
-    )
+    trainer = sgd_trainer(model, lm_batches(), options=TrainerOptions(max_steps=3))
     assert trainer.fit().steps == 3
     again = trainer.fit()
     assert again.steps == 3 and again.final_loss is None and again.metrics == []
@@ -175,13 +170,7 @@ def test_loss_resolution_forms(output):
             return output(loss, logits)
 
     model = Model()
-    trainer = Trainer(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        lm_batches(2),
-        logger=quiet_logger(),
-        options=TrainerOptions(max_steps=2),
-    )
+    trainer = sgd_trainer(model, lm_batches(2), options=TrainerOptions(max_steps=2))
     assert trainer.fit().final_loss > 0
 
 
@@ -197,13 +186,7 @@ def test_model_without_loss_is_a_clear_error_before_any_update():
     model = NoLoss()
     before = model.w.weight.detach().clone()
     batches = [(torch.ones(1, 2), torch.zeros(1, 2))]
-    trainer = Trainer(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        batches,
-        logger=quiet_logger(),
-        options=TrainerOptions(max_steps=2),
-    )
+    trainer = sgd_trainer(model, batches, options=TrainerOptions(max_steps=2))
     with pytest.raises(MissingLossError, match="NoLoss"):
         trainer.fit()
     assert torch.equal(model.w.weight, before)
@@ -243,9 +226,8 @@ def test_grad_scaler_overflow_skips_then_recovers():
     model = Overflowing()
     logger = quiet_logger()
     seen = events_of(logger)
-    trainer = Trainer(
+    trainer = sgd_trainer(
         model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
         scalar_batches(1.0),
         logger=logger,
         options=TrainerOptions(precision=cpu_fp16_plan(), max_steps=3),
@@ -263,11 +245,9 @@ def test_grad_scaler_overflow_skips_then_recovers():
 def test_twenty_consecutive_overflows_raise():
     InfGrad.calls, InfGrad.budget = 0, 10_000
     model = Overflowing()
-    trainer = Trainer(
+    trainer = sgd_trainer(
         model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
         scalar_batches(1.0),
-        logger=quiet_logger(),
         options=TrainerOptions(precision=cpu_fp16_plan(), max_steps=3),
     )
     with pytest.raises(GradientOverflowError, match="20 consecutive updates"):
@@ -292,9 +272,8 @@ def test_nonfinite_loss_stops_with_step_and_keeps_last_checkpoint(tmp_path):
     logger = quiet_logger()
     seen = events_of(logger)
     manager = CheckpointManager(tmp_path, every_steps=1, keep_last=None)
-    trainer = Trainer(
+    trainer = sgd_trainer(
         model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
         scalar_batches(1.0),
         logger=logger,
         checkpoint_manager=manager,
@@ -314,13 +293,7 @@ def test_nonfinite_loss_stops_with_step_and_keeps_last_checkpoint(tmp_path):
 def test_nonfinite_loss_skips_when_configured():
     model = NaNAt({2})
     config = {"run": {"stop_on_nonfinite": False, "max_steps": 3}}
-    trainer = Trainer(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        scalar_batches(1.0),
-        config=config,
-        logger=quiet_logger(),
-    )
+    trainer = sgd_trainer(model, scalar_batches(1.0), config=config)
     result = trainer.fit()
     assert result.steps == 3 and result.skipped_updates == 1
     assert torch.isfinite(model.p).all()
@@ -329,13 +302,7 @@ def test_nonfinite_loss_skips_when_configured():
 def test_grad_clip_limits_norm():
     model = Scalar()
     config = {"optimizer": {"grad_clip": 0.5}, "run": {"max_steps": 1}}
-    trainer = Trainer(
-        model,
-        torch.optim.SGD(model.parameters(), lr=1.0),
-        scalar_batches(10.0),
-        config=config,
-        logger=quiet_logger(),
-    )
+    trainer = sgd_trainer(model, scalar_batches(10.0), lr=1.0, config=config)
     result = trainer.fit()
     assert result.metrics[0]["grad_norm"] == pytest.approx(20.0)  # pre-clip norm is reported
     assert model.p.item() == pytest.approx(0.5)
@@ -346,9 +313,8 @@ def test_request_stop_from_a_thread_saves_final_checkpoint(tmp_path):
     logger = quiet_logger()
     seen = events_of(logger)
     manager = CheckpointManager(tmp_path, every_steps=1000)
-    trainer = Trainer(
+    trainer = sgd_trainer(
         model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
         lm_batches(),
         logger=logger,
         checkpoint_manager=manager,
@@ -444,17 +410,22 @@ def test_coordinator_hooks_the_optimizer_and_finishes_only_at_the_run_target():
     ]  # fmt: skip
 
 
-def test_stop_request_interrupts_the_coordinator_and_skips_finish():
+def coordinated_trainer(coordinator: FakeCoordinator, max_steps: int) -> Trainer:
+    """A `TinyLM` trained with AdamW (lr 0.01) on `lm_batches` under ``coordinator``."""
     model = TinyLM()
-    coordinator = FakeCoordinator()
-    trainer = Trainer(
+    return Trainer(
         model,
         torch.optim.AdamW(model.parameters(), lr=0.01),
         lm_batches(),
         logger=quiet_logger(),
         coordinator=coordinator,
-        options=TrainerOptions(max_steps=5),
+        options=TrainerOptions(max_steps=max_steps),
     )
+
+
+def test_stop_request_interrupts_the_coordinator_and_skips_finish():
+    coordinator = FakeCoordinator()
+    trainer = coordinated_trainer(coordinator, max_steps=5)
     trainer.logger.hooks.append(
         lambda event, payload: trainer.request_stop("test") if event == "train_step" else None
     )
@@ -464,16 +435,8 @@ def test_stop_request_interrupts_the_coordinator_and_skips_finish():
 
 
 def test_pure_aggregator_coordinator_runs_no_steps():
-    model = TinyLM()
     coordinator = FakeCoordinator(trains=False)
-    trainer = Trainer(
-        model,
-        torch.optim.AdamW(model.parameters(), lr=0.01),
-        lm_batches(),
-        logger=quiet_logger(),
-        coordinator=coordinator,
-        options=TrainerOptions(max_steps=5),
-    )
+    trainer = coordinated_trainer(coordinator, max_steps=5)
     result = trainer.fit()
     assert result.steps == 0
     assert coordinator.calls == ["attach", ("start", 0), "finish", "stop"]
@@ -521,13 +484,7 @@ def test_compile_runtime_failure_falls_back_to_eager(monkeypatch):
     seen = events_of(logger)
     model = TinyLM()
     config = {"compile": True, "run": {"max_steps": 2}}
-    trainer = Trainer(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        lm_batches(),
-        config=config,
-        logger=logger,
-    )
+    trainer = sgd_trainer(model, lm_batches(), config=config, logger=logger)
     result = trainer.fit()
     assert result.steps == 2
     compile_events = [p for e, p in seen if e == "compile"]
@@ -586,13 +543,7 @@ def test_ooo_backprop_on_cpu_is_disabled_and_training_works():
     seen = events_of(logger)
     model = TinyLM()
     config = {"ooo_backprop": True, "ooo_streams": 2, "run": {"max_steps": 2}}
-    trainer = Trainer(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        lm_batches(),
-        config=config,
-        logger=logger,
-    )
+    trainer = sgd_trainer(model, lm_batches(), config=config, logger=logger)
     assert trainer.fit().steps == 2
     ooo = [p for e, p in seen if e == "ooo_backprop"]
     assert ooo and ooo[0]["enabled"] is False and "cpu" in ooo[0]["reason"]
@@ -601,24 +552,12 @@ def test_ooo_backprop_on_cpu_is_disabled_and_training_works():
 def test_list_loader_resume_fast_forwards_position():
     batches = lm_batches(5)
     model = TinyLM()
-    first = Trainer(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        batches,
-        logger=quiet_logger(),
-        options=TrainerOptions(max_steps=7),
-    )
+    first = sgd_trainer(model, batches, options=TrainerOptions(max_steps=7))
     first.fit(3)
     state = copy.deepcopy(first.state_dict())  # live tensors otherwise
     reference = first.fit(7).metrics
     torch.manual_seed(0)
     other = TinyLM()
-    second = Trainer(
-        other,
-        torch.optim.SGD(other.parameters(), lr=0.1),
-        batches,
-        logger=quiet_logger(),
-        options=TrainerOptions(max_steps=7),
-    )
+    second = sgd_trainer(other, batches, options=TrainerOptions(max_steps=7))
     second.resume(state)
     assert [m["loss"] for m in second.fit().metrics] == [m["loss"] for m in reference]

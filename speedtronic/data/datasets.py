@@ -41,7 +41,7 @@ def _record(window: torch.Tensor) -> Record:
     return {"input_ids": window[:-1], "labels": window[1:]}
 
 
-class SyntheticTokenDataset(Dataset):
+class SyntheticTokenDataset(Dataset[Record]):
     """``num_samples`` random windows; item ``i`` depends only on ``seed + i``.
 
     Labels are uniform random, so the loss cannot fall far below ``ln(vocab_size)``: this
@@ -105,7 +105,7 @@ class _ByteRange(io.RawIOBase):
         super().close()
 
 
-class TextFileTokenDataset(IterableDataset):
+class TextFileTokenDataset(IterableDataset[Record]):
     """Stream a UTF-8 text file as disjoint windows of ``block_size + 1`` tokens.
 
     The file is read ``chunk_chars`` characters at a time (never whole); each chunk is
@@ -214,7 +214,7 @@ def _last_break(text: str) -> int:
     return index if index > 0 else len(text)
 
 
-class TokenWindowDataset(Dataset):
+class TokenWindowDataset(Dataset[Record]):
     """Windows of ``block_size + 1`` tokens from a flat 1-D token stream.
 
     The index is the window's start offset (``0 <= start <= len(tokens) - block_size - 1``),
@@ -306,7 +306,7 @@ def open_token_array(path: str, dtype: str = "uint16", *, split: str = "train") 
     return np.memmap(path, dtype=np.dtype(dtype), mode="r")
 
 
-class SampleTensorDataset(Dataset):
+class SampleTensorDataset(Dataset[Record]):
     """Fixed samples: ``inputs`` and ``labels`` are (N, T) integer tensors."""
 
     def __init__(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:

@@ -34,9 +34,9 @@ from speedtronic.data.markov import HELDOUT_DOMAIN, MarkovTokenDataset, seed_gen
 from speedtronic.data.shards import TokenArray
 from speedtronic.data.sources import (
     _error,
-    _open_serialized,
     _require_file,
     configured_tokenizer,
+    open_dataset,
     read_tokens,
     split_map_dataset,
     split_point,
@@ -176,11 +176,8 @@ def _holdout_of_training(
         tail = tokens[split_point(len(tokens), holdout) :]
         records = _token_records(tail, block_size, f"{share} {token_path}", "eval.holdout")
         return HeldOutSource(records, f"{share} data.token_path {token_path}")
-    spec = data.dataset
-    if spec is not None:
-        dataset = spec
-        if isinstance(spec, (str, os.PathLike)):
-            dataset = _open_serialized(os.fspath(spec), data.allow_pickle, block_size, vocab_size)
+    if data.dataset is not None:
+        dataset = open_dataset(data, block_size, vocab_size)
         _, held = split_map_dataset(dataset, holdout, "data.dataset", block_size)
         if isinstance(held, (torch.Tensor, np.ndarray)):
             records = _token_records(held, block_size, f"{share} data.dataset", "eval.holdout")

@@ -11,7 +11,7 @@ data position can be saved in a checkpoint and restored exactly (see the package
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
@@ -76,7 +76,7 @@ def collate_batch(batch: Sequence[Any]) -> object:
     if isinstance(first, (tuple, list)):
         if any(len(item) != len(first) for item in batch):
             raise ValueError("tuple dataset items must have the same number of fields")
-        columns = []
+        columns: list[torch.Tensor | list[object]] = []
         for column in zip(*batch, strict=True):
             if isinstance(column[0], torch.Tensor):
                 if any(t.shape != column[0].shape for t in column):
@@ -188,7 +188,7 @@ class TokenWindowSampler(EpochSampler):
         return super().order(epoch) * self.block_size
 
 
-class ResumableDataLoader(DataLoader):
+class ResumableDataLoader(DataLoader[object]):
     """A ``DataLoader`` whose position (epoch, batches handed out) can be saved and restored.
 
     Iterating continues from the current position; a completed pass advances the epoch.
@@ -203,7 +203,12 @@ class ResumableDataLoader(DataLoader):
     """
 
     def __init__(
-        self, dataset: Dataset, *args: Any, rank: int = 0, world_size: int = 1, **kwargs: Any
+        self,
+        dataset: Dataset[object],
+        *args: Any,
+        rank: int = 0,
+        world_size: int = 1,
+        **kwargs: Any,
     ) -> None:
         super().__init__(dataset, *args, **kwargs)
         self._epoch = 0
@@ -220,7 +225,9 @@ class ResumableDataLoader(DataLoader):
             return batches
         return (b for i, b in enumerate(batches) if i % self.world_size == self.rank)
 
-    def __iter__(self) -> Iterator[object]:  # type: ignore[override]
+    def __iter__(self) -> Iterator[object]:  # type: ignore[override]  # torch: a private class
+        """One pass from the saved position (torch's stub names its private iterator class as
+        ``__iter__``'s type; a pass here is a generator over the same batches)."""
         return self._pass()
 
     def _pass(self) -> Iterator[object]:
@@ -292,7 +299,7 @@ def load_data_state_dict(loader: object, state: StateDict | None) -> bool:
 def build_dataloader(
     config: DataConfig | None = None,
     *,
-    dataset: Dataset | None = None,
+    dataset: Dataset[object] | None = None,
     tokenizer: TokenizerLike | None = None,
     pin_memory_device: bool = False,
     vocab_size: int | None = None,
@@ -350,6 +357,6 @@ def build_dataloader(
             shuffle=data.shuffle,
             seed=seed,
         )
-    elif not isinstance(dataset, IterableDataset) and hasattr(dataset, "__len__"):
+    elif not isinstance(dataset, IterableDataset) and isinstance(dataset, Sized):
         kwargs["sampler"] = EpochSampler(len(dataset), shuffle=data.shuffle, seed=seed)
     return ResumableDataLoader(dataset, rank=rank, world_size=world_size, **kwargs)

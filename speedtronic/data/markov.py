@@ -80,7 +80,7 @@ def _successors(rng: np.random.Generator, vocab: int, k: int) -> np.ndarray:
 
 def _quantise(probs: np.ndarray, resolution: int) -> np.ndarray:
     """Integer slot counts per row: at least 1 each, summing to ``resolution``."""
-    counts = np.maximum(np.floor(probs * resolution).astype(np.int64), 1)
+    counts: np.ndarray = np.maximum(np.floor(probs * resolution).astype(np.int64), 1)
     rows = np.arange(counts.shape[0])
     largest = counts.argmax(axis=1)
     counts[rows, largest] += resolution - counts.sum(axis=1)

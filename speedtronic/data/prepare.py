@@ -34,11 +34,10 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -96,31 +95,46 @@ def _read_json(path: Path) -> JSON | None:
 class _Run:
     """One prepare run: settings, output checks, the unit loop, resume and finalisation."""
 
-    def __init__(self, inputs: Sequence[str], output: str | os.PathLike[str], **opts: Any):
-        from speedtronic.data.tokenizer import load_tokenizer
+    def __init__(
+        self,
+        inputs: Sequence[str],
+        output: str | os.PathLike[str],
+        *,
+        tokenizer: str,
+        field: str,
+        holdout: float | str,
+        workers: int,
+        shard_tokens: int,
+        unit_bytes: int,
+        utf8: str,
+        log: Callable[[str], None] | None,
+        progress: Callable[[int, int], None] | None,
+    ) -> None:
+        from speedtronic.data.tokenizer import HFTokenizer, load_tokenizer
 
         self.output = Path(output)
-        self.log: Callable[[str], None] = opts["log"] or (lambda message: None)
-        self.progress = opts["progress"]
-        self.workers = int(opts["workers"])
-        self.shard_tokens = int(opts["shard_tokens"])
-        self.unit_bytes = int(opts["unit_bytes"])
-        self.field, self.strict = str(opts["field"]), opts["utf8"] == "strict"
+        self.log: Callable[[str], None] = log or (lambda message: None)
+        self.progress = progress
+        self.workers = int(workers)
+        self.shard_tokens = int(shard_tokens)
+        self.unit_bytes = int(unit_bytes)
+        self.field, self.strict = str(field), utf8 == "strict"
         try:
-            self.holdout = Fraction(str(opts["holdout"])).limit_denominator(10**6)
+            self.holdout = Fraction(str(holdout)).limit_denominator(10**6)
         except (ValueError, ZeroDivisionError):
-            message = f"--holdout must be a number in [0, 1), got {opts['holdout']!r}"
+            message = f"--holdout must be a number in [0, 1), got {holdout!r}"
             raise PrepareError(message) from None
         if not 0 <= self.holdout < 1:
-            raise PrepareError(f"--holdout must be in [0, 1), got {opts['holdout']}")
+            raise PrepareError(f"--holdout must be in [0, 1), got {holdout}")
         if self.workers < 1 or self.shard_tokens < 1 or self.unit_bytes < 1:
             raise PrepareError("--workers, --shard-tokens and the unit size must be positive")
         try:
-            self.tokenizer = load_tokenizer(opts["tokenizer"], field="--tokenizer", token=None)
+            self.tokenizer = load_tokenizer(tokenizer, field="--tokenizer", token=None)
         except ValueError as exc:
             raise PrepareError(str(exc).replace("--tokenizer: ", "--tokenizer ", 1)) from None
-        self.vocab_file = self.tokenizer.spec != "bytes"
-        self.vocab = int(self.tokenizer.vocab_size) if self.vocab_file else 256
+        # the tokenizer with a tokenizer.json (None: bytes)
+        self.files = self.tokenizer if isinstance(self.tokenizer, HFTokenizer) else None
+        self.vocab = int(self.tokenizer.vocab_size) if self.files is not None else 256
         self.dtype = "uint16" if self.vocab <= 1 << 16 else "uint32"
         self.sources, self.skipped = collect_sources(inputs)
         check_parquet_field(self.sources, self.field)
@@ -292,7 +306,7 @@ class _Run:
         at most ``unit_bytes`` (several small files per job), at most ``2 * workers`` at once."""
         every = iter_units(self.sources, self.unit_bytes, self.field)
         units = (u for u in every if u.index >= start)
-        tokenizer_json = None if self.tokenizer.spec == "bytes" else self.tokenizer.to_str()
+        tokenizer_json = self.files.to_str() if self.files is not None else None
         init = (tokenizer_json, self.tokenizer.eos_id, self.workers > 1)
 
         def jobs() -> Iterator[list[Unit]]:
@@ -324,7 +338,7 @@ class _Run:
         pool = ProcessPoolExecutor(
             self.workers, mp_context=context, initializer=init_worker, initargs=init
         )
-        pending: deque = deque()
+        pending: deque[tuple[list[Unit], Future[list[Encoded]]]] = deque()
         try:
             for batch in jobs():
                 future = pool.submit(encode_units, payload(batch), self.field, self.strict)
@@ -429,7 +443,7 @@ class _Run:
             "fingerprint": self.fingerprint,
             "tokenizer": {
                 "spec": self.tokenizer.spec,
-                "file": str(self.tokenizer.info.path.resolve()) if self.vocab_file else None,
+                "file": str(self.files.info.path.resolve()) if self.files is not None else None,
                 "sha256": self.tokenizer.sha256,
                 "encoding": self.tokenizer.encoding,
                 "vocab_size": self.vocab,
@@ -487,6 +501,17 @@ def prepare(
     """
     if utf8 not in ("replace", "strict"):
         raise PrepareError(f"--utf8 must be replace or strict, got {utf8!r}")
-    options = dict(log=log, progress=progress, workers=workers, shard_tokens=shard_tokens)
-    options.update(unit_bytes=unit_bytes, field=field, utf8=utf8, holdout=holdout)
-    return _Run(inputs, output, tokenizer=tokenizer, **options).run(overwrite, on_start)
+    run = _Run(
+        inputs,
+        output,
+        tokenizer=tokenizer,
+        field=field,
+        holdout=holdout,
+        workers=workers,
+        shard_tokens=shard_tokens,
+        unit_bytes=unit_bytes,
+        utf8=utf8,
+        log=log,
+        progress=progress,
+    )
+    return run.run(overwrite, on_start)

@@ -37,6 +37,7 @@ from speedtronic.data.tokenizer import Tokenizer, TokenizerLike
 __all__ = [
     "check_token_ids",
     "configured_tokenizer",
+    "open_dataset",
     "open_source",
     "read_tokens",
     "split_map_dataset",
@@ -70,7 +71,7 @@ def open_source(
     tokenizer: TokenizerLike | None = None,
     holdout: float = 0.0,
     stream_seed: int | None = None,
-) -> Dataset:
+) -> Dataset[object]:
     """Return the training dataset the ``data`` section asks for (validated; see above)."""
     seed = config.seed or 0
     samples_seed = seed if stream_seed is None else stream_seed
@@ -81,12 +82,9 @@ def open_source(
         return _open_text(os.fspath(text_path), block_size, vocab_size, tokenizer, holdout)
     token_path = config.token_path
     if token_path:
-        return _open_token_file(config, block_size, vocab_size, holdout, tokenizer)
-    spec = config.dataset
-    if isinstance(spec, (Dataset, IterableDataset)):
-        return split_map_dataset(spec, holdout, "data.dataset", block_size)[0]
-    if spec is not None:
-        dataset = _open_serialized(os.fspath(spec), config.allow_pickle, block_size, vocab_size)
+        return _open_token_file(config, token_path, block_size, vocab_size, holdout, tokenizer)
+    if config.dataset is not None:
+        dataset = open_dataset(config, block_size, vocab_size)
         return split_map_dataset(dataset, holdout, "data.dataset", block_size)[0]
     kind = config.synthetic
     if kind == "none":
@@ -132,8 +130,8 @@ def tokenizer_marks(
 
 
 def split_map_dataset(
-    dataset: Dataset, holdout: float, field: str, block_size: int
-) -> tuple[Dataset, Dataset | TokenArray | None]:
+    dataset: Dataset[object], holdout: float, field: str, block_size: int
+) -> tuple[Dataset[object], Dataset[object] | TokenArray | None]:
     """``(training part, held-out part)`` of a dataset: its last ``holdout`` fraction held out.
 
     Token streams (``TokenWindowDataset``) are split by tokens, anything else with ``len()`` by
@@ -194,7 +192,7 @@ def _open_text(
     vocab_size: int,
     tokenizer: TokenizerLike | None,
     holdout: float = 0.0,
-) -> Dataset:
+) -> Dataset[object]:
     _require_file("data.text_path", path)
     stop = split_point(os.path.getsize(path), holdout) if holdout > 0 else None
     dataset = TextFileTokenDataset(
@@ -215,12 +213,12 @@ def _open_text(
 
 def _open_token_file(
     config: DataConfig,
+    path: str,
     block_size: int,
     vocab_size: int,
     holdout: float,
     tokenizer: TokenizerLike | None,
-) -> Dataset:
-    path = os.fspath(config.token_path)
+) -> Dataset[object]:
     tokens, dtype = read_tokens(config, path, vocab_size, "data.token_path", tokenizer=tokenizer)
     stop = split_point(len(tokens), holdout) if holdout > 0 else None
     kept = len(tokens) if stop is None else stop
@@ -268,11 +266,11 @@ def token_array(
     if os.path.isdir(path):
         from speedtronic.data.shards import open_prepared
 
-        tokens = open_prepared(
+        shards = open_prepared(
             path, split, field, vocab_size=vocab_size, tokenizer_marks=tokenizer_marks
         )
-        check_token_ids(_sample(tokens), vocab_size, field, path)
-        return tokens, tokens.dtype.name
+        check_token_ids(_sample(shards), vocab_size, field, path)
+        return shards, shards.dtype.name
     _require_file(field, path)
     if dtype not in TOKEN_DTYPES:
         raise _error(f"data.token_dtype: must be uint16 or uint32, got {dtype!r}")
@@ -338,7 +336,20 @@ def check_token_ids(
         )
 
 
-def _open_serialized(path: str, allow_pickle: bool, block_size: int, vocab_size: int) -> Dataset:
+def open_dataset(config: DataConfig, block_size: int, vocab_size: int) -> Dataset[object]:
+    """``data.dataset`` as a Dataset: the Dataset object given in Python, or the
+    ``torch.save`` file its path names (``ConfigError`` for anything else)."""
+    spec = config.dataset
+    if isinstance(spec, Dataset):  # an IterableDataset is one too
+        return spec
+    if isinstance(spec, (str, os.PathLike)):
+        return _open_serialized(os.fspath(spec), config.allow_pickle, block_size, vocab_size)
+    raise _error(f"data.dataset must be a path or a torch Dataset, got a {type(spec).__name__}")
+
+
+def _open_serialized(
+    path: str, allow_pickle: bool, block_size: int, vocab_size: int
+) -> Dataset[object]:
     _require_file("data.dataset", path)
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
@@ -361,7 +372,9 @@ def _open_serialized(path: str, allow_pickle: bool, block_size: int, vocab_size:
     return _dataset_from_tensors(obj, path, block_size, vocab_size)
 
 
-def _dataset_from_tensors(obj: object, path: str, block_size: int, vocab_size: int) -> Dataset:
+def _dataset_from_tensors(
+    obj: object, path: str, block_size: int, vocab_size: int
+) -> Dataset[object]:
     expected = (
         "expected a 1-D token tensor, a 2-D (samples, block_size + 1) tensor, a dict with "
         "'input_ids' and 'labels' tensors, or (with data.allow_pickle: true) a Dataset"

@@ -228,11 +228,14 @@ def syncs_momentum(mode: str, every: int, outer_step: int) -> bool:
 
 
 class Score(Protocol):
-    """What ``evaluate`` returns for a global."""
+    """What ``evaluate`` returns for a global (read only: a frozen ``EvalResult`` is one)."""
 
-    loss: float
-    perplexity: float
-    tokens: int
+    @property
+    def loss(self) -> float: ...
+    @property
+    def perplexity(self) -> float: ...
+    @property
+    def tokens(self) -> int: ...
 
 
 class Relay(Protocol):

@@ -10,16 +10,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from speedtronic.config import SpeedtronicConfig
-    from speedtronic.train.trainer import Trainer
 
 __all__ = ["devices_line", "exchange_line", "run_summary"]
 
 
-def run_summary(config: SpeedtronicConfig, trainer: Trainer) -> str:
-    """One line on what runs: run, model size, data (and ``exchange none`` without DiLoCo;
-    a DiLoCo run's exchange gets its own line, `exchange_line`)."""
-    params = sum(p.numel() for p in trainer.model.parameters())
+def run_summary(config: SpeedtronicConfig, params: int) -> str:
+    """One line on what runs: run, model size (``params``, the model's parameter count),
+    data (and ``exchange none`` without DiLoCo; a DiLoCo run's exchange gets its own line,
+    `exchange_line`)."""
     shape = config.model
     data = config.data
     if data.text_path or data.token_path or data.dataset:
@@ -35,18 +36,15 @@ def run_summary(config: SpeedtronicConfig, trainer: Trainer) -> str:
     )
 
 
-def devices_line(trainer: Trainer) -> str:
-    """Where this process computes: the device (its name and memory on CUDA), the precision
-    and, for several ranks, how many."""
+def devices_line(device: torch.device, precision: str, world: int) -> str:
+    """Where this process computes: the ``device`` (its name and memory on CUDA), the
+    ``precision`` mode and, for several ranks (``world``), how many."""
     import torch
 
-    device = trainer.device
     where = str(device)
     if device.type == "cuda" and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(device)
         where += f" ({props.name}, {props.total_memory / 2**30:.0f} GiB)"
-    precision = trainer.precision.mode
-    world = trainer.parallel.world_size
     parts = [where, *([f"precision {precision}"] if precision else [])]
     if world > 1:
         parts.append(f"{world} ranks")

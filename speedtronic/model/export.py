@@ -122,7 +122,7 @@ def _reference_model(model: torch.nn.Module, name: str) -> ReferenceTransformer:
     return model
 
 
-def llama_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def llama_state_dict(model: ReferenceTransformer) -> dict[str, torch.Tensor]:
     """Llama names -> contiguous fp32 copies of the reference model's weights.
 
     With tied embeddings ``lm_head.weight`` is left out (transformers ties it on load).
@@ -303,10 +303,10 @@ def verify_export(model: torch.nn.Module, folder: str | os.PathLike[str], seed: 
     ``model`` on a random (2, T) batch, both in fp32 on CPU."""
     transformers = _transformers()
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).float().eval()
-    cfg = model.config
+    reference = _reference_model(model, type(model).__name__).to("cpu", torch.float32).eval()
+    cfg = reference.config
     generator = torch.Generator().manual_seed(seed)
     inputs = torch.randint(cfg.vocab_size, (2, min(cfg.block_size, 64)), generator=generator)
-    reference = model.to("cpu", torch.float32).eval()
     ours = reference(inputs)["logits"]
     theirs = loaded(input_ids=inputs).logits
     return float((ours - theirs).abs().max())

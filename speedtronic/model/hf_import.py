@@ -42,12 +42,16 @@ import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from speedtronic.config import ConfigError, ModelConfig, SpeedtronicConfig
 from speedtronic.json_types import JSON, JSONView
 from speedtronic.model.hf_source import CONFIG, fetch_checkpoint, weight_files
+
+if TYPE_CHECKING:
+    from speedtronic.model.transformer import ReferenceTransformer
 
 __all__ = [
     "SUPPORTED",
@@ -318,7 +322,7 @@ def _check_headers(folder: Path, section: ModelConfig, spec: str) -> None:
 
 
 @torch.no_grad()
-def load_hf_weights(model: torch.nn.Module, checkpoint: HFCheckpoint | str | Path) -> int:
+def load_hf_weights(model: ReferenceTransformer, checkpoint: HFCheckpoint | str | Path) -> int:
     """Copy a checkpoint's weights into the reference ``model`` (built from the resolved
     section) one tensor at a time; returns the number of tensors copied.
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, overload
 
 from torch import nn
 
@@ -26,9 +26,18 @@ from speedtronic.config import ConfigError, ModelConfig
 from speedtronic.config.schema import build_section
 from speedtronic.json_types import JSONView
 
-__all__ = ["ModelFactory", "ModelRegistry", "build_model", "register_model", "registry"]
+__all__ = [
+    "ModelFactory",
+    "ModelRegistry",
+    "Registration",
+    "build_model",
+    "register_model",
+    "registry",
+]
 
 ModelFactory = Callable[..., nn.Module]
+Registration = Callable[[ModelFactory], ModelFactory]
+"""What ``register_model(name)`` returns: a decorator that registers the factory it wraps."""
 
 # ModelConfig fields forwarded to every factory (``max_seq_len`` is passed as ``block_size``).
 _FORWARDED = (
@@ -52,7 +61,15 @@ class ModelRegistry:
     def __init__(self) -> None:
         self._factories: dict[str, ModelFactory] = {}
 
-    def register(self, name: str, factory: ModelFactory | None = None) -> Any:
+    @overload
+    def register(self, name: str, factory: ModelFactory) -> ModelFactory: ...
+
+    @overload
+    def register(self, name: str, factory: None = None) -> Registration: ...
+
+    def register(
+        self, name: str, factory: ModelFactory | None = None
+    ) -> ModelFactory | Registration:
         """Register ``factory`` under ``name``; without a factory, return a decorator.
 
         Returns the factory unchanged (classes work too). An existing name is overwritten.
@@ -97,16 +114,26 @@ class ModelRegistry:
 registry = ModelRegistry()
 
 
-def register_model(name: str, factory: ModelFactory | None = None) -> Any:
+@overload
+def register_model(name: str, factory: ModelFactory) -> ModelFactory: ...
+
+
+@overload
+def register_model(name: str, factory: None = None) -> Registration: ...
+
+
+def register_model(name: str, factory: ModelFactory | None = None) -> ModelFactory | Registration:
     """Register a model factory in the global registry (decorator or direct call)."""
-    return registry.register(name, factory)
+    return registry.register(name, factory) if factory is not None else registry.register(name)
 
 
 def _model_section(model_config: ModelConfig | JSONView | None) -> ModelConfig:
     """The validated ``model`` section: as given, from a mapping, or the defaults."""
     if isinstance(model_config, ModelConfig):
         return model_config
-    return build_section("model", dict(model_config or {}))
+    section = build_section("model", dict(model_config or {}))
+    assert isinstance(section, ModelConfig)  # what build_section("model", ...) builds
+    return section
 
 
 def build_model(model_config: ModelConfig | JSONView | None = None, **overrides: Any) -> nn.Module:

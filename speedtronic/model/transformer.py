@@ -134,6 +134,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class RotaryEmbedding(nn.Module):
     """Rotary position tables for one head width; positions always start at 0."""
 
+    inv_freq: torch.Tensor  # (D/2,) a buffer, not saved with the weights
+
     def __init__(self, head_dim: int, base: float = 10_000.0) -> None:
         super().__init__()
         if head_dim % 2 != 0:
@@ -201,7 +203,8 @@ class CausalSelfAttention(nn.Module):
             mask = _padding_causal_mask(attention_mask, B, T, q.dtype)  # (B, 1, T, T)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, C)
-        return self.resid_dropout(self.out_proj(y))
+        out: torch.Tensor = self.resid_dropout(self.out_proj(y))
+        return out
 
 
 def _padding_causal_mask(
@@ -222,7 +225,7 @@ class SwiGLU(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        hidden = int(int(config.d_ff) * (2 / 3))
+        hidden = int(int(config.d_ff or 4 * config.d_model) * (2 / 3))
         multiple = config.n_head  # 2.0.0 rounds to the head count; kept for checkpoint shapes
         hidden = multiple * math.ceil(hidden / multiple)
         self.gate_proj = nn.Linear(config.d_model, hidden, bias=False)
@@ -232,7 +235,8 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.silu(self.gate_proj(x)) * self.up_proj(x)  # (B, T, hidden)
-        return self.dropout(self.down_proj(h))  # (B, T, C)
+        out: torch.Tensor = self.dropout(self.down_proj(h))  # (B, T, C)
+        return out
 
 
 class TransformerBlock(nn.Module):
@@ -251,7 +255,8 @@ class TransformerBlock(nn.Module):
         self, x: torch.Tensor, rope: RotaryEmbedding, mask: torch.Tensor | None
     ) -> torch.Tensor:
         x = x + self.dropout(self.attn(self.ln1(x), rope, mask))  # (B, T, C)
-        return x + self.mlp(self.ln2(x))
+        out: torch.Tensor = x + self.mlp(self.ln2(x))
+        return out
 
     def forward(
         self,
@@ -260,8 +265,23 @@ class TransformerBlock(nn.Module):
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, rope, attention_mask, use_reentrant=False)
+            out: torch.Tensor = checkpoint(
+                self._forward, x, rope, attention_mask, use_reentrant=False
+            )
+            return out
         return self._forward(x, rope, attention_mask)
+
+
+class _Trunk(nn.Module):
+    """The token embedding, the blocks and the final norm, under the names the weights carry
+    (``transformer.wte``, ``transformer.h.<i>``, ``transformer.ln_f``)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.h = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = RMSNorm(cfg.d_model, cfg.norm_eps)
 
 
 _CONFIG_FIELDS = tuple(f.name for f in fields(GPTConfig))
@@ -290,14 +310,7 @@ class ReferenceTransformer(nn.Module):
             config = GPTConfig.from_model_config(config)
         self.config = dataclasses.replace(config, **kwargs) if config else GPTConfig(**kwargs)
         cfg = self.config
-        self.transformer = nn.ModuleDict(
-            {
-                "wte": nn.Embedding(cfg.vocab_size, cfg.d_model),
-                "drop": nn.Dropout(cfg.dropout),
-                "h": nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layer)),
-                "ln_f": RMSNorm(cfg.d_model, cfg.norm_eps),
-            }
-        )
+        self.transformer = _Trunk(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_base)
         if cfg.tie_weights:
@@ -323,7 +336,8 @@ class ReferenceTransformer(nn.Module):
         """Recompute each block's activations in backward (less memory, more compute)."""
         self.gradient_checkpointing = bool(enabled)
         for block in self.transformer.h:
-            block.gradient_checkpointing = bool(enabled)
+            if isinstance(block, TransformerBlock):  # each is; ModuleList types them as Module
+                block.gradient_checkpointing = bool(enabled)
         return self
 
     def forward(

@@ -21,7 +21,7 @@ base; no extra state is stored, so checkpoints are exactly the base's.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import Tensor
@@ -79,23 +79,30 @@ class CautiousOptimizer(Optimizer):
         self.defaults = self.base.defaults
         self.state = self.base.state
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Evaluate ``closure`` once, step the base, then apply the cautious mask."""
         loss = closure_loss(closure)
-        snapshot: list[tuple[Tensor, Tensor, float, float]] = []
+        snapshot: list[tuple[Tensor, Tensor, Tensor, float, float]] = []
         for group in self.param_groups:
             lr, decay = float(group["lr"]), float(group.get("weight_decay", 0.0))
             for param in group["params"]:
-                if param.grad is not None and not param.grad.is_sparse:
-                    snapshot.append((param, param.detach().clone(), lr, decay))
+                grad = param.grad
+                if grad is not None and not grad.is_sparse:
+                    snapshot.append((param, grad, param.detach().clone(), lr, decay))
         self.base.step()
-        for param, old, lr, decay in snapshot:
+        for param, grad, old, lr, decay in snapshot:
             # cautious_step, in place on the snapshot (fewer temporaries).
             if decay:
                 old.mul_(1.0 - lr * decay)
             update = old - param
-            param.copy_(old.sub_(update.mul_(cautious_mask(update, param.grad))))
+            param.copy_(old.sub_(update.mul_(cautious_mask(update, grad))))
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -28,7 +28,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict, overload
 
 import torch
 from torch import Tensor
@@ -340,9 +340,10 @@ class Muon(Optimizer):
         }
         super().__init__(params, defaults)
 
-    def _collect(self, group: dict[str, Any]) -> dict[_Bucket, list[Tensor]]:
-        """Validate the group's parameters with gradients and bucket them by (shape, device)."""
-        buckets: dict[_Bucket, list[Tensor]] = {}
+    def _collect(self, group: dict[str, Any]) -> dict[_Bucket, list[tuple[Tensor, Tensor]]]:
+        """Validate the group's parameters with gradients and bucket them, each with its
+        gradient, by (shape, device)."""
+        buckets: dict[_Bucket, list[tuple[Tensor, Tensor]]] = {}
         for param in group["params"]:
             if param.grad is None:
                 continue
@@ -361,11 +362,17 @@ class Muon(Optimizer):
                 state["step"] = 0
             elif state["momentum_buffer"].dtype != torch.float32:  # load_state_dict casts it
                 state["momentum_buffer"] = state["momentum_buffer"].float()
-            buckets.setdefault((tuple(param.shape), param.device), []).append(param)
+            buckets.setdefault((tuple(param.shape), param.device), []).append((param, grad))
         return buckets
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Apply one Muon update to every parameter with a gradient; returns the closure value."""
         loss = closure_loss(closure)
         for group in self.param_groups:
@@ -378,22 +385,27 @@ class Muon(Optimizer):
                 muon_plus=bool(group.get("muon_plus", False)),
                 norm_eps=float(group.get("norm_eps", 1e-8)),
             )
-            for (_, device), params in self._collect(group).items():
+            for (_, device), pairs in self._collect(group).items():
                 options["ns_dtype"] = resolve_ns_dtype(self.ns_dtype, device)
-                self._step_bucket(params, lr, decay, options)
+                self._step_bucket(pairs, lr, decay, options)
         return loss
 
     def _step_bucket(
-        self, params: list[Tensor], lr: float, decay: float, options: DirectionOptions
+        self,
+        pairs: list[tuple[Tensor, Tensor]],
+        lr: float,
+        decay: float,
+        options: DirectionOptions,
     ) -> None:
+        params = [param for param, _ in pairs]
         states = [self.state[p] for p in params]
         if len(params) == 1 or not _batch_pays_off(params[0]):
             updates = [
-                orthogonal_direction(p.grad, s["momentum_buffer"], **options)
-                for p, s in zip(params, states, strict=True)
+                orthogonal_direction(grad, s["momentum_buffer"], **options)
+                for (_, grad), s in zip(pairs, states, strict=True)
             ]
         else:
-            grads = torch.stack([p.grad.float() for p in params])
+            grads = torch.stack([grad.float() for _, grad in pairs])
             buffers = torch.stack([s["momentum_buffer"] for s in states])
             updates = list(orthogonal_direction(grads, buffers, **options).unbind(0))
             torch._foreach_copy_([s["momentum_buffer"] for s in states], list(buffers.unbind(0)))
@@ -562,8 +574,14 @@ class HybridOptimizer(Optimizer):
             for key in ("lr", "betas", "eps", "weight_decay"):
                 child[key] = adamw_group[key]
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Evaluate ``closure`` once, then step Muon and AdamW; returns the closure value."""
         loss = closure_loss(closure)
         self._bind_children()

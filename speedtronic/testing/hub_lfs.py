@@ -158,7 +158,7 @@ class LfsStorage:
                 del self._released[oid]
 
     # -- Hub endpoints ----------------------------------------------------------------------
-    def batch(self, repo_id: str, request: dict) -> Answer:
+    def batch(self, repo_id: str, request: JSON) -> Answer:
         """``POST /<repo>.git/info/lfs/objects/batch`` (upload only, as the SDK asks)."""
         if request.get("operation") != "upload":
             return _error(400, "the emulator's LFS batch endpoint only serves uploads")
@@ -199,13 +199,13 @@ class LfsStorage:
             actions["verify"] = {"href": f"{self.hub_url}/{repo_id}.git/info/lfs/objects/verify"}
         return actions
 
-    def verify(self, request: dict) -> Answer:
+    def verify(self, request: JSON) -> Answer:
         """``POST .../objects/verify``: 200 when the object is stored with that size."""
         if self.stored(str(request.get("oid")), request.get("size")) is None:
             return _error(404, "LFS object not found")
         return 200, {"success": True}, {}
 
-    def complete(self, oid: str, sig: str, request: dict) -> Answer:
+    def complete(self, oid: str, sig: str, request: JSON) -> Answer:
         """Multipart completion: every part uploaded, ETags matching, content hashing to oid."""
         if not hmac.compare_digest(sig, self.sign("complete", oid)):
             return _error(403, "SignatureDoesNotMatch")
@@ -261,7 +261,7 @@ def _etag(data: bytes) -> str:
     return f'"{hashlib.md5(data).hexdigest()}"'
 
 
-def json_body(body: bytes) -> dict:
+def json_body(body: bytes) -> JSON:
     """A JSON object from a request body ({} when empty or not an object)."""
     try:
         value = json.loads(body or b"{}")

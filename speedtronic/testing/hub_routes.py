@@ -20,9 +20,12 @@ from speedtronic.json_types import JSON
 from speedtronic.testing.hub_lfs import git_blob_oid, json_body, lfs_pointer
 
 if TYPE_CHECKING:
-    from speedtronic.testing.hub_server import HubEmulator
+    from speedtronic.testing.hub_server import HubEmulator, HubHTTPServer
 
 __all__ = ["HubHandler", "Repo", "endpoint_kind"]
+
+Query = dict[str, list[str]]
+"""A URL's query string as ``parse_qs`` reads it: each name with its values in order."""
 
 # A dataset repo is held under the key ``datasets/<owner>/<name>`` (a model repo: ``owner/name``),
 # which is also how its resolve and large-file URLs spell it.
@@ -79,18 +82,19 @@ def _repo_key(kind: str, repo_id: str) -> str:
 class HubHandler(BaseHTTPRequestHandler):
     server_version = "SpeedtronicHubEmulator/1.0"
     protocol_version = "HTTP/1.1"
+    server: HubHTTPServer  # the origin that accepted this request
 
     def log_message(self, format: str, *args: object) -> None:  # quiet
         return
 
     @property
     def hub(self) -> HubEmulator:
-        return self.server.hub  # type: ignore[attr-defined]
+        return self.server.hub
 
     # -- plumbing ---------------------------------------------------------------------------
     def _body(self) -> bytes:
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            chunks = []
+            chunks: list[bytes] = []
             while True:
                 size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
                 if size == 0:
@@ -105,7 +109,7 @@ class HubHandler(BaseHTTPRequestHandler):
     @property
     def _on_storage(self) -> bool:
         """Whether this request arrived on the storage origin (not the Hub's)."""
-        return bool(self.server.storage)  # type: ignore[attr-defined]
+        return self.server.storage
 
     def _send(
         self,
@@ -275,7 +279,7 @@ class HubHandler(BaseHTTPRequestHandler):
         lfs = self.hub.lfs
         self._answer(lfs.batch(repo_id, request) if action == "batch" else lfs.verify(request))
 
-    def _storage(self, method: str, path: str, query: dict, body: bytes, truncate: bool) -> None:
+    def _storage(self, method: str, path: str, query: Query, body: bytes, truncate: bool) -> None:
         head = method == "HEAD"
         if self.headers.get("Authorization"):  # the Hub token must never leave the Hub
             self.hub.count(method, "storage:auth")
@@ -323,7 +327,7 @@ class HubHandler(BaseHTTPRequestHandler):
         self._json(200, {"url": f"{self.hub.url}/{repo_id}", "name": repo_id})
 
     def _api(
-        self, method: str, repo_id: str, action: str, rest: str, query: dict, body: bytes
+        self, method: str, repo_id: str, action: str, rest: str, query: Query, body: bytes
     ) -> None:
         repo = self._repo_or_404(repo_id)
         if repo is None:
@@ -362,7 +366,7 @@ class HubHandler(BaseHTTPRequestHandler):
             return self._commit(repo_id, repo, body)
         self._error(405, f"{method} not supported on {action}")
 
-    def _tree(self, repo: Repo, prefix: str, query: dict) -> None:
+    def _tree(self, repo: Repo, prefix: str, query: Query) -> None:
         recursive = query.get("recursive", ["false"])[0].lower() in ("1", "true")
         prefix = prefix.strip("/")
         base = f"{prefix}/" if prefix else ""

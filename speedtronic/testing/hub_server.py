@@ -82,14 +82,22 @@ def token_tag(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()[:12] if token else ""
 
 
-class _Server(ThreadingHTTPServer):
-    """A client that hangs up mid-response (a killed node, a client timeout) is normal here:
-    counted as ``client_gone``, not printed as a traceback."""
+class HubHTTPServer(ThreadingHTTPServer):
+    """One origin of ``hub`` (the Hub's API, or its LFS storage when ``storage``), served by
+    `HubHandler` threads. A client that hangs up mid-response (a killed node, a client
+    timeout) is normal here: counted as ``client_gone``, not printed as a traceback."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], hub: HubEmulator, *, storage: bool) -> None:
+        super().__init__(address, HubHandler)
+        self.hub = hub
+        self.storage = storage
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """Count a vanished client; report anything else the usual way."""
         if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
-            hub = self.hub  # type: ignore[attr-defined]
+            hub = self.hub
             with hub.lock:
                 hub._counts["client_gone"] += 1
             return
@@ -135,7 +143,7 @@ class HubEmulator:
         # the large-file path: its object storage answers on a second port, under another
         # host name for the same loopback address (another origin, as S3 for the Hub)
         self.lfs = LfsStorage(lfs)
-        self._servers: list[ThreadingHTTPServer] = []
+        self._servers: list[HubHTTPServer] = []
         self._storage_port = 0
 
     @property
@@ -231,10 +239,7 @@ class HubEmulator:
         """Bind and serve (the Hub, and its LFS storage on a second port) in daemon threads;
         returns self (``port`` is filled in)."""
         for storage in (False, True):
-            server = _Server((self.host, 0 if storage else self.port), HubHandler)
-            server.daemon_threads = True
-            server.hub = self  # type: ignore[attr-defined]
-            server.storage = storage  # type: ignore[attr-defined]
+            server = HubHTTPServer((self.host, 0 if storage else self.port), self, storage=storage)
             name = "hub-emulator-storage" if storage else "hub-emulator"
             threading.Thread(target=server.serve_forever, name=name, daemon=True).start()
             self._servers.append(server)

@@ -174,7 +174,10 @@ class StageStreamScheduler:
                 return
             count = min(self.requested_streams, len(stages))
             with torch.cuda.device(self.device):
-                self._streams = [torch.cuda.Stream(device=self.device) for _ in range(count)]
+                self._streams = [
+                    torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]  # torch: unannotated __new__
+                    for _ in range(count)
+                ]
             for index, (name, module) in enumerate(stages):
                 stream = self._streams[index % count]
                 self._handles.append(
@@ -209,7 +212,7 @@ class StageStreamScheduler:
                 if tensor.is_cuda:
                     tensor.record_stream(stream)
             context = torch.cuda.stream(stream)
-            context.__enter__()
+            context.__enter__()  # type: ignore[no-untyped-call]  # torch: StreamContext unannotated
             self._contexts.append(context)
             return None
 

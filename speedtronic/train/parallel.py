@@ -41,7 +41,9 @@ from speedtronic.json_types import StateDict
 from speedtronic.train.ranks import RankEnv
 
 if TYPE_CHECKING:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.distributed.checkpoint.state_dict import OptimizerStateType, StateDictOptions
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
 
     from speedtronic.checkpoint_parts import Stateful
     from speedtronic.config import RunConfig
@@ -170,7 +172,9 @@ class DataParallel(SingleProcess):
         self.mode = mode
         self.sharded = mode == "fsdp"
         self.timeout = float(timeout)
-        self._wrapper: nn.Module | None = None
+        self._wrapper: nn.Module | None = None  # what wrap() returned
+        self._ddp: DistributedDataParallel | None = None  # the wrapper (DDP)
+        self._fsdp: FSDPModule | None = None  # the root sharded in place (FSDP)
         self.mirror: nn.Module | None = None  # rank 0's full copy (FSDP with DiLoCo)
 
     # ------------------------------------------------------------------ model
@@ -188,29 +192,26 @@ class DataParallel(SingleProcess):
                 if isinstance(module, nn.ModuleList):  # the transformer blocks
                     for block in module:
                         fully_shard(block)
-            fully_shard(model)
+            self._fsdp = fully_shard(model)
             self._wrapper = model
             return model
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [self.device.index] if self.device.type == "cuda" else None
-        self._wrapper = DistributedDataParallel(model, device_ids=ids)
+        self._wrapper = self._ddp = DistributedDataParallel(model, device_ids=ids)
         return self._wrapper
 
     @contextlib.contextmanager
     def accumulating(self, final: bool) -> Iterator[None]:
         """Gradients synchronise only in the backward of the ``final`` micro-batch."""
-        wrapper = self._wrapper
-        if wrapper is None:
+        if self._fsdp is not None:
+            self._fsdp.set_requires_gradient_sync(final)
             yield
-        elif self.sharded:
-            wrapper.set_requires_gradient_sync(final)
-            yield
-        elif final:
-            yield
-        else:
-            with wrapper.no_sync():
+        elif self._ddp is not None and not final:
+            with self._ddp.no_sync():
                 yield
+        else:
+            yield
 
     def local_norm(self, norm: torch.Tensor | None) -> torch.Tensor | None:
         """A sharded (DTensor) gradient norm as the full, plain tensor."""
@@ -327,12 +328,13 @@ class DataParallel(SingleProcess):
         import torch.distributed as dist
 
         with torch.no_grad():
-            total = sum(p.detach().double().sum() for p in model.parameters())
+            zero = torch.zeros((), dtype=torch.float64)
+            total = sum((p.detach().double().sum() for p in model.parameters()), zero)
         device = self._collective_device()
         values = torch.stack([total, -total]).to(device, torch.float64)
         self._run("all_reduce", lambda: dist.all_reduce(values, op=dist.ReduceOp.MAX))
         high, neg_low = values.tolist()
-        return high + neg_low
+        return float(high + neg_low)
 
     def checkpoint_parts(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
@@ -413,7 +415,7 @@ class FullOptimizerState:
         """The unsharded optimizer state on rank 0, keyed by parameter index."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        full = get_optimizer_state_dict(
+        full: StateDict = get_optimizer_state_dict(
             self.model, self.optimizer, options=_full_options(saving=True)
         )
         if not full:
@@ -430,12 +432,13 @@ class FullOptimizerState:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
         names = self._names()
-        groups = [
-            {**group, "params": [names[i] for i in group["params"]]}
-            for group in state["param_groups"]
-        ]
-        full = {"state": {names[int(k)]: v for k, v in state["state"].items()}}
-        full["param_groups"] = groups
+        full: OptimizerStateType = {
+            "state": {names[int(k)]: v for k, v in state["state"].items()},
+            "param_groups": [
+                {**group, "params": [names[i] for i in group["params"]]}
+                for group in state["param_groups"]
+            ],
+        }
         set_optimizer_state_dict(
             self.model, self.optimizer, full, options=_full_options(saving=False)
         )

@@ -141,7 +141,7 @@ def resolve_precision(
 
 def autocast_context(
     plan: PrecisionPlan, device: torch.device | str | None = None
-) -> contextlib.AbstractContextManager:
+) -> contextlib.AbstractContextManager[object]:
     """The autocast context for one forward pass (a no-op context for fp32)."""
     if not plan.autocast_enabled:
         return contextlib.nullcontext()

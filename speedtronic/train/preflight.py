@@ -95,7 +95,8 @@ def _files(config: SpeedtronicConfig) -> list[tuple[str, str]]:
     from speedtronic.config.tokenizer_file import is_bytes
 
     data, held = config.data, config.eval
-    dataset = data.dataset if isinstance(data.dataset, (str, os.PathLike)) else None
+    dataset = os.fspath(data.dataset) if isinstance(data.dataset, (str, os.PathLike)) else None
+    source: tuple[str, str | None]
     if data.text_path:
         source = ("data.text_path", data.text_path)
     elif data.token_path:

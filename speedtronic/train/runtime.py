@@ -251,10 +251,12 @@ def build_runtime(
     the process group (``speedtronic.train.parallel``), reads its shard of the node's data,
     and only rank 0 builds the coordinator, evaluates (DDP) and writes logs and checkpoints.
     """
+    from speedtronic.config import ConfigError
     from speedtronic.data import build_node_dataloader
     from speedtronic.model import build_model
     from speedtronic.model.hf_import import load_hf_weights, resolve_init_from
     from speedtronic.model.sizes import check_memory
+    from speedtronic.model.transformer import ReferenceTransformer
     from speedtronic.train.evaluate import build_heldout
     from speedtronic.train.shapes import validate_startup_shapes
 
@@ -286,6 +288,11 @@ def build_runtime(
     check_memory(config.model, origin)  # sizes are checked before they are built
     model = build_model(config.model)
     if init is not None and init.loads_weights:  # a DiLoCo worker starts from global 0
+        if not isinstance(model, ReferenceTransformer):  # model.name was checked; a factory
+            raise ConfigError(  # registered over it may build something else
+                f"model.init_from loads into the reference transformer; model.name "
+                f"{config.model.name!r} builds a {type(model).__name__}"
+            )
         load_hf_weights(model, init)
     model.to(resolved)
     logger = build_logger(config, main=parallel.is_main)

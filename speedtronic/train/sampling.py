@@ -34,7 +34,7 @@ __all__ = ["Sample", "generate", "prompt_ids", "sample"]
 
 def _next_logits(model: torch.nn.Module, context: torch.Tensor) -> torch.Tensor:
     out = model(context)
-    logits = out["logits"] if isinstance(out, dict) else getattr(out, "logits", out)
+    logits: torch.Tensor = out["logits"] if isinstance(out, dict) else getattr(out, "logits", out)
     return logits[:, -1, :].float()  # (1, V)
 
 

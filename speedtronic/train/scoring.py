@@ -97,11 +97,11 @@ def _from_safetensors(path: Path, meta_path: Path | None = None) -> Weights:
     meta: JSON = {}
     if meta_path is not None and meta_path.is_file():
         try:
-            meta = json.loads(meta_path.read_text(encoding="utf-8"))
+            loaded = json.loads(meta_path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"{meta_path} is not readable JSON: {exc}") from exc
-        if not isinstance(meta, dict):
-            meta = {}
+        if isinstance(loaded, dict):
+            meta = loaded
     return Weights(
         state, str(path), _int_or_none(meta.get("step")), _int_or_none(meta.get("outer_step"))
     )

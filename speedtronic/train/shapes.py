@@ -185,7 +185,7 @@ def _model_dimensions(model: nn.Module, vocab: int | None) -> list[tuple[str, in
     return entries
 
 
-def _candidates(config: SpeedtronicConfig, model: nn.Module) -> list[tuple]:
+def _candidates(config: SpeedtronicConfig, model: nn.Module) -> list[tuple[str, str, int]]:
     """``(code, field, value)`` in check order, filtered by the ``check_*`` flags."""
     section, data = config.shape_validation, config.data
     micro, block = data.micro_batch_size, data.block_size or 0

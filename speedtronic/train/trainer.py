@@ -442,11 +442,10 @@ class Trainer:
         return resolve_loss(output, batch, model_name=f"model '{self._model_name}'")
 
     def _backward(self, loss: torch.Tensor) -> None:
-        # torch declares Tensor.backward without annotations: mypy calls it untyped
         if self.scaler is not None:
-            self.scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
+            self.scaler.scale(loss).backward()  # type: ignore[no-untyped-call]  # torch: unannotated
         else:
-            loss.backward()  # type: ignore[no-untyped-call]
+            loss.backward()  # type: ignore[no-untyped-call]  # torch: Tensor.backward unannotated
 
     def _unscale_and_clip(self) -> torch.Tensor | None:
         """Unscale (fp16), clip to ``optimizer.grad_clip`` when set; return the global grad norm."""

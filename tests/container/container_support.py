@@ -99,13 +99,19 @@ def build_network() -> str | None:
     return os.environ.get("CONTAINER_TEST_BUILD_NETWORK") or None
 
 
-def build_image(tag: str) -> dict[str, Any]:
-    """`docker build` the repository with the classic builder; measurements as a dict."""
+def build_argv(tag: str) -> list[str]:
+    """`docker build` arguments for an image ``tag`` of this suite (before the context)."""
     argv = ["build", "--tag", tag, "--label", LABEL]
     if build_network():
         argv += ["--network", build_network()]
     for key, value in build_args().items():
         argv += ["--build-arg", f"{key}={value}"]
+    return argv
+
+
+def build_image(tag: str) -> dict[str, Any]:
+    """`docker build` the repository with the classic builder; measurements as a dict."""
+    argv = build_argv(tag)
     started = time.monotonic()
     docker(*argv, str(REPO), timeout=1800, env={"DOCKER_BUILDKIT": "0"})
     seconds = time.monotonic() - started

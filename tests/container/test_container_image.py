@@ -7,20 +7,11 @@ from __future__ import annotations
 import json
 import shutil
 import time
-import urllib.error
-import urllib.request
 import uuid
 
 import pytest
-from container_support import (
-    LABEL,
-    REPO,
-    build_args,
-    build_network,
-    checkpoint_steps,
-    docker,
-    report,
-)
+from container_support import LABEL, REPO, build_argv, checkpoint_steps, docker, report
+from test_rehearsal_support import http_get
 
 pytestmark = pytest.mark.slow
 
@@ -30,16 +21,6 @@ HARDENED = [
     "--cap-drop", "ALL",
     "--security-opt", "no-new-privileges:true",
 ]  # fmt: skip
-
-
-def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-    except (OSError, urllib.error.URLError) as exc:
-        return 0, str(exc)
 
 
 def wait_for(predicate, timeout: float, what: str, container: str):
@@ -78,11 +59,7 @@ def test_a_source_edit_rebuilds_only_the_package_layers(image, tmp_path):
     init = context / "speedtronic" / "__init__.py"
     init.write_text(init.read_text() + f"\n# rebuild probe {uuid.uuid4().hex}\n")
     tag = f"speedtronic:ci-edit-{uuid.uuid4().hex[:6]}"
-    argv = ["build", "--tag", tag, "--label", LABEL]
-    if build_network():
-        argv += ["--network", build_network()]
-    for key, value in build_args().items():
-        argv += ["--build-arg", f"{key}={value}"]
+    argv = build_argv(tag)
     started = time.monotonic()
     try:
         docker(*argv, str(context), timeout=900, env={"DOCKER_BUILDKIT": "0"})
