@@ -318,7 +318,7 @@ def _check_headers(folder: Path, section: ModelConfig, spec: str) -> None:
     if section.tie_weights and "transformer.wte.weight" in stored:
         stored["lm_head.weight"] = stored["transformer.wte.weight"]  # one matrix, two names
     names = ", ".join(path.name for path in files)
-    check_stored(section, stored, f"{_FIELD} {spec} ({names} against {CONFIG})")
+    check_stored(section, stored, f"{_FIELD} {spec} ({names} against {CONFIG})", reference=True)
 
 
 @torch.no_grad()

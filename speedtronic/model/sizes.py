@@ -34,13 +34,17 @@ Shape = tuple[int, ...]
 _SIZE_FIELDS = ("vocab_size", "d_model", "d_ff")  # those a weight's shape shows as they are
 
 
-def planned_shapes(section: ModelConfig) -> tuple[dict[str, Shape], int]:
-    """``(state-dict name -> shape, bytes)`` of the model ``section`` builds: its state dict
-    and, in ``bytes``, every parameter and buffer at its dtype. Built on the meta device."""
+def planned_shapes(
+    section: ModelConfig, *, reference: bool = False
+) -> tuple[dict[str, Shape], int]:
+    """``(state-dict name -> shape, bytes)`` of the model ``section`` builds (``reference``:
+    the reference transformer, whatever factory ``model.name`` names): its state dict and, in
+    ``bytes``, every parameter and buffer at its dtype. Built on the meta device."""
     from speedtronic.model.registry import build_model
+    from speedtronic.model.transformer import ReferenceTransformer
 
     with torch.device("meta"):
-        model = build_model(section)
+        model = ReferenceTransformer(section) if reference else build_model(section)
     tensors = [*model.parameters(), *model.buffers()]
     size = sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}, size
@@ -115,11 +119,14 @@ def check_stored(
     stored: Mapping[str, Sequence[int]],
     source: str,
     error: type[Exception] = ConfigError,
+    *,
+    reference: bool = False,
 ) -> None:
     """Refuse (``error``, naming ``source`` and the ``model`` fields) tensors ``stored``
-    (state-dict name -> shape) that do not fit the model ``section`` declares, before it is
-    built: a name it lacks or does not have, or another shape."""
-    shapes, _ = planned_shapes(section)
+    (state-dict name -> shape) that do not fit the model ``section`` declares (``reference``:
+    as the reference transformer, which ``model.init_from`` loads into), before it is built: a
+    name it lacks or does not have, or another shape."""
+    shapes, _ = planned_shapes(section, reference=reference)
     missing = sorted(set(shapes) - set(stored))
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
