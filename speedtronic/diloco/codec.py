@@ -425,9 +425,13 @@ def is_all_zero(delta: Mapping[str, torch.Tensor]) -> bool:
 
 
 def first_non_finite(
-    state: Mapping[str, torch.Tensor], like: Mapping[str, torch.Tensor] | None = None
+    state: Mapping[str, torch.Tensor],
+    like: Mapping[str, torch.Tensor] | None = None,
+    *,
+    max_abs: float | None = None,
 ) -> str | None:
-    """The first floating key of ``state`` holding NaN or inf, else None.
+    """The first floating key of ``state`` holding NaN or inf (or, with ``max_abs``, a value
+    beyond ``±max_abs``), else None.
 
     With ``like`` (the model's state), each tensor is checked as it will be installed: cast
     to ``like``'s dtype for that key (a float64 1e300 is finite in the file and inf in a
@@ -437,7 +441,10 @@ def first_non_finite(
         cast = target.dtype if target is not None and _is_floating(target) else value.dtype
         flat = value.reshape(-1)
         for start, stop in value_slices(flat.numel()):  # temporaries of one slice
-            if not bool(torch.isfinite(flat[start:stop].to(cast)).all()):
+            part = flat[start:stop].to(cast)
+            if not bool(torch.isfinite(part).all()):
+                return key
+            if max_abs is not None and part.numel() and float(part.abs().max()) > max_abs:
                 return key
     return None
 

@@ -292,6 +292,12 @@ def max_global_bytes(like: Mapping[str, torch.Tensor]) -> int:
     return sum(v.numel() * v.element_size() for v in like.values()) + (1 << 20)
 
 
+def max_moments_bytes(like: Mapping[str, torch.Tensor]) -> int:
+    """The largest mean first moments file (:data:`GLOBAL_MOMENTS`) of a model shaped as
+    ``like``: float32 values of its floating tensors (+ 1 MiB)."""
+    return 4 * sum(v.numel() for v in like.values() if v.is_floating_point()) + (1 << 20)
+
+
 @dataclasses.dataclass(frozen=True)
 class GlobalMetadata:
     """Version record of the published global model (``global/step_count.json``).

@@ -128,7 +128,8 @@ class DiLoCoNode:
         self.residual: dict[str, torch.Tensor] | None = None
         self.done = False
         self.final_seen = False
-        self.moments_sent = -1  # the round whose upload carried this node's first moments
+        # the round whose upload carried this node's first moments, and their parameters
+        self.moments_sent: SentMoments | None = None
         self.finishing = False  # finish() runs: the final global is expected now
         self.fatal: Exception | None = None  # a permanent upload failure
         self.interrupted = threading.Event()
@@ -281,8 +282,9 @@ class DiLoCoNode:
             if isinstance(job.wire, codec.EncodedView) and self.settings.error_feedback:
                 # in the contribution's buffers
                 self.residual = codec.without_moments(job.wire.keep_residual())
-            if job.delta is not None and any(map(codec.is_moment, job.delta)):
-                self.moments_sent = job.round
+            names = [k[len(codec.MOMENT_PREFIX) :] for k in job.delta or () if codec.is_moment(k)]
+            if names:
+                self.moments_sent = SentMoments(job.round, frozenset(names))
         codec.return_free_memory()  # the encoder's and the writer's slices
         if job.delta is not None:
             self._emit(
@@ -392,11 +394,11 @@ class DiLoCoNode:
         codec.return_free_memory()  # the download's and the slices' pages
         if self.settings.reset_inner_optimizer and self.optimizer is not None:
             self.optimizer.state.clear()
-        moments = candidate.moments
-        if moments is not None and self.optimizer is not None and self.moments_sent == moments[0]:
+        sent, moments = self.moments_sent, candidate.moments
+        if moments is not None and sent is not None and sent.round == moments[0]:
             # the mean of the round this node sent its own to; any other round's: kept its own
-            install_first_moments(self.model, self.optimizer, moments[1])
-            self.moments_sent = -1
+            self._install_moments(candidate.outer_step, moments[0], moments[1], sent)
+            self.moments_sent = None
         self._emit(
             "global_pulled",
             outer_step=candidate.outer_step,
@@ -405,6 +407,33 @@ class DiLoCoNode:
             source=candidate.source,
             bytes=candidate.nbytes,
         )
+
+    def _install_moments(
+        self, outer_step: int, round: int, moments: Mapping[str, torch.Tensor], sent: SentMoments
+    ) -> None:
+        """Install the mean first ``moments`` of ``round`` when they are the moments of the
+        parameters this node sent, with their shapes, finite in their dtypes and within the
+        bound of a contribution's values; otherwise refuse them (an error and a
+        ``moments_rejected`` event) and keep the node's own."""
+        if self.optimizer is None:
+            return
+        params = {name: p for name, p in _named_params(self.model) if name in sent.names}
+        try:
+            codec.check_like(params, moments, what="the mean first moments do not fit")
+            bad = codec.first_non_finite(moments, like=params, max_abs=codec.MAX_DELTA_ABS)
+            if bad is not None:
+                raise ValueError(
+                    f"{bad} holds values that are not finite in its parameter's dtype or "
+                    f"beyond ±{codec.MAX_DELTA_ABS:g} (the bound of a contribution's values)"
+                )
+        except ValueError as exc:
+            _LOG.error(
+                f"refusing the mean first moments of round {round} published with global "
+                f"{outer_step}: {exc}; this node keeps its own and trains on"
+            )
+            self._emit("moments_rejected", outer_step=outer_step, round=round, error=str(exc))
+            return
+        install_first_moments(self.model, self.optimizer, moments)
 
     def _install(self, global_state: Mapping[str, torch.Tensor]) -> None:
         """``weights := G + (weights - anchor)``, ``anchor := G``, tensor by tensor and in
@@ -606,6 +635,15 @@ class Contribution:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class SentMoments:
+    """The first moments an upload that arrived carried: its ``round`` and the ``names`` of
+    their parameters (the mean published for that round must hold exactly these)."""
+
+    round: int
+    names: frozenset[str]
+
+
 @dataclasses.dataclass
 class GlobalCandidate:
     """A global state waiting for the training thread (``seconds``: download time;
@@ -793,6 +831,7 @@ class NodeLink:
         self._watched: dict[str, FileInfo] | None = None
         self._holder = ""  # the displaced holder, as the log lines name it
         self._refused = ""  # checksum of a published global this node refused
+        self._refused_moments: tuple[int, str] | None = None  # (outer step, run) refused
         self._told: set[str] = set()  # "node/round" refusals of our files already reported
         self.held: HeldGlobal | None = None  # the last global fetched (global_dtype int8/int4)
         self._update_bytes = 0  # size of the last update file read
@@ -1072,16 +1111,31 @@ class NodeLink:
         if not isinstance(record, dict) or record.get("outer_step") != metadata.outer_step:
             return None
         round = record.get("moments_round")
-        if not isinstance(round, str):
+        which = (metadata.outer_step, metadata.run_id)
+        if not isinstance(round, str) or which == self._refused_moments:
             return None
-        bound = self.max_bytes
-        with (
-            self.store.local_copy(T.GLOBAL_MOMENTS, max_bytes=bound) as local,
-            codec.open_delta(local) as reader,
-        ):
-            if reader.metadata.get("outer_step") != str(metadata.outer_step):
-                return None  # a later publish's: this global's were replaced
-            return int(round), reader.values(), local.stat().st_size
+        bound = T.max_moments_bytes(self.like)
+        try:
+            with (
+                self.store.local_copy(T.GLOBAL_MOMENTS, max_bytes=bound) as local,
+                codec.open_delta(local) as reader,
+            ):
+                if reader.metadata.get("outer_step") != str(metadata.outer_step):
+                    return None  # a later publish's: this global's were replaced
+                return int(round), reader.values(), local.stat().st_size
+        except TransportError as exc:
+            if exc.kind != "permanent" and not isinstance(exc, RemoteNotFound):
+                raise  # an outage: the next poll reads the global and its moments again
+            error = str(exc)
+        except ValueError as exc:
+            error = f"{T.GLOBAL_MOMENTS} is unreadable: {exc}"
+        self._refused_moments = which  # said once; the global itself is installed
+        _LOG.error(
+            f"refusing the mean first moments published with global {metadata.outer_step}: "
+            f"{error}; this node keeps its own"
+        )
+        self._emit("moments_rejected", outer_step=metadata.outer_step, error=error)
+        return None
 
     def _from_update(self, metadata: T.GlobalMetadata) -> HeldGlobal | None:
         """The global ``metadata`` names, as the held global + the published outer update;
