@@ -16,7 +16,7 @@ from test_diloco_master import lines
 from speedtronic.config import ConfigError, DistributedConfig
 from speedtronic.diloco.coordinator import DumbDiLoCoCoordinator
 from speedtronic.diloco.directory import DirectoryTransport
-from speedtronic.diloco.node import NodeIdCollisionError, resolve_node_id
+from speedtronic.diloco.link import NodeIdCollisionError, resolve_node_id
 
 
 class Log:

@@ -39,7 +39,7 @@ from speedtronic.diloco.exchange import (
     TransportError,
 )
 from speedtronic.diloco.hub import HubClient
-from speedtronic.diloco.node import NodeClaim, NodeLink
+from speedtronic.diloco.link import NodeClaim, NodeLink
 from speedtronic.testing.hub_server import FaultConfig, HubEmulator, LfsConfig
 
 ROOT = Path(__file__).resolve().parents[1]

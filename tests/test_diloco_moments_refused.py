@@ -23,7 +23,8 @@ from speedtronic.config import DistributedConfig
 from speedtronic.diloco import exchange as T
 from speedtronic.diloco.codec import write_safetensors
 from speedtronic.diloco.directory import DirectoryTransport
-from speedtronic.diloco.node import DiLoCoNode, GlobalInbox, NodeClaim, NodeLink
+from speedtronic.diloco.link import NodeClaim, NodeLink
+from speedtronic.diloco.node import DiLoCoNode, GlobalInbox
 
 
 def _node(tmp_path):

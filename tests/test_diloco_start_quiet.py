@@ -20,7 +20,7 @@ from test_diloco_master import settings
 
 from speedtronic.diloco import exchange as T
 from speedtronic.diloco.directory import DirectoryTransport
-from speedtronic.diloco.node import NodeClaim, NodeLink
+from speedtronic.diloco.link import NodeClaim, NodeLink
 
 
 def _store(path) -> DirectoryTransport:

@@ -158,7 +158,7 @@ def test_polling_the_global_costs_one_request_until_it_changes(tmp_path):
 def test_a_node_record_rewritten_unchanged_keeps_its_version_on_the_hub(tmp_path):
     """Each upload commit carries the node's record; while its status is unchanged the blob id
     stays, so the master (which re-reads a record only at a new version) reads none per round."""
-    from speedtronic.diloco.node import NodeClaim
+    from speedtronic.diloco.link import NodeClaim
 
     emulator = HubEmulator(0, token=TEST_TOKEN).start()
     try:

@@ -25,8 +25,9 @@ from speedtronic.diloco.exchange import (
     parse_delta_path,
 )
 from speedtronic.diloco.hub import HubClient, HubTransport
+from speedtronic.diloco.link import resolve_node_id
 from speedtronic.diloco.master import NesterovOuterOptimizer, RoundMaster
-from speedtronic.diloco.node import Contribution, DiLoCoNode, GlobalCandidate, resolve_node_id
+from speedtronic.diloco.node import Contribution, DiLoCoNode, GlobalCandidate
 
 DumbDiLoCo = DumbDiLoCoCoordinator
 #: 2.0.0 names: the master's aggregation loop and the upload job.

@@ -43,16 +43,9 @@ from speedtronic.diloco.exchange import (
 )
 from speedtronic.diloco.hub import HubClient
 from speedtronic.diloco.ledger import RoundState, publish
+from speedtronic.diloco.link import NodeClaim, NodeLink, resolve_node_id
 from speedtronic.diloco.master import RoundMaster, Score
-from speedtronic.diloco.node import (
-    Contribution,
-    DiLoCoNode,
-    GlobalCandidate,
-    GlobalInbox,
-    NodeClaim,
-    NodeLink,
-    resolve_node_id,
-)
+from speedtronic.diloco.node import Contribution, DiLoCoNode, GlobalCandidate, GlobalInbox
 
 __all__ = [
     "DumbDiLoCoCoordinator",

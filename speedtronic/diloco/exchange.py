@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import re
 import tempfile
@@ -45,6 +44,7 @@ from speedtronic.config.limits import is_valid_node_id
 from speedtronic.config.redaction import scrub as scrub  # every form of the token (re-exported)
 from speedtronic.diloco.codec import (
     delta_from_bytes,
+    file_sha256,
     first_non_finite,
     open_safetensors,
     save_safetensors,
@@ -285,6 +285,14 @@ def parse_delta_path(path: str) -> tuple[str, int] | None:
         return None
     match = _DELTA_NAME.match(parts[2])
     return None if match is None else (parts[1], int(match.group(1)))
+
+
+def syncs_momentum(mode: str, every: int, outer_step: int) -> bool:
+    """Whether the round that makes global ``outer_step`` (1, 2, ...) averages the inner first
+    moment: never (``off``), every round, or every ``every``-th (``every_n``)."""
+    if mode == "off":
+        return False
+    return mode == "every_round" or outer_step % every == 0
 
 
 def max_global_bytes(like: Mapping[str, torch.Tensor]) -> int:
@@ -714,15 +722,6 @@ def too_large(path: str, size: int, max_bytes: int) -> TransportError:
         "another model, or damaged); refusing it unread",
         kind="permanent",
     )
-
-
-def file_sha256(path: Path) -> str:
-    """The sha256 of the file at ``path``, read in chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _own_record(

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx2
 
+from speedtronic.diloco.codec import file_sha256
 from speedtronic.diloco.exchange import (
     GLOBAL_STEP,
     AccessRefused,
@@ -61,7 +62,6 @@ from speedtronic.diloco.exchange import (
     RepoTransport,
     RetryPolicy,
     TransportError,
-    file_sha256,
     too_large,
 )
 

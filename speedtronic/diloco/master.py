@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import logging
 import math
 import os
@@ -23,7 +22,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -32,14 +30,13 @@ from speedtronic.background import Loop
 from speedtronic.diloco import codec
 from speedtronic.diloco.codec import (
     QUANTIZED_BITS,
-    SCALE_SUFFIX,
     OuterUpdate,
     QuantizedTensor,
-    WireCodec,
+    add_decoded,
     quantize,
+    state_digest,
 )
 from speedtronic.diloco.exchange import (
-    GLOBAL_UPDATE,
     AccessRefused,
     Emit,
     ExchangeError,
@@ -48,10 +45,10 @@ from speedtronic.diloco.exchange import (
     RepoScan,
     Store,
     TransportError,
-    file_sha256,
     ignore,
     max_global_bytes,
     parse_delta_path,
+    syncs_momentum,
 )
 from speedtronic.diloco.ledger import (
     META,
@@ -70,7 +67,6 @@ if TYPE_CHECKING:
 __all__ = [
     "ETA_DIGITS",
     "META",
-    "HeldGlobal",
     "NesterovOuterOptimizer",
     "NormTally",
     "OuterUpdate",
@@ -79,11 +75,8 @@ __all__ = [
     "RoundState",
     "adaptive_eta",
     "average_states",
-    "read_update",
     "squared_norm",
-    "state_digest",
     "step_quantized",
-    "syncs_momentum",
 ]
 
 _LOG = logging.getLogger("speedtronic.diloco")
@@ -217,14 +210,6 @@ class RecentGlobals:
         if self.n == 1:
             return {k: v.detach().clone() for k, v in self._last.items()}
         return average_states([*self._held, self._last])
-
-
-def syncs_momentum(mode: str, every: int, outer_step: int) -> bool:
-    """Whether the round that makes global ``outer_step`` (1, 2, ...) averages the inner first
-    moment: never (``off``), every round, or every ``every``-th (``every_n``)."""
-    if mode == "off":
-        return False
-    return mode == "every_round" or outer_step % every == 0
 
 
 class Score(Protocol):
@@ -948,24 +933,7 @@ class RoundMaster:
             return {"outer_step": self.outer_step, "ledger": dict(self.ledger)}
 
 
-# -- the compressed global ---------------------------------------------------------------
-def state_digest(state: Mapping[str, torch.Tensor]) -> str:
-    """sha256 of a state's names, dtypes, shapes and bytes (keys in sorted order)."""
-    digest = hashlib.sha256()
-    for key in sorted(state):
-        value = state[key].detach().to("cpu").contiguous()
-        digest.update(f"{key}|{value.dtype}|{tuple(value.shape)}|".encode())
-        if value.numel():
-            digest.update(value.reshape(-1).view(torch.uint8).numpy().data)
-    return digest.hexdigest()
-
-
-def add_decoded(base: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
-    """``base + decoded`` in float32, in ``base``'s dtype: the one addition the master and
-    every node perform, so they hold the same bits."""
-    return (base.detach().to("cpu", torch.float32) + decoded).to(base.dtype)
-
-
+# -- the quantized outer step (global_dtype int8/int4) ------------------------------------
 @torch.no_grad()
 def step_quantized(
     optimizer: NesterovOuterOptimizer,
@@ -999,68 +967,3 @@ def step_quantized(
         weight.copy_(add_decoded(previous, decoded))
         encoded[key] = sent
     return OuterUpdate(encoded, dtype, block_size, -1, base_digest)
-
-
-@dataclasses.dataclass
-class HeldGlobal:
-    """The last global a node installed, kept to apply the next update to (the tensors the
-    node was handed, not a copy: the install only reads them)."""
-
-    outer_step: int
-    run_id: str
-    digest: str
-    state: dict[str, torch.Tensor]
-
-    @classmethod
-    def of(cls, outer_step: int, run_id: str, state: Mapping[str, torch.Tensor]) -> HeldGlobal:
-        """``state`` held as global ``outer_step`` of run ``run_id`` (its digest computed)."""
-        return cls(outer_step, run_id, state_digest(state), dict(state))
-
-
-def read_update(
-    path: str | os.PathLike[str],
-    held: HeldGlobal,
-    *,
-    metadata: GlobalMetadata,
-    like: Mapping[str, torch.Tensor],
-) -> HeldGlobal:
-    """The global ``metadata`` names, from ``held`` and the update file at ``path``. The file
-    must be the one the record names (sha256), an update (codes and scales checked as a
-    delta's) from ``held`` (outer step, run id, digest) to this global, its result must have
-    the digest it announces and be finite in the model's dtypes ``like``; else ``ValueError``."""
-    if file_sha256(Path(path)) != metadata.update_sha256:
-        raise ValueError(f"{GLOBAL_UPDATE} does not match the version record (sha256)")
-    with codec.open_safetensors(path) as opened:
-        header = opened.metadata()
-        if header.get("kind") != "outer_update":
-            raise ValueError("not an outer update file")
-        base = (header.get("base_outer_step"), header.get("base_digest"))
-        if base != (str(held.outer_step), held.digest) or held.run_id != metadata.run_id:
-            raise ValueError(
-                f"the update applies to global {base[0]} ({str(base[1])[:12]}), this node holds "
-                f"{held.outer_step} ({held.digest[:12]}) of run {held.run_id or '?'}"
-            )
-        made = (header.get("outer_step"), header.get("run_id"))
-        if made != (str(metadata.outer_step), metadata.run_id):
-            raise ValueError(
-                f"the update makes global {made[0]} of run {made[1] or '?'}; the record names "
-                f"{metadata.outer_step} of {metadata.run_id or '?'}"
-            )
-        fmt = WireCodec.from_metadata(header)
-        if fmt.bits is None:
-            raise ValueError(f"an update holds int8 or int4 codes, not {fmt.name}")
-        floating = [k for k, v in held.state.items() if v.is_floating_point()]
-        if set(opened.keys()) != set(floating) | {k + SCALE_SUFFIX for k in floating}:
-            raise ValueError("the update's keys do not match the global's floating tensors")
-        result = dict(held.state)
-        for key in floating:  # codes (dtype, count, range) and scales (count, finite, bound)
-            value = held.state[key]
-            decoded = fmt.read(key, opened.get_tensor, tuple(value.shape), codec.MAX_DELTA_ABS)
-            result[key] = add_decoded(value, decoded)
-    digest = state_digest(result)
-    if digest != header.get("digest"):
-        raise ValueError("the result differs from the master's global (digest)")
-    bad = codec.first_non_finite(result, like=like)
-    if bad is not None:
-        raise ValueError(f"the updated global holds non-finite values in {bad}")
-    return HeldGlobal(metadata.outer_step, metadata.run_id, digest, result)

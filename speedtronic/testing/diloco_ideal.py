@@ -42,6 +42,7 @@ from speedtronic.diloco.codec import (
     decode_value,
     encode_delta,
 )
+from speedtronic.diloco.exchange import syncs_momentum
 from speedtronic.diloco.master import (
     NesterovOuterOptimizer,
     NormTally,
@@ -50,7 +51,6 @@ from speedtronic.diloco.master import (
     average_states,
     squared_norm,
     step_quantized,
-    syncs_momentum,
 )
 from speedtronic.diloco.node import (
     first_moments,

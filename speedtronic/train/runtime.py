@@ -293,7 +293,7 @@ def build_runtime(
     if node_id is None and coordinator is not None:
         node_id = coordinator.node_id
     elif node_id is None and config.distributed.enabled:  # rank > 0 reads the node's stream
-        from speedtronic.diloco.node import resolve_node_id
+        from speedtronic.diloco.link import resolve_node_id
 
         node_id = resolve_node_id(config.distributed.node_id, os.environ)
     loader = build_node_dataloader(
