@@ -38,8 +38,8 @@ from diloco_scale import model_shapes  # noqa: E402
 
 from speedtronic.config import DistributedConfig  # noqa: E402
 from speedtronic.diloco.directory import DirectoryTransport  # noqa: E402
-from speedtronic.diloco.exchange import RetryPolicy  # noqa: E402
 from speedtronic.diloco.master import RoundMaster  # noqa: E402
+from speedtronic.retry import RetryPolicy  # noqa: E402
 
 _NODE = r"""
 import json, re, sys, tempfile

@@ -58,9 +58,9 @@ from speedtronic.config import DistributedConfig, ModelConfig  # noqa: E402
 from speedtronic.diloco.codec import DELTA_FORMATS, decode_value, encode_delta  # noqa: E402
 from speedtronic.diloco.coordinator import Upstream  # noqa: E402
 from speedtronic.diloco.directory import DirectoryTransport  # noqa: E402
-from speedtronic.diloco.exchange import RetryPolicy  # noqa: E402
 from speedtronic.diloco.hub import HubClient  # noqa: E402
 from speedtronic.diloco.master import RoundMaster  # noqa: E402
+from speedtronic.retry import RetryPolicy  # noqa: E402
 from speedtronic.testing.hub_budget import Budget  # noqa: E402
 from speedtronic.testing.hub_server import FaultConfig, HubEmulator, token_tag  # noqa: E402
 
@@ -112,7 +112,7 @@ sys.path.insert(0, {bench!r})
 from diloco_scale import _retry, _settings
 from speedtronic.diloco.hub import HubClient
 from speedtronic.diloco.master import RoundMaster
-from speedtronic.diloco.exchange import TransportError
+from speedtronic.retry import TransportError
 
 cfg = json.loads(sys.argv[1])
 def peak_kib():

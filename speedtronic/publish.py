@@ -261,7 +261,7 @@ def push_model(
     with a model card to the Hub model repo ``repo_id`` in one commit (see the module)."""
     from huggingface_hub import CommitOperationAdd, HfApi
 
-    from speedtronic.diloco.exchange import retry_policy_from_config
+    from speedtronic.retry import retry_policy_from_config
 
     if not is_hub_repo_id(repo_id):
         raise ValueError(f"--repo {repo_id!r} is not a Hub repo id: expected owner/name")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from speedtronic.diloco.exchange import RetryPolicy
+from speedtronic.retry import RetryPolicy
 from speedtronic.testing.hub_server import FaultConfig, HubEmulator
 
 #: The token every emulator in the suite requires; tests grep outputs for it.

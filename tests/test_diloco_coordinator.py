@@ -432,8 +432,8 @@ def test_a_master_whose_startup_could_not_create_the_repository_creates_it_later
     """An outage during the master's startup (two quick attempts) must not leave the exchange
     uncreated for the whole run: its thread creates it at its next poll and bootstraps the
     global (before, nobody ever created it, and every node's upload was refused)."""
-    from speedtronic.diloco.exchange import TransportError
     from speedtronic.diloco.hub import HubClient
+    from speedtronic.retry import TransportError
 
     class Flaky(HubClient):
         failures = 2

@@ -31,15 +31,10 @@ from test_diloco_node import make_node, offer, train
 from speedtronic.config import ConfigError, DistributedConfig, SpeedtronicConfig
 from speedtronic.diloco.codec import DATA_DIGEST, delta_from_bytes, delta_to_bytes, open_delta
 from speedtronic.diloco.directory import DirectoryTransport
-from speedtronic.diloco.exchange import (
-    AccessRefused,
-    DamagedFile,
-    ExchangeError,
-    RetryPolicy,
-    TransportError,
-)
+from speedtronic.diloco.exchange import ExchangeError
 from speedtronic.diloco.hub import HubClient
 from speedtronic.diloco.link import NodeClaim, NodeLink
+from speedtronic.retry import AccessRefused, DamagedFile, RetryPolicy, TransportError
 from speedtronic.testing.hub_server import FaultConfig, HubEmulator, LfsConfig
 
 ROOT = Path(__file__).resolve().parents[1]

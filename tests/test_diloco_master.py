@@ -16,8 +16,8 @@ from hub_emulator_fixtures import fast_retry
 from speedtronic.config import DistributedConfig
 from speedtronic.diloco.codec import read_metadata, state_from_bytes
 from speedtronic.diloco.directory import DirectoryTransport
-from speedtronic.diloco.exchange import TransportError
 from speedtronic.diloco.master import RoundMaster
+from speedtronic.retry import TransportError
 
 
 class Log:

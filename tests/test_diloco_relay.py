@@ -15,8 +15,8 @@ from process_support import wait_for
 from speedtronic.config import DistributedConfig
 from speedtronic.diloco.coordinator import Upstream
 from speedtronic.diloco.directory import DirectoryTransport
-from speedtronic.diloco.exchange import TransportError
 from speedtronic.diloco.master import RoundMaster
+from speedtronic.retry import TransportError
 
 
 def _settings(**extra) -> DistributedConfig:

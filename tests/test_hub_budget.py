@@ -11,9 +11,9 @@ import torch
 from hub_emulator_fixtures import TEST_TOKEN
 
 from speedtronic.config import DistributedConfig
-from speedtronic.diloco.exchange import AccessRefused, RetryPolicy
 from speedtronic.diloco.hub import HubClient
 from speedtronic.diloco.master import RoundMaster
+from speedtronic.retry import AccessRefused, RetryPolicy
 from speedtronic.testing.hub_budget import Budget, BudgetKeeper
 from speedtronic.testing.hub_server import HubEmulator
 

@@ -20,9 +20,9 @@ import torch
 from hub_emulator_fixtures import TEST_TOKEN
 
 from speedtronic.config import DistributedConfig
-from speedtronic.diloco.exchange import HubUnavailable, RetryPolicy
 from speedtronic.diloco.hub import HubClient
 from speedtronic.diloco.master import RoundMaster
+from speedtronic.retry import HubUnavailable, RetryPolicy
 from speedtronic.testing.hub_server import FaultConfig, HubEmulator, LfsConfig
 
 THRESHOLD = 4096

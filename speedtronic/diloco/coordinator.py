@@ -34,11 +34,8 @@ from speedtronic.diloco.directory import DirectoryTransport
 from speedtronic.diloco.exchange import (
     ExchangeError,
     GlobalMetadata,
-    RetryPolicy,
     Store,
-    TransportError,
     max_global_bytes,
-    retry_policy_from_config,
     scrub,
 )
 from speedtronic.diloco.hub import HubClient
@@ -46,6 +43,7 @@ from speedtronic.diloco.ledger import RoundState, publish
 from speedtronic.diloco.link import NodeClaim, NodeLink, resolve_node_id
 from speedtronic.diloco.master import RoundMaster, Score
 from speedtronic.diloco.node import Contribution, DiLoCoNode, GlobalCandidate, GlobalInbox
+from speedtronic.retry import RetryPolicy, TransportError, retry_policy_from_config
 
 __all__ = [
     "DumbDiLoCoCoordinator",

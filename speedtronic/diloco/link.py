@@ -31,18 +31,9 @@ from speedtronic.config.limits import check_node_id
 from speedtronic.diloco import codec
 from speedtronic.diloco import exchange as T
 from speedtronic.diloco.codec import HeldGlobal, read_update
-from speedtronic.diloco.exchange import (
-    AccessRefused,
-    Emit,
-    ExchangeError,
-    FileInfo,
-    RemoteNotFound,
-    Store,
-    TransportError,
-    ignore,
-    scrub,
-)
+from speedtronic.diloco.exchange import Emit, ExchangeError, FileInfo, Store, ignore, scrub
 from speedtronic.diloco.node import Contribution, GlobalCandidate
+from speedtronic.retry import AccessRefused, RemoteNotFound, TransportError
 
 __all__ = [
     "ExchangeAccessError",

@@ -37,14 +37,11 @@ from speedtronic.diloco.codec import (
     state_digest,
 )
 from speedtronic.diloco.exchange import (
-    AccessRefused,
     Emit,
     ExchangeError,
     GlobalMetadata,
-    RemoteNotFound,
     RepoScan,
     Store,
-    TransportError,
     ignore,
     max_global_bytes,
     parse_delta_path,
@@ -60,6 +57,7 @@ from speedtronic.diloco.ledger import (
     publish,
     reconcile,
 )
+from speedtronic.retry import AccessRefused, RemoteNotFound, TransportError
 
 if TYPE_CHECKING:
     from speedtronic.config import DistributedConfig

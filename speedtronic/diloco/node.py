@@ -46,12 +46,8 @@ from speedtronic.background import Loop, wait_for
 from speedtronic.config import ConfigError, DistributedConfig
 from speedtronic.diloco import codec
 from speedtronic.diloco import exchange as T
-from speedtronic.diloco.exchange import (
-    Emit,
-    ExchangeError,
-    TransportError,
-    ignore,
-)
+from speedtronic.diloco.exchange import Emit, ExchangeError, ignore
+from speedtronic.retry import TransportError
 
 __all__ = [
     "Contribution",

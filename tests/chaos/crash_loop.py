@@ -60,9 +60,9 @@ from speedtronic.checkpoint import CheckpointManager  # noqa: E402
 from speedtronic.config import DistributedConfig  # noqa: E402
 from speedtronic.diloco.codec import delta_to_bytes  # noqa: E402
 from speedtronic.diloco.directory import DirectoryTransport  # noqa: E402
-from speedtronic.diloco.exchange import RetryPolicy  # noqa: E402
 from speedtronic.diloco.hub import HubClient  # noqa: E402
 from speedtronic.diloco.master import RoundMaster  # noqa: E402
+from speedtronic.retry import RetryPolicy  # noqa: E402
 from speedtronic.testing.hub_server import HubEmulator, LfsConfig  # noqa: E402
 
 WIDTH = 250_000  # floats in the checkpoint tensor (1 MB): a write takes a while
