@@ -59,7 +59,7 @@ from speedtronic.diloco.codec import DELTA_FORMATS, decode_value, encode_delta  
 from speedtronic.diloco.coordinator import Upstream  # noqa: E402
 from speedtronic.diloco.directory import DirectoryTransport  # noqa: E402
 from speedtronic.diloco.hub import HubClient  # noqa: E402
-from speedtronic.diloco.master import RoundMaster  # noqa: E402
+from speedtronic.diloco.master import RelayStep, RoundMaster  # noqa: E402
 from speedtronic.retry import RetryPolicy  # noqa: E402
 from speedtronic.testing.hub_budget import Budget  # noqa: E402
 from speedtronic.testing.hub_server import FaultConfig, HubEmulator, token_tag  # noqa: E402
@@ -268,7 +268,7 @@ def _leader(
         settings=_settings(poll, members, wire=wire),
         state_dir=tmp / f"state-{name}",
         emit=lambda e, **fields: events.append((e, fields)),
-        upstream=upstream,
+        outer=RelayStep(upstream),
     )
     master.events = events  # type: ignore[attr-defined]
     master.stop_relay = stop  # type: ignore[attr-defined]

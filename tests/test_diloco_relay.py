@@ -15,7 +15,7 @@ from process_support import wait_for
 from speedtronic.config import DistributedConfig
 from speedtronic.diloco.coordinator import Upstream
 from speedtronic.diloco.directory import DirectoryTransport
-from speedtronic.diloco.master import RoundMaster
+from speedtronic.diloco.master import RelayStep, RoundMaster
 from speedtronic.retry import TransportError
 
 
@@ -33,7 +33,7 @@ def _master(tmp, name, transport, upstream=None, **settings):
         settings=_settings(**settings),
         state_dir=tmp / f"state-{name}",
         emit=lambda e, **fields: events.append((e, fields)),
-        upstream=upstream,
+        outer=None if upstream is None else RelayStep(upstream),
     )
     master.events = events
     return master
@@ -114,7 +114,7 @@ def test_groups_give_every_node_the_same_weight_and_cut_top_level_commits(tmp_pa
         assert top.global_metadata().final
     finally:
         for _, relay in groups.values():
-            relay.upstream._stop.set()
+            relay.outer.relay._stop.set()
             relay.stop()
         head.stop()
 

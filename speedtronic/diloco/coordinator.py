@@ -41,7 +41,7 @@ from speedtronic.diloco.exchange import (
 from speedtronic.diloco.hub import HubClient
 from speedtronic.diloco.ledger import RoundState, publish
 from speedtronic.diloco.link import NodeClaim, NodeLink, resolve_node_id
-from speedtronic.diloco.master import RoundMaster, Score
+from speedtronic.diloco.master import RelayStep, RoundMaster, Score
 from speedtronic.diloco.node import Contribution, DiLoCoNode, GlobalCandidate, GlobalInbox
 from speedtronic.retry import RetryPolicy, TransportError, retry_policy_from_config
 
@@ -192,7 +192,7 @@ class DumbDiLoCoCoordinator:
                 on_global=self._offer,
                 evaluate=None if cfg.relay_to else evaluate,
                 on_final=self._write_final,
-                upstream=self._upstream(cfg, cfg.relay_to) if cfg.relay_to else None,
+                outer=RelayStep(self._upstream(cfg, cfg.relay_to)) if cfg.relay_to else None,
             )
         self._prepared: Mapping[str, object] | None = None
         self._prepared_step: int | None = None  # the node's step in the applied checkpoint

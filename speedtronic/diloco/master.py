@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -65,12 +66,17 @@ if TYPE_CHECKING:
 __all__ = [
     "ETA_DIGITS",
     "META",
+    "LocalStep",
     "NesterovOuterOptimizer",
     "NormTally",
+    "OuterStep",
     "OuterUpdate",
     "RecentGlobals",
+    "Relay",
+    "RelayStep",
     "RoundMaster",
     "RoundState",
+    "Stepped",
     "adaptive_eta",
     "average_states",
     "squared_norm",
@@ -239,8 +245,11 @@ class Relay(Protocol):
 
 @dataclasses.dataclass
 class _Fold:
-    """What closing a round read: the files used and what they say about their nodes."""
+    """What closing a round read: the round's mean (one float32 running sum, divided by the
+    weight at the end), the files used and what they say about their nodes."""
 
+    round: int
+    total: dict[str, torch.Tensor]
     weight: int = 0
     included: list[str] = dataclasses.field(default_factory=list)
     consumed: list[str] = dataclasses.field(default_factory=list)
@@ -252,6 +261,61 @@ class _Fold:
     moments: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # weighted sums
     moment_weights: dict[str, float] = dataclasses.field(default_factory=dict)
     norms: NormTally = dataclasses.field(default_factory=NormTally)  # for outer_step: adaptive
+    mean_moments: dict[str, torch.Tensor] | None = None  # as the nodes will decode them
+
+
+@dataclasses.dataclass
+class Stepped:
+    """What an outer step made: its lr (``eta``, in the report) and the quantized update to
+    publish beside the global (None: the global is published whole)."""
+
+    eta: float
+    update: OuterUpdate | None = None
+
+
+class OuterStep(Protocol):
+    """How a closed round's mean becomes the next global: :class:`LocalStep` steps it here
+    with the run's outer optimizer, :class:`RelayStep` (a group leader) forwards it to the
+    top-level exchange and takes the global that comes back. The master calls each method
+    at one place of its round and never asks which of the two it holds."""
+
+    def agree(
+        self,
+        store: Store,
+        held: RoundState,
+        *,
+        trusted: bool,
+        fresh: bool,
+        new_run: Callable[[], RoundState],
+    ) -> tuple[RoundState, bool]:
+        """The state agreed with the exchange (which holds it when this returns), and whether
+        its global is the final one of a run that ended."""
+        ...
+
+    def moments_due(self, outer_step: int) -> bool:
+        """Whether the round that makes global ``outer_step`` averages the first moments."""
+        ...
+
+    def step(
+        self,
+        new: RoundState,
+        mean: dict[str, torch.Tensor],
+        *,
+        weight: int,
+        norms: NormTally,
+        final: bool,
+    ) -> Stepped | None:
+        """Make ``new`` (the closed round's state) the next global from the round's ``mean``
+        of ``weight`` nodes; None when the result would not be finite (``new`` is dropped)."""
+        ...
+
+    def undo(self, old: RoundState, new: RoundState) -> RoundState:
+        """The state to hold when the publish of ``new`` failed and no local state keeps it."""
+        ...
+
+    def finish(self, state: RoundState) -> None:
+        """The run is over with no round left to close: make ``state`` the final global."""
+        ...
 
 
 class RoundMaster:
@@ -259,9 +323,14 @@ class RoundMaster:
 
     ``state``: the model's weights (the global of a new run; every global is checked against
     its shapes and dtypes). ``on_global`` receives every new global, ``evaluate`` scores one,
-    ``on_final`` runs once after the final global was published; ``upstream`` makes this master
-    a group leader (:mod:`.relay`). ``last_progress``: the ``clock()`` time of the last sign
-    that the run moves (the coordinator bounds its wait for the final global from it).
+    ``on_final`` runs once after the final global was published; ``outer`` is how a round's
+    mean becomes the next global (:class:`LocalStep` by default; :class:`RelayStep` makes this
+    master a group leader). ``last_progress``: the ``clock()`` time of the last sign that the
+    run moves (the coordinator bounds its wait for the final global from it).
+
+    A poll sorts the exchange's files and closes the open round when it is due: fold (the
+    valid files into the round's mean) -> outer step (``outer``) -> publish (one commit, the
+    write-ahead record first) -> report; each step has its own failure rule.
     """
 
     def __init__(
@@ -275,7 +344,7 @@ class RoundMaster:
         on_global: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
         evaluate: Callable[[dict[str, torch.Tensor]], Score | None] | None = None,
         on_final: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
-        upstream: Relay | None = None,
+        outer: OuterStep | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.store = store
@@ -292,7 +361,7 @@ class RoundMaster:
         self._emit = emit
         self.roster = Roster(lambda node_id: self.store.read_owner(node_id), emit)
         self.on_global, self.evaluate, self.on_final = on_global, evaluate, on_final
-        self.upstream = upstream
+        self.outer: OuterStep = outer or LocalStep(settings, self.outer_files)
         self._clock = clock
         self._lock = threading.RLock()
         self.finished = threading.Event()
@@ -367,24 +436,17 @@ class RoundMaster:
             _LOG.warning(f"could not persist local outer state: {exc}")
 
     def reconcile(self) -> None:
-        """Agree with the exchange once (:func:`~.ledger.reconcile`; a group leader takes the
-        top-level global). A failed read raises ``TransportError`` (retried); an unusable
-        global with no local state to republish raises ``ExchangeError``."""
-        if self.upstream is not None:
-            bound = max_global_bytes(self.global_state)
-            state = self.upstream.agree(self.store, self.state, bound)
-        else:
-            state = reconcile(
-                self.store,
-                self.state,
-                trusted=self.has_local_state,
-                fresh=self.fresh,
-                new_run=self._new_run,
-            )
-        # read before it counts as agreed: a failed read agrees again at the next poll
-        meta = None if self.upstream is not None else self.store.global_metadata()
-        key = (state.run_id, state.outer_step)
-        over = meta is not None and meta.final and (meta.run_id, meta.outer_step) == key
+        """Agree with the exchange once (``outer.agree``: :func:`~.ledger.reconcile`, or a
+        group leader takes the top-level global). A failed read raises ``TransportError``
+        (retried); an unusable global with no local state to republish raises
+        ``ExchangeError``."""
+        state, over = self.outer.agree(
+            self.store,
+            self.state,
+            trusted=self.has_local_state,
+            fresh=self.fresh,
+            new_run=self._new_run,
+        )
         with self._lock:
             self.state = state
         self.reconciled = True
@@ -584,47 +646,70 @@ class RoundMaster:
             )
         return expected - started
 
-    # -- closing a round -----------------------------------------------------------------------
+    # -- closing a round: fold -> outer step -> publish -> report ------------------------------
     def _close(
         self, candidates: Mapping[str, Mapping[int, str]], reason: str, active: set[str]
     ) -> bool:
+        """Close the open round from ``candidates``; True when its global was published."""
         started = time.perf_counter()
-        total = {  # the round's one float32 running sum
+        fold = self._fold(candidates)
+        if fold is None:  # nothing usable: the round stays open
+            return False
+        new = self._next_state(fold)
+        final = self.roster.run_over(self.roster.waiting(new), new)
+        stepped = self.outer.step(
+            new, fold.total, weight=fold.weight, norms=fold.norms, final=final
+        )
+        if stepped is None:  # not finite: the round is undone, its files go
+            for path in fold.consumed:
+                self._refuse(path, "the outer step would make the global non-finite")
+            return False
+        fold.total = {}  # the mean is spent: let it go before the publish
+        report = self._report(new, fold, reason, active, stepped.eta)
+        self._publish_round(new, fold, stepped.update, final, report)
+        self._report_round(new, fold, report, started)
+        self._after_publish(final)
+        return True
+
+    def _fold(self, candidates: Mapping[str, Mapping[int, str]]) -> _Fold | None:
+        """Fold: every node's valid files into the round's one float32 running sum, divided
+        into the mean, and the mean first moments; None when no file was usable (the unusable
+        ones are pruned and counted, the sum is dropped)."""
+        total = {
             k: torch.zeros(tuple(v.shape), dtype=torch.float32)
             for k, v in self.global_state.items()
             if v.is_floating_point()
         }
-        fold = _Fold()
+        fold = _Fold(self.outer_step, total)
         for node_id in sorted(candidates):
-            self._fold_node(node_id, candidates[node_id], total, fold)
+            self._fold_node(node_id, candidates[node_id], fold)
             codec.return_free_memory()  # the file's temporaries, before the next file's
         if not fold.marks:
-            return False
+            return None
         for value in total.values():
             value.div_(float(fold.weight))
-        eta = self._eta(fold.norms, total)
-        moments = self._mean_moments(fold)
-        old, new = self.state, self.state.copy(tensors=False)  # the weights step in place
-        round = new.outer_step
+        fold.mean_moments = self._mean_moments(fold)
+        return fold
+
+    def _next_state(self, fold: _Fold) -> RoundState:
+        """The closed round's state: a copy of the held one (the weights step in place) with
+        the ledger and node records of what ``fold`` read."""
+        new = self.state.copy(tensors=False)
         for node_id, newest in fold.marks.items():
             new.ledger[node_id] = max(new.ledger.get(node_id, -1), newest)
             new.finals.pop(node_id, None)  # a node that contributes again is not done yet
         new.digests.update(fold.digests)
         new.instances.update(fold.instances)
         new.finals.update(fold.finals)
-        final = self.roster.run_over(self.roster.waiting(new), new)
-        self._keep(new)  # the global this round steps from
-        stepped = self._step(new, total, fold.weight, final, eta)
-        if stepped is False:
-            for path in fold.consumed:
-                self._refuse(path, "the outer step would make the global non-finite")
-            return False
-        if final and self._final_mean(new):
-            stepped = True  # the final global is published whole, not as an update
-        del total
-        report: dict[str, object] = {
+        return new
+
+    def _report(
+        self, new: RoundState, fold: _Fold, reason: str, active: set[str], eta: float
+    ) -> dict[str, object]:
+        """What the ``outer_step`` event says of the round that made ``new``."""
+        return {
             "outer_step": new.outer_step,
-            "round": round,
+            "round": fold.round,
             "reason": reason,
             "nodes_active": len(active),
             "nodes_included": len(fold.marks),
@@ -635,39 +720,56 @@ class RoundMaster:
             "eta": eta,
             **self._tally(),
         }
-        # written ahead: a kill after the exchange applied the publish and before the round
-        # is reported below leaves this record, reported at the restart
+
+    def _publish_round(
+        self,
+        new: RoundState,
+        fold: _Fold,
+        update: OuterUpdate | None,
+        final: bool,
+        report: Mapping[str, object],
+    ) -> None:
+        """Publish ``new`` in one commit, its report written ahead (a kill after the exchange
+        applied the publish and before the report leaves the record, reported at the restart).
+
+        A failure may still have landed: the next poll agrees with the exchange again. The
+        closed round is kept (its ledger marks the consumed files) and published again from
+        the local state (the full global: an update is sent once); with no local state to
+        trust, ``outer.undo`` says which state to hold (the exchange's global is taken again
+        and the round closes anew from the files still there; a group leader's mean is at the
+        top level already)."""
         self.outer_files.write_pending(new.outer_step, new.run_id, report)
+        old = self.state
         with self._lock:
             self.state = new
+        moments = fold.mean_moments
         try:
-            update = stepped if isinstance(stepped, OuterUpdate) else None
-            prune = set(fold.consumed) | self._prune
             publish(
                 self.store,
                 new,
-                prune=prune,
+                prune=set(fold.consumed) | self._prune,
                 final=final,
                 refused=self._refused,
                 update=update,
                 moments=moments,
-                **({} if moments is None else {"moments_round": str(round)}),
+                **({} if moments is None else {"moments_round": str(fold.round)}),
             )
         except Exception:
-            # It may still have landed: the next poll agrees with the exchange again. The
-            # closed round is kept (its ledger marks the consumed files; a group leader's mean
-            # is at the top level already) and published again from the local state (the full
-            # global: the update is sent once); with no local state to trust, the exchange's
-            # global is taken again and the round closes anew from the files still there.
             self._persist()
             if self.has_local_state:
                 self._prune.update(fold.consumed)  # consumed: they go with the next commit
                 self._first_arrival = None
-            elif self.upstream is None:
+            else:
                 with self._lock:
-                    self.state = old  # its weights are replaced when the global is adopted
+                    self.state = self.outer.undo(old, new)  # weights replaced when adopted
             self.reconciled = False
             raise
+
+    def _report_round(
+        self, new: RoundState, fold: _Fold, report: Mapping[str, object], started: float
+    ) -> None:
+        """The round landed: its length, the state persisted, the ``outer_step`` event, the
+        write-ahead record cleared, the mean first moments kept for the local node."""
         opened, self._opened = self._opened, self._clock()
         self.last_progress = self._opened
         length = self._opened - opened
@@ -682,16 +784,8 @@ class RoundMaster:
             "outer_step", **report, seconds=time.perf_counter() - started, round_seconds=length
         )
         self.outer_files.clear_pending()
-        self.moments = None if moments is None else (new.outer_step, round, moments)
-        self._after_publish(final)
-        return True
-
-    def _syncs_moments(self) -> bool:
-        """Whether the open round averages the nodes' first moments (a group leader relays
-        the weights only)."""
-        s = self.settings
-        due = syncs_momentum(s.sync_inner_momentum, s.inner_momentum_every, self.outer_step + 1)
-        return due and self.upstream is None
+        moments = fold.mean_moments
+        self.moments = None if moments is None else (new.outer_step, fold.round, moments)
 
     def _add_moments(self, reader: codec.DeltaReader, weight: float, fold: _Fold) -> None:
         """Add the first moments ``reader``'s file carries, times ``weight``, to the round's
@@ -717,110 +811,17 @@ class RoundMaster:
         encoded = codec.encode_delta(mean, s.delta_dtype, s.delta_block_size)
         return {k: codec.decode_value(v) for k, v in encoded.items()}
 
-    def _keep(self, state: RoundState) -> None:
-        """Keep ``state``'s global on disk when the final model is a mean of several."""
-        n = self.settings.final_average
-        if n > 1 and self.upstream is None:
-            self.outer_files.keep_global(state.outer_step, state.run_id, state.global_state, n)
-
-    def _final_mean(self, state: RoundState) -> bool:
-        """``final_average`` N > 1: make ``state``'s global the mean of the last N globals
-        (fewer when fewer were made), read from the kept files, so a retry or a restart
-        computes the same; True if it did (a group leader takes the top level's)."""
-        n = self.settings.final_average
-        if n == 1 or self.upstream is not None:
-            return False
-        self._keep(state)
-        kept = self.outer_files.kept_globals(
-            state.run_id, state.outer_step - n + 1, state.outer_step
-        )
-        for key, value in average_states(kept).items():
-            state.global_state[key] = value.to(state.global_state[key].dtype)
-        _LOG.info(f"the final global is the mean of the last {len(kept)} globals")
-        return True
-
-    def _eta(self, norms: NormTally, mean: Mapping[str, torch.Tensor]) -> float:
-        """The round's outer lr: the optimizer's (``outer_lr``; 1.0 for ``average``), or with
-        ``outer_step: adaptive`` the one :func:`adaptive_eta` computes from the contributions'
-        norms and the mean's (a group leader relays and steps nothing)."""
-        s = self.settings
-        if s.outer_step != "adaptive" or self.upstream is not None:
-            return self.state.optimizer.lr
-        return adaptive_eta(
-            norms.spread, squared_norm(mean), norms.count, s.adaptive_c, s.adaptive_max
-        )
-
-    def _step(
-        self, new: RoundState, mean: dict[str, torch.Tensor], weight: int, final: bool, eta: float
-    ) -> OuterUpdate | bool:
-        """The outer step on ``new`` with lr ``eta`` (a group leader relays the round's
-        ``mean`` up and takes the top-level global that includes it): the quantized update to
-        publish, True, or False when the result would not be finite (``new`` is then
-        discarded)."""
-        if self.upstream is not None:  # the wait for the top level may be long: no lock held
-            meta, weights = self.upstream.forward(
-                mean, round=new.outer_step, weight=weight, run_id=new.run_id, final=final
-            )
-            new.adopt(weights, meta.outer_step)
-            new.run_id = meta.run_id
-            return True
-        new.optimizer.lr = new.eta = eta  # this round's (the same every round but with adaptive)
-        if new.optimizer.first_non_finite(new.global_state, mean) is not None:
-            return False  # checked on temporaries: nothing changed
-        s = self.settings
-        if s.global_dtype == "fp32":
-            new.optimizer.step(new.global_state, mean)
-            new.outer_step += 1
-            return True
-        update = step_quantized(
-            new.optimizer,
-            new.global_state,
-            mean,
-            new.residual,
-            dtype=s.global_dtype,
-            block_size=s.delta_block_size,
-            error_feedback=s.error_feedback,
-        )
-        update.base_step, update.run_id = new.outer_step, new.run_id
-        new.outer_step += 1
-        update.outer_step, update.digest = new.outer_step, state_digest(new.global_state)
-        return update
-
-    def _fold_node(
-        self, node_id: str, files: Mapping[int, str], total: dict[str, torch.Tensor], fold: _Fold
-    ) -> None:
-        """Add one node's valid files for this round into ``total`` as their mean times the
+    def _fold_node(self, node_id: str, files: Mapping[int, str], fold: _Fold) -> None:
+        """Add one node's valid files for this round into ``fold.total`` as their mean times the
         node's weight (1, or the nodes a relay leader speaks for), each file read once, tensor
         by tensor, and record them in ``fold``. Unusable files are pruned and counted."""
         with contextlib.ExitStack() as stack:
             readers: list[tuple[int, str, codec.DeltaReader, int]] = []
             for round, path in sorted(files.items()):
-                try:
-                    bound = self.max_delta_bytes  # checked on the file actually opened
-                    local = stack.enter_context(self.store.local_copy(path, max_bytes=bound))
-                    reader = stack.enter_context(codec.open_delta(local))
-                    leaders, step = self.settings.relay_leaders, self.outer_step
-                    weight = self.roster.check_identity(
-                        node_id, reader.metadata, round, step, leaders
-                    )
-                    digest = reader.check(self.global_state)
-                    if self.state.digests.get(node_id) == digest:
-                        raise ValueError("the same values as its node's last contribution")
-                except RemoteNotFound:
+                opened = self._open_checked(stack, node_id, round, path)
+                if opened is None:
                     continue
-                except TransportError as exc:
-                    if exc.kind != "permanent":
-                        raise  # an outage: the whole round is retried at the next poll
-                    self._refuse(path, str(exc))  # too large, a link: never usable
-                    continue
-                except Exception as exc:
-                    self._refuse(path, f"{type(exc).__name__}: {exc}")
-                    continue
-                run = reader.metadata["run_id"]
-                if run and self.run_id and run != self.run_id:
-                    self._drop(node_id, round, path)
-                    _LOG.warning(f"dropping {path}: it belongs to another run ({run})")
-                    continue
+                reader, weight, digest = opened
                 readers.append((round, path, reader, weight))
                 fold.digests[node_id] = digest
                 fold.instances[node_id] = reader.metadata["instance"]
@@ -830,9 +831,10 @@ class RoundMaster:
                 return
             weight = max(w for _, _, _, w in readers)
             share = weight / len(readers)  # several files of one node: each counts its share
-            moments = self._syncs_moments()
+            moments = self.outer.moments_due(self.outer_step + 1)
             for round, _, reader, _ in readers:
-                reader.add_to(total, scale=share, observe=lambda part: fold.norms.add(part, share))
+                observe = functools.partial(fold.norms.add, weight=share)
+                reader.add_to(fold.total, scale=share, observe=observe)
                 fold.norms.close(share)
                 if moments and round == self.outer_step:  # a late file's moments: too old
                     self._add_moments(reader, weight, fold)
@@ -842,6 +844,39 @@ class RoundMaster:
             fold.consumed.append(path)
             fold.late += round < self.outer_step
             fold.marks[node_id] = max(fold.marks.get(node_id, -1), round)
+
+    def _open_checked(
+        self, stack: contextlib.ExitStack[bool | None], node_id: str, round: int, path: str
+    ) -> tuple[codec.DeltaReader, int, str] | None:
+        """``node_id``'s contribution to ``round`` at ``path``, opened (kept open by
+        ``stack``) and checked: its size on the file read, identity, values and digest, not a
+        re-sent copy, of this run. Returns its reader, weight and digest; None when it is gone
+        or unusable (pruned and counted). An outage raises (the round is retried)."""
+        try:
+            bound = self.max_delta_bytes  # checked on the file actually opened
+            local = stack.enter_context(self.store.local_copy(path, max_bytes=bound))
+            reader = stack.enter_context(codec.open_delta(local))
+            leaders, step = self.settings.relay_leaders, self.outer_step
+            weight = self.roster.check_identity(node_id, reader.metadata, round, step, leaders)
+            digest = reader.check(self.global_state)
+            if self.state.digests.get(node_id) == digest:
+                raise ValueError("the same values as its node's last contribution")
+        except RemoteNotFound:
+            return None
+        except TransportError as exc:
+            if exc.kind != "permanent":
+                raise  # an outage: the whole round is retried at the next poll
+            self._refuse(path, str(exc))  # too large, a link: never usable
+            return None
+        except Exception as exc:
+            self._refuse(path, f"{type(exc).__name__}: {exc}")
+            return None
+        run = reader.metadata["run_id"]
+        if run and self.run_id and run != self.run_id:
+            self._drop(node_id, round, path)
+            _LOG.warning(f"dropping {path}: it belongs to another run ({run})")
+            return None
+        return reader, weight, digest
 
     def _after_publish(self, final: bool) -> None:
         self._hand_over()
@@ -861,11 +896,10 @@ class RoundMaster:
             self._finalize(state)
 
     def _finish(self) -> None:
-        """Every node is done and nothing is left: mark the published global final (a group
-        leader first tells the top level that its group is done)."""
-        if self.upstream is not None:
-            self.upstream.finish()
-        self._final_mean(self.state)
+        """Every node is done and nothing is left: mark the published global final (with
+        ``outer.finish``: the mean of the last globals, or a group leader first tells the top
+        level that its group is done)."""
+        self.outer.finish(self.state)
         publish(self.store, self.state, final=True, refused=self._refused)
         self._persist()
         # files refused after the last round are reported here, or they would never be counted
@@ -929,6 +963,174 @@ class RoundMaster:
         """Outer step and ledger (the tensors live in ``state_dir`` and the repository)."""
         with self._lock:
             return {"outer_step": self.outer_step, "ledger": dict(self.ledger)}
+
+
+# -- the outer step: taken here, or forwarded upstream --------------------------------------
+class LocalStep:
+    """The outer step taken here (:class:`OuterStep`): the round's lr (``outer_lr``, or with
+    ``outer_step: adaptive`` the eta :func:`adaptive_eta` computes from the contributions'
+    norms), the run's one outer optimizer on the global (its update quantized with
+    ``global_dtype`` int8/int4, :func:`step_quantized`), the first moments averaged in the
+    rounds ``sync_inner_momentum`` names, and with ``final_average`` N > 1 the globals kept in
+    ``files``, so that the final global is the mean of the last N."""
+
+    def __init__(self, settings: DistributedConfig, files: OuterStateStore) -> None:
+        self.settings = settings
+        self.files = files
+
+    def agree(
+        self,
+        store: Store,
+        held: RoundState,
+        *,
+        trusted: bool,
+        fresh: bool,
+        new_run: Callable[[], RoundState],
+    ) -> tuple[RoundState, bool]:
+        """:func:`~.ledger.reconcile`, then the record read (before it counts as agreed: a
+        failed read agrees again at the next poll) to say whether this run ended."""
+        state = reconcile(store, held, trusted=trusted, fresh=fresh, new_run=new_run)
+        meta = store.global_metadata()
+        key = (state.run_id, state.outer_step)
+        return state, meta is not None and meta.final and (meta.run_id, meta.outer_step) == key
+
+    def moments_due(self, outer_step: int) -> bool:
+        """The rounds ``sync_inner_momentum`` names (:func:`syncs_momentum`)."""
+        s = self.settings
+        return syncs_momentum(s.sync_inner_momentum, s.inner_momentum_every, outer_step)
+
+    def step(
+        self,
+        new: RoundState,
+        mean: dict[str, torch.Tensor],
+        *,
+        weight: int,
+        norms: NormTally,
+        final: bool,
+    ) -> Stepped | None:
+        """The outer step on ``new`` with the round's lr, from the global kept on disk when
+        the final model is a mean; the final global is that mean, published whole."""
+        eta = self._eta(new, norms, mean)
+        self._keep(new)  # the global this round steps from
+        new.optimizer.lr = new.eta = eta  # this round's (the same every round but with adaptive)
+        if new.optimizer.first_non_finite(new.global_state, mean) is not None:
+            return None  # checked on temporaries: nothing changed
+        update = self._apply(new, mean)
+        if final and self._final_mean(new):
+            update = None  # the final global is published whole, not as an update
+        return Stepped(eta, update)
+
+    def undo(self, old: RoundState, new: RoundState) -> RoundState:
+        """The held state (the exchange's global is agreed again and the round closes anew)."""
+        return old
+
+    def finish(self, state: RoundState) -> None:
+        """The final global: the mean of the last ``final_average`` globals."""
+        self._final_mean(state)
+
+    def _eta(self, state: RoundState, norms: NormTally, mean: Mapping[str, torch.Tensor]) -> float:
+        """The optimizer's lr (``outer_lr``; 1.0 for ``average``), or the adaptive eta."""
+        s = self.settings
+        if s.outer_step != "adaptive":
+            return state.optimizer.lr
+        return adaptive_eta(
+            norms.spread, squared_norm(mean), norms.count, s.adaptive_c, s.adaptive_max
+        )
+
+    def _apply(self, new: RoundState, mean: Mapping[str, torch.Tensor]) -> OuterUpdate | None:
+        """Step ``new``'s global in place; with ``global_dtype`` int8/int4, the update it
+        publishes (the global becomes the last one plus the decoded update)."""
+        s = self.settings
+        if s.global_dtype == "fp32":
+            new.optimizer.step(new.global_state, mean)
+            new.outer_step += 1
+            return None
+        update = step_quantized(
+            new.optimizer,
+            new.global_state,
+            mean,
+            new.residual,
+            dtype=s.global_dtype,
+            block_size=s.delta_block_size,
+            error_feedback=s.error_feedback,
+        )
+        update.base_step, update.run_id = new.outer_step, new.run_id
+        new.outer_step += 1
+        update.outer_step, update.digest = new.outer_step, state_digest(new.global_state)
+        return update
+
+    def _keep(self, state: RoundState) -> None:
+        """Keep ``state``'s global on disk when the final model is a mean of several."""
+        n = self.settings.final_average
+        if n > 1:
+            self.files.keep_global(state.outer_step, state.run_id, state.global_state, n)
+
+    def _final_mean(self, state: RoundState) -> bool:
+        """``final_average`` N > 1: make ``state``'s global the mean of the last N globals
+        (fewer when fewer were made), read from the kept files, so a retry or a restart
+        computes the same; True if it did."""
+        n = self.settings.final_average
+        if n == 1:
+            return False
+        self._keep(state)
+        kept = self.files.kept_globals(state.run_id, state.outer_step - n + 1, state.outer_step)
+        for key, value in average_states(kept).items():
+            state.global_state[key] = value.to(state.global_state[key].dtype)
+        _LOG.info(f"the final global is the mean of the last {len(kept)} globals")
+        return True
+
+
+class RelayStep:
+    """A group leader's outer step (:class:`OuterStep`, docs/diloco.md "relay groups"): the
+    round's mean goes up to the top-level exchange through ``relay`` as one contribution
+    weighing the group's nodes, and the top-level global that includes it comes back. The
+    leader steps nothing, averages no first moments and keeps no globals: the top-level
+    master does."""
+
+    def __init__(self, relay: Relay) -> None:
+        self.relay = relay
+
+    def agree(
+        self,
+        store: Store,
+        held: RoundState,
+        *,
+        trusted: bool,
+        fresh: bool,
+        new_run: Callable[[], RoundState],
+    ) -> tuple[RoundState, bool]:
+        """The top-level global, made the group's (a group's run ends with the top level's)."""
+        return self.relay.agree(store, held, max_global_bytes(held.global_state)), False
+
+    def moments_due(self, outer_step: int) -> bool:
+        """Never: a leader relays the weights only."""
+        return False
+
+    def step(
+        self,
+        new: RoundState,
+        mean: dict[str, torch.Tensor],
+        *,
+        weight: int,
+        norms: NormTally,
+        final: bool,
+    ) -> Stepped:
+        """Send ``mean`` up (the wait for the top level may be long: the master holds no
+        lock here) and adopt the top-level global after it."""
+        meta, weights = self.relay.forward(
+            mean, round=new.outer_step, weight=weight, run_id=new.run_id, final=final
+        )
+        new.adopt(weights, meta.outer_step)
+        new.run_id = meta.run_id
+        return Stepped(new.optimizer.lr)
+
+    def undo(self, old: RoundState, new: RoundState) -> RoundState:
+        """The closed round: its mean is at the top level already."""
+        return new
+
+    def finish(self, state: RoundState) -> None:
+        """Tell the top level that the group's run is over."""
+        self.relay.finish()
 
 
 # -- the quantized outer step (global_dtype int8/int4) ------------------------------------
