@@ -88,7 +88,7 @@ for _ in range(cfg["rounds"] * cfg["inner_steps"]):
 coordinator.finish()
 coordinator.stop()
 print(json.dumps({{"baseline_kib": baseline_kib, "peak_kib": peak_kib(),
-                   "installed": coordinator.node.installed}}))
+                   "installed": coordinator.node.rounds.installed}}))
 """
 
 

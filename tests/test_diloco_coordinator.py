@@ -291,7 +291,7 @@ def test_a_restarted_pure_aggregator_keeps_its_finished_run(tmp_path):
     assert meta.final and (meta.outer_step, meta.run_id) == (final.outer_step, final.run_id)
     # restarted without a checkpoint (killed before it wrote one): its own outer state tells
     third, _, _ = aggregator("m")
-    assert third.master.has_local_state
+    assert third.master.agreement.has_local_state
     third.start(0)
     third.stop()
     meta = third.store.global_metadata()
@@ -338,7 +338,7 @@ def test_outage_at_startup_does_not_hold_training(tmp_path):
     assert c.after_optimizer_step(model, 1) is False  # upload failed, carried, training goes on
     assert "delta_upload_failed" in log.names()
     assert any("retry" in e for e in log.names())
-    assert c.node.carry is not None
+    assert c.node.progress.carry is not None
     c.stop()
 
 
@@ -378,7 +378,7 @@ def test_finish_waits_on_while_the_master_sees_progress(tmp_path, monkeypatch):
     def a_node_keeps_updating():
         until = time.monotonic() + 2.0
         while time.monotonic() < until and not halt.is_set():
-            c.master.last_progress = time.monotonic()
+            c.master.watch.last_progress = time.monotonic()
             time.sleep(0.05)
 
     busy = threading.Thread(target=a_node_keeps_updating, daemon=True)

@@ -285,7 +285,7 @@ def test_a_final_upload_refused_for_good_ends_the_node_with_a_config_error():
     node.after_optimizer_step()
     with pytest.raises(ExchangeError, match=r"distributed\.repo_id: the exchange refused"):
         node.finish()
-    assert node.carry is not None  # kept: nothing of the contribution is lost
+    assert node.progress.carry is not None  # kept: nothing of the contribution is lost
 
 
 # -- end to end: three processes through the emulator's large-file path --------------------

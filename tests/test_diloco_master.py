@@ -365,7 +365,7 @@ def test_a_failed_publish_without_local_state_takes_the_exchange_global_again(tm
     join(t, "a")
     master.poll_once()
     master.outer_files.save = lambda state: (_ for _ in ()).throw(OSError("read-only"))
-    master.has_local_state = False
+    master.agreement.has_local_state = False
     deliver(t, "a", 0, [1.0, 2.0])
     original = _failing_publish(t)
     with pytest.raises(TransportError):
@@ -436,7 +436,7 @@ def test_a_fresh_master_starts_a_new_run_over_a_finished_one(tmp_path, caplog):
     assert t.global_metadata().final and t.global_metadata().outer_step == 1
     # the same exchange again, with a master that starts training from scratch
     again, _, _ = make_master(tmp_path, transport=t)
-    again.fresh = True
+    again.agreement.fresh = True
     join(t, "b")
     again.poll_once()
     meta = t.global_metadata()

@@ -98,7 +98,7 @@ def test_the_mean_of_the_parameters_this_node_sent_is_installed(tmp_path):
     candidate = link.fetch((0, "r"))
     assert candidate is not None and candidate.moments is not None
     node.merge(candidate)
-    assert node.installed == 1
+    assert node.rounds.installed == 1
     assert optimizer.state[model.weight]["exp_avg"].tolist() == [[0.5, 0.5]]
     assert optimizer.state[model.bias]["exp_avg"].tolist() == [0.25]
     assert "moments_rejected" not in rec.names()
@@ -122,7 +122,7 @@ def test_unusable_moments_are_refused_once_and_the_node_keeps_its_own(tmp_path, 
     _plant(store, BAD[defect])
     with caplog.at_level(logging.ERROR, logger="speedtronic.diloco"):
         node.merge(link.fetch((0, "r")))
-    assert node.installed == 1  # the global itself is installed
+    assert node.rounds.installed == 1  # the global itself is installed
     for name, value in _own(optimizer, model).items():
         assert torch.equal(value, own[name]), name  # its own moments, untouched
     assert [name for name in rec.names() if name == "moments_rejected"] == ["moments_rejected"]
@@ -153,7 +153,8 @@ def test_an_oversized_or_unreadable_moments_file_is_refused_and_the_global_insta
     candidate = link.fetch((0, "r"))  # before: the poll failed at every try, no global came
     assert candidate is not None and candidate.outer_step == 1 and candidate.moments is None
     node.merge(candidate)
-    assert node.installed == 1 and torch.equal(_own(optimizer, model)["weight"], own["weight"])
+    assert node.rounds.installed == 1
+    assert torch.equal(_own(optimizer, model)["weight"], own["weight"])
     assert link.fetch((0, "r")) is not None  # read again: not reported twice
     assert rec.names().count("moments_rejected") == 1
     store.publish_global(

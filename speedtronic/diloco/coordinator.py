@@ -246,7 +246,8 @@ class DumbDiLoCoCoordinator:
     @property
     def last_global_step(self) -> int:
         """Outer step of the global installed in the local model (-1: none yet)."""
-        return self.node.installed if self.node is not None else -1
+        installed = self.node.rounds.installed if self.node is not None else None
+        return -1 if installed is None else installed
 
     @property
     def local_step(self) -> int:
@@ -267,10 +268,10 @@ class DumbDiLoCoCoordinator:
         node = self.node
         if self._run_ended is not None or self.master is not None or node is None:
             return self._run_ended
-        if node.final_seen and not node.finishing:
+        if node.end.final_seen and not node.end.finishing:
             self._end_run(
                 f"the master published the final global of this run (outer step "
-                f"{node.installed}) while this node still had steps to train; they would "
+                f"{node.rounds.installed}) while this node still had steps to train; they would "
                 "never be aggregated, so it stops here"
             )
         return self._run_ended
@@ -345,7 +346,7 @@ class DumbDiLoCoCoordinator:
         if node is not None:
             if node.may_merge():  # start the round from the current global
                 node.merge_waiting()
-            self._ready = self._ready or node.installed >= 0
+            self._ready = self._ready or node.rounds.installed is not None
             if pending is not None:
                 node.uploads.submit(pending)
         self.inbox.start()
@@ -362,7 +363,8 @@ class DumbDiLoCoCoordinator:
     def _join_run(self, node: DiLoCoNode) -> bool:
         """A worker claims its id only once it found a run to take part in (False: none)."""
         self.link.check_id()  # a live process here with our id: exit 2 before waiting
-        candidate, ended = self.link.first_global(node.run_id, node.installed >= 0)
+        rounds = node.rounds
+        candidate, ended = self.link.first_global(rounds.run_id, rounds.installed is not None)
         if ended:
             self._end_run(ended)
             return False
@@ -376,12 +378,15 @@ class DumbDiLoCoCoordinator:
         Only a master from scratch starts a new run (over a finished one): not after a trained
         step, a checkpoint with coordinator state, or (a pure aggregator, always at step 0)
         with a local outer state of its own (it served a run)."""
-        master.fresh = not (step or self._resumed) and (self.trains or not master.has_local_state)
+        agreement = master.agreement
+        agreement.fresh = not (step or self._resumed) and (
+            self.trains or not agreement.has_local_state
+        )
         try:
             self.store.create_repo(private=True)
         except Exception as exc:
             self.link.raise_if_permanent(exc, "cannot create the exchange")
-            master.exchange_created = False  # the master's thread creates it later
+            agreement.exchange_created = False  # the master's thread creates it later
             _LOG.warning(
                 f"master repository initialization failed; continuing (retried at every "
                 f"poll): {exc}"
@@ -403,8 +408,9 @@ class DumbDiLoCoCoordinator:
 
     def _status(self) -> dict[str, object]:
         """The status record this node claims its id with at startup."""
-        if self.node is not None and self.node.done:  # resumed after its last contribution
-            return {"state": "done", "final_round": self.node.last_round}
+        if self.node is not None and self.node.end.done:  # resumed after its last contribution
+            last = self.node.rounds.last_round
+            return {"state": "done", "final_round": -1 if last is None else last}
         return {"state": "training" if self.trains else "aggregator"}
 
     @contextlib.contextmanager
@@ -429,7 +435,7 @@ class DumbDiLoCoCoordinator:
         global."""
         if self.node is not None:
             self.node.finish()
-            self._ready = self._ready or self.node.installed >= 0
+            self._ready = self._ready or self.node.rounds.installed is not None
         if self.master is not None:
             self._serve_until_final(self.master)
             if self.node is not None:

@@ -273,6 +273,63 @@ class Stepped:
     update: OuterUpdate | None = None
 
 
+@dataclasses.dataclass
+class Agreement:
+    """Where the master stands with the exchange: whether it was created there
+    (``exchange_created``; False after a startup outage) and agreed with since the start or
+    the last failed publish (``reconciled``), whether the first agreement may start a new
+    run (``fresh``, from ``initial``), whether a valid local outer state may be republished
+    (``has_local_state``), and the outer step last handed to ``on_global``."""
+
+    initial: dict[str, torch.Tensor] | None = None
+    fresh: bool = False
+    exchange_created: bool = True
+    reconciled: bool = False
+    has_local_state: bool = False
+    handed: int | None = None
+
+
+@dataclasses.dataclass
+class RoundWatch:
+    """The open round's times (``clock()`` seconds): when it ``opened``, its first on-time
+    contribution, the last sign of progress, since when the exchange is unreadable; the
+    contributions the last poll ``seen``; whether the expected nodes' first-round wait is over
+    and the round that said it waits for them."""
+
+    opened: float
+    last_progress: float
+    first_arrival: float | None = None
+    blind_since: float | None = None
+    seen: set[str] = dataclasses.field(default_factory=set)
+    joins_over: bool = False
+    waiting_note: int | None = None
+
+
+@dataclasses.dataclass
+class Refusals:
+    """The files the open round refused, counted until it closes (``dropped``: stale
+    ``node/round``; ``refused``: corrupt ones, named by the next record), and the files to
+    ``prune`` (refused, duplicate, stale or consumed) until a commit deletes them."""
+
+    counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    dropped: list[str] = dataclasses.field(default_factory=list)
+    refused: list[str] = dataclasses.field(default_factory=list)
+    prune: set[str] = dataclasses.field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Count afresh (after a close); the files to prune stay."""
+        self.counts = {"stale": 0, "skipped": 0, "corrupt": 0}
+        self.dropped, self.refused = [], []
+
+    def report(self) -> dict[str, object]:
+        """The counts as an event reports them."""
+        counts = {f"deltas_{kind}": count for kind, count in self.counts.items()}
+        return {**counts, "dropped": list(self.dropped), "refused": list(self.refused)}
+
+
 class OuterStep(Protocol):
     """How a closed round's mean becomes the next global: :class:`LocalStep` steps it here
     with the run's outer optimizer, :class:`RelayStep` (a group leader) forwards it to the
@@ -351,12 +408,8 @@ class RoundMaster:
         self.settings = settings
         self.state = self._new_run(codec.cpu_state_dict(state))
         # the global of a new run: only the first agreement with the exchange may start one
-        self._initial: dict[str, torch.Tensor] | None = self.state.global_state
-        self.fresh = False  # set by a master that starts its training from step 0
+        self.agreement = Agreement(initial=self.state.global_state)
         self.outer_files = OuterStateStore(state_dir)
-        self.has_local_state = False  # a valid local outer state: it may be republished
-        self.reconciled = False
-        self.exchange_created = True  # False: the startup could not create it (an outage)
         self.fatal: Exception | None = None  # an error no retry fixes; the thread stopped
         self._emit = emit
         self.roster = Roster(lambda node_id: self.store.read_owner(node_id), emit)
@@ -367,18 +420,17 @@ class RoundMaster:
         self.finished = threading.Event()
         self._loop = Loop("speedtronic-diloco-master", self._tick, lambda: settings.poll_interval)
         self._failing: tuple[str, float, float] | None = None  # kind, since, last logged
-        self._first_arrival: float | None = None  # the open round's first on-time contribution
-        self._joins_over = False  # every expected node contributed, or one round waited
-        self._waiting_note: int | None = None  # the round that said it waits for nodes to start
-        self._opened = self.last_progress = clock()
-        self._seen: set[str] = set()  # the includable contributions of the last poll
-        self._blind_since: float | None = None  # when the exchange became unreadable
-        self._prune: set[str] = set()
-        self._reset_tally()
-        self._handed: int | None = None  # the outer step last given to on_global
+        now = clock()
+        self.watch = RoundWatch(opened=now, last_progress=now)
+        self.refusals = Refusals()
         # (outer step, round, mean first moments) published with the last global that had them
         self.moments: tuple[int, int, dict[str, torch.Tensor]] | None = None
         self._load_local_state()
+
+    @property
+    def last_progress(self) -> float:
+        """The ``clock()`` time of the last sign that the run moves."""
+        return self.watch.last_progress
 
     @property
     def outer_step(self) -> int:
@@ -409,9 +461,9 @@ class RoundMaster:
         """Outer step 0 over ``initial`` (kept, not copied) or a copy of the initial weights,
         with the run's one outer optimizer."""
         if initial is None:
-            if self._initial is None:  # never: only the first agreement starts a new run
+            if self.agreement.initial is None:  # never: only the first agreement starts one
                 raise RuntimeError("a new run can only start when the master starts")
-            initial = codec.cpu_state_dict(self._initial)
+            initial = codec.cpu_state_dict(self.agreement.initial)
         s = self.settings
         return RoundState(0, initial, NesterovOuterOptimizer(initial, s.outer_lr, s.outer_momentum))
 
@@ -426,12 +478,12 @@ class RoundMaster:
             )
             return
         if saved is not None:
-            self.state, self.has_local_state = saved, True
+            self.state, self.agreement.has_local_state = saved, True
 
     def _persist(self) -> None:
         try:
             self.outer_files.save(self.state)
-            self.has_local_state = True
+            self.agreement.has_local_state = True
         except OSError as exc:
             _LOG.warning(f"could not persist local outer state: {exc}")
 
@@ -443,15 +495,16 @@ class RoundMaster:
         state, over = self.outer.agree(
             self.store,
             self.state,
-            trusted=self.has_local_state,
-            fresh=self.fresh,
+            trusted=self.agreement.has_local_state,
+            fresh=self.agreement.fresh,
             new_run=self._new_run,
         )
         with self._lock:
             self.state = state
-        self.reconciled = True
-        self.fresh = False  # a later reconcile (after a failed publish) is never a new run
-        self._initial = None
+        agreed = self.agreement
+        agreed.reconciled = True
+        agreed.fresh = False  # a later reconcile (after a failed publish) is never a new run
+        agreed.initial = None
         report = self.outer_files.take_pending(self.outer_step, self.run_id)
         eta = report.get("eta") if report is not None else None
         if (
@@ -462,57 +515,47 @@ class RoundMaster:
             state.eta = eta  # the adopted global's step: its lr is the write-ahead record's
         self._persist()
         if report is not None:  # published by this master, never reported (killed, lost reply)
-            self._reset_tally()
+            self.refusals.reset()
             self._emit("outer_step", **{**report, "recovered": True})
-        if self._handed != self.outer_step:  # a re-reconcile after a failed publish may not move
-            self._opened = self._clock()
+        if agreed.handed != self.outer_step:  # a re-reconcile after a failed publish may not move
+            self.watch.opened = self._clock()
             self._hand_over()
         if over and not self.finished.is_set():  # this run ended (a lost reply, a restart)
             self._finalize(self.global_state)
 
     def _hand_over(self) -> None:
         """Give the local node a copy of the new global (the held one steps in place)."""
-        self._handed = self.outer_step
+        self.agreement.handed = self.outer_step
         if self.on_global is not None:
             self.on_global(self.outer_step, codec.cpu_state_dict(self.global_state))
 
     # -- one poll ---------------------------------------------------------------------------
-    def _reset_tally(self) -> None:
-        """Count the open round's refused files afresh (after a close)."""
-        self._counts = {"stale": 0, "skipped": 0, "corrupt": 0}
-        self._dropped: list[str] = []  # "node/round" of stale contributions since the last close
-        self._refused: list[str] = []  # "node/round" of corrupt ones (the next record names them)
-
-    def _tally(self) -> dict[str, object]:
-        counts = {f"deltas_{kind}": count for kind, count in self._counts.items()}
-        return {**counts, "dropped": list(self._dropped), "refused": list(self._refused)}
-
     def poll_once(self) -> bool:
         """Scan the repository and close the open round when it is due; True if it closed."""
-        now = self._clock()
+        now, watch = self._clock(), self.watch
         try:
-            if not self.exchange_created:  # its creation failed at startup: try again
+            if not self.agreement.exchange_created:  # creating it failed at startup: again
                 self.store.create_repo(private=True)
-                self.exchange_created = True
-            if not self.reconciled:  # at start, and again after a publish that failed
+                self.agreement.exchange_created = True
+            if not self.agreement.reconciled:  # at start, and again after a failed publish
                 self.reconcile()
             scan = self.store.scan()
         except TransportError:
-            if self._blind_since is None:
-                self._blind_since = now
+            if watch.blind_since is None:
+                watch.blind_since = now
             raise
-        if self._blind_since is not None:  # while the exchange was unreadable nobody was
-            blind, self._blind_since = now - self._blind_since, None  # silent: no drop for it
+        if watch.blind_since is not None:  # while the exchange was unreadable nobody was
+            blind, watch.blind_since = now - watch.blind_since, None  # silent: no drop for it
             self.roster.credit(blind)
-            if self._first_arrival is not None:
-                self._first_arrival += blind
+            if watch.first_arrival is not None:
+                watch.first_arrival += blind
         if self.roster.refresh(scan, now, self.state):
-            self.last_progress = now
+            watch.last_progress = now
         candidates = self._sort_contributions(scan, now)
         seen = {path for files in candidates.values() for path in files.values()}
-        if seen - self._seen:  # a contribution not seen before
-            self.last_progress = now
-        self._seen = seen
+        if seen - watch.seen:  # a contribution not seen before
+            watch.last_progress = now
+        watch.seen = seen
         dropped = dict(self.state.dropped)
         active = self.roster.active(now, self.silence_limit, self.state)
         if self.state.dropped != dropped:  # a drop holds across a restart
@@ -520,10 +563,10 @@ class RoundMaster:
         reason = self._close_reason(now, active, candidates)
         if reason is not None and self._close(candidates, reason, active):
             return True
-        if self._prune:  # refused, duplicate or stale files go now, before they are re-sent
+        if self.refusals.prune:  # refused, duplicate or stale files go now, before re-sent
             try:
-                self.store.prune(sorted(self._prune))
-                self._prune.clear()
+                self.store.prune(sorted(self.refusals.prune))
+                self.refusals.prune.clear()
             except TransportError as exc:
                 _LOG.warning(f"could not prune consumed deltas: {exc}")
         over = self.roster.run_over(active, self.state) and not candidates
@@ -540,11 +583,11 @@ class RoundMaster:
         for node_id, files in scan.deltas.items():
             done = self.ledger.get(node_id, -1)
             for round, path in sorted(files.items()):
-                if path in self._prune:
+                if path in self.refusals.prune:
                     continue
                 if round <= done:
-                    self._prune.add(path)
-                    self._counts["skipped"] += 1
+                    self.refusals.prune.add(path)
+                    self.refusals.counts["skipped"] += 1
                 elif round < oldest:
                     self._drop(node_id, round, path)
                     _LOG.warning(
@@ -560,8 +603,8 @@ class RoundMaster:
                         self._refuse(path, f"{size} bytes, more than a delta of this model")
                         continue
                     candidates.setdefault(node_id, {})[round] = path
-                    if round == open_round and self._first_arrival is None:
-                        self._first_arrival = now  # a late file must not shorten the wait
+                    if round == open_round and self.watch.first_arrival is None:
+                        self.watch.first_arrival = now  # a late file must not shorten the wait
                     self.roster.heard(node_id, now, self.state)
         return candidates
 
@@ -581,18 +624,18 @@ class RoundMaster:
 
     def _drop(self, node_id: str, round: int, path: str) -> None:
         """A stale contribution (too late, or of another run): pruned and counted."""
-        self._prune.add(path)
-        self._counts["stale"] += 1
-        self._dropped.append(f"{node_id}/{round}")
+        self.refusals.prune.add(path)
+        self.refusals.counts["stale"] += 1
+        self.refusals.dropped.append(f"{node_id}/{round}")
 
     def _refuse(self, path: str, why: str) -> None:
         """An unusable contribution: counted corrupt and pruned unread; the next published
         record names it (``refused``), so its node hears of it."""
-        self._prune.add(path)
-        self._counts["corrupt"] += 1
+        self.refusals.prune.add(path)
+        self.refusals.counts["corrupt"] += 1
         parsed = parse_delta_path(path)
         if parsed is not None:
-            self._refused.append(f"{parsed[0]}/{parsed[1]}")
+            self.refusals.refused.append(f"{parsed[0]}/{parsed[1]}")
         _LOG.warning(f"dropping delta {path}: {why}")
 
     def _close_reason(
@@ -608,11 +651,12 @@ class RoundMaster:
         starting = self._starting(candidates)
         if active <= on_time and not (starting and active):
             return "complete" if active else "drain"
-        waited = now - (self._first_arrival if self._first_arrival is not None else now)
+        first = self.watch.first_arrival
+        waited = now - (first if first is not None else now)
         if waited < (self.silence_limit if starting else self.settings.round_timeout):
             return None
         if starting:  # the round waited its bound for them: no longer (they join later)
-            self._joins_over = True
+            self.watch.joins_over = True
             expected = self.settings.expected_nodes
             _LOG.warning(
                 f"round {self.outer_step} closes without {starting} of the {expected} expected "
@@ -630,15 +674,15 @@ class RoundMaster:
         waits for them up to :attr:`silence_limit` (a slow start is not a slow round), once
         per run."""
         expected = self.settings.expected_nodes
-        if self._joins_over or expected <= 0:
+        if self.watch.joins_over or expected <= 0:
             return 0
         started = len(set(self.ledger) | set(candidates))
         if started >= expected:
-            self._joins_over = True
+            self.watch.joins_over = True
             _LOG.info(f"all {expected} expected nodes (distributed.expected_nodes) contributed")
             return 0
-        if self._waiting_note != self.outer_step:
-            self._waiting_note = self.outer_step
+        if self.watch.waiting_note != self.outer_step:
+            self.watch.waiting_note = self.outer_step
             _LOG.info(
                 f"round {self.outer_step} waits for {expected - started} more node(s) to start "
                 f"and contribute (distributed.expected_nodes={expected}; at most "
@@ -713,12 +757,12 @@ class RoundMaster:
             "reason": reason,
             "nodes_active": len(active),
             "nodes_included": len(fold.marks),
-            "deltas_found": len(fold.consumed) + self._counts["corrupt"],
+            "deltas_found": len(fold.consumed) + self.refusals.counts["corrupt"],
             "deltas_included": len(fold.consumed),
             "deltas_late": fold.late,
             "included": fold.included,
             "eta": eta,
-            **self._tally(),
+            **self.refusals.report(),
         }
 
     def _publish_round(
@@ -747,22 +791,22 @@ class RoundMaster:
             publish(
                 self.store,
                 new,
-                prune=set(fold.consumed) | self._prune,
+                prune=set(fold.consumed) | self.refusals.prune,
                 final=final,
-                refused=self._refused,
+                refused=self.refusals.refused,
                 update=update,
                 moments=moments,
                 **({} if moments is None else {"moments_round": str(fold.round)}),
             )
         except Exception:
             self._persist()
-            if self.has_local_state:
-                self._prune.update(fold.consumed)  # consumed: they go with the next commit
-                self._first_arrival = None
+            if self.agreement.has_local_state:
+                self.refusals.prune.update(fold.consumed)  # consumed: go with the next commit
+                self.watch.first_arrival = None
             else:
                 with self._lock:
                     self.state = self.outer.undo(old, new)  # weights replaced when adopted
-            self.reconciled = False
+            self.agreement.reconciled = False
             raise
 
     def _report_round(
@@ -770,16 +814,17 @@ class RoundMaster:
     ) -> None:
         """The round landed: its length, the state persisted, the ``outer_step`` event, the
         write-ahead record cleared, the mean first moments kept for the local node."""
-        opened, self._opened = self._opened, self._clock()
-        self.last_progress = self._opened
-        length = self._opened - opened
+        watch = self.watch
+        opened, watch.opened = watch.opened, self._clock()
+        watch.last_progress = watch.opened
+        length = watch.opened - opened
         average = new.round_seconds  # kept in the state: a restart drops nobody too soon
         new.round_seconds = length if not average else (0.7 * average + 0.3 * length)
-        self._prune.clear()
+        self.refusals.prune.clear()
         self._persist()
         codec.return_free_memory()
-        self._first_arrival = None
-        self._reset_tally()
+        watch.first_arrival = None
+        self.refusals.reset()
         self._emit(
             "outer_step", **report, seconds=time.perf_counter() - started, round_seconds=length
         )
@@ -900,11 +945,11 @@ class RoundMaster:
         ``outer.finish``: the mean of the last globals, or a group leader first tells the top
         level that its group is done)."""
         self.outer.finish(self.state)
-        publish(self.store, self.state, final=True, refused=self._refused)
+        publish(self.store, self.state, final=True, refused=self.refusals.refused)
         self._persist()
         # files refused after the last round are reported here, or they would never be counted
-        self._emit("final_global", outer_step=self.outer_step, **self._tally())
-        self._reset_tally()
+        self._emit("final_global", outer_step=self.outer_step, **self.refusals.report())
+        self.refusals.reset()
         self._finalize(self.global_state)
 
     def _finalize(self, state: dict[str, torch.Tensor]) -> None:
@@ -917,7 +962,7 @@ class RoundMaster:
     def start(self) -> None:
         """Run :meth:`poll_once` on a daemon thread until stopped, finished or fatal."""
         if not self._loop.running:
-            self.last_progress = self._clock()
+            self.watch.last_progress = self._clock()
             self._loop.start()
 
     def wake(self) -> None:

@@ -26,8 +26,9 @@ that contribution is late, and the master folds it into the open round when it i
 next contribution, so nothing is counted twice; the final one is sent again, up to
 ``FINAL_UPLOAD_ATTEMPTS`` times, with a ``done`` status, and :meth:`DiLoCoNode.finish` installs
 the global that includes it. Network failures are state (logged, counted, carried), never a
-crash of the training loop. Below the round: what passes between the training thread and
-the exchange, the node's link to the exchange (:class:`NodeLink`) and its identity.
+crash of the training loop. Below the round: its state (:class:`Rounds`, :class:`Progress`,
+:class:`RunEnd`) and what passes between the training thread and the exchange; the node's
+link to the exchange and its identity are :mod:`.link`'s.
 """
 
 from __future__ import annotations
@@ -98,18 +99,9 @@ class DiLoCoNode:
         self._hook: RemovableHandle | None = None
         self.step = 0  # optimizer steps applied (absolute)
         self.inner = 0  # steps since the last contribution
-        self.installed = -1  # outer step of the installed global (-1: none yet)
-        self.run_id = ""  # the run of the installed global
-        self.last_round = -1  # round of the last upload that arrived (-1: none yet)
-        self.anchor = float_state(model)
-        self.carry: dict[str, torch.Tensor] | None = None
-        # what the wire format left out of the last contribution that arrived (error feedback)
-        self.residual: dict[str, torch.Tensor] | None = None
-        self.done = False
-        self.final_seen = False
-        # the round whose upload carried this node's first moments, and their parameters
-        self.moments_sent: SentMoments | None = None
-        self.finishing = False  # finish() runs: the final global is expected now
+        self.rounds = Rounds()  # the global installed, the rounds used up
+        self.progress = Progress(float_state(model))  # what the next contribution is made of
+        self.end = RunEnd()  # how far the end of the run got
         self.fatal: Exception | None = None  # a permanent upload failure
         self.interrupted = threading.Event()
         self.last_heartbeat = time.monotonic()
@@ -174,16 +166,17 @@ class DiLoCoNode:
 
     def may_merge(self) -> bool:
         """A newer global is merged once the node contributed for its installed base."""
-        return self.installed < 0 or self.last_round >= self.installed
+        return self.rounds.may_merge()
 
     def _boundary(self, *, final: bool) -> bool:
         """Take and upload this round's contribution; wait for its global when blocking."""
         merged = False
-        if self.settings.sync == "overlapped" and 0 <= self.installed <= self.last_round:
-            merged = self._await_global(self.last_round + 1, self.settings.round_timeout)
+        previous = self._global_before_sending()
+        if previous is not None:
+            merged = self._await_global(previous, self.settings.round_timeout)
         self.uploads.drain()
         with self._lock:
-            delta, self.anchor = self._take_contribution()
+            delta, self.progress.anchor = self._take_contribution()
             self.inner = 0
         if codec.is_all_zero(delta):
             self._emit("delta_upload_zero", step=self.step)
@@ -192,27 +185,37 @@ class DiLoCoNode:
             return merged
         # a round is used up only by an upload that arrived (see _upload): carried progress
         # goes out under the same round, so an outage never pushes rounds past the master's
-        round = max(self.installed, self.last_round + 1)
+        this_round = self.rounds.next_round()
         s = self.settings
         if self.optimizer is not None and T.syncs_momentum(
-            s.sync_inner_momentum, s.inner_momentum_every, round + 1
+            s.sync_inner_momentum, s.inner_momentum_every, this_round + 1
         ):  # the first moments travel with the delta, without error feedback
             moments = first_moments(self.model, self.optimizer)
             delta.update({codec.MOMENT_PREFIX + k: v for k, v in moments.items()})
-        job = Contribution(round, self.installed, self.step, delta, final, self.run_id)
+        job = Contribution(
+            this_round, self.rounds.base(), self.step, delta, final, self.rounds.run_id
+        )
         if self.settings.delta_dtype != "fp32":  # what it leaves out: the residual (_upload)
             job.wire = codec.EncodedView(
                 delta, self.settings.delta_dtype, self.settings.delta_block_size
             )
         self.uploads.submit(job)
         del job, delta  # the wait below holds no copy of the contribution (nor the uploader)
-        if self.settings.sync == "blocking" or final:
-            uploaded = self.uploads.drain() and self.carry is None
+        if self.settings.sync == "blocking" or final:  # wait for the global it is part of
+            uploaded = self.uploads.drain() and self.progress.carry is None
             self._raise_fatal()
             if uploaded:
                 timeout = self.settings.round_timeout * (2 if final else 1)
-                merged = self._await_global(round + 1, timeout) or merged
+                merged = self._await_global(this_round + 1, timeout) or merged
         return merged
+
+    def _global_before_sending(self) -> int | None:
+        """``sync: overlapped``: the global of the previous contribution, which the node waits
+        for (bounded) before it sends the next one, when it holds a global older than that
+        (none before its first global: it trains from its own weights)."""
+        if self.settings.sync != "overlapped" or self.rounds.installed is None:
+            return None
+        return self.rounds.awaited()
 
     def _take_contribution(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """``(anchor - weights) + carry + residual`` in the old anchor's buffers, and the new
@@ -220,16 +223,17 @@ class DiLoCoNode:
         let go as the new anchor grows, so the node never holds a third copy of the model."""
         state = self.model.state_dict()
         current = {key: value for key, value in state.items() if value.is_floating_point()}
-        extras = [dict(x) for x in (self.carry, self.residual) if x is not None]
-        self.carry = self.residual = None
-        codec.check_like(self.anchor, current, what="the model does not match its anchor")
+        owed = self.progress
+        extras = [dict(x) for x in (owed.carry, owed.residual) if x is not None]
+        owed.carry = owed.residual = None
+        codec.check_like(owed.anchor, current, what="the model does not match its anchor")
         anchor: dict[str, torch.Tensor] = {}
-        for key, delta in self.anchor.items():
+        for key, delta in owed.anchor.items():
             anchor[key] = current[key].detach().to("cpu", torch.float32, copy=True)
             delta.sub_(anchor[key])
             for extra in extras:
                 delta.add_(extra.pop(key))
-        return self.anchor, anchor
+        return owed.anchor, anchor
 
     def _upload(self, job: Contribution) -> None:
         """Send ``job``. Arrived: its round is used up and the wire's leftover becomes the
@@ -248,22 +252,24 @@ class DiLoCoNode:
                 return
             delta = codec.without_moments(job.delta)
             with self._lock:
-                carry = self.carry
-                self.carry = delta if carry is None else {k: v + carry[k] for k, v in delta.items()}
+                carry = self.progress.carry
+                self.progress.carry = (
+                    delta if carry is None else {k: v + carry[k] for k, v in delta.items()}
+                )
             _LOG.warning(
                 f"delta upload for round {job.round} failed; carried to the next one: {exc}"
             )
             self._emit("delta_upload_failed", step=job.step, round=job.round, error=str(exc))
             return
         with self._lock:
-            self.last_round = max(self.last_round, job.round)
+            self.rounds.used(job.round)
             job.arrived = True  # a checkpoint no longer holds it (its buffers are reused)
             if isinstance(job.wire, codec.EncodedView) and self.settings.error_feedback:
                 # in the contribution's buffers
-                self.residual = codec.without_moments(job.wire.keep_residual())
+                self.progress.residual = codec.without_moments(job.wire.keep_residual())
             names = [k[len(codec.MOMENT_PREFIX) :] for k in job.delta or () if codec.is_moment(k)]
             if names:
-                self.moments_sent = SentMoments(job.round, frozenset(names))
+                self.rounds.moments_sent = SentMoments(job.round, frozenset(names))
         codec.return_free_memory()  # the encoder's and the writer's slices
         if job.delta is not None:
             self._emit(
@@ -282,25 +288,26 @@ class DiLoCoNode:
         candidate = self.inbox.take()
         if candidate is None:
             return False
-        same = candidate.outer_step == self.installed and not self._new_run(candidate)
+        same = candidate.outer_step == self.rounds.installed and not self._new_run(candidate)
         if same and not candidate.final:
             return False
         self.merge(candidate)
         return True
 
-    def _await_global(self, round: int, timeout: float) -> bool:
-        """Wait (bounded, interruptible) until a global with outer step >= ``round`` is
+    def _await_global(self, outer_step: int, timeout: float) -> bool:
+        """Wait (bounded, interruptible) until a global with outer step >= ``outer_step`` is
         merged; newer globals met on the way are merged too. True when one was merged."""
         started = time.monotonic()
         deadline = started + timeout
         self.inbox.poke()
         merged = False
-        run = self.run_id
+        rounds = self.rounds
+        run = rounds.run_id
 
         def arrived() -> bool:  # or a new run started (its round count begins again)
             nonlocal merged
             merged = self.merge_waiting() or merged
-            return self.installed >= round or self.last_round < 0 or self.run_id != run
+            return rounds.holds(outer_step) or rounds.last_round is None or rounds.run_id != run
 
         def waited() -> bool:
             if arrived():
@@ -311,17 +318,18 @@ class DiLoCoNode:
 
         wait_for(waited, timeout=timeout, interval=0.0, stop=self.interrupted)
         waited_s = time.monotonic() - started
-        timed_out = self.installed < round
-        self._emit("sync_wait", outer_step=round, seconds=waited_s, timed_out=timed_out)
+        timed_out = not rounds.holds(outer_step)
+        self._emit("sync_wait", outer_step=outer_step, seconds=waited_s, timed_out=timed_out)
         # a new run (reported by merge) or a stop request ends the wait without a timeout
-        if timed_out and self.run_id == run and not self.interrupted.is_set():
+        if timed_out and rounds.run_id == run and not self.interrupted.is_set():
             # say who waits for whom: on the master, its own node waits for its own round
-            source = f"the master has not closed round {round - 1} yet"
+            source = f"the master has not closed round {outer_step - 1} yet"
             if self.settings.role == "master":
-                source = f"this master has not closed round {round - 1} yet: it still waits "
-                source += "for other nodes' contributions"
+                source = f"this master has not closed round {outer_step - 1} yet: it still "
+                source += "waits for other nodes' contributions"
             _LOG.warning(
-                f"this node waited {waited_s:.1f} s for global {round} (bound {timeout:.0f} s "
+                f"this node waited {waited_s:.1f} s for global {outer_step} (bound "
+                f"{timeout:.0f} s "
                 f"from distributed.round_timeout): {source}; training on, the global is merged "
                 "when it arrives"
             )
@@ -345,10 +353,11 @@ class DiLoCoNode:
 
     def _new_run(self, candidate: GlobalCandidate) -> bool:
         """The candidate starts another run (a new run id, or an outer step going back)."""
-        if self.installed < 0:
+        installed, run = self.rounds.installed, self.rounds.run_id
+        if installed is None:
             return False
-        other = bool(candidate.run_id and self.run_id and candidate.run_id != self.run_id)
-        return other or candidate.outer_step < self.installed
+        other = bool(candidate.run_id and run and candidate.run_id != run)
+        return other or candidate.outer_step < installed
 
     @torch.no_grad()
     def merge(self, candidate: GlobalCandidate) -> None:
@@ -362,22 +371,22 @@ class DiLoCoNode:
                 f"{candidate.run_id or '?'}); restarting the round count from it",
             )
             with self._lock:
-                self.last_round, self.carry, self.residual, self.inner = -1, None, None, 0
-                self.anchor = float_state(self.model)  # progress since here is dropped
-            self.installed = -1
+                self.rounds.last_round, self.inner = None, 0
+                self.progress = Progress(float_state(self.model))  # progress since is dropped
+            self.rounds.installed = None
         with self._lock:
             self._install(candidate.state)
-            self.installed = candidate.outer_step
-            self.run_id = candidate.run_id or self.run_id
-            self.final_seen = self.final_seen or candidate.final
+            self.rounds.installed = candidate.outer_step
+            self.rounds.run_id = candidate.run_id or self.rounds.run_id
+            self.end.final_seen = self.end.final_seen or candidate.final
         codec.return_free_memory()  # the download's and the slices' pages
         if self.settings.reset_inner_optimizer and self.optimizer is not None:
             self.optimizer.state.clear()
-        sent, moments = self.moments_sent, candidate.moments
+        sent, moments = self.rounds.moments_sent, candidate.moments
         if moments is not None and sent is not None and sent.round == moments[0]:
             # the mean of the round this node sent its own to; any other round's: kept its own
             self._install_moments(candidate.outer_step, moments[0], moments[1], sent)
-            self.moments_sent = None
+            self.rounds.moments_sent = None
         self._emit(
             "global_pulled",
             outer_step=candidate.outer_step,
@@ -388,11 +397,15 @@ class DiLoCoNode:
         )
 
     def _install_moments(
-        self, outer_step: int, round: int, moments: Mapping[str, torch.Tensor], sent: SentMoments
+        self,
+        outer_step: int,
+        moments_round: int,
+        moments: Mapping[str, torch.Tensor],
+        sent: SentMoments,
     ) -> None:
-        """Install the mean first ``moments`` of ``round`` when they are the moments of the
-        parameters this node sent, with their shapes, finite in their dtypes and within the
-        bound of a contribution's values; otherwise refuse them (an error and a
+        """Install the mean first ``moments`` of ``moments_round`` when they are the moments of
+        the parameters this node sent, with their shapes, finite in their dtypes and within
+        the bound of a contribution's values; otherwise refuse them (an error and a
         ``moments_rejected`` event) and keep the node's own."""
         if self.optimizer is None:
             return
@@ -407,10 +420,12 @@ class DiLoCoNode:
                 )
         except ValueError as exc:
             _LOG.error(
-                f"refusing the mean first moments of round {round} published with global "
-                f"{outer_step}: {exc}; this node keeps its own and trains on"
+                f"refusing the mean first moments of round {moments_round} published with "
+                f"global {outer_step}: {exc}; this node keeps its own and trains on"
             )
-            self._emit("moments_rejected", outer_step=outer_step, round=round, error=str(exc))
+            self._emit(
+                "moments_rejected", outer_step=outer_step, round=moments_round, error=str(exc)
+            )
             return
         install_first_moments(self.model, self.optimizer, moments)
 
@@ -424,7 +439,7 @@ class DiLoCoNode:
             target = state.get(key)
             if target is None or tuple(target.shape) != tuple(value.shape):
                 continue
-            anchor = self.anchor.get(key)
+            anchor = self.progress.anchor.get(key)
             identity = (target.data_ptr(), target.dtype, tuple(target.shape), target.stride())
             if identity not in written:
                 written.add(identity)
@@ -438,16 +453,16 @@ class DiLoCoNode:
     # -- end of run -----------------------------------------------------------------------
     def finish(self) -> None:
         """The run reached its target: final contribution + ``done``; install its global."""
-        if self.done:
+        if self.end.done:
             return
-        self.finishing = True
-        if self.inner > 0 or self.carry is not None:
+        self.end.finishing = True
+        if self.inner > 0 or self.progress.carry is not None:
             # a failed final upload has no next round to be carried into: send it again
             for _ in range(FINAL_UPLOAD_ATTEMPTS):
                 self._boundary(final=True)
-                if self.carry is None or self.fatal is not None:
+                if self.progress.carry is None or self.fatal is not None:
                     break
-            if self.carry is not None:  # not done: a resumed node's finish() sends it
+            if self.progress.carry is not None:  # not done: a resumed node's finish() sends it
                 self._raise_fatal()  # unless no retry or resume can: exit 2, one line
                 _LOG.error(
                     f"the final contribution could not be uploaded after "
@@ -459,11 +474,12 @@ class DiLoCoNode:
             self.uploads.drain()
             self._send_done()
             self._raise_fatal()
-            if self.last_round >= 0 and self.installed <= self.last_round:
-                self._await_global(self.last_round + 1, 2 * self.settings.round_timeout)
+            awaited = self.rounds.awaited()  # the global of its last contribution
+            if awaited is not None:
+                self._await_global(awaited, 2 * self.settings.round_timeout)
             if self.settings.final_average > 1 and self.inbox.fetches:
                 self._await_final(2 * self.settings.round_timeout)
-        self.done = True  # nothing is left to send
+        self.end.done = True  # nothing is left to send
 
     def _await_final(self, timeout: float) -> None:
         """Wait (bounded, interruptible) for the final global and install it. With
@@ -473,12 +489,12 @@ class DiLoCoNode:
 
         def installed() -> bool:
             self.merge_waiting()
-            if not self.final_seen:
+            if not self.end.final_seen:
                 self.beat()
                 self.inbox.forget()
                 self.inbox.poke()
                 self.inbox.poll_due()
-            return self.final_seen
+            return self.end.final_seen
 
         pause = min(self.settings.poll_interval, 1.0)
         if not wait_for(installed, timeout=timeout, interval=pause, stop=self.interrupted):
@@ -492,9 +508,9 @@ class DiLoCoNode:
         waits ``drop_after`` round lengths for this node), up to ``FINAL_UPLOAD_ATTEMPTS``
         times, like a final contribution."""
         for _ in range(FINAL_UPLOAD_ATTEMPTS):
-            record = Contribution(
-                self.last_round, self.installed, self.step, None, True, self.run_id
-            )
+            rounds = self.rounds
+            last = NONE if rounds.last_round is None else rounds.last_round
+            record = Contribution(last, rounds.base(), self.step, None, True, rounds.run_id)
             self.uploads.submit(record)
             self.uploads.drain()
             if record.arrived or self.fatal is not None:
@@ -515,15 +531,10 @@ class DiLoCoNode:
                 "format": "speedtronic-diloco-node/2",
                 "step": self.step,
                 "inner": self.inner,
-                "installed": self.installed,
-                "run_id": self.run_id,
-                "last_round": self.last_round,
-                "last_label": self.last_round,  # the key readers of this format knew first
-                "anchor": codec.cpu_state_dict(self.anchor),
-                "carry": None if self.carry is None else codec.cpu_state_dict(self.carry),
-                "residual": None if self.residual is None else codec.cpu_state_dict(self.residual),
+                **self.rounds.to_dict(),
+                **self.progress.to_dict(),
                 "pending": None if pending is None else pending.to_dict(),
-                "done": self.done,
+                "done": self.end.done,
             }
 
     def load_state_dict(self, state: Checkpoint) -> Contribution | None:
@@ -535,15 +546,9 @@ class DiLoCoNode:
         with self._lock:
             self.step = int(state["step"])
             self.inner = int(state["inner"])
-            self.installed = int(state["installed"])
-            self.run_id = str(state.get("run_id", ""))
-            self.last_round = int(state.get("last_round", state.get("last_label", -1)))
-            self.anchor = codec.cpu_state_dict(state["anchor"])
-            carry = state.get("carry")
-            self.carry = None if carry is None else codec.cpu_state_dict(carry)
-            residual = state.get("residual")  # absent in checkpoints written before int8/int4
-            self.residual = None if residual is None else codec.cpu_state_dict(residual)
-            self.done = bool(state.get("done", False))
+            self.rounds = Rounds.from_dict(state)
+            self.progress = Progress.from_dict(state)
+            self.end.done = bool(state.get("done", False))
         pending = state.get("pending")
         return None if pending is None else Contribution.from_dict(pending)
 
@@ -621,6 +626,123 @@ class SentMoments:
 
     round: int
     names: frozenset[str]
+
+
+#: How the wire and a checkpoint write "none yet" for a round or an outer step (a contribution
+#: measured from the node's initial weights names base -1).
+NONE = -1
+
+
+def _none_below_zero(value: object) -> int | None:
+    """A checkpointed round or outer step: ``NONE`` (any negative) reads as None."""
+    number = int(str(value))
+    return None if number < 0 else number
+
+
+@dataclasses.dataclass
+class Rounds:
+    """Where a node stands in the run: the global it ``installed`` (outer step, None before
+    the first) of run ``run_id``, the ``last_round`` an upload of its used up (None: none
+    arrived yet), and the first moments its last upload that carried them ``moments_sent``."""
+
+    installed: int | None = None
+    run_id: str = ""
+    last_round: int | None = None
+    moments_sent: SentMoments | None = None
+
+    def holds(self, outer_step: int) -> bool:
+        """Whether the installed global is ``outer_step`` or newer."""
+        return self.installed is not None and self.installed >= outer_step
+
+    def may_merge(self) -> bool:
+        """A newer global is merged once the node contributed for its installed base."""
+        if self.installed is None:
+            return True
+        return self.last_round is not None and self.last_round >= self.installed
+
+    def awaited(self) -> int | None:
+        """The global that includes the last contribution that arrived, while the node does
+        not hold it (None: no contribution arrived, or its global is installed)."""
+        if self.last_round is None or self.holds(self.last_round + 1):
+            return None
+        return self.last_round + 1
+
+    def next_round(self) -> int:
+        """The round the next contribution is for: the installed global's, or the one after
+        the last that arrived when that is later (a failed upload uses up no round)."""
+        last = NONE if self.last_round is None else self.last_round
+        return max(NONE if self.installed is None else self.installed, last + 1)
+
+    def base(self) -> int:
+        """The outer step a contribution is measured from (``NONE``: the initial weights)."""
+        return NONE if self.installed is None else self.installed
+
+    def used(self, number: int) -> None:
+        """An upload for round ``number`` arrived."""
+        last = self.last_round
+        self.last_round = number if last is None else max(last, number)
+
+    def to_dict(self) -> dict[str, object]:
+        """The checkpointed form (``speedtronic-diloco-node/2``: ``NONE`` for none)."""
+        last = NONE if self.last_round is None else self.last_round
+        return {
+            "installed": self.base(),
+            "run_id": self.run_id,
+            "last_round": last,
+            "last_label": last,  # the key readers of this format knew first
+        }
+
+    @classmethod
+    def from_dict(cls, state: Checkpoint) -> Rounds:
+        """The checkpointed form, written before or after "none" had its own name."""
+        last = state.get("last_round", state.get("last_label", NONE))
+        return cls(
+            _none_below_zero(state["installed"]),
+            str(state.get("run_id", "")),
+            _none_below_zero(last),
+        )
+
+
+@dataclasses.dataclass
+class Progress:
+    """What the node's next contribution is made of besides its weights: the ``anchor`` it is
+    measured from (float32: the installed global, or the weights at the last upload), the
+    ``carry`` of uploads that failed and the ``residual`` the wire format left out of the
+    last one that arrived (error feedback)."""
+
+    anchor: dict[str, torch.Tensor]
+    carry: dict[str, torch.Tensor] | None = None
+    residual: dict[str, torch.Tensor] | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        """The checkpointed form (CPU copies)."""
+        carry, residual = self.carry, self.residual
+        return {
+            "anchor": codec.cpu_state_dict(self.anchor),
+            "carry": None if carry is None else codec.cpu_state_dict(carry),
+            "residual": None if residual is None else codec.cpu_state_dict(residual),
+        }
+
+    @classmethod
+    def from_dict(cls, state: Checkpoint) -> Progress:
+        """The checkpointed form (no residual before int8/int4)."""
+        carry, residual = state.get("carry"), state.get("residual")
+        return cls(
+            codec.cpu_state_dict(state["anchor"]),
+            None if carry is None else codec.cpu_state_dict(carry),
+            None if residual is None else codec.cpu_state_dict(residual),
+        )
+
+
+@dataclasses.dataclass
+class RunEnd:
+    """How far the end of the run got: ``finishing`` (:meth:`DiLoCoNode.finish` runs, the
+    final global is expected now), ``done`` (nothing is left to send) and ``final_seen`` (a
+    global marked final was installed)."""
+
+    finishing: bool = False
+    done: bool = False
+    final_seen: bool = False
 
 
 @dataclasses.dataclass

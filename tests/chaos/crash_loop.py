@@ -275,7 +275,7 @@ def run_master(root: Path, kills: int, rng: random.Random) -> dict[str, int]:
         highest = max(highest, done)
         master, transport = _master(root)  # the next start
         remote = transport.global_metadata()
-        if remote is None and not master.has_local_state:
+        if remote is None and not master.agreement.has_local_state:
             assert highest < 0, "a round closed but nothing was published or persisted"
             counts["empty"] += 1
             continue
@@ -283,7 +283,7 @@ def run_master(root: Path, kills: int, rng: random.Random) -> dict[str, int]:
         counts["torn_publish"] += int(
             remote is not None and published.outer_step != remote.outer_step
         )
-        if master.has_local_state:
+        if master.agreement.has_local_state:
             assert master.outer_step >= highest, (master.outer_step, highest)
             assert published.outer_step in (master.outer_step, master.outer_step + 1)
             if published.outer_step == master.outer_step:
