@@ -38,6 +38,7 @@ from diloco_scale import model_shapes  # noqa: E402
 
 from speedtronic.config import DistributedConfig  # noqa: E402
 from speedtronic.diloco.directory import DirectoryTransport  # noqa: E402
+from speedtronic.diloco.exchange import RoundSettings  # noqa: E402
 from speedtronic.diloco.master import RoundMaster  # noqa: E402
 from speedtronic.retry import RetryPolicy  # noqa: E402
 
@@ -103,8 +104,10 @@ def measure(
         master = RoundMaster(
             store,
             {k.replace(".", "_"): torch.zeros(v) for k, v in shapes.items()},
-            settings=DistributedConfig(
-                round_timeout=600.0, poll_interval=0.05, min_nodes=1, delta_dtype=wire
+            settings=RoundSettings.of(
+                DistributedConfig(
+                    round_timeout=600.0, poll_interval=0.05, min_nodes=1, delta_dtype=wire
+                )
             ),
             state_dir=root / "master",
         )

@@ -482,4 +482,4 @@ def test_a_master_whose_startup_could_not_create_the_repository_creates_it_later
 @pytest.mark.parametrize("feedback", [True, False])
 def test_the_error_feedback_switch_reaches_the_node(tmp_path, feedback):
     c, _, _ = make(tmp_path, delta_dtype="int8", error_feedback=feedback)
-    assert c.node.settings.error_feedback is feedback
+    assert c.node.settings.wire.error_feedback is feedback

@@ -31,7 +31,7 @@ from test_diloco_node import make_node, offer, train
 from speedtronic.config import ConfigError, DistributedConfig, SpeedtronicConfig
 from speedtronic.diloco.codec import DATA_DIGEST, delta_from_bytes, delta_to_bytes, open_delta
 from speedtronic.diloco.directory import DirectoryTransport
-from speedtronic.diloco.exchange import ExchangeError
+from speedtronic.diloco.exchange import ExchangeError, RoundSettings
 from speedtronic.diloco.hub import HubClient
 from speedtronic.diloco.link import NodeClaim, NodeLink
 from speedtronic.retry import AccessRefused, DamagedFile, RetryPolicy, TransportError
@@ -216,7 +216,9 @@ def test_the_node_hears_once_that_its_contribution_was_refused(tmp_path, caplog)
     events: list[tuple[str, dict]] = []
     link = NodeLink(
         store,
-        DistributedConfig(enabled=True, repo_id=f"file://{tmp_path}/repo", role="worker"),
+        RoundSettings.of(
+            DistributedConfig(enabled=True, repo_id=f"file://{tmp_path}/repo", role="worker")
+        ),
         claim=NodeClaim("a", "worker", tmp_path / "state"),
         max_bytes=1 << 20,
         like=like,

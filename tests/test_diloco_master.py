@@ -16,6 +16,7 @@ from hub_emulator_fixtures import fast_retry
 from speedtronic.config import DistributedConfig
 from speedtronic.diloco.codec import read_metadata, state_from_bytes
 from speedtronic.diloco.directory import DirectoryTransport
+from speedtronic.diloco.exchange import RoundSettings
 from speedtronic.diloco.master import RoundMaster
 from speedtronic.retry import TransportError
 
@@ -74,7 +75,7 @@ def make_master(tmp_path, transport=None, state=None, clock=None, **overrides):
     master = RoundMaster(
         transport,
         state or {"w": torch.zeros(2), "n": torch.tensor(3)},
-        settings=settings(**overrides),
+        settings=RoundSettings.of(settings(**overrides)),
         state_dir=tmp_path / "state",
         emit=log.emit,
         on_final=lambda step, state: finals.append((step, state["w"].tolist())),

@@ -23,6 +23,7 @@ from speedtronic.config import DistributedConfig
 from speedtronic.diloco import exchange as T
 from speedtronic.diloco.codec import write_safetensors
 from speedtronic.diloco.directory import DirectoryTransport
+from speedtronic.diloco.exchange import RoundSettings
 from speedtronic.diloco.link import NodeClaim, NodeLink
 from speedtronic.diloco.node import DiLoCoNode, GlobalInbox
 
@@ -30,12 +31,14 @@ from speedtronic.diloco.node import DiLoCoNode, GlobalInbox
 def _node(tmp_path):
     """A worker that sent its first moments with round 0 (its upload arrived), its link to a
     shared-volume exchange that holds global 0, and the AdamW whose moments it keeps."""
-    settings = DistributedConfig(
-        inner_steps=1,
-        round_timeout=0.2,
-        async_delta_upload=False,
-        sync="overlapped",
-        sync_inner_momentum="every_round",
+    settings = RoundSettings.of(
+        DistributedConfig(
+            inner_steps=1,
+            round_timeout=0.2,
+            async_delta_upload=False,
+            sync="overlapped",
+            sync_inner_momentum="every_round",
+        )
     )
     model = torch.nn.Linear(2, 1)  # two parameters: weight (1, 2), bias (1,)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from speedtronic.config import DistributedConfig
+from speedtronic.diloco.exchange import RoundSettings
 from speedtronic.diloco.node import Contribution, DiLoCoNode, GlobalCandidate, GlobalInbox
 
 
@@ -56,7 +57,7 @@ def make_node(*, sync="blocking", inner=2, timeout=0.2, reset=False, model=None)
             model.weight.zero_()
     rec = Recorder()
     inbox = GlobalInbox(None, interval=0.01, threaded=False)
-    node = DiLoCoNode(settings, model, send=rec.send, inbox=inbox, emit=rec.emit)
+    node = DiLoCoNode(RoundSettings.of(settings), model, send=rec.send, inbox=inbox, emit=rec.emit)
     return node, rec, model
 
 
@@ -466,7 +467,7 @@ def _momentum_node():
     optimizer.step()
     rec = Recorder()
     node = DiLoCoNode(
-        settings,
+        RoundSettings.of(settings),
         model,
         send=rec.send,
         inbox=GlobalInbox(None, interval=0.01, threaded=False),

@@ -35,6 +35,7 @@ from speedtronic.diloco.codec import (
     state_to_bytes,
     value_slices,
 )
+from speedtronic.diloco.exchange import RoundSettings
 from speedtronic.diloco.node import DiLoCoNode, GlobalCandidate, GlobalInbox
 
 QMAX = {"int8": 127, "int4": 7}
@@ -328,7 +329,7 @@ def make_node(wire="int4", *, error_feedback=True, model=None):
         torch.nn.init.normal_(model.weight, std=0.1)
     sent = Sent()
     inbox = GlobalInbox(None, interval=0.01, threaded=False)
-    node = DiLoCoNode(settings, model, send=sent, inbox=inbox)
+    node = DiLoCoNode(RoundSettings.of(settings), model, send=sent, inbox=inbox)
     return node, sent, model
 
 

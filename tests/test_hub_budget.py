@@ -11,6 +11,7 @@ import torch
 from hub_emulator_fixtures import TEST_TOKEN
 
 from speedtronic.config import DistributedConfig
+from speedtronic.diloco.exchange import RoundSettings
 from speedtronic.diloco.hub import HubClient
 from speedtronic.diloco.master import RoundMaster
 from speedtronic.retry import AccessRefused, RetryPolicy
@@ -59,7 +60,9 @@ def test_a_budgeted_hub_returns_429_and_every_contribution_is_aggregated_once(tm
         master = RoundMaster(
             hub,
             {"w": torch.zeros(4)},
-            settings=DistributedConfig(outer_lr=1.0, outer_momentum=0.0, round_timeout=30.0),
+            settings=RoundSettings.of(
+                DistributedConfig(outer_lr=1.0, outer_momentum=0.0, round_timeout=30.0)
+            ),
             state_dir=tmp_path / "state",
             emit=lambda e, **fields: events.append((e, fields)),
         )

@@ -51,6 +51,7 @@ from speedtronic.diloco.codec import (
 from speedtronic.retry import RemoteNotFound, RetryPolicy, TransportError
 
 if TYPE_CHECKING:
+    from speedtronic.config.ops_sections import DistributedConfig
     from speedtronic.diloco.codec import OuterUpdate, QuantizedTensor
 
 R = TypeVar("R")
@@ -122,12 +123,94 @@ def parse_delta_path(path: str) -> tuple[str, int] | None:
     return None if match is None else (parts[1], int(match.group(1)))
 
 
+# -- the settings the roles read, built once from the distributed section -------------------
 def syncs_momentum(mode: str, every: int, outer_step: int) -> bool:
     """Whether the round that makes global ``outer_step`` (1, 2, ...) averages the inner first
     moment: never (``off``), every round, or every ``every``-th (``every_n``)."""
     if mode == "off":
         return False
     return mode == "every_round" or outer_step % every == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundRules:
+    """When rounds happen and how long anyone waits for them (docs/diloco.md "Settings")."""
+
+    inner_steps: int  # local steps per round
+    sync: str  # blocking | overlapped
+    round_timeout: float
+    poll_interval: float
+    min_nodes: int
+    expected_nodes: int
+    max_staleness: int
+    drop_after: int
+    relay_leaders: tuple[str, ...]
+    threaded_uploads: bool  # overlapped with async_delta_upload
+    upload_shutdown_timeout: float
+    reset_inner_optimizer: bool
+
+    def steps_behind(self, outer_step: int) -> int:
+        """The inner steps a node trained to reach global ``outer_step``."""
+        return outer_step * self.inner_steps
+
+
+@dataclasses.dataclass(frozen=True)
+class WireFormat:
+    """How contributions and globals travel: ``delta_dtype`` with blocks of ``block_size``
+    values, the global's ``global_dtype``, and error feedback for the lossy ones."""
+
+    delta_dtype: str
+    block_size: int
+    global_dtype: str
+    error_feedback: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class OuterRule:
+    """How a round's mean becomes the next global: ``kind`` (average, nesterov, adaptive with
+    ``adaptive_c``/``adaptive_max``), the outer ``lr`` and ``momentum``, the final model as the
+    mean of the last ``final_average`` globals, and the inner first ``moments`` averaged
+    (``off``, ``every_round``, ``every_n`` = every ``moments_every``-th global)."""
+
+    kind: str
+    lr: float
+    momentum: float
+    adaptive_c: float
+    adaptive_max: float
+    final_average: int
+    moments: str
+    moments_every: int
+
+    def syncs_moments(self, outer_step: int) -> bool:
+        """Whether the round that makes global ``outer_step`` averages the first moments."""
+        return syncs_momentum(self.moments, self.moments_every, outer_step)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundSettings:
+    """What the node, its link, the master and a relay read of the ``distributed`` section,
+    built once (:meth:`of`) by the coordinator and handed to each."""
+
+    rules: RoundRules
+    wire: WireFormat
+    outer: OuterRule
+
+    @classmethod
+    def of(cls, config: DistributedConfig) -> RoundSettings:
+        """The section's round rules, wire format and outer rule."""
+        c = config
+        rules = RoundRules(
+            c.inner_steps, c.sync, c.round_timeout, c.poll_interval, c.min_nodes,
+            c.expected_nodes, c.max_staleness, c.drop_after, tuple(c.relay_leaders),
+            c.sync == "overlapped" and c.async_delta_upload, c.delta_upload_shutdown_timeout,
+            c.reset_inner_optimizer,
+        )  # fmt: skip
+        wire = WireFormat(c.delta_dtype, c.delta_block_size, c.global_dtype, c.error_feedback)
+        outer = OuterRule(
+            c.outer_step, c.outer_lr, c.outer_momentum, c.adaptive_c, c.adaptive_max,
+            c.final_average, c.sync_inner_momentum, c.inner_momentum_every,
+        )  # fmt: skip
+        return cls(rules, wire, outer)
 
 
 def max_global_bytes(like: Mapping[str, torch.Tensor]) -> int:

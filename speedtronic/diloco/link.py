@@ -26,12 +26,20 @@ from pathlib import Path
 import torch
 
 from speedtronic.background import wait_for
-from speedtronic.config import ConfigError, DistributedConfig
+from speedtronic.config import ConfigError
 from speedtronic.config.limits import check_node_id
 from speedtronic.diloco import codec
 from speedtronic.diloco import exchange as T
 from speedtronic.diloco.codec import HeldGlobal, read_update
-from speedtronic.diloco.exchange import Emit, ExchangeError, FileInfo, Store, ignore, scrub
+from speedtronic.diloco.exchange import (
+    Emit,
+    ExchangeError,
+    FileInfo,
+    RoundSettings,
+    Store,
+    ignore,
+    scrub,
+)
 from speedtronic.diloco.node import Contribution, GlobalCandidate
 from speedtronic.retry import AccessRefused, RemoteNotFound, TransportError
 
@@ -60,21 +68,24 @@ class NodeLink:
     wait for a run's first global. Errors no retry fixes are an :class:`ExchangeAccessError`
     or ``ExchangeError`` (exit 2) naming the repository, never the token. ``max_bytes``
     bounds a global file; ``like`` is the model's state (a global must be finite in its
-    dtypes); ``interrupted`` ends every wait."""
+    dtypes); ``interrupted`` ends every wait; ``secrets`` (the token) never appear in a
+    message."""
 
     def __init__(
         self,
         store: Store,
-        settings: DistributedConfig,
+        settings: RoundSettings,
         *,
         claim: NodeClaim,
         max_bytes: int,
         like: Mapping[str, torch.Tensor],
         interrupted: threading.Event,
         emit: Emit = ignore,
+        secrets: tuple[str, ...] = (),
     ):
         self.store = store
         self.settings = settings
+        self.secrets = secrets  # scrubbed from every message (the token)
         self.claim = claim
         self.node_id = claim.node_id
         self.max_bytes = max_bytes
@@ -99,20 +110,20 @@ class NodeLink:
         if isinstance(exc, AccessRefused):
             raise self.access_error(exc) from None
         if isinstance(exc, TransportError) and exc.kind == "permanent":
-            message = f"distributed.repo_id: {what} {self.settings.repo_id!r}: {exc}"
-            raise ExchangeError(scrub(message, (self.settings.token,))) from None
+            message = f"distributed.repo_id: {what} {self.store.repo_id!r}: {exc}"
+            raise ExchangeError(scrub(message, self.secrets)) from None
 
     def access_error(self, exc: AccessRefused) -> ExchangeAccessError:
         """Exit 2: the exchange refused this node's token; names the repository (the
         entrypoint adds where the token came from), never the token."""
         message = (
-            f"distributed.repo_id: {self.settings.repo_id!r} refused this node (HTTP "
+            f"distributed.repo_id: {self.store.repo_id!r} refused this node (HTTP "
             f"{exc.status or '?'}): {exc}; check that distributed.token exists and may write "
             "this repository"
         )
         return ExchangeAccessError(
-            scrub(message, (self.settings.token,)),
-            repo_id=str(self.settings.repo_id),
+            scrub(message, self.secrets),
+            repo_id=str(self.store.repo_id),
             status=exc.status,
         )
 
@@ -161,7 +172,7 @@ class NodeLink:
         `NodeIdCollisionError`; none means its instance is gone and the id is taken over.
         Returns the holder's round files (checked again before our first upload)."""
         self._holder = holder = f"instance {owner.get('instance')} on host {owner.get('host', '?')}"
-        window = max(self.settings.drop_after, 1) * self.settings.round_timeout
+        window = max(self.settings.rules.drop_after, 1) * self.settings.rules.round_timeout
         _LOG.info(
             f"node id {self.node_id!r} is held by {holder} (state {owner.get('state')}); "
             f"watching its files for up to {window:.0f} s (distributed.drop_after x "
@@ -174,7 +185,7 @@ class NodeLink:
             self.beat = time.monotonic()
             return self._round_files() != before
 
-        pause = min(self.settings.poll_interval, 1.0)
+        pause = min(self.settings.rules.poll_interval, 1.0)
         if wait_for(changed, timeout=window, interval=pause, stop=self.interrupted):
             self._emit("node_id_collision", node_id=self.node_id)
             waited = time.monotonic() - started
@@ -241,8 +252,8 @@ class NodeLink:
                     round_index=job.round,
                     local_step=job.step,
                     base_outer_step=job.base,
-                    dtype=self.settings.delta_dtype,
-                    block_size=self.settings.delta_block_size,
+                    dtype=self.settings.wire.delta_dtype,
+                    block_size=self.settings.wire.block_size,
                     metadata={
                         "final": str(job.final).lower(),
                         "run_id": job.run_id,
@@ -344,13 +355,13 @@ class NodeLink:
     ) -> GlobalCandidate:
         weights = sum(v.numel() * v.element_size() for v in state.values())
         nbytes = self._update_bytes if how == "update" else weights
-        if self.settings.global_dtype != "fp32":  # the next update applies to this global
+        if self.settings.wire.global_dtype != "fp32":  # the next update applies to this global
             self.held = held or HeldGlobal.of(metadata.outer_step, metadata.run_id, state)
         seconds = time.perf_counter() - started
         candidate = GlobalCandidate(
             metadata.outer_step, state, seconds, metadata.final, metadata.run_id, how, nbytes
         )
-        found = self._moments(metadata) if self.settings.sync_inner_momentum != "off" else None
+        found = self._moments(metadata) if self.settings.outer.moments != "off" else None
         if found is not None:
             round, moments, size = found
             candidate.moments = (round, moments)
@@ -437,7 +448,7 @@ class NodeLink:
             self.raise_if_permanent(exc, "cannot read from the exchange")
             _LOG.warning(f"initial global read failed; will retry: {exc}")
             candidate = None
-        timeout = self.settings.round_timeout
+        timeout = self.settings.rules.round_timeout
         if candidate is not None and candidate.final:
             old = f"outer step {candidate.outer_step}, run {candidate.run_id or '?'}"
             if run_id and candidate.run_id == run_id:
@@ -486,10 +497,9 @@ class NodeLink:
                 seen, candidate = (candidate.outer_step, candidate.run_id), None
             return candidate
 
-        pause = min(self.settings.poll_interval, 1.0)
-        candidate = wait_for(
-            published, timeout=self.settings.round_timeout, interval=pause, stop=self.interrupted
-        )
+        rules = self.settings.rules
+        pause, timeout = min(rules.poll_interval, 1.0), rules.round_timeout
+        candidate = wait_for(published, timeout=timeout, interval=pause, stop=self.interrupted)
         return candidate, time.monotonic() - started
 
 

@@ -21,13 +21,12 @@ import math
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
-from speedtronic.background import Loop
+from speedtronic.background import Loop, wait_for
 from speedtronic.diloco import codec
 from speedtronic.diloco.codec import (
     QUANTIZED_BITS,
@@ -42,11 +41,11 @@ from speedtronic.diloco.exchange import (
     ExchangeError,
     GlobalMetadata,
     RepoScan,
+    RoundSettings,
     Store,
     ignore,
     max_global_bytes,
     parse_delta_path,
-    syncs_momentum,
 )
 from speedtronic.diloco.ledger import (
     META,
@@ -60,19 +59,15 @@ from speedtronic.diloco.ledger import (
 )
 from speedtronic.retry import AccessRefused, RemoteNotFound, TransportError
 
-if TYPE_CHECKING:
-    from speedtronic.config import DistributedConfig
-
 __all__ = [
     "ETA_DIGITS",
     "META",
+    "Fold",
     "LocalStep",
     "NesterovOuterOptimizer",
     "NormTally",
     "OuterStep",
     "OuterUpdate",
-    "RecentGlobals",
-    "Relay",
     "RelayStep",
     "RoundMaster",
     "RoundState",
@@ -189,33 +184,6 @@ def average_states(states: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, to
     return result
 
 
-class RecentGlobals:
-    """The last ``n`` globals, for ``distributed.final_average``: :meth:`push` each global as it
-    is made (global 0 included), :meth:`final` gives the mean of those held (fewer than ``n``
-    before ``n`` rounds). Holds ``n - 1`` copies besides the caller's (none for ``n == 1``)."""
-
-    def __init__(self, n: int) -> None:
-        if n < 1:
-            raise ValueError("final_average must be >= 1")
-        self.n = n
-        self._held: deque[dict[str, torch.Tensor]] = deque(maxlen=n - 1)
-        self._last: Mapping[str, torch.Tensor] | None = None
-
-    def push(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Record the newest global (copied when it is not the last one kept)."""
-        if self._last is not None and self.n > 1:
-            self._held.append({k: v.detach().clone() for k, v in self._last.items()})
-        self._last = {k: v.detach().clone() for k, v in state.items()} if self.n > 1 else state
-
-    def final(self) -> dict[str, torch.Tensor]:
-        """The mean of the held globals, oldest first; the last global itself when n == 1."""
-        if self._last is None:
-            raise ValueError("no global pushed")
-        if self.n == 1:
-            return {k: v.detach().clone() for k, v in self._last.items()}
-        return average_states([*self._held, self._last])
-
-
 class Score(Protocol):
     """What ``evaluate`` returns for a global."""
 
@@ -224,27 +192,14 @@ class Score(Protocol):
     tokens: int
 
 
-class Relay(Protocol):
-    """What a group leader's master asks of its way up to the top-level exchange
-    (:class:`~speedtronic.diloco.coordinator.Upstream`, docs/diloco.md "relay groups")."""
-
-    def agree(self, store: Store, held: RoundState, max_bytes: int) -> RoundState:
-        """The group's state, made the top-level global and published to ``store``."""
-        ...
-
-    def forward(
-        self, mean: Mapping[str, torch.Tensor], *, round: int, weight: int, run_id: str, final: bool
-    ) -> tuple[GlobalMetadata, dict[str, torch.Tensor]]:
-        """Send the group's ``mean`` up; the first top-level global after it."""
-        ...
-
-    def finish(self) -> None:
-        """Tell the top level that the group's run is over."""
-        ...
+#: Starts a new run: outer step 0 over the initial weights (the master's ``_new_run``).
+NewRun = Callable[[], RoundState]
+#: A version record and the weights it names.
+Global = tuple[GlobalMetadata, dict[str, torch.Tensor]]
 
 
 @dataclasses.dataclass
-class _Fold:
+class Fold:
     """What closing a round read: the round's mean (one float32 running sum, divided by the
     weight at the end), the files used and what they say about their nodes."""
 
@@ -337,13 +292,7 @@ class OuterStep(Protocol):
     at one place of its round and never asks which of the two it holds."""
 
     def agree(
-        self,
-        store: Store,
-        held: RoundState,
-        *,
-        trusted: bool,
-        fresh: bool,
-        new_run: Callable[[], RoundState],
+        self, store: Store, held: RoundState, *, trusted: bool, fresh: bool, new_run: NewRun
     ) -> tuple[RoundState, bool]:
         """The state agreed with the exchange (which holds it when this returns), and whether
         its global is the final one of a run that ended."""
@@ -353,17 +302,10 @@ class OuterStep(Protocol):
         """Whether the round that makes global ``outer_step`` averages the first moments."""
         ...
 
-    def step(
-        self,
-        new: RoundState,
-        mean: dict[str, torch.Tensor],
-        *,
-        weight: int,
-        norms: NormTally,
-        final: bool,
-    ) -> Stepped | None:
-        """Make ``new`` (the closed round's state) the next global from the round's ``mean``
-        of ``weight`` nodes; None when the result would not be finite (``new`` is dropped)."""
+    def step(self, new: RoundState, fold: Fold, *, final: bool) -> Stepped | None:
+        """Make ``new`` (the closed round's state) the next global from the round's mean
+        (``fold.total``, of ``fold.weight`` nodes); None when the result would not be finite
+        (``new`` is dropped)."""
         ...
 
     def undo(self, old: RoundState, new: RoundState) -> RoundState:
@@ -395,7 +337,7 @@ class RoundMaster:
         store: Store,
         state: Mapping[str, torch.Tensor],
         *,
-        settings: DistributedConfig,
+        settings: RoundSettings,
         state_dir: str | os.PathLike[str],
         emit: Emit = ignore,
         on_global: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
@@ -418,7 +360,8 @@ class RoundMaster:
         self._clock = clock
         self._lock = threading.RLock()
         self.finished = threading.Event()
-        self._loop = Loop("speedtronic-diloco-master", self._tick, lambda: settings.poll_interval)
+        poll = settings.rules.poll_interval
+        self._loop = Loop("speedtronic-diloco-master", self._tick, lambda: poll)
         self._failing: tuple[str, float, float] | None = None  # kind, since, last logged
         now = clock()
         self.watch = RoundWatch(opened=now, last_progress=now)
@@ -464,8 +407,8 @@ class RoundMaster:
             if self.agreement.initial is None:  # never: only the first agreement starts one
                 raise RuntimeError("a new run can only start when the master starts")
             initial = codec.cpu_state_dict(self.agreement.initial)
-        s = self.settings
-        return RoundState(0, initial, NesterovOuterOptimizer(initial, s.outer_lr, s.outer_momentum))
+        rule = self.settings.outer
+        return RoundState(0, initial, NesterovOuterOptimizer(initial, rule.lr, rule.momentum))
 
     # -- local persistence and the agreement with the exchange --------------------------------
     def _load_local_state(self) -> None:
@@ -578,7 +521,7 @@ class RoundMaster:
         """Includable files ``{node: {round: path}}``; duplicates and stale ones are queued
         for pruning and counted (a stale one moves the ledger: it is never counted later)."""
         open_round = self.outer_step
-        oldest = open_round - self.settings.max_staleness
+        oldest = open_round - self.settings.rules.max_staleness
         candidates: dict[str, dict[int, str]] = {}
         for node_id, files in scan.deltas.items():
             done = self.ledger.get(node_id, -1)
@@ -593,7 +536,7 @@ class RoundMaster:
                     _LOG.warning(
                         f"dropping the contribution of {node_id} to round {round}: "
                         f"{open_round - round} rounds late (max_staleness "
-                        f"{self.settings.max_staleness})"
+                        f"{self.settings.rules.max_staleness})"
                     )
                     with self._lock:
                         self.ledger[node_id] = max(self.ledger.get(node_id, -1), round)
@@ -612,14 +555,15 @@ class RoundMaster:
     def silence_limit(self) -> float:
         """Seconds of silence before a node is no longer waited for: ``drop_after`` round
         lengths, each at least ``round_timeout``."""
-        return self.settings.drop_after * max(self.settings.round_timeout, self.state.round_seconds)
+        rules = self.settings.rules
+        return rules.drop_after * max(rules.round_timeout, self.state.round_seconds)
 
     @property
     def max_delta_bytes(self) -> int:
         """The largest delta file this model can produce (float32 values, and as many first
         moments with ``sync_inner_momentum``, + a header)."""
         values = sum(v.numel() for v in self.global_state.values() if v.is_floating_point())
-        copies = 1 if self.settings.sync_inner_momentum == "off" else 2  # + the first moments
+        copies = 1 if self.settings.outer.moments == "off" else 2  # + the first moments
         return 4 * copies * values + (1 << 20)
 
     def _drop(self, node_id: str, round: int, path: str) -> None:
@@ -644,7 +588,7 @@ class RoundMaster:
         if not candidates:
             return None
         # min_nodes is a floor on the nodes in a round, lowered only by nodes that finished
-        need = max(1, self.settings.min_nodes - self.roster.finished_count(self.state))
+        need = max(1, self.settings.rules.min_nodes - self.roster.finished_count(self.state))
         if len(candidates) < need:
             return None
         on_time = {node for node, files in candidates.items() if self.outer_step in files}
@@ -653,11 +597,11 @@ class RoundMaster:
             return "complete" if active else "drain"
         first = self.watch.first_arrival
         waited = now - (first if first is not None else now)
-        if waited < (self.silence_limit if starting else self.settings.round_timeout):
+        if waited < (self.silence_limit if starting else self.settings.rules.round_timeout):
             return None
         if starting:  # the round waited its bound for them: no longer (they join later)
             self.watch.joins_over = True
-            expected = self.settings.expected_nodes
+            expected = self.settings.rules.expected_nodes
             _LOG.warning(
                 f"round {self.outer_step} closes without {starting} of the {expected} expected "
                 f"nodes (distributed.expected_nodes): nothing from them {waited:.0f} s after "
@@ -673,7 +617,7 @@ class RoundMaster:
         """How many of the ``expected_nodes`` have not contributed to this run yet: the round
         waits for them up to :attr:`silence_limit` (a slow start is not a slow round), once
         per run."""
-        expected = self.settings.expected_nodes
+        expected = self.settings.rules.expected_nodes
         if self.watch.joins_over or expected <= 0:
             return 0
         started = len(set(self.ledger) | set(candidates))
@@ -701,9 +645,7 @@ class RoundMaster:
             return False
         new = self._next_state(fold)
         final = self.roster.run_over(self.roster.waiting(new), new)
-        stepped = self.outer.step(
-            new, fold.total, weight=fold.weight, norms=fold.norms, final=final
-        )
+        stepped = self.outer.step(new, fold, final=final)
         if stepped is None:  # not finite: the round is undone, its files go
             for path in fold.consumed:
                 self._refuse(path, "the outer step would make the global non-finite")
@@ -715,7 +657,7 @@ class RoundMaster:
         self._after_publish(final)
         return True
 
-    def _fold(self, candidates: Mapping[str, Mapping[int, str]]) -> _Fold | None:
+    def _fold(self, candidates: Mapping[str, Mapping[int, str]]) -> Fold | None:
         """Fold: every node's valid files into the round's one float32 running sum, divided
         into the mean, and the mean first moments; None when no file was usable (the unusable
         ones are pruned and counted, the sum is dropped)."""
@@ -724,7 +666,7 @@ class RoundMaster:
             for k, v in self.global_state.items()
             if v.is_floating_point()
         }
-        fold = _Fold(self.outer_step, total)
+        fold = Fold(self.outer_step, total)
         for node_id in sorted(candidates):
             self._fold_node(node_id, candidates[node_id], fold)
             codec.return_free_memory()  # the file's temporaries, before the next file's
@@ -735,7 +677,7 @@ class RoundMaster:
         fold.mean_moments = self._mean_moments(fold)
         return fold
 
-    def _next_state(self, fold: _Fold) -> RoundState:
+    def _next_state(self, fold: Fold) -> RoundState:
         """The closed round's state: a copy of the held one (the weights step in place) with
         the ledger and node records of what ``fold`` read."""
         new = self.state.copy(tensors=False)
@@ -748,7 +690,7 @@ class RoundMaster:
         return new
 
     def _report(
-        self, new: RoundState, fold: _Fold, reason: str, active: set[str], eta: float
+        self, new: RoundState, fold: Fold, reason: str, active: set[str], eta: float
     ) -> dict[str, object]:
         """What the ``outer_step`` event says of the round that made ``new``."""
         return {
@@ -768,7 +710,7 @@ class RoundMaster:
     def _publish_round(
         self,
         new: RoundState,
-        fold: _Fold,
+        fold: Fold,
         update: OuterUpdate | None,
         final: bool,
         report: Mapping[str, object],
@@ -810,7 +752,7 @@ class RoundMaster:
             raise
 
     def _report_round(
-        self, new: RoundState, fold: _Fold, report: Mapping[str, object], started: float
+        self, new: RoundState, fold: Fold, report: Mapping[str, object], started: float
     ) -> None:
         """The round landed: its length, the state persisted, the ``outer_step`` event, the
         write-ahead record cleared, the mean first moments kept for the local node."""
@@ -832,7 +774,7 @@ class RoundMaster:
         moments = fold.mean_moments
         self.moments = None if moments is None else (new.outer_step, fold.round, moments)
 
-    def _add_moments(self, reader: codec.DeltaReader, weight: float, fold: _Fold) -> None:
+    def _add_moments(self, reader: codec.DeltaReader, weight: float, fold: Fold) -> None:
         """Add the first moments ``reader``'s file carries, times ``weight``, to the round's
         sums (a second running sum, key by key)."""
         view = {}
@@ -843,20 +785,20 @@ class RoundMaster:
         if view:
             reader.add_to(view, scale=weight)
 
-    def _mean_moments(self, fold: _Fold) -> dict[str, torch.Tensor] | None:
+    def _mean_moments(self, fold: Fold) -> dict[str, torch.Tensor] | None:
         """The round's mean first moments by parameter name, as the nodes will decode them
         (through ``delta_dtype`` like their own, no error feedback); None when none came."""
         if not fold.moments:
             return None
         n = len(codec.MOMENT_PREFIX)
         mean = {k[n:]: v.div_(fold.moment_weights[k]) for k, v in fold.moments.items()}
-        s = self.settings
-        if s.delta_dtype == "fp32":
+        wire = self.settings.wire
+        if wire.delta_dtype == "fp32":
             return mean
-        encoded = codec.encode_delta(mean, s.delta_dtype, s.delta_block_size)
+        encoded = codec.encode_delta(mean, wire.delta_dtype, wire.block_size)
         return {k: codec.decode_value(v) for k, v in encoded.items()}
 
-    def _fold_node(self, node_id: str, files: Mapping[int, str], fold: _Fold) -> None:
+    def _fold_node(self, node_id: str, files: Mapping[int, str], fold: Fold) -> None:
         """Add one node's valid files for this round into ``fold.total`` as their mean times the
         node's weight (1, or the nodes a relay leader speaks for), each file read once, tensor
         by tensor, and record them in ``fold``. Unusable files are pruned and counted."""
@@ -901,7 +843,7 @@ class RoundMaster:
             bound = self.max_delta_bytes  # checked on the file actually opened
             local = stack.enter_context(self.store.local_copy(path, max_bytes=bound))
             reader = stack.enter_context(codec.open_delta(local))
-            leaders, step = self.settings.relay_leaders, self.outer_step
+            leaders, step = self.settings.rules.relay_leaders, self.outer_step
             weight = self.roster.check_identity(node_id, reader.metadata, round, step, leaders)
             digest = reader.check(self.global_state)
             if self.state.digests.get(node_id) == digest:
@@ -932,7 +874,7 @@ class RoundMaster:
                 "eval",
                 scope="global",
                 outer_step=self.outer_step,
-                step=self.outer_step * self.settings.inner_steps,
+                step=self.settings.rules.steps_behind(self.outer_step),
                 loss=result.loss,
                 perplexity=result.perplexity,
                 tokens=result.tokens,
@@ -1019,18 +961,12 @@ class LocalStep:
     rounds ``sync_inner_momentum`` names, and with ``final_average`` N > 1 the globals kept in
     ``files``, so that the final global is the mean of the last N."""
 
-    def __init__(self, settings: DistributedConfig, files: OuterStateStore) -> None:
+    def __init__(self, settings: RoundSettings, files: OuterStateStore) -> None:
         self.settings = settings
         self.files = files
 
     def agree(
-        self,
-        store: Store,
-        held: RoundState,
-        *,
-        trusted: bool,
-        fresh: bool,
-        new_run: Callable[[], RoundState],
+        self, store: Store, held: RoundState, *, trusted: bool, fresh: bool, new_run: NewRun
     ) -> tuple[RoundState, bool]:
         """:func:`~.ledger.reconcile`, then the record read (before it counts as agreed: a
         failed read agrees again at the next poll) to say whether this run ended."""
@@ -1041,21 +977,13 @@ class LocalStep:
 
     def moments_due(self, outer_step: int) -> bool:
         """The rounds ``sync_inner_momentum`` names (:func:`syncs_momentum`)."""
-        s = self.settings
-        return syncs_momentum(s.sync_inner_momentum, s.inner_momentum_every, outer_step)
+        return self.settings.outer.syncs_moments(outer_step)
 
-    def step(
-        self,
-        new: RoundState,
-        mean: dict[str, torch.Tensor],
-        *,
-        weight: int,
-        norms: NormTally,
-        final: bool,
-    ) -> Stepped | None:
+    def step(self, new: RoundState, fold: Fold, *, final: bool) -> Stepped | None:
         """The outer step on ``new`` with the round's lr, from the global kept on disk when
         the final model is a mean; the final global is that mean, published whole."""
-        eta = self._eta(new, norms, mean)
+        mean = fold.total
+        eta = self._eta(new, fold.norms, mean)
         self._keep(new)  # the global this round steps from
         new.optimizer.lr = new.eta = eta  # this round's (the same every round but with adaptive)
         if new.optimizer.first_non_finite(new.global_state, mean) is not None:
@@ -1075,18 +1003,18 @@ class LocalStep:
 
     def _eta(self, state: RoundState, norms: NormTally, mean: Mapping[str, torch.Tensor]) -> float:
         """The optimizer's lr (``outer_lr``; 1.0 for ``average``), or the adaptive eta."""
-        s = self.settings
-        if s.outer_step != "adaptive":
+        rule = self.settings.outer
+        if rule.kind != "adaptive":
             return state.optimizer.lr
         return adaptive_eta(
-            norms.spread, squared_norm(mean), norms.count, s.adaptive_c, s.adaptive_max
+            norms.spread, squared_norm(mean), norms.count, rule.adaptive_c, rule.adaptive_max
         )
 
     def _apply(self, new: RoundState, mean: Mapping[str, torch.Tensor]) -> OuterUpdate | None:
         """Step ``new``'s global in place; with ``global_dtype`` int8/int4, the update it
         publishes (the global becomes the last one plus the decoded update)."""
-        s = self.settings
-        if s.global_dtype == "fp32":
+        wire = self.settings.wire
+        if wire.global_dtype == "fp32":
             new.optimizer.step(new.global_state, mean)
             new.outer_step += 1
             return None
@@ -1095,9 +1023,9 @@ class LocalStep:
             new.global_state,
             mean,
             new.residual,
-            dtype=s.global_dtype,
-            block_size=s.delta_block_size,
-            error_feedback=s.error_feedback,
+            dtype=wire.global_dtype,
+            block_size=wire.block_size,
+            error_feedback=wire.error_feedback,
         )
         update.base_step, update.run_id = new.outer_step, new.run_id
         new.outer_step += 1
@@ -1106,7 +1034,7 @@ class LocalStep:
 
     def _keep(self, state: RoundState) -> None:
         """Keep ``state``'s global on disk when the final model is a mean of several."""
-        n = self.settings.final_average
+        n = self.settings.outer.final_average
         if n > 1:
             self.files.keep_global(state.outer_step, state.run_id, state.global_state, n)
 
@@ -1114,7 +1042,7 @@ class LocalStep:
         """``final_average`` N > 1: make ``state``'s global the mean of the last N globals
         (fewer when fewer were made), read from the kept files, so a retry or a restart
         computes the same; True if it did."""
-        n = self.settings.final_average
+        n = self.settings.outer.final_average
         if n == 1:
             return False
         self._keep(state)
@@ -1127,43 +1055,93 @@ class LocalStep:
 
 class RelayStep:
     """A group leader's outer step (:class:`OuterStep`, docs/diloco.md "relay groups"): the
-    round's mean goes up to the top-level exchange through ``relay`` as one contribution
-    weighing the group's nodes, and the top-level global that includes it comes back. The
-    leader steps nothing, averages no first moments and keeps no globals: the top-level
-    master does."""
+    master of a group's exchange with ``relay_to`` sends its members' mean up to the
+    top-level exchange ``store`` as one contribution weighing as many nodes, and publishes
+    the top-level global of the next round to its members: G + 1 top-level commits a round
+    for K nodes in G groups, each node weighing the same. The leader steps nothing, averages
+    no first moments and keeps no globals (the top-level master does). ``record(**status)``
+    builds the leader's status record there (its claim); ``stop`` ends a wait (the master is
+    stopping)."""
 
-    def __init__(self, relay: Relay) -> None:
-        self.relay = relay
-
-    def agree(
+    def __init__(
         self,
         store: Store,
-        held: RoundState,
         *,
-        trusted: bool,
-        fresh: bool,
-        new_run: Callable[[], RoundState],
-    ) -> tuple[RoundState, bool]:
-        """The top-level global, made the group's (a group's run ends with the top level's)."""
-        return self.relay.agree(store, held, max_global_bytes(held.global_state)), False
+        node_id: str,
+        settings: RoundSettings,
+        record: Callable[..., dict[str, object]],
+        stop: threading.Event,
+    ) -> None:
+        self.store = store
+        self.node_id = node_id
+        self.settings = settings
+        self._record = record
+        self._stop = stop
+        self.instance = str(record().get("instance", ""))
+        self.max_bytes: int | None = None  # set by the master from its model
+        self.last_round: int | None = None  # the last round this group contributed to
+
+    def _wait(self, than: int, run_id: str, what: str, timeout: float | None = None) -> Global:
+        """The first top-level global newer than ``than`` (or of another run); past ``timeout``
+        seconds (None: until stopped) a ``TransportError`` (the master retries it)."""
+
+        def newer() -> Global | None:
+            if self._stop.is_set():
+                return None
+            try:
+                meta = self.store.global_metadata()
+                if meta is None:
+                    return None
+                if meta.outer_step > than or (run_id and meta.run_id != run_id):
+                    return self.store.fetch_global(meta, max_bytes=self.max_bytes)
+                return None
+            except TransportError as exc:
+                _LOG.warning(f"relay: reading the top-level global failed: {exc}")
+                return None
+
+        started = time.monotonic()
+        found = wait_for(
+            newer, timeout=timeout, interval=self.settings.rules.poll_interval, stop=self._stop
+        )
+        if found is not None:
+            return found
+        if self._stop.is_set():
+            raise TransportError(f"relay stopped while waiting for {what}")
+        raise TransportError(
+            f"relay: no {what} within {time.monotonic() - started:.1f} s "
+            f"(distributed.round_timeout {timeout:g} s); waiting again at the master's next poll"
+        )
+
+    def current(self) -> Global:
+        """The top-level global (waits for the top-level master's first publish)."""
+        self.store.claim_owner(self.node_id, self._record(state="training", relay=True))
+        # bounded: at startup this runs on the training thread (the master retries it)
+        return self._wait(-1, "", "first top-level global", self.settings.rules.round_timeout)
+
+    def agree(self, store: Store, held: RoundState, **_: object) -> tuple[RoundState, bool]:
+        """The leader's reconcile: the group's state becomes the top-level global (outer step,
+        run id), published to the group's ``store`` unless it is there. ``held`` keeps its
+        ledger, so after a group publish that failed once the mean went up, the members' files
+        are never sent up twice. A group's run ends with the top level's (never here)."""
+        self.max_bytes = max_global_bytes(held.global_state)
+        meta, weights = self.current()
+        state = held.copy()
+        state.adopt(weights, meta.outer_step)
+        state.run_id = meta.run_id
+        remote = store.global_metadata()
+        if remote is None or (remote.outer_step, remote.run_id) != (meta.outer_step, meta.run_id):
+            publish(store, state, relay="true")
+        return state, False
 
     def moments_due(self, outer_step: int) -> bool:
         """Never: a leader relays the weights only."""
         return False
 
-    def step(
-        self,
-        new: RoundState,
-        mean: dict[str, torch.Tensor],
-        *,
-        weight: int,
-        norms: NormTally,
-        final: bool,
-    ) -> Stepped:
-        """Send ``mean`` up (the wait for the top level may be long: the master holds no
-        lock here) and adopt the top-level global after it."""
-        meta, weights = self.relay.forward(
-            mean, round=new.outer_step, weight=weight, run_id=new.run_id, final=final
+    def step(self, new: RoundState, fold: Fold, *, final: bool) -> Stepped:
+        """Send the round's mean up (the wait for the top level may be long: the master holds
+        no lock here) and adopt the top-level global after it."""
+        meta, weights = self.forward(
+            fold.total, round=new.outer_step, weight=fold.weight, run_id=new.run_id, final=final
         )
         new.adopt(weights, meta.outer_step)
         new.run_id = meta.run_id
@@ -1173,9 +1151,44 @@ class RelayStep:
         """The closed round: its mean is at the top level already."""
         return new
 
+    def forward(
+        self, mean: Mapping[str, torch.Tensor], *, round: int, weight: int, run_id: str, final: bool
+    ) -> Global:
+        """Upload the group's ``mean`` as its contribution to ``round`` (weighing ``weight``
+        nodes), then return the first top-level global after it."""
+        status = {"state": "done", "final_round": round} if final else {"state": "training"}
+        started = time.perf_counter()
+        self.store.upload_delta(
+            mean,
+            node_id=self.node_id,
+            round_index=round,
+            local_step=round,
+            base_outer_step=round,
+            dtype=self.settings.wire.delta_dtype,
+            block_size=self.settings.wire.block_size,
+            metadata={
+                "weight": str(int(weight)),
+                "run_id": run_id,
+                "final": str(final).lower(),
+                "instance": self.instance,
+            },
+            owner=self._record(relay=True, **status),
+        )
+        self.last_round = round
+        _LOG.info(
+            f"relay: round {round} of {weight} nodes sent up in "
+            f"{time.perf_counter() - started:.2f} s"
+        )
+        return self._wait(round, run_id, f"top-level global {round + 1}")
+
     def finish(self, state: RoundState) -> None:
-        """Tell the top level that the group's run is over."""
-        self.relay.finish()
+        """The group's run is over (maybe after a round not marked final): tell the top level,
+        so its master stops waiting for this group."""
+        final = -1 if self.last_round is None else self.last_round
+        self.store.claim_owner(
+            self.node_id, self._record(relay=True, state="done", final_round=final)
+        )
+        _LOG.info(f"relay: group done after round {final}; told the top level")
 
 
 # -- the quantized outer step (global_dtype int8/int4) ------------------------------------

@@ -44,10 +44,9 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from speedtronic.background import Loop, wait_for
-from speedtronic.config import ConfigError, DistributedConfig
+from speedtronic.config import ConfigError
 from speedtronic.diloco import codec
-from speedtronic.diloco import exchange as T
-from speedtronic.diloco.exchange import Emit, ExchangeError, ignore
+from speedtronic.diloco.exchange import Emit, ExchangeError, RoundSettings, ignore
 from speedtronic.retry import TransportError
 
 __all__ = [
@@ -76,24 +75,26 @@ FINAL_UPLOAD_ATTEMPTS = 3
 
 class DiLoCoNode:
     """The round of one node (see the module docstring): ``send`` uploads a contribution
-    (raising on failure) and returns its bytes; ``inbox`` delivers new globals."""
+    (raising on failure) and returns its bytes; ``inbox`` delivers new globals; ``settings``
+    are the round rules, wire format and outer rule it reads."""
 
     def __init__(
         self,
-        settings: DistributedConfig,
+        settings: RoundSettings,
         model: torch.nn.Module,
         *,
         send: Callable[[Contribution], int],
         inbox: GlobalInbox,
         emit: Emit = ignore,
+        on_master: bool = False,
     ):
         self.settings = settings
+        self.on_master = on_master  # the master's own node (its waits are for its own rounds)
         self.model = model
         self.inbox = inbox
         self._emit = emit
         self._send = send
-        threaded = settings.sync == "overlapped" and settings.async_delta_upload
-        self.uploads = Uploader(self._upload, threaded=threaded)
+        self.uploads = Uploader(self._upload, threaded=settings.rules.threaded_uploads)
         self._lock = threading.RLock()
         self.optimizer: torch.optim.Optimizer | None = None
         self._hook: RemovableHandle | None = None
@@ -139,7 +140,7 @@ class DiLoCoNode:
         """Whether the next :meth:`after_optimizer_step` reads or writes the weights (a
         boundary is due, or a waiting global may be merged): a sharded rank refreshes its
         copy only then."""
-        due = self.inner + 1 >= self.settings.inner_steps
+        due = self.inner + 1 >= self.settings.rules.inner_steps
         return due or (self.may_merge() and self.inbox.waiting_step() >= 0)
 
     def after_optimizer_step(self, *, weights_current: bool = True) -> bool:
@@ -151,7 +152,7 @@ class DiLoCoNode:
         self.beat()
         self.inbox.poll_due()
         merged = self.merge_waiting() if weights_current and self.may_merge() else False
-        if self.inner >= self.settings.inner_steps:
+        if self.inner >= self.settings.rules.inner_steps:
             merged = self._boundary(final=False) or merged
         return merged
 
@@ -173,7 +174,7 @@ class DiLoCoNode:
         merged = False
         previous = self._global_before_sending()
         if previous is not None:
-            merged = self._await_global(previous, self.settings.round_timeout)
+            merged = self._await_global(previous, self.settings.rules.round_timeout)
         self.uploads.drain()
         with self._lock:
             delta, self.progress.anchor = self._take_contribution()
@@ -186,26 +187,24 @@ class DiLoCoNode:
         # a round is used up only by an upload that arrived (see _upload): carried progress
         # goes out under the same round, so an outage never pushes rounds past the master's
         this_round = self.rounds.next_round()
-        s = self.settings
-        if self.optimizer is not None and T.syncs_momentum(
-            s.sync_inner_momentum, s.inner_momentum_every, this_round + 1
-        ):  # the first moments travel with the delta, without error feedback
+        syncs = self.settings.outer.syncs_moments(this_round + 1)
+        if self.optimizer is not None and syncs:  # they travel with the delta, no error feedback
             moments = first_moments(self.model, self.optimizer)
             delta.update({codec.MOMENT_PREFIX + k: v for k, v in moments.items()})
         job = Contribution(
             this_round, self.rounds.base(), self.step, delta, final, self.rounds.run_id
         )
-        if self.settings.delta_dtype != "fp32":  # what it leaves out: the residual (_upload)
+        if self.settings.wire.delta_dtype != "fp32":  # what it leaves out: the residual (_upload)
             job.wire = codec.EncodedView(
-                delta, self.settings.delta_dtype, self.settings.delta_block_size
+                delta, self.settings.wire.delta_dtype, self.settings.wire.block_size
             )
         self.uploads.submit(job)
         del job, delta  # the wait below holds no copy of the contribution (nor the uploader)
-        if self.settings.sync == "blocking" or final:  # wait for the global it is part of
+        if self.settings.rules.sync == "blocking" or final:  # wait for the global it is part of
             uploaded = self.uploads.drain() and self.progress.carry is None
             self._raise_fatal()
             if uploaded:
-                timeout = self.settings.round_timeout * (2 if final else 1)
+                timeout = self.settings.rules.round_timeout * (2 if final else 1)
                 merged = self._await_global(this_round + 1, timeout) or merged
         return merged
 
@@ -213,7 +212,7 @@ class DiLoCoNode:
         """``sync: overlapped``: the global of the previous contribution, which the node waits
         for (bounded) before it sends the next one, when it holds a global older than that
         (none before its first global: it trains from its own weights)."""
-        if self.settings.sync != "overlapped" or self.rounds.installed is None:
+        if self.settings.rules.sync != "overlapped" or self.rounds.installed is None:
             return None
         return self.rounds.awaited()
 
@@ -264,7 +263,7 @@ class DiLoCoNode:
         with self._lock:
             self.rounds.used(job.round)
             job.arrived = True  # a checkpoint no longer holds it (its buffers are reused)
-            if isinstance(job.wire, codec.EncodedView) and self.settings.error_feedback:
+            if isinstance(job.wire, codec.EncodedView) and self.settings.wire.error_feedback:
                 # in the contribution's buffers
                 self.progress.residual = codec.without_moments(job.wire.keep_residual())
             names = [k[len(codec.MOMENT_PREFIX) :] for k in job.delta or () if codec.is_moment(k)]
@@ -324,7 +323,7 @@ class DiLoCoNode:
         if timed_out and rounds.run_id == run and not self.interrupted.is_set():
             # say who waits for whom: on the master, its own node waits for its own round
             source = f"the master has not closed round {outer_step - 1} yet"
-            if self.settings.role == "master":
+            if self.on_master:
                 source = f"this master has not closed round {outer_step - 1} yet: it still "
                 source += "waits for other nodes' contributions"
             _LOG.warning(
@@ -380,7 +379,7 @@ class DiLoCoNode:
             self.rounds.run_id = candidate.run_id or self.rounds.run_id
             self.end.final_seen = self.end.final_seen or candidate.final
         codec.return_free_memory()  # the download's and the slices' pages
-        if self.settings.reset_inner_optimizer and self.optimizer is not None:
+        if self.settings.rules.reset_inner_optimizer and self.optimizer is not None:
             self.optimizer.state.clear()
         sent, moments = self.rounds.moments_sent, candidate.moments
         if moments is not None and sent is not None and sent.round == moments[0]:
@@ -476,9 +475,9 @@ class DiLoCoNode:
             self._raise_fatal()
             awaited = self.rounds.awaited()  # the global of its last contribution
             if awaited is not None:
-                self._await_global(awaited, 2 * self.settings.round_timeout)
-            if self.settings.final_average > 1 and self.inbox.fetches:
-                self._await_final(2 * self.settings.round_timeout)
+                self._await_global(awaited, 2 * self.settings.rules.round_timeout)
+            if self.settings.outer.final_average > 1 and self.inbox.fetches:
+                self._await_final(2 * self.settings.rules.round_timeout)
         self.end.done = True  # nothing is left to send
 
     def _await_final(self, timeout: float) -> None:
@@ -496,7 +495,7 @@ class DiLoCoNode:
                 self.inbox.poll_due()
             return self.end.final_seen
 
-        pause = min(self.settings.poll_interval, 1.0)
+        pause = min(self.settings.rules.poll_interval, 1.0)
         if not wait_for(installed, timeout=timeout, interval=pause, stop=self.interrupted):
             _LOG.warning(
                 f"no final global within {timeout:.0f} s; this node keeps the last global "
@@ -518,7 +517,7 @@ class DiLoCoNode:
 
     def stop(self) -> bool:
         """Let an upload in flight finish (bounded); True when nothing is left pending."""
-        return self.uploads.drain(self.settings.delta_upload_shutdown_timeout)
+        return self.uploads.drain(self.settings.rules.upload_shutdown_timeout)
 
     # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, object]:

@@ -60,6 +60,7 @@ from speedtronic.checkpoint import CheckpointManager  # noqa: E402
 from speedtronic.config import DistributedConfig  # noqa: E402
 from speedtronic.diloco.codec import delta_to_bytes  # noqa: E402
 from speedtronic.diloco.directory import DirectoryTransport  # noqa: E402
+from speedtronic.diloco.exchange import RoundSettings  # noqa: E402
 from speedtronic.diloco.hub import HubClient  # noqa: E402
 from speedtronic.diloco.master import RoundMaster  # noqa: E402
 from speedtronic.retry import RetryPolicy  # noqa: E402
@@ -141,7 +142,7 @@ def _master(root: Path) -> tuple[RoundMaster, DirectoryTransport | HubClient]:
     master = RoundMaster(
         transport,
         _initial(),
-        settings=_settings(),
+        settings=RoundSettings.of(_settings()),
         state_dir=root / "state",
     )
     return master, transport
