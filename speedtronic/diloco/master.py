@@ -1,14 +1,15 @@
 """The master's round: one outer step from one contribution per node, and the global it publishes.
 
 :class:`RoundMaster` polls the exchange, sorts the contribution files (duplicate, stale,
-included, early), closes the open round when every active node delivered or ``round_timeout``
-passed, steps the global with the run's one outer optimizer (:class:`NesterovOuterOptimizer`)
-and publishes it with the ledger in one commit (docs/diloco.md, "Master side", has the rules
-and the failure table). With ``global_dtype`` int8/int4 the step's update is quantized
-(:func:`step_quantized`) and published beside the global, which becomes the last one plus the
-decoded update; a node holding the last global applies it (:func:`read_update`) and holds the
-master's bits, checked by digest. Memory: the held global, the outer momentum and one float32
-running sum; a delta is read a tensor at a time, the outer step runs a slice at a time.
+included, early) and closes the open round when every active node delivered or
+``round_timeout`` passed, as a pipeline: fold (the valid files into one float32 running sum)
+-> outer step -> publish (with the ledger, in one commit) -> report (docs/diloco.md, "Master
+side", has the rules and the failure table). The outer step is one :class:`OuterStep`:
+:class:`LocalStep` steps the global with the run's one outer optimizer (its update quantized
+with ``global_dtype`` int8/int4, :func:`step_quantized`, which a node applies with
+:func:`~.codec.read_update`); a group leader's :class:`RelayStep` forwards the mean to the
+top-level exchange. Memory: the held global, the outer momentum and one float32 running
+sum; a delta is read a tensor at a time, the outer step runs a slice at a time.
 """
 
 from __future__ import annotations
@@ -192,10 +193,8 @@ class Score(Protocol):
     tokens: int
 
 
-#: Starts a new run: outer step 0 over the initial weights (the master's ``_new_run``).
-NewRun = Callable[[], RoundState]
-#: A version record and the weights it names.
-Global = tuple[GlobalMetadata, dict[str, torch.Tensor]]
+NewRun = Callable[[], RoundState]  # outer step 0 over the initial weights: a new run
+Global = tuple[GlobalMetadata, dict[str, torch.Tensor]]  # a version record and its weights
 
 
 @dataclasses.dataclass
@@ -221,8 +220,7 @@ class Fold:
 
 @dataclasses.dataclass
 class Stepped:
-    """What an outer step made: its lr (``eta``, in the report) and the quantized update to
-    publish beside the global (None: the global is published whole)."""
+    """An outer step's lr (``eta``) and the update to publish (None: the global, whole)."""
 
     eta: float
     update: OuterUpdate | None = None
@@ -230,11 +228,10 @@ class Stepped:
 
 @dataclasses.dataclass
 class Agreement:
-    """Where the master stands with the exchange: whether it was created there
-    (``exchange_created``; False after a startup outage) and agreed with since the start or
-    the last failed publish (``reconciled``), whether the first agreement may start a new
-    run (``fresh``, from ``initial``), whether a valid local outer state may be republished
-    (``has_local_state``), and the outer step last handed to ``on_global``."""
+    """Where the master stands with the exchange: created there (not after a startup outage),
+    agreed with since the start or the last failed publish, whether the first agreement may
+    start a new run (``fresh``, from ``initial``), whether a valid local outer state may be
+    republished, and the outer step last handed to ``on_global``."""
 
     initial: dict[str, torch.Tensor] | None = None
     fresh: bool = False
@@ -246,10 +243,9 @@ class Agreement:
 
 @dataclasses.dataclass
 class RoundWatch:
-    """The open round's times (``clock()`` seconds): when it ``opened``, its first on-time
-    contribution, the last sign of progress, since when the exchange is unreadable; the
-    contributions the last poll ``seen``; whether the expected nodes' first-round wait is over
-    and the round that said it waits for them."""
+    """The open round's ``clock()`` times (opened, first on-time contribution, last sign of
+    progress, exchange unreadable since), what the last poll saw, and the expected nodes'
+    first-round wait (over; the round that said it waits for them)."""
 
     opened: float
     last_progress: float
@@ -286,35 +282,28 @@ class Refusals:
 
 
 class OuterStep(Protocol):
-    """How a closed round's mean becomes the next global: :class:`LocalStep` steps it here
-    with the run's outer optimizer, :class:`RelayStep` (a group leader) forwards it to the
-    top-level exchange and takes the global that comes back. The master calls each method
-    at one place of its round and never asks which of the two it holds."""
+    """How a closed round's mean becomes the next global: :class:`LocalStep` steps it here,
+    :class:`RelayStep` (a group leader) forwards it to the top-level exchange. The master
+    calls each method at one place of its round and never asks which one it holds."""
 
     def agree(
         self, store: Store, held: RoundState, *, trusted: bool, fresh: bool, new_run: NewRun
     ) -> tuple[RoundState, bool]:
-        """The state agreed with the exchange (which holds it when this returns), and whether
+        """The state agreed with the exchange (held there when this returns), and whether
         its global is the final one of a run that ended."""
-        ...
 
     def moments_due(self, outer_step: int) -> bool:
         """Whether the round that makes global ``outer_step`` averages the first moments."""
-        ...
 
     def step(self, new: RoundState, fold: Fold, *, final: bool) -> Stepped | None:
         """Make ``new`` (the closed round's state) the next global from the round's mean
-        (``fold.total``, of ``fold.weight`` nodes); None when the result would not be finite
-        (``new`` is dropped)."""
-        ...
+        (``fold.total``); None when it would not be finite (``new`` is dropped)."""
 
     def undo(self, old: RoundState, new: RoundState) -> RoundState:
         """The state to hold when the publish of ``new`` failed and no local state keeps it."""
-        ...
 
     def finish(self, state: RoundState) -> None:
         """The run is over with no round left to close: make ``state`` the final global."""
-        ...
 
 
 class RoundMaster:
@@ -658,9 +647,8 @@ class RoundMaster:
         return True
 
     def _fold(self, candidates: Mapping[str, Mapping[int, str]]) -> Fold | None:
-        """Fold: every node's valid files into the round's one float32 running sum, divided
-        into the mean, and the mean first moments; None when no file was usable (the unusable
-        ones are pruned and counted, the sum is dropped)."""
+        """Every node's valid files into one float32 running sum, divided into the round's
+        mean, and the mean first moments; None when no file was usable (pruned, counted)."""
         total = {
             k: torch.zeros(tuple(v.shape), dtype=torch.float32)
             for k, v in self.global_state.items()
@@ -678,8 +666,7 @@ class RoundMaster:
         return fold
 
     def _next_state(self, fold: Fold) -> RoundState:
-        """The closed round's state: a copy of the held one (the weights step in place) with
-        the ledger and node records of what ``fold`` read."""
+        """A copy of the held state (the weights step in place) with ``fold``'s records."""
         new = self.state.copy(tensors=False)
         for node_id, newest in fold.marks.items():
             new.ledger[node_id] = max(new.ledger.get(node_id, -1), newest)
@@ -692,8 +679,7 @@ class RoundMaster:
     def _report(
         self, new: RoundState, fold: Fold, reason: str, active: set[str], eta: float
     ) -> dict[str, object]:
-        """What the ``outer_step`` event says of the round that made ``new``."""
-        return {
+        return {  # what the ``outer_step`` event says of the round that made ``new``
             "outer_step": new.outer_step,
             "round": fold.round,
             "reason": reason,
@@ -716,14 +702,10 @@ class RoundMaster:
         report: Mapping[str, object],
     ) -> None:
         """Publish ``new`` in one commit, its report written ahead (a kill after the exchange
-        applied the publish and before the report leaves the record, reported at the restart).
-
-        A failure may still have landed: the next poll agrees with the exchange again. The
-        closed round is kept (its ledger marks the consumed files) and published again from
-        the local state (the full global: an update is sent once); with no local state to
-        trust, ``outer.undo`` says which state to hold (the exchange's global is taken again
-        and the round closes anew from the files still there; a group leader's mean is at the
-        top level already)."""
+        applied the publish leaves the record, reported at the restart). A failure may have
+        landed: the next poll agrees again. The closed round is kept (its ledger marks the
+        consumed files) and published again from the local state (whole: an update is sent
+        once); with no local state to trust, ``outer.undo`` says which state to hold."""
         self.outer_files.write_pending(new.outer_step, new.run_id, report)
         old = self.state
         with self._lock:
@@ -754,8 +736,7 @@ class RoundMaster:
     def _report_round(
         self, new: RoundState, fold: Fold, report: Mapping[str, object], started: float
     ) -> None:
-        """The round landed: its length, the state persisted, the ``outer_step`` event, the
-        write-ahead record cleared, the mean first moments kept for the local node."""
+        """The round landed: its length, the state kept, the event, the record cleared."""
         watch = self.watch
         opened, watch.opened = watch.opened, self._clock()
         watch.last_progress = watch.opened
@@ -954,12 +935,10 @@ class RoundMaster:
 
 # -- the outer step: taken here, or forwarded upstream --------------------------------------
 class LocalStep:
-    """The outer step taken here (:class:`OuterStep`): the round's lr (``outer_lr``, or with
-    ``outer_step: adaptive`` the eta :func:`adaptive_eta` computes from the contributions'
-    norms), the run's one outer optimizer on the global (its update quantized with
-    ``global_dtype`` int8/int4, :func:`step_quantized`), the first moments averaged in the
-    rounds ``sync_inner_momentum`` names, and with ``final_average`` N > 1 the globals kept in
-    ``files``, so that the final global is the mean of the last N."""
+    """The outer step taken here (:class:`OuterStep`): the round's lr (or the adaptive eta),
+    the run's one outer optimizer on the global (its update quantized with ``global_dtype``
+    int8/int4), the first moments averaged when due, and with ``final_average`` N > 1 the
+    globals kept in ``files`` so that the final global is the mean of the last N."""
 
     def __init__(self, settings: RoundSettings, files: OuterStateStore) -> None:
         self.settings = settings
@@ -976,7 +955,7 @@ class LocalStep:
         return state, meta is not None and meta.final and (meta.run_id, meta.outer_step) == key
 
     def moments_due(self, outer_step: int) -> bool:
-        """The rounds ``sync_inner_momentum`` names (:func:`syncs_momentum`)."""
+        """The rounds ``sync_inner_momentum`` names."""
         return self.settings.outer.syncs_moments(outer_step)
 
     def step(self, new: RoundState, fold: Fold, *, final: bool) -> Stepped | None:
@@ -994,7 +973,7 @@ class LocalStep:
         return Stepped(eta, update)
 
     def undo(self, old: RoundState, new: RoundState) -> RoundState:
-        """The held state (the exchange's global is agreed again and the round closes anew)."""
+        """The held state: the exchange's global is agreed again, the round closes anew."""
         return old
 
     def finish(self, state: RoundState) -> None:
@@ -1054,14 +1033,11 @@ class LocalStep:
 
 
 class RelayStep:
-    """A group leader's outer step (:class:`OuterStep`, docs/diloco.md "relay groups"): the
-    master of a group's exchange with ``relay_to`` sends its members' mean up to the
-    top-level exchange ``store`` as one contribution weighing as many nodes, and publishes
-    the top-level global of the next round to its members: G + 1 top-level commits a round
-    for K nodes in G groups, each node weighing the same. The leader steps nothing, averages
-    no first moments and keeps no globals (the top-level master does). ``record(**status)``
-    builds the leader's status record there (its claim); ``stop`` ends a wait (the master is
-    stopping)."""
+    """A group leader's outer step (:class:`OuterStep`, docs/diloco.md "relay groups"): its
+    members' mean goes up to the top-level exchange ``store`` as one contribution weighing as
+    many nodes, and the top-level global of the next round comes back to them (G + 1
+    top-level commits a round for K nodes in G groups). It steps, averages and keeps nothing
+    itself. ``record(**status)`` builds its status record there; ``stop`` ends a wait."""
 
     def __init__(
         self,
@@ -1119,10 +1095,9 @@ class RelayStep:
         return self._wait(-1, "", "first top-level global", self.settings.rules.round_timeout)
 
     def agree(self, store: Store, held: RoundState, **_: object) -> tuple[RoundState, bool]:
-        """The leader's reconcile: the group's state becomes the top-level global (outer step,
-        run id), published to the group's ``store`` unless it is there. ``held`` keeps its
-        ledger, so after a group publish that failed once the mean went up, the members' files
-        are never sent up twice. A group's run ends with the top level's (never here)."""
+        """The group's state becomes the top-level global (outer step, run id), published to
+        the group's ``store`` unless there. ``held`` keeps its ledger: after a group publish
+        that failed once the mean went up, no member's file is sent up twice."""
         self.max_bytes = max_global_bytes(held.global_state)
         meta, weights = self.current()
         state = held.copy()
@@ -1138,8 +1113,7 @@ class RelayStep:
         return False
 
     def step(self, new: RoundState, fold: Fold, *, final: bool) -> Stepped:
-        """Send the round's mean up (the wait for the top level may be long: the master holds
-        no lock here) and adopt the top-level global after it."""
+        """Send the mean up (a long wait: no lock is held) and adopt the global after it."""
         meta, weights = self.forward(
             fold.total, round=new.outer_step, weight=fold.weight, run_id=new.run_id, final=final
         )

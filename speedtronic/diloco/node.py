@@ -508,7 +508,7 @@ class DiLoCoNode:
         times, like a final contribution."""
         for _ in range(FINAL_UPLOAD_ATTEMPTS):
             rounds = self.rounds
-            last = NONE if rounds.last_round is None else rounds.last_round
+            last = _or_none(rounds.last_round)
             record = Contribution(last, rounds.base(), self.step, None, True, rounds.run_id)
             self.uploads.submit(record)
             self.uploads.drain()
@@ -530,8 +530,13 @@ class DiLoCoNode:
                 "format": "speedtronic-diloco-node/2",
                 "step": self.step,
                 "inner": self.inner,
-                **self.rounds.to_dict(),
-                **self.progress.to_dict(),
+                "installed": self.rounds.base(),
+                "run_id": self.rounds.run_id,
+                "last_round": _or_none(self.rounds.last_round),
+                "last_label": _or_none(self.rounds.last_round),  # what readers knew first
+                "anchor": codec.cpu_state_dict(self.progress.anchor),
+                "carry": _copy(self.progress.carry),
+                "residual": _copy(self.progress.residual),
                 "pending": None if pending is None else pending.to_dict(),
                 "done": self.end.done,
             }
@@ -545,8 +550,14 @@ class DiLoCoNode:
         with self._lock:
             self.step = int(state["step"])
             self.inner = int(state["inner"])
-            self.rounds = Rounds.from_dict(state)
-            self.progress = Progress.from_dict(state)
+            # "none yet" is NONE (any negative), before and after it had its own name here
+            installed = int(state["installed"])
+            last = int(state.get("last_round", state.get("last_label", NONE)))
+            self.rounds = Rounds(None if installed < 0 else installed, str(state.get("run_id", "")))
+            self.rounds.last_round = None if last < 0 else last
+            carry, residual = state.get("carry"), state.get("residual")  # none before int8/int4
+            self.progress = Progress(codec.cpu_state_dict(state["anchor"]), _copy(carry))
+            self.progress.residual = _copy(residual)
             self.end.done = bool(state.get("done", False))
         pending = state.get("pending")
         return None if pending is None else Contribution.from_dict(pending)
@@ -627,22 +638,24 @@ class SentMoments:
     names: frozenset[str]
 
 
-#: How the wire and a checkpoint write "none yet" for a round or an outer step (a contribution
-#: measured from the node's initial weights names base -1).
+#: "None yet" for a round or an outer step, as the wire and a checkpoint write it (a
+#: contribution measured from the node's initial weights names base -1).
 NONE = -1
 
 
-def _none_below_zero(value: object) -> int | None:
-    """A checkpointed round or outer step: ``NONE`` (any negative) reads as None."""
-    number = int(str(value))
-    return None if number < 0 else number
+def _or_none(value: int | None) -> int:
+    return NONE if value is None else value
+
+
+def _copy(state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+    return None if state is None else codec.cpu_state_dict(state)
 
 
 @dataclasses.dataclass
 class Rounds:
-    """Where a node stands in the run: the global it ``installed`` (outer step, None before
-    the first) of run ``run_id``, the ``last_round`` an upload of its used up (None: none
-    arrived yet), and the first moments its last upload that carried them ``moments_sent``."""
+    """Where a node stands: the global it ``installed`` (None before the first) of run
+    ``run_id``, the ``last_round`` an upload used up (None: none arrived yet), and what its
+    last upload with first moments carried (``moments_sent``)."""
 
     installed: int | None = None
     run_id: str = ""
@@ -655,9 +668,7 @@ class Rounds:
 
     def may_merge(self) -> bool:
         """A newer global is merged once the node contributed for its installed base."""
-        if self.installed is None:
-            return True
-        return self.last_round is not None and self.last_round >= self.installed
+        return self.installed is None or _or_none(self.last_round) >= self.installed
 
     def awaited(self) -> int | None:
         """The global that includes the last contribution that arrived, while the node does
@@ -667,77 +678,34 @@ class Rounds:
         return self.last_round + 1
 
     def next_round(self) -> int:
-        """The round the next contribution is for: the installed global's, or the one after
-        the last that arrived when that is later (a failed upload uses up no round)."""
-        last = NONE if self.last_round is None else self.last_round
-        return max(NONE if self.installed is None else self.installed, last + 1)
+        """The round of the next contribution: the installed global's, or the one after the
+        last that arrived when later (a failed upload uses up no round)."""
+        return max(self.base(), _or_none(self.last_round) + 1)
 
     def base(self) -> int:
         """The outer step a contribution is measured from (``NONE``: the initial weights)."""
-        return NONE if self.installed is None else self.installed
+        return _or_none(self.installed)
 
     def used(self, number: int) -> None:
         """An upload for round ``number`` arrived."""
-        last = self.last_round
-        self.last_round = number if last is None else max(last, number)
-
-    def to_dict(self) -> dict[str, object]:
-        """The checkpointed form (``speedtronic-diloco-node/2``: ``NONE`` for none)."""
-        last = NONE if self.last_round is None else self.last_round
-        return {
-            "installed": self.base(),
-            "run_id": self.run_id,
-            "last_round": last,
-            "last_label": last,  # the key readers of this format knew first
-        }
-
-    @classmethod
-    def from_dict(cls, state: Checkpoint) -> Rounds:
-        """The checkpointed form, written before or after "none" had its own name."""
-        last = state.get("last_round", state.get("last_label", NONE))
-        return cls(
-            _none_below_zero(state["installed"]),
-            str(state.get("run_id", "")),
-            _none_below_zero(last),
-        )
+        self.last_round = max(_or_none(self.last_round), number)
 
 
 @dataclasses.dataclass
 class Progress:
-    """What the node's next contribution is made of besides its weights: the ``anchor`` it is
-    measured from (float32: the installed global, or the weights at the last upload), the
-    ``carry`` of uploads that failed and the ``residual`` the wire format left out of the
-    last one that arrived (error feedback)."""
+    """What the next contribution is made of besides the weights: the float32 ``anchor`` it
+    is measured from, the ``carry`` of failed uploads and the ``residual`` the wire format
+    left out of the last one that arrived (error feedback)."""
 
     anchor: dict[str, torch.Tensor]
     carry: dict[str, torch.Tensor] | None = None
     residual: dict[str, torch.Tensor] | None = None
 
-    def to_dict(self) -> dict[str, object]:
-        """The checkpointed form (CPU copies)."""
-        carry, residual = self.carry, self.residual
-        return {
-            "anchor": codec.cpu_state_dict(self.anchor),
-            "carry": None if carry is None else codec.cpu_state_dict(carry),
-            "residual": None if residual is None else codec.cpu_state_dict(residual),
-        }
-
-    @classmethod
-    def from_dict(cls, state: Checkpoint) -> Progress:
-        """The checkpointed form (no residual before int8/int4)."""
-        carry, residual = state.get("carry"), state.get("residual")
-        return cls(
-            codec.cpu_state_dict(state["anchor"]),
-            None if carry is None else codec.cpu_state_dict(carry),
-            None if residual is None else codec.cpu_state_dict(residual),
-        )
-
 
 @dataclasses.dataclass
 class RunEnd:
-    """How far the end of the run got: ``finishing`` (:meth:`DiLoCoNode.finish` runs, the
-    final global is expected now), ``done`` (nothing is left to send) and ``final_seen`` (a
-    global marked final was installed)."""
+    """How far the end of the run got: ``finish()`` runs (``finishing``: the final global is
+    expected now), nothing is left to send (``done``), a final global was installed."""
 
     finishing: bool = False
     done: bool = False
