@@ -151,7 +151,7 @@ class DumbDiLoCoCoordinator:
         self.claim = NodeClaim(self.node_id, self.role, self.state_dir, host=host)
         self._interrupted = threading.Event()
         self._halt = threading.Event()  # set at stop(): a relay waiting for the top level ends
-        self.settings = settings = RoundSettings.of(cfg)  # read once, handed to every part
+        self.settings = RoundSettings.of(cfg)  # read once, handed to every part
         self.link = self._link(hub, model)
         self.final_dir = Path(final_dir) if final_dir is not None else None
         self.run_config = dict(run_config or {})
@@ -160,16 +160,7 @@ class DumbDiLoCoCoordinator:
             interval=cfg.poll_interval,
             threaded=cfg.async_global_poll,
         )
-        self.node: DiLoCoNode | None = None
-        if self.trains:
-            self.node = DiLoCoNode(
-                settings,
-                model,
-                send=self._send,
-                inbox=self.inbox,
-                emit=self._emit,
-                on_master=cfg.role == "master",
-            )
+        self.node = self._node(model) if self.trains else None
         self.master = self._master(hub, model, evaluate) if self.role == "master" else None
         self._prepared: Mapping[str, object] | None = None
         self._prepared_step: int | None = None  # the node's step in the applied checkpoint
@@ -200,6 +191,14 @@ class DumbDiLoCoCoordinator:
             interrupted=self._interrupted,
             emit=self._emit,
             secrets=(self.config.token,) if self.config.token else (),
+        )
+
+    def _node(self, model: torch.nn.Module) -> DiLoCoNode:
+        """This node's round over ``model``, sending through the link, fed by the inbox."""
+        on_master = self.config.role == "master"
+        send, inbox, emit = self._send, self.inbox, self._emit
+        return DiLoCoNode(
+            self.settings, model, send=send, inbox=inbox, emit=emit, on_master=on_master
         )
 
     def _master(

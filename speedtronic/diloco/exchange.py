@@ -528,14 +528,7 @@ class Store(Protocol):
             )
             record: dict[str, object] = {str(k): str(v) for k, v in (metadata_extra or {}).items()}
             record.update(meta.to_dict(), processed_file=GLOBAL_PROCESSED)
-            book: dict[str, object] = {
-                "outer_step": meta.outer_step,
-                "nodes": dict(sorted((ledger or {}).items())),
-            }
-            for name, values in (node_records or {}).items():
-                if name in NODE_RECORDS:  # what the master knows of each node, beside its round
-                    book[name] = dict(sorted(values.items()))
-            files[GLOBAL_PROCESSED] = _json_bytes(book)
+            files[GLOBAL_PROCESSED] = _json_bytes(_book(meta.outer_step, ledger, node_records))
             files[GLOBAL_STEP] = _json_bytes(record)
             self.commit(files, list(prune), message=f"outer step {meta.outer_step}")
         return meta
@@ -674,6 +667,23 @@ def _check_like(
                 f"the model {tuple(like[key].shape)}",
                 kind="permanent",
             )
+
+
+def _book(
+    outer_step: int,
+    ledger: Mapping[str, int] | None,
+    node_records: Mapping[str, Mapping[str, object]] | None,
+) -> dict[str, object]:
+    """``global/processed.json``: the ledger, and what the master knows of each node beside
+    its round (:data:`NODE_RECORDS`)."""
+    book: dict[str, object] = {
+        "outer_step": outer_step,
+        "nodes": dict(sorted((ledger or {}).items())),
+    }
+    for name, values in (node_records or {}).items():
+        if name in NODE_RECORDS:
+            book[name] = dict(sorted(values.items()))
+    return book
 
 
 def _by_node(found: Json, kind: type) -> dict[str, Json]:
