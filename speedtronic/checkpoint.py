@@ -13,8 +13,10 @@ space left on device". Checkpoints hold only tensors and primitive containers an
 with ``torch.load(weights_only=True)`` (no pickled objects).
 
 One run per directory (:meth:`CheckpointManager.claim`): a run that finds another run's
-checkpoints resumes them, deletes them (``overwrite``) or is refused. ``keep_last`` never
-deletes the file just written, so ``latest.json`` always names a file that exists.
+checkpoints resumes them, deletes them (``overwrite``: only once every file can be deleted,
+and only when the new run starts, :meth:`CheckpointManager.start`) or is refused.
+``keep_last`` never deletes the file just written, so ``latest.json`` always names a file that
+exists.
 
 Which checkpoint resumes: the one whose *recorded* ``step`` (read from the file, tensors
 memory-mapped, not the file name) is highest; the pointer's file wins a tie. ``load_latest``
@@ -30,10 +32,13 @@ re-exported here). :func:`checkpoint_config` gives the commands that read a chec
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
 import shutil
+import stat
+import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -68,13 +73,18 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_with",
     "capture_rng_state",
+    "check_finite",
     "checkpoint_config",
+    "non_finite",
     "os_reason",
     "read_step",
     "restore_rng_state",
 ]
 
 _STEP_FILE = re.compile(r"step_(\d+)\.pt")
+#: Linux ``FS_IOC_GETFLAGS`` (``_IOR('f', 1, long)``) and the inode flags no one deletes past.
+_GETFLAGS = (2 << 30) | (struct.calcsize("l") << 16) | (ord("f") << 8) | 1
+_IMMUTABLE_OR_APPEND = 0x10 | 0x20
 
 
 class CheckpointError(RuntimeError):
@@ -102,6 +112,27 @@ def read_step(path: str | os.PathLike[str]) -> int:
         shown = repr(step) if len(repr(step)) <= 40 else repr(step)[:37] + "..."
         raise CheckpointError(f"checkpoint {path} records no valid step (step: {shown})")
     return step
+
+
+def non_finite(state: dict[str, Any], chunk: int = 1 << 14) -> str | None:
+    """The first floating tensor of ``state`` holding NaN or inf, else None; checked ``chunk``
+    values at a time, so the check adds a few kB, not a mask the size of a tensor."""
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            continue
+        flat = value.reshape(-1)
+        parts = (flat[start : start + chunk] for start in range(0, flat.numel(), chunk))
+        if not all(bool(torch.isfinite(part).all()) for part in parts):
+            return key
+    return None
+
+
+def check_finite(state: dict[str, Any], source: str) -> None:
+    """Refuse a model state that holds NaN or inf: a ``CheckpointError`` naming ``source`` and
+    the first such tensor (a resume would train on from it as ``loss=nan``)."""
+    bad = non_finite(state)
+    if bad is not None:
+        raise CheckpointError(f"{source}: {bad} holds NaN or inf values; its weights are refused")
 
 
 def _short(exc: BaseException) -> str:
@@ -139,6 +170,7 @@ class CheckpointManager:
         self.enabled = bool(enabled)
         self.save_final = bool(save_final)
         self.warn = warn
+        self.pending_clear = False  # claim(overwrite=True): delete the old run at start()
 
     @property
     def pointer_path(self) -> Path:
@@ -173,9 +205,11 @@ class CheckpointManager:
 
         An empty directory (no step file, no pointer) is this run's. One that holds
         checkpoints is continued with ``resume``, emptied for a new run with ``overwrite``
-        (``clear``: this process deletes them; other ranks of a node pass False), and
-        otherwise refused with a ``ConfigError`` naming both flags: two runs' checkpoints
-        never make one series.
+        (``clear``: this process deletes them when the run starts, :meth:`start`; other
+        ranks of a node and a dry run pass False), and otherwise refused with a
+        ``ConfigError`` naming both flags: two runs' checkpoints never make one series. A
+        pointer that is not a file, or (``overwrite``) a file this process cannot delete, is
+        a ``ConfigError`` too: decided here, before anything is deleted or trained.
         """
         from speedtronic.config import ConfigError
 
@@ -184,12 +218,23 @@ class CheckpointManager:
                 "checkpoint.resume and checkpoint.overwrite are both set (--resume, "
                 "--overwrite): continue the run in the folder or start a new one, not both"
             )
+        pointer = self.pointer_path
+        if pointer.exists() and not pointer.is_file():
+            raise ConfigError(
+                f"checkpoint.directory: {pointer} is not a file (the run writes its pointer "
+                "there); remove it"
+            )
         files = self.step_files()
-        if resume or not (files or self.pointer_path.exists()):
+        if resume or not (files or pointer.exists()):
             return
         if overwrite:
-            if clear:
-                self.clear()
+            problem = self._undeletable([pointer, *(path for _, path in files)])
+            if problem:
+                raise ConfigError(
+                    f"checkpoint.overwrite: cannot delete the old run's checkpoints: {problem}; "
+                    "nothing was deleted"
+                )
+            self.pending_clear = clear
             return
         newest = files[-1][1].name if files else self.pointer_path.name
         raise ConfigError(
@@ -197,6 +242,35 @@ class CheckpointManager:
             f"{newest}); pass --resume (checkpoint.resume) to continue it, or --overwrite "
             "(checkpoint.overwrite) to delete them and start a new run there"
         )
+
+    def _undeletable(self, paths: list[Path]) -> str | None:
+        """Why this process could not delete every one of ``paths`` (None: it can): a
+        directory it cannot write, or a file marked immutable or append-only (``chattr``),
+        which not even root deletes."""
+        if not os.access(self.directory, os.W_OK | os.X_OK):
+            return f"{self.directory} is not writable"
+        for path in paths:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError:
+                continue  # gone, or a link (deleting a link is always allowed here)
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    return f"{path} is not a regular file"
+                flags = struct.unpack_from("i", fcntl.ioctl(fd, _GETFLAGS, bytes(8)))[0]
+            except OSError:
+                flags = 0  # a filesystem without inode flags
+            finally:
+                os.close(fd)
+            if flags & _IMMUTABLE_OR_APPEND:
+                return f"{path} is immutable or append-only (lsattr shows it; chattr -i -a)"
+        return None
+
+    def start(self) -> None:
+        """A run begins: delete what a claim with ``overwrite`` left to delete (once)."""
+        if self.pending_clear:
+            self.pending_clear = False
+            self.clear()
 
     def clear(self) -> None:
         """Delete the pointer, every step file and stale temp files (a new run starts here).
@@ -374,7 +448,9 @@ class CheckpointManager:
 
 
 def checkpoint_config(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The (redacted) run config a checkpoint carries, so it can be used without ``--config``.
+    """The (redacted) run config a checkpoint carries, so it can be used without ``--config``,
+    less what only the user may set (:func:`speedtronic.config.layering.travelling`: pickle
+    loading, ``init_from``, a push, trackers; one warning names what was set).
 
     ``path`` is a trainer checkpoint (``step_*.pt``: its ``config`` entry), a checkpoint
     directory (its newest usable checkpoint), a ``final/`` folder or a ``.safetensors`` file
@@ -407,7 +483,9 @@ def checkpoint_config(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"{target} carries no run config (a trainer checkpoint, a checkpoint directory or a "
             "final/ folder does); pass --config"
         )
-    return config
+    from speedtronic.config.layering import travelling
+
+    return travelling(config, f"the config in {target}")  # never what runs code or reaches out
 
 
 def _with_tokenizer(config: Any, record: Any) -> Any:

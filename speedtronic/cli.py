@@ -3,7 +3,7 @@
 Commands (the config path comes from ``--config`` or ``SPEEDTRONIC_CONFIG``; ``--set
 section.field=value`` is repeatable; each command lists only the flags it reads)::
 
-    speedtronic validate [--resume] [--format text|json]  # dry run of train, one verdict line
+    speedtronic validate [--resume] [--init-from SOURCE] [--format text|json]  # dry run of train
     speedtronic config show [--sources] [--format yaml|json]   # the merged, redacted config
     speedtronic config schema                              # JSON Schema of a config file
     speedtronic config docs [--write docs/configuration.md] # the generated field tables
@@ -132,12 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[training],
         help="container entrypoint (metrics server); without a config: the embedded main job",
     )
-    for launcher in (train, run):
+    for launcher in (validate, train, run):
         launcher.add_argument(
             "--init-from",
             metavar="SOURCE",
             help="set model.init_from: a transformers checkpoint folder or owner/name[@revision]",
         )
+    for launcher in (train, run):
         launcher.add_argument(
             "--overwrite",
             dest="overwrite_run",

@@ -10,23 +10,28 @@ The CLI resolves the layered config (file < secret files < environment < flags, 
    paths (``run.output_dir``, ``logging.json_file``, ``logging.file``,
    ``distributed.cache_dir``) becomes the node id, so a recreated container finds its
    checkpoints;
-3. logs the startup record once: the redacted config, where each non-default value came
+3. locks ``run.output_dir`` for this process (`speedtronic.folder_lock`): a second process on
+   the folder exits 2 at once naming the holder;
+4. logs the startup record once: the redacted config, where each non-default value came
    from, and the versions of speedtronic, torch, CUDA and Python;
-4. binds the metrics/health server (``metrics.host:metrics.port``; ``metrics.enabled`` unset
+5. binds the metrics/health server (``metrics.host:metrics.port``; ``metrics.enabled`` unset
    means on under ``run`` and off under ``train``) — a port already in use is a configuration
    error before any training starts; the server bounds its clients (connections, request
    time and size, GET/HEAD only: `speedtronic.metrics.server`);
-5. arms a stall watchdog (under ``run``, and under ``train`` when the server runs): once the
+6. arms a stall watchdog (under ``run``, and under ``train`` when the server runs): once the
    training loop runs, a heartbeat older than ``metrics.stall_seconds`` (what ``/healthz``
    reports as 503) ends the process with exit code 1, so ``restart: on-failure`` and
    Kubernetes restart it;
-6. installs the SIGTERM/SIGINT handlers (`install_stop_handlers`) that ask the trainer to stop
+7. installs the SIGTERM/SIGINT handlers (`install_stop_handlers`) that ask the trainer to stop
    at the next step boundary; a second signal while stopping raises ``KeyboardInterrupt``;
-7. builds the runtime (model, data, optimizer, coordinator), attaches the Prometheus sink and,
+8. builds the runtime (model, data, optimizer, coordinator), attaches the Prometheus sink and,
    on a terminal under ``train``, a progress bar; marks the process ready (for a worker: once
-   the coordinator knows the first global state);
-8. trains, and on a graceful stop lets the trainer write the final checkpoint and stop the
-   coordinator (which flushes or persists a pending delta upload); releases the worker slot.
+   the coordinator knows the first global state); only then, every check at start passed,
+   writes the resolved config into the folder (a refused run leaves the folder as it was; a
+   run over another's checkpoints with ``--overwrite`` deletes them when it starts training);
+9. trains, and on a graceful stop lets the trainer write the final checkpoint and stop the
+   coordinator (which flushes or persists a pending delta upload); releases the worker slot
+   and the folder.
 
 Several ranks per node (``run.nproc_per_node`` above 1, `speedtronic.train.ranks`): this
 process claims the node's identity, then becomes torchrun's elastic agent and starts the same
@@ -73,6 +78,7 @@ if TYPE_CHECKING:
 
     from speedtronic.checkpoint import CheckpointManager
     from speedtronic.config import LoggingConfig, SpeedtronicConfig
+    from speedtronic.folder_lock import FolderLock
     from speedtronic.metrics.hooks import Hook
     from speedtronic.metrics.integrations import TensorboardHook, WandbHook
     from speedtronic.metrics.progress import ProgressBarHook
@@ -284,12 +290,12 @@ def _log_startup(
     config_path: str | None = None,
 ) -> None:
     """The startup record: versions, the config file the run started from (``config_path``),
-    and where the resolved (redacted) config and its sources were written; under
-    ``logging.format: json`` the event carries them too."""
+    and where the resolved (redacted) config and its sources go (`_write_resolved` writes them
+    once the runtime is built); under ``logging.format: json`` the event carries them too."""
     started_from = _config_origin(config_path)
     redacted = config.to_dict(redact_secrets=True)
     versions = runtime_versions()
-    path = _write_resolved(config, sources)
+    path = config.output_path / RESOLVED_CONFIG_FILE
     if config.logging.format == "json":
         _LOG.info(
             "speedtronic %s starting",
@@ -300,7 +306,7 @@ def _log_startup(
                 config=redacted,
                 sources=sources,
                 config_source=started_from,
-                config_file=str(path) if path else None,
+                config_file=str(path),
             ),
         )
         return
@@ -321,8 +327,9 @@ def _log_startup(
         origins[kind] = origins.get(kind, 0) + 1
     counted = ", ".join(f"{count} {kind}" for kind, count in origins.items()) or "defaults only"
     _LOG.info(
-        "config: %s (resolved, redacted; from %s; values set: %s)",
-        path or "not written",
+        "config: %s (resolved, redacted, written once the runtime is built; from %s; values "
+        "set: %s)",
+        path,
         started_from,
         counted,
     )
@@ -427,6 +434,22 @@ def _claim_identity(
             claim.release()
         raise
     return claim
+
+
+def _lock_folder(config: SpeedtronicConfig, command: Command, ranks: RankEnv) -> FolderLock | None:
+    """This process's lock on ``run.output_dir`` (`speedtronic.folder_lock`); None on ranks
+    other than 0 (they write nothing) and on rank 0 of a launch whose agent, its parent,
+    holds the folder for the node."""
+    from speedtronic.folder_lock import FolderInUseError, FolderLock
+
+    if not ranks.is_main:
+        return None
+    try:
+        return FolderLock.acquire(config.output_path, command=f"speedtronic {command}")
+    except FolderInUseError as exc:
+        if ranks.joined and exc.pid == os.getppid():
+            return None
+        raise
 
 
 def _expand_node_paths(config: SpeedtronicConfig) -> None:
@@ -581,10 +604,11 @@ def launch(
         config.logging, main=ranks.is_main, secrets=(config.distributed.token,)
     )
     state = _RunState()
-    server = watchdog = slot = None
+    server = watchdog = slot = lock = None
     restore_signals: Callable[[], None] = lambda: None  # noqa: E731 - replaced below
     try:
         slot = _claim_identity(config, sources, ranks)
+        lock = _lock_folder(config, command, ranks)  # before anything is written there
         nproc = 1 if ranks.joined else resolve_nproc(config)
         if nproc > 1:  # this process becomes torchrun's agent for the node's ranks
             return RunOutcome(run_agent(config, nproc, argv))
@@ -601,14 +625,15 @@ def launch(
         # the bar draws on stderr and replaces the step lines on stdout: both on a terminal
         show = _isatty(sys.stdout) and _isatty(sys.stderr) if progress is None else progress
         shown = show and ranks.is_main
-        token = sources.get("distributed.token")
-        return _train(config, resume, state, registry, shown, extra_hooks, ranks, token)
+        return _train(config, resume, state, registry, shown, extra_hooks, ranks, sources)
     finally:
         restore_signals()
         if watchdog is not None:
             watchdog.stop()
         if server is not None:
             server.stop()
+        if lock is not None:
+            lock.release()
         if slot is not None:
             slot.release()
         logging.getLogger("speedtronic").removeHandler(handler)
@@ -640,7 +665,7 @@ def _train(
     progress: bool,
     extra_hooks: Iterable[Hook],
     ranks: RankEnv,
-    token_source: str | None = None,
+    sources: dict[str, str],
 ) -> RunOutcome:
     trainer, _manager = _build(config, resume)
     parallel = trainer.parallel  # the node's ranks (SingleProcess: one process)
@@ -652,6 +677,8 @@ def _train(
     trackers = _trackers(config, node_id) if ranks.is_main else []
     trainer.logger.hooks.extend([state.sink, state, *trackers, *extra_hooks])
     bar = _attach_progress(trainer) if progress else None
+    if ranks.is_main:  # every check at start passed: the first write into the folder
+        _write_resolved(config, sources)
     state.built = True
     state.last_phase = time.monotonic()
     summary = run_summary(config, trainer)
@@ -681,7 +708,7 @@ def _train(
         try:
             result = trainer.fit()
         except ExchangeAccessError as exc:  # exit 2: name where the token came from
-            raise exc.with_token_source(token_source) from None
+            raise exc.with_token_source(sources.get("distributed.token")) from None
         except Exception as exc:
             if state.stop_signal is not None and not isinstance(exc, ConfigError):
                 _LOG.exception("graceful stop failed")

@@ -74,10 +74,20 @@ def parse_dataset(spec: str) -> HubRef | None:
     repo_id = f"{parts[0]}/{name}"
     if not is_hub_repo_id(repo_id) or (_ and not revision):
         raise HubFilesError(f"input {spec}: {repo_id!r} is not a Hub repo id (owner/name)")
-    path = "/".join(parts[2:])
-    if ".." in parts[2:]:
-        raise HubFilesError(f"input {spec}: '..' is not allowed in the path")
-    return HubRef(repo_id, "dataset", revision or None, path)
+    problem = _path_problem(parts[2:])
+    if problem:
+        raise HubFilesError(f"input {spec}: {problem}")
+    return HubRef(repo_id, "dataset", revision or None, "/".join(parts[2:]))
+
+
+def _path_problem(parts: Sequence[str]) -> str | None:
+    """Why a path inside a repo (its ``/``-separated ``parts``) could lead out of the local
+    snapshot (``folder / "/abs"`` is ``/abs``), or None."""
+    if ".." in parts:
+        return "'..' is not allowed in the path"
+    if "" in parts or "." in parts or any("\\" in part or "\0" in part for part in parts):
+        return "an empty ('//'), '.', backslash or NUL segment is not allowed in the path"
+    return None
 
 
 def _offline() -> bool:
@@ -101,6 +111,9 @@ def fetch(
 
     from speedtronic.retry import RetryPolicy, TransportError
 
+    problem = _path_problem(ref.path.split("/")) if ref.path else None
+    if problem:  # checked before any request: the path must stay inside the snapshot
+        raise HubFilesError(f"{ref.repo_type} {ref.repo_id} path {ref.path!r}: {problem}")
     base = f"{ref.path.rstrip('/')}/" if ref.path else ""
     if ref.path and any(ref.path.endswith(p.lstrip("*")) for p in patterns):
         allow = [ref.path]  # one file

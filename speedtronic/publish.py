@@ -8,23 +8,33 @@ The weights are exported exactly as ``speedtronic export --format hf`` writes th
 (:func:`speedtronic.model.export.export_hf`: ``config.json``, ``model.safetensors``, the tokenizer
 files, ``speedtronic.json``), plus ``generation_config.json`` and a ``README.md`` model card
 (:func:`model_card`): architecture and size, steps and tokens trained, the held-out loss
-history of the run (final and best, from its JSONL events), the DiLoCo setup, the redacted
-training config and the software versions. The repo is created when missing
-(``private=True`` makes it private) and everything goes up in **one commit** through
-huggingface_hub's public ``HfApi.create_commit``, under the run's retry policy
+history of the run (final and best: the evaluations the checkpoint carries, else the JSONL log
+of the run the checkpoint belongs to), the DiLoCo setup, the training config and the software
+versions. The repo is created when missing (``private=True`` makes it private; an existing
+repo keeps its visibility, and the log line says which it has) and everything goes up in **one
+commit** through huggingface_hub's public ``HfApi.create_commit``, under the run's retry policy
 (``distributed.retry_*``; 429 honours ``Retry-After``). The token comes from the usual layers
 (``HF_TOKEN``, the ``hf_token`` secret file, ``distributed.token``) and never appears in the card,
-the commit message or an error.
+the commit message or an error; a 401/403 says to set ``HF_TOKEN``.
+
+Nothing local is published: the config in the card and in ``speedtronic.json`` holds no
+secret (redacted) and no absolute path (:func:`public_config`: a path outside the working
+folder keeps its last two names), the weights' source is named the same way, the whole text is
+scrubbed of the token and of anything shaped like one, and text that comes from the config
+(``run.name``) cannot add lines, HTML or a code fence to the card (:func:`inline`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import html
 import json
 import platform
+import re
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 import yaml
@@ -35,7 +45,17 @@ from speedtronic.config.redaction import scrub
 from speedtronic.json_types import JSON
 from speedtronic.train.scoring import Weights
 
-__all__ = ["Exported", "PushResult", "eval_history", "export_weights", "model_card", "push_model"]
+__all__ = [
+    "Exported",
+    "PushResult",
+    "eval_history",
+    "export_weights",
+    "inline",
+    "model_card",
+    "public_config",
+    "public_path",
+    "push_model",
+]
 
 
 @dataclass(frozen=True)
@@ -69,15 +89,82 @@ def eval_history(events: Path) -> list[JSON]:
     return runs.get(last, [])
 
 
-def _events_file(config: SpeedtronicConfig, checkpoint: str | None) -> Path | None:
-    """The run's JSONL: where the config puts it, else beside the checkpoint's folder."""
-    if config.logging.json_file is None:
+def public_path(value: str) -> str:
+    """``value`` as it may be published: a relative path inside the working folder as given;
+    an absolute one (``/``, ``~``, ``file:///``) or one that climbs out (``..``) only its last
+    two names, after ``.../`` (``/home/me/runs/x`` -> ``.../runs/x``). Other text is kept."""
+    prefix, rest = ("file://", value[7:]) if value.startswith("file://") else ("", value)
+    path = PurePosixPath(rest)
+    if not (path.is_absolute() or rest.startswith("~") or ".." in path.parts):
+        return value
+    names = [part for part in path.parts if part not in ("/", "..") and not part.startswith("~")]
+    return f"{prefix}.../{'/'.join(names[-2:])}"
+
+
+def public_config(config: SpeedtronicConfig) -> JSON:
+    """The redacted config with every string :func:`public_path` made publishable."""
+
+    def clean(value: object) -> object:
+        if isinstance(value, str):
+            return public_path(value)
+        if isinstance(value, dict):
+            return {key: clean(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [clean(item) for item in value]
+        return value
+
+    cleaned = clean(config.to_dict(redact_secrets=True))
+    assert isinstance(cleaned, dict)
+    return cleaned
+
+
+def inline(text: object) -> str:
+    """Config text made safe inside one line of Markdown: whitespace (newlines too) collapsed
+    to single spaces, and ``<``, ``>``, ``&``, quotes and backticks escaped as HTML entities."""
+    return html.escape(" ".join(str(text).split())).replace("`", "&#96;")
+
+
+def _fenced(text: str, language: str) -> list[str]:
+    """``text`` in a code fence longer than any run of backticks inside it (CommonMark: a
+    shorter run cannot close it), so the text cannot end the block early."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return [f"{fence}{language}", text, fence]
+
+
+def _run_folder(source: str) -> Path | None:
+    """The run folder the weights ``source`` belongs to: above its ``checkpoints/`` (a trainer
+    checkpoint) or ``final/`` (a DiLoCo master's final folder); None when it is no local path."""
+    path = Path(source)
+    if not path.exists():
         return None
-    configured = Path(config.events_path)
-    if configured.is_file() or checkpoint is None:
-        return configured
-    beside = Path(checkpoint).resolve().parent.parent / Path(config.logging.json_file).name
-    return beside if beside.is_file() else configured
+    folder = path.parent if path.is_file() else path
+    return folder.resolve().parent
+
+
+def _history(config: SpeedtronicConfig, weights: Weights, checkpoint: str | None) -> list[JSON]:
+    """The held-out evaluations for the card: those the weights' checkpoint carries; else the
+    JSONL log of the run the checkpoint belongs to (not ``config``'s run), or with no
+    ``--checkpoint`` the config's; else those the newest checkpoint of that run carries (a
+    DiLoCo ``final/`` folder carries none itself)."""
+    from speedtronic.checkpoint import CheckpointManager
+    from speedtronic.train.state import eval_records
+
+    if weights.evals:
+        return weights.evals
+    run = _run_folder(weights.source) if checkpoint else config.output_path
+    if run is None:
+        return []
+    logs = [run / Path(config.logging.json_file).name] if config.logging.json_file else []
+    if checkpoint is None and config.events_path is not None:
+        logs.insert(0, config.events_path)
+    for log in [*logs, run / "events.jsonl"]:
+        if history := eval_history(log):
+            return history
+    manager = CheckpointManager(run / config.checkpoint.directory, warn=lambda message: None)
+    state = manager.load_latest() if manager.directory.is_dir() else None
+    evals = state.get("evals") if state is not None else None
+    return eval_records(evals.get("records")) if isinstance(evals, dict) else []
 
 
 def _loss_table(history: list[JSON]) -> list[str]:
@@ -87,7 +174,8 @@ def _loss_table(history: list[JSON]) -> list[str]:
     final = history[-1]
     lines = [
         f"Held-out loss (mean cross-entropy, nats): final **{final['loss']:.4f}** at step "
-        f"{final.get('step')}, best **{best['loss']:.4f}** at step {best.get('step')}.",
+        f"{inline(final.get('step'))}, best **{best['loss']:.4f}** at step "
+        f"{inline(best.get('step'))}.",
         "",
         "| step | scope | held-out loss |",
         "|---:|---|---:|",
@@ -95,7 +183,11 @@ def _loss_table(history: list[JSON]) -> list[str]:
     shown = history if len(history) <= 20 else history[:: max(1, len(history) // 20)]
     if shown[-1] is not final:
         shown = [*shown, final]
-    lines += [f"| {r.get('step')} | {r.get('scope', 'local')} | {r['loss']:.4f} |" for r in shown]
+    # a log is a file that arrives: what it says is escaped like any text on the card
+    lines += [
+        f"| {inline(r.get('step'))} | {inline(r.get('scope', 'local'))} | {r['loss']:.4f} |"
+        for r in shown
+    ]
     return lines
 
 
@@ -124,7 +216,8 @@ def model_card(
     source: str,
 ) -> str:
     """The ``README.md`` of a pushed model (Markdown with a metadata block); it holds the
-    redacted config only, and the token is scrubbed from the whole text once more."""
+    :func:`public_config` only, text from the config is :func:`inline` or fenced, and the token
+    is scrubbed from the whole text once more."""
     from speedtronic import __version__
 
     model = config.model
@@ -147,13 +240,13 @@ def model_card(
     trained = f"{step:,} optimizer steps" if step is not None else "an unknown number of steps"
     if tokens:
         trained += f", {tokens:,} tokens per node"
-    redacted = yaml.safe_dump(config.to_dict(redact_secrets=True), sort_keys=False)
+    published = yaml.safe_dump(public_config(config), sort_keys=False, allow_unicode=True)
     lines = [
         "---",
         yaml.safe_dump(front, sort_keys=False).strip(),
         "---",
         "",
-        f"# {config.run.name}",
+        f"# {inline(config.run.name)}",
         "",
         f"A `LlamaForCausalLM` of {parameters:,} parameters trained with Speedtronic: "
         f"{model.n_layer} layers, width {model.d_model}, {model.n_head} attention heads "
@@ -169,7 +262,7 @@ def model_card(
         "",
         "## Training",
         "",
-        f"Weights from `{Path(source).name}` after {trained}; batch "
+        f"Weights from `{inline(Path(source).name)}` after {trained}; batch "
         f"{config.data.target_batch_size} x {config.data.block_size or model.max_seq_len} tokens, "
         f"optimizer `{config.optimizer.name}` (lr {config.optimizer.lr}), precision "
         f"`{config.precision.mode}`.",
@@ -186,9 +279,7 @@ def model_card(
         "",
         "## Training config (redacted)",
         "",
-        "```yaml",
-        redacted.rstrip(),
-        "```",
+        *_fenced(published.rstrip(), "yaml"),
         "",
     ]
     return scrub("\n".join(lines), [config.distributed.token])
@@ -215,7 +306,8 @@ def export_weights(
     """The weights :func:`speedtronic.train.scoring.load_model` finds (the newest checkpoint,
     ``checkpoint``, or the published global), written by
     :func:`speedtronic.model.export.export_hf` at ``output`` with the run's tokenizer and a
-    ``speedtronic.json`` provenance record: what ``speedtronic export`` and ``push`` write."""
+    ``speedtronic.json`` provenance record (source, step, outer step, :func:`public_config`;
+    scrubbed): what ``speedtronic export`` and ``push`` write."""
     from speedtronic.config.tokenizer_file import is_bytes
     from speedtronic.data.tokenizer import tokenizer_for
     from speedtronic.model.export import check_exportable, export_hf
@@ -224,12 +316,13 @@ def export_weights(
     check_exportable(config.model)
     model, weights = load_model(config, checkpoint=checkpoint, use_global=use_global)
     tokenizer = None if is_bytes(config.data.tokenizer) else tokenizer_for(config)
-    provenance = {
-        "source": weights.source,
+    provenance = {  # published as is by push: no local path, no secret (see the module)
+        "source": public_path(weights.source),
         "step": weights.step,
         "outer_step": weights.outer_step,
-        "config": config.to_dict(redact_secrets=True),
+        "config": public_config(config),
     }
+    provenance = json.loads(scrub(json.dumps(provenance), [config.distributed.token]))
     folder = export_hf(
         model,
         output,
@@ -274,8 +367,7 @@ def push_model(
             config, Path(scratch) / "model", checkpoint=checkpoint, use_global=use_global
         )
         folder, weights = exported.folder, exported.weights
-        events = _events_file(config, checkpoint)
-        history = eval_history(events) if events is not None else []
+        history = _history(config, weights, checkpoint)
         block = config.data.block_size or config.model.max_seq_len
         tokens = weights.step * config.data.target_batch_size * block if weights.step else None
         card = model_card(
@@ -294,15 +386,40 @@ def push_model(
             CommitOperationAdd(path_in_repo=n, path_or_fileobj=str(folder / n)) for n in files
         ]
         at = f" at step {weights.step}" if weights.step is not None else ""
-        message = scrub(f"speedtronic: {config.run.name}{at}", [token])
-        kind = "private" if private else "public"
-        say(f"pushing {len(files)} files to {repo_id} ({kind} model repo)")
-        policy.run(
-            f"create the Hub repo {repo_id}",
-            lambda: api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model"),
-        )
-        commit = policy.run(
-            f"commit to {repo_id}",
-            lambda: api.create_commit(repo_id, operations=operations, commit_message=message),
-        )
+        message = scrub(f"speedtronic: {' '.join(config.run.name.split())}{at}", [token])
+        with _access(repo_id, token):
+            policy.run(
+                f"create the Hub repo {repo_id}",
+                lambda: api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model"),
+            )
+            info = policy.run(f"read the Hub repo {repo_id}", lambda: api.model_info(repo_id))
+            kind = "private" if info.private else "public"  # an existing repo keeps its own
+            say(f"pushing {len(files)} files to {repo_id} ({kind} model repo)")
+            commit = policy.run(
+                f"commit to {repo_id}",
+                lambda: api.create_commit(repo_id, operations=operations, commit_message=message),
+            )
     return PushResult(repo_id, str(commit.commit_url), files, weights.step)
+
+
+@contextlib.contextmanager
+def _access(repo_id: str, token: str | None) -> Iterator[None]:
+    """A refusal by the Hub (HTTP 401/403) as one line that says what to set (exit 2)."""
+    from speedtronic.retry import AccessRefused, TransportError
+
+    try:
+        yield
+    except TransportError as exc:
+        if exc.status not in (401, 403):
+            raise
+        if not token:
+            problem = "requires a token and none is configured"
+        elif exc.status == 401:
+            problem = "rejected the token"
+        else:
+            problem = "refused to let this token write"
+        raise AccessRefused(
+            f"the Hub {problem} (HTTP {exc.status}) for {repo_id}: set HF_TOKEN (or the "
+            "hf_token secret file) to a token with write access to it",
+            status=exc.status,
+        ) from None

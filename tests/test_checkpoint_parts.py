@@ -16,6 +16,7 @@ V1_KEYS = {
     "format", "model", "optimizer", "scheduler", "scaler", "step", "samples", "tokens",
     "skipped_updates", "data", "rng", "coordinator", "precision", "config", "versions",
     "tokenizer",  # added (optional on load) so a checkpoint carries its tokenizer (issue 29)
+    "evals",  # added (optional on load): its run's held-out evaluations (issue 39, item 17)
 }  # fmt: skip
 
 

@@ -11,7 +11,7 @@ from speedtronic.cli import main
 
 CONFIG = {"--config", "--output-dir", "--set"}
 EXPECTED = {
-    "validate": CONFIG | {"--max-steps", "--device", "--resume", "--format"},
+    "validate": CONFIG | {"--max-steps", "--device", "--resume", "--format", "--init-from"},
     "train": CONFIG | {"--max-steps", "--device", "--resume", "--overwrite", "--init-from"},
     "run": CONFIG | {"--max-steps", "--device", "--resume", "--overwrite", "--init-from"},
     "config show": CONFIG | {"--max-steps", "--device", "--sources", "--format"},

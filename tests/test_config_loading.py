@@ -428,7 +428,7 @@ FROZEN_KEYS = {
     "run": "name seed device max_steps output_dir log_every stop_on_nonfinite nproc_per_node "
     "data_parallel collective_timeout push_to_hub",
     "model": "name init_from vocab_size max_seq_len n_layer n_head n_kv_head d_model d_ff dropout "
-    "tie_weights rope_base gradient_checkpointing",
+    "tie_weights rope_base norm_eps gradient_checkpointing",
     "data": "text_path dataset synthetic num_tokens vocab_size block_size micro_batch_size "
     "target_batch_size num_workers prefetch_factor pin_memory shuffle drop_last seed max_steps "
     "token_path token_dtype sampling allow_pickle tokenizer",

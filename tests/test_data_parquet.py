@@ -116,6 +116,30 @@ def test_a_chosen_column_nulls_skipped_and_units_bounded(tmp_path):
     assert decoded.startswith("doc 0: ")
 
 
+def test_invalid_utf8_in_a_parquet_column_follows_the_utf8_option(tmp_path, capsys):
+    """A Parquet writer need not check UTF-8 (issue 39, item 11: a traceback, exit 1): the
+    default replaces and counts, ``--utf8 strict`` is one line naming the file and the row."""
+    good = [f"row {i} text" for i in range(2000)]
+    raw = [t.encode() for t in good]
+    raw[1500] = b"bad \xff\xfe bytes"  # in the second record batch (1,024 rows each)
+    raw[1501] = None
+    column = pa.array(raw, type=pa.binary()).view(pa.string())  # unchecked, as a writer may
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"text": column}), path, row_group_size=700)
+    out = str(tmp_path / "out")
+    assert main(["prepare", "--no-progress", "-i", str(path), "-o", out]) == 0
+    err = capsys.readouterr().err
+    assert f"{path}: 2 invalid UTF-8 sequences replaced with U+FFFD" in err  # one per byte
+    tokens = bytes(stream(Path(out), "train").astype(np.uint8))
+    assert "bad \ufffd\ufffd bytes".encode() in tokens and tokens.count(b"row ") == 1998
+    code = main(["prepare", "--no-progress", "-i", str(path), "-o", str(tmp_path / "s"),
+                 "--utf8", "strict"])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert f"{path}: row 1501, column 'text': invalid UTF-8 (--utf8 strict)" in err
+    assert not (tmp_path / "s" / "meta.json").exists()
+
+
 def test_parquet_is_deterministic_and_an_interrupted_run_resumes(tmp_path, bpe):
     path = write_parquet(tmp_path / "in" / "a.parquet", documents(600, seed=3), rows_per_group=9)
     clean = prepare([str(path)], tmp_path / "clean", tokenizer=str(bpe), holdout=0.05, **SMALL)
@@ -209,6 +233,11 @@ def test_a_hub_dataset_by_id_then_offline_from_the_cache(tmp_path, monkeypatch):
         missing = _cli(["-i", "hf://datasets/org/nothing", "-o", "x"], env, tmp_path)
         assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
         assert "not found" in missing.stderr and TEST_TOKEN not in missing.stderr
+        # An empty segment before an absolute path: snapshot / "/abs" is /abs (issue 39)
+        escape = _cli(["-i", f"hf://datasets/org/corpus/{local / 'data'}", "-o", "esc"],
+                      env, tmp_path)  # fmt: skip
+        assert escape.returncode == 2 and "an empty ('//')" in escape.stderr
+        assert not (tmp_path / "esc").exists()
     finally:
         emulator.stop()
     assert stats != lfs_downloads  # the parquet files came through the emulator
@@ -249,11 +278,29 @@ def test_an_unreachable_hub_fails_fast_with_the_offline_hint(tmp_path):
         ("hf://models/org/x", "only Hub datasets"),
         ("hf://datasets/org", "expected hf://datasets/<owner>/<name>"),
         ("hf://datasets/org/x/../y", "'..' is not allowed"),
+        ("hf://datasets/org/x//PLANTED", "an empty ('//'), '.'"),  # folder / "/abs" is /abs
+        ("hf://datasets/org/x/./data", "an empty ('//'), '.'"),
     ],
 )
 def test_malformed_hub_references_are_refused(tmp_path, capsys, spec, needle):
+    """Refused before any request, so nothing outside the snapshot is read (issue 39, item 10:
+    ``//abs/path`` used to make ``prepare`` tokenize ``/abs/path`` from the local disk)."""
+    planted = tmp_path / "planted"
+    (planted / "secret.txt").parent.mkdir()
+    (planted / "secret.txt").write_text("a local file that is no part of the dataset\n")
+    spec = spec.replace("PLANTED", str(planted).lstrip("/"))
     code = main(["prepare", "--no-progress", "-i", spec, "-o", str(tmp_path / "o")])
-    assert code == 2 and needle in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+
+
+def test_fetch_refuses_a_path_that_leaves_the_snapshot_before_any_request():
+    from speedtronic.hub_files import DATA_PATTERNS, HubFilesError, HubRef, fetch
+
+    for path in ("/etc", "data//x", "../up", "./data"):
+        with pytest.raises(HubFilesError, match="not allowed in the path"):
+            fetch(HubRef("org/x", "dataset", None, path), DATA_PATTERNS)
 
 
 def test_without_pyarrow_the_error_names_the_extra(tmp_path, capsys, monkeypatch):

@@ -59,6 +59,7 @@ def test_shards_meta_and_documents_separated_by_eos(tmp_path, corpus, bpe):
         "spec": str(bpe),
         "file": str(bpe.resolve()),
         "sha256": hashlib.sha256(bpe.read_bytes()).hexdigest(),
+        "encoding": tokenizer.encoding,  # what it encodes (issue 39: an export's copy matches)
         "vocab_size": 320,
         "eos_id": tokenizer.eos_id,
         "eos_token": "<|endoftext|>",

@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 from test_data_walkthrough import walkthrough
 from tokenizer_fixtures import corpus_text
 
@@ -24,6 +26,8 @@ def test_the_recipe_trains_on_the_text_field_of_jsonl(tmp_path) -> None:
         "".join(json.dumps(record) + "\n" for record in records)
     )
     (texts / "plain.txt").write_text(corpus_text(100, seed=4))
+    rows = [f"zymurgy brewing notes {i}" for i in range(300)] + [None, ""]  # issue 39, item 19
+    pq.write_table(pa.table({"id": list(range(302)), "text": rows}), texts / "rows.parquet")
     (texts / ".hidden.txt").write_text("qqhiddenqq " * 500)  # prepare skips hidden files
     (tmp_path / "train_tokenizer.py").write_text(recipe)
     done = subprocess.run(
@@ -37,3 +41,6 @@ def test_the_recipe_trains_on_the_text_field_of_jsonl(tmp_path) -> None:
     assert not [t for t in merged if '"' in t or "{" in t or ":" in t]  # no JSON syntax
     assert not [t for t in merged if "zzqq" in t or "archive" in t or "qqhidden" in t]
     assert "Ġquick" in vocab  # a word of the text field
+    assert "Ġzymurgy" in vocab or "zymurgy" in vocab  # a word of the Parquet column
+    replacement = "".join(chr(c) for c in (0xEF, 0xBF, 0xBD))  # U+FFFD in byte-level letters
+    assert not [t for t in vocab if replacement in t]  # the file's bytes were never read

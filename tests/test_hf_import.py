@@ -169,7 +169,6 @@ def _edit_config(folder: Path, **changes) -> None:
             "LlamaForCausalLM with rope_parameters",
         ),
         ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "with rope_scaling"),
-        ({"rms_norm_eps": 1e-6}, "with rms_norm_eps = 1e-06"),
         ({"attention_bias": True}, "with attention_bias = true"),
         ({"mlp_bias": True}, "with mlp_bias = true"),
         ({"intermediate_size": 66}, "with intermediate_size = 66"),
@@ -187,6 +186,90 @@ def test_a_checkpoint_the_reference_model_cannot_match_is_refused(tmp_path, chan
     with pytest.raises(ConfigError, match=message) as caught:
         resolve_init_from(config)
     assert "\n" not in str(caught.value)
+
+
+def test_rope_scaling_beside_rope_parameters_is_refused_like_rope_scaling_alone(tmp_path):
+    """transformers 5 writes ``rope_parameters``; a ``rope_scaling`` beside it (a 4.x field a
+    hand edit or a converter left) would change the logits and used to be ignored."""
+    save_llama(tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["rope_parameters"]
+    config = SpeedtronicConfig.from_dict({"model": {"init_from": str(tmp_path / "hf")}})
+    for scaling in ({"rope_type": "yarn", "factor": 4.0}, "linear"):
+        _edit_config(tmp_path / "hf", rope_scaling=scaling)
+        with pytest.raises(ConfigError, match="LlamaForCausalLM with rope_scaling = ") as caught:
+            resolve_init_from(config)
+        assert "\n" not in str(caught.value)
+    _edit_config(tmp_path / "hf", rope_scaling={"rope_type": "default"})
+    assert resolve_init_from(config) is not None
+
+
+@pytest.mark.parametrize("eps", [1e-6, None], ids=["1e-6", "absent"])
+def test_rms_norm_eps_of_transformers_default_is_taken_and_exported(tmp_path, eps):
+    """``rms_norm_eps`` 1e-6 (transformers' default, also when config.json leaves it out)
+    becomes model.norm_eps: the step-0 logits equal transformers', and the export keeps it."""
+    from speedtronic.model.export import export_hf
+
+    reference = save_llama(tmp_path / "hf", rms_norm_eps=1e-6)
+    if eps is None:
+        values = json.loads((tmp_path / "hf" / "config.json").read_text())
+        del values["rms_norm_eps"]
+        (tmp_path / "hf" / "config.json").write_text(json.dumps(values))
+    config = SpeedtronicConfig.from_dict({"model": {"init_from": str(tmp_path / "hf")}})
+    checkpoint = resolve_init_from(config)
+    model = trainer_model(config)
+    load_hf_weights(model, checkpoint)
+    assert config.model.norm_eps == 1e-6
+    with torch.no_grad():  # tiny activations, where eps matters: 1e-5 would differ
+        model.transformer.wte.weight.mul_(1e-3)
+        reference.model.embed_tokens.weight.mul_(1e-3)
+    assert logit_gap(model, reference, 320, 64) <= 1e-5
+    wrong = build_default_eps(config)
+    wrong.load_state_dict(model.state_dict())
+    assert logit_gap(wrong, reference, 320, 64) > 1e-3  # the eps is what made them equal
+    export_hf(model, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["rms_norm_eps"] == 1e-6
+    given = {"init_from": str(tmp_path / "hf"), "norm_eps": 1e-5}
+    with pytest.raises(ConfigError, match=r"model\.norm_eps is 1e-05 but .* rms_norm_eps 1e-06"):
+        resolve_init_from(SpeedtronicConfig.from_dict({"model": given}))
+
+
+def build_default_eps(config: SpeedtronicConfig) -> torch.nn.Module:
+    from speedtronic.model import build_model
+
+    values = {**config.to_dict()["model"], "norm_eps": 1e-5, "init_from": None}
+    return build_model(values)
+
+
+def test_an_index_that_names_files_outside_the_folder_is_refused(tmp_path):
+    save_llama(tmp_path / "hf", shard="40KB")
+    index = tmp_path / "hf" / "model.safetensors.index.json"
+    document = json.loads(index.read_text())
+    (tmp_path / "outside.safetensors").write_bytes(b"")
+    config = SpeedtronicConfig.from_dict({"model": {"init_from": str(tmp_path / "hf")}})
+    for name in ("../outside.safetensors", str(tmp_path / "outside.safetensors"), "a//b", 7):
+        first = next(iter(document["weight_map"]))
+        edited = {**document, "weight_map": {**document["weight_map"], first: name}}
+        index.write_text(json.dumps(edited))
+        with pytest.raises(ConfigError, match="not a relative path inside the model folder"):
+            resolve_init_from(config)
+
+
+def test_a_bare_name_that_is_no_folder_is_named_at_once(tmp_path, monkeypatch, capsys):
+    """No Hub round trip (the review waited 33 s of retries): a Hub id has an owner."""
+    import time
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # would only answer with retries
+    started = time.monotonic()
+    for spec in ("my-export", "my-export@main"):
+        config = SpeedtronicConfig.from_dict({"model": {"init_from": spec}})
+        with pytest.raises(ConfigError, match=f"no local folder '{spec}'"):
+            resolve_init_from(config)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(run_config(tmp_path)))
+    assert main(["validate", "--config", str(path), "--init-from", "my-export"]) == 2
+    assert "error: model.init_from: no local folder 'my-export'" in capsys.readouterr().err
+    assert time.monotonic() - started < 5
 
 
 def test_qwen2_is_refused_for_its_biases_and_mistral_taken_without_a_window(tmp_path):
@@ -218,17 +301,24 @@ def test_a_weight_file_with_a_tensor_the_model_has_no_place_for(tmp_path):
     from safetensors.torch import load_file, save_file
 
     save_llama(tmp_path / "hf")
+    config = SpeedtronicConfig.from_dict({"model": {"init_from": str(tmp_path / "hf")}})
+    checkpoint = resolve_init_from(config)  # resolved while the file is whole
     weights = load_file(str(tmp_path / "hf" / "model.safetensors"))
     weights["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(32)
     save_file(weights, str(tmp_path / "hf" / "model.safetensors"))
-    config = SpeedtronicConfig.from_dict({"model": {"init_from": str(tmp_path / "hf")}})
-    checkpoint = resolve_init_from(config)
-    with pytest.raises(ConfigError, match=r"q_proj\.bias, which the reference model has no place"):
-        load_hf_weights(trainer_model(config), checkpoint)
+
+    def again():  # issue 39: the headers are read at resolve, before the model is built
+        fresh = {"model": {"init_from": str(tmp_path / "hf")}}
+        return resolve_init_from(SpeedtronicConfig.from_dict(fresh))
+
+    for load in (again, lambda: load_hf_weights(trainer_model(config), checkpoint)):
+        with pytest.raises(ConfigError, match=r"q_proj\.bias, which the reference model has no"):
+            load()
     del weights["model.layers.0.self_attn.q_proj.bias"], weights["model.norm.weight"]
     save_file(weights, str(tmp_path / "hf" / "model.safetensors"))
-    with pytest.raises(ConfigError, match=r"lacks model\.norm\.weight"):
-        load_hf_weights(trainer_model(config), checkpoint)
+    for load in (again, lambda: load_hf_weights(trainer_model(config), checkpoint)):
+        with pytest.raises(ConfigError, match=r"lacks model\.norm\.weight"):
+            load()
 
 
 def test_the_diloco_master_publishes_the_loaded_weights_and_a_worker_needs_no_weights(tmp_path):

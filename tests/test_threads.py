@@ -151,6 +151,40 @@ def test_environment_values_are_read_strictly() -> None:
     assert local_world_size({}) == 1
 
 
+def test_odd_or_absurd_environment_counts_are_ignored_or_capped_with_a_warning(caplog) -> None:
+    """``²`` is a digit to ``str.isdigit`` but not to ``int`` (issue 39, item 12: a traceback
+    at start-up); 5000 threads on a few CPUs would be built by torch as asked."""
+    caplog.set_level(logging.WARNING, logger="speedtronic.threads")
+    for value in ("²", "٣", "-2", "0", "many", "9" * 5000):
+        for read in (omp_threads, local_world_size):
+            name = "OMP_NUM_THREADS" if read is omp_threads else "LOCAL_WORLD_SIZE"
+            got = read({name: value})
+            assert got in (None, 1) if len(value) < 10 else got == 10**9
+    assert "OMP_NUM_THREADS='²' in the environment is not a positive integer; ignored" in (
+        caplog.text
+    )
+    assert "LOCAL_WORLD_SIZE='-2' in the environment is not a positive integer" in caplog.text
+    plan = plan_threads("auto", cpus=range(2), quota=None, omp=5000)
+    assert (
+        plan.threads == 2
+        and plan.capped == "OMP_NUM_THREADS=5000 is more than the 2 CPUs in affinity"
+    )
+    assert plan.describe() == (
+        "threads: 2 (OMP_NUM_THREADS=5000 in the environment, capped at the 2 CPUs in affinity)"
+    )
+    plan = plan_threads("auto", cpus=range(2), quota=None, local_world=5000)
+    assert (plan.threads, plan.processes) == (1, 2) and "LOCAL_WORLD_SIZE=5000" in plan.capped
+    caplog.clear()
+    applied: list[int] = []
+    ThreadBudget.start("auto", {"OMP_NUM_THREADS": "5000"}, registry=FakeRegistry(1),
+                       cpus=lambda: frozenset({0, 1}), quota=lambda: None,
+                       apply=applied.append)  # fmt: skip
+    assert applied == [2]
+    assert "threads: OMP_NUM_THREADS=5000 is more than the 2 CPUs in affinity; capped" in (
+        caplog.text
+    )
+
+
 def test_runtime_threads_setting_is_auto_or_a_positive_count() -> None:
     assert SpeedtronicConfig().runtime.threads == "auto"
     assert SpeedtronicConfig.from_dict({"runtime": {"threads": " Auto "}}).runtime.threads == "auto"
@@ -221,6 +255,47 @@ def test_registry_refuses_a_folder_it_does_not_own(tmp_path: Path) -> None:
     assert not registry.register([0]) and "link" in (registry.error or "")
     assert registry.count([0]) == 1
     assert registry_dir({"XDG_RUNTIME_DIR": str(tmp_path)}) == tmp_path / "speedtronic/threads"
+
+
+def test_a_fifo_named_like_an_entry_never_blocks_a_count(tmp_path: Path) -> None:
+    """Opening a FIFO for reading waits for a writer: the count (every start, every refresh)
+    hung for good (issue 39, item 13). Now it is opened without blocking and skipped."""
+    import threading
+
+    directory = tmp_path / "threads"
+    mine = SiblingRegistry(directory)
+    assert mine.register([0])
+    fifo = directory / "4242-feed.lock"
+    os.mkfifo(fifo)
+    (directory / "4243-link.lock").symlink_to(fifo)
+    counted: list[int] = []
+    worker = threading.Thread(target=lambda: counted.append(mine.count([0])), daemon=True)
+    worker.start()
+    worker.join(10)
+    if worker.is_alive():  # release the blocked open before failing
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(10)
+        pytest.fail("SiblingRegistry.count blocked on a FIFO named *.lock")
+    assert counted == [1] and fifo.exists()
+    mine.release()
+
+
+def test_a_linked_registry_is_refused_before_anything_is_made_in_its_target(
+    tmp_path: Path,
+) -> None:
+    """``<tmp>/speedtronic-<uid>`` planted as a link (by anyone who can write the temp
+    folder): ``threads/`` used to be created in the link's target before the check."""
+    target = tmp_path / "victim"
+    target.mkdir()
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "speedtronic-0").symlink_to(target)
+    registry = SiblingRegistry(tmp_path / "base" / "speedtronic-0" / "threads")
+    assert not registry.register([0]) and "is a link" in (registry.error or "")
+    assert list(target.iterdir()) == []
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "speedtronic-0").write_text("not a folder")
+    registry = SiblingRegistry(tmp_path / "plain" / "speedtronic-0" / "threads")
+    assert not registry.register([0]) and "not a folder" in (registry.error or "")
 
 
 # --------------------------------------------------------------------------- the budget

@@ -48,6 +48,7 @@ __all__ = [
     "env_name_for",
     "known_fields",
     "resolve_config",
+    "travelling",
 ]
 
 logger = logging.getLogger("speedtronic.config")
@@ -62,6 +63,10 @@ Layer = list[tuple[str, object, str]]  # (dotted field, value, source), lowest p
 _ENV_SUGGESTIONS = ("SPEEDTRONIC_CONFIG", "SPEEDTRONIC_SECRETS_DIR", "SPEEDTRONIC_NODE_ID")
 _COMPOSE = ("IMAGE", "HUB_REPO", "HF_TOKEN_FILE", "BIND_ADDRESS", "MASTER_PORT", "CPUS", "MEMORY")
 EXTRA_ENV_NAMES = frozenset(_ENV_SUGGESTIONS + tuple(ENV_PREFIX + name for name in _COMPOSE))
+#: Fields that make a command run code (unpickling), reach out (a remote ``init_from``, a
+#: tracker) or publish: only the user's own layers set them, never a config that travels with
+#: a checkpoint (:func:`travelling`).
+USER_ONLY = ("data.allow_pickle", "model.init_from", "run.push_to_hub", "logging.trackers")
 
 
 @dataclass
@@ -321,6 +326,29 @@ def _override_layer(overrides: Iterable[str] | Mapping[str, object]) -> Layer:
             )
         canonical[dotted] = _parse_value(value, dotted, f"override {key}")
     return [(dotted, value, "cli") for dotted, value in canonical.items()]
+
+
+def travelling(values: object, origin: str) -> dict[str, object]:
+    """A config that came with a checkpoint (``origin`` names it), as a command may use it:
+    canonical, without the `USER_ONLY` fields; those it set to other than their defaults are
+    named in one warning. Paths it names stay: they are data (read, never executed)."""
+    canonical = canonicalize(values)
+    ignored = []
+    for dotted in USER_ONLY:
+        section, _, name = dotted.partition(".")
+        part = canonical.get(section)
+        if isinstance(part, dict) and name in part:
+            part = canonical[section] = dict(part)
+            if part.pop(name) != field_infos()[dotted].get_default(call_default_factory=True):
+                ignored.append(dotted)
+    if ignored:
+        logger.warning(
+            "%s: ignored %s: a checkpoint's config cannot set what runs code, reaches out or "
+            "publishes; set it with --config, the environment or --set",
+            origin,
+            ", ".join(ignored),
+        )
+    return canonical
 
 
 def _attribute(

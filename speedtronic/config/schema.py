@@ -181,13 +181,16 @@ class SpeedtronicConfig:
         return self
 
     def _check_tokenizer(self) -> None:
-        """``data.tokenizer`` must be readable and fit ``model.vocab_size`` (no torch import)."""
+        """``data.tokenizer`` must be readable and fit ``model.vocab_size`` (no torch import);
+        with ``model.init_from`` and no vocabulary given, the checkpoint's vocabulary is the
+        one to fit, checked when ``init_from`` is resolved (it re-validates)."""
         from speedtronic.config.tokenizer_file import describe_tokenizer, is_bytes
 
         if is_bytes(self.data.tokenizer):
             return
         info = describe_tokenizer(self.data.tokenizer, token=self.distributed.token)
-        if info.vocab_size > self.model.vocab_size:
+        unknown = self.model.init_from is not None and "vocab_size" not in self.model.given
+        if info.vocab_size > self.model.vocab_size and not unknown:
             padded = -(-info.vocab_size // 64) * 64
             raise ConfigError(
                 f"data.tokenizer: {info.spec} has {info.vocab_size} token ids but "

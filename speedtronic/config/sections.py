@@ -157,6 +157,7 @@ class ModelConfig:
     dropout: Float = F(0.0, "dropout rate", ge=0.0, lt=1.0)
     tie_weights: Bool = F(True, "share embedding and output weights")
     rope_base: Float = F(10000.0, "RoPE base", gt=0, le=1e12)
+    norm_eps: Float = F(1e-5, "RMSNorm epsilon (transformers' rms_norm_eps)", gt=0, le=0.1)
     gradient_checkpointing: Bool = F(False, "activation checkpointing (OR-ed with the root flag)")
 
     def __post_init__(self) -> None:

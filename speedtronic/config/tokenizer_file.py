@@ -50,7 +50,9 @@ class TokenizerInfo:
 
     ``vocab_size`` counts ids (highest id + 1, added tokens included); ``eos_id`` /
     ``eos_token`` are ``None`` when the file has no end-of-text token; ``config_path`` is the
-    ``tokenizer_config.json`` found beside it, if any.
+    ``tokenizer_config.json`` found beside it, if any. ``sha256`` hashes the file's bytes,
+    ``encoding`` what it encodes (:func:`_encoding_digest`): an exported copy of the file,
+    whose post-processor and decoder differ, encodes the same ids and has the same one.
     """
 
     spec: str
@@ -60,6 +62,7 @@ class TokenizerInfo:
     eos_id: int | None
     eos_token: str | None
     config_path: Path | None = None
+    encoding: str = ""
 
 
 def is_bytes(spec: object) -> bool:
@@ -187,7 +190,7 @@ def describe_tokenizer(
     """Resolve ``spec`` (not ``bytes``) and read its vocabulary and end-of-text token."""
     path, config_path = resolve_tokenizer_file(spec, field=field, token=token)
     stat = path.stat()
-    sha256, tokens, special = _read(str(path), stat.st_size, stat.st_mtime_ns, field)
+    sha256, parts, tokens, special = _read(str(path), stat.st_size, stat.st_mtime_ns, field)
     eos_token = _configured_eos(config_path) if config_path else None
     if eos_token is not None and eos_token not in tokens:
         raise ConfigError(
@@ -197,21 +200,36 @@ def describe_tokenizer(
         eos_token = next((name for name in EOS_NAMES if name in special), None)
     eos_id = tokens[eos_token] if eos_token is not None else None
     vocab_size = max(tokens.values()) + 1
+    encoding = hashlib.sha256(f"{parts}\0{eos_id}".encode()).hexdigest()
     return TokenizerInfo(
-        str(spec).strip(), path, sha256, vocab_size, eos_id, eos_token, config_path
+        str(spec).strip(), path, sha256, vocab_size, eos_id, eos_token, config_path, encoding
     )
 
 
 @functools.lru_cache(maxsize=16)
-def _read(path: str, size: int, mtime_ns: int, field: str) -> tuple[str, dict[str, int], set[str]]:
-    """``(sha256, token -> id, special tokens)`` of a tokenizer.json; cached per file version."""
+def _read(
+    path: str, size: int, mtime_ns: int, field: str
+) -> tuple[str, str, dict[str, int], set[str]]:
+    """``(sha256, encoding digest, token -> id, special tokens)`` of a tokenizer.json; cached
+    per file version."""
     raw = Path(path).read_bytes()
     try:
         document = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         message = f"{field}: {path} is not a tokenizer.json file (not JSON: {exc})"
         raise ConfigError(message) from None
-    return (hashlib.sha256(raw).hexdigest(), *_vocabulary(document, path, field))
+    ids, special = _vocabulary(document, path, field)
+    return hashlib.sha256(raw).hexdigest(), _encoding_digest(document), ids, special
+
+
+def _encoding_digest(document: dict[str, object]) -> str:
+    """sha256 of the parts of a tokenizer.json that decide the ids of a text encoded without
+    special tokens (as Speedtronic encodes): normalizer, pre-tokenizer, model, added tokens,
+    truncation and padding; not the post-processor, the decoder or the key order."""
+    keys = ("normalizer", "pre_tokenizer", "model", "added_tokens", "truncation", "padding")
+    parts = {key: document.get(key) for key in keys}
+    text = json.dumps(parts, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def _vocabulary(document: object, path: str, field: str) -> tuple[dict[str, int], set[str]]:

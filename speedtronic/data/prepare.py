@@ -347,6 +347,11 @@ class _Run:
             where, message = encoded.error
             if source.kind == "jsonl":
                 raise PrepareError(f"{source.path}:{unit.first_line + where}: {message}")
+            if source.kind == "parquet":
+                raise PrepareError(
+                    f"{source.path}: row {unit.rows[where] + 1}, column {self.field!r}: {message} "
+                    "(--utf8 strict); fix the file or use --utf8 replace"
+                )
             raise PrepareError(
                 f"{source.path}: {message} at byte {unit.offset + where} (--utf8 strict); fix "
                 "the file or use --utf8 replace"
@@ -426,6 +431,7 @@ class _Run:
                 "spec": self.tokenizer.spec,
                 "file": str(self.tokenizer.info.path.resolve()) if self.vocab_file else None,
                 "sha256": self.tokenizer.sha256,
+                "encoding": self.tokenizer.encoding,
                 "vocab_size": self.vocab,
                 "eos_id": self.tokenizer.eos_id,
                 "eos_token": self.tokenizer.eos_token,

@@ -2,8 +2,8 @@
 
 Layout (``meta.json`` is written last, atomically: a folder without it is not complete)::
 
-    DIR/meta.json              format, tokenizer (spec, sha256, vocab_size, eos_id), dtype,
-                               shard_tokens, documents, tokens, shards, sources, holdout
+    DIR/meta.json              format, tokenizer (spec, sha256, encoding, vocab_size, eos_id),
+                               dtype, shard_tokens, documents, tokens, shards, sources, holdout
     DIR/train_000000.bin ...   raw little-endian uint16/uint32 tokens, documents separated
     DIR/eval_000000.bin ...    by the tokenizer's end-of-text token; eval = ``--holdout``
 
@@ -17,6 +17,7 @@ naming the setting (``field``).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import os
 from collections.abc import Sequence
@@ -25,7 +26,7 @@ from typing import IO, TYPE_CHECKING, Union, overload
 
 import numpy as np
 
-from speedtronic.json_types import JSON, StateDict
+from speedtronic.json_types import JSON, JSONView, StateDict
 
 if TYPE_CHECKING:
     import torch
@@ -164,23 +165,42 @@ def read_meta(folder: str | os.PathLike[str], field: str) -> JSON:
     return meta
 
 
+def _recorded_marks(tokenizer: JSONView) -> set[object]:
+    """The tokenizer marks a ``meta.json`` names: its file's sha256 and the digest of what it
+    encodes. A folder prepared before the digest was recorded takes it from the tokenizer file
+    it names, while that file still has the recorded sha256."""
+    marks = {tokenizer.get("sha256"), tokenizer.get("encoding")} - {None}
+    path = tokenizer.get("file")
+    if tokenizer.get("encoding") is None and isinstance(path, str) and Path(path).is_file():
+        from speedtronic.config.tokenizer_file import describe_tokenizer
+
+        with contextlib.suppress(ValueError, OSError):
+            info = describe_tokenizer(path)
+            if info.sha256 == tokenizer.get("sha256"):
+                marks.add(info.encoding)
+    return marks
+
+
 def open_prepared(
     folder: str | os.PathLike[str],
     split: str,
     field: str,
     *,
     vocab_size: int | None = None,
-    tokenizer_sha256: str | None = None,
+    tokenizer_marks: str | Sequence[str] | None = None,
 ) -> TokenShards:
     """All shards of ``split`` in a prepared folder, checked against the model and tokenizer.
 
-    ``vocab_size``: the model's; a folder tokenized for more ids is refused. ``tokenizer_sha256``:
-    the configured tokenizer's hash (``"bytes"`` for the byte tokenizer); a folder made with
-    another tokenizer is refused. Missing or truncated shards are refused.
+    ``vocab_size``: the model's; a folder tokenized for more ids is refused. ``tokenizer_marks``:
+    what identifies the configured tokenizer (``"bytes"`` for the byte tokenizer; for a
+    ``tokenizer.json`` its file's sha256 and the digest of what it encodes,
+    ``TokenizerInfo.encoding``); a folder whose ``meta.json`` names neither was made with
+    another tokenizer and is refused. Missing or truncated shards are refused.
     """
     meta = read_meta(folder, field)
     tokenizer = meta.get("tokenizer") or {}
-    if tokenizer_sha256 is not None and tokenizer.get("sha256") != tokenizer_sha256:
+    marks = [tokenizer_marks] if isinstance(tokenizer_marks, str) else tokenizer_marks
+    if marks is not None and not _recorded_marks(tokenizer) & set(marks):
         raise _error(
             f"{field}: {folder} was tokenized with {tokenizer.get('spec')!r} "
             f"(sha256 {str(tokenizer.get('sha256'))[:12]}), not with data.tokenizer; set "

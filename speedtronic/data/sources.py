@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import pickle
 import zipfile
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -41,7 +42,7 @@ __all__ = [
     "split_map_dataset",
     "split_point",
     "token_array",
-    "tokenizer_sha256",
+    "tokenizer_marks",
 ]
 
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -108,17 +109,26 @@ def configured_tokenizer(config: DataConfig, vocab_size: int) -> Tokenizer | Non
     return None if is_bytes(spec) else load_tokenizer(spec, vocab_size=vocab_size)
 
 
-def tokenizer_sha256(config: DataConfig, tokenizer: TokenizerLike | None = None) -> str | None:
-    """Hash of the tokenizer in use (``"bytes"`` for bytes), to match a prepared folder's.
+def tokenizer_marks(
+    config: DataConfig, tokenizer: TokenizerLike | None = None
+) -> tuple[str, ...] | None:
+    """What identifies the tokenizer in use, to match a prepared folder's ``meta.json``: the
+    file's sha256 and the digest of what it encodes (``("bytes",)`` for bytes), so a copy that
+    encodes the same ids (an exported model's ``tokenizer.json``) matches too.
 
     ``None`` (no check) for a tokenizer object passed from Python without a hash.
     """
     if tokenizer is not None:
-        return getattr(tokenizer, "sha256", None)
+        marks = (getattr(tokenizer, "sha256", None), getattr(tokenizer, "encoding", None))
+        found = tuple(mark for mark in marks if isinstance(mark, str) and mark)
+        return found or None
     from speedtronic.config.tokenizer_file import describe_tokenizer, is_bytes
 
     spec = config.tokenizer
-    return "bytes" if is_bytes(spec) else describe_tokenizer(str(spec)).sha256
+    if is_bytes(spec):
+        return ("bytes",)
+    info = describe_tokenizer(str(spec))
+    return info.sha256, info.encoding
 
 
 def split_map_dataset(
@@ -232,9 +242,9 @@ def read_tokens(
     ``speedtronic prepare`` must come from the tokenizer in use (``tokenizer``, default: the one
     ``config.tokenizer`` names)."""
     path = os.fspath(path)
-    sha = tokenizer_sha256(config, tokenizer) if os.path.isdir(path) else None
+    marks = tokenizer_marks(config, tokenizer) if os.path.isdir(path) else None
     return token_array(
-        path, config.token_dtype, vocab_size, field, split=split, tokenizer_sha256=sha
+        path, config.token_dtype, vocab_size, field, split=split, tokenizer_marks=marks
     )
 
 
@@ -245,20 +255,21 @@ def token_array(
     field: str,
     *,
     split: str = "train",
-    tokenizer_sha256: str | None = None,
+    tokenizer_marks: Sequence[str] | None = None,
 ) -> tuple[TokenArray, str]:
     """Open and check a token file (``field`` names the setting in errors); ``(array, dtype)``.
 
     ``.npy`` files carry their own dtype; ``.bin`` files use ``dtype`` (``data.token_dtype``).
     A folder written by ``speedtronic prepare`` gives the shards of ``split`` (dtype from its
-    ``meta.json``; refused when made with another tokenizer than ``tokenizer_sha256``). Token
-    ids are checked against ``vocab_size`` on a bounded sample.
+    ``meta.json``; refused when made with another tokenizer than ``tokenizer_marks`` names,
+    see :func:`tokenizer_marks`). Token ids are checked against ``vocab_size`` on a bounded
+    sample.
     """
     if os.path.isdir(path):
         from speedtronic.data.shards import open_prepared
 
         tokens = open_prepared(
-            path, split, field, vocab_size=vocab_size, tokenizer_sha256=tokenizer_sha256
+            path, split, field, vocab_size=vocab_size, tokenizer_marks=tokenizer_marks
         )
         check_token_ids(_sample(tokens), vocab_size, field, path)
         return tokens, tokens.dtype.name

@@ -57,6 +57,7 @@ class CharTokenizer:
 
     spec = "bytes"
     sha256 = "bytes"
+    encoding = "bytes"
     eos_id: int | None = None
     eos_token: str | None = None
 
@@ -97,8 +98,9 @@ class HFTokenizer:
     """A ``tokenizers.Tokenizer`` loaded from a ``tokenizer.json``; see the module docstring.
 
     ``vocab_size`` is the number of ids it can emit (highest id + 1), ``eos_id`` its
-    end-of-text token (``None`` when it has none), ``sha256`` the file's hash (recorded by
-    ``prepare`` and checked when a prepared folder is read). Pickles as its JSON text.
+    end-of-text token (``None`` when it has none), ``sha256`` the file's hash and ``encoding``
+    the digest of what it encodes (both recorded by ``prepare``; a prepared folder is read with
+    a tokenizer that matches either). Pickles as its JSON text.
     """
 
     def __init__(self, info: TokenizerInfo, *, field: str = "data.tokenizer") -> None:
@@ -107,6 +109,7 @@ class HFTokenizer:
 
     spec = property(lambda self: self.info.spec)
     sha256 = property(lambda self: self.info.sha256)
+    encoding = property(lambda self: self.info.encoding)
     vocab_size = property(lambda self: self.info.vocab_size)
     eos_id = property(lambda self: self.info.eos_id)
     eos_token = property(lambda self: self.info.eos_token)

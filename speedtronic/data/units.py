@@ -70,7 +70,8 @@ class Unit:
     """Bytes ``[offset, offset + len(data))`` of source ``source``; ``last`` ends the file.
 
     For Parquet, ``data`` holds whole rows (:func:`frame_records`), ``offset`` is the first row
-    (from 0) and ``first_line`` the same row counted from 1. ``span`` is how many bytes of the
+    (from 0) and ``first_line`` the same row counted from 1; ``rows`` is the row (from 0) of
+    each framed record (empty and null rows are not framed). ``span`` is how many bytes of the
     input file the unit accounts for (its length, except for Parquet: a share of the file).
     """
 
@@ -81,6 +82,7 @@ class Unit:
     first_line: int
     last: bool
     span: int = -1
+    rows: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.span < 0:
@@ -93,7 +95,8 @@ class Encoded:
 
     A text unit has one piece (the end-of-text token closes it when the unit ends the file);
     a JSONL unit one per record. ``error`` is ``None`` or ``(where, message)``: a byte offset
-    within the unit for text, a line within the unit (from 0) for JSONL.
+    within the unit for text, a line within the unit (from 0) for JSONL, a record within the
+    unit (from 0) for Parquet.
     """
 
     tokens: np.ndarray
@@ -237,27 +240,33 @@ def _parquet_units(source: Source, text_field: str, unit_bytes: int) -> Iterator
     """One Parquet file as units of whole rows (about ``unit_bytes`` of text each).
 
     Rows are read one record batch at a time, so memory is one batch plus one unit whatever
-    the file size; null texts are skipped like empty ones. ``Unit.index``/``source`` are
+    the file size; null texts are skipped like empty ones. The texts travel as their bytes
+    (the column read as binary): a Parquet writer need not have checked that they are UTF-8,
+    so they are decoded under ``--utf8`` like any other input. ``Unit.index``/``source`` are
     filled in by :func:`iter_units`.
     """
+    import pyarrow as pa
+
     handle = _parquet_file(source.path)
     total_rows = max(1, handle.metadata.num_rows)
     pending: list[bytes] = []
+    rows: list[int] = []
     size, first, row, spent = 0, 0, 0, 0
     batches = handle.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[text_field])
     for batch in batches:
-        for value in batch.column(0).to_pylist():
-            row += 1
-            if value:
-                data = value.encode("utf-8")
+        for data in batch.column(0).cast(pa.large_binary()).to_pylist():
+            if data:
                 pending.append(data)
+                rows.append(row)
                 size += len(data) + _FRAME
+            row += 1
             if size >= unit_bytes:
                 share = source.size * row // total_rows - spent
                 spent += share
-                yield Unit(-1, -1, frame_records(pending), first, first + 1, False, share)
-                pending, size, first = [], 0, row
-    yield Unit(-1, -1, frame_records(pending), first, first + 1, True, source.size - spent)
+                yield Unit(-1, -1, frame_records(pending), first, first + 1, False, share, rows)
+                pending, rows, size, first = [], [], 0, row
+    last = source.size - spent
+    yield Unit(-1, -1, frame_records(pending), first, first + 1, True, last, rows)
 
 
 def iter_units(
@@ -363,7 +372,7 @@ def encode_units(
     texts: list[tuple[int, str, int]] = []
     for position, (kind, data, _last) in enumerate(jobs):
         if kind == "parquet":
-            results[position] = _encode_records(unframe_records(data), encode, eos)
+            results[position] = _encode_records(unframe_records(data), strict, encode, eos)
             continue
         if kind != "text":
             results[position] = _encode_jsonl(data, text_field, strict, encode, eos)
@@ -381,10 +390,19 @@ def encode_units(
     return results  # type: ignore[return-value]
 
 
-def _encode_records(records: list[bytes], encode: _Encode, eos: int | None) -> Encoded:
-    """Framed Parquet texts (valid UTF-8: Arrow checks it) as one :class:`Encoded`."""
-    texts = [r.decode("utf-8").replace("\r\n", "\n") for r in records]
-    return _joined(texts, encode, eos, 0)
+def _encode_records(
+    records: list[bytes], strict: bool, encode: _Encode, eos: int | None
+) -> Encoded:
+    """Framed Parquet texts as one :class:`Encoded`; invalid UTF-8 is replaced and counted,
+    or with ``strict`` the unit's error names the record (from 0)."""
+    texts, replaced = [], 0
+    for number, record in enumerate(records):
+        text, count, bad = _decode(record, strict)
+        if bad is not None:
+            return Encoded(np.empty(0, np.uint32), error=(number, "invalid UTF-8"))
+        replaced += count
+        texts.append(text.replace("\r\n", "\n"))
+    return _joined(texts, encode, eos, replaced)
 
 
 def _joined(texts: list[str], encode: _Encode, eos: int | None, replaced: int) -> Encoded:

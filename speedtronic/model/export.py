@@ -61,7 +61,6 @@ LLAMA_NAMES = {
     "mlp.up_proj": "mlp.up_proj",
     "mlp.down_proj": "mlp.down_proj",
 }
-_RMS_EPS = 1e-5  # speedtronic.model.transformer.RMSNorm's default
 
 
 def llama_names(n_layer: int, tie_weights: bool) -> dict[str, str]:
@@ -147,7 +146,7 @@ def _llama_config(model: ReferenceTransformer, eos_id: int | None) -> LlamaConfi
         num_key_value_heads=cfg.n_kv_head,
         head_dim=cfg.head_dim,
         max_position_embeddings=cfg.block_size,
-        rms_norm_eps=_RMS_EPS,
+        rms_norm_eps=float(cfg.norm_eps),
         rope_theta=float(cfg.rope_base),
         tie_word_embeddings=bool(cfg.tie_weights),
         attention_bias=False,

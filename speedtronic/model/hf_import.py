@@ -4,15 +4,16 @@ The inverse of :mod:`speedtronic.model.export`, through the same parameter-name 
 (:func:`~speedtronic.model.export.llama_names`). What the reference transformer represents
 exactly (logits equal to transformers' in fp32, measured in the tests):
 
-* ``LlamaForCausalLM`` with no ``rope_scaling`` (``rope_type: default``), no attention or MLP
-  biases, ``hidden_act: silu``, ``rms_norm_eps`` 1e-5 (the reference RMSNorm's), ``head_dim`` =
+* ``LlamaForCausalLM`` with no ``rope_scaling`` or ``rope_parameters`` other than
+  ``rope_type: default``, no attention or MLP biases, ``hidden_act: silu``, ``head_dim`` =
   ``hidden_size / num_attention_heads``, and ``intermediate_size`` a multiple of
-  ``num_attention_heads`` (the reference MLP rounds its width to the head count);
+  ``num_attention_heads`` (the reference MLP rounds its width to the head count); its
+  ``rms_norm_eps`` becomes ``model.norm_eps`` (transformers' default 1e-6 when absent);
 * ``MistralForCausalLM`` under the same rules with ``sliding_window: null`` (then it is a Llama).
 
 Everything else is refused with one line naming the architecture and the field that differs:
 ``Qwen2ForCausalLM`` always (its q/k/v projections have biases), a ``rope_scaling``, a
-``sliding_window``, another ``rms_norm_eps``, ... Two steps, both called by
+``sliding_window``, ... Two steps, both called by
 :func:`speedtronic.train.runtime.build_runtime`:
 
 1. :func:`resolve_init_from` (before the model is built) fetches the checkpoint
@@ -21,10 +22,13 @@ Everything else is refused with one line naming the architecture and the field t
    a different value is a ``ConfigError`` naming both. ``model.max_seq_len`` is the
    checkpoint's ``max_position_embeddings`` unless set (then it may only be smaller). The
    tokenizer is the checkpoint's (``data.tokenizer`` becomes its folder) unless
-   ``data.tokenizer`` names another one.
+   ``data.tokenizer`` names another one. When the weight files are here, their safetensors
+   headers (not their data) must hold every tensor in the shape ``config.json`` declares
+   (:func:`speedtronic.model.sizes.check_stored`): a ``config.json`` declaring a huge model
+   beside a small or broken weights file is refused before anything is allocated.
 2. :func:`load_hf_weights` copies the weights into the built model tensor by tensor
    (``safetensors.safe_open``): beyond the model itself, at most one tensor is held at a time
-   (``bench/init_from_memory.py`` measures it).
+   (``bench/init_from_memory.py`` measures it). A tensor holding NaN or inf is refused.
 
 DiLoCo: the master loads the weights, so the global it publishes first (global 0, taken from
 the model when the coordinator is built) is the checkpoint, bit for bit in fp32. A worker
@@ -55,7 +59,7 @@ __all__ = [
 ]
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM")
-_RMS_EPS = 1e-5  # speedtronic.model.transformer.RMSNorm's eps
+_HF_RMS_EPS = 1e-6  # transformers' LlamaConfig / MistralConfig default for rms_norm_eps
 _FIELD = "model.init_from"
 # ModelConfig field -> the config.json key it comes from (for messages).
 _HF_KEYS = {
@@ -67,6 +71,7 @@ _HF_KEYS = {
     "d_ff": "intermediate_size",
     "tie_weights": "tie_word_embeddings",
     "rope_base": "rope_theta",
+    "norm_eps": "rms_norm_eps",
     "max_seq_len": "max_position_embeddings",
 }
 _IGNORED_TENSORS = ("rotary_emb.inv_freq",)  # old checkpoints saved the RoPE table
@@ -111,18 +116,22 @@ def _d_ff_for(width: int, n_head: int) -> int | None:
     return None
 
 
-def _rope(hf: JSONView) -> tuple[float, str | None, str]:
-    """``(rope_theta, rope_type, the field that holds it)`` from a 4.x or 5.x config."""
+def _rope_theta(hf: JSONView, spec: str, architecture: str) -> float:
+    """``rope_theta`` of a 4.x (``rope_scaling``) or 5.x (``rope_parameters``) config; either
+    field (both may be there) naming a RoPE type other than ``default`` is refused."""
+    for field in ("rope_parameters", "rope_scaling"):
+        value = hf.get(field)
+        kind = value
+        if isinstance(value, Mapping):
+            kind = value.get("rope_type") or value.get("type")
+        if kind not in (None, "default"):
+            why = "the reference model has plain RoPE only (no scaling)"
+            raise _refuse(spec, architecture, field, value, why)
     parameters = hf.get("rope_parameters")
-    scaling = hf.get("rope_scaling")
     theta = hf.get("rope_theta")
     if isinstance(parameters, Mapping):
         theta = parameters.get("rope_theta", theta)
-        return float(theta or 10000.0), parameters.get("rope_type"), "rope_parameters"
-    if isinstance(scaling, Mapping):
-        kind = scaling.get("rope_type") or scaling.get("type")
-        return float(theta or 10000.0), kind, "rope_scaling"
-    return float(theta or 10000.0), None, "rope_scaling"
+    return float(theta or 10000.0)
 
 
 def reference_shape(hf: JSONView, spec: str) -> JSON:
@@ -142,11 +151,7 @@ def reference_shape(hf: JSONView, spec: str) -> JSON:
             f"{_FIELD}: {spec} is a {architecture}; supported: LlamaForCausalLM and "
             "MistralForCausalLM (with sliding_window: null)"
         )
-    theta, rope_type, rope_field = _rope(hf)
-    if rope_type not in (None, "default"):
-        value = hf.get(rope_field)
-        why = "the reference model has plain RoPE only (no scaling)"
-        raise _refuse(spec, architecture, rope_field, value, why)
+    theta = _rope_theta(hf, spec, architecture)
     n_head, d_model = int(hf["num_attention_heads"]), int(hf["hidden_size"])
     width = int(hf["intermediate_size"])
     checks = (
@@ -155,11 +160,6 @@ def reference_shape(hf: JSONView, spec: str) -> JSON:
         ("hidden_act", hf.get("hidden_act", "silu") != "silu", "a SiLU-gated MLP"),
         ("sliding_window", hf.get("sliding_window") is not None, "full causal attention"),
         ("use_sliding_window", bool(hf.get("use_sliding_window", False)), "full attention"),
-        (
-            "rms_norm_eps",
-            abs(float(hf.get("rms_norm_eps", _RMS_EPS)) - _RMS_EPS) > 1e-12,
-            "RMSNorm eps 1e-05",
-        ),
         (
             "head_dim",
             int(hf.get("head_dim") or d_model // n_head) * n_head != d_model,
@@ -184,6 +184,7 @@ def reference_shape(hf: JSONView, spec: str) -> JSON:
         "d_ff": d_ff,
         "tie_weights": bool(hf.get("tie_word_embeddings", False)),
         "rope_base": theta,
+        "norm_eps": float(_HF_RMS_EPS if hf.get("rms_norm_eps") is None else hf["rms_norm_eps"]),
         "max_seq_len": int(hf.get("max_position_embeddings") or ModelConfig.max_seq_len),
     }
 
@@ -216,6 +217,22 @@ def _merge(section: ModelConfig, shape: JSONView, spec: str) -> ModelConfig:
         raise ConfigError(f"{_FIELD} {spec}: {exc}") from None
 
 
+def _fit_block_size(config: SpeedtronicConfig, old_context: int, spec: str) -> None:
+    """Samples no longer than the checkpoint's context: a ``data.block_size`` filled from the
+    section's own ``max_seq_len`` (128 unset) follows the checkpoint's; a longer one given
+    explicitly is a ``ConfigError`` (the model could not read it)."""
+    context, block = config.model.max_seq_len, config.data.block_size
+    if block is None or block <= context:
+        return
+    if block == old_context:
+        config.data.block_size = context
+        return
+    raise ConfigError(
+        f"data.block_size is {block} but model.init_from {spec} has max_position_embeddings "
+        f"{context}; set data.block_size to at most {context}"
+    )
+
+
 def resolve_init_from(config: SpeedtronicConfig, *, weights: bool = True) -> HFCheckpoint | None:
     """Fill ``config.model`` (and ``data.tokenizer``) from ``model.init_from``, in place.
 
@@ -245,10 +262,12 @@ def resolve_init_from(config: SpeedtronicConfig, *, weights: bool = True) -> HFC
         shape = reference_shape(hf, spec)
     except (ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"{_FIELD}: {folder / CONFIG} is not a usable config ({exc!r})") from None
-    old_vocab = config.model.vocab_size
+    old_vocab, old_context = config.model.vocab_size, config.model.max_seq_len
     config.model = _merge(config.model, shape, spec)
     if config.data.vocab_size == old_vocab:  # informational; filled from the old section
         config.data.vocab_size = config.model.vocab_size
+    _check_headers(folder, config.model, spec)
+    _fit_block_size(config, old_context, spec)
     tokenizer = is_bytes(config.data.tokenizer) and (folder / "tokenizer.json").is_file()
     if tokenizer:
         config.data.tokenizer = str(folder)
@@ -271,6 +290,46 @@ def _remember(section: ModelConfig, found: HFCheckpoint) -> None:
     _RESOLVED[key] = found
 
 
+def _check_headers(folder: Path, section: ModelConfig, spec: str) -> None:
+    """The weight files' headers against the shapes ``section`` declares (when the files are
+    here: a DiLoCo worker and ``validate`` of a Hub repo fetch none); nothing is allocated."""
+    from safetensors import SafetensorError, safe_open
+
+    from speedtronic.model.export import llama_names
+    from speedtronic.model.sizes import check_stored
+
+    try:
+        files = weight_files(folder)
+    except ConfigError:
+        return  # fetch_checkpoint said so where the weights are needed
+    if not all(path.is_file() for path in files):
+        return
+    ours = {v: k for k, v in llama_names(section.n_layer, section.tie_weights).items()}
+    stored: dict[str, list[int]] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for key in list(handle.keys()):
+                    tied_head = key == "lm_head.weight" and section.tie_weights
+                    if tied_head or key.endswith(_IGNORED_TENSORS):
+                        continue
+                    if key not in ours:
+                        raise ConfigError(
+                            f"{_FIELD}: {path.name} holds {key}, which the reference model has "
+                            "no place for"
+                        )
+                    stored[ours[key]] = handle.get_slice(key).get_shape()
+        except (SafetensorError, OSError) as exc:
+            raise ConfigError(
+                f"{_FIELD}: {path} is not a readable safetensors file ({exc})"
+            ) from None
+    _refuse_missing(folder, sorted(theirs for theirs, mine in ours.items() if mine not in stored))
+    if section.tie_weights and "transformer.wte.weight" in stored:
+        stored["lm_head.weight"] = stored["transformer.wte.weight"]  # one matrix, two names
+    names = ", ".join(path.name for path in files)
+    check_stored(section, stored, f"{_FIELD} {spec} ({names} against {CONFIG})")
+
+
 @torch.no_grad()
 def load_hf_weights(model: torch.nn.Module, checkpoint: HFCheckpoint | str | Path) -> int:
     """Copy a checkpoint's weights into the reference ``model`` (built from the resolved
@@ -282,6 +341,7 @@ def load_hf_weights(model: torch.nn.Module, checkpoint: HFCheckpoint | str | Pat
     """
     from safetensors import safe_open
 
+    from speedtronic.checkpoint import non_finite
     from speedtronic.model.export import llama_names
 
     folder = checkpoint.folder if isinstance(checkpoint, HFCheckpoint) else Path(checkpoint)
@@ -305,6 +365,8 @@ def load_hf_weights(model: torch.nn.Module, checkpoint: HFCheckpoint | str | Pat
             # leave the process with the handle, so they never add up to the whole file.
             with safe_open(str(path), framework="pt") as handle:
                 tensor = handle.get_tensor(key)
+            if non_finite({key: tensor}) is not None:  # 16 K values at a time
+                raise ConfigError(f"{_FIELD}: {path}: {key} holds NaN or inf values")
             if tuple(tensor.shape) != tuple(target.shape):
                 raise ConfigError(
                     f"{_FIELD}: {path.name}: {key} has shape {tuple(tensor.shape)}, "
@@ -313,8 +375,12 @@ def load_hf_weights(model: torch.nn.Module, checkpoint: HFCheckpoint | str | Pat
             target.copy_(tensor)
             del tensor
             done.add(key)
-    missing = sorted(set(ours_by_theirs) - done)
+    _refuse_missing(folder, sorted(set(ours_by_theirs) - done))
+    return len(done)
+
+
+def _refuse_missing(folder: Path, missing: list[str]) -> None:
+    """A ``ConfigError`` naming the (transformers) tensors a checkpoint lacks, if any."""
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ConfigError(f"{_FIELD}: {folder} lacks {', '.join(missing[:3])}{more}")
-    return len(done)

@@ -49,16 +49,31 @@ def weight_files(folder: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            names = sorted(set(weight_map.values()))
+            named = list(weight_map.values())
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ConfigError(f"{_FIELD}: {index} is not a safetensors index ({exc})") from None
-        return [folder / name for name in names]
+        for name in named:
+            _inside(index, name)
+        return [folder / name for name in sorted(set(named))]
     if (folder / SINGLE).is_file():
         return [folder / SINGLE]
     raise ConfigError(
         f"{_FIELD}: {folder} has no {SINGLE} or {INDEX} (only safetensors weights are read; "
         "save the model with save_pretrained(..., safe_serialization=True))"
     )
+
+
+def _inside(index: Path, name: object) -> None:
+    """A weight file an index names must be a relative path inside the model folder: no
+    absolute path, no ``..``, no empty or odd segment (a planted index cannot make a run read
+    ``/etc/...`` or a file beside the checkpoint)."""
+    text = name if isinstance(name, str) else ""  # "" for a non-string: refused below
+    parts = text.split("/")  # an absolute path starts with an empty part
+    if "\\" in text or "\0" in text or any(part in ("", ".", "..") for part in parts):
+        raise ConfigError(
+            f"{_FIELD}: {index} names the weight file {json.dumps(name)}, which is not a "
+            "relative path inside the model folder"
+        )
 
 
 def fetch_checkpoint(
@@ -69,6 +84,10 @@ def fetch_checkpoint(
     local = Path(spec).expanduser()
     if local.is_dir():
         folder = local
+    elif "/" not in spec.partition("@")[0] and not _looks_like_path(spec):
+        raise ConfigError(  # a Hub id has an owner: a bare name is a folder that is not there
+            f"{_FIELD}: no local folder {spec!r} (a Hub model is named owner/name[@revision])"
+        )
     elif _looks_like_path(spec) or not _HUB_ID.match(spec):
         raise ConfigError(
             f"{_FIELD}: {spec} is neither a folder nor a Hub repo id (owner/name[@revision])"
@@ -81,6 +100,8 @@ def fetch_checkpoint(
         missing = [path.name for path in weight_files(folder) if not path.is_file()]
         if missing:
             raise ConfigError(f"{_FIELD}: {spec} lacks the weight files {', '.join(missing)}")
+    elif (folder / INDEX).is_file():
+        weight_files(folder)  # its names are checked even when the weights are not read
     return folder
 
 

@@ -70,6 +70,7 @@ class GPTConfig:
     dropout: float = ModelConfig.dropout
     tie_weights: bool = ModelConfig.tie_weights
     rope_base: float = ModelConfig.rope_base
+    norm_eps: float = ModelConfig.norm_eps
 
     @classmethod
     def from_model_config(cls, section: ModelConfig) -> GPTConfig:
@@ -239,9 +240,9 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.ln1 = RMSNorm(config.d_model)
+        self.ln1 = RMSNorm(config.d_model, config.norm_eps)
         self.attn = CausalSelfAttention(config)
-        self.ln2 = RMSNorm(config.d_model)
+        self.ln2 = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config)
         self.dropout = nn.Dropout(config.dropout)
         self.gradient_checkpointing = False
@@ -294,7 +295,7 @@ class ReferenceTransformer(nn.Module):
                 "wte": nn.Embedding(cfg.vocab_size, cfg.d_model),
                 "drop": nn.Dropout(cfg.dropout),
                 "h": nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layer)),
-                "ln_f": RMSNorm(cfg.d_model),
+                "ln_f": RMSNorm(cfg.d_model, cfg.norm_eps),
             }
         )
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)

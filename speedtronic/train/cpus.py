@@ -12,13 +12,17 @@ for several local processes and the JVM's container support do::
     threads   = max(1, allowed // processes)
 
 An explicit ``runtime.threads: N`` wins; ``OMP_NUM_THREADS`` set in the environment wins over
-``auto``. Everything here is a pure function of the values or files it is given (``root``
-stands for ``/``, so a test passes a folder of fake ``/proc`` and ``/sys/fs/cgroup`` files);
-`speedtronic.train.threads` reads the live values and applies the plan.
+``auto``. ``OMP_NUM_THREADS`` and ``LOCAL_WORLD_SIZE`` are counts of ASCII digits: another value
+(``²``, ``-2``, ``many``) is ignored with a warning, and a count above the CPUs in affinity
+(``5000``) is capped at them with a warning (`ThreadPlan.capped`). Everything else here is a
+pure function of the values or files it is given (``root`` stands for ``/``, so a test passes
+a folder of fake ``/proc`` and ``/sys/fs/cgroup`` files); `speedtronic.train.threads` reads
+the live values and applies the plan.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -39,6 +43,7 @@ __all__ = [
 ]
 
 _ESCAPE = re.compile(r"\\([0-7]{3})")
+_LOG = logging.getLogger("speedtronic.threads")
 
 
 def affinity_cpus() -> frozenset[int]:
@@ -156,18 +161,31 @@ def cgroup_cpu_quota(root: Path = Path("/")) -> float | None:
     return min(quotas) if quotas else None
 
 
+def _env_count(name: str, text: str) -> int | None:
+    """``text``, the value of the environment variable ``name``, as a positive count; None
+    when empty, and None with a warning when it is not ASCII digits (``²`` is a digit to
+    ``str.isdigit`` but not to ``int``) or is 0. More than nine digits read as 10**9 (the plan
+    caps it)."""
+    text = text.strip()
+    if not text:
+        return None
+    digits = text.lstrip("0")
+    if text.isascii() and text.isdigit() and digits:
+        return int(digits) if len(digits) <= 9 else 10**9
+    _LOG.warning("%s=%r in the environment is not a positive integer; ignored", name, text[:40])
+    return None
+
+
 def omp_threads(environ: Mapping[str, str]) -> int | None:
     """``OMP_NUM_THREADS`` as a positive count (its first level when it lists several), or
-    None when unset or not a positive integer."""
-    text = environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
-    return int(text) if text.isdigit() and int(text) > 0 else None
+    None when unset or not a positive integer (with a warning, see the module)."""
+    return _env_count("OMP_NUM_THREADS", environ.get("OMP_NUM_THREADS", "").split(",")[0])
 
 
 def local_world_size(environ: Mapping[str, str]) -> int:
     """Processes of this node on this host under torchrun (``LOCAL_WORLD_SIZE``; 1 when
-    unset or not a positive integer)."""
-    text = environ.get("LOCAL_WORLD_SIZE", "").strip()
-    return int(text) if text.isdigit() and int(text) > 0 else 1
+    unset or not a positive integer, with a warning for the latter)."""
+    return _env_count("LOCAL_WORLD_SIZE", environ.get("LOCAL_WORLD_SIZE", "")) or 1
 
 
 @dataclass(frozen=True)
@@ -176,7 +194,8 @@ class ThreadPlan:
 
     ``source`` is ``runtime.threads`` (an explicit count), ``OMP_NUM_THREADS`` or ``auto``;
     ``cpus`` is the size of the affinity mask, ``quota`` the cgroup quota in CPUs (None: no
-    quota), ``processes`` the training processes sharing them (this one included).
+    quota), ``processes`` the training processes sharing them (this one included); ``capped``
+    says which environment count was larger than the CPUs and cut to them (None: none was).
     """
 
     threads: int
@@ -185,6 +204,7 @@ class ThreadPlan:
     quota: float | None
     processes: int
     omp: int | None = None
+    capped: str | None = None
 
     @property
     def reason(self) -> str:
@@ -193,7 +213,10 @@ class ThreadPlan:
             ignored = f"; OMP_NUM_THREADS={self.omp} not used" if self.omp else ""
             return f"runtime.threads{ignored}"
         if self.source == "OMP_NUM_THREADS":
-            return f"OMP_NUM_THREADS={self.omp} in the environment"
+            cut = (
+                f", capped at the {self.cpus} CPUs in affinity" if self.threads != self.omp else ""
+            )
+            return f"OMP_NUM_THREADS={self.omp} in the environment{cut}"
         quota = "no cgroup quota" if self.quota is None else f"cgroup quota {self.quota:g}"
         cpus = "CPU" if self.cpus == 1 else "CPUs"
         processes = "process" if self.processes == 1 else "processes"
@@ -221,14 +244,22 @@ def plan_threads(
     ``cpus``: the affinity mask (or its size); ``quota``: the cgroup quota in CPUs;
     ``processes``: live training processes on this host that share these CPUs, this one
     included; ``local_world``: torchrun's ``LOCAL_WORLD_SIZE`` (a floor for ``processes``
-    while the node's ranks are still starting); ``omp``: ``OMP_NUM_THREADS``.
+    while the node's ranks are still starting); ``omp``: ``OMP_NUM_THREADS``. Under ``auto``
+    both environment counts are capped at the CPUs in affinity (see `ThreadPlan.capped`).
     """
     count = cpus if isinstance(cpus, int) else len(frozenset(cpus))
     count = max(1, count)
-    sharing = max(1, processes, local_world)
+    sharing = max(1, processes, min(local_world, count))
     if setting != "auto":
         return ThreadPlan(int(setting), "runtime.threads", count, quota, sharing, omp)
+    over = [
+        f"{name}={value}"
+        for name, value in (("OMP_NUM_THREADS", omp or 0), ("LOCAL_WORLD_SIZE", local_world))
+        if value > count
+    ]
+    verb = "are" if len(over) > 1 else "is"
+    capped = f"{' and '.join(over)} {verb} more than the {count} CPUs in affinity" if over else None
     if omp is not None:
-        return ThreadPlan(omp, "OMP_NUM_THREADS", count, quota, sharing, omp)
+        return ThreadPlan(min(omp, count), "OMP_NUM_THREADS", count, quota, sharing, omp, capped)
     allowed = count if quota is None else min(count, max(1, math.ceil(quota - 1e-9)))
-    return ThreadPlan(max(1, allowed // sharing), "auto", count, quota, sharing, omp)
+    return ThreadPlan(max(1, allowed // sharing), "auto", count, quota, sharing, omp, capped)

@@ -2,7 +2,8 @@
 
 `preflight` opens everything `speedtronic.train.runtime.build_runtime` opens before the first
 step, with the same code, and stops there: the device and precision (``run.device`` on this
-machine), the model (built on the meta device, so no weights are allocated), the tokenizer, the
+machine), the model (built on the meta device, so no weights are allocated; its size against
+the memory, and ``init_from``'s weight headers against its ``config.json``), the tokenizer, the
 training source (``data.text_path``, ``data.token_path``, ``data.dataset``: files opened,
 prepared folders matched to the tokenizer, token ids checked against ``model.vocab_size``), the
 held-out set (``eval.text_path``, ``eval.token_path``, ``eval.holdout``), and, when the run
@@ -169,6 +170,7 @@ def preflight(config: SpeedtronicConfig, *, resume: bool = False) -> Preflight:
     from speedtronic.data import build_node_dataloader
     from speedtronic.model import build_model
     from speedtronic.model.hf_import import resolve_init_from
+    from speedtronic.model.sizes import check_memory
     from speedtronic.train.evaluate import build_heldout
     from speedtronic.train.runtime import _device, _log_data, _precision
     from speedtronic.train.shapes import validate_startup_shapes
@@ -184,6 +186,8 @@ def preflight(config: SpeedtronicConfig, *, resume: bool = False) -> Preflight:
     )
     device = _device(config, None)
     precision = _precision(config, device)
+    spec = config.model.init_from  # as the run does before it builds the model:
+    check_memory(config.model, f"model.init_from {spec}" if spec else "the config")
     with torch.device("meta"):
         model = build_model(config.model)
     report = Preflight(

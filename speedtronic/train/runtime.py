@@ -5,15 +5,16 @@
 implicit scheduler horizon too) → ``model.init_from`` (fills the model section and the
 tokenizer from a transformers checkpoint, in place: ``speedtronic.model.hf_import``) → seeding
 → one run per checkpoint folder (``CheckpointManager.claim``: a folder holding another run's
-checkpoints needs ``resume`` or ``checkpoint.overwrite``, else ``ConfigError``) → torch
-threads (``runtime.threads``, ``speedtronic.train.threads``) → device (``run.device``) →
-precision → model (the checkpoint's weights loaded, then moved to the device) → logger →
-DumbDiLoCo coordinator (when ``distributed.enabled``) → data loader (its
+checkpoints needs ``resume`` or ``checkpoint.overwrite``, else ``ConfigError``; with
+``overwrite`` they are deleted when training starts, ``Trainer.fit``) → torch threads
+(``runtime.threads``, ``speedtronic.train.threads``) → device (``run.device``) → precision →
+model (the checkpoint's weights loaded, then moved to the device) → logger → data loader (its
 stream seeded per node, so DiLoCo nodes see different batches; ``eval.holdout`` kept out) →
-held-out eval set (``build_heldout``) → checkpoint manager → shape validation → optimizer →
-scheduler → ``Trainer`` → resume. Every configuration problem (a CUDA request without CUDA, a
-bad data path, an unknown model) raises ``ConfigError`` naming the field, before any training
-step.
+held-out eval set (``build_heldout``) → DumbDiLoCo coordinator (when ``distributed.enabled``;
+it touches the exchange, after the data was found) → shape validation → optimizer → scheduler
+→ ``Trainer`` → resume. Every configuration problem (a CUDA request without CUDA, a bad data
+path, an unknown model) raises ``ConfigError`` naming the field, before any training step and
+before anything is deleted.
 
 Embedding the trainer in another process (what ``speedtronic run`` does)::
 
@@ -253,6 +254,7 @@ def build_runtime(
     from speedtronic.data import build_node_dataloader
     from speedtronic.model import build_model
     from speedtronic.model.hf_import import load_hf_weights, resolve_init_from
+    from speedtronic.model.sizes import check_memory
     from speedtronic.train.evaluate import build_heldout
     from speedtronic.train.shapes import validate_startup_shapes
 
@@ -264,24 +266,45 @@ def build_runtime(
     ranks = ranks or RankEnv()
     section = config.checkpoint
     resume = bool(resume or section.resume)
+    manager = CheckpointManager(
+        config.checkpoint_dir,
+        every_steps=section.every_steps,
+        keep_last=section.keep_last,
+        enabled=section.enabled,
+        save_final=section.save_final,
+    )
     # one run per folder, decided before anything (the exchange included) is touched; a run
-    # that writes no checkpoint (checkpoint.enabled: false) starts no series to mix
+    # that writes no checkpoint (checkpoint.enabled: false) starts no series to mix. With
+    # overwrite, the old run's files go when this one starts training (manager.start)
     if section.enabled:
-        CheckpointManager(config.checkpoint_dir).claim(
-            resume=resume, overwrite=section.overwrite, clear=ranks.is_main
-        )
+        manager.claim(resume=resume, overwrite=section.overwrite, clear=ranks.is_main)
     _check_parallel(config, ranks)
     threads = ThreadBudget.start(config.runtime.threads, os.environ)  # before the model
     parallel, resolved = start_parallel(ranks, _device(config, device), config.run)
     precision = _precision(config, resolved)
+    origin = f"model.init_from {init.spec}" if init is not None else "the config"
+    check_memory(config.model, origin)  # sizes are checked before they are built
     model = build_model(config.model)
     if init is not None and init.loads_weights:  # a DiLoCo worker starts from global 0
         load_hf_weights(model, init)
     model.to(resolved)
     logger = build_logger(config, main=parallel.is_main)
+    manager.warn = logger.warning
     if init is not None:
         logger.info(init.describe())
     logger.hooks.append(threads)  # keeps the count fitting as sibling processes come and go
+    if node_id is None and config.distributed.enabled:  # the coordinator's, as it will say
+        from speedtronic.diloco.link import resolve_node_id
+
+        node_id = resolve_node_id(config.distributed.node_id, os.environ)
+    # the data first: a bad path is refused before the coordinator touches the exchange
+    loader = build_node_dataloader(
+        config,
+        node_id,
+        pin_memory_device=resolved.type == "cuda",
+        rank=parallel.rank,
+        world_size=parallel.world_size,
+    )
     heldout = build_heldout(config) if parallel.evaluates else None
     coordinator = None
     if config.distributed.enabled:  # FSDP: rank 0's round works on a full copy (every rank)
@@ -290,27 +313,6 @@ def build_runtime(
             coordinator = _coordinator(
                 config, round_model, logger, heldout=heldout, device=resolved, precision=precision
             )
-    if node_id is None and coordinator is not None:
-        node_id = coordinator.node_id
-    elif node_id is None and config.distributed.enabled:  # rank > 0 reads the node's stream
-        from speedtronic.diloco.link import resolve_node_id
-
-        node_id = resolve_node_id(config.distributed.node_id, os.environ)
-    loader = build_node_dataloader(
-        config,
-        node_id,
-        pin_memory_device=resolved.type == "cuda",
-        rank=parallel.rank,
-        world_size=parallel.world_size,
-    )
-    manager = CheckpointManager(
-        config.checkpoint_dir,
-        every_steps=section.every_steps,
-        keep_last=section.keep_last,
-        enabled=section.enabled,
-        save_final=section.save_final,
-        warn=logger.warning,
-    )
     if log_config:
         logger.info(
             "config %s",

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from speedtronic.checkpoint import CheckpointError, CheckpointManager
+from speedtronic.checkpoint import CheckpointError, CheckpointManager, check_finite
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.json_types import JSON, StateDict
 from speedtronic.train.evaluate import build_heldout, evaluate
@@ -32,12 +32,14 @@ __all__ = ["Weights", "load_model", "load_weights", "score"]
 
 @dataclass
 class Weights:
-    """A model state to score and what is known about it (``None`` = unknown)."""
+    """A model state to score and what is known about it (``None`` = unknown); ``evals``: the
+    held-out evaluations a trainer checkpoint carries (``None``: the file carries none)."""
 
     state: dict[str, torch.Tensor]
     source: str
     step: int | None = None
     outer_step: int | None = None
+    evals: list[JSON] | None = None
 
 
 def _int_or_none(value: object) -> int | None:
@@ -62,14 +64,18 @@ def _checkpoint_outer_step(coordinator: object) -> int | None:
 
 
 def _from_trainer_state(state: StateDict, source: str) -> Weights:
+    from speedtronic.train.state import eval_records
+
     model = state.get("model")
     if not isinstance(model, dict):
         raise CheckpointError(f"checkpoint {source} holds no model state")
+    evals = state.get("evals")
     return Weights(
         model,
         source,
         _int_or_none(state.get("step")),
         _checkpoint_outer_step(state.get("coordinator")),
+        eval_records(evals.get("records")) if isinstance(evals, dict) else None,
     )
 
 
@@ -154,13 +160,15 @@ def score(
     from speedtronic.config import ConfigError
     from speedtronic.train.runtime import _device, _precision
 
+    # the weights first: the model a checkpoint's config declares is checked against them
+    # before anything of its size (the synthetic held-out chain included) is built
+    model, weights = load_model(config, checkpoint=checkpoint, use_global=use_global)
     heldout = build_heldout(config)
     if heldout is None:
         raise ConfigError(
             "eval: no held-out data configured; set eval.holdout (a fraction of the training "
             "data) or eval.text_path / eval.token_path"
         )
-    model, weights = load_model(config, checkpoint=checkpoint, use_global=use_global)
     device = _device(config, None)
     model.to(device)
     result = evaluate(model, heldout, device=device, precision=_precision(config, device))
@@ -177,14 +185,20 @@ def load_model(
 ) -> tuple[torch.nn.Module, Weights]:
     """The configured model (on CPU, eval mode) holding the weights :func:`load_weights` finds.
 
-    Weights that do not fit ``config.model`` are a ``CheckpointError`` naming the source. Used
-    by ``speedtronic eval``, ``export`` and ``sample``.
+    Weights that do not fit ``config.model`` (compared before the model is built, so a
+    config declaring a larger model than the file holds allocates nothing) or hold NaN/inf
+    are a ``CheckpointError`` naming the source. Used by ``speedtronic eval``, ``export``,
+    ``sample`` and ``push``.
     """
     from speedtronic.model import build_model
     from speedtronic.model.hf_import import resolve_init_from
+    from speedtronic.model.sizes import check_stored
 
     resolve_init_from(config, weights=False)  # a run started from a transformers checkpoint
     weights = load_weights(config, checkpoint=checkpoint, use_global=use_global)
+    shapes = {k: getattr(v, "shape", ()) for k, v in weights.state.items()}
+    check_stored(config.model, shapes, weights.source, error=CheckpointError)
+    check_finite(weights.state, weights.source)
     model = build_model(config.model)
     try:
         model.load_state_dict(weights.state, strict=True)

@@ -9,6 +9,7 @@ The trainer registers its state once, in ``__init__``, as a
     scheduler    the LR scheduler, or None
     scaler       the GradScaler (CUDA fp16), or None
     data         DataPosition   micro-batches consumed + the loader's own position
+    evals        EvalHistory    the run's held-out evaluations so far (the model card's)
     rng          RNGState       Python, NumPy, torch, CUDA generators (loaded last)
     coordinator  the DiLoCo coordinator, or None (it applies its state at ``start``)
 
@@ -33,7 +34,7 @@ from typing import Protocol
 
 import torch
 
-from speedtronic.checkpoint import CheckpointError, CheckpointManager, CheckpointParts
+from speedtronic.checkpoint import CheckpointError, CheckpointManager, CheckpointParts, check_finite
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.data.loader import data_state_dict, load_data_state_dict
 from speedtronic.json_types import JSON, JSONView, StateDict
@@ -44,6 +45,7 @@ from speedtronic.train.precision import PrecisionPlan
 __all__ = [
     "Counters",
     "DataPosition",
+    "EvalHistory",
     "TrainProgress",
     "TrainerCheckpoint",
     "check_resumable",
@@ -85,6 +87,50 @@ class DataPosition:
         if not restored:
             for _ in range(self.consumed):
                 next(self._stream)
+
+
+class EvalHistory:
+    """The run's held-out evaluations as a checkpoint part: a logger hook that keeps every
+    ``eval`` event (``step``, ``loss``, ``scope``, ``outer_step``), so a checkpoint carries the
+    evaluations up to its step and ``speedtronic push`` writes them on the model card without
+    the run's JSONL log. Kept across a resume; at most :attr:`LIMIT` (the newest)."""
+
+    LIMIT = 10_000
+
+    def __init__(self) -> None:
+        self.records: list[JSON] = []
+
+    def on_event(self, event: str, payload: JSONView) -> None:
+        """Logger hook: keep an ``eval`` event that has a numeric loss."""
+        loss = payload.get("loss")
+        if event != "eval" or isinstance(loss, bool) or not isinstance(loss, (int, float)):
+            return
+        keys = ("step", "loss", "scope", "outer_step")
+        self.records.append({k: payload[k] for k in keys if payload.get(k) is not None})
+        del self.records[: -self.LIMIT]
+
+    def state_dict(self) -> dict[str, list[JSON]]:
+        """``{"records": [...]}`` (numbers and strings only)."""
+        return {"records": [dict(record) for record in self.records]}
+
+    def load_state_dict(self, state: JSONView) -> None:
+        """The records a checkpoint saved (anything else in it is dropped)."""
+        self.records = eval_records(state.get("records"))
+
+
+def eval_records(value: object) -> list[JSON]:
+    """The well-formed ``eval`` records of a checkpoint's ``evals`` part: dicts with a numeric
+    ``loss``, the newest :attr:`EvalHistory.LIMIT` of them (a file is data, not trusted)."""
+    if not isinstance(value, list):
+        return []
+    kept = [
+        {k: v for k, v in record.items() if k in ("step", "loss", "scope", "outer_step")}
+        for record in value
+        if isinstance(record, dict)
+        and isinstance(record.get("loss"), (int, float))
+        and not isinstance(record.get("loss"), bool)
+    ]
+    return kept[-EvalHistory.LIMIT :]
 
 
 class Counters(Protocol):
@@ -154,8 +200,8 @@ def check_resumable(
     state: JSONView, model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> None:
     """Raise ``CheckpointError`` (naming the mismatch) when ``state`` cannot resume ``model``
-    and ``optimizer``: other parameter names or shapes, an invalid step or counter, other
-    optimizer groups or optimizer state of other shapes. Changes nothing."""
+    and ``optimizer``: other parameter names or shapes, NaN or inf weights, an invalid step or
+    counter, other optimizer groups or optimizer state of other shapes. Changes nothing."""
     source = state.get("path", "checkpoint")
     saved = state.get("model")
     if not isinstance(saved, dict):
@@ -174,6 +220,7 @@ def check_resumable(
                 f"{source} is for another model: {name} is {shape}, "
                 f"this model has {tuple(tensor.shape)}"
             )
+    check_finite(saved, str(source))  # NaN weights would train on as loss=nan
     for key in TrainProgress.KEYS:
         value = state.get(key, 0)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -247,6 +294,11 @@ class TrainerCheckpoint:
         self.last_saved_step = -1
         self.resave = False  # the weights changed after this step's checkpoint was written
         self._tokenizer: tuple[JSON | None] | None = None  # read at the first save
+
+    def start(self) -> None:
+        """Training starts: the manager deletes what ``claim(overwrite=True)`` left to it."""
+        if self.manager is not None:
+            self.manager.start()
 
     def maybe_save(self, step: int) -> None:
         """Save when ``step`` is on the manager's interval and not saved yet."""

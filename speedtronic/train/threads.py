@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import secrets
+import stat
 import tempfile
 import threading
 import time
@@ -69,13 +70,18 @@ def registry_dir(environ: Mapping[str, str]) -> Path:
 
 
 def _private_dir(path: Path) -> None:
-    """Create ``path`` (mode 0700 for what is created); refuse one that is a link or
-    another user's (an ``OSError``), so nobody else can plant entries in it."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    for folder in (path, path.parent):
+    """Create ``path`` and its parent (mode 0700), one level at a time below the base folder
+    (``$XDG_RUNTIME_DIR`` or the temp folder), and refuse a level that is a link, not a
+    folder, or another user's (a ``PermissionError``) before the next one is made: nothing is
+    ever created inside a link's target, and nobody else can plant entries."""
+    path.parent.parent.mkdir(parents=True, exist_ok=True)
+    for folder in (path.parent, path):
+        with contextlib.suppress(FileExistsError):
+            folder.mkdir(mode=0o700)  # never follows a link that is already there
         info = folder.lstat()
-        if folder.is_symlink() or (hasattr(os, "getuid") and info.st_uid != os.getuid()):
-            raise PermissionError(f"{folder} is a link or belongs to another user")
+        foreign = hasattr(os, "getuid") and info.st_uid != os.getuid()
+        if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode) or foreign:
+            raise PermissionError(f"{folder} is a link, not a folder, or another user's")
 
 
 class SiblingRegistry:
@@ -132,11 +138,13 @@ class SiblingRegistry:
         except OSError:
             return 1
         for entry in entries:
-            try:
-                fd = os.open(entry, os.O_RDONLY)
+            try:  # never blocks (a FIFO named *.lock) and never follows a link
+                fd = os.open(entry, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
             except OSError:
-                continue  # removed meanwhile
+                continue  # removed meanwhile, or a link
             try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    continue  # a FIFO, socket or device: no entry of ours
                 try:
                     fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
                 except BlockingIOError:  # held: a live process
@@ -222,6 +230,8 @@ class ThreadBudget:
         weakref.finalize(budget, registry.release)  # also at exit
         budget._apply(budget.plan.threads)
         plan = budget.plan
+        if plan.capped:
+            _LOG.warning("threads: %s; capped at them", plan.capped)
         _LOG.info(plan.describe(), extra=_event(plan))
         return budget
 

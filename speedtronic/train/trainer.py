@@ -6,8 +6,9 @@ and the token count together, then ``_optimizer_step``. ``_agree`` makes it the 
 when the node trains on several ranks (:class:`~speedtronic.train.sync.NodeSync`). ``_after_step``
 advances the counters and the LR schedule, the ``train_step`` metric is emitted,
 ``checkpoint.maybe_save`` saves on the interval
-(:class:`~speedtronic.train.state.TrainerCheckpoint`) and ``_maybe_evaluate`` scores the held-out
-set (``eval.every_steps``, and at the end after the coordinator stopped). Skipped updates
+(:class:`~speedtronic.train.state.TrainerCheckpoint`) after ``_maybe_evaluate`` scored the held-out
+set (``eval.every_steps``, and at the end after the coordinator stopped; the evaluations go
+into the checkpoints, :class:`~speedtronic.train.state.EvalHistory`). Skipped updates
 (GradScaler overflow, non-finite loss with ``run.stop_on_nonfinite: false``) advance nothing; 20
 in a row is an error.
 
@@ -68,6 +69,7 @@ from speedtronic.train.result import (
 )
 from speedtronic.train.state import (
     DataPosition,
+    EvalHistory,
     TrainerCheckpoint,
     TrainProgress,
     check_resumable,
@@ -174,6 +176,9 @@ class Trainer:
         self._ooo: StageStreamScheduler | None = None
         self._consecutive_skips = 0
         self.heldout = options.heldout
+        self._evaluated_at: int | None = None  # the step of the last eval
+        self.evals = EvalHistory()  # every eval event, carried by the checkpoints
+        self.logger.hooks.append(self.evals)
         apply_gradient_checkpointing(self.model, self.config.gradient_checkpointing, self.logger)
         self._wrapped = self.parallel.wrap(model)  # DDP/FSDP on several ranks, else the model
         self._active, self._compiled = compile_model(
@@ -191,6 +196,7 @@ class Trainer:
                 "scheduler": scheduler,
                 "scaler": self.scaler,
                 "data": self.data,
+                "evals": self.evals,
                 "rng": RNGState(),
                 "coordinator": self.sync.coordinator,
             },
@@ -289,6 +295,7 @@ class Trainer:
         if not trains:  # a pure DiLoCo aggregator: no local steps, only its rounds
             target = self.step
         try:
+            self.checkpoint.start()  # --overwrite: the old run's checkpoints go now
             # also at (or past) the target: a resumed master serves the rounds still open
             self.parallel.refresh_mirror(self.model)  # FSDP + DiLoCo: what the round sees
             self.sync.start(self.optimizer, self.step)
@@ -309,8 +316,8 @@ class Trainer:
                 self.logger.emit("train_step", metric)
                 metrics.append(metric)
                 final_loss = update.loss
+                self._maybe_evaluate(target)  # first: the checkpoint carries this eval
                 self.checkpoint.maybe_save(self.step)
-                self._maybe_evaluate(target)
             reached = self.step >= self.max_steps or not trains
             if reached and self._stop_reason is None:
                 self._finish_run()
@@ -495,14 +502,23 @@ class Trainer:
         self.last_heartbeat = time.monotonic()
 
     def _maybe_evaluate(self, target: int, *, final: bool = False) -> None:
-        """Emit ``eval`` for the local weights at multiples of ``eval.every_steps`` and at the end
-        (the target step is left to the final eval, which sees a global installed at stop)."""
+        """Emit ``eval`` for the local weights at multiples of ``eval.every_steps`` and at the end.
+
+        With a coordinator the target step is left to the final eval, which sees a global
+        installed at stop; without one the weights at the target are final, so the target is
+        scored in the loop, before its checkpoint is written (which then carries it), and the
+        final eval does not score the same weights again."""
         if self.heldout is None:
             return
-        every = self._eval_every
-        if not final and (every <= 0 or self.step % every or self.step >= target):
+        local = self.sync.coordinator is None
+        if final and local and self._evaluated_at == self.step:
+            return
+        every, at_target = self._eval_every, self.step >= target
+        on_cadence = every > 0 and not self.step % every and not at_target
+        if not (final or (local and at_target) or on_cadence):
             return
         result = evaluate(self.model, self.heldout, device=self.device, precision=self.precision)
+        self._evaluated_at = self.step
         self.logger.emit("eval", {"step": self.step, **result.as_dict(), "scope": "local"})
 
     def _step_metric(

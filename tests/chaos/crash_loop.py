@@ -9,9 +9,12 @@ child continues from what was loaded, so it is a crash *loop*.
 
 Targets:
 
-``checkpoint``  ``CheckpointManager.save`` (keep_last 2) of a ~1 MB state. The next start's
-                ``load_latest`` must return a step >= the last save that returned (and at
-                most one more), with tensors that match that step.
+``checkpoint``  ``CheckpointManager.save`` (keep_last 2) of a ~1 MB state, the folder locked
+                as ``train`` locks it (`speedtronic.folder_lock`). The next start must take
+                the lock over (the killed writer's lock file is left behind, and not held:
+                ``stale_locks`` counts them), and its ``load_latest`` must return a step >=
+                the last save that returned (and at most one more), with tensors that match
+                that step.
 ``master``      ``RoundMaster.poll_once`` over a shared-directory exchange, driven by a
                 planted contribution per round (publish + ``_save_local_state``) and a
                 second node's contribution that is damaged in the exchange every round (a
@@ -57,12 +60,13 @@ import torch
 torch.set_num_threads(1)
 
 from speedtronic.checkpoint import CheckpointManager  # noqa: E402
-from speedtronic.config import DistributedConfig  # noqa: E402
+from speedtronic.config import ConfigError, DistributedConfig  # noqa: E402
 from speedtronic.diloco.codec import delta_to_bytes  # noqa: E402
 from speedtronic.diloco.directory import DirectoryTransport  # noqa: E402
 from speedtronic.diloco.exchange import RoundSettings  # noqa: E402
 from speedtronic.diloco.hub import HubClient  # noqa: E402
 from speedtronic.diloco.master import RoundMaster  # noqa: E402
+from speedtronic.folder_lock import LOCK_FILE, FolderLock  # noqa: E402
 from speedtronic.retry import RetryPolicy  # noqa: E402
 from speedtronic.testing.hub_server import HubEmulator, LfsConfig  # noqa: E402
 
@@ -117,6 +121,7 @@ def _report(fd: int, value: int) -> None:
 
 
 def _checkpoint_child(root: Path, start: int, fd: int) -> None:
+    FolderLock.acquire(root, command="crash-loop writer")  # held until the SIGKILL
     manager = CheckpointManager(root, keep_last=2, warn=lambda message: None)
     step = start
     while True:
@@ -242,12 +247,18 @@ def _temps(root: Path) -> int:
 
 def run_checkpoint(root: Path, kills: int, rng: random.Random) -> dict[str, int]:
     counts = {"kills": 0, "recovered": 0, "mid_write": 0, "fallbacks": 0, "empty": 0}
+    counts["stale_locks"] = 0
     start = 1
     for _ in range(kills):
         child = lambda fd, first=start: _checkpoint_child(root, first, fd)  # noqa: E731
         done = _kill_at_random(child, rng, 0.01, 0.12)
         counts["kills"] += 1
         counts["mid_write"] += int(_temps(root) > 0)
+        counts["stale_locks"] += int((root / LOCK_FILE).exists())
+        try:  # the dead writer's lock file is not held: the next start takes the folder
+            FolderLock.acquire(root, command="crash-loop restart").release()
+        except ConfigError as exc:
+            raise AssertionError(f"the restart could not take the folder over: {exc}") from None
         warnings: list[str] = []
         state = CheckpointManager(root, warn=warnings.append).load_latest()
         counts["fallbacks"] += len(warnings)
