@@ -34,9 +34,9 @@ from speedtronic.config import DistributedConfig
 from speedtronic.diloco.codec import average_deltas, cpu_state_dict, delta_to_bytes, floating_state
 from speedtronic.diloco.coordinator import DumbDiLoCoCoordinator
 from speedtronic.diloco.directory import DirectoryTransport
-from speedtronic.diloco.exchange import RetryPolicy
 from speedtronic.diloco.master import NesterovOuterOptimizer
 from speedtronic.model import build_model
+from speedtronic.retry import RetryPolicy
 
 
 class SlowTransport(DirectoryTransport):

@@ -38,8 +38,9 @@ from diloco_scale import model_shapes  # noqa: E402
 
 from speedtronic.config import DistributedConfig  # noqa: E402
 from speedtronic.diloco.directory import DirectoryTransport  # noqa: E402
-from speedtronic.diloco.exchange import RetryPolicy  # noqa: E402
+from speedtronic.diloco.exchange import RoundSettings  # noqa: E402
 from speedtronic.diloco.master import RoundMaster  # noqa: E402
+from speedtronic.retry import RetryPolicy  # noqa: E402
 
 _NODE = r"""
 import json, re, sys, tempfile
@@ -88,7 +89,7 @@ for _ in range(cfg["rounds"] * cfg["inner_steps"]):
 coordinator.finish()
 coordinator.stop()
 print(json.dumps({{"baseline_kib": baseline_kib, "peak_kib": peak_kib(),
-                   "installed": coordinator.node.installed}}))
+                   "installed": coordinator.node.rounds.installed}}))
 """
 
 
@@ -103,8 +104,10 @@ def measure(
         master = RoundMaster(
             store,
             {k.replace(".", "_"): torch.zeros(v) for k, v in shapes.items()},
-            settings=DistributedConfig(
-                round_timeout=600.0, poll_interval=0.05, min_nodes=1, delta_dtype=wire
+            settings=RoundSettings.of(
+                DistributedConfig(
+                    round_timeout=600.0, poll_interval=0.05, min_nodes=1, delta_dtype=wire
+                )
             ),
             state_dir=root / "master",
         )

@@ -56,11 +56,11 @@ sys.path.insert(0, str(REPO))
 
 from speedtronic.config import DistributedConfig, ModelConfig  # noqa: E402
 from speedtronic.diloco.codec import DELTA_FORMATS, decode_value, encode_delta  # noqa: E402
-from speedtronic.diloco.coordinator import Upstream  # noqa: E402
 from speedtronic.diloco.directory import DirectoryTransport  # noqa: E402
-from speedtronic.diloco.exchange import RetryPolicy  # noqa: E402
+from speedtronic.diloco.exchange import RoundSettings  # noqa: E402
 from speedtronic.diloco.hub import HubClient  # noqa: E402
-from speedtronic.diloco.master import RoundMaster  # noqa: E402
+from speedtronic.diloco.master import RelayStep, RoundMaster  # noqa: E402
+from speedtronic.retry import RetryPolicy  # noqa: E402
 from speedtronic.testing.hub_budget import Budget  # noqa: E402
 from speedtronic.testing.hub_server import FaultConfig, HubEmulator, token_tag  # noqa: E402
 
@@ -84,17 +84,19 @@ def model_shapes(d_model: int, layers: int, vocab: int) -> dict[str, tuple[int, 
 
 def _settings(
     poll: float, expect: int, leaders: list[str] | None = None, wire: str = "bf16"
-) -> DistributedConfig:
-    return DistributedConfig(
-        relay_leaders=leaders or [],
-        outer_lr=0.7,
-        outer_momentum=0.9,
-        round_timeout=600.0,
-        poll_interval=poll,
-        min_nodes=expect,
-        drop_after=100,
-        max_staleness=1,
-        delta_dtype=wire,
+) -> RoundSettings:
+    return RoundSettings.of(
+        DistributedConfig(
+            relay_leaders=leaders or [],
+            outer_lr=0.7,
+            outer_momentum=0.9,
+            round_timeout=600.0,
+            poll_interval=poll,
+            min_nodes=expect,
+            drop_after=100,
+            max_staleness=1,
+            delta_dtype=wire,
+        )
     )
 
 
@@ -112,7 +114,7 @@ sys.path.insert(0, {bench!r})
 from diloco_scale import _retry, _settings
 from speedtronic.diloco.hub import HubClient
 from speedtronic.diloco.master import RoundMaster
-from speedtronic.diloco.exchange import TransportError
+from speedtronic.retry import TransportError
 
 cfg = json.loads(sys.argv[1])
 def peak_kib():
@@ -255,7 +257,7 @@ def _leader(
                     retry=_retry())  # fmt: skip
     events: list = []
     stop = threading.Event()
-    upstream = Upstream(
+    upstream = RelayStep(
         top,
         node_id=name,
         settings=_settings(poll, members, wire=wire),
@@ -268,7 +270,7 @@ def _leader(
         settings=_settings(poll, members, wire=wire),
         state_dir=tmp / f"state-{name}",
         emit=lambda e, **fields: events.append((e, fields)),
-        upstream=upstream,
+        outer=upstream,
     )
     master.events = events  # type: ignore[attr-defined]
     master.stop_relay = stop  # type: ignore[attr-defined]

@@ -235,9 +235,9 @@ def export_command(args: argparse.Namespace, config: SpeedtronicConfig) -> int:
 def push_command(args: argparse.Namespace, config: SpeedtronicConfig) -> int:
     """``speedtronic push``: the repo, the step and the files uploaded in one commit."""
     from speedtronic.checkpoint import CheckpointError
-    from speedtronic.diloco.exchange import HubUnavailable, TransportError
     from speedtronic.model.export import ExportError
     from speedtronic.publish import push_model
+    from speedtronic.retry import HubUnavailable, TransportError
 
     try:
         result = push_model(

@@ -169,9 +169,14 @@ ALIASES: dict[str, Alias] = {
         ("DeltaUploadJob", "DumbDiLoCo", "DumbDiLoCoCoordinator", "GlobalCandidate", "SyncResult"),
     ),
     "speedtronic.distributed.hub": Alias(
-        # exchange.py's wire format and codecs moved to codec.py: 2.0.0 code that reached a
-        # helper through this path still finds it
-        ("speedtronic.diloco.hub", "speedtronic.diloco.exchange", "speedtronic.diloco.codec"),
+        # exchange.py's wire format and codecs moved to codec.py, its errors and retry policy
+        # to speedtronic.retry: 2.0.0 code that reached a helper through this path finds it
+        (
+            "speedtronic.diloco.hub",
+            "speedtronic.diloco.exchange",
+            "speedtronic.retry",
+            "speedtronic.diloco.codec",
+        ),
         ("GlobalMetadata", "HubClient", "HubError", "HubTransport", "HubUnavailable"),
     ),
     "speedtronic.distributed.outer": Alias(

@@ -67,7 +67,7 @@ from types import FrameType
 from typing import IO, TYPE_CHECKING, Literal
 
 from speedtronic.config import ConfigError, ResolvedConfig
-from speedtronic.diloco.node import ExchangeAccessError, NodeIdCollisionError
+from speedtronic.diloco.link import ExchangeAccessError, NodeIdCollisionError
 from speedtronic.json_types import JSON
 from speedtronic.metrics.logger import JsonLogFormatter, RedactingFilter
 from speedtronic.metrics.startup import devices_line, exchange_line, run_summary

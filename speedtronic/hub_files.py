@@ -6,7 +6,7 @@ into huggingface_hub's cache with its public ``snapshot_download`` and returns t
 
 - only the files that match ``patterns`` are fetched (for ``prepare``: Parquet, JSONL, text);
 - transient failures (connection errors, 5xx, 429 with its ``Retry-After``) are retried with the
-  project's :class:`~speedtronic.diloco.exchange.RetryPolicy`; 401/403/404 fail at once;
+  project's :class:`~speedtronic.retry.RetryPolicy`; 401/403/404 fail at once;
 - an interrupted fetch resumes: huggingface_hub keeps partial files and finished files in its
   cache, so a second call downloads only what is missing;
 - ``HF_HUB_OFFLINE=1`` answers from the cache alone, without a network call;
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from speedtronic.config.limits import is_hub_repo_id
 
 if TYPE_CHECKING:
-    from speedtronic.diloco.exchange import RetryPolicy
+    from speedtronic.retry import RetryPolicy
 
 __all__ = [
     "DATA_PATTERNS",
@@ -109,7 +109,7 @@ def fetch(
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    from speedtronic.diloco.exchange import RetryPolicy, TransportError
+    from speedtronic.retry import RetryPolicy, TransportError
 
     problem = _path_problem(ref.path.split("/")) if ref.path else None
     if problem:  # checked before any request: the path must stay inside the snapshot

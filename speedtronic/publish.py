@@ -354,7 +354,7 @@ def push_model(
     with a model card to the Hub model repo ``repo_id`` in one commit (see the module)."""
     from huggingface_hub import CommitOperationAdd, HfApi
 
-    from speedtronic.diloco.exchange import retry_policy_from_config
+    from speedtronic.retry import retry_policy_from_config
 
     if not is_hub_repo_id(repo_id):
         raise ValueError(f"--repo {repo_id!r} is not a Hub repo id: expected owner/name")
@@ -405,7 +405,7 @@ def push_model(
 @contextlib.contextmanager
 def _access(repo_id: str, token: str | None) -> Iterator[None]:
     """A refusal by the Hub (HTTP 401/403) as one line that says what to set (exit 2)."""
-    from speedtronic.diloco.exchange import AccessRefused, TransportError
+    from speedtronic.retry import AccessRefused, TransportError
 
     try:
         yield

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 import pytest
 import torch
 
-from speedtronic.diloco.exchange import RetryPolicy
+from speedtronic.retry import RetryPolicy
 from speedtronic.testing.hub_server import FaultConfig, HubEmulator
 
 #: The token every emulator in the suite requires; tests grep outputs for it.

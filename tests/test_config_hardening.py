@@ -196,7 +196,7 @@ def test_unusable_paths_fail_at_validation(tmp_path, setup, values, needle) -> N
 
 
 def test_a_node_id_longer_than_a_path_segment_is_one_rule_everywhere() -> None:
-    from speedtronic.diloco.node import resolve_node_id
+    from speedtronic.diloco.link import resolve_node_id
 
     long_id = "w" * 300
     assert "at most 128" in _error({"distributed": {"node_id": long_id}})

@@ -16,7 +16,7 @@ from test_diloco_master import lines
 from speedtronic.config import ConfigError, DistributedConfig
 from speedtronic.diloco.coordinator import DumbDiLoCoCoordinator
 from speedtronic.diloco.directory import DirectoryTransport
-from speedtronic.diloco.node import NodeIdCollisionError, resolve_node_id
+from speedtronic.diloco.link import NodeIdCollisionError, resolve_node_id
 
 
 class Log:
@@ -291,7 +291,7 @@ def test_a_restarted_pure_aggregator_keeps_its_finished_run(tmp_path):
     assert meta.final and (meta.outer_step, meta.run_id) == (final.outer_step, final.run_id)
     # restarted without a checkpoint (killed before it wrote one): its own outer state tells
     third, _, _ = aggregator("m")
-    assert third.master.has_local_state
+    assert third.master.agreement.has_local_state
     third.start(0)
     third.stop()
     meta = third.store.global_metadata()
@@ -338,7 +338,7 @@ def test_outage_at_startup_does_not_hold_training(tmp_path):
     assert c.after_optimizer_step(model, 1) is False  # upload failed, carried, training goes on
     assert "delta_upload_failed" in log.names()
     assert any("retry" in e for e in log.names())
-    assert c.node.carry is not None
+    assert c.node.progress.carry is not None
     c.stop()
 
 
@@ -378,7 +378,7 @@ def test_finish_waits_on_while_the_master_sees_progress(tmp_path, monkeypatch):
     def a_node_keeps_updating():
         until = time.monotonic() + 2.0
         while time.monotonic() < until and not halt.is_set():
-            c.master.last_progress = time.monotonic()
+            c.master.watch.last_progress = time.monotonic()
             time.sleep(0.05)
 
     busy = threading.Thread(target=a_node_keeps_updating, daemon=True)
@@ -432,8 +432,8 @@ def test_a_master_whose_startup_could_not_create_the_repository_creates_it_later
     """An outage during the master's startup (two quick attempts) must not leave the exchange
     uncreated for the whole run: its thread creates it at its next poll and bootstraps the
     global (before, nobody ever created it, and every node's upload was refused)."""
-    from speedtronic.diloco.exchange import TransportError
     from speedtronic.diloco.hub import HubClient
+    from speedtronic.retry import TransportError
 
     class Flaky(HubClient):
         failures = 2
@@ -482,4 +482,4 @@ def test_a_master_whose_startup_could_not_create_the_repository_creates_it_later
 @pytest.mark.parametrize("feedback", [True, False])
 def test_the_error_feedback_switch_reaches_the_node(tmp_path, feedback):
     c, _, _ = make(tmp_path, delta_dtype="int8", error_feedback=feedback)
-    assert c.node.settings.error_feedback is feedback
+    assert c.node.settings.wire.error_feedback is feedback

@@ -30,15 +30,10 @@ from test_diloco_node import make_node, offer, train
 from speedtronic.config import ConfigError, DistributedConfig, SpeedtronicConfig
 from speedtronic.diloco.codec import DATA_DIGEST, delta_from_bytes, delta_to_bytes, open_delta
 from speedtronic.diloco.directory import DirectoryTransport
-from speedtronic.diloco.exchange import (
-    AccessRefused,
-    DamagedFile,
-    ExchangeError,
-    RetryPolicy,
-    TransportError,
-)
+from speedtronic.diloco.exchange import ExchangeError, RoundSettings
 from speedtronic.diloco.hub import HubClient
-from speedtronic.diloco.node import NodeClaim, NodeLink
+from speedtronic.diloco.link import NodeClaim, NodeLink
+from speedtronic.retry import AccessRefused, DamagedFile, RetryPolicy, TransportError
 from speedtronic.testing.hub_server import HubEmulator, LfsConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -213,7 +208,9 @@ def test_the_node_hears_once_that_its_contribution_was_refused(tmp_path, caplog)
     events: list[tuple[str, dict]] = []
     link = NodeLink(
         store,
-        DistributedConfig(enabled=True, repo_id=f"file://{tmp_path}/repo", role="worker"),
+        RoundSettings.of(
+            DistributedConfig(enabled=True, repo_id=f"file://{tmp_path}/repo", role="worker")
+        ),
         claim=NodeClaim("a", "worker", tmp_path / "state"),
         max_bytes=1 << 20,
         like=like,
@@ -282,7 +279,7 @@ def test_a_final_upload_refused_for_good_ends_the_node_with_a_config_error():
     node.after_optimizer_step()
     with pytest.raises(ExchangeError, match=r"distributed\.repo_id: the exchange refused"):
         node.finish()
-    assert node.carry is not None  # kept: nothing of the contribution is lost
+    assert node.progress.carry is not None  # kept: nothing of the contribution is lost
 
 
 # -- end to end: three processes through the emulator's large-file path --------------------

@@ -28,7 +28,7 @@ from process_support import TrainProcess, child_env, wait_for
 from speedtronic.checkpoint import CheckpointManager
 from speedtronic.config import resolve_config
 from speedtronic.diloco.codec import cpu_state_dict, load_safetensors
-from speedtronic.diloco.master import syncs_momentum
+from speedtronic.diloco.exchange import syncs_momentum
 from speedtronic.model import build_model
 from speedtronic.testing.diloco_ideal import simulate
 from speedtronic.train.evaluate import build_heldout, evaluate

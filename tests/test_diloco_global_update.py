@@ -17,11 +17,15 @@ import torch
 from test_diloco_master import deliver, join, make_master
 
 from speedtronic.diloco import exchange as T
-from speedtronic.diloco.codec import open_safetensors, read_metadata, write_safetensors
+from speedtronic.diloco.codec import (
+    open_safetensors,
+    read_metadata,
+    state_digest,
+    write_safetensors,
+)
 from speedtronic.diloco.exchange import GLOBAL_UPDATE
 from speedtronic.diloco.ledger import OuterStateStore
-from speedtronic.diloco.master import state_digest
-from speedtronic.diloco.node import NodeClaim, NodeLink
+from speedtronic.diloco.link import NodeClaim, NodeLink
 
 N = 300  # values of "w": three blocks of 128 and a short one
 

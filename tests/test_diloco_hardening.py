@@ -23,8 +23,9 @@ from speedtronic.config import ConfigError, DistributedConfig
 from speedtronic.diloco.codec import delta_from_bytes, state_to_bytes
 from speedtronic.diloco.coordinator import DumbDiLoCoCoordinator
 from speedtronic.diloco.directory import DirectoryTransport
-from speedtronic.diloco.exchange import GLOBAL_STEP, ExchangeError, TransportError
+from speedtronic.diloco.exchange import GLOBAL_STEP, ExchangeError
 from speedtronic.diloco.node import GlobalCandidate
+from speedtronic.retry import TransportError
 
 ROOT = Path(__file__).resolve().parents[1]
 

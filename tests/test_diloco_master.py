@@ -16,8 +16,9 @@ from hub_emulator_fixtures import fast_retry
 from speedtronic.config import DistributedConfig
 from speedtronic.diloco.codec import read_metadata, state_from_bytes
 from speedtronic.diloco.directory import DirectoryTransport
-from speedtronic.diloco.exchange import TransportError
+from speedtronic.diloco.exchange import RoundSettings
 from speedtronic.diloco.master import RoundMaster
+from speedtronic.retry import TransportError
 
 
 class Log:
@@ -74,7 +75,7 @@ def make_master(tmp_path, transport=None, state=None, clock=None, **overrides):
     master = RoundMaster(
         transport,
         state or {"w": torch.zeros(2), "n": torch.tensor(3)},
-        settings=settings(**overrides),
+        settings=RoundSettings.of(settings(**overrides)),
         state_dir=tmp_path / "state",
         emit=log.emit,
         on_final=lambda step, state: finals.append((step, state["w"].tolist())),
@@ -356,7 +357,7 @@ def test_a_failed_publish_without_local_state_takes_the_exchange_global_again(tm
     master, t, _ = make_master(tmp_path)
     bootstrap(master, t, "a")
     master.outer_files.save = lambda state: (_ for _ in ()).throw(OSError("read-only"))
-    master.has_local_state = False
+    master.agreement.has_local_state = False
     deliver(t, "a", 0, [1.0, 2.0])
     original = _failing_publish(t)
     with pytest.raises(TransportError):
@@ -422,7 +423,7 @@ def test_a_fresh_master_starts_a_new_run_over_a_finished_one(tmp_path, caplog):
     assert t.global_metadata().final and t.global_metadata().outer_step == 1
     # the same exchange again, with a master that starts training from scratch
     again, _, _ = make_master(tmp_path, transport=t)
-    again.fresh = True
+    again.agreement.fresh = True
     join(t, "b")
     again.poll_once()
     meta = t.global_metadata()

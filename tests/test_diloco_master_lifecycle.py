@@ -17,8 +17,9 @@ from speedtronic.config import ConfigError
 from speedtronic.diloco import exchange as T
 from speedtronic.diloco import master as master_module
 from speedtronic.diloco.codec import state_to_bytes
-from speedtronic.diloco.exchange import AccessRefused, ExchangeError, TransportError
+from speedtronic.diloco.exchange import ExchangeError
 from speedtronic.diloco.ledger import IDENTITY_HEADERS
+from speedtronic.retry import AccessRefused, TransportError
 
 # -- identity headers and relay weights -----------------------------------------------------
 

@@ -10,7 +10,7 @@ import json
 import pytest
 from test_diloco_master import Clock, bootstrap, deliver, join, make_master, published
 
-from speedtronic.diloco.exchange import TransportError
+from speedtronic.retry import TransportError
 
 
 class Killed(BaseException):

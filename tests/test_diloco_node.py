@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from speedtronic.config import DistributedConfig
+from speedtronic.diloco.exchange import RoundSettings
 from speedtronic.diloco.node import Contribution, DiLoCoNode, GlobalCandidate, GlobalInbox
 
 
@@ -56,7 +57,7 @@ def make_node(*, sync="blocking", inner=2, timeout=0.2, reset=False, model=None)
             model.weight.zero_()
     rec = Recorder()
     inbox = GlobalInbox(None, interval=0.01, threaded=False)
-    node = DiLoCoNode(settings, model, send=rec.send, inbox=inbox, emit=rec.emit)
+    node = DiLoCoNode(RoundSettings.of(settings), model, send=rec.send, inbox=inbox, emit=rec.emit)
     return node, rec, model
 
 
@@ -97,7 +98,7 @@ def test_blocking_round_golden():
     node, rec, model = make_node()
     offer(node, 0, 10.0)
     node.merge_waiting()
-    assert node.installed == 0 and weights(model) == [10.0, 10.0]
+    assert node.rounds.installed == 0 and weights(model) == [10.0, 10.0]
     rec.on_send = master_for(node, lambda job: 10.0 - job.delta["weight"][0, 0].item())
     train(model, 1.0)
     assert node.after_optimizer_step() is False and not rec.sent
@@ -107,7 +108,7 @@ def test_blocking_round_golden():
     assert (job.round, job.base, job.step, job.final) == (0, 0, 2, False)
     assert job.delta["weight"].tolist() == [[-3.0, -3.0]]  # anchor 10 - weights 13
     # blocking: global 1 (= 13, one node, plain averaging) installed before training resumes
-    assert node.installed == 1 and weights(model) == [13.0, 13.0]
+    assert node.rounds.installed == 1 and weights(model) == [13.0, 13.0]
     waits = [p for n, p in rec.events if n == "sync_wait"]
     assert [(w["outer_step"], w["timed_out"]) for w in waits] == [(1, False)]
     train(model, 1.0)
@@ -124,7 +125,7 @@ def test_overlapped_merge_keeps_progress_since_upload_exactly_once():
     node.after_optimizer_step()
     train(model, 1.0)
     node.after_optimizer_step()  # upload round 0 (delta -2), keep training
-    assert [j.round for j in rec.sent] == [0] and node.installed == 0
+    assert [j.round for j in rec.sent] == [0] and node.rounds.installed == 0
     train(model, 0.5)  # progress after the upload, before global 1 arrives
     offer(node, 1, 100.0)  # the master's global 1
     assert node.after_optimizer_step() is True  # merged at this step
@@ -165,7 +166,7 @@ def test_a_node_on_a_copy_asks_for_the_weights_only_when_its_round_reads_them():
     assert step(1.0) == (True, False)  # boundary: upload round 0 from the refreshed copy
     assert rec.sent[0].delta["weight"].tolist() == [[-3.0, -3.0]]
     assert step(0.5, arrives=(1, 100.0)) == (False, False)  # copy stale: the global waits
-    assert node.installed == 0
+    assert node.rounds.installed == 0
     assert step(0.25) == (True, True)  # refreshed, merged: G1 + the 0.75 since the upload
     assert live.tolist() == [[100.75, 100.75]]
     assert step(0.25) == (True, False)  # boundary of round 1
@@ -185,7 +186,7 @@ def test_overlapped_boundary_waits_for_the_previous_global_then_runs_ahead():
     for _ in range(2):
         train(model, 1.0)
         node.after_optimizer_step()
-    assert node.installed == 1 and rec.sent[-1].round == 2
+    assert node.rounds.installed == 1 and rec.sent[-1].round == 2
 
 
 def test_a_newer_global_is_held_until_the_node_contributed():
@@ -195,13 +196,14 @@ def test_a_newer_global_is_held_until_the_node_contributed():
     train(model, 1.0)
     offer(node, 4, 7.0)  # the master closed round 3 without us (timeout)
     assert node.after_optimizer_step() is False
-    assert weights(model) == [1.0, 1.0] and node.installed == 3  # our progress is not dropped
+    assert weights(model) == [1.0, 1.0]  # our progress is not dropped
+    assert node.rounds.installed == 3
     train(model, 1.0)
     node.after_optimizer_step()
     job = rec.sent[0]
     assert (job.round, job.base) == (3, 3)  # late: the master folds it in if within staleness
     assert job.delta["weight"].tolist() == [[-2.0, -2.0]]
-    assert node.installed == 4 and weights(model) == [7.0, 7.0]
+    assert node.rounds.installed == 4 and weights(model) == [7.0, 7.0]
     train(model, 1.0)
     node.after_optimizer_step()
     train(model, 1.0)
@@ -241,7 +243,7 @@ def test_finish_uploads_the_final_contribution_and_installs_its_global():
     node.finish()
     job = rec.sent[-1]
     assert job.final and job.round == 0 and job.delta["weight"].tolist() == [[-1.0, -1.0]]
-    assert node.done and node.installed == 1 and weights(model) == [42.0, 42.0]
+    assert node.end.done and node.rounds.installed == 1 and weights(model) == [42.0, 42.0]
 
 
 def test_a_failed_final_upload_is_sent_again_not_lost():
@@ -254,7 +256,7 @@ def test_a_failed_final_upload_is_sent_again_not_lost():
     [job] = rec.sent
     assert job.final and job.round == 0 and job.delta["weight"].tolist() == [[-1.0, -1.0]]
     assert rec.names().count("delta_upload_failed") == 2
-    assert node.done and node.carry is None and weights(model) == [7.0, 7.0]
+    assert node.end.done and node.progress.carry is None and weights(model) == [7.0, 7.0]
 
 
 def test_a_failed_done_status_is_reported_as_such_and_sent_again(caplog):
@@ -263,14 +265,15 @@ def test_a_failed_done_status_is_reported_as_such_and_sent_again(caplog):
     rec.on_send = master_for(node, lambda job: 5.0)
     train(model, 1.0)
     node.after_optimizer_step()
-    assert [job.round for job in rec.sent] == [0] and node.installed == 1
+    assert [job.round for job in rec.sent] == [0] and node.rounds.installed == 1
     rec.fail_next = 2  # the first two done statuses fail; the third arrives
     node.finish()
     status = rec.sent[1:]
     assert len(status) == 1 and status[0].delta is None and status[0].final
     # nothing was carried, and no delta upload failed: the status did, twice
     assert rec.names().count("status_upload_failed") == 2
-    assert "delta_upload_failed" not in rec.names() and node.carry is None and node.done
+    assert "delta_upload_failed" not in rec.names()
+    assert node.progress.carry is None and node.end.done
     assert not any("carried" in r.getMessage() for r in caplog.records)
 
 
@@ -281,7 +284,8 @@ def test_a_final_upload_that_never_arrives_is_kept_and_reported(caplog):
     node.after_optimizer_step()
     node.finish()
     assert not rec.sent and rec.names().count("delta_upload_failed") == 3
-    assert node.carry["weight"].tolist() == [[-1.0, -1.0]]  # checkpointed, re-sent on resume
+    # checkpointed, re-sent on resume
+    assert node.progress.carry["weight"].tolist() == [[-1.0, -1.0]]
     assert any("final contribution could not be uploaded" in r.getMessage()
                for r in caplog.records if r.levelname == "ERROR")  # fmt: skip
 
@@ -295,7 +299,7 @@ def test_a_final_contribution_left_in_the_checkpoint_is_sent_on_resume():
     train(model, 1.0)
     node.after_optimizer_step()
     node.finish()
-    assert not rec.sent and not node.done
+    assert not rec.sent and not node.end.done
     state = node.state_dict()
     assert state["done"] is False and state["carry"] is not None
     resumed, rec2, model2 = make_node(inner=4)
@@ -306,7 +310,7 @@ def test_a_final_contribution_left_in_the_checkpoint_is_sent_on_resume():
     resumed.finish()
     [job] = rec2.sent
     assert job.final and job.delta["weight"].tolist() == [[-1.0, -1.0]]
-    assert resumed.done and resumed.carry is None and weights(model2) == [3.0, 3.0]
+    assert resumed.end.done and resumed.progress.carry is None and weights(model2) == [3.0, 3.0]
 
 
 def test_finish_with_nothing_left_sends_only_the_done_status():
@@ -316,7 +320,7 @@ def test_finish_with_nothing_left_sends_only_the_done_status():
     node.after_optimizer_step()  # boundary: round 0, global 1 installed
     node.finish()
     assert rec.sent[-1].delta is None and rec.sent[-1].round == 0  # done after round 0
-    assert node.done
+    assert node.end.done
 
 
 def test_state_round_trip_resends_the_upload_in_flight():
@@ -337,8 +341,10 @@ def test_state_round_trip_resends_the_upload_in_flight():
     pending = fresh.load_state_dict(state)
     assert pending is not None and pending.round == 0
     assert pending.delta["weight"].tolist() == [[-2.0, -2.0]]
-    # the upload had not arrived: its label is not used up until it is sent again
-    assert (fresh.installed, fresh.last_round, fresh.step) == (0, -1, 2)
+    # the upload had not arrived: its label is not used up until it is sent again; "none
+    # yet" is -1 in the checkpoint (as every release wrote it) and None in the node
+    assert state["last_round"] == state["last_label"] == -1
+    assert (fresh.rounds.installed, fresh.rounds.last_round, fresh.step) == (0, None, 2)
 
 
 def test_the_node_state_keeps_the_key_older_readers_of_its_format_read():
@@ -354,7 +360,7 @@ def test_the_node_state_keeps_the_key_older_readers_of_its_format_read():
     old = {k: v for k, v in state.items() if k != "last_round"}  # as older releases wrote it
     again, _, _ = make_node(inner=1)
     again.load_state_dict(old)
-    assert again.last_round == 0
+    assert again.rounds.last_round == 0
 
 
 def test_reset_inner_optimizer_only_when_asked():
@@ -379,10 +385,10 @@ def test_merge_handles_tied_weights():
 
     model = Tied()
     node, _rec, _ = make_node(sync="overlapped", model=model)
-    node.installed, node.last_round = 0, 0
+    node.rounds.installed, node.rounds.last_round = 0, 0
     with torch.no_grad():
         model.a.weight.fill_(1.0)
-    node.anchor = {k: torch.zeros(2, 2) for k in ("a.weight", "b.weight")}
+    node.progress.anchor = {k: torch.zeros(2, 2) for k in ("a.weight", "b.weight")}
     node.merge(
         GlobalCandidate(
             1, {"a.weight": torch.full((2, 2), 5.0), "b.weight": torch.full((2, 2), 5.0)}
@@ -412,7 +418,7 @@ def test_a_new_run_is_installed_as_it_is_and_restarts_the_round_count():
     node, rec, model = make_node(timeout=5.0)
     node.inbox.offer(GlobalCandidate(15, {"weight": torch.full((1, 2), 9.0)}, run_id="old"))
     node.merge_waiting()
-    assert (node.installed, node.run_id) == (15, "old")
+    assert (node.rounds.installed, node.rounds.run_id) == (15, "old")
     # while the node waits for global 16 of the old run, a master starts a new run
     rec.on_send = lambda job: node.inbox.offer(
         GlobalCandidate(0, {"weight": torch.full((1, 2), 1.0)}, run_id="new")
@@ -424,7 +430,7 @@ def test_a_new_run_is_installed_as_it_is_and_restarts_the_round_count():
     assert rec.sent[0].round == 15 and rec.sent[0].run_id == "old"
     waits = [p for n, p in rec.events if n == "sync_wait"]
     assert waits[-1]["seconds"] < 2.0  # no waiting for a round of the old run
-    assert (node.installed, node.run_id, node.last_round) == (0, "new", -1)
+    assert (node.rounds.installed, node.rounds.run_id, node.rounds.last_round) == (0, "new", None)
     assert weights(model) == [1.0, 1.0]  # the new run's global exactly, no old progress
     rec.on_send = None
     train(model, 0.5)
@@ -449,7 +455,7 @@ def _momentum_node():
     optimizer.step()
     rec = Recorder()
     node = DiLoCoNode(
-        settings,
+        RoundSettings.of(settings),
         model,
         send=rec.send,
         inbox=GlobalInbox(None, interval=0.01, threaded=False),
@@ -485,5 +491,5 @@ def test_a_node_keeps_its_own_first_moment_for_a_round_it_did_not_send_to():
     rec.on_send = lambda job: node.inbox.offer(_with_moments(job.round + 1, job.round + 5, 7.0))
     train(model, 1.0)
     node.after_optimizer_step()
-    assert node.installed == 1 and "moment::weight" in rec.sent[0].delta
+    assert node.rounds.installed == 1 and "moment::weight" in rec.sent[0].delta
     assert torch.equal(optimizer.state[model.weight]["exp_avg"], own)

@@ -9,16 +9,15 @@ import pytest
 import torch
 
 from speedtronic.config import ConfigError, DistributedConfig, SpeedtronicConfig
+from speedtronic.diloco.exchange import syncs_momentum
 from speedtronic.diloco.master import (
     NormTally,
-    RecentGlobals,
     adaptive_eta,
     average_states,
     squared_norm,
-    syncs_momentum,
 )
 from speedtronic.diloco.node import first_moments, install_first_moments
-from speedtronic.testing.diloco_ideal import simulate
+from speedtronic.testing.diloco_ideal import RecentGlobals, simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -35,6 +35,7 @@ from speedtronic.diloco.codec import (
     state_to_bytes,
     value_slices,
 )
+from speedtronic.diloco.exchange import RoundSettings
 from speedtronic.diloco.node import DiLoCoNode, GlobalCandidate, GlobalInbox
 
 QMAX = {"int8": 127, "int4": 7}
@@ -328,7 +329,7 @@ def make_node(wire="int4", *, error_feedback=True, model=None):
         torch.nn.init.normal_(model.weight, std=0.1)
     sent = Sent()
     inbox = GlobalInbox(None, interval=0.01, threaded=False)
-    node = DiLoCoNode(settings, model, send=sent, inbox=inbox)
+    node = DiLoCoNode(RoundSettings.of(settings), model, send=sent, inbox=inbox)
     return node, sent, model
 
 
@@ -355,8 +356,8 @@ def test_what_was_sent_plus_the_residual_is_what_the_node_trained(wire, fail_rou
     _steps(node, model, 14, seed=3)  # 7 contributions
     assert sent.failed == len(fail_rounds)
     trained = start - model.weight.detach()  # the sum of the true contributions
-    residual = node.residual["weight"]
-    assert node.carry is None
+    residual = node.progress.residual["weight"]
+    assert node.progress.carry is None
     assert torch.allclose(_total(sent) + residual, trained, rtol=0, atol=1e-6)
     # the wire is lossy: without the residual the sum is off by more than rounding
     assert (_total(sent) - trained).abs().max().item() > 1e-5
@@ -367,13 +368,13 @@ def test_what_was_sent_plus_the_residual_is_what_the_node_trained(wire, fail_rou
 def test_a_failed_upload_carries_the_whole_contribution_and_drops_the_residual():
     node, sent, model = make_node("int4")
     _steps(node, model, 2, seed=1)  # round 0 arrives; a residual is kept
-    kept = node.residual["weight"].clone()
+    kept = node.progress.residual["weight"].clone()
     assert kept.abs().max().item() > 0
     sent.fail_rounds = {1}
     before = model.weight.detach().clone()
     _steps(node, model, 2, seed=2)  # round 1 fails
-    assert node.residual is None  # it is inside the carry now, never counted twice
-    progress = node.carry["weight"] - kept
+    assert node.progress.residual is None  # it is inside the carry now, never counted twice
+    progress = node.progress.carry["weight"] - kept
     assert torch.allclose(progress, before - model.weight.detach(), atol=1e-6)
 
 
@@ -381,7 +382,7 @@ def test_without_error_feedback_the_residual_is_lost():
     node, sent, model = make_node("int4", error_feedback=False)
     start = model.weight.detach().clone()
     _steps(node, model, 14, seed=3)
-    assert node.residual is None
+    assert node.progress.residual is None
     trained = start - model.weight.detach()
     assert (_total(sent) - trained).abs().max().item() > 1e-3
 
@@ -390,7 +391,7 @@ def test_fp32_keeps_no_residual_and_sends_the_contribution_exactly():
     node, sent, model = make_node("fp32")
     start = model.weight.detach().clone()
     _steps(node, model, 6, seed=4)
-    assert node.residual is None and all(j.wire is None for j in sent.jobs)
+    assert node.progress.residual is None and all(j.wire is None for j in sent.jobs)
     assert torch.allclose(_total(sent), start - model.weight.detach(), atol=1e-6)
 
 
@@ -398,14 +399,14 @@ def test_resume_keeps_the_residual_and_the_next_contribution_adds_it():
     node, sent, model = make_node("int8")
     _steps(node, model, 4, seed=5)
     state = node.state_dict()
-    assert torch.equal(state["residual"]["weight"], node.residual["weight"])
+    assert torch.equal(state["residual"]["weight"], node.progress.residual["weight"])
     copy = torch.nn.Linear(16, 4, bias=False)
     copy.load_state_dict(model.state_dict())
     resumed, resent, _ = make_node("int8", model=copy)
     resumed.load_state_dict(state)
-    assert torch.equal(resumed.residual["weight"], node.residual["weight"])
-    anchor = resumed.anchor["weight"].clone()
-    residual = resumed.residual["weight"].clone()
+    assert torch.equal(resumed.progress.residual["weight"], node.progress.residual["weight"])
+    anchor = resumed.progress.anchor["weight"].clone()
+    residual = resumed.progress.residual["weight"].clone()
     _steps(resumed, copy, 2, seed=6)
     sent_delta = resent.contributions[-1]["weight"]
     assert torch.allclose(sent_delta, anchor - copy.weight.detach() + residual)
@@ -418,10 +419,10 @@ def test_a_new_run_resets_the_residual():
     node, sent, model = make_node("int4")
     node.merge(GlobalCandidate(0, {"weight": model.weight.detach().clone()}, run_id="run-1"))
     _steps(node, model, 2, seed=7)
-    assert node.residual is not None
+    assert node.progress.residual is not None
     fresh = torch.zeros_like(model.weight)
     node.merge(GlobalCandidate(0, {"weight": fresh}, run_id="run-2"))
-    assert node.residual is None and node.state_dict()["residual"] is None
+    assert node.progress.residual is None and node.state_dict()["residual"] is None
     _steps(node, model, 2, seed=8)
     assert sent.jobs[-1].run_id == "run-2" and sent.jobs[-1].round == 0
 
@@ -429,24 +430,24 @@ def test_a_new_run_resets_the_residual():
 # -- memory: the node's buffers are reused, the quantizer works a slice at a time -----------
 def test_the_residual_lives_in_the_contribution_buffers_and_a_checkpoint_skips_the_sent_job():
     node, sent, model = make_node("int8")
-    anchor = node.anchor["weight"].data_ptr()
+    anchor = node.progress.anchor["weight"].data_ptr()
     _steps(node, model, 2, seed=9)  # one contribution, uploaded
     job = sent.jobs[-1]
     # the old anchor's buffers became the contribution, whose buffers became the residual
     assert job.delta["weight"].data_ptr() == anchor
-    assert node.residual["weight"].data_ptr() == anchor and job.arrived
+    assert node.progress.residual["weight"].data_ptr() == anchor and job.arrived
     node.uploads.pending = job  # a checkpoint taken before the uploader let the job go
     state = node.state_dict()
     assert state["pending"] is None  # it arrived: resuming must not send the residual
-    assert torch.equal(state["residual"]["weight"], node.residual["weight"])
+    assert torch.equal(state["residual"]["weight"], node.progress.residual["weight"])
 
 
 def test_the_merge_installs_in_place_into_the_anchor():
     node, _, model = make_node("fp32")
-    before = node.anchor["weight"].data_ptr()
+    before = node.progress.anchor["weight"].data_ptr()
     node.merge(GlobalCandidate(0, {"weight": torch.full_like(model.weight, 0.5)}))
-    assert node.anchor["weight"].data_ptr() == before
-    assert torch.equal(node.anchor["weight"], torch.full_like(model.weight, 0.5))
+    assert node.progress.anchor["weight"].data_ptr() == before
+    assert torch.equal(node.progress.anchor["weight"], torch.full_like(model.weight, 0.5))
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -13,10 +13,10 @@ from hub_emulator_fixtures import fast_retry
 from process_support import wait_for
 
 from speedtronic.config import DistributedConfig
-from speedtronic.diloco.coordinator import Upstream
 from speedtronic.diloco.directory import DirectoryTransport
-from speedtronic.diloco.exchange import TransportError
-from speedtronic.diloco.master import RoundMaster
+from speedtronic.diloco.exchange import RoundSettings
+from speedtronic.diloco.master import RelayStep, RoundMaster
+from speedtronic.retry import TransportError
 
 
 def _settings(**extra) -> DistributedConfig:
@@ -30,10 +30,10 @@ def _master(tmp, name, transport, upstream=None, **settings):
     master = RoundMaster(
         transport,
         {"w": torch.zeros(3)},
-        settings=_settings(**settings),
+        settings=RoundSettings.of(_settings(**settings)),
         state_dir=tmp / f"state-{name}",
         emit=lambda e, **fields: events.append((e, fields)),
-        upstream=upstream,
+        outer=upstream,
     )
     master.events = events
     return master
@@ -64,10 +64,10 @@ def test_groups_give_every_node_the_same_weight_and_cut_top_level_commits(tmp_pa
     for name in ("g1", "g2"):
         exchange = DirectoryTransport(f"file://{tmp_path}/{name}", fast_retry())
         exchange.create_repo()
-        upstream = Upstream(
+        upstream = RelayStep(
             DirectoryTransport(f"file://{tmp_path}/top", fast_retry()),
             node_id=name,
-            settings=_settings(),
+            settings=RoundSettings.of(_settings()),
             record=lambda **status: {"instance": "leader", **status},
             stop=threading.Event(),
         )
@@ -114,7 +114,7 @@ def test_groups_give_every_node_the_same_weight_and_cut_top_level_commits(tmp_pa
         assert top.global_metadata().final
     finally:
         for _, relay in groups.values():
-            relay.upstream._stop.set()
+            relay.outer._stop.set()
             relay.stop()
         head.stop()
 
@@ -133,10 +133,10 @@ def test_a_group_publish_that_fails_after_the_mean_went_up_never_sends_it_twice(
     exchange = DirectoryTransport(f"file://{tmp_path}/g1", fast_retry())
     exchange.create_repo()
     stop = threading.Event()
-    upstream = Upstream(
+    upstream = RelayStep(
         DirectoryTransport(f"file://{tmp_path}/top", fast_retry()),
         node_id="g1",
-        settings=_settings(),
+        settings=RoundSettings.of(_settings()),
         record=lambda **status: {"instance": "leader", **status},
         stop=stop,
     )
@@ -183,10 +183,10 @@ def test_a_leader_s_wait_for_the_first_top_level_global_is_bounded(tmp_path):
     """A group leader started before the top-level master waits at most round_timeout for
     the first top-level global (at startup that wait holds the training thread), then says
     what it waited for and for how long; the master retries it at its next poll."""
-    upstream = Upstream(
+    upstream = RelayStep(
         DirectoryTransport(f"file://{tmp_path}/top", fast_retry()),
         node_id="g1",
-        settings=_settings(round_timeout=0.3),
+        settings=RoundSettings.of(_settings(round_timeout=0.3)),
         record=lambda **status: {"instance": "leader", **status},
         stop=threading.Event(),
     )

@@ -20,7 +20,8 @@ from test_diloco_master import settings
 
 from speedtronic.diloco import exchange as T
 from speedtronic.diloco.directory import DirectoryTransport
-from speedtronic.diloco.node import NodeClaim, NodeLink
+from speedtronic.diloco.exchange import RoundSettings
+from speedtronic.diloco.link import NodeClaim, NodeLink
 
 
 def _store(path) -> DirectoryTransport:
@@ -52,7 +53,7 @@ def _mid_publish(tmp_path):
 def _link(tmp_path, store) -> NodeLink:
     return NodeLink(
         store,
-        settings(round_timeout=5.0, poll_interval=0.1),
+        RoundSettings.of(settings(round_timeout=5.0, poll_interval=0.1)),
         claim=NodeClaim("w1", "worker", tmp_path / "w1"),
         max_bytes=T.max_global_bytes({"w": torch.zeros(4)}),
         like={"w": torch.zeros(4)},

@@ -15,15 +15,9 @@ from hub_emulator_fixtures import TEST_TOKEN, fast_retry, hub_emulator, make_tra
 
 from speedtronic.diloco.codec import delta_to_bytes, open_delta
 from speedtronic.diloco.directory import DirectoryTransport
-from speedtronic.diloco.exchange import (
-    GLOBAL_MODEL,
-    AccessRefused,
-    RemoteNotFound,
-    Store,
-    Transport,
-    TransportError,
-)
+from speedtronic.diloco.exchange import GLOBAL_MODEL, Store, Transport
 from speedtronic.diloco.hub import HubClient
+from speedtronic.retry import AccessRefused, RemoteNotFound, TransportError
 from speedtronic.testing.hub_server import HubEmulator
 
 W = {"w": torch.ones(4)}

@@ -10,15 +10,8 @@ import pytest
 import torch
 from hub_emulator_fixtures import TEST_TOKEN, fast_retry, hub_emulator, make_transport  # noqa: F401
 
-from speedtronic.diloco.exchange import (
-    GLOBAL_MODEL,
-    GLOBAL_PROCESSED,
-    GLOBAL_STEP,
-    RemoteNotFound,
-    RetryPolicy,
-    TransportError,
-    classify_error,
-)
+from speedtronic.diloco.exchange import GLOBAL_MODEL, GLOBAL_PROCESSED, GLOBAL_STEP
+from speedtronic.retry import RemoteNotFound, RetryPolicy, TransportError, classify_error
 
 KINDS = ["directory", "hub"]
 

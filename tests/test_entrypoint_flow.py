@@ -18,7 +18,7 @@ from test_rehearsal_support import free_port, http_get
 
 from speedtronic import entrypoint
 from speedtronic.config import resolve_config
-from speedtronic.diloco.node import NodeIdCollisionError
+from speedtronic.diloco.link import NodeIdCollisionError
 from speedtronic.metrics.server import MetricsPortInUse
 from speedtronic.train.parallel import SingleProcess
 

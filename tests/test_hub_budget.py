@@ -11,9 +11,10 @@ import torch
 from hub_emulator_fixtures import TEST_TOKEN, upload_then_poll
 
 from speedtronic.config import DistributedConfig
-from speedtronic.diloco.exchange import AccessRefused, RetryPolicy
+from speedtronic.diloco.exchange import RoundSettings
 from speedtronic.diloco.hub import HubClient
 from speedtronic.diloco.master import RoundMaster
+from speedtronic.retry import AccessRefused, RetryPolicy
 from speedtronic.testing.hub_budget import Budget, BudgetKeeper
 from speedtronic.testing.hub_server import HubEmulator
 
@@ -59,7 +60,9 @@ def test_a_budgeted_hub_returns_429_and_every_contribution_is_aggregated_once(tm
         master = RoundMaster(
             hub,
             {"w": torch.zeros(4)},
-            settings=DistributedConfig(outer_lr=1.0, outer_momentum=0.0, round_timeout=30.0),
+            settings=RoundSettings.of(
+                DistributedConfig(outer_lr=1.0, outer_momentum=0.0, round_timeout=30.0)
+            ),
             state_dir=tmp_path / "state",
             emit=lambda e, **fields: events.append((e, fields)),
         )
@@ -143,7 +146,7 @@ def test_polling_the_global_costs_one_request_until_it_changes(tmp_path):
 def test_a_node_record_rewritten_unchanged_keeps_its_version_on_the_hub(tmp_path):
     """Each upload commit carries the node's record; while its status is unchanged the blob id
     stays, so the master (which re-reads a record only at a new version) reads none per round."""
-    from speedtronic.diloco.node import NodeClaim
+    from speedtronic.diloco.link import NodeClaim
 
     emulator = HubEmulator(0, token=TEST_TOKEN).start()
     try:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from hub_emulator_fixtures import TEST_TOKEN, fast_retry, hub_emulator, make_transport  # noqa: F401
 
-from speedtronic.diloco.exchange import HubUnavailable, RetryPolicy
+from speedtronic.retry import HubUnavailable, RetryPolicy
 
 
 def test_sdk_endpoints_directly(hub_emulator, tmp_path):

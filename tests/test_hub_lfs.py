@@ -20,9 +20,10 @@ import torch
 from hub_emulator_fixtures import TEST_TOKEN, upload_then_poll
 
 from speedtronic.config import DistributedConfig
-from speedtronic.diloco.exchange import HubUnavailable, RetryPolicy
+from speedtronic.diloco.exchange import RoundSettings
 from speedtronic.diloco.hub import HubClient
 from speedtronic.diloco.master import RoundMaster
+from speedtronic.retry import HubUnavailable, RetryPolicy
 from speedtronic.testing.hub_server import FaultConfig, HubEmulator, LfsConfig
 
 THRESHOLD = 4096
@@ -277,7 +278,9 @@ def test_a_delta_and_a_global_above_the_threshold_through_faulty_storage(tmp_pat
         master = RoundMaster(
             hub,
             {"w": torch.zeros(width)},
-            settings=DistributedConfig(outer_lr=1.0, outer_momentum=0.0, round_timeout=60.0),
+            settings=RoundSettings.of(
+                DistributedConfig(outer_lr=1.0, outer_momentum=0.0, round_timeout=60.0)
+            ),
             state_dir=tmp_path / "state",
             emit=lambda e, **fields: events.append((e, fields)),
         )

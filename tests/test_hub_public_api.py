@@ -16,8 +16,8 @@ import tomllib
 from hub_emulator_fixtures import TEST_TOKEN
 
 from speedtronic.diloco import hub as hub_http
-from speedtronic.diloco.exchange import HubUnavailable, RetryPolicy
 from speedtronic.diloco.hub import HubClient
+from speedtronic.retry import HubUnavailable, RetryPolicy
 from speedtronic.testing.hub_server import FaultConfig, HubEmulator, LfsConfig
 
 ROOT = Path(__file__).resolve().parents[1]

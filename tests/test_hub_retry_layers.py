@@ -16,8 +16,8 @@ import time
 import pytest
 from hub_emulator_fixtures import TEST_TOKEN, hub_emulator  # noqa: F401
 
-from speedtronic.diloco.exchange import HubUnavailable, RetryPolicy, TransportError
 from speedtronic.diloco.hub import HubClient
+from speedtronic.retry import HubUnavailable, RetryPolicy, TransportError
 
 
 def _client(hub_emulator, tmp_path, sleeps, *, attempts=3, timeout=5.0, token=TEST_TOKEN):

@@ -15,9 +15,9 @@ from urllib.parse import quote
 
 import pytest
 
-from speedtronic.diloco.exchange import RetryPolicy, TransportError
 from speedtronic.diloco.exchange import scrub as transport_scrub
 from speedtronic.metrics.logger import MetricLogger
+from speedtronic.retry import RetryPolicy, TransportError
 
 CORE = "hf_RedactMe0123456789abcdefghijklmnop"
 REDACTED = "<redacted>"

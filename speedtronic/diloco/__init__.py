@@ -16,17 +16,15 @@ from speedtronic.diloco.directory import DirectoryTransport
 from speedtronic.diloco.exchange import (
     GlobalMetadata,
     HubError,
-    HubUnavailable,
-    RemoteNotFound,
     RepoTransport,
-    RetryPolicy,
     Transport,
-    TransportError,
     parse_delta_path,
 )
 from speedtronic.diloco.hub import HubClient, HubTransport
+from speedtronic.diloco.link import resolve_node_id
 from speedtronic.diloco.master import NesterovOuterOptimizer, RoundMaster
-from speedtronic.diloco.node import Contribution, DiLoCoNode, GlobalCandidate, resolve_node_id
+from speedtronic.diloco.node import Contribution, DiLoCoNode, GlobalCandidate
+from speedtronic.retry import HubUnavailable, RemoteNotFound, RetryPolicy, TransportError
 
 DumbDiLoCo = DumbDiLoCoCoordinator
 #: 2.0.0 names: the master's aggregation loop and the upload job.

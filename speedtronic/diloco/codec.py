@@ -425,9 +425,13 @@ def is_all_zero(delta: Mapping[str, torch.Tensor]) -> bool:
 
 
 def first_non_finite(
-    state: Mapping[str, torch.Tensor], like: Mapping[str, torch.Tensor] | None = None
+    state: Mapping[str, torch.Tensor],
+    like: Mapping[str, torch.Tensor] | None = None,
+    *,
+    max_abs: float | None = None,
 ) -> str | None:
-    """The first floating key of ``state`` holding NaN or inf, else None.
+    """The first floating key of ``state`` holding NaN or inf (or, with ``max_abs``, a value
+    beyond ``±max_abs``), else None.
 
     With ``like`` (the model's state), each tensor is checked as it will be installed: cast
     to ``like``'s dtype for that key (a float64 1e300 is finite in the file and inf in a
@@ -437,7 +441,10 @@ def first_non_finite(
         cast = target.dtype if target is not None and _is_floating(target) else value.dtype
         flat = value.reshape(-1)
         for start, stop in value_slices(flat.numel()):  # temporaries of one slice
-            if not bool(torch.isfinite(flat[start:stop].to(cast)).all()):
+            part = flat[start:stop].to(cast)
+            if not bool(torch.isfinite(part).all()):
+                return key
+            if max_abs is not None and part.numel() and float(part.abs().max()) > max_abs:
                 return key
     return None
 
@@ -662,6 +669,15 @@ def load_delta(path: _PathArg) -> tuple[dict[str, torch.Tensor], dict[str, str]]
 def load_safetensors(path: _PathArg) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file, on the CPU."""
     return load_delta(path)[0]
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 of the file at ``path``, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def read_metadata(path: _PathArg) -> dict[str, str]:
@@ -948,3 +964,89 @@ class OuterUpdate:
             "digest": self.digest,
         }
         return write_quantized(handle, self.encoded, self.dtype, self.block_size, header)
+
+
+# -- the compressed global: a node applies the master's outer update --------------------
+def state_digest(state: Mapping[str, torch.Tensor]) -> str:
+    """sha256 of a state's names, dtypes, shapes and bytes (keys in sorted order)."""
+    digest = hashlib.sha256()
+    for key in sorted(state):
+        value = state[key].detach().to("cpu").contiguous()
+        digest.update(f"{key}|{value.dtype}|{tuple(value.shape)}|".encode())
+        if value.numel():
+            digest.update(value.reshape(-1).view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
+def add_decoded(base: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
+    """``base + decoded`` in float32, in ``base``'s dtype: the one addition the master and
+    every node perform, so they hold the same bits."""
+    return (base.detach().to("cpu", torch.float32) + decoded).to(base.dtype)
+
+
+@dataclasses.dataclass
+class HeldGlobal:
+    """The last global a node installed, kept to apply the next update to (the tensors the
+    node was handed, not a copy: the install only reads them)."""
+
+    outer_step: int
+    run_id: str
+    digest: str
+    state: dict[str, torch.Tensor]
+
+    @classmethod
+    def of(cls, outer_step: int, run_id: str, state: Mapping[str, torch.Tensor]) -> HeldGlobal:
+        """``state`` held as global ``outer_step`` of run ``run_id`` (its digest computed)."""
+        return cls(outer_step, run_id, state_digest(state), dict(state))
+
+
+def read_update(
+    path: _PathArg,
+    held: HeldGlobal,
+    *,
+    sha256: str,
+    outer_step: int,
+    run_id: str,
+    like: Mapping[str, torch.Tensor],
+) -> HeldGlobal:
+    """Global ``outer_step`` of run ``run_id``, from ``held`` and the update file at ``path``.
+    The file must be the one the version record names (``sha256``), an update (codes and
+    scales checked as a delta's) from ``held`` (outer step, run id, digest) to this global,
+    its result must have the digest it announces and be finite in the model's dtypes
+    ``like``; else ``ValueError``."""
+    if file_sha256(Path(path)) != sha256:
+        raise ValueError("the update file does not match the version record (sha256)")
+    with open_safetensors(path) as opened:
+        header = opened.metadata()
+        if header.get("kind") != "outer_update":
+            raise ValueError("not an outer update file")
+        base = (header.get("base_outer_step"), header.get("base_digest"))
+        if base != (str(held.outer_step), held.digest) or held.run_id != run_id:
+            raise ValueError(
+                f"the update applies to global {base[0]} ({str(base[1])[:12]}), this node holds "
+                f"{held.outer_step} ({held.digest[:12]}) of run {held.run_id or '?'}"
+            )
+        made = (header.get("outer_step"), header.get("run_id"))
+        if made != (str(outer_step), run_id):
+            raise ValueError(
+                f"the update makes global {made[0]} of run {made[1] or '?'}; the record names "
+                f"{outer_step} of {run_id or '?'}"
+            )
+        fmt = WireCodec.from_metadata(header)
+        if fmt.bits is None:
+            raise ValueError(f"an update holds int8 or int4 codes, not {fmt.name}")
+        floating = [k for k, v in held.state.items() if v.is_floating_point()]
+        if set(opened.keys()) != set(floating) | {k + SCALE_SUFFIX for k in floating}:
+            raise ValueError("the update's keys do not match the global's floating tensors")
+        result = dict(held.state)
+        for key in floating:  # codes (dtype, count, range) and scales (count, finite, bound)
+            value = held.state[key]
+            decoded = fmt.read(key, opened.get_tensor, tuple(value.shape), MAX_DELTA_ABS)
+            result[key] = add_decoded(value, decoded)
+    digest = state_digest(result)
+    if digest != header.get("digest"):
+        raise ValueError("the result differs from the master's global (digest)")
+    bad = first_non_finite(result, like=like)
+    if bad is not None:
+        raise ValueError(f"the updated global holds non-finite values in {bad}")
+    return HeldGlobal(outer_step, run_id, digest, result)

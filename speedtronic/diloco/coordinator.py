@@ -5,9 +5,9 @@ and calls ``start`` / ``finish`` (the run reached its target) / ``stop``. The ro
 :mod:`.node` and :mod:`.master`; this module builds them and the store (:func:`build_transport`)
 from the ``distributed`` section and owns the order of startup, the end of the run,
 ``final/`` (:func:`write_final`), the checkpointed state, a group leader's relay to the
-top-level exchange (:class:`Upstream`) and the one ``emit(event, **fields)`` every DiLoCo class
-reports through, handed to the metrics logger. The token appears in no event and, while the
-coordinator runs, in no line of the ``speedtronic.diloco`` logger.
+top-level exchange (:class:`~.master.RelayStep`) and the one ``emit(event, **fields)`` every
+DiLoCo class reports through, handed to the metrics logger. The token appears in no event
+and, while the coordinator runs, in no line of the ``speedtronic.diloco`` logger.
 """
 
 from __future__ import annotations
@@ -33,31 +33,20 @@ from speedtronic.diloco import codec
 from speedtronic.diloco.directory import DirectoryTransport
 from speedtronic.diloco.exchange import (
     ExchangeError,
-    GlobalMetadata,
-    RetryPolicy,
+    RoundSettings,
     Store,
-    TransportError,
     max_global_bytes,
-    retry_policy_from_config,
     scrub,
 )
 from speedtronic.diloco.hub import HubClient
-from speedtronic.diloco.ledger import RoundState, publish
-from speedtronic.diloco.master import RoundMaster, Score
-from speedtronic.diloco.node import (
-    Contribution,
-    DiLoCoNode,
-    GlobalCandidate,
-    GlobalInbox,
-    NodeClaim,
-    NodeLink,
-    resolve_node_id,
-)
+from speedtronic.diloco.link import NodeClaim, NodeLink, resolve_node_id
+from speedtronic.diloco.master import RelayStep, RoundMaster, Score
+from speedtronic.diloco.node import Contribution, DiLoCoNode, GlobalCandidate, GlobalInbox
+from speedtronic.retry import RetryPolicy, retry_policy_from_config
 
 __all__ = [
     "DumbDiLoCoCoordinator",
     "RoundsStalledError",
-    "Upstream",
     "build_transport",
     "write_final",
 ]
@@ -67,8 +56,6 @@ _LOG = logging.getLogger("speedtronic.diloco")
 # finish() waits for the master's final global while rounds close; with no new global for
 # (drop_after + 2) round lengths plus this margin, the rounds stalled (RoundsStalledError)
 STALL_MARGIN_S = 60.0
-
-Global = tuple[GlobalMetadata, dict[str, torch.Tensor]]  # a version record and its weights
 
 
 class EventSink(Protocol):
@@ -164,16 +151,8 @@ class DumbDiLoCoCoordinator:
         self.claim = NodeClaim(self.node_id, self.role, self.state_dir, host=host)
         self._interrupted = threading.Event()
         self._halt = threading.Event()  # set at stop(): a relay waiting for the top level ends
-        like = model.state_dict()  # the global must fit this model's shapes and dtypes
-        self.link = NodeLink(
-            hub,
-            cfg,
-            claim=self.claim,
-            max_bytes=max_global_bytes(like),  # the master's own bound for the same file
-            like=like,
-            interrupted=self._interrupted,
-            emit=self._emit,
-        )
+        self.settings = RoundSettings.of(cfg)  # read once, handed to every part
+        self.link = self._link(hub, model)
         self.final_dir = Path(final_dir) if final_dir is not None else None
         self.run_config = dict(run_config or {})
         self.inbox = GlobalInbox(
@@ -181,28 +160,8 @@ class DumbDiLoCoCoordinator:
             interval=cfg.poll_interval,
             threaded=cfg.async_global_poll,
         )
-        self.node: DiLoCoNode | None = None
-        if self.trains:
-            self.node = DiLoCoNode(
-                cfg,
-                model,
-                send=self._send,
-                inbox=self.inbox,
-                emit=self._emit,
-            )
-        self.master: RoundMaster | None = None
-        if self.role == "master":
-            self.master = RoundMaster(
-                hub,
-                codec.cpu_state_dict(model.state_dict()),
-                settings=cfg,
-                state_dir=self.state_dir,
-                emit=self._emit,
-                on_global=self._offer,
-                evaluate=None if cfg.relay_to else evaluate,
-                on_final=self._write_final,
-                upstream=self._upstream(cfg, cfg.relay_to) if cfg.relay_to else None,
-            )
+        self.node = self._node(model) if self.trains else None
+        self.master = self._master(hub, model, evaluate) if self.role == "master" else None
         self._prepared: Mapping[str, object] | None = None
         self._prepared_step: int | None = None  # the node's step in the applied checkpoint
         self._resumed = False  # a checkpoint with this coordinator's state was applied
@@ -219,13 +178,61 @@ class DumbDiLoCoCoordinator:
         retry.on_retry = self._on_retry
         return retry
 
-    def _upstream(self, cfg: DistributedConfig, top: str) -> Upstream:
-        """A group leader's relay to the top-level exchange ``top`` (same token)."""
-        store = build_transport(
-            dataclasses.replace(cfg, repo_id=top, relay_to=None), self._retry_policy()
+    def _link(self, hub: Store, model: torch.nn.Module) -> NodeLink:
+        """This node's link to the exchange; a global must fit ``model``'s shapes and dtypes,
+        within the master's own bound for the same file."""
+        like = model.state_dict()
+        return NodeLink(
+            hub,
+            self.settings,
+            claim=self.claim,
+            max_bytes=max_global_bytes(like),
+            like=like,
+            interrupted=self._interrupted,
+            emit=self._emit,
+            secrets=(self.config.token,) if self.config.token else (),
         )
-        return Upstream(
-            store, node_id=self.node_id, settings=cfg, record=self.claim.record, stop=self._halt
+
+    def _node(self, model: torch.nn.Module) -> DiLoCoNode:
+        """This node's round over ``model``, sending through the link, fed by the inbox."""
+        on_master = self.config.role == "master"
+        send, inbox, emit = self._send, self.inbox, self._emit
+        return DiLoCoNode(
+            self.settings, model, send=send, inbox=inbox, emit=emit, on_master=on_master
+        )
+
+    def _master(
+        self,
+        hub: Store,
+        model: torch.nn.Module,
+        evaluate: Callable[[dict[str, torch.Tensor]], Score | None] | None,
+    ) -> RoundMaster:
+        """The master's round over ``model``'s weights; a group leader's (``relay_to``)
+        relays its rounds to the top-level exchange and scores nothing."""
+        cfg = self.config
+        return RoundMaster(
+            hub,
+            codec.cpu_state_dict(model.state_dict()),
+            settings=self.settings,
+            state_dir=self.state_dir,
+            emit=self._emit,
+            on_global=self._offer,
+            evaluate=None if cfg.relay_to else evaluate,
+            on_final=self._write_final,
+            outer=self._relay(cfg.relay_to) if cfg.relay_to else None,
+        )
+
+    def _relay(self, top: str) -> RelayStep:
+        """A group leader's outer step: the relay to the top-level exchange ``top`` (same
+        token)."""
+        top_level = dataclasses.replace(self.config, repo_id=top, relay_to=None)
+        store = build_transport(top_level, self._retry_policy())
+        return RelayStep(
+            store,
+            node_id=self.node_id,
+            settings=self.settings,
+            record=self.claim.record,
+            stop=self._halt,
         )
 
     # -- reporting ---------------------------------------------------------------------------
@@ -255,7 +262,8 @@ class DumbDiLoCoCoordinator:
     @property
     def last_global_step(self) -> int:
         """Outer step of the global installed in the local model (-1: none yet)."""
-        return self.node.installed if self.node is not None else -1
+        installed = self.node.rounds.installed if self.node is not None else None
+        return -1 if installed is None else installed
 
     @property
     def local_step(self) -> int:
@@ -276,10 +284,10 @@ class DumbDiLoCoCoordinator:
         node = self.node
         if self._run_ended is not None or self.master is not None or node is None:
             return self._run_ended
-        if node.final_seen and not node.finishing:
+        if node.end.final_seen and not node.end.finishing:
             self._end_run(
                 f"the master published the final global of this run (outer step "
-                f"{node.installed}) while this node still had steps to train; they would "
+                f"{node.rounds.installed}) while this node still had steps to train; they would "
                 "never be aggregated, so it stops here"
             )
         return self._run_ended
@@ -354,7 +362,7 @@ class DumbDiLoCoCoordinator:
         if node is not None:
             if node.may_merge():  # start the round from the current global
                 node.merge_waiting()
-            self._ready = self._ready or node.installed >= 0
+            self._ready = self._ready or node.rounds.installed is not None
             if pending is not None:
                 node.uploads.submit(pending)
         self.inbox.start()
@@ -371,7 +379,8 @@ class DumbDiLoCoCoordinator:
     def _join_run(self, node: DiLoCoNode) -> bool:
         """A worker claims its id only once it found a run to take part in (False: none)."""
         self.link.check_id()  # a live process here with our id: exit 2 before waiting
-        candidate, ended = self.link.first_global(node.run_id, node.installed >= 0)
+        rounds = node.rounds
+        candidate, ended = self.link.first_global(rounds.run_id, rounds.installed is not None)
         if ended:
             self._end_run(ended)
             return False
@@ -385,12 +394,15 @@ class DumbDiLoCoCoordinator:
         Only a master from scratch starts a new run (over a finished one): not after a trained
         step, a checkpoint with coordinator state, or (a pure aggregator, always at step 0)
         with a local outer state of its own (it served a run)."""
-        master.fresh = not (step or self._resumed) and (self.trains or not master.has_local_state)
+        agreement = master.agreement
+        agreement.fresh = not (step or self._resumed) and (
+            self.trains or not agreement.has_local_state
+        )
         try:
             self.store.create_repo(private=True)
         except Exception as exc:
             self.link.raise_if_permanent(exc, "cannot create the exchange")
-            master.exchange_created = False  # the master's thread creates it later
+            agreement.exchange_created = False  # the master's thread creates it later
             _LOG.warning(
                 f"master repository initialization failed; continuing (retried at every "
                 f"poll): {exc}"
@@ -412,8 +424,9 @@ class DumbDiLoCoCoordinator:
 
     def _status(self) -> dict[str, object]:
         """The status record this node claims its id with at startup."""
-        if self.node is not None and self.node.done:  # resumed after its last contribution
-            return {"state": "done", "final_round": self.node.last_round}
+        if self.node is not None and self.node.end.done:  # resumed after its last contribution
+            last = self.node.rounds.last_round
+            return {"state": "done", "final_round": -1 if last is None else last}
         return {"state": "training" if self.trains else "aggregator"}
 
     @contextlib.contextmanager
@@ -438,7 +451,7 @@ class DumbDiLoCoCoordinator:
         global."""
         if self.node is not None:
             self.node.finish()
-            self._ready = self._ready or self.node.installed >= 0
+            self._ready = self._ready or self.node.rounds.installed is not None
         if self.master is not None:
             self._serve_until_final(self.master)
             if self.node is not None:
@@ -521,7 +534,7 @@ class DumbDiLoCoCoordinator:
             return
         meta = {
             "outer_step": outer_step,
-            "step": outer_step * self.config.inner_steps,  # node steps behind this global
+            "step": self.settings.rules.steps_behind(outer_step),  # node steps behind it
             "node_id": self.node_id,
             "ledger": dict(sorted(self.master.ledger.items())) if self.master else {},
         }
@@ -556,124 +569,6 @@ class DumbDiLoCoCoordinator:
         pending = self.node.load_state_dict(node_state)
         self._prepared_step = self.node.step
         return pending
-
-
-class Upstream:
-    """A group leader's relay (docs/diloco.md, relay groups): the master of a group's exchange
-    with ``relay_to`` sends its members' mean up to the top-level exchange ``store`` as one
-    contribution weighing as many nodes, and publishes the top-level global of the next round
-    to its members: G + 1 top-level commits a round for K nodes in G groups, each node weighing
-    the same. ``record(**status)`` builds the leader's status record there (its claim);
-    ``stop`` ends a wait (the master is stopping)."""
-
-    def __init__(
-        self,
-        store: Store,
-        *,
-        node_id: str,
-        settings: DistributedConfig,
-        record: Callable[..., dict[str, object]],
-        stop: threading.Event,
-    ) -> None:
-        self.store = store
-        self.node_id = node_id
-        self.settings = settings
-        self._record = record
-        self._stop = stop
-        self.instance = str(record().get("instance", ""))
-        self.max_bytes: int | None = None  # set by the master from its model
-        self.last_round: int | None = None  # the last round this group contributed to
-
-    def _wait(self, than: int, run_id: str, what: str, timeout: float | None = None) -> Global:
-        """The first top-level global newer than ``than`` (or of another run); past ``timeout``
-        seconds (None: until stopped) a ``TransportError`` (the master retries it)."""
-
-        def newer() -> Global | None:
-            if self._stop.is_set():
-                return None
-            try:
-                meta = self.store.global_metadata()
-                if meta is None:
-                    return None
-                if meta.outer_step > than or (run_id and meta.run_id != run_id):
-                    return self.store.fetch_global(meta, max_bytes=self.max_bytes)
-                return None
-            except TransportError as exc:
-                _LOG.warning(f"relay: reading the top-level global failed: {exc}")
-                return None
-
-        started = time.monotonic()
-        found = wait_for(
-            newer, timeout=timeout, interval=self.settings.poll_interval, stop=self._stop
-        )
-        if found is not None:
-            return found
-        if self._stop.is_set():
-            raise TransportError(f"relay stopped while waiting for {what}")
-        raise TransportError(
-            f"relay: no {what} within {time.monotonic() - started:.1f} s "
-            f"(distributed.round_timeout {timeout:g} s); waiting again at the master's next poll"
-        )
-
-    def current(self) -> Global:
-        """The top-level global (waits for the top-level master's first publish)."""
-        self.store.claim_owner(self.node_id, self._record(state="training", relay=True))
-        # bounded: at startup this runs on the training thread (the master retries it)
-        return self._wait(-1, "", "first top-level global", self.settings.round_timeout)
-
-    def agree(self, store: Store, held: RoundState, max_bytes: int) -> RoundState:
-        """The leader's reconcile: the group's state becomes the top-level global (outer step,
-        run id), published to the group's ``store`` unless it is there. ``held`` keeps its
-        ledger, so after a group publish that failed once the mean went up, the members' files
-        are never sent up twice."""
-        self.max_bytes = max_bytes
-        meta, weights = self.current()
-        state = held.copy()
-        state.adopt(weights, meta.outer_step)
-        state.run_id = meta.run_id
-        remote = store.global_metadata()
-        if remote is None or (remote.outer_step, remote.run_id) != (meta.outer_step, meta.run_id):
-            publish(store, state, relay="true")
-        return state
-
-    def forward(
-        self, mean: Mapping[str, torch.Tensor], *, round: int, weight: int, run_id: str, final: bool
-    ) -> Global:
-        """Upload the group's ``mean`` as its contribution to ``round`` (weighing ``weight``
-        nodes), then return the first top-level global after it."""
-        status = {"state": "done", "final_round": round} if final else {"state": "training"}
-        started = time.perf_counter()
-        self.store.upload_delta(
-            mean,
-            node_id=self.node_id,
-            round_index=round,
-            local_step=round,
-            base_outer_step=round,
-            dtype=self.settings.delta_dtype,
-            block_size=self.settings.delta_block_size,
-            metadata={
-                "weight": str(int(weight)),
-                "run_id": run_id,
-                "final": str(final).lower(),
-                "instance": self.instance,
-            },
-            owner=self._record(relay=True, **status),
-        )
-        self.last_round = round
-        _LOG.info(
-            f"relay: round {round} of {weight} nodes sent up in "
-            f"{time.perf_counter() - started:.2f} s"
-        )
-        return self._wait(round, run_id, f"top-level global {round + 1}")
-
-    def finish(self) -> None:
-        """The group's run is over (maybe after a round not marked final): tell the top level,
-        so its master stops waiting for this group."""
-        final = -1 if self.last_round is None else self.last_round
-        self.store.claim_owner(
-            self.node_id, self._record(relay=True, state="done", final_round=final)
-        )
-        _LOG.info(f"relay: group done after round {final}; told the top level")
 
 
 def build_transport(

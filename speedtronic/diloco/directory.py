@@ -27,15 +27,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from speedtronic.diloco.exchange import (
-    Additions,
-    FileInfo,
-    RemoteNotFound,
-    RepoTransport,
-    RetryPolicy,
-    TransportError,
-    too_large,
-)
+from speedtronic.diloco.exchange import Additions, FileInfo, RepoTransport, too_large
+from speedtronic.retry import RemoteNotFound, RetryPolicy, TransportError
 
 _LOG = logging.getLogger("speedtronic.diloco")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

@@ -1,5 +1,5 @@
-"""The exchange every DiLoCo role meets through: its layout, the :class:`Store` protocol, its
-errors and the one retry policy::
+"""The exchange every DiLoCo role meets through: its layout, the :class:`Store` protocol and
+its errors::
 
     global/latest.safetensors              global weights of outer step R (native dtypes)
     global/update.safetensors              the quantized outer update to R (global_dtype)
@@ -15,24 +15,20 @@ every read passes, are :mod:`.codec`'s. :class:`Store` writes the layout once, o
 backend implements (create, grant, list, read, commit: one Hub commit (:mod:`.hub`), or temp
 file + rename per file on a shared volume (:mod:`.directory`)).
 
-Every failure of a primitive becomes a :class:`TransportError` in one place
-(:func:`classify_error`, :meth:`RetryPolicy.run`): ``transient`` ones (outages, 5xx, 429,
-timeouts, dropped connections) are retried with exponential backoff, ``not_found`` and
-``permanent`` ones (auth, bad request, programming errors) are not, a ``damaged`` file
-(:class:`DamagedFile`) is retried, then ``permanent``. Messages never carry the token
-(:func:`scrub`). The one reporting channel of every role is here too: the
-``speedtronic.diloco`` logger for lines, one :class:`Emit` for structured events.
+Every failure of a primitive becomes a :class:`~speedtronic.retry.TransportError` of the
+one retry policy (:class:`~speedtronic.retry.RetryPolicy`, in the neutral
+:mod:`speedtronic.retry`: the model import and ``push`` use it too). The one reporting channel
+of every role is here too: the ``speedtronic.diloco`` logger for lines, one :class:`Emit` for
+structured events.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import re
 import tempfile
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
@@ -45,12 +41,14 @@ from speedtronic.config.limits import is_valid_node_id
 from speedtronic.config.redaction import scrub as scrub  # every form of the token (re-exported)
 from speedtronic.diloco.codec import (
     delta_from_bytes,
+    file_sha256,
     first_non_finite,
     open_safetensors,
     save_safetensors,
     write_delta,
     write_safetensors,
 )
+from speedtronic.retry import RemoteNotFound, RetryPolicy, TransportError
 
 if TYPE_CHECKING:
     from speedtronic.config.ops_sections import DistributedConfig
@@ -63,23 +61,7 @@ Json = Any
 Additions = Mapping[str, bytes | Path]
 
 
-# -- errors and the one retry policy ---------------------------------------------------
-class TransportError(RuntimeError):
-    """A store operation failed (after retries when the error was transient).
-
-    ``kind`` is ``transient`` (outage, 5xx, 429, timeout), ``not_found``, ``permanent``
-    (auth, bad request, unsupported) or ``damaged`` (:class:`DamagedFile`, while it is still
-    retried), by default the class's; ``status`` is the HTTP status when there was one.
-    """
-
-    default_kind = "transient"
-
-    def __init__(self, message: str, *, kind: str | None = None, status: int | None = None):
-        super().__init__(message)
-        self.kind = kind or self.default_kind
-        self.status = status
-
-
+# -- errors ---------------------------------------------------------------------------
 #: 2.0.0 names: ``HubError`` (RuntimeError) and ``HubUnavailable`` (HubError).
 HubError = TransportError
 
@@ -89,156 +71,10 @@ class ExchangeError(ConfigError):
     usable, a model that does not match): the node stops with exit code 2 and one line."""
 
 
-class AccessRefused(TransportError):
-    """The exchange refuses this process: the Hub answered 401 or 403, or 404 "Repository
-    not found" for our own repository (a token that cannot see it). Always permanent; the
-    message names the repository and what to check, never the token."""
-
-    default_kind = "permanent"
-
-
-class DamagedFile(TransportError):
-    """A file the store holds but cannot hand over whole and intact: the bytes read disagree
-    with the size or hash of the store's own record of them (the Hub's LFS pointer), or the
-    body is cut short. Retried like an outage (a read may recover), then ``permanent``: a
-    reader refuses it as any bad file (the master counts it ``corrupt`` and prunes it)."""
-
-    default_kind = "damaged"
-
-
-class HubUnavailable(TransportError):
-    """Retries exhausted: the store is unreachable for now."""
-
-
-class RemoteNotFound(TransportError):
-    """The remote file or repository does not exist."""
-
-    default_kind = "not_found"
-
-    def __init__(self, message: str, *, status: int | None = 404):
-        super().__init__(message, status=status)
-
-
 class TornRead(TransportError):
     """The global's weights do not match ``step_count.json`` and are not newer than it: read
     while a publish was between its files (weights first, record last). Transient: the
     record that names these weights is on its way."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ErrorInfo:
-    """How the retry policy treats one exception."""
-
-    kind: str  # transient | not_found | permanent | damaged (retried, then permanent)
-    status: int | None = None
-    retry_after: float | None = None
-
-
-_TRANSIENT_NAMES = ("Timeout", "NetworkError", "ProtocolError", "ConnectError", "ReadError")
-
-
-def _retry_after(headers: object) -> float | None:
-    value = headers.get("Retry-After") if isinstance(headers, Mapping) else None
-    try:
-        return None if value is None else max(0.0, float(str(value).strip()))
-    except ValueError:
-        return None
-
-
-def classify_error(exc: BaseException) -> ErrorInfo:
-    """The one place where SDK, HTTP and filesystem exceptions are mapped to retry kinds."""
-    if isinstance(exc, TransportError):
-        return ErrorInfo(exc.kind, exc.status)
-    # An HTTP error of the SDK or httpx carries the answer it failed on (third-party objects).
-    response = getattr(exc, "response", None)
-    status = getattr(response, "status_code", None)
-    if isinstance(status, int):
-        if status == 404:
-            return ErrorInfo("not_found", status)
-        if status in (408, 425, 429) or status >= 500:
-            return ErrorInfo("transient", status, _retry_after(getattr(response, "headers", None)))
-        return ErrorInfo("permanent", status)
-    if isinstance(exc, FileNotFoundError):
-        return ErrorInfo("not_found")
-    if isinstance(exc, (PermissionError, IsADirectoryError, NotADirectoryError)):
-        return ErrorInfo("permanent")
-    if isinstance(exc, (OSError, TimeoutError, ConnectionError)):
-        return ErrorInfo("transient")  # includes EIO/ESTALE and the SDK's consistency errors
-    names = " ".join(cls.__name__ for cls in type(exc).__mro__)
-    if any(part in names for part in _TRANSIENT_NAMES):
-        return ErrorInfo("transient")
-    if isinstance(exc, (TypeError, AttributeError, KeyError, NotImplementedError)):
-        return ErrorInfo("permanent")  # programming errors are not outages
-    if "EntryNotFound" in names or "RepositoryNotFound" in names:
-        return ErrorInfo("not_found")
-    cause = exc.__cause__ or exc.__context__
-    if cause is not None and cause is not exc:
-        return classify_error(cause)  # e.g. the SDK's "Force download failed" wraps a 503
-    if isinstance(exc, ValueError):
-        return ErrorInfo("permanent")
-    return ErrorInfo("transient")
-
-
-@dataclasses.dataclass
-class RetryPolicy:
-    """Exponential backoff shared by every store, and the deadline of one call.
-
-    ``initial``/``maximum`` are seconds, ``attempts`` the total number of tries per
-    operation; a 429 waits at least its ``Retry-After``. ``timeout`` (seconds) bounds one
-    attempt of a network store's call. Only transient errors are retried.
-    """
-
-    initial: float = 1.0
-    maximum: float = 60.0
-    attempts: int = 6
-    timeout: float = 60.0
-    sleeper: Callable[[float], None] = time.sleep
-    secrets: tuple[str, ...] = ()
-    on_retry: Callable[[str, int, str], None] | None = None
-
-    def run(self, operation: str, fn: Callable[[], R]) -> R:
-        """Call ``fn`` with retries; any failure leaves as a (scrubbed) :class:`TransportError`."""
-        delay = self.initial
-        attempts = max(1, int(self.attempts))
-        for attempt in range(1, attempts + 1):
-            try:
-                return fn()
-            except Exception as exc:
-                info = classify_error(exc)
-                text = scrub(f"{type(exc).__name__}: {exc}", self.secrets)
-                if info.kind == "not_found":
-                    raise RemoteNotFound(f"{operation}: not found ({text})") from None
-                if info.kind == "permanent" and isinstance(exc, TransportError):
-                    exc.args = (f"{operation} failed: {text}",)  # keeps its class and status
-                    raise exc from None
-                if info.kind == "permanent":
-                    raise TransportError(
-                        f"{operation} failed: {text}", kind="permanent", status=info.status
-                    ) from None
-                if attempt >= attempts:
-                    # a damaged file is the same every time: refused; an outage may pass
-                    error = DamagedFile if info.kind == "damaged" else HubUnavailable
-                    kind = "permanent" if info.kind == "damaged" else "transient"
-                    message = f"{operation} failed after {attempts} attempts: {text}"
-                    raise error(message, kind=kind, status=info.status) from None
-                wait = delay if info.retry_after is None else max(delay, info.retry_after)
-                if self.on_retry is not None:
-                    with contextlib.suppress(Exception):
-                        self.on_retry(operation, attempt, text)
-                self.sleeper(wait)
-                delay = min(self.maximum, delay * 2)
-        raise AssertionError("unreachable")  # pragma: no cover
-
-
-def retry_policy_from_config(config: DistributedConfig) -> RetryPolicy:
-    """The shared policy from a ``distributed`` config section (the token is a secret)."""
-    return RetryPolicy(
-        initial=config.retry_initial,
-        maximum=config.retry_max,
-        attempts=config.retry_attempts,
-        timeout=config.request_timeout,
-        secrets=(config.token,) if config.token else (),
-    )
 
 
 # -- reporting ---------------------------------------------------------------------------
@@ -287,9 +123,105 @@ def parse_delta_path(path: str) -> tuple[str, int] | None:
     return None if match is None else (parts[1], int(match.group(1)))
 
 
+# -- the settings the roles read, built once from the distributed section -------------------
+def syncs_momentum(mode: str, every: int, outer_step: int) -> bool:
+    """Whether the round that makes global ``outer_step`` (1, 2, ...) averages the inner first
+    moment: never (``off``), every round, or every ``every``-th (``every_n``)."""
+    if mode == "off":
+        return False
+    return mode == "every_round" or outer_step % every == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundRules:
+    """When rounds happen and how long anyone waits for them (docs/diloco.md "Settings")."""
+
+    inner_steps: int  # local steps per round
+    sync: str  # blocking | overlapped
+    round_timeout: float
+    poll_interval: float
+    min_nodes: int
+    expected_nodes: int
+    max_staleness: int
+    drop_after: int
+    relay_leaders: tuple[str, ...]
+    threaded_uploads: bool  # overlapped with async_delta_upload
+    upload_shutdown_timeout: float
+    reset_inner_optimizer: bool
+
+    def steps_behind(self, outer_step: int) -> int:
+        """The inner steps a node trained to reach global ``outer_step``."""
+        return outer_step * self.inner_steps
+
+
+@dataclasses.dataclass(frozen=True)
+class WireFormat:
+    """How contributions and globals travel: ``delta_dtype`` with blocks of ``block_size``
+    values, the global's ``global_dtype``, and error feedback for the lossy ones."""
+
+    delta_dtype: str
+    block_size: int
+    global_dtype: str
+    error_feedback: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class OuterRule:
+    """How a round's mean becomes the next global: ``kind`` (average, nesterov, adaptive with
+    ``adaptive_c``/``adaptive_max``), the outer ``lr`` and ``momentum``, the final model as the
+    mean of the last ``final_average`` globals, and the inner first ``moments`` averaged
+    (``off``, ``every_round``, ``every_n`` = every ``moments_every``-th global)."""
+
+    kind: str
+    lr: float
+    momentum: float
+    adaptive_c: float
+    adaptive_max: float
+    final_average: int
+    moments: str
+    moments_every: int
+
+    def syncs_moments(self, outer_step: int) -> bool:
+        """Whether the round that makes global ``outer_step`` averages the first moments."""
+        return syncs_momentum(self.moments, self.moments_every, outer_step)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundSettings:
+    """What the node, its link, the master and a relay read of the ``distributed`` section,
+    built once (:meth:`of`) by the coordinator and handed to each."""
+
+    rules: RoundRules
+    wire: WireFormat
+    outer: OuterRule
+
+    @classmethod
+    def of(cls, config: DistributedConfig) -> RoundSettings:
+        """The section's round rules, wire format and outer rule."""
+        c = config
+        rules = RoundRules(
+            c.inner_steps, c.sync, c.round_timeout, c.poll_interval, c.min_nodes,
+            c.expected_nodes, c.max_staleness, c.drop_after, tuple(c.relay_leaders),
+            c.sync == "overlapped" and c.async_delta_upload, c.delta_upload_shutdown_timeout,
+            c.reset_inner_optimizer,
+        )  # fmt: skip
+        wire = WireFormat(c.delta_dtype, c.delta_block_size, c.global_dtype, c.error_feedback)
+        outer = OuterRule(
+            c.outer_step, c.outer_lr, c.outer_momentum, c.adaptive_c, c.adaptive_max,
+            c.final_average, c.sync_inner_momentum, c.inner_momentum_every,
+        )  # fmt: skip
+        return cls(rules, wire, outer)
+
+
 def max_global_bytes(like: Mapping[str, torch.Tensor]) -> int:
     """The largest global file a model shaped and typed as ``like`` can have (+ 1 MiB)."""
     return sum(v.numel() * v.element_size() for v in like.values()) + (1 << 20)
+
+
+def max_moments_bytes(like: Mapping[str, torch.Tensor]) -> int:
+    """The largest mean first moments file (:data:`GLOBAL_MOMENTS`) of a model shaped as
+    ``like``: float32 values of its floating tensors (+ 1 MiB)."""
+    return 4 * sum(v.numel() for v in like.values() if v.is_floating_point()) + (1 << 20)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -596,14 +528,7 @@ class Store(Protocol):
             )
             record: dict[str, object] = {str(k): str(v) for k, v in (metadata_extra or {}).items()}
             record.update(meta.to_dict(), processed_file=GLOBAL_PROCESSED)
-            book: dict[str, object] = {
-                "outer_step": meta.outer_step,
-                "nodes": dict(sorted((ledger or {}).items())),
-            }
-            for name, values in (node_records or {}).items():
-                if name in NODE_RECORDS:  # what the master knows of each node, beside its round
-                    book[name] = dict(sorted(values.items()))
-            files[GLOBAL_PROCESSED] = _json_bytes(book)
+            files[GLOBAL_PROCESSED] = _json_bytes(_book(meta.outer_step, ledger, node_records))
             files[GLOBAL_STEP] = _json_bytes(record)
             self.commit(files, list(prune), message=f"outer step {meta.outer_step}")
         return meta
@@ -710,15 +635,6 @@ def too_large(path: str, size: int, max_bytes: int) -> TransportError:
     )
 
 
-def file_sha256(path: Path) -> str:
-    """The sha256 of the file at ``path``, read in chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _own_record(
     header: Mapping[str, str], record: GlobalMetadata, digest: str
 ) -> GlobalMetadata | None:
@@ -751,6 +667,23 @@ def _check_like(
                 f"the model {tuple(like[key].shape)}",
                 kind="permanent",
             )
+
+
+def _book(
+    outer_step: int,
+    ledger: Mapping[str, int] | None,
+    node_records: Mapping[str, Mapping[str, object]] | None,
+) -> dict[str, object]:
+    """``global/processed.json``: the ledger, and what the master knows of each node beside
+    its round (:data:`NODE_RECORDS`)."""
+    book: dict[str, object] = {
+        "outer_step": outer_step,
+        "nodes": dict(sorted((ledger or {}).items())),
+    }
+    for name, values in (node_records or {}).items():
+        if name in NODE_RECORDS:
+            book[name] = dict(sorted(values.items()))
+    return book
 
 
 def _by_node(found: Json, kind: type) -> dict[str, Json]:

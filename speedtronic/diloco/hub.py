@@ -51,18 +51,14 @@ from typing import TYPE_CHECKING, Any
 
 import httpx2
 
-from speedtronic.diloco.exchange import (
-    GLOBAL_STEP,
+from speedtronic.diloco.codec import file_sha256
+from speedtronic.diloco.exchange import GLOBAL_STEP, FileInfo, R, RepoTransport, too_large
+from speedtronic.retry import (
     AccessRefused,
     DamagedFile,
-    FileInfo,
-    R,
     RemoteNotFound,
-    RepoTransport,
     RetryPolicy,
     TransportError,
-    file_sha256,
-    too_large,
 )
 
 if TYPE_CHECKING:

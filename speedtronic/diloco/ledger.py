@@ -35,12 +35,11 @@ from speedtronic.diloco.exchange import (
     Emit,
     ExchangeError,
     GlobalMetadata,
-    HubUnavailable,
     RepoScan,
     Store,
-    TransportError,
     max_global_bytes,
 )
+from speedtronic.retry import HubUnavailable, TransportError
 
 __all__ = [
     "IDENTITY_HEADERS",

@@ -1,54 +1,49 @@
 """The master's round: one outer step from one contribution per node, and the global it publishes.
 
 :class:`RoundMaster` polls the exchange, sorts the contribution files (duplicate, stale,
-included, early), closes the open round when every active node delivered or ``round_timeout``
-passed, steps the global with the run's one outer optimizer (:class:`NesterovOuterOptimizer`)
-and publishes it with the ledger in one commit (docs/diloco.md, "Master side", has the rules
-and the failure table). With ``global_dtype`` int8/int4 the step's update is quantized
-(:func:`step_quantized`) and published beside the global, which becomes the last one plus the
-decoded update; a node holding the last global applies it (:func:`read_update`) and holds the
-master's bits, checked by digest. Memory: the held global, the outer momentum and one float32
-running sum; a delta is read a tensor at a time, the outer step runs a slice at a time.
+included, early) and closes the open round when every active node delivered or
+``round_timeout`` passed, as a pipeline: fold (the valid files into one float32 running sum)
+-> outer step -> publish (with the ledger, in one commit) -> report (docs/diloco.md, "Master
+side", has the rules and the failure table). The outer step is one :class:`OuterStep`:
+:class:`LocalStep` steps the global with the run's one outer optimizer (its update quantized
+with ``global_dtype`` int8/int4, :func:`step_quantized`, which a node applies with
+:func:`~.codec.read_update`); a group leader's :class:`RelayStep` forwards the mean to the
+top-level exchange. Memory: the held global, the outer momentum and one float32 running
+sum; a delta is read a tensor at a time, the outer step runs a slice at a time.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
+import functools
 import logging
 import math
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
-from speedtronic.background import Loop
+from speedtronic.background import Loop, wait_for
 from speedtronic.diloco import codec
 from speedtronic.diloco.codec import (
     QUANTIZED_BITS,
-    SCALE_SUFFIX,
     OuterUpdate,
     QuantizedTensor,
-    WireCodec,
+    add_decoded,
     quantize,
+    state_digest,
 )
 from speedtronic.diloco.exchange import (
-    GLOBAL_UPDATE,
-    AccessRefused,
     Emit,
     ExchangeError,
     GlobalMetadata,
-    RemoteNotFound,
     RepoScan,
+    RoundSettings,
     Store,
-    TransportError,
-    file_sha256,
     ignore,
     max_global_bytes,
     parse_delta_path,
@@ -63,27 +58,25 @@ from speedtronic.diloco.ledger import (
     publish,
     reconcile,
 )
-
-if TYPE_CHECKING:
-    from speedtronic.config import DistributedConfig
+from speedtronic.retry import AccessRefused, RemoteNotFound, TransportError
 
 __all__ = [
     "ETA_DIGITS",
     "META",
-    "HeldGlobal",
+    "Fold",
+    "LocalStep",
     "NesterovOuterOptimizer",
     "NormTally",
+    "OuterStep",
     "OuterUpdate",
-    "RecentGlobals",
+    "RelayStep",
     "RoundMaster",
     "RoundState",
+    "Stepped",
     "adaptive_eta",
     "average_states",
-    "read_update",
     "squared_norm",
-    "state_digest",
     "step_quantized",
-    "syncs_momentum",
 ]
 
 _LOG = logging.getLogger("speedtronic.diloco")
@@ -192,41 +185,6 @@ def average_states(states: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, to
     return result
 
 
-class RecentGlobals:
-    """The last ``n`` globals, for ``distributed.final_average``: :meth:`push` each global as it
-    is made (global 0 included), :meth:`final` gives the mean of those held (fewer than ``n``
-    before ``n`` rounds). Holds ``n - 1`` copies besides the caller's (none for ``n == 1``)."""
-
-    def __init__(self, n: int) -> None:
-        if n < 1:
-            raise ValueError("final_average must be >= 1")
-        self.n = n
-        self._held: deque[dict[str, torch.Tensor]] = deque(maxlen=n - 1)
-        self._last: Mapping[str, torch.Tensor] | None = None
-
-    def push(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Record the newest global (copied when it is not the last one kept)."""
-        if self._last is not None and self.n > 1:
-            self._held.append({k: v.detach().clone() for k, v in self._last.items()})
-        self._last = {k: v.detach().clone() for k, v in state.items()} if self.n > 1 else state
-
-    def final(self) -> dict[str, torch.Tensor]:
-        """The mean of the held globals, oldest first; the last global itself when n == 1."""
-        if self._last is None:
-            raise ValueError("no global pushed")
-        if self.n == 1:
-            return {k: v.detach().clone() for k, v in self._last.items()}
-        return average_states([*self._held, self._last])
-
-
-def syncs_momentum(mode: str, every: int, outer_step: int) -> bool:
-    """Whether the round that makes global ``outer_step`` (1, 2, ...) averages the inner first
-    moment: never (``off``), every round, or every ``every``-th (``every_n``)."""
-    if mode == "off":
-        return False
-    return mode == "every_round" or outer_step % every == 0
-
-
 class Score(Protocol):
     """What ``evaluate`` returns for a global (read only: a frozen ``EvalResult`` is one)."""
 
@@ -238,29 +196,17 @@ class Score(Protocol):
     def tokens(self) -> int: ...
 
 
-class Relay(Protocol):
-    """What a group leader's master asks of its way up to the top-level exchange
-    (:class:`~speedtronic.diloco.coordinator.Upstream`, docs/diloco.md "relay groups")."""
-
-    def agree(self, store: Store, held: RoundState, max_bytes: int) -> RoundState:
-        """The group's state, made the top-level global and published to ``store``."""
-        ...
-
-    def forward(
-        self, mean: Mapping[str, torch.Tensor], *, round: int, weight: int, run_id: str, final: bool
-    ) -> tuple[GlobalMetadata, dict[str, torch.Tensor]]:
-        """Send the group's ``mean`` up; the first top-level global after it."""
-        ...
-
-    def finish(self) -> None:
-        """Tell the top level that the group's run is over."""
-        ...
+NewRun = Callable[[], RoundState]  # outer step 0 over the initial weights: a new run
+Global = tuple[GlobalMetadata, dict[str, torch.Tensor]]  # a version record and its weights
 
 
 @dataclasses.dataclass
-class _Fold:
-    """What closing a round read: the files used and what they say about their nodes."""
+class Fold:
+    """What closing a round read: the round's mean (one float32 running sum, divided by the
+    weight at the end), the files used and what they say about their nodes."""
 
+    round: int
+    total: dict[str, torch.Tensor]
     weight: int = 0
     included: list[str] = dataclasses.field(default_factory=list)
     consumed: list[str] = dataclasses.field(default_factory=list)
@@ -272,6 +218,95 @@ class _Fold:
     moments: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # weighted sums
     moment_weights: dict[str, float] = dataclasses.field(default_factory=dict)
     norms: NormTally = dataclasses.field(default_factory=NormTally)  # for outer_step: adaptive
+    mean_moments: dict[str, torch.Tensor] | None = None  # as the nodes will decode them
+
+
+@dataclasses.dataclass
+class Stepped:
+    """An outer step's lr (``eta``) and the update to publish (None: the global, whole)."""
+
+    eta: float
+    update: OuterUpdate | None = None
+
+
+@dataclasses.dataclass
+class Agreement:
+    """Where the master stands with the exchange: created there (not after a startup outage),
+    agreed with since the start or the last failed publish, whether the first agreement may
+    start a new run (``fresh``, from ``initial``), whether a valid local outer state may be
+    republished, and the outer step last handed to ``on_global``."""
+
+    initial: dict[str, torch.Tensor] | None = None
+    fresh: bool = False
+    exchange_created: bool = True
+    reconciled: bool = False
+    has_local_state: bool = False
+    handed: int | None = None
+
+
+@dataclasses.dataclass
+class RoundWatch:
+    """The open round's ``clock()`` times (opened, first on-time contribution, last sign of
+    progress, exchange unreadable since), what the last poll saw, and the expected nodes'
+    first-round wait (over; the round that said it waits for them)."""
+
+    opened: float
+    last_progress: float
+    first_arrival: float | None = None
+    blind_since: float | None = None
+    seen: set[str] = dataclasses.field(default_factory=set)
+    joins_over: bool = False
+    waiting_note: int | None = None
+
+
+@dataclasses.dataclass
+class Refusals:
+    """The files the open round refused, counted until it closes (``dropped``: stale
+    ``node/round``; ``refused``: corrupt ones, named by the next record), and the files to
+    ``prune`` (refused, duplicate, stale or consumed) until a commit deletes them."""
+
+    counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    dropped: list[str] = dataclasses.field(default_factory=list)
+    refused: list[str] = dataclasses.field(default_factory=list)
+    prune: set[str] = dataclasses.field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Count afresh (after a close); the files to prune stay."""
+        self.counts = {"stale": 0, "skipped": 0, "corrupt": 0}
+        self.dropped, self.refused = [], []
+
+    def report(self) -> dict[str, object]:
+        """The counts as an event reports them."""
+        counts = {f"deltas_{kind}": count for kind, count in self.counts.items()}
+        return {**counts, "dropped": list(self.dropped), "refused": list(self.refused)}
+
+
+class OuterStep(Protocol):
+    """How a closed round's mean becomes the next global: :class:`LocalStep` steps it here,
+    :class:`RelayStep` (a group leader) forwards it to the top-level exchange. The master
+    calls each method at one place of its round and never asks which one it holds."""
+
+    def agree(
+        self, store: Store, held: RoundState, *, trusted: bool, fresh: bool, new_run: NewRun
+    ) -> tuple[RoundState, bool]:
+        """The state agreed with the exchange (held there when this returns), and whether
+        its global is the final one of a run that ended."""
+
+    def moments_due(self, outer_step: int) -> bool:
+        """Whether the round that makes global ``outer_step`` averages the first moments."""
+
+    def step(self, new: RoundState, fold: Fold, *, final: bool) -> Stepped | None:
+        """Make ``new`` (the closed round's state) the next global from the round's mean
+        (``fold.total``); None when it would not be finite (``new`` is dropped)."""
+
+    def undo(self, old: RoundState, new: RoundState) -> RoundState:
+        """The state to hold when the publish of ``new`` failed and no local state keeps it."""
+
+    def finish(self, state: RoundState) -> None:
+        """The run is over with no round left to close: make ``state`` the final global."""
 
 
 class RoundMaster:
@@ -279,9 +314,14 @@ class RoundMaster:
 
     ``state``: the model's weights (the global of a new run; every global is checked against
     its shapes and dtypes). ``on_global`` receives every new global, ``evaluate`` scores one,
-    ``on_final`` runs once after the final global was published; ``upstream`` makes this master
-    a group leader (:mod:`.relay`). ``last_progress``: the ``clock()`` time of the last sign
-    that the run moves (the coordinator bounds its wait for the final global from it).
+    ``on_final`` runs once after the final global was published; ``outer`` is how a round's
+    mean becomes the next global (:class:`LocalStep` by default; :class:`RelayStep` makes this
+    master a group leader). ``last_progress``: the ``clock()`` time of the last sign that the
+    run moves (the coordinator bounds its wait for the final global from it).
+
+    A poll sorts the exchange's files and closes the open round when it is due: fold (the
+    valid files into the round's mean) -> outer step (``outer``) -> publish (one commit, the
+    write-ahead record first) -> report; each step has its own failure rule.
     """
 
     def __init__(
@@ -289,47 +329,43 @@ class RoundMaster:
         store: Store,
         state: Mapping[str, torch.Tensor],
         *,
-        settings: DistributedConfig,
+        settings: RoundSettings,
         state_dir: str | os.PathLike[str],
         emit: Emit = ignore,
         on_global: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
         evaluate: Callable[[dict[str, torch.Tensor]], Score | None] | None = None,
         on_final: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
-        upstream: Relay | None = None,
+        outer: OuterStep | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.store = store
         self.settings = settings
         self.state = self._new_run(codec.cpu_state_dict(state))
         # the global of a new run: only the first agreement with the exchange may start one
-        self._initial: dict[str, torch.Tensor] | None = self.state.global_state
-        self.fresh = False  # set by a master that starts its training from step 0
+        self.agreement = Agreement(initial=self.state.global_state)
         self.outer_files = OuterStateStore(state_dir)
-        self.has_local_state = False  # a valid local outer state: it may be republished
-        self.reconciled = False
-        self.exchange_created = True  # False: the startup could not create it (an outage)
         self.fatal: Exception | None = None  # an error no retry fixes; the thread stopped
         self._emit = emit
         self.roster = Roster(lambda node_id: self.store.read_owner(node_id), emit)
         self.on_global, self.evaluate, self.on_final = on_global, evaluate, on_final
-        self.upstream = upstream
+        self.outer: OuterStep = outer or LocalStep(settings, self.outer_files)
         self._clock = clock
         self._lock = threading.RLock()
         self.finished = threading.Event()
-        self._loop = Loop("speedtronic-diloco-master", self._tick, lambda: settings.poll_interval)
+        poll = settings.rules.poll_interval
+        self._loop = Loop("speedtronic-diloco-master", self._tick, lambda: poll)
         self._failing: tuple[str, float, float] | None = None  # kind, since, last logged
-        self._first_arrival: float | None = None  # the open round's first on-time contribution
-        self._joins_over = False  # every expected node contributed, or one round waited
-        self._waiting_note: int | None = None  # the round that said it waits for nodes to start
-        self._opened = self.last_progress = clock()
-        self._seen: set[str] = set()  # the includable contributions of the last poll
-        self._blind_since: float | None = None  # when the exchange became unreadable
-        self._prune: set[str] = set()
-        self._reset_tally()
-        self._handed: int | None = None  # the outer step last given to on_global
+        now = clock()
+        self.watch = RoundWatch(opened=now, last_progress=now)
+        self.refusals = Refusals()
         # (outer step, round, mean first moments) published with the last global that had them
         self.moments: tuple[int, int, dict[str, torch.Tensor]] | None = None
         self._load_local_state()
+
+    @property
+    def last_progress(self) -> float:
+        """The ``clock()`` time of the last sign that the run moves."""
+        return self.watch.last_progress
 
     @property
     def outer_step(self) -> int:
@@ -360,11 +396,11 @@ class RoundMaster:
         """Outer step 0 over ``initial`` (kept, not copied) or a copy of the initial weights,
         with the run's one outer optimizer."""
         if initial is None:
-            if self._initial is None:  # never: only the first agreement starts a new run
+            if self.agreement.initial is None:  # never: only the first agreement starts one
                 raise RuntimeError("a new run can only start when the master starts")
-            initial = codec.cpu_state_dict(self._initial)
-        s = self.settings
-        return RoundState(0, initial, NesterovOuterOptimizer(initial, s.outer_lr, s.outer_momentum))
+            initial = codec.cpu_state_dict(self.agreement.initial)
+        rule = self.settings.outer
+        return RoundState(0, initial, NesterovOuterOptimizer(initial, rule.lr, rule.momentum))
 
     # -- local persistence and the agreement with the exchange --------------------------------
     def _load_local_state(self) -> None:
@@ -377,39 +413,33 @@ class RoundMaster:
             )
             return
         if saved is not None:
-            self.state, self.has_local_state = saved, True
+            self.state, self.agreement.has_local_state = saved, True
 
     def _persist(self) -> None:
         try:
             self.outer_files.save(self.state)
-            self.has_local_state = True
+            self.agreement.has_local_state = True
         except OSError as exc:
             _LOG.warning(f"could not persist local outer state: {exc}")
 
     def reconcile(self) -> None:
-        """Agree with the exchange once (:func:`~.ledger.reconcile`; a group leader takes the
-        top-level global). A failed read raises ``TransportError`` (retried); an unusable
-        global with no local state to republish raises ``ExchangeError``."""
-        if self.upstream is not None:
-            bound = max_global_bytes(self.global_state)
-            state = self.upstream.agree(self.store, self.state, bound)
-        else:
-            state = reconcile(
-                self.store,
-                self.state,
-                trusted=self.has_local_state,
-                fresh=self.fresh,
-                new_run=self._new_run,
-            )
-        # read before it counts as agreed: a failed read agrees again at the next poll
-        meta = None if self.upstream is not None else self.store.global_metadata()
-        key = (state.run_id, state.outer_step)
-        over = meta is not None and meta.final and (meta.run_id, meta.outer_step) == key
+        """Agree with the exchange once (``outer.agree``: :func:`~.ledger.reconcile`, or a
+        group leader takes the top-level global). A failed read raises ``TransportError``
+        (retried); an unusable global with no local state to republish raises
+        ``ExchangeError``."""
+        state, over = self.outer.agree(
+            self.store,
+            self.state,
+            trusted=self.agreement.has_local_state,
+            fresh=self.agreement.fresh,
+            new_run=self._new_run,
+        )
         with self._lock:
             self.state = state
-        self.reconciled = True
-        self.fresh = False  # a later reconcile (after a failed publish) is never a new run
-        self._initial = None
+        agreed = self.agreement
+        agreed.reconciled = True
+        agreed.fresh = False  # a later reconcile (after a failed publish) is never a new run
+        agreed.initial = None
         report = self.outer_files.take_pending(self.outer_step, self.run_id)
         eta = report.get("eta") if report is not None else None
         if (
@@ -420,57 +450,47 @@ class RoundMaster:
             state.eta = eta  # the adopted global's step: its lr is the write-ahead record's
         self._persist()
         if report is not None:  # published by this master, never reported (killed, lost reply)
-            self._reset_tally()
+            self.refusals.reset()
             self._emit("outer_step", **{**report, "recovered": True})
-        if self._handed != self.outer_step:  # a re-reconcile after a failed publish may not move
-            self._opened = self._clock()
+        if agreed.handed != self.outer_step:  # a re-reconcile after a failed publish may not move
+            self.watch.opened = self._clock()
             self._hand_over()
         if over and not self.finished.is_set():  # this run ended (a lost reply, a restart)
             self._finalize(self.global_state)
 
     def _hand_over(self) -> None:
         """Give the local node a copy of the new global (the held one steps in place)."""
-        self._handed = self.outer_step
+        self.agreement.handed = self.outer_step
         if self.on_global is not None:
             self.on_global(self.outer_step, codec.cpu_state_dict(self.global_state))
 
     # -- one poll ---------------------------------------------------------------------------
-    def _reset_tally(self) -> None:
-        """Count the open round's refused files afresh (after a close)."""
-        self._counts = {"stale": 0, "skipped": 0, "corrupt": 0}
-        self._dropped: list[str] = []  # "node/round" of stale contributions since the last close
-        self._refused: list[str] = []  # "node/round" of corrupt ones (the next record names them)
-
-    def _tally(self) -> dict[str, object]:
-        counts = {f"deltas_{kind}": count for kind, count in self._counts.items()}
-        return {**counts, "dropped": list(self._dropped), "refused": list(self._refused)}
-
     def poll_once(self) -> bool:
         """Scan the repository and close the open round when it is due; True if it closed."""
-        now = self._clock()
+        now, watch = self._clock(), self.watch
         try:
-            if not self.exchange_created:  # its creation failed at startup: try again
+            if not self.agreement.exchange_created:  # creating it failed at startup: again
                 self.store.create_repo(private=True)
-                self.exchange_created = True
-            if not self.reconciled:  # at start, and again after a publish that failed
+                self.agreement.exchange_created = True
+            if not self.agreement.reconciled:  # at start, and again after a failed publish
                 self.reconcile()
             scan = self.store.scan()
         except TransportError:
-            if self._blind_since is None:
-                self._blind_since = now
+            if watch.blind_since is None:
+                watch.blind_since = now
             raise
-        if self._blind_since is not None:  # while the exchange was unreadable nobody was
-            blind, self._blind_since = now - self._blind_since, None  # silent: no drop for it
+        if watch.blind_since is not None:  # while the exchange was unreadable nobody was
+            blind, watch.blind_since = now - watch.blind_since, None  # silent: no drop for it
             self.roster.credit(blind)
-            if self._first_arrival is not None:
-                self._first_arrival += blind
+            if watch.first_arrival is not None:
+                watch.first_arrival += blind
         if self.roster.refresh(scan, now, self.state):
-            self.last_progress = now
+            watch.last_progress = now
         candidates = self._sort_contributions(scan, now)
         seen = {path for files in candidates.values() for path in files.values()}
-        if seen - self._seen:  # a contribution not seen before
-            self.last_progress = now
-        self._seen = seen
+        if seen - watch.seen:  # a contribution not seen before
+            watch.last_progress = now
+        watch.seen = seen
         dropped = dict(self.state.dropped)
         active = self.roster.active(now, self.silence_limit, self.state)
         if self.state.dropped != dropped:  # a drop holds across a restart
@@ -478,10 +498,10 @@ class RoundMaster:
         reason = self._close_reason(now, active, candidates)
         if reason is not None and self._close(candidates, reason, active):
             return True
-        if self._prune:  # refused, duplicate or stale files go now, before they are re-sent
+        if self.refusals.prune:  # refused, duplicate or stale files go now, before re-sent
             try:
-                self.store.prune(sorted(self._prune))
-                self._prune.clear()
+                self.store.prune(sorted(self.refusals.prune))
+                self.refusals.prune.clear()
             except TransportError as exc:
                 _LOG.warning(f"could not prune consumed deltas: {exc}")
         over = self.roster.run_over(active, self.state) and not candidates
@@ -493,22 +513,22 @@ class RoundMaster:
         """Includable files ``{node: {round: path}}``; duplicates and stale ones are queued
         for pruning and counted (a stale one moves the ledger: it is never counted later)."""
         open_round = self.outer_step
-        oldest = open_round - self.settings.max_staleness
+        oldest = open_round - self.settings.rules.max_staleness
         candidates: dict[str, dict[int, str]] = {}
         for node_id, files in scan.deltas.items():
             done = self.ledger.get(node_id, -1)
             for round, path in sorted(files.items()):
-                if path in self._prune:
+                if path in self.refusals.prune:
                     continue
                 if round <= done:
-                    self._prune.add(path)
-                    self._counts["skipped"] += 1
+                    self.refusals.prune.add(path)
+                    self.refusals.counts["skipped"] += 1
                 elif round < oldest:
                     self._drop(node_id, round, path)
                     _LOG.warning(
                         f"dropping the contribution of {node_id} to round {round}: "
                         f"{open_round - round} rounds late (max_staleness "
-                        f"{self.settings.max_staleness})"
+                        f"{self.settings.rules.max_staleness})"
                     )
                     with self._lock:
                         self.ledger[node_id] = max(self.ledger.get(node_id, -1), round)
@@ -518,8 +538,8 @@ class RoundMaster:
                         self._refuse(path, f"{size} bytes, more than a delta of this model")
                         continue
                     candidates.setdefault(node_id, {})[round] = path
-                    if round == open_round and self._first_arrival is None:
-                        self._first_arrival = now  # a late file must not shorten the wait
+                    if round == open_round and self.watch.first_arrival is None:
+                        self.watch.first_arrival = now  # a late file must not shorten the wait
                     self.roster.heard(node_id, now, self.state)
         return candidates
 
@@ -527,30 +547,31 @@ class RoundMaster:
     def silence_limit(self) -> float:
         """Seconds of silence before a node is no longer waited for: ``drop_after`` round
         lengths, each at least ``round_timeout``."""
-        return self.settings.drop_after * max(self.settings.round_timeout, self.state.round_seconds)
+        rules = self.settings.rules
+        return rules.drop_after * max(rules.round_timeout, self.state.round_seconds)
 
     @property
     def max_delta_bytes(self) -> int:
         """The largest delta file this model can produce (float32 values, and as many first
         moments with ``sync_inner_momentum``, + a header)."""
         values = sum(v.numel() for v in self.global_state.values() if v.is_floating_point())
-        copies = 1 if self.settings.sync_inner_momentum == "off" else 2  # + the first moments
+        copies = 1 if self.settings.outer.moments == "off" else 2  # + the first moments
         return 4 * copies * values + (1 << 20)
 
     def _drop(self, node_id: str, round: int, path: str) -> None:
         """A stale contribution (too late, or of another run): pruned and counted."""
-        self._prune.add(path)
-        self._counts["stale"] += 1
-        self._dropped.append(f"{node_id}/{round}")
+        self.refusals.prune.add(path)
+        self.refusals.counts["stale"] += 1
+        self.refusals.dropped.append(f"{node_id}/{round}")
 
     def _refuse(self, path: str, why: str) -> None:
         """An unusable contribution: counted corrupt and pruned unread; the next published
         record names it (``refused``), so its node hears of it."""
-        self._prune.add(path)
-        self._counts["corrupt"] += 1
+        self.refusals.prune.add(path)
+        self.refusals.counts["corrupt"] += 1
         parsed = parse_delta_path(path)
         if parsed is not None:
-            self._refused.append(f"{parsed[0]}/{parsed[1]}")
+            self.refusals.refused.append(f"{parsed[0]}/{parsed[1]}")
         _LOG.warning(f"dropping delta {path}: {why}")
 
     def _close_reason(
@@ -559,19 +580,20 @@ class RoundMaster:
         if not candidates:
             return None
         # min_nodes is a floor on the nodes in a round, lowered only by nodes that finished
-        need = max(1, self.settings.min_nodes - self.roster.finished_count(self.state))
+        need = max(1, self.settings.rules.min_nodes - self.roster.finished_count(self.state))
         if len(candidates) < need:
             return None
         on_time = {node for node, files in candidates.items() if self.outer_step in files}
         starting = self._starting(candidates)
         if active <= on_time and not (starting and active):
             return "complete" if active else "drain"
-        waited = now - (self._first_arrival if self._first_arrival is not None else now)
-        if waited < (self.silence_limit if starting else self.settings.round_timeout):
+        first = self.watch.first_arrival
+        waited = now - (first if first is not None else now)
+        if waited < (self.silence_limit if starting else self.settings.rules.round_timeout):
             return None
         if starting:  # the round waited its bound for them: no longer (they join later)
-            self._joins_over = True
-            expected = self.settings.expected_nodes
+            self.watch.joins_over = True
+            expected = self.settings.rules.expected_nodes
             _LOG.warning(
                 f"round {self.outer_step} closes without {starting} of the {expected} expected "
                 f"nodes (distributed.expected_nodes): nothing from them {waited:.0f} s after "
@@ -587,16 +609,16 @@ class RoundMaster:
         """How many of the ``expected_nodes`` have not contributed to this run yet: the round
         waits for them up to :attr:`silence_limit` (a slow start is not a slow round), once
         per run."""
-        expected = self.settings.expected_nodes
-        if self._joins_over or expected <= 0:
+        expected = self.settings.rules.expected_nodes
+        if self.watch.joins_over or expected <= 0:
             return 0
         started = len(set(self.ledger) | set(candidates))
         if started >= expected:
-            self._joins_over = True
+            self.watch.joins_over = True
             _LOG.info(f"all {expected} expected nodes (distributed.expected_nodes) contributed")
             return 0
-        if self._waiting_note != self.outer_step:
-            self._waiting_note = self.outer_step
+        if self.watch.waiting_note != self.outer_step:
+            self.watch.waiting_note = self.outer_step
             _LOG.info(
                 f"round {self.outer_step} waits for {expected - started} more node(s) to start "
                 f"and contribute (distributed.expected_nodes={expected}; at most "
@@ -604,116 +626,139 @@ class RoundMaster:
             )
         return expected - started
 
-    # -- closing a round -----------------------------------------------------------------------
+    # -- closing a round: fold -> outer step -> publish -> report ------------------------------
     def _close(
         self, candidates: Mapping[str, Mapping[int, str]], reason: str, active: set[str]
     ) -> bool:
+        """Close the open round from ``candidates``; True when its global was published."""
         started = time.perf_counter()
-        total = {  # the round's one float32 running sum
+        fold = self._fold(candidates)
+        if fold is None:  # nothing usable: the round stays open
+            return False
+        new = self._next_state(fold)
+        final = self.roster.run_over(self.roster.waiting(new), new)
+        stepped = self.outer.step(new, fold, final=final)
+        if stepped is None:  # not finite: the round is undone, its files go
+            for path in fold.consumed:
+                self._refuse(path, "the outer step would make the global non-finite")
+            return False
+        fold.total = {}  # the mean is spent: let it go before the publish
+        report = self._report(new, fold, reason, active, stepped.eta)
+        self._publish_round(new, fold, stepped.update, final, report)
+        self._report_round(new, fold, report, started)
+        self._after_publish(final)
+        return True
+
+    def _fold(self, candidates: Mapping[str, Mapping[int, str]]) -> Fold | None:
+        """Every node's valid files into one float32 running sum, divided into the round's
+        mean, and the mean first moments; None when no file was usable (pruned, counted)."""
+        total = {
             k: torch.zeros(tuple(v.shape), dtype=torch.float32)
             for k, v in self.global_state.items()
             if v.is_floating_point()
         }
-        fold = _Fold()
+        fold = Fold(self.outer_step, total)
         for node_id in sorted(candidates):
-            self._fold_node(node_id, candidates[node_id], total, fold)
+            self._fold_node(node_id, candidates[node_id], fold)
             codec.return_free_memory()  # the file's temporaries, before the next file's
         if not fold.marks:
-            return False
+            return None
         for value in total.values():
             value.div_(float(fold.weight))
-        eta = self._eta(fold.norms, total)
-        moments = self._mean_moments(fold)
-        old, new = self.state, self.state.copy(tensors=False)  # the weights step in place
-        round = new.outer_step
+        fold.mean_moments = self._mean_moments(fold)
+        return fold
+
+    def _next_state(self, fold: Fold) -> RoundState:
+        """A copy of the held state (the weights step in place) with ``fold``'s records."""
+        new = self.state.copy(tensors=False)
         for node_id, newest in fold.marks.items():
             new.ledger[node_id] = max(new.ledger.get(node_id, -1), newest)
             new.finals.pop(node_id, None)  # a node that contributes again is not done yet
         new.digests.update(fold.digests)
         new.instances.update(fold.instances)
         new.finals.update(fold.finals)
-        final = self.roster.run_over(self.roster.waiting(new), new)
-        self._keep(new)  # the global this round steps from
-        stepped = self._step(new, total, fold.weight, final, eta)
-        if stepped is False:
-            for path in fold.consumed:
-                self._refuse(path, "the outer step would make the global non-finite")
-            return False
-        if final and self._final_mean(new):
-            stepped = True  # the final global is published whole, not as an update
-        del total
-        report: dict[str, object] = {
+        return new
+
+    def _report(
+        self, new: RoundState, fold: Fold, reason: str, active: set[str], eta: float
+    ) -> dict[str, object]:
+        return {  # what the ``outer_step`` event says of the round that made ``new``
             "outer_step": new.outer_step,
-            "round": round,
+            "round": fold.round,
             "reason": reason,
             "nodes_active": len(active),
             "nodes_included": len(fold.marks),
-            "deltas_found": len(fold.consumed) + self._counts["corrupt"],
+            "deltas_found": len(fold.consumed) + self.refusals.counts["corrupt"],
             "deltas_included": len(fold.consumed),
             "deltas_late": fold.late,
             "included": fold.included,
             "eta": eta,
-            **self._tally(),
+            **self.refusals.report(),
         }
-        # written ahead: a kill after the exchange applied the publish and before the round
-        # is reported below leaves this record, reported at the restart
+
+    def _publish_round(
+        self,
+        new: RoundState,
+        fold: Fold,
+        update: OuterUpdate | None,
+        final: bool,
+        report: Mapping[str, object],
+    ) -> None:
+        """Publish ``new`` in one commit, its report written ahead (a kill after the exchange
+        applied the publish leaves the record, reported at the restart). A failure may have
+        landed: the next poll agrees again. The closed round is kept (its ledger marks the
+        consumed files) and published again from the local state (whole: an update is sent
+        once); with no local state to trust, ``outer.undo`` says which state to hold."""
         self.outer_files.write_pending(new.outer_step, new.run_id, report)
+        old = self.state
         with self._lock:
             self.state = new
+        moments = fold.mean_moments
         try:
-            update = stepped if isinstance(stepped, OuterUpdate) else None
-            prune = set(fold.consumed) | self._prune
             publish(
                 self.store,
                 new,
-                prune=prune,
+                prune=set(fold.consumed) | self.refusals.prune,
                 final=final,
-                refused=self._refused,
+                refused=self.refusals.refused,
                 update=update,
                 moments=moments,
-                **({} if moments is None else {"moments_round": str(round)}),
+                **({} if moments is None else {"moments_round": str(fold.round)}),
             )
         except Exception:
-            # It may still have landed: the next poll agrees with the exchange again. The
-            # closed round is kept (its ledger marks the consumed files; a group leader's mean
-            # is at the top level already) and published again from the local state (the full
-            # global: the update is sent once); with no local state to trust, the exchange's
-            # global is taken again and the round closes anew from the files still there.
             self._persist()
-            if self.has_local_state:
-                self._prune.update(fold.consumed)  # consumed: they go with the next commit
-                self._first_arrival = None
-            elif self.upstream is None:
+            if self.agreement.has_local_state:
+                self.refusals.prune.update(fold.consumed)  # consumed: go with the next commit
+                self.watch.first_arrival = None
+            else:
                 with self._lock:
-                    self.state = old  # its weights are replaced when the global is adopted
-            self.reconciled = False
+                    self.state = self.outer.undo(old, new)  # weights replaced when adopted
+            self.agreement.reconciled = False
             raise
-        opened, self._opened = self._opened, self._clock()
-        self.last_progress = self._opened
-        length = self._opened - opened
+
+    def _report_round(
+        self, new: RoundState, fold: Fold, report: Mapping[str, object], started: float
+    ) -> None:
+        """The round landed: its length, the state kept, the event, the record cleared."""
+        watch = self.watch
+        opened, watch.opened = watch.opened, self._clock()
+        watch.last_progress = watch.opened
+        length = watch.opened - opened
         average = new.round_seconds  # kept in the state: a restart drops nobody too soon
         new.round_seconds = length if not average else (0.7 * average + 0.3 * length)
-        self._prune.clear()
+        self.refusals.prune.clear()
         self._persist()
         codec.return_free_memory()
-        self._first_arrival = None
-        self._reset_tally()
+        watch.first_arrival = None
+        self.refusals.reset()
         self._emit(
             "outer_step", **report, seconds=time.perf_counter() - started, round_seconds=length
         )
         self.outer_files.clear_pending()
-        self.moments = None if moments is None else (new.outer_step, round, moments)
-        self._after_publish(final)
-        return True
+        moments = fold.mean_moments
+        self.moments = None if moments is None else (new.outer_step, fold.round, moments)
 
-    def _syncs_moments(self) -> bool:
-        """Whether the open round averages the nodes' first moments (a group leader relays
-        the weights only)."""
-        s = self.settings
-        due = syncs_momentum(s.sync_inner_momentum, s.inner_momentum_every, self.outer_step + 1)
-        return due and self.upstream is None
-
-    def _add_moments(self, reader: codec.DeltaReader, weight: float, fold: _Fold) -> None:
+    def _add_moments(self, reader: codec.DeltaReader, weight: float, fold: Fold) -> None:
         """Add the first moments ``reader``'s file carries, times ``weight``, to the round's
         sums (a second running sum, key by key)."""
         view = {}
@@ -724,123 +769,30 @@ class RoundMaster:
         if view:
             reader.add_to(view, scale=weight)
 
-    def _mean_moments(self, fold: _Fold) -> dict[str, torch.Tensor] | None:
+    def _mean_moments(self, fold: Fold) -> dict[str, torch.Tensor] | None:
         """The round's mean first moments by parameter name, as the nodes will decode them
         (through ``delta_dtype`` like their own, no error feedback); None when none came."""
         if not fold.moments:
             return None
         n = len(codec.MOMENT_PREFIX)
         mean = {k[n:]: v.div_(fold.moment_weights[k]) for k, v in fold.moments.items()}
-        s = self.settings
-        if s.delta_dtype == "fp32":
+        wire = self.settings.wire
+        if wire.delta_dtype == "fp32":
             return mean
-        encoded = codec.encode_delta(mean, s.delta_dtype, s.delta_block_size)
+        encoded = codec.encode_delta(mean, wire.delta_dtype, wire.block_size)
         return {k: codec.decode_value(v) for k, v in encoded.items()}
 
-    def _keep(self, state: RoundState) -> None:
-        """Keep ``state``'s global on disk when the final model is a mean of several."""
-        n = self.settings.final_average
-        if n > 1 and self.upstream is None:
-            self.outer_files.keep_global(state.outer_step, state.run_id, state.global_state, n)
-
-    def _final_mean(self, state: RoundState) -> bool:
-        """``final_average`` N > 1: make ``state``'s global the mean of the last N globals
-        (fewer when fewer were made), read from the kept files, so a retry or a restart
-        computes the same; True if it did (a group leader takes the top level's)."""
-        n = self.settings.final_average
-        if n == 1 or self.upstream is not None:
-            return False
-        self._keep(state)
-        kept = self.outer_files.kept_globals(
-            state.run_id, state.outer_step - n + 1, state.outer_step
-        )
-        for key, value in average_states(kept).items():
-            state.global_state[key] = value.to(state.global_state[key].dtype)
-        _LOG.info(f"the final global is the mean of the last {len(kept)} globals")
-        return True
-
-    def _eta(self, norms: NormTally, mean: Mapping[str, torch.Tensor]) -> float:
-        """The round's outer lr: the optimizer's (``outer_lr``; 1.0 for ``average``), or with
-        ``outer_step: adaptive`` the one :func:`adaptive_eta` computes from the contributions'
-        norms and the mean's (a group leader relays and steps nothing)."""
-        s = self.settings
-        if s.outer_step != "adaptive" or self.upstream is not None:
-            return self.state.optimizer.lr
-        return adaptive_eta(
-            norms.spread, squared_norm(mean), norms.count, s.adaptive_c, s.adaptive_max
-        )
-
-    def _step(
-        self, new: RoundState, mean: dict[str, torch.Tensor], weight: int, final: bool, eta: float
-    ) -> OuterUpdate | bool:
-        """The outer step on ``new`` with lr ``eta`` (a group leader relays the round's
-        ``mean`` up and takes the top-level global that includes it): the quantized update to
-        publish, True, or False when the result would not be finite (``new`` is then
-        discarded)."""
-        if self.upstream is not None:  # the wait for the top level may be long: no lock held
-            meta, weights = self.upstream.forward(
-                mean, round=new.outer_step, weight=weight, run_id=new.run_id, final=final
-            )
-            new.adopt(weights, meta.outer_step)
-            new.run_id = meta.run_id
-            return True
-        new.optimizer.lr = new.eta = eta  # this round's (the same every round but with adaptive)
-        if new.optimizer.first_non_finite(new.global_state, mean) is not None:
-            return False  # checked on temporaries: nothing changed
-        s = self.settings
-        if s.global_dtype == "fp32":
-            new.optimizer.step(new.global_state, mean)
-            new.outer_step += 1
-            return True
-        update = step_quantized(
-            new.optimizer,
-            new.global_state,
-            mean,
-            new.residual,
-            dtype=s.global_dtype,
-            block_size=s.delta_block_size,
-            error_feedback=s.error_feedback,
-        )
-        update.base_step, update.run_id = new.outer_step, new.run_id
-        new.outer_step += 1
-        update.outer_step, update.digest = new.outer_step, state_digest(new.global_state)
-        return update
-
-    def _fold_node(
-        self, node_id: str, files: Mapping[int, str], total: dict[str, torch.Tensor], fold: _Fold
-    ) -> None:
-        """Add one node's valid files for this round into ``total`` as their mean times the
+    def _fold_node(self, node_id: str, files: Mapping[int, str], fold: Fold) -> None:
+        """Add one node's valid files for this round into ``fold.total`` as their mean times the
         node's weight (1, or the nodes a relay leader speaks for), each file read once, tensor
         by tensor, and record them in ``fold``. Unusable files are pruned and counted."""
         with contextlib.ExitStack() as stack:
             readers: list[tuple[int, str, codec.DeltaReader, int]] = []
             for round, path in sorted(files.items()):
-                try:
-                    bound = self.max_delta_bytes  # checked on the file actually opened
-                    local = stack.enter_context(self.store.local_copy(path, max_bytes=bound))
-                    reader = stack.enter_context(codec.open_delta(local))
-                    leaders, step = self.settings.relay_leaders, self.outer_step
-                    weight = self.roster.check_identity(
-                        node_id, reader.metadata, round, step, leaders
-                    )
-                    digest = reader.check(self.global_state)
-                    if self.state.digests.get(node_id) == digest:
-                        raise ValueError("the same values as its node's last contribution")
-                except RemoteNotFound:
+                opened = self._open_checked(stack, node_id, round, path)
+                if opened is None:
                     continue
-                except TransportError as exc:
-                    if exc.kind != "permanent":
-                        raise  # an outage: the whole round is retried at the next poll
-                    self._refuse(path, str(exc))  # too large, a link: never usable
-                    continue
-                except Exception as exc:
-                    self._refuse(path, f"{type(exc).__name__}: {exc}")
-                    continue
-                run = reader.metadata["run_id"]
-                if run and self.run_id and run != self.run_id:
-                    self._drop(node_id, round, path)
-                    _LOG.warning(f"dropping {path}: it belongs to another run ({run})")
-                    continue
+                reader, weight, digest = opened
                 readers.append((round, path, reader, weight))
                 fold.digests[node_id] = digest
                 fold.instances[node_id] = reader.metadata["instance"]
@@ -850,9 +802,10 @@ class RoundMaster:
                 return
             weight = max(w for _, _, _, w in readers)
             share = weight / len(readers)  # several files of one node: each counts its share
-            moments = self._syncs_moments()
+            moments = self.outer.moments_due(self.outer_step + 1)
             for round, _, reader, _ in readers:
-                reader.add_to(total, scale=share, observe=lambda part: fold.norms.add(part, share))
+                observe = functools.partial(fold.norms.add, weight=share)
+                reader.add_to(fold.total, scale=share, observe=observe)
                 fold.norms.close(share)
                 if moments and round == self.outer_step:  # a late file's moments: too old
                     self._add_moments(reader, weight, fold)
@@ -863,6 +816,39 @@ class RoundMaster:
             fold.late += round < self.outer_step
             fold.marks[node_id] = max(fold.marks.get(node_id, -1), round)
 
+    def _open_checked(
+        self, stack: contextlib.ExitStack[bool | None], node_id: str, round: int, path: str
+    ) -> tuple[codec.DeltaReader, int, str] | None:
+        """``node_id``'s contribution to ``round`` at ``path``, opened (kept open by
+        ``stack``) and checked: its size on the file read, identity, values and digest, not a
+        re-sent copy, of this run. Returns its reader, weight and digest; None when it is gone
+        or unusable (pruned and counted). An outage raises (the round is retried)."""
+        try:
+            bound = self.max_delta_bytes  # checked on the file actually opened
+            local = stack.enter_context(self.store.local_copy(path, max_bytes=bound))
+            reader = stack.enter_context(codec.open_delta(local))
+            leaders, step = self.settings.rules.relay_leaders, self.outer_step
+            weight = self.roster.check_identity(node_id, reader.metadata, round, step, leaders)
+            digest = reader.check(self.global_state)
+            if self.state.digests.get(node_id) == digest:
+                raise ValueError("the same values as its node's last contribution")
+        except RemoteNotFound:
+            return None
+        except TransportError as exc:
+            if exc.kind != "permanent":
+                raise  # an outage: the whole round is retried at the next poll
+            self._refuse(path, str(exc))  # too large, a link: never usable
+            return None
+        except Exception as exc:
+            self._refuse(path, f"{type(exc).__name__}: {exc}")
+            return None
+        run = reader.metadata["run_id"]
+        if run and self.run_id and run != self.run_id:
+            self._drop(node_id, round, path)
+            _LOG.warning(f"dropping {path}: it belongs to another run ({run})")
+            return None
+        return reader, weight, digest
+
     def _after_publish(self, final: bool) -> None:
         self._hand_over()
         state = self.global_state  # read while the master thread does nothing else
@@ -872,7 +858,7 @@ class RoundMaster:
                 "eval",
                 scope="global",
                 outer_step=self.outer_step,
-                step=self.outer_step * self.settings.inner_steps,
+                step=self.settings.rules.steps_behind(self.outer_step),
                 loss=result.loss,
                 perplexity=result.perplexity,
                 tokens=result.tokens,
@@ -881,16 +867,15 @@ class RoundMaster:
             self._finalize(state)
 
     def _finish(self) -> None:
-        """Every node is done and nothing is left: mark the published global final (a group
-        leader first tells the top level that its group is done)."""
-        if self.upstream is not None:
-            self.upstream.finish()
-        self._final_mean(self.state)
-        publish(self.store, self.state, final=True, refused=self._refused)
+        """Every node is done and nothing is left: mark the published global final (with
+        ``outer.finish``: the mean of the last globals, or a group leader first tells the top
+        level that its group is done)."""
+        self.outer.finish(self.state)
+        publish(self.store, self.state, final=True, refused=self.refusals.refused)
         self._persist()
         # files refused after the last round are reported here, or they would never be counted
-        self._emit("final_global", outer_step=self.outer_step, **self._tally())
-        self._reset_tally()
+        self._emit("final_global", outer_step=self.outer_step, **self.refusals.report())
+        self.refusals.reset()
         self._finalize(self.global_state)
 
     def _finalize(self, state: dict[str, torch.Tensor]) -> None:
@@ -903,7 +888,7 @@ class RoundMaster:
     def start(self) -> None:
         """Run :meth:`poll_once` on a daemon thread until stopped, finished or fatal."""
         if not self._loop.running:
-            self.last_progress = self._clock()
+            self.watch.last_progress = self._clock()
             self._loop.start()
 
     def wake(self) -> None:
@@ -951,24 +936,239 @@ class RoundMaster:
             return {"outer_step": self.outer_step, "ledger": dict(self.ledger)}
 
 
-# -- the compressed global ---------------------------------------------------------------
-def state_digest(state: Mapping[str, torch.Tensor]) -> str:
-    """sha256 of a state's names, dtypes, shapes and bytes (keys in sorted order)."""
-    digest = hashlib.sha256()
-    for key in sorted(state):
-        value = state[key].detach().to("cpu").contiguous()
-        digest.update(f"{key}|{value.dtype}|{tuple(value.shape)}|".encode())
-        if value.numel():
-            digest.update(value.reshape(-1).view(torch.uint8).numpy().data)
-    return digest.hexdigest()
+# -- the outer step: taken here, or forwarded upstream --------------------------------------
+class LocalStep:
+    """The outer step taken here (:class:`OuterStep`): the round's lr (or the adaptive eta),
+    the run's one outer optimizer on the global (its update quantized with ``global_dtype``
+    int8/int4), the first moments averaged when due, and with ``final_average`` N > 1 the
+    globals kept in ``files`` so that the final global is the mean of the last N."""
+
+    def __init__(self, settings: RoundSettings, files: OuterStateStore) -> None:
+        self.settings = settings
+        self.files = files
+
+    def agree(
+        self, store: Store, held: RoundState, *, trusted: bool, fresh: bool, new_run: NewRun
+    ) -> tuple[RoundState, bool]:
+        """:func:`~.ledger.reconcile`, then the record read (before it counts as agreed: a
+        failed read agrees again at the next poll) to say whether this run ended."""
+        state = reconcile(store, held, trusted=trusted, fresh=fresh, new_run=new_run)
+        meta = store.global_metadata()
+        key = (state.run_id, state.outer_step)
+        return state, meta is not None and meta.final and (meta.run_id, meta.outer_step) == key
+
+    def moments_due(self, outer_step: int) -> bool:
+        """The rounds ``sync_inner_momentum`` names."""
+        return self.settings.outer.syncs_moments(outer_step)
+
+    def step(self, new: RoundState, fold: Fold, *, final: bool) -> Stepped | None:
+        """The outer step on ``new`` with the round's lr, from the global kept on disk when
+        the final model is a mean; the final global is that mean, published whole."""
+        mean = fold.total
+        eta = self._eta(new, fold.norms, mean)
+        self._keep(new)  # the global this round steps from
+        new.optimizer.lr = new.eta = eta  # this round's (the same every round but with adaptive)
+        if new.optimizer.first_non_finite(new.global_state, mean) is not None:
+            return None  # checked on temporaries: nothing changed
+        update = self._apply(new, mean)
+        if final and self._final_mean(new):
+            update = None  # the final global is published whole, not as an update
+        return Stepped(eta, update)
+
+    def undo(self, old: RoundState, new: RoundState) -> RoundState:
+        """The held state: the exchange's global is agreed again, the round closes anew."""
+        return old
+
+    def finish(self, state: RoundState) -> None:
+        """The final global: the mean of the last ``final_average`` globals."""
+        self._final_mean(state)
+
+    def _eta(self, state: RoundState, norms: NormTally, mean: Mapping[str, torch.Tensor]) -> float:
+        """The optimizer's lr (``outer_lr``; 1.0 for ``average``), or the adaptive eta."""
+        rule = self.settings.outer
+        if rule.kind != "adaptive":
+            return state.optimizer.lr
+        return adaptive_eta(
+            norms.spread, squared_norm(mean), norms.count, rule.adaptive_c, rule.adaptive_max
+        )
+
+    def _apply(self, new: RoundState, mean: Mapping[str, torch.Tensor]) -> OuterUpdate | None:
+        """Step ``new``'s global in place; with ``global_dtype`` int8/int4, the update it
+        publishes (the global becomes the last one plus the decoded update)."""
+        wire = self.settings.wire
+        if wire.global_dtype == "fp32":
+            new.optimizer.step(new.global_state, mean)
+            new.outer_step += 1
+            return None
+        update = step_quantized(
+            new.optimizer,
+            new.global_state,
+            mean,
+            new.residual,
+            dtype=wire.global_dtype,
+            block_size=wire.block_size,
+            error_feedback=wire.error_feedback,
+        )
+        update.base_step, update.run_id = new.outer_step, new.run_id
+        new.outer_step += 1
+        update.outer_step, update.digest = new.outer_step, state_digest(new.global_state)
+        return update
+
+    def _keep(self, state: RoundState) -> None:
+        """Keep ``state``'s global on disk when the final model is a mean of several."""
+        n = self.settings.outer.final_average
+        if n > 1:
+            self.files.keep_global(state.outer_step, state.run_id, state.global_state, n)
+
+    def _final_mean(self, state: RoundState) -> bool:
+        """``final_average`` N > 1: make ``state``'s global the mean of the last N globals
+        (fewer when fewer were made), read from the kept files, so a retry or a restart
+        computes the same; True if it did."""
+        n = self.settings.outer.final_average
+        if n == 1:
+            return False
+        self._keep(state)
+        kept = self.files.kept_globals(state.run_id, state.outer_step - n + 1, state.outer_step)
+        for key, value in average_states(kept).items():
+            state.global_state[key] = value.to(state.global_state[key].dtype)
+        _LOG.info(f"the final global is the mean of the last {len(kept)} globals")
+        return True
 
 
-def add_decoded(base: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
-    """``base + decoded`` in float32, in ``base``'s dtype: the one addition the master and
-    every node perform, so they hold the same bits."""
-    return (base.detach().to("cpu", torch.float32) + decoded).to(base.dtype)
+class RelayStep:
+    """A group leader's outer step (:class:`OuterStep`, docs/diloco.md "relay groups"): its
+    members' mean goes up to the top-level exchange ``store`` as one contribution weighing as
+    many nodes, and the top-level global of the next round comes back to them (G + 1
+    top-level commits a round for K nodes in G groups). It steps, averages and keeps nothing
+    itself. ``record(**status)`` builds its status record there; ``stop`` ends a wait."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        node_id: str,
+        settings: RoundSettings,
+        record: Callable[..., dict[str, object]],
+        stop: threading.Event,
+    ) -> None:
+        self.store = store
+        self.node_id = node_id
+        self.settings = settings
+        self._record = record
+        self._stop = stop
+        self.instance = str(record().get("instance", ""))
+        self.max_bytes: int | None = None  # set by the master from its model
+        self.last_round: int | None = None  # the last round this group contributed to
+
+    def _wait(self, than: int, run_id: str, what: str, timeout: float | None = None) -> Global:
+        """The first top-level global newer than ``than`` (or of another run); past ``timeout``
+        seconds (None: until stopped) a ``TransportError`` (the master retries it)."""
+
+        def newer() -> Global | None:
+            if self._stop.is_set():
+                return None
+            try:
+                meta = self.store.global_metadata()
+                if meta is None:
+                    return None
+                if meta.outer_step > than or (run_id and meta.run_id != run_id):
+                    return self.store.fetch_global(meta, max_bytes=self.max_bytes)
+                return None
+            except TransportError as exc:
+                _LOG.warning(f"relay: reading the top-level global failed: {exc}")
+                return None
+
+        started = time.monotonic()
+        found = wait_for(
+            newer, timeout=timeout, interval=self.settings.rules.poll_interval, stop=self._stop
+        )
+        if found is not None:
+            return found
+        if self._stop.is_set():
+            raise TransportError(f"relay stopped while waiting for {what}")
+        raise TransportError(
+            f"relay: no {what} within {time.monotonic() - started:.1f} s "
+            f"(distributed.round_timeout {timeout:g} s); waiting again at the master's next poll"
+        )
+
+    def current(self) -> Global:
+        """The top-level global (waits for the top-level master's first publish)."""
+        self.store.claim_owner(self.node_id, self._record(state="training", relay=True))
+        # bounded: at startup this runs on the training thread (the master retries it)
+        return self._wait(-1, "", "first top-level global", self.settings.rules.round_timeout)
+
+    def agree(self, store: Store, held: RoundState, **_: object) -> tuple[RoundState, bool]:
+        """The group's state becomes the top-level global (outer step, run id), published to
+        the group's ``store`` unless there. ``held`` keeps its ledger: after a group publish
+        that failed once the mean went up, no member's file is sent up twice."""
+        self.max_bytes = max_global_bytes(held.global_state)
+        meta, weights = self.current()
+        state = held.copy()
+        state.adopt(weights, meta.outer_step)
+        state.run_id = meta.run_id
+        remote = store.global_metadata()
+        if remote is None or (remote.outer_step, remote.run_id) != (meta.outer_step, meta.run_id):
+            publish(store, state, relay="true")
+        return state, False
+
+    def moments_due(self, outer_step: int) -> bool:
+        """Never: a leader relays the weights only."""
+        return False
+
+    def step(self, new: RoundState, fold: Fold, *, final: bool) -> Stepped:
+        """Send the mean up (a long wait: no lock is held) and adopt the global after it."""
+        meta, weights = self.forward(
+            fold.total, round=new.outer_step, weight=fold.weight, run_id=new.run_id, final=final
+        )
+        new.adopt(weights, meta.outer_step)
+        new.run_id = meta.run_id
+        return Stepped(new.optimizer.lr)
+
+    def undo(self, old: RoundState, new: RoundState) -> RoundState:
+        """The closed round: its mean is at the top level already."""
+        return new
+
+    def forward(
+        self, mean: Mapping[str, torch.Tensor], *, round: int, weight: int, run_id: str, final: bool
+    ) -> Global:
+        """Upload the group's ``mean`` as its contribution to ``round`` (weighing ``weight``
+        nodes), then return the first top-level global after it."""
+        status = {"state": "done", "final_round": round} if final else {"state": "training"}
+        started = time.perf_counter()
+        self.store.upload_delta(
+            mean,
+            node_id=self.node_id,
+            round_index=round,
+            local_step=round,
+            base_outer_step=round,
+            dtype=self.settings.wire.delta_dtype,
+            block_size=self.settings.wire.block_size,
+            metadata={
+                "weight": str(int(weight)),
+                "run_id": run_id,
+                "final": str(final).lower(),
+                "instance": self.instance,
+            },
+            owner=self._record(relay=True, **status),
+        )
+        self.last_round = round
+        _LOG.info(
+            f"relay: round {round} of {weight} nodes sent up in "
+            f"{time.perf_counter() - started:.2f} s"
+        )
+        return self._wait(round, run_id, f"top-level global {round + 1}")
+
+    def finish(self, state: RoundState) -> None:
+        """The group's run is over (maybe after a round not marked final): tell the top level,
+        so its master stops waiting for this group."""
+        final = -1 if self.last_round is None else self.last_round
+        self.store.claim_owner(
+            self.node_id, self._record(relay=True, state="done", final_round=final)
+        )
+        _LOG.info(f"relay: group done after round {final}; told the top level")
 
 
+# -- the quantized outer step (global_dtype int8/int4) ------------------------------------
 @torch.no_grad()
 def step_quantized(
     optimizer: NesterovOuterOptimizer,
@@ -1002,68 +1202,3 @@ def step_quantized(
         weight.copy_(add_decoded(previous, decoded))
         encoded[key] = sent
     return OuterUpdate(encoded, dtype, block_size, -1, base_digest)
-
-
-@dataclasses.dataclass
-class HeldGlobal:
-    """The last global a node installed, kept to apply the next update to (the tensors the
-    node was handed, not a copy: the install only reads them)."""
-
-    outer_step: int
-    run_id: str
-    digest: str
-    state: dict[str, torch.Tensor]
-
-    @classmethod
-    def of(cls, outer_step: int, run_id: str, state: Mapping[str, torch.Tensor]) -> HeldGlobal:
-        """``state`` held as global ``outer_step`` of run ``run_id`` (its digest computed)."""
-        return cls(outer_step, run_id, state_digest(state), dict(state))
-
-
-def read_update(
-    path: str | os.PathLike[str],
-    held: HeldGlobal,
-    *,
-    metadata: GlobalMetadata,
-    like: Mapping[str, torch.Tensor],
-) -> HeldGlobal:
-    """The global ``metadata`` names, from ``held`` and the update file at ``path``. The file
-    must be the one the record names (sha256), an update (codes and scales checked as a
-    delta's) from ``held`` (outer step, run id, digest) to this global, its result must have
-    the digest it announces and be finite in the model's dtypes ``like``; else ``ValueError``."""
-    if file_sha256(Path(path)) != metadata.update_sha256:
-        raise ValueError(f"{GLOBAL_UPDATE} does not match the version record (sha256)")
-    with codec.open_safetensors(path) as opened:
-        header = opened.metadata()
-        if header.get("kind") != "outer_update":
-            raise ValueError("not an outer update file")
-        base = (header.get("base_outer_step"), header.get("base_digest"))
-        if base != (str(held.outer_step), held.digest) or held.run_id != metadata.run_id:
-            raise ValueError(
-                f"the update applies to global {base[0]} ({str(base[1])[:12]}), this node holds "
-                f"{held.outer_step} ({held.digest[:12]}) of run {held.run_id or '?'}"
-            )
-        made = (header.get("outer_step"), header.get("run_id"))
-        if made != (str(metadata.outer_step), metadata.run_id):
-            raise ValueError(
-                f"the update makes global {made[0]} of run {made[1] or '?'}; the record names "
-                f"{metadata.outer_step} of {metadata.run_id or '?'}"
-            )
-        fmt = WireCodec.from_metadata(header)
-        if fmt.bits is None:
-            raise ValueError(f"an update holds int8 or int4 codes, not {fmt.name}")
-        floating = [k for k, v in held.state.items() if v.is_floating_point()]
-        if set(opened.keys()) != set(floating) | {k + SCALE_SUFFIX for k in floating}:
-            raise ValueError("the update's keys do not match the global's floating tensors")
-        result = dict(held.state)
-        for key in floating:  # codes (dtype, count, range) and scales (count, finite, bound)
-            value = held.state[key]
-            decoded = fmt.read(key, opened.get_tensor, tuple(value.shape), codec.MAX_DELTA_ABS)
-            result[key] = add_decoded(value, decoded)
-    digest = state_digest(result)
-    if digest != header.get("digest"):
-        raise ValueError("the result differs from the master's global (digest)")
-    bad = codec.first_non_finite(result, like=like)
-    if bad is not None:
-        raise ValueError(f"the updated global holds non-finite values in {bad}")
-    return HeldGlobal(metadata.outer_step, metadata.run_id, digest, result)

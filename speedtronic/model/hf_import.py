@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -246,13 +247,13 @@ def resolve_init_from(config: SpeedtronicConfig, *, weights: bool = True) -> HFC
     for an unsupported checkpoint or a conflicting setting.
     """
     from speedtronic.config.tokenizer_file import is_bytes
-    from speedtronic.diloco.exchange import retry_policy_from_config
+    from speedtronic.retry import retry_policy_from_config
 
     spec = config.model.init_from
     if spec is None:
         return None
-    done = config.model.__dict__.get("_init_from")  # resolved before: the section is its shape
-    if isinstance(done, HFCheckpoint) and done.spec == spec and (done.loads_weights or not weights):
+    done = _RESOLVED.get(id(config.model))  # resolved before: the section is its shape
+    if done is not None and done.spec == spec and (done.loads_weights or not weights):
         return done
     distributed = config.distributed
     worker = distributed.enabled and distributed.node_role == "worker"
@@ -277,8 +278,20 @@ def resolve_init_from(config: SpeedtronicConfig, *, weights: bool = True) -> HFC
     config.validate()  # the tokenizer's ids must fit the checkpoint's vocabulary
     architecture = str((hf.get("architectures") or ["?"])[0])
     found = HFCheckpoint(spec, folder, architecture, weights, tokenizer)
-    config.model.__dict__["_init_from"] = found
+    _remember(config.model, found)
     return found
+
+
+#: The checkpoint each resolved model section came from, by the section's identity (an entry
+#: goes with its section), so a second :func:`resolve_init_from` of it answers at once.
+_RESOLVED: dict[int, HFCheckpoint] = {}
+
+
+def _remember(section: ModelConfig, found: HFCheckpoint) -> None:
+    key = id(section)
+    if key not in _RESOLVED:
+        weakref.finalize(section, _RESOLVED.pop, key, None)
+    _RESOLVED[key] = found
 
 
 def _check_headers(folder: Path, section: ModelConfig, spec: str) -> None:

@@ -25,7 +25,7 @@ import re
 from pathlib import Path
 
 from speedtronic.config import ConfigError
-from speedtronic.diloco.exchange import RetryPolicy
+from speedtronic.retry import RetryPolicy
 
 __all__ = ["CONFIG", "INDEX", "SINGLE", "TOKENIZER_FILES", "fetch_checkpoint", "weight_files"]
 

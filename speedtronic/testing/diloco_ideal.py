@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -42,15 +43,14 @@ from speedtronic.diloco.codec import (
     decode_value,
     encode_delta,
 )
+from speedtronic.diloco.exchange import syncs_momentum
 from speedtronic.diloco.master import (
     NesterovOuterOptimizer,
     NormTally,
-    RecentGlobals,
     adaptive_eta,
     average_states,
     squared_norm,
     step_quantized,
-    syncs_momentum,
 )
 from speedtronic.diloco.node import (
     first_moments,
@@ -64,9 +64,38 @@ if TYPE_CHECKING:
     from speedtronic.train.runtime import ConfigSource
     from speedtronic.train.trainer import Trainer
 
-__all__ = ["IdealResult", "simulate"]
+__all__ = ["IdealResult", "RecentGlobals", "simulate"]
 
 State = dict[str, torch.Tensor]
+
+
+class RecentGlobals:
+    """The last ``n`` globals, for ``distributed.final_average``: :meth:`push` each global as it
+    is made (global 0 included), :meth:`final` gives the mean of those held (fewer than ``n``
+    before ``n`` rounds). Holds ``n - 1`` copies besides the caller's (none for ``n == 1``)."""
+
+    def __init__(self, n: int) -> None:
+        if n < 1:
+            raise ValueError("final_average must be >= 1")
+        self.n = n
+        self._held: deque[dict[str, torch.Tensor]] = deque(maxlen=n - 1)
+        self._last: Mapping[str, torch.Tensor] | None = None
+
+    def push(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Record the newest global (copied when it is not the last one kept)."""
+        if self._last is not None and self.n > 1:
+            self._held.append({k: v.detach().clone() for k, v in self._last.items()})
+        self._last = {k: v.detach().clone() for k, v in state.items()} if self.n > 1 else state
+
+    def final(self) -> dict[str, torch.Tensor]:
+        """The mean of the held globals, oldest first; the last global itself when n == 1."""
+        if self._last is None:
+            raise ValueError("no global pushed")
+        if self.n == 1:
+            return {k: v.detach().clone() for k, v in self._last.items()}
+        return average_states([*self._held, self._last])
+
+
 _OUTER = ("outer_step", "outer_lr", "outer_momentum")
 
 

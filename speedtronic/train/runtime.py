@@ -301,7 +301,7 @@ def build_runtime(
         logger.info(init.describe())
     logger.hooks.append(threads)  # keeps the count fitting as sibling processes come and go
     if node_id is None and config.distributed.enabled:  # the coordinator's, as it will say
-        from speedtronic.diloco.node import resolve_node_id
+        from speedtronic.diloco.link import resolve_node_id
 
         node_id = resolve_node_id(config.distributed.node_id, os.environ)
     # the data first: a bad path is refused before the coordinator touches the exchange

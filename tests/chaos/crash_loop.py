@@ -63,10 +63,11 @@ from speedtronic.checkpoint import CheckpointManager  # noqa: E402
 from speedtronic.config import ConfigError, DistributedConfig  # noqa: E402
 from speedtronic.diloco.codec import delta_to_bytes  # noqa: E402
 from speedtronic.diloco.directory import DirectoryTransport  # noqa: E402
-from speedtronic.diloco.exchange import RetryPolicy  # noqa: E402
+from speedtronic.diloco.exchange import RoundSettings  # noqa: E402
 from speedtronic.diloco.hub import HubClient  # noqa: E402
 from speedtronic.diloco.master import RoundMaster  # noqa: E402
 from speedtronic.folder_lock import LOCK_FILE, FolderLock  # noqa: E402
+from speedtronic.retry import RetryPolicy  # noqa: E402
 from speedtronic.testing.hub_server import HubEmulator, LfsConfig  # noqa: E402
 
 WIDTH = 250_000  # floats in the checkpoint tensor (1 MB): a write takes a while
@@ -146,7 +147,7 @@ def _master(root: Path) -> tuple[RoundMaster, DirectoryTransport | HubClient]:
     master = RoundMaster(
         transport,
         _initial(),
-        settings=_settings(),
+        settings=RoundSettings.of(_settings()),
         state_dir=root / "state",
     )
     return master, transport
@@ -286,7 +287,7 @@ def run_master(root: Path, kills: int, rng: random.Random) -> dict[str, int]:
         highest = max(highest, done)
         master, transport = _master(root)  # the next start
         remote = transport.global_metadata()
-        if remote is None and not master.has_local_state:
+        if remote is None and not master.agreement.has_local_state:
             assert highest < 0, "a round closed but nothing was published or persisted"
             counts["empty"] += 1
             continue
@@ -294,7 +295,7 @@ def run_master(root: Path, kills: int, rng: random.Random) -> dict[str, int]:
         counts["torn_publish"] += int(
             remote is not None and published.outer_step != remote.outer_step
         )
-        if master.has_local_state:
+        if master.agreement.has_local_state:
             assert master.outer_step >= highest, (master.outer_step, highest)
             assert published.outer_step in (master.outer_step, master.outer_step + 1)
             if published.outer_step == master.outer_step:

@@ -148,7 +148,7 @@ def test_master_killed_while_persisting_its_state_keeps_the_last_complete_state(
         _round(transport, master)
     monkeypatch.undo()
     restarted, _ = crash_loop._master(tmp_path)
-    assert restarted.has_local_state and restarted.outer_step in (2, 3)
+    assert restarted.agreement.has_local_state and restarted.outer_step in (2, 3)
     if restarted.outer_step == 2:
         loaded = restarted.state.optimizer.momentum_buffers()
         assert all(torch.equal(loaded[k], v) for k, v in momentum.items())
