@@ -674,6 +674,8 @@ def _train(
     from speedtronic.metrics.prometheus import PrometheusSink
 
     state.sink = PrometheusSink(role, node_id, registry=registry)
+    if trainer.coordinator is not None:  # a master's nodes, read at scrape time
+        state.sink.watch_membership(trainer.coordinator.membership)
     trackers = _trackers(config, node_id) if ranks.is_main else []
     trainer.logger.hooks.extend([state.sink, state, *trackers, *extra_hooks])
     bar = _attach_progress(trainer) if progress else None

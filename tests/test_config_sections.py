@@ -205,6 +205,22 @@ RULES = [
         {"distributed": {"repo_id": "file://relative/dir"}},
         "distributed.repo_id must be 'owner/name' (Hub) or 'file:///absolute/path'",
     ),
+    # issue 40: timeouts whose order cannot work (docs/diloco.md, "Timeouts")
+    (
+        {"distributed": {"heartbeat_interval": 5, "liveness_timeout": 10}},
+        "distributed.liveness_timeout (10 s) must exceed 2 x distributed.heartbeat_interval",
+    ),
+    (
+        {"distributed": {"min_nodes": 3, "expected_nodes": 2}},
+        "distributed.min_nodes (3) exceeds distributed.expected_nodes (2)",
+    ),
+    (
+        {
+            "distributed": {"enabled": True, "repo_id": "o/r", "request_timeout": 300},
+            "metrics": {"stall_seconds": 300},
+        },
+        "metrics.stall_seconds (300 s) must exceed distributed.request_timeout (300 s)",
+    ),
     ({"run": {"device": " "}}, "run.device must not be empty"),
     # shape validation
     ({"shape_validation": {"enabled": "x"}}, "shape_validation.enabled must be a boolean"),

@@ -151,9 +151,12 @@ def _on_host(tmp_path, host, **kw):
 def test_another_hosts_holder_is_watched_for_drop_after_rounds(tmp_path):
     """A live node writes once a round: the later host watches its files for drop_after x
     round_timeout (not one round_timeout) and exits 2 when it writes within that time."""
-    first, model_a = _on_host(tmp_path, "host-a", round_timeout=0.05)
+    # nodes without a liveness beat (a holder that beats is watched for liveness_timeout)
+    first, model_a = _on_host(tmp_path, "host-a", round_timeout=0.05, liveness_timeout=0)
     first.start()
-    second, _ = _on_host(tmp_path, "host-b", round_timeout=0.3, drop_after=3)  # 0.9 s watch
+    second, _ = _on_host(  # a 0.9 s watch
+        tmp_path, "host-b", round_timeout=0.3, drop_after=3, liveness_timeout=0
+    )
 
     def the_first_writes_late():
         time.sleep(0.6)  # after one round_timeout, within drop_after of them
@@ -177,9 +180,12 @@ def test_a_node_that_took_an_id_over_stops_before_its_first_upload_if_the_holder
     claim landed (so the record names the later node): the later node stops before its first
     upload, which could otherwise take the holder's round's place; the holder logs an error."""
     caplog.set_level(logging.INFO, logger="speedtronic.diloco")
-    first, model_a = _on_host(tmp_path, "host-a", round_timeout=0.05)
+    # nodes without a liveness beat (a beating holder would be seen live by the watch)
+    first, model_a = _on_host(tmp_path, "host-a", round_timeout=0.05, liveness_timeout=0)
     first.start()
-    second, model_b = _on_host(tmp_path, "host-b", round_timeout=0.05, drop_after=1)
+    second, model_b = _on_host(
+        tmp_path, "host-b", round_timeout=0.05, drop_after=1, liveness_timeout=0
+    )
     second.start()  # the holder wrote nothing in its watch: the id is taken over
     assert "taking node id 'w1' over" in caplog.text
     nudge(model_a)
@@ -195,6 +201,28 @@ def test_a_node_that_took_an_id_over_stops_before_its_first_upload_if_the_holder
     assert files == ["nodes/w1/delta_0.safetensors", "nodes/w1/owner.json"]  # only the holder's
     first.stop()
     second.stop()
+
+
+def test_a_beating_holder_is_watched_for_the_liveness_timeout_not_rounds(tmp_path, caplog):
+    """Issue 40: a holder that beats is seen live within a beat, and a dead one is taken
+    over after liveness_timeout (1 s here), not drop_after x round_timeout (10 s). Each
+    start first waits round_timeout (2 s) for a global that no master publishes here."""
+    caplog.set_level(logging.INFO, logger="speedtronic.diloco")
+    first, _ = _on_host(tmp_path, "host-a", heartbeat_interval=0.1, liveness_timeout=1.0)
+    first.start()
+    slow = dict(round_timeout=2.0, drop_after=5, heartbeat_interval=0.1, liveness_timeout=1.0)
+    live, _ = _on_host(tmp_path, "host-b", **slow)
+    started = time.monotonic()
+    with pytest.raises(NodeIdCollisionError, match="into the watch"):
+        live.start()  # the holder's beats change its files
+    assert time.monotonic() - started < 2.0 + 2
+    first._beats.stop()  # the holder dies (its beats stop; its record stays)
+    taker, _ = _on_host(tmp_path, "host-c", **slow)
+    started = time.monotonic()
+    taker.start()
+    assert 2.0 + 1.0 <= time.monotonic() - started < 2.0 + 4
+    assert "taking node id 'w1' over" in caplog.text
+    taker.stop()
 
 
 def test_restart_takes_over_its_own_dead_claim(tmp_path):
@@ -483,3 +511,77 @@ def test_a_master_whose_startup_could_not_create_the_repository_creates_it_later
 def test_the_error_feedback_switch_reaches_the_node(tmp_path, feedback):
     c, _, _ = make(tmp_path, delta_dtype="int8", error_feedback=feedback)
     assert c.node.settings.wire.error_feedback is feedback
+
+
+# -- issue 40: leaving and liveness -------------------------------------------------------
+def test_a_leaving_worker_costs_the_round_in_progress_nothing(tmp_path):
+    """A worker stopped before its run ended (SIGTERM) records that it left; the round the
+    master held for it closes at once, so the other worker's wait for its global (bounded by
+    a round_timeout of 60 s) ends in about a poll."""
+    repo = f"file://{tmp_path}/repo"
+    common = dict(repo_id=repo, round_timeout=60.0, outer_lr=1.0, outer_momentum=0.0)
+    master, _, m_log = make(tmp_path / "m", role="master", node_id="m", train=False, **common)
+    w, w_model, _ = make(tmp_path / "w", node_id="w", **common)
+    v, _, _ = make(tmp_path / "v", node_id="v", **common)
+    master.start()
+    w.start()
+    v.start()
+    nudge(w_model, -0.5)
+    waiting = threading.Thread(target=w.after_optimizer_step, args=(w_model, 1), daemon=True)
+    started = time.monotonic()
+    waiting.start()  # uploads round 0, then waits for global 1 (v is expected)
+    time.sleep(0.5)
+    assert waiting.is_alive() and master.outer_step == 0
+    v.stop()  # before its run ended: it leaves
+    waiting.join(10)
+    assert not waiting.is_alive() and w.last_global_step == 1
+    assert time.monotonic() - started < 10  # not round_timeout
+    assert v.store.read_owner("v")["state"] == "left"
+    assert [p["node_id"] for e, p in m_log.events if e == "node_left"] == ["v"]
+    deadline = time.monotonic() + 10  # w may read global 1 before the event is out
+    while "outer_step" not in m_log.names() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [p["reason"] for e, p in m_log.events if e == "outer_step"] == ["complete"]
+    w.stop()
+    master.stop()
+
+
+@pytest.mark.parametrize("resumable", [True, False])
+def test_a_worker_beats_while_it_runs_and_says_whether_it_may_resume(tmp_path, resumable):
+    torch.manual_seed(0)
+    c = DumbDiLoCoCoordinator(
+        cfg(tmp_path / "repo", heartbeat_interval=0.1, liveness_timeout=1.0),
+        torch.nn.Linear(2, 2),
+        state_dir=tmp_path / "state",
+        logger=Log(),
+        environ={},
+        resumable=resumable,
+    )
+    c.start()
+    beat = tmp_path / "repo/nodes/w1/beat.json"
+    seen = set()
+    deadline = time.monotonic() + 5
+    while len(seen) < 3 and time.monotonic() < deadline:
+        if beat.exists():
+            seen.add(json.loads(beat.read_text())["beat"])
+        time.sleep(0.01)
+    assert len(seen) >= 3, seen  # a counter that changes every beat
+    c.stop()
+    last = beat.read_text()
+    time.sleep(0.2)
+    assert beat.read_text() == last  # no beat after the stop
+    owner = c.store.read_owner("w1")
+    assert owner["state"] == "left" and owner["resume"] is resumable
+
+
+def test_a_worker_that_finished_or_a_master_never_says_it_left(tmp_path):
+    worker, _, _ = make(tmp_path / "w", async_global_poll=False)
+    worker.start()
+    worker.finish()  # nothing to contribute: only the done status
+    worker.stop()
+    assert worker.store.read_owner("w1")["state"] == "done"
+    master, _, _ = make(tmp_path / "m", role="master", node_id="m")
+    master.start()
+    master.stop()
+    assert master.store.read_owner("m")["state"] == "training"
+    assert not (tmp_path / "m/repo/nodes/m/beat.json").exists()  # the master does not beat

@@ -9,12 +9,15 @@ Against a real shared-volume repository with a fake clock, as in test_diloco_mas
 from __future__ import annotations
 
 import json
+import logging
 import shutil
+import time
 
 import pytest
 from test_diloco_master import Clock, bootstrap, deliver, join, lines, make_master, published
 
 from speedtronic.diloco.codec import read_metadata
+from speedtronic.diloco.master import RoundsStalledError
 
 
 def test_the_first_round_waits_for_the_expected_nodes_that_have_not_started_yet(tmp_path):
@@ -96,12 +99,21 @@ def test_expected_nodes_that_never_start_hold_only_the_first_round_and_for_a_bou
     deliver(t, "w1", 1, [2.0, 2.0])
     assert master.poll_once() is True  # round 1 does not wait for the missing node again
     assert log.of("outer_step")[-1]["reason"] == "complete"
-    join(t, "w2")  # a node that starts later joins as any late node does
-    master.poll_once()
+    join(t, "w2")  # a node that starts later joins as any late node does (issue 40):
+    master.poll_once()  # waited for once it delivered, so the round it joined in never is
     deliver(t, "m", 2, [3.0, 3.0])
     deliver(t, "w1", 2, [3.0, 3.0])
+    assert master.poll_once() is True
+    deliver(t, "w2", 3, [1.0, 1.0])
+    deliver(t, "m", 3, [1.0, 2.0])
+    assert master.poll_once() is False  # w1 is expected; w2's file is in
+    deliver(t, "w1", 3, [1.0, 2.0])
+    assert master.poll_once() is True
+    assert log.of("outer_step")[-1]["included"] == ["m/3", "w1/3", "w2/3"]
+    deliver(t, "m", 4, [2.0, 2.0])
+    deliver(t, "w1", 4, [2.0, 2.0])
     assert master.poll_once() is False  # w2 is active now
-    deliver(t, "w2", 2, [1.0, 1.0])
+    deliver(t, "w2", 4, [2.0, 2.0])
     assert master.poll_once() is True
 
 
@@ -182,5 +194,122 @@ def test_a_new_instance_of_a_dropped_node_is_waited_for_after_a_restart(tmp_path
     again, _, log = make_master(tmp_path, transport=t, clock=clock)
     again.poll_once()
     deliver(t, "a", 1, [2.0, 2.0])
-    assert again.poll_once() is False  # the new instance is expected
+    assert again.poll_once() is True  # the new instance joins a run in progress (issue 40):
     assert {p["node_id"] for p in log.of("node_joined")} == {"a", "b"}
+    deliver(t, "b", 2, [1.0, 1.0])  # its first contribution, to the open round
+    assert again.poll_once() is False  # b is in: a is expected
+    deliver(t, "a", 2, [2.0, 1.0])
+    assert again.poll_once() is True
+    deliver(t, "a", 3, [1.0, 3.0])
+    assert again.poll_once() is False  # the new instance is expected from now on
+
+
+# -- issue 40: nodes come and go as pods do -----------------------------------------------
+def beat(t, node, n):
+    t.write_beat(node, {"instance": f"{node}-1", "beat": n})
+
+
+def test_a_node_that_left_is_not_waited_for_in_the_round_in_progress(tmp_path, caplog):
+    """SIGTERM (a scale-down, an eviction): the node's record says it left; the round that
+    waited for it closes at the next poll, complete, and the node is reported once. Back
+    with --resume, it is waited for once it delivered (its rounds are out of step)."""
+    caplog.set_level(logging.INFO, logger="speedtronic.diloco")
+    clock = Clock()
+    master, t, log = make_master(tmp_path, clock=clock, round_timeout=600.0)
+    bootstrap(master, t, "a", "b", "c")
+    deliver(t, "a", 0, [1.0, 1.0])
+    deliver(t, "c", 0, [3.0, 3.0])
+    assert master.poll_once() is False  # b is expected
+    t.claim_owner("b", {"instance": "b-1", "state": "left", "resume": True})
+    assert master.poll_once() is True  # 0 s later on the fake clock
+    assert log.of("outer_step")[-1]["reason"] == "complete"
+    assert log.of("node_left") == [{"node_id": "b", "outer_step": 0, "resume": True}]
+    left = [m for _, m in lines(caplog) if "left" in m]
+    assert len(left) == 1 and "may come back with --resume" in left[0], left
+    join(t, "b")  # resumed: the same instance trains again
+    deliver(t, "a", 1, [2.0, 2.0])
+    deliver(t, "c", 1, [2.0, 3.0])
+    assert master.poll_once() is True  # not waited for before it delivered
+    assert [p["node_id"] for p in log.of("node_joined")][-1] == "b"
+    deliver(t, "b", 2, [1.0, 3.0])
+    deliver(t, "a", 2, [3.0, 2.0])
+    deliver(t, "c", 2, [3.0, 1.0])
+    assert master.poll_once() is True
+    assert log.of("outer_step")[-1]["included"] == ["a/2", "b/2", "c/2"]
+    deliver(t, "a", 3, [1.0, 2.0])
+    deliver(t, "c", 3, [2.0, 1.0])
+    assert master.poll_once() is False  # b is waited for again
+
+
+def test_a_node_whose_beat_stops_is_dropped_after_the_liveness_timeout(tmp_path, caplog):
+    """A SIGKILLed node (no goodbye) costs the others the liveness timeout once, whatever
+    round_timeout is; a node that beats is waited for however long it is silent."""
+    clock = Clock()
+    master, t, log = make_master(
+        tmp_path, clock=clock, round_timeout=600.0, liveness_timeout=10.0, heartbeat_interval=3
+    )
+    bootstrap(master, t, "a", "b", "c")
+    deliver(t, "a", 0, [1.0, 1.0])
+    for n in range(1, 4):  # b and c beat every 3 s; c dies after its first beat
+        beat(t, "b", n)
+        if n == 1:
+            beat(t, "c", n)
+        clock.now += 3.0
+        assert master.poll_once() is False
+    assert log.of("node_dropped") == []
+    deliver(t, "b", 0, [2.0, 2.0])
+    clock.now += 5.0  # 11 s after the poll that saw c's last beat
+    assert master.poll_once() is True
+    assert [p["node_id"] for p in log.of("node_dropped")] == ["c"]
+    assert log.of("outer_step")[-1]["included"] == ["a/0", "b/0"]
+    warned = [m for lvl, m in lines(caplog) if lvl == "warning" and "node c" in m]
+    assert "no liveness beat" in warned[0] and "liveness_timeout 10" in warned[0], warned
+    assert master.membership()[0] == 2  # a and b
+    assert sorted(master.membership()[1]) == ["a", "b", "c"]
+
+
+def test_a_joining_node_reports_its_first_aggregated_contribution(tmp_path, caplog):
+    """The time from the node's process start to its first contribution in a global is an
+    event and one line (its claim record says when the process started)."""
+    caplog.set_level(logging.INFO, logger="speedtronic.diloco")
+    clock = Clock()
+    master, t, log = make_master(tmp_path, clock=clock)
+    bootstrap(master, t, "a")
+    deliver(t, "a", 0, [1.0, 1.0])
+    assert master.poll_once() is True
+    started = time.time() - 5.0
+    t.claim_owner("n", {"instance": "n-1", "state": "training", "started": started})
+    master.poll_once()
+    clock.now += 2.0
+    deliver(t, "n", 1, [2.0, 2.0])
+    deliver(t, "a", 1, [3.0, 3.0])
+    assert master.poll_once() is True
+    first = [p for p in log.of("node_first_included") if p["node_id"] == "n"]
+    assert len(first) == 1 and first[0]["outer_step"] == 2 and first[0]["since_join_s"] == 2.0
+    assert 5.0 <= first[0]["since_start_s"] < 60.0
+    deliver(t, "n", 2, [1.0, 3.0])
+    deliver(t, "a", 2, [3.0, 1.0])
+    assert master.poll_once() is True
+    assert len(log.of("node_first_included")) == 2  # a's (round 0) and n's, once each
+    said = [m for _, m in lines(caplog) if m.startswith("node n: first contribution")]
+    assert len(said) == 1 and "in global 2" in said[0], said
+
+
+def test_min_nodes_holds_a_round_says_so_and_stops_after_a_bound(tmp_path, caplog):
+    """Issue 40: a round never closes with fewer than min_nodes contributing nodes; it
+    says so once and, after drop_after x round_timeout, the master stops (exit 1)."""
+    clock = Clock()
+    master, t, log = make_master(tmp_path, clock=clock, min_nodes=2)  # 3 x 10 s
+    bootstrap(master, t, "a", "b")
+    deliver(t, "a", 0, [1.0, 1.0])
+    t.claim_owner("b", {"instance": "b-1", "state": "left", "resume": False})
+    assert master.poll_once() is False
+    clock.now += 15.0
+    assert master.poll_once() is False
+    assert log.of("min_nodes_wait") == [{"outer_step": 0, "nodes": 1, "need": 2}]
+    waits = [m for lvl, m in lines(caplog) if "distributed.min_nodes" in m]
+    assert len(waits) == 1 and "1 of 2" in waits[0], waits
+    clock.now += 16.0
+    with pytest.raises(RoundsStalledError, match="min_nodes 2"):
+        master.poll_once()
+    assert not t.global_metadata().outer_step  # never closed short

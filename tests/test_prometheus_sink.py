@@ -15,6 +15,8 @@ from speedtronic.config import ConfigError
 from speedtronic.metrics.prometheus import SERIES, UPLOAD_RESULTS, PrometheusSink
 from speedtronic.metrics.server import MetricsPortInUse, MetricsServer
 
+PER_PEER = "speedtronic_diloco_node_last_seen_seconds"
+
 
 def samples(sink: PrometheusSink) -> dict[tuple[str, tuple], float]:
     """{(sample name, sorted labels): value} parsed by prometheus_client's own text parser."""
@@ -45,6 +47,8 @@ def test_every_documented_series_is_exposed_with_role_and_node_id_labels():
     sink.on_event("eval", {"step": 1, "loss": 3.0, "tokens": 64, "scope": "local"})
     names = {name for name, _ in samples(sink)}
     for series in SERIES:
+        if series == PER_PEER:
+            continue  # a master's, one sample per node (test_membership_is_read_at_scrape_time)
         # Histograms expose _count/_sum/_bucket under the documented base name.
         assert series in names or f"{series}_count" in names, series
     for (name, labels), _ in samples(sink).items():
@@ -260,3 +264,20 @@ def test_eval_loss_gauge_has_one_series_per_scope():
         dict(labels)["scope"] for name, labels in samples(sink) if name == "speedtronic_eval_loss"
     }
     assert scopes == {"local", "global"}
+
+
+def test_membership_is_read_at_scrape_time():
+    """Issue 40: a master's nodes_active and each node's last-seen seconds follow its roster
+    between rounds (read when scraped); a worker exposes no per-node series."""
+    roster = {"found": (2, {"w1": 1.5, "w2": 12.0})}
+    master = PrometheusSink("master", "m")
+    master.watch_membership(lambda: roster["found"])
+    assert value(master, "speedtronic_diloco_nodes_active") == 2
+    assert value(master, PER_PEER, peer="w1") == 1.5
+    assert value(master, PER_PEER, peer="w2") == 12.0
+    roster["found"] = (1, {"w1": 0.2})  # w2 left
+    assert value(master, "speedtronic_diloco_nodes_active") == 1
+    assert [dict(k[1])["peer"] for k in samples(master) if k[0] == PER_PEER] == ["w1"]
+    worker = PrometheusSink("worker", "w1")
+    worker.watch_membership(lambda: None)
+    assert not [k for k in samples(worker) if k[0] == PER_PEER]

@@ -255,6 +255,12 @@ class DistributedConfig:
     )
     max_staleness: Int = F(1, "rounds late a contribution may be and still count", ge=0, le=1000)
     drop_after: Int = F(3, "silent round lengths before a node is not waited for", ge=1, le=1000)
+    heartbeat_interval: Float = F(
+        3.0, "seconds between a node's liveness beats (shared directory)", ge=0.1, le=HOUR
+    )
+    liveness_timeout: Float = F(
+        10.0, "a node with no beat for this long is not waited for; 0: off", ge=0, le=DAY
+    )
     train: Bool = F(True, "false on the master: a pure aggregator")
     relay_to: Exchange | None = F(None, "on a group leader: the top-level exchange")
     relay_leaders: Leaders = F([], "on the top-level master: the group leaders' node ids")
@@ -340,6 +346,23 @@ class DistributedConfig:
             )
         if self.enabled and not self.repo_id:
             raise ConfigError("distributed.repo_id is required for DumbDiLoCo")
+        self._check_membership()
+
+    def _check_membership(self) -> None:
+        """Settings whose order cannot work (docs/diloco.md, "Timeouts, from fastest to
+        slowest"): a live node must beat twice within the liveness timeout, and a round
+        must be able to reach ``min_nodes`` with the nodes the run expects."""
+        if 0 < self.liveness_timeout <= 2 * self.heartbeat_interval:
+            raise ConfigError(
+                f"distributed.liveness_timeout ({self.liveness_timeout:g} s) must exceed 2 x "
+                f"distributed.heartbeat_interval ({self.heartbeat_interval:g} s): a live node "
+                "would be taken for dead between two beats (0 turns liveness off)"
+            )
+        if 0 < self.expected_nodes < self.min_nodes:
+            raise ConfigError(
+                f"distributed.min_nodes ({self.min_nodes}) exceeds distributed.expected_nodes "
+                f"({self.expected_nodes}): no round of the run could close"
+            )
 
     @property
     def node_role(self) -> RoleName:

@@ -176,6 +176,15 @@ class SpeedtronicConfig:
             raise ConfigError("data.block_size must be positive")
         if self.distributed.enabled and not self.distributed.repo_id:
             raise ConfigError("distributed.repo_id is required")
+        if (
+            self.distributed.enabled
+            and self.metrics.stall_seconds <= self.distributed.request_timeout
+        ):
+            raise ConfigError(
+                f"metrics.stall_seconds ({self.metrics.stall_seconds:g} s) must exceed "
+                f"distributed.request_timeout ({self.distributed.request_timeout:g} s): a node "
+                "waiting on one exchange call would be ended as stalled"
+            )
         self._check_paths()
         self._check_tokenizer()
         return self

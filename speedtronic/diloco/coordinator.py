@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from speedtronic.background import wait_for
+from speedtronic.background import Loop, wait_for
 from speedtronic.checkpoint import atomic_json_dump, atomic_write_bytes
 from speedtronic.config import DistributedConfig, SpeedtronicConfig
 from speedtronic.diloco import codec
@@ -40,7 +40,7 @@ from speedtronic.diloco.exchange import (
 )
 from speedtronic.diloco.hub import HubClient
 from speedtronic.diloco.link import NodeClaim, NodeLink, resolve_node_id
-from speedtronic.diloco.master import RelayStep, RoundMaster, Score
+from speedtronic.diloco.master import RelayStep, RoundMaster, RoundsStalledError, Score
 from speedtronic.diloco.node import Contribution, DiLoCoNode, GlobalCandidate, GlobalInbox
 from speedtronic.retry import RetryPolicy, retry_policy_from_config
 
@@ -89,11 +89,6 @@ class _ScrubToken(logging.Filter):
         return True
 
 
-class RoundsStalledError(RuntimeError):
-    """The master's rounds made no progress for longer than any round may take (exit 1: a
-    restart resumes them)."""
-
-
 def _distributed_section(
     config: DistributedConfig | SpeedtronicConfig | Mapping[str, object],
 ) -> DistributedConfig:
@@ -115,7 +110,8 @@ class DumbDiLoCoCoordinator:
     :func:`build_transport`); ``logger`` gets the events (a ``logging.Logger``, by default
     ``speedtronic.diloco``, one line each); ``state_dir`` + node id holds the local state;
     ``evaluate(state)`` scores a global (master only); ``final_dir`` receives
-    :func:`write_final` with ``run_config``, the redacted config."""
+    :func:`write_final` with ``run_config``, the redacted config; ``resumable``: a stop
+    leaves a checkpoint this node can resume from (its leave record says so)."""
 
     def __init__(
         self,
@@ -129,6 +125,7 @@ class DumbDiLoCoCoordinator:
         evaluate: Callable[[dict[str, torch.Tensor]], Score | None] | None = None,
         final_dir: str | os.PathLike[str] | None = None,
         run_config: Mapping[str, object] | None = None,
+        resumable: bool = False,
     ) -> None:
         self.config = cfg = _distributed_section(config)
         self.model = model
@@ -172,6 +169,17 @@ class DumbDiLoCoCoordinator:
         self._started = False
         self._ready = False
         self._beat = time.monotonic()
+        self.resumable = resumable
+        self._beats = self._beat_loop()
+
+    def _beat_loop(self) -> Loop | None:
+        """A worker's liveness beat on a shared directory, every ``heartbeat_interval`` (on
+        the Hub a beat would be a commit: docs/diloco.md "Liveness")."""
+        cfg = self.config
+        if self.role == "master" or self.store.kind != "directory" or cfg.liveness_timeout <= 0:
+            return None
+        beat = self.link.send_beat
+        return Loop("speedtronic-diloco-beat", beat, cfg.heartbeat_interval)
 
     def _retry_policy(self) -> RetryPolicy:
         retry = retry_policy_from_config(self.config)
@@ -292,6 +300,11 @@ class DumbDiLoCoCoordinator:
             )
         return self._run_ended
 
+    def membership(self) -> tuple[int, dict[str, float]] | None:
+        """Master: the nodes the open round waits for and the seconds since each training
+        node was last seen (``/metrics``); None elsewhere."""
+        return self.master.membership() if self.master is not None else None
+
     def is_ready(self) -> bool:
         """Master: after startup. Worker: once a global is installed."""
         return self._ready
@@ -368,6 +381,8 @@ class DumbDiLoCoCoordinator:
         self.inbox.start()
         if self.master is not None:
             self.master.start()
+        if self._beats is not None:
+            self._beats.start()
         self._started = True
         installed = self.last_global_step
         _LOG.info(
@@ -495,15 +510,28 @@ class DumbDiLoCoCoordinator:
         self._raise_master_fatal()
 
     def stop(self) -> None:
-        """Let an upload in flight finish (bounded), stop the threads."""
+        """Let an upload in flight finish (bounded), stop the threads; a worker that leaves
+        before its run ended says so on the exchange (the master stops waiting for it)."""
         if self.node is not None and not self.node.stop():
             _LOG.warning("an upload was still in flight at stop; it is in the checkpoint")
+        if self._beats is not None:
+            self._beats.stop(self.config.delta_upload_shutdown_timeout)
+        if self._leaving():
+            with self._quick_retries():  # bounded: the stop must fit the grace period
+                self.link.leave(resume=self.resumable)
         self.inbox.stop(self.config.delta_upload_shutdown_timeout)
         if self.master is not None:
             self._halt.set()
             self.master.stop()
         self._started = False
         _LOG.removeFilter(self._scrubber)
+
+    def _leaving(self) -> bool:
+        """A started worker stops before its run ended (a SIGTERM, a scale-down, a crash)."""
+        node = self.node
+        if not self._started or self.master is not None or node is None:
+            return False
+        return not (node.end.done or node.end.final_seen or self._run_ended)
 
     def _send(self, job: Contribution) -> int:
         """The node's upload (see :meth:`NodeLink.send`); a local master looks at once."""

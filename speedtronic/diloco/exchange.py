@@ -7,7 +7,8 @@ its errors::
     global/processed.json                  ledger: per node, the highest round aggregated
                                            (and its final round, instance and digest)
     nodes/<node_id>/delta_<r>.safetensors  the node's contribution to round r
-    nodes/<node_id>/owner.json             the node's claim and status (training/done)
+    nodes/<node_id>/owner.json             the node's claim and status (training/done/left)
+    nodes/<node_id>/beat.json              the node's liveness beat (a counter; shared volume)
 
 What a contribution is, how its values are encoded and what a file holds, with the checks
 every read passes, are :mod:`.codec`'s. :class:`Store` writes the layout once, over six primitives;
@@ -110,6 +111,11 @@ def delta_path(node_id: str, round_index: int) -> str:
     return f"nodes/{node_id}/delta_{int(round_index)}.safetensors"
 
 
+def beat_path(node_id: str) -> str:
+    """Remote path of a node's liveness beat (the master reads only its listed version)."""
+    return f"nodes/{node_id}/beat.json"
+
+
 def parse_delta_path(path: str) -> tuple[str, int] | None:
     """``nodes/<node>/delta_<n>.safetensors`` -> ``(node, n)``; anything else -> None.
 
@@ -148,6 +154,8 @@ class RoundRules:
     threaded_uploads: bool  # overlapped with async_delta_upload
     upload_shutdown_timeout: float
     reset_inner_optimizer: bool
+    heartbeat_interval: float  # a node's liveness beat (shared directory)
+    liveness_timeout: float  # no beat for this long: not waited for (0: off)
 
     def steps_behind(self, outer_step: int) -> int:
         """The inner steps a node trained to reach global ``outer_step``."""
@@ -203,7 +211,7 @@ class RoundSettings:
             c.inner_steps, c.sync, c.round_timeout, c.poll_interval, c.min_nodes,
             c.expected_nodes, c.max_staleness, c.drop_after, tuple(c.relay_leaders),
             c.sync == "overlapped" and c.async_delta_upload, c.delta_upload_shutdown_timeout,
-            c.reset_inner_optimizer,
+            c.reset_inner_optimizer, c.heartbeat_interval, c.liveness_timeout,
         )  # fmt: skip
         wire = WireFormat(c.delta_dtype, c.delta_block_size, c.global_dtype, c.error_feedback)
         outer = OuterRule(
@@ -620,6 +628,10 @@ class Store(Protocol):
         self.commit(
             {f"nodes/{node_id}/owner.json": _json_bytes(dict(record))}, message=f"claim {node_id}"
         )
+
+    def write_beat(self, node_id: str, beat: Mapping[str, object]) -> None:
+        """Write the liveness beat of ``node_id`` (one commit; its content changes each time)."""
+        self.commit({beat_path(node_id): _json_bytes(dict(beat))}, message=f"beat {node_id}")
 
 
 #: 2.0.0 name of :class:`Store`.

@@ -37,6 +37,7 @@ from speedtronic.diloco.exchange import (
     GlobalMetadata,
     RepoScan,
     Store,
+    beat_path,
     max_global_bytes,
 )
 from speedtronic.retry import HubUnavailable, TransportError
@@ -68,33 +69,57 @@ _FORMAT = "speedtronic-outer-state/2"
 # -- who the round waits for -----------------------------------------------------------
 @dataclasses.dataclass
 class NodeView:
-    """What the master knows about one node (rebuilt from the repository after a restart)."""
+    """What the master knows about one node (rebuilt from the repository after a restart).
+
+    ``joining``: announced and not waited for until it delivers (a node new to a run in
+    progress, or back after it left: its rounds are not in step with the others' yet);
+    ``last_beat``: when its liveness beat last changed (None: it does not beat)."""
 
     node_id: str
     instance: str | None = None
-    state: str = "training"  # training | done | aggregator
+    state: str = "training"  # training | done | left | aggregator
     final_round: int | None = None
     last_heard: float = 0.0  # monotonic: joined, or newest contribution seen
     dropped: bool = False
+    joining: bool = False
+    last_beat: float | None = None
+    beat_version: str | None = None
+    joined_at: float = 0.0  # monotonic: when this instance announced itself
+    started: float | None = None  # wall clock: its process started (its record says)
+
+    @property
+    def last_seen(self) -> float:
+        """The latest sign of life: announced, delivered or beat."""
+        return max(self.last_heard, self.last_beat or 0.0)
 
 
 class Roster:
     """One :class:`NodeView` per node, from its status record (``nodes/<id>/owner.json``:
     instance, ``state``, ``final_round``), read again only when the listing shows a new
-    version of it (a poll costs one listing however many nodes there are). A record is a
-    claim, never proof: a node finished only by what the master aggregated
-    (:meth:`finished`). ``emit`` reports joins, drops and rejoins."""
+    version of it (a poll costs one listing however many nodes there are), and its liveness
+    beat (``nodes/<id>/beat.json``: only its listed version is read). A record is a claim,
+    never proof: a node finished only by what the master aggregated (:meth:`finished`). A
+    node that left (``state: left``) is not waited for; one whose beat stops for
+    ``liveness`` seconds (0: off) is dropped. ``emit`` reports joins, leaves, drops and
+    rejoins, each also one line of the log."""
 
-    def __init__(self, read_owner: Callable[[str], Mapping[str, object] | None], emit: Emit):
+    def __init__(
+        self,
+        read_owner: Callable[[str], Mapping[str, object] | None],
+        emit: Emit,
+        liveness: float = 0.0,
+    ):
         self._read_owner = read_owner
         self._emit = emit
+        self.liveness = liveness
         self.nodes: dict[str, NodeView] = {}
         self.saw_training = False  # a node that trains announced itself (the run has begun)
         self._records: dict[str, tuple[str, Mapping[str, object]]] = {}  # node -> version, record
 
     def refresh(self, scan: RepoScan, now: float, state: RoundState) -> bool:
-        """Update every node from its status record (a new instance is a new view; one that
-        ``state`` lists as dropped stays dropped); True when a record is new or changed."""
+        """Update every node from its status record and its beat (a new instance is a new
+        view; one that ``state`` lists as dropped stays dropped); True when a record is new
+        or changed."""
         changed = False
         for node_id in sorted(scan.owners):
             view, before = self.nodes.get(node_id), self._records.get(node_id)
@@ -102,26 +127,76 @@ class Roster:
             changed |= before is None or before[1] != record
             instance = str(record.get("instance") or "") or None
             if view is None or (instance and instance != view.instance):
-                dropped = bool(instance) and state.dropped.get(node_id) == instance
-                if instance and not dropped:  # a new instance of a dropped node: waited for
-                    state.dropped.pop(node_id, None)
-                view = NodeView(node_id, instance=instance, last_heard=now, dropped=dropped)
-                self.nodes[node_id] = view
-                if dropped:
-                    _LOG.info(
-                        f"node {node_id} stays dropped (it was before this master restarted); "
-                        "it rejoins when it delivers"
-                    )
-                elif record.get("state", "training") == "training":
-                    self._emit("node_joined", node_id=node_id, outer_step=state.outer_step)
+                view = self._announced(node_id, instance, record, now, state)
             status = str(record.get("state", view.state))
-            if view.state == "done" and status == "training":
-                view.last_heard = now  # restarted after it had finished: waiting again
+            if view.state != status:
+                self._moved(view, status, record, now, state)
             view.state = status
             final = record.get("final_round")
             view.final_round = final if isinstance(final, int) else None
             self.saw_training |= view.state == "training"
+            beat = scan.files.get(beat_path(node_id))
+            if beat is not None and beat.version != view.beat_version:
+                view.beat_version, view.last_beat = beat.version, now
         return changed
+
+    def _announced(
+        self,
+        node_id: str,
+        instance: str | None,
+        record: Mapping[str, object],
+        now: float,
+        state: RoundState,
+    ) -> NodeView:
+        """A new node or instance: its view. In a run in progress an instance none of whose
+        contributions was aggregated yet is waited for only once it delivers."""
+        dropped = bool(instance) and state.dropped.get(node_id) == instance
+        if instance and not dropped:  # a new instance of a dropped node: waited for
+            state.dropped.pop(node_id, None)
+        status = str(record.get("state", "training"))
+        view = NodeView(node_id, instance, status, last_heard=now, dropped=dropped)
+        view.joined_at, started = now, record.get("started")
+        view.started = float(started) if isinstance(started, (int, float)) else None
+        self.nodes[node_id] = view
+        if dropped:
+            _LOG.info(
+                f"node {node_id} stays dropped (it was before this master restarted); "
+                "it rejoins when it delivers"
+            )
+        elif status == "training":
+            view.joining = state.outer_step > 0 and state.instances.get(node_id) != instance
+            self._joined(view, state, "joined")
+        return view
+
+    def _joined(self, view: NodeView, state: RoundState, how: str) -> None:
+        """One line and a ``node_joined`` event."""
+        wait = "waited for once it delivers" if view.joining else "waited for from this round"
+        _LOG.info(f"node {view.node_id} {how} at outer step {state.outer_step} ({wait})")
+        self._emit("node_joined", node_id=view.node_id, outer_step=state.outer_step)
+
+    def _moved(
+        self,
+        view: NodeView,
+        status: str,
+        record: Mapping[str, object],
+        now: float,
+        state: RoundState,
+    ) -> None:
+        """The record's state changed: a node left, or came back after it left or finished."""
+        if status == "left":
+            resume = record.get("resume") is True
+            again = "it may come back with --resume" if resume else "it will not come back"
+            _LOG.info(
+                f"node {view.node_id} left at outer step {state.outer_step}; no longer "
+                f"waiting for it ({again})"
+            )
+            self._emit(
+                "node_left", node_id=view.node_id, outer_step=state.outer_step, resume=resume
+            )
+        elif status == "training" and view.state in ("left", "done"):
+            view.last_heard, view.joining = now, view.state == "left"
+            if view.joining:  # out of step with the others until it delivers
+                self._joined(view, state, "is back")
 
     def _record(self, node_id: str, scan: RepoScan) -> Mapping[str, object]:
         info = scan.files.get(f"nodes/{node_id}/owner.json")
@@ -135,14 +210,17 @@ class Roster:
         return record
 
     def heard(self, node_id: str, now: float, state: RoundState) -> None:
-        """A contribution of ``node_id`` arrived: it is not silent (a dropped node rejoins).
-        Contributions without a status record are used, never waited for."""
+        """A contribution of ``node_id`` arrived: it is not silent (a dropped node rejoins,
+        a joining one is waited for from now on). Contributions without a status record
+        are used, never waited for."""
         view = self.nodes.get(node_id)
         if view is None:
             return
+        view.joining = False
         if view.dropped:
             view.dropped = False
             state.dropped.pop(node_id, None)
+            _LOG.info(f"node {node_id} delivered again; waiting for it from now on")
             self._emit("node_rejoined", node_id=node_id, outer_step=state.outer_step)
         view.last_heard = max(view.last_heard, now)
 
@@ -189,6 +267,8 @@ class Roster:
         """Time the exchange could not be read: nobody was silent during it."""
         for view in self.nodes.values():
             view.last_heard += seconds
+            if view.last_beat is not None:
+                view.last_beat += seconds
 
     @staticmethod
     def finished(view: NodeView, state: RoundState) -> bool:
@@ -210,36 +290,61 @@ class Roster:
         return sum(self.finished(view, state) for view in self.nodes.values())
 
     def _expected(self, view: NodeView, state: RoundState) -> bool:
-        return view.state != "aggregator" and not self.finished(view, state)
+        return view.state not in ("aggregator", "left") and not self.finished(view, state)
 
     def waiting(self, state: RoundState) -> set[str]:
-        """Nodes expected and not dropped (no clock: what a closing round still expects)."""
+        """Nodes expected and not dropped, joining ones too (no clock: what a closing round
+        still expects)."""
         return {n for n, v in self.nodes.items() if self._expected(v, state) and not v.dropped}
 
     def active(self, now: float, limit: float, state: RoundState) -> set[str]:
-        """Nodes the open round waits for; one silent for more than ``limit`` seconds is
-        dropped (reported once, recorded in ``state.dropped``) until it delivers again."""
+        """Nodes the open round waits for (expected, not joining). One silent for more than
+        ``limit`` seconds, or whose beat stopped for ``liveness`` seconds, is dropped
+        (reported once, recorded in ``state.dropped``) until it delivers again."""
         active = set()
         for view in self.nodes.values():
             if not self._expected(view, state):
                 continue
-            silent = now - view.last_heard
-            if silent > limit and not view.dropped:
+            why = self._silence(view, now, limit)
+            if why and not view.dropped:
                 view.dropped = True
                 state.dropped[view.node_id] = view.instance or ""
                 _LOG.warning(
-                    f"node {view.node_id} silent for {silent:.0f} s; no longer waiting for it "
-                    "(it rejoins when it delivers again)"
+                    f"node {view.node_id} {why}; no longer waiting for it (it rejoins when it "
+                    "delivers again)"
                 )
+                silent = now - view.last_seen
                 self._emit("node_dropped", node_id=view.node_id, silent_seconds=silent)
-            if not view.dropped:
+            if not view.dropped and not view.joining:
                 active.add(view.node_id)
         return active
 
+    def _silence(self, view: NodeView, now: float, limit: float) -> str | None:
+        """Why ``view`` counts as gone: no contribution for ``limit`` seconds, or no beat
+        for ``liveness`` seconds (a node that beats); None while it is not."""
+        silent = now - view.last_heard
+        if silent > limit:
+            return f"silent for {silent:.0f} s"
+        quiet = None if view.last_beat is None else now - view.last_beat
+        if self.liveness > 0 and quiet is not None and quiet > self.liveness:
+            return (
+                f"sent no liveness beat for {quiet:.1f} s (distributed.liveness_timeout "
+                f"{self.liveness:g} s)"
+            )
+        return None
+
+    def last_seen(self, now: float) -> dict[str, float]:
+        """Seconds since each training node (not done, not left) was last seen."""
+        gone = ("left", "done", "aggregator")
+        return {
+            v.node_id: now - v.last_seen for v in list(self.nodes.values()) if v.state not in gone
+        }
+
     def run_over(self, active: set[str], state: RoundState) -> bool:
-        """No node left to wait for, and at least one finished (nodes that are only silent
-        keep the run open until one of them is done)."""
-        return self.saw_training and not active and self.finished_count(state) > 0
+        """No node left to wait for or joining, and at least one finished (nodes that are
+        only silent keep the run open until one of them is done)."""
+        joining = any(v.joining and self._expected(v, state) for v in self.nodes.values())
+        return self.saw_training and not active and not joining and self.finished_count(state) > 0
 
 
 # -- the round state -------------------------------------------------------------------

@@ -102,6 +102,7 @@ class NodeLink:
         self._told: set[str] = set()  # "node/round" refusals of our files already reported
         self.held: HeldGlobal | None = None  # the last global fetched (global_dtype int8/int4)
         self._update_bytes = 0  # size of the last update file read
+        self._beats, self._beat_failing = 0, False  # liveness beats sent; the last one failed
 
     # -- errors no retry fixes ---------------------------------------------------------------
     def raise_if_permanent(self, exc: BaseException, what: str) -> None:
@@ -160,30 +161,37 @@ class NodeLink:
             self.raise_if_permanent(exc, "cannot write to the exchange")
             _LOG.warning(f"could not claim node_id {self.node_id}: {exc}")
 
-    def _round_files(self) -> dict[str, FileInfo]:
-        """This id's files on the exchange but its status record (which we write too)."""
-        prefix, record = f"nodes/{self.node_id}/", f"nodes/{self.node_id}/owner.json"
+    def _round_files(self, *, beat: bool = False) -> dict[str, FileInfo]:
+        """This id's files on the exchange but its status record and, unless ``beat``, its
+        liveness beat (this node writes both too)."""
+        prefix, skip = f"nodes/{self.node_id}/", {f"nodes/{self.node_id}/owner.json"}
+        if not beat:
+            skip.add(T.beat_path(self.node_id))
         files = self.store.scan().files.items()
-        return {p: i for p, i in files if p.startswith(prefix) and p != record}
+        return {p: i for p, i in files if p.startswith(prefix) and p not in skip}
 
     def _watch_holder(self, owner: Record) -> dict[str, FileInfo]:
         """Another host's unfinished node holds our id: watch its files for up to
-        ``drop_after`` x ``round_timeout`` (a live node writes once a round). A change is a
+        ``liveness_timeout`` when it beats (a live node beats every ``heartbeat_interval``),
+        else ``drop_after`` x ``round_timeout`` (it writes once a round). A change is a
         `NodeIdCollisionError`; none means its instance is gone and the id is taken over.
         Returns the holder's round files (checked again before our first upload)."""
         self._holder = holder = f"instance {owner.get('instance')} on host {owner.get('host', '?')}"
-        window = max(self.settings.rules.drop_after, 1) * self.settings.rules.round_timeout
+        rules = self.settings.rules
+        before, started = self._round_files(beat=True), time.monotonic()
+        if T.beat_path(self.node_id) in before and rules.liveness_timeout > 0:
+            window, bound = rules.liveness_timeout, "distributed.liveness_timeout: it beats"
+        else:
+            window = max(rules.drop_after, 1) * rules.round_timeout
+            bound = "distributed.drop_after x round_timeout, as long as the master waits for it"
         _LOG.info(
             f"node id {self.node_id!r} is held by {holder} (state {owner.get('state')}); "
-            f"watching its files for up to {window:.0f} s (distributed.drop_after x "
-            "distributed.round_timeout, as long as the master waits for a silent node) before "
-            "taking the id over"
+            f"watching its files for up to {window:.0f} s ({bound}) before taking the id over"
         )
-        before, started = self._round_files(), time.monotonic()
 
         def changed() -> bool:
             self.beat = time.monotonic()
-            return self._round_files() != before
+            return self._round_files(beat=True) != before
 
         pause = min(self.settings.rules.poll_interval, 1.0)
         if wait_for(changed, timeout=window, interval=pause, stop=self.interrupted):
@@ -196,7 +204,7 @@ class NodeLink:
             f"{holder} wrote nothing in {time.monotonic() - started:.1f} s; taking node id "
             f"{self.node_id!r} over (that instance is gone)"
         )
-        return before
+        return {p: i for p, i in before.items() if p != T.beat_path(self.node_id)}
 
     def _collides(self, owner: Record | None) -> bool:
         other = self.claim.check(owner)
@@ -232,6 +240,37 @@ class NodeLink:
                 f"round {job.round} upload reclaims it and the later instance stops at its "
                 "next upload (a round it uploaded first stands for this node's)"
             )
+
+    # -- liveness and leaving -------------------------------------------------------------
+    def send_beat(self) -> None:
+        """One liveness beat (``nodes/<id>/beat.json``, a counter): the master takes a node
+        whose beat stopped for ``liveness_timeout`` for gone. A beat that fails is a beat
+        missed: said once per run of failures, never raised."""
+        self._beats += 1
+        try:
+            self.store.write_beat(
+                self.node_id, {"instance": self.claim.instance, "beat": self._beats}
+            )
+        except Exception as exc:
+            if not self._beat_failing:
+                _LOG.warning(f"liveness beat failed (retried every beat): {exc}")
+            self._beat_failing = True
+        else:
+            self._beat_failing = False
+
+    def leave(self, *, resume: bool) -> None:
+        """Record that this node left the run (``state: left`` in its status record): the
+        master stops waiting for it at once; ``resume``: it may come back with --resume."""
+        try:
+            self.store.claim_owner(self.node_id, self.claim.record(state="left", resume=resume))
+        except Exception as exc:
+            _LOG.warning(
+                f"could not record that this node left ({exc}); the master stops waiting for "
+                "it once its liveness beat is missed (distributed.liveness_timeout)"
+            )
+            return
+        again = "it may come back with --resume" if resume else "no checkpoint to resume from"
+        _LOG.info(f"node {self.node_id} left the run; the exchange says so ({again})")
 
     # -- uploads -----------------------------------------------------------------------------
     def send(self, job: Contribution) -> int:
@@ -563,6 +602,7 @@ class NodeClaim:
         self.host = host or socket.gethostname()
         self.claimed = False
         self.reported: set[str] = set()
+        self.started = round(_process_started(), 3)
 
     @staticmethod
     def _instance_token(path: Path) -> str:
@@ -583,8 +623,9 @@ class NodeClaim:
             "role": self.role,
             "host": self.host,
             "pid": os.getpid(),
-            **status,  # no timestamp: an unchanged record keeps its blob id (the master skips it)
-        }
+            "started": self.started,  # the process's start (wall clock): the master reports
+            **status,  # the time to its first aggregated contribution; no other timestamp:
+        }  # an unchanged record keeps its blob id (the master skips it)
 
     def check(self, owner: Record | None) -> str | None:
         """The instance token of a live colliding node (reported once), else None."""
@@ -612,6 +653,20 @@ class NodeClaim:
         if not other or other == self.instance or owner.get("host") == self.host:
             return False
         return owner.get("state") in ("training", "aggregator")
+
+
+def _process_started() -> float:
+    """When this process started (Unix time; Linux's /proc, else now)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(
+            float(line.split()[1])
+            for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime ")
+        )
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
 
 
 def _pid_alive(pid: int) -> bool:

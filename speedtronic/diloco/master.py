@@ -72,6 +72,7 @@ __all__ = [
     "RelayStep",
     "RoundMaster",
     "RoundState",
+    "RoundsStalledError",
     "Stepped",
     "adaptive_eta",
     "average_states",
@@ -185,6 +186,11 @@ def average_states(states: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, to
     return result
 
 
+class RoundsStalledError(RuntimeError):
+    """The rounds cannot go on: no progress for longer than any round may take, or fewer
+    contributing nodes than ``min_nodes`` for as long (exit 1: a restart resumes them)."""
+
+
 class Score(Protocol):
     """What ``evaluate`` returns for a global (read only: a frozen ``EvalResult`` is one)."""
 
@@ -257,6 +263,8 @@ class RoundWatch:
     seen: set[str] = dataclasses.field(default_factory=set)
     joins_over: bool = False
     waiting_note: int | None = None
+    active: set[str] = dataclasses.field(default_factory=set)  # what the last poll waited for
+    short_note: int | None = None  # the round that said it waits for min_nodes
 
 
 @dataclasses.dataclass
@@ -346,7 +354,8 @@ class RoundMaster:
         self.outer_files = OuterStateStore(state_dir)
         self.fatal: Exception | None = None  # an error no retry fixes; the thread stopped
         self._emit = emit
-        self.roster = Roster(lambda node_id: self.store.read_owner(node_id), emit)
+        liveness = settings.rules.liveness_timeout
+        self.roster = Roster(lambda node_id: self.store.read_owner(node_id), emit, liveness)
         self.on_global, self.evaluate, self.on_final = on_global, evaluate, on_final
         self.outer: OuterStep = outer or LocalStep(settings, self.outer_files)
         self._clock = clock
@@ -492,7 +501,7 @@ class RoundMaster:
             watch.last_progress = now
         watch.seen = seen
         dropped = dict(self.state.dropped)
-        active = self.roster.active(now, self.silence_limit, self.state)
+        active = watch.active = self.roster.active(now, self.silence_limit, self.state)
         if self.state.dropped != dropped:  # a drop holds across a restart
             self._persist()
         reason = self._close_reason(now, active, candidates)
@@ -582,6 +591,7 @@ class RoundMaster:
         # min_nodes is a floor on the nodes in a round, lowered only by nodes that finished
         need = max(1, self.settings.rules.min_nodes - self.roster.finished_count(self.state))
         if len(candidates) < need:
+            self._too_few(now, len(candidates), need)
             return None
         on_time = {node for node, files in candidates.items() if self.outer_step in files}
         starting = self._starting(candidates)
@@ -604,6 +614,34 @@ class RoundMaster:
                 "nodes_missing", outer_step=self.outer_step, expected=expected, missing=starting
             )
         return "timeout"
+
+    def _too_few(self, now: float, count: int, need: int) -> None:
+        """The round has fewer contributing nodes than ``min_nodes``: it stays open, says so
+        once, and past :attr:`silence_limit` after its first contribution the master stops
+        (:class:`RoundsStalledError`: a run that must not drift to fewer nodes ends)."""
+        first = self.watch.first_arrival
+        if first is None:
+            return
+        bound, waited = self.silence_limit, now - first
+        if waited > bound:
+            raise RoundsStalledError(
+                f"round {self.outer_step} has {count} of distributed.min_nodes {need} "
+                f"contributing nodes after {waited:.0f} s (bound {bound:.0f} s: drop_after x "
+                "round_timeout); stopping rather than closing it short (the state is saved: "
+                "restart with --resume once enough nodes run)"
+            )
+        if self.watch.short_note != self.outer_step:
+            self.watch.short_note = self.outer_step
+            _LOG.warning(
+                f"round {self.outer_step} waits for distributed.min_nodes: {count} of {need} "
+                f"nodes contributed; waiting up to {bound:.0f} s after its first contribution"
+            )
+            self._emit("min_nodes_wait", outer_step=self.outer_step, nodes=count, need=need)
+
+    def membership(self) -> tuple[int, dict[str, float]]:
+        """The nodes the open round waits for, and the seconds since each training node was
+        last seen (a contribution, a status record, a beat), for ``/metrics``."""
+        return len(self.watch.active), self.roster.last_seen(self._clock())
 
     def _starting(self, candidates: Mapping[str, Mapping[int, str]]) -> int:
         """How many of the ``expected_nodes`` have not contributed to this run yet: the round
@@ -644,10 +682,33 @@ class RoundMaster:
             return False
         fold.total = {}  # the mean is spent: let it go before the publish
         report = self._report(new, fold, reason, active, stepped.eta)
+        firsts = [n for n in fold.marks if self.state.instances.get(n) != fold.instances.get(n)]
         self._publish_round(new, fold, stepped.update, final, report)
         self._report_round(new, fold, report, started)
+        self._first_included(firsts)
         self._after_publish(final)
         return True
+
+    def _first_included(self, nodes: Sequence[str]) -> None:
+        """The first contribution of each of ``nodes`` (as its current instance) is in the
+        published global: how long that took from its process start and its announcement."""
+        for node_id in nodes:
+            view = self.roster.nodes.get(node_id)
+            if view is None:
+                continue
+            since_start = None if view.started is None else round(time.time() - view.started, 2)
+            since_join = round(self._clock() - view.joined_at, 2)
+            _LOG.info(
+                f"node {node_id}: first contribution in global {self.outer_step}, {since_start} s "
+                f"after its process started ({since_join} s after it announced itself)"
+            )
+            self._emit(
+                "node_first_included",
+                node_id=node_id,
+                outer_step=self.outer_step,
+                since_start_s=since_start,
+                since_join_s=since_join,
+            )
 
     def _fold(self, candidates: Mapping[str, Mapping[int, str]]) -> Fold | None:
         """Every node's valid files into one float32 running sum, divided into the round's
@@ -899,8 +960,8 @@ class RoundMaster:
         try:
             if self.poll_once():
                 self._loop.wake()  # a round closed: look again at once
-        except (ExchangeError, AccessRefused) as exc:  # no retry fixes it: the coordinator
-            _LOG.error(str(exc))  # raises it on the training thread (exit 2)
+        except (ExchangeError, AccessRefused, RoundsStalledError) as exc:  # no retry fixes it
+            _LOG.error(str(exc))  # the coordinator raises it on the training thread
             self.fatal = exc
             return True
         except TransportError as exc:

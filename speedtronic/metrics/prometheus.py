@@ -6,11 +6,14 @@ hands it every ``train_step`` event regardless of the text log cadence. It owns 
 `CollectorRegistry` (no global state), which `speedtronic.metrics.server.MetricsServer`
 serves on ``/metrics``.
 
-Every series carries the labels ``role`` and ``node_id`` (never the token). Three series have one
+Every series carries the labels ``role`` and ``node_id`` (never the token). Four series have one
 extra bounded label: ``speedtronic_diloco_uploads_total{result}``,
-``speedtronic_diloco_retries_total{operation}`` and ``speedtronic_eval_loss{scope}`` (``local``:
-a node's own weights, ``global``: the DiLoCo global the master evaluated). The list of series
-is `SERIES`; docs/deploy.md documents the same list.
+``speedtronic_diloco_retries_total{operation}``, ``speedtronic_eval_loss{scope}`` (``local``:
+a node's own weights, ``global``: the DiLoCo global the master evaluated) and, on a master,
+``speedtronic_diloco_node_last_seen_seconds{peer}`` (one per training node of the run, read
+from the master's roster at scrape time with ``speedtronic_diloco_nodes_active``:
+:meth:`PrometheusSink.watch_membership`). The list of series is `SERIES`; docs/deploy.md
+documents the same list.
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from speedtronic.json_types import JSONView
 
@@ -56,6 +60,7 @@ SERIES: dict[str, str] = {
     "speedtronic_diloco_deltas_corrupt_total": "Deltas that could not be read.",
     "speedtronic_diloco_round_seconds": "Length of the last closed round (master).",
     "speedtronic_diloco_nodes_active": "Nodes the open round waits for (master).",
+    "speedtronic_diloco_node_last_seen_seconds": "Seconds since the master last saw a node.",
     "speedtronic_diloco_outer_lr": "Outer lr of the last closed round (adaptive: its eta).",
     "speedtronic_diloco_nodes_dropped_total": "Nodes no longer waited for after silence (master).",
     "speedtronic_diloco_sync_wait_seconds": "Time a node waited for the global of its round.",
@@ -199,6 +204,20 @@ class PrometheusSink:
             g, "speedtronic_diloco_seconds_since_last_global_sync"
         ).labels(**ids)
         self.since_sync.set_function(self._seconds_since_sync)
+
+    def watch_membership(self, source: Callable[[], Membership | None]) -> None:
+        """Read ``nodes_active`` and each node's last-seen seconds from ``source`` (the
+        master's roster: ``(nodes the open round waits for, {peer: seconds})``) at scrape
+        time; a source that answers None (not a master) adds nothing."""
+
+        def active() -> float:
+            found = source()
+            return math.nan if found is None else float(found[0])
+
+        if source() is None:
+            return
+        self.nodes_active.set_function(active)
+        self.registry.register(_LastSeen(self.role, self.node_id, source))
 
     # -- scrape-time values -------------------------------------------------------------
     def _memory_value(self) -> float:
@@ -371,6 +390,27 @@ class PrometheusSink:
         if seconds is not None and seconds >= 0:
             self.upload_seconds.observe(seconds)
         self._last_sync_time = self._clock()
+
+
+#: The master's membership: nodes the open round waits for, seconds since each was seen.
+Membership = tuple[int, Mapping[str, float]]
+
+
+class _LastSeen:
+    """``speedtronic_diloco_node_last_seen_seconds{peer}``, one sample per node the master's
+    roster holds at scrape time (a collector: the set of peers changes with the run)."""
+
+    name = "speedtronic_diloco_node_last_seen_seconds"
+
+    def __init__(self, role: str, node_id: str, source: Callable[[], Membership | None]):
+        self.ids, self.source = [role, node_id], source
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(self.name, SERIES[self.name], labels=["role", "node_id", "peer"])
+        found = self.source()
+        for peer, seconds in sorted((found or (0, {}))[1].items()):
+            family.add_metric([*self.ids, peer], seconds)
+        yield family
 
 
 _HANDLERS: dict[str, Callable[[PrometheusSink, JSONView], None]] = {

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypedDict, runtime_checkable
 
@@ -135,7 +136,9 @@ class SyncCoordinator(Protocol):
     it as the reason), ``last_heartbeat`` (``time.monotonic()`` of the last sign of life, also
     while waiting for a round), ``last_global_step`` (the installed global's outer step; -1:
     none), ``wants_weights()`` (the next ``round_step`` reads or writes the weights). Read by
-    the entrypoint: ``node_id``, ``role`` (metric labels) and ``is_ready()`` (``/readyz``).
+    the entrypoint: ``node_id``, ``role`` (metric labels), ``is_ready()`` (``/readyz``) and
+    ``membership()`` (a master's nodes for ``/metrics``: how many the open round waits for,
+    seconds since each was seen; None elsewhere).
     """
 
     node_id: str
@@ -152,6 +155,8 @@ class SyncCoordinator(Protocol):
     def last_global_step(self) -> int: ...
 
     def is_ready(self) -> bool: ...
+
+    def membership(self) -> tuple[int, Mapping[str, float]] | None: ...
 
     def attach(self, optimizer: Optimizer, *, hook: bool = True) -> None: ...
 
@@ -208,6 +213,10 @@ class StartStopCoordinator:
     def is_ready(self) -> bool:
         """Always ready."""
         return True
+
+    def membership(self) -> None:
+        """No nodes of its own."""
+        return None
 
     def attach(self, optimizer: Optimizer, *, hook: bool = True) -> None:
         """Nothing is hooked on the optimizer."""

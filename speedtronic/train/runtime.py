@@ -184,6 +184,7 @@ def _coordinator(
         evaluate=evaluate_global,
         final_dir=config.output_path / "final",
         run_config=portable_config(config),  # final/config.yaml: absolute data paths
+        resumable=config.checkpoint.enabled,  # a stop saves a checkpoint to resume from
     )
 
 
