@@ -5,11 +5,14 @@ directory (``file://``). On a schedule of published outer steps the bench
 
     kill:NODE@R      SIGKILLs NODE once global R is published (a lost pod: no goodbye)
     term:NODE@R      SIGTERMs NODE (a scale-down or an eviction: the node leaves)
-    join:NODE@R      starts a new node NODE (a scale-up), trained until the others end
+    join:NODE@R      starts a new node NODE (a scale-up)
     restart:NODE@R   starts NODE again with ``--resume`` (its checkpoint, the same node id)
 
-Then the same K nodes run without churn, with as many node-steps in all as the churn run's
-aggregated contributions held. Reported, per event: the seconds every other node lost (its
+A node started by the schedule trains until the first K nodes that were never churned are
+done, then gets a SIGTERM (it leaves, so the run ends with the others). Then the same K nodes
+run without churn twice: with as many node-steps in all as the churn run's aggregated
+contributions held (the issue's comparison), and with the churn run's steps per node (as
+many rounds). Reported, per event: the seconds every other node lost (its
 waits for the globals of the two rounds after the event, beyond the run's median wait, as
 its ``sync_wait`` events measure them), the rounds among them that closed on
 ``round_timeout`` (short), and for a join or a restart the seconds from the process start to
@@ -172,12 +175,16 @@ def run(args: argparse.Namespace, folder: Path, schedule: list[dict], steps: int
     for name in names:
         cluster.start(name, steps)
     pending, done, globals_at = list(schedule), [], {}
+    steady = set(names) - {e["node"] for e in schedule}  # never churned: they end the run
     deadline = time.monotonic() + args.timeout
     while cluster.running() and time.monotonic() < deadline:
         outer = cluster.published()
         globals_at.setdefault(outer, time.time())
         while pending and pending[0]["at"] <= outer:
             done.append(apply(cluster, pending.pop(0), outer, args, steps))
+        if not pending and not steady & set(cluster.running()) - {"master"}:
+            for node in set(cluster.running()) - steady:  # joined or restarted: they leave
+                cluster.procs[node].send_signal(signal.SIGTERM)
         time.sleep(0.05)
     timed_out = bool(cluster.running())
     cluster.stop_all()
@@ -198,14 +205,13 @@ def run(args: argparse.Namespace, folder: Path, schedule: list[dict], steps: int
 def apply(cluster: Cluster, event: dict, outer: int, args: argparse.Namespace, steps: int) -> dict:
     """Carry out one scheduled event now (global ``outer`` is the newest published)."""
     node, kind = event["node"], event["kind"]
-    left = max(args.rounds - outer, 1) * args.inner_steps  # to end about when the others do
     if kind in ("kill", "term"):
         cluster.procs[node].send_signal(signal.SIGKILL if kind == "kill" else signal.SIGTERM)
     elif kind == "join":
-        cluster.start(node, left)
+        cluster.start(node, 2 * steps)  # until the others end (then a SIGTERM)
     else:
         cluster.procs[node].wait()
-        cluster.start(node, cluster.checkpoint_step(node) + left, resume=True)
+        cluster.start(node, cluster.checkpoint_step(node) + 2 * steps, resume=True)
     return dict(event, outer=outer, time=time.time())
 
 
@@ -306,11 +312,12 @@ def first_included(raw: dict, closes: list[Event], event: dict) -> float | None:
     return None
 
 
-def report(churn: dict, steady: dict | None) -> dict:
-    """The figures of both runs and the issue's targets."""
-    out = {"churn": churn, "steady": steady}
-    if steady and churn["loss"] and steady["loss"]:
-        out["loss_ratio"] = churn["loss"] / steady["loss"]
+def report(churn: dict, steady: dict | None, rounds: dict | None) -> dict:
+    """The figures of the runs and the issue's targets."""
+    out = {"churn": churn, "steady": steady, "steady_rounds": rounds}
+    for key, other in (("loss_ratio", steady), ("loss_ratio_rounds", rounds)):
+        if other and churn["loss"] and other["loss"]:
+            out[key] = churn["loss"] / other["loss"]
     print(
         f"churn run: {churn['rounds']} rounds, {churn['short_rounds']} closed on timeout, "
         f"median round {churn['median_round_s']} s, median wait {churn['median_wait_s']:.2f} s"
@@ -332,43 +339,42 @@ def report(churn: dict, steady: dict | None) -> dict:
         f"{ledger['stale']} stale, {ledger['skipped_replays']} replays skipped, twice "
         f"{ledger['twice']}, lost {ledger['lost']}"
     )
-    if steady:
-        print(
-            f"steady run: {steady['rounds']} rounds, node-steps {steady['node_steps']} "
-            f"(churn {churn['node_steps']}), loss {steady['loss']} vs churn {churn['loss']}"
-            f" ({out.get('loss_ratio', float('nan')):.4f}x)"
-        )
+    for name, other, key in (
+        ("node-steps", steady, "loss_ratio"),
+        ("rounds", rounds, "loss_ratio_rounds"),
+    ):
+        if other:
+            print(
+                f"steady run, same {name}: {other['rounds']} rounds, node-steps "
+                f"{other['node_steps']} (churn {churn['node_steps']}), loss {other['loss']} vs "
+                f"churn {churn['loss']} ({out.get(key, float('nan')):.4f}x)"
+            )
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.from_work:
-        work = args.from_work
-        raws = {
-            n: json.loads((work / n / "raw.json").read_text())
-            for n in ("churn", "steady")
-            if (work / n / "raw.json").exists()
-        }
-    else:
-        work = args.work or Path(tempfile.mkdtemp(prefix="diloco-churn-"))
-        print(f"logs under {work}")
-        raws = {
-            "churn": run(
-                args, work / "churn", parse_schedule(args.schedule), args.rounds * args.inner_steps
-            )
-        }
+    steps = args.rounds * args.inner_steps
+    work = args.from_work or args.work or Path(tempfile.mkdtemp(prefix="diloco-churn-"))
+    print(f"logs under {work}")
+    kept = ("churn", "steady", "steady_rounds")
+    raws = {
+        n: json.loads((work / n / "raw.json").read_text())
+        for n in kept
+        if (work / n / "raw.json").exists()
+    }
+    if "churn" not in raws:
+        raws["churn"] = run(args, work / "churn", parse_schedule(args.schedule), steps)
     churn = analyse(raws["churn"], args)
-    steady = None
+    runs: dict[str, dict | None] = {"steady": None, "steady_rounds": None}
     if not args.skip_steady:
-        if "steady" not in raws:
-            per_node = (
-                max(round(churn["node_steps"] / args.nodes / args.inner_steps), 1)
-                * args.inner_steps
-            )
-            raws["steady"] = run(args, work / "steady", [], per_node)
-        steady = analyse(raws["steady"], args)
-    result = report(churn, steady)
+        inner = args.inner_steps
+        same_steps = max(round(churn["node_steps"] / args.nodes / inner), 1) * inner
+        for name, per_node in (("steady", same_steps), ("steady_rounds", steps)):
+            if name not in raws:
+                raws[name] = run(args, work / name, [], per_node)
+            runs[name] = analyse(raws[name], args)
+    result = report(churn, runs["steady"], runs["steady_rounds"])
     result["args"] = {k: str(v) for k, v in vars(args).items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from hub_emulator_fixtures import TEST_TOKEN, fast_retry, hub_emulator  # noqa: F401
+from hub_emulator_fixtures import TEST_TOKEN, fast_retry, hub_emulator, make_transport  # noqa: F401
 from test_diloco_master import lines
 
 from speedtronic.config import ConfigError, DistributedConfig
@@ -585,3 +585,33 @@ def test_a_worker_that_finished_or_a_master_never_says_it_left(tmp_path):
     master.stop()
     assert master.store.read_owner("m")["state"] == "training"
     assert not (tmp_path / "m/repo/nodes/m/beat.json").exists()  # the master does not beat
+
+
+def test_on_the_hub_a_node_beats_once_a_round_and_only_when_waited_for(
+    tmp_path,
+    make_transport,  # noqa: F811 (the fixture)
+):
+    """A Hub beat is a commit: a node sends one only when another node's contribution to
+    the round it owes was listed at two looks in a row (a heartbeat_interval apart), once
+    per round; nodes that finish together send none."""
+    hub = make_transport("hub")
+    hub.create_repo()
+    c, _, _ = make(tmp_path, transport=hub, repo_id="org/run")
+    link, commits = c.link, hub.commits
+    link.beat_if_waited(0)
+    link.beat_if_waited(0)
+    assert hub.commits == commits  # nobody delivered: nobody waits for it
+    other = {"instance": "x-1", "run_id": "", "final": "false"}
+    hub.upload_delta(
+        {"w": torch.ones(2)}, node_id="x", round_index=0, local_step=1, base_outer_step=0,
+        metadata=other,
+    )  # fmt: skip
+    commits = hub.commits
+    link.beat_if_waited(0)  # first look that sees it: maybe the two finish together
+    assert hub.commits == commits
+    link.beat_if_waited(0)  # still waited for a whole interval later: one beat
+    link.beat_if_waited(0)
+    assert hub.commits == commits + 1
+    assert json.loads(hub.read_bytes("nodes/w1/beat.json"))["beat"] == 1
+    assert c.settings.rules.heartbeat_interval == 30.0  # the Hub's defaults
+    assert c.settings.rules.liveness_timeout == 120.0

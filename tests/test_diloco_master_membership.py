@@ -14,6 +14,7 @@ import shutil
 import time
 
 import pytest
+from hub_emulator_fixtures import hub_emulator, make_transport  # noqa: F401
 from test_diloco_master import Clock, bootstrap, deliver, join, lines, make_master, published
 
 from speedtronic.diloco.codec import read_metadata
@@ -263,7 +264,7 @@ def test_a_node_whose_beat_stops_is_dropped_after_the_liveness_timeout(tmp_path,
     assert [p["node_id"] for p in log.of("node_dropped")] == ["c"]
     assert log.of("outer_step")[-1]["included"] == ["a/0", "b/0"]
     warned = [m for lvl, m in lines(caplog) if lvl == "warning" and "node c" in m]
-    assert "no liveness beat" in warned[0] and "liveness_timeout 10" in warned[0], warned
+    assert "no liveness beat" in warned[0] and "liveness_timeout 10 s" in warned[0], warned
     assert master.membership()[0] == 2  # a and b
     assert sorted(master.membership()[1]) == ["a", "b", "c"]
 
@@ -313,3 +314,35 @@ def test_min_nodes_holds_a_round_says_so_and_stops_after_a_bound(tmp_path, caplo
     with pytest.raises(RoundsStalledError, match="min_nodes 2"):
         master.poll_once()
     assert not t.global_metadata().outer_step  # never closed short
+
+
+def test_on_the_hub_a_beating_node_is_dropped_only_when_a_round_waited_for_it(
+    tmp_path,
+    make_transport,  # noqa: F811 (the fixture)
+):
+    """The Hub (a beat is a commit, so a node beats only when the others wait for it): the
+    master drops a node that beats only when the open round waited liveness_timeout for it
+    with neither a beat nor a contribution; a beat since the round began to wait keeps it
+    (round_timeout bounds the round)."""
+    t = make_transport("hub")
+    t.create_repo()
+    clock = Clock()
+    master, t, log = make_master(
+        tmp_path, transport=t, clock=clock, round_timeout=600.0, liveness_timeout=30.0
+    )
+    for node in "abc":
+        t.claim_owner(node, {"instance": f"{node}-1", "state": "training", "beats": True})
+    master.poll_once()
+    clock.now += 100.0  # a long round: no beats, none needed while nobody waits
+    assert master.poll_once() is False and log.of("node_dropped") == []
+    deliver(t, "a", 0, [1.0, 1.0])
+    assert master.poll_once() is False  # the round waits for b and c from now on
+    clock.now += 20.0
+    beat(t, "b", 1)  # b is alive (it saw a's file at two looks)
+    assert master.poll_once() is False
+    clock.now += 11.0  # 31 s of waiting: c sent nothing
+    assert master.poll_once() is False  # b is still expected
+    assert [p["node_id"] for p in log.of("node_dropped")] == ["c"]
+    deliver(t, "b", 0, [3.0, 3.0])
+    assert master.poll_once() is True
+    assert log.of("outer_step")[-1]["included"] == ["a/0", "b/0"]

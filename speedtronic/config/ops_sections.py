@@ -255,12 +255,13 @@ class DistributedConfig:
     )
     max_staleness: Int = F(1, "rounds late a contribution may be and still count", ge=0, le=1000)
     drop_after: Int = F(3, "silent round lengths before a node is not waited for", ge=1, le=1000)
-    heartbeat_interval: Float = F(
-        3.0, "seconds between a node's liveness beats (shared directory)", ge=0.1, le=HOUR
+    heartbeat_interval: Float | None = F(
+        None, "seconds between liveness beats; null: 3 (file://), 30 (Hub)", ge=0.1, le=HOUR
     )
-    liveness_timeout: Float = F(
-        10.0, "a node with no beat for this long is not waited for; 0: off", ge=0, le=DAY
-    )
+    liveness_timeout: Float | None = F(
+        None, "no beat for this long: not waited for; null: 10 (file://), 120 (Hub); 0: off",
+        ge=0, le=DAY,
+    )  # fmt: skip
     train: Bool = F(True, "false on the master: a pure aggregator")
     relay_to: Exchange | None = F(None, "on a group leader: the top-level exchange")
     relay_leaders: Leaders = F([], "on the top-level master: the group leaders' node ids")
@@ -348,15 +349,22 @@ class DistributedConfig:
             raise ConfigError("distributed.repo_id is required for DumbDiLoCo")
         self._check_membership()
 
+    @property
+    def liveness(self) -> tuple[float, float]:
+        """``(heartbeat_interval, liveness_timeout)``, null as the transport's default."""
+        hub = not (self.repo_id or "file:").startswith("file:")
+        interval = self.heartbeat_interval or (30.0 if hub else 3.0)
+        timeout = self.liveness_timeout
+        return interval, (120.0 if hub else 10.0) if timeout is None else timeout
+
     def _check_membership(self) -> None:
-        """Settings whose order cannot work (docs/diloco.md, "Timeouts, from fastest to
-        slowest"): a live node must beat twice within the liveness timeout, and a round
-        must be able to reach ``min_nodes`` with the nodes the run expects."""
-        if 0 < self.liveness_timeout <= 2 * self.heartbeat_interval:
+        """Orders that cannot work (docs/diloco.md, "Timeouts, from fastest to slowest")."""
+        interval, timeout = self.liveness
+        if 0 < timeout <= 2 * interval:
             raise ConfigError(
-                f"distributed.liveness_timeout ({self.liveness_timeout:g} s) must exceed 2 x "
-                f"distributed.heartbeat_interval ({self.heartbeat_interval:g} s): a live node "
-                "would be taken for dead between two beats (0 turns liveness off)"
+                f"distributed.liveness_timeout ({timeout:g} s) must exceed 2 x "
+                f"distributed.heartbeat_interval ({interval:g} s): a live node would be taken "
+                "for dead between two beats (0 turns liveness off)"
             )
         if 0 < self.expected_nodes < self.min_nodes:
             raise ConfigError(

@@ -173,13 +173,21 @@ class DumbDiLoCoCoordinator:
         self._beats = self._beat_loop()
 
     def _beat_loop(self) -> Loop | None:
-        """A worker's liveness beat on a shared directory, every ``heartbeat_interval`` (on
-        the Hub a beat would be a commit: docs/diloco.md "Liveness")."""
-        cfg = self.config
-        if self.role == "master" or self.store.kind != "directory" or cfg.liveness_timeout <= 0:
+        """A worker's liveness beat every ``heartbeat_interval``: on a shared directory a
+        beat each time; on the Hub, where a beat is a commit, a listing each time and a beat
+        only when the others wait for this node (docs/diloco.md "Liveness")."""
+        rules = self.settings.rules
+        if self.role == "master" or rules.liveness_timeout <= 0:
             return None
-        beat = self.link.send_beat
-        return Loop("speedtronic-diloco-beat", beat, cfg.heartbeat_interval)
+        self.claim.beats = True  # the master holds it to its beat
+
+        def tick() -> None:
+            if self.store.kind == "directory":
+                self.link.send_beat()
+            elif self.node is not None:
+                self.link.beat_if_waited(self.node.rounds.next_round())
+
+        return Loop("speedtronic-diloco-beat", tick, rules.heartbeat_interval)
 
     def _retry_policy(self) -> RetryPolicy:
         retry = retry_policy_from_config(self.config)

@@ -154,7 +154,7 @@ class RoundRules:
     threaded_uploads: bool  # overlapped with async_delta_upload
     upload_shutdown_timeout: float
     reset_inner_optimizer: bool
-    heartbeat_interval: float  # a node's liveness beat (shared directory)
+    heartbeat_interval: float  # a node's liveness beat (Hub: a look whether it is waited for)
     liveness_timeout: float  # no beat for this long: not waited for (0: off)
 
     def steps_behind(self, outer_step: int) -> int:
@@ -211,7 +211,7 @@ class RoundSettings:
             c.inner_steps, c.sync, c.round_timeout, c.poll_interval, c.min_nodes,
             c.expected_nodes, c.max_staleness, c.drop_after, tuple(c.relay_leaders),
             c.sync == "overlapped" and c.async_delta_upload, c.delta_upload_shutdown_timeout,
-            c.reset_inner_optimizer, c.heartbeat_interval, c.liveness_timeout,
+            c.reset_inner_optimizer, *c.liveness,
         )  # fmt: skip
         wire = WireFormat(c.delta_dtype, c.delta_block_size, c.global_dtype, c.error_feedback)
         outer = OuterRule(

@@ -73,7 +73,8 @@ class NodeView:
 
     ``joining``: announced and not waited for until it delivers (a node new to a run in
     progress, or back after it left: its rounds are not in step with the others' yet);
-    ``last_beat``: when its liveness beat last changed (None: it does not beat)."""
+    ``beats``: it sends liveness beats (its record says so, or one was seen); ``last_beat``:
+    when its beat last changed (None: none seen)."""
 
     node_id: str
     instance: str | None = None
@@ -82,6 +83,7 @@ class NodeView:
     last_heard: float = 0.0  # monotonic: joined, or newest contribution seen
     dropped: bool = False
     joining: bool = False
+    beats: bool = False
     last_beat: float | None = None
     beat_version: str | None = None
     joined_at: float = 0.0  # monotonic: when this instance announced itself
@@ -99,8 +101,10 @@ class Roster:
     version of it (a poll costs one listing however many nodes there are), and its liveness
     beat (``nodes/<id>/beat.json``: only its listed version is read). A record is a claim,
     never proof: a node finished only by what the master aggregated (:meth:`finished`). A
-    node that left (``state: left``) is not waited for; one whose beat stops for
-    ``liveness`` seconds (0: off) is dropped. ``emit`` reports joins, leaves, drops and
+    node that left (``state: left``) is not waited for; a node that beats is dropped after
+    ``liveness`` seconds (0: off) without one: since its last beat when it beats
+    ``periodic``-ally (a shared directory), else (the Hub: a beat only when waited for)
+    since the open round began to wait for it. ``emit`` reports joins, leaves, drops and
     rejoins, each also one line of the log."""
 
     def __init__(
@@ -108,10 +112,11 @@ class Roster:
         read_owner: Callable[[str], Mapping[str, object] | None],
         emit: Emit,
         liveness: float = 0.0,
+        periodic: bool = True,
     ):
         self._read_owner = read_owner
         self._emit = emit
-        self.liveness = liveness
+        self.liveness, self.periodic = liveness, periodic
         self.nodes: dict[str, NodeView] = {}
         self.saw_training = False  # a node that trains announced itself (the run has begun)
         self._records: dict[str, tuple[str, Mapping[str, object]]] = {}  # node -> version, record
@@ -138,6 +143,7 @@ class Roster:
             beat = scan.files.get(beat_path(node_id))
             if beat is not None and beat.version != view.beat_version:
                 view.beat_version, view.last_beat = beat.version, now
+            view.beats = record.get("beats") is True or view.last_beat is not None
         return changed
 
     def _announced(
@@ -297,15 +303,18 @@ class Roster:
         still expects)."""
         return {n for n, v in self.nodes.items() if self._expected(v, state) and not v.dropped}
 
-    def active(self, now: float, limit: float, state: RoundState) -> set[str]:
-        """Nodes the open round waits for (expected, not joining). One silent for more than
-        ``limit`` seconds, or whose beat stopped for ``liveness`` seconds, is dropped
-        (reported once, recorded in ``state.dropped``) until it delivers again."""
+    def active(
+        self, now: float, limit: float, state: RoundState, since: float | None = None
+    ) -> set[str]:
+        """Nodes the open round waits for (expected, not joining); it has waited ``since``
+        its first on-time contribution (None: not yet). One silent for more than ``limit``
+        seconds, or without a beat for ``liveness``, is dropped (reported once, recorded in
+        ``state.dropped``) until it delivers again."""
         active = set()
         for view in self.nodes.values():
             if not self._expected(view, state):
                 continue
-            why = self._silence(view, now, limit)
+            why = self._silence(view, now, limit, since)
             if why and not view.dropped:
                 view.dropped = True
                 state.dropped[view.node_id] = view.instance or ""
@@ -319,19 +328,23 @@ class Roster:
                 active.add(view.node_id)
         return active
 
-    def _silence(self, view: NodeView, now: float, limit: float) -> str | None:
+    def _silence(self, view: NodeView, now: float, limit: float, since: float | None) -> str | None:
         """Why ``view`` counts as gone: no contribution for ``limit`` seconds, or no beat
-        for ``liveness`` seconds (a node that beats); None while it is not."""
+        for ``liveness`` seconds (see the class); None while it is not."""
         silent = now - view.last_heard
         if silent > limit:
             return f"silent for {silent:.0f} s"
-        quiet = None if view.last_beat is None else now - view.last_beat
-        if self.liveness > 0 and quiet is not None and quiet > self.liveness:
-            return (
-                f"sent no liveness beat for {quiet:.1f} s (distributed.liveness_timeout "
-                f"{self.liveness:g} s)"
-            )
-        return None
+        if self.liveness <= 0 or not view.beats:
+            return None
+        if self.periodic:
+            quiet = now - (view.joined_at if view.last_beat is None else view.last_beat)
+        elif since is None or max(view.last_heard, view.last_beat or 0.0) >= since:
+            return None  # not waited for yet, or alive since: round_timeout bounds the round
+        else:
+            quiet = now - since
+        if quiet <= self.liveness:
+            return None
+        return f"sent no liveness beat for {quiet:.1f} s (liveness_timeout {self.liveness:g} s)"
 
     def last_seen(self, now: float) -> dict[str, float]:
         """Seconds since each training node (not done, not left) was last seen."""

@@ -103,6 +103,9 @@ class NodeLink:
         self.held: HeldGlobal | None = None  # the last global fetched (global_dtype int8/int4)
         self._update_bytes = 0  # size of the last update file read
         self._beats, self._beat_failing = 0, False  # liveness beats sent; the last one failed
+        # the Hub's beat: the round seen waited for at the last look, the round beaten
+        self._waited: int | None = None
+        self._beaten: int | None = None
 
     # -- errors no retry fixes ---------------------------------------------------------------
     def raise_if_permanent(self, exc: BaseException, what: str) -> None:
@@ -257,6 +260,22 @@ class NodeLink:
             self._beat_failing = True
         else:
             self._beat_failing = False
+
+    def beat_if_waited(self, round: int) -> None:
+        """The Hub's beat (a commit): once per round, when another node's contribution to
+        ``round`` (the one this node owes) was listed at two looks in a row, a
+        ``heartbeat_interval`` apart, while this node's was not: the others wait for it.
+        Nodes that finish a round together send none."""
+        try:
+            deltas = self.store.scan().deltas
+        except Exception:  # an outage: the master credits everyone the time it cannot read
+            return
+        others = any(round in files for node, files in deltas.items() if node != self.node_id)
+        waited = others and round not in deltas.get(self.node_id, {})
+        seen, self._waited = self._waited, round if waited else None
+        if waited and seen == round and self._beaten != round:
+            self._beaten = round
+            self.send_beat()
 
     def leave(self, *, resume: bool) -> None:
         """Record that this node left the run (``state: left`` in its status record): the
@@ -603,6 +622,7 @@ class NodeClaim:
         self.claimed = False
         self.reported: set[str] = set()
         self.started = round(_process_started(), 3)
+        self.beats = False  # it sends liveness beats (the master then expects them)
 
     @staticmethod
     def _instance_token(path: Path) -> str:
@@ -624,8 +644,9 @@ class NodeClaim:
             "host": self.host,
             "pid": os.getpid(),
             "started": self.started,  # the process's start (wall clock): the master reports
-            **status,  # the time to its first aggregated contribution; no other timestamp:
-        }  # an unchanged record keeps its blob id (the master skips it)
+            "beats": self.beats,  # the time to its first aggregated contribution; no other
+            **status,  # timestamp: an unchanged record keeps its blob id (the master skips it)
+        }
 
     def check(self, owner: Record | None) -> str | None:
         """The instance token of a live colliding node (reported once), else None."""

@@ -354,8 +354,8 @@ class RoundMaster:
         self.outer_files = OuterStateStore(state_dir)
         self.fatal: Exception | None = None  # an error no retry fixes; the thread stopped
         self._emit = emit
-        liveness = settings.rules.liveness_timeout
-        self.roster = Roster(lambda node_id: self.store.read_owner(node_id), emit, liveness)
+        liveness, periodic = settings.rules.liveness_timeout, store.kind == "directory"
+        self.roster = Roster(lambda n: self.store.read_owner(n), emit, liveness, periodic)
         self.on_global, self.evaluate, self.on_final = on_global, evaluate, on_final
         self.outer: OuterStep = outer or LocalStep(settings, self.outer_files)
         self._clock = clock
@@ -501,7 +501,8 @@ class RoundMaster:
             watch.last_progress = now
         watch.seen = seen
         dropped = dict(self.state.dropped)
-        active = watch.active = self.roster.active(now, self.silence_limit, self.state)
+        limit, since = self.silence_limit, watch.first_arrival
+        active = watch.active = self.roster.active(now, limit, self.state, since)
         if self.state.dropped != dropped:  # a drop holds across a restart
             self._persist()
         reason = self._close_reason(now, active, candidates)
