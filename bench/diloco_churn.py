@@ -8,11 +8,12 @@ directory (``file://``). On a schedule of published outer steps the bench
     join:NODE@R      starts a new node NODE (a scale-up)
     restart:NODE@R   starts NODE again with ``--resume`` (its checkpoint, the same node id)
 
-A node started by the schedule trains until the first K nodes that were never churned are
-done, then gets a SIGTERM (it leaves, so the run ends with the others). Then the same K nodes
-run without churn twice: with as many node-steps in all as the churn run's aggregated
-contributions held (the issue's comparison), and with the churn run's steps per node (as
-many rounds). Reported, per event: the seconds every other node lost (its
+A node started by the schedule trains until the first of the workers that were never
+churned is done, then gets a SIGTERM (it leaves, so the run ends with the others). Then the
+same K nodes run without churn twice: with as many node-steps in all as the churn run's aggregated
+contributions held (the issue's comparison), and for as many rounds as the churn run closed
+(more node-steps: at this length the loss follows the rounds more than the node-steps).
+Reported, per event: the seconds every other node lost (its
 waits for the globals of the two rounds after the event, beyond the run's median wait, as
 its ``sync_wait`` events measure them), the rounds among them that closed on
 ``round_timeout`` (short), and for a join or a restart the seconds from the process start to
@@ -182,7 +183,7 @@ def run(args: argparse.Namespace, folder: Path, schedule: list[dict], steps: int
         globals_at.setdefault(outer, time.time())
         while pending and pending[0]["at"] <= outer:
             done.append(apply(cluster, pending.pop(0), outer, args, steps))
-        if not pending and not steady & set(cluster.running()) - {"master"}:
+        if not pending and steady - {"master"} - set(cluster.running()):
             for node in set(cluster.running()) - steady:  # joined or restarted: they leave
                 cluster.procs[node].send_signal(signal.SIGTERM)
         time.sleep(0.05)
@@ -370,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_steady:
         inner = args.inner_steps
         same_steps = max(round(churn["node_steps"] / args.nodes / inner), 1) * inner
-        for name, per_node in (("steady", same_steps), ("steady_rounds", steps)):
+        same_rounds = churn["rounds"] * inner
+        for name, per_node in (("steady", same_steps), ("steady_rounds", same_rounds)):
             if name not in raws:
                 raws[name] = run(args, work / name, [], per_node)
             runs[name] = analyse(raws[name], args)

@@ -8,7 +8,10 @@ The pods' own startup, liveness and readiness probes must answer 200.
 
 from __future__ import annotations
 
+import json
 import secrets as secrets_module
+import signal
+import statistics
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,7 @@ from test_rehearsal_support import (
     http_get,
     rehearse,
     rewrite_paths,
+    wait_until,
 )
 
 pytestmark = [
@@ -55,20 +59,20 @@ def pod_process(
         elif "configMap" in volume:
             configmap = find(objects, "ConfigMap", volume["configMap"]["name"])
             local = tmp / pod_name / "configmap"
-            local.mkdir(parents=True)
+            local.mkdir(parents=True, exist_ok=True)  # a pod started again: the same files
             for key, text in configmap["data"].items():
                 (local / key).write_text(text)
         elif "secret" in volume:
             data = (secrets or {}).get(volume["secret"]["secretName"])
             assert data is not None or volume["secret"].get("optional"), "missing Secret"
             local = tmp / pod_name / "secret"  # empty when the optional Secret does not exist
-            local.mkdir(parents=True)
+            local.mkdir(parents=True, exist_ok=True)
             for key, text in (data or {}).items():
                 (local / key).write_text(text)
         else:
             assert "emptyDir" in volume, volume
             local = tmp / pod_name / mount["name"]
-            local.mkdir(parents=True)
+            local.mkdir(parents=True, exist_ok=True)
         mounts[mount["mountPath"]] = str(local)
     port = free_port()
     env = base_env(tmp)
@@ -148,3 +152,84 @@ def test_k8s_hub_overlay_reads_the_token_from_the_mounted_secret(tmp_path):
         assert any(path.startswith("nodes/speedtronic-worker-0/") for path in hub.files(repo))
     for proc in processes:
         assert token not in proc.output(), f"{proc.name} logged the token"
+
+
+def _events(proc: Rehearsal, name: str) -> list[dict]:
+    """The ``name`` events in a rehearsed pod's JSON log lines, each with its ``ts``."""
+    found = []
+    for line in proc.output().splitlines():
+        if line.startswith("{") and f'"event": "{name}"' in line:
+            row = json.loads(line)
+            found.append({**row["fields"], "ts": row["ts"]})
+    return found
+
+
+def test_k8s_worker_statefulset_scaled_3_1_3_mid_run_costs_no_round(tmp_path):
+    """Issue 40: `kubectl scale statefulset/speedtronic-worker --replicas=1` mid-run deletes
+    pods -1 and -2 at once (podManagementPolicy Parallel: SIGTERM to both); `--replicas=3`
+    starts them again under the same names over the same PVC (they resume). No round waits
+    for a pod that left, and none for one that came back (the manifests' round_timeout of
+    30 s: a round that waited would show). The figures are printed before the assertions."""
+    objects = render_kustomize("k8s")
+    master = find(objects, "Deployment", "speedtronic-master")
+    workers = find(objects, "StatefulSet", "speedtronic-worker")
+    names = [f"speedtronic-worker-{i}" for i in range(3)]
+    boss = pod_process(objects, master, "speedtronic-master-0", tmp_path)
+    pods = {name: pod_process(objects, workers, name, tmp_path) for name in names}
+    every = [boss, *pods.values()]
+
+    def rounds_with(nodes: set[str], after: int) -> bool:
+        closes = [e for e in _events(boss, "outer_step") if e["outer_step"] > after]
+        return any(nodes <= {i.split("/")[0] for i in e["included"]} for e in closes)
+
+    def last() -> int:
+        return max([e["outer_step"] for e in _events(boss, "outer_step")] or [0])
+
+    try:
+        for proc in every:
+            proc.start(tmp_path)
+        wait_until(lambda: rounds_with(set(names), 0), 300, "rounds with three workers", every)
+        down = last()
+        for name in names[1:]:  # scaled to 1: both go at once
+            pods[name].process.send_signal(signal.SIGTERM)
+        for name in names[1:]:
+            assert pods[name].terminate(timeout=180) == 0, pods[name].output()[-4000:]
+        wait_until(
+            lambda: last() >= down + 4, 300, "four rounds of one worker", [boss, pods[names[0]]]
+        )
+        up = last()
+        (tmp_path / "again").mkdir()
+        for name in names[1:]:  # scaled to 3 again: the same pods, resumed from the PVC
+            pods[name] = pod_process(objects, workers, name, tmp_path).start(tmp_path / "again")
+        every = [boss, *pods.values()]
+        wait_until(
+            lambda: rounds_with(set(names), up), 300, "rounds with three workers again", every
+        )
+        back = last()
+        wait_until(lambda: last() >= back + 2, 120, "two more rounds", every)
+        closes = _events(boss, "outer_step")
+        after_down = [e for e in closes if down < e["outer_step"] <= up]
+        after_up = [e for e in closes if up < e["outer_step"]]
+        figures = {
+            "round_seconds_before_median": statistics.median(
+                e["round_seconds"] for e in closes if e["outer_step"] <= down
+            ),
+            "round_seconds_after_scale_down": [round(e["round_seconds"], 2) for e in after_down],
+            "round_seconds_after_scale_up": [round(e["round_seconds"], 2) for e in after_up],
+            "reasons": [e["reason"] for e in after_down + after_up],
+            "left": [e["node_id"] for e in _events(boss, "node_left")],
+            "first_included": {
+                e["node_id"]: e["since_start_s"]
+                for e in _events(boss, "node_first_included")
+                if e["outer_step"] > up
+            },
+        }
+        print(json.dumps(figures))
+        assert sorted(figures["left"]) == names[1:], figures
+        assert "timeout" not in figures["reasons"], figures
+        assert max(e["round_seconds"] for e in after_down + after_up) < 30, figures
+        for proc in every:
+            assert proc.terminate(timeout=180) == 0, proc.output()[-4000:]
+    finally:
+        for proc in every:
+            proc.kill()

@@ -83,6 +83,7 @@ class NodeView:
     last_heard: float = 0.0  # monotonic: joined, or newest contribution seen
     dropped: bool = False
     joining: bool = False
+    first_due: bool = False  # its next aggregated contribution is reported as its first
     beats: bool = False
     last_beat: float | None = None
     beat_version: str | None = None
@@ -161,8 +162,7 @@ class Roster:
             state.dropped.pop(node_id, None)
         status = str(record.get("state", "training"))
         view = NodeView(node_id, instance, status, last_heard=now, dropped=dropped)
-        view.joined_at, started = now, record.get("started")
-        view.started = float(started) if isinstance(started, (int, float)) else None
+        view.joined_at, view.started = now, _number(record.get("started"))
         self.nodes[node_id] = view
         if dropped:
             _LOG.info(
@@ -170,7 +170,8 @@ class Roster:
                 "it rejoins when it delivers"
             )
         elif status == "training":
-            view.joining = state.outer_step > 0 and state.instances.get(node_id) != instance
+            view.first_due = state.instances.get(node_id) != instance
+            view.joining = state.outer_step > 0 and view.first_due
             self._joined(view, state, "joined")
         return view
 
@@ -202,6 +203,7 @@ class Roster:
         elif status == "training" and view.state in ("left", "done"):
             view.last_heard, view.joining = now, view.state == "left"
             if view.joining:  # out of step with the others until it delivers
+                view.first_due, view.started = True, _number(record.get("started"))
                 self._joined(view, state, "is back")
 
     def _record(self, node_id: str, scan: RepoScan) -> Mapping[str, object]:
@@ -747,6 +749,11 @@ class OuterStateStore:
         if record.get("run_id") != run_id or not isinstance(step, int) or step > outer_step:
             return None
         return cast(dict[str, object], record["report"])
+
+
+def _number(value: object) -> float | None:
+    """A record's number (None: absent or not one)."""
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 def _json_map(text: str, kind: Callable[[Any], V]) -> dict[str, V]:

@@ -683,7 +683,7 @@ class RoundMaster:
             return False
         fold.total = {}  # the mean is spent: let it go before the publish
         report = self._report(new, fold, reason, active, stepped.eta)
-        firsts = [n for n in fold.marks if self.state.instances.get(n) != fold.instances.get(n)]
+        firsts = [n for n, v in self.roster.nodes.items() if v.first_due and n in fold.marks]
         self._publish_round(new, fold, stepped.update, final, report)
         self._report_round(new, fold, report, started)
         self._first_included(firsts)
@@ -691,12 +691,11 @@ class RoundMaster:
         return True
 
     def _first_included(self, nodes: Sequence[str]) -> None:
-        """The first contribution of each of ``nodes`` (as its current instance) is in the
-        published global: how long that took from its process start and its announcement."""
+        """The first contribution of each of ``nodes`` since it joined (or came back) is in
+        the published global: how long that took from its process start and announcement."""
         for node_id in nodes:
-            view = self.roster.nodes.get(node_id)
-            if view is None:
-                continue
+            view = self.roster.nodes[node_id]
+            view.first_due = False
             since_start = None if view.started is None else round(time.time() - view.started, 2)
             since_join = round(self._clock() - view.joined_at, 2)
             _LOG.info(

@@ -8,9 +8,11 @@ under each node's output directory.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
+import statistics
 import time
 from urllib.parse import urlparse
 
@@ -23,6 +25,7 @@ from container_support import (
     jsonl_events,
     read_volume,
     relay,
+    report,
     write_build_override,
 )
 
@@ -227,3 +230,72 @@ def _files(hub, repo: str) -> list[str]:
         return list(hub.files(repo))
     except KeyError:  # the master has not created the repository yet
         return []
+
+
+# -- issue 40: a scale-down costs no round ------------------------------------------------
+SCALE_ENV = {  # short rounds, a long round_timeout: a round that waits for a gone worker shows
+    "SPEEDTRONIC_RUN__MAX_STEPS": "5000",
+    "SPEEDTRONIC_DISTRIBUTED__INNER_STEPS": "10",
+    "SPEEDTRONIC_DISTRIBUTED__ROUND_TIMEOUT": "60",
+    "SPEEDTRONIC_DISTRIBUTED__DROP_AFTER": "2",
+    "SPEEDTRONIC_CHECKPOINT__EVERY_STEPS": "50",
+    "SPEEDTRONIC_EVAL__EVERY_STEPS": "0",
+}
+
+
+def published_step(image: str, compose: Compose) -> int:
+    """The outer step of the global on the project's volume (-1: none yet)."""
+    code = (
+        "import json, pathlib\n"
+        "p = pathlib.Path('/data/exchange/global/step_count.json')\n"
+        "print(json.loads(p.read_text())['outer_step'] if p.exists() else -1)\n"
+    )
+    return int(read_volume(image, compose.volume, code))
+
+
+def test_compose_scale_down_mid_run_costs_no_round(image, project, tmp_path):
+    """`--scale worker=3`, then `--scale worker=1` mid-run (compose stops two workers with
+    SIGTERM): they say they left and the next rounds close without waiting for them
+    (round_timeout 60 s: a round that waited would last that long). The figures go into the
+    tier's report (CONTAINER_TEST_REPORT) before the assertions."""
+    override = write_build_override(tmp_path / "scale.json", ["master", "worker"])
+    services = json.loads(override.read_text())["services"]
+    services["master"]["environment"] = {
+        **SCALE_ENV,
+        "SPEEDTRONIC_DISTRIBUTED__EXPECTED_NODES": "4",
+    }
+    services["worker"]["environment"] = SCALE_ENV
+    override.write_text(json.dumps({"services": services}))
+    compose = project()
+    compose.override = override
+    up = ["up", "--detach", "master", "worker"]
+    compose(*up, "--scale", "worker=3", "--build", timeout=1800)
+    slots = {"worker-1", "worker-2", "worker-3"}
+    wait_running(
+        compose, lambda: slots <= included_nodes(image, compose), "three workers in rounds"
+    )
+    before = published_step(image, compose)
+    started = time.monotonic()
+    compose(*up, "--scale", "worker=1", "--no-recreate", timeout=600)  # SIGTERM to two
+    stopped = time.monotonic() - started
+    wait_running(compose, lambda: published_step(image, compose) >= before + 4, "four rounds after")
+    rounds = jsonl_events(image, compose.volume, "/data/runs/master/events.jsonl", "outer_step")
+    left = jsonl_events(image, compose.volume, "/data/runs/master/events.jsonl", "node_left")
+    compose("stop", "--timeout", "120", timeout=600)
+    earlier = [r["round_seconds"] for r in rounds if r["outer_step"] <= before]
+    after = [r for r in rounds if before < r["outer_step"] <= before + 4]
+    figures = {
+        "round_seconds_before_median": statistics.median(earlier),
+        "round_seconds_after": [round(r["round_seconds"], 2) for r in after],
+        "reasons_after": [r["reason"] for r in after],
+        "scale_down_command_s": round(stopped, 1),
+        "left": sorted(e["node_id"] for e in left),
+    }
+    report("scale_down", figures)
+    print(json.dumps(figures))
+    (kept,) = compose.containers("worker")
+    assert len(figures["left"]) == 2 and slot_of(compose, kept) not in figures["left"], figures
+    assert "timeout" not in figures["reasons_after"], figures
+    assert max(figures["round_seconds_after"]) < 30, figures  # round_timeout is 60
+    for container in compose.containers("worker"):
+        assert container["State"]["ExitCode"] == 0, compose.logs("worker")[-6000:]
