@@ -259,9 +259,8 @@ class DistributedConfig:
         None, "seconds between liveness beats; null: 3 (file://), 30 (Hub)", ge=0.1, le=HOUR
     )
     liveness_timeout: Float | None = F(
-        None, "no beat for this long: not waited for; null: 10 (file://), 120 (Hub); 0: off",
-        ge=0, le=DAY,
-    )  # fmt: skip
+        None, "no beat this long: dropped; null: 10 (file://), 120 (Hub); 0: off", ge=0, le=DAY
+    )
     train: Bool = F(True, "false on the master: a pure aggregator")
     relay_to: Exchange | None = F(None, "on a group leader: the top-level exchange")
     relay_leaders: Leaders = F([], "on the top-level master: the group leaders' node ids")
@@ -352,9 +351,8 @@ class DistributedConfig:
     @property
     def liveness(self) -> tuple[float, float]:
         """``(heartbeat_interval, liveness_timeout)``, null as the transport's default."""
-        hub = not (self.repo_id or "file:").startswith("file:")
+        hub, timeout = not (self.repo_id or "file:").startswith("file:"), self.liveness_timeout
         interval = self.heartbeat_interval or (30.0 if hub else 3.0)
-        timeout = self.liveness_timeout
         return interval, (120.0 if hub else 10.0) if timeout is None else timeout
 
     def _check_membership(self) -> None:

@@ -176,14 +176,11 @@ class SpeedtronicConfig:
             raise ConfigError("data.block_size must be positive")
         if self.distributed.enabled and not self.distributed.repo_id:
             raise ConfigError("distributed.repo_id is required")
-        if (
-            self.distributed.enabled
-            and self.metrics.stall_seconds <= self.distributed.request_timeout
-        ):
+        stall, call = self.metrics.stall_seconds, self.distributed.request_timeout
+        if self.distributed.enabled and stall <= call:
             raise ConfigError(
-                f"metrics.stall_seconds ({self.metrics.stall_seconds:g} s) must exceed "
-                f"distributed.request_timeout ({self.distributed.request_timeout:g} s): a node "
-                "waiting on one exchange call would be ended as stalled"
+                f"metrics.stall_seconds ({stall:g} s) must exceed distributed.request_timeout "
+                f"({call:g} s): a node waiting on one exchange call would be ended as stalled"
             )
         self._check_paths()
         self._check_tokenizer()

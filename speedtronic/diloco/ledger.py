@@ -57,6 +57,7 @@ __all__ = [
 
 _LOG = logging.getLogger("speedtronic.diloco")
 V = TypeVar("V")
+Record = Mapping[str, object]  # a node's status record (nodes/<id>/owner.json), as JSON
 
 #: Every contribution names these in its header (the node writes them).
 IDENTITY_HEADERS = ("node_id", "round", "run_id", "instance", "base_outer_step")
@@ -110,10 +111,10 @@ class Roster:
 
     def __init__(
         self,
-        read_owner: Callable[[str], Mapping[str, object] | None],
+        read_owner: Callable[[str], Record | None],
         emit: Emit,
-        liveness: float = 0.0,
-        periodic: bool = True,
+        liveness: float,
+        periodic: bool,
     ):
         self._read_owner = read_owner
         self._emit = emit
@@ -133,10 +134,10 @@ class Roster:
             changed |= before is None or before[1] != record
             instance = str(record.get("instance") or "") or None
             if view is None or (instance and instance != view.instance):
-                view = self._announced(node_id, instance, record, now, state)
+                view = self._announced(node_id, record, now, state)
             status = str(record.get("state", view.state))
             if view.state != status:
-                self._moved(view, status, record, now, state)
+                self._moved(view, record, now, state)
             view.state = status
             final = record.get("final_round")
             view.final_round = final if isinstance(final, int) else None
@@ -147,16 +148,10 @@ class Roster:
             view.beats = record.get("beats") is True or view.last_beat is not None
         return changed
 
-    def _announced(
-        self,
-        node_id: str,
-        instance: str | None,
-        record: Mapping[str, object],
-        now: float,
-        state: RoundState,
-    ) -> NodeView:
+    def _announced(self, node_id: str, record: Record, now: float, state: RoundState) -> NodeView:
         """A new node or instance: its view. In a run in progress an instance none of whose
         contributions was aggregated yet is waited for only once it delivers."""
+        instance = str(record.get("instance") or "") or None
         dropped = bool(instance) and state.dropped.get(node_id) == instance
         if instance and not dropped:  # a new instance of a dropped node: waited for
             state.dropped.pop(node_id, None)
@@ -181,15 +176,9 @@ class Roster:
         _LOG.info(f"node {view.node_id} {how} at outer step {state.outer_step} ({wait})")
         self._emit("node_joined", node_id=view.node_id, outer_step=state.outer_step)
 
-    def _moved(
-        self,
-        view: NodeView,
-        status: str,
-        record: Mapping[str, object],
-        now: float,
-        state: RoundState,
-    ) -> None:
+    def _moved(self, view: NodeView, record: Record, now: float, state: RoundState) -> None:
         """The record's state changed: a node left, or came back after it left or finished."""
+        status = record.get("state")
         if status == "left":
             resume = record.get("resume") is True
             again = "it may come back with --resume" if resume else "it will not come back"

@@ -610,8 +610,9 @@ class NodeClaim:
     startup and with every upload, with the round status the master reads. Another live
     instance's token there is a collision (:class:`NodeIdCollisionError`, exit 2). A dead
     holder's claim is taken over: on this host when its pid is gone; from another host when
-    its files did not change for ``drop_after`` x ``round_timeout`` (as long as the master
-    waits for a silent node; :meth:`NodeLink.claim_id`), and a holder that writes after
+    its files did not change for ``liveness_timeout`` (it beats) or ``drop_after`` x
+    ``round_timeout`` (as long as the master waits for a silent node;
+    :meth:`NodeLink.claim_id`), and a holder that writes after
     that stops this node before its first upload. The instance token survives restarts in
     ``<state_dir>/identity.json``."""
 
@@ -677,16 +678,12 @@ class NodeClaim:
 
 
 def _process_started() -> float:
-    """When this process started (Unix time; Linux's /proc, else now)."""
+    """When this process started (Unix time; from Linux's /proc, else now)."""
     try:
         ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(
-            float(line.split()[1])
-            for line in Path("/proc/stat").read_text().splitlines()
-            if line.startswith("btime ")
-        )
+        boot = float(Path("/proc/stat").read_text().split("\nbtime ", 1)[1].split()[0])
         return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+    except (OSError, ValueError, IndexError):
         return time.time()
 
 
