@@ -243,6 +243,14 @@ class DistributedConfig:
     inner_steps: Int = F(500, "local steps per round", **STEPS)
     poll_interval: Float = F(60.0, "seconds between polls of the exchange", ge=0.001, le=DAY)
     sync: Sync = F("blocking", "blocking: wait for the round's global; overlapped: keep training")
+    overlap_steps: Int | None = F(
+        None,
+        "overlapped: steps from a contribution to the merge of its round's global; null: a round",
+        **STEPS,
+    )
+    fragments: Int = F(
+        1, "streamed: the model in N parts, one synced per round of inner_steps / N", ge=1, le=64
+    )
     round_timeout: Float = F(
         120.0, "seconds a round waits after its first on-time delta", gt=0, le=WEEK
     )
@@ -333,6 +341,7 @@ class DistributedConfig:
                 "distributed.relay_to must name the top-level exchange, not the group's "
                 "own distributed.repo_id"
             )
+        self._check_rounds()
         if self.retry_max < self.retry_initial:
             raise ConfigError(
                 "distributed retry bounds are invalid (distributed.retry_max must be >= "
@@ -340,6 +349,32 @@ class DistributedConfig:
             )
         if self.enabled and not self.repo_id:
             raise ConfigError("distributed.repo_id is required for DumbDiLoCo")
+
+    def _check_rounds(self) -> None:
+        """A round is ``inner_steps / fragments`` steps (every fragment is synced every
+        ``inner_steps``), and an overlapped node merges its round's global within it."""
+        if self.inner_steps % self.fragments:
+            raise ConfigError(
+                f"distributed.fragments: {self.fragments} must divide distributed.inner_steps "
+                f"({self.inner_steps}): a round syncs one fragment every inner_steps / fragments "
+                "steps"
+            )
+        steps = self.inner_steps // self.fragments
+        if self.overlap_steps is not None and self.overlap_steps > steps:
+            raise ConfigError(
+                f"distributed.overlap_steps: {self.overlap_steps} is longer than a round "
+                f"({steps} steps = inner_steps / fragments); at most {steps}"
+            )
+        if self.fragments > 1 and self.sync_inner_momentum != "off":
+            raise ConfigError(
+                "distributed.fragments > 1 syncs a part of the model per round; "
+                "distributed.sync_inner_momentum needs whole rounds: set it off"
+            )
+        if self.fragments > 1 and (self.relay_to is not None or self.relay_leaders):
+            raise ConfigError(
+                "distributed.fragments > 1 is not supported with relays (distributed.relay_to, "
+                "distributed.relay_leaders): a group leader forwards whole rounds"
+            )
 
     @property
     def node_role(self) -> RoleName:

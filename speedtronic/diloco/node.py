@@ -4,31 +4,40 @@ A node keeps an *anchor*: the float32 weights its next contribution is measured 
 installed global, or its own weights at its last upload). After every applied optimizer step
 (``Optimizer.register_step_post_hook``, as torchft's ``local_sgd.py`` does)::
 
-    count the step; merge a waiting newer global if the node already contributed for its base
-    every ``inner_steps`` steps (a boundary):
-        overlapped: wait (<= round_timeout) for the global of the previous contribution
-        contribution = anchor - weights + carry + residual  (float32, the pseudo-gradient,
-                       in the old anchor's buffers)
+    count the step
+    overlapped: at the step scheduled for it (overlap_steps after the upload), wait
+        (<= round_timeout) for the global of the last contribution and merge it; not before
+    otherwise: merge a waiting newer global if the node already contributed for its base
+    every round_steps = inner_steps / fragments steps (a boundary):
         round        = max(installed outer step, last uploaded round + 1)
+        tensors      = fragment round % fragments (fragments > 1), else every one
+        contribution = anchor - weights + carry + residual  of those tensors (float32, the
+                       pseudo-gradient, in the old anchor's buffers)
         sent         = the contribution as the wire carries it (delta_dtype: fp32 exact;
                        bf16/fp16 cast; int8/int4 blockwise codes + scales), encoded tensor
                        by tensor as the upload's file is written
-        anchor := weights; upload (background thread when overlapped and async)
+        anchor := weights (those tensors); upload (background thread when overlapped)
         upload arrived: residual = contribution - decode(sent), in the contribution's
                        buffers (error feedback; fp32: none)
         blocking: wait (<= round_timeout) for the global that includes the contribution
+        overlapped: schedule its merge overlap_steps (<= round_steps) from now
     merge global G:  weights := G + (weights - anchor);  anchor := G  (in place)
 
-The merge counts every step of progress made since the upload exactly once. A newer global
-that arrives before the node contributed for its current base is held until the boundary:
-that contribution is late, and the master folds it into the open round when it is at most
-``max_staleness`` rounds old. A failed upload is carried whole (residual included) into the
-next contribution, so nothing is counted twice; the final one is sent again, up to
-``FINAL_UPLOAD_ATTEMPTS`` times, with a ``done`` status, and :meth:`DiLoCoNode.finish` installs
-the global that includes it. Network failures are state (logged, counted, carried), never a
-crash of the training loop. Below the round: its state (:class:`Rounds`, :class:`Progress`,
-:class:`RunEnd`) and what passes between the training thread and the exchange; the node's
-link to the exchange and its identity are :mod:`.link`'s.
+The merge counts every step of progress made since the upload exactly once; an overlapped
+node trains on from its own weights meanwhile (its own progress stands in for the round's
+mean until the global lands, then the global replaces it). Merging at a fixed step, never
+at arrival, makes every node and the ideal arithmetic
+(:func:`speedtronic.testing.diloco_ideal.simulate`) merge at the same step, whatever the
+link. A newer global that arrives before the node contributed for its current base is held
+until the boundary: that contribution is late, and the master folds it into the open round
+when it is at most ``max_staleness`` rounds old. A failed upload is carried whole (residual
+included) into the next contribution of its tensors, so nothing is counted twice; the final
+one (every tensor) is sent again, up to ``FINAL_UPLOAD_ATTEMPTS`` times, with a ``done``
+status, and :meth:`DiLoCoNode.finish` installs the global that includes it. Network failures
+are state (logged, counted, carried), never a crash of the training loop. Below the round:
+its state (:class:`Rounds`, :class:`Progress`, :class:`RunEnd`) and what passes between the
+training thread and the exchange; the node's link to the exchange and its identity are
+:mod:`.link`'s.
 """
 
 from __future__ import annotations
@@ -54,11 +63,13 @@ __all__ = [
     "DiLoCoNode",
     "GlobalCandidate",
     "GlobalInbox",
+    "MergeDue",
     "SentMoments",
     "Uploader",
     "first_moments",
     "float_state",
     "install_first_moments",
+    "merge_state",
 ]
 
 _LOG = logging.getLogger("speedtronic.diloco")
@@ -101,6 +112,8 @@ class DiLoCoNode:
         self.step = 0  # optimizer steps applied (absolute)
         self.inner = 0  # steps since the last contribution
         self.rounds = Rounds()  # the global installed, the rounds used up
+        parts = settings.rules.fragments  # streamed: the tensors a round syncs, round by round
+        self.fragments = codec.fragments_of(model.state_dict(), parts) if parts > 1 else None
         self.progress = Progress(float_state(model))  # what the next contribution is made of
         self.end = RunEnd()  # how far the end of the run got
         self.fatal: Exception | None = None  # a permanent upload failure
@@ -138,9 +151,12 @@ class DiLoCoNode:
     # -- the per-step hook ------------------------------------------------------------------
     def wants_weights(self) -> bool:
         """Whether the next :meth:`after_optimizer_step` reads or writes the weights (a
-        boundary is due, or a waiting global may be merged): a sharded rank refreshes its
-        copy only then."""
-        due = self.inner + 1 >= self.settings.rules.inner_steps
+        boundary is due, a scheduled merge falls due, or a waiting global may be merged): a
+        sharded rank refreshes its copy only then."""
+        due = self.inner + 1 >= self.settings.rules.round_steps
+        scheduled = self.rounds.merge_due
+        if scheduled is not None:
+            return due or self.step + 1 >= scheduled.step
         return due or (self.may_merge() and self.inbox.waiting_step() >= 0)
 
     def after_optimizer_step(self, *, weights_current: bool = True) -> bool:
@@ -151,10 +167,32 @@ class DiLoCoNode:
         self.inner += 1
         self.beat()
         self.inbox.poll_due()
-        merged = self.merge_waiting() if weights_current and self.may_merge() else False
-        if self.inner >= self.settings.rules.inner_steps:
+        merged = self._merge_now() if weights_current else False
+        if self.inner >= self.settings.rules.round_steps:
             merged = self._boundary(final=False) or merged
         return merged
+
+    def _merge_now(self) -> bool:
+        """Merge what is due at this step: the global of the last contribution at its
+        scheduled step (``sync: overlapped``: ``overlap_steps`` after the upload; held until
+        then, awaited then), else a waiting newer global once the node contributed for its
+        base. True when a global was merged."""
+        scheduled = self.rounds.merge_due
+        if scheduled is None:
+            return self.merge_waiting() if self.may_merge() else False
+        return self._merge_scheduled() if self.step >= scheduled.step else False
+
+    def _merge_scheduled(self) -> bool:
+        """The scheduled merge: wait (<= ``round_timeout``) for the global that includes the
+        contribution, once its upload is done; an upload that failed is carried, and the
+        global is merged when the node contributed for its base (as any late global)."""
+        scheduled, self.rounds.merge_due = self.rounds.merge_due, None
+        if scheduled is None:
+            return False
+        self.uploads.drain()
+        if self.rounds.awaited() != scheduled.outer_step:  # failed, or already merged
+            return self.merge_waiting() if self.may_merge() else False
+        return self._await_global(scheduled.outer_step, self.settings.rules.round_timeout)
 
     def _raise_fatal(self) -> None:
         """An upload failed permanently (auth refused, path not writable): stop the node."""
@@ -171,22 +209,27 @@ class DiLoCoNode:
 
     def _boundary(self, *, final: bool) -> bool:
         """Take and upload this round's contribution; wait for its global when blocking."""
-        merged = False
+        merged = self._merge_scheduled()  # due by now: overlap_steps <= a round
         previous = self._global_before_sending()
         if previous is not None:
-            merged = self._await_global(previous, self.settings.rules.round_timeout)
+            merged = self._await_global(previous, self.settings.rules.round_timeout) or merged
         self.uploads.drain()
+        # a round is used up only by an upload that arrived (see _upload): carried progress
+        # goes out under the same round, so an outage never pushes rounds past the master's
+        this_round = self.rounds.next_round()
+        keys = (
+            None
+            if final or self.fragments is None
+            else self.fragments[this_round % len(self.fragments)]
+        )
         with self._lock:
-            delta, self.progress.anchor = self._take_contribution()
+            delta, self.progress.anchor = self._take_contribution(keys)
             self.inner = 0
         if codec.is_all_zero(delta):
             self._emit("delta_upload_zero", step=self.step)
             if final:
                 self._send_done()
             return merged
-        # a round is used up only by an upload that arrived (see _upload): carried progress
-        # goes out under the same round, so an outage never pushes rounds past the master's
-        this_round = self.rounds.next_round()
         syncs = self.settings.outer.syncs_moments(this_round + 1)
         if self.optimizer is not None and syncs:  # they travel with the delta, no error feedback
             moments = first_moments(self.model, self.optimizer)
@@ -206,6 +249,9 @@ class DiLoCoNode:
             if uploaded:
                 timeout = self.settings.rules.round_timeout * (2 if final else 1)
                 merged = self._await_global(this_round + 1, timeout) or merged
+        else:  # overlapped: its global is merged overlap_steps from now, whenever it arrived
+            due = MergeDue(self.step + self.settings.rules.overlap_steps, this_round + 1)
+            self.rounds.merge_due = due
         return merged
 
     def _global_before_sending(self) -> int | None:
@@ -216,23 +262,30 @@ class DiLoCoNode:
             return None
         return self.rounds.awaited()
 
-    def _take_contribution(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """``(anchor - weights) + carry + residual`` in the old anchor's buffers, and the new
-        anchor (the weights, float32), one tensor at a time: the carry and the residual are
-        let go as the new anchor grows, so the node never holds a third copy of the model."""
+    def _take_contribution(
+        self, keys: Iterable[str] | None = None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """``(anchor - weights) + carry + residual`` of ``keys`` (None: every tensor; a
+        fragment's with ``fragments`` > 1) in the old anchor's buffers, and the new anchor (the
+        weights, float32, for those keys), one tensor at a time: the carry and the residual of
+        those keys are let go as the new anchor grows, so the node never holds a third copy of
+        the model; those of other keys wait for their fragment's round."""
         state = self.model.state_dict()
         current = {key: value for key, value in state.items() if value.is_floating_point()}
         owed = self.progress
-        extras = [dict(x) for x in (owed.carry, owed.residual) if x is not None]
-        owed.carry = owed.residual = None
         codec.check_like(owed.anchor, current, what="the model does not match its anchor")
-        anchor: dict[str, torch.Tensor] = {}
-        for key, delta in owed.anchor.items():
+        carry, residual = dict(owed.carry or {}), dict(owed.residual or {})
+        owed.carry = owed.residual = None  # popped below: let go tensor by tensor
+        anchor = dict(owed.anchor)
+        delta: dict[str, torch.Tensor] = {}
+        for key in owed.anchor if keys is None else keys:
             anchor[key] = current[key].detach().to("cpu", torch.float32, copy=True)
-            delta.sub_(anchor[key])
-            for extra in extras:
-                delta.add_(extra.pop(key))
-        return owed.anchor, anchor
+            delta[key] = owed.anchor[key].sub_(anchor[key])
+            for extra in (carry, residual):
+                if key in extra:
+                    delta[key].add_(extra.pop(key))
+        owed.carry, owed.residual = carry or None, residual or None
+        return delta, anchor
 
     def _upload(self, job: Contribution) -> None:
         """Send ``job``. Arrived: its round is used up and the wire's leftover becomes the
@@ -250,11 +303,11 @@ class DiLoCoNode:
                 self._emit("status_upload_failed", step=job.step, round=job.round, error=str(exc))
                 return
             delta = codec.without_moments(job.delta)
-            with self._lock:
-                carry = self.progress.carry
-                self.progress.carry = (
-                    delta if carry is None else {k: v + carry[k] for k, v in delta.items()}
-                )
+            with self._lock:  # a fragment's carry waits beside the other fragments'
+                carry = dict(self.progress.carry or {})
+                for key, value in delta.items():
+                    carry[key] = value + carry[key] if key in carry else value
+                self.progress.carry = carry
             _LOG.warning(
                 f"delta upload for round {job.round} failed; carried to the next one: {exc}"
             )
@@ -264,8 +317,9 @@ class DiLoCoNode:
             self.rounds.used(job.round)
             job.arrived = True  # a checkpoint no longer holds it (its buffers are reused)
             if isinstance(job.wire, codec.EncodedView) and self.settings.wire.error_feedback:
-                # in the contribution's buffers
-                self.progress.residual = codec.without_moments(job.wire.keep_residual())
+                # in the contribution's buffers, beside the other fragments' residuals
+                kept = codec.without_moments(job.wire.keep_residual())
+                self.progress.residual = {**(self.progress.residual or {}), **kept}
             names = [k[len(codec.MOMENT_PREFIX) :] for k in job.delta or () if codec.is_moment(k)]
             if names:
                 self.rounds.moments_sent = SentMoments(job.round, frozenset(names))
@@ -370,7 +424,7 @@ class DiLoCoNode:
                 f"{candidate.run_id or '?'}); restarting the round count from it",
             )
             with self._lock:
-                self.rounds.last_round, self.inner = None, 0
+                self.rounds.last_round, self.rounds.merge_due, self.inner = None, None, 0
                 self.progress = Progress(float_state(self.model))  # progress since is dropped
             self.rounds.installed = None
         with self._lock:
@@ -429,25 +483,8 @@ class DiLoCoNode:
         install_first_moments(self.model, self.optimizer, moments)
 
     def _install(self, global_state: Mapping[str, torch.Tensor]) -> None:
-        """``weights := G + (weights - anchor)``, ``anchor := G``, tensor by tensor and in
-        place. A tensor the model holds under several keys (tied weights) is written once,
-        from its first key: all its keys hold the same values."""
-        state = self.model.state_dict()
-        written: set[tuple[object, ...]] = set()
-        for key, value in global_state.items():
-            target = state.get(key)
-            if target is None or tuple(target.shape) != tuple(value.shape):
-                continue
-            anchor = self.progress.anchor.get(key)
-            identity = (target.data_ptr(), target.dtype, tuple(target.shape), target.stride())
-            if identity not in written:
-                written.add(identity)
-                if anchor is None:  # not a float entry: installed as it is
-                    target.copy_(value.to(target.device, target.dtype))
-                    continue
-                _merge_into(target, anchor, value)
-            if anchor is not None:
-                anchor.copy_(value)
+        """:func:`merge_state` into this node's model and anchor."""
+        merge_state(self.model, self.progress.anchor, global_state)
 
     # -- end of run -----------------------------------------------------------------------
     def finish(self) -> None:
@@ -455,7 +492,8 @@ class DiLoCoNode:
         if self.end.done:
             return
         self.end.finishing = True
-        if self.inner > 0 or self.progress.carry is not None:
+        # fragments: every tensor synced since its own fragment's round goes with the final one
+        if self.inner > 0 or self.progress.carry is not None or self.fragments is not None:
             # a failed final upload has no next round to be carried into: send it again
             for _ in range(FINAL_UPLOAD_ATTEMPTS):
                 self._boundary(final=True)
@@ -526,6 +564,7 @@ class DiLoCoNode:
         with self._lock:
             pending = self.uploads.pending
             pending = None if pending is None or pending.arrived else pending
+            due = self.rounds.merge_due
             return {
                 "format": "speedtronic-diloco-node/2",
                 "step": self.step,
@@ -539,6 +578,7 @@ class DiLoCoNode:
                 "residual": _copy(self.progress.residual),
                 "pending": None if pending is None else pending.to_dict(),
                 "done": self.end.done,
+                "merge_due": None if due is None else [due.step, due.outer_step],
             }
 
     def load_state_dict(self, state: Checkpoint) -> Contribution | None:
@@ -555,12 +595,43 @@ class DiLoCoNode:
             last = int(state.get("last_round", state.get("last_label", NONE)))
             self.rounds = Rounds(None if installed < 0 else installed, str(state.get("run_id", "")))
             self.rounds.last_round = None if last < 0 else last
+            due = state.get("merge_due")  # absent before overlap_steps: merged on arrival
+            if isinstance(due, (list, tuple)) and len(due) == 2:
+                self.rounds.merge_due = MergeDue(int(due[0]), int(due[1]))
             carry, residual = state.get("carry"), state.get("residual")  # none before int8/int4
             self.progress = Progress(codec.cpu_state_dict(state["anchor"]), _copy(carry))
             self.progress.residual = _copy(residual)
             self.end.done = bool(state.get("done", False))
         pending = state.get("pending")
         return None if pending is None else Contribution.from_dict(pending)
+
+
+@torch.no_grad()
+def merge_state(
+    model: torch.nn.Module,
+    anchor: Mapping[str, torch.Tensor],
+    global_state: Mapping[str, torch.Tensor],
+) -> None:
+    """The merge of a global: ``weights := G + (weights - anchor)``, ``anchor := G``, tensor
+    by tensor and in place, for the tensors ``global_state`` holds (every one, or a
+    fragment's). A tensor the model holds under several keys (tied weights) is written once,
+    from its first key: all its keys hold the same values."""
+    state = model.state_dict()
+    written: set[tuple[object, ...]] = set()
+    for key, value in global_state.items():
+        target = state.get(key)
+        if target is None or tuple(target.shape) != tuple(value.shape):
+            continue
+        base = anchor.get(key)
+        identity = (target.data_ptr(), target.dtype, tuple(target.shape), target.stride())
+        if identity not in written:
+            written.add(identity)
+            if base is None:  # not a float entry: installed as it is
+                target.copy_(value.to(target.device, target.dtype))
+                continue
+            _merge_into(target, base, value)
+        if base is not None:
+            base.copy_(value)
 
 
 def _merge_into(target: torch.Tensor, anchor: torch.Tensor, value: torch.Tensor) -> None:
@@ -651,16 +722,28 @@ def _copy(state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor] |
     return None if state is None else codec.cpu_state_dict(state)
 
 
+@dataclasses.dataclass(frozen=True)
+class MergeDue:
+    """``sync: overlapped``: global ``outer_step`` (the one that includes the last
+    contribution) is merged at absolute ``step``, not before, however early it arrives: so
+    every node and the ideal arithmetic merge it at the same step."""
+
+    step: int
+    outer_step: int
+
+
 @dataclasses.dataclass
 class Rounds:
     """Where a node stands: the global it ``installed`` (None before the first) of run
-    ``run_id``, the ``last_round`` an upload used up (None: none arrived yet), and what its
-    last upload with first moments carried (``moments_sent``)."""
+    ``run_id``, the ``last_round`` an upload used up (None: none arrived yet), what its last
+    upload with first moments carried (``moments_sent``) and the merge scheduled for the
+    global of its last contribution (``merge_due``, overlapped)."""
 
     installed: int | None = None
     run_id: str = ""
     last_round: int | None = None
     moments_sent: SentMoments | None = None
+    merge_due: MergeDue | None = None
 
     def holds(self, outer_step: int) -> bool:
         """Whether the installed global is ``outer_step`` or newer."""
