@@ -232,13 +232,13 @@ def test_three_nodes_with_adaptive_outer_steps_and_a_final_average_equal_the_ide
         ("distributed.sync=overlapped", "distributed.overlap_steps=3"),
         (
             "distributed.sync=overlapped",
-            "distributed.overlap_steps=2",
+            "distributed.overlap_steps=8",
             "distributed.fragments=2",
             "distributed.delta_dtype=int8",
             "distributed.global_dtype=int8",
         ),
     ],
-    ids=["overlapped", "overlapped-fragments-int8"],
+    ids=["overlapped", "two-rounds-in-flight-fragments-int8"],
 )
 def test_overlapped_nodes_merge_each_global_at_its_step_and_equal_the_ideal(
     tmp_path, corpus, extra
@@ -247,8 +247,10 @@ def test_overlapped_nodes_merge_each_global_at_its_step_and_equal_the_ideal(
     global exactly ``overlap_steps`` later (held until then, awaited then), so three
     processes compute the ideal arithmetic of the same schedule, bit for bit, whatever the
     timing. With ``fragments: 2`` each round syncs half of the tensors (rounds of 5 steps,
-    one more round at the end syncs every tensor) and the int8 global travels as the
-    fragment's outer update."""
+    one more round at the end syncs every tensor), the int8 global travels as the
+    fragment's outer update, and ``overlap_steps`` 8 keeps two rounds in flight: each
+    fragment's tensors are merged 8 steps after their upload, from whichever global is
+    newest by then."""
     steps, inner = 60, 10
     repo = f"file://{tmp_path / 'exchange'}"
     nodes, sets = _run_golden(tmp_path, corpus, repo, _env(), steps, inner, extra)

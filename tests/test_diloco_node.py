@@ -15,7 +15,13 @@ import torch
 
 from speedtronic.config import DistributedConfig
 from speedtronic.diloco.exchange import RoundSettings
-from speedtronic.diloco.node import Contribution, DiLoCoNode, GlobalCandidate, GlobalInbox
+from speedtronic.diloco.node import (
+    Contribution,
+    DiLoCoNode,
+    GlobalCandidate,
+    GlobalInbox,
+    MergeDue,
+)
 
 
 class Recorder:
@@ -247,7 +253,7 @@ def test_the_schedule_survives_a_checkpoint():
         train(model, 1.0)
         node.after_optimizer_step()
     state = node.state_dict()
-    assert state["merge_due"] == [7, 1]
+    assert state["merges"] == [[7, 1]]
     other, _, other_model = make_node(sync="overlapped", inner=4, overlap=3)
     other.load_state_dict(state)
     with torch.no_grad():
@@ -290,6 +296,42 @@ def test_fragments_send_one_part_per_round_and_every_part_at_the_end():
     for key, value in last.delta.items():  # fragment 0: 3 steps since round 0; 1: 1 step
         want = -3.0 if key in node.fragments[0] else -1.0
         assert value.flatten().tolist() == [want] * value.numel(), key
+
+
+def test_fragments_keep_two_rounds_in_flight_and_merge_each_fragment_at_its_step():
+    """``fragments: 2`` (rounds of 2 steps) with ``overlap_steps`` 3: round 1 is sent before
+    round 0's global is merged; at step 5 only fragment 0's tensors take the global, at
+    step 7 fragment 1's (from the newest global, whose fragment-0 values are unchanged)."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2, bias=False), torch.nn.Linear(2, 1))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    node, rec, model = make_node(
+        model=model, sync="overlapped", inner=4, fragments=2, overlap=3, timeout=2.0
+    )
+    rec.on_send = master_for_state(node)
+    offer_state(node, 0, {k: torch.zeros_like(v) for k, v in model.state_dict().items()})
+    node.merge_waiting()
+    first, second = node.fragments
+
+    def value(key):
+        return model.state_dict()[key].flatten()[0].item()
+
+    for step in range(1, 8):
+        add_all(model, 1.0)
+        node.after_optimizer_step()
+        if step == 4:  # round 1 sent, global 1 (round 0) not merged yet: two in flight
+            assert [j.round for j in rec.sent] == [0, 1] and node.rounds.installed == 0
+        if step == 5:  # fragment 0 only, from the newest global (2: round 1 was sent at 4)
+            assert value(first[0]) == 5.0 and value(second[0]) == 5.0
+        if step == 6:
+            assert value(second[0]) == 6.0
+    # step 7: fragment 1 takes the newest global (3, published at round 2's upload, step 6;
+    # its fragment-1 values are round 1's) + the 3 steps since its upload
+    assert value(second[0]) == 7.0 and node.rounds.installed == 3
+    assert node.rounds.merges == [MergeDue(9, 3)]  # fragment 0's round 2, at step 9
+    pulled = [p["outer_step"] for n, p in rec.events if n == "global_pulled"]
+    assert pulled == [0, 2, 3]  # each global reported once, at its first merge
 
 
 def test_overlapped_boundary_waits_for_the_previous_global_then_runs_ahead():

@@ -245,7 +245,7 @@ class DistributedConfig:
     sync: Sync = F("blocking", "blocking: wait for the round's global; overlapped: keep training")
     overlap_steps: Int | None = F(
         None,
-        "overlapped: steps from a contribution to the merge of its round's global; null: a round",
+        "overlapped: steps until a contribution's global is merged (<= inner_steps); null: a round",
         **STEPS,
     )
     fragments: Int = F(
@@ -352,18 +352,19 @@ class DistributedConfig:
 
     def _check_rounds(self) -> None:
         """A round is ``inner_steps / fragments`` steps (every fragment is synced every
-        ``inner_steps``), and an overlapped node merges its round's global within it."""
+        ``inner_steps``), and an overlapped node merges a round's global before the next
+        sync of its tensors (several rounds may be in flight with fragments)."""
         if self.inner_steps % self.fragments:
             raise ConfigError(
                 f"distributed.fragments: {self.fragments} must divide distributed.inner_steps "
                 f"({self.inner_steps}): a round syncs one fragment every inner_steps / fragments "
                 "steps"
             )
-        steps = self.inner_steps // self.fragments
-        if self.overlap_steps is not None and self.overlap_steps > steps:
+        if self.overlap_steps is not None and self.overlap_steps > self.inner_steps:
             raise ConfigError(
-                f"distributed.overlap_steps: {self.overlap_steps} is longer than a round "
-                f"({steps} steps = inner_steps / fragments); at most {steps}"
+                f"distributed.overlap_steps: {self.overlap_steps} is longer than "
+                f"distributed.inner_steps ({self.inner_steps}): a tensor's global must be merged "
+                "before its next sync"
             )
         if self.fragments > 1 and self.sync_inner_momentum != "off":
             raise ConfigError(

@@ -112,6 +112,7 @@ class DiLoCoNode:
         self.step = 0  # optimizer steps applied (absolute)
         self.inner = 0  # steps since the last contribution
         self.rounds = Rounds()  # the global installed, the rounds used up
+        self._latest: GlobalCandidate | None = None  # kept for the next fragment's merge
         parts = settings.rules.fragments  # streamed: the tensors a round syncs, round by round
         self.fragments = codec.fragments_of(model.state_dict(), parts) if parts > 1 else None
         self.progress = Progress(float_state(model))  # what the next contribution is made of
@@ -154,9 +155,9 @@ class DiLoCoNode:
         boundary is due, a scheduled merge falls due, or a waiting global may be merged): a
         sharded rank refreshes its copy only then."""
         due = self.inner + 1 >= self.settings.rules.round_steps
-        scheduled = self.rounds.merge_due
-        if scheduled is not None:
-            return due or self.step + 1 >= scheduled.step
+        merges = self.rounds.merges
+        if merges:
+            return due or self.step + 1 >= merges[0].step
         return due or (self.may_merge() and self.inbox.waiting_step() >= 0)
 
     def after_optimizer_step(self, *, weights_current: bool = True) -> bool:
@@ -172,27 +173,41 @@ class DiLoCoNode:
             merged = self._boundary(final=False) or merged
         return merged
 
-    def _merge_now(self) -> bool:
-        """Merge what is due at this step: the global of the last contribution at its
-        scheduled step (``sync: overlapped``: ``overlap_steps`` after the upload; held until
-        then, awaited then), else a waiting newer global once the node contributed for its
-        base. True when a global was merged."""
-        scheduled = self.rounds.merge_due
-        if scheduled is None:
+    def _merge_now(self, *, every: bool = False) -> bool:
+        """Merge what is due at this step (``every``: all that is scheduled, before a final
+        contribution): the global of each contribution at its scheduled step (``sync:
+        overlapped``: ``overlap_steps`` after the upload; held until then, awaited then),
+        else a waiting newer global once the node contributed for its base. True when a
+        global was merged."""
+        merges = self.rounds.merges
+        if not merges:
             return self.merge_waiting() if self.may_merge() else False
-        return self._merge_scheduled() if self.step >= scheduled.step else False
+        merged = False
+        while merges and (every or merges[0].step <= self.step):
+            merged = self._merge_scheduled(merges.pop(0)) or merged
+        return merged
 
-    def _merge_scheduled(self) -> bool:
-        """The scheduled merge: wait (<= ``round_timeout``) for the global that includes the
-        contribution, once its upload is done; an upload that failed is carried, and the
-        global is merged when the node contributed for its base (as any late global)."""
-        scheduled, self.rounds.merge_due = self.rounds.merge_due, None
-        if scheduled is None:
-            return False
-        self.uploads.drain()
-        if self.rounds.awaited() != scheduled.outer_step:  # failed, or already merged
-            return self.merge_waiting() if self.may_merge() else False
-        return self._await_global(scheduled.outer_step, self.settings.rules.round_timeout)
+    def _merge_scheduled(self, due: MergeDue) -> bool:
+        """A scheduled merge: once the contribution's upload is done, wait (<=
+        ``round_timeout``) for a global that includes it and merge the tensors its round
+        synced (a fragment's, or every one). An upload that failed is carried: the global is
+        merged when the node contributed for its base (as any late global)."""
+        sent = due.outer_step - 1
+        pending = self.uploads.pending
+        if pending is not None and pending.round == sent:
+            self.uploads.drain()
+        last = self.rounds.last_round
+        if last is None or last < sent:  # failed: carried into a later contribution
+            quiet = not self.rounds.merges and self.may_merge()
+            return self.merge_waiting() if quiet else False
+        keys = self._fragment(sent)
+        return self._await_global(due.outer_step, self.settings.rules.round_timeout, keys)
+
+    def _fragment(self, round_number: int) -> tuple[str, ...] | None:
+        """The tensors round ``round_number`` syncs (None: every one)."""
+        if self.fragments is None:
+            return None
+        return self.fragments[round_number % len(self.fragments)]
 
     def _raise_fatal(self) -> None:
         """An upload failed permanently (auth refused, path not writable): stop the node."""
@@ -209,7 +224,7 @@ class DiLoCoNode:
 
     def _boundary(self, *, final: bool) -> bool:
         """Take and upload this round's contribution; wait for its global when blocking."""
-        merged = self._merge_scheduled()  # due by now: overlap_steps <= a round
+        merged = self._merge_now(every=final)  # due by now, or all before the final one
         previous = self._global_before_sending()
         if previous is not None:
             merged = self._await_global(previous, self.settings.rules.round_timeout) or merged
@@ -217,11 +232,7 @@ class DiLoCoNode:
         # a round is used up only by an upload that arrived (see _upload): carried progress
         # goes out under the same round, so an outage never pushes rounds past the master's
         this_round = self.rounds.next_round()
-        keys = (
-            None
-            if final or self.fragments is None
-            else self.fragments[this_round % len(self.fragments)]
-        )
+        keys = None if final else self._fragment(this_round)
         with self._lock:
             delta, self.progress.anchor = self._take_contribution(keys)
             self.inner = 0
@@ -251,14 +262,19 @@ class DiLoCoNode:
                 merged = self._await_global(this_round + 1, timeout) or merged
         else:  # overlapped: its global is merged overlap_steps from now, whenever it arrived
             due = MergeDue(self.step + self.settings.rules.overlap_steps, this_round + 1)
-            self.rounds.merge_due = due
+            self.rounds.merges.append(due)
         return merged
 
     def _global_before_sending(self) -> int | None:
-        """``sync: overlapped``: the global of the previous contribution, which the node waits
-        for (bounded) before it sends the next one, when it holds a global older than that
-        (none before its first global: it trains from its own weights)."""
-        if self.settings.rules.sync != "overlapped" or self.rounds.installed is None:
+        """``sync: overlapped`` with at most a round in flight (``overlap_steps`` <= a round):
+        the global of the previous contribution, which the node waits for (bounded) before it
+        sends the next one, when it holds a global older than that (none before its first
+        global: it trains from its own weights); its schedule already awaited it, so this
+        wait is only the rest of one that timed out."""
+        rules = self.settings.rules
+        if rules.sync != "overlapped" or rules.overlap_steps > rules.round_steps:
+            return None
+        if self.rounds.installed is None:
             return None
         return self.rounds.awaited()
 
@@ -347,9 +363,29 @@ class DiLoCoNode:
         self.merge(candidate)
         return True
 
-    def _await_global(self, outer_step: int, timeout: float) -> bool:
+    def _merge_part(self, outer_step: int, keys: tuple[str, ...]) -> bool:
+        """Merge the tensors ``keys`` (a fragment's) of the newest global once it is global
+        ``outer_step`` or later: they are the same in every global until the fragment's next
+        round, whose contribution this node has not sent yet (the global is kept for the
+        fragments scheduled after this one). A new run's global is installed whole."""
+        candidate = self.inbox.take() or self._latest
+        if candidate is None:
+            return False
+        if self._new_run(candidate):
+            self.merge(candidate)
+            return True
+        if candidate.outer_step < outer_step:
+            self._latest = candidate
+            return False
+        self.merge(candidate, keys)
+        return True
+
+    def _await_global(
+        self, outer_step: int, timeout: float, keys: tuple[str, ...] | None = None
+    ) -> bool:
         """Wait (bounded, interruptible) until a global with outer step >= ``outer_step`` is
-        merged; newer globals met on the way are merged too. True when one was merged."""
+        merged (``keys``: only those tensors of it); newer globals met on the way are merged
+        too. True when one was merged."""
         started = time.monotonic()
         deadline = started + timeout
         self.inbox.poke()
@@ -359,8 +395,12 @@ class DiLoCoNode:
 
         def arrived() -> bool:  # or a new run started (its round count begins again)
             nonlocal merged
-            merged = self.merge_waiting() or merged
-            return rounds.holds(outer_step) or rounds.last_round is None or rounds.run_id != run
+            if keys is not None:  # a fragment: merged from the newest global, once
+                merged = merged or self._merge_part(outer_step, keys)
+            else:
+                merged = self.merge_waiting() or merged
+            ready = merged if keys is not None else rounds.holds(outer_step)
+            return ready or rounds.last_round is None or rounds.run_id != run
 
         def waited() -> bool:
             if arrived():
@@ -371,7 +411,7 @@ class DiLoCoNode:
 
         wait_for(waited, timeout=timeout, interval=0.0, stop=self.interrupted)
         waited_s = time.monotonic() - started
-        timed_out = not rounds.holds(outer_step)
+        timed_out = not (merged if keys is not None else rounds.holds(outer_step))
         self._emit("sync_wait", outer_step=outer_step, seconds=waited_s, timed_out=timed_out)
         # a new run (reported by merge) or a stop request ends the wait without a timeout
         if timed_out and rounds.run_id == run and not self.interrupted.is_set():
@@ -413,22 +453,27 @@ class DiLoCoNode:
         return other or candidate.outer_step < installed
 
     @torch.no_grad()
-    def merge(self, candidate: GlobalCandidate) -> None:
-        """``weights := G + (weights - anchor)``; ``anchor := G`` (training thread only). A
-        global of another run is installed as it is: the old run's progress, carry, residual
-        and round numbers do not belong to the new one."""
+    def merge(self, candidate: GlobalCandidate, keys: tuple[str, ...] | None = None) -> None:
+        """``weights := G + (weights - anchor)``; ``anchor := G`` (training thread only), for
+        the tensors ``keys`` (a fragment's; None: every one). A global of another run is
+        installed as it is: the old run's progress, carry, residual and round numbers do not
+        belong to the new one."""
         self._check_fits(candidate)
+        fresh, candidate.merged = not candidate.merged, True
+        self._latest = candidate if keys else None
         if self._new_run(candidate):
+            keys = None
             _LOG.warning(
                 f"a new run started on the exchange (global {candidate.outer_step}, run "
                 f"{candidate.run_id or '?'}); restarting the round count from it",
             )
             with self._lock:
-                self.rounds.last_round, self.rounds.merge_due, self.inner = None, None, 0
+                self.rounds.last_round, self.rounds.merges, self.inner = None, [], 0
                 self.progress = Progress(float_state(self.model))  # progress since is dropped
             self.rounds.installed = None
         with self._lock:
-            self._install(candidate.state)
+            state = candidate.state
+            self._install(state if keys is None else {k: state[k] for k in keys})
             self.rounds.installed = candidate.outer_step
             self.rounds.run_id = candidate.run_id or self.rounds.run_id
             self.end.final_seen = self.end.final_seen or candidate.final
@@ -440,6 +485,8 @@ class DiLoCoNode:
             # the mean of the round this node sent its own to; any other round's: kept its own
             self._install_moments(candidate.outer_step, moments[0], moments[1], sent)
             self.rounds.moments_sent = None
+        if not fresh:  # the tensors of another fragment, from a global already pulled
+            return
         self._emit(
             "global_pulled",
             outer_step=candidate.outer_step,
@@ -564,7 +611,7 @@ class DiLoCoNode:
         with self._lock:
             pending = self.uploads.pending
             pending = None if pending is None or pending.arrived else pending
-            due = self.rounds.merge_due
+            merges = [[due.step, due.outer_step] for due in self.rounds.merges]
             return {
                 "format": "speedtronic-diloco-node/2",
                 "step": self.step,
@@ -578,7 +625,7 @@ class DiLoCoNode:
                 "residual": _copy(self.progress.residual),
                 "pending": None if pending is None else pending.to_dict(),
                 "done": self.end.done,
-                "merge_due": None if due is None else [due.step, due.outer_step],
+                "merges": merges,
             }
 
     def load_state_dict(self, state: Checkpoint) -> Contribution | None:
@@ -595,9 +642,9 @@ class DiLoCoNode:
             last = int(state.get("last_round", state.get("last_label", NONE)))
             self.rounds = Rounds(None if installed < 0 else installed, str(state.get("run_id", "")))
             self.rounds.last_round = None if last < 0 else last
-            due = state.get("merge_due")  # absent before overlap_steps: merged on arrival
-            if isinstance(due, (list, tuple)) and len(due) == 2:
-                self.rounds.merge_due = MergeDue(int(due[0]), int(due[1]))
+            # absent before overlap_steps (globals were merged on arrival then)
+            merges = state.get("merges") or []
+            self.rounds.merges = [MergeDue(int(step), int(outer)) for step, outer in merges]
             carry, residual = state.get("carry"), state.get("residual")  # none before int8/int4
             self.progress = Progress(codec.cpu_state_dict(state["anchor"]), _copy(carry))
             self.progress.residual = _copy(residual)
@@ -736,14 +783,14 @@ class MergeDue:
 class Rounds:
     """Where a node stands: the global it ``installed`` (None before the first) of run
     ``run_id``, the ``last_round`` an upload used up (None: none arrived yet), what its last
-    upload with first moments carried (``moments_sent``) and the merge scheduled for the
-    global of its last contribution (``merge_due``, overlapped)."""
+    upload with first moments carried (``moments_sent``) and the merges scheduled for the
+    globals of its contributions, oldest first (``merges``, overlapped)."""
 
     installed: int | None = None
     run_id: str = ""
     last_round: int | None = None
     moments_sent: SentMoments | None = None
-    merge_due: MergeDue | None = None
+    merges: list[MergeDue] = dataclasses.field(default_factory=list)
 
     def holds(self, outer_step: int) -> bool:
         """Whether the installed global is ``outer_step`` or newer."""
@@ -811,6 +858,7 @@ class GlobalCandidate:
     nbytes: int = 0
     # (round, mean first moments by parameter name) published with this global
     moments: tuple[int, dict[str, torch.Tensor]] | None = None
+    merged: bool = False  # its first merge reported it (a fragment's merge may come later)
 
 
 class GlobalInbox:

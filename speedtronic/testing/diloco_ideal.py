@@ -201,15 +201,17 @@ def simulate(
     heldout = build_heldout(config)
     plan = _Plan.of(s, config.effective_max_steps, model)
     result = IdealResult({}, plan.rounds, None, [], {})
-    pending: State | None = None  # overlapped: the global merged overlap_steps into a round
+    merges: list[tuple[int, tuple[str, ...] | None]] = []  # overlapped: (step, tensors)
     for r in range(plan.rounds):
-        target, keys = plan.target(r), plan.keys(r)
+        target, keys, last = plan.target(r), plan.keys(r), r + 1 == plan.rounds
+        due = [m for m in merges if m[0] <= target or last]  # the final one: all before it
+        merges = [m for m in merges if m not in due]
         mean: State = {}
         tally = NormTally()
         for node_id, node in zip(ids, nodes, strict=True):
-            if pending is not None:  # as the node: its scheduled merge, or before its final
-                node.train_to(min(r * plan.round_steps + plan.overlap_steps, target))
-                node.merge(pending)
+            for step, part in due:  # as the node: at its step, the tensors its round synced
+                node.train_to(min(step, target))
+                node.merge(global_state if part is None else {k: global_state[k] for k in part})
             result.node_losses[node_id] = node.train_to(target)
             delta = node.contribute(keys, wire, block, s.error_feedback)
             for value in delta.values():  # what the master reads, tensor by tensor
@@ -241,9 +243,8 @@ def simulate(
         if syncs_momentum(s.sync_inner_momentum, s.inner_momentum_every, r + 1):
             _sync_momentum([node.trainer for node in nodes], wire, block)
             result.momentum_syncs += 1
-        pending = None
-        if plan.overlap_steps and r + 1 < plan.rounds:
-            pending = cpu_state_dict(global_state)  # merged in the next round
+        if plan.overlap_steps and not last:  # merged overlap_steps later (a later round)
+            merges.append((target + plan.overlap_steps, keys))
         else:  # blocking (and every node's last): merged at once
             for node in nodes:
                 node.merge(global_state)
@@ -269,7 +270,8 @@ class _Plan:
     last shorter when the run is not a multiple), round ``r`` syncing fragment
     ``r % fragments`` (``parts``; None: every tensor) and, with fragments, one more round
     at the end syncing every tensor (a node's final contribution); an overlapped node merges
-    a round's global ``overlap_steps`` into the next round (0: blocking, at once)."""
+    a round's global ``overlap_steps`` after its contribution (0: blocking, at once), the
+    tensors the round synced."""
 
     total_steps: int
     round_steps: int
