@@ -945,7 +945,7 @@ class DeltaReader:
         decoded one tensor at a time. ``observe`` sees every decoded float32 slice before it
         is scaled (the adaptive outer step's norms)."""
         codec = WireCodec.from_metadata(self.metadata)
-        held = set(self.model_keys())
+        held = set(self._layout()[1])  # a fragment's tensors (or every one), first moments
         for key in sorted(k for k in total if k in held):
             alpha = scale if isinstance(scale, float | int) else scale[key]
             if codec.bits is not None:
