@@ -245,7 +245,7 @@ class DistributedConfig:
     sync: Sync = F("blocking", "blocking: wait for the round's global; overlapped: keep training")
     overlap_steps: Int | None = F(
         None,
-        "overlapped: steps until a contribution's global is merged (<= inner_steps); null: a round",
+        "overlapped: steps until a contribution's global merges (<= inner_steps); null: 1/10 of it",
         **STEPS,
     )
     fragments: Int = F(

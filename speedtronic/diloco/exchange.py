@@ -221,10 +221,12 @@ class RoundSettings:
 
 
 def _overlap_steps(config: DistributedConfig) -> int:
-    """``sync: overlapped``: ``overlap_steps``, a whole round when null; blocking: 0."""
+    """``sync: overlapped``: ``overlap_steps``; null: a tenth of ``inner_steps`` (at least 1:
+    each stale step costs quality, a tenth of a tensor's period measured within 1% of
+    blocking, docs/diloco.md); blocking: 0."""
     if config.sync != "overlapped":
         return 0
-    return config.overlap_steps or config.inner_steps // config.fragments
+    return config.overlap_steps or max(1, config.inner_steps // 10)
 
 
 def max_global_bytes(like: Mapping[str, torch.Tensor]) -> int:

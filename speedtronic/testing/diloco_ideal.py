@@ -43,7 +43,7 @@ from speedtronic.diloco.codec import (
     encode_delta,
     fragments_of,
 )
-from speedtronic.diloco.exchange import syncs_momentum
+from speedtronic.diloco.exchange import RoundSettings, syncs_momentum
 from speedtronic.diloco.master import (
     NesterovOuterOptimizer,
     NormTally,
@@ -281,10 +281,9 @@ class _Plan:
     @classmethod
     def of(cls, s: DistributedConfig, total_steps: int, model: torch.nn.Module) -> _Plan:
         """The plan of ``s`` for a run of ``total_steps`` steps of ``model``."""
-        steps = s.inner_steps // s.fragments
-        overlap = 0 if s.sync != "overlapped" else (s.overlap_steps or steps)
+        rules = RoundSettings.of(s).rules  # the nodes' own reading of the section
         parts = fragments_of(model.state_dict(), s.fragments) if s.fragments > 1 else None
-        return cls(total_steps, steps, overlap, parts)
+        return cls(total_steps, rules.round_steps, rules.overlap_steps, parts)
 
     @property
     def rounds(self) -> int:
