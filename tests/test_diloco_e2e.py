@@ -227,6 +227,45 @@ def test_three_nodes_with_adaptive_outer_steps_and_a_final_average_equal_the_ide
 
 
 @pytest.mark.parametrize(
+    "extra",
+    [
+        ("distributed.sync=overlapped", "distributed.overlap_steps=3"),
+        (
+            "distributed.sync=overlapped",
+            "distributed.overlap_steps=8",
+            "distributed.fragments=2",
+            "distributed.delta_dtype=int8",
+            "distributed.global_dtype=int8",
+        ),
+    ],
+    ids=["overlapped", "two-rounds-in-flight-fragments-int8"],
+)
+def test_overlapped_nodes_merge_each_global_at_its_step_and_equal_the_ideal(
+    tmp_path, corpus, extra
+):
+    """``sync: overlapped``: a node keeps training after its upload and merges the round's
+    global exactly ``overlap_steps`` later (held until then, awaited then), so three
+    processes compute the ideal arithmetic of the same schedule, bit for bit, whatever the
+    timing. With ``fragments: 2`` each round syncs half of the tensors (rounds of 5 steps,
+    one more round at the end syncs every tensor), the int8 global travels as the
+    fragment's outer update, and ``overlap_steps`` 8 keeps two rounds in flight: each
+    fragment's tensors are merged 8 steps after their upload, from whichever global is
+    newest by then."""
+    steps, inner = 60, 10
+    repo = f"file://{tmp_path / 'exchange'}"
+    nodes, sets = _run_golden(tmp_path, corpus, repo, _env(), steps, inner, extra)
+    config = _config(corpus, sets)
+    rounds = simulate(config, ["m", "w1", "w2"]).outer_steps
+    _, final = _check_golden(tmp_path, corpus, nodes, sets, rounds)
+    blocking = simulate(config, ["m", "w1", "w2"], sync="blocking")
+    assert rounds == blocking.outer_steps  # the same rounds, merged later: other numbers
+    assert any(not torch.equal(final[k], v) for k, v in blocking.global_state.items())
+    for node in nodes[1:]:  # a worker merges each round's global once, as an update or whole
+        pulled = [row["outer_step"] for row in node.events("global_pulled")]
+        assert pulled == sorted(set(pulled)), pulled
+
+
+@pytest.mark.parametrize(
     ("wire", "every"), [("fp32", 1), ("int8", 1), ("fp32", 2)], ids=["fp32", "int8", "every-2nd"]
 )
 def test_three_nodes_averaging_their_first_moments_equal_the_ideal(tmp_path, corpus, wire, every):

@@ -243,6 +243,14 @@ class DistributedConfig:
     inner_steps: Int = F(500, "local steps per round", **STEPS)
     poll_interval: Float = F(60.0, "seconds between polls of the exchange", ge=0.001, le=DAY)
     sync: Sync = F("blocking", "blocking: wait for the round's global; overlapped: keep training")
+    overlap_steps: Int | None = F(
+        None,
+        "overlapped: steps until a contribution's global merges (<= inner_steps); null: 1/10 of it",
+        **STEPS,
+    )
+    fragments: Int = F(
+        1, "streamed: the model in N parts, one synced per round of inner_steps / N", ge=1, le=64
+    )
     round_timeout: Float = F(
         120.0, "seconds a round waits after its first on-time delta", gt=0, le=WEEK
     )
@@ -333,6 +341,7 @@ class DistributedConfig:
                 "distributed.relay_to must name the top-level exchange, not the group's "
                 "own distributed.repo_id"
             )
+        self._check_rounds()
         if self.retry_max < self.retry_initial:
             raise ConfigError(
                 "distributed retry bounds are invalid (distributed.retry_max must be >= "
@@ -340,6 +349,33 @@ class DistributedConfig:
             )
         if self.enabled and not self.repo_id:
             raise ConfigError("distributed.repo_id is required for DumbDiLoCo")
+
+    def _check_rounds(self) -> None:
+        """A round is ``inner_steps / fragments`` steps (every fragment is synced every
+        ``inner_steps``), and an overlapped node merges a round's global before the next
+        sync of its tensors (several rounds may be in flight with fragments)."""
+        if self.inner_steps % self.fragments:
+            raise ConfigError(
+                f"distributed.fragments: {self.fragments} must divide distributed.inner_steps "
+                f"({self.inner_steps}): a round syncs one fragment every inner_steps / fragments "
+                "steps"
+            )
+        if self.overlap_steps is not None and self.overlap_steps > self.inner_steps:
+            raise ConfigError(
+                f"distributed.overlap_steps: {self.overlap_steps} is longer than "
+                f"distributed.inner_steps ({self.inner_steps}): a tensor's global must be merged "
+                "before its next sync"
+            )
+        if self.fragments > 1 and self.sync_inner_momentum != "off":
+            raise ConfigError(
+                "distributed.fragments > 1 syncs a part of the model per round; "
+                "distributed.sync_inner_momentum needs whole rounds: set it off"
+            )
+        if self.fragments > 1 and (self.relay_to is not None or self.relay_leaders):
+            raise ConfigError(
+                "distributed.fragments > 1 is not supported with relays (distributed.relay_to, "
+                "distributed.relay_leaders): a group leader forwards whole rounds"
+            )
 
     @property
     def node_role(self) -> RoleName:
