@@ -103,6 +103,7 @@ class DiLoCoNode:
         self.rounds = Rounds()  # the global installed, the rounds used up
         self.progress = Progress(float_state(model))  # what the next contribution is made of
         self.end = RunEnd()  # how far the end of the run got
+        self.clock = RoundClock()  # where the time since the last contribution went
         self.fatal: Exception | None = None  # a permanent upload failure
         self.interrupted = threading.Event()
         self.last_heartbeat = time.monotonic()
@@ -171,7 +172,7 @@ class DiLoCoNode:
 
     def _boundary(self, *, final: bool) -> bool:
         """Take and upload this round's contribution; wait for its global when blocking."""
-        merged = False
+        begun, merged = time.monotonic(), False
         previous = self._global_before_sending()
         if previous is not None:
             merged = self._await_global(previous, self.settings.rules.round_timeout)
@@ -183,6 +184,7 @@ class DiLoCoNode:
             self._emit("delta_upload_zero", step=self.step)
             if final:
                 self._send_done()
+            self.clock.waited += time.monotonic() - begun  # no round: its time runs on
             return merged
         # a round is used up only by an upload that arrived (see _upload): carried progress
         # goes out under the same round, so an outage never pushes rounds past the master's
@@ -206,6 +208,8 @@ class DiLoCoNode:
             if uploaded:
                 timeout = self.settings.rules.round_timeout * (2 if final else 1)
                 merged = self._await_global(this_round + 1, timeout) or merged
+        laps = self.clock.lap(begun)
+        self._emit("round_done", round=this_round, step=self.step, final=final, **laps)
         return merged
 
     def _global_before_sending(self) -> int | None:
@@ -700,6 +704,33 @@ class Progress:
     anchor: dict[str, torch.Tensor]
     carry: dict[str, torch.Tensor] | None = None
     residual: dict[str, torch.Tensor] | None = None
+
+
+@dataclasses.dataclass
+class RoundClock:
+    """Where a node's time went since its last contribution (monotonic seconds): training,
+    or at a boundary (``waited``), on the exchange instead: the wait for a global or the
+    upload in flight, taking and sending the contribution."""
+
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    waited: float = 0.0
+
+    def restart(self) -> None:
+        """A round begins now."""
+        self.started, self.waited = time.monotonic(), 0.0
+
+    def lap(self, begun: float) -> dict[str, float]:
+        """The round whose boundary began at ``begun`` ends now (the next begins): its
+        ``compute_seconds``, ``wait_seconds`` and ``utilization`` (compute / both)."""
+        now = time.monotonic()
+        wait = self.waited + now - begun
+        compute = max(0.0, now - self.started - wait)
+        self.started, self.waited = now, 0.0
+        return {
+            "compute_seconds": compute,
+            "wait_seconds": wait,
+            "utilization": compute / max(compute + wait, 1e-9),
+        }
 
 
 @dataclasses.dataclass
