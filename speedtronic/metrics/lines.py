@@ -38,7 +38,7 @@ TEXT_FIELDS: dict[str, tuple[str, ...]] = {
         "parameters",
     ),
     "train_end": ("steps", "loss", "elapsed_s"),
-    "eval": ("scope", "outer_step", "step", "loss", "perplexity"),
+    "eval": ("scope", "outer_step", "step", "loss", "perplexity", "final"),
     "checkpoint_saved": ("step", "path", "seconds"),
     "outer_step": (
         "outer_step",
