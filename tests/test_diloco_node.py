@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from speedtronic.config import DistributedConfig
+from speedtronic.diloco import node as node_module
 from speedtronic.diloco.exchange import RoundSettings
 from speedtronic.diloco.node import (
     Contribution,
@@ -394,6 +395,52 @@ def test_zero_contribution_is_not_uploaded():
     node.after_optimizer_step()
     node.after_optimizer_step()
     assert not rec.sent and "delta_upload_zero" in rec.names()
+
+
+class FakeTime:
+    """The node's clock (``time.monotonic``/``perf_counter`` in its module), moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    perf_counter = monotonic
+
+
+def test_each_contribution_reports_the_seconds_its_round_trained_and_waited(monkeypatch):
+    """``round_done`` at each contribution: ``compute_seconds`` in inner steps since the last
+    one, ``wait_seconds`` at the boundary on the exchange (here the upload and the master's
+    answer), ``utilization`` = compute / both; a boundary with nothing to send ends no round:
+    the next one counts its steps from the last contribution."""
+    clock = FakeTime()
+    monkeypatch.setattr(node_module, "time", clock)
+    node, rec, model = started_node()
+    node.clock.restart()  # training starts (the coordinator's start)
+
+    def slow_master(job):  # the upload and the round take 2 s, then global r+1 is there
+        clock.now += 2.0
+        offer(node, job.round + 1, 0.0)
+
+    rec.on_send = slow_master
+    for amount in (1.0, 1.0, 0.0, 0.0, 1.0, 1.0):  # rounds 0, (nothing), 1
+        clock.now += 1.5  # one inner step
+        train(model, amount)
+        node.after_optimizer_step()
+    done = [fields for name, fields in rec.events if name == "round_done"]
+    assert [(row["round"], row["step"], row["final"]) for row in done] == [
+        (0, 2, False),
+        (1, 6, False),
+    ]
+    assert done[0]["compute_seconds"] == pytest.approx(3.0)
+    assert done[0]["wait_seconds"] == pytest.approx(2.0)
+    assert done[0]["utilization"] == pytest.approx(0.6)
+    # round 1: four steps (two of them before the empty boundary) and the 2 s exchange
+    assert done[1]["compute_seconds"] == pytest.approx(6.0)
+    assert done[1]["wait_seconds"] == pytest.approx(2.0)
+    assert done[1]["utilization"] == pytest.approx(0.75)
+    assert "delta_upload_zero" in rec.names()
 
 
 def test_finish_uploads_the_final_contribution_and_installs_its_global():

@@ -106,7 +106,9 @@ def _outer_step(named: dict[str, object]) -> dict[str, object]:
     given = [k for k in ("outer_lr", "outer_momentum") if named.get(k) is not None]
     step = choice(named.get("outer_step"))
     if step is None:  # 2.0.0's configs set outer_lr/outer_momentum: they keep their meaning
-        step = named["outer_step"] = "nesterov" if given else "average"
+        step = named["outer_step"] = "nesterov" if given else "adaptive"
+    if "final_average" not in named:  # the final mean goes with the extrapolated steps
+        named["final_average"] = 2 if step == "adaptive" else 1
     if step not in ("average", "adaptive"):
         return named  # nesterov, or a wrong value its field reports
     lr = "eta" if step == "adaptive" else "1.0"
@@ -267,7 +269,8 @@ class DistributedConfig:
     relay_to: Exchange | None = F(None, "on a group leader: the top-level exchange")
     relay_leaders: Leaders = F([], "on the top-level master: the group leaders' node ids")
     outer_step: OuterStep = F(
-        "average", "average (lr 1, no momentum), nesterov (outer_lr/outer_momentum) or adaptive"
+        "adaptive",
+        "adaptive (lr eta), average (lr 1, no momentum) or nesterov (outer_lr/outer_momentum)",
     )
     outer_lr: Float = F(0.7, "outer Nesterov learning rate (outer_step: nesterov)", gt=0, le=10.0)
     outer_momentum: Float = F(0.9, "outer Nesterov momentum (outer_step: nesterov)", ge=0, lt=1.0)
@@ -278,7 +281,12 @@ class DistributedConfig:
         le=10.0,
     )
     adaptive_max: Float = F(2.0, "adaptive: the largest eta (it is at least 1)", ge=1.0, le=10.0)
-    final_average: Int = F(1, "the final model: the mean of the last N globals", ge=1, le=16)
+    final_average: Int = F(
+        2,
+        "the final model: the mean of the last N globals (default: 2 with adaptive, else 1)",
+        ge=1,
+        le=16,
+    )
     sync_inner_momentum: MomentumSync = F(
         "off", "average the inner AdamW first moment: off, every_round or every_n"
     )
@@ -313,9 +321,10 @@ class DistributedConfig:
     @classmethod
     def _resolve_outer_step(cls, values: object) -> object:
         """``outer_step`` not given: ``nesterov`` when ``outer_lr`` or ``outer_momentum`` is
-        (a 2.0.0 config keeps its meaning), else ``average``. ``average`` and ``adaptive``
-        hold ``outer_lr`` 1.0 and ``outer_momentum`` 0.0 (so a saved config reads back the
-        same); another value given beside them is a ConfigError naming both fields."""
+        (a 2.0.0 config keeps its meaning), else ``adaptive``; ``final_average`` not given: 2
+        with ``adaptive``, else 1. ``average`` and ``adaptive`` hold ``outer_lr`` 1.0 and
+        ``outer_momentum`` 0.0 (so a saved config reads back the same); another value given
+        beside them is a ConfigError naming both fields."""
         if isinstance(values, ArgsKwargs) and not values.args:  # a constructor call
             return ArgsKwargs((), _outer_step(dict(values.kwargs or {})))
         if isinstance(values, Mapping):

@@ -368,6 +368,8 @@ class DumbDiLoCoCoordinator:
         self.inbox.start()
         if self.master is not None:
             self.master.start()
+        if node is not None:  # its first round begins with training, after the start's waits
+            node.clock.restart()
         self._started = True
         installed = self.last_global_step
         _LOG.info(

@@ -861,6 +861,12 @@ class RoundMaster:
     def _after_publish(self, final: bool) -> None:
         self._hand_over()
         state = self.global_state  # read while the master thread does nothing else
+        self._score(state, final=final)
+        if final:
+            self._finalize(state)
+
+    def _score(self, state: dict[str, torch.Tensor], *, final: bool) -> None:
+        """An ``eval`` event for ``state`` (``final``: the final model) when it scores one."""
         result = self.evaluate(state) if self.evaluate is not None else None
         if result is not None:
             self._emit(
@@ -871,9 +877,8 @@ class RoundMaster:
                 loss=result.loss,
                 perplexity=result.perplexity,
                 tokens=result.tokens,
+                final=final,
             )
-        if final:
-            self._finalize(state)
 
     def _finish(self) -> None:
         """Every node is done and nothing is left: mark the published global final (with
@@ -885,6 +890,8 @@ class RoundMaster:
         # files refused after the last round are reported here, or they would never be counted
         self._emit("final_global", outer_step=self.outer_step, **self.refusals.report())
         self.refusals.reset()
+        if self.settings.outer.final_average > 1:  # a model no round scored: the mean
+            self._score(self.global_state, final=True)
         self._finalize(self.global_state)
 
     def _finalize(self, state: dict[str, torch.Tensor]) -> None:

@@ -117,6 +117,7 @@ class DiLoCoNode:
         self.fragments = codec.fragments_of(model.state_dict(), parts) if parts > 1 else None
         self.progress = Progress(float_state(model))  # what the next contribution is made of
         self.end = RunEnd()  # how far the end of the run got
+        self.clock = RoundClock()  # where the time since the last contribution went
         self.fatal: Exception | None = None  # a permanent upload failure
         self.interrupted = threading.Event()
         self.last_heartbeat = time.monotonic()
@@ -168,7 +169,9 @@ class DiLoCoNode:
         self.inner += 1
         self.beat()
         self.inbox.poll_due()
+        started = time.monotonic()  # a scheduled merge may wait here: the exchange's time
         merged = self._merge_now() if weights_current else False
+        self.clock.waited += time.monotonic() - started
         if self.inner >= self.settings.rules.round_steps:
             merged = self._boundary(final=False) or merged
         return merged
@@ -224,6 +227,7 @@ class DiLoCoNode:
 
     def _boundary(self, *, final: bool) -> bool:
         """Take and upload this round's contribution; wait for its global when blocking."""
+        begun = time.monotonic()
         merged = self._merge_now(every=final)  # due by now, or all before the final one
         previous = self._global_before_sending()
         if previous is not None:
@@ -240,6 +244,7 @@ class DiLoCoNode:
             self._emit("delta_upload_zero", step=self.step)
             if final:
                 self._send_done()
+            self.clock.waited += time.monotonic() - begun  # no round: its time runs on
             return merged
         syncs = self.settings.outer.syncs_moments(this_round + 1)
         if self.optimizer is not None and syncs:  # they travel with the delta, no error feedback
@@ -263,6 +268,8 @@ class DiLoCoNode:
         else:  # overlapped: its global is merged overlap_steps from now, whenever it arrived
             due = MergeDue(self.step + self.settings.rules.overlap_steps, this_round + 1)
             self.rounds.merges.append(due)
+        laps = self.clock.lap(begun)
+        self._emit("round_done", round=this_round, step=self.step, final=final, **laps)
         return merged
 
     def _global_before_sending(self) -> int | None:
@@ -830,6 +837,33 @@ class Progress:
     anchor: dict[str, torch.Tensor]
     carry: dict[str, torch.Tensor] | None = None
     residual: dict[str, torch.Tensor] | None = None
+
+
+@dataclasses.dataclass
+class RoundClock:
+    """Where a node's time went since its last contribution (monotonic seconds): training,
+    or at a boundary (``waited``), on the exchange instead: the wait for a global or the
+    upload in flight, taking and sending the contribution."""
+
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    waited: float = 0.0
+
+    def restart(self) -> None:
+        """A round begins now."""
+        self.started, self.waited = time.monotonic(), 0.0
+
+    def lap(self, begun: float) -> dict[str, float]:
+        """The round whose boundary began at ``begun`` ends now (the next begins): its
+        ``compute_seconds``, ``wait_seconds`` and ``utilization`` (compute / both)."""
+        now = time.monotonic()
+        wait = self.waited + now - begun
+        compute = max(0.0, now - self.started - wait)
+        self.started, self.waited = now, 0.0
+        return {
+            "compute_seconds": compute,
+            "wait_seconds": wait,
+            "utilization": compute / max(compute + wait, 1e-9),
+        }
 
 
 @dataclasses.dataclass

@@ -158,7 +158,9 @@ def simulate(
 
     Every keyword defaults to the ``distributed`` field of its name (``block_size``:
     ``delta_block_size``). ``outer_lr`` or ``outer_momentum`` without ``outer_step`` means
-    ``nesterov``, as in a config. Without error feedback what the wire format leaves out is
+    ``nesterov``, as in a config; an outer setting given here also replaces the config's
+    ``final_average`` (unless given too), which then follows the outer step as in a config
+    (2 with ``adaptive``, else 1). Without error feedback what the wire format leaves out is
     lost. Each node trains ``config.effective_max_steps`` steps; the last round is shorter
     when that is not a multiple of ``inner_steps``. ``progress(round, rounds)`` is called
     after each round.
@@ -342,12 +344,13 @@ class _Node:
 
 def _settings(section: DistributedConfig, **overrides: object) -> DistributedConfig:
     """``section`` with the ``overrides`` that are not None, resolved as a config is: an
-    outer setting given here replaces all three of the section's (``outer_lr`` alone means
-    ``nesterov``; a conflicting pair is a ConfigError)."""
+    outer setting given here replaces all three of the section's and its ``final_average``
+    (``outer_lr`` alone means ``nesterov``; a conflicting pair is a ConfigError; without a
+    ``final_average`` here: 2 with ``adaptive``, else 1)."""
     given = {k: v for k, v in overrides.items() if v is not None}
     values = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
     if given.keys() & set(_OUTER):
-        for name in _OUTER:
+        for name in (*_OUTER, "final_average"):
             values.pop(name)
     return type(section)(**{**values, **given})
 
