@@ -193,23 +193,23 @@ def run_ideal(
     raw: dict,
     nodes: list[str],
     h: int,
-    lr: float,
-    momentum: float,
+    outer: dict | None = None,
     wire: str = "fp32",
     error_feedback: bool = True,
     global_wire: str = "fp32",
 ) -> dict:
+    """The ideal row: ``raw``'s outer settings (those of configs/diloco.yaml, as the K
+    processes run them), or ``outer`` (``simulate``'s outer keywords, a sweep row)."""
     config = config_of(raw)
     started = time.perf_counter()
     result = simulate(
         config,
         nodes,
         inner_steps=h,
-        outer_lr=lr,
-        outer_momentum=momentum,
         delta_dtype=wire,
         error_feedback=error_feedback,
         global_dtype=global_wire,
+        **(outer or {}),
     )
     return {
         "loss": result.eval_loss,
@@ -621,7 +621,8 @@ def main() -> None:
         print(
             f"corpus {n_tokens:,} tokens; {args.nodes} nodes x {args.steps} steps, batch "
             f"{args.batch}, inner_steps {args.inner_steps}, outer {shipped_outer.outer_step} "
-            f"{shipped_outer.outer_lr}/{shipped_outer.outer_momentum}, sync "
+            f"{shipped_outer.outer_lr}/{shipped_outer.outer_momentum} final_average "
+            f"{shipped_outer.final_average}, sync "
             f"{dist.get('sync', 'blocking')}",
             flush=True,
         )
@@ -643,9 +644,7 @@ def main() -> None:
             print(f"  1 node: {rows['1 node']['loss']:.4f}", flush=True)
             rows["1 node, K x batch"] = run_single(raw, args.batch * args.nodes)
             print(f"  1 node, K x batch: {rows['1 node, K x batch']['loss']:.4f}", flush=True)
-            rows["ideal"] = run_ideal(
-                raw, nodes, args.inner_steps, shipped_outer.outer_lr, shipped_outer.outer_momentum
-            )
+            rows["ideal"] = run_ideal(raw, nodes, args.inner_steps)
             print(f"  ideal: {rows['ideal']['loss']:.4f}", flush=True)
         config = config_of(raw)
         block = config.distributed.delta_block_size
@@ -653,16 +652,7 @@ def main() -> None:
         ideal_states: dict[str, dict] = {}
         for case in [c for c in args.deltas.split(",") if c]:
             wire, feedback, glob = parse_case(case)
-            row = run_ideal(
-                raw,
-                nodes,
-                args.inner_steps,
-                shipped_outer.outer_lr,
-                shipped_outer.outer_momentum,
-                wire,
-                feedback,
-                glob,
-            )
+            row = run_ideal(raw, nodes, args.inner_steps, None, wire, feedback, glob)
             state = row.pop("state")
             if feedback:
                 ideal_states[f"{wire}@{glob}"] = state
@@ -708,7 +698,7 @@ def main() -> None:
             print(f"  real ({mode}): {real['loss']:.4f}", flush=True)
         sweep = []
         for h, lr, momentum in SWEEPS[args.sweep]:
-            result = run_ideal(raw, nodes, h, lr, momentum)
+            result = run_ideal(raw, nodes, h, {"outer_lr": lr, "outer_momentum": momentum})
             sweep.append(
                 {
                     "inner_steps": h,

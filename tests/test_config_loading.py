@@ -439,6 +439,7 @@ FROZEN_KEYS = {
     "checkpoint": "enabled directory every_steps keep_last resume overwrite save_final",
     "logging": "level file every_steps json_file format trackers project run_name",
     "distributed": "enabled mode role node_id collaborators inner_steps poll_interval sync "
+    "overlap_steps fragments "
     "round_timeout min_nodes expected_nodes max_staleness drop_after heartbeat_interval "
     "liveness_timeout train relay_to "
     "relay_leaders outer_step outer_lr outer_momentum adaptive_c adaptive_max final_average "

@@ -513,6 +513,28 @@ def test_the_error_feedback_switch_reaches_the_node(tmp_path, feedback):
     assert c.node.settings.wire.error_feedback is feedback
 
 
+def test_a_nodes_first_round_counts_from_the_start_of_its_training(tmp_path):
+    """The time before training (building, the wait for the first global) is in no round:
+    the first ``round_done`` counts compute from the end of ``start()``."""
+    repo = f"file://{tmp_path}/repo"
+    master, _, _ = make(
+        tmp_path / "m", role="master", node_id="m", repo_id=repo, train=False, round_timeout=5.0
+    )
+    worker, w_model, w_log = make(
+        tmp_path / "w", role="worker", node_id="w", repo_id=repo, round_timeout=5.0
+    )
+    master.start()
+    time.sleep(0.6)  # the worker's node exists; its training has not started
+    worker.start()
+    nudge(w_model, -0.5)
+    assert worker.after_optimizer_step(w_model, 1) is True  # upload, then global 1 merged
+    (done,) = [p for e, p in w_log.events if e == "round_done"]
+    assert done["round"] == 0 and done["step"] == 1 and done["final"] is False
+    assert done["compute_seconds"] < 0.6 and done["wait_seconds"] > 0, done
+    worker.stop()
+    master.stop()
+
+
 # -- issue 40: leaving and liveness -------------------------------------------------------
 def test_a_leaving_worker_costs_the_round_in_progress_nothing(tmp_path):
     """A worker stopped before its run ended (SIGTERM) records that it left; the round the

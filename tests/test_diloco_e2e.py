@@ -140,6 +140,13 @@ def _check_golden(tmp: Path, corpus: Path, nodes: list[TrainProcess], sets: list
     for r, row in enumerate(events):  # one contribution per node per round, every round
         assert row["included"] == [f"m/{r}", f"w1/{r}", f"w2/{r}"], row
         assert row["reason"] == "complete" and row["deltas_late"] == 0
+    for node in nodes:  # each contribution reports where its round's time went
+        done = node.events("round_done")
+        assert [row["round"] for row in done] == list(range(rounds)), node.name
+        for row in done:
+            assert row["compute_seconds"] > 0 and row["wait_seconds"] >= 0, (node.name, row)
+            total = row["compute_seconds"] + row["wait_seconds"]
+            assert row["utilization"] == pytest.approx(row["compute_seconds"] / total)
     final = load_safetensors(master.dir / "final" / "model.safetensors")
     assert json.loads((master.dir / "final" / "meta.json").read_text())["outer_step"] == rounds
     # the protocol computed exactly the in-process arithmetic
@@ -174,10 +181,15 @@ def test_three_nodes_compute_the_ideal_arithmetic_and_beat_one_node(tmp_path, co
     single = _heldout_loss(single_config, cpu_state_dict(trainer.model.state_dict()))
     global_loss = _heldout_loss(config, final)
     assert global_loss < single - 0.02, (global_loss, single)
-    # the master scored every new global; the last score is the final global's
+    # the master scored every new global; the last score is the final global's (the default
+    # final_average 2: the mean of the last two, a model no round scored, scored at the end)
     scores = nodes[0].events("eval")
     global_scores = [row for row in scores if row["scope"] == "global"]
-    assert [row["outer_step"] for row in global_scores] == list(range(1, steps // inner + 1))
+    assert sorted({row["outer_step"] for row in global_scores}) == list(
+        range(1, steps // inner + 1)
+    )
+    assert [row["final"] for row in global_scores].count(True) == 1
+    assert global_scores[-1]["final"] and global_scores[-1]["outer_step"] == steps // inner
     assert global_scores[-1]["loss"] == pytest.approx(global_loss, abs=1e-4)
     assert global_scores[-1]["loss"] < global_scores[0]["loss"] - 0.5
     step_count = json.loads((tmp_path / "exchange/global/step_count.json").read_text())
@@ -227,6 +239,45 @@ def test_three_nodes_with_adaptive_outer_steps_and_a_final_average_equal_the_ide
 
 
 @pytest.mark.parametrize(
+    "extra",
+    [
+        ("distributed.sync=overlapped", "distributed.overlap_steps=3"),
+        (
+            "distributed.sync=overlapped",
+            "distributed.overlap_steps=8",
+            "distributed.fragments=2",
+            "distributed.delta_dtype=int8",
+            "distributed.global_dtype=int8",
+        ),
+    ],
+    ids=["overlapped", "two-rounds-in-flight-fragments-int8"],
+)
+def test_overlapped_nodes_merge_each_global_at_its_step_and_equal_the_ideal(
+    tmp_path, corpus, extra
+):
+    """``sync: overlapped``: a node keeps training after its upload and merges the round's
+    global exactly ``overlap_steps`` later (held until then, awaited then), so three
+    processes compute the ideal arithmetic of the same schedule, bit for bit, whatever the
+    timing. With ``fragments: 2`` each round syncs half of the tensors (rounds of 5 steps,
+    one more round at the end syncs every tensor), the int8 global travels as the
+    fragment's outer update, and ``overlap_steps`` 8 keeps two rounds in flight: each
+    fragment's tensors are merged 8 steps after their upload, from whichever global is
+    newest by then."""
+    steps, inner = 60, 10
+    repo = f"file://{tmp_path / 'exchange'}"
+    nodes, sets = _run_golden(tmp_path, corpus, repo, _env(), steps, inner, extra)
+    config = _config(corpus, sets)
+    rounds = simulate(config, ["m", "w1", "w2"]).outer_steps
+    _, final = _check_golden(tmp_path, corpus, nodes, sets, rounds)
+    blocking = simulate(config, ["m", "w1", "w2"], sync="blocking")
+    assert rounds == blocking.outer_steps  # the same rounds, merged later: other numbers
+    assert any(not torch.equal(final[k], v) for k, v in blocking.global_state.items())
+    for node in nodes[1:]:  # a worker merges each round's global once, as an update or whole
+        pulled = [row["outer_step"] for row in node.events("global_pulled")]
+        assert pulled == sorted(set(pulled)), pulled
+
+
+@pytest.mark.parametrize(
     ("wire", "every"), [("fp32", 1), ("int8", 1), ("fp32", 2)], ids=["fp32", "int8", "every-2nd"]
 )
 def test_three_nodes_averaging_their_first_moments_equal_the_ideal(tmp_path, corpus, wire, every):
@@ -271,13 +322,16 @@ def test_three_nodes_with_an_int8_global_apply_each_update_bit_for_bit(tmp_path,
     config, final = _check_golden(tmp_path, corpus, nodes, sets, steps // inner)
     assert config.distributed.global_dtype == "int8"
     fp32 = 4 * sum(value.numel() for value in final.values() if value.is_floating_point())
+    rounds = steps // inner
     for node in nodes[1:]:
-        pulled = {row["outer_step"]: row for row in node.events("global_pulled")}
-        assert sorted(pulled) == list(range(steps // inner + 1)), node.name
-        assert pulled[0]["source"] == "full"  # the first global: nothing to apply it to
-        for outer_step in range(1, steps // inner + 1):
-            row = pulled[outer_step]
-            assert row["source"] == "update" and row["bytes"] < 0.3 * fp32, (node.name, row)
+        pulled = node.events("global_pulled")
+        updates = [row for row in pulled if row["source"] == "update"]
+        assert [row["outer_step"] for row in updates] == list(range(1, rounds + 1)), node.name
+        assert all(row["bytes"] < 0.3 * fp32 for row in updates), (node.name, updates)
+        # whole: the first global (nothing to apply it to) and, with the default
+        # final_average 2, the final model (the mean of the last two globals) at the end
+        full = [row["outer_step"] for row in pulled if row["source"] == "full"]
+        assert full == [0, rounds], (node.name, pulled)
         assert not node.events("global_update_refused")
 
 

@@ -4,6 +4,8 @@ on disk across a restart. RoundMaster over a shared-directory exchange."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from test_diloco_master import bootstrap, deliver, make_master, published
@@ -93,3 +95,24 @@ def test_the_kept_globals_survive_a_restart(tmp_path):
     assert published(t) == [-1.5, -0.5]  # (global 0 + global 1) / 2
     again.poll_once()  # a later poll publishes nothing new
     assert published(t) == [-1.5, -0.5]
+
+
+def test_the_final_mean_is_scored_like_every_global(tmp_path):
+    """Every node done with nothing left to send: the master publishes the mean of the last
+    two globals as the final model, a model no round scored, and scores it (``final``)."""
+
+    def score(state):  # the held-out "loss" of a global: the sum of its weights
+        total = float(state["w"].sum())
+        return types.SimpleNamespace(loss=total, perplexity=1.0, tokens=8)
+
+    master, t, log = make_master(tmp_path, final_average=2)
+    master.evaluate = score
+    bootstrap(master, t, "a", "b")
+    deliver(t, "a", 0, [2.0, 0.0])
+    deliver(t, "b", 0, [4.0, 2.0])
+    assert master.poll_once() is True  # global 1: [-3, -1]
+    for node in ("a", "b"):
+        t.claim_owner(node, {"instance": f"{node}-1", "state": "done", "final_round": 0})
+    assert master.poll_once() is False and master.finished.is_set()
+    scores = [(e["outer_step"], e["loss"], e["final"]) for e in log.of("eval")]
+    assert scores == [(1, -4.0, False), (1, -2.0, True)]  # the mean: [-1.5, -0.5]

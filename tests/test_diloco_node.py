@@ -14,8 +14,15 @@ import pytest
 import torch
 
 from speedtronic.config import DistributedConfig
+from speedtronic.diloco import node as node_module
 from speedtronic.diloco.exchange import RoundSettings
-from speedtronic.diloco.node import Contribution, DiLoCoNode, GlobalCandidate, GlobalInbox
+from speedtronic.diloco.node import (
+    Contribution,
+    DiLoCoNode,
+    GlobalCandidate,
+    GlobalInbox,
+    MergeDue,
+)
 
 
 class Recorder:
@@ -43,13 +50,17 @@ class Recorder:
         return [name for name, _ in self.events]
 
 
-def make_node(*, sync="blocking", inner=2, timeout=0.2, reset=False, model=None):
+def make_node(
+    *, sync="blocking", inner=2, timeout=0.2, reset=False, model=None, overlap=None, fragments=1
+):
     settings = DistributedConfig(
         inner_steps=inner,
         sync=sync,
         round_timeout=timeout,
         reset_inner_optimizer=reset,
         async_delta_upload=False,
+        overlap_steps=overlap,
+        fragments=fragments,
     )
     if model is None:
         model = torch.nn.Linear(2, 1, bias=False)
@@ -75,6 +86,32 @@ def offer(node, step, value, final=False):
     node.inbox.offer(
         GlobalCandidate(step, {"weight": torch.full((1, 2), float(value))}, final=final)
     )
+
+
+def offer_state(node, step, state, final=False):
+    node.inbox.offer(GlobalCandidate(step, {k: v.clone() for k, v in state.items()}, final=final))
+
+
+def add_all(model, amount):
+    """One inner step that adds ``amount`` to every tensor of ``model``."""
+    with torch.no_grad():
+        for value in model.state_dict().values():
+            value.add_(amount)
+
+
+def master_for_state(node):
+    """A one-node master: global ``round + 1`` = the last global minus the contribution, for
+    the tensors it holds (a fragment's, or every one), published right away."""
+    held = {}
+
+    def publish(job):
+        if not held:
+            held.update({k: torch.zeros_like(v) for k, v in node.model.state_dict().items()})
+        for key, value in job.delta.items():
+            held[key] = held[key] - value
+        offer_state(node, job.round + 1, held, final=job.final)
+
+    return publish
 
 
 def started_node(**settings):
@@ -120,7 +157,7 @@ def test_blocking_round_golden():
 
 
 def test_overlapped_merge_keeps_progress_since_upload_exactly_once():
-    node, rec, model = started_node(sync="overlapped")
+    node, rec, model = started_node(sync="overlapped", overlap=1)
     train(model, 1.0)
     node.after_optimizer_step()
     train(model, 1.0)
@@ -128,7 +165,7 @@ def test_overlapped_merge_keeps_progress_since_upload_exactly_once():
     assert [j.round for j in rec.sent] == [0] and node.rounds.installed == 0
     train(model, 0.5)  # progress after the upload, before global 1 arrives
     offer(node, 1, 100.0)  # the master's global 1
-    assert node.after_optimizer_step() is True  # merged at this step
+    assert node.after_optimizer_step() is True  # merged at this step (overlap_steps 1)
     assert weights(model) == [100.5, 100.5]  # G1 + 0.5: the step after the upload is kept
     train(model, 0.25)
     node.after_optimizer_step()  # boundary of round 1
@@ -144,7 +181,7 @@ def test_a_node_on_a_copy_asks_for_the_weights_only_when_its_round_reads_them():
     """Sharded ranks (FSDP): the model is a copy refreshed only when ``wants_weights`` says so;
     a global that arrives after the question waits for the next step, never merging into a
     stale copy, and the result equals the hooked node's golden above."""
-    node, rec, copy = make_node(sync="overlapped", inner=3)
+    node, rec, copy = make_node(sync="overlapped", inner=3, overlap=2)
     offer(node, 0, 0.0)
     node.merge_waiting()
     live = torch.zeros(1, 2)  # the sharded weights, which the copy lags between refreshes
@@ -171,6 +208,131 @@ def test_a_node_on_a_copy_asks_for_the_weights_only_when_its_round_reads_them():
     assert live.tolist() == [[100.75, 100.75]]
     assert step(0.25) == (True, False)  # boundary of round 1
     assert rec.sent[1].delta["weight"].tolist() == [[-1.0, -1.0]]  # 0.5 + 0.25 + 0.25, once
+
+
+def test_an_early_global_is_held_until_its_step_so_every_node_merges_it_at_the_same_step():
+    """``overlap_steps`` 3 of a 4-step round: global 1 arrives one step after the upload, but
+    is merged three steps after it (not before, whatever the timing: every node and the
+    ideal arithmetic merge at the same step); progress since the upload is kept once."""
+    node, rec, model = started_node(sync="overlapped", inner=4, overlap=3)
+    for _ in range(4):
+        train(model, 1.0)
+        node.after_optimizer_step()  # the fourth uploads round 0 (delta -4)
+    train(model, 0.5)
+    offer(node, 1, 100.0)  # early: held
+    assert node.after_optimizer_step() is False and node.rounds.installed == 0
+    train(model, 0.5)
+    assert node.after_optimizer_step() is False and weights(model) == [5.0, 5.0]
+    train(model, 0.5)
+    assert node.after_optimizer_step() is True  # its step: upload + 3
+    assert node.rounds.installed == 1 and weights(model) == [101.5, 101.5]
+    train(model, 0.5)
+    node.after_optimizer_step()  # boundary of round 1: the 2.0 since the upload, once
+    assert [(j.round, j.base) for j in rec.sent] == [(0, 0), (1, 1)]
+    assert rec.sent[1].delta["weight"].tolist() == [[-2.0, -2.0]]
+
+
+def test_a_late_global_is_awaited_at_its_step_and_the_wait_reported():
+    """The global of the last contribution has not arrived at its step: the node waits
+    there (bounded by ``round_timeout``), reports the wait and merges it when it lands."""
+    node, rec, model = started_node(sync="overlapped", inner=2, overlap=1, timeout=5.0)
+    rec.on_send = master_for(node, lambda job: 50.0)  # published as the upload lands
+    for _ in range(2):
+        train(model, 1.0)
+        node.after_optimizer_step()
+    assert node.rounds.installed == 0  # not merged at the upload's step
+    train(model, 1.0)
+    assert node.after_optimizer_step() is True and weights(model) == [51.0, 51.0]
+    waits = [p for n, p in rec.events if n == "sync_wait"]
+    assert waits and waits[-1]["outer_step"] == 1 and waits[-1]["timed_out"] is False
+
+
+def test_the_schedule_survives_a_checkpoint():
+    """A node resumed between its upload and the merge's step merges at that step too."""
+    node, _, model = started_node(sync="overlapped", inner=4, overlap=3)
+    for _ in range(5):
+        train(model, 1.0)
+        node.after_optimizer_step()
+    state = node.state_dict()
+    assert state["merges"] == [[7, 1]]
+    other, _, other_model = make_node(sync="overlapped", inner=4, overlap=3)
+    other.load_state_dict(state)
+    with torch.no_grad():
+        other_model.weight.copy_(model.weight)
+    offer(other, 1, 100.0)
+    train(other_model, 1.0)
+    assert other.after_optimizer_step() is False  # step 6 < 7
+    train(other_model, 1.0)
+    assert other.after_optimizer_step() is True  # step 7
+    assert weights(other_model) == [103.0, 103.0]
+
+
+def test_fragments_send_one_part_per_round_and_every_part_at_the_end():
+    """``fragments: 2``: rounds of ``inner_steps / 2`` steps, each syncing one fragment (its
+    progress since its own last sync, with its carry); the final contribution holds every
+    tensor's progress since its own fragment's round."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2, bias=False), torch.nn.Linear(2, 1))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    node, rec, model = make_node(model=model, inner=4, fragments=2, overlap=None)
+    rec.on_send = master_for_state(node)
+    offer_state(node, 0, {k: torch.zeros_like(v) for k, v in model.state_dict().items()})
+    node.merge_waiting()
+    for _ in range(4):  # rounds 0 and 1, two steps each
+        add_all(model, 1.0)
+        node.after_optimizer_step()
+    keys = [sorted(job.delta) for job in rec.sent]
+    assert keys == [list(node.fragments[0]), list(node.fragments[1])]
+    assert set(keys[0]).isdisjoint(keys[1]) and set(keys[0]) | set(keys[1]) == set(
+        model.state_dict()
+    )
+    # round 0's fragment: 2 steps; round 1's: 4 steps (since the start)
+    assert all(v.flatten().tolist() == [-2.0] * v.numel() for v in rec.sent[0].delta.values())
+    assert all(v.flatten().tolist() == [-4.0] * v.numel() for v in rec.sent[1].delta.values())
+    add_all(model, 1.0)
+    node.finish()
+    last = rec.sent[-1]
+    assert last.final and sorted(last.delta) == sorted(model.state_dict())
+    for key, value in last.delta.items():  # fragment 0: 3 steps since round 0; 1: 1 step
+        want = -3.0 if key in node.fragments[0] else -1.0
+        assert value.flatten().tolist() == [want] * value.numel(), key
+
+
+def test_fragments_keep_two_rounds_in_flight_and_merge_each_fragment_at_its_step():
+    """``fragments: 2`` (rounds of 2 steps) with ``overlap_steps`` 3: round 1 is sent before
+    round 0's global is merged; at step 5 only fragment 0's tensors take the global, at
+    step 7 fragment 1's (from the newest global, whose fragment-0 values are unchanged)."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2, bias=False), torch.nn.Linear(2, 1))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    node, rec, model = make_node(
+        model=model, sync="overlapped", inner=4, fragments=2, overlap=3, timeout=2.0
+    )
+    rec.on_send = master_for_state(node)
+    offer_state(node, 0, {k: torch.zeros_like(v) for k, v in model.state_dict().items()})
+    node.merge_waiting()
+    first, second = node.fragments
+
+    def value(key):
+        return model.state_dict()[key].flatten()[0].item()
+
+    for step in range(1, 8):
+        add_all(model, 1.0)
+        node.after_optimizer_step()
+        if step == 4:  # round 1 sent, global 1 (round 0) not merged yet: two in flight
+            assert [j.round for j in rec.sent] == [0, 1] and node.rounds.installed == 0
+        if step == 5:  # fragment 0 only, from the newest global (2: round 1 was sent at 4)
+            assert value(first[0]) == 5.0 and value(second[0]) == 5.0
+        if step == 6:
+            assert value(second[0]) == 6.0
+    # step 7: fragment 1 takes the newest global (3, published at round 2's upload, step 6;
+    # its fragment-1 values are round 1's) + the 3 steps since its upload
+    assert value(second[0]) == 7.0 and node.rounds.installed == 3
+    assert node.rounds.merges == [MergeDue(9, 3)]  # fragment 0's round 2, at step 9
+    pulled = [p["outer_step"] for n, p in rec.events if n == "global_pulled"]
+    assert pulled == [0, 2, 3]  # each global reported once, at its first merge
 
 
 def test_overlapped_boundary_waits_for_the_previous_global_then_runs_ahead():
@@ -233,6 +395,52 @@ def test_zero_contribution_is_not_uploaded():
     node.after_optimizer_step()
     node.after_optimizer_step()
     assert not rec.sent and "delta_upload_zero" in rec.names()
+
+
+class FakeTime:
+    """The node's clock (``time.monotonic``/``perf_counter`` in its module), moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    perf_counter = monotonic
+
+
+def test_each_contribution_reports_the_seconds_its_round_trained_and_waited(monkeypatch):
+    """``round_done`` at each contribution: ``compute_seconds`` in inner steps since the last
+    one, ``wait_seconds`` at the boundary on the exchange (here the upload and the master's
+    answer), ``utilization`` = compute / both; a boundary with nothing to send ends no round:
+    the next one counts its steps from the last contribution."""
+    clock = FakeTime()
+    monkeypatch.setattr(node_module, "time", clock)
+    node, rec, model = started_node()
+    node.clock.restart()  # training starts (the coordinator's start)
+
+    def slow_master(job):  # the upload and the round take 2 s, then global r+1 is there
+        clock.now += 2.0
+        offer(node, job.round + 1, 0.0)
+
+    rec.on_send = slow_master
+    for amount in (1.0, 1.0, 0.0, 0.0, 1.0, 1.0):  # rounds 0, (nothing), 1
+        clock.now += 1.5  # one inner step
+        train(model, amount)
+        node.after_optimizer_step()
+    done = [fields for name, fields in rec.events if name == "round_done"]
+    assert [(row["round"], row["step"], row["final"]) for row in done] == [
+        (0, 2, False),
+        (1, 6, False),
+    ]
+    assert done[0]["compute_seconds"] == pytest.approx(3.0)
+    assert done[0]["wait_seconds"] == pytest.approx(2.0)
+    assert done[0]["utilization"] == pytest.approx(0.6)
+    # round 1: four steps (two of them before the empty boundary) and the 2 s exchange
+    assert done[1]["compute_seconds"] == pytest.approx(6.0)
+    assert done[1]["wait_seconds"] == pytest.approx(2.0)
+    assert done[1]["utilization"] == pytest.approx(0.75)
+    assert "delta_upload_zero" in rec.names()
 
 
 def test_finish_uploads_the_final_contribution_and_installs_its_global():

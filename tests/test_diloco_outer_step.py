@@ -138,19 +138,27 @@ def test_a_2_0_0_config_with_outer_lr_or_momentum_keeps_nesterov():
     assert (section.outer_step, section.outer_lr, section.outer_momentum) == ("nesterov", 0.3, 0.9)
     section = DistributedConfig(outer_step="nesterov")
     assert (section.outer_lr, section.outer_momentum) == (0.7, 0.9)
+    # and its final model is its last global, as in 2.0.0 (no final average)
+    for section in (DistributedConfig(outer_lr=0.3), DistributedConfig(outer_step="nesterov")):
+        assert section.final_average == 1
 
 
-def test_the_default_is_plain_averaging_and_a_saved_config_reads_back_the_same():
+def test_the_default_is_adaptive_with_a_final_average_and_a_saved_config_reads_back_the_same():
     for data in ({}, {"distributed": {"outer_step": "Adaptive", "outer_lr": "1.0"}}):
         config = SpeedtronicConfig.from_dict(data)
         again = SpeedtronicConfig.from_dict(config.to_dict())
         assert again.distributed == config.distributed
         assert (config.distributed.outer_lr, config.distributed.outer_momentum) == (1.0, 0.0)
-    assert DistributedConfig().outer_step == "average"
+        assert (config.distributed.outer_step, config.distributed.final_average) == ("adaptive", 2)
+    assert (DistributedConfig().outer_step, DistributedConfig().final_average) == ("adaptive", 2)
+    # plain averaging, asked for, keeps its last global; a final average set is kept
+    assert DistributedConfig(outer_step="average").final_average == 1
+    assert DistributedConfig(outer_step="average", final_average=3).final_average == 3
+    assert DistributedConfig(final_average=1).outer_step == "adaptive"
     assert DistributedConfig(sync_inner_momentum=False).sync_inner_momentum == "off"
-    for name in ("configs/diloco.yaml", "speedtronic/defaults/diloco.yaml"):
+    for name in ("configs/diloco.yaml", "speedtronic/defaults/diloco.yaml", "configs/hub.yaml"):
         shipped = SpeedtronicConfig.from_yaml(ROOT / name).distributed
-        assert shipped.outer_step == "average" and shipped.outer_momentum == 0.0
+        assert (shipped.outer_step, shipped.final_average) == ("adaptive", 2), name
 
 
 @pytest.mark.parametrize(
@@ -185,9 +193,9 @@ def _tiny() -> SpeedtronicConfig:
 def test_the_ideal_run_reports_eta_and_a_small_c_is_plain_averaging():
     torch.set_num_threads(1)
     config, nodes = _tiny(), ["a", "b"]
-    average = simulate(config, nodes)
+    average = simulate(config, nodes, outer_step="average")
     assert average.etas == [1.0, 1.0, 1.0] and average.momentum_syncs == 0
-    quiet = simulate(config, nodes, outer_step="adaptive", adaptive_c=0.01)
+    quiet = simulate(config, nodes, outer_step="adaptive", adaptive_c=0.01, final_average=1)
     assert quiet.etas == [1.0, 1.0, 1.0]  # c x ratio < 1: eta 1, the same arithmetic
     for key, value in average.global_state.items():
         assert torch.equal(quiet.global_state[key], value), key

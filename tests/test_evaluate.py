@@ -158,6 +158,9 @@ class Manager:
     def __init__(self, log: list) -> None:
         self.log = log
 
+    def start(self) -> None:  # CheckpointManager.start: the run's training begins
+        self.log.append(("start", {}))
+
     def should_save(self, step: int) -> bool:
         return False
 

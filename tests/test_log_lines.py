@@ -57,6 +57,36 @@ def test_a_step_line_holds_the_watched_figures_within_the_limit(tmp_path):
     assert {key: step[key] for key in WIDE_STEP} == WIDE_STEP and "elapsed_s" in step
 
 
+def test_a_diloco_step_line_shows_its_last_rounds_train_and_wait_seconds(tmp_path):
+    """After a contribution (``round_done``) every step line carries the seconds its last round
+    trained and waited on the exchange, within the limit with every figure as wide as it
+    gets; the round's own line and its JSONL record say the rest."""
+    stream = io.StringIO()
+    logger = MetricLogger(stream=stream, json_file=tmp_path / "events.jsonl")
+    logger.emit("train_start", {"start_step": 0, "target_step": 999_999_999})
+    logger.emit("eval", {"step": 0, "loss": 4.901234, "perplexity": 134.4, "scope": "local"})
+    logger.emit("global_pulled", {"outer_step": 123_456, "step": 0, "source": "full"})
+    logger.emit("train_step", dict(WIDE_STEP, step=123_456_788))
+    done = {"round": 7, "step": 123_456_789, "final": False}
+    done.update(compute_seconds=998.7, wait_seconds=123.4567, utilization=0.8899)
+    logger.emit("round_done", done)
+    logger.emit("train_step", dict(WIDE_STEP))
+    logger.emit("round_done", dict(done, compute_seconds=6.4321, wait_seconds=0.04))
+    logger.emit("train_step", dict(WIDE_STEP, step=123_456_790))
+    lines = _lines(logger, stream)
+    steps = [line for line in lines if "train_step" in line]
+    assert steps[0].endswith("outer_step=123456"), steps[0]  # no round yet
+    assert len(steps[1]) <= STEP_LINE_LIMIT, (len(steps[1]), steps[1])
+    assert steps[1].endswith("eval=4.9012 outer_step=123456 train/wait=999/123s"), steps[1]
+    assert steps[2].endswith(" train/wait=6.4/0.0s"), steps[2]
+    round_line = next(line for line in lines if "round_done" in line)
+    assert round_line.endswith(
+        "round_done round=7 step=123456789 compute_seconds=999 wait_seconds=123 utilization=0.890"
+    ), round_line
+    records = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert next(r for r in records if r["event"] == "round_done")["wait_seconds"] == 123.4567
+
+
 def test_without_diloco_or_eval_a_step_line_names_neither():
     stream = io.StringIO()
     logger = MetricLogger(stream=stream)

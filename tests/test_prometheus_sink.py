@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import socket
 import urllib.error
 import urllib.request
@@ -180,6 +181,31 @@ def test_diloco_events_drive_the_diloco_series():
     sink.on_event("transport_retry", {"operation": "download", "attempt": 1, "error": "x"})
     sink.on_event("transport_retry", {"operation": "download", "attempt": 2, "error": "x"})
     assert value(sink, "speedtronic_diloco_retries_total", operation="download") == 2
+
+
+def test_a_nodes_rounds_drive_its_utilization_and_its_exchange_wait_counter():
+    """``round_done`` (one per contribution): the gauge holds the last round's compute /
+    (compute + wait), the counter adds up the seconds waited; both read back from the text
+    format as Prometheus parses it."""
+    sink = PrometheusSink("worker", "w1")
+    assert math.isnan(value(sink, "speedtronic_diloco_utilization"))  # no round yet
+    assert value(sink, "speedtronic_diloco_exchange_wait_seconds_total") == 0
+    rounds = [(6.0, 2.0), (7.5, 0.5), (3.0, 9.0)]  # (compute, wait) seconds
+    for number, (compute, wait) in enumerate(rounds):
+        util = compute / (compute + wait)
+        fields = {"round": number, "step": 20 * (number + 1), "final": False}
+        fields.update(compute_seconds=compute, wait_seconds=wait, utilization=util)
+        sink.on_event("round_done", fields)
+        assert value(sink, "speedtronic_diloco_utilization") == pytest.approx(util)
+    assert value(sink, "speedtronic_diloco_utilization") == pytest.approx(0.25)
+    assert value(sink, "speedtronic_diloco_exchange_wait_seconds_total") == pytest.approx(11.5)
+    # a payload that is not a round's figures changes nothing
+    sink.on_event("round_done", {"round": 3, "utilization": "high", "wait_seconds": -1.0})
+    assert value(sink, "speedtronic_diloco_utilization") == pytest.approx(0.25)
+    assert value(sink, "speedtronic_diloco_exchange_wait_seconds_total") == pytest.approx(11.5)
+    text = generate_latest(sink.registry).decode()
+    assert "# TYPE speedtronic_diloco_utilization gauge" in text
+    assert "# TYPE speedtronic_diloco_exchange_wait_seconds_total counter" in text
 
 
 def test_unknown_events_and_odd_payloads_are_ignored():

@@ -106,7 +106,9 @@ def _outer_step(named: dict[str, object]) -> dict[str, object]:
     given = [k for k in ("outer_lr", "outer_momentum") if named.get(k) is not None]
     step = choice(named.get("outer_step"))
     if step is None:  # 2.0.0's configs set outer_lr/outer_momentum: they keep their meaning
-        step = named["outer_step"] = "nesterov" if given else "average"
+        step = named["outer_step"] = "nesterov" if given else "adaptive"
+    if "final_average" not in named:  # the final mean goes with the extrapolated steps
+        named["final_average"] = 2 if step == "adaptive" else 1
     if step not in ("average", "adaptive"):
         return named  # nesterov, or a wrong value its field reports
     lr = "eta" if step == "adaptive" else "1.0"
@@ -243,6 +245,14 @@ class DistributedConfig:
     inner_steps: Int = F(500, "local steps per round", **STEPS)
     poll_interval: Float = F(60.0, "seconds between polls of the exchange", ge=0.001, le=DAY)
     sync: Sync = F("blocking", "blocking: wait for the round's global; overlapped: keep training")
+    overlap_steps: Int | None = F(
+        None,
+        "overlapped: steps until a contribution's global merges (<= inner_steps); null: 1/10 of it",
+        **STEPS,
+    )
+    fragments: Int = F(
+        1, "streamed: the model in N parts, one synced per round of inner_steps / N", ge=1, le=64
+    )
     round_timeout: Float = F(
         120.0, "seconds a round waits after its first on-time delta", gt=0, le=WEEK
     )
@@ -265,7 +275,8 @@ class DistributedConfig:
     relay_to: Exchange | None = F(None, "on a group leader: the top-level exchange")
     relay_leaders: Leaders = F([], "on the top-level master: the group leaders' node ids")
     outer_step: OuterStep = F(
-        "average", "average (lr 1, no momentum), nesterov (outer_lr/outer_momentum) or adaptive"
+        "adaptive",
+        "adaptive (lr eta), average (lr 1, no momentum) or nesterov (outer_lr/outer_momentum)",
     )
     outer_lr: Float = F(0.7, "outer Nesterov learning rate (outer_step: nesterov)", gt=0, le=10.0)
     outer_momentum: Float = F(0.9, "outer Nesterov momentum (outer_step: nesterov)", ge=0, lt=1.0)
@@ -276,7 +287,12 @@ class DistributedConfig:
         le=10.0,
     )
     adaptive_max: Float = F(2.0, "adaptive: the largest eta (it is at least 1)", ge=1.0, le=10.0)
-    final_average: Int = F(1, "the final model: the mean of the last N globals", ge=1, le=16)
+    final_average: Int = F(
+        2,
+        "the final model: the mean of the last N globals (default: 2 with adaptive, else 1)",
+        ge=1,
+        le=16,
+    )
     sync_inner_momentum: MomentumSync = F(
         "off", "average the inner AdamW first moment: off, every_round or every_n"
     )
@@ -311,9 +327,10 @@ class DistributedConfig:
     @classmethod
     def _resolve_outer_step(cls, values: object) -> object:
         """``outer_step`` not given: ``nesterov`` when ``outer_lr`` or ``outer_momentum`` is
-        (a 2.0.0 config keeps its meaning), else ``average``. ``average`` and ``adaptive``
-        hold ``outer_lr`` 1.0 and ``outer_momentum`` 0.0 (so a saved config reads back the
-        same); another value given beside them is a ConfigError naming both fields."""
+        (a 2.0.0 config keeps its meaning), else ``adaptive``; ``final_average`` not given: 2
+        with ``adaptive``, else 1. ``average`` and ``adaptive`` hold ``outer_lr`` 1.0 and
+        ``outer_momentum`` 0.0 (so a saved config reads back the same); another value given
+        beside them is a ConfigError naming both fields."""
         if isinstance(values, ArgsKwargs) and not values.args:  # a constructor call
             return ArgsKwargs((), _outer_step(dict(values.kwargs or {})))
         if isinstance(values, Mapping):
@@ -339,6 +356,7 @@ class DistributedConfig:
                 "distributed.relay_to must name the top-level exchange, not the group's "
                 "own distributed.repo_id"
             )
+        self._check_rounds()
         if self.retry_max < self.retry_initial:
             raise ConfigError(
                 "distributed retry bounds are invalid (distributed.retry_max must be >= "
@@ -368,6 +386,33 @@ class DistributedConfig:
             raise ConfigError(
                 f"distributed.min_nodes ({self.min_nodes}) exceeds distributed.expected_nodes "
                 f"({self.expected_nodes}): no round of the run could close"
+            )
+
+    def _check_rounds(self) -> None:
+        """A round is ``inner_steps / fragments`` steps (every fragment is synced every
+        ``inner_steps``), and an overlapped node merges a round's global before the next
+        sync of its tensors (several rounds may be in flight with fragments)."""
+        if self.inner_steps % self.fragments:
+            raise ConfigError(
+                f"distributed.fragments: {self.fragments} must divide distributed.inner_steps "
+                f"({self.inner_steps}): a round syncs one fragment every inner_steps / fragments "
+                "steps"
+            )
+        if self.overlap_steps is not None and self.overlap_steps > self.inner_steps:
+            raise ConfigError(
+                f"distributed.overlap_steps: {self.overlap_steps} is longer than "
+                f"distributed.inner_steps ({self.inner_steps}): a tensor's global must be merged "
+                "before its next sync"
+            )
+        if self.fragments > 1 and self.sync_inner_momentum != "off":
+            raise ConfigError(
+                "distributed.fragments > 1 syncs a part of the model per round; "
+                "distributed.sync_inner_momentum needs whole rounds: set it off"
+            )
+        if self.fragments > 1 and (self.relay_to is not None or self.relay_leaders):
+            raise ConfigError(
+                "distributed.fragments > 1 is not supported with relays (distributed.relay_to, "
+                "distributed.relay_leaders): a group leader forwards whole rounds"
             )
 
     @property

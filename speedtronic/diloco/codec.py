@@ -387,6 +387,32 @@ def check_like(
             raise ValueError(f"{what}: {key} has shape {_shape(got[key])}, expected {_shape(want)}")
 
 
+def fragments_of(state: Mapping[str, torch.Tensor], parts: int) -> list[tuple[str, ...]]:
+    """The floating tensors of a model's ``state_dict()`` in ``parts`` fragments (streamed
+    rounds sync one each): the tensors grouped by storage (tied weights travel together),
+    the groups ordered by their first key name and cut into ``parts`` runs of about equal
+    size. The same model config gives the same fragments on every node. ``ValueError`` when
+    there are fewer groups than ``parts``."""
+    groups: dict[tuple[object, ...], list[str]] = {}
+    for key, value in state.items():
+        if _is_floating(value):
+            identity = (value.data_ptr(), value.dtype, tuple(value.shape), value.stride())
+            groups.setdefault(identity, []).append(key)
+    ordered = sorted((sorted(keys), state[keys[0]].numel()) for keys in groups.values())
+    if len(ordered) < parts:
+        raise ValueError(f"the model has {len(ordered)} tensors to split into {parts} fragments")
+    total = sum(size for _, size in ordered)
+    cuts: list[list[str]] = [[] for _ in range(parts)]
+    done = 0
+    for index, (keys, size) in enumerate(ordered):
+        # about equal sizes, and never an empty fragment: as many groups left as fragments
+        part = min(parts - 1, done * parts // max(total, 1), index)
+        part = max(part, parts - (len(ordered) - index))
+        cuts[part].extend(keys)
+        done += size
+    return [tuple(keys) for keys in cuts]
+
+
 def compute_pseudo_gradient(
     baseline: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
@@ -840,21 +866,25 @@ class DeltaReader:
             )
 
     def check(
-        self, reference: Mapping[str, torch.Tensor], *, max_abs: float = MAX_DELTA_ABS
+        self,
+        reference: Mapping[str, torch.Tensor],
+        *,
+        max_abs: float = MAX_DELTA_ABS,
+        partial: bool = False,
     ) -> str:
         """Check the file against the floating part of ``reference``: its keys and shapes
-        (:func:`check_like`), the wire dtypes, finite values within ``max_abs`` (quantized:
-        the checks of :meth:`WireCodec.read`, so no decoded value exceeds ``max_abs``), then
-        the digest the header names (:data:`DATA_DIGEST`); ``ValueError`` naming the problem.
-        Returns the sha256 of the values (a re-sent copy has the same digest)."""
+        (:func:`check_like`; ``partial``: a fragment's, some of the model's keys with their
+        shapes), the wire dtypes, finite values within ``max_abs`` (quantized: the checks of
+        :meth:`WireCodec.read`, so no decoded value exceeds ``max_abs``), then the digest the
+        header names (:data:`DATA_DIGEST`); ``ValueError`` naming the problem. Returns the
+        sha256 of the values (a re-sent copy has the same digest)."""
         codec, shapes = self._layout()
         model = {key: tuple(value.shape) for key, value in floating_state(reference).items()}
         moments = {k: v for k, v in shapes.items() if is_moment(k)}
-        check_like(
-            model,
-            {k: v for k, v in shapes.items() if k not in moments},
-            what="the delta does not match the model",
-        )
+        values = {k: v for k, v in shapes.items() if k not in moments}
+        if partial and values:  # a fragment: the model's tensors it names, no others
+            model = {k: v for k, v in model.items() if k in values} or model
+        check_like(model, values, what="the delta does not match the model")
         for key, shape in moments.items():  # a first moment: of a model tensor, its shape
             if model.get(key[len(MOMENT_PREFIX) :]) != tuple(shape):
                 raise ValueError(f"{key} is no first moment of a model tensor of its shape")
@@ -900,30 +930,37 @@ class DeltaReader:
         self._check_digest()
         return values
 
+    def model_keys(self) -> list[str]:
+        """The model tensors the file holds values of (all of them, or a fragment's)."""
+        return sorted(k for k in self._layout()[1] if not is_moment(k))
+
     def add_to(
         self,
         total: dict[str, torch.Tensor],
-        scale: float = 1.0,
+        scale: float | Mapping[str, float] = 1.0,
         observe: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
-        """``total[key] += scale * value`` in float32 for every key of ``total`` (the file
-        checked first); a quantized file is decoded one tensor at a time. ``observe`` sees
-        every decoded float32 slice before it is scaled (the adaptive outer step's norms)."""
+        """``total[key] += scale * value`` in float32 for every key of ``total`` the file holds
+        (the file checked first; ``scale`` one number or one per key); a quantized file is
+        decoded one tensor at a time. ``observe`` sees every decoded float32 slice before it
+        is scaled (the adaptive outer step's norms)."""
         codec = WireCodec.from_metadata(self.metadata)
-        for key in sorted(total):
+        held = set(self._layout()[1])  # a fragment's tensors (or every one), first moments
+        for key in sorted(k for k in total if k in held):
+            alpha = scale if isinstance(scale, float | int) else scale[key]
             if codec.bits is not None:
                 shape = tuple(total[key].shape)
                 value = codec.read(key, self._file.get_tensor, shape, MAX_DELTA_ABS)
                 if observe is not None:
                     observe(value)
-                total[key].add_(value, alpha=scale)
+                total[key].add_(value, alpha=alpha)
                 continue
             flat = total[key].view(-1)
             for start, stop in value_slices(flat.numel()):
                 part = self._file.read_flat(key, start, stop).to(torch.float32)
                 if observe is not None:
                     observe(part)
-                flat[start:stop].add_(part, alpha=scale)
+                flat[start:stop].add_(part, alpha=alpha)
 
 
 @contextlib.contextmanager
@@ -1035,8 +1072,10 @@ def read_update(
         fmt = WireCodec.from_metadata(header)
         if fmt.bits is None:
             raise ValueError(f"an update holds int8 or int4 codes, not {fmt.name}")
-        floating = [k for k, v in held.state.items() if v.is_floating_point()]
-        if set(opened.keys()) != set(floating) | {k + SCALE_SUFFIX for k in floating}:
+        # every floating tensor of the global, or a fragment's (streamed rounds)
+        named = set(opened.keys())
+        floating = [k for k, v in held.state.items() if v.is_floating_point() and k in named]
+        if not floating or named != set(floating) | {k + SCALE_SUFFIX for k in floating}:
             raise ValueError("the update's keys do not match the global's floating tensors")
         result = dict(held.state)
         for key in floating:  # codes (dtype, count, range) and scales (count, finite, bound)

@@ -389,6 +389,8 @@ class DumbDiLoCoCoordinator:
         self.inbox.start()
         if self.master is not None:
             self.master.start()
+        if node is not None:  # its first round begins with training, after the start's waits
+            node.clock.restart()
         if self._beats is not None:
             self._beats.start()
         self._started = True

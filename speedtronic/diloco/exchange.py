@@ -142,7 +142,7 @@ def syncs_momentum(mode: str, every: int, outer_step: int) -> bool:
 class RoundRules:
     """When rounds happen and how long anyone waits for them (docs/diloco.md "Settings")."""
 
-    inner_steps: int  # local steps per round
+    inner_steps: int  # local steps between two syncs of one tensor
     sync: str  # blocking | overlapped
     round_timeout: float
     poll_interval: float
@@ -156,10 +156,17 @@ class RoundRules:
     reset_inner_optimizer: bool
     heartbeat_interval: float  # a node's liveness beat (Hub: a look whether it is waited for)
     liveness_timeout: float  # no beat for this long: not waited for (0: off)
+    fragments: int = 1  # the model's parts, one synced per round
+    overlap_steps: int = 0  # steps from a contribution to its global's merge (0: blocking)
+
+    @property
+    def round_steps(self) -> int:
+        """Local steps per round: ``inner_steps / fragments``."""
+        return self.inner_steps // self.fragments
 
     def steps_behind(self, outer_step: int) -> int:
         """The inner steps a node trained to reach global ``outer_step``."""
-        return outer_step * self.inner_steps
+        return outer_step * self.round_steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +218,7 @@ class RoundSettings:
             c.inner_steps, c.sync, c.round_timeout, c.poll_interval, c.min_nodes,
             c.expected_nodes, c.max_staleness, c.drop_after, tuple(c.relay_leaders),
             c.sync == "overlapped" and c.async_delta_upload, c.delta_upload_shutdown_timeout,
-            c.reset_inner_optimizer, *c.liveness,
+            c.reset_inner_optimizer, *c.liveness, c.fragments, _overlap_steps(c),
         )  # fmt: skip
         wire = WireFormat(c.delta_dtype, c.delta_block_size, c.global_dtype, c.error_feedback)
         outer = OuterRule(
@@ -219,6 +226,15 @@ class RoundSettings:
             c.final_average, c.sync_inner_momentum, c.inner_momentum_every,
         )  # fmt: skip
         return cls(rules, wire, outer)
+
+
+def _overlap_steps(config: DistributedConfig) -> int:
+    """``sync: overlapped``: ``overlap_steps``; null: a tenth of ``inner_steps`` (at least 1:
+    each stale step costs quality, a tenth of a tensor's period measured within 1% of
+    blocking, docs/diloco.md); blocking: 0."""
+    if config.sync != "overlapped":
+        return 0
+    return config.overlap_steps or max(1, config.inner_steps // 10)
 
 
 def max_global_bytes(like: Mapping[str, torch.Tensor]) -> int:

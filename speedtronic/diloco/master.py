@@ -14,6 +14,7 @@ sum; a delta is read a tensor at a time, the outer step runs a slice at a time.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -221,6 +222,7 @@ class Fold:
     instances: dict[str, str] = dataclasses.field(default_factory=dict)
     finals: dict[str, int] = dataclasses.field(default_factory=dict)
     late: int = 0
+    key_weights: dict[str, int] = dataclasses.field(default_factory=dict)  # per tensor
     moments: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # weighted sums
     moment_weights: dict[str, float] = dataclasses.field(default_factory=dict)
     norms: NormTally = dataclasses.field(default_factory=NormTally)  # for outer_step: adaptive
@@ -724,8 +726,10 @@ class RoundMaster:
             codec.return_free_memory()  # the file's temporaries, before the next file's
         if not fold.marks:
             return None
-        for value in total.values():
-            value.div_(float(fold.weight))
+        # the mean of each tensor the files held (streamed: a fragment's; else every one)
+        fold.total = {
+            k: v.div_(float(fold.key_weights[k])) for k, v in total.items() if k in fold.key_weights
+        }
         fold.mean_moments = self._mean_moments(fold)
         return fold
 
@@ -863,14 +867,19 @@ class RoundMaster:
                 return
             weight = max(w for _, _, _, w in readers)
             share = weight / len(readers)  # several files of one node: each counts its share
+            # of each tensor (a fragment's file holds some): the files that hold it share it
+            holders = collections.Counter(k for *_, r, _ in readers for k in r.model_keys())
             moments = self.outer.moments_due(self.outer_step + 1)
             for round, _, reader, _ in readers:
                 observe = functools.partial(fold.norms.add, weight=share)
-                reader.add_to(fold.total, scale=share, observe=observe)
+                scales = {key: weight / holders[key] for key in reader.model_keys()}
+                reader.add_to(fold.total, scale=scales, observe=observe)
                 fold.norms.close(share)
                 if moments and round == self.outer_step:  # a late file's moments: too old
                     self._add_moments(reader, weight, fold)
         fold.weight += weight
+        for key in holders:
+            fold.key_weights[key] = fold.key_weights.get(key, 0) + weight
         for round, path, _, _ in readers:
             fold.included.append(f"{node_id}/{round}")
             fold.consumed.append(path)
@@ -890,7 +899,7 @@ class RoundMaster:
             reader = stack.enter_context(codec.open_delta(local))
             leaders, step = self.settings.rules.relay_leaders, self.outer_step
             weight = self.roster.check_identity(node_id, reader.metadata, round, step, leaders)
-            digest = reader.check(self.global_state)
+            digest = reader.check(self.global_state, partial=self.settings.rules.fragments > 1)
             if self.state.digests.get(node_id) == digest:
                 raise ValueError("the same values as its node's last contribution")
         except RemoteNotFound:
@@ -913,6 +922,12 @@ class RoundMaster:
     def _after_publish(self, final: bool) -> None:
         self._hand_over()
         state = self.global_state  # read while the master thread does nothing else
+        self._score(state, final=final)
+        if final:
+            self._finalize(state)
+
+    def _score(self, state: dict[str, torch.Tensor], *, final: bool) -> None:
+        """An ``eval`` event for ``state`` (``final``: the final model) when it scores one."""
         result = self.evaluate(state) if self.evaluate is not None else None
         if result is not None:
             self._emit(
@@ -923,9 +938,8 @@ class RoundMaster:
                 loss=result.loss,
                 perplexity=result.perplexity,
                 tokens=result.tokens,
+                final=final,
             )
-        if final:
-            self._finalize(state)
 
     def _finish(self) -> None:
         """Every node is done and nothing is left: mark the published global final (with
@@ -937,6 +951,8 @@ class RoundMaster:
         # files refused after the last round are reported here, or they would never be counted
         self._emit("final_global", outer_step=self.outer_step, **self.refusals.report())
         self.refusals.reset()
+        if self.settings.outer.final_average > 1:  # a model no round scored: the mean
+            self._score(self.global_state, final=True)
         self._finalize(self.global_state)
 
     def _finalize(self, state: dict[str, torch.Tensor]) -> None:

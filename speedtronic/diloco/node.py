@@ -4,31 +4,40 @@ A node keeps an *anchor*: the float32 weights its next contribution is measured 
 installed global, or its own weights at its last upload). After every applied optimizer step
 (``Optimizer.register_step_post_hook``, as torchft's ``local_sgd.py`` does)::
 
-    count the step; merge a waiting newer global if the node already contributed for its base
-    every ``inner_steps`` steps (a boundary):
-        overlapped: wait (<= round_timeout) for the global of the previous contribution
-        contribution = anchor - weights + carry + residual  (float32, the pseudo-gradient,
-                       in the old anchor's buffers)
+    count the step
+    overlapped: at the step scheduled for it (overlap_steps after the upload), wait
+        (<= round_timeout) for the global of the last contribution and merge it; not before
+    otherwise: merge a waiting newer global if the node already contributed for its base
+    every round_steps = inner_steps / fragments steps (a boundary):
         round        = max(installed outer step, last uploaded round + 1)
+        tensors      = fragment round % fragments (fragments > 1), else every one
+        contribution = anchor - weights + carry + residual  of those tensors (float32, the
+                       pseudo-gradient, in the old anchor's buffers)
         sent         = the contribution as the wire carries it (delta_dtype: fp32 exact;
                        bf16/fp16 cast; int8/int4 blockwise codes + scales), encoded tensor
                        by tensor as the upload's file is written
-        anchor := weights; upload (background thread when overlapped and async)
+        anchor := weights (those tensors); upload (background thread when overlapped)
         upload arrived: residual = contribution - decode(sent), in the contribution's
                        buffers (error feedback; fp32: none)
         blocking: wait (<= round_timeout) for the global that includes the contribution
+        overlapped: schedule its merge overlap_steps (<= round_steps) from now
     merge global G:  weights := G + (weights - anchor);  anchor := G  (in place)
 
-The merge counts every step of progress made since the upload exactly once. A newer global
-that arrives before the node contributed for its current base is held until the boundary:
-that contribution is late, and the master folds it into the open round when it is at most
-``max_staleness`` rounds old. A failed upload is carried whole (residual included) into the
-next contribution, so nothing is counted twice; the final one is sent again, up to
-``FINAL_UPLOAD_ATTEMPTS`` times, with a ``done`` status, and :meth:`DiLoCoNode.finish` installs
-the global that includes it. Network failures are state (logged, counted, carried), never a
-crash of the training loop. Below the round: its state (:class:`Rounds`, :class:`Progress`,
-:class:`RunEnd`) and what passes between the training thread and the exchange; the node's
-link to the exchange and its identity are :mod:`.link`'s.
+The merge counts every step of progress made since the upload exactly once; an overlapped
+node trains on from its own weights meanwhile (its own progress stands in for the round's
+mean until the global lands, then the global replaces it). Merging at a fixed step, never
+at arrival, makes every node and the ideal arithmetic
+(:func:`speedtronic.testing.diloco_ideal.simulate`) merge at the same step, whatever the
+link. A newer global that arrives before the node contributed for its current base is held
+until the boundary: that contribution is late, and the master folds it into the open round
+when it is at most ``max_staleness`` rounds old. A failed upload is carried whole (residual
+included) into the next contribution of its tensors, so nothing is counted twice; the final
+one (every tensor) is sent again, up to ``FINAL_UPLOAD_ATTEMPTS`` times, with a ``done``
+status, and :meth:`DiLoCoNode.finish` installs the global that includes it. Network failures
+are state (logged, counted, carried), never a crash of the training loop. Below the round:
+its state (:class:`Rounds`, :class:`Progress`, :class:`RunEnd`) and what passes between the
+training thread and the exchange; the node's link to the exchange and its identity are
+:mod:`.link`'s.
 """
 
 from __future__ import annotations
@@ -54,11 +63,13 @@ __all__ = [
     "DiLoCoNode",
     "GlobalCandidate",
     "GlobalInbox",
+    "MergeDue",
     "SentMoments",
     "Uploader",
     "first_moments",
     "float_state",
     "install_first_moments",
+    "merge_state",
 ]
 
 _LOG = logging.getLogger("speedtronic.diloco")
@@ -101,8 +112,12 @@ class DiLoCoNode:
         self.step = 0  # optimizer steps applied (absolute)
         self.inner = 0  # steps since the last contribution
         self.rounds = Rounds()  # the global installed, the rounds used up
+        self._latest: GlobalCandidate | None = None  # kept for the next fragment's merge
+        parts = settings.rules.fragments  # streamed: the tensors a round syncs, round by round
+        self.fragments = codec.fragments_of(model.state_dict(), parts) if parts > 1 else None
         self.progress = Progress(float_state(model))  # what the next contribution is made of
         self.end = RunEnd()  # how far the end of the run got
+        self.clock = RoundClock()  # where the time since the last contribution went
         self.fatal: Exception | None = None  # a permanent upload failure
         self.interrupted = threading.Event()
         self.last_heartbeat = time.monotonic()
@@ -138,9 +153,12 @@ class DiLoCoNode:
     # -- the per-step hook ------------------------------------------------------------------
     def wants_weights(self) -> bool:
         """Whether the next :meth:`after_optimizer_step` reads or writes the weights (a
-        boundary is due, or a waiting global may be merged): a sharded rank refreshes its
-        copy only then."""
-        due = self.inner + 1 >= self.settings.rules.inner_steps
+        boundary is due, a scheduled merge falls due, or a waiting global may be merged): a
+        sharded rank refreshes its copy only then."""
+        due = self.inner + 1 >= self.settings.rules.round_steps
+        merges = self.rounds.merges
+        if merges:
+            return due or self.step + 1 >= merges[0].step
         return due or (self.may_merge() and self.inbox.waiting_step() >= 0)
 
     def after_optimizer_step(self, *, weights_current: bool = True) -> bool:
@@ -151,10 +169,48 @@ class DiLoCoNode:
         self.inner += 1
         self.beat()
         self.inbox.poll_due()
-        merged = self.merge_waiting() if weights_current and self.may_merge() else False
-        if self.inner >= self.settings.rules.inner_steps:
+        started = time.monotonic()  # a scheduled merge may wait here: the exchange's time
+        merged = self._merge_now() if weights_current else False
+        self.clock.waited += time.monotonic() - started
+        if self.inner >= self.settings.rules.round_steps:
             merged = self._boundary(final=False) or merged
         return merged
+
+    def _merge_now(self, *, every: bool = False) -> bool:
+        """Merge what is due at this step (``every``: all that is scheduled, before a final
+        contribution): the global of each contribution at its scheduled step (``sync:
+        overlapped``: ``overlap_steps`` after the upload; held until then, awaited then),
+        else a waiting newer global once the node contributed for its base. True when a
+        global was merged."""
+        merges = self.rounds.merges
+        if not merges:
+            return self.merge_waiting() if self.may_merge() else False
+        merged = False
+        while merges and (every or merges[0].step <= self.step):
+            merged = self._merge_scheduled(merges.pop(0)) or merged
+        return merged
+
+    def _merge_scheduled(self, due: MergeDue) -> bool:
+        """A scheduled merge: once the contribution's upload is done, wait (<=
+        ``round_timeout``) for a global that includes it and merge the tensors its round
+        synced (a fragment's, or every one). An upload that failed is carried: the global is
+        merged when the node contributed for its base (as any late global)."""
+        sent = due.outer_step - 1
+        pending = self.uploads.pending
+        if pending is not None and pending.round == sent:
+            self.uploads.drain()
+        last = self.rounds.last_round
+        if last is None or last < sent:  # failed: carried into a later contribution
+            quiet = not self.rounds.merges and self.may_merge()
+            return self.merge_waiting() if quiet else False
+        keys = self._fragment(sent)
+        return self._await_global(due.outer_step, self.settings.rules.round_timeout, keys)
+
+    def _fragment(self, round_number: int) -> tuple[str, ...] | None:
+        """The tensors round ``round_number`` syncs (None: every one)."""
+        if self.fragments is None:
+            return None
+        return self.fragments[round_number % len(self.fragments)]
 
     def _raise_fatal(self) -> None:
         """An upload failed permanently (auth refused, path not writable): stop the node."""
@@ -171,22 +227,25 @@ class DiLoCoNode:
 
     def _boundary(self, *, final: bool) -> bool:
         """Take and upload this round's contribution; wait for its global when blocking."""
-        merged = False
+        begun = time.monotonic()
+        merged = self._merge_now(every=final)  # due by now, or all before the final one
         previous = self._global_before_sending()
         if previous is not None:
-            merged = self._await_global(previous, self.settings.rules.round_timeout)
+            merged = self._await_global(previous, self.settings.rules.round_timeout) or merged
         self.uploads.drain()
+        # a round is used up only by an upload that arrived (see _upload): carried progress
+        # goes out under the same round, so an outage never pushes rounds past the master's
+        this_round = self.rounds.next_round()
+        keys = None if final else self._fragment(this_round)
         with self._lock:
-            delta, self.progress.anchor = self._take_contribution()
+            delta, self.progress.anchor = self._take_contribution(keys)
             self.inner = 0
         if codec.is_all_zero(delta):
             self._emit("delta_upload_zero", step=self.step)
             if final:
                 self._send_done()
+            self.clock.waited += time.monotonic() - begun  # no round: its time runs on
             return merged
-        # a round is used up only by an upload that arrived (see _upload): carried progress
-        # goes out under the same round, so an outage never pushes rounds past the master's
-        this_round = self.rounds.next_round()
         syncs = self.settings.outer.syncs_moments(this_round + 1)
         if self.optimizer is not None and syncs:  # they travel with the delta, no error feedback
             moments = first_moments(self.model, self.optimizer)
@@ -206,33 +265,50 @@ class DiLoCoNode:
             if uploaded:
                 timeout = self.settings.rules.round_timeout * (2 if final else 1)
                 merged = self._await_global(this_round + 1, timeout) or merged
+        else:  # overlapped: its global is merged overlap_steps from now, whenever it arrived
+            due = MergeDue(self.step + self.settings.rules.overlap_steps, this_round + 1)
+            self.rounds.merges.append(due)
+        laps = self.clock.lap(begun)
+        self._emit("round_done", round=this_round, step=self.step, final=final, **laps)
         return merged
 
     def _global_before_sending(self) -> int | None:
-        """``sync: overlapped``: the global of the previous contribution, which the node waits
-        for (bounded) before it sends the next one, when it holds a global older than that
-        (none before its first global: it trains from its own weights)."""
-        if self.settings.rules.sync != "overlapped" or self.rounds.installed is None:
+        """``sync: overlapped`` with at most a round in flight (``overlap_steps`` <= a round):
+        the global of the previous contribution, which the node waits for (bounded) before it
+        sends the next one, when it holds a global older than that (none before its first
+        global: it trains from its own weights); its schedule already awaited it, so this
+        wait is only the rest of one that timed out."""
+        rules = self.settings.rules
+        if rules.sync != "overlapped" or rules.overlap_steps > rules.round_steps:
+            return None
+        if self.rounds.installed is None:
             return None
         return self.rounds.awaited()
 
-    def _take_contribution(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """``(anchor - weights) + carry + residual`` in the old anchor's buffers, and the new
-        anchor (the weights, float32), one tensor at a time: the carry and the residual are
-        let go as the new anchor grows, so the node never holds a third copy of the model."""
+    def _take_contribution(
+        self, keys: Iterable[str] | None = None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """``(anchor - weights) + carry + residual`` of ``keys`` (None: every tensor; a
+        fragment's with ``fragments`` > 1) in the old anchor's buffers, and the new anchor (the
+        weights, float32, for those keys), one tensor at a time: the carry and the residual of
+        those keys are let go as the new anchor grows, so the node never holds a third copy of
+        the model; those of other keys wait for their fragment's round."""
         state = self.model.state_dict()
         current = {key: value for key, value in state.items() if value.is_floating_point()}
         owed = self.progress
-        extras = [dict(x) for x in (owed.carry, owed.residual) if x is not None]
-        owed.carry = owed.residual = None
         codec.check_like(owed.anchor, current, what="the model does not match its anchor")
-        anchor: dict[str, torch.Tensor] = {}
-        for key, delta in owed.anchor.items():
+        carry, residual = dict(owed.carry or {}), dict(owed.residual or {})
+        owed.carry = owed.residual = None  # popped below: let go tensor by tensor
+        anchor = dict(owed.anchor)
+        delta: dict[str, torch.Tensor] = {}
+        for key in owed.anchor if keys is None else keys:
             anchor[key] = current[key].detach().to("cpu", torch.float32, copy=True)
-            delta.sub_(anchor[key])
-            for extra in extras:
-                delta.add_(extra.pop(key))
-        return owed.anchor, anchor
+            delta[key] = owed.anchor[key].sub_(anchor[key])
+            for extra in (carry, residual):
+                if key in extra:
+                    delta[key].add_(extra.pop(key))
+        owed.carry, owed.residual = carry or None, residual or None
+        return delta, anchor
 
     def _upload(self, job: Contribution) -> None:
         """Send ``job``. Arrived: its round is used up and the wire's leftover becomes the
@@ -250,11 +326,11 @@ class DiLoCoNode:
                 self._emit("status_upload_failed", step=job.step, round=job.round, error=str(exc))
                 return
             delta = codec.without_moments(job.delta)
-            with self._lock:
-                carry = self.progress.carry
-                self.progress.carry = (
-                    delta if carry is None else {k: v + carry[k] for k, v in delta.items()}
-                )
+            with self._lock:  # a fragment's carry waits beside the other fragments'
+                carry = dict(self.progress.carry or {})
+                for key, value in delta.items():
+                    carry[key] = value + carry[key] if key in carry else value
+                self.progress.carry = carry
             _LOG.warning(
                 f"delta upload for round {job.round} failed; carried to the next one: {exc}"
             )
@@ -264,8 +340,9 @@ class DiLoCoNode:
             self.rounds.used(job.round)
             job.arrived = True  # a checkpoint no longer holds it (its buffers are reused)
             if isinstance(job.wire, codec.EncodedView) and self.settings.wire.error_feedback:
-                # in the contribution's buffers
-                self.progress.residual = codec.without_moments(job.wire.keep_residual())
+                # in the contribution's buffers, beside the other fragments' residuals
+                kept = codec.without_moments(job.wire.keep_residual())
+                self.progress.residual = {**(self.progress.residual or {}), **kept}
             names = [k[len(codec.MOMENT_PREFIX) :] for k in job.delta or () if codec.is_moment(k)]
             if names:
                 self.rounds.moments_sent = SentMoments(job.round, frozenset(names))
@@ -293,9 +370,29 @@ class DiLoCoNode:
         self.merge(candidate)
         return True
 
-    def _await_global(self, outer_step: int, timeout: float) -> bool:
+    def _merge_part(self, outer_step: int, keys: tuple[str, ...]) -> bool:
+        """Merge the tensors ``keys`` (a fragment's) of the newest global once it is global
+        ``outer_step`` or later: they are the same in every global until the fragment's next
+        round, whose contribution this node has not sent yet (the global is kept for the
+        fragments scheduled after this one). A new run's global is installed whole."""
+        candidate = self.inbox.take() or self._latest
+        if candidate is None:
+            return False
+        if self._new_run(candidate):
+            self.merge(candidate)
+            return True
+        if candidate.outer_step < outer_step:
+            self._latest = candidate
+            return False
+        self.merge(candidate, keys)
+        return True
+
+    def _await_global(
+        self, outer_step: int, timeout: float, keys: tuple[str, ...] | None = None
+    ) -> bool:
         """Wait (bounded, interruptible) until a global with outer step >= ``outer_step`` is
-        merged; newer globals met on the way are merged too. True when one was merged."""
+        merged (``keys``: only those tensors of it); newer globals met on the way are merged
+        too. True when one was merged."""
         started = time.monotonic()
         deadline = started + timeout
         self.inbox.poke()
@@ -305,8 +402,12 @@ class DiLoCoNode:
 
         def arrived() -> bool:  # or a new run started (its round count begins again)
             nonlocal merged
-            merged = self.merge_waiting() or merged
-            return rounds.holds(outer_step) or rounds.last_round is None or rounds.run_id != run
+            if keys is not None:  # a fragment: merged from the newest global, once
+                merged = merged or self._merge_part(outer_step, keys)
+            else:
+                merged = self.merge_waiting() or merged
+            ready = merged if keys is not None else rounds.holds(outer_step)
+            return ready or rounds.last_round is None or rounds.run_id != run
 
         def waited() -> bool:
             if arrived():
@@ -317,7 +418,7 @@ class DiLoCoNode:
 
         wait_for(waited, timeout=timeout, interval=0.0, stop=self.interrupted)
         waited_s = time.monotonic() - started
-        timed_out = not rounds.holds(outer_step)
+        timed_out = not (merged if keys is not None else rounds.holds(outer_step))
         self._emit("sync_wait", outer_step=outer_step, seconds=waited_s, timed_out=timed_out)
         # a new run (reported by merge) or a stop request ends the wait without a timeout
         if timed_out and rounds.run_id == run and not self.interrupted.is_set():
@@ -359,22 +460,27 @@ class DiLoCoNode:
         return other or candidate.outer_step < installed
 
     @torch.no_grad()
-    def merge(self, candidate: GlobalCandidate) -> None:
-        """``weights := G + (weights - anchor)``; ``anchor := G`` (training thread only). A
-        global of another run is installed as it is: the old run's progress, carry, residual
-        and round numbers do not belong to the new one."""
+    def merge(self, candidate: GlobalCandidate, keys: tuple[str, ...] | None = None) -> None:
+        """``weights := G + (weights - anchor)``; ``anchor := G`` (training thread only), for
+        the tensors ``keys`` (a fragment's; None: every one). A global of another run is
+        installed as it is: the old run's progress, carry, residual and round numbers do not
+        belong to the new one."""
         self._check_fits(candidate)
+        fresh, candidate.merged = not candidate.merged, True
+        self._latest = candidate if keys else None
         if self._new_run(candidate):
+            keys = None
             _LOG.warning(
                 f"a new run started on the exchange (global {candidate.outer_step}, run "
                 f"{candidate.run_id or '?'}); restarting the round count from it",
             )
             with self._lock:
-                self.rounds.last_round, self.inner = None, 0
+                self.rounds.last_round, self.rounds.merges, self.inner = None, [], 0
                 self.progress = Progress(float_state(self.model))  # progress since is dropped
             self.rounds.installed = None
         with self._lock:
-            self._install(candidate.state)
+            state = candidate.state
+            self._install(state if keys is None else {k: state[k] for k in keys})
             self.rounds.installed = candidate.outer_step
             self.rounds.run_id = candidate.run_id or self.rounds.run_id
             self.end.final_seen = self.end.final_seen or candidate.final
@@ -386,6 +492,8 @@ class DiLoCoNode:
             # the mean of the round this node sent its own to; any other round's: kept its own
             self._install_moments(candidate.outer_step, moments[0], moments[1], sent)
             self.rounds.moments_sent = None
+        if not fresh:  # the tensors of another fragment, from a global already pulled
+            return
         self._emit(
             "global_pulled",
             outer_step=candidate.outer_step,
@@ -429,25 +537,8 @@ class DiLoCoNode:
         install_first_moments(self.model, self.optimizer, moments)
 
     def _install(self, global_state: Mapping[str, torch.Tensor]) -> None:
-        """``weights := G + (weights - anchor)``, ``anchor := G``, tensor by tensor and in
-        place. A tensor the model holds under several keys (tied weights) is written once,
-        from its first key: all its keys hold the same values."""
-        state = self.model.state_dict()
-        written: set[tuple[object, ...]] = set()
-        for key, value in global_state.items():
-            target = state.get(key)
-            if target is None or tuple(target.shape) != tuple(value.shape):
-                continue
-            anchor = self.progress.anchor.get(key)
-            identity = (target.data_ptr(), target.dtype, tuple(target.shape), target.stride())
-            if identity not in written:
-                written.add(identity)
-                if anchor is None:  # not a float entry: installed as it is
-                    target.copy_(value.to(target.device, target.dtype))
-                    continue
-                _merge_into(target, anchor, value)
-            if anchor is not None:
-                anchor.copy_(value)
+        """:func:`merge_state` into this node's model and anchor."""
+        merge_state(self.model, self.progress.anchor, global_state)
 
     # -- end of run -----------------------------------------------------------------------
     def finish(self) -> None:
@@ -455,7 +546,8 @@ class DiLoCoNode:
         if self.end.done:
             return
         self.end.finishing = True
-        if self.inner > 0 or self.progress.carry is not None:
+        # fragments: every tensor synced since its own fragment's round goes with the final one
+        if self.inner > 0 or self.progress.carry is not None or self.fragments is not None:
             # a failed final upload has no next round to be carried into: send it again
             for _ in range(FINAL_UPLOAD_ATTEMPTS):
                 self._boundary(final=True)
@@ -526,6 +618,7 @@ class DiLoCoNode:
         with self._lock:
             pending = self.uploads.pending
             pending = None if pending is None or pending.arrived else pending
+            merges = [[due.step, due.outer_step] for due in self.rounds.merges]
             return {
                 "format": "speedtronic-diloco-node/2",
                 "step": self.step,
@@ -539,6 +632,7 @@ class DiLoCoNode:
                 "residual": _copy(self.progress.residual),
                 "pending": None if pending is None else pending.to_dict(),
                 "done": self.end.done,
+                "merges": merges,
             }
 
     def load_state_dict(self, state: Checkpoint) -> Contribution | None:
@@ -555,12 +649,43 @@ class DiLoCoNode:
             last = int(state.get("last_round", state.get("last_label", NONE)))
             self.rounds = Rounds(None if installed < 0 else installed, str(state.get("run_id", "")))
             self.rounds.last_round = None if last < 0 else last
+            # absent before overlap_steps (globals were merged on arrival then)
+            merges = state.get("merges") or []
+            self.rounds.merges = [MergeDue(int(step), int(outer)) for step, outer in merges]
             carry, residual = state.get("carry"), state.get("residual")  # none before int8/int4
             self.progress = Progress(codec.cpu_state_dict(state["anchor"]), _copy(carry))
             self.progress.residual = _copy(residual)
             self.end.done = bool(state.get("done", False))
         pending = state.get("pending")
         return None if pending is None else Contribution.from_dict(pending)
+
+
+@torch.no_grad()
+def merge_state(
+    model: torch.nn.Module,
+    anchor: Mapping[str, torch.Tensor],
+    global_state: Mapping[str, torch.Tensor],
+) -> None:
+    """The merge of a global: ``weights := G + (weights - anchor)``, ``anchor := G``, tensor
+    by tensor and in place, for the tensors ``global_state`` holds (every one, or a
+    fragment's). A tensor the model holds under several keys (tied weights) is written once,
+    from its first key: all its keys hold the same values."""
+    state = model.state_dict()
+    written: set[tuple[object, ...]] = set()
+    for key, value in global_state.items():
+        target = state.get(key)
+        if target is None or tuple(target.shape) != tuple(value.shape):
+            continue
+        base = anchor.get(key)
+        identity = (target.data_ptr(), target.dtype, tuple(target.shape), target.stride())
+        if identity not in written:
+            written.add(identity)
+            if base is None:  # not a float entry: installed as it is
+                target.copy_(value.to(target.device, target.dtype))
+                continue
+            _merge_into(target, base, value)
+        if base is not None:
+            base.copy_(value)
 
 
 def _merge_into(target: torch.Tensor, anchor: torch.Tensor, value: torch.Tensor) -> None:
@@ -651,16 +776,28 @@ def _copy(state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor] |
     return None if state is None else codec.cpu_state_dict(state)
 
 
+@dataclasses.dataclass(frozen=True)
+class MergeDue:
+    """``sync: overlapped``: global ``outer_step`` (the one that includes the last
+    contribution) is merged at absolute ``step``, not before, however early it arrives: so
+    every node and the ideal arithmetic merge it at the same step."""
+
+    step: int
+    outer_step: int
+
+
 @dataclasses.dataclass
 class Rounds:
     """Where a node stands: the global it ``installed`` (None before the first) of run
-    ``run_id``, the ``last_round`` an upload used up (None: none arrived yet), and what its
-    last upload with first moments carried (``moments_sent``)."""
+    ``run_id``, the ``last_round`` an upload used up (None: none arrived yet), what its last
+    upload with first moments carried (``moments_sent``) and the merges scheduled for the
+    globals of its contributions, oldest first (``merges``, overlapped)."""
 
     installed: int | None = None
     run_id: str = ""
     last_round: int | None = None
     moments_sent: SentMoments | None = None
+    merges: list[MergeDue] = dataclasses.field(default_factory=list)
 
     def holds(self, outer_step: int) -> bool:
         """Whether the installed global is ``outer_step`` or newer."""
@@ -703,6 +840,33 @@ class Progress:
 
 
 @dataclasses.dataclass
+class RoundClock:
+    """Where a node's time went since its last contribution (monotonic seconds): training,
+    or at a boundary (``waited``), on the exchange instead: the wait for a global or the
+    upload in flight, taking and sending the contribution."""
+
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    waited: float = 0.0
+
+    def restart(self) -> None:
+        """A round begins now."""
+        self.started, self.waited = time.monotonic(), 0.0
+
+    def lap(self, begun: float) -> dict[str, float]:
+        """The round whose boundary began at ``begun`` ends now (the next begins): its
+        ``compute_seconds``, ``wait_seconds`` and ``utilization`` (compute / both)."""
+        now = time.monotonic()
+        wait = self.waited + now - begun
+        compute = max(0.0, now - self.started - wait)
+        self.started, self.waited = now, 0.0
+        return {
+            "compute_seconds": compute,
+            "wait_seconds": wait,
+            "utilization": compute / max(compute + wait, 1e-9),
+        }
+
+
+@dataclasses.dataclass
 class RunEnd:
     """How far the end of the run got: ``finish()`` runs (``finishing``: the final global is
     expected now), nothing is left to send (``done``), a final global was installed."""
@@ -728,6 +892,7 @@ class GlobalCandidate:
     nbytes: int = 0
     # (round, mean first moments by parameter name) published with this global
     moments: tuple[int, dict[str, torch.Tensor]] | None = None
+    merged: bool = False  # its first merge reported it (a fragment's merge may come later)
 
 
 class GlobalInbox:

@@ -5,8 +5,9 @@ shows only what a user watches:
 
 - ``train_step``: ``step=<n>/<target>``, ``loss``, ``lr``, ``tok/s``, the newest held-out loss
   (``eval=``) once an evaluation ran, and in a DiLoCo run the outer step of the global this
-  node trains from (``outer_step=``); at most `STEP_LINE_LIMIT` characters with the log
-  prefix;
+  node trains from (``outer_step=``) and, once it contributed, the seconds its last round
+  spent training and waiting on the exchange (``train/wait=6.4/1.2s``, from the node's
+  ``round_done`` event); at most `STEP_LINE_LIMIT` characters with the log prefix;
 - other events: the fields `TEXT_FIELDS` names for them, in that order, or every field for an
   event it does not name (without the ``elapsed_s`` the logger adds to every record).
 
@@ -37,7 +38,7 @@ TEXT_FIELDS: dict[str, tuple[str, ...]] = {
         "parameters",
     ),
     "train_end": ("steps", "loss", "elapsed_s"),
-    "eval": ("scope", "outer_step", "step", "loss", "perplexity"),
+    "eval": ("scope", "outer_step", "step", "loss", "perplexity", "final"),
     "checkpoint_saved": ("step", "path", "seconds"),
     "outer_step": (
         "outer_step",
@@ -55,6 +56,7 @@ TEXT_FIELDS: dict[str, tuple[str, ...]] = {
     "global_pulled": ("outer_step", "step", "source", "bytes", "seconds"),
     "sync_wait": ("outer_step", "seconds", "timed_out"),
     "delta_uploaded": ("round", "step", "bytes", "seconds", "final"),
+    "round_done": ("round", "step", "compute_seconds", "wait_seconds", "utilization", "final"),
     "shape_profile": ("device_type", "precision", "alignment", "warning_count"),
 }
 
@@ -73,7 +75,14 @@ QUIET = frozenset(
     }
 )
 
-_SECONDS = ("seconds", "elapsed_s", "round_seconds", "step_time_s")
+_SECONDS = (
+    "seconds",
+    "elapsed_s",
+    "round_seconds",
+    "step_time_s",
+    "compute_seconds",
+    "wait_seconds",
+)
 
 
 def format_value(key: str, value: object) -> str:
@@ -85,6 +94,8 @@ def format_value(key: str, value: object) -> str:
         return str(value)
     if key == "loss":
         return f"{value:.4f}"
+    if key == "utilization":
+        return f"{value:.3f}"
     if key in _SECONDS or key.endswith("_s"):
         return f"{value:.3g}"
     return f"{value:.5g}"
@@ -98,13 +109,15 @@ def _shown(key: str, value: object) -> bool:
 
 class TextLines:
     """Renders events as text lines, remembering what a step line adds from other events:
-    the target step (``train_start``), the newest held-out loss (``eval``) and the outer step
-    of the global this node trains from (``diloco_started``, ``global_pulled``)."""
+    the target step (``train_start``), the newest held-out loss (``eval``), the outer step
+    of the global this node trains from (``diloco_started``, ``global_pulled``) and the
+    compute and wait seconds of its last round (``round_done``)."""
 
     def __init__(self) -> None:
         self.target_step: int | None = None
         self.eval_loss: float | None = None
         self.outer_step: int | None = None
+        self.round_seconds: tuple[float, float] | None = None  # (compute, wait)
 
     def render(self, event: str, payload: JSON, *, own_elapsed: bool = False) -> str:
         """The text of ``event`` (without the log prefix). ``own_elapsed``: ``elapsed_s`` was
@@ -125,7 +138,8 @@ class TextLines:
         return " ".join([event, *shown])
 
     def step_fields(self, payload: JSON) -> str:
-        """``step=<n>/<target> loss= lr= tok/s= [eval=] [outer_step=]`` of a ``train_step``."""
+        """``step=<n>/<target> loss= lr= tok/s= [eval=] [outer_step=] [train/wait=]`` of a
+        ``train_step``."""
         step = payload.get("step")
         parts = []
         if step is not None:
@@ -142,6 +156,9 @@ class TextLines:
             parts.append(f"eval={self.eval_loss:.4f}")
         if self.outer_step is not None:
             parts.append(f"outer_step={self.outer_step}")
+        if self.round_seconds is not None:
+            compute, wait = (_short_seconds(value) for value in self.round_seconds)
+            parts.append(f"train/wait={compute}/{wait}s")
         return " ".join(parts)
 
     def _observe(self, event: str, payload: JSON) -> None:
@@ -153,3 +170,12 @@ class TextLines:
             self.outer_step = payload["global_step"]
         elif event == "global_pulled" and isinstance(payload.get("outer_step"), int):
             self.outer_step = payload["outer_step"]
+        elif event == "round_done":
+            compute, wait = payload.get("compute_seconds"), payload.get("wait_seconds")
+            if isinstance(compute, (int, float)) and isinstance(wait, (int, float)):
+                self.round_seconds = (float(compute), float(wait))
+
+
+def _short_seconds(value: float) -> str:
+    """Seconds in at most 3 digits below 1000 s: one decimal below 10 s, whole above."""
+    return f"{value:.1f}" if value < 9.95 else f"{value:.0f}"

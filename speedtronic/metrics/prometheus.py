@@ -64,6 +64,12 @@ SERIES: dict[str, str] = {
     "speedtronic_diloco_outer_lr": "Outer lr of the last closed round (adaptive: its eta).",
     "speedtronic_diloco_nodes_dropped_total": "Nodes no longer waited for after silence (master).",
     "speedtronic_diloco_sync_wait_seconds": "Time a node waited for the global of its round.",
+    "speedtronic_diloco_utilization": (
+        "Compute share of this node's last round: compute / (compute + exchange wait)."
+    ),
+    "speedtronic_diloco_exchange_wait_seconds_total": (
+        "Seconds this node's training waited on the exchange at its round boundaries."
+    ),
     "speedtronic_diloco_sync_timeouts_total": "Waits for a global that ended at round_timeout.",
     "speedtronic_diloco_uploads_total": "Delta uploads by result (ok, failed, zero).",
     "speedtronic_diloco_upload_bytes_total": "Bytes of delta files uploaded.",
@@ -191,6 +197,11 @@ class PrometheusSink:
             "speedtronic_diloco_sync_wait_seconds", _IO_BUCKETS
         ).labels(**ids)
         self.sync_timeouts = self._series(c, "speedtronic_diloco_sync_timeouts").labels(**ids)
+        self.utilization = self._series(g, "speedtronic_diloco_utilization").labels(**ids)
+        self.utilization.set(math.nan)  # no round yet (a pure aggregator has none)
+        self.exchange_wait = self._series(c, "speedtronic_diloco_exchange_wait_seconds").labels(
+            **ids
+        )
         uploads = self._series(c, "speedtronic_diloco_uploads", "result")
         self.uploads = {result: uploads.labels(result=result, **ids) for result in UPLOAD_RESULTS}
         self.upload_bytes = self._series(c, "speedtronic_diloco_upload_bytes").labels(**ids)
@@ -362,6 +373,14 @@ class PrometheusSink:
         if payload.get("timed_out") is True:
             self.sync_timeouts.inc()
 
+    def _on_round_done(self, payload: JSONView) -> None:
+        utilization = _number(payload, "utilization")
+        if utilization is not None and 0.0 <= utilization <= 1.0:
+            self.utilization.set(utilization)
+        wait = _number(payload, "wait_seconds")
+        if wait is not None and math.isfinite(wait) and wait > 0:
+            self.exchange_wait.inc(wait)
+
     def _on_node_dropped(self, payload: JSONView) -> None:
         self.nodes_dropped.inc()
 
@@ -425,6 +444,7 @@ _HANDLERS: dict[str, Callable[[PrometheusSink, JSONView], None]] = {
     "outer_step": PrometheusSink._on_outer_step,
     "final_global": PrometheusSink._on_final_global,
     "sync_wait": PrometheusSink._on_sync_wait,
+    "round_done": PrometheusSink._on_round_done,
     "node_dropped": PrometheusSink._on_node_dropped,
     "global_rejected": PrometheusSink._on_global_rejected,
     "global_pulled": PrometheusSink._on_global_pulled,

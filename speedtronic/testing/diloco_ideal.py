@@ -38,12 +38,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from speedtronic.diloco.codec import (
-    compute_pseudo_gradient,
     cpu_state_dict,
     decode_value,
     encode_delta,
+    fragments_of,
 )
-from speedtronic.diloco.exchange import syncs_momentum
+from speedtronic.diloco.exchange import RoundSettings, syncs_momentum
 from speedtronic.diloco.master import (
     NesterovOuterOptimizer,
     NormTally,
@@ -56,6 +56,7 @@ from speedtronic.diloco.node import (
     first_moments,
     float_state,
     install_first_moments,
+    merge_state,
 )
 
 if TYPE_CHECKING:
@@ -147,6 +148,9 @@ def simulate(
     block_size: int | None = None,
     error_feedback: bool | None = None,
     global_dtype: str | None = None,
+    sync: str | None = None,
+    overlap_steps: int | None = None,
+    fragments: int | None = None,
     eval_every_round: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> IdealResult:
@@ -154,7 +158,9 @@ def simulate(
 
     Every keyword defaults to the ``distributed`` field of its name (``block_size``:
     ``delta_block_size``). ``outer_lr`` or ``outer_momentum`` without ``outer_step`` means
-    ``nesterov``, as in a config. Without error feedback what the wire format leaves out is
+    ``nesterov``, as in a config; an outer setting given here also replaces the config's
+    ``final_average`` (unless given too), which then follows the outer step as in a config
+    (2 with ``adaptive``, else 1). Without error feedback what the wire format leaves out is
     lost. Each node trains ``config.effective_max_steps`` steps; the last round is shorter
     when that is not a multiple of ``inner_steps``. ``progress(round, rounds)`` is called
     after each round.
@@ -180,42 +186,41 @@ def simulate(
         delta_block_size=block_size,
         error_feedback=error_feedback,
         global_dtype=global_dtype,
+        sync=sync,
+        overlap_steps=overlap_steps,
+        fragments=fragments,
     )
-    h, wire, block, global_wire = s.inner_steps, s.delta_dtype, s.delta_block_size, s.global_dtype
+    wire, block, global_wire = s.delta_dtype, s.delta_block_size, s.global_dtype
     global_residual: State = {}
     quiet = _quiet(config)
     ids = sorted(node_ids)
-    trainers = [build_runtime(quiet, node_id=node)[0] for node in ids]
-    for trainer in trainers:
-        trainer.heldout = None  # the global is what is scored
-    model = trainers[0].model
+    nodes = [_Node(build_runtime(quiet, node_id=node)[0]) for node in ids]
+    model = nodes[0].trainer.model
     global_state = cpu_state_dict(model.state_dict())
     optimizer = NesterovOuterOptimizer(global_state, s.outer_lr, s.outer_momentum)
     recent = RecentGlobals(s.final_average)
     recent.push(global_state)
-    anchors = [float_state(t.model) for t in trainers]
-    residuals: list[State | None] = [None] * len(ids)
     heldout = build_heldout(config)
-    total_steps = config.effective_max_steps
-    rounds = math.ceil(total_steps / h)
-    result = IdealResult({}, rounds, None, [], {})
-    for r in range(rounds):
-        target = min((r + 1) * h, total_steps)
-        mean: State | None = None
+    plan = _Plan.of(s, config.effective_max_steps, model)
+    result = IdealResult({}, plan.rounds, None, [], {})
+    merges: list[tuple[int, tuple[str, ...] | None]] = []  # overlapped: (step, tensors)
+    for r in range(plan.rounds):
+        target, keys, last = plan.target(r), plan.keys(r), r + 1 == plan.rounds
+        due = [m for m in merges if m[0] <= target or last]  # the final one: all before it
+        merges = [m for m in merges if m not in due]
+        mean: State = {}
         tally = NormTally()
-        for i, (node, trainer, anchor) in enumerate(zip(ids, trainers, anchors, strict=True)):
-            result.node_losses[node] = trainer.fit(target).final_loss
-            delta = compute_pseudo_gradient(anchor, float_state(trainer.model))
-            delta, residuals[i] = _sent(delta, residuals[i], wire, block, s.error_feedback)
+        for node_id, node in zip(ids, nodes, strict=True):
+            for step, part in due:  # as the node: at its step, the tensors its round synced
+                node.train_to(min(step, target))
+                node.merge(global_state if part is None else {k: global_state[k] for k in part})
+            result.node_losses[node_id] = node.train_to(target)
+            delta = node.contribute(keys, wire, block, s.error_feedback)
             for value in delta.values():  # what the master reads, tensor by tensor
                 tally.add(value)
             tally.close()
-            if mean is None:
-                mean = delta
-            else:
-                for key, value in delta.items():
-                    mean[key].add_(value)
-        assert mean is not None  # at least one node
+            for key, value in delta.items():
+                mean[key] = value if key not in mean else mean[key].add_(value)
         for value in mean.values():
             value.div_(float(len(ids)))
         if s.outer_step == "adaptive":
@@ -238,35 +243,114 @@ def simulate(
             )
         recent.push(global_state)
         if syncs_momentum(s.sync_inner_momentum, s.inner_momentum_every, r + 1):
-            _sync_momentum(trainers, wire, block)
+            _sync_momentum([node.trainer for node in nodes], wire, block)
             result.momentum_syncs += 1
-        for i, trainer in enumerate(trainers):
-            _install(trainer.model, global_state)
-            anchors[i] = float_state(trainer.model)
+        if plan.overlap_steps and not last:  # merged overlap_steps later (a later round)
+            merges.append((target + plan.overlap_steps, keys))
+        else:  # blocking (and every node's last): merged at once
+            for node in nodes:
+                node.merge(global_state)
         if eval_every_round and heldout is not None:
-            result.curve.append((r + 1, _score(trainers[0], global_state, heldout)))
+            result.curve.append((r + 1, _score(nodes[0].trainer, global_state, heldout)))
         if progress is not None:
-            progress(r + 1, rounds)
+            progress(r + 1, plan.rounds)
     final = recent.final()
     if heldout is not None:
         last_scored = eval_every_round and s.final_average == 1
         result.eval_loss = result.curve[-1][1] if last_scored else None
         if result.eval_loss is None:
-            result.eval_loss = _score(trainers[0], final, heldout)
-    for trainer in trainers:
-        trainer.logger.close()
+            result.eval_loss = _score(nodes[0].trainer, final, heldout)
+    for node in nodes:
+        node.trainer.logger.close()
     result.global_state = cpu_state_dict(final)
     return result
 
 
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """The rounds of a run: ``round_steps`` = ``inner_steps / fragments`` steps each (the
+    last shorter when the run is not a multiple), round ``r`` syncing fragment
+    ``r % fragments`` (``parts``; None: every tensor) and, with fragments, one more round
+    at the end syncing every tensor (a node's final contribution); an overlapped node merges
+    a round's global ``overlap_steps`` after its contribution (0: blocking, at once), the
+    tensors the round synced."""
+
+    total_steps: int
+    round_steps: int
+    overlap_steps: int
+    parts: list[tuple[str, ...]] | None
+
+    @classmethod
+    def of(cls, s: DistributedConfig, total_steps: int, model: torch.nn.Module) -> _Plan:
+        """The plan of ``s`` for a run of ``total_steps`` steps of ``model``."""
+        rules = RoundSettings.of(s).rules  # the nodes' own reading of the section
+        parts = fragments_of(model.state_dict(), s.fragments) if s.fragments > 1 else None
+        return cls(total_steps, rules.round_steps, rules.overlap_steps, parts)
+
+    @property
+    def rounds(self) -> int:
+        """Rounds of training, plus the final round of every tensor with fragments."""
+        trained = math.ceil(self.total_steps / self.round_steps)
+        extra = self.parts is not None and self.total_steps % self.round_steps == 0
+        return trained + int(extra)
+
+    def target(self, r: int) -> int:
+        """The step at which round ``r``'s contribution is taken."""
+        return min((r + 1) * self.round_steps, self.total_steps)
+
+    def keys(self, r: int) -> tuple[str, ...] | None:
+        """The tensors round ``r`` syncs (None: every one)."""
+        if self.parts is None or r + 1 == self.rounds:
+            return None
+        return self.parts[r % len(self.parts)]
+
+
+class _Node:
+    """One node's trainer and its round state: the float32 anchor its contributions are
+    measured from and the residual the wire format left out (the arithmetic of
+    :class:`~speedtronic.diloco.node.DiLoCoNode` without its files and threads)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        trainer.heldout = None  # the global is what is scored
+        self.anchor = float_state(trainer.model)
+        self.residual: State = {}
+        self.loss: float | None = None
+
+    def train_to(self, step: int) -> float | None:
+        """Train up to absolute ``step``; the last train loss so far."""
+        if step > self.trainer.step:
+            self.loss = self.trainer.fit(step).final_loss
+        return self.loss
+
+    def contribute(
+        self, keys: Sequence[str] | None, wire: str, block: int, error_feedback: bool
+    ) -> State:
+        """``anchor - weights`` (+ the residual) of ``keys`` as the master decodes it; the
+        anchor of those keys becomes the weights (the node trains on from its own)."""
+        current = float_state(self.trainer.model)
+        delta = {}
+        for key in self.anchor if keys is None else keys:
+            delta[key] = self.anchor[key] - current[key]
+            self.anchor[key] = current[key]
+        sent, residual = _sent(delta, self.residual, wire, block, error_feedback)
+        self.residual.update(residual)
+        return sent
+
+    def merge(self, state: State) -> None:
+        """``weights := state + (weights - anchor)``, ``anchor := state`` (the node's merge)."""
+        merge_state(self.trainer.model, self.anchor, state)
+
+
 def _settings(section: DistributedConfig, **overrides: object) -> DistributedConfig:
     """``section`` with the ``overrides`` that are not None, resolved as a config is: an
-    outer setting given here replaces all three of the section's (``outer_lr`` alone means
-    ``nesterov``; a conflicting pair is a ConfigError)."""
+    outer setting given here replaces all three of the section's and its ``final_average``
+    (``outer_lr`` alone means ``nesterov``; a conflicting pair is a ConfigError; without a
+    ``final_average`` here: 2 with ``adaptive``, else 1)."""
     given = {k: v for k, v in overrides.items() if v is not None}
     values = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
     if given.keys() & set(_OUTER):
-        for name in _OUTER:
+        for name in (*_OUTER, "final_average"):
             values.pop(name)
     return type(section)(**{**values, **given})
 
@@ -288,25 +372,30 @@ def _sync_momentum(trainers: Sequence[Trainer], wire: str, block: int) -> None:
 
 
 def _sent(
-    delta: State, residual: State | None, wire: str, block: int, error_feedback: bool
-) -> tuple[State, State | None]:
-    """What the master adds for one node's ``delta`` (plus its ``residual``), and the node's
-    next residual: the node's arithmetic (``DiLoCoNode._boundary``) without its files."""
-    if residual is not None:
-        delta = {k: v.add_(residual[k]) for k, v in delta.items()}
+    delta: State, residual: State, wire: str, block: int, error_feedback: bool
+) -> tuple[State, State]:
+    """What the master adds for one node's ``delta`` (plus the ``residual`` of its keys,
+    popped), and the residual of those keys the wire leaves out now: the node's arithmetic
+    (``DiLoCoNode._boundary``) without its files."""
+    for key, value in delta.items():
+        if key in residual:
+            value.add_(residual.pop(key))
     if wire == "fp32":
-        return delta, None
+        return delta, {}
     sent = _through(delta, wire, block)
     if not error_feedback:
-        return sent, None
+        return sent, {}
     return sent, {k: v - sent[k] for k, v in delta.items()}
 
 
 def _score(trainer: Trainer, state: Mapping[str, torch.Tensor], heldout: HeldOut) -> float:
+    """Held-out loss of ``state``, on a copy of ``trainer``'s model (an overlapped node's own
+    weights are not the global)."""
     from speedtronic.train.evaluate import evaluate
 
-    _install(trainer.model, state)
-    return evaluate(trainer.model, heldout, device=trainer.device, precision=trainer.precision).loss
+    model = copy.deepcopy(trainer.model)
+    _install(model, state)
+    return evaluate(model, heldout, device=trainer.device, precision=trainer.precision).loss
 
 
 @torch.no_grad()
