@@ -346,3 +346,20 @@ def test_on_the_hub_a_beating_node_is_dropped_only_when_a_round_waited_for_it(
     deliver(t, "b", 0, [3.0, 3.0])
     assert master.poll_once() is True
     assert log.of("outer_step")[-1]["included"] == ["a/0", "b/0"]
+
+
+def test_a_node_back_after_it_left_is_not_dropped_for_the_beats_it_missed_while_away(tmp_path):
+    clock = Clock()
+    master, t, log = make_master(tmp_path, clock=clock, liveness_timeout=10.0)
+    bootstrap(master, t, "a", "b")
+    beat(t, "b", 1)
+    master.poll_once()
+    t.claim_owner("b", {"instance": "b-1", "state": "left", "resume": True})
+    master.poll_once()
+    clock.now += 60.0  # away for a minute: no beats
+    join(t, "b")  # back with --resume; its first beat comes after its claim
+    master.poll_once()
+    assert "b" not in [p["node_id"] for p in log.of("node_dropped")]  # (a: silent 60 s)
+    clock.now += 11.0  # and it never beats again: then it is dropped
+    master.poll_once()
+    assert "b" in [p["node_id"] for p in log.of("node_dropped")]

@@ -190,8 +190,9 @@ class Roster:
                 "node_left", node_id=view.node_id, outer_step=state.outer_step, resume=resume
             )
         elif status == "training" and view.state in ("left", "done"):
-            view.last_heard, view.joining = now, view.state == "left"
-            if view.joining:  # out of step with the others until it delivers
+            view.last_heard = view.joined_at = now  # its beats count from its return
+            view.joining = view.state == "left"  # out of step with the others until it delivers
+            if view.joining:
                 view.first_due, view.started = True, _number(record.get("started"))
                 self._joined(view, state, "is back")
 
@@ -328,7 +329,7 @@ class Roster:
         if self.liveness <= 0 or not view.beats:
             return None
         if self.periodic:
-            quiet = now - (view.joined_at if view.last_beat is None else view.last_beat)
+            quiet = now - max(view.joined_at, view.last_beat or 0.0)
         elif since is None or max(view.last_heard, view.last_beat or 0.0) >= since:
             return None  # not waited for yet, or alive since: round_timeout bounds the round
         else:
