@@ -82,6 +82,8 @@ Record = Mapping[str, object]
 # The final contribution has no next round to be carried into: finish() sends it this many
 # times (each with the transport's own retries) before it gives up and says so.
 FINAL_UPLOAD_ATTEMPTS = 3
+#: A node says at most this often that its globals arrive after their merge step.
+LATE_NOTE_SECONDS = 600.0
 
 
 class DiLoCoNode:
@@ -119,6 +121,7 @@ class DiLoCoNode:
         self.end = RunEnd()  # how far the end of the run got
         self.clock = RoundClock()  # where the time since the last contribution went
         self.fatal: Exception | None = None  # a permanent upload failure
+        self.late_noted = -LATE_NOTE_SECONDS  # when a late global was last reported
         self.interrupted = threading.Event()
         self.last_heartbeat = time.monotonic()
 
@@ -203,8 +206,26 @@ class DiLoCoNode:
         if last is None or last < sent:  # failed: carried into a later contribution
             quiet = not self.rounds.merges and self.may_merge()
             return self.merge_waiting() if quiet else False
-        keys = self._fragment(sent)
-        return self._await_global(due.outer_step, self.settings.rules.round_timeout, keys)
+        keys, started = self._fragment(sent), time.monotonic()
+        merged = self._await_global(due.outer_step, self.settings.rules.round_timeout, keys)
+        self._note_late(due, time.monotonic() - started)
+        return merged
+
+    def _note_late(self, due: MergeDue, waited: float) -> None:
+        """A global that was not there at its merge step: say so (the first time a wait
+        lasts a second, then at most every ``LATE_NOTE_SECONDS``): the exchange takes longer
+        than ``overlap_steps`` of training, and how to hide it."""
+        now = time.monotonic()
+        if waited < 1.0 or now - self.late_noted < LATE_NOTE_SECONDS:
+            return
+        self.late_noted = now
+        _LOG.info(
+            f"global {due.outer_step} arrived {waited:.1f} s after its merge step (distributed."
+            f"overlap_steps {self.settings.rules.overlap_steps}): the exchange takes longer than "
+            "that many steps of training; raise overlap_steps or use distributed.fragments to "
+            "hide it (docs/diloco.md, 'Sizing for your link'; round_done events give the "
+            "seconds)"
+        )
 
     def _fragment(self, round_number: int) -> tuple[str, ...] | None:
         """The tensors round ``round_number`` syncs (None: every one)."""
