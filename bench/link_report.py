@@ -151,9 +151,10 @@ def _label(path: str, own: str | None) -> str:
     found = _DELTA.search(path)
     if found:
         return "own delta" if found.group(1) == own else "other's delta"
+    if path.startswith("global/update"):  # update_<k>.safetensors (update.safetensors before)
+        return "global update"
     names = {
         "global/latest.safetensors": "global weights",
-        "global/update.safetensors": "global update",
         "global/step_count.json": "version record",
         "global/processed.json": "ledger",
         "global/moments.safetensors": "moments",
