@@ -126,7 +126,7 @@ def shaped_cases(text: str) -> list[dict]:
         link, dtype, sync = item.split(":")
         if link not in (*LINKS, UNSHAPED) or dtype not in DTYPES or sync not in SYNCS:
             raise SystemExit(
-                f"--cases: {item!r} is not LINK:DTYPE:SYNC ({LINKS + (UNSHAPED,)}, {DTYPES}, "
+                f"--cases: {item!r} is not LINK:DTYPE:SYNC ({(*LINKS, UNSHAPED)}, {DTYPES}, "
                 f"{SYNCS})"
             )
         cases.append({"name": f"{link}-{dtype}-{sync}", "link": link, "dtype": dtype, "sync": sync})

@@ -19,7 +19,7 @@ from test_diloco_master import Log, deliver, join, make_master
 from speedtronic.diloco import exchange as T
 from speedtronic.diloco.directory import DirectoryTransport
 from speedtronic.diloco.link import NodeClaim, NodeLink
-from speedtronic.diloco.master import RoundMaster
+from speedtronic.diloco.master import RelayStep, RoundMaster
 from speedtronic.diloco.node import Contribution, GlobalInbox
 from speedtronic.retry import TransportError
 
@@ -133,6 +133,20 @@ def test_the_done_status_of_the_masters_node_reaches_the_exchange_and_ends_the_r
     assert master.finals == [(1, [-1.0, -1.0])]
 
 
+def test_an_own_contribution_whose_status_record_fails_leaves_nothing_behind(tmp_path):
+    master, t, _log, link, own = _with_own(tmp_path)
+    master.poll_once()
+    original = t.claim_owner
+    t.claim_owner = lambda *a, **k: (_ for _ in ()).throw(TransportError("hub down"))
+    with pytest.raises(TransportError):  # the node carries it whole into its next try
+        _send(link, t, 0, [1.0, 1.0], final=True)
+    assert own.delta_paths() == []  # the done status goes first: no file without it
+    t.claim_owner = original
+    _send(link, t, 0, [1.0, 1.0], final=True)
+    assert own.delta_paths() == ["nodes/m/delta_0.safetensors"]
+    assert master.poll_once() is True and master.finished.is_set()
+
+
 class Downloads:
     """Counts the exchange's reads of contribution files (``local_copy``)."""
 
@@ -218,7 +232,7 @@ def _round(master, t, r: int) -> None:
 
 
 def _quantized(tmp_path, monkeypatch, every: int, **overrides):
-    monkeypatch.setattr(T, "FULL_GLOBAL_EVERY", every)
+    monkeypatch.setattr(T, "FULL_GLOBAL_EVERY", every, raising=False)
     overrides = {"global_dtype": "int8", **overrides}
     master, t, log = make_master(tmp_path, state=_state(), **overrides)
     join(t, "a")
@@ -330,3 +344,23 @@ def test_a_node_waiting_for_the_final_global_downloads_it_once(tmp_path):
     final = inbox.take()
     assert final.final and final.outer_step == 1 and final.state["w"].tolist() == [-1.0, -1.0]
     assert reads.paths.count("global/latest.safetensors") == 1
+
+
+def test_a_group_leader_follows_a_quantized_top_level_global_by_its_updates(tmp_path, monkeypatch):
+    master, t, _ = _quantized(tmp_path, monkeypatch, every=8)
+    relay = RelayStep(
+        t,
+        node_id="g1",
+        settings=master.settings,
+        record=lambda **status: {"instance": "leader", **status},
+        stop=threading.Event(),
+    )
+    meta, state = relay._fetch(t.global_metadata())  # global 0: the weights file
+    assert meta.outer_step == 0 and _same(state, master)
+    reads = Downloads(t)
+    for r in range(2):
+        _round(master, t, r)
+        meta, state = relay._fetch(t.global_metadata())
+        assert meta.outer_step == r + 1 and _same(state, master)
+    assert reads.paths[-1] == T.update_path(2)
+    assert "global/latest.safetensors" not in reads.paths  # never the weights file again

@@ -260,8 +260,8 @@ class GlobalMetadata:
     a node can tell a new run from the next round and the master can refuse contributions
     computed in another run. ``update_sha256`` names the quantized outer update to this
     global (``distributed.global_dtype``; :mod:`.master`); ``chain`` the updates after the
-    weights file when that file is an older global (``model_outer_step``; ``sha256`` is the
-    file's), each ``update_path(k)``, so the file and the chain make this global.
+    weights file when that file is an older global (of outer step ``outer_step - len(chain)``;
+    ``sha256`` is the file's), each at ``update_path(k)``: the file and the chain make this one.
     ``refused`` names the contributions (``node/round``) the master refused as unreadable
     or damaged since the previous global: how a node hears that its file was not used.
     """
@@ -274,8 +274,7 @@ class GlobalMetadata:
     run_id: str = ""
     update_sha256: str = ""
     refused: tuple[str, ...] = ()
-    model_outer_step: int | None = None  # the weights file's outer step when older
-    chain: tuple[str, ...] = ()  # sha256 of the updates to model_outer_step + 1 .. outer_step
+    chain: tuple[str, ...] = ()  # sha256 of the updates after the weights file, oldest first
 
     def names(self, outer_step: int, run_id: str) -> bool:
         """Whether this record is of global ``outer_step`` of run ``run_id``."""
@@ -312,8 +311,6 @@ class GlobalMetadata:
             "chain_sha256": list(self.chain),
         }
         out.update((key, value) for key, value in optional.items() if value)
-        if self.model_outer_step is not None:
-            out["model_outer_step"] = self.model_outer_step
         return out
 
     @classmethod
@@ -328,13 +325,8 @@ class GlobalMetadata:
             run_id=str(data.get("run_id", "")),
             update_sha256=str(data.get("update_sha256", "")),
             refused=_refused(data.get("refused")),
-            model_outer_step=_int_or_none(data.get("model_outer_step")),
             chain=tuple(str(x) for x in data.get("chain_sha256") or () if isinstance(x, str)),
         )
-
-
-def _int_or_none(value: Json) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _refused(value: Json) -> tuple[str, ...]:
@@ -629,8 +621,7 @@ class Store(Protocol):
         if update is not None and last is not None and last.chains(update.base_step, run):
             sha = stage(update_path(step), update.write)  # the weights file stays: +1 update
             meta = dataclasses.replace(made, update_sha256=sha, chain=(*last.chain, sha))
-            first = last.outer_step - len(last.chain)  # the weights file's outer step
-            return dataclasses.replace(meta, sha256=last.sha256, model_outer_step=first), []
+            return dataclasses.replace(meta, sha256=last.sha256), []
         header = {"outer_step": step, "run_id": run, "final": made.final}
         sha = stage(GLOBAL_MODEL, lambda h: write_safetensors(h, state, metadata=header))
         up = "" if update is None else stage(update_path(step), update.write)

@@ -416,11 +416,11 @@ class NodeLink:
         """The global ``metadata`` names, as the held global + the published outer updates
         after it; None when none applies, or one is unusable (said once; the full global is
         downloaded instead). An outage raises (the next poll tries again)."""
-        held = self.held
+        held = self.held  # none, of another run or no update leads from it: the full global
         if held is None or held.run_id != metadata.run_id:
             return None
         if metadata.updates_after(held.outer_step) is None:
-            return None  # not a later global of this node's run: only the full one will do
+            return None
         try:
             held, self._update_bytes = self.store.apply_updates(
                 metadata, held, like=self.like, max_bytes=self.max_bytes

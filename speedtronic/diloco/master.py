@@ -32,6 +32,7 @@ from speedtronic.background import Loop, wait_for
 from speedtronic.diloco import codec
 from speedtronic.diloco.codec import (
     QUANTIZED_BITS,
+    HeldGlobal,
     OuterUpdate,
     QuantizedTensor,
     add_decoded,
@@ -1084,6 +1085,7 @@ class RelayStep:
         self.instance = str(record().get("instance", ""))
         self.max_bytes: int | None = None  # set by the master from its model
         self.last_round: int | None = None  # the last round this group contributed to
+        self.held: Global | None = None  # the last top-level global (updates may apply to it)
 
     def _wait(self, than: int, run_id: str, what: str, timeout: float | None = None) -> Global:
         """The first top-level global newer than ``than`` (or of another run); past ``timeout``
@@ -1097,7 +1099,7 @@ class RelayStep:
                 if meta is None:
                     return None
                 if meta.outer_step > than or (run_id and meta.run_id != run_id):
-                    return self.store.fetch_global(meta, max_bytes=self.max_bytes)
+                    return self._fetch(meta)
                 return None
             except TransportError as exc:
                 _LOG.warning(f"relay: reading the top-level global failed: {exc}")
@@ -1115,6 +1117,18 @@ class RelayStep:
             f"relay: no {what} within {time.monotonic() - started:.1f} s "
             f"(distributed.round_timeout {timeout:g} s); waiting again at the master's next poll"
         )
+
+    def _fetch(self, meta: GlobalMetadata) -> Global:
+        """The top-level global ``meta`` names: the last one held + the updates after it when
+        they apply (``global_dtype`` int8/int4), else the full global."""
+        if self.held is not None and meta.updates_after(self.held[0].outer_step) is not None:
+            last, weights = self.held
+            held = HeldGlobal.of(last.outer_step, last.run_id, weights)
+            with contextlib.suppress(ValueError, RemoteNotFound):
+                self.held = meta, self.store.apply_updates(meta, held, like=weights)[0].state
+                return self.held
+        self.held = self.store.fetch_global(meta, max_bytes=self.max_bytes)
+        return self.held
 
     def current(self) -> Global:
         """The top-level global (waits for the top-level master's first publish)."""
