@@ -280,11 +280,6 @@ class GlobalMetadata:
         """Whether this record is of global ``outer_step`` of run ``run_id``."""
         return (self.outer_step, self.run_id) == (outer_step, run_id)
 
-    def chains(self, outer_step: int, run_id: str) -> bool:
-        """Whether an update from global ``outer_step`` of ``run_id`` may extend this record's
-        chain (it names that global and the chain stays shorter than FULL_GLOBAL_EVERY)."""
-        return self.names(outer_step, run_id) and len(self.chain) + 1 < FULL_GLOBAL_EVERY
-
     def updates_after(self, outer_step: int) -> list[tuple[int, str]] | None:
         """``(outer step, sha256)`` of the published updates that lead from global
         ``outer_step`` to this one, oldest first; None when none do."""
@@ -618,7 +613,8 @@ class Store(Protocol):
         if last is not None and not weights and update is None and last.names(step, run):
             new = dataclasses.replace(last, updated_at=made.updated_at, final=made.final)
             return dataclasses.replace(new, refused=made.refused), []  # the record only
-        if update is not None and last is not None and last.chains(update.base_step, run):
+        grows = last is not None and len(last.chain) + 1 < FULL_GLOBAL_EVERY
+        if update is not None and last is not None and grows and last.names(update.base_step, run):
             sha = stage(update_path(step), update.write)  # the weights file stays: +1 update
             meta = dataclasses.replace(made, update_sha256=sha, chain=(*last.chain, sha))
             return dataclasses.replace(meta, sha256=last.sha256), []

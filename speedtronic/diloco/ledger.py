@@ -36,6 +36,7 @@ from speedtronic.diloco.exchange import (
     GLOBAL_PROCESSED,
     Emit,
     ExchangeError,
+    FileInfo,
     GlobalMetadata,
     RepoScan,
     Store,
@@ -660,10 +661,10 @@ class ContributionFiles:
         self.store, self.own = store, own
         self.folder = Path(state_dir) / "fetched"
         shutil.rmtree(self.folder, ignore_errors=True)
-        self.versions: dict[str, str | None] = {}  # path -> version, as last listed
+        self.listed: dict[str, FileInfo] = {}  # the last listing, own files included
         self.local: set[str] = set()  # the paths ``own`` holds
-        self.copies: dict[str, tuple[str | None, Path]] = {}  # path -> (version, local copy)
-        self.refused: dict[str, tuple[str | None, TransportError]] = {}
+        # path -> (its listed version, the local copy or why the exchange refused it)
+        self.copies: dict[str, tuple[str | None, Path | TransportError]] = {}
 
     def scan(self) -> RepoScan:
         """The exchange's listing, with the own node's files added."""
@@ -674,50 +675,46 @@ class ContributionFiles:
             for node_id, files in mine.deltas.items():
                 scan.deltas.setdefault(node_id, {}).update(files)
             scan.files.update({path: mine.files[path] for path in self.local})
-        self.versions = {path: info.version for path, info in scan.files.items()}
+        self.listed = scan.files
         return scan
+
+    def _held(self, path: str) -> Path | TransportError | None:
+        """The copy of ``path`` (or its refusal) for its listed version, if any."""
+        info, held = self.listed.get(path), self.copies.get(path)
+        same = held is not None and info is not None and held[0] == info.version
+        return held[1] if held is not None and same else None
 
     def prefetch(self, candidates: Mapping[str, Mapping[int, str]], max_bytes: int) -> None:
         """Copy every candidate the exchange holds here (once per listed version); copies of
         files no longer candidates go. An outage or a vanished file leaves it to the fold."""
         wanted = {path for files in candidates.values() for path in files.values()} - self.local
-        for path in set(self.copies) - wanted:
-            self.copies.pop(path)[1].unlink(missing_ok=True)
-        for path in sorted(wanted):
-            version = self.versions.get(path)
-            known = self.copies.get(path) or self.refused.get(path)
-            if known is not None and known[0] == version:
-                continue
-            target = self.folder / path
+        self.release(set(self.copies) - wanted)
+        for path in sorted(p for p in wanted if self._held(p) is None):
+            version, target = self.listed[path].version, self.folder / path
             try:
                 with self.store.local_copy(path, max_bytes=max_bytes) as source:
                     target.parent.mkdir(parents=True, exist_ok=True)
                     shutil.copyfile(source, target)
+                self.copies[path] = (version, target)
             except TransportError as exc:
                 if exc.kind == "permanent":  # refused at the fold, as it would be read there
-                    self.refused[path] = (version, exc)
-                continue
+                    self.copies[path] = (version, exc)
             except OSError as exc:  # this disk: the fold reads the exchange's file
                 _LOG.warning(f"could not keep a copy of {path} ({exc}); read at the fold")
-                continue
-            self.copies[path] = (version, target)
 
     @contextlib.contextmanager
     def open(self, path: str, max_bytes: int) -> Iterator[Path]:
         """A local file with the bytes of ``path`` (at most ``max_bytes``, checked on it): the
         own node's, the copy of its listed version, or one read from the exchange now."""
-        version = self.versions.get(path)
-        refused = self.refused.get(path)
-        copy = self.copies.get(path)
+        held = self._held(path)
+        if isinstance(held, TransportError):
+            raise held
         if path in self.local and self.own is not None:
             source: contextlib.AbstractContextManager[Path] = self.own.local_copy(path, max_bytes)
-        elif refused is not None and refused[0] == version:
-            raise refused[1]
-        elif copy is not None and copy[0] == version:
-            size = copy[1].stat().st_size
-            if size > max_bytes:
-                raise too_large(path, size, max_bytes)
-            source = contextlib.nullcontext(copy[1])
+        elif held is not None:
+            if held.stat().st_size > max_bytes:
+                raise too_large(path, held.stat().st_size, max_bytes)
+            source = contextlib.nullcontext(held)
         else:
             source = self.store.local_copy(path, max_bytes)
         with source as local:
@@ -728,14 +725,13 @@ class ContributionFiles:
         return sorted(set(paths) - self.local)
 
     def release(self, paths: Iterable[str]) -> None:
-        """``paths`` are consumed or refused and the exchange forgot them: the own node's go
-        from this disk, the copies too."""
+        """``paths`` are consumed, refused or no longer wanted: their copies go, and the own
+        node's files from this disk (the publish that prunes them landed)."""
         paths = set(paths)
         for path in paths:
-            copy = self.copies.pop(path, None)
-            if copy is not None:
-                copy[1].unlink(missing_ok=True)
-            self.refused.pop(path, None)
+            held = self.copies.pop(path, (None, None))[1]
+            if isinstance(held, Path):
+                held.unlink(missing_ok=True)
         if not self.copies:  # between rounds the folder is gone
             shutil.rmtree(self.folder, ignore_errors=True)
         if self.own is not None and paths & self.local:
