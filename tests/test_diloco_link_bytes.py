@@ -14,6 +14,8 @@ import threading
 import pytest
 import torch
 from hub_emulator_fixtures import fast_retry
+from test_diloco_global_update import _link, _state
+from test_diloco_global_update import _round as round_of
 from test_diloco_master import Log, deliver, join, make_master
 
 from speedtronic.diloco import exchange as T
@@ -204,31 +206,8 @@ def test_a_damaged_copy_is_refused_and_a_restart_reads_the_exchange_again(tmp_pa
 
 
 # -- a quantized global: the weights file once every FULL_GLOBAL_EVERY globals ----------------
-N = 300  # values of "w": three blocks of 128 and a short one
-
-
-def _state() -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    return {"w": torch.randn(N, generator=gen), "n": torch.tensor(3)}
-
-
-def _link(tmp_path, t, master, node: str, log=None) -> NodeLink:
-    return NodeLink(
-        t,
-        master.settings,
-        claim=NodeClaim(node, "worker", tmp_path / node),
-        max_bytes=T.max_global_bytes(master.global_state),
-        like=_state(),
-        interrupted=threading.Event(),
-        emit=log.emit if log is not None else T.ignore,
-    )
-
-
 def _round(master, t, r: int) -> None:
-    gen = torch.Generator().manual_seed(100 + r)
-    for node in ("a", "b"):
-        deliver(t, node, r, (torch.randn(N, generator=gen) * 0.01).tolist())
-    assert master.poll_once() is True
+    round_of(master, t, ["a", "b"], r)
 
 
 def _quantized(tmp_path, monkeypatch, every: int, **overrides):
