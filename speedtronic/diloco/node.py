@@ -596,14 +596,14 @@ class DiLoCoNode:
     def _await_final(self, timeout: float) -> None:
         """Wait (bounded, interruptible) for the final global and install it. With
         ``final_average`` > 1 it is the mean of the last globals, published once every node
-        is done, under the outer step of the last global this node holds: the inbox forgets
-        what it saw, so that it reads the global again until the record says final."""
+        is done, under the outer step of the last global this node holds: the inbox asks for
+        it (a record that is not final yet costs no download)."""
 
         def installed() -> bool:
             self.merge_waiting()
             if not self.end.final_seen:
                 self.beat()
-                self.inbox.forget()
+                self.inbox.expect_final()
                 self.inbox.poke()
                 self.inbox.poll_due()
             return self.end.final_seen
@@ -917,13 +917,14 @@ class GlobalCandidate:
 
 
 class GlobalInbox:
-    """Where new globals arrive: offered by the in-process master, or fetched (``fetch(seen)``,
-    workers) every ``interval`` seconds and sooner after :meth:`poke`, by a :class:`Loop`
-    (``threaded``) or on the calling thread (:meth:`poll_due`)."""
+    """Where new globals arrive: offered by the in-process master, or fetched (``fetch(seen,
+    final)``, workers: a global other than ``seen``, or the final one when asked for) every
+    ``interval`` seconds and sooner after :meth:`poke`, by a :class:`Loop` (``threaded``) or on
+    the calling thread (:meth:`poll_due`)."""
 
     def __init__(
         self,
-        fetch: Callable[[tuple[int, str]], GlobalCandidate | None] | None,
+        fetch: Callable[[tuple[int, str], bool], GlobalCandidate | None] | None,
         *,
         interval: float,
         threaded: bool,
@@ -933,6 +934,7 @@ class GlobalInbox:
         self._cond = threading.Condition()
         self._candidate: GlobalCandidate | None = None
         self._seen = (-1, "")  # (outer step, run id) of the newest global offered or fetched
+        self._final = False  # the final global is asked for, under the same outer step too
         self._last_poll = 0.0
         self.poller = None
         if threaded and fetch is not None:
@@ -943,6 +945,7 @@ class GlobalInbox:
         with self._cond:
             self._candidate = candidate
             self._seen = (candidate.outer_step, candidate.run_id)
+            self._final = self._final and not candidate.final
             self._cond.notify_all()
 
     def take(self) -> GlobalCandidate | None:
@@ -968,10 +971,10 @@ class GlobalInbox:
         """Whether this inbox reads globals from the exchange (a worker's)."""
         return self._fetch is not None
 
-    def forget(self) -> None:
-        """Read the published global again at the next poll, even one already seen."""
+    def expect_final(self) -> None:
+        """Fetch the final global once it is published, even under an outer step already seen."""
         with self._cond:
-            self._seen = (-1, "")
+            self._final = True
 
     def poke(self) -> None:
         """Ask for a poll as soon as possible (a node waits for a global)."""
@@ -990,7 +993,7 @@ class GlobalInbox:
         if self._fetch is None:
             return
         try:
-            candidate = self._fetch(self._seen)
+            candidate = self._fetch(self._seen, self._final)
         except Exception as exc:
             _LOG.warning(f"global poll failed; retrying at the next poll: {exc}")
             return
