@@ -53,6 +53,7 @@ TOKEN = "hf_linkbench_token_not_a_secret"
 SYNCS = ("blocking", "overlapped")
 DTYPES = ("fp32", "int8")
 LINKS = ("fast", "slow")
+UNSHAPED = "unshaped"  # a case LINK that runs only the unshaped processes (no tc, no shaped case)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -119,13 +120,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def shaped_cases(text: str) -> list[dict]:
-    """``LINK:DTYPE:SYNC,...`` as case records."""
+    """``LINK:DTYPE:SYNC,...`` as case records (LINK ``unshaped``: that run alone, no tc)."""
     cases = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         link, dtype, sync = item.split(":")
-        if link not in LINKS or dtype not in DTYPES or sync not in SYNCS:
+        if link not in (*LINKS, UNSHAPED) or dtype not in DTYPES or sync not in SYNCS:
             raise SystemExit(
-                f"--cases: {item!r} is not LINK:DTYPE:SYNC ({LINKS}, {DTYPES}, {SYNCS})"
+                f"--cases: {item!r} is not LINK:DTYPE:SYNC ({(*LINKS, UNSHAPED)}, {DTYPES}, "
+                f"{SYNCS})"
             )
         cases.append({"name": f"{link}-{dtype}-{sync}", "link": link, "dtype": dtype, "sync": sync})
     return cases
@@ -375,6 +377,10 @@ def main(argv: list[str] | None = None) -> int:
             for name in lab.stale():
                 print(f"note: namespace {name} is left from a killed run (ip netns del {name})")
             print(f"logs: {work}", flush=True)
+            if all(c["link"] == UNSHAPED for c in cases):  # measure the unshaped runs only
+                unshaped = {_key(c): _run_and_say(lab, args, c, None, work) for c in cases}
+                results.update(unshaped=unshaped, shaped=[], calibration="unshaped runs only")
+                return report(args, results)
             unshaped = {}
             for dtype in sorted(
                 {c["dtype"] for c in cases} | {args.calibrate_dtype}, key=DTYPES.index
@@ -405,6 +411,12 @@ def main(argv: list[str] | None = None) -> int:
     return report(args, results)
 
 
+def _key(case: dict) -> str:
+    """An unshaped run's key in the results: its dtype (blocking, as the calibration runs),
+    else its name."""
+    return case["dtype"] if case["sync"] == "blocking" else case["name"]
+
+
 def report(args: argparse.Namespace, results: dict) -> int:
     """Summarize, print the tables, write the JSON; 1 when a case failed."""
     summary = T.summarize(results, args)
@@ -413,7 +425,8 @@ def report(args: argparse.Namespace, results: dict) -> int:
     args.out.write_text(json.dumps(results, indent=1, default=str))
     print(T.render(results, summary))
     print(f"wrote {args.out}")
-    return 0 if all("error" not in c for c in results["shaped"]) else 1
+    cases = [*results["shaped"], *results.get("unshaped", {}).values()]
+    return 0 if all("error" not in c for c in cases) else 1
 
 
 def reanalyse(args: argparse.Namespace) -> dict:

@@ -151,9 +151,10 @@ def _label(path: str, own: str | None) -> str:
     found = _DELTA.search(path)
     if found:
         return "own delta" if found.group(1) == own else "other's delta"
+    if path.startswith("global/update"):  # update_<k>.safetensors (update.safetensors before)
+        return "global update"
     names = {
         "global/latest.safetensors": "global weights",
-        "global/update.safetensors": "global update",
         "global/step_count.json": "version record",
         "global/processed.json": "ledger",
         "global/moments.safetensors": "moments",
@@ -163,6 +164,15 @@ def _label(path: str, own: str | None) -> str:
     if path.endswith("owner.json"):
         return "status record"
     return "other file"
+
+
+def _delta_round(row: dict, oids: dict[str, str]) -> int | None:
+    """The round of the contribution request ``row`` reads (None: not a contribution)."""
+    path = row["path"]
+    if row.get("storage") and "/lfs-objects/" in path:
+        path = oids.get(path.split("/lfs-objects/", 1)[1].split("/", 1)[0], "")
+    found = _DELTA.search(path)
+    return int(found.group(2)) if found else None
 
 
 def _oid_paths(requests: list[dict]) -> dict[str, str]:
@@ -247,11 +257,13 @@ def anatomy(
     """Per closed round (the master's ``outer_step`` events), in seconds from the start of the
     round's first upload (``delta_uploaded`` time - its seconds): when the last upload
     started and arrived; when the master's evaluation of the previous global ended (its
-    ``eval`` event: the master thread polls again only after it); when the master began the
-    close (``outer_step`` time - its seconds), began publishing (its first request after its
-    last read of a delta: the reads and the outer step lie between) and ended; when the last
-    worker had the round's global (its ``global_pulled``). A download's end is taken from the
-    next request, not the emulator's log: the relays and socket buffers hold the bytes."""
+    ``eval`` event: the master thread polls again only after it); when the master began
+    reading the round's contributions (its first download of one, in the poll that lists it
+    since issue 38 item 2, at the close before; the close's start when it read none),
+    began publishing (its first request after the close began and its last read of a delta:
+    the reads and the outer step lie between) and ended; when the last worker had the round's
+    global (its ``global_pulled``). A download's end is taken from the next request, not the
+    emulator's log: the relays and socket buffers hold the bytes."""
     rows = []
     oids = _oid_paths(requests)
     mine = [q for q in requests if node_of_source(q["client"]) == names.index(master)]
@@ -279,18 +291,18 @@ def anatomy(
             if int(e.fields["outer_step"]) == step
         ]
         start = close.ts - float(close.fields["seconds"])
-        window = [q for q in mine if start - 0.2 <= q["t0"] <= close.ts]
         reads = [
             q
-            for q in window
-            if "delta" in classify(q, oids, master)
+            for q in mine
+            if t0 - 0.2 <= q["t0"] <= close.ts
             and classify(q, oids, master).startswith("download")
+            and _delta_round(q, oids) == r
         ]
+        last_read = max([start - 0.2, *(q["t0"] for q in reads)])
         after = [
             q["t0"]
-            for q in window
-            if reads
-            and q["t0"] > reads[-1]["t0"]
+            for q in mine
+            if last_read < q["t0"] <= close.ts
             and not classify(q, oids, master).startswith(("metadata", "download"))
         ]
         publish = min(after) if after else None
@@ -300,7 +312,7 @@ def anatomy(
                 "last_upload_start": max(e.ts - float(e.fields["seconds"]) for e in ups) - t0,
                 "last_upload_end": max(e.ts for e in ups) - t0,
                 "previous_eval_end": evals[step - 1] - t0 if step - 1 in evals else None,
-                "close_start": start - t0,
+                "close_start": min([start, *(q["t0"] for q in reads)]) - t0,
                 "publish_start": publish - t0 if publish is not None else None,
                 "close_end": close.ts - t0,
                 "last_worker_has_global": (max(pulled) - t0) if pulled else None,

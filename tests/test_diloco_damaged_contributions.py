@@ -153,12 +153,13 @@ def test_a_delta_changed_in_place_with_the_same_size_is_refused(tmp_path, store,
     if store == "directory":
         transport = DirectoryTransport(f"file://{tmp_path}/repo", fast_retry())
         transport.create_repo()
-    else:  # a small file: kept in git by the Hub, no LFS pointer to check it against
-        transport = HubClient(
+    else:  # a repository whose .gitattributes tracks no *.safetensors: a small delta is kept
+        transport = HubClient(  # in git by the Hub, no LFS pointer to check it against
             "org/run", token=TEST_TOKEN, endpoint=hub_emulator.url,
             cache_dir=tmp_path / "cache", retry=fast_retry(),
         )  # fmt: skip
         transport.create_repo()
+        transport.commit({".gitattributes": b"*.bin filter=lfs diff=lfs merge=lfs -text\n"})
     master, t, log = make_master(tmp_path, transport=transport)
     bootstrap(master, t, "a", "b")
     deliver(t, "a", 0, [0.0, 0.001])

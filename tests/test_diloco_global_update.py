@@ -23,7 +23,6 @@ from speedtronic.diloco.codec import (
     state_digest,
     write_safetensors,
 )
-from speedtronic.diloco.exchange import GLOBAL_UPDATE
 from speedtronic.diloco.ledger import OuterStateStore
 from speedtronic.diloco.link import NodeClaim, NodeLink
 
@@ -85,7 +84,7 @@ def test_every_node_ends_each_round_on_the_masters_global_bit_for_bit(tmp_path, 
             links["c"] = _link(tmp_path, t, master, "c")
             join(t, "c")
         _round(master, t, sorted(links), r)
-        assert read_metadata(t.root / GLOBAL_UPDATE)["outer_step"] == str(r + 1)
+        assert read_metadata(t.root / T.update_path(r + 1))["outer_step"] == str(r + 1)
         published = t.read_global()  # the full global, for joiners, is the same weights
         assert all(torch.equal(published[k], v) for k, v in master.global_state.items())
         for node, link in links.items():
@@ -106,7 +105,7 @@ def test_fp32_publishes_no_update_and_keeps_no_copy(tmp_path):
     first = link.fetch((-1, ""))
     _round(master, t, ["a", "b"], 0)
     record = json.loads((t.root / T.GLOBAL_STEP).read_text())
-    assert "update_sha256" not in record and not (t.root / GLOBAL_UPDATE).exists()
+    assert "update_sha256" not in record and not list((t.root / "global").glob("update*"))
     candidate = link.fetch((first.outer_step, first.run_id))
     assert candidate.source == "full" and link.held is None
     _same(candidate, master)
@@ -115,7 +114,7 @@ def test_fp32_publishes_no_update_and_keeps_no_copy(tmp_path):
 def _rewrite(t, change) -> None:
     """Rewrite the published update with ``change(tensors, header)`` applied, and name the
     new file in the version record (so only the deeper checks can refuse it)."""
-    path = t.root / GLOBAL_UPDATE
+    path = t.root / T.update_path(t.global_metadata().outer_step)
     with open_safetensors(path) as opened:
         header = opened.metadata()
         tensors = {key: opened.get_tensor(key) for key in opened}
@@ -149,7 +148,8 @@ DEFECTS = {
 
 
 @pytest.mark.parametrize("defect", [*sorted(DEFECTS), "not the recorded file", "missing file"])
-def test_an_unusable_update_falls_back_to_the_full_global(tmp_path, defect):
+def test_an_unusable_update_falls_back_to_the_full_global(tmp_path, defect, monkeypatch):
+    monkeypatch.setattr(T, "FULL_GLOBAL_EVERY", 1)  # the weights file is every global
     master, t, log = _started(tmp_path, "int8")
     link = _link(tmp_path, t, master, "a", log)
     seen = link.fetch((-1, ""))
@@ -157,7 +157,7 @@ def test_an_unusable_update_falls_back_to_the_full_global(tmp_path, defect):
     seen = link.fetch((seen.outer_step, seen.run_id))
     assert seen.source == "update"
     _round(master, t, ["a", "b"], 1)  # the defect is planted into global 2's update
-    path = t.root / GLOBAL_UPDATE
+    path = t.root / T.update_path(2)
     if defect == "not the recorded file":  # e.g. torn: another update than the record names
         data = bytearray(path.read_bytes())
         data[-1] ^= 1
@@ -177,7 +177,8 @@ def test_an_unusable_update_falls_back_to_the_full_global(tmp_path, defect):
     _same(following, master)
 
 
-def test_a_node_that_missed_a_round_downloads_the_full_global(tmp_path):
+def test_a_node_that_missed_a_round_downloads_the_full_global(tmp_path, monkeypatch):
+    monkeypatch.setattr(T, "FULL_GLOBAL_EVERY", 1)  # only the last update is on the exchange
     master, t, _ = _started(tmp_path, "int4")
     link = _link(tmp_path, t, master, "a")
     seen = link.fetch((-1, ""))
@@ -195,7 +196,7 @@ def test_the_masters_update_residual_survives_a_restart(tmp_path):
     assert residual and float(residual["w"].abs().max()) > 0  # int4 leaves something out
     saved = OuterStateStore(tmp_path / "state").load(master.state)
     assert torch.equal(saved.residual["w"], residual["w"])
-    header = read_metadata(t.root / GLOBAL_UPDATE)
+    header = read_metadata(t.root / T.update_path(1))
     assert header["digest"] == state_digest(master.global_state)
     assert (header["base_outer_step"], header["outer_step"]) == ("0", "1")
 

@@ -9,6 +9,7 @@ Each test plants the bad input exactly as a careless or hostile writer to the ex
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -212,8 +213,7 @@ def test_a_torn_publish_is_repaired_from_the_weights_own_header(tmp_path):
     deliver(t, "a", 0, [1.0, 1.0])
     master.poll_once()  # publishes global 1
     (tmp_path / "repo" / GLOBAL_STEP).write_bytes(record)  # the record's rename was lost
-    for path in (tmp_path / "state").iterdir():  # ... and so was the master's disk
-        path.unlink()
+    shutil.rmtree(tmp_path / "state")  # ... and so was the master's disk (files and folders)
     meta, state = t.fetch_global()  # readers trust the newer weights' own header
     assert meta.outer_step == 1 and state["w"].tolist() == [-1.0, -1.0]
     again, _, _ = make_master(tmp_path, transport=t)

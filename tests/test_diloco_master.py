@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 
 import pytest
 import torch
@@ -293,8 +294,7 @@ def test_damaged_local_state_rebuilds_from_the_published_ledger(tmp_path, damage
     if damage == "corrupt":
         (tmp_path / "state/outer_state.safetensors").write_bytes(b"\x00garbage")
     else:
-        for path in (tmp_path / "state").iterdir():
-            path.unlink()
+        shutil.rmtree(tmp_path / "state")  # a lost disk: every file and folder
     deliver(t, "a", 0, [0.1, 0.2])  # its prune was lost: still in the repository
     rebuilt, _, _ = make_master(
         tmp_path, transport=t, state={"w": torch.ones(2), "n": torch.tensor(3)}
@@ -373,8 +373,7 @@ def test_unreadable_repository_never_bootstraps_over_it(tmp_path):
     bootstrap(master, t, "a")
     deliver(t, "a", 0, [1.0, 1.0])
     master.poll_once()
-    for path in (tmp_path / "state").iterdir():
-        path.unlink()
+    shutil.rmtree(tmp_path / "state")  # a lost disk: every file and folder
     fresh, _, _ = make_master(
         tmp_path, transport=t, state={"w": torch.full((2,), 9.0), "n": torch.tensor(3)}
     )

@@ -6,6 +6,7 @@ waits on a round the exchange has already closed (speedtronic.diloco.master).
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from test_diloco_master import Clock, bootstrap, deliver, join, make_master, published
@@ -144,8 +145,7 @@ def test_a_master_restarted_over_its_final_global_finishes_at_once(tmp_path, dis
     with pytest.raises(Killed):
         master.poll_once()
     if disk.startswith("lost"):
-        for path in (tmp_path / "state").iterdir():
-            path.unlink()
+        shutil.rmtree(tmp_path / "state")  # a lost disk: every file and folder
     if disk.endswith("previous version"):  # a ledger only: who finished is not published
         book = {"outer_step": 1, "nodes": {"a": 0}}
         t.commit({"global/processed.json": json.dumps(book).encode()})

@@ -8,6 +8,7 @@ per-step hook, so every number is exact.
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -245,6 +246,24 @@ def test_a_late_global_is_awaited_at_its_step_and_the_wait_reported():
     assert node.after_optimizer_step() is True and weights(model) == [51.0, 51.0]
     waits = [p for n, p in rec.events if n == "sync_wait"]
     assert waits and waits[-1]["outer_step"] == 1 and waits[-1]["timed_out"] is False
+
+
+def test_a_global_later_than_its_merge_step_is_reported_with_the_fix(caplog):
+    """A global that arrives a second after its merge step: the node waits there, then says
+    in one line that the exchange takes longer than ``overlap_steps`` and what hides it."""
+    node, rec, model = started_node(sync="overlapped", inner=2, overlap=1, timeout=5.0)
+
+    def publish_late(job):
+        threading.Timer(1.2, offer, args=(node, job.round + 1, 50.0)).start()
+
+    rec.on_send = publish_late
+    for _ in range(3):
+        train(model, 1.0)
+        with caplog.at_level(logging.INFO, logger="speedtronic.diloco"):
+            node.after_optimizer_step()
+    assert node.rounds.installed == 1 and weights(model) == [51.0, 51.0]
+    notes = [r.getMessage() for r in caplog.records if "after its merge step" in r.getMessage()]
+    assert len(notes) == 1 and "raise overlap_steps" in notes[0], notes
 
 
 def test_the_schedule_survives_a_checkpoint():

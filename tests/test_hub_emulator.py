@@ -27,20 +27,20 @@ def test_sdk_endpoints_directly(hub_emulator, tmp_path):
         "org/sdk",
         operations=[
             CommitOperationAdd(path_in_repo="a/b.txt", path_or_fileobj=b"hello"),
-            CommitOperationAdd(path_in_repo="c.bin", path_or_fileobj=b"\x00\x01"),
+            CommitOperationAdd(path_in_repo="c.dat", path_or_fileobj=b"\x00\x01"),
         ],
         commit_message="two files",
-    )
-    assert sorted(api.list_repo_files("org/sdk")) == ["a/b.txt", "c.bin"]
+    )  # a new repository holds .gitattributes, as on the Hub
+    assert sorted(api.list_repo_files("org/sdk")) == [".gitattributes", "a/b.txt", "c.dat"]
     assert [f.path for f in api.list_repo_tree("org/sdk", path_in_repo="a")] == ["a/b.txt"]
     assert api.file_exists("org/sdk", "a/b.txt") and not api.file_exists("org/sdk", "zzz")
     assert api.repo_info("org/sdk").private is True
     local = api.hf_hub_download("org/sdk", "a/b.txt", local_dir=tmp_path / "dl", token=TEST_TOKEN)
     assert Path(local).read_bytes() == b"hello"
     api.create_commit(
-        "org/sdk", operations=[CommitOperationDelete(path_in_repo="c.bin")], commit_message="delete"
+        "org/sdk", operations=[CommitOperationDelete(path_in_repo="c.dat")], commit_message="delete"
     )
-    assert api.list_repo_files("org/sdk") == ["a/b.txt"]
+    assert api.list_repo_files("org/sdk") == [".gitattributes", "a/b.txt"]
     assert hub_emulator.repos["org/sdk"].private
 
 
@@ -155,7 +155,7 @@ def test_module_cli_serves(tmp_path):
         t = HubClient("org/cli", endpoint=f"http://127.0.0.1:{port}", retry=fast_retry())
         t.create_repo()
         t.commit({"x.txt": b"1"})
-        assert t.list_files() == ["x.txt"]
+        assert t.list_files() == [".gitattributes", "x.txt"]  # a new repo holds .gitattributes
     finally:
         proc.terminate()
         proc.wait(10)

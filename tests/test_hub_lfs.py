@@ -71,24 +71,49 @@ def _store(emulator: HubEmulator, tmp_path: Path, sleeps: list | None = None, **
 
 
 def test_preupload_answers_lfs_from_the_threshold_on(lfs_hub, tmp_path) -> None:
-    api = _api(lfs_hub)
+    api = _api(lfs_hub)  # names the new repository's .gitattributes does not track
     below, at = b"b" * (THRESHOLD - 1), bytes(range(256)) * (THRESHOLD // 256)
     api.create_commit(
-        "org/lfs", operations=[_add("below.bin", below), _add("at.bin", at)], commit_message="m"
+        "org/lfs", operations=[_add("below.dat", below), _add("at.dat", at)], commit_message="m"
     )
     counts = _counts(lfs_hub)
-    assert lfs_hub.stats()["lfs_files"]["org/lfs"] == ["at.bin"]  # below stayed in git
+    assert lfs_hub.stats()["lfs_files"]["org/lfs"] == ["at.dat"]  # below stayed in git
     assert counts["POST lfs-batch"] == 1 and counts["PUT storage-upload"] == 1
     assert counts["POST lfs-verify"] == 1 and counts["POST commit"] == 1
     tree = {f.path: f for f in api.list_repo_tree("org/lfs")}
-    assert tree["below.bin"].lfs is None and tree["at.bin"].size == THRESHOLD
-    assert tree["at.bin"].lfs.size == THRESHOLD and len(tree["at.bin"].lfs.sha256) == 64
-    for name, data in (("below.bin", below), ("at.bin", at)):
+    assert tree["below.dat"].lfs is None and tree["at.dat"].size == THRESHOLD
+    assert tree["at.dat"].lfs.size == THRESHOLD and len(tree["at.dat"].lfs.sha256) == 64
+    for name, data in (("below.dat", below), ("at.dat", at)):
         local = api.hf_hub_download("org/lfs", name, local_dir=tmp_path / "dl")
         assert Path(local).read_bytes() == data
     counts = _counts(lfs_hub)
     assert counts["GET storage-download"] == 1  # only the LFS file came from storage
     assert counts.get("PUT storage:auth", 0) + counts.get("GET storage:auth", 0) == 0
+
+
+def test_preupload_answers_lfs_for_what_the_repositorys_gitattributes_tracks(
+    lfs_hub, tmp_path
+) -> None:
+    """As the Hub: a new repository's .gitattributes tracks *.safetensors (and *.bin, ...)
+    with LFS, so a small contribution takes the LFS path (no base64 in the commit); a path it
+    does not track goes by size; a repository can change what its .gitattributes tracks."""
+    hub = _store(lfs_hub, tmp_path)
+    assert hub.read_bytes(".gitattributes").count(b"filter=lfs") > 30
+    small = b"s" * 100
+    hub.commit({"nodes/a/delta_0.safetensors": small, "nodes/a/owner.json": b"{}"})
+    assert lfs_hub.stats()["lfs_files"]["org/lfs"] == ["nodes/a/delta_0.safetensors"]
+    assert hub.read_bytes("nodes/a/delta_0.safetensors") == small
+    hub.commit({".gitattributes": b"*.bin filter=lfs diff=lfs merge=lfs -text\n"})
+    hub.commit({"nodes/a/delta_1.safetensors": small, "w.bin": b"w"})
+    assert lfs_hub.stats()["lfs_files"]["org/lfs"] == ["nodes/a/delta_0.safetensors", "w.bin"]
+    plain = HubEmulator(0, token=TEST_TOKEN, lfs=LfsConfig(gitattributes="")).start()
+    try:  # a repository created without .gitattributes: small files stay in git
+        other = _store(plain, tmp_path / "plain")
+        other.commit({"nodes/a/delta_0.safetensors": small})
+        assert plain.stats()["lfs_files"]["org/lfs"] == []
+        assert other.list_files() == ["nodes/a/delta_0.safetensors"]
+    finally:
+        plain.stop()
 
 
 def test_multipart_upload_then_a_redirected_download(lfs_hub, tmp_path) -> None:

@@ -33,7 +33,8 @@ def _client(hub_emulator, tmp_path, sleeps, *, attempts=3, timeout=5.0, token=TE
 def _ready(hub_emulator, tmp_path):
     client = _client(hub_emulator, tmp_path, [])
     client.create_repo()
-    client.commit({"a.bin": b"x" * 4096, "global/step_count.json": b"{}"})
+    # a file the repository's .gitattributes does not track: it stays in git (resolve serves it)
+    client.commit({"a.dat": b"x" * 4096, "global/step_count.json": b"{}"})
     return client
 
 
@@ -47,7 +48,7 @@ def _delta(before: dict[str, int], after: dict[str, int], key: str) -> int:
 
 OPERATIONS = {
     "tree": lambda c: c.list_files(),
-    "resolve": lambda c: c.read_bytes("a.bin"),
+    "resolve": lambda c: c.read_bytes("a.dat"),
     "commit": lambda c: c.commit({"b.bin": b"y"}),
 }
 
@@ -95,10 +96,10 @@ def test_request_timeout_bounds_a_whole_call(hub_emulator, tmp_path) -> None:
     hub_emulator.set_faults(slow_rate=1.0, slow_seconds=0.7, endpoints="resolve")
     started = time.monotonic()
     with pytest.raises(HubUnavailable, match=r"timed out|timeout"):
-        client.read_bytes("a.bin")
+        client.read_bytes("a.dat")
     assert time.monotonic() - started < 1.5
     hub_emulator.set_faults(slow_rate=0.0)
-    assert client.read_bytes("a.bin") == b"x" * 4096
+    assert client.read_bytes("a.dat") == b"x" * 4096
 
 
 def test_a_call_deadline_grows_with_bytes_moved() -> None:
@@ -116,8 +117,8 @@ def test_a_call_deadline_grows_with_bytes_moved() -> None:
 def test_a_token_with_surrounding_whitespace_reaches_the_hub(hub_emulator, tmp_path, pad) -> None:
     _ready(hub_emulator, tmp_path)
     client = _client(hub_emulator, tmp_path, [], token=TEST_TOKEN + pad)
-    assert "a.bin" in client.list_files()
-    assert client.read_bytes("a.bin") == b"x" * 4096
+    assert "a.dat" in client.list_files()
+    assert client.read_bytes("a.dat") == b"x" * 4096
 
 
 def test_a_rejected_token_is_a_clear_permanent_error(hub_emulator, tmp_path) -> None:

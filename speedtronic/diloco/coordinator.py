@@ -149,6 +149,9 @@ class DumbDiLoCoCoordinator:
         self._interrupted = threading.Event()
         self._halt = threading.Event()  # set at stop(): a relay waiting for the top level ends
         self.settings = RoundSettings.of(cfg)  # read once, handed to every part
+        # a master's own node hands its contributions over on this disk, not the exchange
+        own = self.state_dir.resolve() / "own"
+        self.own = DirectoryTransport(own.as_uri(), hub.retry) if self.role == "master" else None
         self.link = self._link(hub, model)
         self.final_dir = Path(final_dir) if final_dir is not None else None
         self.run_config = dict(run_config or {})
@@ -207,6 +210,7 @@ class DumbDiLoCoCoordinator:
             interrupted=self._interrupted,
             emit=self._emit,
             secrets=(self.config.token,) if self.config.token else (),
+            own=self.own,
         )
 
     def _node(self, model: torch.nn.Module) -> DiLoCoNode:
@@ -236,6 +240,7 @@ class DumbDiLoCoCoordinator:
             evaluate=None if cfg.relay_to else evaluate,
             on_final=self._write_final,
             outer=self._relay(cfg.relay_to) if cfg.relay_to else None,
+            own=self.own,
         )
 
     def _relay(self, top: str) -> RelayStep:

@@ -1,9 +1,10 @@
 """The exchange every DiLoCo role meets through: its layout, the :class:`Store` protocol and
 its errors::
 
-    global/latest.safetensors              global weights of outer step R (native dtypes)
-    global/update.safetensors              the quantized outer update to R (global_dtype)
-    global/step_count.json                 version record (outer_step, sha256, run_id, final)
+    global/latest.safetensors              global weights of outer step F <= R (native dtypes)
+    global/update_<k>.safetensors          the quantized outer update to k (global_dtype): the
+                                           ones after F make global R from the weights file
+    global/step_count.json                 version record (outer_step R, sha256, run_id, final)
     global/processed.json                  ledger: per node, the highest round aggregated
                                            (and its final round, instance and digest)
     nodes/<node_id>/delta_<r>.safetensors  the node's contribution to round r
@@ -41,10 +42,12 @@ from speedtronic.config import ConfigError
 from speedtronic.config.limits import is_valid_node_id
 from speedtronic.config.redaction import scrub as scrub  # every form of the token (re-exported)
 from speedtronic.diloco.codec import (
+    HeldGlobal,
     delta_from_bytes,
     file_sha256,
     first_non_finite,
     open_safetensors,
+    read_update,
     save_safetensors,
     write_delta,
     write_safetensors,
@@ -96,7 +99,10 @@ def ignore(event: str, /, **fields: object) -> None:
 GLOBAL_MODEL = "global/latest.safetensors"
 GLOBAL_STEP = "global/step_count.json"
 GLOBAL_PROCESSED = "global/processed.json"
-GLOBAL_UPDATE = "global/update.safetensors"
+#: With ``global_dtype`` int8/int4 the weights file is uploaded once every this many globals
+#: (and whenever a global is not the last one plus an update); in between a publish adds only
+#: the round's update, and a reader of the full global applies the updates after the file.
+FULL_GLOBAL_EVERY = 8
 #: The mean inner first moments published with a global (``distributed.sync_inner_momentum``).
 GLOBAL_MOMENTS = "global/moments.safetensors"
 # the records of each node that global/processed.json carries beside the ledger, by type
@@ -114,6 +120,11 @@ def delta_path(node_id: str, round_index: int) -> str:
 def beat_path(node_id: str) -> str:
     """Remote path of a node's liveness beat (the master reads only its listed version)."""
     return f"nodes/{node_id}/beat.json"
+
+
+def update_path(outer_step: int) -> str:
+    """Remote path of the quantized outer update that makes global ``outer_step``."""
+    return f"global/update_{int(outer_step)}.safetensors"
 
 
 def parse_delta_path(path: str) -> tuple[str, int] | None:
@@ -255,8 +266,10 @@ class GlobalMetadata:
     ``final`` is true on the global the master published after the last round of a run;
     ``run_id`` names the run (a new one each time a master starts a run from global 0), so
     a node can tell a new run from the next round and the master can refuse contributions
-    computed in another run. ``update_sha256`` names the quantized outer update published
-    with this global (``distributed.global_dtype``; :mod:`.master`).
+    computed in another run. ``update_sha256`` names the quantized outer update to this
+    global (``distributed.global_dtype``; :mod:`.master`); ``chain`` the updates after the
+    weights file when that file is an older global (of outer step ``outer_step - len(chain)``;
+    ``sha256`` is the file's), each at ``update_path(k)``: the file and the chain make this one.
     ``refused`` names the contributions (``node/round``) the master refused as unreadable
     or damaged since the previous global: how a node hears that its file was not used.
     """
@@ -269,6 +282,21 @@ class GlobalMetadata:
     run_id: str = ""
     update_sha256: str = ""
     refused: tuple[str, ...] = ()
+    chain: tuple[str, ...] = ()  # sha256 of the updates after the weights file, oldest first
+
+    def names(self, outer_step: int, run_id: str) -> bool:
+        """Whether this record is of global ``outer_step`` of run ``run_id``."""
+        return (self.outer_step, self.run_id) == (outer_step, run_id)
+
+    def updates_after(self, outer_step: int) -> list[tuple[int, str]] | None:
+        """``(outer step, sha256)`` of the published updates that lead from global
+        ``outer_step`` to this one, oldest first; None when none do."""
+        first = self.outer_step - len(self.chain) + 1  # the first update of the chain
+        if self.chain and first <= outer_step + 1 <= self.outer_step:
+            return [(k, self.chain[k - first]) for k in range(outer_step + 1, self.outer_step + 1)]
+        if self.update_sha256 and outer_step == self.outer_step - 1:
+            return [(self.outer_step, self.update_sha256)]
+        return None
 
     def to_dict(self) -> dict[str, object]:
         """Core keys (sha256 only when known, final only when true)."""
@@ -283,6 +311,7 @@ class GlobalMetadata:
             "run_id": self.run_id,
             "update_sha256": self.update_sha256,
             "refused": list(self.refused),
+            "chain_sha256": list(self.chain),
         }
         out.update((key, value) for key, value in optional.items() if value)
         return out
@@ -299,6 +328,7 @@ class GlobalMetadata:
             run_id=str(data.get("run_id", "")),
             update_sha256=str(data.get("update_sha256", "")),
             refused=_refused(data.get("refused")),
+            chain=tuple(str(x) for x in data.get("chain_sha256") or () if isinstance(x, str)),
         )
 
 
@@ -361,6 +391,8 @@ class Store(Protocol):
     last_upload_bytes: int
     #: Where uploads are staged before they are sent (None: the temporary directory).
     staging_dir: Path | None
+    #: The last version record this process published (a publish builds on it).
+    published: GlobalMetadata | None
 
     def create_repo(self, *, private: bool = True) -> None:
         """Create the exchange (private by default); an existing one is accepted."""
@@ -440,7 +472,9 @@ class Store(Protocol):
         record: a publish torn between its files. With ``like`` (the model's state), the
         global must hold exactly its keys with its shapes, and every floating tensor must be
         finite as it will be installed (cast to ``like``'s dtype); without it, finite in the
-        file's dtype. Refusals are permanent ``TransportError``s.
+        file's dtype. A weights file of an older global (the record's ``chain``) is brought to
+        this one with the updates after it (:meth:`apply_updates`). Refusals are permanent
+        ``TransportError``s.
         """
         metadata = metadata or self.global_metadata()
         if metadata is None:
@@ -450,6 +484,33 @@ class Store(Protocol):
             raise TransportError(
                 f"refusing model_file outside global/: {model_file}", kind="permanent"
             )
+        metadata, state = self._read_weights(metadata, max_bytes)
+        where = f"{model_file} (outer step {metadata.outer_step})"
+        if like is not None:
+            _check_like(where, state, like)
+        if metadata.chain:  # an older global: the published updates after it make this one
+            first = HeldGlobal.of(metadata.outer_step - len(metadata.chain), metadata.run_id, state)
+            try:
+                model = like if like is not None else state
+                held = self.apply_updates(metadata, first, like=model, max_bytes=max_bytes)[0]
+            except (ValueError, RemoteNotFound) as exc:
+                raise TransportError(f"{where}: {exc}", kind="permanent") from None
+            state = held.state
+        bad = first_non_finite(state, like=like)
+        if bad is not None:
+            cast = like is not None and bad in like and like[bad].dtype != state[bad].dtype
+            after = f" after the cast to the model's {like[bad].dtype}" if like and cast else ""
+            raise TransportError(
+                f"{where} holds non-finite values in {bad}{after}; refusing it", kind="permanent"
+            )
+        return metadata, state
+
+    def _read_weights(
+        self, metadata: GlobalMetadata, max_bytes: int | None
+    ) -> tuple[GlobalMetadata, dict[str, torch.Tensor]]:
+        """The weights file ``metadata`` names and the record that describes it: ``metadata``,
+        or the file's own header when a publish was torn between its files."""
+        model_file = metadata.model_file
         try:  # the file read as it lies on disk: its bytes are never all in memory at once
             with self.local_copy(model_file, max_bytes=max_bytes) as local:
                 digest = file_sha256(local)
@@ -467,16 +528,6 @@ class Store(Protocol):
                     f"{model_file} does not match step_count.json (changed while reading)"
                 )
             metadata = own
-        where = f"{model_file} (outer step {metadata.outer_step})"
-        if like is not None:
-            _check_like(where, state, like)
-        bad = first_non_finite(state, like=like)
-        if bad is not None:
-            cast = like is not None and bad in like and like[bad].dtype != state[bad].dtype
-            after = f" after the cast to the model's {like[bad].dtype}" if like and cast else ""
-            raise TransportError(
-                f"{where} holds non-finite values in {bad}{after}; refusing it", kind="permanent"
-            )
         return metadata, state
 
     def download_global(
@@ -517,45 +568,99 @@ class Store(Protocol):
         update: OuterUpdate | None = None,
         refused: Iterable[str] = (),
         moments: Mapping[str, torch.Tensor] | None = None,
+        weights: bool = True,
     ) -> GlobalMetadata:
         """One commit: the weights, the quantized outer ``update`` and the mean first
         ``moments`` (:data:`GLOBAL_MOMENTS`) if given, the ledger (with
         ``node_records`` beside it) and the version record, in that order (the record names
         the ``refused`` contributions, ``node/round``), and the deletion of ``prune``;
-        returns the record published. ``work_dir`` (2.0.0) is accepted and unused."""
+        returns the record published. ``work_dir`` (2.0.0) is accepted and unused.
+
+        Of the weights it sends the least the last record this store published
+        (:attr:`published`) allows: nothing when ``weights`` is false and that record names
+        this global (a run marked final); only ``update`` when it turns that record's global
+        into this one and the chain after the weights file stays shorter than
+        :data:`FULL_GLOBAL_EVERY`; else the weights file (the updates it replaces pruned)."""
         del work_dir
-        header = {"outer_step": int(outer_step), "run_id": str(run_id), "final": bool(final)}
+        now = updated_at or datetime.now(timezone.utc).isoformat()
+        made = GlobalMetadata(int(outer_step), now, final=bool(final), run_id=str(run_id))
+        made = dataclasses.replace(made, refused=tuple(refused))
+        files: dict[str, bytes | Path] = {}
         with contextlib.ExitStack() as stack:
-            weights, handle = stack.enter_context(_staged(self.staging_dir, "latest.safetensors"))
-            sha256 = write_safetensors(handle, state, metadata=header)
-            handle.close()
-            files: dict[str, bytes | Path] = {GLOBAL_MODEL: weights}
-            update_sha256 = ""
-            if update is not None:
-                path, handle = stack.enter_context(_staged(self.staging_dir, "update.safetensors"))
-                update_sha256 = update.write(handle)
+
+            def stage(path: str, write: Callable[[BinaryIO], str]) -> str:
+                local, handle = stack.enter_context(_staged(self.staging_dir, "staged"))
+                digest = write(handle)
                 handle.close()
-                files[GLOBAL_UPDATE] = path
+                files[path] = local
+                return digest
+
+            meta, stale = self._weights(made, state, update, weights, stage)
             if moments is not None:
-                path, handle = stack.enter_context(_staged(self.staging_dir, "moments.safetensors"))
-                write_safetensors(handle, moments, metadata={"outer_step": str(int(outer_step))})
-                handle.close()
-                files[GLOBAL_MOMENTS] = path
-            meta = GlobalMetadata(
-                outer_step=int(outer_step),
-                updated_at=updated_at or datetime.now(timezone.utc).isoformat(),
-                sha256=sha256,
-                final=bool(final),
-                run_id=str(run_id),
-                update_sha256=update_sha256,
-                refused=tuple(refused),
-            )
+                head = {"outer_step": str(made.outer_step)}
+                stage(GLOBAL_MOMENTS, lambda h: write_safetensors(h, moments, metadata=head))
             record: dict[str, object] = {str(k): str(v) for k, v in (metadata_extra or {}).items()}
             record.update(meta.to_dict(), processed_file=GLOBAL_PROCESSED)
             files[GLOBAL_PROCESSED] = _json_bytes(_book(meta.outer_step, ledger, node_records))
             files[GLOBAL_STEP] = _json_bytes(record)
-            self.commit(files, list(prune), message=f"outer step {meta.outer_step}")
+            self.commit(files, [*prune, *stale], message=f"outer step {meta.outer_step}")
+        self.published = meta
         return meta
+
+    def _weights(
+        self,
+        made: GlobalMetadata,
+        state: Mapping[str, torch.Tensor],
+        update: OuterUpdate | None,
+        weights: bool,
+        stage: Callable[[str, Callable[[BinaryIO], str]], str],
+    ) -> tuple[GlobalMetadata, list[str]]:
+        """What a publish sends of global ``made`` (``stage(path, write)`` adds a file to the
+        commit): its record and the update files it leaves without use (see publish_global)."""
+        last, step, run = self.published, made.outer_step, made.run_id
+        if last is not None and not weights and update is None and last.names(step, run):
+            new = dataclasses.replace(last, updated_at=made.updated_at, final=made.final)
+            return dataclasses.replace(new, refused=made.refused), []  # the record only
+        grows = last is not None and len(last.chain) + 1 < FULL_GLOBAL_EVERY
+        if update is not None and last is not None and grows and last.names(update.base_step, run):
+            sha = stage(update_path(step), update.write)  # the weights file stays: +1 update
+            meta = dataclasses.replace(made, update_sha256=sha, chain=(*last.chain, sha))
+            return dataclasses.replace(meta, sha256=last.sha256), []
+        header = {"outer_step": step, "run_id": run, "final": made.final}
+        sha = stage(GLOBAL_MODEL, lambda h: write_safetensors(h, state, metadata=header))
+        up = "" if update is None else stage(update_path(step), update.write)
+        return dataclasses.replace(made, sha256=sha, update_sha256=up), self._stale_updates(last)
+
+    def _stale_updates(self, last: GlobalMetadata | None) -> list[str]:
+        """The update files a new weights file leaves without use: the ones ``last`` names, or
+        every one listed when this process has published nothing yet."""
+        if last is None:
+            return [p for p in self.list_files() if p.startswith("global/update")]
+        first = last.outer_step + 1 - max(len(last.chain), int(bool(last.update_sha256)))
+        return [update_path(k) for k in range(first, last.outer_step + 1)]
+
+    def apply_updates(
+        self,
+        metadata: GlobalMetadata,
+        held: HeldGlobal,
+        *,
+        like: Mapping[str, torch.Tensor],
+        max_bytes: int | None = None,
+    ) -> tuple[HeldGlobal, int]:
+        """Global ``metadata`` from ``held`` and the published updates after it (each checked
+        by :func:`.codec.read_update`, read within ``max_bytes``), and the bytes read.
+        ``ValueError`` when no published update leads from ``held`` or one is unusable."""
+        steps = metadata.updates_after(held.outer_step)
+        if steps is None or held.run_id != metadata.run_id:
+            raise ValueError(f"no published update applies to global {held.outer_step}")
+        nbytes = 0
+        for step, sha256 in steps:
+            with self.local_copy(update_path(step), max_bytes=max_bytes) as local:
+                nbytes += local.stat().st_size
+                held = read_update(
+                    local, held, sha256=sha256, outer_step=step, run_id=held.run_id, like=like
+                )
+        return held, nbytes
 
     def upload_delta(
         self,
@@ -754,6 +859,7 @@ class RepoTransport(Store):
         self.commits = 0
         self.staging_dir: Path | None = None
         self.last_upload_bytes = 0
+        self.published: GlobalMetadata | None = None
 
     def _create_repo(self, private: bool) -> None:
         raise NotImplementedError

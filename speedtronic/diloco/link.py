@@ -30,7 +30,7 @@ from speedtronic.config import ConfigError
 from speedtronic.config.limits import check_node_id
 from speedtronic.diloco import codec
 from speedtronic.diloco import exchange as T
-from speedtronic.diloco.codec import HeldGlobal, read_update
+from speedtronic.diloco.codec import HeldGlobal
 from speedtronic.diloco.exchange import (
     Emit,
     ExchangeError,
@@ -82,8 +82,10 @@ class NodeLink:
         interrupted: threading.Event,
         emit: Emit = ignore,
         secrets: tuple[str, ...] = (),
+        own: Store | None = None,
     ):
         self.store = store
+        self.own = own  # the master's own node: its contributions go to the master's disk
         self.settings = settings
         self.secrets = secrets  # scrubbed from every message (the token)
         self.claim = claim
@@ -293,18 +295,23 @@ class NodeLink:
 
     # -- uploads -----------------------------------------------------------------------------
     def send(self, job: Contribution) -> int:
-        """Upload one contribution with our status record (one commit); returns bytes."""
+        """Upload one contribution with our status record (one commit); returns bytes. The
+        master's own node (``own``: a store on the master's disk) hands its file over there,
+        never through the exchange, which then gets only a change of the status record
+        (written first: a failure leaves nothing behind, and the contribution is carried)."""
         with contextlib.suppress(TransportError):  # the upload below reports an outage
             self._check_still_ours(job)
         status: dict[str, object] = {"state": "training"}
         if job.final:
             status = {"state": "done", "final_round": job.round}
+        sink = self.own or self.store
+        local = sink is not self.store
         try:
-            if job.delta is None:  # nothing left to contribute: only the done status
+            if job.delta is None or (local and (job.final or not self.claim.claimed)):
                 self.store.claim_owner(self.node_id, self.claim.record(**status))
-                nbytes = 0
-            else:
-                self.store.upload_delta(
+            nbytes = 0
+            if job.delta is not None:
+                sink.upload_delta(
                     job.wire if job.wire is not None else job.delta,
                     node_id=self.node_id,
                     round_index=job.round,
@@ -317,9 +324,9 @@ class NodeLink:
                         "run_id": job.run_id,
                         "instance": self.claim.instance,
                     },
-                    owner=self.claim.record(**status),
+                    owner=None if local else self.claim.record(**status),
                 )
-                nbytes = int(self.store.last_upload_bytes)
+                nbytes = int(sink.last_upload_bytes)
         except AccessRefused as exc:  # the node stops at its next step (exit 2)
             raise self.access_error(exc) from None
         self.claim.claimed = True
@@ -327,8 +334,9 @@ class NodeLink:
         return nbytes
 
     # -- globals -----------------------------------------------------------------------------
-    def fetch(self, seen: tuple[int, str]) -> GlobalCandidate | None:
-        """The published global when its ``(outer_step, run_id)`` is not ``seen``; a refused
+    def fetch(self, seen: tuple[int, str], final: bool = False) -> GlobalCandidate | None:
+        """The published global when its ``(outer_step, run_id)`` is not ``seen``, or with
+        ``final`` when it is the final one (a node that waits for the end of the run); a refused
         one (too large, non-finite) is reported once and not downloaded again. A read that met
         a publish between its files (`TornRead`) reads again once the record changes (for at
         most ``TORN_READS`` polls); a record that does not change raises (the caller retries)."""
@@ -337,7 +345,7 @@ class NodeLink:
         deadline = time.monotonic() + TORN_READS * TORN_WAIT
         while True:
             try:
-                return self._fetch(metadata, seen, started)
+                return self._fetch(metadata, seen, started, final)
             except T.TornRead:
                 newer = self._newer_record(metadata, deadline)
                 if newer is None:
@@ -357,10 +365,10 @@ class NodeLink:
         return wait_for(changed, timeout=remaining, interval=TORN_WAIT, stop=self.interrupted)
 
     def _fetch(
-        self, metadata: T.GlobalMetadata | None, seen: tuple[int, str], started: float
+        self, metadata: T.GlobalMetadata | None, seen: tuple[int, str], started: float, final: bool
     ) -> GlobalCandidate | None:
         """`fetch` of the global ``metadata`` names."""
-        if metadata is None or (metadata.outer_step, metadata.run_id) == seen:
+        if metadata is None or (metadata.names(*seen) and not (final and metadata.final)):
             return None
         self._hear_refusals(metadata)
         if metadata.sha256 and metadata.sha256 == self._refused:
@@ -463,25 +471,19 @@ class NodeLink:
         return None
 
     def _from_update(self, metadata: T.GlobalMetadata) -> HeldGlobal | None:
-        """The global ``metadata`` names, as the held global + the published outer update;
-        None when there is none to apply, or it is unusable (said once; the full global is
+        """The global ``metadata`` names, as the held global + the published outer updates
+        after it; None when none applies, or one is unusable (said once; the full global is
         downloaded instead). An outage raises (the next poll tries again)."""
-        held = self.held
-        if held is None or not metadata.update_sha256:
+        held = self.held  # none, of another run or no update leads from it: the full global
+        if held is None or held.run_id != metadata.run_id:
             return None
-        if (metadata.outer_step, metadata.run_id) != (held.outer_step + 1, held.run_id):
-            return None  # not the next global of this node's run: only the full one will do
+        if metadata.updates_after(held.outer_step) is None:
+            return None
         try:
-            with self.store.local_copy(T.GLOBAL_UPDATE, max_bytes=self.max_bytes) as local:
-                self._update_bytes = os.path.getsize(local)
-                return read_update(
-                    local,
-                    held,
-                    sha256=metadata.update_sha256,
-                    outer_step=metadata.outer_step,
-                    run_id=metadata.run_id,
-                    like=self.like,
-                )
+            held, self._update_bytes = self.store.apply_updates(
+                metadata, held, like=self.like, max_bytes=self.max_bytes
+            )
+            return held
         except TransportError as exc:
             if exc.kind != "permanent" and not isinstance(exc, RemoteNotFound):
                 raise
@@ -489,7 +491,7 @@ class NodeLink:
         except ValueError as exc:
             error = str(exc)
         _LOG.warning(
-            f"not applying {T.GLOBAL_UPDATE} (outer step {metadata.outer_step}): {error}; "
+            f"not applying the outer updates to global {metadata.outer_step}: {error}; "
             "downloading the full global instead"
         )
         self._emit("global_update_refused", outer_step=metadata.outer_step, error=error)

@@ -32,6 +32,7 @@ from speedtronic.background import Loop, wait_for
 from speedtronic.diloco import codec
 from speedtronic.diloco.codec import (
     QUANTIZED_BITS,
+    HeldGlobal,
     OuterUpdate,
     QuantizedTensor,
     add_decoded,
@@ -51,6 +52,7 @@ from speedtronic.diloco.exchange import (
 )
 from speedtronic.diloco.ledger import (
     META,
+    ContributionFiles,
     NesterovOuterOptimizer,
     NodeView,
     OuterStateStore,
@@ -315,8 +317,9 @@ class OuterStep(Protocol):
     def undo(self, old: RoundState, new: RoundState) -> RoundState:
         """The state to hold when the publish of ``new`` failed and no local state keeps it."""
 
-    def finish(self, state: RoundState) -> None:
-        """The run is over with no round left to close: make ``state`` the final global."""
+    def finish(self, state: RoundState) -> bool:
+        """The run is over with no round left to close: make ``state`` the final global; True
+        when that changed its weights."""
 
 
 class RoundMaster:
@@ -326,8 +329,10 @@ class RoundMaster:
     its shapes and dtypes). ``on_global`` receives every new global, ``evaluate`` scores one,
     ``on_final`` runs once after the final global was published; ``outer`` is how a round's
     mean becomes the next global (:class:`LocalStep` by default; :class:`RelayStep` makes this
-    master a group leader). ``last_progress``: the ``clock()`` time of the last sign that the
-    run moves (the coordinator bounds its wait for the final global from it).
+    master a group leader); ``own`` is the store on this host its own node hands its
+    contributions to (:class:`~.ledger.ContributionFiles`). ``last_progress``: the ``clock()``
+    time of the last sign that the run moves (the coordinator bounds its wait for the final
+    global from it).
 
     A poll sorts the exchange's files and closes the open round when it is due: fold (the
     valid files into the round's mean) -> outer step (``outer``) -> publish (one commit, the
@@ -347,8 +352,10 @@ class RoundMaster:
         on_final: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
         outer: OuterStep | None = None,
         clock: Callable[[], float] = time.monotonic,
+        own: Store | None = None,
     ):
         self.store = store
+        self.files = ContributionFiles(store, own, state_dir)  # what the fold reads
         self.settings = settings
         self.state = self._new_run(codec.cpu_state_dict(state))
         # the global of a new run: only the first agreement with the exchange may start one
@@ -485,7 +492,7 @@ class RoundMaster:
                 self.agreement.exchange_created = True
             if not self.agreement.reconciled:  # at start, and again after a failed publish
                 self.reconcile()
-            scan = self.store.scan()
+            scan = self.files.scan()
         except TransportError:
             if watch.blind_since is None:
                 watch.blind_since = now
@@ -498,6 +505,7 @@ class RoundMaster:
         if self.roster.refresh(scan, now, self.state):
             watch.last_progress = now
         candidates = self._sort_contributions(scan, now)
+        self.files.prefetch(candidates, self.max_delta_bytes)  # while the others still send
         seen = {path for files in candidates.values() for path in files.values()}
         if seen - watch.seen:  # a contribution not seen before
             watch.last_progress = now
@@ -512,7 +520,8 @@ class RoundMaster:
             return True
         if self.refusals.prune:  # refused, duplicate or stale files go now, before re-sent
             try:
-                self.store.prune(sorted(self.refusals.prune))
+                self.store.prune(self.files.remote(self.refusals.prune))
+                self.files.release(self.refusals.prune)
                 self.refusals.prune.clear()
             except TransportError as exc:
                 _LOG.warning(f"could not prune consumed deltas: {exc}")
@@ -778,17 +787,17 @@ class RoundMaster:
         old = self.state
         with self._lock:
             self.state = new
-        moments = fold.mean_moments
+        moments, prune = fold.mean_moments, set(fold.consumed) | self.refusals.prune
         try:
             publish(
                 self.store,
                 new,
-                prune=set(fold.consumed) | self.refusals.prune,
+                prune=self.files.remote(prune),
                 final=final,
                 refused=self.refusals.refused,
                 update=update,
                 moments=moments,
-                **({} if moments is None else {"moments_round": str(fold.round)}),
+                moments_round=None if moments is None else fold.round,
             )
         except Exception:
             self._persist()
@@ -800,6 +809,7 @@ class RoundMaster:
                     self.state = self.outer.undo(old, new)  # weights replaced when adopted
             self.agreement.reconciled = False
             raise
+        self.files.release(prune)
 
     def _report_round(
         self, new: RoundState, fold: Fold, report: Mapping[str, object], started: float
@@ -895,7 +905,7 @@ class RoundMaster:
         or unusable (pruned and counted). An outage raises (the round is retried)."""
         try:
             bound = self.max_delta_bytes  # checked on the file actually opened
-            local = stack.enter_context(self.store.local_copy(path, max_bytes=bound))
+            local = stack.enter_context(self.files.open(path, bound))
             reader = stack.enter_context(codec.open_delta(local))
             leaders, step = self.settings.rules.relay_leaders, self.outer_step
             weight = self.roster.check_identity(node_id, reader.metadata, round, step, leaders)
@@ -945,8 +955,8 @@ class RoundMaster:
         """Every node is done and nothing is left: mark the published global final (with
         ``outer.finish``: the mean of the last globals, or a group leader first tells the top
         level that its group is done)."""
-        self.outer.finish(self.state)
-        publish(self.store, self.state, final=True, refused=self.refusals.refused)
+        changed = self.outer.finish(self.state)  # else the record alone marks the run final
+        publish(self.store, self.state, final=True, refused=self.refusals.refused, weights=changed)
         self._persist()
         # files refused after the last round are reported here, or they would never be counted
         self._emit("final_global", outer_step=self.outer_step, **self.refusals.report())
@@ -1056,9 +1066,9 @@ class LocalStep:
         """The held state: the exchange's global is agreed again, the round closes anew."""
         return old
 
-    def finish(self, state: RoundState) -> None:
+    def finish(self, state: RoundState) -> bool:
         """The final global: the mean of the last ``final_average`` globals."""
-        self._final_mean(state)
+        return self._final_mean(state)
 
     def _eta(self, state: RoundState, norms: NormTally, mean: Mapping[str, torch.Tensor]) -> float:
         """The optimizer's lr (``outer_lr``; 1.0 for ``average``), or the adaptive eta."""
@@ -1136,6 +1146,7 @@ class RelayStep:
         self.instance = str(record().get("instance", ""))
         self.max_bytes: int | None = None  # set by the master from its model
         self.last_round: int | None = None  # the last round this group contributed to
+        self.held: Global | None = None  # the last top-level global (updates may apply to it)
 
     def _wait(self, than: int, run_id: str, what: str, timeout: float | None = None) -> Global:
         """The first top-level global newer than ``than`` (or of another run); past ``timeout``
@@ -1149,7 +1160,7 @@ class RelayStep:
                 if meta is None:
                     return None
                 if meta.outer_step > than or (run_id and meta.run_id != run_id):
-                    return self.store.fetch_global(meta, max_bytes=self.max_bytes)
+                    return self._fetch(meta)
                 return None
             except TransportError as exc:
                 _LOG.warning(f"relay: reading the top-level global failed: {exc}")
@@ -1167,6 +1178,18 @@ class RelayStep:
             f"relay: no {what} within {time.monotonic() - started:.1f} s "
             f"(distributed.round_timeout {timeout:g} s); waiting again at the master's next poll"
         )
+
+    def _fetch(self, meta: GlobalMetadata) -> Global:
+        """The top-level global ``meta`` names: the last one held + the updates after it when
+        they apply (``global_dtype`` int8/int4), else the full global."""
+        if self.held is not None and meta.updates_after(self.held[0].outer_step) is not None:
+            last, weights = self.held
+            held = HeldGlobal.of(last.outer_step, last.run_id, weights)
+            with contextlib.suppress(ValueError, RemoteNotFound):
+                self.held = meta, self.store.apply_updates(meta, held, like=weights)[0].state
+                return self.held
+        self.held = self.store.fetch_global(meta, max_bytes=self.max_bytes)
+        return self.held
 
     def current(self) -> Global:
         """The top-level global (waits for the top-level master's first publish)."""
@@ -1235,14 +1258,15 @@ class RelayStep:
         )
         return self._wait(round, run_id, f"top-level global {round + 1}")
 
-    def finish(self, state: RoundState) -> None:
+    def finish(self, state: RoundState) -> bool:
         """The group's run is over (maybe after a round not marked final): tell the top level,
-        so its master stops waiting for this group."""
+        so its master stops waiting for this group (the group's global stays as it is)."""
         final = -1 if self.last_round is None else self.last_round
         self.store.claim_owner(
             self.node_id, self._record(relay=True, state="done", final_round=final)
         )
         _LOG.info(f"relay: group done after round {final}; told the top level")
+        return False
 
 
 # -- the quantized outer step (global_dtype int8/int4) ------------------------------------

@@ -82,6 +82,8 @@ Record = Mapping[str, object]
 # The final contribution has no next round to be carried into: finish() sends it this many
 # times (each with the transport's own retries) before it gives up and says so.
 FINAL_UPLOAD_ATTEMPTS = 3
+#: A node says at most this often that its globals arrive after their merge step.
+LATE_NOTE_SECONDS = 600.0
 
 
 class DiLoCoNode:
@@ -119,6 +121,7 @@ class DiLoCoNode:
         self.end = RunEnd()  # how far the end of the run got
         self.clock = RoundClock()  # where the time since the last contribution went
         self.fatal: Exception | None = None  # a permanent upload failure
+        self.late_noted = -LATE_NOTE_SECONDS  # when a late global was last reported
         self.interrupted = threading.Event()
         self.last_heartbeat = time.monotonic()
 
@@ -203,8 +206,26 @@ class DiLoCoNode:
         if last is None or last < sent:  # failed: carried into a later contribution
             quiet = not self.rounds.merges and self.may_merge()
             return self.merge_waiting() if quiet else False
-        keys = self._fragment(sent)
-        return self._await_global(due.outer_step, self.settings.rules.round_timeout, keys)
+        keys, started = self._fragment(sent), time.monotonic()
+        merged = self._await_global(due.outer_step, self.settings.rules.round_timeout, keys)
+        self._note_late(due, time.monotonic() - started)
+        return merged
+
+    def _note_late(self, due: MergeDue, waited: float) -> None:
+        """A global that was not there at its merge step: say so (the first time a wait
+        lasts a second, then at most every ``LATE_NOTE_SECONDS``): the exchange takes longer
+        than ``overlap_steps`` of training, and how to hide it."""
+        now = time.monotonic()
+        if waited < 1.0 or now - self.late_noted < LATE_NOTE_SECONDS:
+            return
+        self.late_noted = now
+        _LOG.info(
+            f"global {due.outer_step} arrived {waited:.1f} s after its merge step (distributed."
+            f"overlap_steps {self.settings.rules.overlap_steps}): the exchange takes longer than "
+            "that many steps of training; raise overlap_steps or use distributed.fragments to "
+            "hide it (docs/diloco.md, 'Sizing for your link'; round_done events give the "
+            "seconds)"
+        )
 
     def _fragment(self, round_number: int) -> tuple[str, ...] | None:
         """The tensors round ``round_number`` syncs (None: every one)."""
@@ -575,14 +596,14 @@ class DiLoCoNode:
     def _await_final(self, timeout: float) -> None:
         """Wait (bounded, interruptible) for the final global and install it. With
         ``final_average`` > 1 it is the mean of the last globals, published once every node
-        is done, under the outer step of the last global this node holds: the inbox forgets
-        what it saw, so that it reads the global again until the record says final."""
+        is done, under the outer step of the last global this node holds: the inbox asks for
+        it (a record that is not final yet costs no download)."""
 
         def installed() -> bool:
             self.merge_waiting()
             if not self.end.final_seen:
                 self.beat()
-                self.inbox.forget()
+                self.inbox.expect_final()
                 self.inbox.poke()
                 self.inbox.poll_due()
             return self.end.final_seen
@@ -896,13 +917,14 @@ class GlobalCandidate:
 
 
 class GlobalInbox:
-    """Where new globals arrive: offered by the in-process master, or fetched (``fetch(seen)``,
-    workers) every ``interval`` seconds and sooner after :meth:`poke`, by a :class:`Loop`
-    (``threaded``) or on the calling thread (:meth:`poll_due`)."""
+    """Where new globals arrive: offered by the in-process master, or fetched (``fetch(seen,
+    final)``, workers: a global other than ``seen``, or the final one when asked for) every
+    ``interval`` seconds and sooner after :meth:`poke`, by a :class:`Loop` (``threaded``) or on
+    the calling thread (:meth:`poll_due`)."""
 
     def __init__(
         self,
-        fetch: Callable[[tuple[int, str]], GlobalCandidate | None] | None,
+        fetch: Callable[[tuple[int, str], bool], GlobalCandidate | None] | None,
         *,
         interval: float,
         threaded: bool,
@@ -912,6 +934,7 @@ class GlobalInbox:
         self._cond = threading.Condition()
         self._candidate: GlobalCandidate | None = None
         self._seen = (-1, "")  # (outer step, run id) of the newest global offered or fetched
+        self._final = False  # the final global is asked for, under the same outer step too
         self._last_poll = 0.0
         self.poller = None
         if threaded and fetch is not None:
@@ -922,6 +945,7 @@ class GlobalInbox:
         with self._cond:
             self._candidate = candidate
             self._seen = (candidate.outer_step, candidate.run_id)
+            self._final = self._final and not candidate.final
             self._cond.notify_all()
 
     def take(self) -> GlobalCandidate | None:
@@ -947,10 +971,10 @@ class GlobalInbox:
         """Whether this inbox reads globals from the exchange (a worker's)."""
         return self._fetch is not None
 
-    def forget(self) -> None:
-        """Read the published global again at the next poll, even one already seen."""
+    def expect_final(self) -> None:
+        """Fetch the final global once it is published, even under an outer step already seen."""
         with self._cond:
-            self._seen = (-1, "")
+            self._final = True
 
     def poke(self) -> None:
         """Ask for a poll as soon as possible (a node waits for a global)."""
@@ -969,7 +993,7 @@ class GlobalInbox:
         if self._fetch is None:
             return
         try:
-            candidate = self._fetch(self._seen)
+            candidate = self._fetch(self._seen, self._final)
         except Exception as exc:
             _LOG.warning(f"global poll failed; retrying at the next poll: {exc}")
             return

@@ -3,7 +3,11 @@
 What the real Hub does with a file that is not small, and what huggingface_hub 2.4.0 (Xet
 off) does against it::
 
-    POST /api/models/<repo>/preupload/<rev>        -> uploadMode "lfs" (size >= threshold)
+    POST /api/models/<repo>/preupload/<rev>        -> uploadMode "lfs" when the repo's
+                                                      .gitattributes tracks the path with
+                                                      filter=lfs (a new repo's tracks
+                                                      *.safetensors, *.bin, ...) or when
+                                                      size >= threshold
     POST /<repo>.git/info/lfs/objects/batch        -> per object: an upload action (a signed
                                                       storage URL; multipart: one URL per
                                                       part + a completion URL) and a verify
@@ -30,6 +34,7 @@ the request handler in :mod:`.hub_routes` sends them and applies the fault injec
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import hashlib
 import hmac
 import json
@@ -41,10 +46,44 @@ from typing import Any
 
 from speedtronic.json_types import JSON
 
-__all__ = ["LFS_THRESHOLD", "LfsConfig", "LfsStorage", "git_blob_oid", "lfs_pointer"]
+__all__ = [
+    "HUB_GITATTRIBUTES",
+    "LFS_THRESHOLD",
+    "LfsConfig",
+    "LfsStorage",
+    "git_blob_oid",
+    "lfs_pointer",
+    "lfs_tracked",
+]
 
 #: The real Hub's limit for a regular (in-git) file: larger ones must go through LFS.
 LFS_THRESHOLD = 10 * 1024 * 1024
+
+#: The patterns the ``.gitattributes`` of a new Hub model repository tracks with LFS: the
+#: preupload endpoint answers "lfs" for a path they match, whatever its size.
+_HUB_LFS_PATTERNS = """*.7z *.arrow *.bin *.bz2 *.ckpt *.ftz *.gz *.h5 *.joblib *.lfs.* *.mlmodel
+*.model *.msgpack *.npy *.npz *.onnx *.ot *.parquet *.pb *.pickle *.pkl *.pt *.pth *.rar
+*.safetensors saved_model/**/* *.tar.* *.tar *.tflite *.tgz *.wasm *.xz *.zip *.zst *tfevents*"""
+HUB_GITATTRIBUTES = "".join(
+    f"{pattern} filter=lfs diff=lfs merge=lfs -text\n" for pattern in _HUB_LFS_PATTERNS.split()
+)
+
+
+def lfs_tracked(path: str, gitattributes: str) -> bool:
+    """Whether ``gitattributes`` (a ``.gitattributes`` text) sets ``filter=lfs`` on ``path``:
+    the last line whose pattern matches and that names a filter decides (a pattern without a
+    slash matches the file name in any folder, as git reads it)."""
+    tracked = False
+    for line in gitattributes.splitlines():
+        pattern, *attrs = line.split() or [""]
+        if not pattern or pattern.startswith("#"):
+            continue
+        name = path if "/" in pattern else path.rsplit("/", 1)[-1]
+        filters = [a for a in attrs if a.lstrip("-!").split("=")[0] == "filter"]
+        if filters and fnmatch.fnmatchcase(name, pattern):
+            tracked = filters[-1] == "filter=lfs"
+    return tracked
+
 
 Answer = tuple[int, Any, dict[str, str]]
 
@@ -58,6 +97,8 @@ class LfsConfig:
     verify: bool = True  # the batch answer carries a verify action
     advertise_xet: bool = False  # resolve answers carry X-Xet-Hash + refresh route (Xet repo)
     release_after: float = 30.0  # seconds an object no file points to any more is kept
+    # the .gitattributes a new repository starts with ("": none; its paths go by size alone)
+    gitattributes: str = HUB_GITATTRIBUTES
 
 
 def lfs_pointer(oid: str, size: int) -> bytes:
@@ -92,9 +133,11 @@ class LfsStorage:
         self._lock = threading.Lock()
 
     # -- decisions --------------------------------------------------------------------------
-    def upload_mode(self, size: int) -> str:
-        """``lfs`` for a file of at least ``threshold`` bytes, else ``regular``."""
-        return "lfs" if size >= self.config.threshold else "regular"
+    def upload_mode(self, path: str, size: int, gitattributes: str) -> str:
+        """``lfs`` for a path the repository's ``gitattributes`` tracks with LFS or a file of at
+        least ``threshold`` bytes, else ``regular`` (what the Hub's preupload answers)."""
+        big = size >= self.config.threshold
+        return "lfs" if big or lfs_tracked(path, gitattributes) else "regular"
 
     def sign(self, action: str, oid: str) -> str:
         """The signature a storage URL for ``action`` on ``oid`` carries."""

@@ -323,7 +323,10 @@ class HubHandler(BaseHTTPRequestHandler):
                     },
                     {"X-Error-Message": "You already created this model repo"},
                 )
-            self.hub.repos[repo_id] = Repo(private=private)
+            self.hub.repos[repo_id] = repo = Repo(private=private)
+            attributes = self.hub.lfs.config.gitattributes
+            if attributes:  # what a new repository holds on the Hub (not counted as a commit)
+                repo.files[".gitattributes"] = attributes.encode()
         self._json(200, {"url": f"{self.hub.url}/{repo_id}", "name": repo_id})
 
     def _api(
@@ -349,13 +352,15 @@ class HubHandler(BaseHTTPRequestHandler):
         if action == "preupload" and method == "POST":
             files = json.loads(body or b"{}").get("files", [])
             mode = self.hub.lfs.upload_mode
+            with self.hub.lock:
+                attributes = repo.files.get(".gitattributes", b"").decode("utf-8", "replace")
             return self._json(
                 200,
                 {
                     "files": [
                         {
                             "path": f["path"],
-                            "uploadMode": mode(int(f.get("size") or 0)),
+                            "uploadMode": mode(f["path"], int(f.get("size") or 0), attributes),
                             "shouldIgnore": False,
                         }
                         for f in files

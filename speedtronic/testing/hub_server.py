@@ -6,9 +6,12 @@ It speaks the endpoints that huggingface_hub 2.4.0 uses for DumbDiLoCo::
     GET  /api/whoami-v2                                  whoami
     GET  /api/models/<owner>/<name>/revision/<rev>       repo_info
     GET  /api/models/<owner>/<name>/tree/<rev>[/<path>]  list_repo_tree / list_repo_files
-    POST /api/models/<owner>/<name>/preupload/<rev>      uploadMode "lfs" from ``lfs.threshold``
-                                                         bytes on (10 MiB, as the Hub), else
-                                                         "regular"
+    POST /api/models/<owner>/<name>/preupload/<rev>      uploadMode "lfs" for a path the repo's
+                                                         .gitattributes tracks with LFS (a new
+                                                         repo's, as on the Hub: *.safetensors,
+                                                         *.bin, ...; ``lfs.gitattributes``) or
+                                                         from ``lfs.threshold`` bytes on (10
+                                                         MiB, as the Hub), else "regular"
     POST /api/models/<owner>/<name>/commit/<rev>         NDJSON: header, file (base64), lfsFile
                                                          (pointer to a stored object),
                                                          deletedFile, deletedFolder

@@ -190,11 +190,12 @@ def _plant(writer: HubClient, master: Node) -> dict[str, int]:
     return {"deltas": 3, "globals": 1}
 
 
-#: How the Hub stores the exchange's files: "regular" (every file in git: none reaches the
-#: Hub's 10 MiB LFS threshold at this model size) or "lfs" (a 1 KiB threshold: every delta
-#: and global goes through the LFS batch endpoint, storage PUTs and redirected downloads,
-#: with the same fault schedule on the storage requests; issue 22).
-PATHS = {"regular": LfsConfig(), "lfs": LfsConfig(threshold=1024)}
+#: How the Hub stores the exchange's files: "regular" (every file in git: a repository whose
+#: .gitattributes tracks nothing, and no file reaches the Hub's 10 MiB LFS threshold at this
+#: model size) or "lfs" (as a new Hub repository: its .gitattributes tracks *.safetensors, so
+#: every delta and global goes through the LFS batch endpoint, storage PUTs and redirected
+#: downloads, with the same fault schedule on the storage requests; issue 22).
+PATHS = {"regular": LfsConfig(gitattributes=""), "lfs": LfsConfig(threshold=1024)}
 
 
 @pytest.mark.timeout(600)  # the phases' own waits are bounded; a normal run takes about 60 s

@@ -1,0 +1,345 @@
+"""What crosses the exchange per round is the least the protocol needs (issue 38, item 2).
+
+A real master over a shared-volume exchange, nodes as their links write and read: the
+master's own node hands its contribution over on the master's disk; the master copies each
+contribution as soon as it is listed and folds the copies; with a quantized global the weights
+file is uploaded once every ``FULL_GLOBAL_EVERY`` globals; marking a run final sends no
+weights; a node waiting for the final global downloads it once.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from hub_emulator_fixtures import fast_retry
+from test_diloco_global_update import _link, _state
+from test_diloco_global_update import _round as round_of
+from test_diloco_master import Log, deliver, join, make_master
+
+from speedtronic.diloco import exchange as T
+from speedtronic.diloco.directory import DirectoryTransport
+from speedtronic.diloco.link import NodeClaim, NodeLink
+from speedtronic.diloco.master import RelayStep, RoundMaster
+from speedtronic.diloco.node import Contribution, GlobalInbox
+from speedtronic.retry import TransportError
+
+
+def _own(tmp_path) -> DirectoryTransport:
+    """The store on the master's disk its own node hands contributions to."""
+    return DirectoryTransport(f"file://{tmp_path}/state/own", fast_retry())
+
+
+def _with_own(tmp_path, **overrides):
+    """A master (node ``m`` is its own) and ``m``'s link, which hands its files to ``own``."""
+    master, t, log = make_master(tmp_path, **overrides)
+    own = _own(tmp_path)
+    master = _again(master, t, own)
+    claim = NodeClaim("m", "master", tmp_path / "m")
+    like = {"w": torch.zeros(2), "n": torch.tensor(3)}
+    link = NodeLink(
+        t,
+        master.settings,
+        claim=claim,
+        max_bytes=T.max_global_bytes(like),
+        like=like,
+        interrupted=threading.Event(),
+        own=own,
+    )
+    link.claim_id(state="training")
+    return master, t, log, link, own
+
+
+def _again(master: RoundMaster, t, own) -> RoundMaster:
+    """A master over the same exchange, state folder and own store (a restart)."""
+    again = RoundMaster(
+        t,
+        {"w": torch.zeros(2), "n": torch.tensor(3)},
+        settings=master.settings,
+        state_dir=master.outer_files.state_dir,
+        emit=master._emit,
+        on_final=master.on_final,
+        clock=master._clock,
+        own=own,
+    )
+    again.finals = master.finals
+    return again
+
+
+def _send(link: NodeLink, t, round: int, values, *, final=False) -> int:
+    run = t.global_metadata().run_id
+    job = Contribution(round, round, 5 * (round + 1), {"w": torch.tensor(values)}, final, run)
+    return link.send(job)
+
+
+def test_the_masters_own_contribution_never_crosses_the_exchange(tmp_path):
+    master, t, log, link, own = _with_own(tmp_path)
+    join(t, "a")
+    assert master.poll_once() is False  # global 0
+    commits = t.commits
+    assert _send(link, t, 0, [2.0, 0.0]) > 0
+    assert t.commits == commits  # no upload, and the status record had not changed
+    assert not [p for p in t.delta_paths() if p.startswith("nodes/m/")]
+    assert own.delta_paths() == ["nodes/m/delta_0.safetensors"]
+    assert master.poll_once() is False  # a is expected
+    deliver(t, "a", 0, [4.0, 2.0])
+    assert master.poll_once() is True
+    assert t.read_global()["w"].tolist() == [-3.0, -1.0]  # both, equal weight
+    assert t.read_ledger() == {"a": 0, "m": 0}
+    assert own.delta_paths() == [] and t.delta_paths() == []  # consumed: gone from both
+    assert log.of("outer_step")[-1]["included"] == ["a/0", "m/0"]
+
+
+def test_the_own_contribution_is_folded_once_across_a_master_restart(tmp_path):
+    master, t, _log, link, own = _with_own(tmp_path)
+    join(t, "a")
+    master.poll_once()
+    _send(link, t, 0, [2.0, 0.0])  # the master dies before it reads it
+    deliver(t, "a", 0, [4.0, 2.0])
+    again = _again(master, t, own)
+    assert again.poll_once() is True
+    assert t.read_ledger() == {"a": 0, "m": 0}
+    assert t.read_global()["w"].tolist() == [-3.0, -1.0]
+    _send(link, t, 0, [2.0, 0.0])  # the node resumed from a checkpoint: sent again
+    assert again.poll_once() is False
+    assert own.delta_paths() == []  # a replay: pruned from this disk, counted once
+    assert t.read_ledger() == {"a": 0, "m": 0}
+
+
+def test_a_failed_publish_keeps_the_own_contribution_until_one_lands(tmp_path):
+    master, t, _log, link, own = _with_own(tmp_path)
+    master.poll_once()
+    _send(link, t, 0, [2.0, 2.0])
+    original = t.publish_global
+    t.publish_global = lambda *a, **k: (_ for _ in ()).throw(TransportError("hub down"))
+    with pytest.raises(TransportError):
+        master.poll_once()
+    assert own.delta_paths() == ["nodes/m/delta_0.safetensors"]  # the only copy stays
+    t.publish_global = original
+    master.poll_once()  # the kept round is published again
+    assert t.global_metadata().outer_step == 1 and t.read_ledger() == {"m": 0}
+    assert t.read_global()["w"].tolist() == [-2.0, -2.0]
+    master.poll_once()
+    assert own.delta_paths() == []
+
+
+def test_the_done_status_of_the_masters_node_reaches_the_exchange_and_ends_the_run(tmp_path):
+    master, t, _log, link, _own = _with_own(tmp_path)
+    master.poll_once()
+    _send(link, t, 0, [1.0, 1.0], final=True)
+    record = t.read_owner("m")
+    assert (record["state"], record["final_round"]) == ("done", 0)  # before the file
+    assert master.poll_once() is True
+    assert master.finished.is_set() and t.global_metadata().final
+    assert master.finals == [(1, [-1.0, -1.0])]
+
+
+def test_an_own_contribution_whose_status_record_fails_leaves_nothing_behind(tmp_path):
+    master, t, _log, link, own = _with_own(tmp_path)
+    master.poll_once()
+    original = t.claim_owner
+    t.claim_owner = lambda *a, **k: (_ for _ in ()).throw(TransportError("hub down"))
+    with pytest.raises(TransportError):  # the node carries it whole into its next try
+        _send(link, t, 0, [1.0, 1.0], final=True)
+    assert own.delta_paths() == []  # the done status goes first: no file without it
+    t.claim_owner = original
+    _send(link, t, 0, [1.0, 1.0], final=True)
+    assert own.delta_paths() == ["nodes/m/delta_0.safetensors"]
+    assert master.poll_once() is True and master.finished.is_set()
+
+
+class Downloads:
+    """Counts the exchange's reads of contribution files (``local_copy``)."""
+
+    def __init__(self, t):
+        self.paths: list[str] = []
+        original = t.local_copy
+
+        def counted(path, max_bytes=None):
+            self.paths.append(path)
+            return original(path, max_bytes)
+
+        t.local_copy = counted
+
+
+def test_a_contribution_is_copied_in_the_poll_that_lists_it_and_folded_from_the_copy(tmp_path):
+    master, t, _log = make_master(tmp_path)
+    join(t, "a")
+    join(t, "b")
+    master.poll_once()
+    reads = Downloads(t)
+    deliver(t, "a", 0, [2.0, 0.0])
+    assert master.poll_once() is False  # b is still training: a's file is read now
+    assert reads.paths == ["nodes/a/delta_0.safetensors"]
+    assert (tmp_path / "state/fetched/nodes/a/delta_0.safetensors").is_file()
+    deliver(t, "b", 0, [4.0, 2.0])
+    assert master.poll_once() is True
+    assert sorted(reads.paths) == ["nodes/a/delta_0.safetensors", "nodes/b/delta_0.safetensors"]
+    assert t.read_global()["w"].tolist() == [-3.0, -1.0]
+    assert not (tmp_path / "state/fetched").exists()  # at most the open round's files
+
+
+def test_a_damaged_copy_is_refused_and_a_restart_reads_the_exchange_again(tmp_path):
+    master, t, log = make_master(tmp_path)
+    join(t, "a")
+    join(t, "b")
+    master.poll_once()
+    deliver(t, "a", 0, [2.0, 0.0])
+    deliver(t, "b", 0, [4.0, 2.0])
+    fetched = tmp_path / "state/fetched/nodes"
+    master.files.scan()
+    master.files.prefetch({"a": {0: "nodes/a/delta_0.safetensors"}}, master.max_delta_bytes)
+    assert (fetched / "a/delta_0.safetensors").is_file()
+    master = _again(master, t, None)  # a restart empties the copies: the exchange is read again
+    assert not fetched.exists()
+    master.files.scan()
+    master.files.prefetch({"b": {0: "nodes/b/delta_0.safetensors"}}, master.max_delta_bytes)
+    copy = fetched / "b/delta_0.safetensors"
+    data = bytearray(copy.read_bytes())
+    data[-3] ^= 0xFF  # the copy on this disk changed after it was read
+    copy.write_bytes(bytes(data))
+    assert master.poll_once() is True  # refused as a damaged file is, the round goes on
+    event = log.of("outer_step")[-1]
+    assert event["included"] == ["a/0"] and event["deltas_corrupt"] == 1
+    assert event["refused"] == ["b/0"]
+
+
+# -- a quantized global: the weights file once every FULL_GLOBAL_EVERY globals ----------------
+def _round(master, t, r: int) -> None:
+    round_of(master, t, ["a", "b"], r)
+
+
+def _quantized(tmp_path, monkeypatch, every: int, **overrides):
+    monkeypatch.setattr(T, "FULL_GLOBAL_EVERY", every, raising=False)
+    overrides = {"global_dtype": "int8", **overrides}
+    master, t, log = make_master(tmp_path, state=_state(), **overrides)
+    join(t, "a")
+    join(t, "b")
+    assert master.poll_once() is False  # global 0
+    return master, t, log
+
+
+def _same(state, master) -> bool:
+    return all(torch.equal(state[k], v) for k, v in master.global_state.items())
+
+
+def test_a_quantized_global_uploads_its_weights_file_once_every_n_globals(tmp_path, monkeypatch):
+    master, t, _ = _quantized(tmp_path, monkeypatch, every=3)
+    weights = t.root / "global/latest.safetensors"
+    written = {0: weights.stat().st_ino}
+    for r in range(5):
+        _round(master, t, r)
+        step = r + 1
+        if weights.stat().st_ino != written[max(written)]:
+            written[step] = weights.stat().st_ino
+        assert _same(t.read_global(), master)  # a joiner's global: the file + the updates
+        record = t.global_metadata()
+        assert record.outer_step == step and len(record.chain) == step - max(written)
+    assert sorted(written) == [0, 3]  # globals 1, 2, 4 and 5 were their update only
+    updates = sorted(p.name for p in (t.root / "global").glob("update_*"))
+    assert updates == [f"update_{k}.safetensors" for k in (3, 4, 5)]  # 1 and 2 pruned
+
+
+def test_a_node_that_missed_rounds_applies_the_updates_it_missed(tmp_path, monkeypatch):
+    master, t, _ = _quantized(tmp_path, monkeypatch, every=8)
+    link = _link(tmp_path, t, master, "a")
+    first = link.fetch((-1, ""))
+    for r in range(3):
+        _round(master, t, r)
+    candidate = link.fetch((first.outer_step, first.run_id))  # global 3, from global 0
+    assert candidate.source == "update" and candidate.outer_step == 3
+    assert _same(candidate.state, master)
+    sizes = [(t.root / T.update_path(k)).stat().st_size for k in (1, 2, 3)]
+    assert candidate.nbytes == sum(sizes)  # the three updates, not the weights file
+
+
+def test_a_damaged_update_keeps_a_node_on_its_global_until_the_next_weights_file(
+    tmp_path, monkeypatch
+):
+    log = Log()
+    master, t, _ = _quantized(tmp_path, monkeypatch, every=3)
+    link = _link(tmp_path, t, master, "a", log)
+    seen = link.fetch((-1, ""))
+    _round(master, t, 0)
+    path = t.root / T.update_path(1)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1  # the stored update is damaged: it no longer hashes to the record
+    path.write_bytes(bytes(data))
+    reads = Downloads(t)
+    assert link.fetch((seen.outer_step, seen.run_id)) is None  # never wrong weights
+    assert [e["outer_step"] for e in log.of("global_update_refused")] == [1]
+    assert [e["outer_step"] for e in log.of("global_rejected")] == [1]
+    _round(master, t, 1)
+    count = len(reads.paths)
+    assert link.fetch((seen.outer_step, seen.run_id)) is None  # the same weights file
+    assert reads.paths[count:] == []  # not read again: no download at every poll
+    _round(master, t, 2)  # global 3: a new weights file
+    candidate = link.fetch((seen.outer_step, seen.run_id))
+    assert candidate.source == "full" and candidate.outer_step == 3
+    assert _same(candidate.state, master)
+
+
+# -- the end of a run: the record marks it final, the final global is read once -------------
+@pytest.mark.parametrize("wire", ["fp32", "int8"])
+def test_marking_the_run_final_sends_no_weights(tmp_path, monkeypatch, wire):
+    master, t, _ = _quantized(tmp_path, monkeypatch, every=8, global_dtype=wire)
+    _round(master, t, 0)
+    files = {p.name: p.stat().st_ino for p in (t.root / "global").glob("*.safetensors")}
+    before = t.read_global()
+    for node in ("a", "b"):  # the last step fell on a boundary: a done status only
+        t.claim_owner(node, {"instance": f"{node}-1", "state": "done", "final_round": 0})
+    commits = t.commits
+    master.poll_once()
+    assert master.finished.is_set()
+    record = t.global_metadata()
+    assert record.final and record.outer_step == 1 and t.commits == commits + 1
+    after = {p.name: p.stat().st_ino for p in (t.root / "global").glob("*.safetensors")}
+    assert after == files  # no weights, no update sent again
+    assert all(torch.equal(before[k], v) for k, v in t.read_global().items())
+
+
+def test_a_node_waiting_for_the_final_global_downloads_it_once(tmp_path):
+    master, t, _ = make_master(tmp_path, final_average=2)
+    join(t, "a")
+    master.poll_once()
+    link = _link(tmp_path, t, master, "a")
+    like = {"w": torch.zeros(2), "n": torch.tensor(3)}
+    link.like, link.max_bytes = like, T.max_global_bytes(like)
+    deliver(t, "a", 0, [2.0, 2.0])
+    master.poll_once()  # global 1
+    inbox = GlobalInbox(link.fetch, interval=0.0, threaded=False)
+    inbox.offer(link.fetch((-1, "")))
+    assert inbox.take().outer_step == 1
+    reads = Downloads(t)
+    inbox.expect_final()  # the node is done and waits for the final global
+    for _ in range(3):
+        inbox.poll_due()
+    assert inbox.take() is None and "global/latest.safetensors" not in reads.paths
+    t.claim_owner("a", {"instance": "a-1", "state": "done", "final_round": 0})
+    master.poll_once()  # every node is done: the final global, the mean of the last two
+    for _ in range(3):
+        inbox.poll_due()
+    final = inbox.take()
+    assert final.final and final.outer_step == 1 and final.state["w"].tolist() == [-1.0, -1.0]
+    assert reads.paths.count("global/latest.safetensors") == 1
+
+
+def test_a_group_leader_follows_a_quantized_top_level_global_by_its_updates(tmp_path, monkeypatch):
+    master, t, _ = _quantized(tmp_path, monkeypatch, every=8)
+    relay = RelayStep(
+        t,
+        node_id="g1",
+        settings=master.settings,
+        record=lambda **status: {"instance": "leader", **status},
+        stop=threading.Event(),
+    )
+    meta, state = relay._fetch(t.global_metadata())  # global 0: the weights file
+    assert meta.outer_step == 0 and _same(state, master)
+    reads = Downloads(t)
+    for r in range(2):
+        _round(master, t, r)
+        meta, state = relay._fetch(t.global_metadata())
+        assert meta.outer_step == r + 1 and _same(state, master)
+    assert reads.paths[-1] == T.update_path(2)
+    assert "global/latest.safetensors" not in reads.paths  # never the weights file again
