@@ -25,6 +25,8 @@ Without root, ``ip netns`` or ``tc`` it prints one ``skip:`` line and exits 0.
     python bench/diloco_link.py                      # the issue's table (~20 min on 2 cores)
     python bench/diloco_link.py --rates 60,18        # fixed link speeds (Mbit/s)
     python bench/diloco_link.py --cases fast:int8:overlapped,slow:int8:overlapped
+    python bench/diloco_link.py --cases slow:int8:blocking,slow:int8:overlapped:20:4
+                                        # overlap_steps 20, 4 fragments (several rounds in flight)
     python bench/diloco_link.py --latency-ms 20 --set distributed.outer_step=adaptive
 """
 
@@ -120,16 +122,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def shaped_cases(text: str) -> list[dict]:
-    """``LINK:DTYPE:SYNC,...`` as case records (LINK ``unshaped``: that run alone, no tc)."""
+    """``LINK:DTYPE:SYNC[:OVERLAP_STEPS[:FRAGMENTS]],...`` as case records (LINK ``unshaped``:
+    that run alone, no tc; OVERLAP_STEPS and FRAGMENTS, overlapped only, override the config's
+    ``distributed.overlap_steps`` and ``distributed.fragments``)."""
     cases = []
     for item in filter(None, (part.strip() for part in text.split(","))):
-        link, dtype, sync = item.split(":")
-        if link not in (*LINKS, UNSHAPED) or dtype not in DTYPES or sync not in SYNCS:
+        link, dtype, sync, *extra = item.split(":")
+        fine = link in (*LINKS, UNSHAPED) and dtype in DTYPES and sync in SYNCS
+        fine = fine and len(extra) <= 2 and all(x.isdigit() and int(x) > 0 for x in extra)
+        if not fine or (extra and sync != "overlapped"):
             raise SystemExit(
-                f"--cases: {item!r} is not LINK:DTYPE:SYNC ({(*LINKS, UNSHAPED)}, {DTYPES}, "
-                f"{SYNCS})"
+                f"--cases: {item!r} is not LINK:DTYPE:SYNC[:OVERLAP_STEPS[:FRAGMENTS]] "
+                f"({(*LINKS, UNSHAPED)}, {DTYPES}, {SYNCS}; the two counts positive, "
+                "overlapped only)"
             )
-        cases.append({"name": f"{link}-{dtype}-{sync}", "link": link, "dtype": dtype, "sync": sync})
+        overlap, fragments = (int(x) for x in [*extra, "0", "0"][:2])
+        name = f"{link}-{dtype}-{sync}"
+        name += f"-o{overlap}" if overlap else ""
+        name += f"-f{fragments}" if fragments else ""
+        case = {"name": name, "link": link, "dtype": dtype, "sync": sync}
+        cases.append(case | {"overlap_steps": overlap, "fragments": fragments})
     return cases
 
 
@@ -164,6 +176,12 @@ def node_sets(args: argparse.Namespace, case: dict, role: str, node: str, out: P
         f"distributed.delta_dtype={case['dtype']}",
         f"distributed.global_dtype={case['dtype']}",
         f"distributed.inner_steps={args.inner_steps}",
+        *(
+            [f"distributed.overlap_steps={case['overlap_steps']}"]
+            if case.get("overlap_steps")
+            else []
+        ),
+        *([f"distributed.fragments={case['fragments']}"] if case.get("fragments") else []),
         f"distributed.expected_nodes={args.nodes}",
         f"distributed.poll_interval={args.poll_interval}",
         "distributed.round_timeout=600",  # the link, not the timeout policy, is measured
@@ -432,18 +450,18 @@ def report(args: argparse.Namespace, results: dict) -> int:
 def reanalyse(args: argparse.Namespace) -> dict:
     """The results of the runs kept in ``--from-work`` (their ``raw.json``), analysed again."""
     raws = [json.loads(p.read_text()) for p in sorted(args.from_work.glob("*/raw.json"))]
-    order = [
-        c["name"]
-        for c in shaped_cases(
-            ",".join(f"{link}:{d}:{s}" for link in LINKS for d in DTYPES for s in SYNCS)
-        )
-    ]
+    order = [(c["link"], c["dtype"], c["sync"]) for c in shaped_cases(args.cases)]
+
+    def place(case: dict) -> tuple[int, str]:
+        spec = (case["link"], case["dtype"], case["sync"])
+        return (order.index(spec) if spec in order else len(order), case["name"])
+
     unshaped = {
         r["case"]["dtype"]: analyse(r, args) for r in raws if r["case"]["link"] == "unshaped"
     }
     shaped = sorted(
         (r for r in raws if r["case"]["link"] != "unshaped"),
-        key=lambda r: order.index(r["case"]["name"]),
+        key=lambda r: place(r["case"]),
     )
     rates = {r["case"]["link"]: r["rate_bps"] for r in shaped}
     how = ", ".join(f"{k} {v / 1e6:.1f} Mbit/s" for k, v in rates.items())

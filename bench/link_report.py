@@ -7,9 +7,10 @@ Definitions (per node, from its events):
 
 - ``wall_s``: from the start of its training loop (``train_end`` time - its ``elapsed_s``) to
   its last DiLoCo or step event (the final local eval and checkpoint are not counted).
-- ``compute_s``: the sum of its step times, where a round boundary step (and the first step,
-  which holds the wait for the first global) counts as a median ordinary step: the time in
-  inner steps. ``exchange_s`` = ``wall_s`` - ``compute_s``: the training thread on the
+- ``compute_s``: the sum of its step times, where a step that held the exchange (a round
+  boundary, a scheduled merge: a ``round_done`` or ``sync_wait`` event in it; and the first
+  step, which holds the wait for the first global) counts as a median ordinary step: the time
+  in inner steps. ``exchange_s`` = ``wall_s`` - ``compute_s``: the training thread on the
   exchange (start, boundaries, end), split into ``start_s``, ``boundary_s`` and ``end_s``.
 - ``sync_wait_s``: the ``sync_wait`` events (waits for a global); ``upload_s``: the
   ``delta_uploaded`` events' seconds (on the training thread when blocking).
@@ -20,6 +21,7 @@ Definitions (per node, from its events):
 
 from __future__ import annotations
 
+import bisect
 import datetime as dt
 import itertools
 import json
@@ -97,7 +99,16 @@ def node_figures(events: list[Event], inner_steps: int) -> dict:
     last = max(e.ts for e in events if e.name in EXCHANGE_EVENTS | {"train_step"})
     times = [float(e.fields["step_time_s"]) for e in steps]
     numbers = [int(e.fields["step"]) for e in steps]
-    special = [n == 1 or n % inner_steps == 0 for n in numbers]
+    # a step that held the exchange: a boundary (round_done) or a scheduled merge (sync_wait),
+    # whatever the round's length (fragments) and the merge's step (overlap_steps)
+    held = sorted(e.ts for e in events if e.name in ("round_done", "sync_wait"))
+    edges = [steps[0].ts - float(times[0]), *(e.ts for e in steps)]
+    special = [
+        n == 1
+        or n % inner_steps == 0
+        or bisect.bisect_right(held, edges[i + 1]) > bisect.bisect_right(held, edges[i])
+        for i, n in enumerate(numbers)
+    ]
     plain = [t for t, s in zip(times, special, strict=True) if not s] or times
     base = statistics.median(plain)
     start_s = max(0.0, times[0] - base) if numbers[0] == 1 else 0.0

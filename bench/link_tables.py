@@ -32,6 +32,7 @@ def summarize(results: dict, args: object) -> dict:
             "link": spec["link"],
             "dtype": spec["dtype"],
             "sync": spec["sync"],
+            "how": _how(spec),
             "mbit": case["rate_bps"] / 1e6 if case["rate_bps"] else None,
         }
         if "error" in case:
@@ -84,6 +85,12 @@ def summarize(results: dict, args: object) -> dict:
     return {"rows": rows, "target_loss": target, "recommendation": [a for a in advice if a]}
 
 
+def _how(spec: dict) -> str:
+    """A case's ``sync`` with the overlap settings it set (``overlapped`` alone: the config's)."""
+    extra = [f"{key} {spec[key]}" for key in ("overlap_steps", "fragments") if spec.get(key)]
+    return spec["sync"] + (f" ({', '.join(extra)})" if extra else "")
+
+
 def recommend(rows: list[dict], link: str, tolerance: float, inner_steps: int) -> str | None:
     """Which ``sync``, dtype and ``inner_steps`` the measured figures favour at ``link``: the
     shortest wall among the cases whose loss is within ``tolerance`` of blocking fp32's (or
@@ -103,11 +110,11 @@ def recommend(rows: list[dict], link: str, tolerance: float, inner_steps: int) -
     hide = max(1, math.ceil(wait / step))
     ninety = max(1, math.ceil(9 * wait / step))
     dropped = sorted(
-        {f"{r['dtype']} {r['sync']} ({r['loss'] / ref:.3f}x)" for r in here}
-        - {f"{r['dtype']} {r['sync']} ({r['loss'] / ref:.3f}x)" for r in kept}
+        {f"{r['dtype']} {r['how']} ({r['loss'] / ref:.3f}x)" for r in here}
+        - {f"{r['dtype']} {r['how']} ({r['loss'] / ref:.3f}x)" for r in kept}
     )
     text = (
-        f"recommendation at {best['mbit']:.1f} Mbit/s: sync {best['sync']}, delta_dtype and "
+        f"recommendation at {best['mbit']:.1f} Mbit/s: sync {best['how']}, delta_dtype and "
         f"global_dtype {best['dtype']} (wall {best['wall_s']:.0f} s, utilization "
         f"{best['utilization']:.2f}, loss {best['loss'] / ref:.3f}x blocking fp32); a round's "
         f"exchange keeps a blocking node {wait:.1f} s = {wait / step:.0f} steps of "
