@@ -381,8 +381,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cases = shaped_cases(args.cases)
     fractions = [float(x) for x in args.fractions.split(",")]
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.default_int_handler)  # KeyboardInterrupt: every finally runs
+    # KeyboardInterrupt: every finally runs; SIGINT too, which a shell's background job (`&`)
+    # starts with ignored
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.default_int_handler)
     work = args.work or Path(tempfile.mkdtemp(prefix="diloco-link-"))
     work.mkdir(parents=True, exist_ok=True)
     results: dict = {

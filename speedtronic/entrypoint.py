@@ -672,10 +672,12 @@ def _train(
     state.trainer = trainer
     role, node_id = _identity(config, trainer)
     from speedtronic.metrics.prometheus import PrometheusSink
+    from speedtronic.train.result import MembershipSource
 
     state.sink = PrometheusSink(role, node_id, registry=registry)
-    if trainer.coordinator is not None:  # a master's nodes, read at scrape time
-        state.sink.watch_membership(trainer.coordinator.membership)
+    nodes: object = trainer.coordinator
+    if isinstance(nodes, MembershipSource):  # a master's nodes, read at scrape time
+        state.sink.watch_membership(nodes.membership)
     trackers = _trackers(config, node_id) if ranks.is_main else []
     trainer.logger.hooks.extend([state.sink, state, *trackers, *extra_hooks])
     bar = _attach_progress(trainer) if progress else None

@@ -13,6 +13,7 @@ SHORT = {
     "lifecycle": "test_diloco_lifecycle.py",
     "master_lifecycle": "test_diloco_master_lifecycle.py",
     "store_safety": "test_diloco_store_safety.py",
+    "link_bytes": "test_diloco_link_bytes.py",
 }
 
 

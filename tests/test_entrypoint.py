@@ -228,6 +228,9 @@ def test_worker_node_id_collision_exits_2_before_training(tmp_path):
         "SPEEDTRONIC_DISTRIBUTED__ROLE": "worker",
         "SPEEDTRONIC_DISTRIBUTED__REPO_ID": exchange.as_uri(),
         "SPEEDTRONIC_DISTRIBUTED__POLL_INTERVAL": "0.5",
+        # no master: the first worker trains once its wait for a first global (round_timeout)
+        # ends; 5 s, not the default 120
+        "SPEEDTRONIC_DISTRIBUTED__ROUND_TIMEOUT": "5",
         "SPEEDTRONIC_NODE_ID": "worker-a",
     }
     config = tiny_config(tmp_path)

@@ -120,6 +120,15 @@ class StepUpdate:
 
 
 @runtime_checkable
+class MembershipSource(Protocol):
+    """A coordinator that knows a run's nodes (the DiLoCo coordinator): ``membership()`` is
+    how many nodes the open round waits for and the seconds since each node was seen, read by
+    ``/metrics`` at scrape time (None where this process is no master)."""
+
+    def membership(self) -> tuple[int, Mapping[str, float]] | None: ...
+
+
+@runtime_checkable
 class SyncCoordinator(Protocol):
     """Everything the trainer (through ``train/sync.py``'s ``NodeSync``) and the entrypoint use
     of a distributed coordinator (DumbDiLoCo implements it).
@@ -136,9 +145,8 @@ class SyncCoordinator(Protocol):
     it as the reason), ``last_heartbeat`` (``time.monotonic()`` of the last sign of life, also
     while waiting for a round), ``last_global_step`` (the installed global's outer step; -1:
     none), ``wants_weights()`` (the next ``round_step`` reads or writes the weights). Read by
-    the entrypoint: ``node_id``, ``role`` (metric labels), ``is_ready()`` (``/readyz``) and
-    ``membership()`` (a master's nodes for ``/metrics``: how many the open round waits for,
-    seconds since each was seen; None elsewhere).
+    the entrypoint: ``node_id``, ``role`` (metric labels) and ``is_ready()`` (``/readyz``); a
+    coordinator that also has ``membership()`` is a :class:`MembershipSource`.
     """
 
     node_id: str
@@ -155,8 +163,6 @@ class SyncCoordinator(Protocol):
     def last_global_step(self) -> int: ...
 
     def is_ready(self) -> bool: ...
-
-    def membership(self) -> tuple[int, Mapping[str, float]] | None: ...
 
     def attach(self, optimizer: Optimizer, *, hook: bool = True) -> None: ...
 
