@@ -202,3 +202,41 @@ def test_ctrl_c_in_the_middle_of_a_run_ends_every_process_and_removes_the_namesp
     assert "interrupted" in text
     assert not _namespaces(proc.pid)
     assert not _processes_under(work)
+
+
+def test_a_case_names_its_overlap_steps_and_fragments_and_a_bad_one_is_refused():
+    from diloco_link import node_sets, parse_args, shaped_cases
+
+    case = shaped_cases("slow:int8:overlapped:10:4")[0]
+    assert case["name"] == "slow-int8-overlapped-o10-f4"
+    sets = node_sets(parse_args([]), case, "worker", "worker-1", Path("/tmp/x"))
+    assert "distributed.overlap_steps=10" in sets and "distributed.fragments=4" in sets
+    plain = shaped_cases("fast:fp32:overlapped")[0]
+    assert plain["name"] == "fast-fp32-overlapped"
+    assert not any(
+        "overlap_steps" in s or "fragments" in s
+        for s in node_sets(parse_args([]), plain, "worker", "worker-1", Path("/tmp/x"))
+    )
+    for bad in ("fast:int8:blocking:2", "fast:int8:overlapped:0", "fast:int8:overlapped:2:4:1"):
+        with pytest.raises(SystemExit, match="OVERLAP_STEPS"):
+            shaped_cases(bad)
+
+
+def test_a_scheduled_merge_is_exchange_time_not_compute():
+    from link_report import Event, node_figures
+
+    # 10 steps of 0.1 s; inner_steps 10 with fragments: a boundary at step 5 (round_done) and
+    # a merge at step 7 that waited 0.5 s (sync_wait inside the step)
+    events, ts = [], 100.0
+    for step in range(1, 11):
+        took = 0.6 if step == 7 else 0.1
+        ts += took
+        if step == 7:
+            events.append(Event(ts - 0.05, "sync_wait", {"seconds": 0.5}))
+        if step == 5:
+            events.append(Event(ts - 0.01, "round_done", {"wait_seconds": 0.0}))
+        events.append(Event(ts, "train_step", {"step": step, "step_time_s": took}))
+    events.append(Event(ts, "train_end", {"elapsed_s": ts - 100.0}))
+    figures = node_figures(events, inner_steps=10)
+    assert figures["compute_s"] == pytest.approx(1.0)
+    assert figures["exchange_s"] == pytest.approx(0.5)
