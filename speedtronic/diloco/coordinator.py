@@ -137,11 +137,7 @@ class DumbDiLoCoCoordinator:
         self.node_id = resolve_node_id(cfg.node_id, environ)
         self.role: str = cfg.node_role
         self.trains = cfg.train or self.role != "master"
-        if hub is None:
-            hub = build_transport(cfg, self._retry_policy())
-        elif hub.retry.on_retry is None:
-            hub.retry.on_retry = self._on_retry
-        self.store = hub
+        self.store = hub = self._wired(hub)
         self.state_dir = Path(state_dir or cfg.state_dir) / self.node_id
         self.state_dir.mkdir(parents=True, exist_ok=True)
         host = environ.get("HOSTNAME") or None  # a container's or pod's name
@@ -174,6 +170,15 @@ class DumbDiLoCoCoordinator:
         self._beat = time.monotonic()
         self.resumable = resumable
         self._beats = self._beat_loop()
+
+    def _wired(self, hub: Store | None) -> Store:
+        """The store (built from the config when none is given) with this coordinator's
+        retry reporting."""
+        if hub is None:
+            return build_transport(self.config, self._retry_policy())
+        if hub.retry.on_retry is None:
+            hub.retry.on_retry = self._on_retry
+        return hub
 
     def _beat_loop(self) -> Loop | None:
         """A worker's liveness beat every ``heartbeat_interval``: on a shared directory a
