@@ -177,11 +177,10 @@ def node_sets(args: argparse.Namespace, case: dict, role: str, node: str, out: P
         f"distributed.global_dtype={case['dtype']}",
         f"distributed.inner_steps={args.inner_steps}",
         *(
-            [f"distributed.overlap_steps={case['overlap_steps']}"]
-            if case.get("overlap_steps")
-            else []
+            f"distributed.{key}={case[key]}"
+            for key in ("overlap_steps", "fragments")
+            if case.get(key)
         ),
-        *([f"distributed.fragments={case['fragments']}"] if case.get("fragments") else []),
         f"distributed.expected_nodes={args.nodes}",
         f"distributed.poll_interval={args.poll_interval}",
         "distributed.round_timeout=600",  # the link, not the timeout policy, is measured

@@ -675,6 +675,7 @@ def _train(
     from speedtronic.train.result import MembershipSource
 
     state.sink = PrometheusSink(role, node_id, registry=registry)
+    # widened: mypy takes SyncCoordinator and MembershipSource for disjoint (statement unreachable)
     nodes: object = trainer.coordinator
     if isinstance(nodes, MembershipSource):  # a master's nodes, read at scrape time
         state.sink.watch_membership(nodes.membership)
