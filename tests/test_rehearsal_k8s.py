@@ -193,7 +193,7 @@ def test_k8s_worker_statefulset_scaled_3_1_3_mid_run_costs_no_round(tmp_path):
         for name in names[1:]:  # scaled to 1: both go at once
             pods[name].process.send_signal(signal.SIGTERM)
         for name in names[1:]:
-            assert pods[name].terminate(timeout=180) == 0, pods[name].output()[-4000:]
+            assert pods[name].wait(timeout=180) == 0, pods[name].output()[-4000:]
         wait_until(
             lambda: last() >= down + 4, 300, "four rounds of one worker", [boss, pods[names[0]]]
         )

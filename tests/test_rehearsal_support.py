@@ -150,6 +150,12 @@ class Rehearsal:
         assert self.process is not None
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
+        return self.wait(timeout)
+
+    def wait(self, timeout: float = 60.0) -> int:
+        """Wait for an exit already asked for (one SIGTERM, as kubelet sends); the exit code
+        (the process group is killed if it does not stop in ``timeout`` seconds)."""
+        assert self.process is not None
         try:
             return self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
