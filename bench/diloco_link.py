@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -49,7 +50,7 @@ sys.path.insert(0, str(BENCH))
 
 import link_report as R  # noqa: E402
 import link_tables as T  # noqa: E402
-from link_net import LinkLab, support_problem  # noqa: E402
+from link_net import LinkLab, cpu_seconds, support_problem  # noqa: E402
 
 TOKEN = "hf_linkbench_token_not_a_secret"
 SYNCS = ("blocking", "overlapped")
@@ -239,9 +240,12 @@ def run_case(
         argv = [*train, "--output-dir", str(out), *[x for s in sets for x in ("--set", s)]]
         mine = dict(env, HF_HOME=str(out / "hf"))
         nodes.append(lab.start(lab.nodes[i], name, argv, folder / f"{name}.out", env=mine, cwd=out))
-    codes = _wait_nodes(lab, nodes, args.case_timeout)
+    cpu: dict[str, float] = {}
+    watched = [*zip(names, nodes, strict=True), *((h.name, h) for h in helpers)]
+    codes = _wait_nodes(lab, nodes, args.case_timeout, lambda: _sample_cpu(watched, cpu))
     seconds = time.time() - started
     after = lab.counters()
+    _sample_cpu(watched, cpu)
     for helper in helpers:
         lab.stop(helper)
     wire = {
@@ -257,18 +261,33 @@ def run_case(
         "exit_codes": codes,
         "process_seconds": seconds,
         "wire": wire,
+        "cpu_s": cpu,
+        "cores": os.cpu_count(),
     }
     (folder / "raw.json").write_text(json.dumps(raw, indent=1))
     return raw
 
 
-def _wait_nodes(lab: LinkLab, nodes: list, timeout: float) -> list[int | None]:
-    """Wait for every node; after one fails (or ``timeout``), the others get 60 s, then stop."""
+def _sample_cpu(watched: list, cpu: dict[str, float]) -> None:
+    """The CPU seconds each watched process has used, as last seen (a node's last 0.2 s
+    before it exits are not seen)."""
+    for name, helper in watched:
+        seconds = cpu_seconds(helper.proc.pid)
+        if seconds is not None:
+            cpu[name] = seconds
+
+
+def _wait_nodes(
+    lab: LinkLab, nodes: list, timeout: float, sample: Callable[[], None]
+) -> list[int | None]:
+    """Wait for every node (``sample()`` every 0.2 s); after one fails (or ``timeout``), the
+    others get 60 s, then stop."""
     deadline = time.monotonic() + timeout
     while any(n.proc.poll() is None for n in nodes) and time.monotonic() < deadline:
         if any((n.proc.poll() or 0) != 0 for n in nodes):
             deadline = min(deadline, time.monotonic() + 60)
-        time.sleep(0.5)
+        sample()
+        time.sleep(0.2)
     return [lab.stop(n) if n.proc.poll() is None else n.proc.returncode for n in nodes]
 
 
@@ -295,6 +314,8 @@ def analyse(raw: dict, args: argparse.Namespace) -> dict:
     result["loss"] = evals[-1][2] if evals else None  # the last round's global = the final one
     if args.final_eval_tokens > 0:
         result["loss"] = score_final(folder / "master" / "final", args.final_eval_tokens)
+    if raw.get("cpu_s"):
+        result["cpu"] = R.cpu_shares(raw["cpu_s"], names, raw["cores"], raw["process_seconds"])
     r = max(rounds, 1)
     for name in names:
         up, down = raw["wire"][name]

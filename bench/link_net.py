@@ -95,6 +95,16 @@ def _why(exc: BaseException) -> str:
     return str(exc)
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds process ``pid`` has used so far (``/proc``; None once it
+    is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def tbf_args(rate_bps: float) -> list[str]:
     """tbf for ``rate_bps`` bits/s: a bucket of 10 ms at that rate (at least 64 KiB, so a
     GSO super-packet fits), queue bound ``TBF_QUEUE_MS``."""

@@ -355,6 +355,24 @@ def median_anatomy(rows: list[dict]) -> dict:
     return out
 
 
+def cpu_shares(cpu: dict[str, float], names: list[str], cores: int, wall: float) -> dict:
+    """Where the machine's CPU went in one case: each node's seconds, the emulator's, the
+    relays' (the bench's own forwarding: no deployment runs them), their total and the
+    fraction of ``cores`` x ``wall`` it filled (near 1: the nodes' steps and the exchange
+    took turns on the cores)."""
+    nodes = {name: round(cpu.get(name, 0.0), 1) for name in names}
+    relays = sum(v for k, v in cpu.items() if k not in names and k != "hub")
+    total = sum(cpu.values())
+    return {
+        "nodes": nodes,
+        "hub": round(cpu.get("hub", 0.0), 1),
+        "relays": round(relays, 1),
+        "total": round(total, 1),
+        "busy": round(total / (cores * wall), 2) if cores and wall else None,
+        "cores": cores,
+    }
+
+
 def counter_series(path: Path) -> dict[str, list[tuple[float, int, int]]]:
     """The sampled veth counters: ``{interface: [(time, rx, tx), ...]}``."""
     series: dict[str, list[tuple[float, int, int]]] = defaultdict(list)

@@ -217,6 +217,13 @@ def render(results: dict, summary: dict) -> str:
             f"the global {_fmt(m['last_worker_has_global'], '.1f')}; a round computes "
             f"{case['compute_per_round_s']:.1f}"
         )
+        if "cpu" in case:
+            c = case["cpu"]
+            mine = ", ".join(f"{k} {v:.1f}" for k, v in c["nodes"].items())
+            out.append(
+                f"  CPU seconds: {mine}, Hub emulator {c['hub']:.1f}, relays {c['relays']:.1f}; "
+                f"{c['total']:.1f} in all, {_fmt(c['busy'])} of {c['cores']} cores x the wall"
+            )
         if "link_busy_s" in case:
             busy = ", ".join(f"{k} {v[0]}/{v[1]}" for k, v in case["link_busy_s"].items())
             out.append(f"  seconds each link ran at >= half its rate (up/down): {busy}")
