@@ -43,11 +43,18 @@ def summarize(results: dict, args: object) -> dict:
         twin = unshaped.get(spec["dtype"], {})
         ref = twin.get("wall_s")
         step = statistics.median(n["step_s"] for n in nodes.values())
+        twin_nodes = twin.get("nodes", {}).values()
+        twin_step = statistics.median(n["step_s"] for n in twin_nodes) if twin_nodes else None
         reached = [ts for _, ts, loss in case["evals"] if target is not None and loss <= target]
         row.update(
             wall_s=case["wall_s"],
             utilization=ref / case["wall_s"] if ref else None,
             node_utilization=_mean(n["utilization"] for n in nodes.values()),
+            # the rounds alone: the start's and the end's one-time waits left out
+            rounds_utilization=_mean(
+                n["compute_s"] / (n["compute_s"] + n["boundary_s"]) for n in nodes.values()
+            ),
+            step_vs_unshaped=step / twin_step if twin_step else None,
             exchange_s=_mean(n["exchange_s"] for n in nodes.values()),
             sync_wait_s=_mean(n["sync_wait_s"] for n in nodes.values()),
             rounds=case["rounds"],
@@ -138,7 +145,10 @@ def render(results: dict, summary: dict) -> str:
     out = [f"link: {results['link']}; {results.get('calibration', '')}"]
     out.append(
         f"target loss {_fmt(summary['target_loss'], '.4f')}; util = unshaped wall / wall; "
-        "node util = compute / wall per node; wait = wall - compute per node; round latency = "
+        "node util = compute / wall per node; rounds util = compute / (compute + the waits at "
+        "round boundaries) per node, the start's and the end's left out; step x = a step's "
+        "time / the unshaped run's (the exchange's CPU beside the steps); "
+        "wait = wall - compute per node; round latency = "
         "from a round's first upload to the last worker holding its global (median); "
         "traffic/compute = the busiest link direction's bytes of a "
         "round at the link rate / a round's compute, in this run"
@@ -149,6 +159,8 @@ def render(results: dict, summary: dict) -> str:
         "wall s",
         "util",
         "node util",
+        "rounds util",
+        "step x",
         "compute s/rd",
         "wait s/rd/node",
         "round latency s",
@@ -172,6 +184,8 @@ def render(results: dict, summary: dict) -> str:
                     _fmt(r["wall_s"], ".1f"),
                     _fmt(r["utilization"]),
                     _fmt(r["node_utilization"]),
+                    _fmt(r["rounds_utilization"]),
+                    _fmt(r["step_vs_unshaped"]),
                     _fmt(r["compute_per_round_s"], ".1f"),
                     _fmt(r["wait_per_round_s"], ".1f"),
                     _fmt(r["round_latency_s"], ".1f"),

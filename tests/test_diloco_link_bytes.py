@@ -19,6 +19,7 @@ from test_diloco_global_update import _round as round_of
 from test_diloco_master import Log, deliver, join, make_master
 
 from speedtronic.diloco import exchange as T
+from speedtronic.diloco.codec import OuterUpdate, quantize
 from speedtronic.diloco.directory import DirectoryTransport
 from speedtronic.diloco.link import NodeClaim, NodeLink
 from speedtronic.diloco.master import RelayStep, RoundMaster
@@ -343,3 +344,120 @@ def test_a_group_leader_follows_a_quantized_top_level_global_by_its_updates(tmp_
         assert meta.outer_step == r + 1 and _same(state, master)
     assert reads.paths[-1] == T.update_path(2)
     assert "global/latest.safetensors" not in reads.paths  # never the weights file again
+
+
+def _half_update(state: dict, key: str, base: int) -> OuterUpdate:
+    """An int8 update to one tensor of ``state`` (a fragment round's) from global ``base``."""
+    encoded = {key: quantize(torch.full_like(state[key], 0.5), 8, 64)}
+    return OuterUpdate(encoded, "int8", 64, base, "", base + 1, "", "run")
+
+
+def test_a_fragment_update_counts_as_its_part_of_the_model(tmp_path):
+    """Issue 38: the weights file comes back once the updates after it cover
+    FULL_GLOBAL_EVERY models, so a fragment round's update (half the values here) counts
+    half: twice as many globals between weights files, and a joiner still downloads at most
+    the file and FULL_GLOBAL_EVERY models' updates."""
+    store = DirectoryTransport(f"file://{tmp_path}/exchange", fast_retry())
+    state = {"a": torch.zeros(64), "b": torch.zeros(64)}
+    store.publish_global(state, outer_step=0, run_id="run")
+    weights = tmp_path / "exchange" / T.GLOBAL_MODEL
+    written = []
+    for step in range(1, 2 * T.FULL_GLOBAL_EVERY + 2):
+        inode = weights.stat().st_ino
+        update = _half_update(state, "ab"[step % 2], step - 1)
+        record = store.publish_global(state, outer_step=step, run_id="run", update=update)
+        if weights.stat().st_ino != inode:
+            written.append(step)
+            assert record.chain == ()
+        else:
+            assert len(record.chain) == step - max([0, *written])
+    # 15 halves after global 0 cover 7.5 models; the 16th would make 8: a weights file (whole
+    # updates: at global 8)
+    assert written == [2 * T.FULL_GLOBAL_EVERY]
+    whole = {"a": quantize(torch.ones(64), 8, 64), "b": quantize(torch.ones(64), 8, 64)}
+    assert T.update_share(OuterUpdate(whole, "int8", 64, 0, ""), state) == 1.0
+
+
+# -- a fresh worker built like the master downloads no first global ---------------------------
+@pytest.mark.parametrize("global_dtype", ["fp32", "int8"])
+def test_a_worker_built_like_the_master_takes_its_first_global_from_its_own_weights(
+    tmp_path, global_dtype
+):
+    """Issue 38: the master's first global is the model it built from the run's seed; a fresh
+    worker built alike holds it byte for byte already (the weights file's sha256, computed
+    on the worker, is the record's) and downloads nothing: a copy of its own weights, source
+    ``own``, 0 bytes. One built otherwise (another seed), a resumed one, and any later global
+    are downloaded as before."""
+    master, t, _ = make_master(tmp_path, state=_state(), global_dtype=global_dtype)
+    join(t, "a")
+    join(t, "b")
+    assert master.poll_once() is False  # global 0
+    link = _link(tmp_path, t, master, "a")  # its model: _state(), as the master's
+    candidate, ended = link.first_global("", resumed=False)
+    assert not ended and candidate.source == "own" and candidate.nbytes == 0
+    assert _same(candidate.state, master)
+    link.like["w"].add_(1.0)  # the node trains: the global it holds stays the first one
+    assert _same(candidate.state, master)
+    if global_dtype == "int8":  # the next global is global 0 (held) plus its update
+        round_of(master, t, ["a", "b"], 0)
+        following = link.fetch((candidate.outer_step, candidate.run_id))
+        assert following.source == "update" and _same(following.state, master)
+
+    other = _link(tmp_path, t, master, "b")
+    other.like["w"].mul_(2.0)  # built from another seed: the first global is downloaded
+    first, _ = other.first_global("", resumed=False)
+    assert first.source == "full" and first.nbytes > 0 and _same(first.state, master)
+    again = _link(tmp_path, t, master, "c")
+    resumed, _ = again.first_global("", resumed=True)  # its weights are a checkpoint's
+    assert resumed.source in ("full", "update") and _same(resumed.state, master)
+
+
+# -- a final global that is the mean of the last two, made on the node -----------------------
+@pytest.mark.parametrize("defect", [None, "damaged update"])
+def test_a_node_holding_the_global_before_the_last_makes_the_final_mean_itself(
+    tmp_path, monkeypatch, caplog, defect
+):
+    """Issue 38: with a quantized global and ``final_average: 2`` the final global is the
+    mean of the last two; the master publishes the update that made the last one beside it,
+    so a node holding the one before makes the mean itself (the master's float32 additions
+    and average), checks it against the weights file's sha256 and downloads only the update.
+    A damaged update, or a node holding an older global, downloads the weights file; every
+    node ends on the master's final global bit for bit."""
+    master, t, _ = _quantized(tmp_path, monkeypatch, every=8, final_average=2)
+    link = _link(tmp_path, t, master, "a")
+    old = _link(tmp_path, t, master, "b")
+    first = link.fetch((-1, ""))
+    assert old.fetch((-1, "")).outer_step == 0  # "b" stays on global 0
+    _round(master, t, 0)
+    held = link.fetch((first.outer_step, first.run_id))
+    assert held.source == "update" and held.outer_step == 1
+    gen = torch.Generator().manual_seed(7)
+    for node in ("a", "b"):  # the last contributions: the final global is the mean
+        deliver(
+            t,
+            node,
+            1,
+            (torch.randn(_state()["w"].numel(), generator=gen) * 0.01).tolist(),
+            final=True,
+        )
+    assert master.poll_once() is True and master.finished.is_set()
+    record = t.global_metadata()
+    assert record.final and record.outer_step == 2 and record.mean_update
+    if defect:
+        path = t.root / T.update_path(2)
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 1
+        path.write_bytes(bytes(data))
+    published = t.read_global()
+    reads = Downloads(t)
+    final = link.fetch((held.outer_step, held.run_id), final=True)
+    assert final.final and final.outer_step == 2 and _same(final.state, master)
+    assert all(torch.equal(final.state[k], v) for k, v in published.items())
+    if defect is None:
+        assert final.source == "mean" and reads.paths == [T.update_path(2)]
+        assert final.nbytes == (t.root / T.update_path(2)).stat().st_size
+    else:
+        assert final.source == "full" and T.GLOBAL_MODEL in reads.paths
+        assert "downloading it instead" in caplog.text
+    behind = old.fetch((0, held.run_id), final=True)  # holds global 0: the weights file
+    assert behind.source == "full" and _same(behind.state, master)

@@ -24,7 +24,7 @@ import io
 import json
 import math
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO, Concatenate, ParamSpec, TypeAlias, TypeVar
 
@@ -583,6 +583,24 @@ def _write_entries(
     return digest.hexdigest()
 
 
+class _Discard(io.RawIOBase):
+    """A sink that keeps nothing (what :func:`write_safetensors` hashes is all we need)."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: object) -> int:
+        return memoryview(data).nbytes  # type: ignore[arg-type]
+
+
+def safetensors_sha256(
+    state: Mapping[str, torch.Tensor], *, metadata: Mapping[str, object] | None = None
+) -> str:
+    """The sha256 the file :func:`write_safetensors` would write of ``state`` has, written
+    nowhere: whether a published file holds exactly these tensors."""
+    return write_safetensors(_Discard(), state, metadata=metadata)  # type: ignore[arg-type]
+
+
 class SafetensorsFile:
     """A safetensors file (a local file or bytes) read one tensor at a time with plain reads:
     no memory map, whose pages would count as the process's own. The header is checked on
@@ -1013,6 +1031,25 @@ def state_digest(state: Mapping[str, torch.Tensor]) -> str:
         if value.numel():
             digest.update(value.reshape(-1).view(torch.uint8).numpy().data)
     return digest.hexdigest()
+
+
+def average_states(states: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The mean of ``states`` key by key: summed in float32 in the given order, divided by
+    their number, cast back to the first state's dtypes; non-floating values (counters) are
+    the last state's."""
+    if not states:
+        raise ValueError("nothing to average")
+    last = states[-1]
+    result: dict[str, torch.Tensor] = {}
+    for key, value in states[0].items():
+        if not value.is_floating_point():
+            result[key] = last[key].clone()
+            continue
+        total = value.detach().to("cpu", torch.float32, copy=True)
+        for state in states[1:]:
+            total.add_(state[key].detach().to("cpu", torch.float32))
+        result[key] = total.div_(float(len(states))).to(value.dtype)
+    return result
 
 
 def add_decoded(base: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:

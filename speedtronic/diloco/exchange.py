@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import re
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -99,9 +100,12 @@ def ignore(event: str, /, **fields: object) -> None:
 GLOBAL_MODEL = "global/latest.safetensors"
 GLOBAL_STEP = "global/step_count.json"
 GLOBAL_PROCESSED = "global/processed.json"
-#: With ``global_dtype`` int8/int4 the weights file is uploaded once every this many globals
-#: (and whenever a global is not the last one plus an update); in between a publish adds only
-#: the round's update, and a reader of the full global applies the updates after the file.
+#: With ``global_dtype`` int8/int4 the weights file is uploaded again once the updates after
+#: it cover this many models (and whenever a global is not the last one plus an update):
+#: every 8 globals of whole-model updates, about every 32 of a quarter each (4 fragments); in
+#: between a publish adds only the round's update, and a reader of the full global applies
+#: the updates after the file (so a joiner downloads at most the file and this many models'
+#: updates, whatever the fragments).
 FULL_GLOBAL_EVERY = 8
 #: The mean inner first moments published with a global (``distributed.sync_inner_momentum``).
 GLOBAL_MOMENTS = "global/moments.safetensors"
@@ -120,6 +124,14 @@ def delta_path(node_id: str, round_index: int) -> str:
 def beat_path(node_id: str) -> str:
     """Remote path of a node's liveness beat (the master reads only its listed version)."""
     return f"nodes/{node_id}/beat.json"
+
+
+def update_share(update: OuterUpdate, state: Mapping[str, torch.Tensor]) -> float:
+    """The part of the model ``update`` changes, by values of its floating tensors (the ones
+    an outer step moves): 1.0 for every one, about a quarter for one of 4 fragments."""
+    total = sum(value.numel() for value in state.values() if value.is_floating_point())
+    changed = sum(math.prod(q.shape) for q in update.encoded.values())
+    return changed / total if total else 1.0
 
 
 def update_path(outer_step: int) -> str:
@@ -283,6 +295,9 @@ class GlobalMetadata:
     update_sha256: str = ""
     refused: tuple[str, ...] = ()
     chain: tuple[str, ...] = ()  # sha256 of the updates after the weights file, oldest first
+    # a final global that is the mean of the last two: sha256 of the update (at
+    # update_path(outer_step)) that made the last of them from global outer_step - 1
+    mean_update: str = ""
 
     def names(self, outer_step: int, run_id: str) -> bool:
         """Whether this record is of global ``outer_step`` of run ``run_id``."""
@@ -312,6 +327,7 @@ class GlobalMetadata:
             "update_sha256": self.update_sha256,
             "refused": list(self.refused),
             "chain_sha256": list(self.chain),
+            "mean_update_sha256": self.mean_update,
         }
         out.update((key, value) for key, value in optional.items() if value)
         return out
@@ -329,6 +345,7 @@ class GlobalMetadata:
             update_sha256=str(data.get("update_sha256", "")),
             refused=_refused(data.get("refused")),
             chain=tuple(str(x) for x in data.get("chain_sha256") or () if isinstance(x, str)),
+            mean_update=str(data.get("mean_update_sha256", "")),
         )
 
 
@@ -393,6 +410,9 @@ class Store(Protocol):
     staging_dir: Path | None
     #: The last version record this process published (a publish builds on it).
     published: GlobalMetadata | None
+    #: How many models the updates after that record's weights file cover (see
+    #: :data:`FULL_GLOBAL_EVERY`).
+    chain_models: float
 
     def create_repo(self, *, private: bool = True) -> None:
         """Create the exchange (private by default); an existing one is accepted."""
@@ -569,6 +589,7 @@ class Store(Protocol):
         refused: Iterable[str] = (),
         moments: Mapping[str, torch.Tensor] | None = None,
         weights: bool = True,
+        last_update: OuterUpdate | None = None,
     ) -> GlobalMetadata:
         """One commit: the weights, the quantized outer ``update`` and the mean first
         ``moments`` (:data:`GLOBAL_MOMENTS`) if given, the ledger (with
@@ -579,8 +600,10 @@ class Store(Protocol):
         Of the weights it sends the least the last record this store published
         (:attr:`published`) allows: nothing when ``weights`` is false and that record names
         this global (a run marked final); only ``update`` when it turns that record's global
-        into this one and the chain after the weights file stays shorter than
-        :data:`FULL_GLOBAL_EVERY`; else the weights file (the updates it replaces pruned)."""
+        into this one and the updates after the weights file cover fewer than
+        :data:`FULL_GLOBAL_EVERY` models; else the weights file (the updates it replaces
+        pruned), with ``last_update`` beside it when given (a final global that is the mean
+        of the last two: the update that made the last, ``mean_update`` in the record)."""
         del work_dir
         now = updated_at or datetime.now(timezone.utc).isoformat()
         made = GlobalMetadata(int(outer_step), now, final=bool(final), run_id=str(run_id))
@@ -595,7 +618,10 @@ class Store(Protocol):
                 files[path] = local
                 return digest
 
-            meta, stale = self._weights(made, state, update, weights, stage)
+            meta, stale, covered = self._weights(made, state, update, weights, stage)
+            if last_update is not None and update is None and meta.sha256 and not meta.chain:
+                sha = stage(update_path(meta.outer_step), last_update.write)
+                meta = dataclasses.replace(meta, mean_update=sha)
             if moments is not None:
                 head = {"outer_step": str(made.outer_step)}
                 stage(GLOBAL_MOMENTS, lambda h: write_safetensors(h, moments, metadata=head))
@@ -604,7 +630,7 @@ class Store(Protocol):
             files[GLOBAL_PROCESSED] = _json_bytes(_book(meta.outer_step, ledger, node_records))
             files[GLOBAL_STEP] = _json_bytes(record)
             self.commit(files, [*prune, *stale], message=f"outer step {meta.outer_step}")
-        self.published = meta
+        self.published, self.chain_models = meta, covered
         return meta
 
     def _weights(
@@ -614,29 +640,34 @@ class Store(Protocol):
         update: OuterUpdate | None,
         weights: bool,
         stage: Callable[[str, Callable[[BinaryIO], str]], str],
-    ) -> tuple[GlobalMetadata, list[str]]:
+    ) -> tuple[GlobalMetadata, list[str], float]:
         """What a publish sends of global ``made`` (``stage(path, write)`` adds a file to the
-        commit): its record and the update files it leaves without use (see publish_global)."""
+        commit): its record, the update files it leaves without use (see publish_global) and
+        how many models the updates after its weights file cover (:data:`FULL_GLOBAL_EVERY`)."""
         last, step, run = self.published, made.outer_step, made.run_id
+        covered = self.chain_models if last is not None else 0.0
         if last is not None and not weights and update is None and last.names(step, run):
             new = dataclasses.replace(last, updated_at=made.updated_at, final=made.final)
-            return dataclasses.replace(new, refused=made.refused), []  # the record only
-        grows = last is not None and len(last.chain) + 1 < FULL_GLOBAL_EVERY
-        if update is not None and last is not None and grows and last.names(update.base_step, run):
-            sha = stage(update_path(step), update.write)  # the weights file stays: +1 update
-            meta = dataclasses.replace(made, update_sha256=sha, chain=(*last.chain, sha))
-            return dataclasses.replace(meta, sha256=last.sha256), []
+            return dataclasses.replace(new, refused=made.refused), [], covered  # the record only
+        if update is not None and last is not None and last.names(update.base_step, run):
+            grown = covered + update_share(update, state)
+            if grown < FULL_GLOBAL_EVERY - 1e-9:  # the weights file stays: +1 update
+                sha = stage(update_path(step), update.write)
+                meta = dataclasses.replace(made, update_sha256=sha, chain=(*last.chain, sha))
+                return dataclasses.replace(meta, sha256=last.sha256), [], grown
         header = {"outer_step": step, "run_id": run, "final": made.final}
         sha = stage(GLOBAL_MODEL, lambda h: write_safetensors(h, state, metadata=header))
         up = "" if update is None else stage(update_path(step), update.write)
-        return dataclasses.replace(made, sha256=sha, update_sha256=up), self._stale_updates(last)
+        made = dataclasses.replace(made, sha256=sha, update_sha256=up)
+        return made, self._stale_updates(last), 0.0
 
     def _stale_updates(self, last: GlobalMetadata | None) -> list[str]:
         """The update files a new weights file leaves without use: the ones ``last`` names, or
         every one listed when this process has published nothing yet."""
         if last is None:
             return [p for p in self.list_files() if p.startswith("global/update")]
-        first = last.outer_step + 1 - max(len(last.chain), int(bool(last.update_sha256)))
+        one = bool(last.update_sha256 or last.mean_update)
+        first = last.outer_step + 1 - max(len(last.chain), int(one))
         return [update_path(k) for k in range(first, last.outer_step + 1)]
 
     def apply_updates(
@@ -860,6 +891,7 @@ class RepoTransport(Store):
         self.staging_dir: Path | None = None
         self.last_upload_bytes = 0
         self.published: GlobalMetadata | None = None
+        self.chain_models = 0.0
 
     def _create_repo(self, private: bool) -> None:
         raise NotImplementedError

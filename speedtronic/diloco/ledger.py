@@ -450,6 +450,7 @@ def publish(
     moments: Mapping[str, torch.Tensor] | None = None,
     moments_round: int | None = None,
     weights: bool = True,
+    last_update: OuterUpdate | None = None,
     **note: str,
 ) -> GlobalMetadata:
     """Publish ``state`` to ``store`` in one commit: weights (and the quantized ``update``;
@@ -457,7 +458,8 @@ def publish(
     weights when ``weights`` is false and it holds them), ledger with the node records, the
     version record (naming the ``refused`` contributions), the deletion of ``prune``. ``note``
     adds to the record's :data:`META` (``bootstrap``, ``relay``), as does the round the
-    ``moments`` were sent with."""
+    ``moments`` were sent with; ``last_update`` goes with a final global that is the mean of
+    the last two (:attr:`.master.Stepped.last`)."""
     if moments_round is not None:
         note = {**note, "moments_round": str(moments_round)}
     return store.publish_global(
@@ -473,6 +475,7 @@ def publish(
         refused=list(refused),
         moments=moments,
         weights=weights,
+        last_update=last_update,
     )
 
 

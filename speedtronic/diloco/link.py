@@ -104,6 +104,9 @@ class NodeLink:
         self._told: set[str] = set()  # "node/round" refusals of our files already reported
         self.held: HeldGlobal | None = None  # the last global fetched (global_dtype int8/int4)
         self._update_bytes = 0  # size of the last update file read
+        # a fresh worker's own starting weights while it looks for its first global: the
+        # master's first global is them byte for byte when built alike (same seed and model)
+        self._start: Mapping[str, torch.Tensor] | None = None
         self._beats, self._beat_failing = 0, False  # liveness beats sent; the last one failed
         # the Hub's beat: the round seen waited for at the last look, the round beaten
         self._waited: int | None = None
@@ -376,6 +379,12 @@ class NodeLink:
         held = self._from_update(metadata)
         if held is not None:
             return self._fetched(metadata, held.state, started, "update", held)
+        own = self._own_start(metadata)
+        if own is not None:
+            return self._fetched(metadata, own, started, "own")
+        mean = self._final_mean(metadata)
+        if mean is not None:
+            return self._fetched(metadata, mean, started, "mean")
         try:
             metadata, state = self.store.fetch_global(metadata, max_bytes=self.max_bytes)
             # as it will be installed: a float64 1e300 is finite in the file, inf in float32
@@ -395,6 +404,64 @@ class NodeLink:
             self._emit("global_rejected", outer_step=metadata.outer_step, error=str(exc))
             return None
         return self._fetched(metadata, state, started, "full")
+
+    def _own_start(self, metadata: T.GlobalMetadata) -> dict[str, torch.Tensor] | None:
+        """This fresh node's starting weights when ``metadata``'s weights file holds exactly
+        them (its sha256, computed here, is the record's): a copy, and nothing downloaded.
+        None otherwise (another seed, model or dtype, or a later global)."""
+        start = self._start
+        if start is None or metadata.chain or not metadata.sha256:
+            return None
+        header = {"outer_step": metadata.outer_step, "run_id": metadata.run_id}
+        header["final"] = metadata.final
+        if codec.safetensors_sha256(start, metadata=header) != metadata.sha256:
+            return None
+        _LOG.info(
+            f"global {metadata.outer_step} holds this node's own starting weights byte for "
+            "byte (same seed and model as the master): nothing to download"
+        )
+        return {key: value.detach().to("cpu").clone() for key, value in start.items()}
+
+    def _final_mean(self, metadata: T.GlobalMetadata) -> dict[str, torch.Tensor] | None:
+        """A final global that is the mean of the last two, made here as the master made it:
+        the held global (the one before the last) + the published update that made the last,
+        averaged; taken when it hashes to the weights file's sha256 (nothing else
+        downloaded). None when this node cannot (it holds another global) or the result
+        differs (said once: the full global is downloaded instead). An outage raises."""
+        held, step = self.held, metadata.outer_step
+        if not metadata.final or not metadata.mean_update or held is None:
+            return None
+        if (held.outer_step, held.run_id) != (step - 1, metadata.run_id):
+            return None
+        error = "it does not hash to the published weights file"
+        try:
+            with self.store.local_copy(T.update_path(step), max_bytes=self.max_bytes) as local:
+                size = local.stat().st_size
+                last = codec.read_update(
+                    local,
+                    held,
+                    sha256=metadata.mean_update,
+                    outer_step=step,
+                    run_id=held.run_id,
+                    like=self.like,
+                )
+            mean = dict(last.state)
+            mean.update(codec.average_states([held.state, last.state]))
+            header = {"outer_step": step, "run_id": metadata.run_id, "final": True}
+            if codec.safetensors_sha256(mean, metadata=header) == metadata.sha256:
+                self._update_bytes = size
+                return mean
+        except TransportError as exc:
+            if exc.kind != "permanent" and not isinstance(exc, RemoteNotFound):
+                raise
+            error = str(exc)
+        except ValueError as exc:
+            error = str(exc)
+        _LOG.warning(
+            f"not computing the final global {step} from the held global: {error}; "
+            "downloading it instead"
+        )
+        return None
 
     def _hear_refusals(self, metadata: T.GlobalMetadata) -> None:
         """The record names the contributions the master refused (damaged, counted corrupt
@@ -420,7 +487,9 @@ class NodeLink:
         held: HeldGlobal | None = None,
     ) -> GlobalCandidate:
         weights = sum(v.numel() * v.element_size() for v in state.values())
-        nbytes = self._update_bytes if how == "update" else weights
+        nbytes = {"update": self._update_bytes, "mean": self._update_bytes, "own": 0}.get(
+            how, weights
+        )
         if self.settings.wire.global_dtype != "fp32":  # the next update applies to this global
             self.held = held or HeldGlobal.of(metadata.outer_step, metadata.run_id, state)
         seconds = time.perf_counter() - started
@@ -501,7 +570,16 @@ class NodeLink:
         """A worker's global to start from: ``(candidate, "")``, or ``(None, why)`` when it
         has no run to take part in. A final global ends a run: a node of that run is done;
         another waits (<= ``round_timeout``) for a new run's first global. With no global, a
-        fresh node waits as long for the first (None: its own weights); a resumed one not."""
+        fresh node waits as long for the first (None: its own weights); a resumed one not.
+        A fresh node whose weights are the first global already (`_own_start`) downloads
+        nothing."""
+        self._start = None if resumed else self.like
+        try:
+            return self._first_global(run_id, resumed)
+        finally:
+            self._start = None
+
+    def _first_global(self, run_id: str, resumed: bool) -> tuple[GlobalCandidate | None, str]:
         try:
             candidate = self.fetch((-1, ""))
         except Exception as exc:

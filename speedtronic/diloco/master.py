@@ -36,6 +36,7 @@ from speedtronic.diloco.codec import (
     OuterUpdate,
     QuantizedTensor,
     add_decoded,
+    average_states,
     quantize,
     state_digest,
 )
@@ -170,25 +171,6 @@ def adaptive_eta(spread: float, mean_sq_norm: float, count: int, c: float, cap: 
     return round(min(cap, max(1.0, ratio)), ETA_DIGITS)
 
 
-def average_states(states: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The mean of ``states`` key by key: summed in float32 in the given order, divided by
-    their number, cast back to the first state's dtypes; non-floating values (counters) are
-    the last state's."""
-    if not states:
-        raise ValueError("nothing to average")
-    last = states[-1]
-    result: dict[str, torch.Tensor] = {}
-    for key, value in states[0].items():
-        if not value.is_floating_point():
-            result[key] = last[key].clone()
-            continue
-        total = value.detach().to("cpu", torch.float32, copy=True)
-        for state in states[1:]:
-            total.add_(state[key].detach().to("cpu", torch.float32))
-        result[key] = total.div_(float(len(states))).to(value.dtype)
-    return result
-
-
 class RoundsStalledError(RuntimeError):
     """The rounds cannot go on: no progress for longer than any round may take, or fewer
     contributing nodes than ``min_nodes`` for as long (exit 1: a restart resumes them)."""
@@ -237,6 +219,9 @@ class Stepped:
 
     eta: float
     update: OuterUpdate | None = None
+    #: A final global that is the mean of the last two: the update that made the last one
+    #: (published beside it, so a node holding the one before computes the mean itself).
+    last: OuterUpdate | None = None
 
 
 @dataclasses.dataclass
@@ -695,7 +680,7 @@ class RoundMaster:
         fold.total = {}  # the mean is spent: let it go before the publish
         report = self._report(new, fold, reason, active, stepped.eta)
         firsts = [n for n, v in self.roster.nodes.items() if v.first_due and n in fold.marks]
-        self._publish_round(new, fold, stepped.update, final, report)
+        self._publish_round(new, fold, stepped, final, report)
         self._report_round(new, fold, report, started)
         self._first_included(firsts)
         self._after_publish(final)
@@ -774,7 +759,7 @@ class RoundMaster:
         self,
         new: RoundState,
         fold: Fold,
-        update: OuterUpdate | None,
+        stepped: Stepped,
         final: bool,
         report: Mapping[str, object],
     ) -> None:
@@ -795,7 +780,8 @@ class RoundMaster:
                 prune=self.files.remote(prune),
                 final=final,
                 refused=self.refusals.refused,
-                update=update,
+                update=stepped.update,
+                last_update=stepped.last,
                 moments=moments,
                 moments_round=None if moments is None else fold.round,
             )
@@ -1058,8 +1044,9 @@ class LocalStep:
         if new.optimizer.first_non_finite(new.global_state, mean) is not None:
             return None  # checked on temporaries: nothing changed
         update = self._apply(new, mean)
-        if final and self._final_mean(new):
-            update = None  # the final global is published whole, not as an update
+        if final and self._final_mean(new):  # the final global is published whole
+            two = self.settings.outer.final_average == 2
+            return Stepped(eta, None, update if two else None)
         return Stepped(eta, update)
 
     def undo(self, old: RoundState, new: RoundState) -> RoundState:

@@ -900,7 +900,9 @@ class RunEnd:
 @dataclasses.dataclass
 class GlobalCandidate:
     """A global state waiting for the training thread (``seconds``: download time;
-    ``source``: ``full`` global file, quantized outer ``update`` or ``local`` master;
+    ``source``: ``full`` global file, quantized outer ``update``, ``local`` master, the
+    node's ``own`` starting weights (the first global, built alike: nothing downloaded) or
+    the ``mean`` of the held global and the last (a final global, made on the node);
     ``nbytes``: bytes downloaded, the file for an update, the weights for a full global, plus
     the first moments' file when they came with it)."""
 
