@@ -461,3 +461,32 @@ def test_a_node_holding_the_global_before_the_last_makes_the_final_mean_itself(
         assert "downloading it instead" in caplog.text
     behind = old.fetch((0, held.run_id), final=True)  # holds global 0: the weights file
     assert behind.source == "full" and _same(behind.state, master)
+
+
+def test_a_node_holding_the_last_two_globals_makes_the_final_mean_itself(tmp_path, monkeypatch):
+    """Issue 38: when the last round ended on a boundary, the final global (the mean of the
+    last two, ``final_average: 2``) is published after the last global, whole; a node that
+    holds both (it keeps the one before the last) makes the mean itself and downloads
+    nothing. A node that holds only the last downloads the weights file."""
+    master, t, _ = _quantized(tmp_path, monkeypatch, every=8, final_average=2)
+    link = _link(tmp_path, t, master, "a")
+    late = _link(tmp_path, t, master, "b")
+    seen = link.fetch((-1, ""))
+    for r in range(2):
+        _round(master, t, r)
+        seen = link.fetch((seen.outer_step, seen.run_id))
+        assert seen.source == "update"
+    assert (link.before.outer_step, link.held.outer_step) == (1, 2)
+    last = late.fetch((-1, ""))  # joins at global 2: holds it, not global 1
+    for node in ("a", "b"):  # the last step fell on a boundary: a done status only
+        t.claim_owner(node, {"instance": f"{node}-1", "state": "done", "final_round": 1})
+    master.poll_once()
+    record = t.global_metadata()
+    assert master.finished.is_set() and record.final and record.outer_step == 2
+    reads = Downloads(t)
+    final = link.fetch((seen.outer_step, seen.run_id), final=True)
+    assert final.source == "mean" and final.nbytes == 0 and reads.paths == []
+    assert _same(final.state, master)
+    behind = late.fetch((last.outer_step, last.run_id), final=True)
+    assert behind.source == "full" and _same(behind.state, master)
+    assert T.GLOBAL_MODEL in reads.paths

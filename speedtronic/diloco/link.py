@@ -103,6 +103,8 @@ class NodeLink:
         self._refused_moments: tuple[int, str] | None = None  # (outer step, run) refused
         self._told: set[str] = set()  # "node/round" refusals of our files already reported
         self.held: HeldGlobal | None = None  # the last global fetched (global_dtype int8/int4)
+        # with final_average 2: the global held before it (the final is the mean of the two)
+        self.before: HeldGlobal | None = None
         self._update_bytes = 0  # size of the last update file read
         # a fresh worker's own starting weights while it looks for its first global: the
         # master's first global is them byte for byte when built alike (same seed and model)
@@ -423,30 +425,26 @@ class NodeLink:
         return {key: value.detach().to("cpu").clone() for key, value in start.items()}
 
     def _final_mean(self, metadata: T.GlobalMetadata) -> dict[str, torch.Tensor] | None:
-        """A final global that is the mean of the last two, made here as the master made it:
-        the held global (the one before the last) + the published update that made the last,
-        averaged; taken when it hashes to the weights file's sha256 (nothing else
-        downloaded). None when this node cannot (it holds another global) or the result
-        differs (said once: the full global is downloaded instead). An outage raises."""
-        held, step = self.held, metadata.outer_step
-        if not metadata.final or not metadata.mean_update or held is None:
+        """A final global that is the mean of the last two globals, made here as the master
+        made it, from the two this node holds (the last round ended on a boundary: the final
+        record came after the last global) or from the one before the last and the published
+        update that made the last (``mean_update``); taken when it hashes to the weights
+        file's sha256, with nothing else downloaded. None when this node cannot (it holds
+        other globals) or the result differs (said: the weights file is downloaded instead).
+        An outage raises."""
+        held, before, step = self.held, self.before, metadata.outer_step
+        if not metadata.final or held is None or held.run_id != metadata.run_id:
             return None
-        if (held.outer_step, held.run_id) != (step - 1, metadata.run_id):
+        if held.outer_step == step and before is not None and before.outer_step == step - 1:
+            pair, size = [before, held], 0
+        elif held.outer_step != step - 1 or not metadata.mean_update:
             return None
         error = "it does not hash to the published weights file"
         try:
-            with self.store.local_copy(T.update_path(step), max_bytes=self.max_bytes) as local:
-                size = local.stat().st_size
-                last = codec.read_update(
-                    local,
-                    held,
-                    sha256=metadata.mean_update,
-                    outer_step=step,
-                    run_id=held.run_id,
-                    like=self.like,
-                )
-            mean = dict(last.state)
-            mean.update(codec.average_states([held.state, last.state]))
+            if held.outer_step == step - 1:
+                pair, size = self._with_mean_update(metadata, held)
+            mean = dict(pair[1].state)
+            mean.update(codec.average_states([pair[0].state, pair[1].state]))
             header = {"outer_step": step, "run_id": metadata.run_id, "final": True}
             if codec.safetensors_sha256(mean, metadata=header) == metadata.sha256:
                 self._update_bytes = size
@@ -462,6 +460,36 @@ class NodeLink:
             "downloading it instead"
         )
         return None
+
+    def _hold(self, new: HeldGlobal) -> None:
+        """Hold ``new``; with ``final_average`` 2 the one it follows stays as :attr:`before`
+        (kept, not copied: a new global never writes into the old one's tensors)."""
+        last, self.before = self.held, None
+        follows = last is not None and (last.outer_step + 1, last.run_id) == (
+            new.outer_step,
+            new.run_id,
+        )
+        if self.settings.outer.final_average == 2 and follows:
+            self.before = last
+        self.held = new
+
+    def _with_mean_update(
+        self, metadata: T.GlobalMetadata, held: HeldGlobal
+    ) -> tuple[list[HeldGlobal], int]:
+        """``held`` and the last global made from it by the update a final record names
+        (``mean_update``), and that file's size."""
+        step = metadata.outer_step
+        with self.store.local_copy(T.update_path(step), max_bytes=self.max_bytes) as local:
+            size = local.stat().st_size
+            last = codec.read_update(
+                local,
+                held,
+                sha256=metadata.mean_update,
+                outer_step=step,
+                run_id=held.run_id,
+                like=self.like,
+            )
+        return [held, last], size
 
     def _hear_refusals(self, metadata: T.GlobalMetadata) -> None:
         """The record names the contributions the master refused (damaged, counted corrupt
@@ -491,7 +519,7 @@ class NodeLink:
             how, weights
         )
         if self.settings.wire.global_dtype != "fp32":  # the next update applies to this global
-            self.held = held or HeldGlobal.of(metadata.outer_step, metadata.run_id, state)
+            self._hold(held or HeldGlobal.of(metadata.outer_step, metadata.run_id, state))
         seconds = time.perf_counter() - started
         candidate = GlobalCandidate(
             metadata.outer_step, state, seconds, metadata.final, metadata.run_id, how, nbytes
