@@ -62,6 +62,15 @@ TORN_READS = 10
 TORN_WAIT = 0.1
 
 
+def _unusable(exc: TransportError | ValueError) -> str:
+    """Why a published file cannot be used, in one line (the full global is read instead); an
+    outage, which a later poll may get past, is raised again."""
+    outage = isinstance(exc, TransportError) and exc.kind != "permanent"
+    if outage and not isinstance(exc, RemoteNotFound):
+        raise exc
+    return str(exc)
+
+
 class NodeLink:
     """What one node reads from and writes to the exchange: its claim on its id (see
     :class:`NodeClaim`), its uploads (:meth:`send`), the globals (:meth:`fetch`) and the
@@ -449,12 +458,8 @@ class NodeLink:
             if codec.safetensors_sha256(mean, metadata=header) == metadata.sha256:
                 self._update_bytes = size
                 return mean
-        except TransportError as exc:
-            if exc.kind != "permanent" and not isinstance(exc, RemoteNotFound):
-                raise
-            error = str(exc)
-        except ValueError as exc:
-            error = str(exc)
+        except (TransportError, ValueError) as exc:
+            error = _unusable(exc)
         _LOG.warning(
             f"not computing the final global {step} from the held global: {error}; "
             "downloading it instead"
@@ -581,12 +586,8 @@ class NodeLink:
                 metadata, held, like=self.like, max_bytes=self.max_bytes
             )
             return held
-        except TransportError as exc:
-            if exc.kind != "permanent" and not isinstance(exc, RemoteNotFound):
-                raise
-            error = str(exc)
-        except ValueError as exc:
-            error = str(exc)
+        except (TransportError, ValueError) as exc:
+            error = _unusable(exc)
         _LOG.warning(
             f"not applying the outer updates to global {metadata.outer_step}: {error}; "
             "downloading the full global instead"
