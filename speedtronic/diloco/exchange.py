@@ -134,6 +134,12 @@ def update_share(update: OuterUpdate, state: Mapping[str, torch.Tensor]) -> floa
     return changed / total if total else 1.0
 
 
+def weights_header(record: GlobalMetadata) -> dict[str, object]:
+    """The header of the weights file of the global ``record`` names: a node that makes that
+    global itself hashes its tensors under it to compare with the record's sha256."""
+    return {"outer_step": record.outer_step, "run_id": record.run_id, "final": record.final}
+
+
 def update_path(outer_step: int) -> str:
     """Remote path of the quantized outer update that makes global ``outer_step``."""
     return f"global/update_{int(outer_step)}.safetensors"
@@ -655,7 +661,7 @@ class Store(Protocol):
                 sha = stage(update_path(step), update.write)
                 meta = dataclasses.replace(made, update_sha256=sha, chain=(*last.chain, sha))
                 return dataclasses.replace(meta, sha256=last.sha256), [], grown
-        header = {"outer_step": step, "run_id": run, "final": made.final}
+        header = weights_header(made)
         sha = stage(GLOBAL_MODEL, lambda h: write_safetensors(h, state, metadata=header))
         up = "" if update is None else stage(update_path(step), update.write)
         made = dataclasses.replace(made, sha256=sha, update_sha256=up)

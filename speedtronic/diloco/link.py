@@ -71,6 +71,13 @@ def _unusable(exc: TransportError | ValueError) -> str:
     return str(exc)
 
 
+def _published_as(state: Mapping[str, torch.Tensor], metadata: T.GlobalMetadata) -> bool:
+    """Whether ``metadata``'s weights file holds exactly ``state`` (its sha256, computed here
+    over the file the master would have written, is the record's)."""
+    header = T.weights_header(metadata)
+    return codec.safetensors_sha256(state, metadata=header) == metadata.sha256
+
+
 class NodeLink:
     """What one node reads from and writes to the exchange: its claim on its id (see
     :class:`NodeClaim`), its uploads (:meth:`send`), the globals (:meth:`fetch`) and the
@@ -423,9 +430,7 @@ class NodeLink:
         start = self._start
         if start is None or metadata.chain or not metadata.sha256:
             return None
-        header = {"outer_step": metadata.outer_step, "run_id": metadata.run_id}
-        header["final"] = metadata.final
-        if codec.safetensors_sha256(start, metadata=header) != metadata.sha256:
+        if not _published_as(start, metadata):
             return None
         _LOG.info(
             f"global {metadata.outer_step} holds this node's own starting weights byte for "
@@ -454,8 +459,7 @@ class NodeLink:
                 pair, size = self._with_mean_update(metadata, held)
             mean = dict(pair[1].state)
             mean.update(codec.average_states([pair[0].state, pair[1].state]))
-            header = {"outer_step": step, "run_id": metadata.run_id, "final": True}
-            if codec.safetensors_sha256(mean, metadata=header) == metadata.sha256:
+            if _published_as(mean, metadata):
                 self._update_bytes = size
                 return mean
         except (TransportError, ValueError) as exc:
