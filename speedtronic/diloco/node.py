@@ -522,6 +522,7 @@ class DiLoCoNode:
             step=self.step,
             source=candidate.source,
             bytes=candidate.nbytes,
+            final=candidate.final,
         )
 
     def _install_moments(
