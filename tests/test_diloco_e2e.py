@@ -249,8 +249,9 @@ def test_three_nodes_with_adaptive_outer_steps_and_a_final_average_equal_the_ide
             "distributed.delta_dtype=int8",
             "distributed.global_dtype=int8",
         ),
+        ("distributed.sync=overlapped", "distributed.overlap_steps=3", "distributed.fragments=2"),
     ],
-    ids=["overlapped", "two-rounds-in-flight-fragments-int8"],
+    ids=["overlapped", "two-rounds-in-flight-fragments-int8", "fragments-fp32"],
 )
 def test_overlapped_nodes_merge_each_global_at_its_step_and_equal_the_ideal(
     tmp_path, corpus, extra
@@ -262,7 +263,8 @@ def test_overlapped_nodes_merge_each_global_at_its_step_and_equal_the_ideal(
     one more round at the end syncs every tensor), the int8 global travels as the
     fragment's outer update, and ``overlap_steps`` 8 keeps two rounds in flight: each
     fragment's tensors are merged 8 steps after their upload, from whichever global is
-    newest by then."""
+    newest by then. With an fp32 global, a fragment's round travels as the new values of
+    its tensors (exact), applied by each worker to the global it holds."""
     steps, inner = 60, 10
     repo = f"file://{tmp_path / 'exchange'}"
     nodes, sets = _run_golden(tmp_path, corpus, repo, _env(), steps, inner, extra)
@@ -280,6 +282,9 @@ def test_overlapped_nodes_merge_each_global_at_its_step_and_equal_the_ideal(
         # under the last global's outer step when that global was published before every node
         # was done, so the last step may appear twice: once as the round's, once as the final
         assert [row["final"] for row in rows].count(True) == 1 and rows[-1]["final"], rows
+        if "distributed.fragments=2" in extra:  # each round's global: its fragment's update
+            sources = {row["source"] for row in rows[1:] if not row["final"]}
+            assert sources == {"update"}, rows
 
 
 @pytest.mark.parametrize(

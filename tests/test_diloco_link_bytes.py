@@ -18,6 +18,7 @@ from test_diloco_global_update import _link, _state
 from test_diloco_global_update import _round as round_of
 from test_diloco_master import Log, deliver, join, make_master
 
+from speedtronic.diloco import codec
 from speedtronic.diloco import exchange as T
 from speedtronic.diloco.codec import OuterUpdate, quantize
 from speedtronic.diloco.directory import DirectoryTransport
@@ -490,3 +491,89 @@ def test_a_node_holding_the_last_two_globals_makes_the_final_mean_itself(tmp_pat
     behind = late.fetch((last.outer_step, last.run_id), final=True)
     assert behind.source == "full" and _same(behind.state, master)
     assert T.GLOBAL_MODEL in reads.paths
+
+
+# -- an fp32 global of streamed rounds travels as the fragment's new values -----------------
+def _fragment(t, node: str, r: int, delta: dict) -> None:
+    """``node``'s contribution to round ``r`` holding one fragment's tensors."""
+    t.upload_delta(
+        delta,
+        node_id=node,
+        round_index=r,
+        local_step=2 * (r + 1),
+        base_outer_step=r,
+        owner={"instance": f"{node}-1", "state": "training"},
+        metadata={"run_id": t.global_metadata().run_id, "instance": f"{node}-1"},
+    )
+
+
+def test_a_streamed_round_of_an_fp32_global_sends_only_its_fragments_new_values(tmp_path):
+    """Issue 38 item 2: with ``fragments: 2`` and an fp32 global each round moves half the
+    model, and the global is published as the new values of those tensors (exact: they
+    replace the old ones); a node holding the global before takes them and holds the
+    master's global bit for bit, downloading half the model a round instead of all of it."""
+    gen = torch.Generator().manual_seed(7)
+    state = {"a": torch.randn(256, generator=gen), "b": torch.randn(256, generator=gen)}
+    state["n"] = torch.tensor(3)
+    master, t, _ = make_master(
+        tmp_path, state=state, fragments=2, inner_steps=4, outer_momentum=0.9, outer_lr=0.7
+    )
+    join(t, "a")
+    join(t, "b")
+    assert master.poll_once() is False  # global 0
+    like = {k: v.clone() for k, v in state.items()}
+    link = NodeLink(
+        t,
+        master.settings,
+        claim=NodeClaim("b", "worker", tmp_path / "b"),
+        max_bytes=T.max_global_bytes(like),
+        like=like,
+        interrupted=threading.Event(),
+    )
+    held = link.fetch((-1, ""))
+    assert held.source == "full"
+    file = tmp_path / "repo" / T.GLOBAL_MODEL
+    weights, written = file.stat().st_size, [file.stat().st_ino]
+    for r in range(5):
+        key = "ab"[r % 2]
+        for node in ("a", "b"):
+            _fragment(t, node, r, {key: torch.randn(256, generator=gen) * 0.01})
+        assert master.poll_once() is True
+        held = link.fetch((held.outer_step, held.run_id))
+        assert (held.outer_step, held.source) == (r + 1, "update")
+        assert all(torch.equal(held.state[k], v) for k, v in master.global_state.items())
+        assert held.nbytes < 0.6 * weights  # one of the two tensors and a header
+        if file.stat().st_ino != written[-1]:
+            written.append(file.stat().st_ino)
+            assert r + 1 == 4  # half the model in fp32 counts 2 int8 models: 4 x 2 = 8
+        # a node that missed rounds (or joins) reads the weights file and the updates after it
+        assert all(torch.equal(t.read_global()[k], v) for k, v in master.global_state.items())
+    assert len(written) == 2
+
+
+@pytest.mark.parametrize("defect", ["shape", "dtype", "values"])
+def test_an_fp32_update_that_does_not_make_the_global_is_refused(tmp_path, defect):
+    """An fp32 update replaces tensors: one of another shape or dtype is refused before it is
+    installed, and other values than the master's fail the digest of the global it
+    announces (the node downloads the weights file instead)."""
+    state = {"a": torch.zeros(8), "b": torch.ones(8)}
+    held = codec.HeldGlobal.of(0, "run", state)
+    new = {"a": torch.full((8,), 0.5), "b": state["b"]}
+    wrong = {
+        "shape": torch.full((4,), 0.5),
+        "dtype": torch.full((8,), 0.5, dtype=torch.float64),
+        "values": torch.full((8,), 0.25),
+    }[defect]
+    update = codec.exact_update({"a": wrong}, ["a"], 0, held.digest)
+    update.outer_step, update.run_id, update.digest = 1, "run", codec.state_digest(new)
+    path = tmp_path / "update_1.safetensors"
+    with open(path, "wb") as handle:
+        sha = update.write(handle)
+    with pytest.raises(ValueError, match="digest" if defect == "values" else "the global's"):
+        codec.read_update(path, held, sha256=sha, outer_step=1, run_id="run", like=state)
+    good = codec.exact_update(new, ["a"], 0, held.digest)
+    good.outer_step, good.run_id, good.digest = 1, "run", codec.state_digest(new)
+    with open(path, "wb") as handle:
+        sha = good.write(handle)
+    made = codec.read_update(path, held, sha256=sha, outer_step=1, run_id="run", like=state)
+    assert torch.equal(made.state["a"], new["a"]) and made.state["b"] is state["b"]

@@ -318,7 +318,9 @@ class DistributedConfig:
     delta_block_size: Int = F(128, "values per scale of an int8/int4 delta", ge=8, le=1 << 20)
     error_feedback: Bool = F(True, "keep what a lossy delta/global format left out; send it next")
     global_dtype: GlobalDtype = F(
-        "fp32", "global download: fp32 (full), or int8/int4 (the quantized outer update)"
+        "fp32",
+        "global download: fp32 (full; a fragment's new values with fragments), or int8/int4 "
+        "(the quantized outer update)",
     )
     request_timeout: Float = F(60.0, "seconds one transport call may take", gt=0, le=DAY)
     slots_dir: PathStr | None = F(None, "shared folder where workers claim worker-<n> ids")

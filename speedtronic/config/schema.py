@@ -343,20 +343,12 @@ assert tuple(SECTION_CLASSES) == SECTION_NAMES
 
 def config_warnings(config: SpeedtronicConfig) -> list[str]:
     """One line per setting that loads but is probably not what was meant: a warmup that
-    does not end before the scheduler horizon (allowed, SPEC §3 "Scheduler horizon");
-    streamed DiLoCo rounds with an fp32 global, which download the whole model each round."""
+    does not end before the scheduler horizon (allowed, SPEC §3 "Scheduler horizon")."""
     found = []
     warmup, horizon = config.scheduler.warmup_steps, config.scheduler.max_steps
     if warmup and horizon and warmup >= horizon:
         found.append(
             f"scheduler.warmup_steps ({warmup}) >= scheduler.max_steps ({horizon}): the "
             "learning rate never leaves warmup in this run"
-        )
-    n, wire = config.distributed.fragments, config.distributed.global_dtype
-    if n > 1 and wire == "fp32":
-        found.append(
-            f"distributed.fragments: {n} with distributed.global_dtype: fp32: each node "
-            f"downloads the whole model every round, {n}x the bytes of whole rounds; "
-            "global_dtype int8 or int4 downloads only the round's update"
         )
     return found

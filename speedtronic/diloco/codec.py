@@ -995,8 +995,11 @@ def open_delta(path: _PathArg) -> Iterator[DeltaReader]:
 
 @dataclasses.dataclass
 class OuterUpdate:
-    """One round's quantized outer update: ``encoded`` turns the global of ``base_step``
-    (``base_digest``) into the one of ``outer_step`` (``digest``)."""
+    """One round's outer update: it turns the global of ``base_step`` (``base_digest``) into
+    the one of ``outer_step`` (``digest``). Quantized (``dtype`` int8/int4): ``encoded``, the
+    step of each tensor, added to the old values; ``dtype`` fp32 (a streamed round of an fp32
+    global, :func:`exact_update`): ``exact``, the new values of the tensors the round moved,
+    which replace the old ones (a difference would not add back to the same bits)."""
 
     encoded: dict[str, QuantizedTensor]
     dtype: str
@@ -1006,9 +1009,11 @@ class OuterUpdate:
     outer_step: int = -1
     digest: str = ""
     run_id: str = ""
+    exact: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def write(self, handle: BinaryIO) -> str:
-        """Write the update file (codes and scales, as deltas) to ``handle``; its sha256."""
+        """Write the update file (codes and scales, as deltas; or the exact new values) to
+        ``handle``; its sha256."""
         header: dict[str, object] = {
             "kind": "outer_update",
             "dtype": self.dtype,
@@ -1018,7 +1023,18 @@ class OuterUpdate:
             "base_digest": self.base_digest,
             "digest": self.digest,
         }
+        if self.dtype == "fp32":
+            return write_safetensors(handle, self.exact, metadata=header)
         return write_quantized(handle, self.encoded, self.dtype, self.block_size, header)
+
+
+def exact_update(
+    state: Mapping[str, torch.Tensor], keys: Iterable[str], base_step: int, base_digest: str
+) -> OuterUpdate:
+    """The fp32 outer update of a streamed round: the new values of ``state``'s tensors
+    ``keys`` (copies), made from global ``base_step`` (``base_digest``)."""
+    exact = {key: state[key].detach().to("cpu").clone() for key in keys}
+    return OuterUpdate({}, "fp32", 0, base_step, base_digest, exact=exact)
 
 
 # -- the compressed global: a node applies the master's outer update --------------------
@@ -1107,16 +1123,20 @@ def read_update(
                 f"{outer_step} of {run_id or '?'}"
             )
         fmt = WireCodec.from_metadata(header)
-        if fmt.bits is None:
-            raise ValueError(f"an update holds int8 or int4 codes, not {fmt.name}")
+        if fmt.bits is None and fmt.name != "fp32":
+            raise ValueError(f"an update holds int8 or int4 codes or fp32 values, not {fmt.name}")
         # every floating tensor of the global, or a fragment's (streamed rounds)
         named = set(opened.keys())
         floating = [k for k, v in held.state.items() if v.is_floating_point() and k in named]
-        if not floating or named != set(floating) | {k + SCALE_SUFFIX for k in floating}:
+        scales = {k + SCALE_SUFFIX for k in floating} if fmt.bits is not None else set()
+        if not floating or named != set(floating) | scales:
             raise ValueError("the update's keys do not match the global's floating tensors")
         result = dict(held.state)
         for key in floating:  # codes (dtype, count, range) and scales (count, finite, bound)
             value = held.state[key]
+            if fmt.bits is None:  # the new values themselves: the global's dtype and shape
+                result[key] = _exact_value(key, opened.get_tensor(key), value)
+                continue
             decoded = fmt.read(key, opened.get_tensor, tuple(value.shape), MAX_DELTA_ABS)
             result[key] = add_decoded(value, decoded)
     digest = state_digest(result)
@@ -1126,3 +1146,14 @@ def read_update(
     if bad is not None:
         raise ValueError(f"the updated global holds non-finite values in {bad}")
     return HeldGlobal(outer_step, run_id, digest, result)
+
+
+def _exact_value(key: str, value: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """An fp32 update's new ``value`` of tensor ``key``, which must have the global's dtype
+    and shape (``old``'s); else ``ValueError``."""
+    if value.dtype != old.dtype or tuple(value.shape) != tuple(old.shape):
+        raise ValueError(
+            f"the update's {key} is {value.dtype} {tuple(value.shape)}, the global's "
+            f"{old.dtype} {tuple(old.shape)}"
+        )
+    return value

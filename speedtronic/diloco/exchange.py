@@ -2,7 +2,8 @@
 its errors::
 
     global/latest.safetensors              global weights of outer step F <= R (native dtypes)
-    global/update_<k>.safetensors          the quantized outer update to k (global_dtype): the
+    global/update_<k>.safetensors          the outer update to k (global_dtype int8/int4, or
+                                           fp32 with fragments: the fragment's new values): the
                                            ones after F make global R from the weights file
     global/step_count.json                 version record (outer_step R, sha256, run_id, final)
     global/processed.json                  ledger: per node, the highest round aggregated
@@ -105,7 +106,9 @@ GLOBAL_PROCESSED = "global/processed.json"
 #: every 8 globals of whole-model updates, about every 32 of a quarter each (4 fragments); in
 #: between a publish adds only the round's update, and a reader of the full global applies
 #: the updates after the file (so a joiner downloads at most the file and this many models'
-#: updates, whatever the fragments).
+#: int8 updates, whatever the fragments). The new values of an fp32 global's fragment count
+#: by their bytes (4 a value against int8's 1): every 4 globals with 2 fragments, every 8
+#: with 4.
 FULL_GLOBAL_EVERY = 8
 #: The mean inner first moments published with a global (``distributed.sync_inner_momentum``).
 GLOBAL_MOMENTS = "global/moments.safetensors"
@@ -128,9 +131,12 @@ def beat_path(node_id: str) -> str:
 
 def update_share(update: OuterUpdate, state: Mapping[str, torch.Tensor]) -> float:
     """The part of the model ``update`` changes, by values of its floating tensors (the ones
-    an outer step moves): 1.0 for every one, about a quarter for one of 4 fragments."""
+    an outer step moves): 1.0 for every one, about a quarter for one of 4 fragments; exact
+    new values (an fp32 global's fragment) count as many times as their bytes a value (a
+    byte for int8 codes)."""
     total = sum(value.numel() for value in state.values() if value.is_floating_point())
     changed = sum(math.prod(q.shape) for q in update.encoded.values())
+    changed += sum(v.numel() * v.element_size() for v in update.exact.values())
     return changed / total if total else 1.0
 
 
@@ -255,6 +261,13 @@ class RoundSettings:
             c.final_average, c.sync_inner_momentum, c.inner_momentum_every,
         )  # fmt: skip
         return cls(rules, wire, outer)
+
+    @property
+    def updates_follow(self) -> bool:
+        """Whether a global may come as an outer update of the one before (a node keeps the
+        global it holds to apply it): an int8/int4 global, or an fp32 one of streamed rounds
+        (the new values of the round's fragment)."""
+        return self.wire.global_dtype != "fp32" or self.rules.fragments > 1
 
 
 def _overlap_steps(config: DistributedConfig) -> int:

@@ -118,7 +118,7 @@ class NodeLink:
         self._refused = ""  # checksum of a published global this node refused
         self._refused_moments: tuple[int, str] | None = None  # (outer step, run) refused
         self._told: set[str] = set()  # "node/round" refusals of our files already reported
-        self.held: HeldGlobal | None = None  # the last global fetched (global_dtype int8/int4)
+        self.held: HeldGlobal | None = None  # the last global fetched (updates follow)
         # with final_average 2: the global held before it (the final is the mean of the two)
         self.before: HeldGlobal | None = None
         self._update_bytes = 0  # size of the last update file read
@@ -527,7 +527,7 @@ class NodeLink:
         nbytes = {"update": self._update_bytes, "mean": self._update_bytes, "own": 0}.get(
             how, weights
         )
-        if self.settings.wire.global_dtype != "fp32":  # the next update applies to this global
+        if self.settings.updates_follow:  # the next update applies to this global
             self._hold(held or HeldGlobal.of(metadata.outer_step, metadata.run_id, state))
         seconds = time.perf_counter() - started
         candidate = GlobalCandidate(

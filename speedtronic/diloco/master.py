@@ -6,7 +6,8 @@ included, early) and closes the open round when every active node delivered or
 -> outer step -> publish (with the ledger, in one commit) -> report (docs/diloco.md, "Master
 side", has the rules and the failure table). The outer step is one :class:`OuterStep`:
 :class:`LocalStep` steps the global with the run's one outer optimizer (its update quantized
-with ``global_dtype`` int8/int4, :func:`step_quantized`, which a node applies with
+with ``global_dtype`` int8/int4, :func:`step_quantized`; with fp32 and fragments, the
+new values of the round's tensors, :func:`~.codec.exact_update`; a node applies either with
 :func:`~.codec.read_update`); a group leader's :class:`RelayStep` forwards the mean to the
 top-level exchange. Memory: the held global, the outer momentum and one float32 running
 sum; a delta is read a tensor at a time, the outer step runs a slice at a time.
@@ -37,6 +38,7 @@ from speedtronic.diloco.codec import (
     QuantizedTensor,
     add_decoded,
     average_states,
+    exact_update,
     quantize,
     state_digest,
 )
@@ -1068,12 +1070,22 @@ class LocalStep:
 
     def _apply(self, new: RoundState, mean: Mapping[str, torch.Tensor]) -> OuterUpdate | None:
         """Step ``new``'s global in place; with ``global_dtype`` int8/int4, the update it
-        publishes (the global becomes the last one plus the decoded update)."""
+        publishes (the global becomes the last one plus the decoded update); with fp32, the
+        new values of a streamed round's tensors (None for a round of every tensor: the
+        update would be the weights file)."""
         wire = self.settings.wire
         if wire.global_dtype == "fp32":
+            moved = [k for k in mean if new.global_state[k].is_floating_point()]
+            floating = sum(v.is_floating_point() for v in new.global_state.values())
+            base = state_digest(new.global_state) if len(moved) < floating else None
             new.optimizer.step(new.global_state, mean)
             new.outer_step += 1
-            return None
+            if base is None:
+                return None
+            update = exact_update(new.global_state, moved, new.outer_step - 1, base)
+            update.outer_step, update.run_id = new.outer_step, new.run_id
+            update.digest = state_digest(new.global_state)
+            return update
         update = step_quantized(
             new.optimizer,
             new.global_state,
