@@ -444,7 +444,7 @@ def test_an_exchange_error_from_the_master_reconcile_is_not_a_warning(tmp_path, 
 
     c, _, _ = _master(tmp_path)
 
-    def unusable():
+    def unusable(**_):
         raise ExchangeError("global/latest.safetensors is corrupt and there is no local state")
 
     monkeypatch.setattr(c.master, "reconcile", unusable)

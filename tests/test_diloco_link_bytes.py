@@ -413,17 +413,55 @@ def test_a_worker_built_like_the_master_takes_its_first_global_from_its_own_weig
     assert resumed.source in ("full", "update") and _same(resumed.state, master)
 
 
+@pytest.mark.parametrize("global_dtype", ["fp32", "int8"])
+def test_a_worker_built_like_the_master_starts_before_global_0_is_uploaded(tmp_path, global_dtype):
+    """Issue 38: a master starting a run announces global 0 (``global/start.json``: its run
+    id and the sha256 its weights file will have) and leaves the upload to its round thread,
+    which publishes it before anything else; a fresh worker built alike takes its own
+    weights as global 0 from the announcement, before the file is there, and contributes to
+    round 0 of that run. One built otherwise waits for the weights file, as before."""
+    master, t, _ = make_master(tmp_path, state=_state(), global_dtype=global_dtype)
+    join(t, "a")
+    join(t, "b")
+    master.reconcile(announce=True)
+    assert t.global_metadata() is None  # nothing of the weights sent yet
+    announced = t.announced()
+    assert announced.run_id == master.run_id and announced.outer_step == 0
+    link = _link(tmp_path, t, master, "a")  # its model: _state(), as the master's
+    candidate, ended = link.first_global("", resumed=False)
+    assert not ended and (candidate.source, candidate.nbytes) == ("own", 0)
+    assert (candidate.outer_step, candidate.run_id) == (0, master.run_id)
+    assert _same(candidate.state, master)
+    other = _link(tmp_path, t, master, "b")
+    other.like["w"].mul_(2.0)  # built from another seed: not its global
+    assert other._announced("") is None
+    assert master.poll_once() is False  # the round thread: global 0 first
+    record = t.global_metadata()
+    assert (record.outer_step, record.run_id, record.sha256) == (0, master.run_id, announced.sha256)
+    assert link.fetch((0, master.run_id)) is None  # the worker holds it already
+    first, _ = other.first_global("", resumed=False)
+    assert first.source == "full" and _same(first.state, master)
+    round_of(master, t, ["a", "b"], 0)  # round 0 of the announced run closes as any other
+    following = link.fetch((candidate.outer_step, candidate.run_id))
+    assert following.outer_step == 1 and _same(following.state, master)
+    if global_dtype == "int8":  # the update applies to the global it took from its weights
+        assert following.source == "update"
+
+
 # -- a final global that is the mean of the last two, made on the node -----------------------
 @pytest.mark.parametrize("defect", [None, "damaged update"])
 def test_a_node_holding_the_global_before_the_last_makes_the_final_mean_itself(
     tmp_path, monkeypatch, caplog, defect
 ):
     """Issue 38: with a quantized global and ``final_average: 2`` the final global is the
-    mean of the last two; the master publishes the update that made the last one beside it,
-    so a node holding the one before makes the mean itself (the master's float32 additions
-    and average), checks it against the weights file's sha256 and downloads only the update.
-    A damaged update, or a node holding an older global, downloads the weights file; every
-    node ends on the master's final global bit for bit."""
+    mean of the last two; the master publishes the update that made the last one and no
+    weights file (the record names the mean's digest), so a node holding the one before
+    makes the mean itself (the master's float32 additions and average), checks its digest
+    and downloads only the update; a node holding an older global reads the weights file and
+    the chain and makes the mean too. Every node ends on the master's final global bit for
+    bit. A damaged update (changed by the final's weights file going: before, the node
+    downloaded that file) leaves the final global unmade on the exchange: refused once, the
+    node keeps the global it holds."""
     master, t, _ = _quantized(tmp_path, monkeypatch, every=8, final_average=2)
     link = _link(tmp_path, t, master, "a")
     old = _link(tmp_path, t, master, "b")
@@ -441,34 +479,40 @@ def test_a_node_holding_the_global_before_the_last_makes_the_final_mean_itself(
             (torch.randn(_state()["w"].numel(), generator=gen) * 0.01).tolist(),
             final=True,
         )
+    weights = (t.root / T.GLOBAL_MODEL).stat().st_ino
     assert master.poll_once() is True and master.finished.is_set()
     record = t.global_metadata()
     assert record.final and record.outer_step == 2 and record.mean_update
+    assert record.mean_digest and (t.root / T.GLOBAL_MODEL).stat().st_ino == weights
     if defect:
         path = t.root / T.update_path(2)
         data = bytearray(path.read_bytes())
         data[-1] ^= 1
         path.write_bytes(bytes(data))
+        final = link.fetch((held.outer_step, held.run_id), final=True)
+        assert final is None and "downloading it instead" in caplog.text
+        assert "refusing the published global" in caplog.text
+        assert link.held.outer_step == 1  # the global it holds
+        with pytest.raises(TransportError):
+            t.read_global()
+        return
     published = t.read_global()
+    assert _same(published, master)
     reads = Downloads(t)
     final = link.fetch((held.outer_step, held.run_id), final=True)
     assert final.final and final.outer_step == 2 and _same(final.state, master)
-    assert all(torch.equal(final.state[k], v) for k, v in published.items())
-    if defect is None:
-        assert final.source == "mean" and reads.paths == [T.update_path(2)]
-        assert final.nbytes == (t.root / T.update_path(2)).stat().st_size
-    else:
-        assert final.source == "full" and T.GLOBAL_MODEL in reads.paths
-        assert "downloading it instead" in caplog.text
-    behind = old.fetch((0, held.run_id), final=True)  # holds global 0: the weights file
+    assert final.source == "mean" and reads.paths == [T.update_path(2)]
+    assert final.nbytes == (t.root / T.update_path(2)).stat().st_size
+    behind = old.fetch((0, held.run_id), final=True)  # holds global 0: file + chain, the mean
     assert behind.source == "full" and _same(behind.state, master)
 
 
 def test_a_node_holding_the_last_two_globals_makes_the_final_mean_itself(tmp_path, monkeypatch):
     """Issue 38: when the last round ended on a boundary, the final global (the mean of the
-    last two, ``final_average: 2``) is published after the last global, whole; a node that
-    holds both (it keeps the one before the last) makes the mean itself and downloads
-    nothing. A node that holds only the last downloads the weights file."""
+    last two, ``final_average: 2``) is published after the last global as a record alone
+    (the chain makes both, the record names the mean's digest; no weights file); a node
+    that holds both (it keeps the one before the last) makes the mean itself and downloads
+    nothing. A node that holds only the last reads the weights file and the chain."""
     master, t, _ = _quantized(tmp_path, monkeypatch, every=8, final_average=2)
     link = _link(tmp_path, t, master, "a")
     late = _link(tmp_path, t, master, "b")
@@ -481,9 +525,12 @@ def test_a_node_holding_the_last_two_globals_makes_the_final_mean_itself(tmp_pat
     last = late.fetch((-1, ""))  # joins at global 2: holds it, not global 1
     for node in ("a", "b"):  # the last step fell on a boundary: a done status only
         t.claim_owner(node, {"instance": f"{node}-1", "state": "done", "final_round": 1})
+    weights = (t.root / T.GLOBAL_MODEL).stat().st_ino
     master.poll_once()
     record = t.global_metadata()
     assert master.finished.is_set() and record.final and record.outer_step == 2
+    assert record.mean_digest and (t.root / T.GLOBAL_MODEL).stat().st_ino == weights
+    assert _same(t.read_global(), master)
     reads = Downloads(t)
     final = link.fetch((seen.outer_step, seen.run_id), final=True)
     assert final.source == "mean" and final.nbytes == 0 and reads.paths == []

@@ -449,7 +449,7 @@ class DumbDiLoCoCoordinator:
             except Exception as exc:
                 _LOG.warning(f"could not grant write access to {name}: {exc}")
         try:
-            master.reconcile()
+            master.reconcile(announce=True)
         except ExchangeError:
             raise  # an unusable exchange (e.g. a corrupt global and no local state): exit 2
         except Exception as exc:

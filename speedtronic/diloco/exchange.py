@@ -5,7 +5,9 @@ its errors::
     global/update_<k>.safetensors          the outer update to k (global_dtype int8/int4, or
                                            fp32 with fragments: the fragment's new values): the
                                            ones after F make global R from the weights file
-    global/step_count.json                 version record (outer_step R, sha256, run_id, final)
+    global/start.json                      a new run's global 0 announced (run_id, sha256)
+    global/step_count.json                 version record (outer_step R, sha256, run_id, final;
+                                           a final mean's digest when no file holds it)
     global/processed.json                  ledger: per node, the highest round aggregated
                                            (and its final round, instance and digest)
     nodes/<node_id>/delta_<r>.safetensors  the node's contribution to round r
@@ -45,12 +47,15 @@ from speedtronic.config.limits import is_valid_node_id
 from speedtronic.config.redaction import scrub as scrub  # every form of the token (re-exported)
 from speedtronic.diloco.codec import (
     HeldGlobal,
+    average_states,
     delta_from_bytes,
     file_sha256,
     first_non_finite,
     open_safetensors,
     read_update,
+    safetensors_sha256,
     save_safetensors,
+    state_digest,
     write_delta,
     write_safetensors,
 )
@@ -101,6 +106,10 @@ def ignore(event: str, /, **fields: object) -> None:
 GLOBAL_MODEL = "global/latest.safetensors"
 GLOBAL_STEP = "global/step_count.json"
 GLOBAL_PROCESSED = "global/processed.json"
+#: A new run's announcement, written before its global 0 is uploaded: the record global 0
+#: will have (run id, the weights file's sha256), so a worker whose own starting weights hash
+#: to it starts training at once instead of waiting for the file.
+GLOBAL_START = "global/start.json"
 #: With ``global_dtype`` int8/int4 the weights file is uploaded again once the updates after
 #: it cover this many models (and whenever a global is not the last one plus an update):
 #: every 8 globals of whole-model updates, about every 32 of a quarter each (4 fragments); in
@@ -303,6 +312,10 @@ class GlobalMetadata:
     ``sha256`` is the file's), each at ``update_path(k)``: the file and the chain make this one.
     ``refused`` names the contributions (``node/round``) the master refused as unreadable
     or damaged since the previous global: how a node hears that its file was not used.
+    ``mean_digest`` marks a final global that is the mean of the last two globals and has
+    no weights file of its own: the weights file and the chain make the last of them (the
+    one before it is the file with the chain but its last update), and the mean of the two
+    has this :func:`.codec.state_digest`.
     """
 
     outer_step: int
@@ -317,6 +330,7 @@ class GlobalMetadata:
     # a final global that is the mean of the last two: sha256 of the update (at
     # update_path(outer_step)) that made the last of them from global outer_step - 1
     mean_update: str = ""
+    mean_digest: str = ""  # the final mean made from the chain, not written (see above)
 
     def names(self, outer_step: int, run_id: str) -> bool:
         """Whether this record is of global ``outer_step`` of run ``run_id``."""
@@ -324,7 +338,15 @@ class GlobalMetadata:
 
     def updates_after(self, outer_step: int) -> list[tuple[int, str]] | None:
         """``(outer step, sha256)`` of the published updates that lead from global
-        ``outer_step`` to this one, oldest first; None when none do."""
+        ``outer_step`` to this one, oldest first; None when none do (none makes a final
+        mean: :attr:`mean_digest`)."""
+        if self.mean_digest:
+            return None
+        return self.chain_after(outer_step)
+
+    def chain_after(self, outer_step: int) -> list[tuple[int, str]] | None:
+        """:meth:`updates_after`; of a final mean record, the updates that lead to the last
+        global of its chain (the mean is made from the last two)."""
         first = self.outer_step - len(self.chain) + 1  # the first update of the chain
         if self.chain and first <= outer_step + 1 <= self.outer_step:
             return [(k, self.chain[k - first]) for k in range(outer_step + 1, self.outer_step + 1)]
@@ -347,6 +369,7 @@ class GlobalMetadata:
             "refused": list(self.refused),
             "chain_sha256": list(self.chain),
             "mean_update_sha256": self.mean_update,
+            "mean_digest": self.mean_digest,
         }
         out.update((key, value) for key, value in optional.items() if value)
         return out
@@ -365,6 +388,7 @@ class GlobalMetadata:
             refused=_refused(data.get("refused")),
             chain=tuple(str(x) for x in data.get("chain_sha256") or () if isinstance(x, str)),
             mean_update=str(data.get("mean_update_sha256", "")),
+            mean_digest=str(data.get("mean_digest", "")),
         )
 
 
@@ -531,10 +555,9 @@ class Store(Protocol):
             first = HeldGlobal.of(metadata.outer_step - len(metadata.chain), metadata.run_id, state)
             try:
                 model = like if like is not None else state
-                held = self.apply_updates(metadata, first, like=model, max_bytes=max_bytes)[0]
+                state = self._walk_chain(metadata, first, like=model, max_bytes=max_bytes)
             except (ValueError, RemoteNotFound) as exc:
                 raise TransportError(f"{where}: {exc}", kind="permanent") from None
-            state = held.state
         bad = first_non_finite(state, like=like)
         if bad is not None:
             cast = like is not None and bad in like and like[bad].dtype != state[bad].dtype
@@ -575,6 +598,30 @@ class Store(Protocol):
         """2.0.0 form: write the verified global weights to ``local_path`` and return it."""
         return save_safetensors(self.read_global(metadata), local_path)
 
+    def announce(self, state: Mapping[str, torch.Tensor], *, run_id: str) -> GlobalMetadata:
+        """Write :data:`GLOBAL_START`, the record global 0 of run ``run_id`` over ``state`` will
+        have (the sha256 of its weights file, computed here; nothing of the weights is sent),
+        and return it."""
+        made = GlobalMetadata(0, datetime.now(timezone.utc).isoformat(), run_id=str(run_id))
+        made = dataclasses.replace(
+            made, sha256=safetensors_sha256(state, metadata=weights_header(made))
+        )
+        self.commit({GLOBAL_START: _json_bytes(made.to_dict())}, message="run start")
+        return made
+
+    def announced(self) -> GlobalMetadata | None:
+        """The run announced in :data:`GLOBAL_START` (global 0 of a run, with its sha256), or
+        None (none, or not such a record)."""
+        data = self.read_json(GLOBAL_START, default=None)
+        if not isinstance(data, dict):
+            return None
+        try:
+            record = GlobalMetadata.from_dict(data)
+        except (TypeError, ValueError):
+            return None
+        plain = record.outer_step == 0 and not (record.final or record.chain)
+        return record if plain and record.sha256 and record.run_id else None
+
     def read_ledger(self) -> dict[str, int]:
         """The published ledger: node id -> highest round already aggregated. A ledger in
         another format (2.0.0 wrote a list of consumed files) reads as empty."""
@@ -609,6 +656,7 @@ class Store(Protocol):
         moments: Mapping[str, torch.Tensor] | None = None,
         weights: bool = True,
         last_update: OuterUpdate | None = None,
+        mean_of_two: bool = False,
     ) -> GlobalMetadata:
         """One commit: the weights, the quantized outer ``update`` and the mean first
         ``moments`` (:data:`GLOBAL_MOMENTS`) if given, the ledger (with
@@ -622,7 +670,9 @@ class Store(Protocol):
         into this one and the updates after the weights file cover fewer than
         :data:`FULL_GLOBAL_EVERY` models; else the weights file (the updates it replaces
         pruned), with ``last_update`` beside it when given (a final global that is the mean
-        of the last two: the update that made the last, ``mean_update`` in the record)."""
+        of the last two: the update that made the last, ``mean_update`` in the record).
+        A final ``state`` that is the mean of the last two globals (``mean_of_two``) sends
+        no weights file when the exchange can make it (:meth:`_mean_record`)."""
         del work_dir
         now = updated_at or datetime.now(timezone.utc).isoformat()
         made = GlobalMetadata(int(outer_step), now, final=bool(final), run_id=str(run_id))
@@ -637,7 +687,14 @@ class Store(Protocol):
                 files[path] = local
                 return digest
 
-            meta, stale, covered = self._weights(made, state, update, weights, stage)
+            mean = None
+            if mean_of_two and made.final and update is None:
+                mean = self._mean_record(made, state, last_update, stage)
+            stale: list[str] = []
+            if mean is not None:
+                meta, covered = mean
+            else:
+                meta, stale, covered = self._weights(made, state, update, weights, stage)
             if last_update is not None and update is None and meta.sha256 and not meta.chain:
                 sha = stage(update_path(meta.outer_step), last_update.write)
                 meta = dataclasses.replace(meta, mean_update=sha)
@@ -668,7 +725,12 @@ class Store(Protocol):
         if last is not None and not weights and update is None and last.names(step, run):
             new = dataclasses.replace(last, updated_at=made.updated_at, final=made.final)
             return dataclasses.replace(new, refused=made.refused), [], covered  # the record only
-        if update is not None and last is not None and last.names(update.base_step, run):
+        if (  # the update makes it from the last record's global (a final mean is no base)
+            update is not None
+            and last is not None
+            and last.names(update.base_step, run)
+            and not last.mean_digest
+        ):
             grown = covered + update_share(update, state)
             if grown < FULL_GLOBAL_EVERY - 1e-9:  # the weights file stays: +1 update
                 sha = stage(update_path(step), update.write)
@@ -679,6 +741,47 @@ class Store(Protocol):
         up = "" if update is None else stage(update_path(step), update.write)
         made = dataclasses.replace(made, sha256=sha, update_sha256=up)
         return made, self._stale_updates(last), 0.0
+
+    def _mean_record(
+        self,
+        made: GlobalMetadata,
+        state: Mapping[str, torch.Tensor],
+        last_update: OuterUpdate | None,
+        stage: Callable[[str, Callable[[BinaryIO], str]], str],
+    ) -> tuple[GlobalMetadata, float] | None:
+        """The record of the final global ``made``, the mean of the last two globals, with no
+        weights file: the last weights file and its chain make the last global (with
+        ``last_update``, staged here, the one it made from the last record's; without, the
+        last record's own), the chain without its last update the one before, and the
+        record names the mean's digest (:attr:`GlobalMetadata.mean_digest`). None when the
+        one before is not on the exchange (the last record is a weights file of its own),
+        the updates would pass :data:`FULL_GLOBAL_EVERY` models, or this store published
+        nothing yet (a restarted master): the weights file is written as before."""
+        last, step, run = self.published, made.outer_step, made.run_id
+        if last is None or last.mean_digest or last.run_id != run:
+            return None
+        covered = self.chain_models
+        if last_update is not None:  # the last round made global `step` with last_update
+            if not last.names(last_update.base_step, run) or last_update.outer_step != step:
+                return None
+            covered += update_share(last_update, state)
+            if covered >= FULL_GLOBAL_EVERY - 1e-9:
+                return None
+            sha = stage(update_path(step), last_update.write)
+            chain = (*last.chain, sha)
+        elif last.names(step, run) and last.chain:  # every node done after global `step`
+            chain, sha = last.chain, last.chain[-1]
+        else:
+            return None
+        meta = dataclasses.replace(
+            made,
+            sha256=last.sha256,
+            chain=chain,
+            update_sha256=sha,
+            mean_update=sha,
+            mean_digest=state_digest(state),
+        )
+        return meta, covered
 
     def _stale_updates(self, last: GlobalMetadata | None) -> list[str]:
         """The update files a new weights file leaves without use: the ones ``last`` names, or
@@ -701,16 +804,49 @@ class Store(Protocol):
         by :func:`.codec.read_update`, read within ``max_bytes``), and the bytes read.
         ``ValueError`` when no published update leads from ``held`` or one is unusable."""
         steps = metadata.updates_after(held.outer_step)
-        if steps is None or held.run_id != metadata.run_id:
+        if held.run_id != metadata.run_id:
+            steps = None
+        made = list(self._updated(steps, held, like, max_bytes))
+        return made[-1][0], sum(size for _, size in made)
+
+    def _updated(
+        self,
+        steps: list[tuple[int, str]] | None,
+        held: HeldGlobal,
+        like: Mapping[str, torch.Tensor],
+        max_bytes: int | None,
+    ) -> Iterator[tuple[HeldGlobal, int]]:
+        """Each global the published updates ``steps`` make from ``held``, in turn, with the
+        size of its update file; ``ValueError`` when there are none or one is unusable."""
+        if not steps:
             raise ValueError(f"no published update applies to global {held.outer_step}")
-        nbytes = 0
         for step, sha256 in steps:
             with self.local_copy(update_path(step), max_bytes=max_bytes) as local:
-                nbytes += local.stat().st_size
+                size = local.stat().st_size
                 held = read_update(
                     local, held, sha256=sha256, outer_step=step, run_id=held.run_id, like=like
                 )
-        return held, nbytes
+            yield held, size
+
+    def _walk_chain(
+        self,
+        metadata: GlobalMetadata,
+        first: HeldGlobal,
+        *,
+        like: Mapping[str, torch.Tensor],
+        max_bytes: int | None,
+    ) -> dict[str, torch.Tensor]:
+        """The global ``metadata`` names from its weights file (``first``) and its chain: the
+        last global the chain makes, or for a final mean record the mean of the last two,
+        which must have the record's digest (``ValueError`` otherwise)."""
+        steps = metadata.chain_after(first.outer_step)
+        made = [first, *(held for held, _ in self._updated(steps, first, like, max_bytes))]
+        if not metadata.mean_digest:
+            return made[-1].state
+        mean = average_states([made[-2].state, made[-1].state])
+        if state_digest(mean) != metadata.mean_digest:
+            raise ValueError("the mean of the last two globals differs from the master's (digest)")
+        return mean
 
     def upload_delta(
         self,

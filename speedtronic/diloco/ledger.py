@@ -451,6 +451,7 @@ def publish(
     moments_round: int | None = None,
     weights: bool = True,
     last_update: OuterUpdate | None = None,
+    mean_of_two: bool = False,
     **note: str,
 ) -> GlobalMetadata:
     """Publish ``state`` to ``store`` in one commit: weights (and the quantized ``update``;
@@ -459,7 +460,8 @@ def publish(
     version record (naming the ``refused`` contributions), the deletion of ``prune``. ``note``
     adds to the record's :data:`META` (``bootstrap``, ``relay``), as does the round the
     ``moments`` were sent with; ``last_update`` goes with a final global that is the mean of
-    the last two (:attr:`.master.Stepped.last`)."""
+    the last two (:attr:`.master.Stepped.last`), which ``mean_of_two`` says (the exchange
+    may then make it from the updates, with no weights file)."""
     if moments_round is not None:
         note = {**note, "moments_round": str(moments_round)}
     return store.publish_global(
@@ -476,7 +478,19 @@ def publish(
         moments=moments,
         weights=weights,
         last_update=last_update,
+        mean_of_two=mean_of_two,
     )
+
+
+#: How the first global of a run is published: ``(store, state, prune)``.
+Bootstrap = Callable[[Store, RoundState, list[str]], None]
+
+
+def publish_bootstrap(store: Store, state: RoundState, prune: list[str]) -> None:
+    """Publish ``state`` as the first global of its run (or again over an exchange that lost
+    its record), with the deletion of ``prune`` (a finished run's files)."""
+    publish(store, state, prune=prune, bootstrap=str(state.outer_step == 0).lower())
+    _LOG.info(f"published global state at outer step {state.outer_step} (bootstrap)")
 
 
 # -- agreeing with the published state -------------------------------------------------
@@ -487,9 +501,11 @@ def reconcile(
     trusted: bool,
     fresh: bool,
     new_run: Callable[[], RoundState],
+    bootstrap: Bootstrap | None = None,
 ) -> RoundState:
     """Agree with the exchange; returns the state to hold (the exchange holds it when this
-    returns; ``held``'s weights and records are never changed). In order:
+    returns, or ``bootstrap`` took its publish over; ``held``'s weights and records are never
+    changed). In order:
 
     - a ``fresh`` master (training from step 0) over the final global of a finished run: a new
       run (``new_run()``), the old run's contributions and done records pruned;
@@ -513,8 +529,7 @@ def reconcile(
         state, stale, remote = new_run(), _leftovers(store), None
     if remote is None:
         state.run_id = state.run_id or secrets.token_hex(6)
-        publish(store, state, prune=stale, bootstrap=str(state.outer_step == 0).lower())
-        _LOG.info(f"published global state at outer step {state.outer_step} (bootstrap)")
+        (bootstrap or publish_bootstrap)(store, state, stale)
         return state
     book = store.read_json(GLOBAL_PROCESSED, default={})
     booked = book.get("outer_step") if isinstance(book, dict) else None

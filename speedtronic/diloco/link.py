@@ -72,8 +72,11 @@ def _unusable(exc: TransportError | ValueError) -> str:
 
 
 def _published_as(state: Mapping[str, torch.Tensor], metadata: T.GlobalMetadata) -> bool:
-    """Whether ``metadata``'s weights file holds exactly ``state`` (its sha256, computed here
-    over the file the master would have written, is the record's)."""
+    """Whether ``state`` is the global ``metadata`` names: its weights file's sha256,
+    computed here over the file the master would have written, is the record's (or, for a
+    final mean with no weights file, its digest is the record's ``mean_digest``)."""
+    if metadata.mean_digest:
+        return codec.state_digest(state) == metadata.mean_digest
     header = T.weights_header(metadata)
     return codec.safetensors_sha256(state, metadata=header) == metadata.sha256
 
@@ -605,7 +608,8 @@ class NodeLink:
         another waits (<= ``round_timeout``) for a new run's first global. With no global, a
         fresh node waits as long for the first (None: its own weights); a resumed one not.
         A fresh node whose weights are the first global already (`_own_start`) downloads
-        nothing."""
+        nothing, and takes it as soon as the master announced the run (:meth:`_announced`),
+        before the weights file is uploaded."""
         self._start = None if resumed else self.like
         try:
             return self._first_global(run_id, resumed)
@@ -639,6 +643,9 @@ class NodeLink:
                     f"new run started within {waited:.1f} s of waiting; nothing to join"
                 )
         elif candidate is None and not resumed:
+            candidate = self._announced("")
+            if candidate is not None:
+                return candidate, ""
             _LOG.info(
                 f"waiting up to {timeout:.0f} s (distributed.round_timeout) for the master's "
                 "first global state"
@@ -650,6 +657,22 @@ class NodeLink:
                     "training from local weights (the first global is merged when it arrives)"
                 )
         return candidate, ""
+
+    def _announced(self, old_run: str) -> GlobalCandidate | None:
+        """Global 0 of a new run (not ``old_run``) the master announced before uploading it,
+        when this fresh node's own weights are that global (:meth:`_own_start`): taken at
+        once, nothing downloaded. None otherwise (then the node waits for the weights file)."""
+        if self._start is None:
+            return None
+        try:
+            record = self.store.announced()
+        except TransportError as exc:
+            self.raise_if_permanent(exc, "cannot read from the exchange")
+            return None
+        if record is None or record.run_id == old_run:
+            return None
+        own = self._own_start(record)
+        return None if own is None else self._fetched(record, own, time.perf_counter(), "own")
 
     def _wait_for_global(self, seen: tuple[int, str]) -> tuple[GlobalCandidate | None, float]:
         """Poll (at most ``round_timeout``, interruptible) for a published global other than
@@ -666,7 +689,7 @@ class NodeLink:
                 return None
             if candidate is not None and candidate.final:
                 seen, candidate = (candidate.outer_step, candidate.run_id), None
-            return candidate
+            return candidate or self._announced(seen[1])
 
         rules = self.settings.rules
         pause, timeout = min(rules.poll_interval, 1.0), rules.round_timeout

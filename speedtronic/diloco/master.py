@@ -55,6 +55,7 @@ from speedtronic.diloco.exchange import (
 )
 from speedtronic.diloco.ledger import (
     META,
+    Bootstrap,
     ContributionFiles,
     NesterovOuterOptimizer,
     NodeView,
@@ -62,6 +63,7 @@ from speedtronic.diloco.ledger import (
     Roster,
     RoundState,
     publish,
+    publish_bootstrap,
     reconcile,
 )
 from speedtronic.retry import AccessRefused, RemoteNotFound, TransportError
@@ -231,7 +233,8 @@ class Agreement:
     """Where the master stands with the exchange: created there (not after a startup outage),
     agreed with since the start or the last failed publish, whether the first agreement may
     start a new run (``fresh``, from ``initial``), whether a valid local outer state may be
-    republished, and the outer step last handed to ``on_global``."""
+    republished, the outer step last handed to ``on_global``, and a new run's global 0
+    announced but not published yet (``unpublished``: the files its publish prunes)."""
 
     initial: dict[str, torch.Tensor] | None = None
     fresh: bool = False
@@ -239,6 +242,7 @@ class Agreement:
     reconciled: bool = False
     has_local_state: bool = False
     handed: int | None = None
+    unpublished: list[str] | None = None
 
 
 @dataclasses.dataclass
@@ -289,10 +293,18 @@ class OuterStep(Protocol):
     calls each method at one place of its round and never asks which one it holds."""
 
     def agree(
-        self, store: Store, held: RoundState, *, trusted: bool, fresh: bool, new_run: NewRun
+        self,
+        store: Store,
+        held: RoundState,
+        *,
+        trusted: bool,
+        fresh: bool,
+        new_run: NewRun,
+        bootstrap: Bootstrap | None = None,
     ) -> tuple[RoundState, bool]:
-        """The state agreed with the exchange (held there when this returns), and whether
-        its global is the final one of a run that ended."""
+        """The state agreed with the exchange (held there when this returns, or by
+        ``bootstrap`` for a new run's first global), and whether its global is the final one
+        of a run that ended."""
 
     def moments_due(self, outer_step: int) -> bool:
         """Whether the round that makes global ``outer_step`` averages the first moments."""
@@ -427,17 +439,19 @@ class RoundMaster:
         except OSError as exc:
             _LOG.warning(f"could not persist local outer state: {exc}")
 
-    def reconcile(self) -> None:
+    def reconcile(self, *, announce: bool = False) -> None:
         """Agree with the exchange once (``outer.agree``: :func:`~.ledger.reconcile`, or a
         group leader takes the top-level global). A failed read raises ``TransportError``
         (retried); an unusable global with no local state to republish raises
-        ``ExchangeError``."""
+        ``ExchangeError``. With ``announce`` (the coordinator's start) a new run's global 0
+        is announced and uploaded by the round thread (:meth:`_announce`)."""
         state, over = self.outer.agree(
             self.store,
             self.state,
             trusted=self.agreement.has_local_state,
             fresh=self.agreement.fresh,
             new_run=self._new_run,
+            bootstrap=self._announce if announce else None,
         )
         with self._lock:
             self.state = state
@@ -463,6 +477,23 @@ class RoundMaster:
         if over and not self.finished.is_set():  # this run ended (a lost reply, a restart)
             self._finalize(self.global_state)
 
+    def _announce(self, store: Store, state: RoundState, prune: list[str]) -> None:
+        """A new run: announce its global 0 (:meth:`~.exchange.Store.announce`: the record,
+        no weights) and leave the upload to the round thread's next poll, which publishes it
+        before anything else; every node built like this one trains meanwhile. Where the
+        announcement fails, or the first global is not global 0, it is published here."""
+        if state.outer_step != 0:
+            publish_bootstrap(store, state, prune)
+            return
+        try:
+            store.announce(state.global_state, run_id=state.run_id)
+        except TransportError as exc:
+            _LOG.warning(f"could not announce the new run ({exc}); publishing global 0 now")
+            publish_bootstrap(store, state, prune)
+            return
+        self.agreement.unpublished = list(prune)
+        _LOG.info(f"run {state.run_id} announced: global 0 is uploaded beside the first round")
+
     def _hand_over(self) -> None:
         """Give the local node a copy of the new global (the held one steps in place)."""
         self.agreement.handed = self.outer_step
@@ -479,6 +510,9 @@ class RoundMaster:
                 self.agreement.exchange_created = True
             if not self.agreement.reconciled:  # at start, and again after a failed publish
                 self.reconcile()
+            if self.agreement.unpublished is not None:  # the announced global 0, first
+                publish_bootstrap(self.store, self.state, self.agreement.unpublished)
+                self.agreement.unpublished = None
             scan = self.files.scan()
         except TransportError:
             if watch.blind_since is None:
@@ -784,6 +818,7 @@ class RoundMaster:
                 refused=self.refusals.refused,
                 update=stepped.update,
                 last_update=stepped.last,
+                mean_of_two=stepped.last is not None,
                 moments=moments,
                 moments_round=None if moments is None else fold.round,
             )
@@ -944,7 +979,15 @@ class RoundMaster:
         ``outer.finish``: the mean of the last globals, or a group leader first tells the top
         level that its group is done)."""
         changed = self.outer.finish(self.state)  # else the record alone marks the run final
-        publish(self.store, self.state, final=True, refused=self.refusals.refused, weights=changed)
+        two = changed and self.settings.outer.final_average == 2  # the mean of the last two
+        publish(
+            self.store,
+            self.state,
+            final=True,
+            refused=self.refusals.refused,
+            weights=changed,
+            mean_of_two=two,
+        )
         self._persist()
         # files refused after the last round are reported here, or they would never be counted
         self._emit("final_global", outer_step=self.outer_step, **self.refusals.report())
@@ -1023,11 +1066,20 @@ class LocalStep:
         self.files = files
 
     def agree(
-        self, store: Store, held: RoundState, *, trusted: bool, fresh: bool, new_run: NewRun
+        self,
+        store: Store,
+        held: RoundState,
+        *,
+        trusted: bool,
+        fresh: bool,
+        new_run: NewRun,
+        bootstrap: Bootstrap | None = None,
     ) -> tuple[RoundState, bool]:
         """:func:`~.ledger.reconcile`, then the record read (before it counts as agreed: a
         failed read agrees again at the next poll) to say whether this run ended."""
-        state = reconcile(store, held, trusted=trusted, fresh=fresh, new_run=new_run)
+        state = reconcile(
+            store, held, trusted=trusted, fresh=fresh, new_run=new_run, bootstrap=bootstrap
+        )
         meta = store.global_metadata()
         key = (state.run_id, state.outer_step)
         return state, meta is not None and meta.final and (meta.run_id, meta.outer_step) == key
