@@ -138,6 +138,18 @@ def beat_path(node_id: str) -> str:
     return f"nodes/{node_id}/beat.json"
 
 
+@dataclasses.dataclass(frozen=True)
+class Sends:
+    """What a publish was given of the weights (see :meth:`Store.publish_global`): the outer
+    ``update`` to the global, whether the ``weights`` are to be sent, the update that made
+    the last global (``last_update``) and whether the state is the mean of the last two."""
+
+    update: OuterUpdate | None
+    weights: bool
+    last_update: OuterUpdate | None
+    mean_of_two: bool
+
+
 def update_share(update: OuterUpdate, state: Mapping[str, torch.Tensor]) -> float:
     """The part of the model ``update`` changes, by values of its floating tensors (the ones
     an outer step moves): 1.0 for every one, about a quarter for one of 4 fragments; exact
@@ -687,17 +699,8 @@ class Store(Protocol):
                 files[path] = local
                 return digest
 
-            mean = None
-            if mean_of_two and made.final and update is None:
-                mean = self._mean_record(made, state, last_update, stage)
-            stale: list[str] = []
-            if mean is not None:
-                meta, covered = mean
-            else:
-                meta, stale, covered = self._weights(made, state, update, weights, stage)
-            if last_update is not None and update is None and meta.sha256 and not meta.chain:
-                sha = stage(update_path(meta.outer_step), last_update.write)
-                meta = dataclasses.replace(meta, mean_update=sha)
+            sends = Sends(update, weights, last_update, mean_of_two)
+            meta, stale, covered = self._weights(made, state, sends, stage)
             if moments is not None:
                 head = {"outer_step": str(made.outer_step)}
                 stage(GLOBAL_MOMENTS, lambda h: write_safetensors(h, moments, metadata=head))
@@ -713,13 +716,17 @@ class Store(Protocol):
         self,
         made: GlobalMetadata,
         state: Mapping[str, torch.Tensor],
-        update: OuterUpdate | None,
-        weights: bool,
+        sends: Sends,
         stage: Callable[[str, Callable[[BinaryIO], str]], str],
     ) -> tuple[GlobalMetadata, list[str], float]:
         """What a publish sends of global ``made`` (``stage(path, write)`` adds a file to the
         commit): its record, the update files it leaves without use (see publish_global) and
         how many models the updates after its weights file cover (:data:`FULL_GLOBAL_EVERY`)."""
+        update, weights, last_update = sends.update, sends.weights, sends.last_update
+        if sends.mean_of_two and made.final and update is None:
+            mean = self._mean_record(made, state, last_update, stage)
+            if mean is not None:
+                return mean[0], [], mean[1]
         last, step, run = self.published, made.outer_step, made.run_id
         covered = self.chain_models if last is not None else 0.0
         if last is not None and not weights and update is None and last.names(step, run):
@@ -740,6 +747,10 @@ class Store(Protocol):
         sha = stage(GLOBAL_MODEL, lambda h: write_safetensors(h, state, metadata=header))
         up = "" if update is None else stage(update_path(step), update.write)
         made = dataclasses.replace(made, sha256=sha, update_sha256=up)
+        if last_update is not None and update is None:  # beside a final mean of the last two
+            made = dataclasses.replace(
+                made, mean_update=stage(update_path(step), last_update.write)
+            )
         return made, self._stale_updates(last), 0.0
 
     def _mean_record(
