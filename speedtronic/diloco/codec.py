@@ -1132,13 +1132,13 @@ def read_update(
         if not floating or named != set(floating) | scales:
             raise ValueError("the update's keys do not match the global's floating tensors")
         result = dict(held.state)
-        for key in floating:  # codes (dtype, count, range) and scales (count, finite, bound)
-            value = held.state[key]
-            if fmt.bits is None:  # the new values themselves: the global's dtype and shape
-                result[key] = _exact_value(key, opened.get_tensor(key), value)
-                continue
-            decoded = fmt.read(key, opened.get_tensor, tuple(value.shape), MAX_DELTA_ABS)
-            result[key] = add_decoded(value, decoded)
+        if fmt.bits is None:  # the new values themselves: the global's shapes and dtypes
+            result.update(_exact_values(opened, {k: held.state[k] for k in floating}))
+        else:  # codes (dtype, count, range) and scales (count, finite, bound), as a delta's
+            for key in floating:
+                value = held.state[key]
+                decoded = fmt.read(key, opened.get_tensor, tuple(value.shape), MAX_DELTA_ABS)
+                result[key] = add_decoded(value, decoded)
     digest = state_digest(result)
     if digest != header.get("digest"):
         raise ValueError("the result differs from the master's global (digest)")
@@ -1148,12 +1148,14 @@ def read_update(
     return HeldGlobal(outer_step, run_id, digest, result)
 
 
-def _exact_value(key: str, value: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """An fp32 update's new ``value`` of tensor ``key``, which must have the global's dtype
-    and shape (``old``'s); else ``ValueError``."""
-    if value.dtype != old.dtype or tuple(value.shape) != tuple(old.shape):
-        raise ValueError(
-            f"the update's {key} is {value.dtype} {tuple(value.shape)}, the global's "
-            f"{old.dtype} {tuple(old.shape)}"
-        )
-    return value
+def _exact_values(
+    opened: SafetensorsFile, old: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """An fp32 update's new values of the tensors ``old`` names, read from ``opened``: each
+    with its old tensor's shape (:func:`check_like`) and dtype; else ``ValueError``."""
+    values = {key: opened.get_tensor(key) for key in old}
+    check_like(old, values, what="the update's values do not fit the global's tensors")
+    for key, value in values.items():
+        if value.dtype != old[key].dtype:
+            raise ValueError(f"the update's {key} is {value.dtype}, the global's {old[key].dtype}")
+    return values
