@@ -414,7 +414,9 @@ def test_a_worker_built_like_the_master_takes_its_first_global_from_its_own_weig
 
 
 @pytest.mark.parametrize("global_dtype", ["fp32", "int8"])
-def test_a_worker_built_like_the_master_starts_before_global_0_is_uploaded(tmp_path, global_dtype):
+def test_a_worker_built_like_the_master_starts_before_global_0_is_uploaded(
+    tmp_path, monkeypatch, global_dtype
+):
     """Issue 38: a master starting a run announces global 0 (``global/start.json``: its run
     id and the sha256 its weights file will have) and leaves the upload to its round thread,
     which publishes it before anything else; a fresh worker built alike takes its own
@@ -434,7 +436,15 @@ def test_a_worker_built_like_the_master_starts_before_global_0_is_uploaded(tmp_p
     assert _same(candidate.state, master)
     other = _link(tmp_path, t, master, "b")
     other.like["w"].mul_(2.0)  # built from another seed: not its global
-    assert other._announced("") is None
+    other._start = other.like  # as while it looks for its first global
+    hashed = []
+    sha = codec.safetensors_sha256
+    monkeypatch.setattr(
+        codec, "safetensors_sha256", lambda *a, **k: hashed.append(1) or sha(*a, **k)
+    )
+    assert other._announced("") is None and other._announced("") is None
+    assert len(hashed) == 1  # polled again while it waits: the announcement is not hashed again
+    other._start = None
     assert master.poll_once() is False  # the round thread: global 0 first
     record = t.global_metadata()
     assert (record.outer_step, record.run_id, record.sha256) == (0, master.run_id, announced.sha256)

@@ -128,6 +128,7 @@ class NodeLink:
         # a fresh worker's own starting weights while it looks for its first global: the
         # master's first global is them byte for byte when built alike (same seed and model)
         self._start: Mapping[str, torch.Tensor] | None = None
+        self._not_own = ""  # sha256 of an announced global 0 that is not this node's weights
         self._beats, self._beat_failing = 0, False  # liveness beats sent; the last one failed
         # the Hub's beat: the round seen waited for at the last look, the round beaten
         self._waited: int | None = None
@@ -669,10 +670,13 @@ class NodeLink:
         except TransportError as exc:
             self.raise_if_permanent(exc, "cannot read from the exchange")
             return None
-        if record is None or record.run_id == old_run:
+        if record is None or record.run_id == old_run or record.sha256 == self._not_own:
             return None
         own = self._own_start(record)
-        return None if own is None else self._fetched(record, own, time.perf_counter(), "own")
+        if own is None:  # another seed or model: this announcement is not hashed again
+            self._not_own = record.sha256
+            return None
+        return self._fetched(record, own, time.perf_counter(), "own")
 
     def _wait_for_global(self, seen: tuple[int, str]) -> tuple[GlobalCandidate | None, float]:
         """Poll (at most ``round_timeout``, interruptible) for a published global other than
