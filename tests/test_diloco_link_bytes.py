@@ -173,6 +173,7 @@ def test_a_contribution_is_copied_in_the_poll_that_lists_it_and_folded_from_the_
     reads = Downloads(t)
     deliver(t, "a", 0, [2.0, 0.0])
     assert master.poll_once() is False  # b is still training: a's file is read now
+    assert master.files.settled(10)  # on the fetch thread
     assert reads.paths == ["nodes/a/delta_0.safetensors"]
     assert (tmp_path / "state/fetched/nodes/a/delta_0.safetensors").is_file()
     deliver(t, "b", 0, [4.0, 2.0])
@@ -180,6 +181,78 @@ def test_a_contribution_is_copied_in_the_poll_that_lists_it_and_folded_from_the_
     assert sorted(reads.paths) == ["nodes/a/delta_0.safetensors", "nodes/b/delta_0.safetensors"]
     assert t.read_global()["w"].tolist() == [-3.0, -1.0]
     assert not (tmp_path / "state/fetched").exists()  # at most the open round's files
+
+
+class GatedDownloads(Downloads):
+    """Downloads that wait for :attr:`gate` (a slow link), counted as they start."""
+
+    def __init__(self, t):
+        super().__init__(t)
+        self.gate, counted = threading.Event(), t.local_copy
+
+        def gated(path, max_bytes=None):
+            assert self.gate.wait(10)
+            return counted(path, max_bytes)
+
+        t.local_copy = gated
+
+
+def test_the_round_thread_folds_while_a_download_is_under_way_and_waits_only_for_its_file(
+    tmp_path,
+):
+    master, t, _log = make_master(tmp_path)
+    join(t, "a")
+    join(t, "b")
+    master.poll_once()
+    reads = GatedDownloads(t)
+    deliver(t, "a", 0, [2.0, 0.0])
+    assert master.poll_once() is False  # returns with a's download still under way
+    assert not master.files.settled(0.2)
+    deliver(t, "b", 0, [4.0, 2.0])
+    threading.Timer(0.3, reads.gate.set).start()  # the slow link delivers a's file later
+    assert master.poll_once() is True  # the fold waits for a's copy, reads b's itself
+    assert sorted(reads.paths) == ["nodes/a/delta_0.safetensors", "nodes/b/delta_0.safetensors"]
+    assert t.read_global()["w"].tolist() == [-3.0, -1.0]
+    assert master.files.settled(10) and not (tmp_path / "state/fetched").exists()
+
+
+def test_a_later_rounds_file_is_copied_while_the_open_round_waits_and_read_once(tmp_path):
+    master, t, _log = make_master(tmp_path, sync="overlapped", overlap_steps=5)
+    join(t, "a")
+    join(t, "b")
+    master.poll_once()
+    reads = Downloads(t)
+    deliver(t, "a", 0, [2.0, 0.0])
+    deliver(t, "a", 1, [2.0, 2.0])  # overlapped: a sent its next round before round 0 closed
+    assert master.poll_once() is False and master.files.settled(10)
+    assert reads.paths == ["nodes/a/delta_0.safetensors", "nodes/a/delta_1.safetensors"]
+    deliver(t, "b", 0, [4.0, 2.0])
+    assert master.poll_once() is True and master.files.settled(10)
+    fetched = tmp_path / "state/fetched/nodes"
+    assert [p.name for p in (fetched / "a").iterdir()] == ["delta_1.safetensors"]  # kept
+    deliver(t, "b", 1, [0.0, 2.0])
+    assert master.poll_once() is True and master.files.settled(10)
+    assert sorted(reads.paths) == [
+        *[f"nodes/{n}/delta_{r}.safetensors" for n in "ab" for r in (0, 1)]
+    ]  # a's round-1 file once, ahead of its round
+    assert t.read_global()["w"].tolist() == [-4.0, -3.0]
+    assert not (tmp_path / "state/fetched").exists()
+
+
+@pytest.mark.parametrize("sync, trims", [("blocking", True), ("overlapped", False)])
+def test_a_round_beside_training_leaves_the_heap_alone(tmp_path, monkeypatch, sync, trims):
+    """glibc's trim takes the training thread's free pages too: not while it trains."""
+    calls: list[int] = []
+    monkeypatch.setattr(codec, "_malloc_trim", lambda: calls.append)
+    master, t, _log = make_master(tmp_path, sync=sync)
+    join(t, "a")
+    join(t, "b")
+    master.poll_once()
+    deliver(t, "a", 0, [2.0, 0.0])
+    deliver(t, "b", 0, [4.0, 2.0])
+    assert master.poll_once() is True
+    assert t.read_global()["w"].tolist() == [-3.0, -1.0]
+    assert (len(calls) >= 2) is trims and set(calls) <= {0}  # after each file, after the round
 
 
 def test_a_damaged_copy_is_refused_and_a_restart_reads_the_exchange_again(tmp_path):
@@ -192,11 +265,13 @@ def test_a_damaged_copy_is_refused_and_a_restart_reads_the_exchange_again(tmp_pa
     fetched = tmp_path / "state/fetched/nodes"
     master.files.scan()
     master.files.prefetch({"a": {0: "nodes/a/delta_0.safetensors"}}, master.max_delta_bytes)
+    assert master.files.settled(10)
     assert (fetched / "a/delta_0.safetensors").is_file()
     master = _again(master, t, None)  # a restart empties the copies: the exchange is read again
     assert not fetched.exists()
     master.files.scan()
     master.files.prefetch({"b": {0: "nodes/b/delta_0.safetensors"}}, master.max_delta_bytes)
+    assert master.files.settled(10)
     copy = fetched / "b/delta_0.safetensors"
     data = bytearray(copy.read_bytes())
     data[-3] ^= 0xFF  # the copy on this disk changed after it was read

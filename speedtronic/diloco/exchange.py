@@ -216,6 +216,11 @@ class RoundRules:
     overlap_steps: int = 0  # steps from a contribution to its global's merge (0: blocking)
 
     @property
+    def beside_training(self) -> bool:
+        """Rounds run while the nodes train (``sync: overlapped``)."""
+        return self.sync == "overlapped"
+
+    @property
     def round_steps(self) -> int:
         """Local steps per round: ``inner_steps / fragments``."""
         return self.inner_steps // self.fragments

@@ -11,13 +11,11 @@ same commit publishes with the weights).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
 import os
 import secrets
-import shutil
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from datetime import datetime, timezone
@@ -36,13 +34,11 @@ from speedtronic.diloco.exchange import (
     GLOBAL_PROCESSED,
     Emit,
     ExchangeError,
-    FileInfo,
     GlobalMetadata,
     RepoScan,
     Store,
     beat_path,
     max_global_bytes,
-    too_large,
 )
 from speedtronic.retry import HubUnavailable, TransportError
 
@@ -50,7 +46,6 @@ __all__ = [
     "IDENTITY_HEADERS",
     "META",
     "OUTER_CHUNK",
-    "ContributionFiles",
     "NesterovOuterOptimizer",
     "NodeView",
     "OuterStateStore",
@@ -779,97 +774,6 @@ def _number(value: object) -> float | None:
 def _json_map(text: str, kind: Callable[[Any], V]) -> dict[str, V]:
     """A JSON object of the header, its keys as strings and its values as ``kind``."""
     return {str(k): kind(v) for k, v in json.loads(text).items()}
-
-
-class ContributionFiles:
-    """Where the master reads contributions from: its own disk. ``own`` (a store under its
-    ``state_dir``) holds its own node's files, handed over on this host and never through the
-    exchange (the only copy: pruned only after the publish that consumed it landed); ``fetched/``
-    holds copies of the other nodes' files, downloaded in the first poll that lists them, so the
-    transfers overlap the round instead of following it. ``fetched/`` is emptied at start (a
-    restarted master reads the exchange again) and holds at most the open round's files; a file
-    the exchange refused on download is refused again at the fold, without a second download."""
-
-    def __init__(self, store: Store, own: Store | None, state_dir: str | os.PathLike[str]):
-        self.store, self.own = store, own
-        self.folder = Path(state_dir) / "fetched"
-        shutil.rmtree(self.folder, ignore_errors=True)
-        self.listed: dict[str, FileInfo] = {}  # the last listing, own files included
-        self.local: set[str] = set()  # the paths ``own`` holds
-        # path -> (its listed version, the local copy or why the exchange refused it)
-        self.copies: dict[str, tuple[str | None, Path | TransportError]] = {}
-
-    def scan(self) -> RepoScan:
-        """The exchange's listing, with the own node's files added."""
-        scan = self.store.scan()
-        if self.own is not None:
-            mine = self.own.scan()
-            self.local = {path for files in mine.deltas.values() for path in files.values()}
-            for node_id, files in mine.deltas.items():
-                scan.deltas.setdefault(node_id, {}).update(files)
-            scan.files.update({path: mine.files[path] for path in self.local})
-        self.listed = scan.files
-        return scan
-
-    def _held(self, path: str) -> Path | TransportError | None:
-        """The copy of ``path`` (or its refusal) for its listed version, if any."""
-        info, held = self.listed.get(path), self.copies.get(path)
-        same = held is not None and info is not None and held[0] == info.version
-        return held[1] if held is not None and same else None
-
-    def prefetch(self, candidates: Mapping[str, Mapping[int, str]], max_bytes: int) -> None:
-        """Copy every candidate the exchange holds here (once per listed version); copies of
-        files no longer candidates go. An outage or a vanished file leaves it to the fold."""
-        wanted = {path for files in candidates.values() for path in files.values()} - self.local
-        self.release(set(self.copies) - wanted)
-        for path in sorted(p for p in wanted if self._held(p) is None):
-            version, target = self.listed[path].version, self.folder / path
-            try:
-                with self.store.local_copy(path, max_bytes=max_bytes) as source:
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copyfile(source, target)
-                self.copies[path] = (version, target)
-            except TransportError as exc:
-                if exc.kind == "permanent":  # refused at the fold, as it would be read there
-                    self.copies[path] = (version, exc)
-            except OSError as exc:  # this disk: the fold reads the exchange's file
-                _LOG.warning(f"could not keep a copy of {path} ({exc}); read at the fold")
-
-    @contextlib.contextmanager
-    def open(self, path: str, max_bytes: int) -> Iterator[Path]:
-        """A local file with the bytes of ``path`` (at most ``max_bytes``, checked on it): the
-        own node's, the copy of its listed version, or one read from the exchange now."""
-        held = self._held(path)
-        if isinstance(held, TransportError):
-            raise held
-        if path in self.local and self.own is not None:
-            source: contextlib.AbstractContextManager[Path] = self.own.local_copy(path, max_bytes)
-        elif held is not None:
-            if held.stat().st_size > max_bytes:
-                raise too_large(path, held.stat().st_size, max_bytes)
-            source = contextlib.nullcontext(held)
-        else:
-            source = self.store.local_copy(path, max_bytes)
-        with source as local:
-            yield local
-
-    def remote(self, paths: Iterable[str]) -> list[str]:
-        """The ``paths`` the exchange holds (the rest are the own node's, on this disk)."""
-        return sorted(set(paths) - self.local)
-
-    def release(self, paths: Iterable[str]) -> None:
-        """``paths`` are consumed, refused or no longer wanted: their copies go, and the own
-        node's files from this disk (the publish that prunes them landed)."""
-        paths = set(paths)
-        for path in paths:
-            held = self.copies.pop(path, (None, None))[1]
-            if isinstance(held, Path):
-                held.unlink(missing_ok=True)
-        if not self.copies:  # between rounds the folder is gone
-            shutil.rmtree(self.folder, ignore_errors=True)
-        if self.own is not None and paths & self.local:
-            self.own.prune(sorted(paths & self.local))
-            self.local -= paths
 
 
 # -- the outer step --------------------------------------------------------------------

@@ -42,6 +42,7 @@ from speedtronic.diloco.codec import (
     quantize,
     state_digest,
 )
+from speedtronic.diloco.contributions import ContributionFiles
 from speedtronic.diloco.exchange import (
     Emit,
     ExchangeError,
@@ -56,7 +57,6 @@ from speedtronic.diloco.exchange import (
 from speedtronic.diloco.ledger import (
     META,
     Bootstrap,
-    ContributionFiles,
     NesterovOuterOptimizer,
     NodeView,
     OuterStateStore,
@@ -329,9 +329,9 @@ class RoundMaster:
     ``on_final`` runs once after the final global was published; ``outer`` is how a round's
     mean becomes the next global (:class:`LocalStep` by default; :class:`RelayStep` makes this
     master a group leader); ``own`` is the store on this host its own node hands its
-    contributions to (:class:`~.ledger.ContributionFiles`). ``last_progress``: the ``clock()``
-    time of the last sign that the run moves (the coordinator bounds its wait for the final
-    global from it).
+    contributions to (:class:`~.contributions.ContributionFiles`). ``last_progress``: the
+    ``clock()`` time of the last sign that the run moves (the coordinator bounds its wait for
+    the final global from it).
 
     A poll sorts the exchange's files and closes the open round when it is due: fold (the
     valid files into the round's mean) -> outer step (``outer``) -> publish (one commit, the
@@ -526,7 +526,8 @@ class RoundMaster:
         if self.roster.refresh(scan, now, self.state):
             watch.last_progress = now
         candidates = self._sort_contributions(scan, now)
-        self.files.prefetch(candidates, self.max_delta_bytes)  # while the others still send
+        ahead = self._sent_ahead(scan)  # copied too, while this round closes
+        self.files.prefetch(candidates, self.max_delta_bytes, ahead)  # beside the round
         seen = {path for files in candidates.values() for path in files.values()}
         if seen - watch.seen:  # a contribution not seen before
             watch.last_progress = now
@@ -584,6 +585,23 @@ class RoundMaster:
                         self.watch.first_arrival = now  # a late file must not shorten the wait
                     self.roster.heard(node_id, now, self.state)
         return candidates
+
+    def _sent_ahead(self, scan: RepoScan) -> list[str]:
+        """The files of rounds after the open one the listing shows (``sync: overlapped``
+        keeps up to ``overlap_steps / round_steps`` + 1 rounds in flight), by round: they
+        are copied while the open round closes, and folded from the copy when theirs does."""
+        rules, opened = self.settings.rules, self.outer_step
+        last = opened + rules.overlap_steps // max(rules.round_steps, 1) + 1
+        later = [
+            (round, path)
+            for node_id, files in scan.deltas.items()
+            for round, path in files.items()
+            if opened < round <= last
+            and round > self.ledger.get(node_id, -1)
+            and path not in self.refusals.prune
+            and (scan.size(path) or 0) <= self.max_delta_bytes
+        ]
+        return [path for _, path in sorted(later)]
 
     @property
     def silence_limit(self) -> float:
@@ -753,7 +771,9 @@ class RoundMaster:
         fold = Fold(self.outer_step, total)
         for node_id in sorted(candidates):
             self._fold_node(node_id, candidates[node_id], fold)
-            codec.return_free_memory()  # the file's temporaries, before the next file's
+            codec.return_free_memory(
+                beside_training=self.settings.rules.beside_training
+            )  # the file's temporaries, before the next file's
         if not fold.marks:
             return None
         # the mean of each tensor the files held (streamed: a fragment's; else every one)
@@ -846,7 +866,7 @@ class RoundMaster:
         new.round_seconds = length if not average else (0.7 * average + 0.3 * length)
         self.refusals.prune.clear()
         self._persist()
-        codec.return_free_memory()
+        codec.return_free_memory(beside_training=self.settings.rules.beside_training)
         watch.first_arrival = None
         self.refusals.reset()
         self._emit(
