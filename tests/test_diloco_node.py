@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import pytest
 import torch
@@ -309,13 +310,67 @@ def test_fragments_send_one_part_per_round_and_every_part_at_the_end():
     # round 0's fragment: 2 steps; round 1's: 4 steps (since the start)
     assert all(v.flatten().tolist() == [-2.0] * v.numel() for v in rec.sent[0].delta.values())
     assert all(v.flatten().tolist() == [-4.0] * v.numel() for v in rec.sent[1].delta.values())
-    add_all(model, 1.0)
+    add_all(model, 1.0)  # a step that is no round's: the run ends inside round 2
+    node.after_optimizer_step()
     node.finish()
     last = rec.sent[-1]
     assert last.final and sorted(last.delta) == sorted(model.state_dict())
     for key, value in last.delta.items():  # fragment 0: 3 steps since round 0; 1: 1 step
         want = -3.0 if key in node.fragments[0] else -1.0
         assert value.flatten().tolist() == [want] * value.numel(), key
+
+
+def test_a_run_that_ends_on_a_fragments_round_leaves_that_fragment_out_of_the_final():
+    """The final contribution of a run that ends on a round boundary holds every tensor but
+    the fragment that round just synced (nothing trained since): 1/N of its bytes fewer."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2, bias=False), torch.nn.Linear(2, 1))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    node, rec, model = make_node(model=model, inner=4, fragments=2, overlap=None)
+    rec.on_send = master_for_state(node)
+    offer_state(node, 0, {k: torch.zeros_like(v) for k, v in model.state_dict().items()})
+    node.merge_waiting()
+    for _ in range(4):  # rounds 0 and 1: the run ends on round 1's step
+        add_all(model, 1.0)
+        node.after_optimizer_step()
+    node.finish()
+    last = rec.sent[-1]
+    assert last.final and sorted(last.delta) == sorted(node.fragments[0]), sorted(last.delta)
+    for key, value in last.delta.items():  # fragment 0: 2 steps since round 0
+        assert value.flatten().tolist() == [-2.0] * value.numel(), key
+    held = model.state_dict()  # the final global, from both fragments' last rounds
+    assert all(v.flatten().tolist() == [4.0] * v.numel() for v in held.values())
+
+
+def test_an_overlapped_final_contribution_does_not_wait_for_the_globals_in_flight():
+    """The final contribution carries each tensor's progress since its last contribution, so
+    a round still in flight at the end is not waited for: its global, late here, never holds
+    the final upload up, and the final global replaces everything the node holds."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2, bias=False), torch.nn.Linear(2, 1))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    node, rec, model = make_node(
+        model=model, sync="overlapped", inner=4, fragments=2, overlap=3, timeout=5.0
+    )
+    publish = master_for_state(node)
+    rec.on_send = lambda job: None if job.round == 1 else publish(job)  # round 1: in flight
+    offer_state(node, 0, {k: torch.zeros_like(v) for k, v in model.state_dict().items()})
+    node.merge_waiting()
+    for _ in range(5):  # round 0 at step 2 (merged at 5), round 1 at step 4 (its global late)
+        add_all(model, 1.0)
+        node.after_optimizer_step()
+    started = time.monotonic()
+    node.finish()
+    assert time.monotonic() - started < 2.0  # not the 5 s a wait for global 2 would take
+    last = rec.sent[-1]
+    assert last.final and [j.round for j in rec.sent] == [0, 1, 2]
+    assert sorted(last.delta) == sorted(model.state_dict())  # step 5 is no round's step
+    for key, value in last.delta.items():  # fragment 0: 3 steps since round 0; 1: 1 step
+        want = -3.0 if key in node.fragments[0] else -1.0
+        assert value.flatten().tolist() == [want] * value.numel(), key
+    assert not node.rounds.merges and node.rounds.installed == 3
 
 
 def test_fragments_keep_two_rounds_in_flight_and_merge_each_fragment_at_its_step():

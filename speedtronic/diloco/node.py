@@ -179,17 +179,16 @@ class DiLoCoNode:
             merged = self._boundary(final=False) or merged
         return merged
 
-    def _merge_now(self, *, every: bool = False) -> bool:
-        """Merge what is due at this step (``every``: all that is scheduled, before a final
-        contribution): the global of each contribution at its scheduled step (``sync:
-        overlapped``: ``overlap_steps`` after the upload; held until then, awaited then),
-        else a waiting newer global once the node contributed for its base. True when a
-        global was merged."""
+    def _merge_now(self) -> bool:
+        """Merge what is due at this step: the global of each contribution at its scheduled
+        step (``sync: overlapped``: ``overlap_steps`` after the upload; held until then,
+        awaited then), else a waiting newer global once the node contributed for its base.
+        True when a global was merged."""
         merges = self.rounds.merges
         if not merges:
             return self.merge_waiting() if self.may_merge() else False
         merged = False
-        while merges and (every or merges[0].step <= self.step):
+        while merges and merges[0].step <= self.step:
             merged = self._merge_scheduled(merges.pop(0)) or merged
         return merged
 
@@ -233,6 +232,16 @@ class DiLoCoNode:
             return None
         return self.fragments[round_number % len(self.fragments)]
 
+    def _final_keys(self) -> tuple[str, ...] | None:
+        """The tensors of a final contribution: every one (None), but with fragments those
+        of a round taken at this very step, whose upload arrived: nothing was trained since
+        (what that upload's encoding left out goes, as a run's last residual always does)."""
+        last = self.rounds.last_round
+        if self.fragments is None or self.inner or self.progress.carry is not None:
+            return None
+        synced = set(self._fragment(last) or ()) if last is not None else set()
+        return tuple(key for key in self.progress.anchor if key not in synced)
+
     def _raise_fatal(self) -> None:
         """An upload failed permanently (auth refused, path not writable): stop the node."""
         if isinstance(self.fatal, ConfigError):  # e.g. a node id collision
@@ -249,15 +258,17 @@ class DiLoCoNode:
     def _boundary(self, *, final: bool) -> bool:
         """Take and upload this round's contribution; wait for its global when blocking."""
         begun = time.monotonic()
-        merged = self._merge_now(every=final)  # due by now, or all before the final one
-        previous = self._global_before_sending()
+        merged = self._merge_now()  # due by now
+        if final:  # the globals still in flight are not waited for: the final contribution
+            self.rounds.merges.clear()  # carries each tensor's progress since its last one
+        previous = None if final else self._global_before_sending()
         if previous is not None:
             merged = self._await_global(previous, self.settings.rules.round_timeout) or merged
         self.uploads.drain()
         # a round is used up only by an upload that arrived (see _upload): carried progress
         # goes out under the same round, so an outage never pushes rounds past the master's
         this_round = self.rounds.next_round()
-        keys = None if final else self._fragment(this_round)
+        keys = self._final_keys() if final else self._fragment(this_round)
         with self._lock:
             delta, self.progress.anchor = self._take_contribution(keys)
             self.inner = 0
@@ -367,7 +378,9 @@ class DiLoCoNode:
             names = [k[len(codec.MOMENT_PREFIX) :] for k in job.delta or () if codec.is_moment(k)]
             if names:
                 self.rounds.moments_sent = SentMoments(job.round, frozenset(names))
-        codec.return_free_memory()  # the encoder's and the writer's slices
+        codec.return_free_memory(
+            beside_training=self.settings.rules.beside_training
+        )  # the encoder's and the writer's slices
         if job.delta is not None:
             self._emit(
                 "delta_uploaded",
@@ -505,7 +518,9 @@ class DiLoCoNode:
             self.rounds.installed = candidate.outer_step
             self.rounds.run_id = candidate.run_id or self.rounds.run_id
             self.end.final_seen = self.end.final_seen or candidate.final
-        codec.return_free_memory()  # the download's and the slices' pages
+        codec.return_free_memory(
+            beside_training=self.settings.rules.beside_training
+        )  # the download's and the slices' pages
         if self.settings.rules.reset_inner_optimizer and self.optimizer is not None:
             self.optimizer.state.clear()
         sent, moments = self.rounds.moments_sent, candidate.moments

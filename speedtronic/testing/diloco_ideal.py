@@ -206,8 +206,8 @@ def simulate(
     merges: list[tuple[int, tuple[str, ...] | None]] = []  # overlapped: (step, tensors)
     for r in range(plan.rounds):
         target, keys, last = plan.target(r), plan.keys(r), r + 1 == plan.rounds
-        due = [m for m in merges if m[0] <= target or last]  # the final one: all before it
-        merges = [m for m in merges if m not in due]
+        due = [m for m in merges if m[0] <= target]  # the rest: in flight at the final one
+        merges = [] if last else [m for m in merges if m not in due]  # which carries them
         mean: State = {}
         tally = NormTally()
         for node_id, node in zip(ids, nodes, strict=True):
@@ -271,25 +271,29 @@ class _Plan:
     """The rounds of a run: ``round_steps`` = ``inner_steps / fragments`` steps each (the
     last shorter when the run is not a multiple), round ``r`` syncing fragment
     ``r % fragments`` (``parts``; None: every tensor) and, with fragments, one more round
-    at the end syncing every tensor (a node's final contribution); an overlapped node merges
-    a round's global ``overlap_steps`` after its contribution (0: blocking, at once), the
-    tensors the round synced."""
+    at the end syncing every tensor but the fragment just synced (a node's final
+    contribution, its tensors in the model's ``order``); an overlapped node merges a round's
+    global ``overlap_steps`` after its contribution (0: blocking, at once), the tensors the
+    round synced."""
 
     total_steps: int
     round_steps: int
     overlap_steps: int
     parts: list[tuple[str, ...]] | None
+    order: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, s: DistributedConfig, total_steps: int, model: torch.nn.Module) -> _Plan:
         """The plan of ``s`` for a run of ``total_steps`` steps of ``model``."""
         rules = RoundSettings.of(s).rules  # the nodes' own reading of the section
-        parts = fragments_of(model.state_dict(), s.fragments) if s.fragments > 1 else None
-        return cls(total_steps, rules.round_steps, rules.overlap_steps, parts)
+        state = model.state_dict()
+        parts = fragments_of(state, s.fragments) if s.fragments > 1 else None
+        order = tuple(key for key, value in state.items() if value.is_floating_point())
+        return cls(total_steps, rules.round_steps, rules.overlap_steps, parts, order)
 
     @property
     def rounds(self) -> int:
-        """Rounds of training, plus the final round of every tensor with fragments."""
+        """Rounds of training, plus the final round with fragments."""
         trained = math.ceil(self.total_steps / self.round_steps)
         extra = self.parts is not None and self.total_steps % self.round_steps == 0
         return trained + int(extra)
@@ -299,10 +303,14 @@ class _Plan:
         return min((r + 1) * self.round_steps, self.total_steps)
 
     def keys(self, r: int) -> tuple[str, ...] | None:
-        """The tensors round ``r`` syncs (None: every one)."""
-        if self.parts is None or r + 1 == self.rounds:
+        """The tensors round ``r`` syncs (None: every one); the final round of a run with
+        fragments: every one but the fragment the round before synced at the same step."""
+        if self.parts is None:
             return None
-        return self.parts[r % len(self.parts)]
+        if r + 1 < self.rounds:
+            return self.parts[r % len(self.parts)]
+        synced = set(self.parts[(r - 1) % len(self.parts)])
+        return tuple(key for key in self.order if key not in synced)
 
 
 class _Node:
