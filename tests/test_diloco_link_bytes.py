@@ -239,6 +239,21 @@ def test_a_later_rounds_file_is_copied_while_the_open_round_waits_and_read_once(
     assert not (tmp_path / "state/fetched").exists()
 
 
+def test_the_fetch_thread_starts_again_for_every_file_listed_after_it_ended(tmp_path):
+    """The fetch thread ends when nothing is left to copy; a file listed at any moment after
+    is copied by a new one (none is left waiting for a thread that is on its way out)."""
+    master, t, _log = make_master(tmp_path)
+    join(t, "a")
+    master.poll_once()
+    files = master.files
+    for r in range(30):
+        deliver(t, "a", r, [1.0, 0.0])
+        files.scan()
+        files.prefetch({"a": {r: f"nodes/a/delta_{r}.safetensors"}}, master.max_delta_bytes)
+        assert files.settled(5), r
+        assert (tmp_path / f"state/fetched/nodes/a/delta_{r}.safetensors").is_file(), r
+
+
 @pytest.mark.parametrize("sync, trims", [("blocking", True), ("overlapped", False)])
 def test_a_round_beside_training_leaves_the_heap_alone(tmp_path, monkeypatch, sync, trims):
     """glibc's trim takes the training thread's free pages too: not while it trains."""

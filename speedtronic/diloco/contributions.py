@@ -53,7 +53,7 @@ class ContributionFiles:
         self._busy: str | None = None  # the path being copied now
         self._busy_released = False  # consumed or unwanted while being copied: it goes
         self._max_bytes = 0
-        self._thread: threading.Thread | None = None
+        self._fetching = False  # a fetch thread runs and will look at ``_wanted`` again
 
     def scan(self) -> RepoScan:
         """The exchange's listing, with the own node's files added."""
@@ -93,19 +93,19 @@ class ContributionFiles:
                 if p in self.listed and self._held(p) is None and p != self._busy
             }
             self._max_bytes = max_bytes
-            if self._wanted and (self._thread is None or not self._thread.is_alive()):
-                self._thread = threading.Thread(
+            if self._wanted and not self._fetching:
+                self._fetching = True
+                threading.Thread(
                     target=self._fetch_all, name="speedtronic-diloco-fetch", daemon=True
-                )
-                self._thread.start()
+                ).start()
             self._cond.notify_all()
 
     def _fetch_all(self) -> None:
         """The fetch thread: copy the wanted files one by one until none is left."""
         while True:
             with self._cond:
-                if not self._wanted:
-                    self._busy = None
+                if not self._wanted:  # decided under the lock: a later prefetch starts anew
+                    self._busy, self._fetching = None, False
                     self._cond.notify_all()
                     return
                 path, version = next(iter(self._wanted.items()))
