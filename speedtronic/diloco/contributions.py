@@ -3,7 +3,7 @@
 :class:`ContributionFiles` holds the own node's files (handed over on the master's host, never
 through the exchange) and copies of the other nodes' files, downloaded on a thread of their
 own as soon as a listing shows them: the files of the open round first, then those of the
-rounds after it that nodes already sent (``sync: overlapped`` keeps several in flight). The
+round after it that nodes already sent (``sync: overlapped`` keeps several in flight). The
 round thread folds from the copies; it never waits on a download that could have run while it
 folded and published the round before (on a slow link that wait was the whole round: one
 thread downloading, folding and uploading in turn).
@@ -37,7 +37,7 @@ class ContributionFiles:
     version on the ``speedtronic-diloco-fetch`` thread (started when there is something to
     copy, ended when there is nothing left), so the transfers overlap the rounds instead of
     following them. ``fetched/`` is emptied at start (a restarted master reads the exchange
-    again) and holds the files of the open round and of the rounds already sent after it; a
+    again) and holds the files of the open round and of the next one, as far as sent; a
     file the exchange refused on download is refused again at the fold, without a second
     download."""
 
@@ -80,7 +80,7 @@ class ContributionFiles:
         ahead: Sequence[str] = (),
     ) -> None:
         """Have every file of ``candidates`` (the open round's and older), then of ``ahead``
-        (later rounds, in order) copied here, once per listed version, on the fetch thread;
+        (the next round's) copied here, once per listed version, on the fetch thread;
         copies of files no longer wanted go. Returns at once: an outage or a vanished file
         leaves the file to the fold, which reads the exchange itself."""
         order = [path for files in candidates.values() for path in files.values()]

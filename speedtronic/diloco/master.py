@@ -587,21 +587,20 @@ class RoundMaster:
         return candidates
 
     def _sent_ahead(self, scan: RepoScan) -> list[str]:
-        """The files of rounds after the open one the listing shows (``sync: overlapped``
-        keeps up to ``overlap_steps / round_steps`` + 1 rounds in flight), by round: they
-        are copied while the open round closes, and folded from the copy when theirs does."""
-        rules, opened = self.settings.rules, self.outer_step
-        last = opened + rules.overlap_steps // max(rules.round_steps, 1) + 1
-        later = [
-            (round, path)
+        """The files of the round after the open one the listing shows (``sync: overlapped``
+        keeps several rounds in flight): copied while the open round closes, and folded from
+        the copy when theirs does. One round ahead keeps the download going while the round
+        thread works, and ``fetched/`` within two rounds' files."""
+        opened = self.outer_step
+        return sorted(
+            path
             for node_id, files in scan.deltas.items()
             for round, path in files.items()
-            if opened < round <= last
+            if round == opened + 1
             and round > self.ledger.get(node_id, -1)
             and path not in self.refusals.prune
             and (scan.size(path) or 0) <= self.max_delta_bytes
-        ]
-        return [path for _, path in sorted(later)]
+        )
 
     @property
     def silence_limit(self) -> float:
