@@ -16,7 +16,7 @@ import torch
 from hub_emulator_fixtures import fast_retry
 from test_diloco_global_update import _link, _state
 from test_diloco_global_update import _round as round_of
-from test_diloco_master import Log, deliver, join, make_master
+from test_diloco_master import Log, bootstrap, deliver, join, make_master
 
 from speedtronic.diloco import codec
 from speedtronic.diloco import exchange as T
@@ -167,9 +167,7 @@ class Downloads:
 
 def test_a_contribution_is_copied_in_the_poll_that_lists_it_and_folded_from_the_copy(tmp_path):
     master, t, _log = make_master(tmp_path)
-    join(t, "a")
-    join(t, "b")
-    master.poll_once()
+    bootstrap(master, t, "a", "b")
     reads = Downloads(t)
     deliver(t, "a", 0, [2.0, 0.0])
     assert master.poll_once() is False  # b is still training: a's file is read now
@@ -201,9 +199,7 @@ def test_the_round_thread_folds_while_a_download_is_under_way_and_waits_only_for
     tmp_path,
 ):
     master, t, _log = make_master(tmp_path)
-    join(t, "a")
-    join(t, "b")
-    master.poll_once()
+    bootstrap(master, t, "a", "b")
     reads = GatedDownloads(t)
     deliver(t, "a", 0, [2.0, 0.0])
     assert master.poll_once() is False  # returns with a's download still under way
@@ -218,9 +214,7 @@ def test_the_round_thread_folds_while_a_download_is_under_way_and_waits_only_for
 
 def test_a_later_rounds_file_is_copied_while_the_open_round_waits_and_read_once(tmp_path):
     master, t, _log = make_master(tmp_path, sync="overlapped", overlap_steps=5)
-    join(t, "a")
-    join(t, "b")
-    master.poll_once()
+    bootstrap(master, t, "a", "b")
     reads = Downloads(t)
     deliver(t, "a", 0, [2.0, 0.0])
     deliver(t, "a", 1, [2.0, 2.0])  # overlapped: a sent its next round before round 0 closed
@@ -243,8 +237,7 @@ def test_the_fetch_thread_starts_again_for_every_file_listed_after_it_ended(tmp_
     """The fetch thread ends when nothing is left to copy; a file listed at any moment after
     is copied by a new one (none is left waiting for a thread that is on its way out)."""
     master, t, _log = make_master(tmp_path)
-    join(t, "a")
-    master.poll_once()
+    bootstrap(master, t, "a")
     files = master.files
     for r in range(30):
         deliver(t, "a", r, [1.0, 0.0])
@@ -260,9 +253,7 @@ def test_a_round_beside_training_leaves_the_heap_alone(tmp_path, monkeypatch, sy
     calls: list[int] = []
     monkeypatch.setattr(codec, "_malloc_trim", lambda: calls.append)
     master, t, _log = make_master(tmp_path, sync=sync)
-    join(t, "a")
-    join(t, "b")
-    master.poll_once()
+    bootstrap(master, t, "a", "b")
     deliver(t, "a", 0, [2.0, 0.0])
     deliver(t, "b", 0, [4.0, 2.0])
     assert master.poll_once() is True
@@ -272,9 +263,7 @@ def test_a_round_beside_training_leaves_the_heap_alone(tmp_path, monkeypatch, sy
 
 def test_a_damaged_copy_is_refused_and_a_restart_reads_the_exchange_again(tmp_path):
     master, t, log = make_master(tmp_path)
-    join(t, "a")
-    join(t, "b")
-    master.poll_once()
+    bootstrap(master, t, "a", "b")
     deliver(t, "a", 0, [2.0, 0.0])
     deliver(t, "b", 0, [4.0, 2.0])
     fetched = tmp_path / "state/fetched/nodes"

@@ -124,6 +124,19 @@ def started_node(**settings):
     return node, rec, model
 
 
+def fragmented_node(**settings):
+    """`make_node` with ``fragments: 2`` over a two-layer model (3 tensors, 2 fragments), all
+    zeros, ``inner_steps`` 4 (rounds of 2 steps), that has installed global 0."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2, bias=False), torch.nn.Linear(2, 1))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    node, rec, model = make_node(model=model, inner=4, fragments=2, **settings)
+    offer_state(node, 0, {k: torch.zeros_like(v) for k, v in model.state_dict().items()})
+    node.merge_waiting()
+    return node, rec, model
+
+
 def master_for(node, value_of):
     """A send hook that publishes global ``label + 1`` = ``value_of(job)`` right away."""
 
@@ -291,14 +304,8 @@ def test_fragments_send_one_part_per_round_and_every_part_at_the_end():
     """``fragments: 2``: rounds of ``inner_steps / 2`` steps, each syncing one fragment (its
     progress since its own last sync, with its carry); the final contribution holds every
     tensor's progress since its own fragment's round."""
-    model = torch.nn.Sequential(torch.nn.Linear(2, 2, bias=False), torch.nn.Linear(2, 1))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
-    node, rec, model = make_node(model=model, inner=4, fragments=2, overlap=None)
+    node, rec, model = fragmented_node(overlap=None)
     rec.on_send = master_for_state(node)
-    offer_state(node, 0, {k: torch.zeros_like(v) for k, v in model.state_dict().items()})
-    node.merge_waiting()
     for _ in range(4):  # rounds 0 and 1, two steps each
         add_all(model, 1.0)
         node.after_optimizer_step()
@@ -323,14 +330,8 @@ def test_fragments_send_one_part_per_round_and_every_part_at_the_end():
 def test_a_run_that_ends_on_a_fragments_round_leaves_that_fragment_out_of_the_final():
     """The final contribution of a run that ends on a round boundary holds every tensor but
     the fragment that round just synced (nothing trained since): 1/N of its bytes fewer."""
-    model = torch.nn.Sequential(torch.nn.Linear(2, 2, bias=False), torch.nn.Linear(2, 1))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
-    node, rec, model = make_node(model=model, inner=4, fragments=2, overlap=None)
+    node, rec, model = fragmented_node(overlap=None)
     rec.on_send = master_for_state(node)
-    offer_state(node, 0, {k: torch.zeros_like(v) for k, v in model.state_dict().items()})
-    node.merge_waiting()
     for _ in range(4):  # rounds 0 and 1: the run ends on round 1's step
         add_all(model, 1.0)
         node.after_optimizer_step()
@@ -347,17 +348,9 @@ def test_an_overlapped_final_contribution_does_not_wait_for_the_globals_in_fligh
     """The final contribution carries each tensor's progress since its last contribution, so
     a round still in flight at the end is not waited for: its global, late here, never holds
     the final upload up, and the final global replaces everything the node holds."""
-    model = torch.nn.Sequential(torch.nn.Linear(2, 2, bias=False), torch.nn.Linear(2, 1))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
-    node, rec, model = make_node(
-        model=model, sync="overlapped", inner=4, fragments=2, overlap=3, timeout=5.0
-    )
+    node, rec, model = fragmented_node(sync="overlapped", overlap=3, timeout=5.0)
     publish = master_for_state(node)
     rec.on_send = lambda job: None if job.round == 1 else publish(job)  # round 1: in flight
-    offer_state(node, 0, {k: torch.zeros_like(v) for k, v in model.state_dict().items()})
-    node.merge_waiting()
     for _ in range(5):  # round 0 at step 2 (merged at 5), round 1 at step 4 (its global late)
         add_all(model, 1.0)
         node.after_optimizer_step()
@@ -377,16 +370,8 @@ def test_fragments_keep_two_rounds_in_flight_and_merge_each_fragment_at_its_step
     """``fragments: 2`` (rounds of 2 steps) with ``overlap_steps`` 3: round 1 is sent before
     round 0's global is merged; at step 5 only fragment 0's tensors take the global, at
     step 7 fragment 1's (from the newest global, whose fragment-0 values are unchanged)."""
-    model = torch.nn.Sequential(torch.nn.Linear(2, 2, bias=False), torch.nn.Linear(2, 1))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
-    node, rec, model = make_node(
-        model=model, sync="overlapped", inner=4, fragments=2, overlap=3, timeout=2.0
-    )
+    node, rec, model = fragmented_node(sync="overlapped", overlap=3, timeout=2.0)
     rec.on_send = master_for_state(node)
-    offer_state(node, 0, {k: torch.zeros_like(v) for k, v in model.state_dict().items()})
-    node.merge_waiting()
     first, second = node.fragments
 
     def value(key):
