@@ -42,7 +42,6 @@ from speedtronic.diloco.codec import (
     quantize,
     state_digest,
 )
-from speedtronic.diloco.contributions import ContributionFiles
 from speedtronic.diloco.exchange import (
     Emit,
     ExchangeError,
@@ -57,6 +56,7 @@ from speedtronic.diloco.exchange import (
 from speedtronic.diloco.ledger import (
     META,
     Bootstrap,
+    ContributionFiles,
     NesterovOuterOptimizer,
     NodeView,
     OuterStateStore,
@@ -329,7 +329,7 @@ class RoundMaster:
     ``on_final`` runs once after the final global was published; ``outer`` is how a round's
     mean becomes the next global (:class:`LocalStep` by default; :class:`RelayStep` makes this
     master a group leader); ``own`` is the store on this host its own node hands its
-    contributions to (:class:`~.contributions.ContributionFiles`). ``last_progress``: the
+    contributions to (:class:`~.ledger.ContributionFiles`). ``last_progress``: the
     ``clock()`` time of the last sign that the run moves (the coordinator bounds its wait for
     the final global from it).
 
