@@ -525,8 +525,7 @@ class RoundMaster:
                 watch.first_arrival += blind
         if self.roster.refresh(scan, now, self.state):
             watch.last_progress = now
-        candidates = self._sort_contributions(scan, now)
-        ahead = self._sent_ahead(scan)  # copied too, while this round closes
+        candidates, ahead = self._sort_contributions(scan, now)
         self.files.prefetch(candidates, self.max_delta_bytes, ahead)  # beside the round
         seen = {path for files in candidates.values() for path in files.values()}
         if seen - watch.seen:  # a contribution not seen before
@@ -552,12 +551,18 @@ class RoundMaster:
             self._finish()
         return False
 
-    def _sort_contributions(self, scan: RepoScan, now: float) -> dict[str, dict[int, str]]:
-        """Includable files ``{node: {round: path}}``; duplicates and stale ones are queued
-        for pruning and counted (a stale one moves the ledger: it is never counted later)."""
+    def _sort_contributions(
+        self, scan: RepoScan, now: float
+    ) -> tuple[dict[str, dict[int, str]], list[str]]:
+        """Includable files ``{node: {round: path}}``, and those of the round after the open
+        one (``sync: overlapped`` keeps several in flight: copied while the open round closes,
+        one round ahead, so ``fetched/`` holds at most two rounds' files); duplicates and
+        stale ones are queued for pruning and counted (a stale one moves the ledger: it is
+        never counted later)."""
         open_round = self.outer_step
         oldest = open_round - self.settings.rules.max_staleness
         candidates: dict[str, dict[int, str]] = {}
+        ahead: list[str] = []
         for node_id, files in scan.deltas.items():
             done = self.ledger.get(node_id, -1)
             for round, path in sorted(files.items()):
@@ -584,23 +589,9 @@ class RoundMaster:
                     if round == open_round and self.watch.first_arrival is None:
                         self.watch.first_arrival = now  # a late file must not shorten the wait
                     self.roster.heard(node_id, now, self.state)
-        return candidates
-
-    def _sent_ahead(self, scan: RepoScan) -> list[str]:
-        """The files of the round after the open one the listing shows (``sync: overlapped``
-        keeps several rounds in flight): copied while the open round closes, and folded from
-        the copy when theirs does. One round ahead keeps the download going while the round
-        thread works, and ``fetched/`` within two rounds' files."""
-        opened = self.outer_step
-        return sorted(
-            path
-            for node_id, files in scan.deltas.items()
-            for round, path in files.items()
-            if round == opened + 1
-            and round > self.ledger.get(node_id, -1)
-            and path not in self.refusals.prune
-            and (scan.size(path) or 0) <= self.max_delta_bytes
-        )
+                elif round == open_round + 1 and (scan.size(path) or 0) <= self.max_delta_bytes:
+                    ahead.append(path)
+        return candidates, sorted(ahead)
 
     @property
     def silence_limit(self) -> float:
@@ -770,9 +761,8 @@ class RoundMaster:
         fold = Fold(self.outer_step, total)
         for node_id in sorted(candidates):
             self._fold_node(node_id, candidates[node_id], fold)
-            codec.return_free_memory(
-                beside_training=self.settings.rules.beside_training
-            )  # the file's temporaries, before the next file's
+            # the file's temporaries, before the next file's
+            codec.return_free_memory(beside_training=self.settings.rules.beside_training)
         if not fold.marks:
             return None
         # the mean of each tensor the files held (streamed: a fragment's; else every one)

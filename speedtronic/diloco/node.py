@@ -237,9 +237,9 @@ class DiLoCoNode:
         of a round taken at this very step, whose upload arrived: nothing was trained since
         (what that upload's encoding left out goes, as a run's last residual always does)."""
         last = self.rounds.last_round
-        if self.fragments is None or self.inner or self.progress.carry is not None:
+        if self.fragments is None or self.inner or self.progress.carry is not None or last is None:
             return None
-        synced = set(self._fragment(last) or ()) if last is not None else set()
+        synced = set(self._fragment(last) or ())
         return tuple(key for key in self.progress.anchor if key not in synced)
 
     def _raise_fatal(self) -> None:
@@ -378,9 +378,8 @@ class DiLoCoNode:
             names = [k[len(codec.MOMENT_PREFIX) :] for k in job.delta or () if codec.is_moment(k)]
             if names:
                 self.rounds.moments_sent = SentMoments(job.round, frozenset(names))
-        codec.return_free_memory(
-            beside_training=self.settings.rules.beside_training
-        )  # the encoder's and the writer's slices
+        # the encoder's and the writer's slices
+        codec.return_free_memory(beside_training=self.settings.rules.beside_training)
         if job.delta is not None:
             self._emit(
                 "delta_uploaded",
@@ -518,9 +517,8 @@ class DiLoCoNode:
             self.rounds.installed = candidate.outer_step
             self.rounds.run_id = candidate.run_id or self.rounds.run_id
             self.end.final_seen = self.end.final_seen or candidate.final
-        codec.return_free_memory(
-            beside_training=self.settings.rules.beside_training
-        )  # the download's and the slices' pages
+        # the download's and the slices' pages
+        codec.return_free_memory(beside_training=self.settings.rules.beside_training)
         if self.settings.rules.reset_inner_optimizer and self.optimizer is not None:
             self.optimizer.state.clear()
         sent, moments = self.rounds.moments_sent, candidate.moments
