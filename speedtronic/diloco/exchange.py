@@ -32,9 +32,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import re
+import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
@@ -86,6 +89,9 @@ class TornRead(TransportError):
     """The global's weights do not match ``step_count.json`` and are not newer than it: read
     while a publish was between its files (weights first, record last). Transient: the
     record that names these weights is on its way."""
+
+
+_LOG = logging.getLogger("speedtronic.diloco")
 
 
 # -- reporting ---------------------------------------------------------------------------
@@ -148,6 +154,47 @@ class Sends:
     weights: bool
     last_update: OuterUpdate | None
     mean_of_two: bool
+
+
+class WeightsUpload:
+    """A weights file committed after the record that names it, on a thread of its own
+    (``speedtronic-diloco-weights``): a new run's global 0, whose nodes hold it already, so
+    the rounds after it publish their updates meanwhile (12 MB of fp32 weights take 10 s at
+    9.6 Mbit/s; an update a fraction of that). The staged file is removed once sent or
+    failed; :attr:`error` holds a failure (after the store's retries)."""
+
+    def __init__(self, store: Store, local: Path, record: GlobalMetadata) -> None:
+        self.record = record
+        self.error: Exception | None = None
+        self._store, self._local = store, local
+        self._thread = threading.Thread(
+            target=self._send, name="speedtronic-diloco-weights", daemon=True
+        )
+        self._thread.start()
+
+    def _send(self) -> None:
+        try:
+            self._store.commit(
+                {GLOBAL_MODEL: self._local}, message=f"weights of global {self.record.outer_step}"
+            )
+        except Exception as exc:  # said here; the next publish sends a weights file of its own
+            self.error = exc
+            _LOG.warning(
+                f"could not upload the weights of global {self.record.outer_step} ({exc}); "
+                "the next global is published with a weights file of its own"
+            )
+        finally:
+            shutil.rmtree(self._local.parent, ignore_errors=True)
+
+    @property
+    def running(self) -> bool:
+        """Whether the upload is still under way."""
+        return self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait (at most ``timeout`` s) for the upload; True once it landed."""
+        self._thread.join(timeout)
+        return not self.running and self.error is None
 
 
 def update_share(update: OuterUpdate, state: Mapping[str, torch.Tensor]) -> float:
@@ -473,6 +520,8 @@ class Store(Protocol):
     #: How many models the updates after that record's weights file cover (see
     #: :data:`FULL_GLOBAL_EVERY`).
     chain_models: float
+    #: The weights file of :attr:`published`'s chain still on its way (``weights_later``).
+    weights_upload: WeightsUpload | None
 
     def create_repo(self, *, private: bool = True) -> None:
         """Create the exchange (private by default); an existing one is accepted."""
@@ -674,6 +723,7 @@ class Store(Protocol):
         weights: bool = True,
         last_update: OuterUpdate | None = None,
         mean_of_two: bool = False,
+        weights_later: bool = False,
     ) -> GlobalMetadata:
         """One commit: the weights, the quantized outer ``update`` and the mean first
         ``moments`` (:data:`GLOBAL_MOMENTS`) if given, the ledger (with
@@ -689,8 +739,16 @@ class Store(Protocol):
         pruned), with ``last_update`` beside it when given (a final global that is the mean
         of the last two: the update that made the last, ``mean_update`` in the record).
         A final ``state`` that is the mean of the last two globals (``mean_of_two``) sends
-        no weights file when the exchange can make it (:meth:`_mean_record`)."""
+        no weights file when the exchange can make it (:meth:`_mean_record`).
+
+        With ``weights_later`` a weights file goes after the commit, on a thread
+        (:class:`WeightsUpload`, :attr:`weights_upload`; the file it replaces is deleted by the
+        commit, so no reader takes an older run's for it): a reader that needs the file meets
+        a missing one meanwhile (``RemoteNotFound``, retried), one that holds the global does
+        not. A publish that writes a weights file, and a final one, waits for it first; one
+        after it failed sends a weights file of its own."""
         del work_dir
+        self._settle_weights(wait=final)
         now = updated_at or datetime.now(timezone.utc).isoformat()
         made = GlobalMetadata(int(outer_step), now, final=bool(final), run_id=str(run_id))
         made = dataclasses.replace(made, refused=tuple(refused))
@@ -706,6 +764,11 @@ class Store(Protocol):
 
             sends = Sends(update, weights, last_update, mean_of_two)
             meta, stale, covered = self._weights(made, state, sends, stage)
+            later = None
+            if weights_later and GLOBAL_MODEL in files:
+                later = _kept(files.pop(GLOBAL_MODEL))
+            if later is not None and GLOBAL_MODEL in self.list_info():
+                stale.append(GLOBAL_MODEL)  # another run's: never read for this one meanwhile
             if moments is not None:
                 head = {"outer_step": str(made.outer_step)}
                 stage(GLOBAL_MOMENTS, lambda h: write_safetensors(h, moments, metadata=head))
@@ -713,9 +776,26 @@ class Store(Protocol):
             record.update(meta.to_dict(), processed_file=GLOBAL_PROCESSED)
             files[GLOBAL_PROCESSED] = _json_bytes(_book(meta.outer_step, ledger, node_records))
             files[GLOBAL_STEP] = _json_bytes(record)
-            self.commit(files, [*prune, *stale], message=f"outer step {meta.outer_step}")
+            try:
+                self.commit(files, [*prune, *stale], message=f"outer step {meta.outer_step}")
+            except BaseException:
+                if later is not None:
+                    shutil.rmtree(later.parent, ignore_errors=True)
+                raise
         self.published, self.chain_models = meta, covered
+        if later is not None:
+            self.weights_upload = WeightsUpload(self, later, meta)
         return meta
+
+    def _settle_weights(self, *, wait: bool) -> None:
+        """Forget a weights upload that ended (``wait``: wait for it first); after a failed
+        one the next publish writes a weights file of its own, as a restarted master does."""
+        upload = self.weights_upload
+        if upload is None or (upload.running and not wait):
+            return
+        if not upload.wait():
+            self.published, self.chain_models = None, 0.0
+        self.weights_upload = None
 
     def _weights(
         self,
@@ -748,6 +828,9 @@ class Store(Protocol):
                 sha = stage(update_path(step), update.write)
                 meta = dataclasses.replace(made, update_sha256=sha, chain=(*last.chain, sha))
                 return dataclasses.replace(meta, sha256=last.sha256), [], grown
+        self._settle_weights(wait=True)  # never an older weights file over this one
+        if self.published is None:
+            last = None
         header = weights_header(made)
         sha = stage(GLOBAL_MODEL, lambda h: write_safetensors(h, state, metadata=header))
         up = "" if update is None else stage(update_path(step), update.write)
@@ -1034,6 +1117,14 @@ def _json_bytes(value: object) -> bytes:
     return (json.dumps(value, indent=2, sort_keys=True) + "\n").encode("utf-8")
 
 
+def _kept(staged: bytes | Path) -> Path:
+    """A staged file moved into a folder of its own, kept past the publish's staging (the
+    caller removes the folder)."""
+    assert isinstance(staged, Path)
+    folder = Path(tempfile.mkdtemp(prefix="speedtronic-later-", dir=staged.parent.parent))
+    return Path(shutil.move(staged, folder / staged.name))
+
+
 @contextlib.contextmanager
 def _staged(directory: Path | None, name: str) -> Iterator[tuple[Path, BinaryIO]]:
     """A local file to write an upload into (under ``directory``), removed after."""
@@ -1063,6 +1154,7 @@ class RepoTransport(Store):
         self.last_upload_bytes = 0
         self.published: GlobalMetadata | None = None
         self.chain_models = 0.0
+        self.weights_upload: WeightsUpload | None = None
 
     def _create_repo(self, private: bool) -> None:
         raise NotImplementedError

@@ -453,6 +453,7 @@ def publish(
     weights: bool = True,
     last_update: OuterUpdate | None = None,
     mean_of_two: bool = False,
+    weights_later: bool = False,
     **note: str,
 ) -> GlobalMetadata:
     """Publish ``state`` to ``store`` in one commit: weights (and the quantized ``update``;
@@ -462,7 +463,8 @@ def publish(
     adds to the record's :data:`META` (``bootstrap``, ``relay``), as does the round the
     ``moments`` were sent with; ``last_update`` goes with a final global that is the mean of
     the last two (:attr:`.master.Stepped.last`), which ``mean_of_two`` says (the exchange
-    may then make it from the updates, with no weights file)."""
+    may then make it from the updates, with no weights file); ``weights_later`` sends a
+    weights file after the commit (:class:`~.exchange.WeightsUpload`)."""
     if moments_round is not None:
         note = {**note, "moments_round": str(moments_round)}
     return store.publish_global(
@@ -480,6 +482,7 @@ def publish(
         weights=weights,
         last_update=last_update,
         mean_of_two=mean_of_two,
+        weights_later=weights_later,
     )
 
 
@@ -487,10 +490,14 @@ def publish(
 Bootstrap = Callable[[Store, RoundState, list[str]], None]
 
 
-def publish_bootstrap(store: Store, state: RoundState, prune: list[str]) -> None:
+def publish_bootstrap(
+    store: Store, state: RoundState, prune: list[str], *, weights_later: bool = False
+) -> None:
     """Publish ``state`` as the first global of its run (or again over an exchange that lost
-    its record), with the deletion of ``prune`` (a finished run's files)."""
-    publish(store, state, prune=prune, bootstrap=str(state.outer_step == 0).lower())
+    its record), with the deletion of ``prune`` (a finished run's files); ``weights_later``:
+    its weights file after the record (a run announced: its nodes hold global 0 already)."""
+    first = str(state.outer_step == 0).lower()
+    publish(store, state, prune=prune, weights_later=weights_later, bootstrap=first)
     _LOG.info(f"published global state at outer step {state.outer_step} (bootstrap)")
 
 

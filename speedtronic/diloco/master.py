@@ -510,8 +510,9 @@ class RoundMaster:
                 self.agreement.exchange_created = True
             if not self.agreement.reconciled:  # at start, and again after a failed publish
                 self.reconcile()
-            if self.agreement.unpublished is not None:  # the announced global 0, first
-                publish_bootstrap(self.store, self.state, self.agreement.unpublished)
+            if self.agreement.unpublished is not None:  # the announced global 0: its record
+                prune = self.agreement.unpublished  # first, its weights file on a thread
+                publish_bootstrap(self.store, self.state, prune, weights_later=True)
                 self.agreement.unpublished = None
             scan = self.files.scan()
         except TransportError:
@@ -1054,8 +1055,11 @@ class RoundMaster:
             _LOG.log(level, f"master round still failing after {since:.0f} s ({kind}): {exc}")
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop the thread (bounded join); state is persisted after every round."""
+        """Stop the thread (bounded join; a weights file still on its way is waited for as
+        long); state is persisted after every round."""
         self._loop.stop(timeout)
+        if self.store.weights_upload is not None:
+            self.store.weights_upload.wait(timeout)
 
     def state_dict(self) -> dict[str, object]:
         """Outer step and ledger (the tensors live in ``state_dir`` and the repository)."""
