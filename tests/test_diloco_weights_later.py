@@ -110,9 +110,7 @@ def test_the_first_record_deletes_another_runs_weights_file(tmp_path):
     assert torch.equal(state["w"], _state()["w"])
 
 
-def test_a_failed_weights_upload_is_replaced_by_the_next_globals_weights_file(
-    tmp_path, caplog
-):
+def test_a_failed_weights_upload_is_replaced_by_the_next_globals_weights_file(tmp_path, caplog):
     master, t, held, link, first = _announced(tmp_path, global_dtype="int8")
     held.fail = True
     held.gate.set()
