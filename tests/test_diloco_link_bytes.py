@@ -498,7 +498,7 @@ def test_a_worker_built_like_the_master_starts_before_global_0_is_uploaded(
 ):
     """Issue 38: a master starting a run announces global 0 (``global/start.json``: its run
     id and the sha256 its weights file will have) and leaves the upload to its round thread,
-    which publishes it before anything else; a fresh worker built alike takes its own
+    which publishes its record before anything else; a fresh worker built alike takes its own
     weights as global 0 from the announcement, before the file is there, and contributes to
     round 0 of that run. One built otherwise waits for the weights file, as before."""
     master, t, _ = make_master(tmp_path, state=_state(), global_dtype=global_dtype)

@@ -444,7 +444,7 @@ class RoundMaster:
         group leader takes the top-level global). A failed read raises ``TransportError``
         (retried); an unusable global with no local state to republish raises
         ``ExchangeError``. With ``announce`` (the coordinator's start) a new run's global 0
-        is announced and uploaded by the round thread (:meth:`_announce`)."""
+        is announced, and published by the round thread (:meth:`_announce`)."""
         state, over = self.outer.agree(
             self.store,
             self.state,
@@ -479,8 +479,10 @@ class RoundMaster:
 
     def _announce(self, store: Store, state: RoundState, prune: list[str]) -> None:
         """A new run: announce its global 0 (:meth:`~.exchange.Store.announce`: the record,
-        no weights) and leave the upload to the round thread's next poll, which publishes it
-        before anything else; every node built like this one trains meanwhile. Where the
+        no weights) and leave its publish to the round thread's next poll, which publishes its
+        record before anything else and its weights file after it, on a thread of its own
+        (:class:`~.exchange.WeightsUpload`); every node built like this one trains meanwhile,
+        and follows the rounds by their updates. Where the
         announcement fails, or the first global is not global 0, it is published here."""
         if state.outer_step != 0:
             publish_bootstrap(store, state, prune)
