@@ -160,8 +160,10 @@ class WeightsUpload:
     """A weights file committed after the record that names it, on a thread of its own
     (``speedtronic-diloco-weights``): a new run's global 0, whose nodes hold it already, so
     the rounds after it publish their updates meanwhile (12 MB of fp32 weights take 10 s at
-    9.6 Mbit/s; an update a fraction of that). The staged file is removed once sent or
-    failed; :attr:`error` holds a failure (after the store's retries)."""
+    9.6 Mbit/s; an update a fraction of that). A reader that needs the file meets a missing one
+    until it lands (``RemoteNotFound``, tried again); one that holds the global does not. The
+    staged file is removed once sent or failed; :attr:`error` holds a failure (after the
+    store's retries), after which the next publish sends a weights file of its own."""
 
     def __init__(self, store: Store, local: Path, record: GlobalMetadata) -> None:
         self.record = record
@@ -740,13 +742,8 @@ class Store(Protocol):
         of the last two: the update that made the last, ``mean_update`` in the record).
         A final ``state`` that is the mean of the last two globals (``mean_of_two``) sends
         no weights file when the exchange can make it (:meth:`_mean_record`).
-
-        With ``weights_later`` a weights file goes after the commit, on a thread
-        (:class:`WeightsUpload`, :attr:`weights_upload`; the file it replaces is deleted by the
-        commit, so no reader takes an older run's for it): a reader that needs the file meets
-        a missing one meanwhile (``RemoteNotFound``, retried), one that holds the global does
-        not. A publish that writes a weights file, and a final one, waits for it first; one
-        after it failed sends a weights file of its own."""
+        With ``weights_later`` a weights file goes after the commit (:class:`WeightsUpload`);
+        a publish that writes one, and a final one, waits for it first."""
         del work_dir
         self._settle_weights(wait=final)
         now = updated_at or datetime.now(timezone.utc).isoformat()
@@ -764,11 +761,7 @@ class Store(Protocol):
 
             sends = Sends(update, weights, last_update, mean_of_two)
             meta, stale, covered = self._weights(made, state, sends, stage)
-            later = None
-            if weights_later and GLOBAL_MODEL in files:
-                later = _kept(files.pop(GLOBAL_MODEL))
-            if later is not None and GLOBAL_MODEL in self.list_info():
-                stale.append(GLOBAL_MODEL)  # another run's: never read for this one meanwhile
+            later = self._weights_after(files, stale) if weights_later else None
             if moments is not None:
                 head = {"outer_step": str(made.outer_step)}
                 stage(GLOBAL_MOMENTS, lambda h: write_safetensors(h, moments, metadata=head))
@@ -776,16 +769,34 @@ class Store(Protocol):
             record.update(meta.to_dict(), processed_file=GLOBAL_PROCESSED)
             files[GLOBAL_PROCESSED] = _json_bytes(_book(meta.outer_step, ledger, node_records))
             files[GLOBAL_STEP] = _json_bytes(record)
-            try:
-                self.commit(files, [*prune, *stale], message=f"outer step {meta.outer_step}")
-            except BaseException:
-                if later is not None:
-                    shutil.rmtree(later.parent, ignore_errors=True)
-                raise
+            self._commit_before(later, files, [*prune, *stale], f"outer step {meta.outer_step}")
         self.published, self.chain_models = meta, covered
         if later is not None:
             self.weights_upload = WeightsUpload(self, later, meta)
         return meta
+
+    def _weights_after(self, files: dict[str, bytes | Path], stale: list[str]) -> Path | None:
+        """The weights file staged in ``files``, taken out of the commit to go after it (None:
+        none staged); another run's weights file is deleted by the commit (``stale``), so no
+        reader takes it for this one meanwhile."""
+        staged = files.pop(GLOBAL_MODEL, None)
+        if staged is None:
+            return None
+        if GLOBAL_MODEL in self.list_info():
+            stale.append(GLOBAL_MODEL)
+        return _kept(staged)
+
+    def _commit_before(
+        self, later: Path | None, files: Additions, deletions: list[str], message: str
+    ) -> None:
+        """:meth:`commit`; the weights file ``later`` that was to follow it is removed when it
+        fails."""
+        try:
+            self.commit(files, deletions, message=message)
+        except BaseException:
+            if later is not None:
+                shutil.rmtree(later.parent, ignore_errors=True)
+            raise
 
     def _settle_weights(self, *, wait: bool) -> None:
         """Forget a weights upload that ended (``wait``: wait for it first); after a failed
@@ -829,8 +840,7 @@ class Store(Protocol):
                 meta = dataclasses.replace(made, update_sha256=sha, chain=(*last.chain, sha))
                 return dataclasses.replace(meta, sha256=last.sha256), [], grown
         self._settle_weights(wait=True)  # never an older weights file over this one
-        if self.published is None:
-            last = None
+        last = self.published  # None after a failed one
         header = weights_header(made)
         sha = stage(GLOBAL_MODEL, lambda h: write_safetensors(h, state, metadata=header))
         up = "" if update is None else stage(update_path(step), update.write)
