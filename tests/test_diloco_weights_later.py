@@ -26,18 +26,19 @@ from speedtronic.retry import RemoteNotFound, TransportError
 class HeldWeights:
     """The exchange's commits of a weights file alone (a :class:`~.exchange.WeightsUpload`)
     wait for :attr:`gate` (a slow link) and fail when :attr:`fail` is set; every commit's
-    message is kept in order."""
+    message is kept in order, and how each weights file alone was committed in :attr:`how`."""
 
     def __init__(self, t) -> None:
-        self.gate, self.fail, self.messages = threading.Event(), False, []
+        self.gate, self.fail, self.messages, self.how = threading.Event(), False, [], []
         original = t.commit
 
-        def commit(additions, deletions=(), message="update"):
+        def commit(additions, deletions=(), message="update", **how):
             if set(additions) == {T.GLOBAL_MODEL}:
+                self.how.append(how)
                 assert self.gate.wait(10)
                 if self.fail:
                     raise TransportError("the link went down")
-            original(additions, deletions, message)
+            original(additions, deletions, message, **how)
             self.messages.append(message)
 
         t.commit = commit
@@ -75,6 +76,7 @@ def test_global_0s_record_goes_first_and_the_next_global_does_not_wait_for_its_w
         other.fetch((-1, ""))
     held.gate.set()
     assert t.weights_upload.wait(10) and held.messages[-1] == "weights of global 0"
+    assert held.how == [{"background": True}]  # it gives way to the rounds' uploads
     late = other.fetch((-1, ""))
     assert late.source == "full"
     _same(late, master)

@@ -176,8 +176,10 @@ class WeightsUpload:
 
     def _send(self) -> None:
         try:
-            self._store.commit(
-                {GLOBAL_MODEL: self._local}, message=f"weights of global {self.record.outer_step}"
+            self._store.commit(  # giving way to the rounds' uploads (diloco.uplink)
+                {GLOBAL_MODEL: self._local},
+                message=f"weights of global {self.record.outer_step}",
+                background=True,
             )
         except Exception as exc:  # said here; the next publish sends a weights file of its own
             self.error = exc
@@ -551,11 +553,18 @@ class Store(Protocol):
         ...
 
     def commit(
-        self, additions: Additions, deletions: Iterable[str] = (), message: str = "update"
+        self,
+        additions: Additions,
+        deletions: Iterable[str] = (),
+        message: str = "update",
+        *,
+        background: bool = False,
     ) -> None:
         """Apply additions (in order; bytes, or a staged local file read as it is sent) and
         deletions as one unit: one Hub commit, or temp file + rename per file on a volume, so
-        no reader sees half a file. Deletion targets already gone are fine."""
+        no reader sees half a file. Deletion targets already gone are fine. ``background``:
+        the Hub store sends its files giving way to this process's other uploads
+        (:mod:`~speedtronic.diloco.uplink`); a volume writes at once."""
         ...
 
     # -- the layout, over the primitives ------------------------------------------------------
@@ -1220,7 +1229,12 @@ class RepoTransport(Store):
             yield local
 
     def commit(
-        self, additions: Additions, deletions: Iterable[str] = (), message: str = "update"
+        self,
+        additions: Additions,
+        deletions: Iterable[str] = (),
+        message: str = "update",
+        *,
+        background: bool = False,
     ) -> None:
         adds = dict(additions)
         dels = [p for p in dict.fromkeys(deletions) if p not in adds]

@@ -45,14 +45,22 @@ import tempfile
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx2
 
 from speedtronic.diloco.codec import file_sha256
-from speedtronic.diloco.exchange import GLOBAL_STEP, FileInfo, R, RepoTransport, too_large
+from speedtronic.diloco.exchange import (
+    GLOBAL_STEP,
+    Additions,
+    FileInfo,
+    R,
+    RepoTransport,
+    too_large,
+)
+from speedtronic.diloco.uplink import UPLINK, large_body
 from speedtronic.retry import (
     AccessRefused,
     DamagedFile,
@@ -97,6 +105,10 @@ class HubCall:
 
     timeout: float
     deadline: float
+    #: A background call (``commit(background=True)``): its uploads give way (``uplink``).
+    background: bool = False
+    #: Seconds its uploads waited for the foreground ones (not counted against ``deadline``).
+    held: float = 0.0
 
     def left(self) -> float:
         """Seconds left."""
@@ -113,12 +125,15 @@ class HubCall:
 
 #: The HubClient call this context is in (None: a request that is not ours).
 _CALL: contextvars.ContextVar[HubCall | None] = contextvars.ContextVar("hub_call", default=None)
+#: Whether this context commits in the background (``HubClient.commit(background=True)``).
+_BACKGROUND: contextvars.ContextVar[bool] = contextvars.ContextVar("hub_background", default=False)
 
 
 @contextlib.contextmanager
-def hub_call(timeout: float) -> Iterator[HubCall]:
-    """Run one Hub call (any number of SDK requests) under one deadline of ``timeout`` s."""
-    call = HubCall(float(timeout), time.monotonic() + float(timeout))
+def hub_call(timeout: float, *, background: bool = False) -> Iterator[HubCall]:
+    """Run one Hub call (any number of SDK requests) under one deadline of ``timeout`` s;
+    ``background``: its uploads give way to this process's other uploads (``uplink``)."""
+    call = HubCall(float(timeout), time.monotonic() + float(timeout), background)
     token = _CALL.set(call)
     try:
         yield call
@@ -140,15 +155,25 @@ def _translated(what: str) -> Iterator[None]:
 
 
 class _Bounded(httpx2.SyncByteStream):
-    """A request or response body of a call: every MiB counts towards its deadline."""
+    """A request or response body of a call: every MiB counts towards its deadline. A request
+    body of a background call waits before each piece while a foreground one is sent (at
+    most half of the call's timeout in all; the wait moves the deadline)."""
 
-    def __init__(self, inner: httpx2.SyncByteStream, call: HubCall, what: str) -> None:
+    def __init__(
+        self, inner: httpx2.SyncByteStream, call: HubCall, what: str, *, upload: bool = False
+    ) -> None:
         self._inner, self._call, self._what = inner, call, what
+        self._yields = upload and call.background
 
     def __iter__(self) -> Iterator[bytes]:
+        call = self._call
         with _translated(self._what):
             for chunk in self._inner:
                 for start in range(0, len(chunk), _CHUNK):
+                    if self._yields:
+                        waited = UPLINK.give_way(call.timeout / 2 - call.held)
+                        call.held += waited
+                        call.deadline += waited
                     if self._call.left() <= 0:
                         raise self._call.expired(self._what)
                     piece = chunk[start : start + _CHUNK]
@@ -173,9 +198,12 @@ class HubSession(httpx2.Client):
 
     def send(self, request: httpx2.Request, **options: Any) -> httpx2.Response:
         """Send as httpx does; inside a call, its failures as errors the SDK does not retry."""
-        if _CALL.get() is None:
+        call = _CALL.get()
+        if call is None:
             return super().send(request, **options)
-        with _translated(f"{request.method} {request.url.path}"):
+        front = not call.background and large_body(request)  # background uploads give way
+        sending = UPLINK.sending() if front else contextlib.nullcontext()
+        with _translated(f"{request.method} {request.url.path}"), sending:
             return super().send(request, **options)
 
     @staticmethod
@@ -197,7 +225,7 @@ class HubSession(httpx2.Client):
         request.extensions["timeout"] = dict.fromkeys(("connect", "read", "write", "pool"), limit)
         stream = request.stream  # a redirect keeps the (bounded) body
         if isinstance(stream, httpx2.SyncByteStream) and not isinstance(stream, _Bounded):
-            request.stream = _Bounded(stream, call, what)
+            request.stream = _Bounded(stream, call, what, upload=True)
 
     @staticmethod
     def _on_response(response: httpx2.Response) -> None:
@@ -338,7 +366,7 @@ class HubClient(RepoTransport):
     def _attempt(self, fn: Callable[[], R]) -> R:
         install_session()  # before the first request of the SDK
         try:
-            with hub_call(self.retry.timeout):
+            with hub_call(self.retry.timeout, background=_BACKGROUND.get()):
                 out = fn()
         except Exception as exc:
             refused = self._refusal(exc)
@@ -387,6 +415,20 @@ class HubClient(RepoTransport):
             f"repository {self.repo_id} not found yet (its master creates it; waited "
             f"{waited:.1f} of {self.missing_repo_wait:g} s)"
         )
+
+    def commit(
+        self,
+        additions: Additions,
+        deletions: Iterable[str] = (),
+        message: str = "update",
+        *,
+        background: bool = False,
+    ) -> None:
+        token = _BACKGROUND.set(background)  # read by each attempt's hub_call
+        try:
+            super().commit(additions, deletions, message)
+        finally:
+            _BACKGROUND.reset(token)
 
     def _create_repo(self, private: bool) -> None:
         self.api.create_repo(self.repo_id, repo_type="model", private=private, exist_ok=True)
