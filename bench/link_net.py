@@ -45,6 +45,15 @@ HUB_PORT = 8765
 NODE_END = "wan0"
 #: tbf's queue bound (its ``latency``): packets waiting longer are dropped (TCP backs off).
 TBF_QUEUE_MS = 100
+#: A node's loopback hop to its forwarder is not part of any real link: with the buffers Linux
+#: grows on loopback (no loss there, so a window that grows unchecked), a node handed it
+#: megabytes of an upload at once, which then queued before the shaped link where nothing could
+#: take them back; a real node's socket sits on the link, its buffer sized by the link's
+#: window. So the forwarder takes at most FORWARDER_RCVBUF bytes ahead (SO_RCVBUF) and every
+#: socket of a node's namespace holds at most NOTSENT_LOWAT bytes not sent yet
+#: (``net.ipv4.tcp_notsent_lowat``; the forwarder's own socket on the link keeps its window).
+FORWARDER_RCVBUF = 128 * 1024
+NOTSENT_LOWAT = 128 * 1024
 #: Prefix of every namespace a run creates: ``<prefix><pid>x<hex>-hub`` / ``-n<i>``.
 PREFIX = "stlb"
 
@@ -67,13 +76,14 @@ def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 
 def support_problem() -> str | None:
-    """Why this machine cannot build the link (None: it can): root, ``ip`` and ``tc`` on
-    PATH, and a namespace with a veth pair and a tbf qdisc actually created."""
+    """Why this machine cannot build the link (None: it can): root, ``ip``, ``tc`` and
+    ``sysctl`` on PATH, and a namespace with a veth pair, a tbf qdisc and its own
+    ``tcp_notsent_lowat`` actually created."""
     if os.geteuid() != 0:
         return "not root: network namespaces and tc need root"
-    for tool in ("ip", "tc"):
+    for tool in ("ip", "tc", "sysctl"):
         if shutil.which(tool) is None:
-            return f"no `{tool}` on PATH (iproute2)"
+            return f"no `{tool}` on PATH (iproute2, procps)"
     name = f"{PREFIX}{os.getpid()}x{secrets.token_hex(2)}-probe"
     try:
         _run("ip", "netns", "add", name)
@@ -82,8 +92,10 @@ def support_problem() -> str | None:
     try:
         _run("ip", "-n", name, "link", "add", "probe0", "type", "veth", "peer", "name", "probe1")
         _run("tc", "-n", name, "qdisc", "add", "dev", "probe0", "root", *tbf_args(1e6))
+        lowat = f"net.ipv4.tcp_notsent_lowat={NOTSENT_LOWAT}"
+        _run("ip", "netns", "exec", name, "sysctl", "-qw", lowat)
     except (subprocess.SubprocessError, OSError) as exc:
-        return f"veth or tbf unavailable: {_why(exc)}"
+        return f"veth, tbf or a namespace's tcp_notsent_lowat unavailable: {_why(exc)}"
     finally:
         _run("ip", "netns", "del", name, check=False)
     return None
@@ -192,6 +204,8 @@ class LinkLab:
             _run("ip", "-n", self.hub, "link", "set", hub_end, "up")
             _run("ip", "-n", name, "addr", "add", f"{SUBNET}.{i}.2/24", "dev", NODE_END)
             _run("ip", "-n", name, "link", "set", NODE_END, "up")
+            lowat = f"net.ipv4.tcp_notsent_lowat={NOTSENT_LOWAT}"  # see NOTSENT_LOWAT
+            _run("ip", "netns", "exec", name, "sysctl", "-qw", lowat)
 
     def shape(self, up_bps: float | None, down_bps: float | None) -> None:
         """tbf at ``up_bps`` on every node's end and ``down_bps`` on the Hub's ends (None:
@@ -233,6 +247,7 @@ class LinkLab:
         ]
         for i, ns in enumerate(self.nodes):
             mine = [x for p in pair for x in ("--route", f"127.0.0.1:{p}={SUBNET}.{i}.1:{p}")]
+            mine += ["--rcvbuf", str(FORWARDER_RCVBUF)]
             helpers.append(
                 self.start(ns, f"relay-{i}", [py, me, "relay", *mine], folder / f"relay-{i}.out")
             )

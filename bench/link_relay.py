@@ -9,7 +9,8 @@
   chunk read waits that long before it is written on, in both directions, in a queue of up
   to ``QUEUE_BYTES`` (the delay does not limit throughput); with ``--sample`` it writes the
   interfaces' byte counters every 0.1 s when they change. Its first output line says it is
-  ready.
+  ready. With ``--rcvbuf`` its accepted connections take at most that many bytes ahead (a
+  node's forwarder: see ``link_net.FORWARDER_RCVBUF``).
 
     python bench/link_relay.py hub --port 8765 --token T --log requests.jsonl
     python bench/link_relay.py relay --route 10.77.0.1:8765=127.0.0.1:8765@127.0.0.10 \
@@ -24,6 +25,7 @@ import contextlib
 import dataclasses
 import json
 import signal
+import socket
 import sys
 import threading
 import time
@@ -199,7 +201,7 @@ async def _pipe(
     await asyncio.gather(read(), write())
 
 
-async def _serve_route(route: Route, delay: float) -> asyncio.Server:
+async def _serve_route(route: Route, delay: float, rcvbuf: int = 0) -> asyncio.Server:
     async def handle(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         local = (route.source, 0) if route.source else None
         try:
@@ -218,7 +220,13 @@ async def _serve_route(route: Route, delay: float) -> asyncio.Server:
             for w in (up_w, client_w):
                 w.close()
 
-    return await asyncio.start_server(handle, *route.listen, reuse_address=True)
+    if not rcvbuf:
+        return await asyncio.start_server(handle, *route.listen, reuse_address=True)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)  # accepted ones inherit it
+    listener.bind(route.listen)
+    return await asyncio.start_server(handle, sock=listener)
 
 
 async def _sample(interfaces: list[str], log: Path, stop: asyncio.Event) -> None:
@@ -245,12 +253,14 @@ async def _sample(interfaces: list[str], log: Path, stop: asyncio.Event) -> None
                 await asyncio.wait_for(stop.wait(), 0.1)
 
 
-async def _relay(routes: list[Route], delay: float, sample: list[str], log: Path | None) -> None:
+async def _relay(
+    routes: list[Route], delay: float, sample: list[str], log: Path | None, rcvbuf: int = 0
+) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    servers = [await _serve_route(route, delay) for route in routes]
+    servers = [await _serve_route(route, delay, rcvbuf) for route in routes]
     print(json.dumps({"ready": True}), flush=True)
     if sample and log is not None:
         await _sample(sample, log, stop)
@@ -274,10 +284,13 @@ def main(argv: list[str] | None = None) -> int:
     relay.add_argument("--delay-ms", type=float, default=0.0, help="added one-way latency")
     relay.add_argument("--sample", nargs="*", default=[], help="interfaces to sample")
     relay.add_argument("--log", type=Path, default=None)
+    relay.add_argument(
+        "--rcvbuf", type=int, default=0, help="SO_RCVBUF of the accepted connections (bytes)"
+    )
     args = parser.parse_args(argv)
     if args.what == "hub":
         return serve_hub(args.port, args.token, args.log)
-    asyncio.run(_relay(args.route, args.delay_ms / 1000.0, args.sample, args.log))
+    asyncio.run(_relay(args.route, args.delay_ms / 1000.0, args.sample, args.log, args.rcvbuf))
     return 0
 
 
