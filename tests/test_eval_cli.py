@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from cli_support import run_cli, write_run_config
 
+from speedtronic.checkpoint import CheckpointError
 from speedtronic.cli import main
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.model import build_model
 from speedtronic.train.evaluate import build_heldout, evaluate
 from speedtronic.train.runtime import train_from_config
+from speedtronic.train.scoring import score
 
 MODEL = {"vocab_size": 64, "max_seq_len": 16, "n_layer": 1, "n_head": 2, "d_model": 32}
 
@@ -131,6 +136,61 @@ def test_eval_of_the_published_global(tmp_path, capsys):
     assert result["outer_step"] == 4 and result["step"] is None
     expected = evaluate(model, build_heldout(config), device="cpu")
     assert result["loss"] == pytest.approx(expected.loss, rel=1e-9)
+
+
+def _global_0_held(tmp_path, request_timeout: float):
+    """A config on a volume exchange whose master published global 0's record, its weights
+    file (sent after the record) held until the returned event is set; the model."""
+    from speedtronic.diloco import exchange as T
+    from speedtronic.diloco.coordinator import build_transport
+
+    path = write_config(
+        tmp_path,
+        distributed={
+            "repo_id": f"file://{tmp_path / 'exchange'}",
+            "request_timeout": request_timeout,
+        },
+    )
+    config = SpeedtronicConfig.from_yaml(path)
+    torch.manual_seed(7)
+    model = build_model(config.model)
+    transport = build_transport(config.distributed)
+    gate, original = threading.Event(), transport.commit
+
+    def commit(additions, deletions=(), message="update", **how):
+        if set(additions) == {T.GLOBAL_MODEL}:
+            assert gate.wait(60)
+        original(additions, deletions, message, **how)
+
+    transport.commit = commit
+    transport.publish_global(model.state_dict(), outer_step=0, run_id="r", weights_later=True)
+    assert T.GLOBAL_MODEL not in transport.list_files()
+    return config, model, gate, transport
+
+
+def test_eval_of_global_0_waits_for_its_weights_sent_after_its_record(tmp_path, caplog):
+    config, model, gate, transport = _global_0_held(tmp_path, request_timeout=60)
+    result: dict = {}
+    scoring = threading.Thread(target=lambda: result.update(score(config, use_global=True)))
+    with caplog.at_level(logging.WARNING, logger="speedtronic"):
+        scoring.start()
+        time.sleep(1.5)
+        assert scoring.is_alive() and "the weights of global 0 are not in" in caplog.text
+        gate.set()
+        scoring.join(60)
+    assert transport.weights_upload.wait(10)
+    assert result["outer_step"] == 0
+    expected = evaluate(model, build_heldout(config), device="cpu")
+    assert result["loss"] == pytest.approx(expected.loss, rel=1e-9)
+
+
+def test_eval_of_a_global_whose_weights_never_come_says_so_after_request_timeout(tmp_path):
+    config, _, gate, _ = _global_0_held(tmp_path, request_timeout=1)
+    begun = time.monotonic()
+    with pytest.raises(CheckpointError, match=r"cannot read the global .*latest\.safetensors"):
+        score(config, use_global=True)
+    assert 0.9 <= time.monotonic() - begun < 10
+    gate.set()
 
 
 def test_eval_bad_input_exits_2_with_one_line(trained, tmp_path, capsys):

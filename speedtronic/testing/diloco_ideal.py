@@ -272,7 +272,8 @@ class _Plan:
     last shorter when the run is not a multiple), round ``r`` syncing fragment
     ``r % fragments`` (``parts``; None: every tensor) and, with fragments, one more round
     at the end syncing every tensor but the fragment just synced (a node's final
-    contribution, its tensors in the model's ``order``); an overlapped node merges a round's
+    contribution, its tensors in the model's ``order``; a run that ends between rounds
+    ends with a round of every tensor instead); an overlapped node merges a round's
     global ``overlap_steps`` after its contribution (0: blocking, at once), the tensors the
     round synced."""
 
@@ -304,11 +305,14 @@ class _Plan:
 
     def keys(self, r: int) -> tuple[str, ...] | None:
         """The tensors round ``r`` syncs (None: every one); the final round of a run with
-        fragments: every one but the fragment the round before synced at the same step."""
+        fragments: every one but the fragment the round before synced at the same step
+        (every one when the run ended between rounds: each was trained since its round)."""
         if self.parts is None:
             return None
         if r + 1 < self.rounds:
             return self.parts[r % len(self.parts)]
+        if self.total_steps % self.round_steps:
+            return None
         synced = set(self.parts[(r - 1) % len(self.parts)])
         return tuple(key for key in self.order if key not in synced)
 

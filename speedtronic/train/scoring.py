@@ -7,7 +7,8 @@ Where the weights come from (:func:`load_weights`):
 * ``checkpoint=PATH``: a trainer checkpoint ``.pt`` file; a checkpoint directory (its newest);
   a ``.safetensors`` model state; or a directory holding ``model.safetensors`` and optionally
   ``meta.json`` (``{"outer_step", "step"}``): the layout of the DiLoCo master's ``final/``;
-* ``use_global=True``: the DiLoCo global currently published in ``distributed.repo_id``.
+* ``use_global=True``: the DiLoCo global currently published in ``distributed.repo_id`` (a
+  new run's global 0, whose weights file follows its record, is waited for, bounded).
 
 ``.pt`` files are read with ``torch.load(weights_only=True)``. Every unusable input (nothing to
 score, an unreadable file, weights that do not fit ``model``) is a ``CheckpointError`` with one
@@ -17,6 +18,8 @@ line naming the path; a config without held-out data is a ``ConfigError``.
 from __future__ import annotations
 
 import json
+import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +31,10 @@ from speedtronic.json_types import JSON, StateDict
 from speedtronic.train.evaluate import build_heldout, evaluate
 
 __all__ = ["Weights", "load_model", "load_weights", "score"]
+
+_LOG = logging.getLogger("speedtronic")
+#: Seconds between reads of the exchange while a global's weights file is on its way.
+_GLOBAL_POLL = 0.5
 
 
 @dataclass
@@ -120,23 +127,43 @@ def _from_path(path: Path) -> Weights:
 
 
 def _from_global(config: SpeedtronicConfig) -> Weights:
+    """The global the exchange's version record names. A new run's global 0 is published as
+    its record first and its weights file after it (``exchange.WeightsUpload``): a missing
+    weights file is waited for, up to ``distributed.request_timeout`` seconds, saying so once
+    (the record is read again meanwhile: a later global may be readable first)."""
     from speedtronic.diloco.coordinator import build_transport
+    from speedtronic.retry import RemoteNotFound
 
-    if not config.distributed.repo_id:
+    repo = config.distributed.repo_id
+    if not repo:
         raise CheckpointError("--global needs distributed.repo_id (the DiLoCo exchange)")
+    deadline = time.monotonic() + config.distributed.request_timeout
+    said = False
     try:
         transport = build_transport(config.distributed)
-        meta = transport.global_metadata()
-        if meta is None:
-            raise CheckpointError(f"no global published in {config.distributed.repo_id} yet")
-        state = transport.read_global(meta)
+        while True:
+            meta = transport.global_metadata()
+            if meta is None:
+                raise CheckpointError(f"no global published in {repo} yet")
+            try:
+                state = transport.read_global(meta)
+                break
+            except RemoteNotFound:
+                if time.monotonic() >= deadline:
+                    raise
+                if not said:
+                    _LOG.warning(
+                        f"the weights of global {meta.outer_step} are not in {repo} yet (a "
+                        "new run's master sends them after its record); waiting up to "
+                        f"{config.distributed.request_timeout:g} s"
+                    )
+                    said = True
+                time.sleep(_GLOBAL_POLL)
     except CheckpointError:
         raise
     except Exception as exc:
-        raise CheckpointError(
-            f"cannot read the global from {config.distributed.repo_id}: {exc}"
-        ) from exc
-    return Weights(dict(state), f"global of {config.distributed.repo_id}", None, meta.outer_step)
+        raise CheckpointError(f"cannot read the global from {repo}: {exc}") from exc
+    return Weights(dict(state), f"global of {repo}", None, meta.outer_step)
 
 
 def load_weights(
