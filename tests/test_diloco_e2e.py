@@ -289,16 +289,17 @@ def test_overlapped_nodes_merge_each_global_at_its_step_and_equal_the_ideal(
 
 def test_fragments_in_a_run_that_ends_between_rounds_equal_the_ideal(tmp_path, corpus):
     """``fragments: 2`` and a last step that is not a round boundary (58 steps, rounds of 5):
-    each node's final contribution carries every tensor's progress since its fragment's last
-    round (the fragment synced at step 55 has trained 3 more steps), and the ideal counts it
-    too (it used to leave that fragment's last 3 steps out)."""
+    the run ends with a round of each fragment, each carrying its progress since its last
+    round (the fragment synced at step 55 has trained 3 more steps, the other 8), and the
+    ideal counts them too (before the rounds that end a run were one round of every tensor,
+    it left that fragment's last 3 steps out)."""
     steps, inner = 58, 10
     repo = f"file://{tmp_path / 'exchange'}"
     extra = ("distributed.sync=overlapped", "distributed.overlap_steps=3")
     extra = (*extra, "distributed.fragments=2")
     nodes, sets = _run_golden(tmp_path, corpus, repo, _env(), steps, inner, extra)
     rounds = simulate(_config(corpus, sets), ["m", "w1", "w2"]).outer_steps
-    assert rounds == 12  # 11 rounds at steps 5 .. 55, the final one at 58
+    assert rounds == 13  # 11 rounds at steps 5 .. 55, then one of each fragment at 58
     _check_golden(tmp_path, corpus, nodes, sets, rounds)
 
 

@@ -34,6 +34,7 @@ class Recorder:
         self.events: list[tuple[str, dict]] = []
         self.sent: list[Contribution] = []
         self.fail_next = 0
+        self.fail_after = 0.0  # seconds a failing upload takes (an upload on its own thread)
         self.on_send = None
 
     def emit(self, event, /, **fields):
@@ -42,6 +43,7 @@ class Recorder:
     def send(self, job):
         if self.fail_next:
             self.fail_next -= 1
+            time.sleep(self.fail_after)
             raise ConnectionError("exchange down")
         self.sent.append(job)
         if self.on_send is not None:
@@ -53,14 +55,22 @@ class Recorder:
 
 
 def make_node(
-    *, sync="blocking", inner=2, timeout=0.2, reset=False, model=None, overlap=None, fragments=1
+    *,
+    sync="blocking",
+    inner=2,
+    timeout=0.2,
+    reset=False,
+    model=None,
+    overlap=None,
+    fragments=1,
+    threaded=False,
 ):
     settings = DistributedConfig(
         inner_steps=inner,
         sync=sync,
         round_timeout=timeout,
         reset_inner_optimizer=reset,
-        async_delta_upload=False,
+        async_delta_upload=threaded,
         overlap_steps=overlap,
         fragments=fragments,
     )
@@ -300,10 +310,10 @@ def test_the_schedule_survives_a_checkpoint():
     assert weights(other_model) == [103.0, 103.0]
 
 
-def test_fragments_send_one_part_per_round_and_every_part_at_the_end():
+def test_fragments_send_one_part_per_round_and_a_round_of_each_part_at_the_end():
     """``fragments: 2``: rounds of ``inner_steps / 2`` steps, each syncing one fragment (its
-    progress since its own last sync, with its carry); the final contribution holds every
-    tensor's progress since its own fragment's round."""
+    progress since its own last sync, with its carry); the run ends with the schedule's next
+    rounds, one of each fragment (its progress since its own round), the last one final."""
     node, rec, model = fragmented_node(overlap=None)
     rec.on_send = master_for_state(node)
     for _ in range(4):  # rounds 0 and 1, two steps each
@@ -320,11 +330,13 @@ def test_fragments_send_one_part_per_round_and_every_part_at_the_end():
     add_all(model, 1.0)  # a step that is no round's: the run ends inside round 2
     node.after_optimizer_step()
     node.finish()
-    last = rec.sent[-1]
-    assert last.final and sorted(last.delta) == sorted(model.state_dict())
-    for key, value in last.delta.items():  # fragment 0: 3 steps since round 0; 1: 1 step
-        want = -3.0 if key in node.fragments[0] else -1.0
-        assert value.flatten().tolist() == [want] * value.numel(), key
+    ending = rec.sent[2:]  # fragment 0: 3 steps since round 0; fragment 1: 1 step since round 1
+    assert [(j.round, j.final, sorted(j.delta)) for j in ending] == [
+        (2, False, sorted(node.fragments[0])),
+        (3, True, sorted(node.fragments[1])),
+    ]
+    for job, want in zip(ending, (-3.0, -1.0), strict=True):
+        assert all(v.flatten().tolist() == [want] * v.numel() for v in job.delta.values())
 
 
 def test_a_run_that_ends_on_a_fragments_round_leaves_that_fragment_out_of_the_final():
@@ -345,9 +357,10 @@ def test_a_run_that_ends_on_a_fragments_round_leaves_that_fragment_out_of_the_fi
 
 
 def test_an_overlapped_final_contribution_does_not_wait_for_the_globals_in_flight():
-    """The final contribution carries each tensor's progress since its last contribution, so
-    a round still in flight at the end is not waited for: its global, late here, never holds
-    the final upload up, and the final global replaces everything the node holds."""
+    """The rounds that end the run carry each tensor's progress since its last contribution,
+    so a round still in flight at the end is not waited for: its global, late here, never
+    holds the final uploads up, nor do the ending rounds wait for each other's globals, and
+    the final global replaces everything the node holds."""
     node, rec, model = fragmented_node(sync="overlapped", overlap=3, timeout=5.0)
     publish = master_for_state(node)
     rec.on_send = lambda job: None if job.round == 1 else publish(job)  # round 1: in flight
@@ -357,13 +370,12 @@ def test_an_overlapped_final_contribution_does_not_wait_for_the_globals_in_fligh
     started = time.monotonic()
     node.finish()
     assert time.monotonic() - started < 2.0  # not the 5 s a wait for global 2 would take
-    last = rec.sent[-1]
-    assert last.final and [j.round for j in rec.sent] == [0, 1, 2]
-    assert sorted(last.delta) == sorted(model.state_dict())  # step 5 is no round's step
-    for key, value in last.delta.items():  # fragment 0: 3 steps since round 0; 1: 1 step
-        want = -3.0 if key in node.fragments[0] else -1.0
-        assert value.flatten().tolist() == [want] * value.numel(), key
-    assert not node.rounds.merges and node.rounds.installed == 3
+    # step 5 is no round's step: a round of each fragment ends the run, the last one final
+    assert [(j.round, j.final) for j in rec.sent] == [(0, False), (1, False), (2, False), (3, True)]
+    for job, part, want in zip(rec.sent[2:], node.fragments, (-3.0, -1.0), strict=True):
+        assert sorted(job.delta) == sorted(part)  # fragment 0: 3 steps since round 0; 1: 1
+        assert all(v.flatten().tolist() == [want] * v.numel() for v in job.delta.values())
+    assert not node.rounds.merges and node.rounds.installed == 4
 
 
 def test_fragments_keep_two_rounds_in_flight_and_merge_each_fragment_at_its_step():
@@ -524,6 +536,30 @@ def test_a_failed_final_upload_is_sent_again_not_lost():
     assert job.final and job.round == 0 and job.delta["weight"].tolist() == [[-1.0, -1.0]]
     assert rec.names().count("delta_upload_failed") == 2
     assert node.end.done and node.progress.carry is None and weights(model) == [7.0, 7.0]
+
+
+def test_a_failed_upload_of_a_round_that_ends_the_run_is_sent_again_under_its_round():
+    """With fragments the run ends with a round of each fragment: one whose upload fails is
+    sent again (carried, under the same round, with the same fragment) before the next one,
+    so no fragment's progress is lost or sent under another's round."""
+    node, rec, model = fragmented_node(sync="overlapped", overlap=3, timeout=5.0, threaded=True)
+    rec.on_send = master_for_state(node)
+    for _ in range(5):  # rounds 0 and 1 at steps 2 and 4; step 5 is no round's
+        add_all(model, 1.0)
+        node.after_optimizer_step()
+    rec.fail_next, rec.fail_after = 1, 0.3  # the first ending round's first attempt fails
+    node.finish()
+    ending = rec.sent[2:]
+    assert [(j.round, j.final, sorted(j.delta)) for j in ending] == [
+        (2, False, sorted(node.fragments[0])),
+        (3, True, sorted(node.fragments[1])),
+    ]
+    for job, want in zip(ending, (-3.0, -1.0), strict=True):  # the 3 and the 1 steps, once
+        assert all(v.flatten().tolist() == [want] * v.numel() for v in job.delta.values())
+    assert rec.names().count("delta_upload_failed") == 1
+    assert node.end.done and node.progress.carry is None
+    held = model.state_dict()  # the final global: every step of both fragments
+    assert all(v.flatten().tolist() == [5.0] * v.numel() for v in held.values())
 
 
 def test_a_failed_done_status_is_reported_as_such_and_sent_again(caplog):

@@ -232,15 +232,19 @@ class DiLoCoNode:
             return None
         return self.fragments[round_number % len(self.fragments)]
 
-    def _final_keys(self) -> tuple[str, ...] | None:
-        """The tensors of a final contribution: every one (None), but with fragments those
-        of a round taken at this very step, whose upload arrived: nothing was trained since
-        (what that upload's encoding left out goes, as a run's last residual always does)."""
+    def _ending(self) -> list[tuple[tuple[str, ...] | None, bool]]:
+        """The rounds that end the run, each ``(its tensors, final)``: with fragments, the
+        next rounds of the schedule until every fragment was synced since the last step (all
+        of them, but the one a round synced at this very step, whose upload arrived: nothing
+        was trained since), sent one after the other, the last one final, each folded and
+        published as it comes, so the transfers of the end overlap instead of following each
+        other; else one round of every tensor (None)."""
+        if self.fragments is None:
+            return [(None, True)]
         last = self.rounds.last_round
-        if self.fragments is None or self.inner or self.progress.carry is not None or last is None:
-            return None
-        synced = set(self._fragment(last) or ())
-        return tuple(key for key in self.progress.anchor if key not in synced)
+        synced_now = not self.inner and self.progress.carry is None and last is not None
+        first, count = self.rounds.next_round(), len(self.fragments) - int(synced_now)
+        return [(self._fragment(first + i), i + 1 == count) for i in range(count)]
 
     def _raise_fatal(self) -> None:
         """An upload failed permanently (auth refused, path not writable): stop the node."""
@@ -255,20 +259,24 @@ class DiLoCoNode:
         """A newer global is merged once the node contributed for its installed base."""
         return self.rounds.may_merge()
 
-    def _boundary(self, *, final: bool) -> bool:
-        """Take and upload this round's contribution; wait for its global when blocking."""
+    def _boundary(
+        self, *, final: bool, ending: bool = False, keys: tuple[str, ...] | None = None
+    ) -> bool:
+        """Take and upload this round's contribution; wait for its global when blocking. A
+        round that ends the run (``ending``: ``keys``, the last one ``final``) waits for no
+        global but the final one."""
         begun = time.monotonic()
         merged = self._merge_now()  # due by now
-        if final:  # the globals still in flight are not waited for: the final contribution
-            self.rounds.merges.clear()  # carries each tensor's progress since its last one
-        previous = None if final else self._global_before_sending()
+        if ending:  # the globals still in flight are not waited for: the ending rounds
+            self.rounds.merges.clear()  # carry each tensor's progress since its last one
+        previous = None if ending else self._global_before_sending()
         if previous is not None:
             merged = self._await_global(previous, self.settings.rules.round_timeout) or merged
         self.uploads.drain()
         # a round is used up only by an upload that arrived (see _upload): carried progress
         # goes out under the same round, so an outage never pushes rounds past the master's
         this_round = self.rounds.next_round()
-        keys = self._final_keys() if final else self._fragment(this_round)
+        keys = keys if ending else self._fragment(this_round)
         with self._lock:
             delta, self.progress.anchor = self._take_contribution(keys)
             self.inner = 0
@@ -291,13 +299,13 @@ class DiLoCoNode:
             )
         self.uploads.submit(job)
         del job, delta  # the wait below holds no copy of the contribution (nor the uploader)
-        if self.settings.rules.sync == "blocking" or final:  # wait for the global it is part of
+        if final or (self.settings.rules.sync == "blocking" and not ending):  # its global
             uploaded = self.uploads.drain() and self.progress.carry is None
             self._raise_fatal()
             if uploaded:
                 timeout = self.settings.rules.round_timeout * (2 if final else 1)
                 merged = self._await_global(this_round + 1, timeout) or merged
-        else:  # overlapped: its global is merged overlap_steps from now, whenever it arrived
+        elif not ending:  # overlapped: its global is merged overlap_steps from now
             due = MergeDue(self.step + self.settings.rules.overlap_steps, this_round + 1)
             self.rounds.merges.append(due)
         laps = self.clock.lap(begun)
@@ -581,12 +589,18 @@ class DiLoCoNode:
         if self.end.done:
             return
         self.end.finishing = True
-        # fragments: every tensor synced since its own fragment's round goes with the final one
+        # fragments: every tensor trained since its own fragment's round goes in the rounds
+        # that end the run (the schedule's next ones, one a fragment, no step between them)
         if self.inner > 0 or self.progress.carry is not None or self.fragments is not None:
-            # a failed final upload has no next round to be carried into: send it again
-            for _ in range(FINAL_UPLOAD_ATTEMPTS):
-                self._boundary(final=True)
-                if self.progress.carry is None or self.fatal is not None:
+            self.uploads.drain()  # the round taken at this step, if any: arrived or carried
+            for keys, final in self._ending():
+                # a failed upload at the end has no later round to be carried into: again
+                for _ in range(FINAL_UPLOAD_ATTEMPTS):
+                    self._boundary(final=final, ending=True, keys=keys)
+                    self.uploads.drain()  # arrived, or carried: sent again under its round
+                    if self.progress.carry is None or self.fatal is not None:
+                        break
+                if self.progress.carry is not None:
                     break
             if self.progress.carry is not None:  # not done: a resumed node's finish() sends it
                 self._raise_fatal()  # unless no retry or resume can: exit 2, one line

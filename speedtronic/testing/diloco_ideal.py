@@ -245,9 +245,10 @@ def simulate(
         if syncs_momentum(s.sync_inner_momentum, s.inner_momentum_every, r + 1):
             _sync_momentum([node.trainer for node in nodes], wire, block)
             result.momentum_syncs += 1
-        if plan.overlap_steps and not last:  # merged overlap_steps later (a later round)
+        ending = r >= plan.trained  # a round that ends the run: no global merged but the last
+        if plan.overlap_steps and not last and not ending:  # merged overlap_steps later
             merges.append((target + plan.overlap_steps, keys))
-        else:  # blocking (and every node's last): merged at once
+        elif last or not ending:  # blocking (and every node's last): merged at once
             for node in nodes:
                 node.merge(global_state)
         if eval_every_round and heldout is not None:
@@ -270,18 +271,17 @@ def simulate(
 class _Plan:
     """The rounds of a run: ``round_steps`` = ``inner_steps / fragments`` steps each (the
     last shorter when the run is not a multiple), round ``r`` syncing fragment
-    ``r % fragments`` (``parts``; None: every tensor) and, with fragments, one more round
-    at the end syncing every tensor but the fragment just synced (a node's final
-    contribution, its tensors in the model's ``order``; a run that ends between rounds
-    ends with a round of every tensor instead); an overlapped node merges a round's
-    global ``overlap_steps`` after its contribution (0: blocking, at once), the tensors the
-    round synced."""
+    ``r % fragments`` (``parts``; None: every tensor) and, with fragments, the rounds that
+    end the run: the schedule's next ones, with no step between them, until every fragment
+    was synced since the last step (a node's final contributions, the last one final); an
+    overlapped node merges a round's global ``overlap_steps`` after its contribution (0:
+    blocking, at once), the tensors the round synced, and no global of the ending rounds but
+    the last."""
 
     total_steps: int
     round_steps: int
     overlap_steps: int
     parts: list[tuple[str, ...]] | None
-    order: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, s: DistributedConfig, total_steps: int, model: torch.nn.Module) -> _Plan:
@@ -289,32 +289,33 @@ class _Plan:
         rules = RoundSettings.of(s).rules  # the nodes' own reading of the section
         state = model.state_dict()
         parts = fragments_of(state, s.fragments) if s.fragments > 1 else None
-        order = tuple(key for key, value in state.items() if value.is_floating_point())
-        return cls(total_steps, rules.round_steps, rules.overlap_steps, parts, order)
+        return cls(total_steps, rules.round_steps, rules.overlap_steps, parts)
 
     @property
     def rounds(self) -> int:
-        """Rounds of training, plus the final round with fragments."""
-        trained = math.ceil(self.total_steps / self.round_steps)
-        extra = self.parts is not None and self.total_steps % self.round_steps == 0
-        return trained + int(extra)
+        """Rounds of training, and with fragments the rounds that end the run."""
+        if self.parts is None:
+            return math.ceil(self.total_steps / self.round_steps)
+        on_boundary = self.total_steps % self.round_steps == 0
+        return self.total_steps // self.round_steps + len(self.parts) - int(on_boundary)
+
+    @property
+    def trained(self) -> int:
+        """The rounds taken at a boundary of training; those after them end the run."""
+        return self.rounds if self.parts is None else self.total_steps // self.round_steps
 
     def target(self, r: int) -> int:
         """The step at which round ``r``'s contribution is taken."""
         return min((r + 1) * self.round_steps, self.total_steps)
 
     def keys(self, r: int) -> tuple[str, ...] | None:
-        """The tensors round ``r`` syncs (None: every one); the final round of a run with
-        fragments: every one but the fragment the round before synced at the same step
-        (every one when the run ended between rounds: each was trained since its round)."""
+        """The tensors round ``r`` syncs (None: every one): with fragments, the fragment of
+        the schedule, also in the rounds that end the run (each fragment once more since the
+        last step: every one but the fragment synced at that step, or all of them when the
+        run ended between rounds)."""
         if self.parts is None:
             return None
-        if r + 1 < self.rounds:
-            return self.parts[r % len(self.parts)]
-        if self.total_steps % self.round_steps:
-            return None
-        synced = set(self.parts[(r - 1) % len(self.parts)])
-        return tuple(key for key in self.order if key not in synced)
+        return self.parts[r % len(self.parts)]
 
 
 class _Node:
