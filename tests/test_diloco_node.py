@@ -315,7 +315,13 @@ def test_fragments_send_one_part_per_round_and_a_round_of_each_part_at_the_end()
     progress since its own last sync, with its carry); the run ends with the schedule's next
     rounds, one of each fragment (its progress since its own round), the last one final."""
     node, rec, model = fragmented_node(overlap=None)
-    rec.on_send = master_for_state(node)
+    publish, installed = master_for_state(node), []
+
+    def send(job):  # what the node held when it sent each round, then the round's global
+        installed.append(node.rounds.installed)
+        publish(job)
+
+    rec.on_send = send
     for _ in range(4):  # rounds 0 and 1, two steps each
         add_all(model, 1.0)
         node.after_optimizer_step()
@@ -337,6 +343,9 @@ def test_fragments_send_one_part_per_round_and_a_round_of_each_part_at_the_end()
     ]
     for job, want in zip(ending, (-3.0, -1.0), strict=True):
         assert all(v.flatten().tolist() == [want] * v.numel() for v in job.delta.values())
+    # no global is merged between the ending rounds (round 2's landed at once): the last
+    # round is taken from the weights the first was, whatever the exchange's timing
+    assert installed == [0, 1, 2, 2] and node.rounds.installed == 4
 
 
 def test_a_run_that_ends_on_a_fragments_round_leaves_that_fragment_out_of_the_final():

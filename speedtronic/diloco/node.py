@@ -266,7 +266,9 @@ class DiLoCoNode:
         round that ends the run (``ending``: ``keys``, the last one ``final``) waits for no
         global but the final one."""
         begun = time.monotonic()
-        merged = self._merge_now()  # due by now
+        # due by now; none in the rounds that end the run but those scheduled at this step (a
+        # global that lands meanwhile would change the next ending round's bits by its timing)
+        merged = self._merge_now() if not ending or self.rounds.merges else False
         if ending:  # the globals still in flight are not waited for: the ending rounds
             self.rounds.merges.clear()  # carry each tensor's progress since its last one
         previous = None if ending else self._global_before_sending()
