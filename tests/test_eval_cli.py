@@ -174,8 +174,12 @@ def test_eval_of_global_0_waits_for_its_weights_sent_after_its_record(tmp_path, 
     scoring = threading.Thread(target=lambda: result.update(score(config, use_global=True)))
     with caplog.at_level(logging.WARNING, logger="speedtronic"):
         scoring.start()
-        time.sleep(1.5)
-        assert scoring.is_alive() and "the weights of global 0 are not in" in caplog.text
+        deadline = time.monotonic() + 30
+        while "the weights of global 0 are not in" not in caplog.text:
+            assert time.monotonic() < deadline and scoring.is_alive()
+            time.sleep(0.05)
+        time.sleep(0.5)  # it keeps waiting: nothing is scored without the weights
+        assert scoring.is_alive() and not result
         gate.set()
         scoring.join(60)
     assert transport.weights_upload.wait(10)
