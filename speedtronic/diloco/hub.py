@@ -424,6 +424,8 @@ class HubClient(RepoTransport):
         *,
         background: bool = False,
     ) -> None:
+        """:meth:`Store.commit`; ``background``: its files give way to this process's other
+        uploads (:mod:`~speedtronic.diloco.uplink`), in every attempt."""
         token = _BACKGROUND.set(background)  # read by each attempt's hub_call
         try:
             super().commit(additions, deletions, message)
