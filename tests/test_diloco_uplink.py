@@ -17,7 +17,7 @@ import time
 import pytest
 from hub_emulator_fixtures import TEST_TOKEN, hub_emulator  # noqa: F401
 
-from speedtronic.diloco import uplink
+from speedtronic.diloco import hub as uplink  # UPLINK and Uplink live in the Hub store
 from speedtronic.diloco.hub import HubClient
 from speedtronic.retry import RetryPolicy
 

@@ -176,7 +176,7 @@ class WeightsUpload:
 
     def _send(self) -> None:
         try:
-            self._store.commit(  # giving way to the rounds' uploads (diloco.uplink)
+            self._store.commit(  # giving way to the rounds' uploads (hub.UPLINK)
                 {GLOBAL_MODEL: self._local},
                 message=f"weights of global {self.record.outer_step}",
                 background=True,
@@ -564,7 +564,7 @@ class Store(Protocol):
         deletions as one unit: one Hub commit, or temp file + rename per file on a volume, so
         no reader sees half a file. Deletion targets already gone are fine. ``background``:
         the Hub store sends its files giving way to this process's other uploads
-        (:mod:`~speedtronic.diloco.uplink`); a volume writes at once."""
+        (:data:`~speedtronic.diloco.hub.UPLINK`); a volume writes at once."""
         ...
 
     # -- the layout, over the primitives ------------------------------------------------------

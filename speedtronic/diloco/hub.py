@@ -25,7 +25,9 @@ request, which inside a HubClient call (:func:`hub_call`, a context variable) al
 * keeps the transfer off Xet (which moves files in Rust, past any deadline): its headers are
   dropped from the answers, and uploads are handed over as open files, so large files take the
   LFS path. Each staged file is uploaded in a call of its own: the SDK sends several LFS files
-  of one call from worker threads, which the call's context does not reach.
+  of one call from worker threads, which the call's context does not reach;
+* lets a background call's upload (``commit(background=True)``: a new run's global 0) give way
+  to the process's foreground ones (:data:`UPLINK`, below).
 
 Every other request of the process is sent as the SDK's default client sends it (its retries,
 its timeouts, Xet if installed). Only public huggingface_hub names are used
@@ -42,6 +44,7 @@ import logging
 import os
 import re
 import tempfile
+import threading
 import time
 import uuid
 import warnings
@@ -60,7 +63,6 @@ from speedtronic.diloco.exchange import (
     RepoTransport,
     too_large,
 )
-from speedtronic.diloco.uplink import UPLINK, large_body
 from speedtronic.retry import (
     AccessRefused,
     DamagedFile,
@@ -79,6 +81,73 @@ _CHUNK = 1024 * 1024
 _POINTERS = frozenset({GLOBAL_STEP})  # read by every node at every poll
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _FILE_MISSING = frozenset({"EntryNotFoundError", "RevisionNotFoundError"})
+
+
+# -- one process's uplink: a background upload gives way ----------------------------------
+# The master sends a new run's global 0 (12 MB of fp32 weights for the link bench's model)
+# after the record that names it, on a thread of its own, while the first rounds publish their
+# updates (``exchange.WeightsUpload``). Over a slow link the two uploads shared the uplink as
+# TCP shares it: the long one, its window already open, took most of it, and global 1's update
+# (1 MB) took 5 s instead of 0.9, which both nodes of the link bench waited for. A background
+# upload (``Store.commit(background=True)``) gives way: UPLINK counts the foreground request
+# bodies being sent (over SMALL_BODY: an LFS upload; records and commits are small), from their
+# first byte until the Hub's answer; a background body waits before each piece while one is
+# (``_Bounded``), for at most half of its call's timeout in all (a link the rounds fill never
+# starves it past its deadline; the wait does not count against that deadline). What it handed
+# to the kernel before it stopped (its socket's send buffer) still goes out beside the
+# foreground one: a fraction of a second at 10 Mbit/s. A volume store writes at once.
+
+#: A foreground request body larger than this (bytes) holds the background uploads.
+SMALL_BODY = 64 * 1024
+
+
+class Uplink:
+    """The foreground uploads of this process, which background uploads give way to."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._sending = 0
+
+    @property
+    def busy(self) -> bool:
+        """Whether a foreground body is being sent now."""
+        with self._cond:
+            return self._sending > 0
+
+    @contextlib.contextmanager
+    def sending(self) -> Iterator[None]:
+        """A foreground body is being sent for the ``with`` block."""
+        with self._cond:
+            self._sending += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._sending -= 1
+                self._cond.notify_all()
+
+    def give_way(self, limit: float) -> float:
+        """Wait while a foreground body is being sent, at most ``limit`` s; the seconds waited."""
+        if limit <= 0:
+            return 0.0
+        begun = time.monotonic()
+        with self._cond:
+            self._cond.wait_for(lambda: self._sending == 0, timeout=limit)
+        return time.monotonic() - begun
+
+
+#: The uplink of this process (every Hub client of it shares the link).
+UPLINK = Uplink()
+
+
+def large_body(request: httpx2.Request) -> bool:
+    """Whether ``request`` sends a body over :data:`SMALL_BODY` (or one of unknown length)."""
+    if request.method not in ("PUT", "POST", "PATCH"):
+        return False
+    length = request.headers.get("content-length")
+    if length is None:
+        return "chunked" in request.headers.get("transfer-encoding", "")
+    return length.isdigit() and int(length) > SMALL_BODY
 
 
 # -- one call's deadline, and the client the SDK uses --------------------------------------
@@ -105,7 +174,7 @@ class HubCall:
 
     timeout: float
     deadline: float
-    #: A background call (``commit(background=True)``): its uploads give way (``uplink``).
+    #: A background call (``commit(background=True)``): its uploads give way (``UPLINK``).
     background: bool = False
     #: Seconds its uploads waited for the foreground ones (not counted against ``deadline``).
     held: float = 0.0
@@ -132,7 +201,7 @@ _BACKGROUND: contextvars.ContextVar[bool] = contextvars.ContextVar("hub_backgrou
 @contextlib.contextmanager
 def hub_call(timeout: float, *, background: bool = False) -> Iterator[HubCall]:
     """Run one Hub call (any number of SDK requests) under one deadline of ``timeout`` s;
-    ``background``: its uploads give way to this process's other uploads (``uplink``)."""
+    ``background``: its uploads give way to this process's other uploads (``UPLINK``)."""
     call = HubCall(float(timeout), time.monotonic() + float(timeout), background)
     token = _CALL.set(call)
     try:
@@ -425,7 +494,7 @@ class HubClient(RepoTransport):
         background: bool = False,
     ) -> None:
         """:meth:`Store.commit`; ``background``: its files give way to this process's other
-        uploads (:mod:`~speedtronic.diloco.uplink`), in every attempt."""
+        uploads (:data:`UPLINK`), in every attempt."""
         token = _BACKGROUND.set(background)  # read by each attempt's hub_call
         try:
             super().commit(additions, deletions, message)
