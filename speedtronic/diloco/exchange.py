@@ -1194,6 +1194,12 @@ class RepoTransport(Store):
         """One attempt of an operation (the Hub store bounds it by its deadline)."""
         return fn()
 
+    def _lane(self, background: bool) -> contextlib.AbstractContextManager[None]:
+        """Where a commit's attempts send their files: a volume writes at once (the Hub store
+        lets a ``background`` one give way to the process's other uploads)."""
+        del background
+        return contextlib.nullcontext()
+
     def _run(self, operation: str, fn: Callable[[], R]) -> R:
         return self.retry.run(operation, lambda: self._attempt(fn))
 
@@ -1241,15 +1247,16 @@ class RepoTransport(Store):
         if not adds and not dels:
             return
         operation = f"commit {message}"
-        try:
-            self._run(operation, lambda: self._commit(adds, dels, message))
-        except RemoteNotFound:
-            if not dels:
-                raise
-            # A deletion target is gone (e.g. a retried commit that had landed): drop those.
-            present = set(self.list_files())
-            dels = [p for p in dels if p in present]
-            if not adds and not dels:
-                return
-            self._run(operation, lambda: self._commit(adds, dels, message))
+        with self._lane(background):
+            try:
+                self._run(operation, lambda: self._commit(adds, dels, message))
+            except RemoteNotFound:
+                if not dels:
+                    raise
+                # A deletion target is gone (e.g. a retried commit that had landed): drop those.
+                present = set(self.list_files())
+                dels = [p for p in dels if p in present]
+                if not adds and not dels:
+                    return
+                self._run(operation, lambda: self._commit(adds, dels, message))
         self.commits += 1

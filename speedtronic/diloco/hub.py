@@ -48,7 +48,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,7 +57,6 @@ import httpx2
 from speedtronic.diloco.codec import file_sha256
 from speedtronic.diloco.exchange import (
     GLOBAL_STEP,
-    Additions,
     FileInfo,
     R,
     RepoTransport,
@@ -485,19 +484,13 @@ class HubClient(RepoTransport):
             f"{waited:.1f} of {self.missing_repo_wait:g} s)"
         )
 
-    def commit(
-        self,
-        additions: Additions,
-        deletions: Iterable[str] = (),
-        message: str = "update",
-        *,
-        background: bool = False,
-    ) -> None:
-        """:meth:`Store.commit`; ``background``: its files give way to this process's other
-        uploads (:data:`UPLINK`), in every attempt."""
-        token = _BACKGROUND.set(background)  # read by each attempt's hub_call
+    @contextlib.contextmanager
+    def _lane(self, background: bool) -> Iterator[None]:
+        """A ``background`` commit's files give way to this process's other uploads
+        (:data:`UPLINK`), in every attempt (each attempt's ``hub_call`` reads the lane)."""
+        token = _BACKGROUND.set(background)
         try:
-            super().commit(additions, deletions, message)
+            yield
         finally:
             _BACKGROUND.reset(token)
 
