@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,39 +130,43 @@ def _from_global(config: SpeedtronicConfig) -> Weights:
     its record first and its weights file after it (``exchange.WeightsUpload``): a missing
     weights file is waited for, up to ``distributed.request_timeout`` seconds, saying so once
     (the record is read again meanwhile: a later global may be readable first)."""
+    from speedtronic.background import wait_for
     from speedtronic.diloco.coordinator import build_transport
+    from speedtronic.diloco.exchange import GlobalMetadata
     from speedtronic.retry import RemoteNotFound
 
     repo = config.distributed.repo_id
     if not repo:
         raise CheckpointError("--global needs distributed.repo_id (the DiLoCo exchange)")
-    deadline = time.monotonic() + config.distributed.request_timeout
-    said = False
+    missing: list[RemoteNotFound] = []  # the last miss of the weights file, said once
+
+    def read() -> tuple[GlobalMetadata, dict[str, torch.Tensor]] | None:
+        meta = transport.global_metadata()
+        if meta is None:
+            raise CheckpointError(f"no global published in {repo} yet")
+        try:
+            return meta, dict(transport.read_global(meta))
+        except RemoteNotFound as exc:
+            if not missing:
+                _LOG.warning(
+                    f"the weights of global {meta.outer_step} are not in {repo} yet (a new "
+                    "run's master sends them after its record); waiting up to "
+                    f"{config.distributed.request_timeout:g} s"
+                )
+            missing[:] = [exc]
+            return None
+
     try:
         transport = build_transport(config.distributed)
-        while True:
-            meta = transport.global_metadata()
-            if meta is None:
-                raise CheckpointError(f"no global published in {repo} yet")
-            try:
-                state = transport.read_global(meta)
-                break
-            except RemoteNotFound:
-                if time.monotonic() >= deadline:
-                    raise
-                if not said:
-                    _LOG.warning(
-                        f"the weights of global {meta.outer_step} are not in {repo} yet (a "
-                        "new run's master sends them after its record); waiting up to "
-                        f"{config.distributed.request_timeout:g} s"
-                    )
-                    said = True
-                time.sleep(_GLOBAL_POLL)
+        found = wait_for(read, timeout=config.distributed.request_timeout, interval=_GLOBAL_POLL)
+        if found is None:
+            raise missing[-1]
     except CheckpointError:
         raise
     except Exception as exc:
         raise CheckpointError(f"cannot read the global from {repo}: {exc}") from exc
-    return Weights(dict(state), f"global of {repo}", None, meta.outer_step)
+    meta, state = found
+    return Weights(state, f"global of {repo}", None, meta.outer_step)
 
 
 def load_weights(
